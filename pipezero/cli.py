@@ -1,0 +1,124 @@
+"""`pipezero train | simulate`: a thin argparse layer over config, engine and simulator.
+
+Every user mistake becomes one line on stderr and exit code 2; only bugs give tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipezero.config import ConfigError, DType, GradReduce, Partition, ScheduleKind
+
+# CLI flag -> config key; flags left unset do not override the TOML file or the defaults.
+TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "preset": ("model.preset", str),
+    "pp": ("parallel.pp", int),
+    "dp": ("parallel.dp", int),
+    "zero": ("parallel.zero", int),
+    "schedule": ("parallel.schedule", str),
+    "microbatches": ("parallel.microbatches", int),
+    "micro_batch_size": ("parallel.micro_batch_size", int),
+    "virtual_stages": ("parallel.virtual_stages", int),
+    "partition": ("parallel.partition", str),
+    "grad_reduce": ("parallel.grad_reduce", str),
+    "seq_len": ("data.seq_len", int),
+    "data": ("data.path", str),
+    "tokenizer": ("data.tokenizer", str),
+    "max_steps": ("run.max_steps", int),
+    "seed": ("run.seed", int),
+    "dtype": ("run.dtype", str),
+    "out": ("run.out", str),
+    "checkpoint_every": ("run.checkpoint_every", int),
+    "eval_every": ("run.eval_every", int),
+    "threads": ("run.threads", int),
+    "lr": ("optim.lr", float),
+}
+
+
+def _stage_layers(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stage-layers wants comma-separated integers, got {text!r}") from None
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train", help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
+    t.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
+    t.add_argument("--preset", help="model size: tiny, small, base, 1b, 7b, 13b, 70b")
+    t.add_argument("--nproc", type=int, help="start this many local ranks through torchrun")
+    t.add_argument("--pp", type=int, help="pipeline ranks")
+    t.add_argument("--dp", type=int, help="data-parallel ranks per stage")
+    t.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    t.add_argument("--schedule", choices=[s.value for s in ScheduleKind])
+    t.add_argument("--microbatches", type=int, help="micro-batches per data-parallel rank per step (M)")
+    t.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (B)")
+    t.add_argument("--virtual-stages", type=int, help="stage chunks per pipeline rank (V)")
+    t.add_argument("--partition", choices=[p.value for p in Partition])
+    t.add_argument("--stage-layers", type=_stage_layers, help="layers per stage chunk, e.g. 3,5,5,3")
+    t.add_argument("--grad-reduce", choices=[g.value for g in GradReduce])
+    t.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--dtype", choices=[d.value for d in DType])
+    t.add_argument("--data", help="text file, folder of text files, or .bin/.npy token file")
+    t.add_argument("--tokenizer", help="bpe, bytes, or a tokenizer.json")
+    t.add_argument("--out", help="run directory (metrics.jsonl, summary.json, ...)")
+    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--threads", type=int, help="torch threads per rank")
+    t.add_argument("--lr", type=float)
+    t.add_argument("--resume", action="store_true", default=None)
+    t.add_argument("--trace", action="store_true", default=None)
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+
+def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = {key: conv(getattr(args, flag)) for flag, (key, conv) in TRAIN_FLAGS.items()
+                 if getattr(args, flag) is not None}
+    if args.stage_layers is not None:
+        overrides["parallel.stage_layers"] = args.stage_layers
+    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace")):
+        if getattr(args, flag):
+            overrides[key] = True
+    if args.no_progress:
+        overrides["run.progress"] = False
+    return overrides
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipezero.config import build_config
+    from pipezero.engine import train
+
+    cfg = build_config(args.config, train_overrides(args))
+    if args.nproc is not None and args.nproc != cfg.parallel.world_size:
+        raise ConfigError(f"--nproc {args.nproc} but --pp {cfg.parallel.pp} x --dp {cfg.parallel.dp} = "
+                          f"{cfg.parallel.world_size}; make them equal")
+    train(cfg)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"pipezero: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

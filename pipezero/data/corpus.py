@@ -1,0 +1,132 @@
+"""Find the training text, tokenize it once, and cache the token arrays.
+
+The default corpus is the Python standard library of the running interpreter (found through
+`sysconfig`), read in sorted path order, so every machine with the same Python has the same corpus
+with nothing downloaded. The last `heldout_fraction` of its bytes (cut at a line end) is held out.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipezero.config import ConfigError, DataConfig
+from pipezero.data.tokenizer import Tokenizer, load_tokenizer, texts_digest
+from pipezero.util import atomic_write_bytes, cache_dir
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".toml", ".json", ".c", ".h", ".html", ".csv", ""}
+TOKEN_SUFFIXES = {".bin", ".npy"}
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # 1-D token ids
+    heldout: np.ndarray
+    tokenizer: Tokenizer | None  # None for a token file without a tokenizer.json
+    source: str
+
+    @property
+    def vocab_size(self) -> int:
+        if self.tokenizer is not None:
+            return self.tokenizer.vocab_size
+        return int(max(self.train.max(initial=0), self.heldout.max(initial=0))) + 1
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+    return files
+
+
+def text_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    if not files:
+        raise ConfigError(f"--data {str(path)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES - {''}))})")
+    return files
+
+
+def read_documents(files: list[Path], max_bytes: int | None) -> list[str]:
+    docs: list[str] = []
+    total = 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if max_bytes is not None and total + len(text) > max_bytes:
+            docs.append(text[: max_bytes - total])
+            break
+        docs.append(text)
+        total += len(text)
+    return [d for d in docs if d]
+
+
+def split_documents(docs: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
+    """Hold out every k-th document (k = 1 / fraction), so the held-out text is drawn from the whole
+    corpus rather than whatever sorts last. With fewer than k documents, hold out the tail of the
+    text instead, cut at a line end."""
+    k = max(2, round(1.0 / heldout_fraction))
+    if len(docs) >= k:
+        return [d for i, d in enumerate(docs) if i % k != k - 1], [d for i, d in enumerate(docs) if i % k == k - 1]
+    text = "".join(docs)
+    cut = int(len(text) * (1.0 - heldout_fraction))
+    at = text.rfind("\n", 0, cut) + 1 or cut
+    return [text[:at]], [text[at:]]
+
+
+def _encode(tok: Tokenizer, docs: list[str]) -> np.ndarray:
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    ids = tok.encode_many(docs)
+    return np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(len(d) for d in ids))
+
+
+def _save_npy(path: Path, arr: np.ndarray) -> None:
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_token_file(path: Path, cfg: DataConfig) -> Corpus:
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+    else:
+        dtype = np.uint32 if "u32" in path.name else np.uint16
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    if tokens.ndim != 1 or len(tokens) < 2 * (cfg.seq_len + 1):
+        raise ConfigError(f"token file {str(path)!r} must be 1-D with at least {2 * (cfg.seq_len + 1)} tokens")
+    cut = int(len(tokens) * (1.0 - cfg.heldout_fraction))
+    tok = load_tokenizer(cfg.tokenizer, [], cfg.bpe_vocab) if cfg.tokenizer.endswith(".json") else None
+    return Corpus(np.asarray(tokens[:cut]), np.asarray(tokens[cut:]), tok, str(path))
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Tokenized train and held-out arrays for `cfg`, from the cache when this text was seen before."""
+    if cfg.path is not None and Path(cfg.path).suffix in TOKEN_SUFFIXES:
+        return load_token_file(Path(cfg.path), cfg)
+    files = stdlib_files() if cfg.path is None else text_files(Path(cfg.path))
+    source = "python-stdlib" if cfg.path is None else str(cfg.path)
+    docs = read_documents(files, cfg.max_bytes)
+    train_docs, held_docs = split_documents(docs, cfg.heldout_fraction)
+    tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
+    key = f"tokens-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
+    paths = cache_dir() / f"{key}.train.npy", cache_dir() / f"{key}.heldout.npy"
+    if all(p.is_file() for p in paths):
+        train, heldout = (np.load(p, mmap_mode="r") for p in paths)
+    else:
+        train, heldout = _encode(tok, train_docs), _encode(tok, held_docs)
+        _save_npy(paths[0], train)
+        _save_npy(paths[1], heldout)
+    need = cfg.seq_len + 2
+    if len(train) < need or len(heldout) < need:
+        raise ConfigError(
+            f"corpus {source!r} gives {len(train)} train and {len(heldout)} held-out tokens; each needs at least "
+            f"{need} for --seq-len {cfg.seq_len}: give more text or a shorter --seq-len"
+        )
+    return Corpus(np.asarray(train), np.asarray(heldout), tok, source)

@@ -1,0 +1,93 @@
+"""Tokenizers: raw UTF-8 bytes, or a byte-level BPE trained locally with Hugging Face `tokenizers`.
+
+The BPE is trained once on the training documents and cached by a hash of those documents and
+the vocabulary size, so every rank and every later run loads the identical vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from pipezero.util import atomic_write_bytes, cache_dir
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    name: str
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """One token a UTF-8 byte: vocabulary 256, nothing to train."""
+
+    vocab_size = 256
+    name = "bytes"
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
+
+    def __init__(self, hf: HFTokenizer, name: str) -> None:
+        self.hf = hf
+        self.name = name
+        self.vocab_size = hf.get_vocab_size()
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(list(texts))]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode([int(i) for i in ids])
+
+    @classmethod
+    def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
+        hf = HFTokenizer(models.BPE())
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        hf.train_from_iterator(texts, trainer)
+        return cls(hf, f"bpe{vocab_size}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "BPETokenizer":
+        return cls(HFTokenizer.from_file(str(path)), f"file:{Path(path).name}")
+
+
+def texts_digest(texts: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(hashlib.sha256(t.encode("utf-8", errors="replace")).digest())
+    return h.hexdigest()[:16]
+
+
+def load_tokenizer(kind: str, train_texts: Sequence[str], bpe_vocab: int) -> Tokenizer:
+    """`bytes`, `bpe` (trained on every 4th training document, cached), or a tokenizer.json path."""
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind != "bpe":
+        return BPETokenizer.from_file(kind)
+    sample = list(train_texts[::4]) or list(train_texts)
+    path = cache_dir() / f"bpe-{bpe_vocab}-{texts_digest(sample)}.json"
+    if path.is_file():
+        return BPETokenizer(HFTokenizer.from_file(str(path)), f"bpe{bpe_vocab}")
+    tok = BPETokenizer.train(sample, bpe_vocab)
+    atomic_write_bytes(path, tok.hf.to_str().encode())
+    return tok

@@ -1,0 +1,185 @@
+"""A Llama-style decoder as a flat list of layers: [Embedding, Block x n_layers, Head].
+
+Each layer maps one tensor to one tensor, so any contiguous slice of the list is a pipeline stage
+chunk and the activations between chunks are a single (B, T, dim) tensor. Parameters are named
+`layers.{global_index}.…` whatever the slice, so state dicts and checkpoints are keyed the same
+way for every layout, and each layer is initialised from its own seeded generator so a layer's
+initial weights do not depend on which rank builds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipezero.config import ModelConfig
+from pipezero.models.presets import ffn_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision in bf16.
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * self.weight.float()).type_as(x)
+
+
+def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, each (max_len, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x: (B, H, T, hd) by position angles (T, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        cos, sin = rotary_tables(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Not persistent: derived from the shape, so checkpoints hold weights only.
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.wv(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos[:t], self.sin[:t]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = ffn_dim(cfg)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, dim)
+        return F.embedding(tokens, self.weight)
+
+
+class Head(nn.Module):
+    """Final RMSNorm and the LM projection to vocabulary logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, vocab)
+        return F.linear(self.norm(x), self.weight)
+
+
+def build_layer(cfg: ModelConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == cfg.n_layers + 1:
+        return Head(cfg)
+    return Block(cfg)
+
+
+def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> None:
+    """Initialise from a generator seeded by (seed, layer index): independent of the layout.
+
+    A tied head draws from the embedding's generator so both copies start equal when they live
+    on different pipeline ranks.
+    """
+    tied_head = isinstance(layer, Head) and cfg.tie_embeddings
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + (0 if tied_head else index))
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2: scale projections into the residual
+    with torch.no_grad():
+        for name, p in sorted(layer.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
+
+
+class StageChunk(nn.Module):
+    """A contiguous slice [start, stop) of the layer list; the whole model is the slice [0, L+2)."""
+
+    def __init__(self, cfg: ModelConfig, start: int, stop: int, seed: int) -> None:
+        super().__init__()
+        if not 0 <= start <= stop <= cfg.n_layers + 2:
+            raise ValueError(f"layer slice [{start}, {stop}) outside 0..{cfg.n_layers + 2}")
+        self.start, self.stop = start, stop
+        self.is_first = start == 0
+        self.is_last = stop == cfg.n_layers + 2
+        self.layers = nn.ModuleDict()
+        for i in range(start, stop):
+            layer = build_layer(cfg, i)
+            init_layer(layer, i, cfg, seed)
+            self.layers[str(i)] = layer
+        if cfg.tie_embeddings and self.is_first and self.is_last:
+            # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
+            self.layers[str(stop - 1)].weight = self.layers["0"].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+    def layer_modules(self) -> Iterable[tuple[int, nn.Module]]:
+        return ((int(k), m) for k, m in self.layers.items())
+
+
+def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torch.device | str = "cpu") -> StageChunk:
+    return StageChunk(cfg, start, stop, seed).to(device)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
+    """Sum of token cross-entropies divided by `denom` (all tokens of the global batch), so the
+    per-micro-batch losses add up to the global mean whatever the layout."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom

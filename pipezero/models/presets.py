@@ -1,0 +1,72 @@
+"""Named model shapes and their analytic size: parameters per layer and FLOPs per token.
+
+The counts are computed from the shape alone (no tensors), so the planner and simulator can reason
+about a 70B model on a laptop. `tests/test_model.py` checks them against a built model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipezero.config import ConfigError, ModelConfig
+
+# Trainable presets use the 4096-token BPE vocabulary of the built-in corpus; the large shapes use
+# Llama's 32000 (70B: 128256, as Llama 3) and exist for planning and simulation.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=4096, dim=128, n_layers=2, n_heads=4, max_seq_len=1024),  # ~1.3M
+    "small": dict(vocab_size=4096, dim=320, n_layers=8, n_heads=5, max_seq_len=1024),  # ~12M
+    "base": dict(vocab_size=4096, dim=768, n_layers=16, n_heads=12, max_seq_len=1024),  # ~119M
+    "1b": dict(vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, max_seq_len=4096),
+    "7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
+    "13b": dict(vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_seq_len=4096),
+    "70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=4096),
+}
+
+
+def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
+    """Overwrite `model`'s shape with preset `name` (fields not in the preset return to defaults)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    fresh = ModelConfig(preset=name, **PRESETS[name])
+    for f in dataclasses.fields(ModelConfig):
+        setattr(model, f.name, getattr(fresh, f.name))
+    return model
+
+
+def ffn_dim(cfg: ModelConfig) -> int:
+    """SwiGLU hidden size: 8/3 of dim keeps the MLP's parameters equal to a 4x GELU MLP."""
+    if cfg.ffn_dim is not None:
+        return cfg.ffn_dim
+    hidden = int(8 * cfg.dim / 3)
+    return 64 * ((hidden + 63) // 64)
+
+
+def block_params(cfg: ModelConfig) -> int:
+    hd = cfg.dim // cfg.n_heads
+    kv = cfg.n_kv_heads or cfg.n_heads
+    attn = cfg.dim * cfg.dim * 2 + 2 * cfg.dim * kv * hd  # wq, wo, wk, wv
+    mlp = 3 * cfg.dim * ffn_dim(cfg)
+    return attn + mlp + 2 * cfg.dim  # two RMSNorm weights
+
+
+def layer_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters of each entry of the layer list: [embedding, block x n_layers, head]."""
+    emb = cfg.vocab_size * cfg.dim
+    head = cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
+    return [emb] + [block_params(cfg)] * cfg.n_layers + [head]
+
+
+def param_count(cfg: ModelConfig) -> int:
+    return sum(layer_param_counts(cfg))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus causal attention.
+
+    Embedding lookups are free; the LM head is a matmul. Attention scores and values cost
+    2 * 2 * T * dim per layer forward for full attention; causal masking does half of that work in
+    an ideal kernel, but SDPA computes the full square, so we count it (PaLM's 6N + 12*L*T*d).
+    """
+    matmul_params = cfg.n_layers * (block_params(cfg) - 2 * cfg.dim) + cfg.vocab_size * cfg.dim
+    return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.dim

@@ -1,0 +1,32 @@
+"""Which schedules exist, the layouts each accepts, and the generator that builds each."""
+
+from __future__ import annotations
+
+from pipezero.config import ScheduleKind
+
+# Schedules that place V > 1 chunks on a rank, and how many they need.
+NEEDS_V: dict[ScheduleKind, str] = {
+    ScheduleKind.INTERLEAVED_1F1B: ">=2",
+    ScheduleKind.LOOPED_BFS: ">=2",
+    ScheduleKind.ZB_V: "==2",
+    ScheduleKind.DUALPIPE_V: "==2",
+}
+
+
+def check_layout(kind: ScheduleKind, pp: int, microbatches: int, virtual_stages: int) -> None:
+    """Raise ValueError naming the allowed values when `kind` cannot run (pp, M, V)."""
+    v, m = virtual_stages, microbatches
+    rule = NEEDS_V.get(kind)
+    if rule is None and v != 1:
+        raise ValueError(f"--schedule {kind.value} runs one stage chunk a rank: use --virtual-stages 1 "
+                         f"(or interleaved-1f1b / looped-bfs for V > 1)")
+    if rule == ">=2" and v < 2:
+        raise ValueError(f"--schedule {kind.value} needs --virtual-stages >= 2 (got {v})")
+    if rule == "==2" and v != 2:
+        raise ValueError(f"--schedule {kind.value} places exactly two chunks a rank in a V: use --virtual-stages 2")
+    if kind is ScheduleKind.INTERLEAVED_1F1B and m % pp:
+        lo = pp * max(1, m // pp)
+        raise ValueError(f"--schedule interleaved-1f1b needs --microbatches a multiple of --pp {pp} "
+                         f"(got {m}; try {lo} or {lo + pp})")
+    if kind in (ScheduleKind.ZB_V, ScheduleKind.DUALPIPE_V) and m < 2 * pp and pp > 1:
+        raise ValueError(f"--schedule {kind.value} needs --microbatches >= 2 x --pp = {2 * pp} (got {m})")

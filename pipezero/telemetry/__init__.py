@@ -1,0 +1,1 @@
+"""What a run records about itself: per-step metrics, summaries, traces."""

@@ -1,0 +1,70 @@
+"""`metrics.jsonl` (one line a step, flushed as written) and the rich progress display."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s")
+
+
+class MetricsLog:
+    """Appends one JSON object a line; resumed runs append after the last step they kept."""
+
+    def __init__(self, path: Path, truncate_after: int | None = None) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if truncate_after is not None and path.exists():
+            kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= truncate_after]
+        self._f = path.open("w")
+        for line in kept:
+            self._f.write(line + "\n")
+
+    def write(self, record: dict[str, Any]) -> None:
+        missing = [k for k in REQUIRED_FIELDS if k not in record]
+        if missing:
+            raise ValueError(f"metrics record lacks {missing}")
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class StepProgress:
+    """A rich progress bar with loss and tokens/s; a plain line every 10% when not interactive."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.console = Console(stderr=True)
+        self.enabled = enabled
+        self.total = total
+        self._every = max(1, total // 10)
+        self._progress: Progress | None = None
+        if enabled and self.console.is_terminal:
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
+                TimeRemainingColumn(), console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total, completed=start, loss=float("nan"), tps=0.0)
+
+    def __enter__(self) -> "StepProgress":
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._progress:
+            self._progress.update(self._task, completed=step + 1, loss=loss, tps=tokens_per_s)
+        elif self.enabled and ((step + 1) % self._every == 0 or step + 1 == self.total):
+            self.console.print(f"step {step + 1}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._progress:
+            self._progress.stop()

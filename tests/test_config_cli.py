@@ -1,0 +1,92 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipezero.cli import main
+from pipezero.config import ConfigError, ScheduleKind, build_config
+
+
+def test_defaults_preset_toml_and_overrides(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\npreset = "small"\n[parallel]\nmicrobatches = 8\nschedule = "zb-h1"\n[run]\nseed = 5\n')
+    cfg = build_config(str(toml), {"run.seed": 9})
+    assert cfg.model.preset == "small" and cfg.model.dim == 320
+    assert cfg.parallel.microbatches == 8 and cfg.parallel.schedule is ScheduleKind.ZB_H1
+    assert cfg.run.seed == 9  # the command line wins over the file
+    assert cfg.global_batch == 8 * cfg.parallel.micro_batch_size
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"model.preset": "huge"}, "unknown preset 'huge'"),
+    ({"data.path": "/no/such/dir"}, "does not exist"),
+    ({"data.seq_len": 5000}, "longer than the model allows"),
+    ({"parallel.schedule": "fancy"}, "is not one of"),
+    ({"parallel.pp": 8, "parallel.virtual_stages": 1}, "only 4 layers"),
+    ({"parallel.pp": 2, "parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 2,
+      "parallel.microbatches": 3}, "multiple of --pp 2"),
+    ({"parallel.schedule": "interleaved-1f1b"}, "needs --virtual-stages >= 2"),
+    ({"parallel.stage_layers": [1, 1]}, "lists 2 stages"),
+    ({"parallel.zero": 4}, "choose 0, 1, 2 or 3"),
+    ({"run.bogus": 1}, "unknown setting"),
+])
+def test_validation_errors_name_the_fix(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_config(None, overrides)
+
+
+def test_bad_toml_is_a_config_error(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config(str(bad))
+    bad.write_text("[weird]\nx = 1\n")
+    with pytest.raises(ConfigError, match="unknown table"):
+        build_config(str(bad))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["train", "--preset", "nope"], "unknown preset"),
+    (["train", "--data", "/missing/file.txt"], "does not exist"),
+    (["train", "--seq-len", "99999"], "longer than the model allows"),
+    (["train", "--nproc", "3", "--pp", "1", "--dp", "2"], "make them equal"),
+])
+def test_cli_errors_exit_2_without_traceback(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_console_script_reports_error_as_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--preset", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown preset" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_short_training_run_loss_falls(tmp_path, text_dir):
+    out = tmp_path / "run"
+    rc = main(["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--max-steps", "40",
+               "--seq-len", "64", "--eval-every", "20", "--out", str(out), "--no-progress", "--lr", "0.01"])
+    assert rc == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s"):
+        assert key in lines[0]
+    first = sum(r["loss"] for r in lines[:5]) / 5
+    last = sum(r["loss"] for r in lines[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_heldout_loss"] < summary["unigram_baseline"]
+
+
+def test_training_is_deterministic_for_a_seed(tmp_path, text_dir):
+    from pipezero.engine import train
+
+    def run(name):
+        cfg = build_config(None, {"data.path": str(text_dir), "data.tokenizer": "bytes", "run.max_steps": 3,
+                                  "data.seq_len": 32, "run.out": str(tmp_path / name), "run.progress": False,
+                                  "run.sample_tokens": 0})
+        return train(cfg).losses
+
+    assert run("a") == run("b")

@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+import torch
+
+from pipezero.config import DataConfig
+from pipezero.data import (
+    BPETokenizer, ByteTokenizer, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy,
+)
+from pipezero.data.corpus import split_documents
+
+TOKENS = np.arange(10_000, dtype=np.uint16) % 977
+
+
+@pytest.mark.parametrize("dp,m", [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)])
+def test_global_batch_is_layout_independent(dp, m):
+    g, t = 8 * 2, 32
+    batch = global_batch(TOKENS, step=5, seed=7, n_seqs=g, seq_len=t)
+    rows = [x for d in range(dp) for x, _ in microbatches_for_rank(batch, d, dp, m)]
+    assert all(r.shape == (g // (dp * m), t) for r in rows)
+    torch.testing.assert_close(torch.cat(rows), batch[0], rtol=0, atol=0)
+    x, y = batch
+    torch.testing.assert_close(x[:, 1:], y[:, :-1], rtol=0, atol=0)  # targets are inputs shifted by one
+
+
+def test_batches_resume_at_any_step_and_differ_between_steps():
+    a = [global_batch(TOKENS, s, 1, 4, 16)[0] for s in range(6)]
+    resumed = global_batch(TOKENS, 4, 1, 4, 16)[0]
+    torch.testing.assert_close(resumed, a[4], rtol=0, atol=0)
+    assert not torch.equal(a[3], a[4])
+    assert not torch.equal(global_batch(TOKENS, 4, 2, 4, 16)[0], a[4])  # the seed matters
+
+
+def test_microbatches_refuse_uneven_split():
+    batch = global_batch(TOKENS, 0, 0, 6, 8)
+    with pytest.raises(ValueError, match="does not split"):
+        microbatches_for_rank(batch, 0, 4, 1)
+
+
+def test_heldout_batches_fixed():
+    a = heldout_batches(TOKENS, 3, 2, 16)
+    b = heldout_batches(TOKENS, 3, 2, 16)
+    assert len(a) == 3 and a[0][0].shape == (2, 16)
+    for (x1, _), (x2, _) in zip(a, b):
+        assert torch.equal(x1, x2)
+
+
+def test_tokenizers_round_trip():
+    text = "def f(x):\n    return x ** 2  # ünïcode ✓\n"
+    docs = [text * 20, "class A:\n    pass\n" * 30]
+    bpe = BPETokenizer.train(docs, 300)
+    for tok in (ByteTokenizer(), bpe):
+        ids = tok.encode_many([text])[0]
+        assert tok.decode(ids) == text
+    assert len(bpe.encode_many([text])[0]) < len(text.encode())  # BPE actually merges
+
+
+def test_split_documents():
+    docs = [f"doc {i}\n" for i in range(100)]
+    train, held = split_documents(docs, 0.02)
+    assert len(held) == 2 and set(train).isdisjoint(held) and len(train) + len(held) == 100
+    train, held = split_documents(["line\n" * 100], 0.1)
+    assert "".join(train + held) == "line\n" * 100 and held[0].startswith("line")
+
+
+def test_corpus_from_folder_is_cached_and_split(text_dir):
+    cfg = DataConfig(path=str(text_dir), tokenizer="bpe", bpe_vocab=512, seq_len=32)
+    c1 = load_corpus(cfg)
+    c2 = load_corpus(cfg)
+    assert c1.vocab_size == 512 and len(c1.train) > 20 * len(c1.heldout) > 0
+    assert np.array_equal(c1.train, c2.train)
+    assert 3.0 < unigram_entropy(c1.train) < np.log(512)
+
+
+def test_token_file(tmp_path):
+    path = tmp_path / "toks.bin"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    c = load_corpus(DataConfig(path=str(path), seq_len=16))
+    assert len(c.train) + len(c.heldout) == 5000 and c.tokenizer is None and c.vocab_size == 5000

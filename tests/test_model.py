@@ -1,0 +1,82 @@
+import dataclasses
+
+import pytest
+import torch
+
+from pipezero.config import ModelConfig
+from pipezero.models import PRESETS, apply_preset, build_chunk, flops_per_token, layer_param_counts, param_count
+
+
+def tiny(**kw) -> ModelConfig:
+    cfg = apply_preset(ModelConfig(), "tiny")
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_shapes_and_layer_list():
+    cfg = tiny()
+    model = build_chunk(cfg, 0, cfg.n_layers + 2, seed=0)
+    x = torch.randint(0, cfg.vocab_size, (3, 17))
+    assert model(x).shape == (3, 17, cfg.vocab_size)
+    assert [k for k in model.layers] == [str(i) for i in range(cfg.n_layers + 2)]
+    assert all(n.startswith("layers.") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("kv", [None, 2])
+def test_causal_mask(kv):
+    cfg = tiny(n_kv_heads=kv)
+    model = build_chunk(cfg, 0, cfg.n_layers + 2, seed=0)
+    x = torch.randint(0, cfg.vocab_size, (2, 12))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % cfg.vocab_size  # change the future only
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_slices_compose_to_whole_and_init_is_layout_independent():
+    cfg = tiny(n_layers=4)
+    whole = build_chunk(cfg, 0, 6, seed=3)
+    parts = [build_chunk(cfg, a, b, seed=3) for a, b in [(0, 1), (1, 4), (4, 6)]]
+    for part in parts:
+        for name, p in part.named_parameters():
+            torch.testing.assert_close(p, whole.get_parameter(name), rtol=0, atol=0)
+    x = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        h = x
+        for part in parts:
+            h = part(h)
+        torch.testing.assert_close(h, whole(x))
+
+
+def test_tied_embeddings_share_one_parameter_and_start_equal_apart():
+    cfg = tiny(tie_embeddings=True)
+    whole = build_chunk(cfg, 0, cfg.n_layers + 2, seed=1)
+    head_key = f"layers.{cfg.n_layers + 1}.weight"
+    assert whole.get_parameter(head_key) is whole.get_parameter("layers.0.weight")
+    last = build_chunk(cfg, cfg.n_layers + 1, cfg.n_layers + 2, seed=1)
+    torch.testing.assert_close(last.get_parameter(head_key), whole.get_parameter("layers.0.weight"))
+    unique = sum(p.numel() for p in whole.parameters())
+    assert unique == param_count(cfg)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "base"])
+def test_param_count_matches_built_model(preset):
+    cfg = apply_preset(ModelConfig(), preset)
+    if preset == "base":
+        cfg = dataclasses.replace(cfg, n_layers=1)  # same per-layer shapes, less memory
+    model = build_chunk(cfg, 0, cfg.n_layers + 2, seed=0)
+    per_layer = [sum(p.numel() for p in m.parameters()) for _, m in model.layer_modules()]
+    assert per_layer == layer_param_counts(cfg)
+
+
+def test_preset_sizes_and_flops():
+    sizes = {name: param_count(apply_preset(ModelConfig(), name)) for name in PRESETS}
+    assert 0.8e6 < sizes["tiny"] < 2e6
+    assert 8e6 < sizes["small"] < 15e6
+    assert 100e6 < sizes["base"] < 140e6
+    assert 6.4e9 < sizes["7b"] < 7e9
+    assert 65e9 < sizes["70b"] < 72e9
+    cfg = apply_preset(ModelConfig(), "7b")
+    # Kaplan/PaLM: about 6N per token plus attention.
+    assert 6 * sizes["7b"] * 0.95 < flops_per_token(cfg, 2048) < 6 * sizes["7b"] * 1.3
