@@ -1,0 +1,204 @@
+"""The one checker-simulator: plays any schedule under a cost model and proves it sound.
+
+`simulate()` first checks completeness (every chunk and micro-batch gets F, B and W exactly once,
+each on the rank that holds the chunk), then plays the ranks' lists in order with the true
+dependencies (F of chunk c after F of c-1 and the hop; B of c after B of c+1 and the hop, and after
+its own F; W after B), committing actions in start-time order. If no rank can move before all are
+done, the schedule deadlocks and the error names each stuck rank, its action, and what it waits for.
+With `blocking_sends`, a rank that produced an activation or gradient for another rank cannot go on
+until the receiver has reached the action that consumes it (a send that blocks until received).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pipezero.schedules.actions import Action, Op, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that is incomplete, misplaced, out of dependency order, or deadlocks."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative compute costs of one full stage (the chunks of one rank together) and the hop time.
+
+    A chunk of a rank with V chunks costs 1/V of a stage unless `chunk_factors` says otherwise (a
+    measured per-chunk multiplier), so schedules with different V compare on the same model.
+    """
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0  # per hop between ranks, the same for activations and gradients
+    chunk_factors: tuple[float, ...] | None = None  # per global chunk; None = 1/V each
+
+    def cost(self, action: Action, virtual: int) -> float:
+        base = {Op.F: self.f, Op.B: self.b, Op.W: self.w, Op.BW: self.b + self.w}[action.op]
+        factor = self.chunk_factors[action.chunk] if self.chunk_factors else 1.0 / virtual
+        return base * factor
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    step_time: float
+    bubble: float  # idle share of all ranks' time: sum(idle) / (P * step_time)
+    idle: list[float]  # per rank
+    busy: list[float]
+    peak_activations: list[int]  # per rank: max chunk activations whose F ran and B or W did not
+    peak_activation_memory: list[float]  # the same weighted by chunk cost factor (units of one stage)
+    timeline: list[Event] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"step_time": self.step_time, "bubble": self.bubble, "idle": self.idle, "busy": self.busy,
+                "peak_activations": self.peak_activations, "peak_activation_memory": self.peak_activation_memory}
+
+
+def check_complete(s: Schedule) -> None:
+    """Each (chunk, mb) gets exactly one F and either one BW or one B and one W, on its own rank."""
+    seen: Counter[tuple[int, Op, int]] = Counter()
+    for r, acts in enumerate(s.actions):
+        mine = set(s.chunks(r))
+        for i, a in enumerate(acts):
+            if a.chunk not in mine:
+                raise ScheduleError(f"rank {r} runs {a} but chunk {a.chunk} lives on rank "
+                                    f"{s.rank_of_chunk.get(a.chunk, '?')}\n{s.grid((r, i))}")
+            if not 0 <= a.mb < s.microbatches:
+                raise ScheduleError(f"rank {r}: {a} names micro-batch {a.mb} outside 0..{s.microbatches - 1}\n"
+                                    f"{s.grid((r, i))}")
+            seen[(a.chunk, a.op, a.mb)] += 1
+    for c in range(s.n_chunks):
+        r = s.rank_of_chunk[c]
+        for mb in range(s.microbatches):
+            f, b, w, bw = (seen[(c, op, mb)] for op in (Op.F, Op.B, Op.W, Op.BW))
+            problem = None
+            if f != 1:
+                problem = f"F of chunk {c}, micro-batch {mb} appears {f} times (want 1)"
+            elif not ((bw == 1 and b == w == 0) or (bw == 0 and b == w == 1)):
+                problem = (f"chunk {c}, micro-batch {mb} has B x{b}, W x{w}, BW x{bw}: want one BW, "
+                           f"or one B and one W")
+            if problem:
+                raise ScheduleError(f"rank {r}: {problem}\n{s.grid()}")
+
+
+def _deps(s: Schedule, a: Action) -> list[Action | tuple[int, Op, int]]:
+    """What `a` waits for, as (chunk, op-kind, mb); 'B' is satisfied by either a B or a BW."""
+    last = s.n_chunks - 1
+    if a.op is Op.F:
+        return [(a.chunk - 1, Op.F, a.mb)] if a.chunk > 0 else []
+    if a.op in (Op.B, Op.BW):
+        deps = [(a.chunk, Op.F, a.mb)]
+        if a.chunk < last:
+            deps.append((a.chunk + 1, Op.B, a.mb))
+        return deps
+    return [(a.chunk, Op.B, a.mb)]  # W
+
+
+def _consumer(s: Schedule, a: Action) -> tuple[int, Op, int] | None:
+    """The action on another rank that receives what `a` sends, if any."""
+    if a.op is Op.F and a.chunk < s.n_chunks - 1:
+        target = (a.chunk + 1, Op.F, a.mb)
+    elif a.op in (Op.B, Op.BW) and a.chunk > 0:
+        target = (a.chunk - 1, Op.B, a.mb)
+    else:
+        return None
+    return target if s.rank_of_chunk[target[0]] != s.rank_of_chunk[a.chunk] else None
+
+
+def _key(a: Action) -> tuple[int, Op, int]:
+    return (a.chunk, Op.B if a.op is Op.BW else a.op, a.mb)
+
+
+def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = False) -> SimResult:
+    """Play `s` under `cost`; raise ScheduleError if it is incomplete or can deadlock."""
+    cost = cost or CostModel()
+    check_complete(s)
+    p = s.pp
+    pc = [0] * p  # next action index per rank
+    free = [0.0] * p  # when each rank's previous action (or blocking send) ends
+    done: dict[tuple[int, Op, int], float] = {}  # finished action key -> end time
+    blocked_on: list[tuple[int, tuple[int, Op, int]] | None] = [None] * p  # (receiver rank, consumer key)
+    busy = [0.0] * p
+    live: list[dict[tuple[int, int], float]] = [dict() for _ in range(p)]  # (chunk, mb) -> factor
+    peak = [0] * p
+    peak_mem = [0.0] * p
+    timeline: list[Event] = []
+
+    def ready_time(r: int) -> float | None:
+        if blocked_on[r] is not None:
+            return None
+        a = s.actions[r][pc[r]]
+        t = free[r]
+        for dep in _deps(s, a):
+            if dep not in done:
+                return None
+            hop = cost.comm if s.rank_of_chunk[dep[0]] != r else 0.0
+            t = max(t, done[dep] + hop)
+        return t
+
+    while True:
+        # Release blocked senders whose receiver has reached the consuming action.
+        for r in range(p):
+            if blocked_on[r] is not None:
+                rr, key = blocked_on[r]
+                if pc[rr] < len(s.actions[rr]) and _key(s.actions[rr][pc[rr]]) == key:
+                    free[r] = max(free[r], free[rr])
+                    blocked_on[r] = None
+        candidates = [(t, r) for r in range(p) if pc[r] < len(s.actions[r]) and (t := ready_time(r)) is not None]
+        if not candidates:
+            break
+        start, r = min(candidates)
+        a = s.actions[r][pc[r]]
+        end = start + cost.cost(a, s.virtual)
+        timeline.append(Event(r, a, start, end))
+        busy[r] += end - start
+        free[r] = end
+        pc[r] += 1
+        if a.op in (Op.W, Op.BW):
+            live[r].pop((a.chunk, a.mb), None)
+        elif a.op is Op.F:
+            live[r][(a.chunk, a.mb)] = cost.chunk_factors[a.chunk] if cost.chunk_factors else 1.0 / s.virtual
+            peak[r] = max(peak[r], len(live[r]))
+            peak_mem[r] = max(peak_mem[r], sum(live[r].values()))
+        done[_key(a)] = end
+        if a.op is Op.BW:
+            done[(a.chunk, Op.W, a.mb)] = end
+        consumer = _consumer(s, a)
+        if blocking_sends and consumer is not None:
+            blocked_on[r] = (s.rank_of_chunk[consumer[0]], consumer)
+
+    if any(pc[r] < len(s.actions[r]) for r in range(p)):
+        raise ScheduleError(_deadlock_message(s, pc, done, blocked_on))
+    step_time = max(free) if timeline else 0.0
+    idle = [step_time - b for b in busy]
+    bubble = sum(idle) / (p * step_time) if step_time else 0.0
+    return SimResult(step_time, bubble, idle, busy, peak, [round(x, 9) for x in peak_mem], timeline)
+
+
+def _deadlock_message(s: Schedule, pc: list[int], done: dict, blocked_on: list) -> str:
+    lines = ["schedule deadlocks: no rank can run its next action"]
+    for r in range(s.pp):
+        if pc[r] >= len(s.actions[r]):
+            lines.append(f"  rank {r}: finished")
+            continue
+        a = s.actions[r][pc[r]]
+        if blocked_on[r] is not None:
+            rr, key = blocked_on[r]
+            lines.append(f"  rank {r}: before {a}, blocked sending to rank {rr} until it reaches "
+                         f"{key[0]}{key[1].value}{key[2]}")
+            continue
+        missing = [d for d in _deps(s, a) if d not in done]
+        what = ", ".join(f"{c}{op.value}{mb} on rank {s.rank_of_chunk[c]}" for c, op, mb in missing)
+        lines.append(f"  rank {r}: action {a} waits for {what}")
+    first = next(r for r in range(s.pp) if pc[r] < len(s.actions[r]))
+    return "\n".join(lines) + "\n" + s.grid((first, pc[first]))

@@ -1,0 +1,256 @@
+"""One generator a schedule: a short function of (P, M, V) that writes each rank's published order.
+
+Every generator builds its ranks with `RankOrder`, which numbers micro-batches per (chunk, op) so
+phases read as "forward chunk 0, backward chunk 1" rather than index arithmetic, and which keeps the
+queue of deferred weight gradients that the zero-bubble schedules drain into their bubbles.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from pipezero.config import ScheduleKind
+from pipezero.schedules.actions import Action, Op, Placement, Schedule, chunks_of_rank
+from pipezero.schedules.registry import check_layout
+
+
+class RankOrder:
+    """Appends one rank's actions; micro-batches of each (chunk, op) are taken in order 0, 1, 2, ..."""
+
+    def __init__(self, microbatches: int) -> None:
+        self.m = microbatches
+        self.actions: list[Action] = []
+        self._next: dict[tuple[int, Op], int] = {}
+        self.pending_w: deque[tuple[int, int]] = deque()  # (chunk, mb) whose B ran and W did not
+
+    def _take(self, chunk: int, op: Op) -> int | None:
+        key = (chunk, Op.B if op is Op.BW else op)
+        mb = self._next.get(key, 0)
+        if mb >= self.m:
+            return None  # the phase formula ran past M: nothing left of this kind
+        self._next[key] = mb + 1
+        return mb
+
+    def f(self, chunk: int) -> None:
+        mb = self._take(chunk, Op.F)
+        if mb is not None:
+            self.actions.append(Action(chunk, Op.F, mb))
+
+    def bw(self, chunk: int) -> None:
+        mb = self._take(chunk, Op.BW)
+        if mb is not None:
+            self.actions.append(Action(chunk, Op.BW, mb))
+
+    def b(self, chunk: int) -> None:
+        mb = self._take(chunk, Op.B)
+        if mb is not None:
+            self.actions.append(Action(chunk, Op.B, mb))
+            self.pending_w.append((chunk, mb))
+
+    def w(self) -> None:
+        """Run the oldest deferred weight gradient, if any."""
+        if self.pending_w:
+            chunk, mb = self.pending_w.popleft()
+            self.actions.append(Action(chunk, Op.W, mb))
+
+    def drain_w(self) -> None:
+        while self.pending_w:
+            self.w()
+
+
+def _build(name: str, pp: int, m: int, v: int, placement: Placement,
+           rank_fn: Callable[[RankOrder, int, tuple[int, ...]], None]) -> Schedule:
+    ranks = []
+    for r in range(pp):
+        order = RankOrder(m)
+        rank_fn(order, r, chunks_of_rank(placement, pp, v, r))
+        order.drain_w()
+        ranks.append(tuple(order.actions))
+    return Schedule(name, pp, m, v, placement, tuple(ranks))
+
+
+def gpipe(pp: int, m: int, v: int = 1) -> Schedule:
+    """All forwards, then all backwards (Huang et al. 2019): M activations in flight."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        for _ in range(m):
+            o.f(chunks[0])
+        for _ in range(m):
+            o.bw(chunks[0])
+    return _build("gpipe", pp, m, 1, Placement.LOOP, rank)
+
+
+def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
+    """PipeDream-flush: P-1-r warm-up forwards, then alternate F and BW, then the remaining BWs."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        warmup = min(pp - 1 - r, m)
+        for _ in range(warmup):
+            o.f(chunks[0])
+        for _ in range(m - warmup):
+            o.f(chunks[0])
+            o.bw(chunks[0])
+        for _ in range(warmup):
+            o.bw(chunks[0])
+    return _build("1f1b", pp, m, 1, Placement.LOOP, rank)
+
+
+def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
+    """Megatron-LM's virtual pipeline (Narayanan et al. 2021): micro-batches go round the V chunks of
+    a rank in groups of P; (P-1-r)*2 + (V-1)*P warm-up forwards, then 1F1B over virtual micro-batches."""
+    total = m * v
+
+    def chunk_and_mb(k: int, chunks: tuple[int, ...], backward: bool) -> tuple[int, int]:
+        group = (k // pp) % v
+        return chunks[v - 1 - group if backward else group], (k // (pp * v)) * pp + k % pp
+
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        warmup = min((pp - 1 - r) * 2 + (v - 1) * pp, total)
+        fwd = [chunk_and_mb(k, chunks, False) for k in range(total)]
+        bwd = [chunk_and_mb(k, chunks, True) for k in range(total)]
+        seq = [Action(c, Op.F, mb) for c, mb in fwd[:warmup]]
+        for i in range(total - warmup):
+            seq += [Action(fwd[warmup + i][0], Op.F, fwd[warmup + i][1]), Action(bwd[i][0], Op.BW, bwd[i][1])]
+        seq += [Action(c, Op.BW, mb) for c, mb in bwd[total - warmup:]]
+        o.actions.extend(seq)
+    return _build("interleaved-1f1b", pp, m, v, Placement.LOOP, rank)
+
+
+def looped_bfs(pp: int, m: int, v: int) -> Schedule:
+    """Breadth-first (Lamy-Poirier 2023): each local chunk forwards all micro-batches before the next;
+    backwards run chunk by chunk in reverse. V*M activations in flight, fewest weight reloads."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        for c in chunks:
+            for _ in range(m):
+                o.f(c)
+        for c in reversed(chunks):
+            for _ in range(m):
+                o.bw(c)
+    return _build("looped-bfs", pp, m, v, Placement.LOOP, rank)
+
+
+def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B with B and W split, rank r deferring its W passes by r
+    so every rank holds P micro-batches in flight (1F1B's peak) while the deferred Ws fill the cool-down
+    bubble: idle (P-1)(F+B-W) instead of (P-1)(F+B+W)."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        c = chunks[0]
+        warmup = min(pp - 1 - r, m)
+        for _ in range(warmup):
+            o.f(c)
+        for k in range(m - warmup):
+            o.f(c)
+            o.b(c)
+            if k >= r:
+                o.w()
+        for _ in range(warmup):
+            o.b(c)
+            o.w()
+    return _build("zb-h1", pp, m, 1, Placement.LOOP, rank)
+
+
+def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H2 (Qi et al. 2024, sec. 2.2): extra warm-up forwards fill the time until the first B
+    returns (2(P-1-r)+1 on rank r, so up to 2P-1 in flight), then F-B-W with rank r's Ws deferred by
+    r as in ZB-H1, so the cool-down is filled too: only the forward ramp (P-1)F stays idle."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        c = chunks[0]
+        warmup = min(2 * (pp - 1 - r), m)
+        for _ in range(warmup):
+            o.f(c)
+        for k in range(m - warmup):
+            o.f(c)
+            o.b(c)
+            if k >= r:
+                o.w()
+        for _ in range(warmup):
+            o.b(c)
+            o.w()
+    return _build("zb-h2", pp, m, 1, Placement.LOOP, rank)
+
+
+def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
+    """ZB-V (Qi et al., arXiv 2405.15362): two chunks a rank in a V, so the last chunk sits on rank 0
+    beside the first; near-zero bubble at F=B=W with 1F1B's activation memory (2P half-size chunks)."""
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        down, up = chunks  # chunk r (model going down the ranks) and chunk 2P-1-r (coming back)
+        for _ in range(2 * (pp - r) - 1):
+            o.f(down)
+        for _ in range(r):
+            o.f(up)
+            o.f(down)
+        for _ in range(pp - r):
+            o.f(up)
+            o.b(up)
+            o.w()
+        for _ in range(m - pp):  # steady: one F, B, W of each chunk (surplus F of `down` skipped)
+            o.f(down)
+            o.b(down)
+            o.w()
+            o.f(up)
+            o.b(up)
+            o.w()
+        for _ in range(r):
+            o.b(down)
+            o.b(up)
+        for _ in range(pp - r):
+            o.b(down)
+            o.w()
+    return _build("zb-v", pp, m, 2, Placement.V_SHAPE, rank)
+
+
+def dualpipe_v(pp: int, m: int, v: int = 2) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V, as torch.distributed.pipelining names it).
+
+    Eight phases; where DualPipe overlaps a forward of one chunk with a backward of the other ("F&B"),
+    this order lists the pair F then BW (the overlap is a kernel-level matter the runtime may exploit).
+    """
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        down, up = chunks
+        for _ in range(2 * (pp - r - 1)):  # 1: fill the way down
+            o.f(down)
+        for _ in range(r + 1):  # 2: both chunks forward
+            o.f(down)
+            o.f(up)
+        for _ in range(pp - r - 1):  # 3: first backwards of the returning chunk, Ws deferred
+            o.b(up)
+            o.w()
+            o.f(up)
+        for _ in range(m - 2 * pp + r + 1):  # 4: steady F&B pairs on both chunks
+            o.f(down)
+            o.bw(up)
+            o.f(up)
+            o.bw(down)
+        for _ in range(pp - r - 1):  # 5: the way down runs out of forwards
+            o.bw(up)
+            o.f(up)
+            o.bw(down)
+        split = False
+        for i in range(r + 1):  # 6: drain the returning chunk, then split B/W halfway
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            o.b(up) if split else o.bw(up)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            o.b(down) if split else o.bw(down)
+        for _ in range(pp - r - 1):  # 7: remaining backwards of the first chunk, filling with Ws
+            o.w()
+            o.b(down) if split else o.bw(down)
+        # 8: the deferred Ws (drained by _build)
+    return _build("dualpipe-v", pp, m, 2, Placement.V_SHAPE, rank)
+
+
+GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Schedule]] = {
+    ScheduleKind.GPIPE: gpipe,
+    ScheduleKind.ONE_F_ONE_B: one_f_one_b,
+    ScheduleKind.INTERLEAVED_1F1B: interleaved_1f1b,
+    ScheduleKind.LOOPED_BFS: looped_bfs,
+    ScheduleKind.ZB_H1: zb_h1,
+    ScheduleKind.ZB_H2: zb_h2,
+    ScheduleKind.ZB_V: zb_v,
+    ScheduleKind.DUALPIPE_V: dualpipe_v,
+}
+
+
+def build_schedule(kind: ScheduleKind, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The action lists of `kind` for P ranks, M micro-batches, V chunks a rank; bad layouts raise
+    ValueError naming the allowed values."""
+    check_layout(kind, pp, microbatches, virtual_stages)
+    return GENERATORS[kind](pp, microbatches, virtual_stages)

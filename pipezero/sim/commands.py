@@ -1,0 +1,92 @@
+"""`pipezero simulate`: build a schedule, play it under a cost model, print, plot or compare."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from pipezero.config import ConfigError, ScheduleKind
+from pipezero.schedules.check import CostModel, SimResult, simulate
+from pipezero.schedules.generators import build_schedule
+from pipezero.schedules.registry import NEEDS_V
+
+
+def parse_cost(text: str) -> tuple[float, float, float]:
+    try:
+        f, b, w = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--cost wants F:B:W like 1:1:1, got {text!r}") from None
+    if min(f, b, w) <= 0:
+        raise ConfigError("--cost entries must be positive")
+    return f, b, w
+
+
+def run_one(kind: ScheduleKind, pp: int, m: int, v: int, cost: CostModel) -> SimResult:
+    try:
+        return simulate(build_schedule(kind, pp, m, v), cost)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def default_v(kind: ScheduleKind, v: int | None) -> int:
+    if v is not None:
+        return v
+    return 2 if kind in NEEDS_V else 1
+
+
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("simulate", help="play a pipeline schedule under a cost model")
+    s.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
+    s.add_argument("--pp", type=int, default=4)
+    s.add_argument("--microbatches", type=int, default=8)
+    s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
+    s.add_argument("--cost", default="1:1:1", help="relative F:B:W cost of one stage")
+    s.add_argument("--comm", type=float, default=0.0, help="time of one hop between ranks, in F units")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--png", help="draw the timeline to this file")
+    s.add_argument("--compare", action="store_true", help="every schedule side by side")
+    s.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.pp < 1 or args.microbatches < 1:
+        raise ConfigError("--pp and --microbatches must be at least 1")
+    f, b, w = parse_cost(args.cost)
+    cost = CostModel(f, b, w, args.comm)
+    kinds = list(ScheduleKind) if args.compare else [ScheduleKind(args.schedule)]
+    results: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for kind in kinds:
+        v = default_v(kind, None if args.compare else args.virtual_stages)
+        try:
+            res = run_one(kind, args.pp, args.microbatches, v, cost)
+        except ConfigError as e:
+            if not args.compare:
+                raise
+            skipped[kind.value] = str(e)
+            continue
+        results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
+                               "virtual_stages": v, **res.to_json()}
+        if args.png and not args.compare:
+            from pipezero.sim.plot import draw_timeline
+
+            bars = [(e.rank, e.action.op.value, e.action.mb, e.start, e.end) for e in res.timeline]
+            draw_timeline(bars, args.pp, f"{kind.value}  P={args.pp} M={args.microbatches} V={v}  "
+                          f"bubble {res.bubble:.1%}", args.png)
+    if args.json:
+        print(json.dumps(results if args.compare else next(iter(results.values())), indent=2))
+        return 0
+    table = Table(title=f"P={args.pp} M={args.microbatches} cost F:B:W={args.cost} comm={args.comm}")
+    for col in ("schedule", "V", "step time", "bubble", "peak activations per rank"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for name, r in results.items():
+        table.add_row(name, str(r["virtual_stages"]), f"{r['step_time']:.2f}", f"{r['bubble']:.1%}",
+                      " ".join(str(x) for x in r["peak_activations"]))
+    console = Console(width=120, emoji=False)
+    console.print(table)
+    for name, why in skipped.items():
+        console.print(f"[dim]{name}: {why}[/dim]")
+    return 0

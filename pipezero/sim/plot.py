@@ -1,0 +1,37 @@
+"""Draw a simulated or measured per-rank timeline as a PNG (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
+
+
+def draw_timeline(bars: Iterable[tuple[int, str, int, float, float]], n_ranks: int, title: str,
+                  path: str | Path, time_unit: str = "F units") -> None:
+    """`bars` are (rank, op, micro-batch, start, end); one row a rank, micro-batch numbers on the bars."""
+    bars = list(bars)
+    end = max((b[4] for b in bars), default=1.0)
+    fig, ax = plt.subplots(figsize=(min(24, 4 + 0.35 * len(bars) / max(1, n_ranks)), 0.6 * n_ranks + 1.4))
+    for rank, op, mb, start, stop in bars:
+        ax.barh(rank, stop - start, left=start, height=0.8, color=COLOURS.get(op, "grey"), edgecolor="black",
+                linewidth=0.4)
+        if (stop - start) / end > 0.012:
+            ax.text((start + stop) / 2, rank, str(mb), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel(time_unit)
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", ncol=4, fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,179 @@
+"""Schedules are pure data: every generator is checked by the simulator without processes or torch."""
+
+import dataclasses
+import json
+
+import pytest
+
+from pipezero.cli import main
+from pipezero.config import ScheduleKind as K
+from pipezero.schedules.actions import Action, Op
+from pipezero.schedules.check import CostModel, ScheduleError, simulate
+from pipezero.schedules.generators import build_schedule
+
+V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+
+
+def m_values(p):
+    """M from 1 to 4P: the edges and the interesting middle, without all 4P values per P."""
+    return sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p + 1, 4 * p} - {0})
+
+
+def layouts():
+    for kind in K:
+        for p in range(2, 17):
+            for m in m_values(p):
+                v = V_OF.get(kind, 1)
+                try:
+                    yield kind, p, m, v, build_schedule(kind, p, m, v)
+                except ValueError:
+                    continue
+
+
+def test_every_generator_passes_the_checker():
+    count = 0
+    for kind, p, m, v, s in layouts():
+        simulate(s)  # raises on an incomplete, misplaced or deadlocking schedule
+        count += 1
+    assert count > 700
+
+
+@pytest.mark.parametrize("kind", [K.GPIPE, K.ONE_F_ONE_B])
+def test_gpipe_and_1f1b_bubble_formula(kind):
+    for p in range(2, 17):
+        for m in m_values(p):
+            r = simulate(build_schedule(kind, p, m))
+            assert r.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
+
+
+def test_peak_activations_gpipe_m_and_1f1b_p_minus_rank():
+    for p in range(2, 17):
+        for m in [x for x in m_values(p) if x >= p]:
+            assert simulate(build_schedule(K.GPIPE, p, m)).peak_activations == [m] * p
+            assert simulate(build_schedule(K.ONE_F_ONE_B, p, m)).peak_activations == [p - r for r in range(p)]
+
+
+def test_interleaved_bubble_formula():
+    for p in range(2, 9):
+        for v in (2, 3, 4):
+            for m in range(p, 4 * p + 1, p):
+                r = simulate(build_schedule(K.INTERLEAVED_1F1B, p, m, v))
+                assert r.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
+
+
+@pytest.mark.parametrize("cost", [(1, 1, 1), (1, 2, 1), (1, 1.5, 0.5), (2, 2, 1)])
+def test_zb_h1_idle_and_memory(cost):
+    """Qi et al. 2024, Table 2 / sec 2.1: ZB-H1 bubble (p-1)(T_F+T_B-T_W), peak memory p M_B (= 1F1B)."""
+    f, b, w = cost
+    for p in range(2, 13):
+        for m in [x for x in m_values(p) if x >= p]:
+            r = simulate(build_schedule(K.ZB_H1, p, m), CostModel(f, b, w))
+            assert r.idle == pytest.approx([(p - 1) * (f + b - w)] * p), (p, m)
+            assert r.peak_activations[0] == p and max(r.peak_activations) == p
+    one = simulate(build_schedule(K.ONE_F_ONE_B, 4, 8)).idle[0]
+    assert simulate(build_schedule(K.ZB_H1, 4, 8)).idle[0] == pytest.approx(one / 3)
+
+
+def test_zb_h2_memory_and_bubble():
+    """Qi et al. 2024, sec 2.2: ZB-H2 holds up to (2p-1) M_B. Its published bubble (p-1)(T_F+T_B-2T_W)
+    assumes the optimizer step is not a barrier (post-validation); with our synchronous step the
+    forward ramp (p-1)T_F stays, so at F=B=W the idle is (p-1)T_F, never more than ZB-H1's."""
+    for p in range(2, 13):
+        for m in [x for x in m_values(p) if x >= 2 * p]:
+            r = simulate(build_schedule(K.ZB_H2, p, m))
+            assert r.peak_activations[0] == 2 * p - 1
+            assert r.idle == pytest.approx([(p - 1) * 1.0] * p)
+
+
+def test_zb_v_and_dualpipe_v_published_figures():
+    """ZB-V (arXiv 2405.15362 / sail-sg comparison table at T_F=T_B=T_W): activation memory equal to
+    1F1B's (2p half-size chunks = p stages) and zero bubble in steady state, the only idle being the
+    ramp of one chunk forward per rank, (p-1) T_F / 2. DualPipeV (DeepSeek DualPipe README table):
+    activation per device PP+1 chunks with PP = 2p stages, and bubble (PP/2-1)(F&B+B-3W), which is
+    zero at F=B=W here too beyond the same ramp."""
+    for p in range(2, 13):
+        for m in [x for x in m_values(p) if x >= 2 * p]:
+            zbv = simulate(build_schedule(K.ZB_V, p, m, 2))
+            assert zbv.peak_activations == [2 * p] * p
+            assert zbv.peak_activation_memory == pytest.approx([p] * p)  # = 1F1B's rank-0 peak
+            assert zbv.idle == pytest.approx([(p - 1) * 0.5] * p)
+            dpv = simulate(build_schedule(K.DUALPIPE_V, p, m, 2))
+            assert dpv.peak_activations == [2 * p + 1] * p
+            assert dpv.idle == pytest.approx([(p - 1) * 0.5] * p)
+
+
+def test_layout_errors_name_allowed_values():
+    with pytest.raises(ValueError, match="multiple of --pp 4"):
+        build_schedule(K.INTERLEAVED_1F1B, 4, 6, 2)
+    with pytest.raises(ValueError, match="--virtual-stages 2"):
+        build_schedule(K.ZB_V, 4, 8, 3)
+    with pytest.raises(ValueError, match=">= 2 x --pp = 8"):
+        build_schedule(K.DUALPIPE_V, 4, 7, 2)
+
+
+def _edit(s, rank, fn):
+    acts = list(s.actions)
+    acts[rank] = tuple(fn(list(acts[rank])))
+    return dataclasses.replace(s, actions=tuple(acts))
+
+
+def test_checker_rejects_missing_w():
+    s = build_schedule(K.ZB_H1, 3, 4)
+    broken = _edit(s, 1, lambda a: [x for x in a if x != Action(1, Op.W, 2)])
+    with pytest.raises(ScheduleError, match=r"rank 1: chunk 1, micro-batch 2 has B x1, W x0"):
+        simulate(broken)
+
+
+def test_checker_rejects_b_before_its_f():
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2)
+
+    def swap(a):
+        i, j = a.index(Action(1, Op.F, 1)), a.index(Action(1, Op.BW, 1))
+        a[i], a[j] = a[j], a[i]
+        return a
+    with pytest.raises(ScheduleError, match=r"rank 1: action 1BW1 waits for 1F1 on rank 1"):
+        simulate(_edit(s, 1, swap))
+
+
+def test_checker_rejects_deadlocking_cycle():
+    s = build_schedule(K.GPIPE, 2, 2)
+    # rank 0 insists on a backward before its second forward; rank 1 waits for that forward first.
+    s = _edit(s, 0, lambda a: [Action(0, Op.F, 0), Action(0, Op.BW, 0), Action(0, Op.F, 1), Action(0, Op.BW, 1)])
+    s = _edit(s, 1, lambda a: [Action(1, Op.F, 0), Action(1, Op.F, 1), Action(1, Op.BW, 1), Action(1, Op.BW, 0)])
+    with pytest.raises(ScheduleError) as err:
+        simulate(s)
+    msg = str(err.value)
+    assert "deadlocks" in msg and "rank 0: action 0BW0 waits for 1B0 on rank 1" in msg
+    assert "rank 1: action 1BW1 waits for 0F1 on rank 0" not in msg or "ERROR HERE" in msg
+
+
+def test_blocking_sends_mode_finds_rendezvous_deadlocks():
+    """GPipe and 1F1B survive sends that block until received; interleaved needs async sends."""
+    simulate(build_schedule(K.GPIPE, 4, 8), blocking_sends=True)
+    simulate(build_schedule(K.ONE_F_ONE_B, 4, 8), blocking_sends=True)
+    simulate(build_schedule(K.ZB_H1, 4, 8), blocking_sends=True)
+    with pytest.raises(ScheduleError, match="blocked sending"):
+        simulate(build_schedule(K.INTERLEAVED_1F1B, 2, 4, 2), blocking_sends=True)
+
+
+def test_comm_time_lengthens_step():
+    # GPipe: forward ramp, M forwards and M backwards on the last rank, backward ramp; each ramp
+    # pays (P-1) hops: 3M + 3(P-1) + 2(P-1)c.
+    assert simulate(build_schedule(K.GPIPE, 4, 8), CostModel(comm=0.5)).step_time == pytest.approx(24 + 9 + 3)
+    # 1F1B's steady state waits on the round trip too, so it pays at least the ramps' hops.
+    assert simulate(build_schedule(K.ONE_F_ONE_B, 4, 8), CostModel(comm=0.5)).step_time >= 33 + 3
+
+
+def test_simulate_cli_json_compare_and_png(tmp_path, capsys):
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble"] == pytest.approx(3 / 11) and out["peak_activations"] == [4, 3, 2, 1]
+    assert out["step_time"] == pytest.approx(33)
+    png = tmp_path / "t.png"
+    assert main(["simulate", "--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["simulate", "--compare", "--pp", "4", "--microbatches", "8", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert set(both) == {k.value for k in K}
+    assert main(["simulate", "--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "6"]) == 2
