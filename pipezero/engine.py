@@ -8,20 +8,29 @@ whole global batch, so the summed loss is the global mean whatever the layout.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from pipezero.config import ConfigError, DType, TrainConfig
+from pipezero.config import ConfigError, TrainConfig
 from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.generate import sample
-from pipezero.models import build_chunk, flops_per_token, lm_loss, param_count
+from pipezero.models import build_chunk, flops_per_token, param_count
 from pipezero.optim import build_adamw, lr_at
+from pipezero.parallel.mesh import Groups, Mesh, build_groups
+from pipezero.parallel.partition import partition
+from pipezero.runtime.executor import Executor
+from pipezero.runtime.p2p import P2P
+from pipezero.schedules.actions import Schedule
+from pipezero.schedules.check import SimResult, simulate
+from pipezero.schedules.generators import build_schedule
+from pipezero.zero.allreduce import allreduce_grads
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.util import atomic_write_json
 
@@ -33,13 +42,8 @@ class RunResult:
     unigram: float = math.nan
     sample_text: str = ""
     out: Path = Path(".")
-
-
-def autocast(dtype: DType) -> contextlib.AbstractContextManager:
-    """bf16 autocast for matmuls; parameters, gradients and the loss stay fp32."""
-    if dtype is DType.BF16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    peak_live: int = 0  # most chunk activations this rank held at once
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
 
 
 def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -54,85 +58,165 @@ def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], dtype: DType) -> float:
-    total, count = 0.0, 0
-    for x, y in batches:
-        with autocast(dtype):
-            logits = model(x)
-        total += float(lm_loss(logits, y, denom=1.0))
-        count += y.numel()
-    return total / count
+def init_distributed(cfg: TrainConfig) -> int:
+    """Join the process group torchrun describes (if any) and return this rank; refuse a layout that
+    does not match the number of ranks before any collective runs."""
+    p = cfg.parallel
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != p.world_size:
+        raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
+                          f"use --nproc {p.world_size} (or change --pp/--dp)")
+    if cfg.model.tie_embeddings and p.pp > 1:
+        raise ConfigError("tied embeddings across pipeline stages are not supported yet: "
+                          "set model.tie_embeddings = false or --pp 1")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=p.timeout_s))
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_sum(values: list[float], group: object | None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def clip_by_global_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group: object | None) -> float:
+    """Norm over every stage's gradients (each parameter lives on one pipeline rank; replicas hold
+    equal gradients after the data-parallel reduce), then the same scaling as torch's clip_grad_norm_."""
+    local = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
+    norm = math.sqrt(all_sum([local], pp_group)[0])
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
+
+
+@dataclass
+class Stage:
+    """What one rank holds: its mesh position, schedule, chunks, and the executor that runs them."""
+
+    mesh: Mesh
+    groups: Groups
+    schedule: Schedule
+    predicted: SimResult
+    chunks: dict[int, torch.nn.Module]
+    executor: Executor
+    params: list[torch.nn.Parameter]
+
+
+def build_stage(cfg: TrainConfig, rank: int) -> Stage:
+    p = cfg.parallel
+    mesh = Mesh(p.pp, p.dp, rank)
+    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
+    bounds = partition(cfg.model, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
+    chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed) for c in schedule.chunks(mesh.pp_rank)}
+    groups = build_groups(mesh)
+    rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
+    p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
+              schedule.n_chunks)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute)
+    seen: dict[int, torch.nn.Parameter] = {}
+    for chunk in chunks.values():
+        for q in chunk.parameters():
+            seen.setdefault(id(q), q)
+    return Stage(mesh, groups, schedule, predicted, chunks, executor, list(seen.values()))
 
 
 def train(cfg: TrainConfig) -> RunResult:
-    """Train one process (`--pp 1 --dp 1`) as the configuration says; returns what it measured."""
+    """Train as the configuration says, on one process or as one rank of a pp x dp job."""
     p, r = cfg.parallel, cfg.run
-    if p.world_size > 1:
-        raise ConfigError(f"--pp {p.pp} --dp {p.dp} needs the pipeline engine (not yet built); use --pp 1 --dp 1")
+    rank = init_distributed(cfg)
     torch.manual_seed(r.seed)
-    torch.set_num_threads(r.threads or default_threads(1))
+    torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
     check_vocab(cfg, corpus)
-    n_layers = cfg.model.n_layers + 2
-    model = build_chunk(cfg.model, 0, n_layers, r.seed)
-    optimizer = build_adamw(model.named_parameters(), cfg.optim)
-    assert optimizer is not None  # the whole model always has parameters
-    params = [q for q in model.parameters() if q.requires_grad]
-
+    stage = build_stage(cfg, rank)
+    mesh, groups = stage.mesh, stage.groups
+    named = [(n, q) for chunk in stage.chunks.values() for n, q in chunk.named_parameters()]
+    optimizer = build_adamw(named, cfg.optim)
+    lead = rank == 0
     out = Path(r.out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "config.json", cfg.to_dict())
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / "config.json", cfg.to_dict())
     seq_len, g = cfg.data.seq_len, cfg.global_batch
     tokens_per_step = g * seq_len
     eval_set = heldout_batches(corpus.heldout, r.eval_batches, p.micro_batch_size, seq_len)
+    eval_tokens = sum(y.numel() for _, y in eval_set)
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out)
-    n_params = param_count(cfg.model)
-    console_info = (f"model {cfg.model.preset}: {n_params / 1e6:.2f}M parameters, "
-                    f"{flops_per_token(cfg.model, seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
-                    f"{len(corpus.train):,} train tokens, unigram baseline {result.unigram:.3f} nats")
-    metrics = MetricsLog(out / "metrics.jsonl")
-    with StepProgress(r.max_steps, 0, r.progress) as progress:
-        if r.progress:
-            progress.console.print(console_info)
+    show = r.progress and lead
+    metrics = MetricsLog(out / "metrics.jsonl") if lead else None
+    peak_live = 0
+    with StepProgress(r.max_steps, 0, show) as progress:
+        if show:
+            progress.console.print(
+                f"model {cfg.model.preset}: {param_count(cfg.model) / 1e6:.2f}M parameters, "
+                f"{flops_per_token(cfg.model, seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
+                f"{len(corpus.train):,} train tokens, unigram baseline {result.unigram:.3f} nats; "
+                f"layout pp={p.pp} dp={p.dp} schedule={p.schedule.value} M={p.microbatches}")
         for step in range(r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
             t0 = time.perf_counter()
+            stage.executor.p2p.step = step + 1
             batch = global_batch(corpus.train, step, r.seed, g, seq_len)
-            loss = 0.0
-            for x, y in microbatches_for_rank(batch, 0, 1, p.microbatches):
-                with autocast(r.dtype):
-                    logits = model(x)
-                mb_loss = lm_loss(logits, y, denom=tokens_per_step)
-                mb_loss.backward()
-                loss += float(mb_loss.detach())
-            max_norm = cfg.optim.grad_clip or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
+            stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
+            peak_live = max(peak_live, stats.peak_live)
+            allreduce_grads(stage.params, groups.dp, p.bucket_mb, p.timeout_s, f"rank {rank}, step {step + 1}")
+            grad_norm = clip_by_global_norm(stage.params, cfg.optim.grad_clip, groups.pp)
+            if optimizer is not None:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss = all_sum([stats.loss], groups.world)[0]
             dt = time.perf_counter() - t0
+            result.losses.append(loss)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": tokens_per_step * (step + 1), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
-                record["heldout_loss"] = result.heldout[step + 1] = heldout_loss(model, eval_set, r.dtype)
-            metrics.write(record)
-            result.losses.append(loss)
+                total = all_sum([stage.executor.evaluate(eval_set)], groups.pp)[0]
+                record["heldout_loss"] = result.heldout[step + 1] = total / eval_tokens
+            if metrics:
+                metrics.write(record)
             progress.update(step, loss, record["tokens_per_s"])
-    metrics.close()
-    if r.sample_tokens and corpus.tokenizer is not None:
-        prompt = corpus.tokenizer.encode_many(["def "])[0]
-        ids = sample(model, prompt, r.sample_tokens, cfg.model.max_seq_len, r.seed)
+    if metrics:
+        metrics.close()
+    result.peak_live = peak_live
+    result.params = {n: q.detach().clone() for n, q in named}
+    finish_run(cfg, stage, corpus, result, peak_live, progress if show else None)
+    return result
+
+
+def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult, peak_live: int,
+               progress: StepProgress | None) -> None:
+    """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
+    p, r = cfg.parallel, cfg.run
+    per_rank = [peak_live]
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(per_rank, peak_live)
+    if stage.mesh.rank != 0:
+        return
+    if r.sample_tokens and corpus.tokenizer is not None and len(stage.chunks) == 1 and p.pp == 1:
+        model = next(iter(stage.chunks.values()))
+        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], r.sample_tokens, cfg.model.max_seq_len, r.seed)
         result.sample_text = corpus.tokenizer.decode(ids)
     final = result.heldout[r.max_steps]
-    atomic_write_json(out / "summary.json", {
-        "layout": {"pp": 1, "dp": 1, "zero": p.zero, "schedule": p.schedule.value, "microbatches": p.microbatches},
-        "params": n_params, "unigram_baseline": result.unigram, "final_heldout_loss": final,
+    atomic_write_json(result.out / "summary.json", {
+        "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "schedule": p.schedule.value,
+                   "microbatches": p.microbatches, "virtual_stages": p.virtual_stages},
+        "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": result.losses[-1], "steps": r.max_steps,
+        "peak_live_activations": {"measured": per_rank[:: p.dp], "simulated": stage.predicted.peak_activations},
+        "simulated_bubble": stage.predicted.bubble,
     })
-    if r.progress:
-        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); run in {out}")
+    if progress:
+        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); run in {result.out}")
         if result.sample_text:
             progress.console.print("sample:\n" + result.sample_text)
-    return result

@@ -1,0 +1,71 @@
+"""The pp x dp arrangement of ranks as a value: which stage and replica a rank is, and its groups.
+
+Global rank = pp_rank * dp + dp_rank, so the D replicas of one stage are neighbours (on one node
+when D divides the node size) and their gradient collectives stay on the fastest links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Mesh:
+    pp: int
+    dp: int
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.pp * self.dp:
+            raise ValueError(f"rank {self.rank} outside a {self.pp} x {self.dp} mesh")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank % self.dp
+
+    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline (same replica, every stage)."""
+        return [self.global_rank(p, self.dp_rank) for p in range(self.pp)]
+
+    def dp_ranks(self) -> list[int]:
+        """Global ranks holding this rank's stage (every replica)."""
+        return [self.global_rank(self.pp_rank, d) for d in range(self.dp)]
+
+
+@dataclass
+class Groups:
+    """Process groups of one mesh; None where the group would be this rank alone."""
+
+    pp: Any
+    dp: Any
+    world: Any
+
+
+def build_groups(mesh: Mesh) -> Groups:
+    """Create every pp and dp group (a collective call: all ranks must call it with the same mesh)."""
+    if mesh.world_size == 1:
+        return Groups(None, None, None)
+    pp_group = dp_group = None
+    for d in range(mesh.dp):
+        g = dist.new_group([mesh.global_rank(p, d) for p in range(mesh.pp)])
+        if d == mesh.dp_rank:
+            pp_group = g
+    for p in range(mesh.pp):
+        g = dist.new_group([mesh.global_rank(p, d) for d in range(mesh.dp)])
+        if p == mesh.pp_rank:
+            dp_group = g
+    return Groups(pp_group if mesh.pp > 1 else None, dp_group if mesh.dp > 1 else None, dist.group.WORLD)

@@ -1,0 +1,71 @@
+"""Cut the layer list [embedding, blocks..., head] into contiguous stage chunks.
+
+Policies: `uniform` (layer count), `params` (parameter count) and `cost` (modelled time per layer,
+where the LM head's vocab x dim matmul and the embedding's memory traffic count, which matter at
+small sizes), or an explicit list of layers per chunk. Balanced cuts minimise the heaviest chunk.
+"""
+
+from __future__ import annotations
+
+from pipezero.config import ModelConfig, Partition
+from pipezero.models.presets import block_params, layer_param_counts
+
+
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Relative training time per layer: matmul FLOPs (6 per weight a token) plus attention; the
+    embedding costs its gather and scatter-add, about one pass over its rows' bytes."""
+    attn = 12.0 * seq_len * cfg.dim
+    block = 6.0 * (block_params(cfg) - 2 * cfg.dim) + attn
+    head = 6.0 * cfg.vocab_size * cfg.dim
+    emb = 2.0 * cfg.dim
+    return [emb] + [block] * cfg.n_layers + [head]
+
+
+def balanced_cuts(weights: list[float], n: int) -> list[int]:
+    """Layer counts of `n` contiguous chunks (each >= 1) minimising the heaviest chunk's weight."""
+    if n > len(weights):
+        raise ValueError(f"cannot cut {len(weights)} layers into {n} non-empty chunks")
+    lo, hi = max(weights), sum(weights)
+
+    def chunks_needed(limit: float) -> list[int] | None:
+        counts, acc, k = [], 0.0, 0
+        for w in weights:
+            if k > 0 and acc + w > limit:
+                counts.append(k)
+                acc, k = 0.0, 0
+            acc += w
+            k += 1
+        counts.append(k)
+        return counts if len(counts) <= n else None
+
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if chunks_needed(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    counts = chunks_needed(hi) or [1] * n
+    while len(counts) < n:  # split the largest chunk to reach exactly n
+        i = max(range(len(counts)), key=lambda j: counts[j])
+        counts[i:i + 1] = [counts[i] - counts[i] // 2, counts[i] // 2]
+    return counts
+
+
+def partition(cfg: ModelConfig, n_chunks: int, policy: Partition, seq_len: int,
+              explicit: list[int] | None = None) -> list[tuple[int, int]]:
+    """[start, stop) layer slices of the `n_chunks` chunks in model order."""
+    n_layers = cfg.n_layers + 2
+    if explicit is not None:
+        counts = list(explicit)
+    elif policy is Partition.UNIFORM:
+        base, extra = divmod(n_layers, n_chunks)
+        counts = [base + (1 if i < extra else 0) for i in range(n_chunks)]
+    elif policy is Partition.PARAMS:
+        counts = balanced_cuts([float(x) for x in layer_param_counts(cfg)], n_chunks)
+    else:
+        counts = balanced_cuts(layer_costs(cfg, seq_len), n_chunks)
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds

@@ -1,0 +1,124 @@
+"""Play one rank's action list: the runtime adds no policy of its own.
+
+F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
+last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
+sends the input gradient back. A split backward uses autograd twice: B differentiates the output
+with respect to the chunk's input only (keeping the graph), W later with respect to the parameters,
+so zero-bubble schedules really defer weight gradients into their bubbles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from pipezero.config import DType
+from pipezero.models import StageChunk, lm_loss
+from pipezero.runtime.autocast import autocast
+from pipezero.runtime.p2p import P2P, Kind
+from pipezero.schedules.actions import Action, Op
+
+LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
+
+
+@dataclass
+class StepStats:
+    loss: float  # this rank's share of the global mean loss (non-zero only on the last chunk)
+    peak_live: int  # most chunk activations held at once (F done, B or W not yet)
+
+
+@dataclass
+class _Live:
+    inp: torch.Tensor  # tokens, or the received activation (requires grad)
+    out: torch.Tensor  # output activation, or the loss on the last chunk
+    grad: torch.Tensor | None = None  # gradient of `out`, kept between B and W
+
+
+class Executor:
+    def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
+                 recompute: bool = False) -> None:
+        self.chunks = chunks
+        self.last = n_chunks - 1
+        self.p2p = p2p
+        self.dtype = dtype
+        self.recompute = recompute
+
+    def _forward(self, chunk: StageChunk, x: torch.Tensor) -> torch.Tensor:
+        with autocast(self.dtype):
+            if self.recompute and torch.is_grad_enabled():
+                return checkpoint(chunk, x, use_reentrant=False)
+            return chunk(x)
+
+    def _prefetch(self, actions: Sequence[Action]) -> None:
+        for a in actions:
+            if a.op is Op.F and a.chunk > 0:
+                self.p2p.post_recv(Kind.ACT, a.chunk, a.mb)
+            elif a.op in (Op.B, Op.BW) and a.chunk < self.last:
+                self.p2p.post_recv(Kind.GRAD, a.chunk, a.mb)
+
+    def run(self, actions: Sequence[Action], microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+            denom: float) -> StepStats:
+        live: dict[tuple[int, int], _Live] = {}
+        loss = torch.zeros(())
+        peak = 0
+        for i, a in enumerate(actions):
+            self._prefetch(actions[i + 1:i + 1 + LOOKAHEAD])
+            key = (a.chunk, a.mb)
+            chunk = self.chunks[a.chunk]
+            if a.op is Op.F:
+                if a.chunk == 0:
+                    x = microbatches[a.mb][0]
+                else:
+                    x = self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
+                y = self._forward(chunk, x)
+                if a.chunk == self.last:
+                    y = lm_loss(y, microbatches[a.mb][1], denom)
+                    loss += y.detach()
+                else:
+                    self.p2p.send(Kind.ACT, a.chunk + 1, a.mb, y)
+                live[key] = _Live(x, y)
+                peak = max(peak, len(live))
+            elif a.op is Op.W:
+                st = live.pop(key)
+                params = [p for p in chunk.parameters() if p.requires_grad]
+                if params:
+                    grads = torch.autograd.grad(st.out, params, st.grad, allow_unused=True)
+                    for p, g in zip(params, grads):
+                        if g is not None:
+                            p.grad = g if p.grad is None else p.grad.add_(g)
+            else:  # B or BW
+                st = live[key]
+                grad = None if a.chunk == self.last else self.p2p.recv(Kind.GRAD, a.chunk, a.mb)
+                if a.op is Op.BW:
+                    del live[key]
+                    torch.autograd.backward(st.out, grad)
+                    if a.chunk > 0:
+                        self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, st.inp.grad)
+                else:
+                    st.grad = grad
+                    if a.chunk > 0:
+                        (gx,) = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)
+                        self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
+        self.p2p.finish()
+        if live:
+            raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
+        return StepStats(float(loss), peak)
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward only, micro-batch by micro-batch through this rank's chunks in model order; the
+        summed token loss is non-zero on the rank holding the last chunk."""
+        total = torch.zeros((), dtype=torch.float64)
+        for mb, (tokens, targets) in enumerate(batches):
+            for c in sorted(self.chunks):
+                x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
+                y = self._forward(self.chunks[c], x)
+                if c == self.last:
+                    total += float(lm_loss(y, targets, 1.0))
+                else:
+                    self.p2p.send(Kind.EVAL, c + 1, mb, y)
+        self.p2p.finish()
+        return float(total)

@@ -1,0 +1,100 @@
+"""Point-to-point transfers between stage chunks: async, pre-posted, and timed out with a message.
+
+Every transfer is named by (kind, consumer chunk, micro-batch), which also gives its tag, so two
+chunks on one pair of ranks never mix their messages. Shapes are fixed for a run (B, T, dim) and
+known to both sides, so nothing but the payload travels. Sends are posted and not waited for until
+the end of the step; receives are posted ahead of the action that needs them. Neighbouring chunks on
+the same rank (the V placement's turn) hand tensors over in memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Kind(enum.IntEnum):
+    ACT = 0  # activation into chunk c from chunk c-1
+    GRAD = 1  # gradient into chunk c from chunk c+1
+    EVAL = 2  # forward-only activation during evaluation
+
+
+class PipelineTimeout(RuntimeError):
+    """A wait on a peer ran past the timeout; the message names rank, step and what was awaited."""
+
+
+@dataclass
+class P2P:
+    rank: int  # this process's global rank
+    rank_of_chunk: dict[int, int]  # chunk -> global rank holding it (in this pipeline)
+    shape: tuple[int, ...]
+    timeout_s: float
+    n_chunks: int
+    dtype: torch.dtype = torch.float32
+    step: int = 0
+    _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    _sends: list[tuple[Any, str]] = field(default_factory=list)
+
+    def _tag(self, kind: Kind, chunk: int, mb: int) -> int:
+        # Micro-batch in the low 16 bits: evaluation may run more batches than a step's M.
+        return ((int(kind) * self.n_chunks + chunk) << 16) + mb
+
+    def _source(self, kind: Kind, chunk: int) -> int:
+        return self.rank_of_chunk[chunk + 1 if kind is Kind.GRAD else chunk - 1]
+
+    def describe(self, kind: Kind, chunk: int, mb: int) -> str:
+        what = "gradient" if kind is Kind.GRAD else "activation"
+        return (f"rank {self.rank}, step {self.step}: chunk {chunk} waiting for {what} of micro-batch {mb} "
+                f"from rank {self._source(kind, chunk)}")
+
+    def post_recv(self, kind: Kind, chunk: int, mb: int) -> None:
+        key = (int(kind), chunk, mb)
+        src = self._source(kind, chunk)
+        if key in self._recvs or key in self._local or src == self.rank:
+            return
+        buf = torch.empty(self.shape, dtype=self.dtype)
+        self._recvs[key] = (dist.irecv(buf, src=src, tag=self._tag(kind, chunk, mb)), buf)
+
+    def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:
+        key = (int(kind), chunk, mb)
+        if key in self._local:
+            return self._local.pop(key)
+        self.post_recv(kind, chunk, mb)
+        work, buf = self._recvs.pop(key)
+        self._wait(work, self.describe(kind, chunk, mb))
+        return buf
+
+    def send(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+        """Send to the rank holding `consumer` (the chunk that will receive it)."""
+        dst = self.rank_of_chunk[consumer]
+        payload = tensor.detach().to(self.dtype).contiguous()
+        if dst == self.rank:
+            self._local[(int(kind), consumer, mb)] = payload
+            return
+        work = dist.isend(payload, dst=dst, tag=self._tag(kind, consumer, mb))
+        what = "gradient" if kind is Kind.GRAD else "activation"
+        self._sends.append((work, f"rank {self.rank}, step {self.step}: sending {what} of micro-batch {mb} "
+                                  f"for chunk {consumer} to rank {dst}"))
+
+    def finish(self) -> None:
+        """Wait for every send of the step, so buffers can be reused and a dead peer is noticed."""
+        for work, what in self._sends:
+            self._wait(work, what)
+        self._sends.clear()
+        if self._recvs or self._local:
+            left = sorted(self._recvs) + sorted(self._local)
+            raise RuntimeError(f"rank {self.rank}, step {self.step}: transfers never consumed: {left}")
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise PipelineTimeout(f"{what}: failed or timed out after {self.timeout_s:g}s ({e})") from e
+        if ok is False:
+            raise PipelineTimeout(f"{what}: timed out after {self.timeout_s:g}s")
