@@ -1,0 +1,75 @@
+"""The one helper that runs a function on W gloo ranks (every distributed test uses it).
+
+Each rank is a spawned process joined through a FileStore (no fixed port), runs `fn(rank, world,
+*args)` and pickles its return value to a file before tearing down, so a crash during gloo teardown
+("terminate called without an active exception") cannot turn a passed test into a failure. The
+parent kills every rank after `timeout` seconds and fails with every rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable, args: tuple, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    result: dict[str, Any]
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        result = {"ok": True, "value": fn(rank, world, *args)}
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    tmp = Path(out_dir) / f".rank{rank}.tmp"
+    tmp.write_bytes(pickle.dumps(result))
+    tmp.rename(Path(out_dir) / f"rank{rank}.pkl")
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)  # skip interpreter teardown: gloo threads can abort it after the result is safe
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, threads: int = 1) -> list[Any]:
+    """Run `fn(rank, world, *args)` on `world` processes; return the values in rank order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world, store, tmp, fn, args, threads), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results: list[dict[str, Any] | None] = []
+        for r in range(world):
+            f = Path(tmp) / f"rank{r}.pkl"
+            results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
+    errors = []
+    for r, res in enumerate(results):
+        if res is None:
+            errors.append(f"rank {r}: {'hung (killed after timeout)' if r in hung else 'died without a result'}")
+        elif not res["ok"]:
+            errors.append(f"rank {r}: {res['error']}\n{res['traceback']}")
+    if errors:
+        raise AssertionError("distributed test failed:\n" + "\n".join(errors))
+    return [res["value"] for res in results]  # type: ignore[index]
