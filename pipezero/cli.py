@@ -99,6 +99,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != cfg.parallel.world_size:
         raise ConfigError(f"--nproc {args.nproc} but --pp {cfg.parallel.pp} x --dp {cfg.parallel.dp} = "
                           f"{cfg.parallel.world_size}; make them equal")
+    if args.nproc is not None and args.nproc > 1:
+        from pipezero.launch import launch_local, under_torchrun
+
+        if not under_torchrun():
+            from pipezero.data import load_corpus
+
+            load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
+            return launch_local(args.nproc, args.argv)
     train(cfg)
     return 0
 
@@ -115,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -116,3 +116,22 @@ def test_eight_ranks_pp4_dp2(text_dir, tmp_path):
     cases = layouts(4, 2)
     results = run_ranks(train_many, 8, str(text_dir), str(tmp_path), [(4, 2, cases)], timeout=900)
     assert_same_training([r[0] for r in results], 2, str(text_dir), tmp_path)
+
+
+@pytest.mark.slow
+def test_cli_nproc_launches_through_torchrun(text_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", "--dp", "1",
+           "--schedule", "zb-h1", "--microbatches", "4", "--data", str(text_dir), "--tokenizer", "bytes",
+           "--seq-len", "32", "--max-steps", "6", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 7))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layout"]["pp"] == 2 and summary["layout"]["schedule"] == "zb-h1"
+    assert summary["peak_live_activations"]["measured"] == summary["peak_live_activations"]["simulated"]

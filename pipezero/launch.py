@@ -1,0 +1,38 @@
+"""`--nproc N`: start N local ranks through torch.distributed's own launcher (torchrun).
+
+Under an outside `torchrun` (several machines, `--nnodes K --rdzv-backend c10d`) nothing is
+launched: the ranks read RANK / WORLD_SIZE / MASTER_ADDR from the environment torchrun set.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def strip_nproc(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def launch_local(nproc: int, argv: Sequence[str]) -> int:
+    """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
+    localhost, so runs never collide), and return the job's exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "pipezero.cli", *strip_nproc(argv)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
