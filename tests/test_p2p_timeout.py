@@ -1,0 +1,28 @@
+"""A peer that never sends makes the waiting rank fail within the timeout, naming rank and operation."""
+
+import time
+
+from dist import run_ranks
+
+
+def silent_peer(rank: int, world: int) -> str:
+    from pipezero.runtime.p2p import P2P, Kind, PipelineTimeout
+
+    p2p = P2P(rank, {0: 0, 1: 1}, (2, 4), timeout_s=2.0, n_chunks=2, step=7)
+    if rank == 0:
+        time.sleep(4.0)  # stalls: never sends the activation
+        return "stalled"
+    t0 = time.monotonic()
+    try:
+        p2p.recv(Kind.ACT, 1, 5)
+    except PipelineTimeout as e:
+        return f"{time.monotonic() - t0:.1f}s|{e}"
+    return "received?"
+
+
+def test_silent_peer_times_out_with_named_operation():
+    stalled, message = run_ranks(silent_peer, 2, timeout=60)
+    assert stalled == "stalled"
+    took, text = message.split("|", 1)
+    assert float(took[:-1]) < 10
+    assert "rank 1, step 7: chunk 1 waiting for activation of micro-batch 5 from rank 0" in text
