@@ -22,7 +22,7 @@ from pipezero.config import ConfigError, TrainConfig
 from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.generate import sample
 from pipezero.models import build_chunk, flops_per_token, param_count
-from pipezero.optim import build_adamw, lr_at
+from pipezero.optim import lr_at
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
@@ -30,7 +30,7 @@ from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
-from pipezero.zero.allreduce import allreduce_grads
+from pipezero.zero.sharded import ZeroDP, named_by_chunk
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.util import atomic_write_json
 
@@ -81,20 +81,6 @@ def all_sum(values: list[float], group: object | None) -> list[float]:
     return t.tolist()
 
 
-def clip_by_global_norm(params: list[torch.nn.Parameter], max_norm: float, pp_group: object | None) -> float:
-    """Norm over every stage's gradients (each parameter lives on one pipeline rank; replicas hold
-    equal gradients after the data-parallel reduce), then the same scaling as torch's clip_grad_norm_."""
-    local = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-    norm = math.sqrt(all_sum([local], pp_group)[0])
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-    return norm
-
-
 @dataclass
 class Stage:
     """What one rank holds: its mesh position, schedule, chunks, and the executor that runs them."""
@@ -105,7 +91,7 @@ class Stage:
     predicted: SimResult
     chunks: dict[int, torch.nn.Module]
     executor: Executor
-    params: list[torch.nn.Parameter]
+    zero: ZeroDP
 
 
 def build_stage(cfg: TrainConfig, rank: int) -> Stage:
@@ -119,12 +105,10 @@ def build_stage(cfg: TrainConfig, rank: int) -> Stage:
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
               schedule.n_chunks)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute)
-    seen: dict[int, torch.nn.Parameter] = {}
-    for chunk in chunks.values():
-        for q in chunk.parameters():
-            seen.setdefault(id(q), q)
-    return Stage(mesh, groups, schedule, predicted, chunks, executor, list(seen.values()))
+    zero = ZeroDP(named_by_chunk(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim, p.grad_reduce,
+                  p.bucket_mb, p.timeout_s, rank)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero)
+    return Stage(mesh, groups, schedule, predicted, chunks, executor, zero)
 
 
 def train(cfg: TrainConfig) -> RunResult:
@@ -137,8 +121,7 @@ def train(cfg: TrainConfig) -> RunResult:
     check_vocab(cfg, corpus)
     stage = build_stage(cfg, rank)
     mesh, groups = stage.mesh, stage.groups
-    named = [(n, q) for chunk in stage.chunks.values() for n, q in chunk.named_parameters()]
-    optimizer = build_adamw(named, cfg.optim)
+    named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
     lead = rank == 0
     out = Path(r.out)
     if lead:
@@ -165,22 +148,19 @@ def train(cfg: TrainConfig) -> RunResult:
             stage.executor.p2p.step = step + 1
             batch = global_batch(corpus.train, step, r.seed, g, seq_len)
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
+            stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
-            allreduce_grads(stage.params, groups.dp, p.bucket_mb, p.timeout_s, f"rank {rank}, step {step + 1}")
-            grad_norm = clip_by_global_norm(stage.params, cfg.optim.grad_clip, groups.pp)
-            if optimizer is not None:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            grad_norm = stage.zero.step(lr, cfg.optim.grad_clip, groups.world)
             loss = all_sum([stats.loss], groups.world)[0]
             dt = time.perf_counter() - t0
             result.losses.append(loss)
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": tokens_per_step * (step + 1), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
+                stage.zero.gather_all()
                 total = all_sum([stage.executor.evaluate(eval_set)], groups.pp)[0]
+                stage.zero.release_all()
                 record["heldout_loss"] = result.heldout[step + 1] = total / eval_tokens
             if metrics:
                 metrics.write(record)
@@ -188,7 +168,9 @@ def train(cfg: TrainConfig) -> RunResult:
     if metrics:
         metrics.close()
     result.peak_live = peak_live
+    stage.zero.gather_all()
     result.params = {n: q.detach().clone() for n, q in named}
+    stage.zero.release_all()
     finish_run(cfg, stage, corpus, result, peak_live, progress if show else None)
     return result
 

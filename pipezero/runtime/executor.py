@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -22,6 +23,33 @@ from pipezero.runtime.p2p import P2P, Kind
 from pipezero.schedules.actions import Action, Op
 
 LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
+
+
+class GradHooks(Protocol):
+    """What the data-parallel layer (ZeRO) needs to hear from the executor."""
+
+    def before_forward(self, chunk: int) -> None: ...
+
+    def before_backward(self, chunk: int) -> None: ...
+
+    def after_backward(self, chunk: int, final: bool) -> None: ...
+
+
+class NoHooks:
+    def before_forward(self, chunk: int) -> None:
+        pass
+
+    def before_backward(self, chunk: int) -> None:
+        pass
+
+    def after_backward(self, chunk: int, final: bool) -> None:
+        pass
+
+
+def last_weight_grad(actions: Sequence[Action]) -> dict[int, int]:
+    """Index of each chunk's last gradient-producing action (W or BW): after it, the chunk's
+    gradients for the step are complete and may be reduced."""
+    return {a.chunk: i for i, a in enumerate(actions) if a.op in (Op.W, Op.BW)}
 
 
 @dataclass
@@ -39,8 +67,9 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, hooks: GradHooks | None = None) -> None:
         self.chunks = chunks
+        self.hooks = hooks or NoHooks()
         self.last = n_chunks - 1
         self.p2p = p2p
         self.dtype = dtype
@@ -64,11 +93,15 @@ class Executor:
         live: dict[tuple[int, int], _Live] = {}
         loss = torch.zeros(())
         peak = 0
+        final = last_weight_grad(actions)
         for i, a in enumerate(actions):
             self._prefetch(actions[i + 1:i + 1 + LOOKAHEAD])
             key = (a.chunk, a.mb)
             chunk = self.chunks[a.chunk]
+            if a.op in (Op.W, Op.BW):
+                self.hooks.before_backward(a.chunk)
             if a.op is Op.F:
+                self.hooks.before_forward(a.chunk)
                 if a.chunk == 0:
                     x = microbatches[a.mb][0]
                 else:
@@ -102,6 +135,8 @@ class Executor:
                     if a.chunk > 0:
                         (gx,) = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)
                         self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
+            if a.op in (Op.W, Op.BW):
+                self.hooks.after_backward(a.chunk, final[a.chunk] == i)
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
+
+__all__ = ["P2P", "Kind", "PipelineTimeout"]
 
 
 class Kind(enum.IntEnum):
     ACT = 0  # activation into chunk c from chunk c-1
     GRAD = 1  # gradient into chunk c from chunk c+1
     EVAL = 2  # forward-only activation during evaluation
-
-
-class PipelineTimeout(RuntimeError):
-    """A wait on a peer ran past the timeout; the message names rank, step and what was awaited."""
 
 
 @dataclass
@@ -92,9 +91,4 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}, step {self.step}: transfers never consumed: {left}")
 
     def _wait(self, work: Any, what: str) -> None:
-        try:
-            ok = work.wait(timeout=timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            raise PipelineTimeout(f"{what}: failed or timed out after {self.timeout_s:g}s ({e})") from e
-        if ok is False:
-            raise PipelineTimeout(f"{what}: timed out after {self.timeout_s:g}s")
+        wait_or_raise(work, self.timeout_s, what)

@@ -1,0 +1,100 @@
+"""Flat buckets: the parameters of a stage chunk laid end to end, padded to a multiple of D.
+
+Each bucket owns one flat fp32 parameter buffer and (while gradients exist) one flat gradient buffer;
+the parameters and their `.grad` are views into them, so a collective moves a whole bucket with no
+per-tensor calls and no copies. Data-parallel rank d owns the slice [d*S, (d+1)*S) of every bucket
+(S = padded size / D). Padding is zeros that no parameter maps to: it is reduced, updated and
+gathered like the rest and never read back, so sizes need not divide by D.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    params: list[nn.Parameter]
+    offsets: list[int]  # start of each parameter in the flat buffer
+    numel: int  # real elements (without padding)
+    dp: int
+    dp_rank: int
+    flat: torch.Tensor = field(init=False)  # (padded,) fp32; parameters are views into it
+    grad: torch.Tensor | None = None  # (padded,) while gradients accumulate
+
+    def __post_init__(self) -> None:
+        self.flat = torch.zeros(self.padded)
+        for p, off in zip(self.params, self.offsets):
+            self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[off:off + p.numel()].view_as(p)
+
+    @property
+    def padded(self) -> int:
+        return -(-self.numel // self.dp) * self.dp
+
+    @property
+    def shard_size(self) -> int:
+        return self.padded // self.dp
+
+    @property
+    def shard(self) -> slice:
+        return slice(self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size)
+
+    def attach_grads(self) -> None:
+        """Give every parameter a zeroed `.grad` view into one flat gradient buffer."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.padded)
+            for p, off in zip(self.params, self.offsets):
+                p.grad = self.grad[off:off + p.numel()].view_as(p)
+
+    def detach_grads(self) -> None:
+        """Drop the full gradient (ZeRO-2/3 keep only their shard)."""
+        self.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def decay_mask(self, whole: bool = False) -> torch.Tensor:
+        """True where AdamW's weight decay applies (matrices, not norm gains), over this rank's
+        shard, or over the whole bucket when `whole` (stage 0 updates everything)."""
+        mask = torch.zeros(self.padded, dtype=torch.bool)
+        for p, off in zip(self.params, self.offsets):
+            if p.dim() >= 2:
+                mask[off:off + p.numel()] = True
+        return mask if whole else mask[self.shard].clone()
+
+
+def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int) -> list[Bucket]:
+    """Group parameters into buckets of about `bucket_mb` in reverse model order, the order in which
+    backward produces their gradients, so the first bucket is ready first."""
+    limit = int(bucket_mb * 2**20 / 4)
+    out: list[Bucket] = []
+    current: list[tuple[str, nn.Parameter]] = []
+    size = 0
+
+    def close() -> None:
+        nonlocal current, size
+        if current:
+            offsets, acc = [], 0
+            for _, p in current:
+                offsets.append(acc)
+                acc += p.numel()
+            out.append(Bucket([n for n, _ in current], [p for _, p in current], offsets, acc, dp, dp_rank))
+        current, size = [], 0
+
+    for name, p in reversed([(n, p) for n, p in named if p.requires_grad]):
+        current.append((name, p))
+        size += p.numel()
+        if size >= limit:
+            close()
+    close()
+    return out
+
+
+def iter_params(buckets: Sequence[Bucket]) -> Iterator[tuple[str, nn.Parameter]]:
+    for b in buckets:
+        yield from zip(b.names, b.params)

@@ -1,0 +1,241 @@
+"""ZeRO stages 0-3 over the data-parallel ranks of one pipeline stage, driven by executor hooks.
+
+The executor tells this object when a chunk is about to run forward, before and after each backward,
+and whether that backward is the chunk's last of the step. From those moments alone:
+
+- stage 0: gradients accumulate in flat buckets; at a chunk's last backward each bucket's all-reduce
+  starts (async, overlapping the rest of the schedule); every rank updates everything.
+- stage 1: the same all-reduce, but each rank updates only its shard (fp32 master and Adam state for
+  1/D of the parameters) and the buckets are all-gathered after the step.
+- stage 2: gradients are reduce-scattered instead, so each rank keeps only its shard. With
+  `grad_reduce=step` the full gradient still accumulates over the step's micro-batches (one
+  reduce-scatter a step, at the chunk's last backward); with `grad_reduce=microbatch` every
+  backward reduce-scatters into the fp32 shard at once and the full gradient is dropped.
+- stage 3: parameters live only as shards between uses; a chunk's buckets are all-gathered before
+  its first forward of the step and kept for its micro-batches (memory for traffic), then released
+  after its last backward. The storage is resized to zero, not reallocated, so autograd's saved
+  views stay valid across the gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.config import GradReduce, OptimConfig
+from pipezero.parallel.waits import wait_or_raise
+from pipezero.zero.adamw import ShardedAdamW
+from pipezero.zero.buckets import Bucket, make_buckets
+
+
+@dataclass
+class _Pending:
+    work: Any
+    bucket: Bucket
+    out: torch.Tensor | None  # reduce-scatter output, added into the shard gradient on completion
+
+
+@dataclass
+class ZeroDP:
+    chunk_params: dict[int, list[tuple[str, nn.Parameter]]]
+    stage: int
+    dp: int
+    dp_rank: int
+    dp_group: Any  # None when dp == 1
+    optim: OptimConfig
+    grad_reduce: GradReduce = GradReduce.STEP
+    bucket_mb: float = 25.0
+    timeout_s: float = 300.0
+    rank: int = 0
+    buckets: dict[int, list[Bucket]] = field(init=False)
+    opt: ShardedAdamW = field(init=False)
+    bytes_sent: int = 0
+    step_no: int = 0
+    _pending: list[_Pending] = field(default_factory=list)
+    _shard_grad: dict[int, torch.Tensor] = field(default_factory=dict)  # id(bucket) -> (S,) fp32
+    _master: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 3: id(bucket) -> (S,)
+    _gathered: set[int] = field(default_factory=set)  # stage 3: chunks whose params are present
+
+    def __post_init__(self) -> None:
+        self.buckets = {c: make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
+                        for c, named in self.chunk_params.items()}
+        self.opt = ShardedAdamW(self.optim)
+        for b in self.all_buckets():
+            size = b.padded if self.stage == 0 else b.shard_size
+            mask = b.decay_mask(whole=self.stage == 0)
+            self.opt.add_shard(size, mask)
+            if self.stage == 3:
+                self._master[id(b)] = b.flat[b.shard].clone()
+                _release(b)
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def all_buckets(self) -> list[Bucket]:
+        return [b for c in sorted(self.buckets) for b in self.buckets[c]]
+
+    @property
+    def _sharded_grads(self) -> bool:
+        return self.stage >= 2
+
+    def _what(self, op: str) -> str:
+        return f"rank {self.rank}, step {self.step_no}: ZeRO-{self.stage} {op} across {self.dp} data-parallel ranks"
+
+    # --- executor hooks ----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.step_no += 1
+        for b in self.all_buckets():
+            if b.grad is not None:
+                b.grad.zero_()
+            if self._sharded_grads:
+                self._shard_grad[id(b)] = torch.zeros(b.shard_size)
+
+    def before_forward(self, chunk: int) -> None:
+        if self.stage == 3 and chunk not in self._gathered:
+            for b in self.buckets.get(chunk, []):
+                self._gather(b, self._master[id(b)])
+            self._gathered.add(chunk)
+
+    def before_backward(self, chunk: int) -> None:
+        self.before_forward(chunk)  # stage 3: backward needs the full weights too
+        for b in self.buckets.get(chunk, []):
+            b.attach_grads()
+
+    def after_backward(self, chunk: int, final: bool) -> None:
+        buckets = self.buckets.get(chunk, [])
+        if self._sharded_grads and self.grad_reduce is GradReduce.MICROBATCH:
+            for b in buckets:  # reduce now, drop the full gradient before the next backward
+                self._launch(b)
+            self._drain()
+        elif final:
+            for b in buckets:
+                self._launch(b)
+        if final and self.stage == 3:
+            self._drain()  # the reduce-scatters read the gradient, not the parameters; release both
+            for b in buckets:
+                _release(b)
+            self._gathered.discard(chunk)
+
+    def gather_all(self) -> None:
+        for c in self.buckets:
+            self.before_forward(c)
+
+    def release_all(self) -> None:
+        if self.stage == 3:
+            for c in list(self._gathered):
+                for b in self.buckets[c]:
+                    _release(b)
+            self._gathered.clear()
+
+    # --- collectives -------------------------------------------------------------------------
+    def _launch(self, b: Bucket) -> None:
+        if b.grad is None:
+            return
+        if self.dp_group is None:
+            self._pending.append(_Pending(None, b, b.grad[b.shard] if self._sharded_grads else None))
+            return
+        if self._sharded_grads:
+            out = torch.empty(b.shard_size)
+            work = dist.reduce_scatter_tensor(out, b.grad, group=self.dp_group, async_op=True)
+            self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+        else:
+            out = None
+            work = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
+            self.bytes_sent += 2 * b.padded * 4 * (self.dp - 1) // self.dp
+        self._pending.append(_Pending(work, b, out))
+
+    def _drain(self) -> None:
+        for p in self._pending:
+            if p.work is not None:
+                what = "reduce-scatter of gradients" if self._sharded_grads else "all-reduce of gradients"
+                wait_or_raise(p.work, self.timeout_s, self._what(what))
+            if p.out is not None:
+                self._shard_grad[id(p.bucket)].add_(p.out)
+                p.bucket.detach_grads()
+        self._pending.clear()
+
+    def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
+        if b.flat.untyped_storage().size() == 0:
+            b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+        if self.dp_group is None:
+            b.flat.copy_(shard)
+            return
+        work = dist.all_gather_into_tensor(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
+        wait_or_raise(work, self.timeout_s, self._what("all-gather of parameters"))
+        self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+
+    # --- the optimizer step ------------------------------------------------------------------
+    def _shards(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(parameter shard to update, its gradient, the slice counted once in the norm)."""
+        params, grads, counted = [], [], []
+        for b in self.all_buckets():
+            if self.stage == 0:
+                g = b.grad if b.grad is not None else torch.zeros(b.padded)
+                params.append(b.flat)
+                grads.append(g)
+                counted.append(g[b.shard])
+            elif self.stage == 1:
+                g = b.grad[b.shard] if b.grad is not None else torch.zeros(b.shard_size)
+                params.append(b.flat[b.shard])
+                grads.append(g)
+                counted.append(g)
+            else:
+                g = self._shard_grad[id(b)]
+                params.append(self._master[id(b)] if self.stage == 3 else b.flat[b.shard])
+                grads.append(g)
+                counted.append(g)
+        return params, grads, counted
+
+    def step(self, lr: float, max_norm: float, norm_group: Any) -> float:
+        """Finish the reductions, clip by the global norm over every shard of every stage, update
+        this rank's shards, and make full parameters available again (stages 1 and 2)."""
+        self._drain()
+        params, grads, counted = self._shards()
+        local = sum(float(g.double().pow(2).sum()) for g in counted)
+        total = torch.tensor([local], dtype=torch.float64)
+        if norm_group is not None:
+            work = dist.all_reduce(total, group=norm_group, async_op=True)
+            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: all-reduce of the gradient norm")
+        norm = float(total.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        self.opt.step(params, grads, lr)
+        if self.stage in (1, 2):
+            for b in self.all_buckets():
+                self._gather(b, b.flat[b.shard].clone())
+        return norm
+
+    # --- accounting --------------------------------------------------------------------------
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps for parameters, gradients and optimizer state."""
+        bs = self.all_buckets()
+        params = sum((b.shard_size if self.stage == 3 else b.padded) * 4 for b in bs)
+        if self.stage >= 2:
+            grads = sum(b.shard_size * 4 for b in bs)
+        else:
+            grads = sum(b.padded * 4 for b in bs)
+        # stage 1-2 masters are views of the parameters; stage 3's master is the parameter shard
+        return {"params": params, "grads": grads, "optimizer": self.opt.state_bytes()}
+
+
+def _release(b: Bucket) -> None:
+    b.flat.untyped_storage().resize_(0)
+
+
+def named_by_chunk(chunks: dict[int, nn.Module]) -> dict[int, list[tuple[str, nn.Parameter]]]:
+    """Each chunk's trainable parameters, a tied parameter listed once."""
+    seen: set[int] = set()
+    out: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for c, m in sorted(chunks.items()):
+        out[c] = []
+        for n, p in m.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out[c].append((n, p))
+    return out
+
