@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,6 +31,7 @@ from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
+from pipezero.zero.accounting import explain
 from pipezero.zero.sharded import ZeroDP, named_by_chunk
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.util import atomic_write_json
@@ -168,10 +170,10 @@ def train(cfg: TrainConfig) -> RunResult:
     if metrics:
         metrics.close()
     result.peak_live = peak_live
-    stage.zero.gather_all()
+    stage.zero.gather_all()  # ZeRO-3: full weights for the final snapshot and the text sample
     result.params = {n: q.detach().clone() for n, q in named}
-    stage.zero.release_all()
     finish_run(cfg, stage, corpus, result, peak_live, progress if show else None)
+    stage.zero.release_all()
     return result
 
 
@@ -179,10 +181,14 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
                progress: StepProgress | None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
-    per_rank = [peak_live]
+    mine = {"peak_live": peak_live, "held_bytes": stage.zero.held_bytes(),
+            "params": sum(q.numel() for c in named_by_chunk(stage.chunks).values() for _, q in c),
+            "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    per_rank = [mine]
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(per_rank, peak_live)
+        dist.all_gather_object(per_rank, mine)
     if stage.mesh.rank != 0:
         return
     if r.sample_tokens and corpus.tokenizer is not None and len(stage.chunks) == 1 and p.pp == 1:
@@ -195,8 +201,13 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
                    "microbatches": p.microbatches, "virtual_stages": p.virtual_stages},
         "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": result.losses[-1], "steps": r.max_steps,
-        "peak_live_activations": {"measured": per_rank[:: p.dp], "simulated": stage.predicted.peak_activations},
+        "peak_live_activations": {"measured": [x["peak_live"] for x in per_rank[:: p.dp]],
+                                  "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,
+        "ranks": per_rank,
+        "zero_memory": {**explain(p.zero, p.dp, r.dtype),
+                        "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
+                                                     for x in per_rank]},
     })
     if progress:
         progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); run in {result.out}")

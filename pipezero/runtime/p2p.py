@@ -36,6 +36,7 @@ class P2P:
     n_chunks: int
     dtype: torch.dtype = torch.float32
     step: int = 0
+    bytes_sent: int = 0
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str]] = field(default_factory=list)
@@ -77,6 +78,7 @@ class P2P:
             self._local[(int(kind), consumer, mb)] = payload
             return
         work = dist.isend(payload, dst=dst, tag=self._tag(kind, consumer, mb))
+        self.bytes_sent += payload.numel() * payload.element_size()
         what = "gradient" if kind is Kind.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.step}: sending {what} of micro-batch {mb} "
                                   f"for chunk {consumer} to rank {dst}"))

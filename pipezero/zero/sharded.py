@@ -138,7 +138,7 @@ class ZeroDP:
             return
         if self._sharded_grads:
             out = torch.empty(b.shard_size)
-            work = dist.reduce_scatter_tensor(out, b.grad, group=self.dp_group, async_op=True)
+            work = dist.reduce_scatter_single(out, b.grad, group=self.dp_group, async_op=True)
             self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
         else:
             out = None
@@ -162,7 +162,7 @@ class ZeroDP:
         if self.dp_group is None:
             b.flat.copy_(shard)
             return
-        work = dist.all_gather_into_tensor(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
+        work = dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
         wait_or_raise(work, self.timeout_s, self._what("all-gather of parameters"))
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
 
