@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
-    from pipezero.sim.commands import add_simulate_parser
+    from pipezero.sim.commands import add_plan_parser, add_simulate_parser
 
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

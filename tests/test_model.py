@@ -52,7 +52,7 @@ def test_slices_compose_to_whole_and_init_is_layout_independent():
 def test_tied_embeddings_share_one_parameter_and_start_equal_apart():
     cfg = tiny(tie_embeddings=True)
     whole = build_chunk(cfg, 0, cfg.n_layers + 2, seed=1)
-    head_key = f"layers.{cfg.n_layers + 1}.weight"
+    head_key = f"layers.{cfg.n_layers + 1}.proj.weight"
     assert whole.get_parameter(head_key) is whole.get_parameter("layers.0.weight")
     last = build_chunk(cfg, cfg.n_layers + 1, cfg.n_layers + 2, seed=1)
     torch.testing.assert_close(last.get_parameter(head_key), whole.get_parameter("layers.0.weight"))

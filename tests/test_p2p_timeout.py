@@ -2,7 +2,7 @@
 
 import time
 
-from dist import run_ranks
+from pipezero.parallel.spawn import run_ranks
 
 
 def silent_peer(rank: int, world: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist import run_ranks
+from pipezero.parallel.spawn import run_ranks
 from pipezero.config import ScheduleKind as K
 from training import V_OF, assert_same_training, train_cases
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
+from pipezero.parallel.spawn import run_ranks
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.config import ScheduleKind as K
 from pipezero.zero.adamw import ShardedAdamW

@@ -115,10 +115,10 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.proj = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, vocab)
-        return F.linear(self.norm(x), self.weight)
+        return self.proj(self.norm(x))
 
 
 def build_layer(cfg: ModelConfig, index: int) -> nn.Module:
@@ -164,7 +164,7 @@ class StageChunk(nn.Module):
             self.layers[str(i)] = layer
         if cfg.tie_embeddings and self.is_first and self.is_last:
             # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
-            self.layers[str(stop - 1)].weight = self.layers["0"].weight
+            self.layers[str(stop - 1)].proj.weight = self.layers["0"].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers.values():

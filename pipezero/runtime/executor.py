@@ -9,6 +9,7 @@ so zero-bubble schedules really defer weight gradients into their bubbles.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +21,7 @@ from pipezero.config import DType
 from pipezero.models import StageChunk, lm_loss
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
+from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 
 LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
@@ -56,6 +58,8 @@ def last_weight_grad(actions: Sequence[Action]) -> dict[int, int]:
 class StepStats:
     loss: float  # this rank's share of the global mean loss (non-zero only on the last chunk)
     peak_live: int  # most chunk activations held at once (F done, B or W not yet)
+    elapsed_s: float = 0.0  # wall time of the schedule on this rank
+    wait_s: float = 0.0  # of which blocked on peers: the rank's measured bubble
 
 
 @dataclass
@@ -63,6 +67,8 @@ class _Live:
     inp: torch.Tensor  # tokens, or the received activation (requires grad)
     out: torch.Tensor  # output activation, or the loss on the last chunk
     grad: torch.Tensor | None = None  # gradient of `out`, kept between B and W
+    records: list[Record] | None = None  # weight ops seen in forward (split backward)
+    stash: list | None = None  # (module, x, dy) left by B for W
 
 
 class Executor:
@@ -74,6 +80,10 @@ class Executor:
         self.p2p = p2p
         self.dtype = dtype
         self.recompute = recompute
+        # Split backward by stashing weight-op gradients where the chunk allows it (not the
+        # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
+        self.capture = {} if recompute else {
+            c: cap for c, m in chunks.items() if c > 0 and (cap := WeightGradCapture(m)).supported}
 
     def _forward(self, chunk: StageChunk, x: torch.Tensor) -> torch.Tensor:
         with autocast(self.dtype):
@@ -94,6 +104,8 @@ class Executor:
         loss = torch.zeros(())
         peak = 0
         final = last_weight_grad(actions)
+        t0, waited0 = time.perf_counter(), self.p2p.wait_s
+        split = {a.chunk: True for a in actions if a.op is Op.B}
         for i, a in enumerate(actions):
             self._prefetch(actions[i + 1:i + 1 + LOOKAHEAD])
             key = (a.chunk, a.mb)
@@ -106,18 +118,25 @@ class Executor:
                     x = microbatches[a.mb][0]
                 else:
                     x = self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
-                y = self._forward(chunk, x)
+                records = None
+                if a.chunk in self.capture and split.get(a.chunk):
+                    with self.capture[a.chunk].recording() as records:
+                        y = self._forward(chunk, x)
+                else:
+                    y = self._forward(chunk, x)
                 if a.chunk == self.last:
                     y = lm_loss(y, microbatches[a.mb][1], denom)
                     loss += y.detach()
                 else:
                     self.p2p.send(Kind.ACT, a.chunk + 1, a.mb, y)
-                live[key] = _Live(x, y)
+                live[key] = _Live(x, y, records=records)
                 peak = max(peak, len(live))
             elif a.op is Op.W:
                 st = live.pop(key)
                 params = [p for p in chunk.parameters() if p.requires_grad]
-                if params:
+                if st.stash is not None:
+                    apply_weight_grads(st.stash)
+                elif params:
                     grads = torch.autograd.grad(st.out, params, st.grad, allow_unused=True)
                     for p, g in zip(params, grads):
                         if g is not None:
@@ -130,6 +149,10 @@ class Executor:
                     torch.autograd.backward(st.out, grad)
                     if a.chunk > 0:
                         self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, st.inp.grad)
+                elif st.records is not None:
+                    gx, st.stash = input_grad_and_stash(st.out, st.inp, grad, st.records)
+                    st.out, st.records = None, None  # the graph is freed; W needs only the stash
+                    self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
                 else:
                     st.grad = grad
                     if a.chunk > 0:
@@ -140,7 +163,7 @@ class Executor:
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
-        return StepStats(float(loss), peak)
+        return StepStats(float(loss), peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -10,6 +10,7 @@ the same rank (the V placement's turn) hand tensors over in memory.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ class P2P:
     dtype: torch.dtype = torch.float32
     step: int = 0
     bytes_sent: int = 0
+    wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str]] = field(default_factory=list)
@@ -93,4 +95,6 @@ class P2P:
             raise RuntimeError(f"rank {self.rank}, step {self.step}: transfers never consumed: {left}")
 
     def _wait(self, work: Any, what: str) -> None:
+        t0 = time.perf_counter()
         wait_or_raise(work, self.timeout_s, what)
+        self.wait_s += time.perf_counter() - t0

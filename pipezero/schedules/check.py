@@ -134,27 +134,37 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
     peak_mem = [0.0] * p
     timeline: list[Event] = []
 
+    waiters: dict[tuple[int, Op, int], set[int]] = {}  # missing dependency -> ranks stalled on it
+    senders_to: list[set[int]] = [set() for _ in range(p)]  # receiver rank -> ranks blocked sending to it
+    ready: list[float | None] = [None] * p
+    dirty = set(range(p))  # ranks whose next action's readiness must be recomputed
+
     def ready_time(r: int) -> float | None:
         if blocked_on[r] is not None:
+            rr, key = blocked_on[r]
+            if pc[rr] < len(s.actions[rr]) and _key(s.actions[rr][pc[rr]]) == key:
+                free[r] = max(free[r], free[rr])  # the receiver has posted its receive
+                blocked_on[r] = None
+                senders_to[rr].discard(r)
+            else:
+                return None
+        if pc[r] >= len(s.actions[r]):
             return None
         a = s.actions[r][pc[r]]
         t = free[r]
         for dep in _deps(s, a):
             if dep not in done:
+                waiters.setdefault(dep, set()).add(r)
                 return None
             hop = cost.comm if s.rank_of_chunk[dep[0]] != r else 0.0
             t = max(t, done[dep] + hop)
         return t
 
     while True:
-        # Release blocked senders whose receiver has reached the consuming action.
-        for r in range(p):
-            if blocked_on[r] is not None:
-                rr, key = blocked_on[r]
-                if pc[rr] < len(s.actions[rr]) and _key(s.actions[rr][pc[rr]]) == key:
-                    free[r] = max(free[r], free[rr])
-                    blocked_on[r] = None
-        candidates = [(t, r) for r in range(p) if pc[r] < len(s.actions[r]) and (t := ready_time(r)) is not None]
+        for r in dirty:
+            ready[r] = ready_time(r)
+        dirty.clear()
+        candidates = [(t, r) for r, t in enumerate(ready) if t is not None]
         if not candidates:
             break
         start, r = min(candidates)
@@ -164,18 +174,23 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
         busy[r] += end - start
         free[r] = end
         pc[r] += 1
+        dirty.add(r)
+        dirty.update(senders_to[r])
         if a.op in (Op.W, Op.BW):
             live[r].pop((a.chunk, a.mb), None)
         elif a.op is Op.F:
             live[r][(a.chunk, a.mb)] = cost.chunk_factors[a.chunk] if cost.chunk_factors else 1.0 / s.virtual
             peak[r] = max(peak[r], len(live[r]))
             peak_mem[r] = max(peak_mem[r], sum(live[r].values()))
-        done[_key(a)] = end
-        if a.op is Op.BW:
-            done[(a.chunk, Op.W, a.mb)] = end
+        keys = [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else [])
+        for key in keys:
+            done[key] = end
+            dirty.update(waiters.pop(key, ()))
         consumer = _consumer(s, a)
         if blocking_sends and consumer is not None:
-            blocked_on[r] = (s.rank_of_chunk[consumer[0]], consumer)
+            receiver = s.rank_of_chunk[consumer[0]]
+            blocked_on[r] = (receiver, consumer)
+            senders_to[receiver].add(r)
 
     if any(pc[r] < len(s.actions[r]) for r in range(p)):
         raise ScheduleError(_deadlock_message(s, pc, done, blocked_on))

@@ -90,3 +90,64 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for name, why in skipped.items():
         console.print(f"[dim]{name}: {why}[/dim]")
     return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("plan", help="choose a pp x dp x ZeRO x schedule layout for a cluster")
+    what = s.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", help="model preset (tiny ... 70b)")
+    what.add_argument("--params", type=float, help="model size in parameters, e.g. 13e9")
+    s.add_argument("--gpus", type=int, required=True)
+    s.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
+    s.add_argument("--node-size", type=int, default=8)
+    s.add_argument("--bandwidth", default="300,25", help="intra,inter-node GB/s per GPU")
+    s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    s.add_argument("--seq-len", type=int, default=4096)
+    s.add_argument("--top", type=int, default=10)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import time
+
+    from pipezero.config import ModelConfig
+    from pipezero.models import apply_preset, param_count
+    from pipezero.sim.planner import Cluster, model_from_params, plan, reason
+
+    model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
+    try:
+        intra, inter = (float(x) for x in args.bandwidth.split(","))
+    except ValueError:
+        raise ConfigError(f"--bandwidth wants intra,inter GB/s like 300,25, got {args.bandwidth!r}") from None
+    if args.gpus < 1 or args.gpu_memory <= 0 or args.global_batch < 1:
+        raise ConfigError("--gpus, --gpu-memory and --global-batch must be positive")
+    cluster = Cluster(args.gpus, args.gpu_memory, args.node_size, intra, inter)
+    t0 = time.perf_counter()
+    fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
+    took = time.perf_counter() - t0
+    if not fits:
+        raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
+                          f"{args.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
+    best = fits[0]
+    rows = [{"pp": e.layout.pp, "dp": e.layout.dp, "zero": e.layout.zero, "schedule": e.layout.schedule.value,
+             "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
+             "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
+             "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
+             "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
+             "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
+            for e in fits[: args.top]]
+    if args.json:
+        print(json.dumps({"params": param_count(model), "considered": considered, "fit": len(fits),
+                          "seconds": took, "layouts": rows}, indent=2))
+        return 0
+    table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {args.gpus} x {args.gpu_memory:g} GiB: "
+                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
+    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "GiB", "step s", "why"):
+        table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
+    for r in rows:
+        table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
+                      str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
+                      f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", r["why"])
+    Console(width=160, emoji=False).print(table)
+    return 0

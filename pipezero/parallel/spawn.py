@@ -1,4 +1,4 @@
-"""The one helper that runs a function on W gloo ranks (every distributed test uses it).
+"""The one helper that runs a function on W gloo ranks: every distributed test and benchmark uses it.
 
 Each rank is a spawned process joined through a FileStore (no fixed port), runs `fn(rank, world,
 *args)` and pickles its return value to a file before tearing down, so a crash during gloo teardown
@@ -45,7 +45,8 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable, 
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, threads: int = 1) -> list[Any]:
-    """Run `fn(rank, world, *args)` on `world` processes; return the values in rank order."""
+    """Run `fn(rank, world, *args)` on `world` processes; return the values in rank order. `fn` must be
+    importable by name (a module-level function) because ranks are spawned, not forked."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.get_context("spawn")

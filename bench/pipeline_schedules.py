@@ -1,0 +1,191 @@
+"""Time every pipeline schedule on one model and layout, beside torch.distributed.pipelining.
+
+    python bench/pipeline_schedules.py [--preset small] [--pp 2] [--microbatches 8] [--steps 4]
+
+Each rank runs with one torch thread. For each schedule, pipezero's executor and (where torch has
+the same schedule) torch's `PipelineStage` + `Schedule*` run the same chunks on the same batches in
+the same process group, alternating. Printed: step time, tokens/s, measured bubble (time a rank spent
+blocked on its peers over its step time, averaged over ranks), the simulator's bubble at 1:1:1, and
+the ratio to the ideal (P x the one-process, one-thread throughput). Results go to
+bench/results/pipeline_schedules.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipezero.config import ScheduleKind as K  # noqa: E402
+from pipezero.parallel.spawn import run_ranks  # noqa: E402
+
+TORCH_NAMES = {K.GPIPE: "ScheduleGPipe", K.ONE_F_ONE_B: "Schedule1F1B", K.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
+               K.LOOPED_BFS: "ScheduleLoopedBFS", K.ZB_H1: "ScheduleInterleavedZeroBubble",
+               K.ZB_V: "ScheduleZBVZeroBubble", K.DUALPIPE_V: "ScheduleDualPipeV"}
+V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+
+
+def config(args: argparse.Namespace, kind: K, pp: int):
+    from pipezero.config import build_config
+
+    return build_config(None, {
+        "model.preset": args.preset, "data.seq_len": args.seq_len, "data.tokenizer": "bytes",
+        "data.max_bytes": 3_000_000, "parallel.pp": pp, "parallel.schedule": kind.value,
+        "parallel.microbatches": args.microbatches, "parallel.micro_batch_size": args.micro_batch_size,
+        "parallel.virtual_stages": V_OF.get(kind, 1) if pp > 1 else 1, "run.progress": False, "run.threads": 1,
+    })
+
+
+def time_pipezero(cfg, rank: int, batches: list) -> tuple[list[float], list[float]]:
+    from pipezero.engine import build_stage
+
+    stage = build_stage(cfg, rank)
+    actions = stage.schedule.actions[stage.mesh.pp_rank]
+    denom = cfg.global_batch * cfg.data.seq_len
+    times, bubbles = [], []
+    for mbs in batches:
+        stage.zero.begin_step()
+        t0 = time.perf_counter()
+        stats = stage.executor.run(actions, mbs, denom)
+        stage.zero.step(1e-4, 1.0, stage.groups.world)
+        times.append(time.perf_counter() - t0)
+        bubbles.append(stats.wait_s / stats.elapsed_s)
+    return times, bubbles
+
+
+def time_torch(cfg, rank: int, world: int, batches: list, kind: K) -> list[float] | None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    from pipezero.engine import build_stage
+    from pipezero.models import lm_loss
+
+    if kind not in TORCH_NAMES:
+        return None
+    stage = build_stage(cfg, rank)  # same chunks, same init; only the schedule runtime differs
+    n_chunks = stage.schedule.n_chunks
+    denom = cfg.global_batch * cfg.data.seq_len / cfg.parallel.microbatches  # torch averages micro-batches
+    b, t, d = cfg.parallel.micro_batch_size, cfg.data.seq_len, cfg.model.dim
+    stages = []
+    for c, chunk in sorted(stage.chunks.items()):
+        example = torch.zeros(b, t, dtype=torch.long) if c == 0 else torch.zeros(b, t, d)
+        stages.append(tpp.PipelineStage(chunk, c, n_chunks, torch.device("cpu"), input_args=(example,)))
+    cls = getattr(tpp, TORCH_NAMES[kind])
+    loss_fn = lambda out, tgt: lm_loss(out, tgt, denom)  # noqa: E731
+    single_stage = cls in (tpp.Schedule1F1B, tpp.ScheduleGPipe)
+    sched = cls(stages[0] if single_stage else stages, n_microbatches=cfg.parallel.microbatches, loss_fn=loss_fn)
+    holds_first = 0 in stage.chunks
+    holds_last = n_chunks - 1 in stage.chunks
+    times = []
+    for mbs in batches:
+        x = torch.cat([m[0] for m in mbs])
+        y = torch.cat([m[1] for m in mbs])
+        t0 = time.perf_counter()
+        kwargs = {}
+        if holds_last:
+            kwargs = {"target": y, "losses": []}
+        if holds_first:
+            sched.step(x, **kwargs)
+        else:
+            sched.step(**kwargs)
+        stage.zero.begin_step()
+        stage.zero.step(1e-4, 1.0, stage.groups.world)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return times
+
+
+def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> dict:
+    from pipezero.data import global_batch, load_corpus, microbatches_for_rank
+
+    out: dict = {}
+    for kind in kinds:
+        cfg = config(args, kind, world)
+        corpus = load_corpus(cfg.data)
+        batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
+                                         cfg.parallel.microbatches) for s in range(args.steps + 1)]
+        ours, bubbles = time_pipezero(cfg, rank, batches)
+        try:
+            theirs = time_torch(cfg, rank, world, batches, kind)
+            err = None
+        except Exception as e:  # noqa: BLE001 - report, do not hide, a torch schedule that fails here
+            theirs, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+        out[kind.value] = {"ours": ours[1:], "bubble": bubbles[1:], "torch": theirs[1:] if theirs else None,
+                           "torch_error": err}
+    return out
+
+
+def one_process_tokens_per_s(args: argparse.Namespace) -> float:
+    import torch
+
+    from pipezero.data import global_batch, load_corpus, microbatches_for_rank
+    from pipezero.engine import build_stage
+
+    torch.set_num_threads(1)
+    cfg = config(args, K.ONE_F_ONE_B, 1)
+    stage = build_stage(cfg, 0)
+    corpus = load_corpus(cfg.data)
+    times = []
+    for s in range(args.steps + 1):
+        mbs = microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
+                                    cfg.parallel.microbatches)
+        stage.zero.begin_step()
+        t0 = time.perf_counter()
+        stage.executor.run(stage.schedule.actions[0], mbs, cfg.global_batch * cfg.data.seq_len)
+        stage.zero.step(1e-4, 1.0, None)
+        times.append(time.perf_counter() - t0)
+    return cfg.global_batch * cfg.data.seq_len / (sum(times[1:]) / args.steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--schedules", default=",".join(k.value for k in K))
+    args = ap.parse_args()
+    kinds = [K(s) for s in args.schedules.split(",")]
+    from pipezero.schedules.check import simulate
+    from pipezero.schedules.generators import build_schedule
+
+    single = one_process_tokens_per_s(args)
+    ideal = args.pp * single
+    per_rank = run_ranks(bench_rank, args.pp, args, kinds, timeout=3000, threads=1)
+    tokens = args.microbatches * args.micro_batch_size * args.seq_len
+    rows = {}
+    print(f"{args.preset}, P={args.pp}, M={args.microbatches}, B={args.micro_batch_size}, T={args.seq_len}, 1 thread a rank;"
+          f" one process: {single:,.0f} tok/s, ideal P x that: {ideal:,.0f} tok/s")
+    print(f"{'schedule':18}{'step s':>8}{'tok/s':>9}{'vs ideal':>9}{'bubble':>8}{'sim':>7}{'torch s':>9}{'torch tok/s':>12}"
+          f"{'ours/torch':>11}")
+    for kind in kinds:
+        step = max(sum(r[kind.value]["ours"]) / args.steps for r in per_rank)
+        bubble = sum(sum(r[kind.value]["bubble"]) / args.steps for r in per_rank) / args.pp
+        sim = simulate(build_schedule(kind, args.pp, args.microbatches, V_OF.get(kind, 1))).bubble
+        t = per_rank[0][kind.value]["torch"]
+        tstep = max(sum(r[kind.value]["torch"]) / args.steps for r in per_rank) if t else None
+        rows[kind.value] = {"step_s": step, "tokens_per_s": tokens / step, "vs_ideal": tokens / step / ideal,
+                            "measured_bubble": bubble, "simulated_bubble": sim,
+                            "torch_step_s": tstep, "torch_tokens_per_s": tokens / tstep if tstep else None,
+                            "ours_over_torch_throughput": tstep / step if tstep else None,
+                            "torch_error": per_rank[0][kind.value]["torch_error"]}
+        r = rows[kind.value]
+        tcol = f"{tstep:9.3f}{tokens / tstep:12,.0f}{tstep / step:11.2f}" if tstep else f"{'-':>9}{'-':>12}{'-':>11}"
+        print(f"{kind.value:18}{step:8.3f}{tokens / step:9,.0f}{r['vs_ideal']:9.2f}{bubble:8.1%}{sim:7.1%}{tcol}")
+        if r["torch_error"]:
+            print(f"    torch: {r['torch_error']}")
+    out = Path(__file__).parent / "results" / "pipeline_schedules.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "one_process_tokens_per_s": single, "ideal_tokens_per_s": ideal,
+                               "schedules": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Pick a training layout: enumerate (P, D, ZeRO stage, schedule, V, micro-batch size and count,
+recompute), drop what does not fit in memory, estimate step time, rank what is left.
+
+Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
+  model states, ZeRO paper (Rajbhandari et al. 2020, mixed-precision Adam): 16Ψ at stage 0,
+  (4 + 12/D)Ψ at stage 1, (2 + 14/D)Ψ at stage 2, 16Ψ/D at stage 3;
+  activations: the schedule's peak in-flight micro-batches (from the simulator, in units of one
+  stage) x layers of the stage x per-layer bytes, Korthikanti et al. 2022 with flash attention:
+  34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
+Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
+stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, a
+pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap:
+ring all-reduce 2(D-1)/D of the bf16 gradient bytes (ZeRO-1/2 the same volume, ZeRO-3 1.5x).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipezero.config import ModelConfig, ScheduleKind
+from pipezero.models.presets import block_params, layer_param_counts
+from pipezero.schedules.check import CostModel, simulate
+from pipezero.schedules.generators import build_schedule
+from pipezero.schedules.registry import check_layout
+from pipezero.zero.accounting import paper_bytes_per_param
+
+GIB = 2**30
+DP_TRAFFIC = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_gib: float
+    node_size: int = 8
+    intra_gbps: float = 300.0  # GB/s within a node
+    inter_gbps: float = 25.0  # GB/s between nodes, per GPU
+    tflops: float = 989.0  # dense bf16 peak per GPU
+    mfu: float = 0.45  # achieved share of peak in the compute of one stage
+    headroom: float = 0.9  # usable share of memory (allocator, buffers, fragmentation)
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    zero: int
+    schedule: ScheduleKind
+    virtual: int
+    micro_batch: int
+    microbatches: int
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    model_states_gib: float
+    activations_gib: float
+    step_time_s: float
+    bubble: float
+    dp_comm_s: float
+    tokens_per_s: float
+
+    @property
+    def memory_gib(self) -> float:
+        return self.model_states_gib + self.activations_gib
+
+
+def model_from_params(n: float) -> ModelConfig:
+    """A Llama-like shape of about `n` parameters (depth by size, width from 12·L·d² ≈ n)."""
+    layers = 12 if n < 5e8 else 24 if n < 3e9 else 40 if n < 2e10 else 80 if n < 1.2e11 else 120
+    dim = max(128, int(round(math.sqrt(n / (12 * layers)) / 128)) * 128)
+    return ModelConfig(preset=f"{n / 1e9:.1f}B", vocab_size=32000, dim=dim, n_layers=layers,
+                       n_heads=max(1, dim // 128), max_seq_len=4096)
+
+
+@lru_cache(maxsize=4096)
+def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool) -> tuple[float, float, float]:
+    """(step time in stage-forward units, bubble, peak in-flight activation memory in stages)."""
+    res = simulate(build_schedule(kind, pp, m, v), CostModel(1.0, 2.0 if recompute else 1.0, 1.0))
+    return res.step_time, res.bubble, max(res.peak_activation_memory)
+
+
+def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout) -> Estimate:
+    layers = layer_param_counts(model)
+    per_stage_layers = math.ceil(model.n_layers / lay.pp)
+    # Heaviest stage: its share of blocks plus the embedding or the head, whichever is bigger.
+    psi = per_stage_layers * block_params(model) + max(layers[0], layers[-1])
+    states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
+    per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
+    step_units, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute)
+    acts = peak_stages * per_stage_layers * per_layer_act
+    if lay.recompute:  # one micro-batch's full activations exist while its backward recomputes
+        acts += 34 * seq_len * lay.micro_batch * model.dim
+    tokens_mb = seq_len * lay.micro_batch
+    flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
+    flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
+    if lay.pp == 1:
+        flops_f += 2.0 * model.vocab_size * model.dim * tokens_mb  # the head, on the only stage
+    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)
+    pp_bw = cluster.intra_gbps if lay.pp * lay.dp <= cluster.node_size else cluster.inter_gbps
+    hop = 2.0 * tokens_mb * model.dim / (pp_bw * 1e9)
+    step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f if t_f > 0 else step_units
+    dp_bw = cluster.intra_gbps if lay.dp <= cluster.node_size else cluster.inter_gbps
+    dp_comm = DP_TRAFFIC[lay.zero] * 2 * (lay.dp - 1) / lay.dp * 2.0 * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0
+    step = step_units_comm * t_f + dp_comm
+    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
+
+
+def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
+    out = []
+    for pp in range(1, min(cluster.gpus, model.n_layers) + 1):
+        if cluster.gpus % pp:
+            continue
+        dp = cluster.gpus // pp
+        if global_batch % dp:
+            continue
+        for mbs in (1, 2, 4, 8):
+            per_rank = global_batch // dp
+            if per_rank % mbs:
+                continue
+            m = per_rank // mbs
+            for kind in ScheduleKind if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
+                for v in (1, 2, 4):
+                    if v * pp > model.n_layers:
+                        continue
+                    try:
+                        check_layout(kind, pp, m, v)
+                    except ValueError:
+                        continue
+                    if pp * m * v > 20000:  # beyond what the simulator plays in a planner's time
+                        continue
+                    for zero in (0, 1, 2, 3):
+                        if dp == 1 and zero:
+                            continue
+                        for recompute in (False, True):
+                            out.append(Layout(pp, dp, zero, kind, v, mbs, m, recompute))
+    return out
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> tuple[list[Estimate], int]:
+    """Layouts that fit, fastest first, and how many were considered."""
+    layouts = candidate_layouts(model, cluster, global_batch)
+    fits = []
+    for lay in layouts:
+        est = estimate(model, seq_len, global_batch, cluster, lay)
+        if est.memory_gib <= cluster.gpu_memory_gib * cluster.headroom:
+            fits.append(est)
+    fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
+    return fits, len(layouts)
+
+
+def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
+    free = cluster.gpu_memory_gib * cluster.headroom - e.memory_gib
+    parts = [f"bubble {e.bubble:.1%}", f"{free:.1f} GiB to spare"]
+    if e.dp_comm_s:
+        parts.append(f"DP traffic {e.dp_comm_s * 1e3:.0f} ms")
+    if e.layout.recompute:
+        parts.append("recompute buys memory for ~1/3 more compute")
+    if e is not best:
+        parts.append(f"{e.step_time_s / best.step_time_s - 1:+.1%} vs best")
+    return ", ".join(parts)
