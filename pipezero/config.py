@@ -80,6 +80,8 @@ class ParallelConfig:
     recompute: bool = False  # activation checkpointing per stage chunk
     grad_reduce: GradReduce = GradReduce.STEP
     bucket_mb: float = 25.0  # gradient bucket size for all-reduce / reduce-scatter
+    zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
+    # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer
     timeout_s: float = 300.0  # every collective and p2p wait fails after this, naming the rank
 
     @property

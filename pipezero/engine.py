@@ -31,8 +31,9 @@ from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
+from pipezero.zero import layerwise
 from pipezero.zero.accounting import explain
-from pipezero.zero.sharded import ZeroDP, named_by_chunk
+from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.util import atomic_write_json
 
@@ -107,8 +108,11 @@ def build_stage(cfg: TrainConfig, rank: int) -> Stage:
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
               schedule.n_chunks)
-    zero = ZeroDP(named_by_chunk(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim, p.grad_reduce,
-                  p.bucket_mb, p.timeout_s, rank)
+    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
+    zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
+                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep)
+    if zero.layerwise:
+        layerwise.install(zero, chunks)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero)
     return Stage(mesh, groups, schedule, predicted, chunks, executor, zero)
 
@@ -160,7 +164,6 @@ def train(cfg: TrainConfig) -> RunResult:
             record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens": tokens_per_step * (step + 1), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
-                stage.zero.gather_all()
                 total = all_sum([stage.executor.evaluate(eval_set)], groups.pp)[0]
                 stage.zero.release_all()
                 record["heldout_loss"] = result.heldout[step + 1] = total / eval_tokens

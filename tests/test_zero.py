@@ -59,6 +59,10 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
             for mode in modes:
                 cases.append({"pp": pp, "dp": dp, "kind": kind, "m": 2 * pp, "parallel.zero": stage,
                               "parallel.grad_reduce": mode.value})
+    # ZeRO-3 layer by layer is the default at pp=1; with a pipeline, ask for it explicitly.
+    if pp > 1:
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
+                      "parallel.zero3_keep_gathered": False})
     return cases
 
 

@@ -32,7 +32,7 @@ class GradHooks(Protocol):
 
     def before_forward(self, chunk: int) -> None: ...
 
-    def before_backward(self, chunk: int) -> None: ...
+    def before_backward(self, chunk: int, final: bool) -> None: ...
 
     def after_backward(self, chunk: int, final: bool) -> None: ...
 
@@ -41,7 +41,7 @@ class NoHooks:
     def before_forward(self, chunk: int) -> None:
         pass
 
-    def before_backward(self, chunk: int) -> None:
+    def before_backward(self, chunk: int, final: bool) -> None:
         pass
 
     def after_backward(self, chunk: int, final: bool) -> None:
@@ -111,7 +111,7 @@ class Executor:
             key = (a.chunk, a.mb)
             chunk = self.chunks[a.chunk]
             if a.op in (Op.W, Op.BW):
-                self.hooks.before_backward(a.chunk)
+                self.hooks.before_backward(a.chunk, final[a.chunk] == i)
             if a.op is Op.F:
                 self.hooks.before_forward(a.chunk)
                 if a.chunk == 0:
@@ -172,6 +172,7 @@ class Executor:
         total = torch.zeros((), dtype=torch.float64)
         for mb, (tokens, targets) in enumerate(batches):
             for c in sorted(self.chunks):
+                self.hooks.before_forward(c)
                 x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
                 y = self._forward(self.chunks[c], x)
                 if c == self.last:

@@ -28,6 +28,7 @@ class Bucket:
     grad: torch.Tensor | None = None  # (padded,) while gradients accumulate
 
     def __post_init__(self) -> None:
+        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.flat = torch.zeros(self.padded)
         for p, off in zip(self.params, self.offsets):
             self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
@@ -52,6 +53,19 @@ class Bucket:
             for p, off in zip(self.params, self.offsets):
                 p.grad = self.grad[off:off + p.numel()].view_as(p)
 
+    def adopt(self, p: nn.Parameter) -> None:
+        """Move a gradient autograd (or W) created outside the flat buffer into it, so lazily
+        allocated buckets (ZeRO-2/3) still reduce as one tensor."""
+        if p.grad is None:
+            return
+        if self.grad is None:
+            self.grad = torch.zeros(self.padded)
+        i = self.index[id(p)]
+        view = self.grad[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        if p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)
+            p.grad = view
+
     def detach_grads(self) -> None:
         """Drop the full gradient (ZeRO-2/3 keep only their shard)."""
         self.grad = None
@@ -71,7 +85,7 @@ class Bucket:
 def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int) -> list[Bucket]:
     """Group parameters into buckets of about `bucket_mb` in reverse model order, the order in which
     backward produces their gradients, so the first bucket is ready first."""
-    limit = int(bucket_mb * 2**20 / 4)
+    limit = bucket_mb * 2**20 / 4  # elements; may be inf (one bucket)
     out: list[Bucket] = []
     current: list[tuple[str, nn.Parameter]] = []
     size = 0

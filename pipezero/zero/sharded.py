@@ -3,18 +3,23 @@
 The executor tells this object when a chunk is about to run forward, before and after each backward,
 and whether that backward is the chunk's last of the step. From those moments alone:
 
-- stage 0: gradients accumulate in flat buckets; at a chunk's last backward each bucket's all-reduce
-  starts (async, overlapping the rest of the schedule); every rank updates everything.
+- stage 0: gradients accumulate in flat buckets; during a chunk's last backward each bucket's
+  all-reduce starts as soon as autograd has produced all of its gradients (a post-accumulate hook
+  counts them), overlapping the rest of that backward; every rank updates everything.
 - stage 1: the same all-reduce, but each rank updates only its shard (fp32 master and Adam state for
   1/D of the parameters) and the buckets are all-gathered after the step.
 - stage 2: gradients are reduce-scattered instead, so each rank keeps only its shard. With
   `grad_reduce=step` the full gradient still accumulates over the step's micro-batches (one
-  reduce-scatter a step, at the chunk's last backward); with `grad_reduce=microbatch` every
-  backward reduce-scatters into the fp32 shard at once and the full gradient is dropped.
-- stage 3: parameters live only as shards between uses; a chunk's buckets are all-gathered before
-  its first forward of the step and kept for its micro-batches (memory for traffic), then released
-  after its last backward. The storage is resized to zero, not reallocated, so autograd's saved
-  views stay valid across the gather.
+  reduce-scatter a bucket a step, during the chunk's last backward); with `grad_reduce=microbatch`
+  every backward reduce-scatters into the fp32 shard and drops the full gradient. Gradient buckets
+  are allocated when their first gradient appears and at most two full buckets wait on a
+  reduce-scatter at once, so the full gradient never exists all at once at stages 2 and 3.
+- stage 3: parameters live only as shards between uses. With `keep_gathered` (default when P > 1)
+  a chunk's buckets are all-gathered before its first forward of the step and kept for its
+  micro-batches (memory for traffic), then released after its last backward. Without it, buckets
+  are whole layers, gathered and released around each use with the next one prefetched
+  (zero/layerwise.py). The storage is resized to zero, not reallocated, so autograd's saved views
+  stay valid across the gather.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pipezero.config import GradReduce, OptimConfig
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
+from pipezero.zero.layerwise import layer_index
 
 
 @dataclass
@@ -42,6 +48,7 @@ class _Pending:
 @dataclass
 class ZeroDP:
     chunk_params: dict[int, list[tuple[str, nn.Parameter]]]
+    shared: set[int]  # ids of parameters used more than once in a chunk (tied embeddings)
     stage: int
     dp: int
     dp_rank: int
@@ -51,6 +58,7 @@ class ZeroDP:
     bucket_mb: float = 25.0
     timeout_s: float = 300.0
     rank: int = 0
+    keep_gathered: bool = True  # stage 3: a chunk stays gathered for its step (else layer by layer)
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
@@ -59,10 +67,35 @@ class ZeroDP:
     _shard_grad: dict[int, torch.Tensor] = field(default_factory=dict)  # id(bucket) -> (S,) fp32
     _master: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 3: id(bucket) -> (S,)
     _gathered: set[int] = field(default_factory=set)  # stage 3: chunks whose params are present
+    _launching: set[int] = field(default_factory=set)  # chunks whose current backward reduces
+    _arrived: dict[int, set[int]] = field(default_factory=dict)  # id(bucket) -> ids of params ready
+    _launched: set[int] = field(default_factory=set)  # id(bucket) reduced during this backward
+
+    _inflight: dict[int, Any] = field(default_factory=dict)  # id(bucket) -> prefetch all-gather
+    _expect: dict[int, set[int]] = field(default_factory=dict)  # layerwise: id(bucket) -> params to come
+
+    @property
+    def layerwise(self) -> bool:
+        return self.stage == 3 and not self.keep_gathered
 
     def __post_init__(self) -> None:
-        self.buckets = {c: make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
-                        for c, named in self.chunk_params.items()}
+        if self.layerwise:  # one bucket a layer, in backward order
+            self.buckets = {}
+            for c, named in self.chunk_params.items():
+                layers: dict[int, list[tuple[str, nn.Parameter]]] = {}
+                for n, q in named:
+                    layers.setdefault(layer_index(n), []).append((n, q))
+                self.buckets[c] = [make_buckets(layers[i], float("inf"), self.dp, self.dp_rank)[0]
+                                   for i in sorted(layers, reverse=True)]
+        else:
+            self.buckets = {c: make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
+                            for c, named in self.chunk_params.items()}
+        for c, bs in self.buckets.items():
+            for b in bs:
+                if any(id(q) in self.shared for q in b.params):
+                    continue  # a parameter used twice accumulates twice: reduce after the backward
+                for q in b.params:
+                    q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: self._grad_ready(c, b, q))
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
@@ -93,25 +126,85 @@ class ZeroDP:
                 self._shard_grad[id(b)] = torch.zeros(b.shard_size)
 
     def before_forward(self, chunk: int) -> None:
-        if self.stage == 3 and chunk not in self._gathered:
+        if self.stage == 3 and not self.layerwise:
+            self._gather_chunk(chunk)
+
+    def _gather_chunk(self, chunk: int) -> None:
+        if chunk not in self._gathered:
             for b in self.buckets.get(chunk, []):
-                self._gather(b, self._master[id(b)])
+                self.gather(b)
             self._gathered.add(chunk)
 
-    def before_backward(self, chunk: int) -> None:
+    # --- stage 3, layer by layer (called from zero/layerwise.py hooks) -------------------------
+    def gather(self, b: Bucket) -> None:
+        if id(b) in self._inflight:
+            wait_or_raise(self._inflight.pop(id(b)), self.timeout_s, self._what("all-gather of parameters"))
+        elif b.flat.untyped_storage().size() == 0:
+            self._gather(b, self._master[id(b)])
+
+    def prefetch(self, b: Bucket) -> None:
+        if id(b) in self._inflight or b.flat.untyped_storage().size() != 0:
+            return
+        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
+        if self.dp_group is None:
+            b.flat.copy_(self._master[id(b)])
+            return
+        self._inflight[id(b)] = dist.all_gather_single(b.flat, self._master[id(b)], group=self.dp_group,
+                                                       async_op=True)
+        self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+
+    def release(self, b: Bucket) -> None:
+        if self.layerwise and id(b) not in self._inflight:
+            _release(b)
+
+    def expect_grads(self, b: Bucket) -> None:
+        self._expect[id(b)] = {id(q) for q in b.params}
+
+    def _reduces_now(self, final: bool) -> bool:
+        return final or (self._sharded_grads and self.grad_reduce is GradReduce.MICROBATCH)
+
+    def before_backward(self, chunk: int, final: bool) -> None:
         self.before_forward(chunk)  # stage 3: backward needs the full weights too
-        for b in self.buckets.get(chunk, []):
-            b.attach_grads()
+        if not self._sharded_grads:
+            for b in self.buckets.get(chunk, []):
+                b.attach_grads()  # stages 0-1 keep full gradients: one buffer for the whole step
+        if self._reduces_now(final):
+            self._launching.add(chunk)
+            for b in self.buckets.get(chunk, []):
+                self._arrived[id(b)] = set()
+
+    def _grad_ready(self, chunk: int, b: Bucket, q: nn.Parameter) -> None:
+        """Autograd finished accumulating `q`'s gradient: launch its bucket once all have arrived."""
+        if self._sharded_grads:
+            b.adopt(q)
+        expect = self._expect.get(id(b))
+        if expect is not None:
+            expect.discard(id(q))
+            if not expect:  # the layer's backward is done with its weights
+                del self._expect[id(b)]
+                _release(b)
+        if chunk not in self._launching or id(b) in self._launched:
+            return
+        arrived = self._arrived[id(b)]
+        arrived.add(id(q))
+        if len(arrived) == len(b.params):
+            self._launch(b)
+            if self._sharded_grads:
+                self._drain(keep_last=1)  # bound the full-gradient buckets alive at once
 
     def after_backward(self, chunk: int, final: bool) -> None:
         buckets = self.buckets.get(chunk, [])
+        for b in buckets:
+            if self._sharded_grads:
+                for q in b.params:  # gradients written by W, outside autograd's accumulation
+                    b.adopt(q)
+            if chunk in self._launching and id(b) not in self._launched:
+                self._launch(b)
+        self._launching.discard(chunk)
+        for b in buckets:
+            self._launched.discard(id(b))
         if self._sharded_grads and self.grad_reduce is GradReduce.MICROBATCH:
-            for b in buckets:  # reduce now, drop the full gradient before the next backward
-                self._launch(b)
-            self._drain()
-        elif final:
-            for b in buckets:
-                self._launch(b)
+            self._drain()  # the full gradient does not outlive this micro-batch's backward
         if final and self.stage == 3:
             self._drain()  # the reduce-scatters read the gradient, not the parameters; release both
             for b in buckets:
@@ -119,8 +212,10 @@ class ZeroDP:
             self._gathered.discard(chunk)
 
     def gather_all(self) -> None:
-        for c in self.buckets:
-            self.before_forward(c)
+        """Full weights of every chunk (stage 3), e.g. for a snapshot; undo with release_all."""
+        if self.stage == 3:
+            for c in self.buckets:
+                self._gather_chunk(c)
 
     def release_all(self) -> None:
         if self.stage == 3:
@@ -131,8 +226,11 @@ class ZeroDP:
 
     # --- collectives -------------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
+        self._launched.add(id(b))
         if b.grad is None:
-            return
+            if not self._sharded_grads:
+                return
+            b.grad = torch.zeros(b.padded)  # no gradient reached this bucket: reduce zeros
         if self.dp_group is None:
             self._pending.append(_Pending(None, b, b.grad[b.shard] if self._sharded_grads else None))
             return
@@ -146,15 +244,17 @@ class ZeroDP:
             self.bytes_sent += 2 * b.padded * 4 * (self.dp - 1) // self.dp
         self._pending.append(_Pending(work, b, out))
 
-    def _drain(self) -> None:
-        for p in self._pending:
+    def _drain(self, keep_last: int = 0) -> None:
+        """Wait for the launched collectives, all but the newest `keep_last`."""
+        done, self._pending = (self._pending[:-keep_last], self._pending[-keep_last:]) if keep_last \
+            else (self._pending, [])
+        for p in done:
             if p.work is not None:
                 what = "reduce-scatter of gradients" if self._sharded_grads else "all-reduce of gradients"
                 wait_or_raise(p.work, self.timeout_s, self._what(what))
             if p.out is not None:
                 self._shard_grad[id(p.bucket)].add_(p.out)
                 p.bucket.detach_grads()
-        self._pending.clear()
 
     def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
         if b.flat.untyped_storage().size() == 0:
@@ -225,6 +325,11 @@ class ZeroDP:
 
 def _release(b: Bucket) -> None:
     b.flat.untyped_storage().resize_(0)
+
+
+def shared_params(chunks: dict[int, nn.Module]) -> set[int]:
+    ids: list[int] = [id(p) for m in chunks.values() for _, p in m.named_parameters(remove_duplicate=False)]
+    return {i for i in ids if ids.count(i) > 1}
 
 
 def named_by_chunk(chunks: dict[int, nn.Module]) -> dict[int, list[tuple[str, nn.Parameter]]]:

@@ -1,0 +1,117 @@
+"""Peak resident memory of each rank per ZeRO stage, measured from outside, beside the paper's formula.
+
+    python bench/zero_memory.py [--preset base] [--dp 2] [--pp 1] [--microbatches 1] [--grad-reduce step]
+
+For each ZeRO stage a fresh `pipezero train --nproc P*D` job runs a few steps in fp32; this script
+polls every rank process's VmHWM (the kernel's high-water mark of resident memory, /proc/PID/status)
+until it exits. The saving of stage z against stage 0, per parameter of the rank's stage, is printed
+beside the ZeRO paper's prediction for plain fp32 Adam (stage 1: 8/D... see zero/accounting.py).
+Results go to bench/results/zero_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipezero.config import ModelConfig  # noqa: E402
+from pipezero.models import apply_preset, param_count  # noqa: E402
+from pipezero.zero.accounting import paper_bytes_per_param  # noqa: E402
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def vm_hwm(pid: int) -> tuple[int, int | None]:
+    """(peak RSS bytes, pipezero rank or None) of a process."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return 0, None
+    hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    rank = next((int(e.split(b"=")[1]) for e in environ if e.startswith(b"RANK=")), None)
+    return hwm, rank
+
+
+def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp * args.dp),
+           "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
+           "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
+           "--tokenizer", "bytes", "--eval-every", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peaks: dict[int, int] = {}
+    while proc.poll() is None:
+        for pid in descendants(proc.pid):
+            hwm, rank = vm_hwm(pid)
+            if rank is not None:
+                peaks[rank] = max(peaks.get(rank, 0), hwm)
+        time.sleep(0.05)
+    if proc.returncode:
+        raise SystemExit(f"zero {zero} failed:\n{proc.stderr.read().decode()[-3000:]}")
+    return peaks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="base")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--grad-reduce", default="step", choices=["step", "microbatch"])
+    ap.add_argument("--stages", default="0,1,2,3")
+    args = ap.parse_args()
+    model = apply_preset(ModelConfig(), args.preset)
+    psi = param_count(model) / args.pp  # parameters per pipeline stage (uniform split, approximate)
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for z in (int(x) for x in args.stages.split(",")):
+            peaks[z] = run_stage(args, z, Path(tmp) / f"z{z}")
+            print(f"zero {z}: peak RSS per rank (MiB): {[round(peaks[z][r] / 2**20) for r in sorted(peaks[z])]}",
+                  flush=True)
+    base = peaks.get(0)
+    rows = {}
+    print(f"\n{args.preset}: {param_count(model) / 1e6:.1f}M params, P={args.pp} D={args.dp} M={args.microbatches} "
+          f"fp32, grad-reduce={args.grad_reduce}")
+    print(f"{'stage':>5}{'peak MiB (max rank)':>21}{'saved B/param':>15}{'predicted':>11}{'ratio':>8}")
+    for z, per_rank in peaks.items():
+        peak = max(per_rank.values())
+        predicted = paper_bytes_per_param(0, args.dp, False) - paper_bytes_per_param(z, args.dp, False)
+        saved = (max(base.values()) - peak) / psi if base else float("nan")
+        ratio = saved / predicted if predicted else float("nan")
+        rows[z] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param": saved,
+                   "predicted_saved_bytes_per_param": predicted, "measured_over_predicted": ratio}
+        print(f"{z:>5}{peak / 2**20:>21.0f}{saved:>15.2f}{predicted:>11.2f}{ratio:>8.2f}")
+    out = Path(__file__).parent / "results" / f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
