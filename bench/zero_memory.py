@@ -60,7 +60,7 @@ def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
     cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp * args.dp),
            "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
            "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
-           "--tokenizer", "bytes", "--eval-every", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
+           "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peaks: dict[int, int] = {}

@@ -35,6 +35,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "eval_every": ("run.eval_every", int),
     "threads": ("run.threads", int),
     "lr": ("optim.lr", float),
+    "sample_tokens": ("run.sample_tokens", int),
 }
 
 
@@ -72,6 +73,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--eval-every", type=int)
     t.add_argument("--threads", type=int, help="torch threads per rank")
     t.add_argument("--lr", type=float)
+    t.add_argument("--sample-tokens", type=int, help="length of the text sample at the end (0: none)")
     t.add_argument("--resume", action="store_true", default=None)
     t.add_argument("--trace", action="store_true", default=None)
     t.add_argument("--no-progress", action="store_true")

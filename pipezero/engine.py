@@ -35,6 +35,7 @@ from pipezero.zero import layerwise
 from pipezero.zero.accounting import explain
 from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
+from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 
 
@@ -46,6 +47,7 @@ class RunResult:
     sample_text: str = ""
     out: Path = Path(".")
     peak_live: int = 0  # most chunk activations this rank held at once
+    measured_bubble: float = 0.0  # mean share of the schedule this rank waited on peers
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
 
 
@@ -95,10 +97,12 @@ class Stage:
     chunks: dict[int, torch.nn.Module]
     executor: Executor
     zero: ZeroDP
+    tracer: Tracer
 
 
-def build_stage(cfg: TrainConfig, rank: int) -> Stage:
+def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> Stage:
     p = cfg.parallel
+    tracer = tracer or Tracer(rank, cfg.run.trace)
     mesh = Mesh(p.pp, p.dp, rank)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
@@ -107,18 +111,19 @@ def build_stage(cfg: TrainConfig, rank: int) -> Stage:
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
-              schedule.n_chunks)
+              schedule.n_chunks, tracer=tracer)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
-                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep)
+                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer)
     if zero.layerwise:
         layerwise.install(zero, chunks)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero)
-    return Stage(mesh, groups, schedule, predicted, chunks, executor, zero)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer)
+    return Stage(mesh, groups, schedule, predicted, chunks, executor, zero, tracer)
 
 
-def train(cfg: TrainConfig) -> RunResult:
-    """Train as the configuration says, on one process or as one rank of a pp x dp job."""
+def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
+    """Train as the configuration says, on one process or as one rank of a pp x dp job. With
+    `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
     p, r = cfg.parallel, cfg.run
     rank = init_distributed(cfg)
     torch.manual_seed(r.seed)
@@ -141,6 +146,7 @@ def train(cfg: TrainConfig) -> RunResult:
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl") if lead else None
     peak_live = 0
+    bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
     with StepProgress(r.max_steps, 0, show) as progress:
         if show:
             progress.console.print(
@@ -151,12 +157,14 @@ def train(cfg: TrainConfig) -> RunResult:
         for step in range(r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()
-            stage.executor.p2p.step = step + 1
+            stage.executor.p2p.step = stage.tracer.step = step + 1
             batch = global_batch(corpus.train, step, r.seed, g, seq_len)
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
+            if step or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
+                bubbles.append(stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
             grad_norm = stage.zero.step(lr, cfg.optim.grad_clip, groups.world)
             loss = all_sum([stats.loss], groups.world)[0]
             dt = time.perf_counter() - t0
@@ -173,28 +181,45 @@ def train(cfg: TrainConfig) -> RunResult:
     if metrics:
         metrics.close()
     result.peak_live = peak_live
-    stage.zero.gather_all()  # ZeRO-3: full weights for the final snapshot and the text sample
-    result.params = {n: q.detach().clone() for n, q in named}
+    result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
+    full = snapshot or will_sample(cfg, corpus)
+    if full:  # every rank takes part: ZeRO-3 gathers are collectives
+        stage.zero.gather_all()
+    if snapshot:
+        result.params = {n: q.detach().clone() for n, q in named}
     finish_run(cfg, stage, corpus, result, peak_live, progress if show else None)
-    stage.zero.release_all()
+    if full:
+        stage.zero.release_all()
     return result
+
+
+def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
+    """The end-of-run text sample needs the whole model in one process: only without a pipeline."""
+    return bool(cfg.run.sample_tokens) and corpus.tokenizer is not None and cfg.parallel.pp == 1
 
 
 def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult, peak_live: int,
                progress: StepProgress | None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
-    mine = {"peak_live": peak_live, "held_bytes": stage.zero.held_bytes(),
+    mine = {"peak_live": peak_live, "measured_bubble": result.measured_bubble, "held_bytes": stage.zero.held_bytes(),
             "params": sum(q.numel() for c in named_by_chunk(stage.chunks).values() for _, q in c),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    per_rank = [mine]
+    per_rank, events = [mine], [stage.tracer.events]
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(per_rank, mine)
+        if r.trace:
+            events = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(events, stage.tracer.events)
     if stage.mesh.rank != 0:
         return
-    if r.sample_tokens and corpus.tokenizer is not None and len(stage.chunks) == 1 and p.pp == 1:
+    if r.trace:
+        layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
+                  "virtual_stages": p.virtual_stages}
+        write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
+    if will_sample(cfg, corpus):
         model = next(iter(stage.chunks.values()))
         ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], r.sample_tokens, cfg.model.max_seq_len, r.seed)
         result.sample_text = corpus.tokenizer.decode(ids)
@@ -207,12 +232,19 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "peak_live_activations": {"measured": [x["peak_live"] for x in per_rank[:: p.dp]],
                                   "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,
+        "measured_bubble": [x["measured_bubble"] for x in per_rank],
+        "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
+                       "collectives": [x["collective_bytes_sent"] for x in per_rank]},
         "ranks": per_rank,
         "zero_memory": {**explain(p.zero, p.dp, r.dtype),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
     })
     if progress:
-        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); run in {result.out}")
+        bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
+        sent = sum(x["p2p_bytes_sent"] + x["collective_bytes_sent"] for x in per_rank)
+        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); measured bubble "
+                               f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}); {sent / 2**20:,.1f} MiB sent; "
+                               f"run in {result.out}")
         if result.sample_text:
             progress.console.print("sample:\n" + result.sample_text)

@@ -35,4 +35,8 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
            "-m", "pipezero.cli", *strip_nproc(argv)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released
+    # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
+    # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     return subprocess.call(cmd, env=env)

@@ -24,7 +24,7 @@ def test_sharded_adamw_equals_torch_adamw():
     mine = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(norm_w.clone())]
     (bucket,) = make_buckets([("a.weight", mine[0]), ("b.norm.weight", mine[1])], 1.0, dp=1, dp_rank=0)
     sharded = ShardedAdamW(cfg)
-    sharded.add_shard(bucket.padded, bucket.decay_mask(whole=True))
+    sharded.add_shard(bucket.padded, bucket.decay_ranges(whole=True))
     for step in range(4):
         grads = [torch.randn(7, 5), torch.randn(5)]
         for p, gr in zip(ref, grads):
@@ -42,6 +42,8 @@ def test_buckets_pad_to_multiple_of_dp_and_views_stay_live():
     params = [("x", torch.nn.Parameter(torch.randn(3, 3))), ("y", torch.nn.Parameter(torch.randn(2)))]
     (b,) = make_buckets(params, 1.0, dp=4, dp_rank=3)
     assert b.numel == 11 and b.padded == 12 and b.shard_size == 3 and b.shard == slice(9, 12)
+    assert b.decay_ranges() == [(0, 2)]  # x (3x3) sits at 2..11; this shard is 9..12
+    assert b.decay_ranges(whole=True) == [(2, 11)]
     b.flat[0] = 42.0
     assert params[1][1].data.flatten()[0] == 42.0  # reversed order: y comes first in the bucket
     b.flat.untyped_storage().resize_(0)
@@ -59,7 +61,10 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
             for mode in modes:
                 cases.append({"pp": pp, "dp": dp, "kind": kind, "m": 2 * pp, "parallel.zero": stage,
                               "parallel.grad_reduce": mode.value})
-    # ZeRO-3 layer by layer is the default at pp=1; with a pipeline, ask for it explicitly.
+    # ZeRO-3 layer by layer is the default at pp=1; with a pipeline, ask for it explicitly. At pp=1
+    # rank 0 alone also samples text at the end, which must not issue collectives.
+    if pp == 1:
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8})
     if pp > 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
                       "parallel.zero3_keep_gathered": False})

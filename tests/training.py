@@ -34,7 +34,7 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     results = []
     for i, case in enumerate(cases):
         cfg = build_config(None, tiny_overrides(data, f"{out}/case{i}", **case))
-        res = train(cfg)
+        res = train(cfg, snapshot=True)
         results.append({"case": case, "losses": res.losses, "params": res.params, "peak_live": res.peak_live})
     return results
 
@@ -42,7 +42,7 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
 def reference(data: str, out: str, global_mb: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     from pipezero.engine import train
 
-    res = train(build_config(None, tiny_overrides(data, out, 1, 1, K.ONE_F_ONE_B, global_mb)))
+    res = train(build_config(None, tiny_overrides(data, out, 1, 1, K.ONE_F_ONE_B, global_mb)), snapshot=True)
     return res.losses, res.params
 
 

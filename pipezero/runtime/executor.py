@@ -23,6 +23,7 @@ from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
+from pipezero.telemetry.trace import Tracer
 
 LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
 
@@ -73,8 +74,9 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 recompute: bool = False, hooks: GradHooks | None = None) -> None:
+                 recompute: bool = False, hooks: GradHooks | None = None, tracer: Tracer | None = None) -> None:
         self.chunks = chunks
+        self.tracer = tracer or Tracer()
         self.hooks = hooks or NoHooks()
         self.last = n_chunks - 1
         self.p2p = p2p
@@ -104,66 +106,74 @@ class Executor:
         loss = torch.zeros(())
         peak = 0
         final = last_weight_grad(actions)
+        split = {a.chunk for a in actions if a.op is Op.B}
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        split = {a.chunk: True for a in actions if a.op is Op.B}
         for i, a in enumerate(actions):
             self._prefetch(actions[i + 1:i + 1 + LOOKAHEAD])
-            key = (a.chunk, a.mb)
-            chunk = self.chunks[a.chunk]
-            if a.op in (Op.W, Op.BW):
-                self.hooks.before_backward(a.chunk, final[a.chunk] == i)
             if a.op is Op.F:
                 self.hooks.before_forward(a.chunk)
-                if a.chunk == 0:
-                    x = microbatches[a.mb][0]
-                else:
-                    x = self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
-                records = None
-                if a.chunk in self.capture and split.get(a.chunk):
-                    with self.capture[a.chunk].recording() as records:
-                        y = self._forward(chunk, x)
-                else:
-                    y = self._forward(chunk, x)
-                if a.chunk == self.last:
-                    y = lm_loss(y, microbatches[a.mb][1], denom)
-                    loss += y.detach()
-                else:
-                    self.p2p.send(Kind.ACT, a.chunk + 1, a.mb, y)
-                live[key] = _Live(x, y, records=records)
+                x = microbatches[a.mb][0] if a.chunk == 0 else \
+                    self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
+                with self.tracer.span(str(a), a.op.value):
+                    live[(a.chunk, a.mb)] = st = self._run_f(a, x, a.chunk in split)
+                    if a.chunk == self.last:
+                        st.out = lm_loss(st.out, microbatches[a.mb][1], denom)
+                        loss += st.out.detach()
                 peak = max(peak, len(live))
-            elif a.op is Op.W:
-                st = live.pop(key)
-                params = [p for p in chunk.parameters() if p.requires_grad]
-                if st.stash is not None:
-                    apply_weight_grads(st.stash)
-                elif params:
-                    grads = torch.autograd.grad(st.out, params, st.grad, allow_unused=True)
-                    for p, g in zip(params, grads):
-                        if g is not None:
-                            p.grad = g if p.grad is None else p.grad.add_(g)
-            else:  # B or BW
-                st = live[key]
+                continue
+            if a.op is not Op.B:
+                self.hooks.before_backward(a.chunk, final[a.chunk] == i)
+            if a.op is Op.W:
+                with self.tracer.span(str(a), a.op.value):
+                    self._run_w(a, live.pop((a.chunk, a.mb)))
+            else:
                 grad = None if a.chunk == self.last else self.p2p.recv(Kind.GRAD, a.chunk, a.mb)
-                if a.op is Op.BW:
-                    del live[key]
-                    torch.autograd.backward(st.out, grad)
-                    if a.chunk > 0:
-                        self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, st.inp.grad)
-                elif st.records is not None:
-                    gx, st.stash = input_grad_and_stash(st.out, st.inp, grad, st.records)
-                    st.out, st.records = None, None  # the graph is freed; W needs only the stash
-                    self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
-                else:
-                    st.grad = grad
-                    if a.chunk > 0:
-                        (gx,) = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)
-                        self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
-            if a.op in (Op.W, Op.BW):
+                st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
+                with self.tracer.span(str(a), a.op.value):
+                    self._run_b(a, st, grad)
+            if a.op is not Op.B:
                 self.hooks.after_backward(a.chunk, final[a.chunk] == i)
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
         return StepStats(float(loss), peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
+
+    def _run_f(self, a: Action, x: torch.Tensor, split: bool) -> _Live:
+        chunk = self.chunks[a.chunk]
+        records = None
+        if split and a.chunk in self.capture:
+            with self.capture[a.chunk].recording() as records:
+                y = self._forward(chunk, x)
+        else:
+            y = self._forward(chunk, x)
+        if a.chunk != self.last:
+            self.p2p.send(Kind.ACT, a.chunk + 1, a.mb, y)
+        return _Live(x, y, records=records)
+
+    def _run_b(self, a: Action, st: _Live, grad: torch.Tensor | None) -> None:
+        """BW: full backward. B: input gradient only, keeping what W needs (a stash or the graph)."""
+        if a.op is Op.BW:
+            torch.autograd.backward(st.out, grad)
+            gx = st.inp.grad if a.chunk > 0 else None
+        elif st.records is not None:
+            gx, st.stash = input_grad_and_stash(st.out, st.inp, grad, st.records)
+            st.out, st.records = None, None  # the graph is freed; W needs only the stash
+        else:
+            st.grad = grad
+            gx = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)[0] if a.chunk > 0 else None
+        if gx is not None:
+            self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
+
+    def _run_w(self, a: Action, st: _Live) -> None:
+        if st.stash is not None:
+            apply_weight_grads(st.stash)
+            return
+        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
+        if params:
+            grads = torch.autograd.grad(st.out, params, st.grad, allow_unused=True)
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

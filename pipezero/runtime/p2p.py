@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
+from pipezero.telemetry.trace import Tracer
 
 __all__ = ["P2P", "Kind", "PipelineTimeout"]
 
@@ -39,6 +40,7 @@ class P2P:
     step: int = 0
     bytes_sent: int = 0
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
+    tracer: Tracer = field(default_factory=Tracer)
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str]] = field(default_factory=list)
@@ -96,5 +98,6 @@ class P2P:
 
     def _wait(self, work: Any, what: str) -> None:
         t0 = time.perf_counter()
-        wait_or_raise(work, self.timeout_s, what)
+        with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"):
+            wait_or_raise(work, self.timeout_s, what)
         self.wait_s += time.perf_counter() - t0

@@ -34,8 +34,12 @@ class CostModel:
     w: float = 1.0
     comm: float = 0.0  # per hop between ranks, the same for activations and gradients
     chunk_factors: tuple[float, ...] | None = None  # per global chunk; None = 1/V each
+    per_chunk: tuple[tuple[float, float, float], ...] | None = None  # measured (F, B, W) per chunk
 
     def cost(self, action: Action, virtual: int) -> float:
+        if self.per_chunk is not None:
+            f, b, w = self.per_chunk[action.chunk]
+            return {Op.F: f, Op.B: b, Op.W: w, Op.BW: b + w}[action.op]
         base = {Op.F: self.f, Op.B: self.b, Op.W: self.w, Op.BW: self.b + self.w}[action.op]
         factor = self.chunk_factors[action.chunk] if self.chunk_factors else 1.0 / virtual
         return base * factor

@@ -48,10 +48,47 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true")
     s.add_argument("--png", help="draw the timeline to this file")
     s.add_argument("--compare", action="store_true", help="every schedule side by side")
+    s.add_argument("--from-trace", help="fit the cost model to a run's trace.json and compare")
     s.set_defaults(func=cmd_simulate)
 
 
+def cmd_from_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipezero.sim.calibrate import calibrate, predict, what_if
+
+    if not Path(args.from_trace).is_file():
+        raise ConfigError(f"--from-trace {args.from_trace!r} does not exist (a run with --trace writes trace.json)")
+    cal = calibrate(args.from_trace)
+    lay = cal.layout
+    step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
+    others = what_if(cal)
+    if args.json:
+        print(json.dumps({"layout": lay, "measured": {"step_time_s": cal.measured_step_s, "bubble": cal.measured_bubble},
+                          "simulated": {"step_time_s": step, "bubble": bubble}, "hop_s": cal.hop_s,
+                          "per_chunk_fbw_s": cal.per_chunk,
+                          "what_if": {k: (v if isinstance(v, str) else {"step_time_s": v[0], "bubble": v[1]})
+                                      for k, v in others.items()}}, indent=2))
+        return 0
+    console = Console(width=120, emoji=False)
+    console.print(f"{lay['schedule']} P={lay['pp']} D={lay['dp']} M={lay['microbatches']} V={lay['virtual_stages']}, "
+                  f"{cal.steps} steps; fitted hop {cal.hop_s * 1e3:.2f} ms; per chunk F/B/W ms: " +
+                  ", ".join(f"{c}: {f * 1e3:.1f}/{b * 1e3:.1f}/{w * 1e3:.1f}" for c, (f, b, w) in cal.per_chunk.items()))
+    table = Table(title="measured vs simulated on the fitted costs")
+    for col in ("schedule", "step time s", "bubble"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    table.add_row(f"{lay['schedule']} (measured)", f"{cal.measured_step_s:.3f}", f"{cal.measured_bubble:.1%}")
+    table.add_row(f"{lay['schedule']} (simulated)", f"{step:.3f}", f"{bubble:.1%}")
+    for name, v in others.items():
+        if name != lay["schedule"]:
+            table.add_row(f"what if {name}", *(("-", v) if isinstance(v, str) else (f"{v[0]:.3f}", f"{v[1]:.1%}")))
+    console.print(table)
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.from_trace:
+        return cmd_from_trace(args)
     if args.pp < 1 or args.microbatches < 1:
         raise ConfigError("--pp and --microbatches must be at least 1")
     f, b, w = parse_cost(args.cost)

@@ -18,7 +18,7 @@ from pipezero.config import OptimConfig
 class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    decay: torch.Tensor  # bool mask: where weight decay applies
+    decay: list[tuple[int, int]]  # [start, stop) ranges of the shard where weight decay applies
 
 
 @dataclass
@@ -27,8 +27,8 @@ class ShardedAdamW:
     states: list[ShardState] = field(default_factory=list)
     step_count: int = 0
 
-    def add_shard(self, size: int, decay_mask: torch.Tensor) -> None:
-        self.states.append(ShardState(torch.zeros(size), torch.zeros(size), decay_mask))
+    def add_shard(self, size: int, decay: list[tuple[int, int]]) -> None:
+        self.states.append(ShardState(torch.zeros(size), torch.zeros(size), decay))
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], lr: float) -> None:
         """Update each fp32 shard in place from its gradient shard (same order as add_shard)."""
@@ -38,7 +38,8 @@ class ShardedAdamW:
         bc2_sqrt = (1 - c.beta2 ** self.step_count) ** 0.5  # as torch computes it
         for p, g, st in zip(params, grads, self.states):
             if c.weight_decay:
-                p.mul_(torch.where(st.decay, 1 - lr * c.weight_decay, 1.0))
+                for a, b in st.decay:  # per-parameter ranges: no shard-sized mask or temporary
+                    p[a:b].mul_(1 - lr * c.weight_decay)
             st.exp_avg.lerp_(g, 1 - c.beta1)
             st.exp_avg_sq.mul_(c.beta2).addcmul_(g, g, value=1 - c.beta2)
             denom = (st.exp_avg_sq.sqrt() / bc2_sqrt).add_(c.eps)

@@ -72,14 +72,16 @@ class Bucket:
         for p in self.params:
             p.grad = None
 
-    def decay_mask(self, whole: bool = False) -> torch.Tensor:
-        """True where AdamW's weight decay applies (matrices, not norm gains), over this rank's
-        shard, or over the whole bucket when `whole` (stage 0 updates everything)."""
-        mask = torch.zeros(self.padded, dtype=torch.bool)
+    def decay_ranges(self, whole: bool = False) -> list[tuple[int, int]]:
+        """Where AdamW's weight decay applies (matrices, not norm gains), as [start, stop) ranges of
+        this rank's shard, or of the whole bucket when `whole` (stage 0 updates everything)."""
+        lo, hi = (0, self.padded) if whole else (self.shard.start, self.shard.stop)
+        out = []
         for p, off in zip(self.params, self.offsets):
-            if p.dim() >= 2:
-                mask[off:off + p.numel()] = True
-        return mask if whole else mask[self.shard].clone()
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if p.dim() >= 2 and a < b:
+                out.append((a - lo, b - lo))
+        return out
 
 
 def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int) -> list[Bucket]:

@@ -33,6 +33,7 @@ from torch import nn
 
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
 from pipezero.zero.layerwise import layer_index
@@ -59,6 +60,7 @@ class ZeroDP:
     timeout_s: float = 300.0
     rank: int = 0
     keep_gathered: bool = True  # stage 3: a chunk stays gathered for its step (else layer by layer)
+    tracer: Tracer = field(default_factory=Tracer)
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
@@ -72,6 +74,7 @@ class ZeroDP:
     _launched: set[int] = field(default_factory=set)  # id(bucket) reduced during this backward
 
     _inflight: dict[int, Any] = field(default_factory=dict)  # id(bucket) -> prefetch all-gather
+    _holding: bool = False  # between gather_all and release_all: layer hooks neither gather nor release
     _expect: dict[int, set[int]] = field(default_factory=dict)  # layerwise: id(bucket) -> params to come
 
     @property
@@ -99,8 +102,7 @@ class ZeroDP:
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
-            mask = b.decay_mask(whole=self.stage == 0)
-            self.opt.add_shard(size, mask)
+            self.opt.add_shard(size, b.decay_ranges(whole=self.stage == 0))
             if self.stage == 3:
                 self._master[id(b)] = b.flat[b.shard].clone()
                 _release(b)
@@ -113,8 +115,10 @@ class ZeroDP:
     def _sharded_grads(self) -> bool:
         return self.stage >= 2
 
-    def _what(self, op: str) -> str:
-        return f"rank {self.rank}, step {self.step_no}: ZeRO-{self.stage} {op} across {self.dp} data-parallel ranks"
+    def _wait(self, work: Any, op: str) -> None:
+        with self.tracer.span(op, "wait", "collectives"):
+            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: ZeRO-{self.stage} {op} "
+                                                f"across {self.dp} data-parallel ranks")
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -138,7 +142,7 @@ class ZeroDP:
     # --- stage 3, layer by layer (called from zero/layerwise.py hooks) -------------------------
     def gather(self, b: Bucket) -> None:
         if id(b) in self._inflight:
-            wait_or_raise(self._inflight.pop(id(b)), self.timeout_s, self._what("all-gather of parameters"))
+            self._wait(self._inflight.pop(id(b)), "all-gather of parameters")
         elif b.flat.untyped_storage().size() == 0:
             self._gather(b, self._master[id(b)])
 
@@ -154,7 +158,7 @@ class ZeroDP:
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
 
     def release(self, b: Bucket) -> None:
-        if self.layerwise and id(b) not in self._inflight:
+        if self.layerwise and not self._holding and id(b) not in self._inflight:
             _release(b)
 
     def expect_grads(self, b: Bucket) -> None:
@@ -216,8 +220,10 @@ class ZeroDP:
         if self.stage == 3:
             for c in self.buckets:
                 self._gather_chunk(c)
+            self._holding = True  # rank 0 may now run forwards alone (the text sample)
 
     def release_all(self) -> None:
+        self._holding = False
         if self.stage == 3:
             for c in list(self._gathered):
                 for b in self.buckets[c]:
@@ -251,7 +257,7 @@ class ZeroDP:
         for p in done:
             if p.work is not None:
                 what = "reduce-scatter of gradients" if self._sharded_grads else "all-reduce of gradients"
-                wait_or_raise(p.work, self.timeout_s, self._what(what))
+                self._wait(p.work, what)
             if p.out is not None:
                 self._shard_grad[id(p.bucket)].add_(p.out)
                 p.bucket.detach_grads()
@@ -263,7 +269,7 @@ class ZeroDP:
             b.flat.copy_(shard)
             return
         work = dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
-        wait_or_raise(work, self.timeout_s, self._what("all-gather of parameters"))
+        self._wait(work, "all-gather of parameters")
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
 
     # --- the optimizer step ------------------------------------------------------------------
@@ -297,14 +303,15 @@ class ZeroDP:
         total = torch.tensor([local], dtype=torch.float64)
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
-            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: all-reduce of the gradient norm")
+            self._wait(work, "all-reduce of the gradient norm")
         norm = float(total.sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        self.opt.step(params, grads, lr)
+        with self.tracer.span("optimizer", "optim"):
+            self.opt.step(params, grads, lr)
         if self.stage in (1, 2):
             for b in self.all_buckets():
                 self._gather(b, b.flat[b.shard].clone())

@@ -1,0 +1,84 @@
+"""Per-rank timed events and the Chrome / Perfetto trace they become.
+
+A `Tracer` records complete events (name, category, row, start, end) on one rank; with tracing off
+it records nothing and `span` costs one attribute check. Rows are the streams a user reasons about:
+compute (F/B/W/BW and the optimizer), p2p (time blocked on activations and gradients) and
+collectives (time blocked on ZeRO reductions and gathers). Times are wall-clock (`time.time`), so the
+ranks of one machine line up; across machines they are as good as the clocks' agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROWS = {"compute": 0, "p2p": 1, "collectives": 2}
+
+
+@dataclass
+class Tracer:
+    rank: int = 0
+    enabled: bool = False
+    step: int = 0
+    events: list[tuple[str, str, str, float, float, int]] = field(default_factory=list)
+
+    @contextmanager
+    def span(self, name: str, cat: str, row: str = "compute") -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.events.append((name, cat, row, t0, time.time(), self.step))
+
+
+def chrome_trace(per_rank: list[list[tuple]], layout: dict | None = None) -> dict[str, Any]:
+    """One process row per rank, one thread row per stream; timestamps in microseconds from the
+    earliest event."""
+    t0 = min((e[3] for evs in per_rank for e in evs), default=0.0)
+    out: list[dict[str, Any]] = []
+    for rank, evs in enumerate(per_rank):
+        out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for row, tid in ROWS.items():
+            out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": row}})
+        for name, cat, row, start, end, step in evs:
+            out.append({"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": ROWS[row],
+                        "ts": (start - t0) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}})
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"layout": layout or {}}}
+
+
+def write_trace(path: Path, per_rank: list[list[tuple]], layout: dict, png: Path | None = None,
+                step: int | None = None) -> None:
+    from pipezero.util import atomic_write_bytes
+
+    atomic_write_bytes(path, json.dumps(chrome_trace(per_rank, layout)).encode())
+    if png is None:
+        return
+    from pipezero.sim.plot import draw_timeline
+
+    shown = [[e for e in evs if step is None or e[5] == step] for evs in per_rank]
+    t0 = min((e[3] for evs in shown for e in evs), default=0.0)
+    bars = []
+    for rank, evs in enumerate(shown):
+        for name, cat, row, start, end, _ in evs:
+            if row == "compute" and cat in ("F", "B", "W", "BW"):
+                mb = int(name.split(cat)[-1]) if name.split(cat)[-1].isdigit() else 0
+                bars.append((rank, cat, mb, (start - t0) * 1e3, (end - t0) * 1e3))
+    draw_timeline(bars, len(per_rank), f"measured step {step}" if step else "measured", png, time_unit="ms")
+
+
+def load_trace(path: Path) -> tuple[dict, dict[int, list[dict[str, Any]]]]:
+    """The run's layout and the complete events of a trace written by `write_trace`, by rank."""
+    data = json.loads(Path(path).read_text())
+    out: dict[int, list[dict[str, Any]]] = {}
+    for e in data["traceEvents"]:
+        if e.get("ph") == "X":
+            out.setdefault(e["pid"], []).append(e)
+    return data.get("otherData", {}).get("layout", {}), out
