@@ -273,6 +273,8 @@ def _validate(cfg: TrainConfig) -> None:
     _check(r.max_steps >= 1, "--max-steps must be at least 1")
     _check(r.eval_every >= 0 and r.eval_batches >= 1, "run.eval_every >= 0 and run.eval_batches >= 1")
     _check(r.checkpoint_every >= 0, "--checkpoint-every must be >= 0")
+    _check(r.checkpoint_every == 0 and not r.resume,
+           "--checkpoint-every and --resume need checkpointing, which is not built yet; drop them for now")
     if d.path is not None:
         _check(Path(d.path).exists(), f"--data {d.path!r} does not exist; pass a text file, a folder or a token file")
     if d.tokenizer.endswith(".json"):

@@ -94,6 +94,7 @@ class Stage:
     groups: Groups
     schedule: Schedule
     predicted: SimResult
+    bounds: list[tuple[int, int]]  # [start, stop) layers of every chunk, in model order
     chunks: dict[int, torch.nn.Module]
     executor: Executor
     zero: ZeroDP
@@ -107,6 +108,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
     bounds = partition(cfg.model, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
+    if any(a == b for a, b in bounds):
+        raise ConfigError(f"--stage-layers gives an empty stage chunk {[b - a for a, b in bounds]}: every chunk "
+                          f"needs at least one layer for now")
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed) for c in schedule.chunks(mesh.pp_rank)}
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
@@ -118,7 +122,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     if zero.layerwise:
         layerwise.install(zero, chunks)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer)
-    return Stage(mesh, groups, schedule, predicted, chunks, executor, zero, tracer)
+    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer)
 
 
 def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
@@ -153,7 +157,9 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
                 f"model {cfg.model.preset}: {param_count(cfg.model) / 1e6:.2f}M parameters, "
                 f"{flops_per_token(cfg.model, seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
                 f"{len(corpus.train):,} train tokens, unigram baseline {result.unigram:.3f} nats; "
-                f"layout pp={p.pp} dp={p.dp} schedule={p.schedule.value} M={p.microbatches}")
+                f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
+                f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
+                f"{[b - a for a, b in stage.bounds]}")
         for step in range(r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()

@@ -30,6 +30,7 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"parallel.stage_layers": [1, 1]}, "lists 2 stages"),
     ({"parallel.zero": 4}, "choose 0, 1, 2 or 3"),
     ({"run.bogus": 1}, "unknown setting"),
+    ({"run.resume": True}, "need checkpointing, which is not built yet"),
 ])
 def test_validation_errors_name_the_fix(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

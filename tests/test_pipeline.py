@@ -38,6 +38,9 @@ def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
 
 def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     cases = [{"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": m} for m in (1, 3)]
+    # Activation recomputation and the cost partition change memory and cuts, not the model.
+    cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "parallel.recompute": True, "parallel.partition": "cost"}
+              for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
     assert_same_training(run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases), str(text_dir), tmp_path)
 
 
