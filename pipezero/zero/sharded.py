@@ -126,8 +126,7 @@ class ZeroDP:
         for b in self.all_buckets():
             if b.grad is not None:
                 b.grad.zero_()
-            if self._sharded_grads:
-                self._shard_grad[id(b)] = torch.zeros(b.shard_size)
+        self._shard_grad.clear()  # allocated at the first reduction: not held through the step
 
     def before_forward(self, chunk: int) -> None:
         if self.stage == 3 and not self.layerwise:
@@ -259,7 +258,11 @@ class ZeroDP:
                 what = "reduce-scatter of gradients" if self._sharded_grads else "all-reduce of gradients"
                 self._wait(p.work, what)
             if p.out is not None:
-                self._shard_grad[id(p.bucket)].add_(p.out)
+                if id(p.bucket) in self._shard_grad:
+                    self._shard_grad[id(p.bucket)].add_(p.out)
+                else:
+                    # without a group p.out is a view of the gradient bucket about to be dropped
+                    self._shard_grad[id(p.bucket)] = p.out if p.work is not None else p.out.clone()
                 p.bucket.detach_grads()
 
     def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
@@ -288,7 +291,9 @@ class ZeroDP:
                 grads.append(g)
                 counted.append(g)
             else:
-                g = self._shard_grad[id(b)]
+                g = self._shard_grad.get(id(b))
+                if g is None:
+                    g = self._shard_grad[id(b)] = torch.zeros(b.shard_size)
                 params.append(self._master[id(b)] if self.stage == 3 else b.flat[b.shard])
                 grads.append(g)
                 counted.append(g)
