@@ -128,44 +128,38 @@ def looped_bfs(pp: int, m: int, v: int) -> Schedule:
     return _build("looped-bfs", pp, m, v, Placement.LOOP, rank)
 
 
-def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
-    """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B with B and W split, rank r deferring its W passes by r
-    so every rank holds P micro-batches in flight (1F1B's peak) while the deferred Ws fill the cool-down
-    bubble: idle (P-1)(F+B-W) instead of (P-1)(F+B+W)."""
+def _deferred_w(name: str, pp: int, m: int, warmup: Callable[[int], int]) -> Schedule:
+    """The handcrafted zero-bubble shape shared by ZB-H1 and ZB-H2: `warmup(r)` forwards, then
+    F-B with rank r's W passes deferred by r micro-batches, then the remaining B-W pairs."""
     def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
         c = chunks[0]
-        warmup = min(pp - 1 - r, m)
-        for _ in range(warmup):
+        n = min(warmup(r), m)
+        for _ in range(n):
             o.f(c)
-        for k in range(m - warmup):
+        for k in range(m - n):
             o.f(c)
             o.b(c)
             if k >= r:
                 o.w()
-        for _ in range(warmup):
+        for _ in range(n):
             o.b(c)
             o.w()
-    return _build("zb-h1", pp, m, 1, Placement.LOOP, rank)
+    return _build(name, pp, m, 1, Placement.LOOP, rank)
+
+
+def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B's P-1-r warm-up forwards with B and W split, rank r
+    deferring its W passes by r so every rank holds P micro-batches in flight (1F1B's peak) while
+    the deferred Ws fill the cool-down bubble: idle (P-1)(F+B-W) instead of (P-1)(F+B+W)."""
+    return _deferred_w("zb-h1", pp, m, lambda r: pp - 1 - r)
 
 
 def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
     """ZB-H2 (Qi et al. 2024, sec. 2.2): extra warm-up forwards fill the time until the first B
-    returns (2(P-1-r)+1 on rank r, so up to 2P-1 in flight), then F-B-W with rank r's Ws deferred by
-    r as in ZB-H1, so the cool-down is filled too: only the forward ramp (P-1)F stays idle."""
-    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
-        c = chunks[0]
-        warmup = min(2 * (pp - 1 - r), m)
-        for _ in range(warmup):
-            o.f(c)
-        for k in range(m - warmup):
-            o.f(c)
-            o.b(c)
-            if k >= r:
-                o.w()
-        for _ in range(warmup):
-            o.b(c)
-            o.w()
-    return _build("zb-h2", pp, m, 1, Placement.LOOP, rank)
+    returns (2(P-1-r)+1 on rank r, so up to 2P-1 in flight), then as ZB-H1. Under a synchronous
+    optimizer step only the forward ramp (P-1)F stays idle (see tests for how this differs from
+    the paper's post-validated figure)."""
+    return _deferred_w("zb-h2", pp, m, lambda r: 2 * (pp - 1 - r))
 
 
 def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
