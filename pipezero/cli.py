@@ -101,15 +101,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc != cfg.parallel.world_size:
         raise ConfigError(f"--nproc {args.nproc} but --pp {cfg.parallel.pp} x --dp {cfg.parallel.dp} = "
                           f"{cfg.parallel.world_size}; make them equal")
-    if args.nproc is not None and args.nproc > 1:
-        from pipezero.launch import launch_local, under_torchrun
+    from pipezero.launch import exit_rank, launch_local, under_torchrun
 
-        if not under_torchrun():
-            from pipezero.data import load_corpus
+    if args.nproc is not None and args.nproc > 1 and not under_torchrun():
+        from pipezero.data import load_corpus
 
-            load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
-            return launch_local(args.nproc, args.argv)
+        load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
+        return launch_local(args.nproc, args.argv)
     train(cfg)
+    if under_torchrun():
+        exit_rank(0)
     return 0
 
 

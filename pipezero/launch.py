@@ -28,6 +28,23 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def exit_rank(code: int) -> None:
+    """End a torchrun rank: tear the process group down, flush, and leave without interpreter
+    teardown, where gloo's threads can abort an already finished run ("terminate called without
+    an active exception", seen here at exit on CPU)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the run itself is complete; nothing left to save
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def launch_local(nproc: int, argv: Sequence[str]) -> int:
     """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
     localhost, so runs never collide), and return the job's exit code."""

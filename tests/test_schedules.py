@@ -74,15 +74,28 @@ def test_zb_h1_idle_and_memory(cost):
     assert simulate(build_schedule(K.ZB_H1, 4, 8)).idle[0] == pytest.approx(one / 3)
 
 
+def steady_idle(s, cost=None):
+    """Idle a step in steady state when steps run back to back with no barrier between them (the
+    paper's optimizer post-validation): the period of three repeats minus two, less the work."""
+    def repeat(k):
+        acts = tuple(tuple(Action(a.chunk, a.op, a.mb + i * s.microbatches) for i in range(k) for a in r)
+                     for r in s.actions)
+        return dataclasses.replace(s, microbatches=s.microbatches * k, actions=acts)
+    return simulate(repeat(3), cost).step_time - simulate(repeat(2), cost).step_time - 3 * s.microbatches
+
+
 def test_zb_h2_memory_and_bubble():
-    """Qi et al. 2024, sec 2.2: ZB-H2 holds up to (2p-1) M_B. Its published bubble (p-1)(T_F+T_B-2T_W)
-    assumes the optimizer step is not a barrier (post-validation); with our synchronous step the
-    forward ramp (p-1)T_F stays, so at F=B=W the idle is (p-1)T_F, never more than ZB-H1's."""
-    for p in range(2, 13):
+    """Qi et al. 2024, Table 2 / sec 2.2: ZB-H2 peak memory (2p-1) M_B, bubble (p-1)(T_F+T_B-2T_W) = 0
+    at equal costs with post-validation. Under our synchronous step the forward ramp (p-1)T_F stays."""
+    for p in range(2, 9):
         for m in [x for x in m_values(p) if x >= 2 * p]:
-            r = simulate(build_schedule(K.ZB_H2, p, m))
-            assert r.peak_activations[0] == 2 * p - 1
+            s = build_schedule(K.ZB_H2, p, m)
+            r = simulate(s)
+            assert r.peak_activations[0] == 2 * p - 1 and max(r.peak_activations) == 2 * p - 1
             assert r.idle == pytest.approx([(p - 1) * 1.0] * p)
+            assert steady_idle(s) == pytest.approx(0.0)
+    assert steady_idle(build_schedule(K.ONE_F_ONE_B, 4, 16)) == pytest.approx(9.0)  # 1F1B keeps (p-1)(F+B+W)
+    assert steady_idle(build_schedule(K.ZB_V, 4, 16, 2)) == pytest.approx(0.0)  # ZB-V: zero at F=B=W too
 
 
 def test_zb_v_and_dualpipe_v_published_figures():

@@ -128,38 +128,59 @@ def looped_bfs(pp: int, m: int, v: int) -> Schedule:
     return _build("looped-bfs", pp, m, v, Placement.LOOP, rank)
 
 
-def _deferred_w(name: str, pp: int, m: int, warmup: Callable[[int], int]) -> Schedule:
-    """The handcrafted zero-bubble shape shared by ZB-H1 and ZB-H2: `warmup(r)` forwards, then
-    F-B with rank r's W passes deferred by r micro-batches, then the remaining B-W pairs."""
-    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
-        c = chunks[0]
-        n = min(warmup(r), m)
-        for _ in range(n):
-            o.f(c)
-        for k in range(m - n):
-            o.f(c)
-            o.b(c)
-            if k >= r:
-                o.w()
-        for _ in range(n):
-            o.b(c)
-            o.w()
-    return _build(name, pp, m, 1, Placement.LOOP, rank)
-
-
 def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
     """ZB-H1 (Qi et al. 2024, sec. 2.1): 1F1B's P-1-r warm-up forwards with B and W split, rank r
     deferring its W passes by r so every rank holds P micro-batches in flight (1F1B's peak) while
     the deferred Ws fill the cool-down bubble: idle (P-1)(F+B-W) instead of (P-1)(F+B+W)."""
-    return _deferred_w("zb-h1", pp, m, lambda r: pp - 1 - r)
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        c = chunks[0]
+        warmup = min(pp - 1 - r, m)
+        for _ in range(warmup):
+            o.f(c)
+        for k in range(m - warmup):
+            o.f(c)
+            o.b(c)
+            if k >= r:
+                o.w()
+        for _ in range(warmup):
+            o.b(c)
+            o.w()
+    return _build("zb-h1", pp, m, 1, Placement.LOOP, rank)
 
 
 def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
-    """ZB-H2 (Qi et al. 2024, sec. 2.2): extra warm-up forwards fill the time until the first B
-    returns (2(P-1-r)+1 on rank r, so up to 2P-1 in flight), then as ZB-H1. Under a synchronous
-    optimizer step only the forward ramp (P-1)F stays idle (see tests for how this differs from
-    the paper's post-validated figure)."""
-    return _deferred_w("zb-h2", pp, m, lambda r: 2 * (pp - 1 - r))
+    """ZB-H2 (Qi et al. 2024, sec. 2.2): every rank may hold up to 2P-1 micro-batches in flight; at
+    equal F, B, W times each rank runs, whenever it is free, a B if one is ready, else an F if its
+    memory allows, else a deferred W. Played on unit times this rule writes the paper's order: extra
+    warm-up forwards fill the wait for the first B, and Ws fill the tail, so with the optimizer
+    step post-validated (no barrier) the bubble is (P-1)(F+B-2W) = 0; a synchronous step keeps the
+    forward ramp (P-1)F."""
+    limit = 2 * pp - 1
+    next_f, next_b, in_flight = [0] * pp, [0] * pp, [0] * pp
+    f_end: dict[tuple[int, int], int] = {}
+    b_end: dict[tuple[int, int], int] = {}
+    orders = [RankOrder(m) for _ in range(pp)]
+    t, left = 0, 3 * pp * m
+    while left:
+        for r, o in enumerate(orders):
+            mb_b, mb_f = next_b[r], next_f[r]
+            if mb_b < m and f_end.get((r, mb_b), t + 1) <= t and (r == pp - 1 or b_end.get((r + 1, mb_b), t + 1) <= t):
+                o.b(r)
+                b_end[(r, mb_b)] = t + 1
+                next_b[r] += 1
+            elif mb_f < m and in_flight[r] < limit and (r == 0 or f_end.get((r - 1, mb_f), t + 1) <= t):
+                o.f(r)
+                f_end[(r, mb_f)] = t + 1
+                next_f[r] += 1
+                in_flight[r] += 1
+            elif o.pending_w:
+                o.w()
+                in_flight[r] -= 1
+            else:
+                continue
+            left -= 1
+        t += 1
+    return Schedule("zb-h2", pp, m, 1, Placement.LOOP, tuple(tuple(o.actions) for o in orders))
 
 
 def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
