@@ -31,12 +31,13 @@ from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
-from pipezero.zero import layerwise
-from pipezero.zero.accounting import explain
-from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
+from pipezero.zero import layerwise
+from pipezero.zero.accounting import explain
+from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
+from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
 @dataclass
@@ -71,9 +72,6 @@ def init_distributed(cfg: TrainConfig) -> int:
     if world != p.world_size:
         raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
                           f"use --nproc {p.world_size} (or change --pp/--dp)")
-    if cfg.model.tie_embeddings and p.pp > 1:
-        raise ConfigError("tied embeddings across pipeline stages are not supported yet: "
-                          "set model.tie_embeddings = false or --pp 1")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=p.timeout_s))
     return dist.get_rank() if dist.is_initialized() else 0
@@ -101,6 +99,18 @@ class Stage:
     tracer: Tracer
 
 
+def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
+                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
+    """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
+    holds and the group that sums their gradients (a collective call on every rank)."""
+    if not cfg.model.tie_embeddings or schedule.n_chunks == 1:
+        return None
+    apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
+    group = tie_group(mesh.pp, mesh.dp, mesh.rank) if apart else None
+    local, head = find_tied({n: q for ps in named.values() for n, q in ps}, cfg.model.n_layers)
+    return TiedCopies(local, head, group) if local else None
+
+
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> Stage:
     p = cfg.parallel
     tracer = tracer or Tracer(rank, cfg.run.trace)
@@ -117,8 +127,10 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
               schedule.n_chunks, tracer=tracer)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
-    zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
-                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer)
+    named = named_by_chunk(chunks)
+    zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
+                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
+                  tied=tied_copies(cfg, schedule, mesh, named))
     if zero.layerwise:
         layerwise.install(zero, chunks)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer)

@@ -6,7 +6,7 @@ import pytest
 
 from pipezero.parallel.spawn import run_ranks
 from pipezero.config import ScheduleKind as K
-from training import V_OF, assert_same_training, train_cases
+from training import TIED_LR, V_OF, assert_same_training, train_cases
 
 
 def layouts(pp: int, dp: int) -> list[dict]:
@@ -41,6 +41,9 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Activation recomputation and the cost partition change memory and cuts, not the model.
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "parallel.recompute": True, "parallel.partition": "cost"}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
+    # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
+    cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True, **TIED_LR}
+              for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
     assert_same_training(run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases), str(text_dir), tmp_path)
 
 

@@ -100,10 +100,12 @@ def test_zb_h2_memory_and_bubble():
 
 def test_zb_v_and_dualpipe_v_published_figures():
     """ZB-V (arXiv 2405.15362 / sail-sg comparison table at T_F=T_B=T_W): activation memory equal to
-    1F1B's (2p half-size chunks = p stages) and zero bubble in steady state, the only idle being the
-    ramp of one chunk forward per rank, (p-1) T_F / 2. DualPipeV (DeepSeek DualPipe README table):
-    activation per device PP+1 chunks with PP = 2p stages, and bubble (PP/2-1)(F&B+B-3W), which is
-    zero at F=B=W here too beyond the same ramp."""
+    1F1B's (2p half-size chunks = p stages) and zero bubble in steady state (asserted in
+    test_zb_h2_memory_and_bubble); a synchronous step keeps the ramp of one chunk forward per rank,
+    (p-1) T_F / 2. DualPipeV (DeepSeek DualPipe README table): activation per device PP+1 chunks with
+    PP = 2p stages, asserted. Its bubble (PP/2-1)(F&B+B-3W), B a full backward, is (p-1)(F+2B-W) in
+    input-gradient units without compute overlap = (p-1) x 1.0 here; our order idles (p-1) x 0.5,
+    less than that bound, because nothing here forces the F&B pairs to run as one unit."""
     for p in range(2, 13):
         for m in [x for x in m_values(p) if x >= 2 * p]:
             zbv = simulate(build_schedule(K.ZB_V, p, m, 2))

@@ -10,7 +10,7 @@ from pipezero.config import GradReduce, OptimConfig
 from pipezero.config import ScheduleKind as K
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import make_buckets
-from training import assert_same_training, train_cases
+from training import TIED_LR, assert_same_training, train_cases
 
 
 def test_sharded_adamw_equals_torch_adamw():
@@ -68,6 +68,8 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     if pp > 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
                       "parallel.zero3_keep_gathered": False})
+        cases += [{"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": stage,
+                   "model.tie_embeddings": True, **TIED_LR} for stage in (0, 1, 2, 3)]
     return cases
 
 

@@ -37,6 +37,7 @@ from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
 from pipezero.zero.layerwise import layer_index
+from pipezero.zero.tied import TiedCopies
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ZeroDP:
     timeout_s: float = 300.0
     rank: int = 0
     keep_gathered: bool = True  # stage 3: a chunk stays gathered for its step (else layer by layer)
+    tied: TiedCopies | None = None  # embedding/head copies in different chunks, summed before reducing
     tracer: Tracer = field(default_factory=Tracer)
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
@@ -93,9 +95,11 @@ class ZeroDP:
         else:
             self.buckets = {c: make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
                             for c, named in self.chunk_params.items()}
+        tied_ids = {id(q) for q in self.tied.local} if self.tied else set()
+        self._deferred = {id(b) for b in self.all_buckets() if any(id(q) in tied_ids for q in b.params)}
         for c, bs in self.buckets.items():
             for b in bs:
-                if any(id(q) in self.shared for q in b.params):
+                if id(b) in self._deferred or any(id(q) in self.shared for q in b.params):
                     continue  # a parameter used twice accumulates twice: reduce after the backward
                 for q in b.params:
                     q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: self._grad_ready(c, b, q))
@@ -201,7 +205,7 @@ class ZeroDP:
             if self._sharded_grads:
                 for q in b.params:  # gradients written by W, outside autograd's accumulation
                     b.adopt(q)
-            if chunk in self._launching and id(b) not in self._launched:
+            if chunk in self._launching and id(b) not in self._launched and id(b) not in self._deferred:
                 self._launch(b)
         self._launching.discard(chunk)
         for b in buckets:
@@ -297,11 +301,27 @@ class ZeroDP:
                 params.append(self._master[id(b)] if self.stage == 3 else b.flat[b.shard])
                 grads.append(g)
                 counted.append(g)
+            head = self.tied.head if self.tied else None
+            if head is not None and id(head) in b.index:  # the shared weight counts once in the norm
+                i = b.index[id(head)]
+                lo, hi = max(b.offsets[i], b.shard.start), min(b.offsets[i] + head.numel(), b.shard.stop)
+                if lo < hi:
+                    counted[-1] = counted[-1].clone()
+                    counted[-1][lo - b.shard.start:hi - b.shard.start] = 0
         return params, grads, counted
 
     def step(self, lr: float, max_norm: float, norm_group: Any) -> float:
         """Finish the reductions, clip by the global norm over every shard of every stage, update
         this rank's shards, and make full parameters available again (stages 1 and 2)."""
+        if self.tied is not None:  # tied copies first: their buckets were held back for this
+            self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.step_no}: sum of tied embedding "
+                                                f"gradients between the first and last pipeline rank")
+            for b in self.all_buckets():
+                if id(b) in self._deferred:
+                    if self._sharded_grads:
+                        for q in b.params:
+                            b.adopt(q)
+                    self._launch(b)
         self._drain()
         params, grads, counted = self._shards()
         local = sum(float(g.double().pow(2).sum()) for g in counted)

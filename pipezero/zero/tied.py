@@ -1,0 +1,60 @@
+"""Tied input and output embeddings when the two ends of the model sit in different chunks.
+
+Each chunk then owns its own copy, initialised equal (models/llama.py draws the tied head from the
+embedding's generator). One step's gradient of the shared weight is the sum of both copies'
+gradients: copies on one rank are added locally, copies on the first and last pipeline rank are
+all-reduced between those two. Both copies then take the same AdamW step and stay equal; the
+gradient norm counts the shared weight once (the head's copy is left out of it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipezero.parallel.waits import wait_or_raise
+
+
+@dataclass
+class TiedCopies:
+    local: list[nn.Parameter]  # this rank's copies (0, 1 or 2)
+    head: nn.Parameter | None  # the copy left out of the gradient norm, if held here
+    group: Any  # the first and last pipeline rank of this replica; None when one rank holds both
+
+    def sum_grads(self, timeout_s: float, what: str) -> None:
+        if not self.local:
+            return
+        total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.local)
+        if self.group is not None:
+            work = dist.all_reduce(total, group=self.group, async_op=True)
+            wait_or_raise(work, timeout_s, what)
+        for p in self.local:
+            if p.grad is None:
+                p.grad = total.clone()
+            else:
+                p.grad.copy_(total)
+
+
+def find_tied(named: dict[str, nn.Parameter], n_layers: int) -> tuple[list[nn.Parameter], nn.Parameter | None]:
+    """This rank's copies of the tied weight (embedding `layers.0.weight`, head
+    `layers.{L+1}.proj.weight`) when they are distinct tensors, and the head's copy."""
+    emb, head = named.get("layers.0.weight"), named.get(f"layers.{n_layers + 1}.proj.weight")
+    local = [p for p in (emb, head) if p is not None]
+    return local, head
+
+
+def tie_group(pp: int, dp: int, rank: int) -> Any:
+    """Create (collectively, on every rank) the first/last-rank pair of each replica; return ours."""
+    if pp == 1:
+        return None
+    mine = None
+    for d in range(dp):
+        pair = [0 * dp + d, (pp - 1) * dp + d]
+        g = dist.new_group(pair)
+        if rank in pair:
+            mine = g
+    return mine
