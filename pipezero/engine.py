@@ -118,9 +118,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
     bounds = partition(cfg.model, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
-    if any(a == b for a, b in bounds):
-        raise ConfigError(f"--stage-layers gives an empty stage chunk {[b - a for a, b in bounds]}: every chunk "
-                          f"needs at least one layer for now")
+    if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
+        raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
+                          f"and the last the head; only chunks in between may be empty")
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed) for c in schedule.chunks(mesh.pp_rank)}
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}

@@ -53,6 +53,9 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.generators import build_schedule
 
     cases = layouts(2, 2) + layouts(4, 1)
+    # A stage with no layer (hence no parameter) passes activations and gradients straight through.
+    cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
+              for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):
