@@ -56,13 +56,10 @@ def vm_hwm(pid: int) -> tuple[int, int | None]:
     return hwm, rank
 
 
-def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
-    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp * args.dp),
-           "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
-           "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
-           "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
-           "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def poll(cmd: list[str], what: str) -> dict[int, int]:
+    """Run `cmd`, polling the peak RSS of every rank process below it until it exits."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))  # same allocator setting for every run
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     peaks: dict[int, int] = {}
     while proc.poll() is None:
         for pid in descendants(proc.pid):
@@ -71,8 +68,24 @@ def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
                 peaks[rank] = max(peaks.get(rank, 0), hwm)
         time.sleep(0.05)
     if proc.returncode:
-        raise SystemExit(f"zero {zero} failed:\n{proc.stderr.read().decode()[-3000:]}")
+        raise SystemExit(f"{what} failed:\n{proc.stderr.read().decode()[-3000:]}")
     return peaks
+
+
+def run_torch(args: argparse.Namespace, mode: str) -> dict[int, int]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.dp}",
+           str(Path(__file__).parent / "torch_baselines.py"), "--mode", mode, "--preset", args.preset,
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    return poll(cmd, f"torch {mode}")
+
+
+def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp * args.dp),
+           "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
+           "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
+           "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
+           "--no-progress"]
+    return poll(cmd, f"zero {zero}")
 
 
 def main() -> None:
@@ -85,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--grad-reduce", default="step", choices=["step", "microbatch"])
     ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--torch", default="ddp,zero1,fsdp2", help="torch baselines to run beside (P=1 only; '' for none)")
     args = ap.parse_args()
     model = apply_preset(ModelConfig(), args.preset)
     psi = param_count(model) / args.pp  # parameters per pipeline stage (uniform split, approximate)
@@ -107,9 +121,19 @@ def main() -> None:
         rows[z] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param": saved,
                    "predicted_saved_bytes_per_param": predicted, "measured_over_predicted": ratio}
         print(f"{z:>5}{peak / 2**20:>21.0f}{saved:>15.2f}{predicted:>11.2f}{ratio:>8.2f}")
+    theirs = {}
+    if args.torch and args.pp == 1 and args.microbatches == 1:
+        print(f"\ntorch on the same model, D={args.dp}: saved vs pipezero stage 0, bytes a parameter")
+        for mode in args.torch.split(","):
+            per_rank = run_torch(args, mode)
+            peak = max(per_rank.values())
+            saved = (max(base.values()) - peak) / psi if base else float("nan")
+            theirs[mode] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param_vs_our_stage0": saved}
+            print(f"{mode:>6}{peak / 2**20:>21.0f}{saved:>15.2f}")
     out = Path(__file__).parent / "results" / f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs},
+                              indent=2))
     print(f"wrote {out}")
 
 
