@@ -205,7 +205,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
         stage.zero.gather_all()
     if snapshot:
         result.params = {n: q.detach().clone() for n, q in named}
-    finish_run(cfg, stage, corpus, result, peak_live, progress if show else None)
+    finish_run(cfg, stage, corpus, result, progress if show else None)
     if full:
         stage.zero.release_all()
     return result
@@ -216,12 +216,12 @@ def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
     return bool(cfg.run.sample_tokens) and corpus.tokenizer is not None and cfg.parallel.pp == 1
 
 
-def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult, peak_live: int,
+def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult,
                progress: StepProgress | None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
-    mine = {"peak_live": peak_live, "measured_bubble": result.measured_bubble, "held_bytes": stage.zero.held_bytes(),
-            "params": sum(q.numel() for c in named_by_chunk(stage.chunks).values() for _, q in c),
+    mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
+            "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     per_rank, events = [mine], [stage.tracer.events]
@@ -233,9 +233,9 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             dist.all_gather_object(events, stage.tracer.events)
     if stage.mesh.rank != 0:
         return
+    layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
+              "virtual_stages": p.virtual_stages}
     if r.trace:
-        layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
-                  "virtual_stages": p.virtual_stages}
         write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
     if will_sample(cfg, corpus):
         model = next(iter(stage.chunks.values()))
@@ -243,8 +243,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         result.sample_text = corpus.tokenizer.decode(ids)
     final = result.heldout[r.max_steps]
     atomic_write_json(result.out / "summary.json", {
-        "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "schedule": p.schedule.value,
-                   "microbatches": p.microbatches, "virtual_stages": p.virtual_stages},
+        "layout": {**layout, "zero": p.zero},
         "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": result.losses[-1], "steps": r.max_steps,
         "peak_live_activations": {"measured": [x["peak_live"] for x in per_rank[:: p.dp]],

@@ -66,10 +66,6 @@ class Schedule:
     def chunks(self, rank: int) -> tuple[int, ...]:
         return chunks_of_rank(self.placement, self.pp, self.virtual, rank)
 
-    def splits_backward(self) -> bool:
-        """True when some action is a separate B or W (the runtime then keeps W's inputs alive)."""
-        return any(a.op in (Op.B, Op.W) for acts in self.actions for a in acts)
-
     def grid(self, mark: tuple[int, int] | None = None) -> str:
         """One line a rank, actions in order; `mark=(rank, index)` points at an offending action."""
         lines = []

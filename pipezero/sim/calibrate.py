@@ -18,7 +18,7 @@ from pipezero.config import ScheduleKind
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.schedules.registry import NEEDS_V
-from pipezero.telemetry.trace import load_trace
+from pipezero.telemetry.trace import load_trace, parse_action
 
 OPS = ("F", "B", "W", "BW")
 
@@ -40,11 +40,6 @@ class Calibration:
                 for r in range(lay["pp"])]
 
 
-def _parse(name: str, cat: str) -> tuple[int, int]:
-    chunk, mb = name.split(cat)
-    return int(chunk), int(mb)
-
-
 def calibrate(trace_path: str | Path) -> Calibration:
     layout, by_rank = load_trace(Path(trace_path))
     compute = [(rank, e) for rank, evs in by_rank.items() for e in evs if e["cat"] in OPS]
@@ -53,7 +48,7 @@ def calibrate(trace_path: str | Path) -> Calibration:
     samples: dict[tuple[int, str], list[float]] = {}
     for _, e in compute:
         if e["args"]["step"] in use:
-            chunk, _ = _parse(e["name"], e["cat"])
+            chunk, _ = parse_action(e["name"], e["cat"])
             samples.setdefault((chunk, e["cat"]), []).append(e["dur"] / 1e6)
     per_chunk = {}
     for chunk in sorted({c for c, _ in samples}):
@@ -86,7 +81,7 @@ def _hop_gaps(evs: list[tuple[int, dict]]) -> list[float]:
     for r, e in evs:
         by_rank.setdefault(r, []).append(e)
         if e["cat"] == "F":
-            forward[_parse(e["name"], "F")] = (r, e)
+            forward[parse_action(e["name"], "F")] = (r, e)
     for lst in by_rank.values():
         lst.sort(key=lambda e: e["ts"])
     prev_end = {}

@@ -14,17 +14,12 @@ REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "
 
 
 class MetricsLog:
-    """Appends one JSON object a line; resumed runs append after the last step they kept."""
+    """Writes one JSON object a line, flushed at once so a crash loses at most the current step."""
 
-    def __init__(self, path: Path, truncate_after: int | None = None) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
-        if truncate_after is not None and path.exists():
-            kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= truncate_after]
         self._f = path.open("w")
-        for line in kept:
-            self._f.write(line + "\n")
 
     def write(self, record: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in record]

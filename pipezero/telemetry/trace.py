@@ -39,6 +39,12 @@ class Tracer:
             self.events.append((name, cat, row, t0, time.time(), self.step))
 
 
+def parse_action(name: str, cat: str) -> tuple[int, int]:
+    """(chunk, micro-batch) of a compute event named like an action: `2BW5` with cat `BW`."""
+    chunk, mb = name.split(cat)
+    return int(chunk), int(mb)
+
+
 def chrome_trace(per_rank: list[list[tuple]], layout: dict | None = None) -> dict[str, Any]:
     """One process row per rank, one thread row per stream; timestamps in microseconds from the
     earliest event."""
@@ -69,8 +75,7 @@ def write_trace(path: Path, per_rank: list[list[tuple]], layout: dict, png: Path
     for rank, evs in enumerate(shown):
         for name, cat, row, start, end, _ in evs:
             if row == "compute" and cat in ("F", "B", "W", "BW"):
-                mb = int(name.split(cat)[-1]) if name.split(cat)[-1].isdigit() else 0
-                bars.append((rank, cat, mb, (start - t0) * 1e3, (end - t0) * 1e3))
+                bars.append((rank, cat, parse_action(name, cat)[1], (start - t0) * 1e3, (end - t0) * 1e3))
     draw_timeline(bars, len(per_rank), f"measured step {step}" if step else "measured", png, time_unit="ms")
 
 

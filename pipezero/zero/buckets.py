@@ -9,7 +9,7 @@ gathered like the rest and never read back, so sizes need not divide by D.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,8 +109,3 @@ def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp
             close()
     close()
     return out
-
-
-def iter_params(buckets: Sequence[Bucket]) -> Iterator[tuple[str, nn.Parameter]]:
-    for b in buckets:
-        yield from zip(b.names, b.params)

@@ -152,13 +152,9 @@ class ZeroDP:
     def prefetch(self, b: Bucket) -> None:
         if id(b) in self._inflight or b.flat.untyped_storage().size() != 0:
             return
-        b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
-        if self.dp_group is None:
-            b.flat.copy_(self._master[id(b)])
-            return
-        self._inflight[id(b)] = dist.all_gather_single(b.flat, self._master[id(b)], group=self.dp_group,
-                                                       async_op=True)
-        self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+        work = self._start_gather(b, self._master[id(b)])
+        if work is not None:
+            self._inflight[id(b)] = work
 
     def release(self, b: Bucket) -> None:
         if self.layerwise and not self._holding and id(b) not in self._inflight:
@@ -269,15 +265,21 @@ class ZeroDP:
                     self._shard_grad[id(p.bucket)] = p.out if p.work is not None else p.out.clone()
                 p.bucket.detach_grads()
 
-    def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
+    def _start_gather(self, b: Bucket, shard: torch.Tensor) -> Any:
+        """Give the bucket its storage back and start filling it from the shards; the work to wait
+        for, or None when there is no group (the shard is the whole bucket)."""
         if b.flat.untyped_storage().size() == 0:
             b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
         if self.dp_group is None:
             b.flat.copy_(shard)
-            return
-        work = dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
-        self._wait(work, "all-gather of parameters")
+            return None
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+        return dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
+
+    def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
+        work = self._start_gather(b, shard)
+        if work is not None:
+            self._wait(work, "all-gather of parameters")
 
     # --- the optimizer step ------------------------------------------------------------------
     def _shards(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
