@@ -6,6 +6,7 @@ Every user mistake becomes one line on stderr and exit code 2; only bugs give tr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,9 +33,12 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "dtype": ("run.dtype", str),
     "out": ("run.out", str),
     "checkpoint_every": ("run.checkpoint_every", int),
+    "keep_checkpoints": ("run.keep_checkpoints", int),
+    "max_bad_steps": ("run.max_bad_steps", int),
     "eval_every": ("run.eval_every", int),
     "threads": ("run.threads", int),
     "lr": ("optim.lr", float),
+    "timeout": ("parallel.timeout_s", float),
     "sample_tokens": ("run.sample_tokens", int),
 }
 
@@ -69,12 +73,19 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--data", help="text file, folder of text files, or .bin/.npy token file")
     t.add_argument("--tokenizer", help="bpe, bytes, or a tokenizer.json")
     t.add_argument("--out", help="run directory (metrics.jsonl, summary.json, ...)")
-    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--checkpoint-every", type=int, help="sharded checkpoint every K steps and at the end")
+    t.add_argument("--keep-checkpoints", type=int, help="keep the newest N checkpoints (default 3)")
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: torchrun restarts a failed job this often, resuming from the last checkpoint")
+    t.add_argument("--max-bad-steps", type=int, help="stop after N non-finite steps in a row (default 3)")
     t.add_argument("--eval-every", type=int)
     t.add_argument("--threads", type=int, help="torch threads per rank")
     t.add_argument("--lr", type=float)
+    t.add_argument("--timeout", type=float, help="seconds any collective or p2p wait may take before the run "
+                                                 "fails naming the rank and operation (default 300)")
     t.add_argument("--sample-tokens", type=int, help="length of the text sample at the end (0: none)")
-    t.add_argument("--resume", action="store_true", default=None)
+    t.add_argument("--resume", action="store_true", default=None,
+                   help="continue from the newest good checkpoint under --out (a fresh start if none)")
     t.add_argument("--trace", action="store_true", default=None)
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
@@ -107,10 +118,46 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipezero.data import load_corpus
 
         load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
-        return launch_local(args.nproc, args.argv)
-    train(cfg)
+        return launch_local(args.nproc, args.argv, args.max_restarts)
+    from pipezero.checkpoint import CheckpointError
+    from pipezero.engine import TrainingDiverged
+    from pipezero.parallel.waits import PipelineTimeout
+
+    try:
+        train(cfg)
+    except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
+        print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+        if under_torchrun():
+            os._exit(1)  # peers may be gone: no teardown collective
+        return 1
     if under_torchrun():
         exit_rank(0)
+    return 0
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json",
+                       description="Export a checkpoint (any layout) as one safetensors file for inference.")
+    e.add_argument("source", help="a checkpoint folder (…/checkpoints/step-N) or a run directory (newest good one)")
+    e.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipezero.checkpoint import CheckpointError
+    from pipezero.checkpoint.export import export
+
+    source = Path(args.source)
+    if not source.is_dir():
+        raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
+    try:
+        used = export(source, Path(args.out))
+    except CheckpointError as e:
+        print(f"pipezero: error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {used} to {Path(args.out) / 'model.safetensors'}")
     return 0
 
 
@@ -118,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_export_parser(sub)
     from pipezero.sim.commands import add_plan_parser, add_simulate_parser
 
     add_simulate_parser(sub)

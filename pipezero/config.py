@@ -124,8 +124,10 @@ class RunConfig:
     eval_every: int = 50  # held-out loss every K steps (and at the end); 0 = only at the end
     eval_batches: int = 4
     sample_tokens: int = 64  # length of the text sample printed at the end; 0 = none
-    checkpoint_every: int = 0
-    resume: bool = False
+    checkpoint_every: int = 0  # save a sharded checkpoint every K steps and at the end; 0 = never
+    keep_checkpoints: int = 3  # the newest N complete checkpoints are kept, older ones deleted
+    resume: bool = False  # continue from the newest good checkpoint under <out>/checkpoints
+    max_bad_steps: int = 3  # non-finite loss/gradient steps skipped in a row before the run stops
     trace: bool = False
     threads: int | None = None  # torch intra-op threads per rank; None = cores / local ranks
     progress: bool = True
@@ -273,8 +275,8 @@ def _validate(cfg: TrainConfig) -> None:
     _check(r.max_steps >= 1, "--max-steps must be at least 1")
     _check(r.eval_every >= 0 and r.eval_batches >= 1, "run.eval_every >= 0 and run.eval_batches >= 1")
     _check(r.checkpoint_every >= 0, "--checkpoint-every must be >= 0")
-    _check(r.checkpoint_every == 0 and not r.resume,
-           "--checkpoint-every and --resume need checkpointing, which is not built yet; drop them for now")
+    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints must be at least 1 (the checkpoint a resume needs)")
+    _check(r.max_bad_steps >= 1, "run.max_bad_steps must be at least 1")
     if d.path is not None:
         _check(Path(d.path).exists(), f"--data {d.path!r} does not exist; pass a text file, a folder or a token file")
     if d.tokenizer.endswith(".json"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipezero.checkpoint import resume, save
 from pipezero.config import ConfigError, TrainConfig
 from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.generate import sample
@@ -36,7 +38,7 @@ from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 from pipezero.zero import layerwise
 from pipezero.zero.accounting import explain
-from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
+from pipezero.zero.sharded import StepOutcome, ZeroDP, named_by_chunk, shared_params
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -50,6 +52,8 @@ class RunResult:
     peak_live: int = 0  # most chunk activations this rank held at once
     measured_bubble: float = 0.0  # mean share of the schedule this rank waited on peers
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
+    resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
+    skipped_steps: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss/gradient
 
 
 def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -73,8 +77,23 @@ def init_distributed(cfg: TrainConfig) -> int:
         raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
                           f"use --nproc {p.world_size} (or change --pp/--dp)")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=p.timeout_s))
+        timeout = timedelta(seconds=p.timeout_s)
+        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def attempt_store(timeout: timedelta) -> dict[str, object]:
+    """Under torchrun's elastic agent, a store of this attempt's own: after a restart the agent
+    hands the workers the same store again, where the failed attempt's gloo addresses still sit,
+    and the new ranks dial dead ports ("Connection refused" in connectFullMesh; seen with torch
+    2.13 and torchrun --max-restarts). A prefix per restart keeps the attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # plain env:// rendezvous
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"pipezero/attempt_{attempt}", client),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def all_sum(values: list[float], group: object | None) -> list[float]:
@@ -149,6 +168,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     stage = build_stage(cfg, rank)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
+    found = resume(cfg, stage.zero)
+    start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
     lead = rank == 0
     out = Path(r.out)
     if lead:
@@ -158,12 +179,12 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     tokens_per_step = g * seq_len
     eval_set = heldout_batches(corpus.heldout, r.eval_batches, p.micro_batch_size, seq_len)
     eval_tokens = sum(y.numel() for _, y in eval_set)
-    result = RunResult(unigram=unigram_entropy(corpus.train), out=out)
+    result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
-    metrics = MetricsLog(out / "metrics.jsonl") if lead else None
+    metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
     peak_live = 0
     bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
-    with StepProgress(r.max_steps, 0, show) as progress:
+    with StepProgress(r.max_steps, start, show) as progress:
         if show:
             progress.console.print(
                 f"model {cfg.model.preset}: {param_count(cfg.model) / 1e6:.2f}M parameters, "
@@ -172,7 +193,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
                 f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
                 f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
                 f"{[b - a for a, b in stage.bounds]}")
-        for step in range(r.max_steps):
+        for step in range(start, r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()
             stage.executor.p2p.step = stage.tracer.step = step + 1
@@ -181,23 +202,31 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
-            if step or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
+            if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
                 bubbles.append(stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
-            grad_norm = stage.zero.step(lr, cfg.optim.grad_clip, groups.world)
-            loss = all_sum([stats.loss], groups.world)[0]
+            outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
+            bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
+            if not outcome.applied:
+                report_nonfinite(outcome, stats.loss, step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)
+                result.skipped_steps.append(step + 1)
             dt = time.perf_counter() - t0
-            result.losses.append(loss)
-            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens": tokens_per_step * (step + 1), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            result.losses.append(outcome.loss)
+            record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
+                      "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
+                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            if not outcome.applied:
+                record["skipped"] = True
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
-                total = all_sum([stage.executor.evaluate(eval_set)], groups.pp)[0]
-                stage.zero.release_all()
-                record["heldout_loss"] = result.heldout[step + 1] = total / eval_tokens
+                record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
                 metrics.write(record)
-            progress.update(step, loss, record["tokens_per_s"])
+            if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
+                save(cfg, stage.zero, step + 1, bad_in_a_row)
+            progress.update(step, outcome.loss, record["tokens_per_s"])
     if metrics:
         metrics.close()
+    if r.max_steps not in result.heldout:  # resumed from a checkpoint of the last step
+        result.heldout[r.max_steps] = evaluate(stage, eval_set, eval_tokens)
     result.peak_live = peak_live
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
     full = snapshot or will_sample(cfg, corpus)
@@ -209,6 +238,44 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     if full:
         stage.zero.release_all()
     return result
+
+
+def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
+    """Mean held-out token loss (collective over the pipeline)."""
+    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp)[0]
+    stage.zero.release_all()
+    return total / eval_tokens
+
+
+def finite_or_none(x: float) -> float | None:
+    """metrics.jsonl stays strict JSON: a non-finite value is written as null."""
+    return x if math.isfinite(x) else None
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row: the run stops instead of spinning on garbage."""
+
+
+def report_nonfinite(outcome: StepOutcome, local_loss: float, step: int, pp_rank: int,
+                     in_a_row: int, limit: int) -> None:
+    """Say which pipeline stages produced the non-finite loss or gradients of a skipped step
+    (every rank takes part), and stop the run after `limit` such steps in a row."""
+    mine = (pp_rank, math.isfinite(local_loss), outcome.local_grads_finite)
+    flags = [mine]
+    if dist.is_initialized():
+        flags = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(flags, mine)
+    bad_loss = sorted({s for s, loss_ok, _ in flags if not loss_ok})
+    bad_grads = sorted({s for s, _, grads_ok in flags if not grads_ok})
+    what = "; ".join(x for x in (f"loss on stage {bad_loss}" if bad_loss else "",
+                                 f"gradients on stage {bad_grads}" if bad_grads else "") if x)
+    message = (f"step {step}: non-finite {what or 'global norm'} (loss {outcome.loss}, grad norm "
+               f"{outcome.grad_norm}); step skipped, {in_a_row} in a row (limit run.max_bad_steps={limit})")
+    if (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"pipezero: warning: {message}", file=sys.stderr, flush=True)
+    if in_a_row >= limit:
+        raise TrainingDiverged(f"{message}: stopping; lower the learning rate, check the data, or resume "
+                               f"from an earlier checkpoint")
 
 
 def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
@@ -245,7 +312,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
     atomic_write_json(result.out / "summary.json", {
         "layout": {**layout, "zero": p.zero},
         "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
-        "final_loss": result.losses[-1], "steps": r.max_steps,
+        "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
+        "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
         "peak_live_activations": {"measured": [x["peak_live"] for x in per_rank[:: p.dp]],
                                   "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,

@@ -45,11 +45,13 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def launch_local(nproc: int, argv: Sequence[str]) -> int:
+def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
-    localhost, so runs never collide), and return the job's exit code."""
+    localhost, so runs never collide), and return the job's exit code. With `max_restarts`,
+    torchrun's elastic agent restarts every rank after one fails; they resume from the newest
+    checkpoint (engine: a restarted worker always resumes)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pipezero.cli", *strip_nproc(argv)]
+           f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_nproc(argv)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released

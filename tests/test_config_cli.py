@@ -30,7 +30,8 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"parallel.stage_layers": [1, 1]}, "lists 2 stages"),
     ({"parallel.zero": 4}, "choose 0, 1, 2 or 3"),
     ({"run.bogus": 1}, "unknown setting"),
-    ({"run.resume": True}, "need checkpointing, which is not built yet"),
+    ({"run.keep_checkpoints": 0}, "keep_checkpoints must be at least 1"),
+    ({"run.max_bad_steps": 0}, "max_bad_steps must be at least 1"),
 ])
 def test_validation_errors_name_the_fix(overrides, needle):
     with pytest.raises(ConfigError, match=needle):

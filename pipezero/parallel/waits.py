@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -11,9 +12,12 @@ class PipelineTimeout(RuntimeError):
 
 
 def wait_or_raise(work: Any, timeout_s: float, what: str) -> None:
+    t0 = time.monotonic()
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        raise PipelineTimeout(f"{what}: failed or timed out after {timeout_s:g}s ({e})") from e
+        took = time.monotonic() - t0
+        how = f"timed out after {timeout_s:g}s" if took >= 0.9 * timeout_s else f"failed after {took:.1f}s (peer gone?)"
+        raise PipelineTimeout(f"{what}: {how} ({e})") from e
     if ok is False:
         raise PipelineTimeout(f"{what}: timed out after {timeout_s:g}s")

@@ -10,16 +10,25 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from pipezero.util import atomic_write_bytes
+
 REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s")
 
 
 class MetricsLog:
     """Writes one JSON object a line, flushed at once so a crash loses at most the current step."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keep_steps: int = 0) -> None:
+        """A new log, or with `keep_steps` (a resumed run) the old one's first `keep_steps` steps
+        kept and the rest dropped: the lines of steps a crash made us run again appear once."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("w")
+        kept = []
+        if keep_steps and path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= keep_steps]
+        atomic_write_bytes(path, "".join(kept).encode())
+        self._f = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in record]

@@ -24,6 +24,7 @@ and whether that backward is the chunk's last of the step. From those moments al
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,14 @@ from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
 from pipezero.zero.layerwise import layer_index
 from pipezero.zero.tied import TiedCopies
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    grad_norm: float  # global, before clipping
+    loss: float  # summed over every rank: the global batch's mean token loss
+    applied: bool  # False: the norm or loss was not finite and the step was skipped on every rank
+    local_grads_finite: bool  # this rank's gradients (to name the stage that went bad)
 
 
 @dataclass
@@ -312,9 +321,14 @@ class ZeroDP:
                     counted[-1][lo - b.shard.start:hi - b.shard.start] = 0
         return params, grads, counted
 
-    def step(self, lr: float, max_norm: float, norm_group: Any) -> float:
+    def step(self, lr: float, max_norm: float, norm_group: Any, loss: float = 0.0) -> StepOutcome:
         """Finish the reductions, clip by the global norm over every shard of every stage, update
-        this rank's shards, and make full parameters available again (stages 1 and 2)."""
+        this rank's shards, and make full parameters available again (stages 1 and 2).
+
+        `loss` is this rank's share of the step's loss; it is summed with the norm in one
+        all-reduce, so every rank sees the same loss and norm and skips a non-finite step together
+        (no loss scaling in fp32/bf16 to absorb it): parameters and AdamW state stay as they were.
+        """
         if self.tied is not None:  # tied copies first: their buckets were held back for this
             self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.step_no}: sum of tied embedding "
                                                 f"gradients between the first and last pipeline rank")
@@ -327,11 +341,14 @@ class ZeroDP:
         self._drain()
         params, grads, counted = self._shards()
         local = sum(float(g.double().pow(2).sum()) for g in counted)
-        total = torch.tensor([local], dtype=torch.float64)
+        total = torch.tensor([local, loss], dtype=torch.float64)
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
-            self._wait(work, "all-reduce of the gradient norm")
-        norm = float(total.sqrt())
+            self._wait(work, "all-reduce of the gradient norm and loss")
+        norm, loss_sum = float(total[0].sqrt()), float(total[1])
+        outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local))
+        if not outcome.applied:
+            return outcome
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
@@ -342,7 +359,34 @@ class ZeroDP:
         if self.stage in (1, 2):
             for b in self.all_buckets():
                 self._gather(b, b.flat[b.shard].clone())
-        return norm
+        return outcome
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def shard_state(self) -> list[tuple[Bucket, dict[str, torch.Tensor]]]:
+        """Per bucket, this rank's slice [shard] of what a checkpoint holds: fp32 parameters and
+        AdamW's two moments, each (shard_size,). They are views, so loading into them restores the
+        state in place; every stage answers with the same slices, which is what lets a checkpoint
+        written at one ZeRO stage load at another."""
+        out = []
+        for b, st in zip(self.all_buckets(), self.opt.states):
+            param = self._master[id(b)] if self.stage == 3 else b.flat[b.shard]
+            moments = (st.exp_avg[b.shard], st.exp_avg_sq[b.shard]) if self.stage == 0 \
+                else (st.exp_avg, st.exp_avg_sq)
+            out.append((b, {"model": param, "optim.exp_avg": moments[0], "optim.exp_avg_sq": moments[1]}))
+        return out
+
+    def restore_replicas(self, adam_steps: int) -> None:
+        """After loading the shards: rebuild what this stage keeps whole on every rank (parameters
+        below stage 3, AdamW moments at stage 0) from the shards of the other dp ranks."""
+        self.opt.step_count = adam_steps
+        if self.stage == 3:
+            return
+        for b, st in zip(self.all_buckets(), self.opt.states):
+            self._gather(b, b.flat[b.shard].clone())
+            if self.stage == 0 and self.dp_group is not None:
+                for full in (st.exp_avg, st.exp_avg_sq):
+                    work = dist.all_gather_single(full, full[b.shard].clone(), group=self.dp_group, async_op=True)
+                    self._wait(work, "all-gather of restored optimizer state")
 
     # --- accounting --------------------------------------------------------------------------
     def held_bytes(self) -> dict[str, int]:

@@ -1,0 +1,68 @@
+"""`pipezero export`: a checkpoint, whatever layout wrote it, as one safetensors file and a config.
+
+The result needs neither pipezero's process groups nor its flat buffers: `model.safetensors` holds
+every parameter under the model's own names in its own shape (a tied embedding once), and
+`config.json` the model's shape. `load_exported` builds the whole model in one process from them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+from pipezero.checkpoint.store import CheckpointError, latest, read_manifest, Team
+from pipezero.config import ModelConfig
+from pipezero.models import StageChunk, build_chunk
+from pipezero.util import atomic_write_json
+
+
+def whole_model(model: ModelConfig, seed: int = 0) -> StageChunk:
+    return build_chunk(model, 0, model.n_layers + 2, seed)
+
+
+def read_model(path: Path) -> StageChunk:
+    """The whole model of checkpoint `path`, loaded in this process alone (no process group)."""
+    manifest = read_manifest(path)
+    model = whole_model(ModelConfig(**manifest["config"]["model"]))
+    params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
+    flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(flat[f"model.{n}"].view_as(p))
+    return model
+
+
+def export(source: Path, out: Path) -> Path:
+    """Write `out/model.safetensors` and `out/config.json` from checkpoint `source`: a checkpoint
+    folder, or a run directory (its newest good checkpoint). Returns the checkpoint used."""
+    if (source / "checkpoints").is_dir():
+        found = latest(source / "checkpoints", Team())
+        if found is None:
+            raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
+        source = found.path
+    model = read_model(source)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".model.safetensors.tmp"
+    save_model(model, str(tmp))  # drops the tied head's alias and restores it on load
+    tmp.replace(out / "model.safetensors")
+    atomic_write_json(out / "config.json", read_manifest(source)["config"]["model"])
+    return source
+
+
+def load_exported(folder: Path) -> nn.Module:
+    """The exported model, ready for inference in one process: `model(tokens) -> logits`."""
+    model = whole_model(ModelConfig(**json.loads((folder / "config.json").read_text())))
+    missing, unexpected = load_model(model, str(folder / "model.safetensors"))
+    if missing or unexpected:
+        raise CheckpointError(f"{folder}: model.safetensors does not match config.json "
+                              f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+    return model.eval()

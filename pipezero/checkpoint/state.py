@@ -1,0 +1,110 @@
+"""A training run's state in a checkpoint, and back: what is saved, and how a run resumes.
+
+Saved: every parameter and both AdamW moments, each rank its ZeRO shard's ranges (pieces.py), the
+AdamW step count, the count of skipped non-finite steps in a row, each rank's torch RNG state, and
+the configuration. Not saved, because it is a pure function of what is: the data position (the
+batch of step s depends only on seed and s) and the learning rate (a function of the step). So a
+checkpoint of step N restores exactly the state an uninterrupted run has after N steps, and a
+different layout (P, D, ZeRO stage, V, schedule) reads the same names and ranges.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pipezero.checkpoint.pieces import Piece, owned_ranges
+from pipezero.checkpoint.store import CheckpointError, Found, Team, latest, write
+from pipezero.config import ModelConfig, TrainConfig
+from pipezero.zero.sharded import ZeroDP
+
+
+def checkpoint_root(cfg: TrainConfig) -> Path:
+    return Path(cfg.run.out) / "checkpoints"
+
+
+def tied_aliases(model: ModelConfig, held: set[str]) -> dict[str, list[str]]:
+    """With tied embeddings in one chunk, one parameter is both ends; a pipeline holds two equal
+    copies under two names. Saving the one parameter under both names keeps checkpoints the same
+    whatever the layout."""
+    head = f"layers.{model.n_layers + 1}.proj.weight"
+    if model.tie_embeddings and "layers.0.weight" in held and head not in held:
+        return {"layers.0.weight": [head]}
+    return {}
+
+
+def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool) -> dict[str, Any]:
+    """This rank's checkpoint entries, as pieces viewing its shards (`model.<name>`,
+    `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`)."""
+    held = {n for b in zero.all_buckets() for n in b.names}
+    aliases = tied_aliases(model, held) if saving else {}
+    out: dict[str, Any] = {}
+    for b, tensors in zero.shard_state():
+        for o in owned_ranges(b.names, b.offsets, [q.numel() for q in b.params], b.shard):
+            for kind, flat in tensors.items():
+                local = flat[o.at:o.at + o.hi - o.lo]
+                for name in (o.name, *aliases.get(o.name, ())):
+                    out[f"{kind}.{name}"] = Piece(o.numel, o.lo, local)
+    return out
+
+
+def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int) -> Path:
+    """Checkpoint after `step` optimizer steps (collective)."""
+    team = Team.current(step)
+    state = state_dict(zero, cfg.model, saving=True)
+    state[f"rng.rank{team.rank}"] = torch.get_rng_state()
+    p = cfg.parallel
+    info = {"config": cfg.to_dict(), "world": team.world, "adam_steps": zero.opt.step_count,
+            "bad_in_a_row": bad_in_a_row,
+            "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "virtual_stages": p.virtual_stages,
+                       "schedule": p.schedule.value}}
+    return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)
+
+
+def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
+    """Fill this rank's shards from checkpoint `found`, whatever layout wrote it (collective)."""
+    m = found.manifest
+    team = Team.current(m["step"])
+    saved_model = m["config"]["model"]
+    if saved_model != cfg.to_dict()["model"]:
+        diff = {k: (v, cfg.to_dict()["model"].get(k)) for k, v in saved_model.items()
+                if cfg.to_dict()["model"].get(k) != v}
+        raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
+                              f"same [model] settings or start a new --out")
+    state = state_dict(zero, cfg.model, saving=False)
+    same_ranks = m["world"] == team.world
+    if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
+        state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
+    team._call(f"read of {found.path}", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(found.path),
+                                                          no_dist=team.world == 1))
+    if same_ranks:
+        torch.set_rng_state(state[f"rng.rank{team.rank}"])
+    zero.restore_replicas(m["adam_steps"])
+
+
+def restarted() -> bool:
+    """True in a worker that torchrun's elastic agent started again after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def resume(cfg: TrainConfig, zero: ZeroDP) -> Found | None:
+    """Load the newest good checkpoint when asked to resume or restarted by torchrun, and say
+    which (its manifest holds the step to continue from); None when there is none to load."""
+    if not (cfg.run.resume or restarted()):
+        return None
+    team = Team.current(0)
+    found = latest(checkpoint_root(cfg), team)
+    if found is None:
+        if team.rank == 0:
+            print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",
+                  file=sys.stderr, flush=True)
+        return None
+    load(found, cfg, zero)
+    if team.rank == 0:
+        print(f"pipezero: resumed from {found.path} (step {found.manifest['step']})", file=sys.stderr, flush=True)
+    return found

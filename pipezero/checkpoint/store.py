@@ -1,0 +1,209 @@
+"""Checkpoint folders on disk: complete or absent, checksummed, the newest N kept.
+
+A checkpoint of step N is written by every rank into `.tmp-step-N/` (torch.distributed.checkpoint:
+each rank its own files, in parallel). When all have finished, the ranks hash the files between
+them, rank 0 writes `manifest.json` (step, layout, model, sha256 and size of every file) and
+renames the folder to `step-N/` in one atomic step. So a folder named `step-N` with a manifest is
+complete; anything else is debris of a crash and is never loaded. On resume, files are checked
+against the manifest; a checkpoint that fails (truncated, bit-flipped, missing file) is reported
+by name and the previous one is tried. The folder is assumed shared by all ranks (one machine, or
+a shared filesystem across nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from pipezero.util import atomic_write_json
+
+FORMAT = "pipezero-checkpoint/1"
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the rank, step and operation."""
+
+
+@dataclass
+class Team:
+    """The ranks that write or read one checkpoint together (all of them), and how to say which
+    rank failed at what. Without a process group it is one rank and every collective is a no-op."""
+
+    rank: int = 0
+    world: int = 1
+    step: int = 0
+
+    @classmethod
+    def current(cls, step: int) -> "Team":
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), step)
+        return cls(0, 1, step)
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                return fn()
+        except Exception as e:  # gloo/NCCL timeouts and peers that died
+            raise CheckpointError(f"rank {self.rank}, step {self.step}: checkpoint {what} failed: {e}") from e
+
+    def barrier(self, what: str) -> None:
+        if self.world > 1:
+            self._call(what, dist.barrier)
+
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        self._call(what, lambda: dist.all_gather_object(out, obj))
+        return out
+
+    def share(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        self._call(what, lambda: dist.broadcast_object_list(box, src=0))
+        return box[0]
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints (a `step-N` folder with a manifest), oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _hash_share(folder: Path, names: list[str], team: Team) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file, each rank hashing every world-th one."""
+    mine = {n: {"bytes": (folder / n).stat().st_size, "sha256": _sha256(folder / n)}
+            for n in names[team.rank::team.world]}
+    merged: dict[str, dict[str, Any]] = {}
+    for part in team.gather(mine, f"hashing of {folder.name}"):
+        merged.update(part)
+    return merged
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(path: Path) -> None:
+    """Remove a folder so that no half-deleted copy can ever look complete: rename, then delete."""
+    if path.exists():
+        doomed = path.with_name(f".deleting-{path.name}")
+        shutil.rmtree(doomed, ignore_errors=True)
+        path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], keep: int, team: Team) -> Path:
+    """Save `state` (a flat DCP state dict) as checkpoint `step` with `info` in its manifest, then
+    keep only the newest `keep` checkpoints. Collective: every rank calls it."""
+    tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
+    if team.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier attempt at this step
+        tmp.mkdir(parents=True)
+    team.barrier(f"start of step-{step:08d}")
+    team._call(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                                                    no_dist=team.world == 1))
+    team.barrier(f"write of {tmp}")
+    files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
+    if team.rank == 0:
+        atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
+        _fsync_dir(tmp)
+        _discard(final)  # a checkpoint of this step that failed its checksum earlier
+        tmp.rename(final)
+        _fsync_dir(root)
+        for _, old in committed(root)[:-keep] if keep > 0 else []:
+            _discard(old)
+    team.barrier(f"commit of {final}")
+    return final
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable {MANIFEST}: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def problems(path: Path, team: Team) -> str | None:
+    """Why checkpoint `path` must not be loaded, or None when every file matches its manifest."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return str(e)
+    expected: dict[str, dict[str, Any]] = manifest["files"]
+    names = sorted(expected)
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        return f"missing files {missing}"
+    wrong_size = [n for n in names if (path / n).stat().st_size != expected[n]["bytes"]]
+    if wrong_size:
+        return f"files of the wrong size (truncated?): {wrong_size}"
+    actual = _hash_share(path, names, team)
+    bad = [n for n in names if actual[n]["sha256"] != expected[n]["sha256"]]
+    return f"checksum mismatch in {bad}" if bad else None
+
+
+@dataclass
+class Found:
+    path: Path
+    manifest: dict[str, Any]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed
+
+
+def latest(root: Path, team: Team) -> Found | None:
+    """The newest checkpoint whose files match their manifest, warning (rank 0, stderr) about
+    every newer one that does not. Collective: every rank calls it and gets the same answer."""
+    candidates = team.share([str(p) for _, p in committed(root)], "listing")
+    skipped: list[tuple[Path, str]] = []
+    for name in reversed(candidates):
+        path = Path(name)
+        reason = problems(path, team)
+        if reason is None:
+            return Found(path, read_manifest(path), skipped)
+        skipped.append((path, reason))
+        if team.rank == 0:
+            print(f"pipezero: warning: skipping corrupt checkpoint {path}: {reason}; trying the previous one",
+                  file=sys.stderr, flush=True)
+    return None

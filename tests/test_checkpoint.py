@@ -1,0 +1,203 @@
+"""Checkpoints: layout-free pieces, complete-or-absent folders, resume, resharding, export, and
+skipping non-finite steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
+from pipezero.checkpoint.store import Team, committed, latest, problems, write
+from pipezero.config import ScheduleKind as K
+from pipezero.config import build_config
+from pipezero.parallel.spawn import run_ranks
+from training import tiny_overrides
+
+
+def test_owned_ranges_cut_parameters_at_shard_edges_and_skip_padding():
+    # a bucket [a: 5 elements][b: 4 elements] padded to 12 for D = 3: shards of 4
+    names, offsets, numels = ["a", "b"], [0, 5], [5, 4]
+    assert owned_ranges(names, offsets, numels, slice(0, 4)) == [Owned("a", 5, 0, 4, 0)]
+    assert owned_ranges(names, offsets, numels, slice(4, 8)) == [Owned("a", 5, 4, 5, 0), Owned("b", 4, 0, 3, 1)]
+    assert owned_ranges(names, offsets, numels, slice(8, 12)) == [Owned("b", 4, 3, 4, 0)]  # 9..12 is padding
+
+
+def test_piece_refuses_ranges_outside_its_tensor_and_any_arithmetic():
+    with pytest.raises(ValueError, match="does not fit"):
+        Piece(4, 3, torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="only feeds torch.distributed.checkpoint"):
+        Piece(4, 0, torch.zeros(2)) + 1
+
+
+def _save(root: Path, step: int, value: float, keep: int = 5) -> Path:
+    return write(root, step, {"w": torch.full((1000,), value)}, {"note": "test"}, keep, Team(step=step))
+
+
+def test_checkpoints_commit_atomically_keep_newest_and_skip_corrupt(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step-00000009").mkdir(parents=True)  # debris of a crash mid-write: never a candidate
+    (root / "step-00000008").mkdir()  # no manifest: never committed
+    for step in (1, 2, 3, 4):
+        _save(root, step, float(step), keep=3)
+    assert [s for s, _ in committed(root)] == [2, 3, 4]  # step 1 pruned
+    manifest = json.loads((root / "step-00000004" / "manifest.json").read_text())
+    assert manifest["step"] == 4 and manifest["note"] == "test" and len(manifest["files"]) >= 2
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert latest(root, Team()).path.name == "step-00000004"
+
+    # truncate the newest checkpoint's data file; flip a byte of the next one (same size)
+    data4 = next((root / "step-00000004").glob("*.distcp"))
+    data4.write_bytes(data4.read_bytes()[:-10])
+    data3 = next((root / "step-00000003").glob("*.distcp"))
+    raw = bytearray(data3.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data3.write_bytes(bytes(raw))
+    found = latest(root, Team())
+    assert found is not None and found.path.name == "step-00000002"
+    assert [p.name for p, _ in found.skipped] == ["step-00000004", "step-00000003"]
+    assert "wrong size" in found.skipped[0][1] and "checksum mismatch" in found.skipped[1][1]
+    err = capsys.readouterr().err
+    assert "skipping corrupt checkpoint" in err and "step-00000004" in err and "step-00000003" in err
+    assert problems(root / "step-00000002", Team()) is None
+
+    # writing step 4 again replaces the corrupt copy
+    _save(root, 4, 4.0)
+    assert latest(root, Team()).path.name == "step-00000004"
+
+
+# --- distributed: one process group, every scenario --------------------------------------------------
+
+STEPS = 6
+LAYOUT_A = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1}  # global batch 16
+
+
+def run(data: str, out: str, **case) -> dict:
+    from pipezero.engine import train
+
+    case = {"run.max_steps": STEPS, **case}
+    res = train(build_config(None, tiny_overrides(data, out, **case)), snapshot=True)
+    return {"losses": res.losses, "params": res.params, "resumed_from": res.resumed_from,
+            "skipped": res.skipped_steps}
+
+
+def copy_checkpoints(src: str, dst: str, steps: list[int]) -> None:
+    """Rank 0 seeds a new run directory with some of another run's checkpoints."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        for s in steps:
+            name = f"checkpoints/step-{s:08d}"
+            shutil.copytree(Path(src) / name, Path(dst) / name)
+    dist.barrier()
+
+
+def poison(steps: set[int]) -> None:
+    """Make the loss of the given steps NaN, on the last pipeline stage (where the loss is made)."""
+    import pipezero.runtime.executor as ex
+    from pipezero.zero.sharded import ZeroDP
+
+    if not hasattr(ZeroDP, "_clean_begin"):
+        ZeroDP._clean_begin, ex._clean_loss = ZeroDP.begin_step, ex.lm_loss
+    current = {"step": 0}
+
+    def begin_step(self):
+        ZeroDP._clean_begin(self)
+        current["step"] = self.step_no
+
+    def lm_loss(*args):
+        loss = ex._clean_loss(*args)
+        return loss * float("nan") if current["step"] in steps else loss
+
+    ZeroDP.begin_step, ex.lm_loss = begin_step, lm_loss
+
+
+def scenarios(rank: int, world: int, data: str, out: str) -> dict:
+    from pipezero.engine import TrainingDiverged
+
+    res = {}
+    res["a"] = run(data, f"{out}/a", **LAYOUT_A, **{"run.checkpoint_every": 2})
+    # same layout, resumed from step 4
+    copy_checkpoints(f"{out}/a", f"{out}/b", [4])
+    res["b"] = run(data, f"{out}/b", **LAYOUT_A, **{"run.resume": True})
+    # reshard: (P=2, D=2, ZeRO-1) step 2 -> (P=4, D=1, ZeRO-0) steps 3-4 -> (P=1, D=4, ZeRO-3) steps 5-6
+    copy_checkpoints(f"{out}/a", f"{out}/c", [2])
+    res["c"] = run(data, f"{out}/c", pp=4, dp=1, kind=K.INTERLEAVED_1F1B, m=8,
+                   **{"parallel.virtual_stages": 2, "parallel.zero": 0, "run.resume": True, "run.checkpoint_every": 2})
+    copy_checkpoints(f"{out}/c", f"{out}/d", [4])
+    res["d"] = run(data, f"{out}/d", pp=1, dp=4, kind=K.ONE_F_ONE_B, m=2,
+                   **{"parallel.zero": 3, "run.resume": True})
+    # a truncated newest checkpoint: fall back to the one before
+    copy_checkpoints(f"{out}/a", f"{out}/e", [4, 6])
+    if rank == 0:
+        victim = sorted((Path(out) / "e/checkpoints/step-00000006").glob("*.distcp"))[-1]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    res["e"] = run(data, f"{out}/e", **LAYOUT_A, **{"run.resume": True})
+    # a NaN loss at step 3 is skipped; NaN from step 3 on stops the run after max_bad_steps in a row
+    poison({3})
+    res["f"] = run(data, f"{out}/f", **LAYOUT_A, **{"run.checkpoint_every": 1, "run.max_steps": 4})
+    poison({3, 4, 5})
+    try:
+        run(data, f"{out}/g", **LAYOUT_A, **{"run.max_bad_steps": 2})
+        res["g"] = "finished?"
+    except TrainingDiverged as e:
+        res["g"] = str(e)
+    return res
+
+
+@pytest.mark.slow
+def test_resume_reshard_corruption_and_nonfinite_steps(text_dir, tmp_path):
+    from pipezero.checkpoint.export import read_model
+
+    ranks = run_ranks(scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
+    a, b, c, d, e, f = (ranks[0][k] for k in "abcdef")
+    # same layout: exactly the uninterrupted run, losses and parameters
+    assert b["resumed_from"] == 4 and b["losses"] == a["losses"][4:]
+    for r in ranks:
+        assert all(torch.equal(r["b"]["params"][n], r["a"]["params"][n]) for n in r["a"]["params"])
+    # other layouts: the same run to float tolerance
+    assert c["resumed_from"] == 2 and c["losses"][:2] == pytest.approx(a["losses"][2:4], rel=1e-5)
+    assert d["resumed_from"] == 4 and d["losses"] == pytest.approx(a["losses"][4:], rel=1e-5)
+    final = {n: t for r in ranks for n, t in r["d"]["params"].items()}
+    for n, t in ranks[0]["a"]["params"].items() | ranks[2]["a"]["params"].items():
+        assert float((final[n] - t).norm() / t.norm()) <= 1e-5, n
+    # the truncated step-6 checkpoint was skipped: resumed at 4, same losses as never failing
+    assert e["resumed_from"] == 4 and e["losses"] == a["losses"][4:]
+    # NaN at step 3: reported as skipped, parameters untouched by it, the run goes on
+    assert f["skipped"] == [3] and f["losses"][:2] == a["losses"][:2]
+    assert all(torch.isfinite(torch.tensor(f["losses"][3:])))
+    metrics = [json.loads(x) for x in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[2]["skipped"] is True and metrics[2]["loss"] is None
+    ckpt = tmp_path / "f" / "checkpoints"
+    manifests = {s: json.loads((ckpt / f"step-{s:08d}" / "manifest.json").read_text()) for s in (2, 3, 4)}
+    assert [manifests[s]["adam_steps"] for s in (2, 3, 4)] == [2, 2, 3]
+    before, after = read_model(ckpt / "step-00000002"), read_model(ckpt / "step-00000003")
+    assert all(torch.equal(x, y) for x, y in zip(before.parameters(), after.parameters()))
+    assert "step 4: non-finite loss on stage [1]" in ranks[0]["g"] and "2 in a row" in ranks[0]["g"]
+    assert all(r["g"] == ranks[0]["g"] for r in ranks)  # every rank stopped, none left hanging
+
+
+def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
+    """One process: train, export, reload, and evaluate the held-out loss the run reported."""
+    from pipezero.checkpoint.export import load_exported
+    from pipezero.cli import main
+    from pipezero.data import heldout_batches, load_corpus
+    from pipezero.engine import train
+    from pipezero.models import lm_loss
+
+    cfg = build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "run"), 1, 1, K.ONE_F_ONE_B, 2,
+                                            **{"run.max_steps": 3, "run.checkpoint_every": 3,
+                                               "model.tie_embeddings": True}))
+    res = train(cfg)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
+    model = load_exported(tmp_path / "export")
+    batches = heldout_batches(load_corpus(cfg.data).heldout, cfg.run.eval_batches, cfg.parallel.micro_batch_size,
+                              cfg.data.seq_len)
+    tokens = sum(y.numel() for _, y in batches)
+    with torch.no_grad():
+        loss = sum(float(lm_loss(model(x), y, tokens)) for x, y in batches)
+    assert loss == pytest.approx(res.heldout[3], rel=1e-6)
+    assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2

@@ -1,0 +1,54 @@
+"""Failures under torchrun: a SIGKILLed rank is recovered by the elastic agent from the last
+checkpoint with the same losses; a rank that stops sending fails the job within the timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipezero.cli import main
+
+WORKER = str(Path(__file__).with_name("fault_worker.py"))
+
+
+def train_args(data: Path, out: Path) -> list[str]:
+    return ["train", "--pp", "2", "--dp", "1", "--schedule", "1f1b", "--microbatches", "2", "--data", str(data),
+            "--tokenizer", "bytes", "--seq-len", "32", "--max-steps", "6", "--checkpoint-every", "2",
+            "--sample-tokens", "0", "--out", str(out), "--no-progress"]
+
+
+def faulty_job(fault: str, args: list[str], max_restarts: int) -> tuple[int, str, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           f"--max-restarts={max_restarts}", WORKER, *args]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env={**os.environ, "PIPEZERO_TEST_FAULT": fault, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - t0
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.slow
+def test_sigkilled_rank_restarts_from_checkpoint_with_the_same_losses(text_dir, tmp_path):
+    assert main([*train_args(text_dir, tmp_path / "clean"), "--nproc", "2"]) == 0
+    code, log, _ = faulty_job("kill:1:4", train_args(text_dir, tmp_path / "faulty"), max_restarts=1)
+    assert code == 0, log[-4000:]
+    assert "resumed from" in log and "step-00000002" in log  # killed in step 4: step 2 is the newest
+    assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")  # every step once, bit for bit
+
+
+@pytest.mark.slow
+def test_rank_that_stops_sending_fails_the_job_within_the_timeout(text_dir, tmp_path):
+    args = [*train_args(text_dir, tmp_path / "silent"), "--timeout", "5"]
+    code, log, took = faulty_job("silent:0:3", args, max_restarts=0)
+    assert code != 0
+    assert "rank 1, step 3: chunk 1 waiting for activation of micro-batch 0 from rank 0" in log, log[-4000:]
+    assert took < 60
