@@ -84,7 +84,7 @@ def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
            "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
            "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
            "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
-           "--no-progress"]
+           "--bucket-mb", str(args.bucket_mb), "--no-progress"]
     return poll(cmd, f"zero {zero}")
 
 
@@ -98,6 +98,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--grad-reduce", default="step", choices=["step", "microbatch"])
     ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--bucket-mb", type=float, default=25.0,
+                    help="gradient bucket size: up to two full buckets are in flight at stages 2-3")
     ap.add_argument("--torch", default="ddp,zero1,fsdp2", help="torch baselines to run beside (P=1 only; '' for none)")
     args = ap.parse_args()
     model = apply_preset(ModelConfig(), args.preset)
@@ -111,7 +113,7 @@ def main() -> None:
     base = peaks.get(0)
     rows = {}
     print(f"\n{args.preset}: {param_count(model) / 1e6:.1f}M params, P={args.pp} D={args.dp} M={args.microbatches} "
-          f"fp32, grad-reduce={args.grad_reduce}")
+          f"fp32, grad-reduce={args.grad_reduce}, buckets of {args.bucket_mb:g} MB")
     print(f"{'stage':>5}{'peak MiB (max rank)':>21}{'saved B/param':>15}{'predicted':>11}{'ratio':>8}")
     for z, per_rank in peaks.items():
         peak = max(per_rank.values())
@@ -130,7 +132,8 @@ def main() -> None:
             saved = (max(base.values()) - peak) / psi if base else float("nan")
             theirs[mode] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param_vs_our_stage0": saved}
             print(f"{mode:>6}{peak / 2**20:>21.0f}{saved:>15.2f}")
-    out = Path(__file__).parent / "results" / f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}.json"
+    out = Path(__file__).parent / "results" / f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}"
+                                                 f"{'' if args.bucket_mb == 25 else f'_bucket{args.bucket_mb:g}'}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs},
                               indent=2))

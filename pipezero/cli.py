@@ -25,6 +25,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "virtual_stages": ("parallel.virtual_stages", int),
     "partition": ("parallel.partition", str),
     "grad_reduce": ("parallel.grad_reduce", str),
+    "bucket_mb": ("parallel.bucket_mb", float),
     "seq_len": ("data.seq_len", int),
     "data": ("data.path", str),
     "tokenizer": ("data.tokenizer", str),
@@ -65,6 +66,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--partition", choices=[p.value for p in Partition])
     t.add_argument("--stage-layers", type=_stage_layers, help="layers per stage chunk, e.g. 3,5,5,3")
     t.add_argument("--grad-reduce", choices=[g.value for g in GradReduce])
+    t.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (default 25)")
     t.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
     t.add_argument("--seq-len", type=int)
     t.add_argument("--max-steps", type=int)

@@ -28,10 +28,10 @@ from pipezero.models import build_chunk, flops_per_token, param_count
 from pipezero.optim import lr_at
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
-from pipezero.runtime.executor import Executor
+from pipezero.runtime.executor import RECEIVES_AHEAD, Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.check import SimResult, simulate
+from pipezero.schedules.check import SimResult, receives_needed, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.trace import Tracer, write_trace
@@ -152,7 +152,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
                   tied=tied_copies(cfg, schedule, mesh, named))
     if zero.layerwise:
         layerwise.install(zero, chunks)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer)
+    # Enough receives stay posted that the schedule cannot deadlock even where sends block until
+    # received (NCCL); on gloo, sends never block, and early receives only help overlap.
+    ahead = max(RECEIVES_AHEAD, receives_needed(schedule))
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer,
+                        receives_ahead=ahead)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer)
 
 

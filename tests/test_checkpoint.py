@@ -201,3 +201,14 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
         loss = sum(float(lm_loss(model(x), y, tokens)) for x, y in batches)
     assert loss == pytest.approx(res.heldout[3], rel=1e-6)
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_resume_warns_when_the_run_would_differ(capsys):
+    from pipezero.checkpoint.state import warn_changed
+
+    saved = build_config(None, {}).to_dict()
+    warn_changed(saved, build_config(None, {"parallel.pp": 2, "parallel.zero": 3}).to_dict(), Path("ck"))
+    assert capsys.readouterr().err == ""  # another layout trains the same run
+    warn_changed(saved, build_config(None, {"optim.lr": 1e-2, "parallel.dp": 2}).to_dict(), Path("ck"))
+    err = capsys.readouterr().err
+    assert "optim.lr: 0.003 -> 0.01" in err and "global batch" in err

@@ -8,7 +8,7 @@ import pytest
 from pipezero.cli import main
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.check import CostModel, ScheduleError, simulate
+from pipezero.schedules.check import CostModel, ScheduleError, receives_needed, simulate
 from pipezero.schedules.generators import build_schedule
 
 V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
@@ -162,13 +162,31 @@ def test_checker_rejects_deadlocking_cycle():
     assert "rank 1: action 1BW1 waits for 0F1 on rank 0" not in msg or "ERROR HERE" in msg
 
 
-def test_blocking_sends_mode_finds_rendezvous_deadlocks():
-    """GPipe and 1F1B survive sends that block until received; interleaved needs async sends."""
-    simulate(build_schedule(K.GPIPE, 4, 8), blocking_sends=True)
-    simulate(build_schedule(K.ONE_F_ONE_B, 4, 8), blocking_sends=True)
-    simulate(build_schedule(K.ZB_H1, 4, 8), blocking_sends=True)
+def test_blocking_sends_need_receives_posted_ahead_and_never_more_than_the_activations():
+    """With sends that block until received (NCCL), a rank must keep enough receives posted.
+    GPipe, 1F1B and ZB-H1/H2 are rendezvous-safe with one; interleaved needs two; the V shapes
+    need about 2P - 2 (their warm-up runs the first chunk's forwards ahead of the consumer). The
+    runtime posts that many (engine: receives_needed), and it never exceeds the activations the
+    schedule holds anyway, so the receive buffers cost no more memory than the schedule's own."""
+    with pytest.raises(ScheduleError, match="blocked sending to rank 1 until it posts the receive"):
+        simulate(build_schedule(K.INTERLEAVED_1F1B, 2, 4, 2), blocking_sends=True, receives_ahead=1)
     with pytest.raises(ScheduleError, match="blocked sending"):
-        simulate(build_schedule(K.INTERLEAVED_1F1B, 2, 4, 2), blocking_sends=True)
+        simulate(build_schedule(K.ZB_V, 4, 8, 2), blocking_sends=True, receives_ahead=5)
+    simulate(build_schedule(K.ZB_V, 4, 8, 2), blocking_sends=True, receives_ahead=6)
+    for kind in K:
+        for p in (2, 3, 4, 8):
+            for m in sorted({1, p, p + 1, 2 * p, 4 * p}):
+                try:
+                    s = build_schedule(kind, p, m, V_OF.get(kind, 1))
+                except ValueError:
+                    continue
+                need = receives_needed(s)
+                simulate(s, blocking_sends=True, receives_ahead=need)  # the runtime's setting finishes
+                if kind in (K.GPIPE, K.ONE_F_ONE_B, K.ZB_H1, K.ZB_H2):
+                    assert need == 1, (kind, p, m)
+                elif kind is K.INTERLEAVED_1F1B:
+                    assert need <= 2, (kind, p, m)
+                assert need <= max(simulate(s).peak_activations), (kind, p, m, need)
 
 
 def test_comm_time_lengthens_step():
@@ -192,3 +210,40 @@ def test_simulate_cli_json_compare_and_png(tmp_path, capsys):
     both = json.loads(capsys.readouterr().out)
     assert set(both) == {k.value for k in K}
     assert main(["simulate", "--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "6"]) == 2
+
+
+def test_receives_are_posted_a_fixed_number_of_receives_ahead():
+    from pipezero.schedules.receives import post_points, posts_by_action
+
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2)
+    assert [str(a) for a in s.actions[0]] == ["0F0", "0F1", "0BW0", "0BW1"]
+    assert post_points(s.actions[0], s.rank_of_chunk, 2, 0, 1) == {2: 0, 3: 3}  # 0BW1's once 0BW0 has run
+    assert post_points(s.actions[0], s.rank_of_chunk, 2, 0, 2) == {2: 0, 3: 0}
+    assert posts_by_action(s.actions[1], s.rank_of_chunk, 2, 1, 1) == [[0], [2], [], []]
+    with pytest.raises(ValueError, match="at least its next receive"):
+        post_points(s.actions[0], s.rank_of_chunk, 2, 0, 0)
+
+
+def test_dualpipe_v_is_action_for_action_torch_schedule_dualpipe_v():
+    """The issue asks for DualPipeV "as torch.distributed.pipelining's ScheduleDualPipeV": compare
+    with its per-rank order (its OVERLAP_F_B pairs listed forward then backward), computed by torch
+    with no process group, for many P and M."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    names = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "BW"}
+
+    def flat(a):
+        if a.sub_actions:
+            for sub in a.sub_actions:
+                yield from flat(sub)
+        else:
+            yield f"{a.stage_index}{names[a.computation_type.name]}{a.microbatch_index}"
+
+    for p in range(2, 7):
+        for m in range(2 * p, 3 * p + 2):
+            ref = object.__new__(ScheduleDualPipeV)
+            ref.pp_group_size, ref._n_microbatches, ref._num_stages = p, m, 2 * p
+            theirs = [[x for a in ref._calculate_single_rank_operations(r) if a is not None for x in flat(a)]
+                      for r in range(p)]
+            ours = [[str(a) for a in acts] for acts in build_schedule(K.DUALPIPE_V, p, m, 2).actions]
+            assert ours == theirs, (p, m)

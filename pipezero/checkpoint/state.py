@@ -76,6 +76,8 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
                 if cfg.to_dict()["model"].get(k) != v}
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
+    if team.rank == 0:
+        warn_changed(m["config"], cfg.to_dict(), found.path)
     state = state_dict(zero, cfg.model, saving=False)
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
@@ -85,6 +87,25 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
     if same_ranks:
         torch.set_rng_state(state[f"rng.rank{team.rank}"])
     zero.restore_replicas(m["adam_steps"])
+
+
+# Settings that change what the resumed steps compute (the layout may change freely).
+TRAINING_KEYS = {"optim": None, "data": ("path", "tokenizer", "bpe_vocab", "seq_len", "heldout_fraction", "max_bytes"),
+                 "run": ("max_steps", "seed")}
+
+
+def warn_changed(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """A resumed run with other data, optimizer or schedule length is legitimate (fine-tuning,
+    a longer run) but no longer reproduces the original: say so instead of doing it silently."""
+    changed = [f"{section}.{k}: {saved[section].get(k)!r} -> {now[section].get(k)!r}"
+               for section, keys in TRAINING_KEYS.items()
+               for k in (keys or now[section]) if saved[section].get(k) != now[section].get(k)]
+    if saved["parallel"]["microbatches"] * saved["parallel"]["micro_batch_size"] * saved["parallel"]["dp"] != \
+            now["parallel"]["microbatches"] * now["parallel"]["micro_batch_size"] * now["parallel"]["dp"]:
+        changed.append("global batch (microbatches x micro_batch_size x dp)")
+    if changed:
+        print(f"pipezero: warning: resuming {path} with changed settings, the run will differ from the "
+              f"original: {'; '.join(changed)}", file=sys.stderr, flush=True)
 
 
 def restarted() -> bool:

@@ -23,9 +23,10 @@ from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
+from pipezero.schedules.receives import posts_by_action
 from pipezero.telemetry.trace import Tracer
 
-LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
+RECEIVES_AHEAD = 2  # receives kept posted by default; the engine raises it where a schedule needs more
 
 
 class GradHooks(Protocol):
@@ -74,8 +75,10 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 recompute: bool = False, hooks: GradHooks | None = None, tracer: Tracer | None = None) -> None:
+                 recompute: bool = False, hooks: GradHooks | None = None, tracer: Tracer | None = None,
+                 receives_ahead: int = RECEIVES_AHEAD) -> None:
         self.chunks = chunks
+        self.receives_ahead = receives_ahead  # schedules/receives.py: how many receives stay posted
         self.tracer = tracer or Tracer()
         self.hooks = hooks or NoHooks()
         self.last = n_chunks - 1
@@ -93,12 +96,9 @@ class Executor:
                 return checkpoint(chunk, x, use_reentrant=False)
             return chunk(x)
 
-    def _prefetch(self, actions: Sequence[Action]) -> None:
+    def _post(self, actions: Sequence[Action]) -> None:
         for a in actions:
-            if a.op is Op.F and a.chunk > 0:
-                self.p2p.post_recv(Kind.ACT, a.chunk, a.mb)
-            elif a.op in (Op.B, Op.BW) and a.chunk < self.last:
-                self.p2p.post_recv(Kind.GRAD, a.chunk, a.mb)
+            self.p2p.post_recv(Kind.ACT if a.op is Op.F else Kind.GRAD, a.chunk, a.mb)
 
     def run(self, actions: Sequence[Action], microbatches: list[tuple[torch.Tensor, torch.Tensor]],
             denom: float) -> StepStats:
@@ -108,8 +108,9 @@ class Executor:
         final = last_weight_grad(actions)
         split = {a.chunk for a in actions if a.op is Op.B}
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
+        posts = posts_by_action(actions, self.p2p.rank_of_chunk, self.last + 1, self.p2p.rank, self.receives_ahead)
         for i, a in enumerate(actions):
-            self._prefetch(actions[i + 1:i + 1 + LOOKAHEAD])
+            self._post([actions[j] for j in posts[i]])
             if a.op is Op.F:
                 self.hooks.before_forward(a.chunk)
                 x = microbatches[a.mb][0] if a.chunk == 0 else \

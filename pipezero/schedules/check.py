@@ -6,7 +6,9 @@ dependencies (F of chunk c after F of c-1 and the hop; B of c after B of c+1 and
 its own F; W after B), committing actions in start-time order. If no rank can move before all are
 done, the schedule deadlocks and the error names each stuck rank, its action, and what it waits for.
 With `blocking_sends`, a rank that produced an activation or gradient for another rank cannot go on
-until the receiver has reached the action that consumes it (a send that blocks until received).
+until the receiver has posted the matching receive (a send that blocks until received, as NCCL's
+do). Receivers keep their next `receives_ahead` receives posted (schedules/receives.py, the policy
+the runtime's executor follows); with 1 a receive is posted only once the previous one is consumed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Action, Op, Schedule
+from pipezero.schedules.receives import post_points
 
 
 class ScheduleError(ValueError):
@@ -123,11 +126,17 @@ def _key(a: Action) -> tuple[int, Op, int]:
     return (a.chunk, Op.B if a.op is Op.BW else a.op, a.mb)
 
 
-def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = False) -> SimResult:
+def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = False,
+             receives_ahead: int = 1) -> SimResult:
     """Play `s` under `cost`; raise ScheduleError if it is incomplete or can deadlock."""
     cost = cost or CostModel()
     check_complete(s)
     p = s.pp
+    # rank -> consumer key -> index of the action at whose beginning its receive is posted
+    posted_at = [{_key(s.actions[r][j]): i
+                  for j, i in post_points(s.actions[r], s.rank_of_chunk, s.n_chunks, r, receives_ahead).items()}
+                 for r in range(p)]
+    began: list[list[float]] = [[] for _ in range(p)]  # rank -> when it began each action it reached
     pc = [0] * p  # next action index per rank
     free = [0.0] * p  # when each rank's previous action (or blocking send) ends
     done: dict[tuple[int, Op, int], float] = {}  # finished action key -> end time
@@ -146,8 +155,10 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
     def ready_time(r: int) -> float | None:
         if blocked_on[r] is not None:
             rr, key = blocked_on[r]
-            if pc[rr] < len(s.actions[rr]) and _key(s.actions[rr][pc[rr]]) == key:
-                free[r] = max(free[r], free[rr])  # the receiver has posted its receive
+            posting = posted_at[rr][key]
+            if pc[rr] >= posting:
+                # the receiver began that action when its previous one ended
+                free[r] = max(free[r], began[rr][posting] if posting < len(began[rr]) else free[rr])
                 blocked_on[r] = None
                 senders_to[rr].discard(r)
             else:
@@ -173,6 +184,7 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
             break
         start, r = min(candidates)
         a = s.actions[r][pc[r]]
+        began[r].append(free[r])  # it began this action (and posted its receives) when free
         end = start + cost.cost(a, s.virtual)
         timeline.append(Event(r, a, start, end))
         busy[r] += end - start
@@ -204,6 +216,22 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
     return SimResult(step_time, bubble, idle, busy, peak, [round(x, 9) for x in peak_mem], timeline)
 
 
+def receives_needed(s: Schedule) -> int:
+    """The fewest receives a rank must keep posted for `s` to finish when sends block until
+    received. Posting every receive of the step at its start always suffices (no send then blocks),
+    so the search ends; posting earlier never hurts, so the answer is a threshold."""
+    most = max(1, max(len(acts) for acts in s.actions))
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            simulate(s, blocking_sends=True, receives_ahead=mid)
+            hi = mid
+        except ScheduleError:
+            lo = mid + 1
+    return lo
+
+
 def _deadlock_message(s: Schedule, pc: list[int], done: dict, blocked_on: list) -> str:
     lines = ["schedule deadlocks: no rank can run its next action"]
     for r in range(s.pp):
@@ -213,8 +241,8 @@ def _deadlock_message(s: Schedule, pc: list[int], done: dict, blocked_on: list) 
         a = s.actions[r][pc[r]]
         if blocked_on[r] is not None:
             rr, key = blocked_on[r]
-            lines.append(f"  rank {r}: before {a}, blocked sending to rank {rr} until it reaches "
-                         f"{key[0]}{key[1].value}{key[2]}")
+            lines.append(f"  rank {r}: before {a}, blocked sending to rank {rr} until it posts the receive "
+                         f"of {key[0]}{key[1].value}{key[2]}")
             continue
         missing = [d for d in _deps(s, a) if d not in done]
         what = ", ".join(f"{c}{op.value}{mb} on rank {s.rank_of_chunk[c]}" for c, op, mb in missing)

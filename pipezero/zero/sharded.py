@@ -25,6 +25,7 @@ and whether that backward is the chunk's last of the step. From those moments al
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ class ZeroDP:
         else:
             self.buckets = {c: make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
                             for c, named in self.chunk_params.items()}
+        me = weakref.ref(self)
         tied_ids = {id(q) for q in self.tied.local} if self.tied else set()
         self._deferred = {id(b) for b in self.all_buckets() if any(id(q) in tied_ids for q in b.params)}
         for c, bs in self.buckets.items():
@@ -111,7 +113,10 @@ class ZeroDP:
                 if id(b) in self._deferred or any(id(q) in self.shared for q in b.params):
                     continue  # a parameter used twice accumulates twice: reduce after the backward
                 for q in b.params:
-                    q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: self._grad_ready(c, b, q))
+                    # A weak reference: a hook stored on a tensor is invisible to the garbage
+                    # collector, so a strong one would keep this object and every buffer alive
+                    # after the stage is dropped (seen: +1.5 GB per rebuilt `base` stage).
+                    q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: me()._grad_ready(c, b, q))
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
