@@ -132,8 +132,9 @@ def main() -> None:
             saved = (max(base.values()) - peak) / psi if base else float("nan")
             theirs[mode] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param_vs_our_stage0": saved}
             print(f"{mode:>6}{peak / 2**20:>21.0f}{saved:>15.2f}")
-    out = Path(__file__).parent / "results" / f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}"
-                                                 f"{'' if args.bucket_mb == 25 else f'_bucket{args.bucket_mb:g}'}.json"
+    suffix = "" if args.bucket_mb == 25 else f"_bucket{args.bucket_mb:g}"
+    out = Path(__file__).parent / "results" / \
+        f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs},
                               indent=2))

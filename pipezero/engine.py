@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.checkpoint import resume, save
-from pipezero.config import ConfigError, TrainConfig
+from pipezero.config import ConfigError, DType, TrainConfig
 from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.generate import sample
 from pipezero.models import build_chunk, flops_per_token, param_count
@@ -143,13 +143,14 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed) for c in schedule.chunks(mesh.pp_rank)}
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
+    wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
-              schedule.n_chunks, tracer=tracer)
+              schedule.n_chunks, dtype=wire, tracer=tracer)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
-                  tied=tied_copies(cfg, schedule, mesh, named))
+                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire)
     if zero.layerwise:
         layerwise.install(zero, chunks)
     # Enough receives stay posted that the schedule cannot deadlock even where sends block until

@@ -36,7 +36,8 @@ class P2P:
     shape: tuple[int, ...]
     timeout_s: float
     n_chunks: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
+    boundary: torch.dtype = torch.float32  # what chunks hand over and take (the fp32 residual stream)
     step: int = 0
     bytes_sent: int = 0
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
@@ -72,15 +73,15 @@ class P2P:
         self.post_recv(kind, chunk, mb)
         work, buf = self._recvs.pop(key)
         self._wait(work, self.describe(kind, chunk, mb))
-        return buf
+        return buf if buf.dtype == self.boundary else buf.to(self.boundary)
 
     def send(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
         """Send to the rank holding `consumer` (the chunk that will receive it)."""
         dst = self.rank_of_chunk[consumer]
-        payload = tensor.detach().to(self.dtype).contiguous()
-        if dst == self.rank:
-            self._local[(int(kind), consumer, mb)] = payload
+        if dst == self.rank:  # handed over in memory: nothing travels, nothing is rounded
+            self._local[(int(kind), consumer, mb)] = tensor.detach()
             return
+        payload = tensor.detach().to(self.dtype).contiguous()
         work = dist.isend(payload, dst=dst, tag=self._tag(kind, consumer, mb))
         self.bytes_sent += payload.numel() * payload.element_size()
         what = "gradient" if kind is Kind.GRAD else "activation"

@@ -5,7 +5,11 @@ momentum and variance a parameter under mixed precision):
   mixed precision: stage 0: 2 + 2 + 12 = 16, stage 1: 4 + 12/D, stage 2: 2 + 14/D, stage 3: 16/D.
   plain fp32 (4-byte weights and gradients, 8 bytes of Adam state): 16, 8 + 8/D, 4 + 12/D, 16/D.
 pipezero keeps fp32 parameters and gradients whatever `--dtype` says (bf16 is autocast compute, and
-gradients accumulate in fp32 across micro-batches), so it always follows the fp32 column.
+gradients accumulate in fp32 across micro-batches), so it always follows the fp32 column. What bf16
+does change is the traffic: activations, their gradients, gradient reductions and ZeRO-3's
+parameter gathers travel in bf16 (half the bytes); ZeRO-1/2 still gather updated parameters in fp32,
+because those buckets are the fp32 masters that compute reads (a bf16 copy would leave each rank
+computing norms and embeddings with differently rounded weights).
 """
 
 from __future__ import annotations
@@ -30,5 +34,6 @@ def explain(stage: int, dp: int, dtype: DType) -> dict:
     note = "same layout as the paper's fp32 case"
     if mixed:
         note = (f"paper's mixed-precision layout keeps fp16/bf16 weights and gradients; pipezero keeps them in fp32 "
-                f"(autocast computes in bf16), so it holds {ours - paper:+.2f} bytes a parameter more")
+                f"(autocast computes in bf16; communication is bf16 except ZeRO-1/2's parameter gather), so it "
+                f"holds {ours - paper:+.2f} bytes a parameter more")
     return {"paper_bytes_per_param": paper, "ours_bytes_per_param": ours, "note": note}

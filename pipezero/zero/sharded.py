@@ -55,6 +55,14 @@ class _Pending:
     work: Any
     bucket: Bucket
     out: torch.Tensor | None  # reduce-scatter output, added into the shard gradient on completion
+    back: torch.Tensor | None = None  # a low-precision all-reduce's buffer, copied into the gradient
+
+
+@dataclass
+class _Gather:
+    work: Any
+    bucket: Bucket
+    wire: torch.Tensor | None  # a low-precision gather's buffer, copied into the parameters
 
 
 @dataclass
@@ -73,6 +81,7 @@ class ZeroDP:
     keep_gathered: bool = True  # stage 3: a chunk stays gathered for its step (else layer by layer)
     tied: TiedCopies | None = None  # embedding/head copies in different chunks, summed before reducing
     tracer: Tracer = field(default_factory=Tracer)
+    comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
@@ -159,16 +168,16 @@ class ZeroDP:
     # --- stage 3, layer by layer (called from zero/layerwise.py hooks) -------------------------
     def gather(self, b: Bucket) -> None:
         if id(b) in self._inflight:
-            self._wait(self._inflight.pop(id(b)), "all-gather of parameters")
+            self._finish_gather(self._inflight.pop(id(b)))
         elif b.flat.untyped_storage().size() == 0:
-            self._gather(b, self._master[id(b)])
+            self._gather(b, self._master[id(b)], low_precision=True)
 
     def prefetch(self, b: Bucket) -> None:
         if id(b) in self._inflight or b.flat.untyped_storage().size() != 0:
             return
-        work = self._start_gather(b, self._master[id(b)])
-        if work is not None:
-            self._inflight[id(b)] = work
+        pending = self._start_gather(b, self._master[id(b)], low_precision=True)
+        if pending is not None:
+            self._inflight[id(b)] = pending
 
     def release(self, b: Bucket) -> None:
         if self.layerwise and not self._holding and id(b) not in self._inflight:
@@ -253,15 +262,19 @@ class ZeroDP:
         if self.dp_group is None:
             self._pending.append(_Pending(None, b, b.grad[b.shard] if self._sharded_grads else None))
             return
+        # bf16 on the wire: the fp32 gradient is rounded once for the reduction, which sums in
+        # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
+        wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
+        size = wire.element_size()
         if self._sharded_grads:
-            out = torch.empty(b.shard_size)
-            work = dist.reduce_scatter_single(out, b.grad, group=self.dp_group, async_op=True)
-            self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+            out = torch.empty(b.shard_size, dtype=self.comm_dtype)
+            work = dist.reduce_scatter_single(out, wire, group=self.dp_group, async_op=True)
+            self.bytes_sent += b.padded * size * (self.dp - 1) // self.dp
+            self._pending.append(_Pending(work, b, out))
         else:
-            out = None
-            work = dist.all_reduce(b.grad, group=self.dp_group, async_op=True)
-            self.bytes_sent += 2 * b.padded * 4 * (self.dp - 1) // self.dp
-        self._pending.append(_Pending(work, b, out))
+            work = dist.all_reduce(wire, group=self.dp_group, async_op=True)
+            self.bytes_sent += 2 * b.padded * size * (self.dp - 1) // self.dp
+            self._pending.append(_Pending(work, b, None, None if wire is b.grad else wire))
 
     def _drain(self, keep_last: int = 0) -> None:
         """Wait for the launched collectives, all but the newest `keep_last`."""
@@ -271,29 +284,45 @@ class ZeroDP:
             if p.work is not None:
                 what = "reduce-scatter of gradients" if self._sharded_grads else "all-reduce of gradients"
                 self._wait(p.work, what)
+            if p.back is not None:
+                p.bucket.grad.copy_(p.back)  # type: ignore[union-attr]
             if p.out is not None:
                 if id(p.bucket) in self._shard_grad:
                     self._shard_grad[id(p.bucket)].add_(p.out)
+                elif p.out.dtype != torch.float32:
+                    self._shard_grad[id(p.bucket)] = p.out.float()
                 else:
                     # without a group p.out is a view of the gradient bucket about to be dropped
                     self._shard_grad[id(p.bucket)] = p.out if p.work is not None else p.out.clone()
                 p.bucket.detach_grads()
 
-    def _start_gather(self, b: Bucket, shard: torch.Tensor) -> Any:
-        """Give the bucket its storage back and start filling it from the shards; the work to wait
-        for, or None when there is no group (the shard is the whole bucket)."""
+    def _start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> _Gather | None:
+        """Give the bucket its storage back and start filling it from the shards; what to finish,
+        or None when there is no group (the shard is the whole bucket). `low_precision` gathers in
+        `comm_dtype`: only for ZeRO-3's compute copies, whose every element (this rank's too) is
+        then rounded alike, while the fp32 master shard stays exact."""
         if b.flat.untyped_storage().size() == 0:
             b.flat.untyped_storage().resize_(b.padded * b.flat.element_size())
         if self.dp_group is None:
             b.flat.copy_(shard)
             return None
+        if low_precision and self.comm_dtype != b.flat.dtype:
+            wire = torch.empty(b.padded, dtype=self.comm_dtype)
+            self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
+            work = dist.all_gather_single(wire, shard.to(self.comm_dtype), group=self.dp_group, async_op=True)
+            return _Gather(work, b, wire)
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
-        return dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True)
+        return _Gather(dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True), b, None)
 
-    def _gather(self, b: Bucket, shard: torch.Tensor) -> None:
-        work = self._start_gather(b, shard)
-        if work is not None:
-            self._wait(work, "all-gather of parameters")
+    def _finish_gather(self, g: _Gather) -> None:
+        self._wait(g.work, "all-gather of parameters")
+        if g.wire is not None:
+            g.bucket.flat.copy_(g.wire)
+
+    def _gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
+        pending = self._start_gather(b, shard, low_precision)
+        if pending is not None:
+            self._finish_gather(pending)
 
     # --- the optimizer step ------------------------------------------------------------------
     def _shards(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
