@@ -326,7 +326,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
                        "collectives": [x["collective_bytes_sent"] for x in per_rank]},
         "ranks": per_rank,
-        "zero_memory": {**explain(p.zero, p.dp, r.dtype),
+        "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
     })

@@ -33,3 +33,20 @@ def test_plan_cli_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["layouts"]) == 3 and out["layouts"][0]["memory_gib"] <= 72
     assert main(["plan", "--preset", "70b", "--gpus", "2", "--gpu-memory", "16"]) == 2  # nothing fits
+
+
+def test_grad_reduce_modes_trade_memory_for_traffic():
+    """ZeRO-2 inside a pipeline: `step` holds the whole bf16 gradient (2Ψ(1-1/D) bytes more),
+    `microbatch` keeps the sharded memory for M reduce-scatters a step."""
+    from pipezero.config import GradReduce, ScheduleKind
+    from pipezero.sim.planner import GIB, Layout, estimate
+
+    model = apply_preset(ModelConfig(), "7b")
+    cluster = Cluster(gpus=64, gpu_memory_gib=80, inter_gbps=1.0)  # a slow link: traffic shows
+    step, per_mb = (estimate(model, 2048, 256, cluster, Layout(4, 16, 2, ScheduleKind.ONE_F_ONE_B, 1, 1, 16, False, g))
+                    for g in (GradReduce.STEP, GradReduce.MICROBATCH))
+    psi_gib = (step.model_states_gib - per_mb.model_states_gib) / (2 * (1 - 1 / 16))
+    assert psi_gib * GIB == pytest.approx(7e9 / 4, rel=0.2)  # about a quarter of the model per stage
+    assert per_mb.dp_comm_s > step.dp_comm_s  # more reduce-scatters than compute can hide
+    fits, _ = plan(model, Cluster(gpus=64, gpu_memory_gib=80), seq_len=2048, global_batch=256)
+    assert {e.layout.grad_reduce for e in fits} == {GradReduce.STEP, GradReduce.MICROBATCH}

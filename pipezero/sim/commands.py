@@ -170,6 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = [{"pp": e.layout.pp, "dp": e.layout.dp, "zero": e.layout.zero, "schedule": e.layout.schedule.value,
              "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
+             "grad_reduce": e.layout.grad_reduce.value,
              "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
@@ -180,11 +181,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {args.gpus} x {args.gpu_memory:g} GiB: "
                         f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
-    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "GiB", "step s", "why"):
+    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "GiB", "step s", "why"):
         table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
     for r in rows:
         table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
                       str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
+                      "mb" if r["grad_reduce"] == "microbatch" else "",
                       f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", r["why"])
     Console(width=160, emoji=False).print(table)
     return 0

@@ -11,6 +11,10 @@ Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation)
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, a
 pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap:
 ring all-reduce 2(D-1)/D of the bf16 gradient bytes (ZeRO-1/2 the same volume, ZeRO-3 1.5x).
+ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step` holds the full
+gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
+`microbatch` keeps the paper's memory at M reduce-scatters a step, of which the M - 1 early ones
+overlap the remaining compute and are exposed only where they outlast it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipezero.config import ModelConfig, ScheduleKind
+from pipezero.config import GradReduce, ModelConfig, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.generators import build_schedule
@@ -52,6 +56,7 @@ class Layout:
     micro_batch: int
     microbatches: int
     recompute: bool
+    grad_reduce: GradReduce = GradReduce.STEP
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,9 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # Heaviest stage: its share of blocks plus the embedding or the head, whichever is bigger.
     psi = per_stage_layers * block_params(model) + max(layers[0], layers[-1])
     states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
+    per_microbatch = lay.grad_reduce is GradReduce.MICROBATCH and lay.zero >= 2 and lay.microbatches > 1
+    if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
+        states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
     per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
     step_units, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute)
     acts = peak_stages * per_stage_layers * per_layer_act
@@ -105,7 +113,10 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     hop = 2.0 * tokens_mb * model.dim / (pp_bw * 1e9)
     step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f if t_f > 0 else step_units
     dp_bw = cluster.intra_gbps if lay.dp <= cluster.node_size else cluster.inter_gbps
-    dp_comm = DP_TRAFFIC[lay.zero] * 2 * (lay.dp - 1) / lay.dp * 2.0 * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0
+    one_pass = (lay.dp - 1) / lay.dp * 2.0 * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0  # one reduce-scatter
+    dp_comm = DP_TRAFFIC[lay.zero] * 2 * one_pass
+    if per_microbatch:  # M - 1 more reduce-scatters, hidden behind the compute that follows them
+        dp_comm += max(0.0, (lay.microbatches - 1) * one_pass - step_units_comm * t_f)
     step = step_units_comm * t_f + dp_comm
     return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
 
@@ -136,8 +147,9 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                     for zero in (0, 1, 2, 3):
                         if dp == 1 and zero:
                             continue
+                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if zero >= 2 and m > 1 else [GradReduce.STEP]
                         for recompute in (False, True):
-                            out.append(Layout(pp, dp, zero, kind, v, mbs, m, recompute))
+                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode) for mode in modes)
     return out
 
 
@@ -160,6 +172,8 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
         parts.append(f"DP traffic {e.dp_comm_s * 1e3:.0f} ms")
     if e.layout.recompute:
         parts.append("recompute buys memory for ~1/3 more compute")
+    if e.layout.grad_reduce is GradReduce.MICROBATCH:
+        parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
     if e is not best:
         parts.append(f"{e.step_time_s / best.step_time_s - 1:+.1%} vs best")
     return ", ".join(parts)

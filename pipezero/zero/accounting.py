@@ -14,7 +14,7 @@ computing norms and embeddings with differently rounded weights).
 
 from __future__ import annotations
 
-from pipezero.config import DType
+from pipezero.config import DType, GradReduce
 
 
 def paper_bytes_per_param(stage: int, dp: int, mixed: bool) -> float:
@@ -27,7 +27,8 @@ def ours_bytes_per_param(stage: int, dp: int) -> float:
     return paper_bytes_per_param(stage, dp, mixed=False)
 
 
-def explain(stage: int, dp: int, dtype: DType) -> dict:
+def explain(stage: int, dp: int, dtype: DType, grad_reduce: GradReduce = GradReduce.STEP,
+            microbatches: int = 1) -> dict:
     mixed = dtype is DType.BF16
     paper = paper_bytes_per_param(stage, dp, mixed)
     ours = ours_bytes_per_param(stage, dp)
@@ -36,4 +37,15 @@ def explain(stage: int, dp: int, dtype: DType) -> dict:
         note = (f"paper's mixed-precision layout keeps fp16/bf16 weights and gradients; pipezero keeps them in fp32 "
                 f"(autocast computes in bf16; communication is bf16 except ZeRO-1/2's parameter gather), so it "
                 f"holds {ours - paper:+.2f} bytes a parameter more")
-    return {"paper_bytes_per_param": paper, "ours_bytes_per_param": ours, "note": note}
+    out = {"paper_bytes_per_param": paper, "ours_bytes_per_param": ours, "note": note,
+           "grad_reduce": grad_reduce.value}
+    if stage >= 2 and microbatches > 1:
+        if grad_reduce is GradReduce.STEP:
+            out["grad_reduce_note"] = (f"step: the full fp32 gradient accumulates through the step's {microbatches} "
+                                       f"micro-batches, so during a step a rank holds {4 - 4 / dp:+.2f} bytes a "
+                                       f"parameter over the paper's stage {stage}; one reduce-scatter a step")
+        else:
+            out["grad_reduce_note"] = (f"microbatch: each micro-batch's gradient is reduce-scattered into the fp32 "
+                                       f"shard as backward produces it (the paper's stage {stage} memory, up to two "
+                                       f"buckets in flight); {microbatches} reduce-scatters a step instead of one")
+    return out
