@@ -122,7 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
         return launch_local(args.nproc, args.argv, args.max_restarts)
     from pipezero.checkpoint import CheckpointError
-    from pipezero.engine import TrainingDiverged
+    from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
 
     try:

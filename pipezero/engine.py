@@ -11,10 +11,8 @@ from __future__ import annotations
 import math
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -26,7 +24,9 @@ from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, mi
 from pipezero.generate import sample
 from pipezero.models import build_chunk, flops_per_token, param_count
 from pipezero.optim import lr_at
+from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
+from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import RECEIVES_AHEAD, Executor
 from pipezero.runtime.p2p import P2P
@@ -38,7 +38,7 @@ from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 from pipezero.zero import layerwise
 from pipezero.zero.accounting import explain
-from pipezero.zero.sharded import StepOutcome, ZeroDP, named_by_chunk, shared_params
+from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -66,34 +66,6 @@ def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
 
 def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
-
-
-def init_distributed(cfg: TrainConfig) -> int:
-    """Join the process group torchrun describes (if any) and return this rank; refuse a layout that
-    does not match the number of ranks before any collective runs."""
-    p = cfg.parallel
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world != p.world_size:
-        raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
-                          f"use --nproc {p.world_size} (or change --pp/--dp)")
-    if world > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=p.timeout_s)
-        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def attempt_store(timeout: timedelta) -> dict[str, object]:
-    """Under torchrun's elastic agent, a store of this attempt's own: after a restart the agent
-    hands the workers the same store again, where the failed attempt's gloo addresses still sit,
-    and the new ranks dial dead ports ("Connection refused" in connectFullMesh; seen with torch
-    2.13 and torchrun --max-restarts). A prefix per restart keeps the attempts apart."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}  # plain env:// rendezvous
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"pipezero/attempt_{attempt}", client),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def all_sum(values: list[float], group: object | None) -> list[float]:
@@ -250,37 +222,6 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp)[0]
     stage.zero.release_all()
     return total / eval_tokens
-
-
-def finite_or_none(x: float) -> float | None:
-    """metrics.jsonl stays strict JSON: a non-finite value is written as null."""
-    return x if math.isfinite(x) else None
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row: the run stops instead of spinning on garbage."""
-
-
-def report_nonfinite(outcome: StepOutcome, local_loss: float, step: int, pp_rank: int,
-                     in_a_row: int, limit: int) -> None:
-    """Say which pipeline stages produced the non-finite loss or gradients of a skipped step
-    (every rank takes part), and stop the run after `limit` such steps in a row."""
-    mine = (pp_rank, math.isfinite(local_loss), outcome.local_grads_finite)
-    flags = [mine]
-    if dist.is_initialized():
-        flags = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(flags, mine)
-    bad_loss = sorted({s for s, loss_ok, _ in flags if not loss_ok})
-    bad_grads = sorted({s for s, _, grads_ok in flags if not grads_ok})
-    what = "; ".join(x for x in (f"loss on stage {bad_loss}" if bad_loss else "",
-                                 f"gradients on stage {bad_grads}" if bad_grads else "") if x)
-    message = (f"step {step}: non-finite {what or 'global norm'} (loss {outcome.loss}, grad norm "
-               f"{outcome.grad_norm}); step skipped, {in_a_row} in a row (limit run.max_bad_steps={limit})")
-    if (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"pipezero: warning: {message}", file=sys.stderr, flush=True)
-    if in_a_row >= limit:
-        raise TrainingDiverged(f"{message}: stopping; lower the learning rate, check the data, or resume "
-                               f"from an earlier checkpoint")
 
 
 def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:

@@ -116,7 +116,7 @@ def poison(steps: set[int]) -> None:
 
 
 def scenarios(rank: int, world: int, data: str, out: str) -> dict:
-    from pipezero.engine import TrainingDiverged
+    from pipezero.nonfinite import TrainingDiverged
 
     res = {}
     res["a"] = run(data, f"{out}/a", **LAYOUT_A, **{"run.checkpoint_every": 2})

@@ -16,7 +16,7 @@ from training import TIED_LR, assert_same_training, train_cases
 def test_sharded_adamw_equals_torch_adamw():
     torch.manual_seed(0)
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
-    w, g = torch.randn(7, 5), torch.zeros(7, 5)
+    w = torch.randn(7, 5)
     norm_w = torch.randn(5)
     ref = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(norm_w.clone())]
     opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],

@@ -1,0 +1,39 @@
+"""Joining the job's process group: the layout checked against the ranks started, and a store of
+this attempt's own under torchrun's elastic restarts."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from pipezero.config import ConfigError, TrainConfig
+
+
+def init_distributed(cfg: TrainConfig) -> int:
+    """Join the process group torchrun describes (if any) and return this rank; refuse a layout that
+    does not match the number of ranks before any collective runs."""
+    p = cfg.parallel
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != p.world_size:
+        raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
+                          f"use --nproc {p.world_size} (or change --pp/--dp)")
+    if world > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=p.timeout_s)
+        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def attempt_store(timeout: timedelta) -> dict[str, object]:
+    """Under torchrun's elastic agent, a store of this attempt's own: after a restart the agent
+    hands the workers the same store again, where the failed attempt's gloo addresses still sit,
+    and the new ranks dial dead ports ("Connection refused" in connectFullMesh; seen with torch
+    2.13 and torchrun --max-restarts). A prefix per restart keeps the attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}  # plain env:// rendezvous
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"pipezero/attempt_{attempt}", client),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
