@@ -8,7 +8,6 @@ every parameter under the model's own names in its own shape (a tied embedding o
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -32,9 +31,7 @@ def read_model(path: Path) -> StageChunk:
     model = whole_model(ModelConfig(**manifest["config"]["model"]))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    Team()._call(f"read of {path}", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True))
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(flat[f"model.{n}"].view_as(p))

@@ -70,14 +70,13 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
     """Fill this rank's shards from checkpoint `found`, whatever layout wrote it (collective)."""
     m = found.manifest
     team = Team.current(m["step"])
-    saved_model = m["config"]["model"]
-    if saved_model != cfg.to_dict()["model"]:
-        diff = {k: (v, cfg.to_dict()["model"].get(k)) for k, v in saved_model.items()
-                if cfg.to_dict()["model"].get(k) != v}
+    now = cfg.to_dict()
+    if m["config"]["model"] != now["model"]:
+        diff = {k: (v, now["model"].get(k)) for k, v in m["config"]["model"].items() if now["model"].get(k) != v}
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
     if team.rank == 0:
-        warn_changed(m["config"], cfg.to_dict(), found.path)
+        warn_changed(m["config"], now, found.path)
     state = state_dict(zero, cfg.model, saving=False)
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
