@@ -4,8 +4,9 @@
 
 Each rank runs with one torch thread. For each schedule, pipezero's executor and (where torch has
 the same schedule) torch's `PipelineStage` + `Schedule*` run the same chunks on the same batches in
-the same process group, alternating. Printed: step time, tokens/s, measured bubble (time a rank spent
-blocked on its peers over its step time, averaged over ranks), the simulator's bubble at 1:1:1, and
+the same process group, alternating step by step (the first step of each is dropped). Printed: step
+time, tokens/s, measured bubble (time a rank spent blocked on its peers over its step time, averaged
+over ranks), the simulator's bubble at 1:1:1, and
 the ratio to the ideal (P x the one-process, one-thread throughput). Results go to
 bench/results/pipeline_schedules.json.
 """
@@ -40,26 +41,26 @@ def config(args: argparse.Namespace, kind: K, pp: int):
     })
 
 
-def time_pipezero(cfg, rank: int, batches: list) -> tuple[list[float], list[float]]:
+def pipezero_step(cfg, rank: int):
+    """One training step of pipezero's runtime as a function of the step's micro-batches."""
     from pipezero.engine import build_stage
 
     stage = build_stage(cfg, rank)
     actions = stage.schedule.actions[stage.mesh.pp_rank]
     denom = cfg.global_batch * cfg.data.seq_len
-    times, bubbles = [], []
-    for mbs in batches:
+
+    def step(mbs: list) -> tuple[float, float]:
         stage.zero.begin_step()
         t0 = time.perf_counter()
         stats = stage.executor.run(actions, mbs, denom)
         stage.zero.step(1e-4, 1.0, stage.groups.world)
-        times.append(time.perf_counter() - t0)
-        bubbles.append(stats.wait_s / stats.elapsed_s)
-    return times, bubbles
+        return time.perf_counter() - t0, stats.wait_s / stats.elapsed_s
+    return step
 
 
-def time_torch(cfg, rank: int, world: int, batches: list, kind: K) -> list[float] | None:
+def torch_step(cfg, rank: int, kind: K):
+    """The same step on torch.distributed.pipelining (same chunks, init and optimizer), or None."""
     import torch
-    import torch.distributed as dist
     import torch.distributed.pipelining as tpp
     from pipezero.engine import build_stage
     from pipezero.models import lm_loss
@@ -80,26 +81,23 @@ def time_torch(cfg, rank: int, world: int, batches: list, kind: K) -> list[float
     sched = cls(stages[0] if single_stage else stages, n_microbatches=cfg.parallel.microbatches, loss_fn=loss_fn)
     holds_first = 0 in stage.chunks
     holds_last = n_chunks - 1 in stage.chunks
-    times = []
-    for mbs in batches:
+
+    def step(mbs: list) -> float:
         x = torch.cat([m[0] for m in mbs])
         y = torch.cat([m[1] for m in mbs])
         t0 = time.perf_counter()
-        kwargs = {}
-        if holds_last:
-            kwargs = {"target": y, "losses": []}
-        if holds_first:
-            sched.step(x, **kwargs)
-        else:
-            sched.step(**kwargs)
+        kwargs = {"target": y, "losses": []} if holds_last else {}
+        sched.step(*([x] if holds_first else []), **kwargs)
         stage.zero.begin_step()
         stage.zero.step(1e-4, 1.0, stage.groups.world)
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    return times
+        return time.perf_counter() - t0
+    return step
 
 
 def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> dict:
+    """Ours and torch's alternate step by step, so the machine's drift hits both alike."""
+    import torch.distributed as dist
+
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
 
     out: dict = {}
@@ -108,12 +106,23 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> 
         corpus = load_corpus(cfg.data)
         batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
                                          cfg.parallel.microbatches) for s in range(args.steps + 1)]
-        ours, bubbles = time_pipezero(cfg, rank, batches)
+        ours_step = pipezero_step(cfg, rank)
         try:
-            theirs = time_torch(cfg, rank, world, batches, kind)
-            err = None
+            theirs_step, err = torch_step(cfg, rank, kind), None
         except Exception as e:  # noqa: BLE001 - report, do not hide, a torch schedule that fails here
-            theirs, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+            theirs_step, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+        ours, bubbles, theirs = [], [], []
+        for mbs in batches:
+            dist.barrier()
+            t, b = ours_step(mbs)
+            ours.append(t)
+            bubbles.append(b)
+            if theirs_step is not None:
+                dist.barrier()
+                try:
+                    theirs.append(theirs_step(mbs))
+                except Exception as e:  # noqa: BLE001
+                    theirs_step, theirs, err = None, [], f"{type(e).__name__}: {str(e)[:200]}"
         out[kind.value] = {"ours": ours[1:], "bubble": bubbles[1:], "torch": theirs[1:] if theirs else None,
                            "torch_error": err}
     return out

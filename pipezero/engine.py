@@ -32,6 +32,7 @@ from pipezero.runtime.executor import RECEIVES_AHEAD, Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, receives_needed, simulate
+from pipezero.schedules.receives import send_order
 from pipezero.schedules.generators import build_schedule
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.trace import Tracer, write_trace
@@ -117,7 +118,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
-              schedule.n_chunks, dtype=wire, tracer=tracer)
+              dtype=wire, tracer=tracer)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
@@ -126,9 +127,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     if zero.layerwise:
         layerwise.install(zero, chunks)
     # Enough receives stay posted that the schedule cannot deadlock even where sends block until
-    # received (NCCL); on gloo, sends never block, and early receives only help overlap.
+    # received (NCCL); on gloo, sends never block, and early receives only help overlap. They are
+    # posted in the order the neighbours send, since transfers match in posting order.
     ahead = max(RECEIVES_AHEAD, receives_needed(schedule))
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, p.recompute, hooks=zero, tracer=tracer,
+    order = send_order(schedule.actions, schedule.rank_of_chunk, schedule.n_chunks, mesh.pp_rank)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, order, p.recompute, hooks=zero, tracer=tracer,
                         receives_ahead=ahead)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer)
 

@@ -23,7 +23,7 @@ from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.receives import posts_by_action
+from pipezero.schedules.receives import Transfer, posts_by_action
 from pipezero.telemetry.trace import Tracer
 
 RECEIVES_AHEAD = 2  # receives kept posted by default; the engine raises it where a schedule needs more
@@ -75,10 +75,11 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 recompute: bool = False, hooks: GradHooks | None = None, tracer: Tracer | None = None,
-                 receives_ahead: int = RECEIVES_AHEAD) -> None:
+                 send_order: dict[Transfer, int], recompute: bool = False, hooks: GradHooks | None = None,
+                 tracer: Tracer | None = None, receives_ahead: int = RECEIVES_AHEAD) -> None:
         self.chunks = chunks
         self.receives_ahead = receives_ahead  # schedules/receives.py: how many receives stay posted
+        self.send_order = send_order  # ... and in which order (the senders'), as tag-less p2p needs
         self.tracer = tracer or Tracer()
         self.hooks = hooks or NoHooks()
         self.last = n_chunks - 1
@@ -108,7 +109,8 @@ class Executor:
         final = last_weight_grad(actions)
         split = {a.chunk for a in actions if a.op is Op.B}
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        posts = posts_by_action(actions, self.p2p.rank_of_chunk, self.last + 1, self.p2p.rank, self.receives_ahead)
+        posts = posts_by_action(actions, self.p2p.rank_of_chunk, self.last + 1, self.p2p.rank, self.receives_ahead,
+                                self.send_order)
         for i, a in enumerate(actions):
             self._post([actions[j] for j in posts[i]])
             if a.op is Op.F:

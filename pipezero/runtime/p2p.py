@@ -1,7 +1,9 @@
 """Point-to-point transfers between stage chunks: async, pre-posted, and timed out with a message.
 
-Every transfer is named by (kind, consumer chunk, micro-batch), which also gives its tag, so two
-chunks on one pair of ranks never mix their messages. Shapes are fixed for a run (B, T, dim) and
+Every transfer is named by (kind, consumer chunk, micro-batch), but no tag travels: NCCL ignores p2p
+tags, so transfers between a pair of ranks match in posting order on every backend alike, and the
+executor posts receives in the order the sender sends (schedules/receives.py). Running tag-less on
+gloo too means the CPU tests check the order an NCCL run depends on. Shapes are fixed for a run (B, T, dim) and
 known to both sides, so nothing but the payload travels. Sends are posted and not waited for until
 the end of the step; receives are posted ahead of the action that needs them. Neighbouring chunks on
 the same rank (the V placement's turn) hand tensors over in memory.
@@ -35,7 +37,6 @@ class P2P:
     rank_of_chunk: dict[int, int]  # chunk -> global rank holding it (in this pipeline)
     shape: tuple[int, ...]
     timeout_s: float
-    n_chunks: int
     dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
     boundary: torch.dtype = torch.float32  # what chunks hand over and take (the fp32 residual stream)
     step: int = 0
@@ -45,10 +46,6 @@ class P2P:
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str]] = field(default_factory=list)
-
-    def _tag(self, kind: Kind, chunk: int, mb: int) -> int:
-        # Micro-batch in the low 16 bits: evaluation may run more batches than a step's M.
-        return ((int(kind) * self.n_chunks + chunk) << 16) + mb
 
     def _source(self, kind: Kind, chunk: int) -> int:
         return self.rank_of_chunk[chunk + 1 if kind is Kind.GRAD else chunk - 1]
@@ -64,7 +61,7 @@ class P2P:
         if key in self._recvs or key in self._local or src == self.rank:
             return
         buf = torch.empty(self.shape, dtype=self.dtype)
-        self._recvs[key] = (dist.irecv(buf, src=src, tag=self._tag(kind, chunk, mb)), buf)
+        self._recvs[key] = (dist.irecv(buf, src=src), buf)
 
     def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:
         key = (int(kind), chunk, mb)
@@ -82,7 +79,7 @@ class P2P:
             self._local[(int(kind), consumer, mb)] = tensor.detach()
             return
         payload = tensor.detach().to(self.dtype).contiguous()
-        work = dist.isend(payload, dst=dst, tag=self._tag(kind, consumer, mb))
+        work = dist.isend(payload, dst=dst)
         self.bytes_sent += payload.numel() * payload.element_size()
         what = "gradient" if kind is Kind.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.step}: sending {what} of micro-batch {mb} "

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Action, Op, Schedule
-from pipezero.schedules.receives import post_points
+from pipezero.schedules.receives import post_points, send_order
 
 
 class ScheduleError(ValueError):
@@ -134,7 +134,8 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
     p = s.pp
     # rank -> consumer key -> index of the action at whose beginning its receive is posted
     posted_at = [{_key(s.actions[r][j]): i
-                  for j, i in post_points(s.actions[r], s.rank_of_chunk, s.n_chunks, r, receives_ahead).items()}
+                  for j, i in post_points(s.actions[r], s.rank_of_chunk, s.n_chunks, r, receives_ahead,
+                                          send_order(s.actions, s.rank_of_chunk, s.n_chunks, r)).items()}
                  for r in range(p)]
     began: list[list[float]] = [[] for _ in range(p)]  # rank -> when it began each action it reached
     pc = [0] * p  # next action index per rank
