@@ -32,6 +32,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "max_steps": ("run.max_steps", int),
     "seed": ("run.seed", int),
     "dtype": ("run.dtype", str),
+    "device": ("run.device", str),
     "out": ("run.out", str),
     "checkpoint_every": ("run.checkpoint_every", int),
     "keep_checkpoints": ("run.keep_checkpoints", int),
@@ -72,6 +73,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-steps", type=int)
     t.add_argument("--seed", type=int)
     t.add_argument("--dtype", choices=[d.value for d in DType])
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU")
     t.add_argument("--data", help="text file, folder of text files, or .bin/.npy token file")
     t.add_argument("--tokenizer", help="bpe, bytes, or a tokenizer.json")
     t.add_argument("--out", help="run directory (metrics.jsonl, summary.json, ...)")

@@ -120,6 +120,7 @@ class RunConfig:
     max_steps: int = 200
     seed: int = 1234
     dtype: DType = DType.FP32
+    device: str = "auto"  # "cpu" (gloo), "cuda" (one GPU a local rank, NCCL), "auto": CUDA if torch sees a GPU
     out: str = "runs/latest"
     eval_every: int = 50  # held-out loss every K steps (and at the end); 0 = only at the end
     eval_batches: int = 4
@@ -283,7 +284,10 @@ def _validate(cfg: TrainConfig) -> None:
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
     # Layout rules that depend on the schedule live with the schedules; import lazily to keep
     # config importable on its own.
+    from pipezero.parallel.device import device_kind
     from pipezero.schedules.registry import check_layout
+
+    device_kind(r.device)
 
     try:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)

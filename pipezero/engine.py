@@ -103,9 +103,10 @@ def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
     return TiedCopies(local, head, group) if local else None
 
 
-def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> Stage:
+def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
+                device: torch.device = torch.device("cpu")) -> Stage:
     p = cfg.parallel
-    tracer = tracer or Tracer(rank, cfg.run.trace)
+    tracer = tracer or Tracer(rank, cfg.run.trace, sync=torch.cuda.synchronize if device.type == "cuda" else None)
     mesh = Mesh(p.pp, p.dp, rank)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
@@ -113,12 +114,12 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None) -> St
     if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
-    chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed) for c in schedule.chunks(mesh.pp_rank)}
+    chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
-              dtype=wire, tracer=tracer)
+              dtype=wire, device=device, tracer=tracer)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
@@ -140,12 +141,12 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
     p, r = cfg.parallel, cfg.run
-    rank = init_distributed(cfg)
+    rank, device = init_distributed(cfg)
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
     check_vocab(cfg, corpus)
-    stage = build_stage(cfg, rank)
+    stage = build_stage(cfg, rank, device=device)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
     found = resume(cfg, stage.zero)
@@ -240,6 +241,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if stage.executor.p2p.device.type == "cuda":
+        mine["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     per_rank, events = [mine], [stage.tracer.events]
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]

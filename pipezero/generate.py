@@ -12,11 +12,12 @@ def sample(model: nn.Module, prompt: list[int], n_tokens: int, max_seq_len: int,
     """Autoregressive top-k sampling; recomputes the full window each token (no KV cache: it is a
     one-off of a few dozen tokens on a tiny model)."""
     gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     ids = list(prompt) or [0]
     model.eval()
     for _ in range(n_tokens):
-        window = torch.tensor([ids[-max_seq_len:]], dtype=torch.long)
-        logits = model(window)[0, -1].float() / max(temperature, 1e-5)
+        window = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
+        logits = model(window)[0, -1].float().cpu() / max(temperature, 1e-5)
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits[logits < kth] = -float("inf")

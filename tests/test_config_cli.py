@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pipezero.cli import main
 from pipezero.config import ConfigError, ScheduleKind, build_config
@@ -32,6 +33,7 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"run.bogus": 1}, "unknown setting"),
     ({"run.keep_checkpoints": 0}, "keep_checkpoints must be at least 1"),
     ({"run.max_bad_steps": 0}, "max_bad_steps must be at least 1"),
+    ({"run.device": "tpu"}, "choose one of auto, cpu, cuda"),
 ])
 def test_validation_errors_name_the_fix(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -53,6 +55,7 @@ def test_bad_toml_is_a_config_error(tmp_path):
     (["train", "--data", "/missing/file.txt"], "does not exist"),
     (["train", "--seq-len", "99999"], "longer than the model allows"),
     (["train", "--nproc", "3", "--pp", "1", "--dp", "2"], "make them equal"),
+    *([(["train", "--device", "cuda"], "torch sees no CUDA device")] if not torch.cuda.is_available() else []),
 ])
 def test_cli_errors_exit_2_without_traceback(argv, needle, capsys):
     assert main(argv) == 2

@@ -6,23 +6,32 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from pipezero.config import ConfigError, TrainConfig
+from pipezero.parallel.device import backend, device_kind, rank_device
 
 
-def init_distributed(cfg: TrainConfig) -> int:
-    """Join the process group torchrun describes (if any) and return this rank; refuse a layout that
-    does not match the number of ranks before any collective runs."""
+def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
+    """Join the process group torchrun describes (if any); return this rank and its device. A
+    layout that does not match the number of ranks is refused before any collective runs. Where the
+    caller already made a group (tests, benchmarks), "auto" follows its backend."""
     p = cfg.parallel
+    kind = device_kind(cfg.run.device)
+    if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        if cfg.run.device == "cuda":
+            raise ConfigError(f"--device cuda, but the process group is {dist.get_backend()} only: use --device cpu")
+        kind = "cpu"
+    device = rank_device(kind)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world != p.world_size:
         raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
                           f"use --nproc {p.world_size} (or change --pp/--dp)")
     if world > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=p.timeout_s)
-        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
-    return dist.get_rank() if dist.is_initialized() else 0
+        dist.init_process_group(backend(device), timeout=timeout, **attempt_store(timeout))
+    return (dist.get_rank() if dist.is_initialized() else 0), device
 
 
 def attempt_store(timeout: timedelta) -> dict[str, object]:

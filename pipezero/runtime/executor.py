@@ -85,6 +85,7 @@ class Executor:
         self.last = n_chunks - 1
         self.p2p = p2p
         self.dtype = dtype
+        self.device = p2p.device
         self.recompute = recompute
         # Split backward by stashing weight-op gradients where the chunk allows it (not the
         # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
@@ -92,7 +93,7 @@ class Executor:
             c: cap for c, m in chunks.items() if c > 0 and (cap := WeightGradCapture(m)).supported}
 
     def _forward(self, chunk: StageChunk, x: torch.Tensor) -> torch.Tensor:
-        with autocast(self.dtype):
+        with autocast(self.dtype, self.device.type):
             if self.recompute and torch.is_grad_enabled():
                 return checkpoint(chunk, x, use_reentrant=False)
             return chunk(x)
@@ -104,7 +105,9 @@ class Executor:
     def run(self, actions: Sequence[Action], microbatches: list[tuple[torch.Tensor, torch.Tensor]],
             denom: float) -> StepStats:
         live: dict[tuple[int, int], _Live] = {}
-        loss = torch.zeros(())
+        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in microbatches]
+        loss = torch.zeros((), device=self.device)
         peak = 0
         final = last_weight_grad(actions)
         split = {a.chunk for a in actions if a.op is Op.B}
@@ -182,14 +185,15 @@ class Executor:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward only, micro-batch by micro-batch through this rank's chunks in model order; the
         summed token loss is non-zero on the rank holding the last chunk."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb, (tokens, targets) in enumerate(batches):
+            tokens, targets = tokens.to(self.device), targets.to(self.device)
             for c in sorted(self.chunks):
                 self.hooks.before_forward(c)
                 x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
                 y = self._forward(self.chunks[c], x)
                 if c == self.last:
-                    total += float(lm_loss(y, targets, 1.0))
+                    total += lm_loss(y, targets, 1.0).double()
                 else:
                     self.p2p.send(Kind.EVAL, c + 1, mb, y)
         self.p2p.finish()

@@ -39,6 +39,7 @@ class P2P:
     timeout_s: float
     dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
     boundary: torch.dtype = torch.float32  # what chunks hand over and take (the fp32 residual stream)
+    device: torch.device = torch.device("cpu")  # where buffers live (a GPU: NCCL moves them)
     step: int = 0
     bytes_sent: int = 0
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
@@ -60,7 +61,7 @@ class P2P:
         src = self._source(kind, chunk)
         if key in self._recvs or key in self._local or src == self.rank:
             return
-        buf = torch.empty(self.shape, dtype=self.dtype)
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self._recvs[key] = (dist.irecv(buf, src=src), buf)
 
     def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:

@@ -4,7 +4,9 @@ A `Tracer` records complete events (name, category, row, start, end) on one rank
 it records nothing and `span` costs one attribute check. Rows are the streams a user reasons about:
 compute (F/B/W/BW and the optimizer), p2p (time blocked on activations and gradients) and
 collectives (time blocked on ZeRO reductions and gathers). Times are wall-clock (`time.time`), so the
-ranks of one machine line up; across machines they are as good as the clocks' agreement.
+ranks of one machine line up; across machines they are as good as the clocks' agreement. On a GPU,
+kernels run after the CPU has queued them, so a tracing rank synchronizes its device at the end of
+every span (`sync`): spans then time the work itself, at the cost of the overlap tracing observes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROWS = {"compute": 0, "p2p": 1, "collectives": 2}
 
@@ -26,6 +28,7 @@ class Tracer:
     enabled: bool = False
     step: int = 0
     events: list[tuple[str, str, str, float, float, int]] = field(default_factory=list)
+    sync: Callable[[], None] | None = None  # waits for queued device work (torch.cuda.synchronize)
 
     @contextmanager
     def span(self, name: str, cat: str, row: str = "compute") -> Iterator[None]:
@@ -36,6 +39,8 @@ class Tracer:
         try:
             yield
         finally:
+            if self.sync is not None:
+                self.sync()
             self.events.append((name, cat, row, t0, time.time(), self.step))
 
 

@@ -27,8 +27,8 @@ class ShardedAdamW:
     states: list[ShardState] = field(default_factory=list)
     step_count: int = 0
 
-    def add_shard(self, size: int, decay: list[tuple[int, int]]) -> None:
-        self.states.append(ShardState(torch.zeros(size), torch.zeros(size), decay))
+    def add_shard(self, size: int, decay: list[tuple[int, int]], device: torch.device = torch.device("cpu")) -> None:
+        self.states.append(ShardState(torch.zeros(size, device=device), torch.zeros(size, device=device), decay))
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], lr: float) -> None:
         """Update each fp32 shard in place from its gradient shard (same order as add_shard)."""

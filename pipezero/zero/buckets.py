@@ -29,10 +29,14 @@ class Bucket:
 
     def __post_init__(self) -> None:
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.flat = torch.zeros(self.padded)
+        self.flat = torch.zeros(self.padded, device=self.device)
         for p, off in zip(self.params, self.offsets):
             self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[off:off + p.numel()].view_as(p)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
 
     @property
     def padded(self) -> int:
@@ -49,7 +53,7 @@ class Bucket:
     def attach_grads(self) -> None:
         """Give every parameter a zeroed `.grad` view into one flat gradient buffer."""
         if self.grad is None:
-            self.grad = torch.zeros(self.padded)
+            self.grad = torch.zeros(self.padded, device=self.device)
             for p, off in zip(self.params, self.offsets):
                 p.grad = self.grad[off:off + p.numel()].view_as(p)
 
@@ -59,7 +63,7 @@ class Bucket:
         if p.grad is None:
             return
         if self.grad is None:
-            self.grad = torch.zeros(self.padded)
+            self.grad = torch.zeros(self.padded, device=self.device)
         i = self.index[id(p)]
         view = self.grad[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
         if p.grad.data_ptr() != view.data_ptr():

@@ -129,7 +129,7 @@ class ZeroDP:
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
-            self.opt.add_shard(size, b.decay_ranges(whole=self.stage == 0))
+            self.opt.add_shard(size, b.decay_ranges(whole=self.stage == 0), b.device)
             if self.stage == 3:
                 self._master[id(b)] = b.flat[b.shard].clone()
                 _release(b)
@@ -258,7 +258,7 @@ class ZeroDP:
         if b.grad is None:
             if not self._sharded_grads:
                 return
-            b.grad = torch.zeros(b.padded)  # no gradient reached this bucket: reduce zeros
+            b.grad = torch.zeros(b.padded, device=b.device)  # no gradient reached this bucket: reduce zeros
         if self.dp_group is None:
             self._pending.append(_Pending(None, b, b.grad[b.shard] if self._sharded_grads else None))
             return
@@ -267,7 +267,7 @@ class ZeroDP:
         wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
         size = wire.element_size()
         if self._sharded_grads:
-            out = torch.empty(b.shard_size, dtype=self.comm_dtype)
+            out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
             work = dist.reduce_scatter_single(out, wire, group=self.dp_group, async_op=True)
             self.bytes_sent += b.padded * size * (self.dp - 1) // self.dp
             self._pending.append(_Pending(work, b, out))
@@ -307,7 +307,7 @@ class ZeroDP:
             b.flat.copy_(shard)
             return None
         if low_precision and self.comm_dtype != b.flat.dtype:
-            wire = torch.empty(b.padded, dtype=self.comm_dtype)
+            wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
             self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
             work = dist.all_gather_single(wire, shard.to(self.comm_dtype), group=self.dp_group, async_op=True)
             return _Gather(work, b, wire)
@@ -330,19 +330,19 @@ class ZeroDP:
         params, grads, counted = [], [], []
         for b in self.all_buckets():
             if self.stage == 0:
-                g = b.grad if b.grad is not None else torch.zeros(b.padded)
+                g = b.grad if b.grad is not None else torch.zeros(b.padded, device=b.device)
                 params.append(b.flat)
                 grads.append(g)
                 counted.append(g[b.shard])
             elif self.stage == 1:
-                g = b.grad[b.shard] if b.grad is not None else torch.zeros(b.shard_size)
+                g = b.grad[b.shard] if b.grad is not None else torch.zeros(b.shard_size, device=b.device)
                 params.append(b.flat[b.shard])
                 grads.append(g)
                 counted.append(g)
             else:
                 g = self._shard_grad.get(id(b))
                 if g is None:
-                    g = self._shard_grad[id(b)] = torch.zeros(b.shard_size)
+                    g = self._shard_grad[id(b)] = torch.zeros(b.shard_size, device=b.device)
                 params.append(self._master[id(b)] if self.stage == 3 else b.flat[b.shard])
                 grads.append(g)
                 counted.append(g)
@@ -374,7 +374,8 @@ class ZeroDP:
                     self._launch(b)
         self._drain()
         params, grads, counted = self._shards()
-        local = sum(float(g.double().pow(2).sum()) for g in counted)
+        # one device-to-host copy for the whole norm, not one a bucket
+        local = float(torch.stack([g.double().pow(2).sum() for g in counted]).sum()) if counted else 0.0
         total = torch.tensor([local, loss], dtype=torch.float64)
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
