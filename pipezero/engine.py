@@ -28,11 +28,11 @@ from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.partition import partition
-from pipezero.runtime.executor import RECEIVES_AHEAD, Executor
+from pipezero.runtime.executor import Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.check import SimResult, receives_needed, simulate
-from pipezero.schedules.receives import send_order
+from pipezero.schedules.check import SimResult, simulate
+from pipezero.schedules.posting import plans, verify
 from pipezero.schedules.generators import build_schedule
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.trace import Tracer, write_trace
@@ -127,13 +127,12 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire)
     if zero.layerwise:
         layerwise.install(zero, chunks)
-    # Enough receives stay posted that the schedule cannot deadlock even where sends block until
-    # received (NCCL); on gloo, sends never block, and early receives only help overlap. They are
-    # posted in the order the neighbours send, since transfers match in posting order.
-    ahead = max(RECEIVES_AHEAD, receives_needed(schedule))
-    order = send_order(schedule.actions, schedule.rank_of_chunk, schedule.n_chunks, mesh.pp_rank)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, order, p.recompute, hooks=zero, tracer=tracer,
-                        receives_ahead=ahead)
+    # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
+    # pair's transfers run in posting order (NCCL) before any is posted.
+    posting = plans(schedule)
+    verify(schedule, posting)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, posting[mesh.pp_rank], p.recompute,
+                        hooks=zero, tracer=tracer)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer)
 
 

@@ -8,7 +8,7 @@ import pytest
 from pipezero.cli import main
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.check import CostModel, ScheduleError, receives_needed, simulate
+from pipezero.schedules.check import CostModel, ScheduleError, simulate
 from pipezero.schedules.generators import build_schedule
 
 V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
@@ -162,48 +162,77 @@ def test_checker_rejects_deadlocking_cycle():
     assert "rank 1: action 1BW1 waits for 0F1 on rank 0" not in msg or "ERROR HERE" in msg
 
 
-def most_receives_posted(s, r: int, ahead: int) -> int:
-    """The most receive buffers rank r holds at once (posted, not yet consumed) under the policy."""
-    from pipezero.schedules.receives import posts_by_action, receives, send_order
+def test_posting_plans_agree_between_ranks_and_cannot_deadlock_on_ordered_streams():
+    """NCCL ignores tags and runs a rank pair's transfers on one stream in posting order. Every
+    schedule's plan must (a) post a pair's transfers in the same order at both ends, (b) post each
+    receive before the action that consumes it, (c) pass `verify` (no cycle among stream order,
+    compute order and CPU waits), and (d) never hold more receive buffers than the rank's own
+    peak activations."""
+    from pipezero.schedules.posting import plans, receives, transfer_in, verify
 
-    acts = s.actions[r]
-    order = send_order(s.actions, s.rank_of_chunk, s.n_chunks, r)
-    held = most = 0
-    for a, posted in zip(acts, posts_by_action(acts, s.rank_of_chunk, s.n_chunks, r, ahead, order)):
-        held += len(posted)
-        most = max(most, held)
-        held -= receives(a, s.rank_of_chunk, s.n_chunks, r)
-    return most
-
-
-def test_blocking_sends_need_receives_posted_ahead_and_never_more_than_the_activations():
-    """With sends that block until received (NCCL), a rank must keep enough receives posted.
-    GPipe, 1F1B and ZB-H1/H2 are rendezvous-safe with one; interleaved and the V shapes need two,
-    looped BFS up to four. (The V shapes' warm-up runs the first chunk's forwards ahead of the consumer; posting in
-    the sender's order, which tag-less NCCL needs anyway, already posts those receives early: before
-    that ordering they needed about 2P - 2.) The runtime posts that many (engine: receives_needed),
-    and the receive buffers held at once never exceed the activations the schedule holds anyway."""
-    with pytest.raises(ScheduleError, match="blocked sending to rank 1 until it posts the receive"):
-        simulate(build_schedule(K.INTERLEAVED_1F1B, 2, 4, 2), blocking_sends=True, receives_ahead=1)
-    with pytest.raises(ScheduleError, match="blocked sending"):
-        simulate(build_schedule(K.ZB_V, 4, 8, 2), blocking_sends=True, receives_ahead=1)
-    simulate(build_schedule(K.ZB_V, 4, 8, 2), blocking_sends=True, receives_ahead=2)
+    count = 0
     for kind in K:
         for p in (2, 3, 4, 8):
-            for m in sorted({1, p, p + 1, 2 * p, 4 * p}):
+            for m in sorted({1, p, p + 1, 2 * p, 3 * p + 1}):
                 try:
                     s = build_schedule(kind, p, m, V_OF.get(kind, 1))
                 except ValueError:
                     continue
-                need = receives_needed(s)
-                simulate(s, blocking_sends=True, receives_ahead=need)  # the runtime's setting finishes
-                if kind in (K.GPIPE, K.ONE_F_ONE_B, K.ZB_H1, K.ZB_H2):
-                    assert need == 1, (kind, p, m)
-                else:
-                    assert need <= (4 if kind is K.LOOPED_BFS else 2), (kind, p, m)
+                by_rank = plans(s)
+                verify(s, by_rank)
                 peak = simulate(s).peak_activations
+                sent: dict = {}
+                got: dict = {}
                 for r in range(p):
-                    assert most_receives_posted(s, r, max(2, need)) <= max(2, peak[r]), (kind, p, m, r)
+                    posted = set()
+                    held = most = 0
+                    for i, posts in enumerate(by_rank[r]):
+                        for q in posts:
+                            (sent if q.send else got).setdefault((r, q.peer) if q.send else (q.peer, r), []).append(
+                                q.transfer)
+                            posted.add(q.transfer)
+                        held += sum(not q.send for q in posts)
+                        most = max(most, held)
+                        if i < len(s.actions[r]) and receives(a := s.actions[r][i], s.rank_of_chunk, s.n_chunks, r):
+                            assert transfer_in(a) in posted, (kind, p, m, r, a)
+                            held -= 1
+                    assert most <= peak[r], (kind, p, m, r, most, peak[r])
+                assert sent == got, (kind, p, m)
+                count += 1
+    assert count > 100
+
+
+def test_verify_rejects_orders_that_deadlock_on_ordered_streams():
+    """The orders a naive runtime would use: each fails where a pair's transfers run in order."""
+    from pipezero.schedules.posting import Post, plans, receives, transfer_in, transfer_out, verify
+
+    def naive(s, recv_first: bool):
+        """Receives posted at the start of the step (recv_first) or right before their consumer;
+        sends right after their producer."""
+        out = []
+        for r, acts in enumerate(s.actions):
+            posts = [[] for _ in range(len(acts) + 1)]
+            for i, a in enumerate(acts):
+                if receives(a, s.rank_of_chunk, s.n_chunks, r):
+                    t = transfer_in(a)
+                    peer = s.rank_of_chunk[t[0] + 1 if t[1] else t[0] - 1]
+                    posts[0 if recv_first else i].append(Post(False, t, peer))
+                t = transfer_out(a, s.n_chunks)
+                if t is not None and s.rank_of_chunk[t[0]] != r:
+                    posts[i + 1].append(Post(True, t, s.rank_of_chunk[t[0]]))
+            out.append(posts)
+        return out
+
+    one_f = build_schedule(K.ONE_F_ONE_B, 2, 4)
+    with pytest.raises(ScheduleError, match="rank 0: stuck before action 0BW0"):
+        verify(one_f, naive(one_f, recv_first=True))  # a posted receive blocks the sends behind it
+    with pytest.raises(ScheduleError, match="posting order deadlocks"):
+        verify(one_f, naive(one_f, recv_first=False))  # 1F1B's steady state: both ends send first
+    zbv = build_schedule(K.ZB_V, 2, 4, 2)
+    with pytest.raises(ScheduleError, match="posting order deadlocks"):
+        verify(zbv, naive(zbv, recv_first=False))  # V shape: consumed in another order than produced
+    verify(one_f, plans(one_f))
+    verify(zbv, plans(zbv))
 
 
 def test_comm_time_lengthens_step():
@@ -227,57 +256,6 @@ def test_simulate_cli_json_compare_and_png(tmp_path, capsys):
     both = json.loads(capsys.readouterr().out)
     assert set(both) == {k.value for k in K}
     assert main(["simulate", "--schedule", "interleaved-1f1b", "--pp", "4", "--microbatches", "6"]) == 2
-
-
-def test_receives_are_posted_a_fixed_number_of_receives_ahead():
-    from pipezero.schedules.receives import post_points, posts_by_action, send_order
-
-    s = build_schedule(K.ONE_F_ONE_B, 2, 2)
-    assert [str(a) for a in s.actions[0]] == ["0F0", "0F1", "0BW0", "0BW1"]
-    order = [send_order(s.actions, s.rank_of_chunk, 2, r) for r in range(2)]
-    assert order[0] == {(0, True, 0): 0, (0, True, 1): 1} and order[1] == {(1, False, 0): 0, (1, False, 1): 1}
-    assert post_points(s.actions[0], s.rank_of_chunk, 2, 0, 1, order[0]) == {2: 0, 3: 3}  # 0BW1's once 0BW0 ran
-    assert post_points(s.actions[0], s.rank_of_chunk, 2, 0, 2, order[0]) == {2: 0, 3: 0}
-    assert posts_by_action(s.actions[1], s.rank_of_chunk, 2, 1, 1, order[1]) == [[0], [2], [], []]
-    with pytest.raises(ValueError, match="at least its next receive"):
-        post_points(s.actions[0], s.rank_of_chunk, 2, 0, 0, order[0])
-
-
-def test_receives_are_posted_in_the_order_each_neighbour_sends():
-    """NCCL ignores p2p tags: a pair of ranks matches transfers in posting order. For every
-    schedule, the receives a rank posts from each neighbour must come in that neighbour's send
-    order. ZB-V and DualPipeV consume some transfers out of that order, so posting by need alone
-    would break them; the posting policy pulls those receives forward."""
-    from pipezero.schedules.receives import posts_by_action, receives, send_order, source, transfer_in
-
-    out_of_order = set()
-    for kind in K:
-        for p in (2, 3, 4, 8):
-            v = V_OF.get(kind, 1)
-            for m in sorted({p, 2 * p, 3 * p + 1}):
-                try:
-                    s = build_schedule(kind, p, m, v)
-                except ValueError:
-                    continue
-                for r in range(p):
-                    acts = s.actions[r]
-                    order = send_order(s.actions, s.rank_of_chunk, s.n_chunks, r)
-                    needed = [a for a in acts if receives(a, s.rank_of_chunk, s.n_chunks, r)]
-                    assert {transfer_in(a) for a in needed} == set(order)  # every transfer in, once
-                    by_need = {}
-                    for a in needed:
-                        by_need.setdefault(source(a, s.rank_of_chunk), []).append(order[transfer_in(a)])
-                    if any(seq != sorted(seq) for seq in by_need.values()):
-                        out_of_order.add(kind)
-                    for ahead in (1, 2, 5):
-                        posted = {}
-                        for js in posts_by_action(acts, s.rank_of_chunk, s.n_chunks, r, ahead, order):
-                            for j in js:
-                                posted.setdefault(source(acts[j], s.rank_of_chunk), []).append(
-                                    order[transfer_in(acts[j])])
-                        assert all(seq == list(range(len(seq))) for seq in posted.values()), (kind, p, m, r, ahead)
-                        assert sum(map(len, posted.values())) == len(needed)
-    assert out_of_order == {K.ZB_V, K.DUALPIPE_V}  # the schedules that need the pulled-forward posting
 
 
 def test_dualpipe_v_is_action_for_action_torch_schedule_dualpipe_v():

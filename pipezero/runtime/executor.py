@@ -23,10 +23,8 @@ from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.receives import Transfer, posts_by_action
+from pipezero.schedules.posting import Post, Transfer
 from pipezero.telemetry.trace import Tracer
-
-RECEIVES_AHEAD = 2  # receives kept posted by default; the engine raises it where a schedule needs more
 
 
 class GradHooks(Protocol):
@@ -75,11 +73,13 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 send_order: dict[Transfer, int], recompute: bool = False, hooks: GradHooks | None = None,
-                 tracer: Tracer | None = None, receives_ahead: int = RECEIVES_AHEAD) -> None:
+                 posts: list[list[Post]], recompute: bool = False, hooks: GradHooks | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.chunks = chunks
-        self.receives_ahead = receives_ahead  # schedules/receives.py: how many receives stay posted
-        self.send_order = send_order  # ... and in which order (the senders'), as tag-less p2p needs
+        # schedules/posting.py: what to post before each action (and after the last), in an order
+        # every peer agrees on; outputs wait in the outbox for their turn (one boundary at most).
+        self.posts = posts
+        self._outbox: dict[Transfer, torch.Tensor] = {}
         self.tracer = tracer or Tracer()
         self.hooks = hooks or NoHooks()
         self.last = n_chunks - 1
@@ -98,9 +98,21 @@ class Executor:
                 return checkpoint(chunk, x, use_reentrant=False)
             return chunk(x)
 
-    def _post(self, actions: Sequence[Action]) -> None:
-        for a in actions:
-            self.p2p.post_recv(Kind.ACT if a.op is Op.F else Kind.GRAD, a.chunk, a.mb)
+    def _post(self, posts: list[Post]) -> None:
+        for p in posts:
+            chunk, grad, mb = p.transfer
+            kind = Kind.GRAD if grad else Kind.ACT
+            if p.send:
+                self.p2p.send(kind, chunk, mb, self._outbox.pop(p.transfer))
+            else:
+                self.p2p.post_recv(kind, chunk, mb)
+
+    def _emit(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+        """Hand an output over in memory (same rank), or hold it for the plan's send."""
+        if self.p2p.rank_of_chunk[consumer] == self.p2p.rank:
+            self.p2p.send(kind, consumer, mb, tensor)
+        else:
+            self._outbox[(consumer, kind is Kind.GRAD, mb)] = tensor
 
     def run(self, actions: Sequence[Action], microbatches: list[tuple[torch.Tensor, torch.Tensor]],
             denom: float) -> StepStats:
@@ -112,10 +124,10 @@ class Executor:
         final = last_weight_grad(actions)
         split = {a.chunk for a in actions if a.op is Op.B}
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        posts = posts_by_action(actions, self.p2p.rank_of_chunk, self.last + 1, self.p2p.rank, self.receives_ahead,
-                                self.send_order)
+        if len(self.posts) != len(actions) + 1:
+            raise ValueError(f"rank {self.p2p.rank}: a posting plan for {len(self.posts) - 1} actions, given {len(actions)}")
         for i, a in enumerate(actions):
-            self._post([actions[j] for j in posts[i]])
+            self._post(self.posts[i])
             if a.op is Op.F:
                 self.hooks.before_forward(a.chunk)
                 x = microbatches[a.mb][0] if a.chunk == 0 else \
@@ -139,6 +151,7 @@ class Executor:
                     self._run_b(a, st, grad)
             if a.op is not Op.B:
                 self.hooks.after_backward(a.chunk, final[a.chunk] == i)
+        self._post(self.posts[-1])
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
@@ -153,7 +166,7 @@ class Executor:
         else:
             y = self._forward(chunk, x)
         if a.chunk != self.last:
-            self.p2p.send(Kind.ACT, a.chunk + 1, a.mb, y)
+            self._emit(Kind.ACT, a.chunk + 1, a.mb, y)
         return _Live(x, y, records=records)
 
     def _run_b(self, a: Action, st: _Live, grad: torch.Tensor | None) -> None:
@@ -168,7 +181,7 @@ class Executor:
             st.grad = grad
             gx = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)[0] if a.chunk > 0 else None
         if gx is not None:
-            self.p2p.send(Kind.GRAD, a.chunk - 1, a.mb, gx)
+            self._emit(Kind.GRAD, a.chunk - 1, a.mb, gx)
 
     def _run_w(self, a: Action, st: _Live) -> None:
         if st.stash is not None:

@@ -2,11 +2,11 @@
 
 Every transfer is named by (kind, consumer chunk, micro-batch), but no tag travels: NCCL ignores p2p
 tags, so transfers between a pair of ranks match in posting order on every backend alike, and the
-executor posts receives in the order the sender sends (schedules/receives.py). Running tag-less on
-gloo too means the CPU tests check the order an NCCL run depends on. Shapes are fixed for a run (B, T, dim) and
-known to both sides, so nothing but the payload travels. Sends are posted and not waited for until
-the end of the step; receives are posted ahead of the action that needs them. Neighbouring chunks on
-the same rank (the V placement's turn) hand tensors over in memory.
+executor posts both ends in one agreed order (schedules/posting.py). Running tag-less on gloo too
+means the CPU tests check the order an NCCL run depends on. Shapes are fixed for a run (B, T, dim)
+and known to both sides, so nothing but the payload travels. Sends are not waited for until the end
+of the step; receives are posted as early as the plan allows (when, simulated, the data exists).
+Neighbouring chunks on the same rank (the V placement's turn) hand tensors over in memory.
 """
 
 from __future__ import annotations

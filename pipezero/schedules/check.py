@@ -5,10 +5,8 @@ each on the rank that holds the chunk), then plays the ranks' lists in order wit
 dependencies (F of chunk c after F of c-1 and the hop; B of c after B of c+1 and the hop, and after
 its own F; W after B), committing actions in start-time order. If no rank can move before all are
 done, the schedule deadlocks and the error names each stuck rank, its action, and what it waits for.
-With `blocking_sends`, a rank that produced an activation or gradient for another rank cannot go on
-until the receiver has posted the matching receive (a send that blocks until received, as NCCL's
-do). Receivers keep their next `receives_ahead` receives posted (schedules/receives.py, the policy
-the runtime's executor follows); with 1 a receive is posted only once the previous one is consumed.
+How ranks post their transfers so that real transports cannot deadlock on them (NCCL runs a rank
+pair's transfers in posting order) is schedules/posting.py's business; it builds on this timeline.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Action, Op, Schedule
-from pipezero.schedules.receives import post_points, send_order
 
 
 class ScheduleError(ValueError):
@@ -111,37 +108,18 @@ def _deps(s: Schedule, a: Action) -> list[Action | tuple[int, Op, int]]:
     return [(a.chunk, Op.B, a.mb)]  # W
 
 
-def _consumer(s: Schedule, a: Action) -> tuple[int, Op, int] | None:
-    """The action on another rank that receives what `a` sends, if any."""
-    if a.op is Op.F and a.chunk < s.n_chunks - 1:
-        target = (a.chunk + 1, Op.F, a.mb)
-    elif a.op in (Op.B, Op.BW) and a.chunk > 0:
-        target = (a.chunk - 1, Op.B, a.mb)
-    else:
-        return None
-    return target if s.rank_of_chunk[target[0]] != s.rank_of_chunk[a.chunk] else None
-
-
 def _key(a: Action) -> tuple[int, Op, int]:
     return (a.chunk, Op.B if a.op is Op.BW else a.op, a.mb)
 
 
-def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = False,
-             receives_ahead: int = 1) -> SimResult:
+def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
     """Play `s` under `cost`; raise ScheduleError if it is incomplete or can deadlock."""
     cost = cost or CostModel()
     check_complete(s)
     p = s.pp
-    # rank -> consumer key -> index of the action at whose beginning its receive is posted
-    posted_at = [{_key(s.actions[r][j]): i
-                  for j, i in post_points(s.actions[r], s.rank_of_chunk, s.n_chunks, r, receives_ahead,
-                                          send_order(s.actions, s.rank_of_chunk, s.n_chunks, r)).items()}
-                 for r in range(p)]
-    began: list[list[float]] = [[] for _ in range(p)]  # rank -> when it began each action it reached
     pc = [0] * p  # next action index per rank
-    free = [0.0] * p  # when each rank's previous action (or blocking send) ends
+    free = [0.0] * p  # when each rank's previous action ends
     done: dict[tuple[int, Op, int], float] = {}  # finished action key -> end time
-    blocked_on: list[tuple[int, tuple[int, Op, int]] | None] = [None] * p  # (receiver rank, consumer key)
     busy = [0.0] * p
     live: list[dict[tuple[int, int], float]] = [dict() for _ in range(p)]  # (chunk, mb) -> factor
     peak = [0] * p
@@ -149,21 +127,10 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
     timeline: list[Event] = []
 
     waiters: dict[tuple[int, Op, int], set[int]] = {}  # missing dependency -> ranks stalled on it
-    senders_to: list[set[int]] = [set() for _ in range(p)]  # receiver rank -> ranks blocked sending to it
     ready: list[float | None] = [None] * p
     dirty = set(range(p))  # ranks whose next action's readiness must be recomputed
 
     def ready_time(r: int) -> float | None:
-        if blocked_on[r] is not None:
-            rr, key = blocked_on[r]
-            posting = posted_at[rr][key]
-            if pc[rr] >= posting:
-                # the receiver began that action when its previous one ended
-                free[r] = max(free[r], began[rr][posting] if posting < len(began[rr]) else free[rr])
-                blocked_on[r] = None
-                senders_to[rr].discard(r)
-            else:
-                return None
         if pc[r] >= len(s.actions[r]):
             return None
         a = s.actions[r][pc[r]]
@@ -185,14 +152,12 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
             break
         start, r = min(candidates)
         a = s.actions[r][pc[r]]
-        began[r].append(free[r])  # it began this action (and posted its receives) when free
         end = start + cost.cost(a, s.virtual)
         timeline.append(Event(r, a, start, end))
         busy[r] += end - start
         free[r] = end
         pc[r] += 1
         dirty.add(r)
-        dirty.update(senders_to[r])
         if a.op in (Op.W, Op.BW):
             live[r].pop((a.chunk, a.mb), None)
         elif a.op is Op.F:
@@ -203,48 +168,22 @@ def simulate(s: Schedule, cost: CostModel | None = None, blocking_sends: bool = 
         for key in keys:
             done[key] = end
             dirty.update(waiters.pop(key, ()))
-        consumer = _consumer(s, a)
-        if blocking_sends and consumer is not None:
-            receiver = s.rank_of_chunk[consumer[0]]
-            blocked_on[r] = (receiver, consumer)
-            senders_to[receiver].add(r)
 
     if any(pc[r] < len(s.actions[r]) for r in range(p)):
-        raise ScheduleError(_deadlock_message(s, pc, done, blocked_on))
+        raise ScheduleError(_deadlock_message(s, pc, done))
     step_time = max(free) if timeline else 0.0
     idle = [step_time - b for b in busy]
     bubble = sum(idle) / (p * step_time) if step_time else 0.0
     return SimResult(step_time, bubble, idle, busy, peak, [round(x, 9) for x in peak_mem], timeline)
 
 
-def receives_needed(s: Schedule) -> int:
-    """The fewest receives a rank must keep posted for `s` to finish when sends block until
-    received. Posting every receive of the step at its start always suffices (no send then blocks),
-    so the search ends; posting earlier never hurts, so the answer is a threshold."""
-    most = max(1, max(len(acts) for acts in s.actions))
-    lo, hi = 1, most
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            simulate(s, blocking_sends=True, receives_ahead=mid)
-            hi = mid
-        except ScheduleError:
-            lo = mid + 1
-    return lo
-
-
-def _deadlock_message(s: Schedule, pc: list[int], done: dict, blocked_on: list) -> str:
+def _deadlock_message(s: Schedule, pc: list[int], done: dict) -> str:
     lines = ["schedule deadlocks: no rank can run its next action"]
     for r in range(s.pp):
         if pc[r] >= len(s.actions[r]):
             lines.append(f"  rank {r}: finished")
             continue
         a = s.actions[r][pc[r]]
-        if blocked_on[r] is not None:
-            rr, key = blocked_on[r]
-            lines.append(f"  rank {r}: before {a}, blocked sending to rank {rr} until it posts the receive "
-                         f"of {key[0]}{key[1].value}{key[2]}")
-            continue
         missing = [d for d in _deps(s, a) if d not in done]
         what = ", ".join(f"{c}{op.value}{mb} on rank {s.rank_of_chunk[c]}" for c, op, mb in missing)
         lines.append(f"  rank {r}: action {a} waits for {what}")
