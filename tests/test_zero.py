@@ -78,9 +78,19 @@ def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     assert_same_training(results, str(text_dir), tmp_path)
 
 
+def every_schedule_cases(dp: int, pp: int) -> list[dict]:
+    """The other schedules (multi-chunk, V-shaped, split backward) with the stages that change the
+    most (ZeRO-1 sharded update, ZeRO-2 reduce-scatter per micro-batch, ZeRO-3 gathered per chunk):
+    every ZeRO stage composes with every schedule."""
+    others = [K.GPIPE, K.INTERLEAVED_1F1B, K.LOOPED_BFS, K.ZB_H2, K.ZB_V, K.DUALPIPE_V]
+    settings = [{"parallel.zero": 1}, {"parallel.zero": 2, "parallel.grad_reduce": GradReduce.MICROBATCH.value},
+                {"parallel.zero": 3}]
+    return [{"pp": pp, "dp": dp, "kind": kind, "m": 2 * pp, **z} for kind in others for z in settings]
+
+
 @pytest.mark.slow
 def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
-    cases = zero_cases(4, 1) + zero_cases(2, 2)
+    cases = zero_cases(4, 1) + zero_cases(2, 2) + every_schedule_cases(2, 2)
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
 
