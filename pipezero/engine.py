@@ -32,8 +32,8 @@ from pipezero.runtime.executor import Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
-from pipezero.schedules.posting import plans, verify
 from pipezero.schedules.generators import build_schedule
+from pipezero.schedules.posting import plans, verify
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
@@ -129,7 +129,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         layerwise.install(zero, chunks)
     # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
     # pair's transfers run in posting order (NCCL) before any is posted.
-    posting = plans(schedule)
+    posting = plans(schedule, predicted)
     verify(schedule, posting)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, posting[mesh.pp_rank], p.recompute,
                         hooks=zero, tracer=tracer)

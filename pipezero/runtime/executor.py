@@ -125,7 +125,8 @@ class Executor:
         split = {a.chunk for a in actions if a.op is Op.B}
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
         if len(self.posts) != len(actions) + 1:
-            raise ValueError(f"rank {self.p2p.rank}: a posting plan for {len(self.posts) - 1} actions, given {len(actions)}")
+            raise ValueError(f"rank {self.p2p.rank}: a posting plan for {len(self.posts) - 1} actions, "
+                             f"given {len(actions)}")
         for i, a in enumerate(actions):
             self._post(self.posts[i])
             if a.op is Op.F:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipezero.schedules.actions import Action, Op, Schedule
-from pipezero.schedules.check import ScheduleError, simulate
+from pipezero.schedules.check import ScheduleError, SimResult, simulate
 
 Transfer = tuple[int, bool, int]  # (consumer chunk, is a gradient, micro-batch)
 
@@ -58,11 +58,12 @@ def transfer_out(a: Action, n_chunks: int) -> Transfer | None:
     return None
 
 
-def plans(s: Schedule) -> list[list[list[Post]]]:
+def plans(s: Schedule, sim: SimResult | None = None) -> list[list[list[Post]]]:
     """Every rank's plan (`plans(s)[rank]`): for each of its actions, what it posts before running
     it, and one more list for after the last action (its final sends). Transfers within one rank
-    (the V's turn) do not appear."""
-    timeline = simulate(s).timeline
+    (the V's turn) do not appear. `sim`: the schedule's simulation, if already played (any cost
+    model gives a valid order)."""
+    timeline = (sim or simulate(s)).timeline
     produced: dict[Transfer, float] = {}
     for e in timeline:
         t = transfer_out(e.action, s.n_chunks)
