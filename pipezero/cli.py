@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipezero.config import ConfigError, DType, GradReduce, Partition, ScheduleKind
+from pipezero.config import ConfigError, Device, DType, GradReduce, Partition, ScheduleKind
 
 # CLI flag -> config key; flags left unset do not override the TOML file or the defaults.
 TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
@@ -73,7 +73,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-steps", type=int)
     t.add_argument("--seed", type=int)
     t.add_argument("--dtype", choices=[d.value for d in DType])
-    t.add_argument("--device", choices=["auto", "cpu", "cuda"],
+    t.add_argument("--device", choices=[d.value for d in Device],
                    help="cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU")
     t.add_argument("--data", help="text file, folder of text files, or .bin/.npy token file")
     t.add_argument("--tokenizer", help="bpe, bytes, or a tokenizer.json")

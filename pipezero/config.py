@@ -25,6 +25,12 @@ class DType(str, enum.Enum):
     BF16 = "bf16"
 
 
+class Device(str, enum.Enum):
+    AUTO = "auto"  # CUDA when torch sees a GPU, else CPU
+    CPU = "cpu"  # gloo
+    CUDA = "cuda"  # one GPU a local rank, NCCL
+
+
 class ScheduleKind(str, enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -120,7 +126,7 @@ class RunConfig:
     max_steps: int = 200
     seed: int = 1234
     dtype: DType = DType.FP32
-    device: str = "auto"  # "cpu" (gloo), "cuda" (one GPU a local rank, NCCL), "auto": CUDA if torch sees a GPU
+    device: Device = Device.AUTO
     out: str = "runs/latest"
     eval_every: int = 50  # held-out loss every K steps (and at the end); 0 = only at the end
     eval_batches: int = 4
@@ -172,7 +178,7 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 def _coerce(cls: type, name: str, value: Any) -> Any:
     """Turn a TOML/CLI value into the field's declared type (enums from their string values)."""
     ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
-    for enum_cls in (DType, ScheduleKind, GradReduce, Partition):
+    for enum_cls in (DType, Device, ScheduleKind, GradReduce, Partition):
         if enum_cls.__name__ in str(ftype):
             try:
                 return enum_cls(value)

@@ -25,6 +25,7 @@ from pipezero.generate import sample
 from pipezero.models import build_chunk, flops_per_token, param_count
 from pipezero.optim import lr_at
 from pipezero.nonfinite import finite_or_none, report_nonfinite
+from pipezero.parallel.device import peak_allocated, synchronizer
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.partition import partition
@@ -106,7 +107,7 @@ def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu")) -> Stage:
     p = cfg.parallel
-    tracer = tracer or Tracer(rank, cfg.run.trace, sync=torch.cuda.synchronize if device.type == "cuda" else None)
+    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device))
     mesh = Mesh(p.pp, p.dp, rank)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
@@ -240,8 +241,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if stage.executor.p2p.device.type == "cuda":
-        mine["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    if (gpu := peak_allocated(stage.executor.device)) is not None:
+        mine["peak_device_bytes"] = gpu
     per_rank, events = [mine], [stage.tracer.events]
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]

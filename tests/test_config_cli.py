@@ -33,7 +33,7 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"run.bogus": 1}, "unknown setting"),
     ({"run.keep_checkpoints": 0}, "keep_checkpoints must be at least 1"),
     ({"run.max_bad_steps": 0}, "max_bad_steps must be at least 1"),
-    ({"run.device": "tpu"}, "choose one of auto, cpu, cuda"),
+    ({"run.device": "tpu"}, "is not one of: auto, cpu, cuda"),
 ])
 def test_validation_errors_name_the_fix(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -95,3 +95,18 @@ def test_training_is_deterministic_for_a_seed(tmp_path, text_dir):
         return train(cfg).losses
 
     assert run("a") == run("b")
+
+
+def test_device_choice_and_backend_without_a_gpu(monkeypatch):
+    """What can be checked of the GPU path on a machine without one: the backend a CUDA rank asks
+    for, and the error for a local rank with no GPU of its own (raised before any process group)."""
+    from pipezero.config import Device
+    from pipezero.parallel.device import backend, device_kind, rank_device
+
+    assert backend(torch.device("cpu")) == "gloo"
+    assert backend(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert device_kind(Device.CPU) == "cpu"
+    assert device_kind(Device.AUTO) == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(ConfigError, match=f"local rank {torch.cuda.device_count()} needs GPU"):
+        rank_device("cuda")

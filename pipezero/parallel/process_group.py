@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipezero.config import ConfigError, TrainConfig
+from pipezero.config import ConfigError, Device, TrainConfig
 from pipezero.parallel.device import backend, device_kind, rank_device
 
 
@@ -20,7 +20,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
     p = cfg.parallel
     kind = device_kind(cfg.run.device)
     if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
-        if cfg.run.device == "cuda":
+        if cfg.run.device is Device.CUDA:
             raise ConfigError(f"--device cuda, but the process group is {dist.get_backend()} only: use --device cpu")
         kind = "cpu"
     device = rank_device(kind)
