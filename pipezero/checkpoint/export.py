@@ -31,7 +31,7 @@ def read_model(path: Path) -> StageChunk:
     model = whole_model(ModelConfig(**manifest["config"]["model"]))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
-    Team()._call(f"read of {path}", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True))
+    Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True))
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(flat[f"model.{n}"].view_as(p))

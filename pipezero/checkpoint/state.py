@@ -81,7 +81,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
         state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
-    team._call(f"read of {found.path}", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(found.path),
+    team.run(f"read of {found.path}", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(found.path),
                                                           no_dist=team.world == 1))
     if same_ranks:
         torch.set_rng_state(state[f"rng.rank{team.rank}"])

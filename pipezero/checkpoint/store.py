@@ -53,7 +53,9 @@ class Team:
             return cls(dist.get_rank(), dist.get_world_size(), step)
         return cls(0, 1, step)
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def run(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run one checkpoint operation (a DCP call or a collective); any failure, a timeout or a
+        dead peer included, becomes a CheckpointError naming this rank, the step and `what`."""
         try:
             with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -63,13 +65,13 @@ class Team:
 
     def barrier(self, what: str) -> None:
         if self.world > 1:
-            self._call(what, dist.barrier)
+            self.run(what, dist.barrier)
 
     def gather(self, obj: Any, what: str) -> list[Any]:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        self._call(what, lambda: dist.all_gather_object(out, obj))
+        self.run(what, lambda: dist.all_gather_object(out, obj))
         return out
 
     def share(self, obj: Any, what: str) -> Any:
@@ -77,7 +79,7 @@ class Team:
         if self.world == 1:
             return obj
         box = [obj]
-        self._call(what, lambda: dist.broadcast_object_list(box, src=0))
+        self.run(what, lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
 
@@ -140,7 +142,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier attempt at this step
         tmp.mkdir(parents=True)
     team.barrier(f"start of step-{step:08d}")
-    team._call(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
+    team.run(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
                                                     no_dist=team.world == 1))
     team.barrier(f"write of {tmp}")
     files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
