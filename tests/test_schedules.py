@@ -204,7 +204,7 @@ def test_posting_plans_agree_between_ranks_and_cannot_deadlock_on_ordered_stream
 
 def test_verify_rejects_orders_that_deadlock_on_ordered_streams():
     """The orders a naive runtime would use: each fails where a pair's transfers run in order."""
-    from pipezero.schedules.posting import Post, plans, receives, transfer_in, transfer_out, verify
+    from pipezero.schedules.posting import Post, plans, receives, source, transfer_in, transfer_out, verify
 
     def naive(s, recv_first: bool):
         """Receives posted at the start of the step (recv_first) or right before their consumer;
@@ -215,8 +215,7 @@ def test_verify_rejects_orders_that_deadlock_on_ordered_streams():
             for i, a in enumerate(acts):
                 if receives(a, s.rank_of_chunk, s.n_chunks, r):
                     t = transfer_in(a)
-                    peer = s.rank_of_chunk[t[0] + 1 if t[1] else t[0] - 1]
-                    posts[0 if recv_first else i].append(Post(False, t, peer))
+                    posts[0 if recv_first else i].append(Post(False, t, source(t, s.rank_of_chunk)))
                 t = transfer_out(a, s.n_chunks)
                 if t is not None and s.rank_of_chunk[t[0]] != r:
                     posts[i + 1].append(Post(True, t, s.rank_of_chunk[t[0]]))

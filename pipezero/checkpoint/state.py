@@ -82,7 +82,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
         state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
     team.run(f"read of {found.path}", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(found.path),
-                                                          no_dist=team.world == 1))
+                                                       no_dist=team.world == 1))
     if same_ranks:
         torch.set_rng_state(state[f"rng.rank{team.rank}"])
     zero.restore_replicas(m["adam_steps"])

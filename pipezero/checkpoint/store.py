@@ -143,7 +143,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         tmp.mkdir(parents=True)
     team.barrier(f"start of step-{step:08d}")
     team.run(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
-                                                    no_dist=team.world == 1))
+                                                 no_dist=team.world == 1))
     team.barrier(f"write of {tmp}")
     files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
     if team.rank == 0:

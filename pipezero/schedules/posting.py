@@ -49,6 +49,13 @@ def transfer_in(a: Action) -> Transfer:
     return (a.chunk, a.op is not Op.F, a.mb)
 
 
+def source(t: Transfer, rank_of_chunk: Mapping[int, int]) -> int:
+    """The rank that sends transfer `t`: the previous chunk's for an activation, the next one's for
+    a gradient."""
+    chunk, grad, _ = t
+    return rank_of_chunk[chunk + 1 if grad else chunk - 1]
+
+
 def transfer_out(a: Action, n_chunks: int) -> Transfer | None:
     """What `a` produces for the next chunk (F) or the previous one (B, BW), if anything."""
     if a.op is Op.F and a.chunk < n_chunks - 1:
@@ -78,7 +85,7 @@ def _plan(s: Schedule, rank: int, produced: Mapping[Transfer, float], starts: Se
     for i, a in enumerate(acts):
         if receives(a, s.rank_of_chunk, s.n_chunks, rank):
             t = transfer_in(a)
-            peer = s.rank_of_chunk[t[0] - 1] if not t[1] else s.rank_of_chunk[t[0] + 1]
+            peer = source(t, s.rank_of_chunk)
             k = bisect_left(starts, produced[t], 0, i)  # before its first action starting after; i at the latest
             boundaries[k].append((produced[t], Post(False, t, peer)))
         t_out = transfer_out(a, s.n_chunks)
