@@ -92,6 +92,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--resume", action="store_true", default=None,
                    help="continue from the newest good checkpoint under --out (a fresh start if none)")
     t.add_argument("--trace", action="store_true", default=None)
+    t.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 
@@ -101,7 +103,8 @@ def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
                  if getattr(args, flag) is not None}
     if args.stage_layers is not None:
         overrides["parallel.stage_layers"] = args.stage_layers
-    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace")):
+    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace"),
+                      ("compile", "run.compile")):
         if getattr(args, flag):
             overrides[key] = True
     if args.no_progress:
@@ -123,7 +126,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         from pipezero.data import load_corpus
 
         load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
-        return launch_local(args.nproc, args.argv, args.max_restarts)
+        import torch
+
+        from pipezero.parallel.device import local_device
+
+        device, warning = local_device(cfg.run.device, args.nproc, torch.cuda.device_count())
+        if warning:
+            print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)
+        return launch_local(args.nproc, [*args.argv, "--device", device.value], args.max_restarts)
     from pipezero.checkpoint import CheckpointError
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout

@@ -99,8 +99,8 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay to `min_lr`."""
 
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float = 3e-3  # the tiny preset's; build_config takes each preset's from models/presets.py
+    min_lr: float = 3e-4  # build_config: a tenth of lr unless set
     warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -137,6 +137,7 @@ class RunConfig:
     max_bad_steps: int = 3  # non-finite loss/gradient steps skipped in a row before the run stops
     trace: bool = False
     threads: int | None = None  # torch intra-op threads per rank; None = cores / local ranks
+    compile: bool = False  # torch.compile each transformer block (not with split-backward schedules)
     progress: bool = True
 
 
@@ -218,15 +219,19 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the preset's model shape, then TOML, then CLI overrides; validated."""
-    from pipezero.models.presets import apply_preset
+    """Defaults, then the preset's model shape and learning rate, then TOML, then CLI overrides;
+    validated. Unless set, `optim.min_lr` is a tenth of the peak rate."""
+    from pipezero.models.presets import PRESET_LR, apply_preset
 
     flat: dict[str, Any] = load_toml(toml_path) if toml_path else {}
     flat.update(overrides or {})
     cfg = TrainConfig()
     preset = flat.get("model.preset", cfg.model.preset)
     apply_preset(cfg.model, preset)
+    cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     apply_overrides(cfg, flat)
+    if "optim.min_lr" not in flat:
+        cfg.optim.min_lr = cfg.optim.lr / 10
     return cfg.validate()
 
 
@@ -291,7 +296,7 @@ def _validate(cfg: TrainConfig) -> None:
     # Layout rules that depend on the schedule live with the schedules; import lazily to keep
     # config importable on its own.
     from pipezero.parallel.device import device_kind
-    from pipezero.schedules.registry import check_layout
+    from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 
     device_kind(r.device)
 
@@ -299,3 +304,7 @@ def _validate(cfg: TrainConfig) -> None:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check(not (r.compile and p.schedule in SPLIT_BACKWARD),
+           f"--compile cannot run --schedule {p.schedule.value}: its split backward (B then W) records and "
+           f"replays the blocks' weight operations, which a compiled block hides; use 1f1b, gpipe or "
+           f"interleaved-1f1b with --compile, or drop --compile")

@@ -22,10 +22,10 @@ from pipezero.checkpoint import resume, save
 from pipezero.config import ConfigError, DType, TrainConfig
 from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.generate import sample
-from pipezero.models import build_chunk, flops_per_token, param_count
+from pipezero.models import build_chunk, compile_blocks, flops_per_token, param_count
 from pipezero.optim import lr_at
 from pipezero.nonfinite import finite_or_none, report_nonfinite
-from pipezero.parallel.device import peak_allocated, synchronizer
+from pipezero.parallel.device import PeakMemory, synchronizer, use_tf32
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.partition import partition
@@ -90,6 +90,7 @@ class Stage:
     executor: Executor
     zero: ZeroDP
     tracer: Tracer
+    peaks: PeakMemory
 
 
 def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
@@ -116,11 +117,14 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    if cfg.run.compile:
+        for chunk in chunks.values():
+            compile_blocks(chunk)
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
-              dtype=wire, device=device, tracer=tracer)
+              dtype=wire, boundary=wire, device=device, tracer=tracer)  # bf16 runs: a bf16 residual stream
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
@@ -134,7 +138,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     verify(schedule, posting)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, posting[mesh.pp_rank], p.recompute,
                         hooks=zero, tracer=tracer)
-    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer)
+    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device))
 
 
 def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
@@ -142,6 +146,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
     p, r = cfg.parallel, cfg.run
     rank, device = init_distributed(cfg)
+    use_tf32(device)
+    sync = synchronizer(device) or (lambda: None)
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
@@ -183,14 +189,18 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
-            if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
-                bubbles.append(stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
             if not outcome.applied:
-                report_nonfinite(outcome, stats.loss, step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)
+                report_nonfinite(outcome, float(stats.loss), step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)
                 result.skipped_steps.append(step + 1)
+            sync()  # the step's time includes its queued kernels (the optimizer's, the gathers')
             dt = time.perf_counter() - t0
+            busy = stage.executor.clock.busy_share()  # GPU: idle time between compute actions
+            if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
+                bubbles.append(1.0 - busy if busy is not None else
+                               stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
+            stage.peaks.mark("train" if step > start or r.max_steps == 1 else None)  # not the first step's
             result.losses.append(outcome.loss)
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
@@ -225,6 +235,7 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     """Mean held-out token loss (collective over the pipeline)."""
     total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp)[0]
     stage.zero.release_all()
+    stage.peaks.mark("eval")
     return total / eval_tokens
 
 
@@ -241,8 +252,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    if (gpu := peak_allocated(stage.executor.device)) is not None:
-        mine["peak_device_bytes"] = gpu
+    if stage.peaks.phases:
+        mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
     per_rank, events = [mine], [stage.tracer.events]
     if dist.is_initialized():
         per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -283,5 +294,9 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); measured bubble "
                                f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}); {sent / 2**20:,.1f} MiB sent; "
                                f"run in {result.out}")
+        gpu = [x["peak_device_bytes"]["train"] for x in per_rank if "train" in x.get("peak_device_bytes", {})]
+        if gpu:
+            progress.console.print("GPU peak memory in training steps (allocated / reserved GiB, by rank): " + ", ".join(
+                f"{g['allocated'] / 2**30:.2f} / {g['reserved'] / 2**30:.2f}" for g in gpu))
         if result.sample_text:
             progress.console.print("sample:\n" + result.sample_text)

@@ -26,11 +26,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 even under bf16 autocast: the mean of squares loses precision in bf16.
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * self.weight.float()).type_as(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim), in x's dtype
+        # One fused kernel where torch has one; it accumulates the mean of squares in fp32 whatever
+        # x's dtype, so a bf16 residual stream loses nothing there. The fp32 weight is rounded to
+        # x's dtype as autocast rounds every other weight.
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +106,14 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) int64 -> (B, T, dim)
-        return F.embedding(tokens, self.weight)
+        x = F.embedding(tokens, self.weight)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            # Under bf16 autocast the residual stream itself is bf16 (autocast leaves embeddings and
+            # additions alone, so it would stay fp32): half the activation memory and traffic, the
+            # elementwise work at half the bytes. Weights, gradients and AdamW stay fp32.
+            x = x.to(torch.get_autocast_dtype(kind))
+        return x
 
 
 class Head(nn.Module):
@@ -173,6 +180,16 @@ class StageChunk(nn.Module):
 
     def layer_modules(self) -> Iterable[tuple[int, nn.Module]]:
         return ((int(k), m) for k, m in self.layers.items())
+
+
+def compile_blocks(chunk: StageChunk) -> None:
+    """torch.compile every block's forward in place: the fused kernels (norms, rotary, SwiGLU) are
+    where eager mode loses time on a GPU. The module's own call and hooks stay eager, so ZeRO-3's
+    per-layer gather and release hooks run around the compiled code; names and parameters are
+    unchanged, so checkpoints do not see it."""
+    for layer in chunk.layers.values():
+        if isinstance(layer, Block):
+            layer.forward = torch.compile(layer.forward)
 
 
 def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torch.device | str = "cpu") -> StageChunk:

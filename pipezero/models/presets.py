@@ -23,6 +23,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, max_seq_len=4096),
 }
 
+# Peak learning rate a preset trains stably with (AdamW, the warm-up and cosine decay of optim.py,
+# global batches of tens of thousands of tokens): smaller for larger models, as in the GPT-3 paper's
+# table (125M: 6e-4, 1.3B: 2e-4) and Llama's (7B, 13B: 3e-4; 65B: 1.5e-4). At 3e-3 a 1B model's
+# loss swings between 5 and 16 over its first ten steps. The two small presets train on the built-in
+# corpus in minutes, which their higher rates are for.
+PRESET_LR: dict[str, float] = {"tiny": 3e-3, "small": 2e-3, "base": 6e-4, "1b": 2e-4, "7b": 3e-4, "13b": 3e-4,
+                               "70b": 1.5e-4}
+
 
 def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
     """Overwrite `model`'s shape with preset `name` (fields not in the preset return to defaults)."""

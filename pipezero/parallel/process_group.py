@@ -30,7 +30,10 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
                           f"use --nproc {p.world_size} (or change --pp/--dp)")
     if world > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=p.timeout_s)
-        dist.init_process_group(backend(device), timeout=timeout, **attempt_store(timeout))
+        # With device_id NCCL binds its communicator to this rank's GPU at once; the timeout arms
+        # NCCL's watchdog, which bounds the stream-ordered waits (parallel/waits.py).
+        dist.init_process_group(backend(device), timeout=timeout, **attempt_store(timeout),
+                                **({"device_id": device} if device.type == "cuda" else {}))
     return (dist.get_rank() if dist.is_initialized() else 0), device
 
 

@@ -1,4 +1,13 @@
-"""Every wait on another rank goes through here: bounded, and failing with what was awaited."""
+"""Every wait on another rank goes through here: bounded, and failing with what was awaited.
+
+Two kinds of wait. On gloo (CPU tensors) the CPU blocks until the transfer is done, for at most the
+timeout, and a miss raises naming the rank and the operation. On NCCL (GPU tensors) the wait is
+stream-ordered: `work.wait()` with no timeout makes the current CUDA stream wait for the transfer
+while the CPU goes on queueing work. A timeout there would make the CPU poll until the transfer
+ends, so nothing could be queued ahead and every wait would stall the launch of the next kernels.
+Such a wait is bounded by NCCL's own watchdog instead, armed with the same timeout when the process
+group is created (parallel/process_group.py), which aborts the rank naming the collective.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +20,12 @@ class PipelineTimeout(RuntimeError):
     """A wait on a peer ran past the timeout; the message names rank, step and what was awaited."""
 
 
-def wait_or_raise(work: Any, timeout_s: float, what: str) -> None:
+def wait_or_raise(work: Any, timeout_s: float, what: str, stream_ordered: bool = False) -> None:
+    """Wait for `work`: on the CPU for at most `timeout_s`, or (`stream_ordered`, for NCCL work on
+    GPU tensors) by making the current stream wait, which returns at once."""
     t0 = time.monotonic()
     try:
-        ok = work.wait(timeout=timedelta(seconds=timeout_s))
+        ok = work.wait() if stream_ordered else work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         took = time.monotonic() - t0
         how = f"timed out after {timeout_s:g}s" if took >= 0.9 * timeout_s else f"failed after {took:.1f}s (peer gone?)"

@@ -10,7 +10,8 @@ so zero-bubble schedules really defer weight gradients into their bubbles.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipezero.config import DType
 from pipezero.models import StageChunk, lm_loss
+from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
@@ -56,7 +58,8 @@ def last_weight_grad(actions: Sequence[Action]) -> dict[int, int]:
 
 @dataclass
 class StepStats:
-    loss: float  # this rank's share of the global mean loss (non-zero only on the last chunk)
+    loss: torch.Tensor  # this rank's share of the global mean loss (non-zero only on the last chunk),
+    # on the device: read with the gradient norm, in the step's one synchronisation
     peak_live: int  # most chunk activations held at once (F done, B or W not yet)
     elapsed_s: float = 0.0  # wall time of the schedule on this rank
     wait_s: float = 0.0  # of which blocked on peers: the rank's measured bubble
@@ -86,6 +89,7 @@ class Executor:
         self.p2p = p2p
         self.dtype = dtype
         self.device = p2p.device
+        self.clock = ComputeClock(self.device)  # GPU: busy time of compute actions, for the bubble
         self.recompute = recompute
         # Split backward by stashing weight-op gradients where the chunk allows it (not the
         # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
@@ -133,7 +137,7 @@ class Executor:
                 self.hooks.before_forward(a.chunk)
                 x = microbatches[a.mb][0] if a.chunk == 0 else \
                     self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
-                with self.tracer.span(str(a), a.op.value):
+                with self._timed(a):
                     live[(a.chunk, a.mb)] = st = self._run_f(a, x, a.chunk in split)
                     if a.chunk == self.last:
                         st.out = lm_loss(st.out, microbatches[a.mb][1], denom)
@@ -143,12 +147,12 @@ class Executor:
             if a.op is not Op.B:
                 self.hooks.before_backward(a.chunk, final[a.chunk] == i)
             if a.op is Op.W:
-                with self.tracer.span(str(a), a.op.value):
+                with self._timed(a):
                     self._run_w(a, live.pop((a.chunk, a.mb)))
             else:
                 grad = None if a.chunk == self.last else self.p2p.recv(Kind.GRAD, a.chunk, a.mb)
                 st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
-                with self.tracer.span(str(a), a.op.value):
+                with self._timed(a):
                     self._run_b(a, st, grad)
             if a.op is not Op.B:
                 self.hooks.after_backward(a.chunk, final[a.chunk] == i)
@@ -156,7 +160,14 @@ class Executor:
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
-        return StepStats(float(loss), peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
+        return StepStats(loss, peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
+
+    @contextmanager
+    def _timed(self, a: Action) -> Iterator[None]:
+        self.clock.start()
+        with self.tracer.span(str(a), a.op.value):
+            yield
+        self.clock.stop()
 
     def _run_f(self, a: Action, x: torch.Tensor, split: bool) -> _Live:
         chunk = self.chunks[a.chunk]

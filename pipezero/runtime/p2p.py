@@ -38,7 +38,7 @@ class P2P:
     shape: tuple[int, ...]
     timeout_s: float
     dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
-    boundary: torch.dtype = torch.float32  # what chunks hand over and take (the fp32 residual stream)
+    boundary: torch.dtype = torch.float32  # what chunks hand over and take (the residual stream's dtype)
     device: torch.device = torch.device("cpu")  # where buffers live (a GPU: NCCL moves them)
     step: int = 0
     bytes_sent: int = 0
@@ -98,5 +98,5 @@ class P2P:
     def _wait(self, work: Any, what: str) -> None:
         t0 = time.perf_counter()
         with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"):
-            wait_or_raise(work, self.timeout_s, what)
+            wait_or_raise(work, self.timeout_s, what, stream_ordered=self.device.type == "cuda")
         self.wait_s += time.perf_counter() - t0

@@ -65,11 +65,11 @@ def input_grad_and_stash(out: torch.Tensor, inp: torch.Tensor, grad: torch.Tenso
 def apply_weight_grads(stash: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]) -> None:
     """W: accumulate every weight gradient from the stash into `.grad` (fp32)."""
     for module, x, dy in stash:
-        dy2 = dy.float().reshape(-1, dy.shape[-1])
         if isinstance(module, nn.Linear):
-            g = dy2.t() @ x.float().reshape(-1, x.shape[-1])
+            # in the dtype the forward ran in, as autograd computes it (bf16 under autocast)
+            g = (dy.reshape(-1, dy.shape[-1]).t() @ x.to(dy.dtype).reshape(-1, x.shape[-1])).float()
         else:
-            xf = x.float()
+            xf, dy2 = x.float(), dy.float().reshape(-1, dy.shape[-1])
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
             g = (dy2 * normed.reshape(-1, normed.shape[-1])).sum(0)
         w = module.weight

@@ -12,6 +12,9 @@ NEEDS_V: dict[ScheduleKind, str] = {
     ScheduleKind.DUALPIPE_V: "==2",
 }
 
+# Schedules whose backward is split into B (input gradient) and W (weight gradient).
+SPLIT_BACKWARD = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.ZB_V, ScheduleKind.DUALPIPE_V})
+
 
 def check_layout(kind: ScheduleKind, pp: int, microbatches: int, virtual_stages: int) -> None:
     """Raise ValueError naming the allowed values when `kind` cannot run (pp, M, V)."""

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.config import GradReduce, OptimConfig
+from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
@@ -97,6 +98,7 @@ class ZeroDP:
     _inflight: dict[int, Any] = field(default_factory=dict)  # id(bucket) -> prefetch all-gather
     _holding: bool = False  # between gather_all and release_all: layer hooks neither gather nor release
     _expect: dict[int, set[int]] = field(default_factory=dict)  # layerwise: id(bucket) -> params to come
+    _on_gpu: bool = field(init=False)  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
 
     @property
     def layerwise(self) -> bool:
@@ -126,6 +128,7 @@ class ZeroDP:
                     # collector, so a strong one would keep this object and every buffer alive
                     # after the stage is dropped (seen: +1.5 GB per rebuilt `base` stage).
                     q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: me()._grad_ready(c, b, q))
+        self._on_gpu = any(b.device.type == "cuda" for b in self.all_buckets())
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
@@ -145,7 +148,7 @@ class ZeroDP:
     def _wait(self, work: Any, op: str) -> None:
         with self.tracer.span(op, "wait", "collectives"):
             wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: ZeRO-{self.stage} {op} "
-                                                f"across {self.dp} data-parallel ranks")
+                                                f"across {self.dp} data-parallel ranks", stream_ordered=self._on_gpu)
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -268,7 +271,7 @@ class ZeroDP:
         size = wire.element_size()
         if self._sharded_grads:
             out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
-            work = dist.reduce_scatter_single(out, wire, group=self.dp_group, async_op=True)
+            work = reduce_scatter(out, wire, self.dp_group)
             self.bytes_sent += b.padded * size * (self.dp - 1) // self.dp
             self._pending.append(_Pending(work, b, out))
         else:
@@ -309,10 +312,10 @@ class ZeroDP:
         if low_precision and self.comm_dtype != b.flat.dtype:
             wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
             self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
-            work = dist.all_gather_single(wire, shard.to(self.comm_dtype), group=self.dp_group, async_op=True)
+            work = all_gather(wire, shard.to(self.comm_dtype), self.dp_group)
             return _Gather(work, b, wire)
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
-        return _Gather(dist.all_gather_single(b.flat, shard.contiguous(), group=self.dp_group, async_op=True), b, None)
+        return _Gather(all_gather(b.flat, shard.contiguous(), self.dp_group), b, None)
 
     def _finish_gather(self, g: _Gather) -> None:
         self._wait(g.work, "all-gather of parameters")
@@ -355,13 +358,14 @@ class ZeroDP:
                     counted[-1][lo - b.shard.start:hi - b.shard.start] = 0
         return params, grads, counted
 
-    def step(self, lr: float, max_norm: float, norm_group: Any, loss: float = 0.0) -> StepOutcome:
+    def step(self, lr: float, max_norm: float, norm_group: Any, loss: torch.Tensor | float = 0.0) -> StepOutcome:
         """Finish the reductions, clip by the global norm over every shard of every stage, update
         this rank's shards, and make full parameters available again (stages 1 and 2).
 
         `loss` is this rank's share of the step's loss; it is summed with the norm in one
         all-reduce, so every rank sees the same loss and norm and skips a non-finite step together
         (no loss scaling in fp32/bf16 to absorb it): parameters and AdamW state stay as they were.
+        Reading those two numbers is the step's one wait for the device.
         """
         if self.tied is not None:  # tied copies first: their buckets were held back for this
             self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.step_no}: sum of tied embedding "
@@ -374,21 +378,23 @@ class ZeroDP:
                     self._launch(b)
         self._drain()
         params, grads, counted = self._shards()
-        # one device-to-host copy for the whole norm, not one a bucket
-        local = float(torch.stack([g.double().pow(2).sum() for g in counted]).sum()) if counted else 0.0
-        total = torch.tensor([local, loss], dtype=torch.float64)
+        device = params[0].device if params else torch.device("cpu")
+        # fp32 norms a shard in one kernel, their squares summed in fp64: no fp64 copy of a gradient
+        local = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum() if counted \
+            else torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.stack([local, torch.as_tensor(loss, dtype=torch.float64, device=device)])
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
             self._wait(work, "all-reduce of the gradient norm and loss")
-        norm, loss_sum = float(total[0].sqrt()), float(total[1])
-        outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local))
+        (norm_sq, loss_sum), local_sq = total.tolist(), float(local)
+        norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local_sq))
         if not outcome.applied:
             return outcome
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+                torch._foreach_mul_(grads, coef)
         with self.tracer.span("optimizer", "optim"):
             self.opt.step(params, grads, lr)
         if self.stage in (1, 2):
@@ -420,7 +426,7 @@ class ZeroDP:
             self._gather(b, b.flat[b.shard].clone())
             if self.stage == 0 and self.dp_group is not None:
                 for full in (st.exp_avg, st.exp_avg_sq):
-                    work = dist.all_gather_single(full, full[b.shard].clone(), group=self.dp_group, async_op=True)
+                    work = all_gather(full, full[b.shard].clone(), self.dp_group)
                     self._wait(work, "all-gather of restored optimizer state")
 
     # --- accounting --------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class TiedCopies:
         total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.local)
         if self.group is not None:
             work = dist.all_reduce(total, group=self.group, async_op=True)
-            wait_or_raise(work, timeout_s, what)
+            wait_or_raise(work, timeout_s, what, stream_ordered=total.is_cuda)
         for p in self.local:
             if p.grad is None:
                 p.grad = total.clone()

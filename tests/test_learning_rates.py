@@ -1,0 +1,40 @@
+"""Each trainable preset's default learning rate trains without a loss spike: after the warm-up
+reaches the peak rate, no step's loss rises above the first step's. The same check with a rate far
+above the default does fail for `base`, so the test can tell a stable rate from an unstable one."""
+
+import pytest
+
+from pipezero.config import build_config
+from pipezero.engine import train
+from pipezero.models.presets import PRESET_LR
+
+
+def short_run(preset: str, out: str, **extra) -> list[float]:
+    cfg = build_config(None, {"model.preset": preset, "data.seq_len": 32, "data.max_bytes": 1_000_000,
+                              "data.tokenizer": "bytes", "parallel.microbatches": 1, "parallel.micro_batch_size": 8,
+                              "run.max_steps": 10, "optim.warmup_steps": 3, "run.out": out, "run.progress": False,
+                              "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, **extra})
+    return train(cfg).losses
+
+
+def test_presets_take_their_rate_and_a_tenth_as_floor():
+    for preset, lr in PRESET_LR.items():
+        cfg = build_config(None, {"model.preset": preset})
+        assert (cfg.optim.lr, cfg.optim.min_lr) == (lr, lr / 10)
+    cfg = build_config(None, {"model.preset": "base", "optim.lr": 1e-3, "optim.min_lr": 1e-5})
+    assert (cfg.optim.lr, cfg.optim.min_lr) == (1e-3, 1e-5)
+    assert PRESET_LR["1b"] < PRESET_LR["base"] < PRESET_LR["small"] < PRESET_LR["tiny"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "small", "base"])
+def test_default_rate_has_no_spike(preset, tmp_path):
+    losses = short_run(preset, str(tmp_path))
+    assert max(losses[1:]) <= losses[0], losses
+    assert losses[-1] < losses[0] - 0.1, losses  # and it does learn
+
+
+@pytest.mark.slow
+def test_a_far_too_high_rate_does_spike(tmp_path):
+    losses = short_run("base", str(tmp_path), **{"optim.lr": 2e-2, "optim.grad_clip": 0.0})
+    assert max(losses[1:]) > losses[0], losses
