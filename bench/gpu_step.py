@@ -164,6 +164,34 @@ def attention_kernels(case: Case, device: torch.device) -> list[str]:
     return sorted(n for n in names if any(k in n.lower() for k in ("flash", "fmha", "cudnn", "attention", "efficient")))
 
 
+def kernel_profile(case: Case, device: torch.device, top: int = 12) -> dict:
+    """Where one eager forward and backward of the whole model spends the GPU's time: the busiest
+    kernels, and the GPU's busy share of the wall time (well below 1: the CPU cannot launch kernels
+    fast enough, so fewer, larger kernels would pay)."""
+    cfg = config(case, 1, "unused", device.type)
+    model = build_chunk(cfg.model, 0, cfg.model.n_layers + 2, cfg.run.seed, device)
+    corpus = load_corpus(cfg.data)
+    x, y = global_batch(corpus.train, 0, cfg.run.seed, case.micro_batch_size, case.seq_len)
+    x, y = x.to(device), y.to(device)
+
+    def fwd_bwd() -> None:
+        with autocast(cfg.run.dtype, device.type):
+            loss = lm_loss(model(x), y, x.numel())
+        loss.backward()
+
+    fwd_bwd()
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fwd_bwd()
+        sync(device)
+    wall = time.perf_counter() - t0
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    kernels = [(e.key[:90], e.count, e.device_time_total / 1e3) for e in rows if e.device_time_total > 0]
+    busy = sum(ms for _, _, ms in kernels) / 1e3
+    return {"wall_s": wall, "gpu_busy_s": busy, "top": kernels[:top]}
+
+
 def mfu(case: Case, step_s: float, peak_tflops: float) -> dict:
     cfg = config(case, 1, "unused", "cpu")
     m = cfg.model
@@ -182,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=5, help="steps left out of the timing (compilation, allocation)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cases that start after this many seconds")
     ap.add_argument("--json", default="bench/results/gpu_step.json")
+    ap.add_argument("--profile", action="store_true", help="also list the busiest kernels of each eager shape")
     args = ap.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     table = GPU_CASES if device.type == "cuda" else CPU_CASES
@@ -220,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{_gib(plain['peak_allocated'])} | {time.perf_counter() - t0:.0f} s", flush=True)
             if row["attention_kernels"] is not None:
                 print(f"{'':28s} attention kernels: {row['attention_kernels']}", flush=True)
+            if args.profile and device.type == "cuda" and not case.compile:
+                row["profile"] = prof = kernel_profile(case, device)
+                print(f"{'':28s} one micro-batch forward+backward: wall {prof['wall_s'] * 1e3:.1f} ms, GPU busy "
+                      f"{prof['gpu_busy_s'] * 1e3:.1f} ms; busiest kernels (name, count, ms):", flush=True)
+                for name, count, ms in prof["top"]:
+                    print(f"{'':30s}{ms:8.2f} {count:5d}  {name}", flush=True)
         except Exception as e:  # noqa: BLE001 - a failed case is reported and the others still run
             row["error"] = f"{type(e).__name__}: {e}"
             print(f"{case.name}: FAILED {row['error']}", flush=True)

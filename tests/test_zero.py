@@ -20,7 +20,7 @@ def test_sharded_adamw_equals_torch_adamw():
     norm_w = torch.randn(5)
     ref = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(norm_w.clone())]
     opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
-                            lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+                            lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     mine = [torch.nn.Parameter(w.clone()), torch.nn.Parameter(norm_w.clone())]
     (bucket,) = make_buckets([("a.weight", mine[0]), ("b.norm.weight", mine[1])], 1.0, dp=1, dp_rank=0)
     sharded = ShardedAdamW(cfg)
@@ -36,6 +36,13 @@ def test_sharded_adamw_equals_torch_adamw():
         sharded.step([bucket.flat], [bucket.grad], 1e-2)
     for a, b in zip(ref, mine):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_decay_ranges_and_their_complement_cover_a_shard():
+    from pipezero.zero.adamw import _complement
+
+    assert _complement([(2, 5), (7, 9)], 12) == [(0, 2), (5, 7), (9, 12)]
+    assert _complement([], 4) == [(0, 4)] and _complement([(0, 4)], 4) == []
 
 
 def test_buckets_pad_to_multiple_of_dp_and_views_stay_live():

@@ -1,8 +1,10 @@
-"""AdamW on flat fp32 shards, in the operation order of torch's single-tensor AdamW.
+"""AdamW on flat fp32 shards, with torch's fused AdamW kernel.
 
-Keeping torch's order (decay, lerp of m, v update, bias corrections, addcdiv) makes every ZeRO stage
-and every layout take the same step as `torch.optim.AdamW(foreach=False)` on the unsharded model, up
-to the rounding of the gradient reduction itself.
+A flat shard holds many parameters, and weight decay applies to the matrices among them, not to norm
+gains. So each step makes two lists of views, the decayed ranges and the rest, and runs torch's
+fused kernel once on each: one pass over parameters, gradients and both moments, a few launches a
+step whatever the bucket count. Element for element this is `torch.optim.AdamW(fused=True)` on the
+unsharded model, so every ZeRO stage and every layout take the same step.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ class ShardState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: list[tuple[int, int]]  # [start, stop) ranges of the shard where weight decay applies
+    plain: list[tuple[int, int]]  # the rest of the shard
 
 
 @dataclass
@@ -26,50 +29,45 @@ class ShardedAdamW:
     cfg: OptimConfig
     states: list[ShardState] = field(default_factory=list)
     step_count: int = 0
+    _steps: dict[torch.device, torch.Tensor] = field(default_factory=dict)  # the kernel reads the step here
 
     def add_shard(self, size: int, decay: list[tuple[int, int]], device: torch.device = torch.device("cpu")) -> None:
-        self.states.append(ShardState(torch.zeros(size, device=device), torch.zeros(size, device=device), decay))
+        self.states.append(ShardState(torch.zeros(size, device=device), torch.zeros(size, device=device), decay,
+                                      _complement(decay, size)))
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], lr: float) -> None:
-        """Update each fp32 shard in place from its gradient shard (same order as add_shard).
-
-        Each line is one multi-tensor kernel over a group of shards (a few launches a group, not a
-        few a bucket, and weight decay not one a parameter); the arithmetic is element for element
-        the single-tensor order. Groups cap the square-root temporary at `GROUP_ELEMENTS`."""
+        """Update each fp32 shard in place from its gradient shard (same order as add_shard)."""
         c = self.cfg
         self.step_count += 1
-        bc1 = 1 - c.beta1 ** self.step_count
-        bc2_sqrt = (1 - c.beta2 ** self.step_count) ** 0.5  # as torch computes it
-        for idx in _groups([p.numel() for p in params]):
-            ps, gs, sts = [params[i] for i in idx], [grads[i] for i in idx], [self.states[i] for i in idx]
-            if c.weight_decay:  # per-parameter ranges: no shard-sized mask or temporary
-                decayed = [p[a:b] for p, st in zip(ps, sts) for a, b in st.decay]
-                if decayed:
-                    torch._foreach_mul_(decayed, 1 - lr * c.weight_decay)
-            m, v = [st.exp_avg for st in sts], [st.exp_avg_sq for st in sts]
-            torch._foreach_lerp_(m, gs, 1 - c.beta1)
-            torch._foreach_mul_(v, c.beta2)
-            torch._foreach_addcmul_(v, gs, gs, value=1 - c.beta2)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            torch._foreach_add_(denom, c.eps)
-            torch._foreach_addcdiv_(ps, m, denom, value=-lr / bc1)
+        for wd, ranges in ((c.weight_decay, "decay"), (0.0, "plain")):
+            views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+            for p, g, st in zip(params, grads, self.states):
+                for a, b in getattr(st, ranges):
+                    for out, t in zip(views, (p, g, st.exp_avg, st.exp_avg_sq)):
+                        out.append(t[a:b])
+            if not views[0]:
+                continue
+            step = self._step_tensor(views[0][0].device)
+            torch._fused_adamw_(*views, [], [step] * len(views[0]), lr=lr, beta1=c.beta1, beta2=c.beta2,
+                                weight_decay=wd, eps=c.eps, amsgrad=False, maximize=False)
+
+    def _step_tensor(self, device: torch.device) -> torch.Tensor:
+        t = self._steps.get(device)
+        if t is None:
+            t = self._steps[device] = torch.zeros((), device=device)
+        return t.fill_(self.step_count)
 
     def state_bytes(self) -> int:
         return sum(s.exp_avg.numel() * 4 + s.exp_avg_sq.numel() * 4 for s in self.states)
 
 
-GROUP_ELEMENTS = 1 << 25  # 128 MiB of fp32 temporaries at most while a group updates
-
-
-def _groups(sizes: list[int]) -> list[list[int]]:
-    """Consecutive indices, each group as many shards as fit in GROUP_ELEMENTS (at least one)."""
-    out: list[list[int]] = []
-    total = GROUP_ELEMENTS
-    for i, n in enumerate(sizes):
-        if total + n > GROUP_ELEMENTS:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += n
+def _complement(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The parts of [0, size) that sorted, disjoint `ranges` leave out."""
+    out, at = [], 0
+    for a, b in ranges:
+        if a > at:
+            out.append((at, a))
+        at = b
+    if at < size:
+        out.append((at, size))
     return out

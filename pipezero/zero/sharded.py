@@ -379,8 +379,9 @@ class ZeroDP:
         self._drain()
         params, grads, counted = self._shards()
         device = params[0].device if params else torch.device("cpu")
-        # fp32 norms a shard in one kernel, their squares summed in fp64: no fp64 copy of a gradient
-        local = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum() if counted \
+        # Accumulated in fp64 (fp32 partial norms differ between layouts by enough that the clipped,
+        # Adam-amplified updates drift apart by 1e-5), cast inside the reduction: no fp64 copy.
+        local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]).pow(2).sum() if counted \
             else torch.zeros((), dtype=torch.float64, device=device)
         total = torch.stack([local, torch.as_tensor(loss, dtype=torch.float64, device=device)])
         if norm_group is not None:
