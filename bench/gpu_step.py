@@ -70,7 +70,6 @@ def config(case: Case, steps: int, out: str, device: str) -> TrainConfig:
         "parallel.microbatches": case.microbatches, "run.dtype": "bf16" if device == "cuda" else "fp32",
         "run.device": device, "run.compile": case.compile, "run.max_steps": steps, "run.out": out,
         "run.progress": False, "run.eval_every": 0, "run.eval_batches": 1, "run.sample_tokens": 0,
-        "optim.warmup_steps": 5,
     })
 
 
