@@ -16,14 +16,17 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def strip_nproc(argv: Sequence[str]) -> list[str]:
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them
+
+
+def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCHER_FLAGS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{f}=" for f in LAUNCHER_FLAGS)):
             out.append(a)
     return out
 
@@ -51,7 +54,7 @@ def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     torchrun's elastic agent restarts every rank after one fails; they resume from the newest
     checkpoint (engine: a restarted worker always resumes)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_nproc(argv)]
+           f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released

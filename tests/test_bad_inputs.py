@@ -1,0 +1,104 @@
+"""Every user mistake is one line on stderr naming the fix, exit status 2, and no traceback.
+
+Most cases run `pipezero.cli.main` in this process (fast: no interpreter or torch start-up a
+case); a few run the console command, where the launcher and torchrun are involved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipezero.cli import main
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit status, stderr) of `pipezero <argv>` run in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors leave through sys.exit
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, needle: str) -> None:
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pipezero") and needle in lines[0], err
+
+
+def toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# (TOML text or None, extra flags, what the one line must say)
+CONFIG_CASES = [
+    ('[parallel]\npp = "2"\n', [], 'parallel.pp = "2": expected an integer >= 1'),
+    ("[parallel]\nzero = 5\n", [], "parallel.zero = 5: expected an integer >= 0 and <= 3"),
+    ('[parallel]\nschedule = "1f2b"\n', [], "parallel.schedule = \"1f2b\": expected one of gpipe, 1f1b"),
+    ('[model]\ntie_embeddings = "false"\n', [], 'model.tie_embeddings = "false": expected true or false'),
+    ("[run]\nmax_steps = 2.5\n", [], "run.max_steps = 2.5: expected an integer >= 1"),
+    ("[data]\nseq_len = 64.0\n", [], "data.seq_len = 64.0: expected an integer >= 1"),
+    ("[model]\nn_heads = 0\n", [], "model.n_heads = 0: expected an integer >= 1"),
+    ("[model]\ndim = -128\n", [], "model.dim = -128: expected an integer >= 1"),
+    ("[data]\nmax_bytes = -5\n", [], "data.max_bytes = -5: expected an integer >= 1"),
+    ("[run]\nbogus = 1\n", [], "unknown setting 'run.bogus'; [run] accepts max_steps"),
+    ("[weird]\nx = 1\n", [], "unknown table [weird]"),
+    ("[model\n", [], "is not valid TOML"),
+    ("[optim]\nlr = 0.001\nmin_lr = 0.01\n", [], "optim.min_lr = 0.01: expected a number <= optim.lr"),
+    ("[optim]\nbeta2 = 1.0\n", [], "optim.beta2 = 1.0: expected a number >= 0 and < 1"),
+    ("[parallel]\nstage_layers = [0, 2, 2]\npp = 3\n", [], "the first chunk must hold the embedding"),
+    (None, ["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
+    (None, ["--schedule", "1f2b"], "--schedule 1f2b: expected one of gpipe"),
+    (None, ["--max-steps", "2.5"], "--max-steps 2.5: expected an integer >= 1"),
+    (None, ["--seq-len", "64.0"], "--seq-len 64.0: expected an integer >= 1"),
+    (None, ["--threads", "-1"], "--threads -1: expected an integer >= 1"),
+    (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
+    (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
+    (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
+    (None, ["--nproc", "3", "--dp", "2"], "--nproc 3 but pp x dp = 2; make them equal"),
+    (None, ["--lr", "nan"], "--lr nan: expected a number > 0"),
+    (None, ["--stage-layers", "1,x"], "--stage-layers 1,x: expected a list of integers"),
+    (None, ["--bogus"], "unrecognized arguments: --bogus"),
+    (None, ["--npr", "2"], "unrecognized arguments: --npr"),  # no abbreviations of flags
+    (None, ["--pp"], "argument --pp: expected one argument"),
+    (None, ["--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
+]
+
+
+@pytest.mark.parametrize("text,flags,needle", CONFIG_CASES, ids=[c[2][:40] for c in CONFIG_CASES])
+def test_bad_setting_is_one_line(text, flags, needle, tmp_path, capsys):
+    argv = ["train", *(["--config", toml(tmp_path, text)] if text is not None else []), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_each_flag_is_declared_once_and_sets_its_setting():
+    """One table declares every flag; a flag's value arrives at its setting, coerced by config."""
+    from pipezero.cli import TRAIN_FLAGS, build_parser, flag_values
+    from pipezero.config import build_config, setting_type
+
+    flags = list(TRAIN_FLAGS)
+    assert len(flags) == len(set(flags)) and len({k for k, _ in TRAIN_FLAGS.values()}) == len(flags)
+    for key, _ in TRAIN_FLAGS.values():
+        setting_type(key)  # every flag names a real setting
+    args = build_parser().parse_args(["train", "--pp", "2", "--zero", "3", "--schedule", "gpipe", "--no-progress",
+                                      "--recompute", "--stage-layers", "2,2", "--lr", "0.01"])
+    settings, launch, names = flag_values(args)
+    cfg = build_config(None, settings, names)
+    assert (cfg.parallel.pp, cfg.parallel.zero, cfg.parallel.schedule.value) == (2, 3, "gpipe")
+    assert cfg.run.progress is False and cfg.parallel.recompute is True
+    assert cfg.parallel.stage_layers == [2, 2] and cfg.optim.lr == 0.01 and launch == {}
+
+
+def test_tied_embeddings_from_toml_is_a_real_bool(tmp_path):
+    from pipezero.config import build_config
+
+    assert build_config(toml(tmp_path, "[model]\ntie_embeddings = false\n")).model.tie_embeddings is False
+    assert build_config(toml(tmp_path, "[model]\ntie_embeddings = true\n")).model.tie_embeddings is True
