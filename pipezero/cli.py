@@ -101,12 +101,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     launch.check(cfg.parallel.world_size)
-    from pipezero.launch import exit_rank, launch_local, under_torchrun
+    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
 
     if launch.nproc is not None and launch.nproc > 1 and not under_torchrun():
-        from pipezero.data import load_corpus
-
-        load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
+        preflight(cfg, launch.nproc)
         return launch_local(launch.nproc, args.argv, launch.max_restarts)
     from pipezero.checkpoint import CheckpointError
     from pipezero.nonfinite import TrainingDiverged

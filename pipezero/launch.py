@@ -11,6 +11,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from pipezero.config import ConfigError, TrainConfig
+
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
@@ -29,6 +31,22 @@ def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
         elif not a.startswith(tuple(f"{f}=" for f in LAUNCHER_FLAGS)):
             out.append(a)
     return out
+
+
+def preflight(cfg: TrainConfig, nproc: int) -> None:
+    """Refuse here, once, what every rank would refuse after torchrun started it (each printing
+    the same line and torchrun adding its own report): data, tokenizer, vocabulary, devices. The
+    corpus is tokenized and cached here too, so the ranks only read the cache."""
+    import torch
+
+    from pipezero.data import load_corpus
+    from pipezero.engine import check_vocab
+    from pipezero.parallel.device import device_kind
+
+    check_vocab(cfg, load_corpus(cfg.data))
+    if device_kind(cfg.run.device) == "cuda" and nproc > torch.cuda.device_count():
+        raise ConfigError(f"--nproc {nproc} ranks need {nproc} GPUs, but this machine shows "
+                          f"{torch.cuda.device_count()}: lower --nproc or use --device cpu")
 
 
 def exit_rank(code: int) -> None:

@@ -102,3 +102,72 @@ def test_tied_embeddings_from_toml_is_a_real_bool(tmp_path):
 
     assert build_config(toml(tmp_path, "[model]\ntie_embeddings = false\n")).model.tie_embeddings is False
     assert build_config(toml(tmp_path, "[model]\ntie_embeddings = true\n")).model.tie_embeddings is True
+
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Files that are not what --data / --tokenizer need."""
+    import numpy as np
+
+    from pipezero.data.tokenizer import BPETokenizer
+
+    root = tmp_path_factory.mktemp("bad-data")
+    (root / "random.txt").write_bytes(np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8).tobytes())
+    (root / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    np.save(root / "big.npy", np.arange(5000, dtype=np.int64))
+    np.save(root / "negative.npy", np.array([-1] + [1] * 100, dtype=np.int32))
+    np.save(root / "float.npy", np.ones(100, dtype=np.float32))
+    np.save(root / "object.npy", np.array([1, "a"] * 50, dtype=object), allow_pickle=True)
+    (root / "odd.bin").write_bytes(b"\1" * 101)
+    (root / "empty.bin").write_bytes(b"")
+    (root / "broken.json").write_text('{"model": ')
+    BPETokenizer.train(["hello world, hello tokens"] * 20, 300).hf.save(str(root / "small.json"))
+    np.save(root / "beyond.npy", np.arange(400, dtype=np.uint16))
+    return root
+
+
+DATA_CASES = [
+    (["--data", "random.txt"], "is not UTF-8 text"),
+    (["--data", "big.npy"], "set model.vocab_size >= 5000"),
+    (["--data", "negative.npy"], "holds negative ids (smallest -1)"),
+    (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
+    (["--data", "object.npy"], "cannot be read as token ids"),
+    (["--data", "odd.bin"], "holds 101 bytes, not a whole number of uint16 ids"),
+    (["--data", "empty.bin"], "holds 0 bytes"),
+    (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
+    (["--data", "beyond.npy", "--tokenizer", "small.json"], "holds id 399, but the tokenizer"),
+]
+
+
+@pytest.mark.parametrize("flags,needle", DATA_CASES, ids=[c[0][1] for c in DATA_CASES])
+def test_bad_data_is_one_line(flags, needle, bad_data, capsys, tmp_path):
+    flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".bin", ".json")) else f for f in flags]
+    argv = ["train", *flags, "--seq-len", "16", "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path, monkeypatch):
+    from pipezero.data.tokenizer import BPETokenizer
+    from pipezero.util import cache_dir
+
+    for i, vocab in enumerate((270, 300)):  # two tokenizers, both called tokenizer.json
+        (tmp_path / str(i)).mkdir()
+        BPETokenizer.train(["hello world, hello tokens"] * 20, vocab).hf.save(str(tmp_path / str(i) / "tokenizer.json"))
+    a, b = (BPETokenizer.from_file(tmp_path / str(i) / "tokenizer.json") for i in (0, 1))
+    assert a.name != b.name and a.name == BPETokenizer.from_file(tmp_path / "0" / "tokenizer.json").name
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "fresh" / "cache"))
+    assert cache_dir().stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--data", "big.npy"], "set model.vocab_size >= 5000"),  # found by the launcher, not by each rank
+    (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
+    (["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
+])
+def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_path):
+    flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".json")) else f for f in flags]
+    proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", *flags,
+                           "--seq-len", "16", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert_one_line(proc.returncode, proc.stderr, needle)
+    assert "torch.distributed" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
