@@ -95,18 +95,31 @@ def flag_values(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pipezero.config import build_config, build_launch
-    from pipezero.engine import train
 
     settings, launch_values, names = flag_values(args)
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     launch.check(cfg.parallel.world_size)
     from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
-    if launch.nproc is not None and launch.nproc > 1 and not under_torchrun():
+    launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
+    if launching:
         preflight(cfg, launch.nproc)
-        return launch_local(launch.nproc, args.argv, launch.max_restarts)
+    with claim_here(cfg.run.out, cfg.run.resume, args.force):
+        if launching:
+            return launch_local(launch.nproc, args.argv, launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
+        code = train_here(cfg)
+    if under_torchrun():
+        exit_rank(code)
+    return code
+
+
+def train_here(cfg: Any) -> int:
+    """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
     from pipezero.checkpoint import CheckpointError
+    from pipezero.engine import train
+    from pipezero.launch import under_torchrun
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
 
@@ -117,8 +130,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
-    if under_torchrun():
-        exit_rank(0)
     return 0
 
 

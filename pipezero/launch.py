@@ -66,14 +66,14 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
+def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
     """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
     localhost, so runs never collide), and return the job's exit code. With `max_restarts`,
     torchrun's elastic agent restarts every rank after one fails; they resume from the newest
     checkpoint (engine: a restarted worker always resumes)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed

@@ -6,6 +6,7 @@ case); a few run the console command, where the launcher and torchrun are involv
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,132 @@ def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_p
                           capture_output=True, text=True, timeout=120)
     assert_one_line(proc.returncode, proc.stderr, needle)
     assert "torch.distributed" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
+    from pipezero.rundir import claim
+
+    args = ["train", "--max-steps", "1", "--no-progress", "--seq-len", "16"]
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "metrics.jsonl").write_text('{"step": 1}\n')
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (str(held), "already holds a run (metrics.jsonl): pass --resume to continue it, --force"),
+        ("", "--out is empty"),
+        (str(a_file), "is a file, not a folder"),
+        (str(a_file / "sub"), "cannot be written"),
+        ("/proc/pipezero-no-such-run", "cannot be written"),
+    ]
+    for out, needle in cases:
+        assert_one_line(*run_main([*args, "--out", out], capsys), needle)
+    if os.geteuid() != 0:  # root writes into a read-only folder anyway
+        (tmp_path / "ro").mkdir(mode=0o500)
+        assert_one_line(*run_main([*args, "--out", str(tmp_path / "ro" / "run")], capsys), "cannot be written")
+    with claim(str(tmp_path / "busy"), resume=False, force=False):  # as another run would hold it
+        assert_one_line(*run_main([*args, "--out", str(tmp_path / "busy"), "--resume"], capsys),
+                        f"is in use by another run (pid {os.getpid()})")
+    with claim(str(tmp_path / "busy"), resume=True, force=False):  # released: free again
+        pass
+
+
+def test_pruning_and_resume_keep_to_their_own_run(tmp_path):
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, latest, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 100, {"x": torch.zeros(4)}, {"run": "old"}, keep=1, team=Team())
+    for step in (1, 2, 3):
+        write(root, step, {"x": torch.full((4,), float(step))}, {"run": "new"}, keep=1, team=Team())
+    assert [s for s, _ in committed(root)] == [3, 100]  # the new run pruned only its own
+    assert latest(root, Team(), "new").manifest["step"] == 3  # and resumes from its own
+    assert latest(root, Team(), None).manifest["step"] == 100
+
+
+def test_partial_last_metrics_line_does_not_block_resume(tmp_path):
+    import json
+
+    from pipezero.telemetry.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    MetricsLog(path, keep_steps=2).close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+class _MakesDir:
+    """A pickle payload that would create a folder when unpickled: harmless proof of code running."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
+    import hashlib
+    import json
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.safe_reader import SafeReader, UnsafeCheckpoint
+    from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest, write
+
+    root = tmp_path / "checkpoints"
+    good, bad = (write(root, s, {"x": torch.full((4,), float(s))}, {}, keep=5, team=Team()) for s in (4, 5))
+    manifest = json.loads((bad / "manifest.json").read_text())
+
+    def with_manifest(**changes):
+        (bad / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+    for changes, needle in [({"step": 4}, "step 4 but the folder is step-00000005"),
+                            ({"step": "5"}, "is not a step number"),
+                            ({"files": {}}, "no files listed"),
+                            ({"files": {"/etc/passwd": {"bytes": 1, "sha256": "0"}}}, "not a plain name"),
+                            ({"files": {"../x": {"bytes": 1, "sha256": "0"}}}, "not a plain name"),
+                            ({"files": {".metadata": "x"}}, "lacks an integer size")]:
+        with_manifest(**changes)
+        with pytest.raises(CheckpointError, match=needle):
+            read_manifest(bad)
+        assert needle in problems(bad, Team())
+    (bad / "manifest.json").write_text("[1, 2")  # unreadable: falls back like a bad checksum
+    assert latest(root, Team()).path == good and "unreadable manifest.json" in capsys.readouterr().err
+
+    # metadata that would run code: refused, nothing runs, and the previous checkpoint is used
+    marker = tmp_path / "code-ran"
+    (bad / ".metadata").write_bytes(pickle.dumps(_MakesDir(str(marker))))
+    data = (bad / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with_manifest()
+    with pytest.raises(UnsafeCheckpoint, match="posix.mkdir, which is not checkpoint metadata"):
+        SafeReader(bad).read_metadata()
+    assert latest(root, Team()).path == good and not marker.exists()
+    assert "refusing to load it" in capsys.readouterr().err
+    SafeReader(good).read_metadata()  # real metadata passes the same unpickler
+
+    # DCP's CheckpointException is a BaseException: one line keeping each rank's cause
+    failure = CheckpointException("boom", {0: (OSError("No space left on device"), None)})
+    with pytest.raises(CheckpointError, match=r"^rank 0, step 0: checkpoint save failed: rank 0: OSError: "
+                                              r"No space left on device$"):
+        Team().run("save", lambda: (_ for _ in ()).throw(failure))
+
+    def full_disk(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        write(root, 6, {"x": torch.zeros(4)}, {}, keep=5, team=Team())
+    assert not (root / ".tmp-step-00000006").exists()  # a failed save leaves no debris
+
+    # export of a named checkpoint checks it first
+    from pipezero.checkpoint.export import export
+
+    (good / "__0_0.distcp").write_bytes(b"\0" * (good / "__0_0.distcp").stat().st_size)
+    with pytest.raises(CheckpointError, match="cannot be exported: checksum mismatch"):
+        export(good, tmp_path / "export")
