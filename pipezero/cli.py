@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         preflight(cfg, launch.nproc)
     with claim_here(cfg.run.out, cfg.run.resume, args.force):
         if launching:
-            return launch_local(launch.nproc, args.argv, launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
+            return launch_local(launch.nproc, args.argv, cfg.run.out, launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
         code = train_here(cfg)
     if under_torchrun():
         exit_rank(code)
@@ -181,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
+        print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "
+              "newest complete one", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

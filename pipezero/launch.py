@@ -7,11 +7,12 @@ launched: the ranks read RANK / WORLD_SIZE / MASTER_ADDR from the environment to
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 
 from pipezero.config import ConfigError, TrainConfig
+from pipezero.job import run_job
 
 
 def under_torchrun() -> bool:
@@ -66,17 +67,22 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
-    """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
-    localhost, so runs never collide), and return the job's exit code. With `max_restarts`,
-    torchrun's elastic agent restarts every rank after one fails; they resume from the newest
-    checkpoint (engine: a restarted worker always resumes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 0,
+                 extra_env: dict[str, str] | None = None) -> int:
+    """Run `pipezero <argv>` on `nproc` ranks through torchrun, and return the job's exit code.
+    The rendezvous is on 127.0.0.1 at a free port (runs never collide, and nothing listens beyond
+    this machine: see loopback.py). With `max_restarts`, torchrun's elastic agent restarts every
+    rank after one fails; they resume from the newest checkpoint (engine: a restarted worker
+    always resumes). SIGINT/SIGTERM stop the whole job (job.py)."""
+    cmd = [sys.executable, "-m", "pipezero.loopback", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+           f"--rdzv-id={uuid.uuid4().hex}", "--nnodes=1", "--local-addr=127.0.0.1", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
     env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, whatever the hostname
     # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
     # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return subprocess.call(cmd, env=env)
+    return run_job(cmd, env, out)

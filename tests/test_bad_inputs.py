@@ -301,3 +301,31 @@ def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
     (good / "__0_0.distcp").write_bytes(b"\0" * (good / "__0_0.distcp").stat().st_size)
     with pytest.raises(CheckpointError, match="cannot be exported: checksum mismatch"):
         export(good, tmp_path / "export")
+
+
+SIM_CASES = [
+    (["simulate", "--comm", "-5"], "--comm = -5.0: expected a number >= 0"),
+    (["simulate", "--pp", "0"], "--pp = 0: expected an integer >= 1"),
+    (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
+    (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
+    (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
+    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number > 0"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--bandwidth", "0,0"],
+     "--bandwidth 0,0: expected two numbers > 0"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "0"],
+     "--seq-len = 0: expected an integer >= 1"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--node-size", "0"],
+     "--node-size = 0: expected an integer >= 1"),
+    (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80"],
+     "3 GPUs split into no layout: pp x dp must equal --gpus with pp <= 2 layers and dp dividing --global-batch "
+     "1024; choose --gpus 2 or 4"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", SIM_CASES, ids=[" ".join(c[0][:3]) + c[1][:12] for c in SIM_CASES])
+def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys):
+    files = {"empty": "", "notjson": '{"traceEvents": [', "notrace": '{"hello": 1}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [str(tmp_path / a[1:-1]) if a[1:-1] in files else a for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
