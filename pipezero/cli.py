@@ -45,7 +45,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--device": ("run.device", "cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU"),
     "--out": ("run.out", "run directory (metrics.jsonl, summary.json, checkpoints)"),
     "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps and at the end"),
-    "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints (default 3)"),
+    "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints of this run (default 3)"),
     "--max-bad-steps": ("run.max_bad_steps", "stop after N non-finite steps in a row (default 3)"),
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
     "--threads": ("run.threads", "torch threads per rank"),
@@ -76,12 +76,12 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
             metavar = "{" + ",".join(options) + "}" if options else flag[2:].upper().replace("-", "_")
             parser.add_argument(flag, dest=key, metavar=metavar,
                                 help=f"{text} ({accepts(key)})")
-    parser.add_argument("--force", action="store_true", help="train in a non-empty --out (without --resume)")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
     add_train_flags(t)
+    t.add_argument("--force", action="store_true", help="train in an --out that holds another run (without --resume)")
     t.set_defaults(func=cmd_train)
 
 
