@@ -8,133 +8,120 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-from pipezero.config import ConfigError, Device, DType, GradReduce, Partition, ScheduleKind
+from pipezero.config import ConfigError
 
-# CLI flag -> config key; flags left unset do not override the TOML file or the defaults.
-TRAIN_FLAGS: dict[str, tuple[str, Callable[[str], Any]]] = {
-    "preset": ("model.preset", str),
-    "pp": ("parallel.pp", int),
-    "dp": ("parallel.dp", int),
-    "zero": ("parallel.zero", int),
-    "schedule": ("parallel.schedule", str),
-    "microbatches": ("parallel.microbatches", int),
-    "micro_batch_size": ("parallel.micro_batch_size", int),
-    "virtual_stages": ("parallel.virtual_stages", int),
-    "partition": ("parallel.partition", str),
-    "grad_reduce": ("parallel.grad_reduce", str),
-    "bucket_mb": ("parallel.bucket_mb", float),
-    "seq_len": ("data.seq_len", int),
-    "data": ("data.path", str),
-    "tokenizer": ("data.tokenizer", str),
-    "max_steps": ("run.max_steps", int),
-    "seed": ("run.seed", int),
-    "dtype": ("run.dtype", str),
-    "device": ("run.device", str),
-    "out": ("run.out", str),
-    "checkpoint_every": ("run.checkpoint_every", int),
-    "keep_checkpoints": ("run.keep_checkpoints", int),
-    "max_bad_steps": ("run.max_bad_steps", int),
-    "eval_every": ("run.eval_every", int),
-    "threads": ("run.threads", int),
-    "lr": ("optim.lr", float),
-    "timeout": ("parallel.timeout_s", float),
-    "sample_tokens": ("run.sample_tokens", int),
+# Every `train` flag, declared once: flag -> (setting it overrides, help). Values reach config.py as
+# text, which checks and converts them like TOML values, so a bad value is one line naming the flag.
+# Flags left unset do not override the TOML file or the defaults.
+TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "--preset": ("model.preset", "model size: tiny, small, base, 1b, 7b, 13b, 70b"),
+    "--nproc": ("launch.nproc", "start this many local ranks through torchrun"),
+    "--max-restarts": ("launch.max_restarts", "with --nproc: torchrun restarts a failed job this often, "
+                                              "resuming from the last checkpoint"),
+    "--pp": ("parallel.pp", "pipeline ranks"),
+    "--dp": ("parallel.dp", "data-parallel ranks per stage"),
+    "--zero": ("parallel.zero", "ZeRO stage"),
+    "--schedule": ("parallel.schedule", "pipeline schedule"),
+    "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
+    "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
+    "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V)"),
+    "--partition": ("parallel.partition", "how layers are split over stage chunks"),
+    "--stage-layers": ("parallel.stage_layers", "layers per stage chunk, e.g. 3,5,5,3"),
+    "--grad-reduce": ("parallel.grad_reduce", "reduce gradients once a step or every micro-batch"),
+    "--bucket-mb": ("parallel.bucket_mb", "gradient bucket size in MB (default 25)"),
+    "--recompute": ("parallel.recompute", "activation checkpointing"),
+    "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
+                                        "naming the rank and operation (default 300)"),
+    "--seq-len": ("data.seq_len", "tokens a sequence"),
+    "--data": ("data.path", "text file, folder of text files, or .bin/.npy token file"),
+    "--tokenizer": ("data.tokenizer", "bpe, bytes, or a tokenizer.json"),
+    "--lr": ("optim.lr", "peak learning rate"),
+    "--max-steps": ("run.max_steps", "optimizer steps"),
+    "--seed": ("run.seed", "seed of weights and data order"),
+    "--dtype": ("run.dtype", "compute and communication dtype"),
+    "--device": ("run.device", "cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU"),
+    "--out": ("run.out", "run directory (metrics.jsonl, summary.json, checkpoints)"),
+    "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps and at the end"),
+    "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints of this run (default 3)"),
+    "--max-bad-steps": ("run.max_bad_steps", "stop after N non-finite steps in a row (default 3)"),
+    "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
+    "--threads": ("run.threads", "torch threads per rank"),
+    "--sample-tokens": ("run.sample_tokens", "length of the text sample at the end (0: none)"),
+    "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none)"),
+    "--trace": ("run.trace", "write trace.json and trace.png"),
+    "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
+    "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
 }
 
 
-def _stage_layers(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--stage-layers wants comma-separated integers, got {text!r}") from None
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see --help\n")
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """Register `train`'s flags on `parser` (any command that takes a run's settings reuses it)."""
+    from pipezero.config import accepts, choices_of, setting_type
+
+    parser.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
+    for flag, (key, text) in TRAIN_FLAGS.items():
+        if setting_type(key) is bool:  # a switch: --no-X turns a setting off, any other flag on
+            parser.add_argument(flag, dest=key, action="store_const", const=not flag.startswith("--no-"), help=text)
+        else:
+            options = choices_of(key)
+            metavar = "{" + ",".join(options) + "}" if options else flag[2:].upper().replace("-", "_")
+            parser.add_argument(flag, dest=key, metavar=metavar,
+                                help=f"{text} ({accepts(key)})")
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train", help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
-    t.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
-    t.add_argument("--preset", help="model size: tiny, small, base, 1b, 7b, 13b, 70b")
-    t.add_argument("--nproc", type=int, help="start this many local ranks through torchrun")
-    t.add_argument("--pp", type=int, help="pipeline ranks")
-    t.add_argument("--dp", type=int, help="data-parallel ranks per stage")
-    t.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    t.add_argument("--schedule", choices=[s.value for s in ScheduleKind])
-    t.add_argument("--microbatches", type=int, help="micro-batches per data-parallel rank per step (M)")
-    t.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch (B)")
-    t.add_argument("--virtual-stages", type=int, help="stage chunks per pipeline rank (V)")
-    t.add_argument("--partition", choices=[p.value for p in Partition])
-    t.add_argument("--stage-layers", type=_stage_layers, help="layers per stage chunk, e.g. 3,5,5,3")
-    t.add_argument("--grad-reduce", choices=[g.value for g in GradReduce])
-    t.add_argument("--bucket-mb", type=float, help="gradient bucket size in MB (default 25)")
-    t.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--dtype", choices=[d.value for d in DType])
-    t.add_argument("--device", choices=[d.value for d in Device],
-                   help="cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU")
-    t.add_argument("--data", help="text file, folder of text files, or .bin/.npy token file")
-    t.add_argument("--tokenizer", help="bpe, bytes, or a tokenizer.json")
-    t.add_argument("--out", help="run directory (metrics.jsonl, summary.json, ...)")
-    t.add_argument("--checkpoint-every", type=int, help="sharded checkpoint every K steps and at the end")
-    t.add_argument("--keep-checkpoints", type=int, help="keep the newest N checkpoints (default 3)")
-    t.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: torchrun restarts a failed job this often, resuming from the last checkpoint")
-    t.add_argument("--max-bad-steps", type=int, help="stop after N non-finite steps in a row (default 3)")
-    t.add_argument("--eval-every", type=int)
-    t.add_argument("--threads", type=int, help="torch threads per rank")
-    t.add_argument("--lr", type=float)
-    t.add_argument("--timeout", type=float, help="seconds any collective or p2p wait may take before the run "
-                                                 "fails naming the rank and operation (default 300)")
-    t.add_argument("--sample-tokens", type=int, help="length of the text sample at the end (0: none)")
-    t.add_argument("--resume", action="store_true", default=None,
-                   help="continue from the newest good checkpoint under --out (a fresh start if none)")
-    t.add_argument("--trace", action="store_true", default=None)
-    t.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)")
-    t.add_argument("--no-progress", action="store_true")
+    t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
+    add_train_flags(t)
+    t.add_argument("--force", action="store_true", help="train in an --out that holds another run (without --resume)")
     t.set_defaults(func=cmd_train)
 
 
-def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides = {key: conv(getattr(args, flag)) for flag, (key, conv) in TRAIN_FLAGS.items()
-                 if getattr(args, flag) is not None}
-    if args.stage_layers is not None:
-        overrides["parallel.stage_layers"] = args.stage_layers
-    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace"),
-                      ("compile", "run.compile")):
-        if getattr(args, flag):
-            overrides[key] = True
-    if args.no_progress:
-        overrides["run.progress"] = False
-    return overrides
+def flag_values(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """The flags given, as (run settings, launcher settings, flag name of each setting)."""
+    given = {key: getattr(args, key) for key, _ in TRAIN_FLAGS.values() if getattr(args, key, None) is not None}
+    names = {key: flag for flag, (key, _) in TRAIN_FLAGS.items()}
+    launch = {k: v for k, v in given.items() if k.startswith("launch.")}
+    return {k: v for k, v in given.items() if k not in launch}, launch, names
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipezero.config import build_config
-    from pipezero.engine import train
+    from pipezero.config import build_config, build_launch
 
-    cfg = build_config(args.config, train_overrides(args))
-    if args.nproc is not None and args.nproc != cfg.parallel.world_size:
-        raise ConfigError(f"--nproc {args.nproc} but --pp {cfg.parallel.pp} x --dp {cfg.parallel.dp} = "
-                          f"{cfg.parallel.world_size}; make them equal")
-    from pipezero.launch import exit_rank, launch_local, under_torchrun
+    settings, launch_values, names = flag_values(args)
+    launch = build_launch(launch_values, names)
+    cfg = build_config(args.config, settings, names)
+    launch.check(cfg.parallel.world_size)
+    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
-    if args.nproc is not None and args.nproc > 1 and not under_torchrun():
-        from pipezero.data import load_corpus
+    launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
+    if launching:
+        device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once
+    with claim_here(cfg.run.out, cfg.run.resume, args.force):
+        if launching:
+            return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
+                                launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
+        code = train_here(cfg)
+    if under_torchrun():
+        exit_rank(code)
+    return code
 
-        load_corpus(cfg.data)  # tokenize and cache once here, not once a rank
-        import torch
 
-        from pipezero.parallel.device import local_device
-
-        device, warning = local_device(cfg.run.device, args.nproc, torch.cuda.device_count())
-        if warning:
-            print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)
-        return launch_local(args.nproc, [*args.argv, "--device", device.value], args.max_restarts)
+def train_here(cfg: Any) -> int:
+    """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
     from pipezero.checkpoint import CheckpointError
+    from pipezero.engine import train
+    from pipezero.launch import under_torchrun
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
 
@@ -145,8 +132,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
-    if under_torchrun():
-        exit_rank(0)
     return 0
 
 
@@ -177,7 +162,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
+    parser = OneLineParser(prog="pipezero", allow_abbrev=False, description="Pipeline parallelism + ZeRO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     add_export_parser(sub)
@@ -198,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
+        print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "
+              "newest complete one", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

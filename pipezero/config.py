@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration; the CLI prints it and exits with code 2."""
+from pipezero.coerce import Range, choices, coerce, describe
+from pipezero.errors import ConfigError  # raised here, and imported from here by most modules
 
 
 class DType(str, enum.Enum):
@@ -175,29 +176,88 @@ def _jsonable(obj: Any) -> Any:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
+POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=True)
+# The accepted values of every numeric setting; settings not listed accept any value of their type.
+RANGES: dict[str, Range] = {
+    **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                            "max_seq_len")},
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE,
+    **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
+    "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
+    "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
+    "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
+    "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
+    "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
+    "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
+    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads")},
+    **{f"run.{k}": NON_NEGATIVE for k in ("seed", "eval_every", "sample_tokens", "checkpoint_every")},
+    "launch.nproc": POSITIVE_INT, "launch.max_restarts": NON_NEGATIVE,
+}
 
-def _coerce(cls: type, name: str, value: Any) -> Any:
-    """Turn a TOML/CLI value into the field's declared type (enums from their string values)."""
-    ftype = {f.name: f.type for f in dataclasses.fields(cls)}[name]
-    for enum_cls in (DType, Device, ScheduleKind, GradReduce, Partition):
-        if enum_cls.__name__ in str(ftype):
-            try:
-                return enum_cls(value)
-            except ValueError:
-                allowed = ", ".join(e.value for e in enum_cls)
-                raise ConfigError(f"{name} = {value!r} is not one of: {allowed}") from None
-    return value
+
+@dataclass
+class LaunchConfig:
+    """How the local launcher starts ranks; not saved with a run (it does not change what is computed)."""
+
+    nproc: int | None = None  # local ranks started through torchrun; None = this process is one rank
+    max_restarts: int = 0  # torchrun restarts a failed job this often; the ranks resume from a checkpoint
+
+    def check(self, world_size: int) -> "LaunchConfig":
+        """Refuse a launch that cannot be the configured layout."""
+        if self.nproc is not None and self.nproc != world_size:
+            raise ConfigError(f"--nproc {self.nproc} but pp x dp = {world_size}; make them equal")
+        if self.max_restarts and (self.nproc or 1) < 2:
+            raise ConfigError(f"--max-restarts {self.max_restarts} needs --nproc > 1 (the local launcher restarts "
+                              f"ranks); under an outside torchrun, pass --max-restarts to torchrun")
+        return self
+
+
+def _sections(launch: bool) -> dict[str, type]:
+    """Section name -> dataclass: a run's sections, or with `launch` the launcher's one."""
+    return {"launch": LaunchConfig} if launch else typing.get_type_hints(TrainConfig)
+
+
+def setting_type(key: str) -> Any:
+    """The declared type of setting `section.field` (e.g. "parallel.pp" -> int)."""
+    section, _, name = key.partition(".")
+    sections = _sections(section == "launch")
+    if section not in sections:
+        raise ConfigError(f"unknown setting {key!r}; sections are {', '.join(_sections(False))}")
+    fields = typing.get_type_hints(sections[section])
+    if name not in fields:
+        raise ConfigError(f"unknown setting {key!r}; [{section}] accepts {', '.join(fields)}")
+    return fields[name]
+
+
+def coerce_setting(key: str, value: Any, from_text: bool = False, name: str | None = None) -> Any:
+    """`value` checked and converted for setting `key`; `name` is how errors call it (a CLI flag)."""
+    return coerce(name or key, setting_type(key), value, from_text, RANGES.get(key))
+
+
+def choices_of(key: str) -> list[str] | None:
+    """The values of an enum setting, for help texts; None for other settings."""
+    return choices(setting_type(key))
+
+
+def accepts(key: str) -> str:
+    """What setting `key` accepts, for help texts."""
+    return describe(setting_type(key), RANGES.get(key))
 
 
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
-    """Set `section.field` keys (e.g. "parallel.pp") on `cfg` in place, coercing enum strings."""
+    """Set already coerced `section.field` values on `cfg` in place."""
     for key, value in overrides.items():
         section, _, name = key.partition(".")
-        sub = getattr(cfg, section, None)
-        if sub is None or not dataclasses.is_dataclass(sub) or name not in {f.name for f in dataclasses.fields(sub)}:
-            raise ConfigError(f"unknown setting {key!r}; sections are {', '.join(SECTIONS)}")
-        setattr(sub, name, _coerce(type(sub), name, value))
+        setattr(getattr(cfg, section), name, value)
     return cfg
+
+
+def build_launch(values: dict[str, Any], names: dict[str, str] | None = None) -> LaunchConfig:
+    """The launcher's settings from command-line text (`launch.nproc`, ...), checked like any other."""
+    names = names or {}
+    return LaunchConfig(**{k.partition(".")[2]: coerce_setting(k, v, from_text=True, name=names.get(k))
+                           for k, v in values.items()})
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -218,13 +278,19 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     return flat
 
 
-def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the preset's model shape and learning rate, then TOML, then CLI overrides;
-    validated. Unless set, `optim.min_lr` is a tenth of the peak rate."""
+def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
+                 names: dict[str, str] | None = None) -> TrainConfig:
+    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides;
+    validated. Overrides may be typed values (from code) or strings (the command line), which are
+    parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
+    is a tenth of the peak rate."""
     from pipezero.models.presets import PRESET_LR, apply_preset
 
-    flat: dict[str, Any] = load_toml(toml_path) if toml_path else {}
-    flat.update(overrides or {})
+    names = names or {}
+    flat = {k: coerce_setting(k, v) for k, v in (load_toml(toml_path) if toml_path else {}).items()}
+    flat.update({k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in (overrides or {}).items()})
+    if any(k.startswith("launch.") for k in flat):
+        raise ConfigError(f"launcher settings {sorted(k for k in flat if k.startswith('launch.'))} are not run settings")
     cfg = TrainConfig()
     preset = flat.get("model.preset", cfg.model.preset)
     apply_preset(cfg.model, preset)
@@ -242,12 +308,13 @@ def _check(cond: bool, msg: str) -> None:
 
 def _validate(cfg: TrainConfig) -> None:
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
+    for section in _sections(False):  # a configuration built in code passes the same checks as a file
+        for f in dataclasses.fields(getattr(cfg, section)):
+            coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     _check(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads
     _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
     _check((m.dim // m.n_heads) % 2 == 0, "head dimension (dim / n_heads) must be even for rotary positions")
-    _check(m.n_layers >= 1, "model.n_layers must be at least 1")
-    _check(d.seq_len >= 1, "--seq-len must be positive")
     _check(
         d.seq_len <= m.max_seq_len,
         f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={m.max_seq_len}); "
@@ -255,14 +322,6 @@ def _validate(cfg: TrainConfig) -> None:
     )
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
            f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
-    _check(0.0 < d.heldout_fraction < 0.5, "data.heldout_fraction must lie in (0, 0.5)")
-    _check(p.pp >= 1 and p.dp >= 1, "--pp and --dp must be at least 1")
-    _check(p.microbatches >= 1, "--microbatches must be at least 1")
-    _check(p.micro_batch_size >= 1, "--micro-batch-size must be at least 1")
-    _check(p.virtual_stages >= 1, "--virtual-stages must be at least 1")
-    _check(p.zero in (0, 1, 2, 3), f"--zero {p.zero}: choose 0, 1, 2 or 3")
-    _check(p.bucket_mb > 0, "parallel.bucket_mb must be positive")
-    _check(p.timeout_s > 0, "parallel.timeout_s must be positive")
     chunks = p.pp * p.virtual_stages
     layers = m.n_layers + 2  # embedding + blocks + head
     if p.stage_layers is not None:
@@ -270,25 +329,21 @@ def _validate(cfg: TrainConfig) -> None:
             len(p.stage_layers) == chunks,
             f"--stage-layers lists {len(p.stage_layers)} stages but pp x virtual-stages = {chunks}",
         )
-        _check(all(n >= 0 for n in p.stage_layers), "--stage-layers entries must be >= 0")
         _check(
             sum(p.stage_layers) == layers,
             f"--stage-layers sums to {sum(p.stage_layers)} but the model has {layers} layers "
             f"(embedding + {m.n_layers} blocks + head)",
         )
+        _check(p.stage_layers[0] >= 1 and p.stage_layers[-1] >= 1,
+               f"--stage-layers {','.join(map(str, p.stage_layers))}: the first chunk must hold the embedding "
+               f"and the last the head; only chunks in between may be empty")
     else:
         _check(
             chunks <= layers,
             f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "
             f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages or use a bigger preset",
         )
-    _check(o.lr > 0 and o.min_lr >= 0 and o.min_lr <= o.lr, "need 0 <= optim.min_lr <= optim.lr and lr > 0")
-    _check(o.warmup_steps >= 0 and o.grad_clip >= 0, "optim.warmup_steps and optim.grad_clip must be >= 0")
-    _check(r.max_steps >= 1, "--max-steps must be at least 1")
-    _check(r.eval_every >= 0 and r.eval_batches >= 1, "run.eval_every >= 0 and run.eval_batches >= 1")
-    _check(r.checkpoint_every >= 0, "--checkpoint-every must be >= 0")
-    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints must be at least 1 (the checkpoint a resume needs)")
-    _check(r.max_bad_steps >= 1, "run.max_bad_steps must be at least 1")
+    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     if d.path is not None:
         _check(Path(d.path).exists(), f"--data {d.path!r} does not exist; pass a text file, a folder or a token file")
     if d.tokenizer.endswith(".json"):

@@ -7,25 +7,49 @@ launched: the ranks read RANK / WORLD_SIZE / MASTER_ADDR from the environment to
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
+
+from pipezero.config import Device, TrainConfig
+from pipezero.job import run_job
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def strip_nproc(argv: Sequence[str]) -> list[str]:
+LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them
+
+
+def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCHER_FLAGS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{f}=" for f in LAUNCHER_FLAGS)):
             out.append(a)
     return out
+
+
+def preflight(cfg: TrainConfig, nproc: int) -> Device:
+    """Refuse here, once, what every rank would refuse after torchrun started it (each printing
+    the same line and torchrun adding its own report): data, tokenizer, vocabulary, devices; and
+    decide the ranks' device (parallel/device.py `local_device`). The corpus is tokenized and
+    cached here too, so the ranks only read the cache."""
+    import torch
+
+    from pipezero.data import load_corpus
+    from pipezero.engine import check_vocab
+    from pipezero.parallel.device import local_device
+
+    check_vocab(cfg, load_corpus(cfg.data))
+    device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
+    if warning:
+        print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)
+    return device
 
 
 def exit_rank(code: int) -> None:
@@ -45,17 +69,22 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
-def launch_local(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
-    """Run `pipezero <argv>` on `nproc` ranks with torchrun's standalone rendezvous (a free port on
-    localhost, so runs never collide), and return the job's exit code. With `max_restarts`,
-    torchrun's elastic agent restarts every rank after one fails; they resume from the newest
-    checkpoint (engine: a restarted worker always resumes)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_nproc(argv)]
-    env = dict(os.environ)
+def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 0,
+                 extra_env: dict[str, str] | None = None) -> int:
+    """Run `pipezero <argv>` on `nproc` ranks through torchrun, and return the job's exit code.
+    The rendezvous is on 127.0.0.1 at a free port (runs never collide, and nothing listens beyond
+    this machine: see loopback.py). With `max_restarts`, torchrun's elastic agent restarts every
+    rank after one fails; they resume from the newest checkpoint (engine: a restarted worker
+    always resumes). SIGINT/SIGTERM stop the whole job (job.py)."""
+    cmd = [sys.executable, "-m", "pipezero.loopback", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+           f"--rdzv-id={uuid.uuid4().hex}", "--nnodes=1", "--local-addr=127.0.0.1", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
+    env = {**os.environ, **(extra_env or {})}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, whatever the hostname
     # glibc raises its mmap threshold after large frees, after which tensors freed by ZeRO (released
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
     # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return subprocess.call(cmd, env=env)
+    return run_job(cmd, env, out)

@@ -10,12 +10,13 @@ from typing import Any
 
 
 def cache_dir() -> Path:
-    """Where tokenizers and tokenized corpora are cached: $PIPEZERO_CACHE, else ~/.cache/pipezero."""
+    """Where tokenizers and tokenized corpora are cached: $PIPEZERO_CACHE, else ~/.cache/pipezero.
+    Created private (0700): what is cached is read back as trusted tokens and tokenizers."""
     root = os.environ.get("PIPEZERO_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pipezero"
     )
     path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 
 

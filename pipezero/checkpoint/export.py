@@ -8,6 +8,8 @@ every parameter under the model's own names in its own shape (a tied embedding o
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -15,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from pipezero.checkpoint.store import CheckpointError, latest, read_manifest, Team
+from pipezero.checkpoint.safe_reader import SafeReader
+from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest
 from pipezero.config import ModelConfig
 from pipezero.models import StageChunk, build_chunk
 from pipezero.util import atomic_write_json
@@ -31,7 +34,7 @@ def read_model(path: Path) -> StageChunk:
     model = whole_model(ModelConfig(**manifest["config"]["model"]))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
-    Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True))
+    Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=SafeReader(path), no_dist=True))
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(flat[f"model.{n}"].view_as(p))
@@ -46,11 +49,22 @@ def export(source: Path, out: Path) -> Path:
         if found is None:
             raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
         source = found.path
+    else:
+        reason = problems(source, Team())  # a named checkpoint is checked like one found by `latest`
+        if reason:
+            raise CheckpointError(f"{source} cannot be exported: {reason}")
     model = read_model(source)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".model.safetensors.tmp"
-    save_model(model, str(tmp))  # drops the tied head's alias and restores it on load
-    tmp.replace(out / "model.safetensors")
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".safetensors.tmp")  # unique: exports may race
+    try:
+        os.close(fd)
+        save_model(model, tmp)  # drops the tied head's alias and restores it on load
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out / "model.safetensors")
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     atomic_write_json(out / "config.json", read_manifest(source)["config"]["model"])
     return source
 

@@ -19,8 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pipezero.checkpoint.pieces import Piece, owned_ranges
+from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.store import CheckpointError, Found, Team, latest, write
 from pipezero.config import ModelConfig, TrainConfig
+from pipezero.rundir import run_id
 from pipezero.zero.sharded import ZeroDP
 
 
@@ -59,7 +61,7 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int) -> Path:
     state = state_dict(zero, cfg.model, saving=True)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
-    info = {"config": cfg.to_dict(), "world": team.world, "adam_steps": zero.opt.step_count,
+    info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
             "bad_in_a_row": bad_in_a_row,
             "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "virtual_stages": p.virtual_stages,
                        "schedule": p.schedule.value}}
@@ -81,7 +83,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
         state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
-    team.run(f"read of {found.path}", lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(found.path),
+    team.run(f"read of {found.path}", lambda: dcp.load(state, storage_reader=SafeReader(found.path),
                                                        no_dist=team.world == 1))
     if same_ranks:
         torch.set_rng_state(state[f"rng.rank{team.rank}"])
@@ -118,7 +120,7 @@ def resume(cfg: TrainConfig, zero: ZeroDP) -> Found | None:
     if not (cfg.run.resume or restarted()):
         return None
     team = Team.current(0)
-    found = latest(checkpoint_root(cfg), team)
+    found = latest(checkpoint_root(cfg), team, run_id(cfg.run.out))
     if found is None:
         if team.rank == 0:
             print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.util import atomic_write_json
 
 FORMAT = "pipezero-checkpoint/1"
@@ -36,6 +38,15 @@ _STEP = re.compile(r"^step-(\d{8})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the rank, step and operation."""
+
+
+def cause(e: BaseException) -> str:
+    """One line saying what went wrong: DCP's CheckpointException prints every rank's traceback;
+    keep each failed rank's exception instead."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {cause(exc)}" for r, (exc, _) in sorted(e.failures.items())) or "unknown"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 @dataclass
@@ -60,8 +71,8 @@ class Team:
             with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 return fn()
-        except Exception as e:  # gloo/NCCL timeouts and peers that died
-            raise CheckpointError(f"rank {self.rank}, step {self.step}: checkpoint {what} failed: {e}") from e
+        except (Exception, CheckpointException) as e:  # timeouts, dead peers, DCP's own (a BaseException)
+            raise CheckpointError(f"rank {self.rank}, step {self.step}: checkpoint {what} failed: {cause(e)}") from e
 
     def barrier(self, what: str) -> None:
         if self.world > 1:
@@ -142,30 +153,80 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier attempt at this step
         tmp.mkdir(parents=True)
     team.barrier(f"start of step-{step:08d}")
-    team.run(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
-                                                 no_dist=team.world == 1))
-    team.barrier(f"write of {tmp}")
-    files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
+    try:
+        team.run(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
+                                                     no_dist=team.world == 1))
+        team.barrier(f"write of {tmp}")
+        files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
+    except CheckpointError:
+        if team.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
+        raise
     if team.rank == 0:
         atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
         _fsync_dir(tmp)
         _discard(final)  # a checkpoint of this step that failed its checksum earlier
         tmp.rename(final)
         _fsync_dir(root)
-        for _, old in committed(root)[:-keep] if keep > 0 else []:
+        for old in own_checkpoints(root, info.get("run"))[:-keep] if keep > 0 else []:
             _discard(old)
     team.barrier(f"commit of {final}")
     return final
 
 
+def run_of(path: Path) -> str | None:
+    """The run id in checkpoint `path`'s manifest (None: written before runs had ids); raises
+    CheckpointError when the manifest cannot be read."""
+    return read_manifest(path).get("run")
+
+
+def own_checkpoints(root: Path, run: str | None) -> list[Path]:
+    """Committed checkpoints of run `run`, oldest first: the only ones its pruning may delete. One
+    whose manifest cannot be read is nobody's, and is kept."""
+    mine = []
+    for _, path in committed(root):
+        try:
+            if run_of(path) == run:
+                mine.append(path)
+        except CheckpointError:
+            continue
+    return mine
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
+    """Checkpoint `path`'s manifest, its fields checked: a manifest is data from disk, and nothing
+    in it may point outside the folder or disagree with the folder's name."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable {MANIFEST}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: format {got!r}, expected {FORMAT!r}")
+    problem = _manifest_problem(path, manifest)
+    if problem:
+        raise CheckpointError(f"{path}: bad {MANIFEST}: {problem}")
     return manifest
+
+
+def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
+    folder = _STEP.match(path.name)
+    step, files = m.get("step"), m.get("files")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step {step!r} is not a step number"
+    if folder and int(folder.group(1)) != step:
+        return f"step {step} but the folder is {path.name}"
+    if not isinstance(files, dict) or not files:
+        return "no files listed"
+    for name, meta in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or Path(name).is_absolute():
+            return f"file name {name!r} is not a plain name inside the checkpoint"
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
+            return f"file {name!r} lacks an integer size and a sha256"
+    for key, kind in (("config", dict), ("world", int), ("adam_steps", int), ("bad_in_a_row", int)):
+        if key in m and not isinstance(m[key], kind):
+            return f"{key} is not a {kind.__name__}"
+    return None
 
 
 def problems(path: Path, team: Team) -> str | None:
@@ -184,7 +245,13 @@ def problems(path: Path, team: Team) -> str | None:
         return f"files of the wrong size (truncated?): {wrong_size}"
     actual = _hash_share(path, names, team)
     bad = [n for n in names if actual[n]["sha256"] != expected[n]["sha256"]]
-    return f"checksum mismatch in {bad}" if bad else None
+    if bad:
+        return f"checksum mismatch in {bad}"
+    try:  # the files are the ones saved; is their metadata loadable, and only metadata?
+        SafeReader(path).read_metadata()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata: use another
+        return f"unreadable checkpoint metadata: {cause(e)}"
+    return None
 
 
 @dataclass
@@ -194,16 +261,20 @@ class Found:
     skipped: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints that failed
 
 
-def latest(root: Path, team: Team) -> Found | None:
+def latest(root: Path, team: Team, run: str | None = None) -> Found | None:
     """The newest checkpoint whose files match their manifest, warning (rank 0, stderr) about
-    every newer one that does not. Collective: every rank calls it and gets the same answer."""
-    candidates = team.share([str(p) for _, p in committed(root)], "listing")
+    every newer one that does not; with `run`, only checkpoints of that run (or of no run).
+    Collective: every rank calls it and gets the same answer."""
+    candidates, run = team.share(([str(p) for _, p in committed(root)], run), "listing")
     skipped: list[tuple[Path, str]] = []
     for name in reversed(candidates):
         path = Path(name)
         reason = problems(path, team)
         if reason is None:
-            return Found(path, read_manifest(path), skipped)
+            manifest = read_manifest(path)
+            if run is not None and manifest.get("run") not in (None, run):
+                continue  # another run's, trained in this folder with --force
+            return Found(path, manifest, skipped)
         skipped.append((path, reason))
         if team.rank == 0:
             print(f"pipezero: warning: skipping corrupt checkpoint {path}: {reason}; trying the previous one",

@@ -55,11 +55,25 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
-def read_documents(files: list[Path], max_bytes: int | None) -> list[str]:
+def decode_text(path: Path, strict: bool) -> str:
+    """A file's text. With `strict` (the user's data), a file that is not text is refused: a NUL
+    byte, or more than 1% of bytes that are not UTF-8, means binary data that would train on noise."""
+    data = path.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    if strict and data:
+        invalid = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+        nul = b"\0" in data
+        if nul or invalid > 0.01 * len(data):
+            raise ConfigError(f"--data file {str(path)!r} is not UTF-8 text ({invalid} invalid sequences in "
+                              f"{len(data)} bytes{', NUL bytes' if nul else ''}); pass text, or tokens as .bin/.npy")
+    return text
+
+
+def read_documents(files: list[Path], max_bytes: int | None, strict: bool = False) -> list[str]:
     docs: list[str] = []
     total = 0
     for f in files:
-        text = f.read_text(encoding="utf-8", errors="replace")
+        text = decode_text(f, strict)
         if max_bytes is not None and total + len(text) > max_bytes:
             docs.append(text[: max_bytes - total])
             break
@@ -93,17 +107,40 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def read_tokens(path: Path) -> np.ndarray:
+    """The ids of a token file, memory-mapped: a `.npy` of unsigned or signed integers (never
+    unpickled: a file cannot run code), or a raw `.bin` of uint16 (uint32 when the name says u32)."""
+    name = str(path)
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        dtype = np.dtype(np.uint32 if "u32" in path.name else np.uint16)
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            raise ConfigError(f"token file {name!r} holds {size} bytes, not a whole number of {dtype.name} ids "
+                              f"({dtype.itemsize} bytes each; name it *u32*.bin for uint32)")
+        return np.memmap(path, dtype=dtype, mode="r")
+    except (ValueError, OSError) as e:  # object arrays, a broken header, an unreadable file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"token file {name!r} cannot be read as token ids ({reason}); write it with "
+                          f"numpy.save of an integer array") from None
+
+
 def load_token_file(path: Path, cfg: DataConfig) -> Corpus:
-    if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-    else:
-        dtype = np.uint32 if "u32" in path.name else np.uint16
-        tokens = np.memmap(path, dtype=dtype, mode="r")
+    tokens = read_tokens(path)
+    name = str(path)
+    if tokens.dtype.kind not in "iu":
+        raise ConfigError(f"token file {name!r} holds {tokens.dtype} values; token ids must be integers")
     if tokens.ndim != 1 or len(tokens) < 2 * (cfg.seq_len + 1):
-        raise ConfigError(f"token file {str(path)!r} must be 1-D with at least {2 * (cfg.seq_len + 1)} tokens")
-    cut = int(len(tokens) * (1.0 - cfg.heldout_fraction))
+        raise ConfigError(f"token file {name!r} must be 1-D with at least {2 * (cfg.seq_len + 1)} tokens")
+    if tokens.min() < 0:
+        raise ConfigError(f"token file {name!r} holds negative ids (smallest {int(tokens.min())}); ids must be >= 0")
     tok = load_tokenizer(cfg.tokenizer, [], cfg.bpe_vocab) if cfg.tokenizer.endswith(".json") else None
-    return Corpus(np.asarray(tokens[:cut]), np.asarray(tokens[cut:]), tok, str(path))
+    if tok is not None and int(tokens.max()) >= tok.vocab_size:
+        raise ConfigError(f"token file {name!r} holds id {int(tokens.max())}, but the tokenizer "
+                          f"{cfg.tokenizer!r} has only {tok.vocab_size} tokens: tokenize with that tokenizer")
+    cut = int(len(tokens) * (1.0 - cfg.heldout_fraction))
+    return Corpus(np.asarray(tokens[:cut]), np.asarray(tokens[cut:]), tok, name)
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -112,13 +149,13 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         return load_token_file(Path(cfg.path), cfg)
     files = stdlib_files() if cfg.path is None else text_files(Path(cfg.path))
     source = "python-stdlib" if cfg.path is None else str(cfg.path)
-    docs = read_documents(files, cfg.max_bytes)
+    docs = read_documents(files, cfg.max_bytes, strict=cfg.path is not None)
     train_docs, held_docs = split_documents(docs, cfg.heldout_fraction)
     tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
     key = f"tokens-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
     paths = cache_dir() / f"{key}.train.npy", cache_dir() / f"{key}.heldout.npy"
     if all(p.is_file() for p in paths):
-        train, heldout = (np.load(p, mmap_mode="r") for p in paths)
+        train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
     else:
         train, heldout = _encode(tok, train_docs), _encode(tok, held_docs)
         _save_npy(paths[0], train)

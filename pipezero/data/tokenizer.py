@@ -14,6 +14,7 @@ from typing import Protocol
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from pipezero.errors import ConfigError
 from pipezero.util import atomic_write_bytes, cache_dir
 
 
@@ -42,9 +43,11 @@ class ByteTokenizer:
 class BPETokenizer:
     """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
 
-    def __init__(self, hf: HFTokenizer, name: str) -> None:
+    def __init__(self, hf: HFTokenizer) -> None:
         self.hf = hf
-        self.name = name
+        # Named by its content, so cached token arrays follow the vocabulary, not a file name:
+        # two different tokenizer.json files called alike never share a cache entry.
+        self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
         self.vocab_size = hf.get_vocab_size()
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
@@ -64,11 +67,16 @@ class BPETokenizer:
             show_progress=False,
         )
         hf.train_from_iterator(texts, trainer)
-        return cls(hf, f"bpe{vocab_size}")
+        return cls(hf)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
-        return cls(HFTokenizer.from_file(str(path)), f"file:{Path(path).name}")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
+                              f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
 
 
 def texts_digest(texts: Sequence[str]) -> str:
@@ -87,7 +95,7 @@ def load_tokenizer(kind: str, train_texts: Sequence[str], bpe_vocab: int) -> Tok
     sample = list(train_texts[::4]) or list(train_texts)
     path = cache_dir() / f"bpe-{bpe_vocab}-{texts_digest(sample)}.json"
     if path.is_file():
-        return BPETokenizer(HFTokenizer.from_file(str(path)), f"bpe{bpe_vocab}")
+        return BPETokenizer.from_file(path)
     tok = BPETokenizer.train(sample, bpe_vocab)
     atomic_write_bytes(path, tok.hf.to_str().encode())
     return tok

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from rich.console import Console
 from rich.table import Table
 
-from pipezero.config import ConfigError, ScheduleKind
+from pipezero.coerce import Range, coerce
+from pipezero.config import NON_NEGATIVE, POSITIVE, POSITIVE_INT, ConfigError, ScheduleKind
 from pipezero.schedules.check import CostModel, SimResult, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.schedules.registry import NEEDS_V
+
+
+def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
+    """Refuse a flag value out of its range in one line, the way `train` does (config.coerce)."""
+    for dest, (kind, accepted) in limits.items():
+        if getattr(args, dest, None) is not None:
+            coerce(f"--{dest.replace('_', '-')}", kind, getattr(args, dest), False, accepted)
 
 
 def parse_cost(text: str) -> tuple[float, float, float]:
@@ -59,7 +68,12 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
 
     if not Path(args.from_trace).is_file():
         raise ConfigError(f"--from-trace {args.from_trace!r} does not exist (a run with --trace writes trace.json)")
-    cal = calibrate(args.from_trace)
+    try:
+        cal = calibrate(args.from_trace)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # empty, not JSON, not a trace
+        raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
+                          f"trained with --trace") from None
     lay = cal.layout
     step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
     others = what_if(cal)
@@ -89,8 +103,8 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.from_trace:
         return cmd_from_trace(args)
-    if args.pp < 1 or args.microbatches < 1:
-        raise ConfigError("--pp and --microbatches must be at least 1")
+    check_ranges(args, {"pp": (int, POSITIVE_INT), "microbatches": (int, POSITIVE_INT),
+                        "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
     kinds = list(ScheduleKind) if args.compare else [ScheduleKind(args.schedule)]
@@ -129,6 +143,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
+    """GPU counts near `gpus` that split into some pp x dp, for the error message."""
+    def splits(n: int) -> bool:
+        return any(n % pp == 0 and global_batch % (n // pp) == 0 for pp in range(1, min(n, layers) + 1))
+
+    below = next((n for n in range(gpus - 1, 0, -1) if splits(n)), None)
+    above = next(n for n in range(gpus + 1, 2 * gpus + global_batch + 2) if splits(n))
+    return " or ".join(str(n) for n in (below, above) if n)
+
+
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("plan", help="choose a pp x dp x ZeRO x schedule layout for a cluster")
     what = s.add_mutually_exclusive_group(required=True)
@@ -152,17 +176,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipezero.models import apply_preset, param_count
     from pipezero.sim.planner import Cluster, model_from_params, plan, reason
 
+    check_ranges(args, {"params": (float, POSITIVE), "gpus": (int, POSITIVE_INT), "gpu_memory": (float, POSITIVE),
+                        "node_size": (int, POSITIVE_INT), "global_batch": (int, POSITIVE_INT),
+                        "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT)})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     try:
         intra, inter = (float(x) for x in args.bandwidth.split(","))
     except ValueError:
         raise ConfigError(f"--bandwidth wants intra,inter GB/s like 300,25, got {args.bandwidth!r}") from None
-    if args.gpus < 1 or args.gpu_memory <= 0 or args.global_batch < 1:
-        raise ConfigError("--gpus, --gpu-memory and --global-batch must be positive")
+    if not (intra > 0 and inter > 0 and math.isfinite(intra + inter)):
+        raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (intra,inter-node GB/s)")
     cluster = Cluster(args.gpus, args.gpu_memory, args.node_size, intra, inter)
     t0 = time.perf_counter()
     fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
     took = time.perf_counter() - t0
+    if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
+        raise ConfigError(f"{args.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
+                          f"{model.n_layers} layers and dp dividing --global-batch {args.global_batch}; "
+                          f"choose --gpus {_nearby_gpus(model.n_layers, args.global_batch, args.gpus)} "
+                          f"or another --global-batch")
     if not fits:
         raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
                           f"{args.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")

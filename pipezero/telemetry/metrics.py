@@ -15,6 +15,20 @@ from pipezero.util import atomic_write_bytes
 REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s")
 
 
+def _records(text: str) -> list[dict[str, Any]]:
+    """The complete step records of a log; a line a crash cut short (or any line that is not a step
+    record) is dropped rather than blocking a resume."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 class MetricsLog:
     """Writes one JSON object a line, flushed at once so a crash loses at most the current step."""
 
@@ -25,8 +39,7 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_steps and path.exists():
-            kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line)["step"] <= keep_steps]
+            kept = [json.dumps(r) + "\n" for r in _records(path.read_text()) if r["step"] <= keep_steps]
         atomic_write_bytes(path, "".join(kept).encode())
         self._f = path.open("a")
 

@@ -1,0 +1,129 @@
+"""Values from a TOML file or the command line, turned into a dataclass field's declared type.
+
+One function does it for every setting, so a value is accepted or refused the same way whatever
+its source. TOML values must already have the field's type (`pp = "2"` is refused: TOML can say
+`pp = 2`); command-line values arrive as text and are parsed. Nothing is guessed: `"false"` is
+not a bool, `2.5` and `64.0` are not integers. A refusal is one `ConfigError` naming the setting
+and what it accepts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pipezero.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """The accepted values of a numeric setting; bounds are inclusive unless marked open."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        if self.low is not None and (v < self.low or (self.open_low and v == self.low)):
+            return False
+        return not (self.high is not None and (v > self.high or (self.open_high and v == self.high)))
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.open_low else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.open_high else '<='} {self.high:g}")
+        return " and ".join(parts)
+
+
+def _plain(ftype: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); any other type -> (type, False)."""
+    if isinstance(ftype, types.UnionType) or typing.get_origin(ftype) is typing.Union:
+        args = [a for a in typing.get_args(ftype) if a is not type(None)]
+        return args[0], True
+    return ftype, False
+
+
+def describe(ftype: Any, limits: Range | None = None) -> str:
+    """What a field accepts, in the words an error message uses."""
+    base, _ = _plain(ftype)
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return "one of " + ", ".join(str(e.value) for e in base)
+    if typing.get_origin(base) is list:
+        return "a list of integers"
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
+    return f"{words} {limits.describe()}" if limits else words
+
+
+def choices(ftype: Any) -> list[str] | None:
+    """The values of an enum-typed field, for help texts; None for other types."""
+    base, _ = _plain(ftype)
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        return [str(e.value) for e in base]
+    return None
+
+
+def _parse_text(base: Any, text: str) -> Any:
+    """A command-line string as `base`, or the text unchanged when it does not parse (refused later)."""
+    try:
+        if base is int:
+            return int(text.strip(), 10)
+        if base is float:
+            return float(text)
+        if typing.get_origin(base) is list:
+            return [int(x, 10) for x in text.split(",")]
+    except ValueError:
+        pass
+    return text
+
+
+def _typed(base: Any, value: Any) -> bool:
+    if base is bool:
+        return isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if typing.get_origin(base) is list:
+        return isinstance(value, list) and all(_typed(int, x) for x in value)
+    return isinstance(value, base)
+
+
+def shown(value: Any) -> str:
+    """A value the way the user wrote it in TOML (strings quoted, booleans lower case)."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def coerce(name: str, ftype: Any, value: Any, from_text: bool, limits: Range | None = None) -> Any:
+    """`value` as a field of type `ftype`, or a ConfigError naming `name` and what it accepts.
+    `from_text`: the value comes from the command line, where everything is a string."""
+    base, optional = _plain(ftype)
+    raw = value
+    if value is None and optional:
+        return None
+    if isinstance(base, type) and issubclass(base, enum.Enum):
+        if isinstance(value, base):
+            return value
+        if isinstance(value, str) and value in {e.value for e in base}:
+            return base(value)
+    else:
+        if from_text and isinstance(value, str):
+            value = _parse_text(base, value)
+        if _typed(base, value):
+            value = float(value) if base is float else value
+            bad = [v for v in (value if isinstance(value, list) else [value])
+                   if limits is not None and not isinstance(v, str) and v not in limits]
+            if not bad:
+                return value
+    said = f"{name} {raw}" if from_text and isinstance(raw, str) else f"{name} = {shown(raw)}"
+    raise ConfigError(f"{said}: expected {describe(ftype, limits)}")

@@ -1,0 +1,85 @@
+"""A local torchrun job, run to its end or stopped as a whole when the launcher is told to stop.
+
+torchrun starts each worker in a session of its own, so a signal to the launcher's process group
+never reaches them, and torchrun answers SIGTERM with a report of many lines per rank. So on
+SIGINT or SIGTERM the launcher stops the job itself: it notes torchrun's workers, ends torchrun
+(SIGKILL: it holds nothing that must be saved, and so prints nothing), sends every worker SIGTERM,
+kills any still alive after a grace period, and says in one line what happened. Checkpoints are
+committed by an atomic rename, so the newest complete one is intact whenever a worker dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+GRACE_S = 5.0  # how long stopped workers may take to exit before they are killed
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux /proc; empty where it is not available)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(x) for x in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _signal(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End torchrun `proc` and every worker it started; return when none is left."""
+    workers = children(proc.pid)
+    if not workers:  # nothing to see (not Linux, or between restarts): let torchrun stop them
+        proc.terminate()
+    else:
+        proc.kill()
+        _signal(workers, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and (proc.poll() is None or any(alive(w) for w in workers)):
+        time.sleep(0.05)
+    _signal([w for w in workers if alive(w)], signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def run_job(cmd: Sequence[str], env: dict[str, str], out: str) -> int:
+    """Run torchrun command `cmd`; its exit status, or 128 + the signal that stopped it."""
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in STOP_SIGNALS}
+    try:
+        proc = subprocess.Popen(cmd, env=env)
+        while proc.poll() is None and not received:
+            time.sleep(0.1)
+        if not received:
+            return proc.returncode
+        stop(proc)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    name = signal.Signals(received[0]).name
+    print(f"pipezero: stopped by {name}; every rank ended, the newest complete checkpoint under {out} is intact: "
+          f"continue with --resume", file=sys.stderr, flush=True)
+    return 128 + received[0]

@@ -1,0 +1,48 @@
+"""`python -m pipezero.loopback <torchrun arguments>`: torchrun whose stores listen on 127.0.0.1 only.
+
+A local `--nproc` job needs no network, but torch's TCPStore server listens on every interface
+whatever host it is given (seen with torch 2.13: `ss -ltn` shows `*:PORT` for both of torchrun's
+stores), so anyone who can reach the machine could write into the rendezvous of a running job.
+TCPStore accepts an already listening socket instead (`master_listen_fd`); this module hands it
+one bound to 127.0.0.1 whenever a store server is asked for on a loopback host, then runs
+torchrun unchanged. Multi-node runs use torchrun directly and trust the cluster network.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+from torch.distributed.run import main as torchrun_main
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
+
+
+class LoopbackTCPStore(dist.TCPStore):
+    """A TCPStore whose server, for a loopback host, listens on 127.0.0.1 and nowhere else."""
+
+    def __init__(self, host_name: str, port: int, *args: Any, **kwargs: Any) -> None:
+        is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+        if is_master and host_name in LOOPBACK_HOSTS and kwargs.get("master_listen_fd") is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(512)
+            self._listen_socket = sock  # kept open for as long as the store lives
+            host_name, port = "127.0.0.1", sock.getsockname()[1]
+            kwargs["master_listen_fd"] = sock.fileno()
+            kwargs["use_libuv"] = True  # the backend that serves a listening socket it is given
+        super().__init__(host_name, port, *args, **kwargs)
+
+
+def main(argv: list[str]) -> None:
+    dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # rendezvous and agent stores
+    c10d_backend.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # imported by name there
+    torchrun_main(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

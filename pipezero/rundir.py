@@ -1,0 +1,112 @@
+"""A run folder (`--out`) belongs to one run at a time, and is never reused by mistake.
+
+Claiming it checks, before any rank starts, that it can be a run folder (a writable folder, not
+a file or an empty name); refuses one that already holds a run unless the user says `--resume`
+(continue it) or `--force` (train beside what is there); and takes an exclusive `flock` on
+`DIR/.lock`, held by the process that launches the ranks (or rank 0 under an outside torchrun)
+until the run ends, so a second run in the same folder stops at once instead of both writing the
+same checkpoints. The kernel drops the lock when its holder dies, so a crash never leaves a stale
+lock behind.
+
+Each run has an id, kept in `DIR/.run-id` and written into its checkpoints' manifests: pruning
+deletes only checkpoints of the same id, and resuming takes only those, so a `--force` run never
+deletes or continues from the checkpoints of the run it trained beside. `--resume` keeps the id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from pipezero.errors import ConfigError
+
+LOCK = ".lock"
+RUN_ID = ".run-id"
+HELD_BY_LAUNCHER = "PIPEZERO_RUN_CLAIMED"  # set for the ranks a launcher started: it holds the lock
+
+
+def run_id(out: str | Path) -> str | None:
+    """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs)."""
+    try:
+        return (Path(out) / RUN_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+@dataclass
+class Claim:
+    """An exclusive hold on a run folder; release it (or leave the `with` block) when the run ends."""
+
+    path: Path
+    fd: int
+    id: str
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = -1
+
+    def __enter__(self) -> "Claim":
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"--out {str(path)!r} is in use by another run (pid {holder}); wait for it to end "
+                          f"or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def claim(out: str, resume: bool, force: bool) -> Claim:
+    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be."""
+    path = Path(out)
+    if not out.strip():
+        raise ConfigError("--out is empty: name a folder for the run")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = _lock(path)
+    except OSError as e:
+        raise ConfigError(f"--out {out!r} cannot be written ({e.strerror or e}): choose a writable folder") from None
+    try:
+        previous = run_id(path)
+        held = sorted(p.name for p in path.iterdir() if p.name not in (LOCK, RUN_ID))
+        if held and not (resume or force):
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
+                              f"--force to train there anyway, or choose another --out")
+        ident = previous if (resume and previous) else uuid.uuid4().hex[:16]
+        (path / RUN_ID).write_text(ident + "\n")
+    except BaseException:
+        os.close(fd)
+        raise
+    return Claim(path, fd, ident)
+
+
+def claim_here(out: str, resume: bool, force: bool) -> contextlib.AbstractContextManager[object]:
+    """Claim `out` if this process is the one that should: a launcher or a lone process, or rank 0
+    under an outside torchrun (after an elastic restart it continues its own run, so the folder may
+    hold it). Ranks our launcher started, and other ranks, claim nothing."""
+    if os.environ.get(HELD_BY_LAUNCHER):
+        return contextlib.nullcontext()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        if os.environ["RANK"] != "0":
+            return contextlib.nullcontext()
+        resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return claim(out, resume, force)

@@ -1,0 +1,331 @@
+"""Every user mistake is one line on stderr naming the fix, exit status 2, and no traceback.
+
+Most cases run `pipezero.cli.main` in this process (fast: no interpreter or torch start-up a
+case); a few run the console command, where the launcher and torchrun are involved.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipezero.cli import main
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit status, stderr) of `pipezero <argv>` run in this process."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors leave through sys.exit
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, needle: str) -> None:
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pipezero") and needle in lines[0], err
+
+
+def toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+# (TOML text or None, extra flags, what the one line must say)
+CONFIG_CASES = [
+    ('[parallel]\npp = "2"\n', [], 'parallel.pp = "2": expected an integer >= 1'),
+    ("[parallel]\nzero = 5\n", [], "parallel.zero = 5: expected an integer >= 0 and <= 3"),
+    ('[parallel]\nschedule = "1f2b"\n', [], "parallel.schedule = \"1f2b\": expected one of gpipe, 1f1b"),
+    ('[model]\ntie_embeddings = "false"\n', [], 'model.tie_embeddings = "false": expected true or false'),
+    ("[run]\nmax_steps = 2.5\n", [], "run.max_steps = 2.5: expected an integer >= 1"),
+    ("[data]\nseq_len = 64.0\n", [], "data.seq_len = 64.0: expected an integer >= 1"),
+    ("[model]\nn_heads = 0\n", [], "model.n_heads = 0: expected an integer >= 1"),
+    ("[model]\ndim = -128\n", [], "model.dim = -128: expected an integer >= 1"),
+    ("[data]\nmax_bytes = -5\n", [], "data.max_bytes = -5: expected an integer >= 1"),
+    ("[run]\nbogus = 1\n", [], "unknown setting 'run.bogus'; [run] accepts max_steps"),
+    ("[weird]\nx = 1\n", [], "unknown table [weird]"),
+    ("[model\n", [], "is not valid TOML"),
+    ("[optim]\nlr = 0.001\nmin_lr = 0.01\n", [], "optim.min_lr = 0.01: expected a number <= optim.lr"),
+    ("[optim]\nbeta2 = 1.0\n", [], "optim.beta2 = 1.0: expected a number >= 0 and < 1"),
+    ("[parallel]\nstage_layers = [0, 2, 2]\npp = 3\n", [], "the first chunk must hold the embedding"),
+    (None, ["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
+    (None, ["--schedule", "1f2b"], "--schedule 1f2b: expected one of gpipe"),
+    (None, ["--max-steps", "2.5"], "--max-steps 2.5: expected an integer >= 1"),
+    (None, ["--seq-len", "64.0"], "--seq-len 64.0: expected an integer >= 1"),
+    (None, ["--threads", "-1"], "--threads -1: expected an integer >= 1"),
+    (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
+    (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
+    (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
+    (None, ["--nproc", "3", "--dp", "2"], "--nproc 3 but pp x dp = 2; make them equal"),
+    (None, ["--lr", "nan"], "--lr nan: expected a number > 0"),
+    (None, ["--stage-layers", "1,x"], "--stage-layers 1,x: expected a list of integers"),
+    (None, ["--bogus"], "unrecognized arguments: --bogus"),
+    (None, ["--npr", "2"], "unrecognized arguments: --npr"),  # no abbreviations of flags
+    (None, ["--pp"], "argument --pp: expected one argument"),
+    (None, ["--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
+]
+
+
+@pytest.mark.parametrize("text,flags,needle", CONFIG_CASES, ids=[c[2][:40] for c in CONFIG_CASES])
+def test_bad_setting_is_one_line(text, flags, needle, tmp_path, capsys):
+    argv = ["train", *(["--config", toml(tmp_path, text)] if text is not None else []), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_each_flag_is_declared_once_and_sets_its_setting():
+    """One table declares every flag; a flag's value arrives at its setting, coerced by config."""
+    from pipezero.cli import TRAIN_FLAGS, build_parser, flag_values
+    from pipezero.config import build_config, setting_type
+
+    flags = list(TRAIN_FLAGS)
+    assert len(flags) == len(set(flags)) and len({k for k, _ in TRAIN_FLAGS.values()}) == len(flags)
+    for key, _ in TRAIN_FLAGS.values():
+        setting_type(key)  # every flag names a real setting
+    args = build_parser().parse_args(["train", "--pp", "2", "--zero", "3", "--schedule", "gpipe", "--no-progress",
+                                      "--recompute", "--stage-layers", "2,2", "--lr", "0.01"])
+    settings, launch, names = flag_values(args)
+    cfg = build_config(None, settings, names)
+    assert (cfg.parallel.pp, cfg.parallel.zero, cfg.parallel.schedule.value) == (2, 3, "gpipe")
+    assert cfg.run.progress is False and cfg.parallel.recompute is True
+    assert cfg.parallel.stage_layers == [2, 2] and cfg.optim.lr == 0.01 and launch == {}
+
+
+def test_tied_embeddings_from_toml_is_a_real_bool(tmp_path):
+    from pipezero.config import build_config
+
+    assert build_config(toml(tmp_path, "[model]\ntie_embeddings = false\n")).model.tie_embeddings is False
+    assert build_config(toml(tmp_path, "[model]\ntie_embeddings = true\n")).model.tie_embeddings is True
+
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Files that are not what --data / --tokenizer need."""
+    import numpy as np
+
+    from pipezero.data.tokenizer import BPETokenizer
+
+    root = tmp_path_factory.mktemp("bad-data")
+    (root / "random.txt").write_bytes(np.random.default_rng(0).integers(0, 256, 8192, dtype=np.uint8).tobytes())
+    (root / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    np.save(root / "big.npy", np.arange(5000, dtype=np.int64))
+    np.save(root / "negative.npy", np.array([-1] + [1] * 100, dtype=np.int32))
+    np.save(root / "float.npy", np.ones(100, dtype=np.float32))
+    np.save(root / "object.npy", np.array([1, "a"] * 50, dtype=object), allow_pickle=True)
+    (root / "odd.bin").write_bytes(b"\1" * 101)
+    (root / "empty.bin").write_bytes(b"")
+    (root / "broken.json").write_text('{"model": ')
+    BPETokenizer.train(["hello world, hello tokens"] * 20, 300).hf.save(str(root / "small.json"))
+    np.save(root / "beyond.npy", np.arange(400, dtype=np.uint16))
+    return root
+
+
+DATA_CASES = [
+    (["--data", "random.txt"], "is not UTF-8 text"),
+    (["--data", "big.npy"], "set model.vocab_size >= 5000"),
+    (["--data", "negative.npy"], "holds negative ids (smallest -1)"),
+    (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
+    (["--data", "object.npy"], "cannot be read as token ids"),
+    (["--data", "odd.bin"], "holds 101 bytes, not a whole number of uint16 ids"),
+    (["--data", "empty.bin"], "holds 0 bytes"),
+    (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
+    (["--data", "beyond.npy", "--tokenizer", "small.json"], "holds id 399, but the tokenizer"),
+]
+
+
+@pytest.mark.parametrize("flags,needle", DATA_CASES, ids=[c[0][1] for c in DATA_CASES])
+def test_bad_data_is_one_line(flags, needle, bad_data, capsys, tmp_path):
+    flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".bin", ".json")) else f for f in flags]
+    argv = ["train", *flags, "--seq-len", "16", "--max-steps", "1", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path, monkeypatch):
+    from pipezero.data.tokenizer import BPETokenizer
+    from pipezero.util import cache_dir
+
+    for i, vocab in enumerate((270, 300)):  # two tokenizers, both called tokenizer.json
+        (tmp_path / str(i)).mkdir()
+        BPETokenizer.train(["hello world, hello tokens"] * 20, vocab).hf.save(str(tmp_path / str(i) / "tokenizer.json"))
+    a, b = (BPETokenizer.from_file(tmp_path / str(i) / "tokenizer.json") for i in (0, 1))
+    assert a.name != b.name and a.name == BPETokenizer.from_file(tmp_path / "0" / "tokenizer.json").name
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "fresh" / "cache"))
+    assert cache_dir().stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--data", "big.npy"], "set model.vocab_size >= 5000"),  # found by the launcher, not by each rank
+    (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
+    (["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
+])
+def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_path):
+    flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".json")) else f for f in flags]
+    proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", *flags,
+                           "--seq-len", "16", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    assert_one_line(proc.returncode, proc.stderr, needle)
+    assert "torch.distributed" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
+    from pipezero.rundir import claim
+
+    args = ["train", "--max-steps", "1", "--no-progress", "--seq-len", "16"]
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "metrics.jsonl").write_text('{"step": 1}\n')
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (str(held), "already holds a run (metrics.jsonl): pass --resume to continue it, --force"),
+        ("", "--out is empty"),
+        (str(a_file), "is a file, not a folder"),
+        (str(a_file / "sub"), "cannot be written"),
+        ("/proc/pipezero-no-such-run", "cannot be written"),
+    ]
+    for out, needle in cases:
+        assert_one_line(*run_main([*args, "--out", out], capsys), needle)
+    if os.geteuid() != 0:  # root writes into a read-only folder anyway
+        (tmp_path / "ro").mkdir(mode=0o500)
+        assert_one_line(*run_main([*args, "--out", str(tmp_path / "ro" / "run")], capsys), "cannot be written")
+    with claim(str(tmp_path / "busy"), resume=False, force=False):  # as another run would hold it
+        assert_one_line(*run_main([*args, "--out", str(tmp_path / "busy"), "--resume"], capsys),
+                        f"is in use by another run (pid {os.getpid()})")
+    with claim(str(tmp_path / "busy"), resume=True, force=False):  # released: free again
+        pass
+
+
+def test_pruning_and_resume_keep_to_their_own_run(tmp_path):
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, latest, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 100, {"x": torch.zeros(4)}, {"run": "old"}, keep=1, team=Team())
+    for step in (1, 2, 3):
+        write(root, step, {"x": torch.full((4,), float(step))}, {"run": "new"}, keep=1, team=Team())
+    assert [s for s, _ in committed(root)] == [3, 100]  # the new run pruned only its own
+    assert latest(root, Team(), "new").manifest["step"] == 3  # and resumes from its own
+    assert latest(root, Team(), None).manifest["step"] == 100
+
+
+def test_partial_last_metrics_line_does_not_block_resume(tmp_path):
+    import json
+
+    from pipezero.telemetry.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    MetricsLog(path, keep_steps=2).close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+class _MakesDir:
+    """A pickle payload that would create a folder when unpickled: harmless proof of code running."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
+    import hashlib
+    import json
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.safe_reader import SafeReader, UnsafeCheckpoint
+    from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest, write
+
+    root = tmp_path / "checkpoints"
+    good, bad = (write(root, s, {"x": torch.full((4,), float(s))}, {}, keep=5, team=Team()) for s in (4, 5))
+    manifest = json.loads((bad / "manifest.json").read_text())
+
+    def with_manifest(**changes):
+        (bad / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+    for changes, needle in [({"step": 4}, "step 4 but the folder is step-00000005"),
+                            ({"step": "5"}, "is not a step number"),
+                            ({"files": {}}, "no files listed"),
+                            ({"files": {"/etc/passwd": {"bytes": 1, "sha256": "0"}}}, "not a plain name"),
+                            ({"files": {"../x": {"bytes": 1, "sha256": "0"}}}, "not a plain name"),
+                            ({"files": {".metadata": "x"}}, "lacks an integer size")]:
+        with_manifest(**changes)
+        with pytest.raises(CheckpointError, match=needle):
+            read_manifest(bad)
+        assert needle in problems(bad, Team())
+    (bad / "manifest.json").write_text("[1, 2")  # unreadable: falls back like a bad checksum
+    assert latest(root, Team()).path == good and "unreadable manifest.json" in capsys.readouterr().err
+
+    # metadata that would run code: refused, nothing runs, and the previous checkpoint is used
+    marker = tmp_path / "code-ran"
+    (bad / ".metadata").write_bytes(pickle.dumps(_MakesDir(str(marker))))
+    data = (bad / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    with_manifest()
+    with pytest.raises(UnsafeCheckpoint, match="posix.mkdir, which is not checkpoint metadata"):
+        SafeReader(bad).read_metadata()
+    assert latest(root, Team()).path == good and not marker.exists()
+    assert "refusing to load it" in capsys.readouterr().err
+    SafeReader(good).read_metadata()  # real metadata passes the same unpickler
+
+    # DCP's CheckpointException is a BaseException: one line keeping each rank's cause
+    failure = CheckpointException("boom", {0: (OSError("No space left on device"), None)})
+    with pytest.raises(CheckpointError, match=r"^rank 0, step 0: checkpoint save failed: rank 0: OSError: "
+                                              r"No space left on device$"):
+        Team().run("save", lambda: (_ for _ in ()).throw(failure))
+
+    def full_disk(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointError, match="No space left"):
+        write(root, 6, {"x": torch.zeros(4)}, {}, keep=5, team=Team())
+    assert not (root / ".tmp-step-00000006").exists()  # a failed save leaves no debris
+
+    # export of a named checkpoint checks it first
+    from pipezero.checkpoint.export import export
+
+    (good / "__0_0.distcp").write_bytes(b"\0" * (good / "__0_0.distcp").stat().st_size)
+    with pytest.raises(CheckpointError, match="cannot be exported: checksum mismatch"):
+        export(good, tmp_path / "export")
+
+
+SIM_CASES = [
+    (["simulate", "--comm", "-5"], "--comm = -5.0: expected a number >= 0"),
+    (["simulate", "--pp", "0"], "--pp = 0: expected an integer >= 1"),
+    (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
+    (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
+    (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
+    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number > 0"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--bandwidth", "0,0"],
+     "--bandwidth 0,0: expected two numbers > 0"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "0"],
+     "--seq-len = 0: expected an integer >= 1"),
+    (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--node-size", "0"],
+     "--node-size = 0: expected an integer >= 1"),
+    (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80"],
+     "3 GPUs split into no layout: pp x dp must equal --gpus with pp <= 2 layers and dp dividing --global-batch "
+     "1024; choose --gpus 2 or 4"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", SIM_CASES, ids=[" ".join(c[0][:3]) + c[1][:12] for c in SIM_CASES])
+def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys):
+    files = {"empty": "", "notjson": '{"traceEvents": [', "notrace": '{"hello": 1}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    argv = [str(tmp_path / a[1:-1]) if a[1:-1] in files else a for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)

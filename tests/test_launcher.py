@@ -1,0 +1,61 @@
+"""The `--nproc` launcher as a user meets it: one job, listening on loopback only, holding its run
+folder, and stopped as a whole by SIGTERM. One training job serves every check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipezero.checkpoint.store import Team, latest
+from pipezero.cli import main
+
+
+def pids_with(marker: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found if int(p) != os.getpid()]
+
+
+def listeners(pids: list[int]) -> list[str]:
+    """Local addresses these processes listen on (TCP), from `ss`."""
+    table = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    return [line.split()[3] for line in table if any(f"pid={p}," in line for p in pids)]
+
+
+def test_sigterm_stops_every_rank_listening_on_loopback_and_holding_the_folder(text_dir, tmp_path, capsys):
+    out = tmp_path / "sigterm-run-marker"
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", "--microbatches", "2",
+           "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "32", "--max-steps", "2000",
+           "--checkpoint-every", "2", "--sample-tokens", "0", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        job = pids_with(str(out))
+        assert len(job) >= 4, job  # launcher, torchrun, two ranks
+        if shutil.which("ss"):
+            addresses = listeners(job)
+            assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
+        code = main(["train", "--out", str(out), "--resume", "--max-steps", "1"])  # a second run in the folder
+        err = capsys.readouterr().err
+        assert code == 2 and "is in use by another run" in err, err
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM and took < 10, (code, took, stderr[-2000:])
+    assert stderr.strip().splitlines()[-1].startswith("pipezero: stopped by SIGTERM"), stderr[-2000:]
+    assert "Traceback" not in stderr and "torch.distributed.elastic" not in stderr, stderr[-2000:]
+    time.sleep(0.5)
+    assert pids_with(str(out)) == []  # no orphaned rank
+    assert latest(Path(out) / "checkpoints", Team()) is not None  # the newest complete checkpoint loads
