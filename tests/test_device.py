@@ -59,3 +59,22 @@ def test_gpu_instruments_record_nothing_on_cpu():
     peaks = PeakMemory(torch.device("cpu"))
     peaks.mark("train")
     assert peaks.phases == {}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager(tmp_path):
+    """--compile changes kernels, not the model: the same losses to float tolerance, and the same
+    parameter names (checkpoints never see it)."""
+    from pipezero.engine import train
+
+    def run(compiled: bool):
+        cfg = build_config(None, {"model.n_layers": 2, "data.tokenizer": "bytes", "data.max_bytes": 300_000,
+                                  "data.seq_len": 32, "parallel.microbatches": 2, "parallel.micro_batch_size": 2,
+                                  "run.max_steps": 3, "run.compile": compiled, "run.out": str(tmp_path / str(compiled)),
+                                  "run.progress": False, "run.eval_every": 0, "run.eval_batches": 1,
+                                  "run.sample_tokens": 0, "run.threads": 1})
+        return train(cfg, snapshot=True)
+
+    eager, compiled = run(False), run(True)
+    assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
+    assert set(compiled.params) == set(eager.params)
