@@ -1,0 +1,170 @@
+"""An emulated cluster on one machine: nodes are network namespaces, joined by shaped links.
+
+Real clusters have fast links inside a node and slower ones between nodes, which loopback cannot
+show. Here each node is a network namespace with one interface, `eth0`, a veth pair whose other
+end sits on a bridge in the host's namespace. Ranks of one node share its namespace, so their
+traffic to each other never leaves it (the kernel's loopback path: fast), while traffic between
+nodes crosses two veth ends, each shaped by a token bucket filter (`tc qdisc ... tbf`): the node's
+uplink (`eth0`'s egress) and its downlink (the bridge end's egress) both run at `link`. Every node
+starts its ranks with torchrun exactly as on real machines (static rendezvous at node 0's address,
+`--node-rank i`), so nothing in the engine knows the cluster is emulated.
+
+Needs root and iproute2 (`ip`, `tc`). Everything it creates is named with a tag of this process
+(`pz<pid>`), so two clusters never collide, and removed on exit, on failure and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from pipezero.config import ConfigError
+
+
+class ClusterError(RuntimeError):
+    """The host could not build or run the emulated cluster (a failed `ip` or `tc` command)."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    nodes: int
+    link: str = "200mbit"  # each node's uplink and downlink rate (tc units: kbit, mbit, gbit)
+    # tbf's bucket: large enough for one 64 KB segment burst at these rates, small enough that the
+    # rate holds over a millisecond; and how long a packet may queue before tbf drops it.
+    burst: str = "64kb"
+    queue_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 200:
+            raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
+
+
+def require_root() -> None:
+    """One line, before anything is created, when this host cannot build namespaces."""
+    if os.geteuid() != 0:
+        raise ConfigError("the emulated cluster needs root (network namespaces, veth, tc): run as root")
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        raise ConfigError(f"the emulated cluster needs iproute2's {' and '.join(missing)}: install iproute2")
+
+
+class Cluster:
+    """Build the namespaces and links on enter, tear everything down on exit (processes first)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        pid = os.getpid()
+        self.tag = f"pz{pid % 100000}"
+        self.subnet = f"10.213.{pid % 250}"  # one /24 a cluster; node i is .(i + 1)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._made: list[tuple[str, ...]] = []  # teardown commands, run in reverse
+
+    def namespace(self, node: int) -> str:
+        return f"{self.tag}n{node}"
+
+    def address(self, node: int) -> str:
+        return f"{self.subnet}.{node + 1}"
+
+    def host_end(self, node: int) -> str:
+        return f"{self.tag}v{node}"
+
+    def __enter__(self) -> "Cluster":
+        require_root()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        bridge, s = f"{self.tag}b", self.spec
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        self._made.append(("ip", "link", "del", bridge))
+        _run("ip", "link", "set", bridge, "up")
+        for i in range(s.nodes):
+            ns, host = self.namespace(i), self.host_end(i)
+            _run("ip", "netns", "add", ns)
+            self._made.append(("ip", "netns", "del", ns))
+            _run("ip", "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            self._made.append(("ip", "link", "del", host))  # the pair goes with it, at once
+            _run("ip", "link", "set", host, "master", bridge, "up")
+            inside = ("ip", "netns", "exec", ns)
+            _run(*inside, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run(*inside, "ip", "link", "set", "eth0", "up")
+            _run(*inside, "ip", "link", "set", "lo", "up")
+            shape = ("root", "tbf", "rate", s.link, "burst", s.burst, "latency", f"{s.queue_ms}ms")
+            _run(*inside, "tc", "qdisc", "add", "dev", "eth0", *shape)  # uplink
+            _run("tc", "qdisc", "add", "dev", host, *shape)  # downlink
+
+    def start(self, node: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              **popen: object) -> subprocess.Popen[bytes]:
+        """Run `argv` inside node `node`'s namespace, in a session of its own (so it can be
+        stopped as a whole)."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv],
+                                env={**os.environ, **(env or {})}, start_new_session=True, **popen)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def torchrun(self, node: int, ranks_per_node: int, port: int, args: Sequence[str],
+                 **popen: object) -> subprocess.Popen[bytes]:
+        """torchrun on node `node` for a job of every node: static rendezvous at node 0, so node
+        i holds global ranks [i * ranks_per_node, (i + 1) * ranks_per_node)."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.spec.nodes}",
+               f"--nproc-per-node={ranks_per_node}", f"--node-rank={node}", f"--master-addr={self.address(0)}",
+               f"--master-port={port}", f"--local-addr={self.address(node)}", *args]
+        # gloo picks its interface by name: eth0 is this node's address (traffic between two ranks
+        # of one node to that address stays inside the namespace, unshaped).
+        env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+               "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (ranks_per_node * self.spec.nodes)))}
+        return self.start(node, cmd, env, **popen)
+
+    def cut(self, node: int) -> None:
+        """Take node `node`'s link down (its ranks can no longer reach any other node)."""
+        _run("ip", "link", "set", self.host_end(node), "down")
+
+    def mend(self, node: int) -> None:
+        _run("ip", "link", "set", self.host_end(node), "up")
+
+    def close(self) -> None:
+        """Stop every process started here, then remove every namespace and link, newest first."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        self.procs.clear()
+        errors = []
+        while self._made:
+            cmd = self._made.pop()
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                errors.append(f"`{' '.join(cmd)}`: {done.stderr.strip()}")
+        if errors:
+            raise ClusterError("could not remove: " + "; ".join(errors))
+
+
+def leftovers(tag: str) -> list[str]:
+    """Namespaces and links whose names start with `tag` (what a closed cluster must not leave)."""
+    names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    found = [line.split(":")[1].strip().split("@")[0] for line in names.splitlines()]
+    found += [line.split()[0] for line in spaces.splitlines() if line.strip()]
+    return [n for n in found if n.startswith(tag)]
