@@ -161,11 +161,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("cluster", allow_abbrev=False, help="run pipezero on an emulated multi-node cluster (root)",
+                       description="Nodes as network namespaces joined by links shaped with tc tbf; each node "
+                                   "starts its ranks with torchrun. Example: pipezero cluster --nodes 2 "
+                                   "--ranks-per-node 2 --link 200mbit train --pp 2 --dp 2 --zero 2")
+    c.add_argument("--nodes", type=int, required=True, help="emulated nodes")
+    c.add_argument("--ranks-per-node", type=int, default=1, help="ranks (torchrun --nproc-per-node) a node")
+    c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit)")
+    c.add_argument("command", nargs=argparse.REMAINDER, help="the pipezero command every node runs")
+    c.set_defaults(func=cmd_cluster)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from pipezero.cluster import ClusterSpec, run_on_cluster
+
+    if not args.command:
+        raise ConfigError("pipezero cluster needs a command to run, e.g. `train --pp 2 --dp 2`")
+    if args.ranks_per_node < 1:
+        raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
+    return run_on_cluster(ClusterSpec(args.nodes, args.link), args.ranks_per_node, args.command)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pipezero", allow_abbrev=False, description="Pipeline parallelism + ZeRO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     add_export_parser(sub)
+    add_cluster_parser(sub)
     from pipezero.sim.commands import add_plan_parser, add_simulate_parser
 
     add_simulate_parser(sub)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from pipezero.config import ConfigError
+from pipezero.job import children
 
 
 class ClusterError(RuntimeError):
@@ -144,12 +145,13 @@ class Cluster:
     def close(self) -> None:
         """Stop every process started here, then remove every namespace and link, newest first."""
         for proc in self.procs:
-            if proc.poll() is None:
+            # torchrun starts every worker in a session of its own: find them all before killing
+            for pid in [*descendants(proc.pid), proc.pid]:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                proc.wait()
+            proc.wait()
         self.procs.clear()
         errors = []
         while self._made:
@@ -161,6 +163,16 @@ class Cluster:
             raise ClusterError("could not remove: " + "; ".join(errors))
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found, grandchildren after)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 def leftovers(tag: str) -> list[str]:
     """Namespaces and links whose names start with `tag` (what a closed cluster must not leave)."""
     names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
@@ -168,3 +180,23 @@ def leftovers(tag: str) -> list[str]:
     found = [line.split(":")[1].strip().split("@")[0] for line in names.splitlines()]
     found += [line.split()[0] for line in spaces.splitlines() if line.strip()]
     return [n for n in found if n.startswith(tag)]
+
+
+def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], port: int = 29500) -> int:
+    """`pipezero cluster`: run `pipezero <argv>` on every node of a fresh emulated cluster and return
+    the job's exit status (the worst node's). SIGINT and SIGTERM tear everything down."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with Cluster(spec) as cluster:
+            print(f"pipezero: {spec.nodes} emulated nodes x {ranks_per_node} ranks at {spec.link} a link "
+                  f"({cluster.address(0)}..{cluster.address(spec.nodes - 1)})", file=sys.stderr, flush=True)
+            agents = [cluster.torchrun(i, ranks_per_node, port, ["-m", "pipezero.cli", *argv]) for i in range(spec.nodes)]
+            return max(a.wait() for a in agents)
+    except KeyboardInterrupt:
+        print("pipezero: stopped; the emulated cluster is removed", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -96,3 +96,29 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     assert all(f"pipezero: error: rank {r}, step" in said for r in range(4)), said[-3000:]  # every rank, one line
     # node 0's ranks name what they waited for and the unreachable peer on node 1
     assert re.search(r"rank [01], step \d+: .*(from|to) rank [23]: (timed out after 15s|failed)", said), said[-3000:]
+
+
+@pytest.mark.slow
+def test_pipezero_cluster_stopped_leaves_no_namespace_link_or_process(cluster_ok, text_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipezero.cli", "cluster", "--nodes", "2", "train", "--pp", "2", "--data", str(text_dir),
+           "--tokenizer", "bytes", "--seq-len", "32", "--max-steps", "100000", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the run never started"
+        time.sleep(0.5)
+    first = proc.stderr.readline()  # "pipezero: 2 emulated nodes ... (10.213.X.1..)"
+    tag = f"pz{proc.pid % 100000}"
+    assert len(leftovers(tag)) == 5, leftovers(tag)  # 2 namespaces, 2 host-side veth ends, the bridge
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "emulated cluster is removed" in err, first + err[-2000:]
+    assert leftovers(tag) == []
+    ps = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert ps == [], ps
