@@ -159,7 +159,10 @@ def test_checker_rejects_deadlocking_cycle():
         simulate(s)
     msg = str(err.value)
     assert "deadlocks" in msg and "rank 0: action 0BW0 waits for 1B0 on rank 1" in msg
-    assert "rank 1: action 1BW1 waits for 0F1 on rank 0" not in msg or "ERROR HERE" in msg
+    assert "rank 1: action 1F1 waits for 0F1 on rank 0" in msg
+    # the grid points at the first stuck rank's action, and only there
+    assert msg.count("ERROR HERE") == 1
+    assert "rank 0:   0F0  0BW0   0F1  0BW1   <-- ERROR HERE (action #1: 0BW0)" in msg
 
 
 def test_posting_plans_agree_between_ranks_and_cannot_deadlock_on_ordered_streams():
