@@ -24,11 +24,22 @@ def layouts(pp: int, dp: int) -> list[dict]:
     return cases
 
 
+def peer_layouts(pp: int, dp: int) -> list[dict]:
+    """Layouts torch.distributed.pipelining runs that Megatron-style rules refuse: ZB-V with fewer
+    than 2P micro-batches (torch: (P, M) = (2, 2), (4, 3), (4, 4)) and interleaved 1F1B with M not a
+    multiple of P (one round of P+1, or of 3P/2 when that is whole). `layouts` has ZB-V at M = P."""
+    cases = [{"pp": pp, "dp": dp, "kind": K.ZB_V, "m": m} for m in (pp - 1, pp + 1)]
+    cases += [{"pp": pp, "dp": dp, "kind": K.INTERLEAVED_1F1B, "m": m} for m in sorted({pp + 1, 3 * pp // 2})
+              if m % pp]
+    return cases
+
+
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.generators import build_schedule
 
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), layouts(2, 1), timeout=600)
+    cases = layouts(2, 1) + peer_layouts(2, 1)
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):  # measured peak live activations = simulated in-flight
         for r in per_rank:
@@ -52,7 +63,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.generators import build_schedule
 
-    cases = layouts(2, 2) + layouts(4, 1)
+    cases = layouts(2, 2) + layouts(4, 1) + peer_layouts(4, 1)
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
