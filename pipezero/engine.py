@@ -47,6 +47,7 @@ from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # global, before clipping, per step
     heldout: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
     unigram: float = math.nan
     sample_text: str = ""
@@ -192,6 +193,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
                 result.skipped_steps.append(step + 1)
             dt = time.perf_counter() - t0
             result.losses.append(outcome.loss)
+            result.grad_norms.append(outcome.grad_norm)
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
                       "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}

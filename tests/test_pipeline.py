@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from pipezero.parallel.spawn import run_ranks
 from pipezero.config import ScheduleKind as K
@@ -55,7 +58,20 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True, **TIED_LR}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
-    assert_same_training(run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases), str(text_dir), tmp_path)
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases)
+    refs: dict = {}
+    assert_same_training(results, str(text_dir), tmp_path, refs)
+    # The harness compares every replica: one replica of one parameter nudged by 1e-4 (relative) in
+    # the first case (pp=1, dp=2) is caught and named, though the other replica is right.
+    drifted = copy.deepcopy(results)
+    w = drifted[1][0]["params"]["layers.1.attn.wq.weight"]
+    w += 1e-4 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match=r"rank 1 \(stage 0, replica 1\) layers\.1\.attn\.wq\.weight"):
+        assert_same_training([[r[0]] for r in drifted], str(text_dir), tmp_path, refs)
+    for rank in (0, 1):  # a parameter no rank holds: the layout lost it
+        del drifted[rank][0]["params"]["layers.2.attn.wq.weight"]
+    with pytest.raises(AssertionError, match=r"no rank holds layers\.2\.attn\.wq\.weight"):
+        assert_same_training([[r[0]] for r in drifted], str(text_dir), tmp_path, refs)
 
 
 @pytest.mark.slow
