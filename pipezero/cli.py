@@ -166,10 +166,32 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_verify_parser(sub: argparse._SubParsersAction) -> None:
+    """`verify` takes every `train` flag (the same parser's arguments) plus `--steps`."""
+    v = sub.add_parser("verify", parents=[sub.choices["train"]], add_help=False,
+                       help="check that a layout trains the same model as one process",
+                       description="Run K steps of a layout and of one process (pp=1, dp=1) and compare losses, "
+                                   "gradient norms and every rank's parameters; exit 0 within tolerance, else 1. "
+                                   "See README and docs/ARCHITECTURE.md.")
+    v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pipezero.config import build_config
+    from pipezero.verify import verify_layout
+
+    if args.steps < 1:
+        raise ConfigError("--steps must be at least 1")
+    cfg = build_config(args.config, train_overrides(args))
+    return verify_layout(cfg, args.steps, args.nproc, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_verify_parser(sub)
     add_export_parser(sub)
     from pipezero.sim.commands import add_plan_parser, add_simulate_parser
 

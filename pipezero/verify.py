@@ -42,14 +42,15 @@ class Tolerance:
     """Largest relative error accepted. fp32: summation order alone (another cut of the batch into
     micro-batches, another reduction tree) leaves ~1e-6 after a few steps of the tiny model, so 1e-5
     separates rounding from a bug. bf16 computes in 8-bit mantissas (unit 3.9e-3) in another order
-    than one bf16 process does, so only a bug moves the loss by more than 2e-3 (tests/test_bf16.py)."""
+    than one bf16 process does: measured over 3 steps of `tiny` (P=2, and D=2 ZeRO-2), losses within
+    1.3e-5, gradient norms 2.8e-4, parameters 9.7e-4; a bug moves them by far more."""
 
     loss: float
     grad_norm: float
     params: float
 
 
-TOLERANCES = {DType.FP32: Tolerance(1e-5, 1e-5, 1e-5), DType.BF16: Tolerance(2e-3, 2e-2, 2e-2)}
+TOLERANCES = {DType.FP32: Tolerance(1e-5, 1e-5, 1e-5), DType.BF16: Tolerance(2e-3, 1e-2, 2e-2)}
 
 
 def relative_error(value: torch.Tensor, ref: torch.Tensor) -> float:
@@ -212,7 +213,7 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     world = cfg.parallel.world_size
     if world > 1 and nproc != world:
         raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
-    console = Console()
+    console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
     proof = transfer_proof(cfg)
     console.print(f"transfer order ({cfg.parallel.schedule.value}, P={cfg.parallel.pp}, M={cfg.parallel.microbatches}): "
                   + (f"{proof['transfers']} transfers posted in one global order, proven free of deadlock on "
@@ -271,9 +272,9 @@ def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int)
     from rich.table import Table
 
     t = Table(title=f"pipezero verify: {layout} against one process, {steps} steps")
-    for col, just in (("check", "left"), ("rank", "left"), ("layout", "right"), ("one process", "right"),
-                      ("rel. error", "right"), ("tolerance", "right"), ("", "center")):
-        t.add_column(col, justify=just, no_wrap=col == "check")  # type: ignore[arg-type]
+    for col, just in (("check (worst rank)", "left"), ("rank", "left"), ("layout", "right"), ("1 process", "right"),
+                      ("rel err", "right"), ("tol", "right"), ("", "center")):
+        t.add_column(col, justify=just, no_wrap=col.startswith("check"))  # type: ignore[arg-type]
 
     def row(label: str, where: str, c: Check) -> None:
         t.add_row(label, where, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.error:.1e}", f"{c.tolerance:.0e}",
@@ -284,13 +285,13 @@ def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int)
             mine = [c for c in checks if c.what == what and c.step == step]
             if mine:
                 worst = max(mine, key=lambda c: c.error)
-                row(f"{what.replace('_', ' ')}, step {step}", f"{worst.rank} (worst)", worst)
+                row(f"{what.replace('_', ' ')}, step {step}", str(worst.rank), worst)
     for r in ranks:
         mine = [c for c in checks if c.what == "param" and c.rank == r.rank]
-        where = f"{r.rank} = pp {r.pp_rank}, dp {r.dp_rank}"
+        where = f"{r.rank} (pp {r.pp_rank} dp {r.dp_rank})"
         if mine:
             worst = max(mine, key=lambda c: c.error)
-            row(f"{len(mine)} params (worst)", where, worst)
+            row(f"{len(mine)} parameters", where, worst)
             for c in mine:
                 if not c.ok:
                     row(c.name, where, c)
