@@ -57,6 +57,9 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
     resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
     skipped_steps: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss/gradient
+    # Memory of the training steps alone, to show evaluation and the sample add nothing (ZeRO-3).
+    peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
+    peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
 
 
 def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -199,6 +202,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
                       "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
             if not outcome.applied:
                 record["skipped"] = True
+            result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
+            result.peak_rss_training = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
@@ -212,13 +217,11 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
         result.heldout[r.max_steps] = evaluate(stage, eval_set, eval_tokens)
     result.peak_live = peak_live
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
-    full = snapshot or will_sample(cfg, corpus)
-    if full:  # every rank takes part: ZeRO-3 gathers are collectives
-        stage.zero.gather_all()
-    if snapshot:
-        result.params = {n: q.detach().clone() for n, q in named}
+    result.sample_text = end_sample(cfg, stage, corpus)
     finish_run(cfg, stage, corpus, result, progress if show else None)
-    if full:
+    if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives
+        stage.zero.gather_all()
+        result.params = {n: q.detach().clone() for n, q in named}
         stage.zero.release_all()
     return result
 
@@ -235,6 +238,27 @@ def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
     return bool(cfg.run.sample_tokens) and corpus.tokenizer is not None and cfg.parallel.pp == 1
 
 
+def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
+    """The end-of-run text sample, decoded on rank 0. Layer by layer at ZeRO-3, every replica
+    samples the same tokens (same parameters, same seed), so each layer is gathered and released
+    around its use by the same hooks as in training and the whole model never exists at once;
+    otherwise rank 0 alone samples (below stage 3 its parameters are whole, kept-gathered stage 3
+    gathers its one chunk as its training steps do)."""
+    if not will_sample(cfg, corpus):
+        return ""
+    together = stage.zero.layerwise
+    if not together and stage.zero.stage == 3:
+        stage.zero.gather_all()
+    text = ""
+    if together or stage.mesh.rank == 0:
+        model = next(iter(stage.chunks.values()))
+        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens, cfg.model.max_seq_len,
+                     cfg.run.seed)
+        text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
+    stage.zero.release_all()
+    return text
+
+
 def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult,
                progress: StepProgress | None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
@@ -242,7 +266,9 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes_training": result.peak_rss_training,
+            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": stage.zero.peak_gathered}}
     if (gpu := peak_allocated(stage.executor.device)) is not None:
         mine["peak_device_bytes"] = gpu
     per_rank, events = [mine], [stage.tracer.events]
@@ -258,10 +284,6 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
               "virtual_stages": p.virtual_stages}
     if r.trace:
         write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
-    if will_sample(cfg, corpus):
-        model = next(iter(stage.chunks.values()))
-        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], r.sample_tokens, cfg.model.max_seq_len, r.seed)
-        result.sample_text = corpus.tokenizer.decode(ids)
     final = result.heldout[r.max_steps]
     atomic_write_json(result.out / "summary.json", {
         "layout": {**layout, "zero": p.zero},

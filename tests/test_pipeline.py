@@ -9,7 +9,7 @@ import torch
 
 from pipezero.parallel.spawn import run_ranks
 from pipezero.config import ScheduleKind as K
-from training import TIED_LR, V_OF, assert_same_training, train_cases
+from training import TIED_LR, V_OF, assert_same_training, train_cases, train_cases_watching_gathers
 
 
 def layouts(pp: int, dp: int) -> list[dict]:
@@ -58,9 +58,18 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True, **TIED_LR}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases)
+    # ZeRO-3 layer by layer under split backward: what B gathered is released after B and W, as
+    # after a fused backward (measured right after every backward action; dp=1 still gathers).
+    layerwise = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
+    cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, **layerwise}
+              for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_H2, K.ZB_V, K.DUALPIPE_V)]
+    results = run_ranks(train_cases_watching_gathers, 2, str(text_dir), str(tmp_path), cases)
     refs: dict = {}
     assert_same_training(results, str(text_dir), tmp_path, refs)
+    for per_rank in results:
+        for r in per_rank:
+            if r["case"].get("parallel.zero3_keep_gathered") is False:
+                assert r["gathered_after_backward"] == 0, r["case"]
     # The harness compares every replica: one replica of one parameter nudged by 1e-4 (relative) in
     # the first case (pp=1, dp=2) is caught and named, though the other replica is right.
     drifted = copy.deepcopy(results)

@@ -47,6 +47,28 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     return results
 
 
+def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
+    """train_cases, also reporting the most ZeRO-3 parameter bytes left gathered right after any
+    backward action (B, W or BW) of any step: layer by layer, that must be nothing."""
+    from pipezero.zero.sharded import ZeroDP
+
+    most = {"bytes": 0}
+    for name in ("after_input_grad", "after_backward"):
+        clean = getattr(ZeroDP, name)
+
+        def watched(self, chunk, *args, _clean=clean):
+            _clean(self, chunk, *args)
+            if not self._holding:
+                most["bytes"] = max(most["bytes"], self.gathered_bytes())
+        setattr(ZeroDP, name, watched)
+    results = []
+    for case in cases:
+        most["bytes"] = 0
+        (res,) = train_cases(rank, world, data, f"{out}/{len(results)}", [case])
+        results.append({**res, "gathered_after_backward": most["bytes"]})
+    return results
+
+
 def reference(data: str, out: str, global_mb: int, **model: Any) -> tuple[list[float], dict[str, torch.Tensor],
                                                                          list[float]]:
     """Losses, parameters (a tied head under its own name too) and gradient norms of one process."""

@@ -36,6 +36,8 @@ class GradHooks(Protocol):
 
     def after_backward(self, chunk: int, final: bool) -> None: ...
 
+    def after_input_grad(self, chunk: int) -> None: ...
+
 
 class NoHooks:
     def before_forward(self, chunk: int) -> None:
@@ -45,6 +47,9 @@ class NoHooks:
         pass
 
     def after_backward(self, chunk: int, final: bool) -> None:
+        pass
+
+    def after_input_grad(self, chunk: int) -> None:
         pass
 
 
@@ -150,7 +155,9 @@ class Executor:
                 st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
                 with self.tracer.span(str(a), a.op.value):
                     self._run_b(a, st, grad)
-            if a.op is not Op.B:
+            if a.op is Op.B:
+                self.hooks.after_input_grad(a.chunk)
+            else:
                 self.hooks.after_backward(a.chunk, final[a.chunk] == i)
         self._post(self.posts[-1])
         self.p2p.finish()
