@@ -111,7 +111,7 @@ def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu")) -> Stage:
     p = cfg.parallel
-    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device))
+    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer

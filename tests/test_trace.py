@@ -30,3 +30,22 @@ def test_trace_of_4_rank_1f1b_and_calibrated_bubble(text_dir, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["measured_bubble"]) == 4 and len(summary["bytes_sent"]["p2p"]) == 4
     assert all(b > 0 for b in summary["bytes_sent"]["p2p"][:3])  # the last stage sends only gradients
+
+
+def test_tracer_keeps_a_ring_of_steps_or_only_the_chosen_ones():
+    """A long traced run holds (and gathers at its end) a few steps' events, never all of them."""
+    from pipezero.telemetry.trace import Tracer
+
+    def run(tracer: Tracer, steps: int = 50, per_step: int = 7) -> list[int]:
+        for step in range(1, steps + 1):
+            tracer.step = step
+            for i in range(per_step):
+                with tracer.span(f"0F{i}", "F"):
+                    pass
+        return [e[5] for e in tracer.events]
+
+    assert run(Tracer(enabled=True, keep_steps=2)) == [49] * 7 + [50] * 7
+    assert run(Tracer(enabled=True, only_steps=frozenset({3, 10}))) == [3] * 7 + [10] * 7
+    assert run(Tracer(enabled=False)) == []
+    with pytest.raises(ValueError, match="at least one step"):
+        Tracer(enabled=True, keep_steps=0)
