@@ -92,6 +92,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--resume", action="store_true", default=None,
                    help="continue from the newest good checkpoint under --out (a fresh start if none)")
     t.add_argument("--trace", action="store_true", default=None)
+    t.add_argument("--tensorboard", action="store_true", default=None,
+                   help="also write metrics.jsonl's records to OUT/tensorboard (needs the tensorboard package)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 
@@ -101,7 +103,8 @@ def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
                  if getattr(args, flag) is not None}
     if args.stage_layers is not None:
         overrides["parallel.stage_layers"] = args.stage_layers
-    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace")):
+    for flag, key in (("recompute", "parallel.recompute"), ("resume", "run.resume"), ("trace", "run.trace"),
+                      ("tensorboard", "run.tensorboard")):
         if getattr(args, flag):
             overrides[key] = True
     if args.no_progress:

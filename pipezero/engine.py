@@ -36,6 +36,7 @@ from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.schedules.posting import plans, verify
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
+from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 from pipezero.zero import layerwise
@@ -72,6 +73,11 @@ def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
 
 def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def all_sum(values: list[float], group: object | None) -> list[float]:
@@ -145,6 +151,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
     p, r = cfg.parallel, cfg.run
+    if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
+        require_tensorboard()
     rank, device = init_distributed(cfg)
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
@@ -167,6 +175,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
+    board = TensorBoardLog(out) if lead and r.tensorboard else None
     peak_live = 0
     bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
     with StepProgress(r.max_steps, start, show) as progress:
@@ -187,8 +196,9 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
+            bubble = stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0  # share blocked on peers
             if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
-                bubbles.append(stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
+                bubbles.append(bubble)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
             if not outcome.applied:
@@ -199,15 +209,18 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             result.grad_norms.append(outcome.grad_norm)
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
-                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                      "bubble": bubble, "peak_rss_mib": peak_rss_bytes() / 2**20}  # this (the writing) rank's
             if not outcome.applied:
                 record["skipped"] = True
             result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
-            result.peak_rss_training = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            result.peak_rss_training = peak_rss_bytes()
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
                 metrics.write(record)
+            if board:
+                board.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
                 save(cfg, stage.zero, step + 1, bad_in_a_row)
             progress.update(step, outcome.loss, record["tokens_per_s"])
@@ -218,7 +231,9 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     result.peak_live = peak_live
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
     result.sample_text = end_sample(cfg, stage, corpus)
-    finish_run(cfg, stage, corpus, result, progress if show else None)
+    finish_run(cfg, stage, corpus, result, progress if show else None, board)
+    if board:
+        board.close()
     if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives
         stage.zero.gather_all()
         result.params = {n: q.detach().clone() for n, q in named}
@@ -260,13 +275,13 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
 
 
 def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult,
-               progress: StepProgress | None) -> None:
+               progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": stage.zero.peak_gathered}}
     if (gpu := peak_allocated(stage.executor.device)) is not None:
@@ -282,6 +297,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         return
     layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
               "virtual_stages": p.virtual_stages}
+    if board:
+        board.write_ranks(per_rank, r.max_steps)
     if r.trace:
         write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
     final = result.heldout[r.max_steps]
