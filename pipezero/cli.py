@@ -53,7 +53,7 @@ def _stage_layers(text: str) -> list[int]:
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train", help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
+    t = sub.add_parser("train", help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     t.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
     t.add_argument("--preset", help="model size: tiny, small, base, 1b, 7b, 13b, 70b")
     t.add_argument("--nproc", type=int, help="start this many local ranks through torchrun")
@@ -191,7 +191,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training.")
+    parser = argparse.ArgumentParser(prog="pipezero", description="Pipeline parallelism + ZeRO training. "
+                                     "How it works: docs/ARCHITECTURE.md in the repository.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
     add_verify_parser(sub)
