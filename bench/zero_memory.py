@@ -100,18 +100,23 @@ V_SHAPED = ("zb-v", "dualpipe-v", "interleaved-1f1b", "looped-bfs")
 
 
 def schedules_side_by_side(args: argparse.Namespace, tmp: str) -> dict:
-    """ZeRO-3 peak RSS per rank for each of `--schedules`, the chunk kept gathered over its
-    micro-batches (the default with P > 1) and layer by layer: split-backward schedules (zb-*)
-    release what B gathered after W, as a fused backward does, so their peaks stay comparable."""
+    """ZeRO-3 per schedule of `--schedules`, the chunk kept gathered over its micro-batches (the
+    default with P > 1) and layer by layer: peak RSS per rank, and the most parameter bytes each rank
+    held gathered at once (summary.json, exact where RSS also holds the corpus and torch). Split
+    backward (zb-*) releases what B gathered after B and W, as a fused backward does."""
     rows = {}
-    print(f"\nZeRO-3, P={args.pp} D={args.dp} M={args.microbatches}: peak RSS per rank (MiB)")
-    print(f"{'schedule':>10}{'kept gathered':>30}{'layer by layer':>30}")
+    print(f"\nZeRO-3, P={args.pp} D={args.dp} M={args.microbatches}: per rank, MiB")
+    print(f"{'schedule':>10}  {'mode':<15}{'peak RSS':>28}{'peak gathered params':>36}")
     for schedule in args.schedules.split(","):
-        kept, layer = (run_stage(args, 3, Path(tmp) / f"{schedule}-{mode}", schedule, layerwise=mode == "layer")
-                       for mode in ("kept", "layer"))
-        rows[schedule] = {"kept_gathered": kept, "layer_by_layer": layer}
-        show = [" ".join(f"{m[r] / 2**20:.0f}" for r in sorted(m)) for m in (kept, layer)]
-        print(f"{schedule:>10}{show[0]:>30}{show[1]:>30}", flush=True)
+        for mode in ("kept gathered", "layer by layer"):
+            out = Path(tmp) / f"{schedule}-{mode.replace(' ', '-')}"
+            rss = run_stage(args, 3, out, schedule, layerwise=mode == "layer by layer")
+            summary = json.loads((out / "summary.json").read_text())
+            gathered = [r["zero3_gathered_peak_bytes"]["run"] for r in summary["ranks"]]
+            rows.setdefault(schedule, {})[mode] = {"peak_rss_bytes_per_rank": rss, "peak_gathered_bytes_per_rank": gathered}
+            show_rss = " ".join(f"{rss[r] / 2**20:.0f}" for r in sorted(rss))
+            show_gathered = " ".join(f"{g / 2**20:.1f}" for g in gathered)
+            print(f"{schedule:>10}  {mode:<15}{show_rss:>28}{show_gathered:>36}", flush=True)
     return rows
 
 

@@ -53,7 +53,8 @@ def _stage_layers(text: str) -> list[int]:
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train", help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
+    t = sub.add_parser("train", help="train a model",
+                       description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     t.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
     t.add_argument("--preset", help="model size: tiny, small, base, 1b, 7b, 13b, 70b")
     t.add_argument("--nproc", type=int, help="start this many local ranks through torchrun")

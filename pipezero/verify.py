@@ -90,12 +90,14 @@ class RankResult:
     params: dict[str, torch.Tensor]
 
 
-def with_tied_head(params: dict[str, torch.Tensor], cfg: TrainConfig) -> dict[str, torch.Tensor]:
-    """One process ties the head to the embedding (one tensor, one name); a pipeline keeps two
-    copies, the head under its own name. Give the reference's tensor both names."""
-    if not cfg.model.tie_embeddings:
+def with_tied_head(params: dict[str, torch.Tensor], layout: TrainConfig) -> dict[str, torch.Tensor]:
+    """One process ties the head to the embedding (one tensor, one name); a layout with more than
+    one chunk keeps two copies, the head under its own name: give the reference's tensor that name
+    too, so both ends are compared."""
+    p = layout.parallel
+    if not layout.model.tie_embeddings or p.pp * p.virtual_stages == 1:
         return params
-    return {**params, f"layers.{cfg.model.n_layers + 1}.proj.weight": params["layers.0.weight"]}
+    return {**params, f"layers.{layout.model.n_layers + 1}.proj.weight": params["layers.0.weight"]}
 
 
 def compare_params(ranks: list[RankResult], ref: dict[str, torch.Tensor], tol: float) -> tuple[list[Check], list[str]]:
@@ -119,7 +121,8 @@ def compare_steps(ranks: list[RankResult], losses: list[float], norms: list[floa
     """Each step's loss and gradient norm on every rank (all ranks must report the global values)."""
     checks = []
     for r in ranks:
-        for what, mine, ref, t in (("loss", r.losses, losses, tol.loss), ("grad_norm", r.grad_norms, norms, tol.grad_norm)):
+        for what, mine, ref, t in (("loss", r.losses, losses, tol.loss),
+                                   ("grad_norm", r.grad_norms, norms, tol.grad_norm)):
             if len(mine) != len(ref):
                 checks.append(Check(what, None, r.rank, f"{len(mine)} steps, want {len(ref)}", 0, 0, float("inf"), t))
                 continue
@@ -215,7 +218,8 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
         raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
     console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
     proof = transfer_proof(cfg)
-    console.print(f"transfer order ({cfg.parallel.schedule.value}, P={cfg.parallel.pp}, M={cfg.parallel.microbatches}): "
+    p = cfg.parallel
+    console.print(f"transfer order ({p.schedule.value}, P={p.pp}, M={p.microbatches}): "
                   + (f"{proof['transfers']} transfers posted in one global order, proven free of deadlock on "
                      f"ordered streams (schedules/posting.py verify)" if proof["proven"] else
                      f"REJECTED\n{proof['error']}"))
@@ -239,7 +243,7 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
         ranks = [RankResult(**torch.load(out / "ranks" / f"rank{r}.pt")) for r in range(world)]
     else:
         ranks = [run_rank(run_cfg, out / "ranks")]
-    console.print(f"training {steps} steps of one process (pp=1 dp=1, M={run_cfg.parallel.microbatches * run_cfg.parallel.dp}) ...")
+    console.print(f"training {steps} steps of one process (pp=1 dp=1, M={p.microbatches * p.dp}) ...")
     ref = train(reference_config(run_cfg, out), snapshot=True)
     checks = compare_steps(ranks, ref.losses, ref.grad_norms, tol)
     param_checks, problems = compare_params(ranks, with_tied_head(ref.params, cfg), tol.params)

@@ -67,9 +67,12 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     refs: dict = {}
     assert_same_training(results, str(text_dir), tmp_path, refs)
     for per_rank in results:
+        fused = next(r["peak_gathered"] for r in per_rank if r["case"] == cases[-5])  # 1f1b, layer by layer
         for r in per_rank:
             if r["case"].get("parallel.zero3_keep_gathered") is False:
                 assert r["gathered_after_backward"] == 0, r["case"]
+                # and inside B and W too: never more gathered at once than a fused backward holds
+                assert r["peak_gathered"] <= fused, (r["case"], r["peak_gathered"], fused)
     # The harness compares every replica: one replica of one parameter nudged by 1e-4 (relative) in
     # the first case (pp=1, dp=2) is caught and named, though the other replica is right.
     drifted = copy.deepcopy(results)

@@ -67,6 +67,9 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     # rank 0 alone also samples text at the end, which must not issue collectives.
     if pp == 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8})
+        # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
+                      "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})
     if pp > 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
                       "parallel.zero3_keep_gathered": False})
