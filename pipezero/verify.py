@@ -172,7 +172,7 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
     _perturb(rank, res.params)
     result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(asdict(result), out / f"rank{rank}.pt")
+    torch.save(vars(result), out / f"rank{rank}.pt")  # asdict would deep-copy every tensor
     return result
 
 
