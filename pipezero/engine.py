@@ -61,6 +61,7 @@ class RunResult:
     # Memory of the training steps alone, to show evaluation and the sample add nothing (ZeRO-3).
     peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
     peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
+    peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
 
 
 def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -176,7 +177,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
     board = TensorBoardLog(out) if lead and r.tensorboard else None
-    peak_live = 0
+    peak_live = peak_gathered_run = 0
     bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
     with StepProgress(r.max_steps, start, show) as progress:
         if show:
@@ -193,6 +194,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.executor.p2p.step = stage.tracer.step = step + 1
             batch = global_batch(corpus.train, step, r.seed, g, seq_len)
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
+            peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
+            stage.zero.peak_gathered = 0  # from here to the optimizer step: this step's training
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
@@ -214,7 +217,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if not outcome.applied:
                 record["skipped"] = True
             result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
-            result.peak_rss_training = peak_rss_bytes()
+            result.peak_rss_training = peak_rss_bytes()  # before this step's evaluation
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
@@ -231,6 +234,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     result.peak_live = peak_live
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
     result.sample_text = end_sample(cfg, stage, corpus)
+    result.peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)
     finish_run(cfg, stage, corpus, result, progress if show else None, board)
     if board:
         board.close()
@@ -283,7 +287,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": peak_rss_bytes(),
             "peak_rss_bytes_training": result.peak_rss_training,
-            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": stage.zero.peak_gathered}}
+            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
     if (gpu := peak_allocated(stage.executor.device)) is not None:
         mine["peak_device_bytes"] = gpu
     per_rank, events = [mine], [stage.tracer.events]

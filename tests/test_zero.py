@@ -66,7 +66,8 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     # ZeRO-3 layer by layer is the default at pp=1; with a pipeline, ask for it explicitly. At pp=1
     # rank 0 alone also samples text at the end, which must not issue collectives.
     if pp == 1:
-        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8})
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8,
+                      "run.eval_every": 2})
         # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
                       "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})
