@@ -1,6 +1,7 @@
 """Peak resident memory of each rank per ZeRO stage, measured from outside, beside the paper's formula.
 
     python bench/zero_memory.py [--preset base] [--dp 2] [--pp 1] [--microbatches 1] [--grad-reduce step]
+    python bench/zero_memory.py --preset small --pp 2 --microbatches 4 --stages "" --torch "" --schedules 1f1b,zb-h1,zb-v
 
 For each ZeRO stage a fresh `pipezero train --nproc P*D` job runs a few steps in fp32; this script
 polls every rank process's VmHWM (the kernel's high-water mark of resident memory, /proc/PID/status)
@@ -79,13 +80,44 @@ def run_torch(args: argparse.Namespace, mode: str) -> dict[int, int]:
     return poll(cmd, f"torch {mode}")
 
 
-def run_stage(args: argparse.Namespace, zero: int, out: Path) -> dict[int, int]:
-    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp * args.dp),
+def run_stage(args: argparse.Namespace, zero: int, out: Path, schedule: str = "1f1b",
+              layerwise: bool = False) -> dict[int, int]:
+    """One `pipezero train` job; `layerwise` gathers ZeRO-3 layer by layer even inside a pipeline."""
+    extra = ["--schedule", schedule, "--virtual-stages", "2" if schedule in V_SHAPED else "1"]
+    if layerwise:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layerwise.toml").write_text("[parallel]\nzero3_keep_gathered = false\n")
+        extra += ["--config", str(out / "layerwise.toml")]
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", *extra, "--preset", args.preset, "--nproc", str(args.pp * args.dp),
            "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
            "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
            "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
            "--bucket-mb", str(args.bucket_mb), "--no-progress"]
-    return poll(cmd, f"zero {zero}")
+    return poll(cmd, f"zero {zero} {schedule}")
+
+
+V_SHAPED = ("zb-v", "dualpipe-v", "interleaved-1f1b", "looped-bfs")
+
+
+def schedules_side_by_side(args: argparse.Namespace, tmp: str) -> dict:
+    """ZeRO-3 per schedule of `--schedules`, the chunk kept gathered over its micro-batches (the
+    default with P > 1) and layer by layer: peak RSS per rank, and the most parameter bytes each rank
+    held gathered at once (summary.json, exact where RSS also holds the corpus and torch). Split
+    backward (zb-*) releases what B gathered after B and W, as a fused backward does."""
+    rows = {}
+    print(f"\nZeRO-3, P={args.pp} D={args.dp} M={args.microbatches}: per rank, MiB")
+    print(f"{'schedule':>10}  {'mode':<15}{'peak RSS':>28}{'peak gathered params':>36}")
+    for schedule in args.schedules.split(","):
+        for mode in ("kept gathered", "layer by layer"):
+            out = Path(tmp) / f"{schedule}-{mode.replace(' ', '-')}"
+            rss = run_stage(args, 3, out, schedule, layerwise=mode == "layer by layer")
+            summary = json.loads((out / "summary.json").read_text())
+            gathered = [r["zero3_gathered_peak_bytes"]["run"] for r in summary["ranks"]]
+            rows.setdefault(schedule, {})[mode] = {"peak_rss_bytes_per_rank": rss, "peak_gathered_bytes_per_rank": gathered}
+            show_rss = " ".join(f"{rss[r] / 2**20:.0f}" for r in sorted(rss))
+            show_gathered = " ".join(f"{g / 2**20:.1f}" for g in gathered)
+            print(f"{schedule:>10}  {mode:<15}{show_rss:>28}{show_gathered:>36}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -100,13 +132,17 @@ def main() -> None:
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--bucket-mb", type=float, default=25.0,
                     help="gradient bucket size: up to two full buckets are in flight at stages 2-3")
+    ap.add_argument("--schedules", default="",
+                    help="also ZeRO-3 per schedule side by side, e.g. 1f1b,zb-h1,zb-v (needs --pp > 1)")
     ap.add_argument("--torch", default="ddp,zero1,fsdp2", help="torch baselines to run beside (P=1 only; '' for none)")
     args = ap.parse_args()
     model = apply_preset(ModelConfig(), args.preset)
     psi = param_count(model) / args.pp  # parameters per pipeline stage (uniform split, approximate)
-    peaks = {}
+    peaks, by_schedule = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for z in (int(x) for x in args.stages.split(",")):
+        if args.schedules:
+            by_schedule = schedules_side_by_side(args, tmp)
+        for z in (int(x) for x in args.stages.split(",") if x):
             peaks[z] = run_stage(args, z, Path(tmp) / f"z{z}")
             print(f"zero {z}: peak RSS per rank (MiB): {[round(peaks[z][r] / 2**20) for r in sorted(peaks[z])]}",
                   flush=True)
@@ -136,7 +172,8 @@ def main() -> None:
     out = Path(__file__).parent / "results" / \
         f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}{suffix}.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs},
+    out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs,
+                               "zero3_by_schedule": by_schedule},
                               indent=2))
     print(f"wrote {out}")
 

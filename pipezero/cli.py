@@ -52,6 +52,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--sample-tokens": ("run.sample_tokens", "length of the text sample at the end (0: none)"),
     "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none)"),
     "--trace": ("run.trace", "write trace.json and trace.png"),
+    "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
     "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
 }
@@ -80,7 +81,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; see shared/DESIGN.md.")
+    t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
     t.add_argument("--force", action="store_true", help="train in an --out that holds another run (without --resume)")
     t.set_defaults(func=cmd_train)
@@ -183,10 +184,34 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return run_on_cluster(ClusterSpec(args.nodes, args.link), args.ranks_per_node, args.command)
 
 
+def add_verify_parser(sub: argparse._SubParsersAction) -> None:
+    """`verify` takes every `train` flag (the same parser's arguments) plus `--steps`."""
+    v = sub.add_parser("verify", parents=[sub.choices["train"]], add_help=False,
+                       help="check that a layout trains the same model as one process",
+                       description="Run K steps of a layout and of one process (pp=1, dp=1) and compare losses, "
+                                   "gradient norms and every rank's parameters; exit 0 within tolerance, else 1. "
+                                   "See README and docs/ARCHITECTURE.md.")
+    v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pipezero.config import build_config, build_launch
+    from pipezero.verify import verify_layout
+
+    if args.steps < 1:
+        raise ConfigError("--steps must be at least 1")
+    settings, launch_values, names = flag_values(args)
+    cfg = build_config(args.config, settings, names)
+    return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="pipezero", allow_abbrev=False, description="Pipeline parallelism + ZeRO training.")
+    parser = OneLineParser(prog="pipezero", allow_abbrev=False, description="Pipeline parallelism + ZeRO training. "
+                           "How it works: docs/ARCHITECTURE.md in the repository.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_verify_parser(sub)
     add_export_parser(sub)
     add_cluster_parser(sub)
     from pipezero.sim.commands import add_plan_parser, add_simulate_parser

@@ -137,6 +137,8 @@ class RunConfig:
     resume: bool = False  # continue from the newest good checkpoint under <out>/checkpoints
     max_bad_steps: int = 3  # non-finite loss/gradient steps skipped in a row before the run stops
     trace: bool = False
+    tensorboard: bool = False  # also write metrics.jsonl's records as TensorBoard scalars under <out>/tensorboard
+    trace_steps: int = 3  # with trace: events of the newest N steps are kept and written (bounded memory)
     threads: int | None = None  # torch intra-op threads per rank; None = cores / local ranks
     compile: bool = False  # torch.compile each transformer block (not with split-backward schedules)
     progress: bool = True

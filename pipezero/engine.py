@@ -36,6 +36,7 @@ from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.schedules.posting import plans, verify
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
+from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 from pipezero.zero import layerwise
@@ -47,6 +48,7 @@ from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # global, before clipping, per step
     heldout: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
     unigram: float = math.nan
     sample_text: str = ""
@@ -56,6 +58,10 @@ class RunResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
     resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
     skipped_steps: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss/gradient
+    # Memory of the training steps alone, to show evaluation and the sample add nothing (ZeRO-3).
+    peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
+    peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
+    peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
 
 
 def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -68,6 +74,11 @@ def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
 
 def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def all_sum(values: list[float], group: object | None) -> list[float]:
@@ -108,7 +119,7 @@ def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu")) -> Stage:
     p = cfg.parallel
-    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device))
+    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
@@ -145,6 +156,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
     p, r = cfg.parallel, cfg.run
+    if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
+        require_tensorboard()
     rank, device = init_distributed(cfg)
     use_tf32(device)
     sync = synchronizer(device) or (lambda: None)
@@ -169,7 +182,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
-    peak_live = 0
+    board = TensorBoardLog(out) if lead and r.tensorboard else None
+    peak_live = peak_gathered_run = 0
     bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
     with StepProgress(r.max_steps, start, show) as progress:
         if show:
@@ -186,6 +200,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.executor.p2p.step = stage.tracer.step = step + 1
             batch = global_batch(corpus.train, step, r.seed, g, seq_len)
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
+            peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
+            stage.zero.peak_gathered = 0  # from here to the optimizer step: this step's training
             stage.zero.begin_step()
             stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
             peak_live = max(peak_live, stats.peak_live)
@@ -197,20 +213,27 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             sync()  # the step's time includes its queued kernels (the optimizer's, the gathers')
             dt = time.perf_counter() - t0
             busy = stage.executor.clock.busy_share()  # GPU: idle time between compute actions
+            bubble = 1.0 - busy if busy is not None else \
+                stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0  # CPU: share blocked on peers
             if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
-                bubbles.append(1.0 - busy if busy is not None else
-                               stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0)
+                bubbles.append(bubble)
             stage.peaks.mark("train" if step > start or r.max_steps == 1 else None)  # not the first step's
             result.losses.append(outcome.loss)
+            result.grad_norms.append(outcome.grad_norm)
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
-                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                      "bubble": bubble, "peak_rss_mib": peak_rss_bytes() / 2**20}  # this (the writing) rank's
             if not outcome.applied:
                 record["skipped"] = True
+            result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
+            result.peak_rss_training = peak_rss_bytes()  # before this step's evaluation
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
                 metrics.write(record)
+            if board:
+                board.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
                 save(cfg, stage.zero, step + 1, bad_in_a_row)
             progress.update(step, outcome.loss, record["tokens_per_s"])
@@ -220,13 +243,14 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
         result.heldout[r.max_steps] = evaluate(stage, eval_set, eval_tokens)
     result.peak_live = peak_live
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
-    full = snapshot or will_sample(cfg, corpus)
-    if full:  # every rank takes part: ZeRO-3 gathers are collectives
+    result.sample_text = end_sample(cfg, stage, corpus)
+    result.peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)
+    finish_run(cfg, stage, corpus, result, progress if show else None, board)
+    if board:
+        board.close()
+    if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives
         stage.zero.gather_all()
-    if snapshot:
         result.params = {n: q.detach().clone() for n, q in named}
-    finish_run(cfg, stage, corpus, result, progress if show else None)
-    if full:
         stage.zero.release_all()
     return result
 
@@ -244,14 +268,37 @@ def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
     return bool(cfg.run.sample_tokens) and corpus.tokenizer is not None and cfg.parallel.pp == 1
 
 
+def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
+    """The end-of-run text sample, decoded on rank 0. Layer by layer at ZeRO-3, every replica
+    samples the same tokens (same parameters, same seed), so each layer is gathered and released
+    around its use by the same hooks as in training and the whole model never exists at once;
+    otherwise rank 0 alone samples (below stage 3 its parameters are whole, kept-gathered stage 3
+    gathers its one chunk as its training steps do)."""
+    if not will_sample(cfg, corpus):
+        return ""
+    together = stage.zero.layerwise
+    if not together and stage.zero.stage == 3:
+        stage.zero.gather_all()
+    text = ""
+    if together or stage.mesh.rank == 0:
+        model = next(iter(stage.chunks.values()))
+        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens, cfg.model.max_seq_len,
+                     cfg.run.seed)
+        text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
+    stage.zero.release_all()
+    return text
+
+
 def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult,
-               progress: StepProgress | None) -> None:
+               progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_rss_bytes_training": result.peak_rss_training,
+            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
     per_rank, events = [mine], [stage.tracer.events]
@@ -265,12 +312,10 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         return
     layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
               "virtual_stages": p.virtual_stages}
+    if board:
+        board.write_ranks(per_rank, r.max_steps)
     if r.trace:
         write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
-    if will_sample(cfg, corpus):
-        model = next(iter(stage.chunks.values()))
-        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], r.sample_tokens, cfg.model.max_seq_len, r.seed)
-        result.sample_text = corpus.tokenizer.decode(ids)
     final = result.heldout[r.max_steps]
     atomic_write_json(result.out / "summary.json", {
         "layout": {**layout, "zero": p.zero},

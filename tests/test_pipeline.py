@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from pipezero.parallel.spawn import run_ranks
 from pipezero.config import ScheduleKind as K
-from training import TIED_LR, V_OF, assert_same_training, train_cases
+from training import TIED_LR, V_OF, assert_same_training, train_cases, train_cases_watching_gathers
 
 
 def layouts(pp: int, dp: int) -> list[dict]:
@@ -24,11 +27,22 @@ def layouts(pp: int, dp: int) -> list[dict]:
     return cases
 
 
+def peer_layouts(pp: int, dp: int) -> list[dict]:
+    """Layouts torch.distributed.pipelining runs that Megatron-style rules refuse: ZB-V with fewer
+    than 2P micro-batches (torch: (P, M) = (2, 2), (4, 3), (4, 4)) and interleaved 1F1B with M not a
+    multiple of P (one round of P+1, or of 3P/2 when that is whole). `layouts` has ZB-V at M = P."""
+    cases = [{"pp": pp, "dp": dp, "kind": K.ZB_V, "m": m} for m in (pp - 1, pp + 1)]
+    cases += [{"pp": pp, "dp": dp, "kind": K.INTERLEAVED_1F1B, "m": m} for m in sorted({pp + 1, 3 * pp // 2})
+              if m % pp]
+    return cases
+
+
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.generators import build_schedule
 
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), layouts(2, 1), timeout=600)
+    cases = layouts(2, 1) + peer_layouts(2, 1)
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):  # measured peak live activations = simulated in-flight
         for r in per_rank:
@@ -44,7 +58,32 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True, **TIED_LR}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
-    assert_same_training(run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases), str(text_dir), tmp_path)
+    # ZeRO-3 layer by layer under split backward: what B gathered is released after B and W, as
+    # after a fused backward (measured right after every backward action; dp=1 still gathers).
+    layerwise = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
+    cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, **layerwise}
+              for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_H2, K.ZB_V, K.DUALPIPE_V)]
+    results = run_ranks(train_cases_watching_gathers, 2, str(text_dir), str(tmp_path), cases)
+    refs: dict = {}
+    assert_same_training(results, str(text_dir), tmp_path, refs)
+    for per_rank in results:
+        fused = next(r["peak_gathered"] for r in per_rank if r["case"] == cases[-5])  # 1f1b, layer by layer
+        for r in per_rank:
+            if r["case"].get("parallel.zero3_keep_gathered") is False:
+                assert r["gathered_after_backward"] == 0, r["case"]
+                # and inside B and W too: never more gathered at once than a fused backward holds
+                assert r["peak_gathered"] <= fused, (r["case"], r["peak_gathered"], fused)
+    # The harness compares every replica: one replica of one parameter nudged by 1e-4 (relative) in
+    # the first case (pp=1, dp=2) is caught and named, though the other replica is right.
+    drifted = copy.deepcopy(results)
+    w = drifted[1][0]["params"]["layers.1.attn.wq.weight"]
+    w += 1e-4 * w.norm() / w.numel() ** 0.5 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(AssertionError, match=r"rank 1 \(stage 0, replica 1\) layers\.1\.attn\.wq\.weight"):
+        assert_same_training([[r[0]] for r in drifted], str(text_dir), tmp_path, refs)
+    for rank in (0, 1):  # a parameter no rank holds: the layout lost it
+        del drifted[rank][0]["params"]["layers.2.attn.wq.weight"]
+    with pytest.raises(AssertionError, match=r"no rank holds layers\.2\.attn\.wq\.weight"):
+        assert_same_training([[r[0]] for r in drifted], str(text_dir), tmp_path, refs)
 
 
 @pytest.mark.slow
@@ -52,7 +91,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.generators import build_schedule
 
-    cases = layouts(2, 2) + layouts(4, 1)
+    cases = layouts(2, 2) + layouts(4, 1) + peer_layouts(4, 1)
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]

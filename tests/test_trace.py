@@ -1,4 +1,5 @@
-"""Tracing a real 4-rank run, and the simulator calibrated from that trace."""
+"""Tracing a real 4-rank run, the simulator calibrated from that trace, the tracer's bound, and the
+TensorBoard view of metrics.jsonl."""
 
 import json
 import subprocess
@@ -30,3 +31,56 @@ def test_trace_of_4_rank_1f1b_and_calibrated_bubble(text_dir, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["measured_bubble"]) == 4 and len(summary["bytes_sent"]["p2p"]) == 4
     assert all(b > 0 for b in summary["bytes_sent"]["p2p"][:3])  # the last stage sends only gradients
+
+
+def test_tracer_keeps_a_ring_of_steps_or_only_the_chosen_ones():
+    """A long traced run holds (and gathers at its end) a few steps' events, never all of them."""
+    from pipezero.telemetry.trace import Tracer
+
+    def run(tracer: Tracer, steps: int = 50, per_step: int = 7) -> list[int]:
+        for step in range(1, steps + 1):
+            tracer.step = step
+            for i in range(per_step):
+                with tracer.span(f"0F{i}", "F"):
+                    pass
+        return [e[5] for e in tracer.events]
+
+    assert run(Tracer(enabled=True, keep_steps=2)) == [49] * 7 + [50] * 7
+    assert run(Tracer(enabled=True, only_steps=frozenset({3, 10}))) == [3] * 7 + [10] * 7
+    assert run(Tracer(enabled=False)) == []
+    with pytest.raises(ValueError, match="at least one step"):
+        Tracer(enabled=True, keep_steps=0)
+
+
+def test_tensorboard_holds_the_metrics_jsonl_records(text_dir, tmp_path):
+    """One process, 4 steps: every scalar read back from the event file equals metrics.jsonl."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pipezero.config import build_config
+    from pipezero.engine import train
+    from pipezero.telemetry.tensorboard import TAGS
+
+    cfg = build_config(None, {"data.path": str(text_dir), "data.tokenizer": "bytes", "data.seq_len": 32,
+                              "run.max_steps": 4, "run.eval_every": 2, "run.sample_tokens": 0, "run.progress": False,
+                              "run.out": str(tmp_path), "run.tensorboard": True})
+    train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(TAGS.values()) <= set(acc.Tags()["scalars"]) and "ranks/bubble/rank0" in acc.Tags()["scalars"]
+    for key, tag in TAGS.items():
+        logged = {e.step: e.value for e in acc.Scalars(tag)}
+        want = {r["step"]: r[key] for r in lines if key in r}
+        assert set(logged) == set(want) and want, key
+        assert all(logged[s] == pytest.approx(v, rel=1e-6) for s, v in want.items()), key  # float32 in the file
+    assert sorted({e.step for e in acc.Scalars("train/heldout_loss")}) == [2, 4]
+
+
+def test_tensorboard_missing_is_one_clear_line(monkeypatch, capsys):
+    from pipezero.cli import main
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    assert main(["train", "--tensorboard", "--max-steps", "1", "--tokenizer", "bytes", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "pipezero: error: --tensorboard needs the tensorboard package: pip install tensorboard"

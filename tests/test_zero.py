@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -71,7 +73,11 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     # ZeRO-3 layer by layer is the default at pp=1; with a pipeline, ask for it explicitly. At pp=1
     # rank 0 alone also samples text at the end, which must not issue collectives.
     if pp == 1:
-        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8})
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8,
+                      "run.eval_every": 2})
+        # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
+                      "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})
     if pp > 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
                       "parallel.zero3_keep_gathered": False})
@@ -81,8 +87,18 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
 
 
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), zero_cases(2, 1), timeout=600)
+    cases = zero_cases(2, 1)
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
+    # ZeRO-3 layer by layer: the held-out evaluation and the end-of-run sample gather layer by layer
+    # like training, so the run's most gathered bytes are the training steps' (never the whole model).
+    i = next(i for i, c in enumerate(cases) if c.get("run.sample_tokens"))
+    summary = json.loads((tmp_path / f"case{i}" / "summary.json").read_text())
+    assert summary["layout"]["zero"] == 3 and summary["ranks"][0]["held_bytes"]
+    for rank in summary["ranks"]:
+        gathered = rank["zero3_gathered_peak_bytes"]
+        assert 0 < gathered["run"] <= 1.05 * gathered["training"], gathered
+        assert gathered["run"] < 0.5 * 4 * rank["params"]  # well below the whole stage's fp32 weights
 
 
 def every_schedule_cases(dp: int, pp: int) -> list[dict]:

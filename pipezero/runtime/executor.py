@@ -38,6 +38,8 @@ class GradHooks(Protocol):
 
     def after_backward(self, chunk: int, final: bool) -> None: ...
 
+    def after_input_grad(self, chunk: int) -> None: ...
+
 
 class NoHooks:
     def before_forward(self, chunk: int) -> None:
@@ -47,6 +49,9 @@ class NoHooks:
         pass
 
     def after_backward(self, chunk: int, final: bool) -> None:
+        pass
+
+    def after_input_grad(self, chunk: int) -> None:
         pass
 
 
@@ -154,7 +159,9 @@ class Executor:
                 st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
                 with self._timed(a):
                     self._run_b(a, st, grad)
-            if a.op is not Op.B:
+            if a.op is Op.B:
+                self.hooks.after_input_grad(a.chunk)
+            else:
                 self.hooks.after_backward(a.chunk, final[a.chunk] == i)
         self._post(self.posts[-1])
         self.p2p.finish()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from pipezero.config import ScheduleKind
 from pipezero.schedules.actions import Action, Op, Placement, Schedule, chunks_of_rank
-from pipezero.schedules.registry import check_layout
+from pipezero.schedules.registry import check_layout, round_size
 
 
 class RankOrder:
@@ -96,15 +96,18 @@ def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
 
 def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     """Megatron-LM's virtual pipeline (Narayanan et al. 2021): micro-batches go round the V chunks of
-    a rank in groups of P; (P-1-r)*2 + (V-1)*P warm-up forwards, then 1F1B over virtual micro-batches."""
+    a rank in rounds of G, then 1F1B over virtual micro-batches after (P-1-r)*2 + (V-1)*G warm-up
+    forwards. Megatron takes G = P; like torch.distributed.pipelining's flexible variant, G = M // R
+    with R = max(1, M // P) rounds, so any M that R divides runs (M < P: one round of M)."""
     total = m * v
+    g = round_size(pp, m)
 
     def chunk_and_mb(k: int, chunks: tuple[int, ...], backward: bool) -> tuple[int, int]:
-        group = (k // pp) % v
-        return chunks[v - 1 - group if backward else group], (k // (pp * v)) * pp + k % pp
+        group = (k // g) % v
+        return chunks[v - 1 - group if backward else group], (k // (g * v)) * g + k % g
 
     def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
-        warmup = min((pp - 1 - r) * 2 + (v - 1) * pp, total)
+        warmup = min((pp - 1 - r) * 2 + (v - 1) * g, total)
         fwd = [chunk_and_mb(k, chunks, False) for k in range(total)]
         bwd = [chunk_and_mb(k, chunks, True) for k in range(total)]
         seq = [Action(c, Op.F, mb) for c, mb in fwd[:warmup]]
@@ -185,7 +188,9 @@ def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
 
 def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
     """ZB-V (Qi et al., arXiv 2405.15362): two chunks a rank in a V, so the last chunk sits on rank 0
-    beside the first; near-zero bubble at F=B=W with 1F1B's activation memory (2P half-size chunks)."""
+    beside the first; near-zero bubble at F=B=W with 1F1B's activation memory (2P half-size chunks).
+    Any M >= 1 runs: with M < 2P the phases ask for micro-batches that do not exist and RankOrder
+    skips them (torch.distributed.pipelining likewise drops them), leaving a shorter valid order."""
     def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
         down, up = chunks  # chunk r (model going down the ranks) and chunk 2P-1-r (coming back)
         for _ in range(2 * (pp - r) - 1):

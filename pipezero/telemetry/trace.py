@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,13 +23,40 @@ from typing import Any, Callable
 ROWS = {"compute": 0, "p2p": 1, "collectives": 2}
 
 
+Event = tuple[str, str, str, float, float, int]  # name, category, row, start, end, step
+
+
 @dataclass
 class Tracer:
+    """Bounded: events are kept for the steps in `only_steps` if given, else for the newest
+    `keep_steps` steps (a ring), so a long traced run holds, and gathers to rank 0 at its end, a
+    few steps' events, not one per action of every step."""
+
     rank: int = 0
     enabled: bool = False
     step: int = 0
-    events: list[tuple[str, str, str, float, float, int]] = field(default_factory=list)
     sync: Callable[[], None] | None = None  # waits for queued device work (torch.cuda.synchronize)
+    keep_steps: int = 3  # the ring: the newest steps kept (the trace's PNG shows the last one)
+    only_steps: frozenset[int] | None = None  # trace exactly these steps instead (ring unused)
+    _steps: deque[tuple[int, list[Event]]] = field(default_factory=deque, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.keep_steps < 1:
+            raise ValueError("a tracer keeps at least one step")
+
+    @property
+    def events(self) -> list[Event]:
+        """The kept events, oldest step first."""
+        return [e for _, evs in self._steps for e in evs]
+
+    def _record(self, event: Event) -> None:
+        if self.only_steps is not None and self.step not in self.only_steps:
+            return
+        if not self._steps or self._steps[-1][0] != self.step:
+            self._steps.append((self.step, []))
+            if self.only_steps is None and len(self._steps) > self.keep_steps:
+                self._steps.popleft()
+        self._steps[-1][1].append(event)
 
     @contextmanager
     def span(self, name: str, cat: str, row: str = "compute") -> Iterator[None]:
@@ -41,7 +69,7 @@ class Tracer:
         finally:
             if self.sync is not None:
                 self.sync()
-            self.events.append((name, cat, row, t0, time.time(), self.step))
+            self._record((name, cat, row, t0, time.time(), self.step))
 
 
 def parse_action(name: str, cat: str) -> tuple[int, int]:

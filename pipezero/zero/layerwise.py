@@ -3,7 +3,10 @@
 Forward: a pre-hook gathers the layer (waiting for the prefetch if one is in flight) and starts the
 next layer's gather, so it overlaps this layer's compute; a post-hook releases it. Backward: a hook on
 the layer's output gathers it again just before its gradients flow (prefetching the layer before
-it); once autograd has accumulated every gradient of the layer, `ZeroDP` releases it again. Between
+it); once autograd has accumulated every gradient of the layer, `ZeroDP` releases it again. Inside
+split backward's autograd.grad calls (B and W) no such hook fires: there the layer is released when
+its input's gradient is complete (the layer before it starts its backward, or, for a chunk's first
+layer, a hook on the chunk's input), which is when a fused backward is also done with it. Between
 uses only the 1/D shard of each layer exists. Released storage keeps its tensor objects (resized to
 zero bytes), so the views that autograd saved in forward are valid again after the re-gather.
 """
@@ -26,31 +29,54 @@ def layer_index(name: str) -> int:
 
 
 def install(zero: "ZeroDP", chunks: dict[int, nn.Module]) -> None:
-    """Hook every layer of every chunk to gather and release its bucket around each use."""
+    """Hook every layer of every chunk to gather and release its bucket around each use. A layer
+    that uses another layer's parameter (a head tied to the embedding, in the same chunk) gathers
+    that layer's bucket too: the parameter is listed, and bucketed, once, under the embedding."""
     by_layer = {layer_index(b.names[0]): b for b in zero.all_buckets()}
+    by_param = {id(q): b for b in zero.all_buckets() for q in b.params}
     for chunk in chunks.values():
         layers = [(int(k), m) for k, m in chunk.layers.items() if int(k) in by_layer]
         for pos, (idx, module) in enumerate(layers):
             bucket = by_layer[idx]
             after = by_layer[layers[pos + 1][0]] if pos + 1 < len(layers) else None
             before = by_layer[layers[pos - 1][0]] if pos > 0 else None
-            _hook_layer(zero, module, bucket, after, before)
+            borrowed = {id(b): b for q in module.parameters() if (b := by_param.get(id(q))) not in (None, bucket)}
+            _hook_layer(zero, module, bucket, after, before, list(borrowed.values()))
 
 
 def _hook_layer(zero: "ZeroDP", module: nn.Module, bucket: "Bucket", after: "Bucket | None",
-                before: "Bucket | None") -> None:
-    def pre_forward(_m: nn.Module, _args: tuple) -> None:
-        zero.gather(bucket)
+                before: "Bucket | None", borrowed: "list[Bucket]") -> None:
+    def pre_forward(_m: nn.Module, args: tuple) -> None:
+        for b in [bucket, *borrowed]:
+            zero.gather(b)
         if after is not None:
             zero.prefetch(after)
+        x = args[0] if args else None
+        if before is None and torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(after_backward)  # the chunk's first layer: no layer before it to tell
+
+    def after_backward(grad: torch.Tensor) -> torch.Tensor:
+        zero.release(bucket)
+        return grad
 
     def post_forward(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
         if torch.is_grad_enabled() and out.requires_grad:
             out.register_hook(pre_backward)
-        zero.release(bucket)
+        for b in [bucket, *borrowed]:
+            zero.release(b)
 
     def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-        zero.gather(bucket)
+        # The gradient of this layer's output is the next layer's input gradient, complete only
+        # once every node of the next layer has run, those making its weight gradients included:
+        # the next layer is done with. A fused backward releases it anyway when its gradients
+        # arrive; inside autograd.grad (split backward's B and W) no post-accumulate hook fires,
+        # and this is what releases it, before this layer gathers: never more than a fused backward.
+        if after is not None:
+            zero.release(after)
+        # a borrowed bucket's gradient is complete only after its own layer's backward: it stays
+        # gathered until then, and is released after the chunk's backward (ZeroDP.after_backward)
+        for b in [bucket, *borrowed]:
+            zero.gather(b)
         zero.expect_grads(bucket)
         if before is not None:
             zero.prefetch(before)

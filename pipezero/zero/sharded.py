@@ -87,6 +87,7 @@ class ZeroDP:
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
     step_no: int = 0
+    peak_gathered: int = 0  # stage 3: most parameter bytes gathered at once (see gathered_bytes)
     _pending: list[_Pending] = field(default_factory=list)
     _shard_grad: dict[int, torch.Tensor] = field(default_factory=dict)  # id(bucket) -> (S,) fp32
     _master: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 3: id(bucket) -> (S,)
@@ -174,6 +175,7 @@ class ZeroDP:
             self._finish_gather(self._inflight.pop(id(b)))
         elif b.flat.untyped_storage().size() == 0:
             self._gather(b, self._master[id(b)], low_precision=True)
+        self._note_gathered()
 
     def prefetch(self, b: Bucket) -> None:
         if id(b) in self._inflight or b.flat.untyped_storage().size() != 0:
@@ -181,6 +183,14 @@ class ZeroDP:
         pending = self._start_gather(b, self._master[id(b)], low_precision=True)
         if pending is not None:
             self._inflight[id(b)] = pending
+        self._note_gathered()
+
+    def gathered_bytes(self) -> int:
+        """Stage 3: bytes of full parameters present now (buckets whose storage is not released)."""
+        return sum(b.flat.untyped_storage().nbytes() for b in self.all_buckets()) if self.stage == 3 else 0
+
+    def _note_gathered(self) -> None:
+        self.peak_gathered = max(self.peak_gathered, self.gathered_bytes())
 
     def release(self, b: Bucket) -> None:
         if self.layerwise and not self._holding and id(b) not in self._inflight:
@@ -221,7 +231,27 @@ class ZeroDP:
             if self._sharded_grads:
                 self._drain(keep_last=1)  # bound the full-gradient buckets alive at once
 
+    def after_input_grad(self, chunk: int) -> None:
+        """A B ran, its weight gradients deferred to W. Layer by layer, ZeRO-3 releases the layers B
+        gathered, as a fused backward does once their gradients arrive: W needs no weights when B
+        stashed (x, dy) (runtime/weight_grad.py), and otherwise its backward hooks gather again."""
+        if self.layerwise:
+            self._release_layers(chunk)
+
+    def _release_layers(self, chunk: int) -> None:
+        """Layer by layer: nothing of `chunk` stays gathered after its backward work (B, W or BW);
+        autograd.grad (B, W) never fires the post-accumulate hooks that release during a BW."""
+        if self._holding:
+            return
+        for b in self.buckets.get(chunk, []):
+            if id(b) in self._inflight:  # a prefetch still writes into the storage: let it land first
+                self._finish_gather(self._inflight.pop(id(b)))
+            self._expect.pop(id(b), None)
+            _release(b)
+
     def after_backward(self, chunk: int, final: bool) -> None:
+        if self.layerwise:
+            self._release_layers(chunk)
         buckets = self.buckets.get(chunk, [])
         for b in buckets:
             if self._sharded_grads:

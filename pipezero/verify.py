@@ -1,0 +1,300 @@
+"""`pipezero verify`: show that a layout trains the same model as one process, before trusting it.
+
+The project's central promise is layout independence: for a fixed seed, data, global batch and
+sequence length, every (P, D, ZeRO stage, schedule, V, M) trains the model `--pp 1 --dp 1` trains.
+`verify` checks that promise for the layout a user is about to run: K steps of the layout (its
+ranks launched like `train --nproc N`) and K steps of one process with the same model, seed,
+global batch, sequence length and dtype, then it compares
+
+- per step, the loss and the global gradient norm every rank reports;
+- after the last step, every parameter every rank holds, against the one-process parameter of the
+  same name: each data-parallel replica on its own (a replica that drifted is named), ZeRO shards
+  reassembled (ZeRO-3 gathers them, as for a snapshot), tied embeddings at both ends.
+
+Errors are relative, over whole tensors: Adam turns rounding noise in a near-zero gradient element
+into a ~1e-6 step of that element alone, so element-wise ratios near zero are noise while the
+tensor's error says whether the same model was trained. Before anything runs, the static proof that
+the schedule's transfer order cannot deadlock (schedules/posting.py) is printed.
+
+The launching process runs the one-process reference and the comparison; each rank writes its
+losses, norms and parameters to `OUT/ranks/rankR.pt`, so verify runs on one machine (`--nproc`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pipezero.config import ConfigError, DType, ScheduleKind, TrainConfig
+from pipezero.util import atomic_write_json
+
+# Test-only: "RANK:PARAM" adds noise to that rank's final copy of PARAM before it is written, so the
+# tests can show that verify catches one drifted replica. Never set outside tests.
+TEST_PERTURB_ENV = "PIPEZERO_TEST_PERTURB"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative error accepted. fp32: summation order alone (another cut of the batch into
+    micro-batches, another reduction tree) leaves ~1e-6 after a few steps of the tiny model, so 1e-5
+    separates rounding from a bug. bf16 computes in 8-bit mantissas (unit 3.9e-3) in another order
+    than one bf16 process does: measured over 3 steps of `tiny` (P=2, and D=2 ZeRO-2), losses within
+    1.3e-5, gradient norms 2.8e-4, parameters 9.7e-4; a bug moves them by far more."""
+
+    loss: float
+    grad_norm: float
+    params: float
+
+
+TOLERANCES = {DType.FP32: Tolerance(1e-5, 1e-5, 1e-5), DType.BF16: Tolerance(2e-3, 1e-2, 2e-2)}
+
+
+def relative_error(value: torch.Tensor, ref: torch.Tensor) -> float:
+    """|value - ref| / |ref| over the whole tensor (the absolute error when ref is all zeros)."""
+    diff = float((value.double() - ref.double()).norm())
+    scale = float(ref.double().norm())
+    return diff / scale if scale else diff
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison: a step's loss or norm on one rank, or one parameter of one rank."""
+
+    what: str  # "loss", "grad_norm" or "param"
+    step: int | None
+    rank: int
+    name: str  # parameter name ("" for loss and norm)
+    value: float  # the layout's value (for a parameter: its norm)
+    reference: float
+    error: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance  # NaN fails
+
+
+@dataclass
+class RankResult:
+    """What one rank of the layout reports back."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+
+
+def with_tied_head(params: dict[str, torch.Tensor], layout: TrainConfig) -> dict[str, torch.Tensor]:
+    """One process ties the head to the embedding (one tensor, one name); a layout with more than
+    one chunk keeps two copies, the head under its own name: give the reference's tensor that name
+    too, so both ends are compared."""
+    p = layout.parallel
+    if not layout.model.tie_embeddings or p.pp * p.virtual_stages == 1:
+        return params
+    return {**params, f"layers.{layout.model.n_layers + 1}.proj.weight": params["layers.0.weight"]}
+
+
+def compare_params(ranks: list[RankResult], ref: dict[str, torch.Tensor], tol: float) -> tuple[list[Check], list[str]]:
+    """Every parameter of every rank against the reference, and what no rank holds or the
+    reference lacks (a layout that dropped or invented a parameter)."""
+    checks, held = [], set()
+    for r in ranks:
+        for name, value in sorted(r.params.items()):
+            held.add(name)
+            if name not in ref:
+                continue
+            checks.append(Check("param", None, r.rank, name, float(value.double().norm()),
+                                float(ref[name].double().norm()), relative_error(value, ref[name]), tol))
+    problems = [f"no rank holds {n}" for n in sorted(set(ref) - held)]
+    problems += [f"rank(s) {[r.rank for r in ranks if n in r.params]} hold {n}, unknown to one process"
+                 for n in sorted(held - set(ref))]
+    return checks, problems
+
+
+def compare_steps(ranks: list[RankResult], losses: list[float], norms: list[float], tol: Tolerance) -> list[Check]:
+    """Each step's loss and gradient norm on every rank (all ranks must report the global values)."""
+    checks = []
+    for r in ranks:
+        for what, mine, ref, t in (("loss", r.losses, losses, tol.loss),
+                                   ("grad_norm", r.grad_norms, norms, tol.grad_norm)):
+            if len(mine) != len(ref):
+                checks.append(Check(what, None, r.rank, f"{len(mine)} steps, want {len(ref)}", 0, 0, float("inf"), t))
+                continue
+            for step, (a, b) in enumerate(zip(mine, ref), start=1):
+                err = abs(a - b) / abs(b) if b else abs(a - b)
+                checks.append(Check(what, step, r.rank, "", a, b, err, t))
+    return checks
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+def layout_config(cfg: TrainConfig, steps: int) -> TrainConfig:
+    """The user's layout for `steps` steps under OUT/layout: no checkpoints, resume or text sample."""
+    run = copy.deepcopy(cfg)
+    r = run.run
+    r.max_steps, r.sample_tokens, r.checkpoint_every, r.resume, r.eval_every, r.progress = steps, 0, 0, False, 0, False
+    r.out = str(Path(cfg.run.out) / "layout")
+    return run.validate()
+
+
+def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
+    """One process, the same model, seed, data, global batch, sequence length, dtype and steps."""
+    ref = copy.deepcopy(layout)
+    p = ref.parallel
+    p.microbatches, p.pp, p.dp, p.zero = p.microbatches * p.dp, 1, 1, 0
+    p.schedule, p.virtual_stages, p.stage_layers, p.zero3_keep_gathered = ScheduleKind.ONE_F_ONE_B, 1, None, None
+    ref.run.out = str(out / "reference")
+    return ref.validate()
+
+
+def _perturb(rank: int, params: dict[str, torch.Tensor]) -> None:
+    spec = os.environ.get(TEST_PERTURB_ENV)
+    if spec and int(spec.split(":", 1)[0]) == rank:
+        name = spec.split(":", 1)[1]
+        noise = torch.randn(params[name].shape, generator=torch.Generator().manual_seed(0))
+        params[name] += 1e-3 * params[name].norm() / params[name].numel() ** 0.5 * noise
+
+
+def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
+    """Train the layout on this rank (one of the job) and write what it holds to `out`."""
+    from pipezero.engine import train
+    from pipezero.parallel.mesh import Mesh
+
+    res = train(cfg, snapshot=True)
+    rank = int(os.environ.get("RANK", "0"))
+    mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank)
+    _perturb(rank, res.params)
+    result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(vars(result), out / f"rank{rank}.pt")  # asdict would deep-copy every tensor
+    return result
+
+
+def transfer_proof(cfg: TrainConfig) -> dict:
+    """schedules/posting.py's static proof for this layout: every rank posts its transfers in one
+    global order with no cycle among stream order, compute order and waits."""
+    from pipezero.schedules import posting
+    from pipezero.schedules.check import ScheduleError, simulate
+    from pipezero.schedules.generators import build_schedule
+
+    p = cfg.parallel
+    s = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    plans = posting.plans(s, simulate(s))
+    sends = sum(q.send for rank in plans for posts in rank for q in posts)
+    try:
+        posting.verify(s, plans)
+    except ScheduleError as e:
+        return {"proven": False, "transfers": sends, "error": str(e)}
+    return {"proven": True, "transfers": sends}
+
+
+def describe(cfg: TrainConfig) -> str:
+    p = cfg.parallel
+    return (f"pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches} "
+            f"V={p.virtual_stages} dtype={cfg.run.dtype.value}")
+
+
+def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[str]) -> int:
+    """The `pipezero verify` command: 0 when the layout matches one process within tolerance, else 1.
+    Under torchrun (the ranks it launched) it trains this rank and leaves."""
+    from rich.console import Console
+
+    from pipezero.engine import train
+    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+
+    out = Path(cfg.run.out)
+    run_cfg = layout_config(cfg, steps)
+    if under_torchrun():
+        run_rank(run_cfg, out / "ranks")
+        exit_rank(0)
+    world = cfg.parallel.world_size
+    if world > 1 and nproc != world:
+        raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
+    console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
+    proof = transfer_proof(cfg)
+    p = cfg.parallel
+    console.print(f"transfer order ({p.schedule.value}, P={p.pp}, M={p.microbatches}): "
+                  + (f"{proof['transfers']} transfers posted in one global order, proven free of deadlock on "
+                     f"ordered streams (schedules/posting.py verify)" if proof["proven"] else
+                     f"REJECTED\n{proof['error']}"))
+    tol = TOLERANCES[cfg.run.dtype]
+    report = {"layout": describe(cfg), "steps": steps, "tolerance": asdict(tol), "transfer_order": proof}
+    if not proof["proven"]:
+        atomic_write_json(out / "verify.json", {**report, "ok": False})
+        return 1
+    console.print(f"training {steps} steps of {describe(cfg)} ...")
+    if world > 1:
+        device = preflight(cfg, world)  # data, tokenizer and the ranks' device, checked once here
+        for old in (out / "ranks").glob("rank*.pt"):
+            old.unlink()
+        code = launch_local(world, [*argv, "--device", device.value], str(out))
+        if code:
+            console.print(f"[red]the layout's ranks failed (exit {code})[/red]")
+            atomic_write_json(out / "verify.json", {**report, "ok": False, "problems": [f"ranks exited {code}"]})
+            return 1
+        ranks = [RankResult(**torch.load(out / "ranks" / f"rank{r}.pt", weights_only=True)) for r in range(world)]
+    else:
+        ranks = [run_rank(run_cfg, out / "ranks")]
+    console.print(f"training {steps} steps of one process (pp=1 dp=1, M={p.microbatches * p.dp}) ...")
+    ref = train(reference_config(run_cfg, out), snapshot=True)
+    checks = compare_steps(ranks, ref.losses, ref.grad_norms, tol)
+    param_checks, problems = compare_params(ranks, with_tied_head(ref.params, cfg), tol.params)
+    checks += param_checks
+    ok = not problems and all(c.ok for c in checks)
+    console.print(table(checks, ranks, describe(cfg), steps))
+    failed = [c for c in checks if not c.ok]
+    for line in problems + [failure(c, ranks) for c in failed]:
+        console.print(f"[red]FAILED[/red] {line}")
+    if ok:
+        console.print(f"[green]OK[/green]: every rank matches one process within {asdict(tol)} (relative)")
+    atomic_write_json(out / "verify.json", {**report, "ok": ok, "problems": problems,
+                                            "failed": [failure(c, ranks) for c in failed],
+                                            "checks": [{**asdict(c), "ok": c.ok} for c in checks]})
+    return 0 if ok else 1
+
+
+def _where(rank: int, ranks: list[RankResult]) -> str:
+    r = next(x for x in ranks if x.rank == rank)
+    return f"rank {rank} (stage {r.pp_rank}, replica {r.dp_rank})"
+
+
+def failure(c: Check, ranks: list[RankResult]) -> str:
+    what = c.name if c.what == "param" else f"{c.what} at step {c.step}"
+    return f"{_where(c.rank, ranks)} {what}: relative error {c.error:.2e} > {c.tolerance:.0e}"
+
+
+def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int):
+    """Steps (worst rank each) and parameters (worst tensor of each rank), failures spelled out."""
+    from rich.table import Table
+
+    t = Table(title=f"pipezero verify: {layout} against one process, {steps} steps")
+    for col, just in (("check (worst rank)", "left"), ("rank", "left"), ("layout", "right"), ("1 process", "right"),
+                      ("rel err", "right"), ("tol", "right"), ("", "center")):
+        t.add_column(col, justify=just, no_wrap=col.startswith("check"))  # type: ignore[arg-type]
+
+    def row(label: str, where: str, c: Check) -> None:
+        t.add_row(label, where, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.error:.1e}", f"{c.tolerance:.0e}",
+                  "[green]ok[/green]" if c.ok else "[red]FAIL[/red]")
+
+    for step in range(1, steps + 1):
+        for what in ("loss", "grad_norm"):
+            mine = [c for c in checks if c.what == what and c.step == step]
+            if mine:
+                worst = max(mine, key=lambda c: c.error)
+                row(f"{what.replace('_', ' ')}, step {step}", str(worst.rank), worst)
+    for r in ranks:
+        mine = [c for c in checks if c.what == "param" and c.rank == r.rank]
+        where = f"{r.rank} (pp {r.pp_rank} dp {r.dp_rank})"
+        if mine:
+            worst = max(mine, key=lambda c: c.error)
+            row(f"{len(mine)} parameters", where, worst)
+            for c in mine:
+                if not c.ok:
+                    row(c.name, where, c)
+    return t
