@@ -424,7 +424,7 @@ class ZeroDP:
             return outcome
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
+            if coef < 1.0 and grads:  # a rank whose chunks hold no parameters has none
                 torch._foreach_mul_(grads, coef)
         with self.tracer.span("optimizer", "optim"):
             self.opt.step(params, grads, lr)
