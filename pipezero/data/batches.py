@@ -32,17 +32,16 @@ def global_batch(tokens: np.ndarray, step: int, seed: int, n_seqs: int, seq_len:
     return windows(tokens, window_starts(len(tokens), step, seed, n_seqs, seq_len), seq_len)
 
 
-def microbatches_for_rank(
-    batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int, microbatches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Data-parallel rank d takes rows [d*G/D, (d+1)*G/D) and cuts them into M equal micro-batches."""
-    inputs, targets = batch
-    g = inputs.shape[0]
+def microbatches_for_rank(batch: tuple[torch.Tensor, ...], dp_rank: int, dp: int,
+                          microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Data-parallel rank d takes rows [d*G/D, (d+1)*G/D) and cuts them into M equal micro-batches,
+    of every tensor of the batch alike: inputs, targets and, with document packing, document ids."""
+    g = batch[0].shape[0]
     if g % (dp * microbatches):
         raise ValueError(f"global batch {g} does not split into {dp} ranks x {microbatches} micro-batches")
     per_rank = g // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    return list(zip(inputs[rows].chunk(microbatches), targets[rows].chunk(microbatches)))
+    return list(zip(*(t[rows].chunk(microbatches) for t in batch)))
 
 
 def heldout_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
