@@ -160,12 +160,15 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
     found = resume(cfg, stage.zero)
     start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
+    seq_len, g = cfg.data.seq_len, cfg.global_batch
+    # samples read before `start`: saved with the checkpoint, so a resume with another global batch
+    # goes on where the data stopped (checkpoints from before this was saved: start x G)
+    read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
     lead = rank == 0
     out = Path(r.out)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "config.json", cfg.to_dict())
-    seq_len, g = cfg.data.seq_len, cfg.global_batch
     tokens_per_step = g * seq_len
     eval_set = corpus.eval_batches(r.eval_batches, p.micro_batch_size, seq_len)
     eval_tokens = sum(int((mb[1] != IGNORE).sum()) for mb in eval_set)
@@ -187,7 +190,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()
             stage.executor.p2p.step = stage.tracer.step = step + 1
-            batch = corpus.batch(step, r.seed, g, seq_len)
+            batch = corpus.batch(step, read, r.seed, g, seq_len)
+            read += g
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
             stage.zero.begin_step()
             # the mean over the global batch's targets; packing ignores those across a document boundary
@@ -217,7 +221,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if metrics:
                 metrics.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
-                save(cfg, stage.zero, step + 1, bad_in_a_row)
+                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read})
             progress.update(step, outcome.loss, record["tokens_per_s"])
     if metrics:
         metrics.close()

@@ -170,9 +170,14 @@ def test_order_is_seeded_covers_each_epoch_and_resumes():
     first = s.order(seed=3, start=0, n=n)
     assert sorted(first.tolist()) == list(range(n))  # an epoch reads every sample once
     assert not np.array_equal(first, s.order(seed=4, start=0, n=n))
-    steps = [s.global_batch(k, 3, 4)[0] for k in range(6)]
+    steps = [s.global_batch(4 * k, 3, 4)[0] for k in range(6)]  # global batch 4: positions 0, 4, 8, ...
     fresh = packed([list(range(1, 40))] * 10, 8, Packing.CONCAT)  # a resumed run: nothing remembered
-    assert torch.equal(fresh.global_batch(5, 3, 4)[0], steps[5])
+    assert torch.equal(fresh.global_batch(20, 3, 4)[0], steps[5])
+    from pipezero.data import microbatches_for_rank
+
+    index = torch.from_numpy(s.order(3, 0, 4))[:, None]  # the samples of step 0, as a batch
+    replicas = [set(mb[0].flatten().tolist()) for d in range(2) for mb in microbatches_for_rank((index,), d, 2, 1)]
+    assert replicas[0].isdisjoint(replicas[1]) and len(replicas[0] | replicas[1]) == 4  # disjoint samples
     assert not np.array_equal(s.order(3, n, n), first)  # the next epoch is another permutation
 
 

@@ -46,11 +46,12 @@ class Corpus:
             return self.tokenizer.vocab_size
         return int(max(self.train.max(initial=0), self.heldout.max(initial=0))) + 1
 
-    def batch(self, step: int, seed: int, n_rows: int, seq_len: int) -> Rows:
-        """The global batch of optimizer step `step`: a pure function of (seed, step)."""
+    def batch(self, step: int, position: int, seed: int, n_rows: int, seq_len: int) -> Rows:
+        """The global batch of optimizer step `step`, whose samples start at `position` (the number
+        of samples read before it): random windows drawn from (seed, step), or packed samples."""
         if self.samples is None:
             return global_batch(self.train, step, seed, n_rows, seq_len)
-        return self.samples[0].global_batch(step, seed, n_rows)
+        return self.samples[0].global_batch(position, seed, n_rows)
 
     def eval_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[Rows]:
         if self.samples is None:

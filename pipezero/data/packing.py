@@ -7,10 +7,11 @@ block-diagonal causal attention and restarts rotary positions, and ignores the t
 document's last token (the next document's first). With `none`, sample i is document i alone, cut
 to T tokens, the rest of the row ignored.
 
-Order: epoch e reads every sample once in a permutation drawn from (seed, e); step s takes the next
-G samples of that endless sequence. The batch of a step is a pure function of (seed, step), so it is
-the same on every layout, a resumed run reads exactly the batches it would have read, and data-
-parallel replicas, taking disjoint rows of it, read disjoint samples.
+Order: epoch e reads every sample once in a permutation drawn from (seed, e); a step takes the next
+G samples of that endless sequence. The batch read at a position is a pure function of (seed,
+position), so it is the same on every layout; checkpoints save the position, so a resumed run reads
+exactly the batches it would have read, even with another global batch; data-parallel replicas,
+taking disjoint rows of a batch, read disjoint samples.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ class PackedSamples:
             out[i] = self._perm[(seed, epoch)][p % size]
         return out
 
-    def global_batch(self, step: int, seed: int, n_rows: int) -> Rows:
-        """The G samples of optimizer step `step`."""
-        return self.rows(self.order(seed, step * n_rows, n_rows))
+    def global_batch(self, position: int, seed: int, n_rows: int) -> Rows:
+        """The G samples read from `position` on (the samples all earlier steps read)."""
+        return self.rows(self.order(seed, position, n_rows))
 
     def heldout(self, n_batches: int, batch_size: int) -> list[Rows]:
         """Evenly spaced fixed samples, cut into batches: the same every evaluation and layout."""
