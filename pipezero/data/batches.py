@@ -55,6 +55,9 @@ def heldout_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len
 def unigram_entropy(tokens: np.ndarray) -> float:
     """Cross-entropy (nats/token) of predicting each token by its corpus frequency: the loss a model
     that ignores context would reach, and the bar a trained model must clear."""
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
+    counts = np.zeros(0, dtype=np.int64)
+    for i in range(0, len(tokens), 1 << 24):  # in pieces: a memory-mapped corpus may not fit in memory
+        part = np.bincount(np.asarray(tokens[i:i + (1 << 24)], dtype=np.int64))
+        counts = np.pad(counts, (0, max(0, len(part) - len(counts)))) + np.pad(part, (0, max(0, len(counts) - len(part))))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum()) if len(p) else math.nan

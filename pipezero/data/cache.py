@@ -54,8 +54,15 @@ class _SplitWriter:
 
     def __init__(self, f: BinaryIO, dtype: np.dtype, eos: int | None) -> None:
         self.f, self.dtype, self.eos = f, dtype, eos
-        self.ends: list[int] = []
+        self.ends: list[np.ndarray] = []  # int64 ends of each batch's documents (arrays: millions stay small)
         self.n = 0
+
+    @property
+    def n_docs(self) -> int:
+        return sum(len(e) for e in self.ends)
+
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([np.zeros(1, dtype=np.int64), *self.ends])
 
     def write(self, docs: list[list[int]]) -> None:
         if not docs:
@@ -66,8 +73,8 @@ class _SplitWriter:
             flat = np.insert(flat, np.cumsum(lengths), self.eos)
             lengths = lengths + 1
         self.f.write(flat.tobytes())
-        self.ends.extend((self.n + np.cumsum(lengths)).tolist())
-        self.n = self.ends[-1]
+        self.ends.append(self.n + np.cumsum(lengths))
+        self.n = int(self.ends[-1][-1])
 
 
 def _batches(reader: Reader, files: list[Path], progress: "BuildProgress") -> Iterator[list[str]]:
@@ -89,17 +96,18 @@ def _batches(reader: Reader, files: list[Path], progress: "BuildProgress") -> It
 
 
 def _move_last(src: _SplitWriter, dst: _SplitWriter, src_path: Path) -> None:
+    """Move the last document of `src` to the empty split `dst`."""
     src.f.flush()
-    start = src.ends[-2]
+    offsets = src.offsets()
+    start = int(offsets[-2])
     with src_path.open("rb") as f:
         f.seek(start * src.dtype.itemsize)
         tail = f.read()
     src.f.truncate(start * src.dtype.itemsize)
-    src.ends.pop()
-    src.n = start
+    src.ends, src.n = [offsets[1:-1]], start
     dst.f.write(tail)
-    dst.ends.append(len(tail) // src.dtype.itemsize)
-    dst.n = dst.ends[-1]
+    dst.n = len(tail) // src.dtype.itemsize
+    dst.ends = [np.array([dst.n], dtype=np.int64)]
 
 
 def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout_every: int) -> None:
@@ -122,13 +130,13 @@ def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout
                 for w, docs in zip(writers, parts):
                     w.write(docs)
                 progress.tokens(sum(len(d) for p in parts for d in p), seen)
-            if not writers[1].ends and len(writers[0].ends) > 1:  # fewer than k documents: hold out the last
+            if not writers[1].n_docs and writers[0].n_docs > 1:  # fewer than k documents: hold out the last
                 _move_last(writers[0], writers[1], tmp / "train.tokens")
             for f in (ft, fh):
                 f.flush()
                 os.fsync(f.fileno())
         for name, w in zip(SPLITS, writers):
-            np.save(tmp / f"{name}.offsets.npy", np.array([0, *w.ends], dtype=np.int64), allow_pickle=False)
+            np.save(tmp / f"{name}.offsets.npy", w.offsets(), allow_pickle=False)
         meta = {"dtype": dtype.name, "documents": seen, "skipped": reader.records.skipped,
                 "short": reader.records.short, "tokenizer": tok.name}
         (tmp / "meta.json").write_text(json.dumps(meta))
