@@ -36,7 +36,13 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),
-    "--data": ("data.path", "text file, folder of text files, or .bin/.npy token file"),
+    "--data": ("data.path", "documents: .jsonl/.json/.parquet records, .txt/.md files, folders or globs; "
+                            "or one .bin/.npy token file"),
+    "--text-field": ("data.text_field", "the record field (parquet: column) holding a document's text"),
+    "--on-bad-record": ("data.on_bad_record", "a bad record stops the run (fail) or is counted and skipped"),
+    "--packing": ("data.packing", "documents into windows: doc-masked (default for documents), concat, "
+                                  "or none (one document a row)"),
+    "--heldout-fraction": ("data.heldout_fraction", "share of documents held out for evaluation"),
     "--tokenizer": ("data.tokenizer", "bpe, bytes, or a tokenizer.json"),
     "--lr": ("optim.lr", "peak learning rate"),
     "--max-steps": ("run.max_steps", "optimizer steps"),
@@ -76,7 +82,8 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
         else:
             options = choices_of(key)
             metavar = "{" + ",".join(options) + "}" if options else flag[2:].upper().replace("-", "_")
-            parser.add_argument(flag, dest=key, metavar=metavar,
+            many = accepts(key).startswith("a list of strings")  # e.g. --data PATH...
+            parser.add_argument(flag, dest=key, metavar=metavar, nargs="+" if many else None,
                                 help=f"{text} ({accepts(key)})")
 
 

@@ -57,7 +57,7 @@ def describe(ftype: Any, limits: Range | None = None) -> str:
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return "one of " + ", ".join(str(e.value) for e in base)
     if typing.get_origin(base) is list:
-        return "a list of integers"
+        return f"a list of {'integers' if typing.get_args(base)[0] is int else 'strings'}"
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
     return f"{words} {limits.describe()}" if limits else words
 
@@ -77,7 +77,7 @@ def _parse_text(base: Any, text: str) -> Any:
             return int(text.strip(), 10)
         if base is float:
             return float(text)
-        if typing.get_origin(base) is list:
+        if typing.get_origin(base) is list and typing.get_args(base)[0] is int:
             return [int(x, 10) for x in text.split(",")]
     except ValueError:
         pass
@@ -92,7 +92,7 @@ def _typed(base: Any, value: Any) -> bool:
     if base is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if typing.get_origin(base) is list:
-        return isinstance(value, list) and all(_typed(int, x) for x in value)
+        return isinstance(value, list) and all(_typed(typing.get_args(base)[0], x) for x in value)
     return isinstance(value, base)
 
 
@@ -119,6 +119,8 @@ def coerce(name: str, ftype: Any, value: Any, from_text: bool, limits: Range | N
     else:
         if from_text and isinstance(value, str):
             value = _parse_text(base, value)
+        if typing.get_origin(base) is list and typing.get_args(base)[0] is str and isinstance(value, str):
+            value = [value]  # one path where a list of them is accepted
         if _typed(base, value):
             value = float(value) if base is float else value
             bad = [v for v in (value if isinstance(value, list) else [value])

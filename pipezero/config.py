@@ -48,6 +48,17 @@ class GradReduce(str, enum.Enum):
     MICROBATCH = "microbatch"  # reduce-scatter every micro-batch's gradients as they appear
 
 
+class Packing(str, enum.Enum):
+    DOC_MASKED = "doc-masked"  # documents packed into windows; attention and loss stay inside a document
+    CONCAT = "concat"  # documents packed into windows with EOS between them, attention across them
+    NONE = "none"  # one document a sequence: cut at --seq-len, the rest of the row ignored
+
+
+class OnBadRecord(str, enum.Enum):
+    FAIL = "fail"  # stop at the first bad record, naming its file and line
+    SKIP = "skip"  # skip bad records and print how many
+
+
 class Partition(str, enum.Enum):
     UNIFORM = "uniform"
     PARAMS = "params"
@@ -114,12 +125,20 @@ class OptimConfig:
 class DataConfig:
     """Where tokens come from. `path=None` means the interpreter's standard-library source."""
 
-    path: str | None = None  # text file, folder of text files, or .bin/.npy token file
+    path: list[str] | None = None  # document files, folders or globs (data/sources.py), or one token file
+    text_field: str = "text"  # the field of a jsonl/json record, or column of a parquet file, holding text
+    on_bad_record: OnBadRecord = OnBadRecord.FAIL
+    packing: Packing | None = None  # None: doc-masked for documents; the built-in corpus and token
+    # files keep random windows over one token stream (they have no document boundaries to respect)
     tokenizer: str = "bpe"  # "bpe" (trained locally, cached), "bytes", or a tokenizer.json path
     bpe_vocab: int = 4096
     seq_len: int = 128
     heldout_fraction: float = 0.02
     max_bytes: int | None = None  # read at most this much text (for quick tests)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.path, (str, Path)):  # one path given in code: a list of one
+            self.path = [str(self.path)]
 
 
 @dataclass
@@ -347,7 +366,11 @@ def _validate(cfg: TrainConfig) -> None:
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     if d.path is not None:
-        _check(Path(d.path).exists(), f"--data {d.path!r} does not exist; pass a text file, a folder or a token file")
+        import glob
+
+        for arg in d.path:
+            _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
+                   f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
     # Layout rules that depend on the schedule live with the schedules; import lazily to keep

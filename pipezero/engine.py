@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from pipezero.checkpoint import resume, save
 from pipezero.config import ConfigError, DType, TrainConfig
-from pipezero.data import Corpus, global_batch, heldout_batches, load_corpus, microbatches_for_rank, unigram_entropy
+from pipezero.data import Corpus, load_corpus, microbatches_for_rank, unigram_entropy
+from pipezero.data.packing import IGNORE
 from pipezero.generate import sample
 from pipezero.models import build_chunk, compile_blocks, flops_per_token, param_count
 from pipezero.optim import lr_at
@@ -64,7 +65,9 @@ class RunResult:
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
 
 
-def check_vocab(cfg: TrainConfig, corpus: Corpus) -> None:
+def check_corpus(cfg: TrainConfig, corpus: Corpus) -> None:
+    """Refuse a corpus the model cannot embed, or too small for one global batch."""
+    corpus.check_batch(cfg.global_batch)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer has {corpus.vocab_size} tokens but the model only {cfg.model.vocab_size} rows: "
@@ -164,21 +167,24 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
-    check_vocab(cfg, corpus)
+    check_corpus(cfg, corpus)
     stage = build_stage(cfg, rank, device=device)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
     found = resume(cfg, stage.zero)
     start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
+    seq_len, g = cfg.data.seq_len, cfg.global_batch
+    # samples read before `start`: saved with the checkpoint, so a resume with another global batch
+    # goes on where the data stopped (checkpoints from before this was saved: start x G)
+    read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
     lead = rank == 0
     out = Path(r.out)
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "config.json", cfg.to_dict())
-    seq_len, g = cfg.data.seq_len, cfg.global_batch
     tokens_per_step = g * seq_len
-    eval_set = heldout_batches(corpus.heldout, r.eval_batches, p.micro_batch_size, seq_len)
-    eval_tokens = sum(y.numel() for _, y in eval_set)
+    eval_set = corpus.eval_batches(r.eval_batches, p.micro_batch_size, seq_len)
+    eval_tokens = sum(int((mb[1] != IGNORE).sum()) for mb in eval_set)
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
@@ -198,12 +204,15 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()
             stage.executor.p2p.step = stage.tracer.step = step + 1
-            batch = global_batch(corpus.train, step, r.seed, g, seq_len)
+            batch = corpus.batch(step, read, r.seed, g, seq_len)
+            read += g
             mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
             peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
             stage.zero.peak_gathered = 0  # from here to the optimizer step: this step's training
             stage.zero.begin_step()
-            stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, tokens_per_step)
+            # the mean over the global batch's targets; packing ignores those across a document boundary
+            denom = max(1, int((batch[1] != IGNORE).sum()))
+            stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, denom)
             peak_live = max(peak_live, stats.peak_live)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
@@ -235,7 +244,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if board:
                 board.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
-                save(cfg, stage.zero, step + 1, bad_in_a_row)
+                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read})
             progress.update(step, outcome.loss, record["tokens_per_s"])
     if metrics:
         metrics.close()

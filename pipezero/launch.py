@@ -42,10 +42,10 @@ def preflight(cfg: TrainConfig, nproc: int) -> Device:
     import torch
 
     from pipezero.data import load_corpus
-    from pipezero.engine import check_vocab
+    from pipezero.engine import check_corpus
     from pipezero.parallel.device import local_device
 
-    check_vocab(cfg, load_corpus(cfg.data))
+    check_corpus(cfg, load_corpus(cfg.data))
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)

@@ -184,7 +184,8 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     """One process: train, export, reload, and evaluate the held-out loss the run reported."""
     from pipezero.checkpoint.export import load_exported
     from pipezero.cli import main
-    from pipezero.data import heldout_batches, load_corpus
+    from pipezero.data import load_corpus
+    from pipezero.data.packing import IGNORE
     from pipezero.engine import train
     from pipezero.models import lm_loss
 
@@ -194,11 +195,11 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     res = train(cfg)
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     model = load_exported(tmp_path / "export")
-    batches = heldout_batches(load_corpus(cfg.data).heldout, cfg.run.eval_batches, cfg.parallel.micro_batch_size,
-                              cfg.data.seq_len)
-    tokens = sum(y.numel() for _, y in batches)
-    with torch.no_grad():
-        loss = sum(float(lm_loss(model(x), y, tokens)) for x, y in batches)
+    batches = load_corpus(cfg.data).eval_batches(cfg.run.eval_batches, cfg.parallel.micro_batch_size,
+                                                 cfg.data.seq_len)
+    tokens = sum(int((mb[1] != IGNORE).sum()) for mb in batches)
+    with torch.no_grad():  # (tokens, targets[, document ids]): the run's packed held-out rows
+        loss = sum(float(lm_loss(model(mb[0], *mb[2:]), mb[1], tokens)) for mb in batches)
     assert loss == pytest.approx(res.heldout[3], rel=1e-6)
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 

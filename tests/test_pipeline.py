@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True, **TIED_LR}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
+    # Short packed documents: most rows cross document boundaries, whose ids reach every stage.
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab cd " * (i % 7)}) + "\n" for i in range(400)))
+    cases += [{"pp": 2, "dp": 1, "kind": K.ZB_H1, "m": 4, "data.path": str(docs), "data.heldout_fraction": 0.1}]
     # ZeRO-3 layer by layer under split backward: what B gathered is released after B and W, as
     # after a fused backward (measured right after every backward action; dp=1 still gathers).
     layerwise = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}

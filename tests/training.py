@@ -95,8 +95,8 @@ def assert_same_training(results: list[list[dict]], data: str, tmp_path, refs: d
     refs = {} if refs is None else refs
     for per_rank in zip(*results):
         case = per_rank[0]["case"]
-        # the same model and optimizer, one process
-        model = {k: v for k, v in case.items() if k.startswith(("model.", "optim."))}
+        # the same model, optimizer and data, one process
+        model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
         key = (case["m"] * case["dp"], tuple(sorted(model.items())))
         if key not in refs:
             refs[key] = reference(data, str(tmp_path / f"ref{len(refs)}"), key[0], **model)

@@ -55,14 +55,14 @@ def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool) -> dict[str, Any]
     return out
 
 
-def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int) -> Path:
-    """Checkpoint after `step` optimizer steps (collective)."""
+def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None) -> Path:
+    """Checkpoint after `step` optimizer steps (collective); `data`: the data position (samples read)."""
     team = Team.current(step)
     state = state_dict(zero, cfg.model, saving=True)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
     info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
-            "bad_in_a_row": bad_in_a_row,
+            "bad_in_a_row": bad_in_a_row, "data": data or {},
             "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "virtual_stages": p.virtual_stages,
                        "schedule": p.schedule.value}}
     return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)

@@ -32,17 +32,16 @@ def global_batch(tokens: np.ndarray, step: int, seed: int, n_seqs: int, seq_len:
     return windows(tokens, window_starts(len(tokens), step, seed, n_seqs, seq_len), seq_len)
 
 
-def microbatches_for_rank(
-    batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int, microbatches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Data-parallel rank d takes rows [d*G/D, (d+1)*G/D) and cuts them into M equal micro-batches."""
-    inputs, targets = batch
-    g = inputs.shape[0]
+def microbatches_for_rank(batch: tuple[torch.Tensor, ...], dp_rank: int, dp: int,
+                          microbatches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Data-parallel rank d takes rows [d*G/D, (d+1)*G/D) and cuts them into M equal micro-batches,
+    of every tensor of the batch alike: inputs, targets and, with document packing, document ids."""
+    g = batch[0].shape[0]
     if g % (dp * microbatches):
         raise ValueError(f"global batch {g} does not split into {dp} ranks x {microbatches} micro-batches")
     per_rank = g // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    return list(zip(inputs[rows].chunk(microbatches), targets[rows].chunk(microbatches)))
+    return list(zip(*(t[rows].chunk(microbatches) for t in batch)))
 
 
 def heldout_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -56,6 +55,9 @@ def heldout_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len
 def unigram_entropy(tokens: np.ndarray) -> float:
     """Cross-entropy (nats/token) of predicting each token by its corpus frequency: the loss a model
     that ignores context would reach, and the bar a trained model must clear."""
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64))
+    counts = np.zeros(0, dtype=np.int64)
+    for i in range(0, len(tokens), 1 << 24):  # in pieces: a memory-mapped corpus may not fit in memory
+        part = np.bincount(np.asarray(tokens[i:i + (1 << 24)], dtype=np.int64))
+        counts = np.pad(counts, (0, max(0, len(part) - len(counts)))) + np.pad(part, (0, max(0, len(counts) - len(part))))
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum()) if len(p) else math.nan

@@ -1,26 +1,34 @@
 """Find the training text, tokenize it once, and cache the token arrays.
 
-The default corpus is the Python standard library of the running interpreter (found through
+The user's documents (`--data` files, folders, globs) stream through data/sources.py into the
+token cache of data/cache.py and are read as packed samples (data/packing.py). The default corpus is the Python standard library of the running interpreter (found through
 `sysconfig`), read in sorted path order, so every machine with the same Python has the same corpus
 with nothing downloaded. The last `heldout_fraction` of its bytes (cut at a line end) is held out.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import itertools
 import os
 import sysconfig
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from pipezero.config import ConfigError, DataConfig
-from pipezero.data.tokenizer import Tokenizer, load_tokenizer, texts_digest
+from pipezero.config import ConfigError, DataConfig, Packing
+from pipezero.data.batches import global_batch, heldout_batches
+from pipezero.data.cache import load_or_build
+from pipezero.data.packing import PackedSamples, Rows, check_enough
+from pipezero.data.sources import BadRecords, Reader, expand, fingerprint
+from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, texts_digest
 from pipezero.util import atomic_write_bytes, cache_dir
 
-TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".toml", ".json", ".c", ".h", ".html", ".csv", ""}
 TOKEN_SUFFIXES = {".bin", ".npy"}
+CACHE_VERSION = 1  # bump when the token cache's layout or contents change
 
 
 @dataclass
@@ -29,12 +37,31 @@ class Corpus:
     heldout: np.ndarray
     tokenizer: Tokenizer | None  # None for a token file without a tokenizer.json
     source: str
+    # Documents: packed samples. None: random windows over one token stream (built-in corpus, token files).
+    samples: tuple[PackedSamples, PackedSamples] | None = None  # (train, held-out)
 
     @property
     def vocab_size(self) -> int:
         if self.tokenizer is not None:
             return self.tokenizer.vocab_size
         return int(max(self.train.max(initial=0), self.heldout.max(initial=0))) + 1
+
+    def batch(self, step: int, position: int, seed: int, n_rows: int, seq_len: int) -> Rows:
+        """The global batch of optimizer step `step`, whose samples start at `position` (the number
+        of samples read before it): random windows drawn from (seed, step), or packed samples."""
+        if self.samples is None:
+            return global_batch(self.train, step, seed, n_rows, seq_len)
+        return self.samples[0].global_batch(position, seed, n_rows)
+
+    def eval_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[Rows]:
+        if self.samples is None:
+            return heldout_batches(self.heldout, n_batches, batch_size, seq_len)
+        return self.samples[1].heldout(n_batches, batch_size)
+
+    def check_batch(self, n_rows: int) -> None:
+        """Refuse a corpus that cannot fill one global batch without repeating a sample."""
+        if self.samples is not None:
+            check_enough(self.samples[0], n_rows, f"--data {self.source!r}")
 
 
 def stdlib_files() -> list[Path]:
@@ -46,34 +73,11 @@ def stdlib_files() -> list[Path]:
     return files
 
 
-def text_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    if not files:
-        raise ConfigError(f"--data {str(path)!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES - {''}))})")
-    return files
-
-
-def decode_text(path: Path, strict: bool) -> str:
-    """A file's text. With `strict` (the user's data), a file that is not text is refused: a NUL
-    byte, or more than 1% of bytes that are not UTF-8, means binary data that would train on noise."""
-    data = path.read_bytes()
-    text = data.decode("utf-8", errors="replace")
-    if strict and data:
-        invalid = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
-        nul = b"\0" in data
-        if nul or invalid > 0.01 * len(data):
-            raise ConfigError(f"--data file {str(path)!r} is not UTF-8 text ({invalid} invalid sequences in "
-                              f"{len(data)} bytes{', NUL bytes' if nul else ''}); pass text, or tokens as .bin/.npy")
-    return text
-
-
-def read_documents(files: list[Path], max_bytes: int | None, strict: bool = False) -> list[str]:
+def read_documents(files: list[Path], max_bytes: int | None) -> list[str]:
     docs: list[str] = []
     total = 0
     for f in files:
-        text = decode_text(f, strict)
+        text = f.read_bytes().decode("utf-8", errors="replace")
         if max_bytes is not None and total + len(text) > max_bytes:
             docs.append(text[: max_bytes - total])
             break
@@ -143,13 +147,54 @@ def load_token_file(path: Path, cfg: DataConfig) -> Corpus:
     return Corpus(np.asarray(tokens[:cut]), np.asarray(tokens[cut:]), tok, name)
 
 
+def load_documents(cfg: DataConfig) -> Corpus:
+    """The user's documents, tokenized into the cache on first use, as packed samples."""
+    assert cfg.path is not None
+    files = expand(cfg.path)
+    every = max(2, round(1.0 / cfg.heldout_fraction))
+    inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value)
+
+    def reader() -> Reader:
+        return Reader(cfg.text_field, BadRecords(cfg.on_bad_record))
+
+    def sample() -> Iterable[str]:  # every 4th document trains a BPE, streamed
+        r = reader()
+        docs = itertools.chain.from_iterable(r.documents(f) for f in files)
+        return (text for text, _ in itertools.islice(docs, 0, None, 4))
+
+    tok = cached_tokenizer(cfg.tokenizer, cfg.bpe_vocab, inputs, sample, eos=True)
+    key = hashlib.sha256(f"{CACHE_VERSION}\0{inputs}\0{tok.name}\0{every}".encode()).hexdigest()[:24]
+    train, heldout = load_or_build(key, files, reader(), tok, every)
+    packing = cfg.packing or Packing.DOC_MASKED
+    samples = tuple(PackedSamples(d, cfg.seq_len, packing, tok.eos_id or 0) for d in (train, heldout))
+    source = " ".join(cfg.path)
+    for s, what in zip(samples, ("training documents", "held-out documents")):
+        check_enough(s, 1, f"--data {source!r}: the {what}")
+    return Corpus(train.tokens, heldout.tokens, tok, source, samples)  # type: ignore[arg-type]
+
+
 def load_corpus(cfg: DataConfig) -> Corpus:
-    """Tokenized train and held-out arrays for `cfg`, from the cache when this text was seen before."""
-    if cfg.path is not None and Path(cfg.path).suffix in TOKEN_SUFFIXES:
-        return load_token_file(Path(cfg.path), cfg)
-    files = stdlib_files() if cfg.path is None else text_files(Path(cfg.path))
-    source = "python-stdlib" if cfg.path is None else str(cfg.path)
-    docs = read_documents(files, cfg.max_bytes, strict=cfg.path is not None)
+    """Tokenized train and held-out data for `cfg`, from the cache when this text was seen before."""
+    paths = cfg.path or []
+    if any(Path(p).suffix in TOKEN_SUFFIXES for p in paths):
+        if len(paths) > 1:
+            raise ConfigError(f"--data {' '.join(paths)}: a token file is a corpus by itself; pass it alone")
+        corpus = load_token_file(Path(paths[0]), cfg)
+    elif paths:
+        return load_documents(cfg)
+    else:
+        corpus = load_stdlib(cfg)
+    if cfg.packing is not None:
+        raise ConfigError(f"--packing {cfg.packing.value} needs documents (--data .jsonl/.parquet/.txt ...); "
+                          f"{corpus.source!r} is one token stream read in random windows")
+    return corpus
+
+
+def load_stdlib(cfg: DataConfig) -> Corpus:
+    """The standard library's source, split by files and tokenized, cached by its content."""
+    files = stdlib_files()
+    source = "python-stdlib"
+    docs = read_documents(files, cfg.max_bytes)
     train_docs, held_docs = split_documents(docs, cfg.heldout_fraction)
     tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
     key = f"tokens-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"

@@ -7,7 +7,7 @@ the vocabulary size, so every rank and every later run loads the identical vocab
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -18,9 +18,13 @@ from pipezero.errors import ConfigError
 from pipezero.util import atomic_write_bytes, cache_dir
 
 
+EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # what tokenizers commonly call end-of-document
+
+
 class Tokenizer(Protocol):
     vocab_size: int
     name: str
+    eos_id: int | None  # the id packed between documents; None: documents are packed back to back
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]: ...
 
@@ -32,6 +36,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     name = "bytes"
+    eos_id = 0  # NUL: never inside a document (sources refuse text that is not UTF-8 text)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
@@ -49,6 +54,7 @@ class BPETokenizer:
         # two different tokenizer.json files called alike never share a cache entry.
         self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
         self.vocab_size = hf.get_vocab_size()
+        self.eos_id = next((i for t in EOS_TOKENS if (i := hf.token_to_id(t)) is not None), None)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(list(texts))]
@@ -57,13 +63,16 @@ class BPETokenizer:
         return self.hf.decode([int(i) for i in ids])
 
     @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, eos: bool = False) -> "BPETokenizer":
+        """Train on `texts` (any iterable: documents stream through); with `eos`, the vocabulary
+        holds an end-of-document token for packing."""
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=[EOS_TOKENS[0]] if eos else [],
             show_progress=False,
         )
         hf.train_from_iterator(texts, trainer)
@@ -88,14 +97,23 @@ def texts_digest(texts: Sequence[str]) -> str:
 
 def load_tokenizer(kind: str, train_texts: Sequence[str], bpe_vocab: int) -> Tokenizer:
     """`bytes`, `bpe` (trained on every 4th training document, cached), or a tokenizer.json path."""
+    if kind != "bpe":
+        return cached_tokenizer(kind, bpe_vocab, "", list)
+    sample = list(train_texts[::4]) or list(train_texts)
+    return cached_tokenizer(kind, bpe_vocab, texts_digest(sample), lambda: sample)
+
+
+def cached_tokenizer(kind: str, bpe_vocab: int, key: str, texts: Callable[[], Iterable[str]],
+                     eos: bool = False) -> Tokenizer:
+    """`bytes`, a tokenizer.json path, or the BPE cached under `key` (what it was trained on),
+    trained on `texts()` the first time; with `eos` it has an end-of-document token."""
     if kind == "bytes":
         return ByteTokenizer()
     if kind != "bpe":
         return BPETokenizer.from_file(kind)
-    sample = list(train_texts[::4]) or list(train_texts)
-    path = cache_dir() / f"bpe-{bpe_vocab}-{texts_digest(sample)}.json"
+    path = cache_dir() / f"bpe-{bpe_vocab}{'-eos' if eos else ''}-{key}.json"
     if path.is_file():
         return BPETokenizer.from_file(path)
-    tok = BPETokenizer.train(sample, bpe_vocab)
+    tok = BPETokenizer.train(texts(), bpe_vocab, eos)
     atomic_write_bytes(path, tok.hf.to_str().encode())
     return tok

@@ -1,7 +1,9 @@
 """A Llama-style decoder as a flat list of layers: [Embedding, Block x n_layers, Head].
 
 Each layer maps one tensor to one tensor, so any contiguous slice of the list is a pipeline stage
-chunk and the activations between chunks are a single (B, T, dim) tensor. Parameters are named
+chunk and the activations between chunks are a single (B, T, dim) tensor. Packed documents add
+per-token document ids (B, T), which every rank holds with its micro-batch: each chunk turns them
+into a `DocMask` once and its blocks attend within documents only. Parameters are named
 `layers.{global_index}.…` whatever the slice, so state dicts and checkpoints are keyed the same
 way for every layout, and each layer is initialised from its own seeded generator so a layer's
 initial weights do not depend on which rank builds it.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +50,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.type_as(x)
 
 
+@dataclass(frozen=True)
+class DocMask:
+    """Block-diagonal causal attention for packed documents, from per-token document ids."""
+
+    allowed: torch.Tensor  # (B, 1, T, T) bool: query t may see key u (same document, u <= t)
+    positions: torch.Tensor  # (B, T) int64: position inside its document, for rotary angles
+
+    @classmethod
+    def of(cls, docs: torch.Tensor) -> "DocMask":  # docs: (B, T) int64, non-decreasing along T
+        t = docs.shape[1]
+        idx = torch.arange(t, device=docs.device).expand_as(docs)
+        starts = torch.ones_like(docs, dtype=torch.bool)
+        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        first = torch.cummax(torch.where(starts, idx, 0), dim=1).values  # each token's document start
+        causal = torch.ones(t, t, dtype=torch.bool, device=docs.device).tril()
+        return cls(((docs[:, :, None] == docs[:, None, :]) & causal)[:, None], idx - first)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -62,14 +83,20 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocMask | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.wv(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = self.cos[:t], self.sin[:t]
+        gqa = self.n_kv != self.n_heads
+        if mask is None:  # the fast path: one causal sequence a row
+            cos, sin = self.cos[:t], self.sin[:t]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        cos, sin = self.cos[mask.positions][:, None], self.sin[mask.positions][:, None]  # (B, 1, T, hd/2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -95,8 +122,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, mask: DocMask | None = None) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
+        x = x + self.attn(self.attn_norm(x), mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -173,9 +200,12 @@ class StageChunk(nn.Module):
             # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
             self.layers[str(stop - 1)].proj.weight = self.layers["0"].weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """x: tokens (B, T) on the first chunk, else activations (B, T, dim); docs: the tokens'
+        document ids (B, T) when documents are packed with masks, else None."""
+        mask = DocMask.of(docs) if docs is not None else None
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, mask) if mask is not None and isinstance(layer, Block) else layer(x)
         return x
 
     def layer_modules(self) -> Iterable[tuple[int, nn.Module]]:
@@ -197,6 +227,7 @@ def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torc
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
-    """Sum of token cross-entropies divided by `denom` (all tokens of the global batch), so the
-    per-micro-batch losses add up to the global mean whatever the layout."""
+    """Sum of token cross-entropies divided by `denom` (all counted targets of the global batch), so
+    the per-micro-batch losses add up to the global mean whatever the layout. Targets of -100 (a
+    document's last token under packing, padding) are not counted."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom

@@ -55,6 +55,13 @@ class NoHooks:
         pass
 
 
+MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
+
+
+def docs_of(mb: MicroBatch) -> torch.Tensor | None:
+    return mb[2] if len(mb) > 2 else None
+
+
 def last_weight_grad(actions: Sequence[Action]) -> dict[int, int]:
     """Index of each chunk's last gradient-producing action (W or BW): after it, the chunk's
     gradients for the step are complete and may be reduced."""
@@ -101,11 +108,11 @@ class Executor:
         self.capture = {} if recompute else {
             c: cap for c, m in chunks.items() if c > 0 and (cap := WeightGradCapture(m)).supported}
 
-    def _forward(self, chunk: StageChunk, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, chunk: StageChunk, x: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         with autocast(self.dtype, self.device.type):
             if self.recompute and torch.is_grad_enabled():
-                return checkpoint(chunk, x, use_reentrant=False)
-            return chunk(x)
+                return checkpoint(chunk, x, docs, use_reentrant=False)
+            return chunk(x, docs)
 
     def _post(self, posts: list[Post]) -> None:
         for p in posts:
@@ -123,11 +130,11 @@ class Executor:
         else:
             self._outbox[(consumer, kind is Kind.GRAD, mb)] = tensor
 
-    def run(self, actions: Sequence[Action], microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-            denom: float) -> StepStats:
+    def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch], denom: float) -> StepStats:
+        """Play `actions` on `microbatches` (every rank holds them all: the first chunk reads the
+        tokens, the last the targets, every chunk the document ids of packed documents)."""
         live: dict[tuple[int, int], _Live] = {}
-        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                        for x, y in microbatches]
+        microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
         loss = torch.zeros((), device=self.device)
         peak = 0
         final = last_weight_grad(actions)
@@ -143,7 +150,7 @@ class Executor:
                 x = microbatches[a.mb][0] if a.chunk == 0 else \
                     self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
                 with self._timed(a):
-                    live[(a.chunk, a.mb)] = st = self._run_f(a, x, a.chunk in split)
+                    live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), a.chunk in split)
                     if a.chunk == self.last:
                         st.out = lm_loss(st.out, microbatches[a.mb][1], denom)
                         loss += st.out.detach()
@@ -176,14 +183,14 @@ class Executor:
             yield
         self.clock.stop()
 
-    def _run_f(self, a: Action, x: torch.Tensor, split: bool) -> _Live:
+    def _run_f(self, a: Action, x: torch.Tensor, docs: torch.Tensor | None, split: bool) -> _Live:
         chunk = self.chunks[a.chunk]
         records = None
         if split and a.chunk in self.capture:
             with self.capture[a.chunk].recording() as records:
-                y = self._forward(chunk, x)
+                y = self._forward(chunk, x, docs)
         else:
-            y = self._forward(chunk, x)
+            y = self._forward(chunk, x, docs)
         if a.chunk != self.last:
             self._emit(Kind.ACT, a.chunk + 1, a.mb, y)
         return _Live(x, y, records=records)
@@ -214,16 +221,16 @@ class Executor:
                     p.grad = g if p.grad is None else p.grad.add_(g)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def evaluate(self, batches: Sequence[MicroBatch]) -> float:
         """Forward only, micro-batch by micro-batch through this rank's chunks in model order; the
         summed token loss is non-zero on the rank holding the last chunk."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for mb, (tokens, targets) in enumerate(batches):
-            tokens, targets = tokens.to(self.device), targets.to(self.device)
+        for mb, batch in enumerate(batches):
+            tokens, targets, *rest = (t.to(self.device) for t in batch)
             for c in sorted(self.chunks):
                 self.hooks.before_forward(c)
                 x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
-                y = self._forward(self.chunks[c], x)
+                y = self._forward(self.chunks[c], x, rest[0] if rest else None)
                 if c == self.last:
                     total += lm_loss(y, targets, 1.0).double()
                 else:

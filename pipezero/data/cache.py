@@ -1,0 +1,209 @@
+"""Documents tokenized once into a memory-mapped token cache with document offsets.
+
+A cache is a folder named by a key (the inputs' fingerprint, the tokenizer's content, the settings
+that change which documents are kept). It is built in a temporary folder beside it and renamed into
+place when complete, so an interrupted build leaves only a temporary folder that nothing reads, and
+a cache is never reused for other inputs or another tokenizer. Documents stream through in batches
+(`tokenizers` encodes a batch on every core); each document is followed by the tokenizer's EOS id.
+Every k-th document (k = 1 / held-out fraction) goes to the held-out split, so it is split by
+documents, never inside one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from pipezero.config import ConfigError
+from pipezero.data.sources import Reader
+from pipezero.data.tokenizer import Tokenizer
+from pipezero.util import cache_dir
+
+BATCH_DOCS = 1024  # documents a tokenizer call: enough to keep every core busy
+BATCH_CHARS = 8 << 20  # ... or this much text, whichever comes first, so memory stays bounded
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class DocTokens:
+    """Documents back to back: document d is tokens[offsets[d]:offsets[d + 1]] (its EOS included)."""
+
+    tokens: np.ndarray  # 1-D, memory-mapped, uint16 or uint32
+    offsets: np.ndarray  # (n_docs + 1,) int64, offsets[0] == 0
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.offsets) - 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class _SplitWriter:
+    """Appends documents of one split to its token file and remembers where each ends."""
+
+    def __init__(self, f: BinaryIO, dtype: np.dtype, eos: int | None) -> None:
+        self.f, self.dtype, self.eos = f, dtype, eos
+        self.ends: list[np.ndarray] = []  # int64 ends of each batch's documents (arrays: millions stay small)
+        self.n = 0
+
+    @property
+    def n_docs(self) -> int:
+        return sum(len(e) for e in self.ends)
+
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([np.zeros(1, dtype=np.int64), *self.ends])
+
+    def write(self, docs: list[list[int]]) -> None:
+        if not docs:
+            return
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=self.dtype, count=int(lengths.sum()))
+        if self.eos is not None:
+            flat = np.insert(flat, np.cumsum(lengths), self.eos)
+            lengths = lengths + 1
+        self.f.write(flat.tobytes())
+        self.ends.append(self.n + np.cumsum(lengths))
+        self.n = int(self.ends[-1][-1])
+
+
+def _batches(reader: Reader, files: list[Path], progress: "BuildProgress") -> Iterator[list[str]]:
+    batch: list[str] = []
+    chars = 0
+    for i, f in enumerate(files):
+        before = 0
+        progress.file(i, f)
+        for text, done in reader.documents(f):
+            batch.append(text)
+            chars += len(text)
+            progress.advance(done - before)
+            before = done
+            if len(batch) >= BATCH_DOCS or chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _move_last(src: _SplitWriter, dst: _SplitWriter, src_path: Path) -> None:
+    """Move the last document of `src` to the empty split `dst`."""
+    src.f.flush()
+    offsets = src.offsets()
+    start = int(offsets[-2])
+    with src_path.open("rb") as f:
+        f.seek(start * src.dtype.itemsize)
+        tail = f.read()
+    src.f.truncate(start * src.dtype.itemsize)
+    src.ends, src.n = [offsets[1:-1]], start
+    dst.f.write(tail)
+    dst.n = len(tail) // src.dtype.itemsize
+    dst.ends = [np.array([dst.n], dtype=np.int64)]
+
+
+def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout_every: int) -> None:
+    """Tokenize every document of `files` into the cache folder `dest` (atomically)."""
+    dtype = token_dtype(tok.vocab_size)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+    try:
+        with BuildProgress(files) as progress, \
+                (tmp / "train.tokens").open("wb") as ft, (tmp / "heldout.tokens").open("wb") as fh:
+            writers = _SplitWriter(ft, dtype, tok.eos_id), _SplitWriter(fh, dtype, tok.eos_id)
+            seen = 0
+            for texts in _batches(reader, files, progress):
+                parts: tuple[list[list[int]], list[list[int]]] = ([], [])
+                for ids in tok.encode_many(texts):
+                    if len(ids) < 2:
+                        reader.records.short += 1
+                        continue
+                    parts[seen % heldout_every == heldout_every - 1].append(ids)
+                    seen += 1
+                for w, docs in zip(writers, parts):
+                    w.write(docs)
+                progress.tokens(sum(len(d) for p in parts for d in p), seen)
+            if not writers[1].n_docs and writers[0].n_docs > 1:  # fewer than k documents: hold out the last
+                _move_last(writers[0], writers[1], tmp / "train.tokens")
+            for f in (ft, fh):
+                f.flush()
+                os.fsync(f.fileno())
+        for name, w in zip(SPLITS, writers):
+            np.save(tmp / f"{name}.offsets.npy", w.offsets(), allow_pickle=False)
+        meta = {"dtype": dtype.name, "documents": seen, "skipped": reader.records.skipped,
+                "short": reader.records.short, "tokenizer": tok.name}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished the same cache first: keep theirs
+            if not (dest / "meta.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def open_split(folder: Path, name: str) -> DocTokens:
+    meta = json.loads((folder / "meta.json").read_text())
+    offsets = np.load(folder / f"{name}.offsets.npy", allow_pickle=False)
+    path = folder / f"{name}.tokens"
+    tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else \
+        np.zeros(0, dtype=meta["dtype"])
+    return DocTokens(tokens, offsets)
+
+
+def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
+                  heldout_every: int) -> tuple[DocTokens, DocTokens]:
+    """(train, held-out) documents, built on the first call for this key and memory-mapped after."""
+    folder = cache_dir() / f"docs-{key}"
+    if not (folder / "meta.json").is_file():
+        build(folder, files, reader, tok, heldout_every)
+        if reader.records.summary():
+            print(f"pipezero: {reader.records.summary()}", flush=True)
+    train, heldout = (open_split(folder, s) for s in SPLITS)
+    if train.n_docs == 0:
+        raise ConfigError(f"--data holds no document of two tokens or more ({len(files)} files); give more text")
+    return train, heldout
+
+
+class BuildProgress:
+    """A rich progress bar over the input bytes, with documents and tokens per second; shown by one
+    process only (the launcher, or rank 0 under an outside torchrun)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.files = files
+        self.show = os.environ.get("RANK", "0") == "0"
+        self.bar = Progress(TextColumn("tokenizing {task.description}"), BarColumn(),
+                            TextColumn("{task.percentage:>3.0f}% {task.fields[docs]:,} docs {task.fields[rate]}"),
+                            TimeRemainingColumn(), disable=not self.show, transient=True)
+        self.task = self.bar.add_task("", total=sum(f.stat().st_size for f in files), docs=0, rate="")
+        self.n_tokens = 0
+
+    def __enter__(self) -> "BuildProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def file(self, i: int, f: Path) -> None:
+        self.bar.update(self.task, description=f"file {i + 1}/{len(self.files)} {f.name}")
+
+    def advance(self, n_bytes: int) -> None:
+        self.bar.advance(self.task, n_bytes)
+
+    def tokens(self, n: int, docs: int) -> None:
+        self.n_tokens += n
+        elapsed = self.bar.tasks[0].elapsed or 0.0
+        rate = f"{self.n_tokens / elapsed / 1e6:.2f}M tokens/s" if elapsed > 0 else ""
+        self.bar.update(self.task, docs=docs, rate=rate)

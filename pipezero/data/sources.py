@@ -1,0 +1,183 @@
+"""Documents from the user's files: jsonl/json records, parquet rows, or whole text files.
+
+Every reader streams (jsonl line by line, parquet one row group at a time, a text file at a time),
+so a file larger than memory is never held whole. A bad record is reported as `file:line` so the
+user can find it; with `skip` it is counted instead, and the count is printed once at the end.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipezero.config import ConfigError, OnBadRecord
+
+RECORD_SUFFIXES = {".jsonl", ".json"}
+TABLE_SUFFIXES = {".parquet"}
+# One document a file. Source-code suffixes stay accepted: a folder of code is a corpus too.
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".toml", ".c", ".h", ".html", ".csv"}
+DOCUMENT_SUFFIXES = RECORD_SUFFIXES | TABLE_SUFFIXES | TEXT_SUFFIXES
+
+
+def expand(paths: list[str]) -> list[Path]:
+    """Files named by `paths` (files, folders searched recursively, or glob patterns), sorted within
+    each argument so the order, and with it the corpus, is the same on every machine."""
+    files: list[Path] = []
+    for arg in paths:
+        p = Path(arg)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DOCUMENT_SUFFIXES)
+            what = f"folder {arg!r} holds no document files"
+        elif p.is_file():
+            found = [p]
+            what = ""
+        else:
+            found = sorted(Path(f) for f in glob.glob(arg, recursive=True) if Path(f).is_file())
+            what = f"--data {arg!r} matches no files"
+        if not found:
+            raise ConfigError(f"{what} ({', '.join(sorted(DOCUMENT_SUFFIXES))}); pass documents or a token file")
+        for f in found:
+            if f.suffix not in DOCUMENT_SUFFIXES:
+                raise ConfigError(f"--data file {str(f)!r}: unknown kind {f.suffix or '(no suffix)'!r}; use "
+                                  f".jsonl/.json/.parquet records, .txt/.md text, or .npy/.bin tokens")
+        files.extend(found)
+    return files
+
+
+def fingerprint(files: list[Path], *extra: object) -> str:
+    """A key for what these inputs hold: each path, size and modification time (a file rewritten
+    in place changes its mtime), plus `extra` settings that change the documents read."""
+    h = hashlib.sha256(repr(extra).encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class BadRecords:
+    """How bad records are handled, and how many were skipped (the first one named)."""
+
+    policy: OnBadRecord
+    skipped: int = 0
+    first: str = ""
+    short: int = 0  # documents under two tokens: always skipped, counted
+
+    def bad(self, where: str, reason: str) -> None:
+        if self.policy is OnBadRecord.FAIL:
+            raise ConfigError(f"{where}: {reason}; fix the record or pass --on-bad-record skip")
+        self.skipped += 1
+        self.first = self.first or f"{where}: {reason}"
+
+    def summary(self) -> str:
+        parts = []
+        if self.skipped:
+            parts.append(f"skipped {self.skipped:,} bad records (first: {self.first})")
+        if self.short:
+            parts.append(f"skipped {self.short:,} documents shorter than two tokens")
+        return "; ".join(parts)
+
+
+@dataclass
+class Reader:
+    """Yields (text, bytes read so far in the file) for each document of one file."""
+
+    text_field: str
+    records: BadRecords = field(default_factory=lambda: BadRecords(OnBadRecord.FAIL))
+
+    def documents(self, path: Path) -> Iterator[tuple[str, int]]:
+        if path.stat().st_size == 0:
+            self.bad(str(path), "the file is empty")
+            return
+        if path.suffix in TABLE_SUFFIXES:
+            yield from self._parquet(path)
+        elif path.suffix in RECORD_SUFFIXES:
+            yield from self._records(path)
+        else:
+            yield from self._text(path)
+
+    def bad(self, where: str, reason: str) -> None:
+        self.records.bad(where, reason)
+
+    def _field(self, record: object, where: str) -> str | None:
+        if not isinstance(record, dict) or self.text_field not in record:
+            self.bad(where, f"no field {self.text_field!r} (pass --text-field NAME)")
+            return None
+        text = record[self.text_field]
+        if not isinstance(text, str):
+            self.bad(where, f"field {self.text_field!r} holds {type(text).__name__}, not text")
+            return None
+        return text
+
+    def _records(self, path: Path) -> Iterator[tuple[str, int]]:
+        with path.open("rb") as f:
+            head = f.read(64).lstrip()
+        if path.suffix == ".json" and head.startswith(b"["):  # one JSON array: read whole
+            yield from self._array(path)
+            return
+        done = 0
+        with path.open("rb") as f:
+            for n, raw in enumerate(f, 1):
+                done += len(raw)
+                where = f"{path}:{n}"
+                if not raw.strip():
+                    continue
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    self.bad(where, f"invalid UTF-8 at byte {e.start}")
+                    continue
+                except json.JSONDecodeError as e:
+                    self.bad(where, f"invalid JSON ({e.msg}, column {e.colno})")
+                    continue
+                text = self._field(record, where)
+                if text is not None:
+                    yield text, done
+
+    def _array(self, path: Path) -> Iterator[tuple[str, int]]:
+        try:
+            records = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); write one record a line (.jsonl) "
+                              f"or one array of records") from None
+        size = path.stat().st_size
+        for i, record in enumerate(records):
+            text = self._field(record, f"{path}: record {i}")
+            if text is not None:
+                yield text, size
+
+    def _parquet(self, path: Path) -> Iterator[tuple[str, int]]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"{path}: reading parquet needs pyarrow: pip install 'pipezero[data]'") from None
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a broken file
+            raise ConfigError(f"{path}: not a parquet file ({str(e).splitlines()[0]})") from None
+        if self.text_field not in pf.schema_arrow.names:
+            raise ConfigError(f"{path}: no column {self.text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                              f"pass --text-field NAME")
+        size, row = path.stat().st_size, 0
+        for g in range(pf.num_row_groups):
+            column = pf.read_row_group(g, columns=[self.text_field]).column(0)
+            for text in column.to_pylist():
+                row += 1
+                if not isinstance(text, str):
+                    self.bad(f"{path}: row {row}", f"column {self.text_field!r} holds {type(text).__name__}, not text")
+                    continue
+                yield text, size * (g + 1) // pf.num_row_groups
+
+    def _text(self, path: Path) -> Iterator[tuple[str, int]]:
+        data = path.read_bytes()
+        try:
+            yield data.decode("utf-8"), len(data)
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            self.bad(f"{path}:{line}", "is not UTF-8 text (pass text, or tokens as .bin/.npy)")
