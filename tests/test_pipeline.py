@@ -111,7 +111,9 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
 
 @pytest.mark.slow
 def test_eight_ranks_pp4_dp2(text_dir, tmp_path):
-    results = run_ranks(train_cases, 8, str(text_dir), str(tmp_path), layouts(4, 2), timeout=900)
+    # 8 micro-batch sums in another order: at lr 1e-2 Adam lifts their rounding to ~1.4e-5 of the
+    # parameters (measured), at 1e-3 it stays ~1e-6, so 1e-5 still tells a wrong model from rounding.
+    results = run_ranks(train_cases, 8, str(text_dir), str(tmp_path), [{**c, **TIED_LR} for c in layouts(4, 2)], timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
 
 
