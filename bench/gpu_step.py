@@ -122,8 +122,8 @@ def run_plain(case: Case, steps: int, warm: int, device: torch.device) -> dict:
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, o, steps)
-        if step == warm:
-            torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+        if step == warm and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         batch = global_batch(corpus.train, step, cfg.run.seed, g, t)
         loss = torch.zeros((), device=device)

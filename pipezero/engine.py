@@ -224,19 +224,20 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             busy = stage.executor.clock.busy_share()  # GPU: idle time between compute actions
             bubble = 1.0 - busy if busy is not None else \
                 stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0  # CPU: share blocked on peers
-            if step > start or r.max_steps == 1:  # the first step pays one-off costs (allocations, warm-up)
+            steady = step > start or r.max_steps == 1  # the first step pays one-off costs (allocations, warm-up)
+            if steady:
                 bubbles.append(bubble)
-            stage.peaks.mark("train" if step > start or r.max_steps == 1 else None)  # not the first step's
+            stage.peaks.mark("train" if steady else None)  # not the first step's
             result.losses.append(outcome.loss)
             result.grad_norms.append(outcome.grad_norm)
+            result.peak_rss_training = rss = peak_rss_bytes()  # before this step's evaluation
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
                       "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                      "bubble": bubble, "peak_rss_mib": peak_rss_bytes() / 2**20}  # this (the writing) rank's
+                      "bubble": bubble, "peak_rss_mib": rss / 2**20}  # this (the writing) rank's
             if not outcome.applied:
                 record["skipped"] = True
             result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
-            result.peak_rss_training = peak_rss_bytes()  # before this step's evaluation
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:

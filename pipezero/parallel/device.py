@@ -32,13 +32,15 @@ def local_device(setting: Device, local_ranks: int, gpus: int) -> tuple[Device, 
     in the launcher before any rank starts, and a warning to print, if any. `auto` falls back to CPU
     ranks when there are fewer GPUs than ranks (the quickstart's --nproc 4 then runs on a one-GPU
     laptop too, on gloo, and says so); an explicit `cuda` is refused instead."""
-    if setting is not Device.AUTO and (setting is Device.CPU or gpus >= local_ranks):
-        return setting, None
-    if setting is Device.AUTO and (gpus == 0 or gpus >= local_ranks):
-        return (Device.CUDA if gpus else Device.CPU), None
+    if setting is Device.CPU:
+        return Device.CPU, None
+    if gpus >= local_ranks:
+        return Device.CUDA, None
     if setting is Device.CUDA:
         raise ConfigError(f"--device cuda with {local_ranks} local ranks needs {local_ranks} GPUs, but torch sees "
                           f"{gpus}: lower --nproc to {gpus} (--pp x --dp) or use --device cpu")
+    if gpus == 0:
+        return Device.CPU, None  # what auto means without a GPU
     return Device.CPU, (f"{local_ranks} local ranks but {gpus} GPU{'s' * (gpus != 1)}: running on CPU (gloo); "
                         f"use --nproc {gpus} (--pp x --dp) to train on the GPUs")
 

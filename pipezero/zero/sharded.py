@@ -417,8 +417,8 @@ class ZeroDP:
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
             self._wait(work, "all-reduce of the gradient norm and loss")
-        (norm_sq, loss_sum), local_sq = total.tolist(), float(local)
-        norm = math.sqrt(norm_sq) if norm_sq >= 0 else math.nan
+        norm_sq, loss_sum, local_sq = torch.cat([total, local.view(1)]).tolist()  # one read from the device
+        norm = math.sqrt(norm_sq)  # a sum of squares: never negative; nan and inf pass through
         outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local_sq))
         if not outcome.applied:
             return outcome
