@@ -31,7 +31,7 @@ def measure(rank: int, world: int, preset: str, root: str) -> list[dict]:
 
     from pipezero.checkpoint.state import load, save
     from pipezero.checkpoint.store import Team, latest
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
     from pipezero.engine import build_stage
 
     def cfg(zero: int, out: str):

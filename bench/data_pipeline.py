@@ -85,7 +85,7 @@ def pipezero_build(folder: Path, tokenizer_json: Path, cache: Path) -> tuple[flo
 
 
 def loader_share(folder: Path, tokenizer_json: Path, out: Path, steps: int) -> dict:
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
     from pipezero.data import load_corpus, microbatches_for_rank
     from pipezero.engine import train
 

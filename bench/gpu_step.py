@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from pipezero.config import TrainConfig, build_config
+from pipezero.config import TrainConfig
+from pipezero.settings import build_config
 from pipezero.data import global_batch, load_corpus, microbatches_for_rank
 from pipezero.engine import train
 from pipezero.models import build_chunk, compile_blocks, flops_per_token, lm_loss, param_count

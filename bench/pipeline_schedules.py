@@ -31,7 +31,7 @@ V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
 
 
 def config(args: argparse.Namespace, kind: K, pp: int):
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
 
     return build_config(None, {
         "model.preset": args.preset, "data.seq_len": args.seq_len, "data.tokenizer": "bytes",
@@ -162,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     kinds = [K(s) for s in args.schedules.split(",")]
     from pipezero.schedules.check import simulate
-    from pipezero.schedules.generators import build_schedule
+    from pipezero.schedules.registry import build_schedule
 
     single = one_process_tokens_per_s(args)
     ideal = args.pp * single

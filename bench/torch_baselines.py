@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
     from pipezero.models import build_chunk, lm_loss
 

@@ -25,7 +25,7 @@ from pipezero.parallel.spawn import run_ranks  # noqa: E402
 
 
 def config(args: argparse.Namespace, zero: int):
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
 
     return build_config(None, {
         "model.preset": args.preset, "data.seq_len": args.seq_len, "data.tokenizer": "bytes",

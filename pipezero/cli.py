@@ -11,9 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from pipezero.config import ConfigError
+from pipezero.errors import ConfigError
+from pipezero.schedules.registry import help_text as schedule_help
 
-# Every `train` flag, declared once: flag -> (setting it overrides, help). Values reach config.py as
+# Every `train` flag, declared once: flag -> (setting it overrides, help). Values reach settings.py as
 # text, which checks and converts them like TOML values, so a bad value is one line naming the flag.
 # Flags left unset do not override the TOML file or the defaults.
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
@@ -24,7 +25,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--pp": ("parallel.pp", "pipeline ranks"),
     "--dp": ("parallel.dp", "data-parallel ranks per stage"),
     "--zero": ("parallel.zero", "ZeRO stage"),
-    "--schedule": ("parallel.schedule", "pipeline schedule"),
+    "--schedule": ("parallel.schedule", "pipeline schedule; " + schedule_help()),
     "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
     "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
     "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V)"),
@@ -73,7 +74,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """Register `train`'s flags on `parser` (any command that takes a run's settings reuses it)."""
-    from pipezero.config import accepts, choices_of, setting_type
+    from pipezero.settings import accepts, choices_of, setting_type
 
     parser.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
     for flag, (key, text) in TRAIN_FLAGS.items():
@@ -103,12 +104,12 @@ def flag_values(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipezero.config import build_config, build_launch
+    from pipezero.settings import build_config, build_launch, check_launch
 
     settings, launch_values, names = flag_values(args)
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
-    launch.check(cfg.parallel.world_size)
+    check_launch(launch, cfg.parallel.world_size)
     from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
@@ -203,7 +204,7 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pipezero.config import build_config, build_launch
+    from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
 
     if args.steps < 1:

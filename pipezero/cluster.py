@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-from pipezero.config import ConfigError
+from pipezero.errors import ConfigError
 from pipezero.job import children
 
 

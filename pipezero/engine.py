@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pipezero.checkpoint import resume, save
-from pipezero.config import ConfigError, DType, TrainConfig
+from pipezero.config import DType, TrainConfig
+from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, microbatches_for_rank, unigram_entropy
 from pipezero.data.packing import IGNORE
 from pipezero.generate import sample
@@ -34,7 +35,7 @@ from pipezero.runtime.executor import Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult, simulate
-from pipezero.schedules.generators import build_schedule
+from pipezero.schedules.registry import build_schedule
 from pipezero.schedules.posting import plans, verify
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard

@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from pipezero.zero.sharded import StepOutcome
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What ZeroDP.step saw: the numbers every rank agrees on, and whether this rank's were finite."""
+
+    grad_norm: float  # global, before clipping
+    loss: float  # summed over every rank: the global batch's mean token loss
+    applied: bool  # False: the norm or loss was not finite and the step was skipped on every rank
+    local_grads_finite: bool  # this rank's gradients (to name the stage that went bad)
 
 
 def finite_or_none(x: float) -> float | None:

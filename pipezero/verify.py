@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-from pipezero.config import ConfigError, DType, ScheduleKind, TrainConfig
+from pipezero.config import DType, ScheduleKind, TrainConfig
+from pipezero.errors import ConfigError
+from pipezero.settings import validate
 from pipezero.util import atomic_write_json
 
 # Test-only: "RANK:PARAM" adds noise to that rank's final copy of PARAM before it is written, so the
@@ -144,7 +146,7 @@ def layout_config(cfg: TrainConfig, steps: int) -> TrainConfig:
     r = run.run
     r.max_steps, r.sample_tokens, r.checkpoint_every, r.resume, r.eval_every, r.progress = steps, 0, 0, False, 0, False
     r.out = str(Path(cfg.run.out) / "layout")
-    return run.validate()
+    return validate(run)
 
 
 def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
@@ -154,7 +156,7 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     p.microbatches, p.pp, p.dp, p.zero = p.microbatches * p.dp, 1, 1, 0
     p.schedule, p.virtual_stages, p.stage_layers, p.zero3_keep_gathered = ScheduleKind.ONE_F_ONE_B, 1, None, None
     ref.run.out = str(out / "reference")
-    return ref.validate()
+    return validate(ref)
 
 
 def _perturb(rank: int, params: dict[str, torch.Tensor]) -> None:
@@ -185,7 +187,7 @@ def transfer_proof(cfg: TrainConfig) -> dict:
     global order with no cycle among stream order, compute order and waits."""
     from pipezero.schedules import posting
     from pipezero.schedules.check import ScheduleError, simulate
-    from pipezero.schedules.generators import build_schedule
+    from pipezero.schedules.registry import build_schedule
 
     p = cfg.parallel
     s = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)

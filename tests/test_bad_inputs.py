@@ -83,7 +83,7 @@ def test_bad_setting_is_one_line(text, flags, needle, tmp_path, capsys):
 def test_each_flag_is_declared_once_and_sets_its_setting():
     """One table declares every flag; a flag's value arrives at its setting, coerced by config."""
     from pipezero.cli import TRAIN_FLAGS, build_parser, flag_values
-    from pipezero.config import build_config, setting_type
+    from pipezero.settings import build_config, setting_type
 
     flags = list(TRAIN_FLAGS)
     assert len(flags) == len(set(flags)) and len({k for k, _ in TRAIN_FLAGS.values()}) == len(flags)
@@ -99,7 +99,7 @@ def test_each_flag_is_declared_once_and_sets_its_setting():
 
 
 def test_tied_embeddings_from_toml_is_a_real_bool(tmp_path):
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
 
     assert build_config(toml(tmp_path, "[model]\ntie_embeddings = false\n")).model.tie_embeddings is False
     assert build_config(toml(tmp_path, "[model]\ntie_embeddings = true\n")).model.tie_embeddings is True

@@ -13,7 +13,7 @@ import torch
 from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
 from pipezero.checkpoint.store import Team, committed, latest, problems, write
 from pipezero.config import ScheduleKind as K
-from pipezero.config import build_config
+from pipezero.settings import build_config
 from pipezero.parallel.spawn import run_ranks
 from training import tiny_overrides
 

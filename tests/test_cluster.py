@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from pipezero.cluster import Cluster, ClusterSpec, leftovers, require_root
-from pipezero.config import build_config
+from pipezero.settings import build_config
 from pipezero.engine import train
 
 TINY = """

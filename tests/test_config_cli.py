@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from pipezero.cli import main
-from pipezero.config import ConfigError, ScheduleKind, build_config
+from pipezero.config import ScheduleKind
+from pipezero.settings import build_config
+from pipezero.errors import ConfigError
 
 
 def test_defaults_preset_toml_and_overrides(tmp_path):

@@ -4,11 +4,13 @@
 import pytest
 import torch
 
-from pipezero.config import ConfigError, Device, ScheduleKind, build_config
+from pipezero.config import Device, ScheduleKind
+from pipezero.settings import build_config
+from pipezero.errors import ConfigError
 from pipezero.parallel.device import ComputeClock, PeakMemory, local_device
 from pipezero.schedules.actions import Op
-from pipezero.schedules.generators import build_schedule
-from pipezero.schedules.registry import NEEDS_V, SPLIT_BACKWARD
+from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.registry import SPLIT_BACKWARD, default_virtual
 
 
 @pytest.mark.parametrize("setting, ranks, gpus, device, warns", [
@@ -35,7 +37,7 @@ def test_explicit_cuda_with_too_few_gpus_is_refused_before_launch():
 def test_split_backward_schedules_are_the_ones_with_b_actions():
     found = set()
     for kind in ScheduleKind:
-        v = 2 if kind in NEEDS_V else 1
+        v = default_virtual(kind)
         s = build_schedule(kind, 2, 4, v)
         if any(a.op is Op.B for acts in s.actions for a in acts):
             found.add(kind)
@@ -44,7 +46,7 @@ def test_split_backward_schedules_are_the_ones_with_b_actions():
 
 @pytest.mark.parametrize("kind", sorted(k.value for k in SPLIT_BACKWARD))
 def test_compile_refuses_split_backward(kind):
-    v = 2 if ScheduleKind(kind) in NEEDS_V else 1
+    v = default_virtual(ScheduleKind(kind))
     with pytest.raises(ConfigError, match="--compile cannot run --schedule"):
         build_config(None, {"run.compile": True, "parallel.schedule": kind, "parallel.pp": 2,
                             "parallel.virtual_stages": v, "parallel.microbatches": 4})

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipezero.config import ConfigError, DataConfig, OnBadRecord, Packing
+from pipezero.config import DataConfig, OnBadRecord, Packing
+from pipezero.errors import ConfigError
 from pipezero.data import load_corpus
 from pipezero.data.packing import IGNORE
 

@@ -4,7 +4,7 @@ above the default does fail for `base`, so the test can tell a stable rate from 
 
 import pytest
 
-from pipezero.config import build_config
+from pipezero.settings import build_config
 from pipezero.engine import train
 from pipezero.models.presets import PRESET_LR
 

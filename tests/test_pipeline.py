@@ -40,7 +40,7 @@ def peer_layouts(pp: int, dp: int) -> list[dict]:
 
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
-    from pipezero.schedules.generators import build_schedule
+    from pipezero.schedules.registry import build_schedule
 
     cases = layouts(2, 1) + peer_layouts(2, 1)
     results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
@@ -94,7 +94,7 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
 @pytest.mark.slow
 def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
-    from pipezero.schedules.generators import build_schedule
+    from pipezero.schedules.registry import build_schedule
 
     cases = layouts(2, 2) + layouts(4, 1) + peer_layouts(4, 1)
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.

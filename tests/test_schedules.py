@@ -9,7 +9,7 @@ from pipezero.cli import main
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.generators import build_schedule
+from pipezero.schedules.registry import build_schedule
 
 V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
 
@@ -329,3 +329,20 @@ def test_zb_v_below_2p_microbatches_is_sound_and_posts_safely():
             assert max(r.peak_activations) <= 2 * p
     for p, m in ((2, 2), (4, 3), (4, 4), (8, 8)):
         assert sum(len(a) for a in build_schedule(K.ZB_V, p, m, 2).actions) == 3 * 2 * p * m
+
+
+def test_one_registry_row_per_schedule_read_by_cli_and_simulator(capsys):
+    from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, default_virtual
+
+    assert list(SCHEDULES) == list(K)
+    for kind, info in SCHEDULES.items():
+        schedule = build_schedule(kind, 2, 4, default_virtual(kind))
+        assert schedule.virtual == default_virtual(kind)
+        has_w = any(a.op is Op.W for rank in schedule.actions for a in rank)
+        assert has_w == (kind in SPLIT_BACKWARD) == info.split_backward, kind
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also at hyphens
+    assert all(f"{kind.value}:{''.join(info.summary.split())}" in shown for kind, info in SCHEDULES.items())
+    main(["simulate", "--compare", "--pp", "2", "--microbatches", "4", "--json"])
+    assert sorted(json.loads(capsys.readouterr().out)) == sorted(k.value for k in SCHEDULES)

@@ -57,7 +57,7 @@ def test_tensorboard_holds_the_metrics_jsonl_records(text_dir, tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pipezero.config import build_config
+    from pipezero.settings import build_config
     from pipezero.engine import train
     from pipezero.telemetry.tensorboard import TAGS
 

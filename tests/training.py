@@ -8,7 +8,7 @@ import torch
 
 from pipezero.config import DType
 from pipezero.config import ScheduleKind as K
-from pipezero.config import build_config
+from pipezero.settings import build_config
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, with_tied_head
 
 V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from pipezero.config import ConfigError
+from pipezero.errors import ConfigError
 from pipezero.data.sources import Reader
 from pipezero.data.tokenizer import Tokenizer
 from pipezero.util import cache_dir

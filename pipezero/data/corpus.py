@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipezero.config import ConfigError, DataConfig, Packing
+from pipezero.config import DataConfig, Packing
+from pipezero.errors import ConfigError
 from pipezero.data.batches import global_batch, heldout_batches
 from pipezero.data.cache import load_or_build
 from pipezero.data.packing import PackedSamples, Rows, check_enough

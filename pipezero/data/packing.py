@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipezero.config import ConfigError, Packing
+from pipezero.config import Packing
+from pipezero.errors import ConfigError
 from pipezero.data.cache import DocTokens
 
 IGNORE = -100  # target id that cross-entropy skips (F.cross_entropy's ignore_index)

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipezero.config import ConfigError, OnBadRecord
+from pipezero.config import OnBadRecord
+from pipezero.errors import ConfigError
 
 RECORD_SUFFIXES = {".jsonl", ".json"}
 TABLE_SUFFIXES = {".parquet"}

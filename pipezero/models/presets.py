@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from pipezero.config import ConfigError, ModelConfig
+from pipezero.config import ModelConfig
+from pipezero.errors import ConfigError
 
 # Trainable presets use the 4096-token BPE vocabulary of the built-in corpus; the large shapes use
 # Llama's 32000 (70B: 128256, as Llama 3) and exist for planning and simulation.

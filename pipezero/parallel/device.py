@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from pipezero.config import ConfigError, Device
+from pipezero.config import Device
+from pipezero.errors import ConfigError
 
 
 def device_kind(setting: Device) -> str:

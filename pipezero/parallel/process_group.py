@@ -9,7 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pipezero.config import ConfigError, Device, TrainConfig
+from pipezero.config import Device, TrainConfig
+from pipezero.errors import ConfigError
 from pipezero.parallel.device import backend, device_kind, rank_device
 
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from pipezero.config import ScheduleKind
 from pipezero.schedules.actions import Action, Op, Placement, Schedule, chunks_of_rank
-from pipezero.schedules.registry import check_layout, round_size
 
 
 class RankOrder:
@@ -92,6 +90,12 @@ def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
         for _ in range(warmup):
             o.bw(chunks[0])
     return _build("1f1b", pp, m, 1, Placement.LOOP, rank)
+
+
+def round_size(pp: int, microbatches: int) -> int:
+    """Interleaved 1F1B's micro-batches a round: P in Megatron; M // max(1, M // P) in general, the
+    rule torch.distributed.pipelining's ScheduleInterleaved1F1B uses (M < P: all M in one round)."""
+    return microbatches // max(1, microbatches // pp)
 
 
 def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
@@ -255,22 +259,3 @@ def dualpipe_v(pp: int, m: int, v: int = 2) -> Schedule:
             o.b(down) if split else o.bw(down)
         # 8: the deferred Ws (drained by _build)
     return _build("dualpipe-v", pp, m, 2, Placement.V_SHAPE, rank)
-
-
-GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Schedule]] = {
-    ScheduleKind.GPIPE: gpipe,
-    ScheduleKind.ONE_F_ONE_B: one_f_one_b,
-    ScheduleKind.INTERLEAVED_1F1B: interleaved_1f1b,
-    ScheduleKind.LOOPED_BFS: looped_bfs,
-    ScheduleKind.ZB_H1: zb_h1,
-    ScheduleKind.ZB_H2: zb_h2,
-    ScheduleKind.ZB_V: zb_v,
-    ScheduleKind.DUALPIPE_V: dualpipe_v,
-}
-
-
-def build_schedule(kind: ScheduleKind, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The action lists of `kind` for P ranks, M micro-batches, V chunks a rank; bad layouts raise
-    ValueError naming the allowed values."""
-    check_layout(kind, pp, microbatches, virtual_stages)
-    return GENERATORS[kind](pp, microbatches, virtual_stages)

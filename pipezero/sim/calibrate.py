@@ -16,8 +16,7 @@ from pathlib import Path
 
 from pipezero.config import ScheduleKind
 from pipezero.schedules.check import CostModel, simulate
-from pipezero.schedules.generators import build_schedule
-from pipezero.schedules.registry import NEEDS_V
+from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual
 from pipezero.telemetry.trace import load_trace, parse_action
 
 OPS = ("F", "B", "W", "BW")
@@ -111,8 +110,8 @@ def predict(cal: Calibration, kind: ScheduleKind, m: int, v: int) -> tuple[float
 def what_if(cal: Calibration) -> dict[str, tuple[float, float] | str]:
     """Every schedule on the same costs and M (V=2 where a schedule needs more than one chunk)."""
     out: dict[str, tuple[float, float] | str] = {}
-    for kind in ScheduleKind:
-        v = 2 if kind in NEEDS_V else 1
+    for kind in SCHEDULES:
+        v = default_virtual(kind)
         try:
             out[kind.value] = predict(cal, kind, cal.layout["microbatches"], v)
         except ValueError as e:

@@ -10,14 +10,15 @@ from rich.console import Console
 from rich.table import Table
 
 from pipezero.coerce import Range, coerce
-from pipezero.config import NON_NEGATIVE, POSITIVE, POSITIVE_INT, ConfigError, ScheduleKind
+from pipezero.config import ScheduleKind
+from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
+from pipezero.errors import ConfigError
 from pipezero.schedules.check import CostModel, SimResult, simulate
-from pipezero.schedules.generators import build_schedule
-from pipezero.schedules.registry import NEEDS_V
+from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
 
 
 def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
-    """Refuse a flag value out of its range in one line, the way `train` does (config.coerce)."""
+    """Refuse a flag value out of its range in one line, the way `train` does (settings.coerce_setting)."""
     for dest, (kind, accepted) in limits.items():
         if getattr(args, dest, None) is not None:
             coerce(f"--{dest.replace('_', '-')}", kind, getattr(args, dest), False, accepted)
@@ -40,15 +41,9 @@ def run_one(kind: ScheduleKind, pp: int, m: int, v: int, cost: CostModel) -> Sim
         raise ConfigError(str(e)) from None
 
 
-def default_v(kind: ScheduleKind, v: int | None) -> int:
-    if v is not None:
-        return v
-    return 2 if kind in NEEDS_V else 1
-
-
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="play a pipeline schedule under a cost model")
-    s.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
+    s.add_argument("--schedule", choices=[k.value for k in SCHEDULES], default="1f1b", help=help_text())
     s.add_argument("--pp", type=int, default=4)
     s.add_argument("--microbatches", type=int, default=8)
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
@@ -107,11 +102,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
-    kinds = list(ScheduleKind) if args.compare else [ScheduleKind(args.schedule)]
+    kinds = list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     for kind in kinds:
-        v = default_v(kind, None if args.compare else args.virtual_stages)
+        v = default_virtual(kind, None if args.compare else args.virtual_stages)
         try:
             res = run_one(kind, args.pp, args.microbatches, v, cost)
         except ConfigError as e:
@@ -122,7 +117,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **res.to_json()}
         if args.png and not args.compare:
-            from pipezero.sim.plot import draw_timeline
+            from pipezero.telemetry.plot import draw_timeline
 
             bars = [(e.rank, e.action.op.value, e.action.mb, e.start, e.end) for e in res.timeline]
             draw_timeline(bars, args.pp, f"{kind.value}  P={args.pp} M={args.microbatches} V={v}  "

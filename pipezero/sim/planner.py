@@ -26,8 +26,7 @@ from functools import lru_cache
 from pipezero.config import GradReduce, ModelConfig, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
-from pipezero.schedules.generators import build_schedule
-from pipezero.schedules.registry import check_layout
+from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.zero.accounting import paper_bytes_per_param
 
 GIB = 2**30
@@ -134,7 +133,7 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
             if per_rank % mbs:
                 continue
             m = per_rank // mbs
-            for kind in ScheduleKind if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
+            for kind in SCHEDULES if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
                 for v in (1, 2, 4):
                     if v * pp > model.n_layers:
                         continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipezero.config import ConfigError
+from pipezero.errors import ConfigError
 
 # metrics.jsonl field -> TensorBoard tag (grouped the way a user reads them)
 TAGS = {

@@ -100,7 +100,7 @@ def write_trace(path: Path, per_rank: list[list[tuple]], layout: dict, png: Path
     atomic_write_bytes(path, json.dumps(chrome_trace(per_rank, layout)).encode())
     if png is None:
         return
-    from pipezero.sim.plot import draw_timeline
+    from pipezero.telemetry.plot import draw_timeline
 
     shown = [[e for e in evs if step is None or e[5] == step] for evs in per_rank]
     t0 = min((e[3] for evs in shown for e in evs), default=0.0)

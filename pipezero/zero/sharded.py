@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.config import GradReduce, OptimConfig
+from pipezero.nonfinite import StepOutcome
 from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.telemetry.trace import Tracer
@@ -41,14 +42,6 @@ from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
 from pipezero.zero.layerwise import layer_index
 from pipezero.zero.tied import TiedCopies
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    grad_norm: float  # global, before clipping
-    loss: float  # summed over every rank: the global batch's mean token loss
-    applied: bool  # False: the norm or loss was not finite and the step was skipped on every rank
-    local_grads_finite: bool  # this rank's gradients (to name the stage that went bad)
 
 
 @dataclass

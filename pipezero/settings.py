@@ -1,0 +1,201 @@
+"""Where a run's settings come from and how they are checked: defaults, a preset, a TOML file and
+command-line text, each value checked against its field's type and range (`coerce.py`), then the
+whole configuration against the layout rules, so every mistake is one `ConfigError` naming the fix
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from pipezero.coerce import Range, choices, coerce, describe
+from pipezero.config import LaunchConfig, TrainConfig
+from pipezero.errors import ConfigError
+from pipezero.models.presets import PRESET_LR, apply_preset
+from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=True)
+# The accepted values of every numeric setting; settings not listed accept any value of their type.
+RANGES: dict[str, Range] = {
+    **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                            "max_seq_len")},
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE,
+    **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
+    "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
+    "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
+    "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
+    "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
+    "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
+    "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
+    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads")},
+    **{f"run.{k}": NON_NEGATIVE for k in ("seed", "eval_every", "sample_tokens", "checkpoint_every")},
+    "launch.nproc": POSITIVE_INT, "launch.max_restarts": NON_NEGATIVE,
+}
+
+
+def check_launch(launch: LaunchConfig, world_size: int) -> LaunchConfig:
+    """Refuse a launch that cannot be the configured layout."""
+    if launch.nproc is not None and launch.nproc != world_size:
+        raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {world_size}; make them equal")
+    if launch.max_restarts and (launch.nproc or 1) < 2:
+        raise ConfigError(f"--max-restarts {launch.max_restarts} needs --nproc > 1 (the local launcher restarts "
+                          f"ranks); under an outside torchrun, pass --max-restarts to torchrun")
+    return launch
+
+
+def _sections(launch: bool) -> dict[str, type]:
+    """Section name -> dataclass: a run's sections, or with `launch` the launcher's one."""
+    return {"launch": LaunchConfig} if launch else typing.get_type_hints(TrainConfig)
+
+
+def setting_type(key: str) -> Any:
+    """The declared type of setting `section.field` (e.g. "parallel.pp" -> int)."""
+    section, _, name = key.partition(".")
+    sections = _sections(section == "launch")
+    if section not in sections:
+        raise ConfigError(f"unknown setting {key!r}; sections are {', '.join(_sections(False))}")
+    fields = typing.get_type_hints(sections[section])
+    if name not in fields:
+        raise ConfigError(f"unknown setting {key!r}; [{section}] accepts {', '.join(fields)}")
+    return fields[name]
+
+
+def coerce_setting(key: str, value: Any, from_text: bool = False, name: str | None = None) -> Any:
+    """`value` checked and converted for setting `key`; `name` is how errors call it (a CLI flag)."""
+    return coerce(name or key, setting_type(key), value, from_text, RANGES.get(key))
+
+
+def choices_of(key: str) -> list[str] | None:
+    """The values of an enum setting, for help texts; None for other settings."""
+    return choices(setting_type(key))
+
+
+def accepts(key: str) -> str:
+    """What setting `key` accepts, for help texts."""
+    return describe(setting_type(key), RANGES.get(key))
+
+
+def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """Set already coerced `section.field` values on `cfg` in place."""
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def build_launch(values: dict[str, Any], names: dict[str, str] | None = None) -> LaunchConfig:
+    """The launcher's settings from command-line text (`launch.nproc`, ...), checked like any other."""
+    names = names or {}
+    return LaunchConfig(**{k.partition(".")[2]: coerce_setting(k, v, from_text=True, name=names.get(k))
+                           for k, v in values.items()})
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    flat: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"{p}: unknown table [{section}]; use one of {', '.join(SECTIONS)}")
+        for name, value in table.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
+                 names: dict[str, str] | None = None) -> TrainConfig:
+    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides;
+    validated. Overrides may be typed values (from code) or strings (the command line), which are
+    parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
+    is a tenth of the peak rate."""
+    names = names or {}
+    flat = {k: coerce_setting(k, v) for k, v in (load_toml(toml_path) if toml_path else {}).items()}
+    flat.update({k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in (overrides or {}).items()})
+    if any(k.startswith("launch.") for k in flat):
+        raise ConfigError(f"launcher settings {sorted(k for k in flat if k.startswith('launch.'))} are not run settings")
+    cfg = TrainConfig()
+    preset = flat.get("model.preset", cfg.model.preset)
+    apply_preset(cfg.model, preset)
+    cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
+    apply_overrides(cfg, flat)
+    if "optim.min_lr" not in flat:
+        cfg.optim.min_lr = cfg.optim.lr / 10
+    return validate(cfg)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
+    m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
+    for section in _sections(False):  # a configuration built in code passes the same checks as a file
+        for f in dataclasses.fields(getattr(cfg, section)):
+            coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
+    _check(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
+    _check((m.dim // m.n_heads) % 2 == 0, "head dimension (dim / n_heads) must be even for rotary positions")
+    _check(
+        d.seq_len <= m.max_seq_len,
+        f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={m.max_seq_len}); "
+        f"lower --seq-len or raise model.max_seq_len",
+    )
+    _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
+           f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
+    chunks = p.pp * p.virtual_stages
+    layers = m.n_layers + 2  # embedding + blocks + head
+    if p.stage_layers is not None:
+        _check(
+            len(p.stage_layers) == chunks,
+            f"--stage-layers lists {len(p.stage_layers)} stages but pp x virtual-stages = {chunks}",
+        )
+        _check(
+            sum(p.stage_layers) == layers,
+            f"--stage-layers sums to {sum(p.stage_layers)} but the model has {layers} layers "
+            f"(embedding + {m.n_layers} blocks + head)",
+        )
+        _check(p.stage_layers[0] >= 1 and p.stage_layers[-1] >= 1,
+               f"--stage-layers {','.join(map(str, p.stage_layers))}: the first chunk must hold the embedding "
+               f"and the last the head; only chunks in between may be empty")
+    else:
+        _check(
+            chunks <= layers,
+            f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "
+            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages or use a bigger preset",
+        )
+    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
+    if d.path is not None:
+        for arg in d.path:
+            _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
+                   f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
+    if d.tokenizer.endswith(".json"):
+        _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
+    from pipezero.parallel.device import device_kind  # imports torch: not for `--help`
+
+    device_kind(r.device)
+    try:
+        check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check(not (r.compile and p.schedule in SPLIT_BACKWARD),
+           f"--compile cannot run --schedule {p.schedule.value}: its split backward (B then W) records and "
+           f"replays the blocks' weight operations, which a compiled block hides; use 1f1b, gpipe or "
+           f"interleaved-1f1b with --compile, or drop --compile")
+    return cfg
