@@ -8,6 +8,7 @@ import torch
 
 from pipezero.config import DType
 from pipezero.config import ScheduleKind as K
+from pipezero.schedules.registry import check_layout
 from pipezero.settings import build_config
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, with_tied_head
 
@@ -18,6 +19,29 @@ STEPS = 5
 # amplifies rounding in their near-zero early gradients); at 1e-3 that floor is 1.4e-6, so the
 # 1e-5 comparison below means something. Measured with tests' tiny model, 5 steps.
 TIED_LR = {"optim.lr": 1e-3}
+
+
+def layouts(pp: int, dp: int) -> list[dict]:
+    """Every schedule with M in {P, 2P, 3P+1} where the schedule allows it."""
+    cases = []
+    for kind in K:
+        for m in (pp, 2 * pp, 3 * pp + 1):
+            try:
+                check_layout(kind, pp, m, V_OF.get(kind, 1))
+            except ValueError:
+                continue
+            cases.append({"pp": pp, "dp": dp, "kind": kind, "m": m})
+    return cases
+
+
+def peer_layouts(pp: int, dp: int) -> list[dict]:
+    """Layouts torch.distributed.pipelining runs that Megatron-style rules refuse: ZB-V with fewer
+    than 2P micro-batches (torch: (P, M) = (2, 2), (4, 3), (4, 4)) and interleaved 1F1B with M not a
+    multiple of P (one round of P+1, or of 3P/2 when that is whole). `layouts` has ZB-V at M = P."""
+    cases = [{"pp": pp, "dp": dp, "kind": K.ZB_V, "m": m} for m in (pp - 1, pp + 1)]
+    cases += [{"pp": pp, "dp": dp, "kind": K.INTERLEAVED_1F1B, "m": m} for m in sorted({pp + 1, 3 * pp // 2})
+              if m % pp]
+    return cases
 
 
 def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **extra: Any) -> dict:
