@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pipezero.checkpoint import resume, save
 from pipezero.config import DType, TrainConfig
 from pipezero.errors import ConfigError
-from pipezero.data import Corpus, load_corpus, microbatches_for_rank, unigram_entropy
+from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
 from pipezero.generate import sample
 from pipezero.models import build_chunk, compile_blocks, flops_per_token, param_count
@@ -207,7 +207,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             stage.executor.p2p.step = stage.tracer.step = step + 1
             batch = corpus.batch(step, read, r.seed, g, seq_len)
             read += g
-            mbs = microbatches_for_rank(batch, mesh.dp_rank, p.dp, p.microbatches)
+            mbs = corpus.microbatches(batch, mesh.dp_rank, p.dp, p.microbatches)
             peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
             stage.zero.peak_gathered = 0  # from here to the optimizer step: this step's training
             stage.zero.begin_step()

@@ -210,6 +210,35 @@ def test_packed_document_loss_equals_each_document_alone(kv):
         assert not torch.allclose(model(x)[0, 10:20], logits[0, 10:20])  # without the mask it differs
 
 
+def test_whole_documents_cut_each_micro_batch_to_its_own_length_with_the_same_loss():
+    """`--packing none`: a micro-batch is as long as its longest document (rounded up to a power of
+    two), and cutting the padding changes neither the loss nor any gradient."""
+    import dataclasses
+
+    from pipezero.config import ModelConfig
+    from pipezero.data.packing import fit_length
+    from pipezero.models import apply_preset, build_chunk, lm_loss
+
+    torch.manual_seed(0)
+    docs = [torch.randint(1, 64, (n,)).tolist() for n in (5, 3, 20, 40, 12, 10)]
+    s = packed(docs, 32, Packing.NONE)
+    full = s.rows(np.arange(len(docs)))
+    cut = [fit_length(tuple(t[i:i + 2] for t in full)) for i in (0, 2, 4)]
+    assert [mb[0].shape[1] for mb in cut] == [8, 32, 16]  # longest documents 5, 40 (cut at 32), 12 tokens
+    assert sum(int((mb[1] != IGNORE).sum()) for mb in cut) == int((full[1] != IGNORE).sum())  # none dropped
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), vocab_size=64)
+    model = build_chunk(cfg, 0, cfg.n_layers + 2, seed=1)
+    grads = []
+    for x, y in [tuple(t[:2] for t in full), cut[0]]:
+        model.zero_grad()
+        loss = lm_loss(model(x), y, 10.0)
+        loss.backward()
+        grads.append((loss.detach(), [q.grad.clone() for q in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_cli_trains_on_a_folder_with_packing(corpus_dir, tmp_path):
     import subprocess
     import sys

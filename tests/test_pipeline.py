@@ -13,6 +13,14 @@ from pipezero.config import ScheduleKind as K
 from training import TIED_LR, V_OF, assert_same_training, layouts, peer_layouts, train_cases, train_cases_watching_gathers
 
 
+def whole_documents(folder) -> dict:
+    """Settings for `--packing none` on documents of 2 to 22 bytes-tokens: micro-batches of two rows
+    come out 8, 16 or 32 tokens long (tests/test_documents.py checks the cut)."""
+    path = folder / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{i % 10}" + " x" * (i % 11)}) + "\n" for i in range(400)))
+    return {"data.path": str(path), "data.heldout_fraction": 0.1, "data.packing": "none"}
+
+
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule
@@ -38,6 +46,9 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"doc {i}: " + "ab cd " * (i % 7)}) + "\n" for i in range(400)))
     cases += [{"pp": 2, "dp": 1, "kind": K.ZB_H1, "m": 4, "data.path": str(docs), "data.heldout_fraction": 0.1}]
+    # Whole documents, one a row: each micro-batch as long as its longest document (8, 16 or 32
+    # tokens), so activations and gradients of different shapes cross the pipeline in every schedule.
+    cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, **whole_documents(tmp_path)} for kind in K]
     # ZeRO-3 layer by layer under split backward: what B gathered is released after B and W, as
     # after a fused backward (measured right after every backward action; dp=1 still gathers).
     layerwise = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
@@ -75,6 +86,11 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
+    # Micro-batches of different lengths through four stages, and through ZeRO 0-3 across replicas.
+    cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, **whole_documents(tmp_path)}
+              for kind in (K.ONE_F_ONE_B, K.INTERLEAVED_1F1B, K.ZB_H2, K.ZB_V)]
+    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": zero, **whole_documents(tmp_path)}
+              for zero in (0, 1, 2, 3)]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):

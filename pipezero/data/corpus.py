@@ -21,9 +21,9 @@ import numpy as np
 
 from pipezero.config import DataConfig, Packing
 from pipezero.errors import ConfigError
-from pipezero.data.batches import global_batch, heldout_batches
+from pipezero.data.batches import global_batch, heldout_batches, microbatches_for_rank
 from pipezero.data.cache import load_or_build
-from pipezero.data.packing import PackedSamples, Rows, check_enough
+from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
 from pipezero.data.sources import BadRecords, Reader, expand, fingerprint
 from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, texts_digest
 from pipezero.util import atomic_write_bytes, cache_dir
@@ -53,6 +53,14 @@ class Corpus:
         if self.samples is None:
             return global_batch(self.train, step, seed, n_rows, seq_len)
         return self.samples[0].global_batch(position, seed, n_rows)
+
+    def microbatches(self, batch: Rows, dp_rank: int, dp: int, m: int) -> list[Rows]:
+        """Data-parallel rank `dp_rank`'s M micro-batches of `batch`; whole documents (`none`
+        packing) each cut to its own length."""
+        mbs = microbatches_for_rank(batch, dp_rank, dp, m)
+        if self.samples is not None and self.samples[0].packing is Packing.NONE:
+            return [fit_length(mb) for mb in mbs]
+        return mbs
 
     def eval_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[Rows]:
         if self.samples is None:

@@ -5,7 +5,8 @@ packing, sample i is the window tokens[i*T : i*T + T + 1] of the documents laid 
 between them); `doc-masked` also gives every token its document id, from which the model builds
 block-diagonal causal attention and restarts rotary positions, and ignores the target of a
 document's last token (the next document's first). With `none`, sample i is document i alone, cut
-to T tokens, the rest of the row ignored.
+to T tokens, the rest of the row ignored; each micro-batch is then cut to its longest document
+(`fit_length`), so micro-batches differ in length and the pipeline carries each one's own shape.
 
 Order: epoch e reads every sample once in a permutation drawn from (seed, e); a step takes the next
 G samples of that endless sequence. The batch read at a position is a pure function of (seed,
@@ -88,7 +89,20 @@ class PackedSamples:
         """Evenly spaced fixed samples, cut into batches: the same every evaluation and layout."""
         index = np.linspace(0, len(self) - 1, num=n_batches * batch_size).astype(np.int64)
         rows = self.rows(index)
-        return [tuple(r) for r in zip(*(t.split(batch_size) for t in rows))]
+        batches = [tuple(r) for r in zip(*(t.split(batch_size) for t in rows))]
+        return [fit_length(b) for b in batches] if self.packing is Packing.NONE else batches
+
+
+def fit_length(mb: Rows) -> Rows:
+    """A micro-batch of whole documents (`none` packing) cut after the last column any row still
+    predicts, rounded up to a power of two (at least 8): short documents cost short sequences, not
+    --seq-len, and a few bucketed lengths keep the shapes a compiler or allocator sees few. Causal
+    attention means no kept position ever saw a dropped one, and every dropped target was ignored,
+    so the loss and gradients are those of the padded micro-batch."""
+    counted = (mb[1] != IGNORE).any(0)
+    last = int(counted.nonzero().max()) + 1 if bool(counted.any()) else 1
+    t = min(mb[1].shape[1], max(8, 1 << (last - 1).bit_length()))
+    return tuple(x[:, :t].contiguous() for x in mb)
 
 
 def check_enough(samples: PackedSamples, need: int, what: str) -> None:

@@ -135,6 +135,7 @@ class Executor:
         tokens, the last the targets, every chunk the document ids of packed documents)."""
         live: dict[tuple[int, int], _Live] = {}
         microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
+        self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
         loss = torch.zeros((), device=self.device)
         peak = 0
         final = last_weight_grad(actions)
@@ -225,6 +226,7 @@ class Executor:
         """Forward only, micro-batch by micro-batch through this rank's chunks in model order; the
         summed token loss is non-zero on the rank holding the last chunk."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.p2p.lengths = [batch[0].shape[1] for batch in batches]
         for mb, batch in enumerate(batches):
             tokens, targets, *rest = (t.to(self.device) for t in batch)
             for c in sorted(self.chunks):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,12 +36,15 @@ class Kind(enum.IntEnum):
 class P2P:
     rank: int  # this process's global rank
     rank_of_chunk: dict[int, int]  # chunk -> global rank holding it (in this pipeline)
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # (B, T, dim) of one micro-batch's activation; T as `lengths` says
     timeout_s: float
     dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
     boundary: torch.dtype = torch.float32  # what chunks hand over and take (the residual stream's dtype)
     device: torch.device = torch.device("cpu")  # where buffers live (a GPU: NCCL moves them)
     step: int = 0
+    # Sequence length of each micro-batch of the step (or evaluation) under way: every rank holds
+    # the micro-batches, so each receiver knows a transfer's shape without it travelling.
+    lengths: Sequence[int] = ()
     bytes_sent: int = 0
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
     tracer: Tracer = field(default_factory=Tracer)
@@ -61,7 +65,8 @@ class P2P:
         src = self._source(kind, chunk)
         if key in self._recvs or key in self._local or src == self.rank:
             return
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        shape = (self.shape[0], self.lengths[mb], *self.shape[2:]) if self.lengths else self.shape
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._recvs[key] = (dist.irecv(buf, src=src), buf)
 
     def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:
