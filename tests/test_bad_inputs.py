@@ -55,6 +55,7 @@ CONFIG_CASES = [
     ("[model\n", [], "is not valid TOML"),
     ("[optim]\nlr = 0.001\nmin_lr = 0.01\n", [], "optim.min_lr = 0.01: expected a number <= optim.lr"),
     ("[optim]\nbeta2 = 1.0\n", [], "optim.beta2 = 1.0: expected a number >= 0 and < 1"),
+    ("[run]\ntrace_steps = 0\n", [], "run.trace_steps = 0: expected an integer >= 1"),
     ("[parallel]\nstage_layers = [0, 2, 2]\npp = 3\n", [], "the first chunk must hold the embedding"),
     (None, ["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
     (None, ["--schedule", "1f2b"], "--schedule 1f2b: expected one of gpipe"),
