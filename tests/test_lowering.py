@@ -1,6 +1,7 @@
 """The lowered program (schedules/program.py): every schedule lowers at every ZeRO stage, the checker
 proves it and rejects broken ones, and the simulator times its collectives. Pure data, no torch."""
 
+import json
 from collections import Counter
 from dataclasses import replace
 
@@ -158,3 +159,22 @@ def test_bucket_plan_follows_make_buckets_rule():
     assert plan.numels == ((8,), (8,))  # padded to a multiple of D
     assert plan_buckets([[5, 3]], 1.0, dp=2, layerwise=True).numels == ((4, 6),)
     assert Counter(uniform_plan(3, 2, 5, 4).numels) == Counter({(8, 8): 3})
+
+
+def test_simulate_cli_with_zero_reports_both_bubbles_and_draws_the_collectives(tmp_path, capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    png = tmp_path / "z3.png"
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--zero", "3", "--dp", "2",
+                 "--preset", "tiny", "--json", "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_no_zero_traffic"] == pytest.approx(plain["bubble"])
+    assert out["step_time_no_zero_traffic"] == pytest.approx(plain["step_time"])
+    assert out["step_time"] > plain["step_time"] and out["rank0_instructions"]["UNSHARD"] == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", "--compare", "--pp", "2", "--microbatches", "4", "--zero", "2", "--dp", "2",
+                 "--grad-reduce", "microbatch", "--preset", "tiny", "--dp-comm", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "bubble + ZeRO" in table and "dualpipe-v" in table
