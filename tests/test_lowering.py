@@ -178,3 +178,16 @@ def test_simulate_cli_with_zero_reports_both_bubbles_and_draws_the_collectives(t
                  "--grad-reduce", "microbatch", "--preset", "tiny", "--dp-comm", "0"]) == 0
     table = capsys.readouterr().out
     assert "bubble + ZeRO" in table and "dualpipe-v" in table
+
+
+def test_zero3_prefetch_gathers_one_action_ahead_and_hides_the_second_chunks_gather():
+    s = schedule(K.INTERLEAVED_1F1B, 4, 8)
+    plan = uniform_plan(s.n_chunks, 2, 1000, 2)
+    ahead = lower(s, 2, 3, GradReduce.STEP, plan, prefetch=True)
+    check_program(ahead)
+    instrs = ahead.ranks[0]
+    k = next(k for k, i in enumerate(instrs) if i.kind is Kind.UNSHARD and i.chunk == 4)
+    assert not instrs[k].blocking and instrs[k + 1].kind is Kind.F and instrs[k + 1].action.chunk == 0
+    comm = CommCost(bandwidth=1000.0)
+    on_demand = simulate_program(lower(s, 2, 3, GradReduce.STEP, plan), comm=comm)
+    assert simulate_program(ahead, comm=comm).step_time < on_demand.step_time

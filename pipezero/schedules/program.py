@@ -18,9 +18,10 @@ Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-par
   after each backward in `microbatch` mode, after the chunk's final backward at ZeRO-3, otherwise
   at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is not modelled.
 - ZeRO-3, a chunk kept gathered (the default when P > 1): UNSHARD (all-gather of every bucket of
-  the chunk, blocking) right before its first F of the step (`before_forward`; no prefetch in this
-  mode, the runtime gathers on demand), RESHARD right after its final backward, once its
-  reductions are drained.
+  the chunk, blocking) right before its first F of the step (`before_forward`; the runtime gathers
+  on demand), RESHARD right after its final backward, once its reductions are drained. `prefetch`
+  is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
+  not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
 - ZeRO-3 layer by layer: per-layer gathers with a one-layer prefetch happen inside each action
   (zero/layerwise.py hooks), which one instruction cannot place; each F, B and BW (and W of chunk
   0, which has no (x, dy) stash and runs autograd through the weights again) is wrapped in one
@@ -162,27 +163,29 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
-          keep_gathered: bool = True, wire_bytes: int = 4, sim: SimResult | None = None) -> Program:
+          keep_gathered: bool = True, prefetch: bool = False, wire_bytes: int = 4,
+          sim: SimResult | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). `sim`: the schedule's simulation if already played (the posting
-    order is taken from it)."""
+    order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
     posts = plans(s, sim)
-    ranks = [_rank_program(s, p, d, dp, zero, grad_reduce, buckets, keep_gathered, wire_bytes, posts[p])
+    ranks = [_rank_program(s, p, d, dp, zero, grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, zero: int, mode: GradReduce, bp: BucketPlan,
-                  keep: bool, wire: int, posts: list) -> tuple[Instr, ...]:
+                  keep: bool, prefetch: bool, wire: int, posts: list) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
+    first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
     layerwise = zero == 3 and not keep
     out: list[Instr] = []
 
@@ -201,6 +204,10 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, zero: int, mode: GradRed
         elif zero == 3 and not layerwise and a.chunk not in gathered:
             gathered.add(a.chunk)
             out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
+        ahead = acts[i + 1].chunk if i + 1 < len(acts) else None
+        if prefetch and zero == 3 and not layerwise and ahead not in gathered and first.get(ahead) == i + 1:
+            gathered.add(ahead)  # the next action's chunk, gathered while this one computes
+            out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
         out.append(Compute(a))
         if layerwise and uses_weights:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))

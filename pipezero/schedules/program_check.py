@@ -24,6 +24,7 @@ from collections import Counter
 from pipezero.schedules.check import ScheduleError, simulate
 from pipezero.schedules.posting import Post, plans, verify
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
+from pipezero.schedules.program_sim import simulate_program
 
 
 def check_program(prog: Program) -> None:
@@ -45,8 +46,6 @@ def check_program(prog: Program) -> None:
         check_dp_group(prog, p)
     for r in range(len(prog.ranks)):
         check_placement(prog, r)
-    from pipezero.schedules.program_sim import simulate_program  # the timing layer builds on this one
-
     simulate_program(prog)
 
 

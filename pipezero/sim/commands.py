@@ -63,6 +63,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--dp-comm", type=float, default=0.5,
                    help="time, in F units, for one rank's link to carry one stage's parameters (0: free)")
     z.add_argument("--zero3-layerwise", action="store_true", help="ZeRO-3 layer by layer, not a chunk kept gathered")
+    z.add_argument("--zero3-prefetch", action="store_true",
+                   help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
     z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16 halves reductions and ZeRO-3 gathers")
     z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")

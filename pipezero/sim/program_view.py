@@ -31,13 +31,14 @@ class ZeroOptions:
     bucket_mb: float
     dp_comm: float  # time for one link to carry one average stage's parameters, in F units
     layerwise: bool  # ZeRO-3 layer by layer instead of a chunk kept gathered
+    prefetch: bool  # ZeRO-3 kept gathered: gather one action ahead (a what-if; the runtime does not)
     wire_bytes: int  # 2 with bf16 communication, else 4
     optim: float  # the optimizer update's compute time
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
-                   args.zero3_layerwise, 2 if args.dtype == "bf16" else 4, args.optim_cost)
+                   args.zero3_layerwise, args.zero3_prefetch, 2 if args.dtype == "bf16" else 4, args.optim_cost)
 
 
 def chunk_layers(preset: str, n_chunks: int, seq_len: int = 1024) -> list[list[int]]:
@@ -65,7 +66,7 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
     layers = chunk_layers(opt.preset, s.n_chunks)
     buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero == 3 and opt.layerwise)
     prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
-                 wire_bytes=opt.wire_bytes)
+                 prefetch=opt.prefetch, wire_bytes=opt.wire_bytes)
     check_program(prog)
     stage_bytes = sum(map(sum, layers)) / s.pp * opt.wire_bytes
     bandwidth = stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
@@ -75,7 +76,8 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
               for k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)}
     counts[Kind.OPTIM_STEP.value] = sum(1 for i in prog.ranks[0] if isinstance(i, OptimStep))
     figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,
-               "zero3_layerwise": opt.zero == 3 and opt.layerwise, "buckets_per_chunk":
+               "zero3_layerwise": opt.zero == 3 and opt.layerwise, "zero3_prefetch": opt.zero == 3 and opt.prefetch,
+               "buckets_per_chunk":
                [len(b) for b in buckets.numels], "dp_comm": opt.dp_comm,
                "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,
                "step_time": res.step_time, "bubble": res.bubble, "comm_busy": res.comm_busy,
