@@ -13,8 +13,10 @@ Four claims, each with an error that names the ranks and the position:
    every compute runs on gathered weights (between an UNSHARD and a RESHARD of its chunk).
 4. Transfers and collectives together: `program_sim.simulate_program` plays all P x D ranks with
    each collective a rendezvous of its group; it raises if they can wait on each other in a cycle.
-   Programs are fixed sequences of blocking waits, so where they finish does not depend on timing
-   (Kahn's determinacy): one play that finishes proves every interleaving finishes.
+   Programs are fixed sequences of waits on events that, once they happen, stay happened, so how
+   far each rank gets does not depend on timing (Kahn's determinacy): one play that finishes
+   proves every interleaving finishes. The model keeps transfers and each group's collectives on
+   streams of their own; how NCCL shares one GPU between those streams is not modelled.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Op
+# check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
 from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
 from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, OptimStep, Program
 
