@@ -191,3 +191,13 @@ def test_zero3_prefetch_gathers_one_action_ahead_and_hides_the_second_chunks_gat
     comm = CommCost(bandwidth=1000.0)
     on_demand = simulate_program(lower(s, 2, 3, GradReduce.STEP, plan), comm=comm)
     assert simulate_program(ahead, comm=comm).step_time < on_demand.step_time
+
+
+def test_simulate_cli_listing_prints_every_ranks_program(capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--pp", "2", "--microbatches", "3", "--zero", "3", "--dp", "2", "--preset", "tiny",
+                 "--listing"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b rank 3 (pp 1, dp 1): RECV(act 1:0 from 1) UNSHARD(1, wait) 1F0" in out
+    assert out.count("OPTIM_STEP") == 4

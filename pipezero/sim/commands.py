@@ -68,6 +68,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16 halves reductions and ZeRO-3 gathers")
     z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")
+    z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     s.set_defaults(func=cmd_simulate)
 
 
@@ -177,6 +178,9 @@ def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
             continue
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **figures}
+        if args.listing and not args.json:
+            print("\n".join(f"{kind.value} rank {r} (pp {r // args.dp}, dp {r % args.dp}): {prog.listing(r)}"
+                            for r in range(len(prog.ranks))))
         if args.png and not args.compare:
             draw(prog, res, f"{kind.value}  P={args.pp} D={args.dp} M={args.microbatches} V={v}  ZeRO-{args.zero} "
                  f"{args.grad_reduce}  bubble {figures['bubble_no_zero_traffic']:.1%} -> {res.bubble:.1%} with "
