@@ -201,3 +201,16 @@ def test_simulate_cli_listing_prints_every_ranks_program(capsys):
     out = capsys.readouterr().out
     assert "1f1b rank 3 (pp 1, dp 1): RECV(act 1:0 from 1) UNSHARD(1, wait) 1F0" in out
     assert out.count("OPTIM_STEP") == 4
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dp", "0"], "--dp = 0: expected an integer >= 1"),
+    (["--dp-comm", "-1"], "--dp-comm = -1.0: expected a number >= 0"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+])
+def test_bad_zero_simulate_input_is_one_line(argv, needle, capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--zero", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
