@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipezero.coerce import Range, coerce
-from pipezero.config import ScheduleKind
+from pipezero.config import GradReduce, ScheduleKind
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
 from pipezero.errors import ConfigError
 from pipezero.schedules.check import CostModel, SimResult, simulate
@@ -53,6 +53,22 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--png", help="draw the timeline to this file")
     s.add_argument("--compare", action="store_true", help="every schedule side by side")
     s.add_argument("--from-trace", help="fit the cost model to a run's trace.json and compare")
+    z = s.add_argument_group("ZeRO traffic (the lowered program: gathers, reductions and the optimizer step)")
+    z.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="lower the schedule with this ZeRO stage's collectives and time them too")
+    z.add_argument("--dp", type=int, default=1, help="data-parallel ranks a stage (with --zero)")
+    z.add_argument("--grad-reduce", choices=[g.value for g in GradReduce], default=GradReduce.STEP.value)
+    z.add_argument("--preset", default="small", help="model preset that sizes the buckets (default small)")
+    z.add_argument("--bucket-mb", type=float, default=25.0)
+    z.add_argument("--dp-comm", type=float, default=0.5,
+                   help="time, in F units, for one rank's link to carry one stage's parameters (0: free)")
+    z.add_argument("--zero3-layerwise", action="store_true", help="ZeRO-3 layer by layer, not a chunk kept gathered")
+    z.add_argument("--zero3-prefetch", action="store_true",
+                   help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
+    z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16 halves reductions and ZeRO-3 gathers")
+    z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")
+    z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     s.set_defaults(func=cmd_simulate)
 
 
@@ -102,6 +118,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
+    if args.zero is not None:
+        return cmd_simulate_zero(args, cost)
     kinds = list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
@@ -133,6 +151,58 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       " ".join(str(x) for x in r["peak_activations"]))
     console = Console(width=120, emoji=False)
     console.print(table)
+    for name, why in skipped.items():
+        console.print(f"[dim]{name}: {why}[/dim]")
+    return 0
+
+
+def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
+    """Every chosen schedule lowered with ZeRO's collectives: step time and bubble without and with
+    their traffic (sim/program_view.py)."""
+    from pipezero.sim.program_view import ZeroOptions, draw, run_program
+
+    check_ranges(args, {"dp": (int, POSITIVE_INT), "bucket_mb": (float, POSITIVE), "dp_comm": (float, NON_NEGATIVE),
+                        "optim_cost": (float, NON_NEGATIVE)})
+    opt = ZeroOptions.from_args(args)
+    kinds = list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]
+    results: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for kind in kinds:
+        v = default_virtual(kind, None if args.compare else args.virtual_stages)
+        try:
+            prog, res, figures = run_program(build_schedule(kind, args.pp, args.microbatches, v), cost, opt)
+        except ValueError as e:
+            if not args.compare:
+                raise ConfigError(str(e)) from None
+            skipped[kind.value] = str(e)
+            continue
+        results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
+                               "virtual_stages": v, **figures}
+        if args.listing and not args.json:
+            print("\n".join(f"{kind.value} rank {r} (pp {r // args.dp}, dp {r % args.dp}): {prog.listing(r)}"
+                            for r in range(len(prog.ranks))))
+        if args.png and not args.compare:
+            draw(prog, res, f"{kind.value}  P={args.pp} D={args.dp} M={args.microbatches} V={v}  ZeRO-{args.zero} "
+                 f"{args.grad_reduce}  bubble {figures['bubble_no_zero_traffic']:.1%} -> {res.bubble:.1%} with "
+                 f"ZeRO traffic (dp replica 0)", args.png)
+    if args.json:
+        print(json.dumps(results if args.compare else next(iter(results.values())), indent=2))
+        return 0
+    table = Table(title=f"P={args.pp} D={args.dp} M={args.microbatches} ZeRO-{args.zero} grad-reduce "
+                        f"{args.grad_reduce}, {args.preset}, cost F:B:W={args.cost} comm={args.comm} "
+                        f"dp-comm={args.dp_comm}")
+    for col in ("schedule", "V", "step", "step + ZeRO", "bubble", "bubble + ZeRO", "gathers", "reductions",
+                "MB sent a rank"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
+    for name, r in results.items():
+        n = r["rank0_instructions"]
+        table.add_row(name, str(r["virtual_stages"]), f"{r['step_time_no_zero_traffic']:.2f}",
+                      f"{r['step_time']:.2f}", f"{r['bubble_no_zero_traffic']:.1%}", f"{r['bubble']:.1%}",
+                      str(n["UNSHARD"]), str(n["REDUCE_GRAD"]), f"{max(r['bytes_sent']) / 2**20:.1f}")
+    console = Console(width=140, emoji=False)
+    console.print(table)
+    console.print("[dim]gathers, reductions: rank 0's per step; the executor does not yet play this program "
+                  "(schedules/program.py)[/dim]")
     for name, why in skipped.items():
         console.print(f"[dim]{name}: {why}[/dim]")
     return 0

@@ -1,0 +1,234 @@
+"""One program per rank: the schedule's compute, its transfers in the global posting order, and ZeRO's
+collectives, lowered into a single ordered list that the checker proves and the simulator times.
+
+NOT YET EXECUTED: runtime/executor.py still plays the action list and ZeroDP decides its
+collectives from hooks. This module writes down, as data, what that runtime does today, so that
+`pipezero simulate --zero` can show it and the checker can prove it; making the executor interpret
+this program is the next step (after ZeRO's state is split from its policy).
+
+Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-parallel ranks):
+- SEND / RECV: exactly where `posting.plans` posts them (before the action whose boundary they
+  belong to; final sends after the last action), peers as global ranks of the same replica.
+- REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
+  grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
+  (`last_weight_grad`, `ZeroDP._reduces_now`); with `microbatch` at ZeRO >= 2 after every W or BW
+  of the chunk (B produces no weight gradient). The runtime launches BW's buckets as autograd fills
+  them, during the backward; here they start when it ends (a conservative bound). They run async;
+  the rank blocks (`blocking`: waits for this and every earlier collective) where ZeroDP drains:
+  after each backward in `microbatch` mode, after the chunk's final backward at ZeRO-3, otherwise
+  at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is not modelled.
+- ZeRO-3, a chunk kept gathered (the default when P > 1): UNSHARD (all-gather of every bucket of
+  the chunk, blocking) right before its first F of the step (`before_forward`; the runtime gathers
+  on demand), RESHARD right after its final backward, once its reductions are drained. `prefetch`
+  is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
+  not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
+- ZeRO-3 layer by layer: per-layer gathers with a one-layer prefetch happen inside each action
+  (zero/layerwise.py hooks), which one instruction cannot place; each F, B and BW (and W of chunk
+  0, which has no (x, dy) stash and runs autograd through the weights again) is wrapped in one
+  UNSHARD and one RESHARD of the whole chunk with `layerwise=True`, timed as if the gather ran
+  before the action (the runtime overlaps all but the first layer's).
+- OPTIM_STEP: drains every reduction, then one all-reduce of (norm^2, loss) over the world, then
+  the sharded AdamW; at ZeRO 1 and 2 it is followed by one blocking fp32 all-gather (UNSHARD) per
+  bucket of every chunk of the rank, in chunk order, which is `ZeroDP.step`'s order.
+Tied embeddings across ranks (their buckets held back and summed between first and last rank
+inside the step) are not lowered yet.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pipezero.config import GradReduce
+from pipezero.schedules.actions import Action, Op, Schedule
+from pipezero.schedules.bucket_plan import BucketPlan
+from pipezero.schedules.check import SimResult
+from pipezero.schedules.posting import Transfer, plans
+
+
+class Kind(str, enum.Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND = "SEND"
+    RECV = "RECV"
+    UNSHARD = "UNSHARD"  # all-gather of parameter shards into full weights
+    RESHARD = "RESHARD"  # drop the full weights, keep the shard (local, no traffic)
+    REDUCE_GRAD = "REDUCE_GRAD"  # one bucket's all-reduce or reduce-scatter
+    OPTIM_STEP = "OPTIM_STEP"  # drain, norm and loss all-reduce over the world, update
+
+
+class Collective(str, enum.Enum):
+    ALL_REDUCE = "all-reduce"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_GATHER = "all-gather"
+    LOCAL = "local"  # RESHARD: no communication
+
+
+@dataclass(frozen=True)
+class Compute:
+    action: Action
+
+    @property
+    def kind(self) -> Kind:
+        return Kind(self.action.op.value)
+
+    def __str__(self) -> str:
+        return str(self.action)
+
+
+@dataclass(frozen=True)
+class PointToPoint:
+    send: bool
+    transfer: Transfer  # (consumer chunk, is a gradient, micro-batch)
+    peer: int  # global rank
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.SEND if self.send else Kind.RECV
+
+    def __str__(self) -> str:
+        chunk, grad, mb = self.transfer
+        way = "to" if self.send else "from"
+        return f"{self.kind.value}({'grad' if grad else 'act'} {chunk}:{mb} {way} {self.peer})"
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """A ZeRO operation on one chunk's buckets across the D ranks holding that chunk."""
+
+    kind: Kind  # UNSHARD, RESHARD or REDUCE_GRAD
+    chunk: int
+    bucket: int | None  # None: every bucket of the chunk
+    collective: Collective
+    nbytes: int  # the full bucket(s) as they travel (ring traffic is a multiple of this)
+    blocking: bool = False  # the rank waits for this and every earlier collective before going on
+    layerwise: bool = False  # ZeRO-3 layer by layer: gathers inside the action, one layer ahead
+
+    def signature(self) -> tuple:
+        """What every rank of a dp group must agree on, position by position."""
+        return (self.kind, self.chunk, self.bucket, self.collective, self.nbytes)
+
+    def __str__(self) -> str:
+        where = f"{self.chunk}" if self.bucket is None else f"{self.chunk}.{self.bucket}"
+        return f"{self.kind.value}({where}{', layerwise' if self.layerwise else ''}{', wait' if self.blocking else ''})"
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    nbytes: int = 16  # the (norm^2, loss) pair in fp64, all-reduced over the world
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.OPTIM_STEP
+
+    def signature(self) -> tuple:
+        return (Kind.OPTIM_STEP, self.nbytes)
+
+    def __str__(self) -> str:
+        return "OPTIM_STEP"
+
+
+Instr = Compute | PointToPoint | DataParallel | OptimStep
+
+
+@dataclass(frozen=True)
+class Program:
+    """Every global rank's instructions (`ranks[pp_rank * dp + dp_rank]`, parallel/mesh.py's
+    numbering) for one optimizer step."""
+
+    schedule: Schedule
+    dp: int
+    zero: int
+    grad_reduce: GradReduce
+    buckets: BucketPlan
+    ranks: tuple[tuple[Instr, ...], ...]
+
+    def global_rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, dp_rank) of a global rank."""
+        return divmod(rank, self.dp)
+
+    def listing(self, rank: int) -> str:
+        return " ".join(str(i) for i in self.ranks[rank])
+
+
+def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
+    """Index of each chunk's last W or BW (runtime/executor.py's rule, restated: plans import no
+    runtime): after it the chunk's gradients for the step are complete."""
+    return {a.chunk: i for i, a in enumerate(actions) if a.op in (Op.W, Op.BW)}
+
+
+def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
+          keep_gathered: bool = True, prefetch: bool = False, wire_bytes: int = 4,
+          sim: SimResult | None = None) -> Program:
+    """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
+
+    `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
+    gather their fp32 masters (4). `sim`: the schedule's simulation if already played (the posting
+    order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
+    if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
+        raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
+                         f"the layout has dp={dp} and {s.n_chunks}")
+    posts = plans(s, sim)
+    ranks = [_rank_program(s, p, d, dp, zero, grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
+             for p in range(s.pp) for d in range(dp)]
+    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
+
+
+def _rank_program(s: Schedule, p: int, d: int, dp: int, zero: int, mode: GradReduce, bp: BucketPlan,
+                  keep: bool, prefetch: bool, wire: int, posts: list) -> tuple[Instr, ...]:
+    acts = s.actions[p]
+    final = last_weight_grad(acts)
+    first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
+    layerwise = zero == 3 and not keep
+    out: list[Instr] = []
+
+    def p2p(boundary: list) -> None:
+        out.extend(PointToPoint(q.send, q.transfer, q.peer * dp + d) for q in boundary)
+
+    def whole(kind: Kind, chunk: int, coll: Collective, blocking: bool) -> DataParallel:
+        return DataParallel(kind, chunk, None, coll, bp.chunk_numel(chunk) * wire, blocking, layerwise)
+
+    gathered: set[int] = set()
+    for i, a in enumerate(acts):
+        p2p(posts[i])
+        uses_weights = a.op is not Op.W or a.chunk == 0
+        if layerwise and uses_weights:
+            out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
+        elif zero == 3 and not layerwise and a.chunk not in gathered:
+            gathered.add(a.chunk)
+            out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
+        ahead = acts[i + 1].chunk if i + 1 < len(acts) else None
+        if prefetch and zero == 3 and not layerwise and ahead not in gathered and first.get(ahead) == i + 1:
+            gathered.add(ahead)  # the next action's chunk, gathered while this one computes
+            out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
+        out.append(Compute(a))
+        if layerwise and uses_weights:
+            out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
+        is_final = final.get(a.chunk) == i
+        per_mb = zero >= 2 and mode is GradReduce.MICROBATCH
+        if a.op in (Op.W, Op.BW) and (is_final or per_mb):
+            out.extend(_reductions(a.chunk, bp, zero, wire, drain=per_mb or (zero == 3 and is_final)))
+        if zero == 3 and not layerwise and is_final:
+            out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
+    p2p(posts[-1])
+    out.append(OptimStep())
+    if zero in (1, 2):
+        for c in s.chunks(p):
+            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, n * 4, True)
+                       for k, n in enumerate(bp.buckets(c)))
+    return tuple(out)
+
+
+def _reductions(chunk: int, bp: BucketPlan, zero: int, wire: int, drain: bool) -> list[DataParallel]:
+    """One REDUCE_GRAD a bucket of `chunk` in backward order; with `drain` the last one blocks."""
+    coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+    sizes = bp.buckets(chunk)
+    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, n * wire, drain and k == len(sizes) - 1)
+            for k, n in enumerate(sizes)]

@@ -1,0 +1,140 @@
+"""Prove a lowered program (schedules/program.py) sound before anything runs it.
+
+Four claims, each with an error that names the ranks and the position:
+1. Compute and transfers, as today: every replica's compute is the schedule's action list
+   (`check.simulate` proves that complete and deadlock-free), every rank posts exactly the
+   transfers `posting.plans` gives it, to peers of its own replica, in an order `posting.verify`
+   proves cannot deadlock on NCCL's per-pair streams.
+2. Every rank of a dp group (the D ranks sharing a pp_rank) issues the same collectives (kind,
+   chunk, bucket, operation, bytes) in the same order: collectives match by position, so one rank
+   reducing bucket 1 where its peer reduces bucket 0 sums the wrong tensors or hangs.
+3. ZeRO's placement: each rank runs OPTIM_STEP (the world's norm all-reduce) exactly once, last but
+   for the gathers after it; no gradient is produced after its bucket's last reduction; at ZeRO-3
+   every compute runs on gathered weights (between an UNSHARD and a RESHARD of its chunk).
+4. Transfers and collectives together: `program_sim.simulate_program` plays all P x D ranks with
+   each collective a rendezvous of its group; it raises if they can wait on each other in a cycle.
+   Programs are fixed sequences of waits on events that, once they happen, stay happened, so how
+   far each rank gets does not depend on timing (Kahn's determinacy): one play that finishes
+   proves every interleaving finishes. The model keeps transfers and each group's collectives on
+   streams of their own; how NCCL shares one GPU between those streams is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pipezero.schedules.check import ScheduleError, simulate
+from pipezero.schedules.posting import Post, plans, verify
+from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
+from pipezero.schedules.program_sim import simulate_program
+
+
+def check_program(prog: Program) -> None:
+    """Raise ScheduleError naming the first violated claim (see the module docstring)."""
+    s = prog.schedule
+    sim = simulate(s)
+    expected = plans(s, sim)
+    for d in range(prog.dp):
+        boundaries = [_boundaries(prog, prog.global_rank(p, d)) for p in range(s.pp)]
+        for p in range(s.pp):
+            want = Counter(q for b in expected[p] for q in b)
+            got = Counter(q for b in boundaries[p] for q in b)
+            if want != got:
+                missing, extra = sorted(map(str, want - got)), sorted(map(str, got - want))
+                raise ScheduleError(f"rank {prog.global_rank(p, d)} (pp {p}, dp {d}): transfers differ from the "
+                                    f"posting plan: missing {missing}, unexpected {extra}")
+        verify(s, boundaries)
+    for p in range(s.pp):
+        check_dp_group(prog, p)
+    for r in range(len(prog.ranks)):
+        check_placement(prog, r)
+    simulate_program(prog)
+
+
+def _boundaries(prog: Program, rank: int) -> list[list[Post]]:
+    """The rank's transfers grouped by the compute action they precede (one more group after the
+    last), with peers as pipeline ranks: `posting`'s shape. Also checks its compute is the
+    schedule's."""
+    p, d = prog.coords(rank)
+    acts = [i.action for i in prog.ranks[rank] if isinstance(i, Compute)]
+    if tuple(acts) != prog.schedule.actions[p]:
+        at = next((k for k, (a, b) in enumerate(zip(acts, prog.schedule.actions[p])) if a != b),
+                  min(len(acts), len(prog.schedule.actions[p])))
+        raise ScheduleError(f"rank {rank} (pp {p}, dp {d}): compute differs from the schedule at action #{at}\n"
+                            f"{prog.schedule.grid((p, at))}")
+    out: list[list[Post]] = [[]]
+    for i in prog.ranks[rank]:
+        if isinstance(i, Compute):
+            out.append([])
+        elif isinstance(i, PointToPoint):
+            peer_p, peer_d = prog.coords(i.peer)
+            if peer_d != d:
+                raise ScheduleError(f"rank {rank} (dp {d}): {i} names rank {i.peer} of replica {peer_d}")
+            out[-1].append(Post(i.send, i.transfer, peer_p))
+    return out
+
+
+def collectives(prog: Program, rank: int) -> list[DataParallel | OptimStep]:
+    """The rank's instructions that involve other ranks of its dp group or the world (RESHARD is
+    local and not among them)."""
+    return [i for i in prog.ranks[rank]
+            if isinstance(i, OptimStep) or (isinstance(i, DataParallel) and i.kind is not Kind.RESHARD)]
+
+
+def check_dp_group(prog: Program, pp_rank: int) -> None:
+    """The D ranks of pipeline rank `pp_rank` issue identical collective sequences."""
+    group = [prog.global_rank(pp_rank, d) for d in range(prog.dp)]
+    first = [c.signature() for c in collectives(prog, group[0])]
+    for r in group[1:]:
+        mine = [c.signature() for c in collectives(prog, r)]
+        if mine == first:
+            continue
+        k = next((k for k, (a, b) in enumerate(zip(first, mine)) if a != b), min(len(first), len(mine)))
+        theirs = _describe(collectives(prog, group[0]), k)
+        ours = _describe(collectives(prog, r), k)
+        raise ScheduleError(f"dp group of pp rank {pp_rank} (ranks {group}): rank {r} and rank {group[0]} differ at "
+                            f"collective #{k}: rank {group[0]} issues {theirs}, rank {r} issues {ours}")
+
+
+def _describe(cs: list[DataParallel | OptimStep], k: int) -> str:
+    return str(cs[k]) if k < len(cs) else "nothing (its sequence ends)"
+
+
+def check_placement(prog: Program, rank: int) -> None:
+    """OPTIM_STEP once and after all compute and reductions; gradients complete before their last
+    reduction; ZeRO-3 compute on gathered weights."""
+    instrs = prog.ranks[rank]
+    steps = [k for k, i in enumerate(instrs) if isinstance(i, OptimStep)]
+    if len(steps) != 1:
+        raise ScheduleError(f"rank {rank}: OPTIM_STEP appears {len(steps)} times (want once a step)")
+    late = next((i for i in instrs[steps[0]:] if isinstance(i, (Compute, PointToPoint))
+                 or (isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD)), None)
+    if late is not None:
+        raise ScheduleError(f"rank {rank}: {late} after OPTIM_STEP")
+    last_reduce: dict[tuple[int, int | None], int] = {}
+    for k, i in enumerate(instrs):
+        if isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD:
+            last_reduce[(i.chunk, i.bucket)] = k
+    p, _ = prog.coords(rank)
+    for c in prog.schedule.chunks(p):
+        unreduced = [b for b in range(len(prog.buckets.buckets(c))) if (c, b) not in last_reduce]
+        if unreduced:
+            raise ScheduleError(f"rank {rank}: chunk {c}'s bucket {unreduced[0]} is never reduced")
+    layerwise = any(isinstance(i, DataParallel) and i.layerwise for i in instrs)
+    gathered: set[int] = set()
+    for k, i in enumerate(instrs):
+        if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD:
+            gathered.add(i.chunk)
+        elif isinstance(i, DataParallel) and i.kind is Kind.RESHARD:
+            gathered.discard(i.chunk)
+        if not isinstance(i, Compute):
+            continue
+        c = i.action.chunk
+        stashed = layerwise and i.kind is Kind.W and c > 0  # W from B's (x, dy) stash needs no weights
+        if prog.zero == 3 and c not in gathered and not stashed:
+            raise ScheduleError(f"rank {rank}: {i} (#{k}) runs on chunk {c}'s shard: no UNSHARD before it")
+        if i.kind in (Kind.W, Kind.BW):
+            stale = [b for (ch, b), at in last_reduce.items() if ch == c and at < k]
+            if stale:
+                raise ScheduleError(f"rank {rank}: {i} (#{k}) produces gradients after chunk {c}'s last "
+                                    f"REDUCE_GRAD of bucket {stale[0]}: they would never be reduced")

@@ -1,0 +1,191 @@
+"""Time a whole lowered program: compute on one lane a rank, ZeRO's collectives on a second lane that
+overlaps it, and the waits that tie them together.
+
+The compute lane follows check.simulate exactly (an action starts when the rank is free and its
+inputs have arrived, a hop later when they come from another rank), so with free communication a
+program takes exactly the schedule's time: the collectives add only what they cost. On top:
+- a collective (UNSHARD, REDUCE_GRAD) is a rendezvous of its dp group: it starts when every member
+  has issued it and each member's communication lane is free (one stream a group, in order), and
+  takes `CommCost.time` (bytes over bandwidth, times the ring's traffic factor);
+- issuing costs the compute lane nothing; a `blocking` collective holds the rank until it (and so
+  everything before it on the lane) has finished, and compute on a ZeRO-3 chunk waits for its
+  latest UNSHARD;
+- OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
+  all-reduce, then computes for `CommCost.optim`.
+All P x D ranks are played, so a cycle of waits between transfers and collectives raises
+ScheduleError like a deadlocked schedule does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pipezero.schedules.actions import Op
+# check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
+from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
+from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, OptimStep, Program
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """What collectives cost, in the compute lane's time unit (F of one stage = 1 by default)."""
+
+    bandwidth: float = math.inf  # bytes a time unit through one rank's link; inf: free
+    latency: float = 0.0  # fixed cost of every collective between two or more ranks
+    optim: float = 0.0  # the optimizer update itself, on the compute lane
+
+    def time(self, coll: Collective, nbytes: int, group: int) -> float:
+        """A ring moves (n-1)/n of the buffer through each link per phase; all-reduce has two phases."""
+        if group <= 1 or coll is Collective.LOCAL:
+            return 0.0
+        phases = 2 if coll is Collective.ALL_REDUCE else 1
+        return self.latency + nbytes * phases * (group - 1) / group / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int  # global rank
+    lane: str  # "compute" or "comm"
+    label: str  # the instruction as printed
+    kind: Kind
+    mb: int  # micro-batch of a compute action, else -1
+    start: float
+    end: float
+
+
+@dataclass
+class ProgramResult:
+    step_time: float
+    bubble: float  # idle share of every rank's compute lane over the step
+    busy: list[float]  # compute per global rank
+    comm_busy: list[float]  # time each rank's collectives take on its communication lane
+    timeline: list[Span] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"step_time": self.step_time, "bubble": self.bubble, "busy": self.busy, "comm_busy": self.comm_busy}
+
+
+GroupKey = tuple[str, int, int]  # ("dp", pp_rank, sequence number) or ("world", 0, sequence number)
+
+
+@dataclass
+class _Play:
+    prog: Program
+    cost: CostModel
+    comm: CommCost
+    pc: list[int]
+    free: list[float]  # when each rank's CPU may go on
+    comm_free: list[float]
+    busy: list[float]
+    comm_busy: list[float]
+    seq: dict[tuple[int, str], int] = field(default_factory=dict)  # (rank, group kind) -> next number
+    issued: dict[GroupKey, dict[int, float]] = field(default_factory=dict)  # member -> ready time
+    ends: dict[GroupKey, float] = field(default_factory=dict)  # resolved collectives' end
+    waiting: dict[int, GroupKey] = field(default_factory=dict)  # rank -> the collective it issued here
+    last: dict[int, GroupKey] = field(default_factory=dict)  # rank -> its newest collective
+    gate: dict[tuple[int, int], GroupKey] = field(default_factory=dict)  # (rank, chunk) -> latest UNSHARD
+    done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
+    timeline: list[Span] = field(default_factory=list)
+
+    def members(self, key: GroupKey) -> list[int]:
+        if key[0] == "world":
+            return list(range(len(self.prog.ranks)))
+        return [self.prog.global_rank(key[1], d) for d in range(self.prog.dp)]
+
+    def issue(self, rank: int, group: str, ready: float, instr: Instr) -> GroupKey:
+        p, _ = self.prog.coords(rank)
+        n = self.seq.get((rank, group), 0)
+        self.seq[(rank, group)] = n + 1
+        key = (group, p if group == "dp" else 0, n)
+        self.issued.setdefault(key, {})[rank] = ready
+        self.last[rank] = key
+        ranks = self.members(key)
+        if len(self.issued[key]) == len(ranks):  # the last member arrived: it runs now
+            start = max([*self.issued[key].values(), *(self.comm_free[m] for m in ranks)])
+            nbytes, coll = (instr.nbytes, instr.collective) if isinstance(instr, DataParallel) \
+                else (instr.nbytes, Collective.ALL_REDUCE)
+            end = start + self.comm.time(coll, nbytes, len(ranks))
+            self.ends[key] = end
+            for m in ranks:
+                self.comm_free[m] = end
+                self.comm_busy[m] += end - start
+                self.timeline.append(Span(m, "comm", str(instr), instr.kind, -1, start, end))
+        return key
+
+    def step(self, r: int) -> bool:
+        """Advance rank `r` by one instruction, or issue the collective it must wait for; False when
+        it can do neither until another rank moves."""
+        instr = self.prog.ranks[r][self.pc[r]]
+        if r in self.waiting:  # issued here earlier; blocked until it ends
+            end = self.ends.get(self.waiting[r])
+            if end is None:
+                return False
+            del self.waiting[r]
+            self.free[r] = max(self.free[r], end if not isinstance(instr, OptimStep) else end + self.comm.optim)
+            if isinstance(instr, OptimStep) and self.comm.optim:
+                self.busy[r] += self.comm.optim
+                self.timeline.append(Span(r, "compute", "OPTIM_STEP", Kind.OPTIM_STEP, -1, end, end + self.comm.optim))
+        elif isinstance(instr, Compute):
+            start = self.compute_start(r, instr)
+            if start is None:
+                return False
+            a = instr.action
+            end = start + self.cost.cost(a, self.prog.schedule.virtual)
+            self.busy[r] += end - start
+            self.free[r] = end
+            self.timeline.append(Span(r, "compute", str(a), instr.kind, a.mb, start, end))
+            d = self.prog.coords(r)[1]
+            for k in [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else []):
+                self.done[(d, *k)] = end
+        elif isinstance(instr, DataParallel) and instr.kind is not Kind.RESHARD:
+            key = self.issue(r, "dp", self.free[r], instr)
+            if instr.kind is Kind.UNSHARD:
+                self.gate[(r, instr.chunk)] = key
+            if instr.blocking:
+                self.waiting[r] = key
+                return True
+        elif isinstance(instr, OptimStep):
+            drained = self.ends.get(self.last[r], None) if r in self.last else self.free[r]
+            if drained is None:
+                return False
+            self.waiting[r] = self.issue(r, "world", max(self.free[r], drained), instr)
+            return True
+        self.pc[r] += 1
+        return True
+
+    def compute_start(self, r: int, instr: Compute) -> float | None:
+        s, a = self.prog.schedule, instr.action
+        p, d = self.prog.coords(r)
+        t = self.free[r]
+        for dep in _deps(s, a):
+            end = self.done.get((d, *dep))
+            if end is None:
+                return None
+            t = max(t, end + (self.cost.comm if s.rank_of_chunk[dep[0]] != p else 0.0))
+        gate = self.gate.get((r, a.chunk))
+        if gate is not None:
+            if gate not in self.ends:
+                return None
+            t = max(t, self.ends[gate])
+        return t
+
+
+def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCost | None = None) -> ProgramResult:
+    """Play every rank's program; raise ScheduleError if transfers and collectives deadlock."""
+    n = len(prog.ranks)
+    play = _Play(prog, cost or CostModel(), comm or CommCost(), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    moved = True
+    while moved:
+        moved = False
+        for r in range(n):
+            while play.pc[r] < len(prog.ranks[r]) and play.step(r):
+                moved = True
+    stuck = [r for r in range(n) if play.pc[r] < len(prog.ranks[r])]
+    if stuck:
+        lines = [f"  rank {r} (pp {prog.coords(r)[0]}, dp {prog.coords(r)[1]}): waits at #{play.pc[r]} "
+                 f"{prog.ranks[r][play.pc[r]]}" for r in stuck]
+        raise ScheduleError("program deadlocks: transfers and collectives wait on each other\n" + "\n".join(lines))
+    step = max(play.free, default=0.0)
+    bubble = sum(step - b for b in play.busy) / (n * step) if step else 0.0
+    return ProgramResult(step, bubble, play.busy, play.comm_busy, play.timeline)

@@ -1,0 +1,97 @@
+"""`pipezero simulate --zero`: lower a schedule with ZeRO's collectives for a model preset, prove the
+program, and time it twice, with and without its data-parallel traffic, so the table shows what the
+gathers and reductions add to the step and to the bubble.
+
+The model only sizes the buckets: parameters per layer (models/presets.py), cut into chunks the
+way `train` cuts them by default (uniform), grouped by the same rule as zero/buckets.py. Time stays
+in the simulator's unit (F of one stage = 1): `--dp-comm` says how long one rank's link takes to
+carry one average stage's parameters, which fixes the bandwidth in bytes per unit.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pipezero.config import GradReduce, ModelConfig, Partition
+from pipezero.schedules.actions import Schedule
+from pipezero.schedules.bucket_plan import plan_buckets
+from pipezero.schedules.check import CostModel
+from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
+from pipezero.schedules.program_check import check_program
+from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    zero: int
+    dp: int
+    grad_reduce: GradReduce
+    preset: str
+    bucket_mb: float
+    dp_comm: float  # time for one link to carry one average stage's parameters, in F units
+    layerwise: bool  # ZeRO-3 layer by layer instead of a chunk kept gathered
+    prefetch: bool  # ZeRO-3 kept gathered: gather one action ahead (a what-if; the runtime does not)
+    wire_bytes: int  # 2 with bf16 communication, else 4
+    optim: float  # the optimizer update's compute time
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
+        return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
+                   args.zero3_layerwise, args.zero3_prefetch, 2 if args.dtype == "bf16" else 4, args.optim_cost)
+
+
+def chunk_layers(preset: str, n_chunks: int, seq_len: int = 1024) -> list[list[int]]:
+    """Parameter counts of each chunk's layers, for `preset` cut uniformly into `n_chunks`."""
+    from pipezero.models.presets import apply_preset, layer_param_counts
+    from pipezero.parallel.partition import partition
+
+    cfg = apply_preset(ModelConfig(), preset)
+    counts = layer_param_counts(cfg)
+    return [counts[a:b] for a, b in partition(cfg, n_chunks, Partition.UNIFORM, seq_len)]
+
+
+def traffic(prog: Program, rank: int) -> int:
+    """Bytes the rank sends in its collectives over a ring (ZeroDP.bytes_sent's accounting)."""
+    d = prog.dp
+    total = 0.0
+    for i in prog.ranks[rank]:
+        if isinstance(i, DataParallel) and i.collective is not Collective.LOCAL:
+            total += i.nbytes * (2 if i.collective is Collective.ALL_REDUCE else 1) * (d - 1) / d
+    return int(total)
+
+
+def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program, ProgramResult, dict]:
+    """Lower, prove and time `s` under `opt`; the JSON-ready figures beside the program and its play."""
+    layers = chunk_layers(opt.preset, s.n_chunks)
+    buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero == 3 and opt.layerwise)
+    prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
+                 prefetch=opt.prefetch, wire_bytes=opt.wire_bytes)
+    check_program(prog)
+    stage_bytes = sum(map(sum, layers)) / s.pp * opt.wire_bytes
+    bandwidth = stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
+    res = simulate_program(prog, cost, CommCost(bandwidth=bandwidth, optim=opt.optim))
+    free = simulate_program(prog, cost, CommCost(optim=opt.optim))
+    counts = {k.value: sum(1 for i in prog.ranks[0] if i.kind is k)
+              for k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)}
+    counts[Kind.OPTIM_STEP.value] = sum(1 for i in prog.ranks[0] if isinstance(i, OptimStep))
+    figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,
+               "zero3_layerwise": opt.zero == 3 and opt.layerwise, "zero3_prefetch": opt.zero == 3 and opt.prefetch,
+               "buckets_per_chunk":
+               [len(b) for b in buckets.numels], "dp_comm": opt.dp_comm,
+               "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,
+               "step_time": res.step_time, "bubble": res.bubble, "comm_busy": res.comm_busy,
+               "bytes_sent": [traffic(prog, r) for r in range(len(prog.ranks))], "rank0_instructions": counts}
+    return prog, res, figures
+
+
+def draw(prog: Program, res: ProgramResult, title: str, path: str) -> None:
+    """Replica 0's ranks, compute above and collectives below each (the other replicas play alike)."""
+    from pipezero.telemetry.plot import draw_program_timeline
+
+    mine = {prog.global_rank(p, 0): p for p in range(prog.schedule.pp)}
+    compute = [(mine[sp.rank], sp.kind.value, sp.mb, sp.start, sp.end) for sp in res.timeline
+               if sp.rank in mine and sp.lane == "compute"]
+    comm = [(mine[sp.rank], sp.kind.value, sp.start, sp.end) for sp in res.timeline
+            if sp.rank in mine and sp.lane == "comm" and sp.end > sp.start]
+    draw_program_timeline(compute, comm, prog.schedule.pp, title, path)

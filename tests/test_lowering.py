@@ -1,0 +1,216 @@
+"""The lowered program (schedules/program.py): every schedule lowers at every ZeRO stage, the checker
+proves it and rejects broken ones, and the simulator times its collectives. Pure data, no torch."""
+
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from pipezero.config import GradReduce
+from pipezero.config import ScheduleKind as K
+from pipezero.schedules.bucket_plan import group_layers, plan_buckets, uniform_plan
+from pipezero.schedules.check import CostModel, ScheduleError, simulate
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, Program, lower
+from pipezero.schedules.program_check import check_program
+from pipezero.schedules.program_sim import CommCost, simulate_program
+from pipezero.schedules.registry import SCHEDULES, build_schedule
+
+BUCKETS = 3  # buckets a chunk in the uniform plans below
+
+
+def schedule(kind: K, p: int, m: int | None = None):
+    return build_schedule(kind, p, m or 2 * p, SCHEDULES[kind].default_virtual)
+
+
+def lowered(kind: K, p: int, d: int, zero: int, mode: GradReduce = GradReduce.STEP, keep: bool = True,
+            m: int | None = None) -> Program:
+    s = schedule(kind, p, m)
+    return lower(s, d, zero, mode, uniform_plan(s.n_chunks, BUCKETS, 1000, d), keep_gathered=keep)
+
+
+def count(prog: Program, rank: int, kind: Kind, chunk: int | None = None) -> int:
+    return sum(1 for i in prog.ranks[rank] if i.kind is kind and (chunk is None or getattr(i, "chunk", None) == chunk))
+
+
+CASES = [(k, p, d, z, g) for k in K for p in (2, 4) for d in (1, 2) for z in range(4) for g in GradReduce]
+
+
+@pytest.mark.parametrize("kind, p, d, zero, mode", CASES, ids=lambda x: getattr(x, "value", str(x)))
+def test_every_schedule_and_stage_lowers_and_passes_the_checker(kind, p, d, zero, mode):
+    for keep in (True, False) if zero == 3 else (True,):
+        prog = lowered(kind, p, d, zero, mode, keep)
+        check_program(prog)
+        assert len(prog.ranks) == p * d
+        for r in range(p * d):
+            assert count(prog, r, Kind.OPTIM_STEP) == 1
+
+
+def test_zero3_keep_gathered_one_unshard_and_reshard_per_chunk():
+    prog = lowered(K.INTERLEAVED_1F1B, 2, 2, 3)
+    for r in range(4):
+        for c in prog.schedule.chunks(prog.coords(r)[0]):
+            assert count(prog, r, Kind.UNSHARD, c) == 1 and count(prog, r, Kind.RESHARD, c) == 1
+            instrs = prog.ranks[r]
+            first_f = next(k for k, i in enumerate(instrs) if isinstance(i, Compute) and i.action.chunk == c)
+            assert instrs[first_f - 1].kind is Kind.UNSHARD  # gathered on demand: no prefetch at run time
+
+
+def test_zero3_layerwise_wraps_every_weight_reading_action():
+    prog = lowered(K.ZB_H1, 2, 2, 3, keep=False, m=4)
+    for r in range(4):
+        acts = [i.action for i in prog.ranks[r] if isinstance(i, Compute)]
+        reading = sum(1 for a in acts if a.op.value != "W" or a.chunk == 0)
+        assert count(prog, r, Kind.UNSHARD) == reading == count(prog, r, Kind.RESHARD)
+        assert all(i.layerwise for i in prog.ranks[r] if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_microbatch_mode_reduces_every_bucket_after_every_backward(zero):
+    m = 6
+    prog = lowered(K.ZB_H1, 2, 2, zero, GradReduce.MICROBATCH, m=m)
+    for r in range(4):
+        c = prog.schedule.chunks(prog.coords(r)[0])[0]
+        assert count(prog, r, Kind.REDUCE_GRAD, c) == m * BUCKETS
+        reds = [i for i in prog.ranks[r] if i.kind is Kind.REDUCE_GRAD]
+        assert {i.collective for i in reds} == {Collective.REDUCE_SCATTER}
+        assert sum(i.blocking for i in reds) == m  # drained after each backward
+
+
+@pytest.mark.parametrize("zero, coll", [(0, Collective.ALL_REDUCE), (1, Collective.ALL_REDUCE),
+                                        (2, Collective.REDUCE_SCATTER), (3, Collective.REDUCE_SCATTER)])
+def test_step_mode_reduces_each_bucket_once_after_the_last_weight_gradient(zero, coll):
+    prog = lowered(K.ONE_F_ONE_B, 4, 2, zero, GradReduce.STEP)
+    for r in range(8):
+        instrs = prog.ranks[r]
+        reds = [k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD]
+        assert len(reds) == BUCKETS and all(instrs[k].collective is coll for k in reds)
+        last_bw = max(k for k, i in enumerate(instrs) if i.kind is Kind.BW)
+        assert min(reds) == last_bw + 1
+        gathers_after_step = count(prog, r, Kind.UNSHARD) if zero in (1, 2) else 0
+        assert gathers_after_step == (BUCKETS if zero in (1, 2) else 0)
+
+
+def test_zero1_and_2_gather_updated_shards_in_fp32_after_the_step():
+    s = schedule(K.ONE_F_ONE_B, 2)
+    prog = lower(s, 2, 2, GradReduce.STEP, uniform_plan(2, 1, 1000, 2), wire_bytes=2)
+    tail = prog.ranks[0][-2:]
+    assert tail[0].kind is Kind.OPTIM_STEP
+    assert tail[1].kind is Kind.UNSHARD and tail[1].nbytes == 4000 and tail[1].blocking
+    assert [i.nbytes for i in prog.ranks[0] if i.kind is Kind.REDUCE_GRAD] == [2000]  # bf16 on the wire
+
+
+def test_swapped_reductions_on_one_dp_rank_are_rejected_naming_ranks_and_position():
+    prog = lowered(K.ONE_F_ONE_B, 2, 2, 2)
+    instrs = list(prog.ranks[1])
+    a, b = (k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD and i.bucket in (0, 1))
+    instrs[a], instrs[b] = instrs[b], instrs[a]
+    bad = replace(prog, ranks=(prog.ranks[0], tuple(instrs), *prog.ranks[2:]))
+    with pytest.raises(ScheduleError, match=r"ranks \[0, 1\]\): rank 1 and rank 0 differ at collective #0: "
+                                            r"rank 0 issues REDUCE_GRAD\(0\.0\), rank 1 issues REDUCE_GRAD\(0\.1\)"):
+        check_program(bad)
+
+
+def test_checker_rejects_missing_transfer_compute_on_a_shard_and_late_gradients():
+    prog = lowered(K.ONE_F_ONE_B, 2, 2, 3)
+    drop_recv = tuple(i for i in prog.ranks[2] if i.kind is not Kind.RECV)
+    with pytest.raises(ScheduleError, match="rank 2 .*missing"):
+        check_program(replace(prog, ranks=(*prog.ranks[:2], drop_recv, prog.ranks[3])))
+    no_gather = tuple(tuple(i for i in prog.ranks[r] if i.kind is not Kind.UNSHARD) for r in (0, 1))
+    with pytest.raises(ScheduleError, match="runs on chunk 0's shard"):  # on both: the dp group agrees
+        check_program(replace(prog, ranks=(*no_gather, *prog.ranks[2:])))
+    step0 = lowered(K.ONE_F_ONE_B, 2, 1, 0)
+    instrs = list(step0.ranks[0])
+    k = next(k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD)
+    instrs.insert(2, instrs.pop(k))  # bucket 0 reduced before the backward that fills it
+    with pytest.raises(ScheduleError, match="after chunk 0's last REDUCE_GRAD of bucket 0"):
+        check_program(replace(step0, ranks=(tuple(instrs), step0.ranks[1])))
+
+
+@pytest.mark.parametrize("kind", list(K))
+def test_free_communication_times_the_program_exactly_as_the_schedule(kind):
+    cost = CostModel(1.0, 1.5, 0.7, comm=0.25)
+    s = schedule(kind, 4)
+    base = simulate(s, cost)
+    for zero in range(4):
+        prog = lower(s, 2, zero, GradReduce.MICROBATCH, uniform_plan(s.n_chunks, 2, 999, 2))
+        res = simulate_program(prog, cost, CommCost(bandwidth=float("inf")))
+        assert res.step_time == base.step_time and res.bubble == pytest.approx(base.bubble, abs=1e-12)
+        compute = sorted((sp.rank // 2, sp.label, sp.start, sp.end) for sp in res.timeline
+                         if sp.lane == "compute" and sp.rank % 2 == 0)
+        assert compute == sorted((e.rank, str(e.action), e.start, e.end) for e in base.timeline)
+
+
+def test_collectives_cost_bytes_over_bandwidth_and_gate_compute():
+    s = schedule(K.ONE_F_ONE_B, 2, 2)
+    prog = lower(s, 2, 3, GradReduce.STEP, uniform_plan(2, 1, 1000, 2))  # 4000 bytes a chunk
+    res = simulate_program(prog, comm=CommCost(bandwidth=1000.0))
+    gathers = [sp for sp in res.timeline if sp.kind is Kind.UNSHARD and sp.rank == 0]
+    assert [(sp.start, sp.end) for sp in gathers] == [(0.0, 2.0)]  # 4000 x (2-1)/2 / 1000
+    first_f = min(sp.start for sp in res.timeline if sp.rank == 0 and sp.kind is Kind.F)
+    assert first_f == 2.0  # F waits for its chunk's gather
+    assert res.step_time > simulate(s).step_time and res.comm_busy[0] > 0
+
+
+def test_bucket_plan_follows_make_buckets_rule():
+    assert group_layers([5, 3, 4], bucket_mb=7 * 4 / 2**20) == [7, 5]  # reverse order, close at >= limit
+    assert group_layers([5, 0, 3], bucket_mb=float("inf")) == [8]
+    plan = plan_buckets([[5, 3], [7]], bucket_mb=float("inf"), dp=2)
+    assert plan.numels == ((8,), (8,))  # padded to a multiple of D
+    assert plan_buckets([[5, 3]], 1.0, dp=2, layerwise=True).numels == ((4, 6),)
+    assert Counter(uniform_plan(3, 2, 5, 4).numels) == Counter({(8, 8): 3})
+
+
+def test_simulate_cli_with_zero_reports_both_bubbles_and_draws_the_collectives(tmp_path, capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    png = tmp_path / "z3.png"
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--zero", "3", "--dp", "2",
+                 "--preset", "tiny", "--json", "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_no_zero_traffic"] == pytest.approx(plain["bubble"])
+    assert out["step_time_no_zero_traffic"] == pytest.approx(plain["step_time"])
+    assert out["step_time"] > plain["step_time"] and out["rank0_instructions"]["UNSHARD"] == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", "--compare", "--pp", "2", "--microbatches", "4", "--zero", "2", "--dp", "2",
+                 "--grad-reduce", "microbatch", "--preset", "tiny", "--dp-comm", "0"]) == 0
+    table = capsys.readouterr().out
+    assert "bubble + ZeRO" in table and "dualpipe-v" in table
+
+
+def test_zero3_prefetch_gathers_one_action_ahead_and_hides_the_second_chunks_gather():
+    s = schedule(K.INTERLEAVED_1F1B, 4, 8)
+    plan = uniform_plan(s.n_chunks, 2, 1000, 2)
+    ahead = lower(s, 2, 3, GradReduce.STEP, plan, prefetch=True)
+    check_program(ahead)
+    instrs = ahead.ranks[0]
+    k = next(k for k, i in enumerate(instrs) if i.kind is Kind.UNSHARD and i.chunk == 4)
+    assert not instrs[k].blocking and instrs[k + 1].kind is Kind.F and instrs[k + 1].action.chunk == 0
+    comm = CommCost(bandwidth=1000.0)
+    on_demand = simulate_program(lower(s, 2, 3, GradReduce.STEP, plan), comm=comm)
+    assert simulate_program(ahead, comm=comm).step_time < on_demand.step_time
+
+
+def test_simulate_cli_listing_prints_every_ranks_program(capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--pp", "2", "--microbatches", "3", "--zero", "3", "--dp", "2", "--preset", "tiny",
+                 "--listing"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b rank 3 (pp 1, dp 1): RECV(act 1:0 from 1) UNSHARD(1, wait) 1F0" in out
+    assert out.count("OPTIM_STEP") == 4
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dp", "0"], "--dp = 0: expected an integer >= 1"),
+    (["--dp-comm", "-1"], "--dp-comm = -1.0: expected a number >= 0"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+])
+def test_bad_zero_simulate_input_is_one_line(argv, needle, capsys):
+    from pipezero.cli import main
+
+    assert main(["simulate", "--zero", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
