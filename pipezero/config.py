@@ -119,6 +119,8 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    freeze: str | None = None  # regex (re.search) over parameter names `layers.{i}.…`: those tensors do not
+    # train (no gradient, no AdamW state, not in ZeRO's buckets); freeze.py
 
 
 @dataclass
@@ -379,6 +381,9 @@ def _validate(cfg: TrainConfig) -> None:
     from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 
     device_kind(r.device)
+    from pipezero.freeze import check_pattern
+
+    check_pattern(m, o.freeze)
 
     try:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
