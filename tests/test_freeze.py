@@ -20,7 +20,10 @@ from pipezero.parallel.spawn import run_ranks
 from training import TIED_LR, assert_same_training, tiny_overrides, train_cases
 
 FIRST = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks (of tests' six)
-STAGE0 = r"layers\.[0-3]\."  # at pp=2 pipeline rank 0 holds layers 0-3: a rank with nothing to train
+LAST = r"layers\.[4-7]\."  # pp=2: rank 1's whole stage; gradients go back through it to rank 0
+# pp=2, V=2 holds layers 0-1, 2-3, 4-5, 6-7 in chunks 0-3 on ranks 0, 1, 0, 1: rank 0 has nothing to
+# train, its first chunk has no backward, and chunk 1's gradients go back through frozen chunk 2
+ALTERNATE = r"layers\.[0145]\."
 THAWED = r"layers\.0\."  # freezes less than FIRST: resuming FIRST's checkpoint with it must fail
 
 
@@ -38,8 +41,8 @@ def test_names_come_from_the_shape_and_tied_weights_freeze_together():
 
 
 def test_saved_bytes_follow_the_zero_stage():
-    assert saved_bytes(0, 2, 100) == {"frozen_params": 100, "grad_bytes_saved": 400, "optimizer_bytes_saved": 800,
-                                      "zero3_param_bytes_extra": 0}
+    assert saved_bytes(0, 2, 100) == {"frozen_params": 100, "param_bytes": 400, "grad_bytes_saved": 400,
+                                      "optimizer_bytes_saved": 800, "zero3_param_bytes_extra": 0}
     assert saved_bytes(1, 2, 100)["optimizer_bytes_saved"] == 400 and saved_bytes(1, 2, 100)["grad_bytes_saved"] == 400
     assert saved_bytes(2, 2, 100)["grad_bytes_saved"] == 200
     assert saved_bytes(3, 4, 100)["zero3_param_bytes_extra"] == 300
@@ -53,8 +56,8 @@ CASES = [
     {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 3, "model.tie_embeddings": True,
      "optim.freeze": FIRST, **TIED_LR},
     {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.grad_reduce": "microbatch",
-     "optim.freeze": STAGE0},
-    {"pp": 2, "dp": 2, "kind": K.INTERLEAVED_1F1B, "m": 4, "parallel.zero": 3, "optim.freeze": STAGE0},
+     "optim.freeze": LAST},
+    {"pp": 2, "dp": 2, "kind": K.INTERLEAVED_1F1B, "m": 4, "parallel.zero": 3, "optim.freeze": ALTERNATE},
 ]
 
 
@@ -100,6 +103,7 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
     cfg = build_config(None, tiny_overrides(data, str(folder), **case))
     summary = json.loads((folder / "summary.json").read_text())
     counts = layer_param_counts(cfg.model)
+    idle = set()
     bounds = partition(cfg.model, cfg.parallel.pp * cfg.parallel.virtual_stages, cfg.parallel.partition,
                        cfg.data.seq_len, None)
     for r, rank in enumerate(summary["ranks"]):
@@ -111,8 +115,11 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
         frozen = rank["frozen"]
         assert rank["params"] + frozen["frozen_params"] == held, (r, rank["params"], frozen)
         assert frozen == saved_bytes(cfg.parallel.zero, cfg.parallel.dp, frozen["frozen_params"])
-        if rank["params"] == 0:  # a rank with nothing to train holds no gradient and no AdamW state
-            assert rank["held_bytes"]["grads"] == rank["held_bytes"]["optimizer"] == 0
+        if held == frozen["frozen_params"]:  # a rank with nothing to train: no gradient, no AdamW state
+            assert rank["params"] == rank["held_bytes"]["grads"] == rank["held_bytes"]["optimizer"] == 0
+            idle.add(pp_rank)
+    if case["optim.freeze"] in (LAST, ALTERNATE):
+        assert idle == {1 if case["optim.freeze"] == LAST else 0}, idle
     total = summary["frozen"]
     assert total["pattern"] == case["optim.freeze"] and total["bytes_saved"] > 0
     assert total["bytes_saved"] == sum(x["frozen"]["grad_bytes_saved"] + x["frozen"]["optimizer_bytes_saved"]
