@@ -20,7 +20,7 @@ Two choices, both visible in summary.json and the README:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,9 +113,9 @@ def saved_bytes(stage: int, dp: int, frozen_numel: int) -> dict[str, int]:
             "optimizer_bytes_saved": optimizer, "zero3_param_bytes_extra": extra}
 
 
-def summarize(per_rank: Iterable[dict[str, int]], pattern: str | None) -> dict:
-    """summary.json's `frozen` entry: the pattern and the bytes saved, summed over ranks."""
-    ranks = list(per_rank)
-    total = {k: sum(r[k] for r in ranks) for k in ranks[0]} if ranks else {}
-    return {"pattern": pattern, **total,
+def summarize(per_rank: Sequence[dict[str, int]], pattern: str | None, dp: int) -> dict:
+    """summary.json's `frozen` entry: the pattern, the frozen parameters of one replica (ranks are
+    numbered pp_rank * dp + dp_rank), and bytes summed over every rank."""
+    total = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k != "frozen_params"} if per_rank else {}
+    return {"pattern": pattern, "frozen_params": sum(r["frozen_params"] for r in per_rank[::dp]), **total,
             "bytes_saved": total.get("grad_bytes_saved", 0) + total.get("optimizer_bytes_saved", 0)}

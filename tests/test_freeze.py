@@ -122,6 +122,11 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
         assert idle == {1 if case["optim.freeze"] == LAST else 0}, idle
     total = summary["frozen"]
     assert total["pattern"] == case["optim.freeze"] and total["bytes_saved"] > 0
+    frozen = frozen_names(cfg.model, case["optim.freeze"])
+    model = dict(build_chunk(cfg.model, 0, cfg.model.n_layers + 2, 0).named_parameters())
+    tied_head = f"layers.{cfg.model.n_layers + 1}.proj.weight"  # the pipeline's second copy of a tied weight
+    assert total["frozen_params"] == sum(q.numel() for n, q in model.items() if n in frozen) + \
+        (counts[0] if cfg.model.tie_embeddings and tied_head in frozen else 0)
     assert total["bytes_saved"] == sum(x["frozen"]["grad_bytes_saved"] + x["frozen"]["optimizer_bytes_saved"]
                                        for x in summary["ranks"])
 
