@@ -25,6 +25,7 @@ LAST = r"layers\.[4-7]\."  # pp=2: rank 1's whole stage; gradients go back throu
 # train, its first chunk has no backward, and chunk 1's gradients go back through frozen chunk 2
 ALTERNATE = r"layers\.[0145]\."
 THAWED = r"layers\.0\."  # freezes less than FIRST: resuming FIRST's checkpoint with it must fail
+MORE = r"layers\.[0-3]\."  # freezes more than FIRST: block 3 keeps its step-2 values, its AdamW state unread
 
 
 def test_names_come_from_the_shape_and_tied_weights_freeze_together():
@@ -81,6 +82,9 @@ def freeze_scenarios(rank: int, world: int, data: str, out: str) -> dict:
              "run.resume": True}
     r = train(build_config(None, tiny_overrides(data, f"{out}/resumed", **again)), snapshot=True)
     res["resumed"] = {"from": r.resumed_from, "losses": r.losses, "params": r.params}
+    copy_step(f"{out}/case0", f"{out}/more", 2)
+    r = train(build_config(None, tiny_overrides(data, f"{out}/more", **{**again, "optim.freeze": MORE})))
+    res["more"] = {"from": r.resumed_from, "losses": r.losses}
     copy_step(f"{out}/case0", f"{out}/thawed", 2)
     try:
         train(build_config(None, tiny_overrides(data, f"{out}/thawed", **{**again, "optim.freeze": THAWED})))
@@ -155,5 +159,7 @@ def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
     for name, value in results[0]["resumed"]["params"].items():
         ref = next(r["cases"][0]["params"][name] for r in results if name in r["cases"][0]["params"])
         torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-6)
+    for r in results:  # freezing more resumes: step 3 runs on the same step-2 weights
+        assert r["more"]["from"] == 2 and r["more"]["losses"][0] == pytest.approx(first["losses"][2], rel=1e-5)
     for r in results:  # every rank refuses alike, before any collective of the load
         assert "was trained with --freeze" in r["thawed"] and "resume with --freeze" in r["thawed"], r["thawed"]
