@@ -59,6 +59,9 @@ CASES = [
     {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.grad_reduce": "microbatch",
      "optim.freeze": LAST},
     {"pp": 2, "dp": 2, "kind": K.INTERLEAVED_1F1B, "m": 4, "parallel.zero": 3, "optim.freeze": ALTERNATE},
+    # recomputation: the frozen first chunk's checkpointed forward has no graph to rerun
+    {"pp": 2, "dp": 2, "kind": K.INTERLEAVED_1F1B, "m": 4, "parallel.zero": 1, "parallel.recompute": True,
+     "optim.freeze": ALTERNATE},
 ]
 
 
