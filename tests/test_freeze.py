@@ -97,6 +97,25 @@ def freeze_scenarios(rank: int, world: int, data: str, out: str) -> dict:
     return res
 
 
+def one_thread_refs(cases: list[dict], data: str, tmp_path: Path) -> dict:
+    """training.reference's one-process runs, keyed as assert_same_training keys them, on one
+    thread like each rank: two threads on two busy cores spin against each other (measured at load
+    average 6: 10-40 s a run against 1.5-1.9 s on one thread)."""
+    from pipezero.engine import train
+
+    refs: dict = {}
+    threads = torch.get_num_threads()
+    for case in cases:
+        model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
+        key = (case["m"] * case["dp"], tuple(sorted(model.items())))
+        if key not in refs:
+            overrides = tiny_overrides(data, str(tmp_path / f"ref{len(refs)}"), 1, 1, K.ONE_F_ONE_B, key[0], **model)
+            res = train(build_config(None, {**overrides, "run.threads": 1}), snapshot=True)
+            refs[key] = (res.losses, res.params, res.grad_norms)
+    torch.set_num_threads(threads)  # train() set one thread for this whole process
+    return refs
+
+
 def initial_params(case: dict, data: str, tmp_path: Path) -> dict[str, torch.Tensor]:
     cfg = build_config(None, tiny_overrides(data, str(tmp_path / "unused"), **case))
     out = dict(build_chunk(cfg.model, 0, cfg.model.n_layers + 2, cfg.run.seed).named_parameters())
@@ -141,7 +160,9 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
 @pytest.mark.slow
 def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
     results = run_ranks(freeze_scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
-    assert_same_training([r["cases"] for r in results], str(text_dir), tmp_path)
+    refs = one_thread_refs(CASES, str(text_dir), tmp_path)
+    assert_same_training([r["cases"] for r in results], str(text_dir), tmp_path, refs)
+    assert len(refs) == 4  # every case found its one-thread reference (FIRST, tied FIRST, LAST, ALTERNATE)
     for i, case in enumerate(CASES):
         frozen = frozen_names(build_config(None, tiny_overrides(str(text_dir), "x", **case)).model,
                               case["optim.freeze"])
