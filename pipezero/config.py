@@ -117,6 +117,8 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    freeze: str | None = None  # regex (re.search) over parameter names `layers.{i}.…`: those tensors do not
+    # train (no gradient, no AdamW state, not in ZeRO's buckets); freeze.py
 
 
 @dataclass

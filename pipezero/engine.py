@@ -23,6 +23,7 @@ from pipezero.config import DType, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
+from pipezero.freeze import apply_freeze, frozen_params, saved_bytes, summarize
 from pipezero.generate import sample
 from pipezero.models import build_chunk, compile_blocks, flops_per_token, param_count
 from pipezero.optim import lr_at
@@ -132,6 +133,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    apply_freeze(chunks, cfg.model, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
     if cfg.run.compile:
         for chunk in chunks.values():
             compile_blocks(chunk)
@@ -144,7 +146,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
-                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire)
+                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire, device=device)
     if zero.layerwise:
         layerwise.install(zero, chunks)
     # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
@@ -171,8 +173,9 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     check_corpus(cfg, corpus)
     stage = build_stage(cfg, rank, device=device)
     mesh, groups = stage.mesh, stage.groups
-    named = [(n, q) for c in named_by_chunk(stage.chunks).values() for n, q in c]
-    found = resume(cfg, stage.zero)
+    named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
+    frozen = frozen_params(stage.chunks)
+    found = resume(cfg, stage.zero, frozen)
     start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
     seq_len, g = cfg.data.seq_len, cfg.global_batch
     # samples read before `start`: saved with the checkpoint, so a resume with another global batch
@@ -246,7 +249,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if board:
                 board.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
-                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read})
+                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen)
             progress.update(step, outcome.loss, record["tokens_per_s"])
     if metrics:
         metrics.close()
@@ -308,6 +311,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": peak_rss_bytes(),
+            "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
     if stage.peaks.phases:
@@ -343,6 +347,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
+        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, p.dp),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)

@@ -188,9 +188,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
-    from pipezero.parallel.device import device_kind  # imports torch: not for `--help`
+    from pipezero.freeze import check_pattern  # these two import torch: not for `--help`
+    from pipezero.parallel.device import device_kind
 
     device_kind(r.device)
+    check_pattern(m, o.freeze)
     try:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ValueError as e:

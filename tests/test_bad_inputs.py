@@ -72,6 +72,10 @@ CONFIG_CASES = [
     (None, ["--npr", "2"], "unrecognized arguments: --npr"),  # no abbreviations of flags
     (None, ["--pp"], "argument --pp: expected one argument"),
     (None, ["--config", "/no/such.toml"], "config file '/no/such.toml' does not exist"),
+    (None, ["--freeze", "layers.(0"], "--freeze 'layers.(0' is not a valid regular expression"),
+    (None, ["--freeze", "lora"], "--freeze 'lora' matches no parameter; names look like layers.0.weight"),
+    (None, ["--freeze", "layers"], "--freeze 'layers' matches every parameter, so nothing would train"),
+    ('[optim]\nfreeze = "weight$"\n', [], "--freeze 'weight$' matches every parameter"),
 ]
 
 

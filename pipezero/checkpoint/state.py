@@ -6,22 +6,30 @@ the configuration. Not saved, because it is a pure function of what is: the data
 batch of step s depends only on seed and s) and the learning rate (a function of the step). So a
 checkpoint of step N restores exactly the state an uninterrupted run has after N steps, and a
 different layout (P, D, ZeRO stage, V, schedule) reads the same names and ranges.
+
+Frozen tensors (`--freeze`, freeze.py) are saved whole under their names, by the first data-parallel
+rank of the stage that holds them (every replica holds them whole), with no optimizer entries; a
+resume reads them whole on every rank. A run may freeze more than its checkpoint did (the extra
+tensors' AdamW state is not read), but not less: a tensor frozen in the checkpoint has no state.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from pipezero.checkpoint.pieces import Piece, owned_ranges
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.store import CheckpointError, Found, Team, latest, write
 from pipezero.config import ModelConfig, TrainConfig
+from pipezero.freeze import frozen_names
 from pipezero.rundir import run_id
 from pipezero.zero.sharded import ZeroDP
 
@@ -40,12 +48,13 @@ def tied_aliases(model: ModelConfig, held: set[str]) -> dict[str, list[str]]:
     return {}
 
 
-def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool) -> dict[str, Any]:
+def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool,
+               frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> dict[str, Any]:
     """This rank's checkpoint entries, as pieces viewing its shards (`model.<name>`,
-    `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`)."""
+    `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), and its `frozen` tensors whole."""
+    out = frozen_state(zero, model, saving, frozen)
     held = {n for b in zero.all_buckets() for n in b.names}
     aliases = tied_aliases(model, held) if saving else {}
-    out: dict[str, Any] = {}
     for b, tensors in zero.shard_state():
         for o in owned_ranges(b.names, b.offsets, [q.numel() for q in b.params], b.shard):
             for kind, flat in tensors.items():
@@ -55,10 +64,38 @@ def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool) -> dict[str, Any]
     return out
 
 
-def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None) -> Path:
-    """Checkpoint after `step` optimizer steps (collective); `data`: the data position (samples read)."""
+def frozen_state(zero: ZeroDP, model: ModelConfig, saving: bool,
+                 frozen: Sequence[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+    """`model.<name>` of each frozen tensor, whole: written once per stage (its first data-parallel
+    rank; the replicas are equal), read by every rank."""
+    if saving and zero.dp_rank != 0:
+        return {}
+    aliases = tied_aliases(model, {n for n, _ in frozen}) if saving else {}
+    out: dict[str, Any] = {}
+    for name, q in frozen:
+        flat = q.detach().view(-1)
+        for alias in (name, *aliases.get(name, ())):
+            out[f"model.{alias}"] = Piece(flat.numel(), 0, flat)
+    return out
+
+
+def check_frozen(found: Found, cfg: TrainConfig) -> None:
+    """Refuse to train a tensor the checkpoint froze: it has no AdamW state to resume."""
+    saved = found.manifest["config"].get("optim", {}).get("freeze")
+    thawed = sorted(frozen_names(cfg.model, saved) - frozen_names(cfg.model, cfg.optim.freeze))
+    if thawed:
+        raise CheckpointError(f"{found.path} was trained with --freeze {saved!r}; this run trains {len(thawed)} of "
+                              f"those tensors ({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}), which "
+                              f"have no optimizer state there: resume with --freeze {saved!r} (or one freezing "
+                              f"more), or start a new --out")
+
+
+def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None,
+         frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Path:
+    """Checkpoint after `step` optimizer steps (collective); `data`: the data position (samples read);
+    `frozen`: this rank's frozen tensors (freeze.frozen_params)."""
     team = Team.current(step)
-    state = state_dict(zero, cfg.model, saving=True)
+    state = state_dict(zero, cfg.model, saving=True, frozen=frozen)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
     info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
@@ -68,8 +105,9 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
     return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)
 
 
-def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
-    """Fill this rank's shards from checkpoint `found`, whatever layout wrote it (collective)."""
+def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
+    """Fill this rank's shards and frozen tensors from checkpoint `found`, whatever layout wrote it
+    (collective)."""
     m = found.manifest
     team = Team.current(m["step"])
     now = cfg.to_dict()
@@ -77,9 +115,10 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP) -> None:
         diff = {k: (v, now["model"].get(k)) for k, v in m["config"]["model"].items() if now["model"].get(k) != v}
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
+    check_frozen(found, cfg)  # the same answer on every rank: it reads the two configurations only
     if team.rank == 0:
         warn_changed(m["config"], now, found.path)
-    state = state_dict(zero, cfg.model, saving=False)
+    state = state_dict(zero, cfg.model, saving=False, frozen=frozen)
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
         state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
@@ -114,7 +153,7 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def resume(cfg: TrainConfig, zero: ZeroDP) -> Found | None:
+def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Found | None:
     """Load the newest good checkpoint when asked to resume or restarted by torchrun, and say
     which (its manifest holds the step to continue from); None when there is none to load."""
     if not (cfg.run.resume or restarted()):
@@ -126,7 +165,7 @@ def resume(cfg: TrainConfig, zero: ZeroDP) -> Found | None:
             print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",
                   file=sys.stderr, flush=True)
         return None
-    load(found, cfg, zero)
+    load(found, cfg, zero, frozen)
     if team.rank == 0:
         print(f"pipezero: resumed from {found.path} (step {found.manifest['step']})", file=sys.stderr, flush=True)
     return found

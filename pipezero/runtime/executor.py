@@ -198,7 +198,10 @@ class Executor:
 
     def _run_b(self, a: Action, st: _Live, grad: torch.Tensor | None) -> None:
         """BW: full backward. B: input gradient only, keeping what W needs (a stash or the graph)."""
-        if a.op is Op.BW:
+        if not st.out.requires_grad:
+            # the first chunk, every parameter frozen (--freeze): nothing upstream, nothing to train
+            gx = None
+        elif a.op is Op.BW:
             torch.autograd.backward(st.out, grad)
             gx = st.inp.grad if a.chunk > 0 else None
         elif st.records is not None:
@@ -214,8 +217,8 @@ class Executor:
         if st.stash is not None:
             apply_weight_grads(st.stash)
             return
-        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]
-        if params:
+        params = [p for p in self.chunks[a.chunk].parameters() if p.requires_grad]  # frozen ones get no gradient
+        if params and st.out.requires_grad:
             grads = torch.autograd.grad(st.out, params, st.grad, allow_unused=True)
             for p, g in zip(params, grads):
                 if g is not None:

@@ -41,7 +41,8 @@ class WeightGradCapture:
                 m.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        if self._records is not None and output.requires_grad:
+        # a frozen weight (--freeze) gets no gradient: B need not keep its (x, dy), W computes nothing
+        if self._records is not None and output.requires_grad and module.weight.requires_grad:
             self._records.append(Record(module, inputs[0], output))
 
     @contextmanager

@@ -76,6 +76,7 @@ class ZeroDP:
     tied: TiedCopies | None = None  # embedding/head copies in different chunks, summed before reducing
     tracer: Tracer = field(default_factory=Tracer)
     comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
+    device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
@@ -122,7 +123,7 @@ class ZeroDP:
                     # collector, so a strong one would keep this object and every buffer alive
                     # after the stage is dropped (seen: +1.5 GB per rebuilt `base` stage).
                     q.register_post_accumulate_grad_hook(lambda q, b=b, c=c: me()._grad_ready(c, b, q))
-        self._on_gpu = any(b.device.type == "cuda" for b in self.all_buckets())
+        self._on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.opt = ShardedAdamW(self.optim)
         for b in self.all_buckets():
             size = b.padded if self.stage == 0 else b.shard_size
@@ -401,7 +402,7 @@ class ZeroDP:
                     self._launch(b)
         self._drain()
         params, grads, counted = self._shards()
-        device = params[0].device if params else torch.device("cpu")
+        device = params[0].device if params else self.device  # frozen or empty chunks: no parameters
         # Accumulated in fp64 (fp32 partial norms differ between layouts by enough that the clipped,
         # Adam-amplified updates drift apart by 1e-5), cast inside the reduction: no fp64 copy.
         local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]).pow(2).sum() if counted \
