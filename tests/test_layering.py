@@ -38,3 +38,28 @@ def test_lower_layers_do_not_import_higher_ones(lower, higher):
     for module in [path] if path.is_file() else sorted(path.rglob("*.py")):
         bad = sorted(m for m in imports_of(module) if m == higher or m.startswith(higher + "."))
         assert not bad, f"{module.relative_to(ROOT)} imports {bad}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles():
+    """Modules import one another in one direction: a cycle (even one only type checkers follow)
+    means two modules are one concept or one is in the wrong layer."""
+    graph = {module_name(f): imports_of(f) for f in ROOT.rglob("*.py")}
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m in done:
+            return
+        for d in sorted(graph[m]):
+            visit(d, path + [m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])

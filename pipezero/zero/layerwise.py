@@ -13,14 +13,24 @@ zero bytes), so the views that autograd saved in forward are valid again after t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from pipezero.zero.buckets import Bucket
-    from pipezero.zero.sharded import ZeroDP
+from pipezero.zero.buckets import Bucket
+
+
+class Gatherer(Protocol):
+    """What the hooks ask of ZeRO-3's owner of the buckets (zero/sharded.py's ZeroDP): this module
+    places gathers and releases, the owner runs them."""
+
+    def all_buckets(self) -> Iterable[Bucket]: ...
+    def gather(self, bucket: Bucket) -> None: ...
+    def prefetch(self, bucket: Bucket) -> None: ...
+    def release(self, bucket: Bucket) -> None: ...
+    def expect_grads(self, bucket: Bucket) -> None: ...
 
 
 def layer_index(name: str) -> int:
@@ -28,7 +38,7 @@ def layer_index(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def install(zero: "ZeroDP", chunks: dict[int, nn.Module]) -> None:
+def install(zero: Gatherer, chunks: dict[int, nn.Module]) -> None:
     """Hook every layer of every chunk to gather and release its bucket around each use. A layer
     that uses another layer's parameter (a head tied to the embedding, in the same chunk) gathers
     that layer's bucket too: the parameter is listed, and bucketed, once, under the embedding."""
@@ -44,8 +54,8 @@ def install(zero: "ZeroDP", chunks: dict[int, nn.Module]) -> None:
             _hook_layer(zero, module, bucket, after, before, list(borrowed.values()))
 
 
-def _hook_layer(zero: "ZeroDP", module: nn.Module, bucket: "Bucket", after: "Bucket | None",
-                before: "Bucket | None", borrowed: "list[Bucket]") -> None:
+def _hook_layer(zero: Gatherer, module: nn.Module, bucket: Bucket, after: Bucket | None,
+                before: Bucket | None, borrowed: list[Bucket]) -> None:
     def pre_forward(_m: nn.Module, args: tuple) -> None:
         for b in [bucket, *borrowed]:
             zero.gather(b)
