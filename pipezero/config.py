@@ -80,6 +80,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Set by a Hugging Face model (models/hf.py), defaults for the built-in shapes:
+    head_dim: int | None = None  # None = dim // n_heads; some checkpoints set it apart (Mistral, Qwen)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2; Llama's attention_bias)
+    out_bias: bool = False  # bias on the attention output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the three SwiGLU projections (Llama's mlp_bias)
+    rope_llama3: list[float] | None = None  # Llama 3 rope scaling: factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings
+    sliding_window: int | None = None  # a query sees only the newest N keys (Mistral); None = all
+    pretrained: str | None = None  # a local Hugging Face model folder: shape, weights and tokenizer from it
 
 
 @dataclass
@@ -201,8 +210,8 @@ POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=Tru
 # The accepted values of every numeric setting; settings not listed accept any value of their type.
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                            "max_seq_len")},
-    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE,
+                                            "max_seq_len", "head_dim", "sliding_window")},
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
@@ -301,8 +310,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
                  names: dict[str, str] | None = None) -> TrainConfig:
-    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides;
-    validated. Overrides may be typed values (from code) or strings (the command line), which are
+    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides, then
+    a pretrained folder's shape (models/hf.py); validated. Overrides may be typed values (from code) or strings (the command line), which are
     parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
     is a tenth of the peak rate."""
     from pipezero.models.presets import PRESET_LR, apply_preset
@@ -317,6 +326,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     apply_preset(cfg.model, preset)
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     apply_overrides(cfg, flat)
+    if cfg.model.pretrained is not None:  # a Hugging Face folder: its shape, tokenizer, a fine-tuning rate
+        from pipezero.models.hf import apply_pretrained
+
+        apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
     return cfg.validate()
@@ -332,10 +345,12 @@ def _validate(cfg: TrainConfig) -> None:
     for section in _sections(False):  # a configuration built in code passes the same checks as a file
         for f in dataclasses.fields(getattr(cfg, section)):
             coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
-    _check(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
+    _check(m.head_dim is not None or m.dim % m.n_heads == 0, f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads
     _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
-    _check((m.dim // m.n_heads) % 2 == 0, "head dimension (dim / n_heads) must be even for rotary positions")
+    _check((m.head_dim or m.dim // m.n_heads) % 2 == 0, "head dimension (dim / n_heads) must be even for rotary positions")
+    _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
+           "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
     _check(
         d.seq_len <= m.max_seq_len,
         f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={m.max_seq_len}); "
@@ -373,6 +388,12 @@ def _validate(cfg: TrainConfig) -> None:
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
+    if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers
+        from pipezero.models.hf_weights import check_tokenizer, check_weights
+
+        check_weights(m)
+        if d.tokenizer.endswith(".json"):
+            check_tokenizer(m, d.tokenizer)
     # Layout rules that depend on the schedule live with the schedules; import lazily to keep
     # config importable on its own.
     from pipezero.parallel.device import device_kind

@@ -3,7 +3,7 @@
 Every weight of the decoder's blocks and head sits in a `Linear` (y = x Wᵀ) or an `RMSNorm`
 (y = n(x) * w). Forward hooks record each such module's input x and output y for the micro-batch.
 B asks autograd for the gradient of the chunk's input *and* of every recorded y, without touching
-weights, so it costs one input-gradient pass. W then needs no graph at all: dW = dyᵀ x for a Linear,
+weights, so it costs one input-gradient pass. W then needs no graph at all: dW = dyᵀ x and db = Σ dy for a Linear,
 dw = Σ dy * n(x) for an RMSNorm. (The embedding's gradient needs no B: it lives on the first chunk,
 which has no input gradient to send, so W there is plain autograd.)
 """
@@ -34,8 +34,6 @@ class WeightGradCapture:
         self._records: list[Record] | None = None
         self.supported = all(isinstance(m, (nn.Linear, RMSNorm)) or not any(m.parameters(recurse=False))
                              for m in chunk.modules())
-        self.supported = self.supported and not any(getattr(m, "bias", None) is not None
-                                                    for m in chunk.modules() if isinstance(m, nn.Linear))
         for m in chunk.modules():
             if isinstance(m, (nn.Linear, RMSNorm)):
                 m.register_forward_hook(self._hook)
@@ -72,8 +70,13 @@ def apply_weight_grads(stash: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
             xf, dy2 = x.float(), dy.float().reshape(-1, dy.shape[-1])
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
             g = (dy2 * normed.reshape(-1, normed.shape[-1])).sum(0)
-        w = module.weight
-        if w.grad is None:
-            w.grad = g
-        else:
-            w.grad.add_(g)
+        _accumulate(module.weight, g)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            _accumulate(module.bias, dy.reshape(-1, dy.shape[-1]).float().sum(0))
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
