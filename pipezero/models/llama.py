@@ -96,17 +96,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.n_kv * hd, bias=qkv)
         self.wv = nn.Linear(cfg.dim, self.n_kv * hd, bias=qkv)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.out_bias)
-        # Not persistent: derived from the shape, so checkpoints hold weights only. The cos/sin
-        # tables grow to the longest sequence seen rather than max_seq_len (131072 for some
-        # checkpoints: 64 MB a layer).
-        inv = inverse_frequencies(hd, cfg.rope_theta, cfg.rope_llama3)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self._tables: tuple[torch.Tensor, torch.Tensor] = rotary_tables(inv, 0)
+        # Derived from the shape, so not parameters or buffers: checkpoints hold weights only, and a
+        # chunk built on the meta device (hf_weights) needs nothing recomputed. The cos/sin tables
+        # grow to the longest sequence seen rather than max_seq_len (131072 for some checkpoints:
+        # 64 MB a layer).
+        self.rope = (hd, cfg.rope_theta, cfg.rope_llama3)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def rotary(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions [0, length): (length, hd/2) each."""
-        if self._tables[0].shape[0] < length or self._tables[0].device != self.inv_freq.device:
-            self._tables = rotary_tables(self.inv_freq, length)
+        if self._tables is None or self._tables[0].shape[0] < length or self._tables[0].device != device:
+            self._tables = rotary_tables(inverse_frequencies(*self.rope).to(device), length)
         cos, sin = self._tables
         return cos[:length], sin[:length]
 
@@ -127,14 +127,14 @@ class Attention(nn.Module):
         gqa = self.n_kv != self.n_heads
         band = self.band(t, x.device)
         if mask is None:  # one causal sequence a row
-            cos, sin = self.rotary(t)
+            cos, sin = self.rotary(t, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if band is None:  # the fast path
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-        cos, sin = self.rotary(t)
+        cos, sin = self.rotary(t, x.device)
         cos, sin = cos[mask.positions][:, None], sin[mask.positions][:, None]  # (B, 1, T, hd/2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         allowed = mask.allowed if band is None else mask.allowed & band
@@ -243,9 +243,12 @@ class StageChunk(nn.Module):
             if init:
                 init_layer(layer, i, cfg, seed)
             self.layers[str(i)] = layer
+        self.tie(cfg)
+
+    def tie(self, cfg: ModelConfig) -> None:
         if cfg.tie_embeddings and self.is_first and self.is_last:
             # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
-            self.layers[str(stop - 1)].proj.weight = self.layers["0"].weight
+            self.layers[str(self.stop - 1)].proj.weight = self.layers["0"].weight
 
     def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """x: tokens (B, T) on the first chunk, else activations (B, T, dim); docs: the tokens'
@@ -270,9 +273,16 @@ def compile_blocks(chunk: StageChunk) -> None:
 
 
 def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torch.device | str = "cpu") -> StageChunk:
-    """Layers [start, stop), seeded; a pretrained model's are left for models/hf_weights.py to fill
-    (drawing 0.5B random numbers first would only cost time)."""
-    return StageChunk(cfg, start, stop, seed, init=cfg.pretrained is None).to(device)
+    """Layers [start, stop), seeded; a pretrained model's are allocated uninitialised (on the meta
+    device first: even nn.Linear's own init of 0.5B numbers costs seconds), for models/hf_weights.py
+    to fill."""
+    if cfg.pretrained is None:
+        return StageChunk(cfg, start, stop, seed).to(device)
+    with torch.device("meta"):
+        chunk = StageChunk(cfg, start, stop, seed, init=False)
+    chunk = chunk.to_empty(device=device)
+    chunk.tie(cfg)  # to_empty gives the two ends of a tied embedding a tensor each
+    return chunk
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
