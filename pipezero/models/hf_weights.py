@@ -4,7 +4,7 @@ read per rank, one tensor at a time, only for the layers of that rank's stage ch
 A safetensors file is a json header (names, dtypes, shapes, offsets) and raw bytes; `safe_open`
 maps it and reads a tensor's bytes only when asked. So the preflight check of every name and shape
 costs the headers alone, and a rank holding layers 9-16 of a 32-layer model never reads the
-others: its peak is its chunks plus one tensor. (ZeRO-3 then shards each chunk; reading only a
+others: its peak is its chunks plus one tensor (bench/hf_load.py). (ZeRO-3 then shards each chunk; reading only a
 rank's shard ranges is not done: a flat range crosses tensor rows, which `get_slice` cannot.)
 """
 
@@ -112,6 +112,8 @@ def load_chunk(chunk: nn.Module, cfg: ModelConfig) -> None:
     params = dict(chunk.named_parameters())  # a tied head in the embedding's chunk is the embedding itself
     files = weight_files(Path(cfg.pretrained))
     for path, pairs in _by_file(sorted(params), cfg, files).items():
-        with _open(path) as f:
-            for ours, theirs in pairs:
+        for ours, theirs in pairs:
+            # A mapping a tensor: the file pages it touched leave resident memory when it closes,
+            # so a rank peaks at its chunks plus one tensor, not plus every page it read.
+            with _open(path) as f:
                 params[ours].copy_(f.get_tensor(theirs))
