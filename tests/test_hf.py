@@ -50,6 +50,21 @@ def test_names_map_both_ways() -> None:
         from_hf("model.layers.3.self_attn.q_proj.weight", 3)  # a 4th block of a 3-block model
 
 
+def test_tokenizer_takes_eos_from_the_model_config(models: dict[str, Path], tmp_path: Path) -> None:
+    """The model's own tokenizer.json, with the end-of-sequence id its config.json names (packing
+    puts it between documents), and a cache name of its own when that id is not the guessed one."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    folder = tmp_path / "eos"
+    shutil.copytree(models["llama"], folder)
+    guessed = BPETokenizer.from_file(folder / "tokenizer.json")
+    assert guessed.eos_id == guessed.hf.token_to_id("<|endoftext|>")  # make_model's config names it
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 8]}))
+    named = BPETokenizer.from_file(folder / "tokenizer.json")
+    assert named.eos_id == 7 and named.name != guessed.name
+
+
 def test_logits_equal_transformers(models: dict[str, Path]) -> None:
     tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > mistral's window 8
     diffs = {f: (hf_logits(d, tokens) - pipezero_logits(d, tokens)).abs().max().item() for f, d in models.items()}
