@@ -36,12 +36,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
-def inverse_frequencies(head_dim: int, theta: float, llama3: list[float] | None = None) -> torch.Tensor:
-    """Rotary frequencies (head_dim // 2,), fp32 as Hugging Face computes them: the same rounding
-    is what lets a loaded checkpoint's logits match transformers' to 1e-5. With `llama3` (factor,
-    low_freq_factor, high_freq_factor, original context), long wavelengths are slowed by `factor`
-    and the band between the two cut-offs is blended smoothly, as Llama 3.1 was trained."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+def inverse_frequencies(head_dim: int, theta: float, llama3: list[float] | None = None,
+                        dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Rotary frequencies (head_dim // 2,). The built-in models compute them and their angles in
+    fp64; a Hugging Face model in fp32, rounded as transformers rounds them, which is what lets its
+    logits match transformers' to 1e-5 (fp64 angles differ from fp32 ones by ~1e-7 x position).
+    With `llama3` (factor, low_freq_factor, high_freq_factor, original context), long wavelengths
+    are slowed by `factor` and the band between the two cut-offs is blended, as Llama 3.1 was trained."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype) / head_dim)
     if llama3 is None:
         return inv
     factor, low, high, context = llama3
@@ -54,9 +56,10 @@ def inverse_frequencies(head_dim: int, theta: float, llama3: list[float] | None 
 
 
 def rotary_tables(inv_freq: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency, each (length, head_dim // 2), in fp32."""
-    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=inv_freq.device), inv_freq)
-    return angles.cos(), angles.sin()
+    """cos and sin of position x frequency, each (length, head_dim // 2), computed in inv_freq's
+    dtype and returned in fp32."""
+    angles = torch.outer(torch.arange(length, dtype=inv_freq.dtype, device=inv_freq.device), inv_freq)
+    return angles.cos().float(), angles.sin().float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -100,7 +103,8 @@ class Attention(nn.Module):
         # chunk built on the meta device (hf_weights) needs nothing recomputed. The cos/sin tables
         # grow to the longest sequence seen rather than max_seq_len (131072 for some checkpoints:
         # 64 MB a layer).
-        self.rope = (hd, cfg.rope_theta, cfg.rope_llama3)
+        hf = cfg.pretrained is not None  # transformers' rounding for its models (inverse_frequencies)
+        self.rope = (hd, cfg.rope_theta, cfg.rope_llama3, torch.float32 if hf else torch.float64)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rotary(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
