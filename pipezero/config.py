@@ -377,7 +377,8 @@ def _validate(cfg: TrainConfig) -> None:
         _check(
             chunks <= layers,
             f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "
-            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages or use a bigger preset",
+            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages"
+            + ("" if m.pretrained else " or use a bigger preset"),
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     if d.path is not None:
