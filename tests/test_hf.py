@@ -71,6 +71,24 @@ def test_logits_equal_transformers(models: dict[str, Path]) -> None:
     assert all(d <= 1e-5 for d in diffs.values()), diffs
 
 
+def test_sliding_window_holds_with_document_masks() -> None:
+    """Packed documents keep Mistral's window: a row of one document gives the same output through
+    the document-mask path as through the plain causal one (which matches transformers above), and
+    the window changes the output once a row is longer than it."""
+    from pipezero.models.llama import Attention, DocMask
+
+    torch.manual_seed(0)
+    windowed = Attention(ModelConfig(dim=32, n_heads=4, n_kv_heads=2, sliding_window=5))
+    x = torch.randn(2, 12, 32)
+    one_doc = DocMask.of(torch.zeros(2, 12, dtype=torch.long))
+    with torch.no_grad():
+        plain, masked = windowed(x), windowed(x, one_doc)
+        full = Attention(ModelConfig(dim=32, n_heads=4, n_kv_heads=2))
+        full.load_state_dict(windowed.state_dict())
+        assert (plain - masked).abs().max() <= 1e-6
+        assert (plain - full(x)).abs().max() > 1e-3
+
+
 def hf_overrides(folder: Path, data: str, out: str, **extra: object) -> dict:
     base = {"model.pretrained": str(folder), "data.path": data, "data.seq_len": 16, "parallel.microbatches": 2,
             "parallel.micro_batch_size": 2, "run.max_steps": 3, "run.out": out, "run.progress": False,
