@@ -19,6 +19,8 @@ from pipezero.schedules.registry import help_text as schedule_help
 # Flags left unset do not override the TOML file or the defaults.
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--preset": ("model.preset", "model size: tiny, small, base, 1b, 7b, 13b, 70b"),
+    "--model": ("model.pretrained", "a local Hugging Face model folder (llama, mistral, qwen2: config.json, "
+                                    "safetensors, tokenizer.json) to fine-tune; nothing is downloaded"),
     "--nproc": ("launch.nproc", "start this many local ranks through torchrun"),
     "--max-restarts": ("launch.max_restarts", "with --nproc: torchrun restarts a failed job this often, "
                                               "resuming from the last checkpoint"),
@@ -148,9 +150,13 @@ def train_here(cfg: Any) -> int:
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json",
-                       description="Export a checkpoint (any layout) as one safetensors file for inference.")
+                       description="Export a checkpoint (any layout) as one safetensors file for inference, or "
+                                   "(--format hf) as a folder transformers' from_pretrained loads.")
     e.add_argument("source", help="a checkpoint folder (…/checkpoints/step-N) or a run directory (newest good one)")
     e.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
+    e.add_argument("--format", choices=("pipezero", "hf"), default="pipezero",
+                   help="pipezero: one file under our names; hf: Hugging Face names, shards, config, tokenizer")
+    e.add_argument("--shard-size", default="5GB", help="with --format hf: most bytes a shard (default 5GB)")
     e.set_defaults(func=cmd_export)
 
 
@@ -164,6 +170,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
     try:
+        if args.format == "hf":
+            from pipezero.checkpoint.hf_export import export_hf, parse_size
+
+            used = export_hf(source, Path(args.out), parse_size(args.shard_size))
+            print(f"exported {used} to {args.out} (Hugging Face folder)")
+            return 0
         used = export(source, Path(args.out))
     except CheckpointError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)

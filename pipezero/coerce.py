@@ -57,7 +57,8 @@ def describe(ftype: Any, limits: Range | None = None) -> str:
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return "one of " + ", ".join(str(e.value) for e in base)
     if typing.get_origin(base) is list:
-        return f"a list of {'integers' if typing.get_args(base)[0] is int else 'strings'}"
+        item = typing.get_args(base)[0]
+        return f"a list of {'integers' if item is int else 'numbers' if item is float else 'strings'}"
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
     return f"{words} {limits.describe()}" if limits else words
 

@@ -78,6 +78,15 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Set by a Hugging Face model (models/hf.py), defaults for the built-in shapes:
+    head_dim: int | None = None  # None = dim // n_heads; some checkpoints set it apart (Mistral, Qwen)
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2; Llama's attention_bias)
+    out_bias: bool = False  # bias on the attention output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the three SwiGLU projections (Llama's mlp_bias)
+    rope_llama3: list[float] | None = None  # Llama 3 rope scaling: factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings
+    sliding_window: int | None = None  # a query sees only the newest N keys (Mistral); None = all
+    pretrained: str | None = None  # a local Hugging Face model folder: shape, weights and tokenizer from it
 
 
 @dataclass

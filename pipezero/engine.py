@@ -133,6 +133,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
     chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    if cfg.model.pretrained is not None:  # this rank's layers only, tensor by tensor
+        from pipezero.models.hf_weights import load_chunk
+
+        for chunk in chunks.values():
+            load_chunk(chunk, cfg.model)
     apply_freeze(chunks, cfg.model, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
     if cfg.run.compile:
         for chunk in chunks.values():
@@ -186,6 +191,10 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "config.json", cfg.to_dict())
+        if cfg.model.pretrained is not None:  # what `export --format hf` writes back beside the weights
+            from pipezero.models.hf import keep_metadata
+
+            keep_metadata(Path(cfg.model.pretrained), out / "hf")
     tokens_per_step = g * seq_len
     eval_set = corpus.eval_batches(r.eval_batches, p.micro_batch_size, seq_len)
     eval_tokens = sum(int((mb[1] != IGNORE).sum()) for mb in eval_set)

@@ -25,8 +25,8 @@ POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=Tru
 # The accepted values of every numeric setting; settings not listed accept any value of their type.
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                                            "max_seq_len")},
-    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE,
+                                            "max_seq_len", "head_dim", "sliding_window")},
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
@@ -119,8 +119,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
                  names: dict[str, str] | None = None) -> TrainConfig:
-    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides;
-    validated. Overrides may be typed values (from code) or strings (the command line), which are
+    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides, then
+    a pretrained folder's shape (models/hf.py); validated. Overrides may be typed values (from code) or strings (the command line), which are
     parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
     is a tenth of the peak rate."""
     names = names or {}
@@ -133,6 +133,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     apply_preset(cfg.model, preset)
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     apply_overrides(cfg, flat)
+    if cfg.model.pretrained is not None:  # a Hugging Face folder: its shape, tokenizer, a fine-tuning rate
+        from pipezero.models.hf import apply_pretrained
+
+        apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
     return validate(cfg)
@@ -149,10 +153,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for section in _sections(False):  # a configuration built in code passes the same checks as a file
         for f in dataclasses.fields(getattr(cfg, section)):
             coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
-    _check(m.dim % m.n_heads == 0, f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
+    _check(m.head_dim is not None or m.dim % m.n_heads == 0,
+           f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads
     _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
-    _check((m.dim // m.n_heads) % 2 == 0, "head dimension (dim / n_heads) must be even for rotary positions")
+    _check((m.head_dim or m.dim // m.n_heads) % 2 == 0,
+           "head dimension (dim / n_heads) must be even for rotary positions")
+    _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
+           "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
     _check(
         d.seq_len <= m.max_seq_len,
         f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={m.max_seq_len}); "
@@ -179,7 +187,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(
             chunks <= layers,
             f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "
-            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages or use a bigger preset",
+            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages"
+            + ("" if m.pretrained else " or use a bigger preset"),
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     if d.path is not None:
@@ -188,6 +197,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
+    if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers
+        from pipezero.models.hf_weights import check_tokenizer, check_weights
+
+        check_weights(m)
+        if d.tokenizer.endswith(".json"):
+            check_tokenizer(m, d.tokenizer)
     from pipezero.freeze import check_pattern  # these two import torch: not for `--help`
     from pipezero.parallel.device import device_kind
 

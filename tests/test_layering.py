@@ -30,6 +30,7 @@ def test_config_imports_nothing_of_pipezero():
 @pytest.mark.parametrize("lower, higher", [
     ("telemetry", "pipezero.sim"),  # measured timelines are drawn by telemetry's own plot module
     ("nonfinite.py", "pipezero.zero"),  # the step outcome is the loop's type; ZeRO produces it
+    ("runtime/weight_grad.py", "pipezero.models"),  # a norm says how its weight gradient is computed
     ("schedules", "pipezero.runtime"),  # plans are data: no torch, no executor
     ("schedules", "pipezero.zero"),
 ])

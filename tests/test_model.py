@@ -80,3 +80,20 @@ def test_preset_sizes_and_flops():
     cfg = apply_preset(ModelConfig(), "7b")
     # Kaplan/PaLM: about 6N per token plus attention.
     assert 6 * sizes["7b"] * 0.95 < flops_per_token(cfg, 2048) < 6 * sizes["7b"] * 1.3
+
+
+def test_split_backward_knows_linear_and_norm_and_names_what_it_cannot_split():
+    from pipezero.models.llama import RMSNorm
+    from pipezero.runtime.weight_grad import WeightGradCapture
+
+    cfg = apply_preset(ModelConfig(), "tiny")
+    chunk = build_chunk(cfg, 1, cfg.n_layers + 2, seed=1)
+    assert WeightGradCapture(chunk).supported
+    chunk.layers["1"].extra = torch.nn.Conv1d(2, 2, 1)  # a weighted module with no (x, dy) rule
+    assert WeightGradCapture(chunk).unsupported == ["Conv1d"]
+    norm = RMSNorm(8, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, dy = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
+    norm(x).backward(dy)
+    torch.testing.assert_close(norm.weight_grad(x, dy), norm.weight.grad)

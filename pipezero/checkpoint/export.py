@@ -41,18 +41,24 @@ def read_model(path: Path) -> StageChunk:
     return model
 
 
-def export(source: Path, out: Path) -> Path:
-    """Write `out/model.safetensors` and `out/config.json` from checkpoint `source`: a checkpoint
-    folder, or a run directory (its newest good checkpoint). Returns the checkpoint used."""
+def resolve(source: Path) -> Path:
+    """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
+    directory's newest good checkpoint."""
     if (source / "checkpoints").is_dir():
         found = latest(source / "checkpoints", Team())
         if found is None:
             raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
-        source = found.path
-    else:
-        reason = problems(source, Team())  # a named checkpoint is checked like one found by `latest`
-        if reason:
-            raise CheckpointError(f"{source} cannot be exported: {reason}")
+        return found.path
+    reason = problems(source, Team())
+    if reason:
+        raise CheckpointError(f"{source} cannot be exported: {reason}")
+    return source
+
+
+def export(source: Path, out: Path) -> Path:
+    """Write `out/model.safetensors` and `out/config.json` from checkpoint `source`: a checkpoint
+    folder, or a run directory (its newest good checkpoint). Returns the checkpoint used."""
+    source = resolve(source)
     model = read_model(source)
     out.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".safetensors.tmp")  # unique: exports may race

@@ -48,13 +48,16 @@ class ByteTokenizer:
 class BPETokenizer:
     """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
 
-    def __init__(self, hf: HFTokenizer) -> None:
+    def __init__(self, hf: HFTokenizer, eos_id: int | None = None) -> None:
         self.hf = hf
         # Named by its content, so cached token arrays follow the vocabulary, not a file name:
         # two different tokenizer.json files called alike never share a cache entry.
         self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
         self.vocab_size = hf.get_vocab_size()
         self.eos_id = next((i for t in EOS_TOKENS if (i := hf.token_to_id(t)) is not None), None)
+        if eos_id is not None:  # a model's own end-of-sequence id (its config.json) wins over a guess
+            self.name += f"-eos{eos_id}"
+            self.eos_id = eos_id
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(list(texts))]
@@ -81,11 +84,24 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(HFTokenizer.from_file(str(path)), model_eos(Path(path).parent))
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
+
+
+def model_eos(folder: Path) -> int | None:
+    """The end-of-sequence id of the Hugging Face model whose folder holds a tokenizer.json, as its
+    config.json says (BOS comes from the tokenizer's own post-processor); None beside no model."""
+    if not (folder / "config.json").is_file():
+        return None
+    from pipezero.models.hf import eos_id
+
+    try:
+        return eos_id(folder)
+    except ConfigError:
+        return None
 
 
 def texts_digest(texts: Sequence[str]) -> str:

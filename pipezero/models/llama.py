@@ -21,6 +21,7 @@ from torch import nn
 
 from pipezero.config import ModelConfig
 from pipezero.models.presets import ffn_dim
+from pipezero.models.rotary import apply_rotary, inverse_frequencies, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -35,19 +36,12 @@ class RMSNorm(nn.Module):
         # x's dtype as autocast rounds every other weight.
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
-
-def rotary_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x frequency, each (max_len, head_dim // 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :h/2], x[..., h/2:]) of x: (B, H, T, hd) by position angles (T, hd/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.type_as(x)
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """dL/dweight from the input and the output's gradient alone, in fp32: split backward's W
+        (runtime/weight_grad.py) needs no graph for it."""
+        xf, dy2 = x.float(), dy.float().reshape(-1, dy.shape[-1])
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (dy2 * normed.reshape(-1, normed.shape[-1])).sum(0)
 
 
 @dataclass(frozen=True)
@@ -73,15 +67,36 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.n_kv * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        cos, sin = rotary_tables(self.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        # Not persistent: derived from the shape, so checkpoints hold weights only.
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
+        self.window = cfg.sliding_window
+        qkv, hd = cfg.qkv_bias, self.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=qkv)
+        self.wk = nn.Linear(cfg.dim, self.n_kv * hd, bias=qkv)
+        self.wv = nn.Linear(cfg.dim, self.n_kv * hd, bias=qkv)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.out_bias)
+        # Derived from the shape, so not parameters or buffers: checkpoints hold weights only, and a
+        # chunk built on the meta device (hf_weights) needs nothing recomputed. The cos/sin tables
+        # grow to the longest sequence seen rather than max_seq_len (131072 for some checkpoints:
+        # 64 MB a layer).
+        hf = cfg.pretrained is not None  # transformers' rounding for its models (inverse_frequencies)
+        self.rope = (hd, cfg.rope_theta, cfg.rope_llama3, torch.float32 if hf else torch.float64)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotary(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [0, length): (length, hd/2) each."""
+        if self._tables is None or self._tables[0].shape[0] < length or self._tables[0].device != device:
+            self._tables = rotary_tables(inverse_frequencies(*self.rope).to(device), length)
+        cos, sin = self._tables
+        return cos[:length], sin[:length]
+
+    def band(self, t: int, device: torch.device) -> torch.Tensor | None:
+        """The sliding window as a (T, T) bool mask (query t sees keys t-W+1..t), or None when
+        every key of a T-token sequence is inside the window anyway."""
+        if self.window is None or t <= self.window:
+            return None
+        idx = torch.arange(t, device=device)
+        gap = idx[:, None] - idx[None, :]
+        return (gap >= 0) & (gap < self.window)
 
     def forward(self, x: torch.Tensor, mask: DocMask | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -89,14 +104,20 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.wv(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         gqa = self.n_kv != self.n_heads
-        if mask is None:  # the fast path: one causal sequence a row
-            cos, sin = self.cos[:t], self.sin[:t]
+        band = self.band(t, x.device)
+        if mask is None:  # one causal sequence a row
+            cos, sin = self.rotary(t, x.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            if band is None:  # the fast path
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
             return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-        cos, sin = self.cos[mask.positions][:, None], self.sin[mask.positions][:, None]  # (B, 1, T, hd/2)
+        cos, sin = self.rotary(t, x.device)
+        cos, sin = cos[mask.positions][:, None], sin[mask.positions][:, None]  # (B, 1, T, hd/2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
+        allowed = mask.allowed if band is None else mask.allowed & band
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -104,9 +125,10 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden = ffn_dim(cfg)
-        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
+        bias = cfg.mlp_bias
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=bias)  # gate
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=bias)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -177,6 +199,9 @@ def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> Non
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue
+            if name.endswith(".bias"):
+                p.zero_()
+                continue
             std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
 
@@ -184,7 +209,7 @@ def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> Non
 class StageChunk(nn.Module):
     """A contiguous slice [start, stop) of the layer list; the whole model is the slice [0, L+2)."""
 
-    def __init__(self, cfg: ModelConfig, start: int, stop: int, seed: int) -> None:
+    def __init__(self, cfg: ModelConfig, start: int, stop: int, seed: int, init: bool = True) -> None:
         super().__init__()
         if not 0 <= start <= stop <= cfg.n_layers + 2:
             raise ValueError(f"layer slice [{start}, {stop}) outside 0..{cfg.n_layers + 2}")
@@ -194,11 +219,15 @@ class StageChunk(nn.Module):
         self.layers = nn.ModuleDict()
         for i in range(start, stop):
             layer = build_layer(cfg, i)
-            init_layer(layer, i, cfg, seed)
+            if init:
+                init_layer(layer, i, cfg, seed)
             self.layers[str(i)] = layer
+        self.tie(cfg)
+
+    def tie(self, cfg: ModelConfig) -> None:
         if cfg.tie_embeddings and self.is_first and self.is_last:
             # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
-            self.layers[str(stop - 1)].proj.weight = self.layers["0"].weight
+            self.layers[str(self.stop - 1)].proj.weight = self.layers["0"].weight
 
     def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
         """x: tokens (B, T) on the first chunk, else activations (B, T, dim); docs: the tokens'
@@ -223,7 +252,16 @@ def compile_blocks(chunk: StageChunk) -> None:
 
 
 def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torch.device | str = "cpu") -> StageChunk:
-    return StageChunk(cfg, start, stop, seed).to(device)
+    """Layers [start, stop), seeded; a pretrained model's are allocated uninitialised (on the meta
+    device first: even nn.Linear's own init of 0.5B numbers costs seconds), for models/hf_weights.py
+    to fill."""
+    if cfg.pretrained is None:
+        return StageChunk(cfg, start, stop, seed).to(device)
+    with torch.device("meta"):
+        chunk = StageChunk(cfg, start, stop, seed, init=False)
+    chunk = chunk.to_empty(device=device)
+    chunk.tie(cfg)  # to_empty gives the two ends of a tied embedding a tensor each
+    return chunk
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:

@@ -52,10 +52,12 @@ def ffn_dim(cfg: ModelConfig) -> int:
 
 
 def block_params(cfg: ModelConfig) -> int:
-    hd = cfg.dim // cfg.n_heads
-    kv = cfg.n_kv_heads or cfg.n_heads
-    attn = cfg.dim * cfg.dim * 2 + 2 * cfg.dim * kv * hd  # wq, wo, wk, wv
-    mlp = 3 * cfg.dim * ffn_dim(cfg)
+    hd = cfg.head_dim or cfg.dim // cfg.n_heads
+    q, kv = cfg.n_heads * hd, (cfg.n_kv_heads or cfg.n_heads) * hd
+    attn = 2 * cfg.dim * q + 2 * cfg.dim * kv  # wq, wo, wk, wv
+    attn += (q + 2 * kv) * cfg.qkv_bias + cfg.dim * cfg.out_bias
+    hidden = ffn_dim(cfg)
+    mlp = 3 * cfg.dim * hidden + (2 * hidden + cfg.dim) * cfg.mlp_bias
     return attn + mlp + 2 * cfg.dim  # two RMSNorm weights
 
 
@@ -77,5 +79,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     2 * 2 * T * dim per layer forward for full attention; causal masking does half of that work in
     an ideal kernel, but SDPA computes the full square, so we count it (PaLM's 6N + 12*L*T*d).
     """
-    matmul_params = cfg.n_layers * (block_params(cfg) - 2 * cfg.dim) + cfg.vocab_size * cfg.dim
+    matmul_params = cfg.n_layers * (block_params(cfg) - 2 * cfg.dim) + cfg.vocab_size * cfg.dim  # biases: noise
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * seq_len * cfg.dim

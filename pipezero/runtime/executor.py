@@ -10,6 +10,7 @@ so zero-bubble schedules really defer weight gradients into their bubbles.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,8 +106,10 @@ class Executor:
         self.recompute = recompute
         # Split backward by stashing weight-op gradients where the chunk allows it (not the
         # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
-        self.capture = {} if recompute else {
-            c: cap for c, m in chunks.items() if c > 0 and (cap := WeightGradCapture(m)).supported}
+        captures = {} if recompute else {c: WeightGradCapture(m) for c, m in chunks.items() if c > 0}
+        self.capture = {c: cap for c, cap in captures.items() if cap.supported}
+        # chunks whose W falls back to autograd (said once, when a split schedule first meets them)
+        self._unsplit = {c: cap.unsupported for c, cap in captures.items() if not cap.supported}
 
     def _forward(self, chunk: StageChunk, x: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         with autocast(self.dtype, self.device.type):
@@ -140,6 +143,11 @@ class Executor:
         peak = 0
         final = last_weight_grad(actions)
         split = {a.chunk for a in actions if a.op is Op.B}
+        if unsplit := {c: self._unsplit.pop(c) for c in sorted(split & self._unsplit.keys())}:
+            warnings.warn(f"rank {self.p2p.rank}: split backward keeps the autograd graph from B to W for chunks "
+                          f"{sorted(unsplit)}: their {sorted({n for v in unsplit.values() for n in v})} modules hold "
+                          f"weights whose gradient W cannot compute from (input, output gradient); training is "
+                          f"unchanged, the activations live longer", stacklevel=2)
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
         if len(self.posts) != len(actions) + 1:
             raise ValueError(f"rank {self.p2p.rank}: a posting plan for {len(self.posts) - 1} actions, "

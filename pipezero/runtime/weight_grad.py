@@ -1,10 +1,11 @@
 """Split backward without doing the work twice: B computes input gradients and stashes what W needs.
 
-Every weight of the decoder's blocks and head sits in a `Linear` (y = x Wᵀ) or an `RMSNorm`
-(y = n(x) * w). Forward hooks record each such module's input x and output y for the micro-batch.
+Every weight of the decoder's blocks and head sits in a `Linear` (y = x Wᵀ + b) or a module that
+computes its weight's gradient itself (`OwnWeightGrad`: the model's RMSNorm, y = n(x) * w). A chunk
+with any other weighted module keeps autograd for W, and the executor says so once. Forward hooks record each such module's input x and output y for the micro-batch.
 B asks autograd for the gradient of the chunk's input *and* of every recorded y, without touching
-weights, so it costs one input-gradient pass. W then needs no graph at all: dW = dyᵀ x for a Linear,
-dw = Σ dy * n(x) for an RMSNorm. (The embedding's gradient needs no B: it lives on the first chunk,
+weights, so it costs one input-gradient pass. W then needs no graph at all: dW = dyᵀ x and db = Σ dy for a Linear,
+the module's own rule otherwise (dw = Σ dy * n(x) for an RMSNorm). (The embedding's gradient needs no B: it lives on the first chunk,
 which has no input gradient to send, so W there is plain autograd.)
 """
 
@@ -13,11 +14,24 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from pipezero.models.llama import RMSNorm
+
+@runtime_checkable
+class OwnWeightGrad(Protocol):
+    """A module with one weight whose gradient follows from (x, dy) alone, as a norm's does: the
+    model says how (models/llama.py's RMSNorm), so this module needs to know no model."""
+
+    weight: nn.Parameter
+
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor: ...
+
+
+def splittable(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, OwnWeightGrad))
 
 
 @dataclass
@@ -32,17 +46,17 @@ class WeightGradCapture:
 
     def __init__(self, chunk: nn.Module) -> None:
         self._records: list[Record] | None = None
-        self.supported = all(isinstance(m, (nn.Linear, RMSNorm)) or not any(m.parameters(recurse=False))
-                             for m in chunk.modules())
-        self.supported = self.supported and not any(getattr(m, "bias", None) is not None
-                                                    for m in chunk.modules() if isinstance(m, nn.Linear))
+        # modules holding weights that W could not compute from (x, dy): their chunk keeps autograd
+        self.unsupported = sorted({type(m).__name__ for m in chunk.modules()
+                                   if next(m.parameters(recurse=False), None) is not None and not splittable(m)})
+        self.supported = not self.unsupported
         for m in chunk.modules():
-            if isinstance(m, (nn.Linear, RMSNorm)):
+            if splittable(m):
                 m.register_forward_hook(self._hook)
 
     def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        # a frozen weight (--freeze) gets no gradient: B need not keep its (x, dy), W computes nothing
-        if self._records is not None and output.requires_grad and module.weight.requires_grad:
+        # a frozen module (--freeze) gets no gradient: B need not keep its (x, dy), W computes nothing
+        if self._records is not None and output.requires_grad and any(q.requires_grad for q in module.parameters()):
             self._records.append(Record(module, inputs[0], output))
 
     @contextmanager
@@ -70,11 +84,16 @@ def apply_weight_grads(stash: list[tuple[nn.Module, torch.Tensor, torch.Tensor]]
             # in the dtype the forward ran in, as autograd computes it (bf16 under autocast)
             g = (dy.reshape(-1, dy.shape[-1]).t() @ x.to(dy.dtype).reshape(-1, x.shape[-1])).float()
         else:
-            xf, dy2 = x.float(), dy.float().reshape(-1, dy.shape[-1])
-            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
-            g = (dy2 * normed.reshape(-1, normed.shape[-1])).sum(0)
-        w = module.weight
-        if w.grad is None:
-            w.grad = g
-        else:
-            w.grad.add_(g)
+            g = module.weight_grad(x, dy)
+        _accumulate(module.weight, g)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            _accumulate(module.bias, dy.reshape(-1, dy.shape[-1]).float().sum(0))
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    if not p.requires_grad:  # frozen, while another tensor of its module trains
+        return
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)

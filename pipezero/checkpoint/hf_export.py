@@ -1,0 +1,108 @@
+"""`pipezero export --format hf`: a checkpoint as a folder transformers loads with
+`AutoModelForCausalLM.from_pretrained`.
+
+The weights go under their Hugging Face names (models/hf.py) into safetensors shards of at most
+`--shard-size` bytes, with `model.safetensors.index.json` when there is more than one, as
+transformers writes them. config.json and the tokenizer files are the ones the run started from
+(kept in `RUN/hf/` at its start), with `dtype` set to the float32 the weights are written in; a run
+of a built-in preset exports as a Llama (models/hf.py `llama_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipezero.checkpoint.export import read_model, resolve
+from pipezero.checkpoint.store import read_manifest
+from pipezero.config import ModelConfig
+from pipezero.errors import ConfigError
+from pipezero.models.hf import CONFIG, METADATA, llama_config, to_hf
+from pipezero.util import atomic_write_json
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count -> bytes (powers of 1024, as transformers counts)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"--shard-size {text!r}: expected a size such as 2GB, 500MB or 1000000")
+    size = int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2).upper() or " "))
+    if size <= 0:
+        raise ConfigError(f"--shard-size {text!r}: must be positive")
+    return size
+
+
+def hf_tensors(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every parameter under its Hugging Face name, contiguous fp32; a tied head only once (as the
+    embedding, which is what transformers ties lm_head to)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():  # a tied head shares the embedding: listed once
+        out[to_hf(name, cfg.n_layers, cfg.tie_embeddings)] = p.detach().float().contiguous()
+    return out
+
+
+def shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """Tensors in model order, cut into groups of at most `limit` bytes (a bigger tensor alone)."""
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > limit:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += nbytes
+    return groups
+
+
+def write_weights(tensors: dict[str, torch.Tensor], out: Path, limit: int) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors and their index; the file names."""
+    groups = shards(tensors, limit)
+    meta = {"format": "pt"}
+    if len(groups) == 1:
+        save_file(groups[0], str(out / "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map = {}
+    for name, group in zip(names, groups):
+        save_file(group, str(out / name), metadata=meta)
+        weight_map.update({t: name for t in group})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    atomic_write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                              "weight_map": weight_map})
+    return names
+
+
+def export_hf(source: Path, out: Path, shard_size: int) -> Path:
+    """Write the Hugging Face folder `out` from checkpoint `source` (a checkpoint folder, or a run
+    directory: its newest good checkpoint). Returns the checkpoint used."""
+    ckpt = resolve(source)
+    run_config = read_manifest(ckpt)["config"]
+    fields = run_config["model"]
+    cfg = ModelConfig(**fields)
+    kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
+    if (kept / CONFIG).is_file():
+        config = json.loads((kept / CONFIG).read_text())
+        config["dtype"] = "float32"
+        config.pop("torch_dtype", None)
+    else:
+        config = llama_config(fields)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # shards of an earlier export here would mix with these
+    write_weights(hf_tensors(read_model(ckpt), cfg), out, shard_size)
+    atomic_write_json(out / CONFIG, config)
+    for name in METADATA[1:]:
+        if (kept / name).is_file():
+            shutil.copyfile(kept / name, out / name)
+    tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
+    if not (kept / "tokenizer.json").is_file() and tokenizer.suffix == ".json" and tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")  # a built-in run's own tokenizer.json
+    return ckpt

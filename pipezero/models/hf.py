@@ -1,0 +1,222 @@
+"""Hugging Face decoder folders as pipezero models: their config.json as a `ModelConfig`, and their
+parameter names as ours.
+
+Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm,
+rotary on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few
+switches: biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling,
+Mistral's sliding window, an explicit head_dim. So loading one is a mapping of shape fields and of
+names, never a second model: q and k need no permutation because both sides rotate the halves
+(x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here; weights are safetensors
+(models/hf_weights.py), so nothing in a user's folder can run code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pipezero.errors import ConfigError
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+CONFIG, TOKENIZER = "config.json", "tokenizer.json"
+# Kept with a run and copied into an export: what the model is, beyond its weights.
+METADATA = (CONFIG, TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+# One block's parameters, pipezero name -> Hugging Face name under `model.layers.{j}.`; the three
+# families name them alike.
+BLOCK_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn.w{a}.{kind}": f"self_attn.{a}_proj.{kind}" for a in "qkvo" for kind in ("weight", "bias")},
+    **{f"mlp.{ours}.{kind}": f"mlp.{theirs}_proj.{kind}" for ours, theirs in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+       for kind in ("weight", "bias")},
+}
+_FROM_HF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
+_OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
+_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def to_hf(name: str, n_layers: int, tied: bool) -> str:
+    """Our parameter name -> the Hugging Face tensor name. A tied head reads the embedding."""
+    m = _OURS.match(name)
+    if not m:
+        raise KeyError(f"not a pipezero parameter name: {name!r}")
+    index, rest = int(m.group(1)), m.group(2)
+    if index == 0 and rest == "weight":
+        return "model.embed_tokens.weight"
+    if index == n_layers + 1:
+        if rest == "norm.weight":
+            return "model.norm.weight"
+        if rest == "proj.weight":
+            return "model.embed_tokens.weight" if tied else "lm_head.weight"
+    elif 1 <= index <= n_layers and rest in BLOCK_NAMES:
+        return f"model.layers.{index - 1}.{BLOCK_NAMES[rest]}"
+    raise KeyError(f"pipezero parameter {name!r} has no Hugging Face name")
+
+
+def from_hf(name: str, n_layers: int) -> str:
+    """A Hugging Face tensor name -> our parameter name (the embedding for a tied lm_head's source)."""
+    if name == "model.embed_tokens.weight":
+        return "layers.0.weight"
+    if name == "model.norm.weight":
+        return f"layers.{n_layers + 1}.norm.weight"
+    if name == "lm_head.weight":
+        return f"layers.{n_layers + 1}.proj.weight"
+    m = _THEIRS.match(name)
+    if m and int(m.group(1)) < n_layers and m.group(2) in _FROM_HF_BLOCK:
+        return f"layers.{int(m.group(1)) + 1}.{_FROM_HF_BLOCK[m.group(2)]}"
+    raise KeyError(f"Hugging Face tensor {name!r} has no pipezero parameter")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A json object from a user's folder, or one ConfigError naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: a Hugging Face model folder needs {CONFIG}, {TOKENIZER} and "
+                          f"model.safetensors (or model.safetensors.index.json with its shards)")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path} is not readable json: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a json {type(data).__name__}, not an object")
+    return data
+
+
+def _field(config: dict[str, Any], key: str, kind: type, path: Path, default: Any = ...) -> Any:
+    """config[key] checked to be a `kind`; `default` when absent or null (no default: an error)."""
+    value = config.get(key)
+    if value is None:
+        if default is ...:
+            raise ConfigError(f"{path}: field {key!r} is missing")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{path}: field {key!r} = {json.dumps(value)} is not a {kind.__name__}")
+    return value
+
+
+def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None]:
+    """(theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or the older
+    `rope_theta` + `rope_scaling`."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{path}: field 'rope_parameters' is not an object")
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(f"{path}: rope type {kind!r} is not supported; supported: default, llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if not isinstance(params.get(k), (int, float))]
+    if missing:
+        raise ConfigError(f"{path}: llama3 rope scaling lacks {', '.join(missing)}")
+    return theta, [float(params[k]) for k in keys]
+
+
+def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> int | None:
+    if kind == "mistral":
+        return _field(config, "sliding_window", int, path, None)
+    if kind == "qwen2" and config.get("use_sliding_window"):
+        raise ConfigError(f"{path}: qwen2 with use_sliding_window (windows on some layers only) is not supported")
+    return None
+
+
+def model_fields(folder: Path) -> dict[str, Any]:
+    """The `ModelConfig` fields of the model in `folder`, from its config.json alone."""
+    path = folder / CONFIG
+    config = read_json(path)
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{path}: field 'hidden_act' = {act!r}; only silu (SwiGLU) is supported")
+    dim, heads = _field(config, "hidden_size", int, path), _field(config, "num_attention_heads", int, path)
+    head_dim = _field(config, "head_dim", int, path, None)
+    theta, llama3 = _rope(config, path)
+    attention_bias = kind == "llama" and _field(config, "attention_bias", bool, path, False)
+    return {
+        "vocab_size": _field(config, "vocab_size", int, path), "dim": dim,
+        "n_layers": _field(config, "num_hidden_layers", int, path), "n_heads": heads,
+        "n_kv_heads": _field(config, "num_key_value_heads", int, path, None),
+        "ffn_dim": _field(config, "intermediate_size", int, path),
+        "max_seq_len": _field(config, "max_position_embeddings", int, path),
+        "tie_embeddings": _field(config, "tie_word_embeddings", bool, path, False),
+        "norm_eps": float(_field(config, "rms_norm_eps", float, path, 1e-6)), "rope_theta": theta,
+        "head_dim": head_dim if head_dim is not None and head_dim * heads != dim else None,
+        "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
+        "mlp_bias": kind == "llama" and _field(config, "mlp_bias", bool, path, False),
+        "rope_llama3": llama3, "sliding_window": _sliding_window(kind, config, path),
+    }
+
+
+def eos_id(folder: Path) -> int | None:
+    """The end-of-sequence id config.json names (the first of a list), or None."""
+    config = read_json(folder / CONFIG)
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
+def llama_config(fields: dict[str, Any], eos: int | None = None) -> dict[str, Any]:
+    """A transformers LlamaConfig (config.json) for a built-in model's `ModelConfig` fields, so a
+    preset-trained run exports like a loaded one."""
+    dim, heads = fields["dim"], fields["n_heads"]
+    from pipezero.config import ModelConfig
+    from pipezero.models.presets import ffn_dim
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+    if fields.get("rope_llama3"):
+        rope = {"rope_type": "llama3", "rope_theta": fields["rope_theta"],
+                **dict(zip(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                           fields["rope_llama3"]))}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "dtype": "float32",
+        "vocab_size": fields["vocab_size"], "hidden_size": dim, "num_hidden_layers": fields["n_layers"],
+        "num_attention_heads": heads, "num_key_value_heads": fields.get("n_kv_heads") or heads,
+        "head_dim": fields.get("head_dim") or dim // heads,
+        "intermediate_size": ffn_dim(ModelConfig(**fields)), "max_position_embeddings": fields["max_seq_len"],
+        "rms_norm_eps": fields["norm_eps"], "rope_parameters": rope,
+        "tie_word_embeddings": fields["tie_embeddings"], "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": None, "eos_token_id": eos, "pad_token_id": None,
+    }
+
+
+FINETUNE_LR = 3e-5  # a pretrained model's default peak rate: the presets' 3e-3 would wreck its weights
+
+
+def apply_pretrained(cfg: Any, given: set[str]) -> None:
+    """Fill `cfg` (a TrainConfig) from the folder `cfg.model.pretrained`: the shape from its
+    config.json, and unless `given` (settings the user set) says otherwise its tokenizer.json and a
+    fine-tuning learning rate. A shape setting given alongside is refused: the weights fix it."""
+    folder = Path(cfg.model.pretrained)
+    if not folder.is_dir():
+        raise ConfigError(f"--model {folder}: not a folder; pass a local Hugging Face model folder (nothing "
+                          f"is downloaded)")
+    clash = sorted(k for k in given if k.startswith("model.") and k != "model.pretrained")
+    if clash:
+        raise ConfigError(f"--model {folder} fixes the model's shape; drop {', '.join(clash)}")
+    fields = model_fields(folder)
+    for key, value in fields.items():
+        setattr(cfg.model, key, value)
+    cfg.model.preset = read_json(folder / CONFIG)["model_type"]  # what the start-up line names
+    if "data.tokenizer" not in given:
+        cfg.data.tokenizer = str(folder / TOKENIZER)
+    if "optim.lr" not in given:
+        cfg.optim.lr = FINETUNE_LR
+
+
+def keep_metadata(folder: Path, dest: Path) -> None:
+    """Copy the folder's config and tokenizer files into the run (`dest`), so an export restores
+    them even after the folder moved. Only reads `folder`."""
+    from pipezero.util import atomic_write_bytes
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in METADATA:
+        if (folder / name).is_file():
+            atomic_write_bytes(dest / name, (folder / name).read_bytes())

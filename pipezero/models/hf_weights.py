@@ -1,0 +1,119 @@
+"""Hugging Face safetensors weights: checked from their headers before any process starts, and
+read per rank, one tensor at a time, only for the layers of that rank's stage chunks.
+
+A safetensors file is a json header (names, dtypes, shapes, offsets) and raw bytes; `safe_open`
+maps it and reads a tensor's bytes only when asked. So the preflight check of every name and shape
+costs the headers alone, and a rank holding layers 9-16 of a 32-layer model never reads the
+others: its peak is its chunks plus one tensor (bench/hf_load.py). (ZeRO-3 then shards each chunk; reading only a
+rank's shard ranges is not done: a flat range crosses tensor rows, which `get_slice` cannot.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pipezero.config import ModelConfig
+from pipezero.errors import ConfigError
+from pipezero.models.hf import TOKENIZER, read_json, to_hf
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def _open(path: Path):  # noqa: ANN202 - safetensors' handle type is private
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own errors for a bad header
+        raise ConfigError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the file holding it, from the shard index or the single file."""
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ConfigError(f"{index}: field 'weight_map' is not an object of tensor name -> file name")
+        files = {name: folder / file for name, file in weight_map.items()}
+        for path in sorted(set(files.values())):
+            if path.parent != folder or not path.is_file():
+                raise ConfigError(f"{index} names shard {path.name!r}, which is not a file in {folder}")
+        return files
+    single = folder / SINGLE
+    if not single.is_file():
+        raise ConfigError(f"{single} does not exist (nor {INDEX}): the weights must be safetensors")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the whole model and its shape, built on the meta device (no memory)."""
+    from pipezero.models.llama import StageChunk
+
+    with torch.device("meta"):
+        model = StageChunk(cfg, 0, cfg.n_layers + 2, seed=0, init=False)
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _by_file(names: list[str], cfg: ModelConfig, files: dict[str, Path]) -> dict[Path, list[tuple[str, str]]]:
+    """Group our names by the file holding their Hugging Face tensor; a missing one is an error."""
+    groups: dict[Path, list[tuple[str, str]]] = defaultdict(list)
+    for ours in names:
+        theirs = to_hf(ours, cfg.n_layers, cfg.tie_embeddings)
+        if theirs not in files:
+            raise ConfigError(f"{cfg.pretrained}: tensor {theirs!r} is missing from the weights "
+                              f"(config.json's shape needs it)")
+        groups[files[theirs]].append((ours, theirs))
+    return groups
+
+
+def check_weights(cfg: ModelConfig) -> None:
+    """Refuse a folder whose weights disagree with its config.json, from the headers alone."""
+    assert cfg.pretrained is not None
+    shapes = expected_shapes(cfg)
+    for path, pairs in _by_file(list(shapes), cfg, weight_files(Path(cfg.pretrained))).items():
+        with _open(path) as f:
+            for ours, theirs in pairs:
+                piece = f.get_slice(theirs)
+                got, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                if got != shapes[ours]:
+                    raise ConfigError(f"{path}: tensor {theirs!r} has shape {list(got)}, but config.json's "
+                                      f"shape needs {list(shapes[ours])}")
+                if dtype not in FLOAT_DTYPES:
+                    raise ConfigError(f"{path}: tensor {theirs!r} is {dtype}; weights must be floating point")
+
+
+def check_tokenizer(cfg: ModelConfig, tokenizer: str) -> None:
+    """The tokenizer's ids must be rows of the embedding."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: a Hugging Face model folder needs its {TOKENIZER}")
+    try:
+        size = Tokenizer.from_file(str(path)).get_vocab_size()
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+        raise ConfigError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+    if size > cfg.vocab_size:
+        raise ConfigError(f"{path} has {size} tokens but config.json's vocab_size is {cfg.vocab_size}: "
+                          f"the embedding has no row for the rest")
+
+
+@torch.no_grad()
+def load_chunk(chunk: nn.Module, cfg: ModelConfig) -> None:
+    """Overwrite `chunk`'s parameters with the folder's tensors: only this chunk's, one at a time
+    (fp32 whatever the stored dtype: pipezero's weights and optimizer are fp32)."""
+    assert cfg.pretrained is not None
+    params = dict(chunk.named_parameters())  # a tied head in the embedding's chunk is the embedding itself
+    files = weight_files(Path(cfg.pretrained))
+    for path, pairs in _by_file(sorted(params), cfg, files).items():
+        for ours, theirs in pairs:
+            # A mapping a tensor: the file pages it touched leave resident memory when it closes,
+            # so a rank peaks at its chunks plus one tensor, not plus every page it read.
+            with _open(path) as f:
+                params[ours].copy_(f.get_tensor(theirs))

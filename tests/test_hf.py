@@ -1,0 +1,268 @@
+"""Bring your own model: Hugging Face llama, mistral and qwen2 folders, made here at random with
+transformers (nothing downloaded), load into pipezero with transformers' logits, train on every
+layout like one process and like transformers + torch AdamW, and export back to a folder
+transformers loads. Bad folders are one line and exit 2 before any process group."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_models import FAMILIES, hf_logits, make_model, pipezero_logits, tokenizer_json
+from pipezero.cli import main
+from pipezero.config import ModelConfig
+from pipezero.settings import build_config
+from pipezero.models.hf import from_hf, to_hf
+from pipezero.models.hf_weights import expected_shapes
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {family: make_model(root / family, family) for family in FAMILIES}
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file of `folder` with its size and modification time: to prove nothing wrote there."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def test_names_map_both_ways() -> None:
+    """Every parameter of a model with every optional part has a Hugging Face name and back; a
+    tied head reads the embedding."""
+    for tied in (False, True):
+        cfg = ModelConfig(n_layers=3, qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=tied,
+                          pretrained="x")
+        names = expected_shapes(cfg)
+        hf = {n: to_hf(n, 3, tied) for n in names}
+        assert hf["layers.2.attn.wq.bias"] == "model.layers.1.self_attn.q_proj.bias"
+        assert hf["layers.3.mlp.w1.weight"] == "model.layers.2.mlp.gate_proj.weight"
+        assert hf["layers.4.proj.weight"] == ("model.embed_tokens.weight" if tied else "lm_head.weight")
+        for ours, theirs in hf.items():
+            assert from_hf(theirs, 3) == (ours if ours != "layers.4.proj.weight" or not tied else "layers.0.weight")
+    with pytest.raises(KeyError):
+        from_hf("model.layers.3.self_attn.q_proj.weight", 3)  # a 4th block of a 3-block model
+
+
+def test_tokenizer_takes_eos_from_the_model_config(models: dict[str, Path], tmp_path: Path) -> None:
+    """The model's own tokenizer.json, with the end-of-sequence id its config.json names (packing
+    puts it between documents), and a cache name of its own when that id is not the guessed one."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    folder = tmp_path / "eos"
+    shutil.copytree(models["llama"], folder)
+    guessed = BPETokenizer.from_file(folder / "tokenizer.json")
+    assert guessed.eos_id == guessed.hf.token_to_id("<|endoftext|>")  # make_model's config names it
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 8]}))
+    named = BPETokenizer.from_file(folder / "tokenizer.json")
+    assert named.eos_id == 7 and named.name != guessed.name
+
+
+def test_logits_equal_transformers(models: dict[str, Path]) -> None:
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > mistral's window 8
+    diffs = {f: (hf_logits(d, tokens) - pipezero_logits(d, tokens)).abs().max().item() for f, d in models.items()}
+    assert all(d <= 1e-5 for d in diffs.values()), diffs
+
+
+def test_sliding_window_holds_with_document_masks() -> None:
+    """Packed documents keep Mistral's window: a row of one document gives the same output through
+    the document-mask path as through the plain causal one (which matches transformers above), and
+    the window changes the output once a row is longer than it."""
+    from pipezero.models.llama import Attention, DocMask
+
+    torch.manual_seed(0)
+    windowed = Attention(ModelConfig(dim=32, n_heads=4, n_kv_heads=2, sliding_window=5))
+    x = torch.randn(2, 12, 32)
+    one_doc = DocMask.of(torch.zeros(2, 12, dtype=torch.long))
+    with torch.no_grad():
+        plain, masked = windowed(x), windowed(x, one_doc)
+        full = Attention(ModelConfig(dim=32, n_heads=4, n_kv_heads=2))
+        full.load_state_dict(windowed.state_dict())
+        assert (plain - masked).abs().max() <= 1e-6
+        assert (plain - full(x)).abs().max() > 1e-3
+
+
+def hf_overrides(folder: Path, data: str, out: str, **extra: object) -> dict:
+    base = {"model.pretrained": str(folder), "data.path": data, "data.seq_len": 16, "parallel.microbatches": 2,
+            "parallel.micro_batch_size": 2, "run.max_steps": 3, "run.out": out, "run.progress": False,
+            "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, "optim.warmup_steps": 1,
+            "optim.lr": 1e-3, "parallel.timeout_s": 60.0, "parallel.bucket_mb": 0.01}
+    return {**base, **extra}
+
+
+def test_training_equals_transformers_with_adamw(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    """K steps of pipezero (one process) = K steps of the transformers model with torch's AdamW:
+    decay on matrices only (pipezero decays tensors of 2+ dimensions), global-norm clipping, the
+    same warm-up + cosine rate, the same batches (concat packing: plain causal attention)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipezero.data import load_corpus
+    from pipezero.engine import train
+    from pipezero.optim import lr_at
+
+    for family in ("llama", "qwen2"):  # biased and untied; tied
+        cfg = build_config(None, hf_overrides(models[family], str(text_dir), str(tmp_path / family),
+                                              **{"data.packing": "concat"}))
+        ours = train(cfg).losses
+        corpus, o, g = load_corpus(cfg.data), cfg.optim, cfg.global_batch
+        model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32)
+        params = [p for p in model.parameters()]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+        theirs = []
+        for step in range(cfg.run.max_steps):
+            x, y = corpus.batch(step, step * g, cfg.run.seed, g, cfg.data.seq_len)[:2]
+            loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), reduction="sum") / (y != -100).sum()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, o, cfg.run.max_steps)
+            opt.step()
+            theirs.append(loss.item())
+        rel = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+        assert max(rel) <= 1e-5, (family, ours, theirs, rel)
+
+
+def layout_cases() -> list[dict]:
+    """Layouts of 4 ranks: every ZeRO stage at P = 2, D = 2 (split and fused backward), every
+    schedule at P = 4 (the fewest micro-batches it allows, of 4 and 8)."""
+    from pipezero.config import ScheduleKind as K
+    from pipezero.schedules.registry import check_layout
+
+    v_of = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+    cases: list[dict] = [{"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": z, "parallel.schedule": s}
+                         for z, s in ((0, "1f1b"), (1, "zb-h1"), (2, "gpipe"), (3, "zb-h1"))]
+    for kind in K:
+        m = next(m for m in (4, 8) if _allowed(check_layout, kind, m, v_of.get(kind, 1)))
+        cases.append({"parallel.pp": 4, "parallel.dp": 1, "parallel.schedule": kind.value,
+                      "parallel.microbatches": m, "parallel.virtual_stages": v_of.get(kind, 1)})
+    return cases
+
+
+def _allowed(check, kind, m: int, v: int) -> bool:  # noqa: ANN001
+    try:
+        check(kind, 4, m, v)
+    except ValueError:
+        return False
+    return True
+
+
+def train_layouts(rank: int, world: int, folder: str, data: str, out: str, cases: list[dict]) -> list[list[float]]:
+    """The losses of each case's two steps, trained in this process group."""
+    from pipezero.engine import train
+
+    return [train(build_config(None, hf_overrides(Path(folder), data, f"{out}/{i}", **{"run.max_steps": 2, **c})))
+            .losses for i, c in enumerate(cases)]
+
+
+def test_every_layout_equals_one_process(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    """A loaded llama (7 blocks: neither 2 nor 4 divides its 9 layers; biases through split
+    backward) has the first-step loss of one process on P in {2, 4}, D in {1, 2}, ZeRO 0-3 and
+    every schedule, and the second step's (which its gradients and the optimizer step decide):
+    one spawned group of 4 runs them all."""
+    from pipezero.engine import train
+    from pipezero.parallel.spawn import run_ranks
+
+    folder, data = models["llama"], str(text_dir)
+    cases = layout_cases()
+    refs: dict[int, list[float]] = {}  # first, so the ranks find the corpus tokenized in the cache
+    for case in cases:
+        m = case.get("parallel.microbatches", 2) * case.get("parallel.dp", 1)  # the same global batch
+        if m not in refs:
+            refs[m] = train(build_config(None, hf_overrides(folder, data, str(tmp_path / f"ref{m}"), **{
+                "run.max_steps": 2, "parallel.microbatches": m}))).losses
+    per_rank = run_ranks(train_layouts, 4, str(folder), data, str(tmp_path), cases, timeout=600)
+    for rank, got in enumerate(per_rank):
+        for case, losses in zip(cases, got):
+            ref = refs[case.get("parallel.microbatches", 2) * case.get("parallel.dp", 1)]
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), (rank, case, losses, ref)
+
+
+def test_export_hf_loads_in_transformers(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    """A fine-tuned qwen2 (tied) and a built-in preset run export as folders transformers loads,
+    in shards with an index, with the input's config keys and tokenizer; logits equal ours."""
+    from transformers import AutoModelForCausalLM
+
+    from pipezero.checkpoint.export import read_model
+    from pipezero.checkpoint.store import committed
+
+    folder = models["qwen2"]
+    before = tree(folder)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    tokenizer_json(tok)
+    runs = {"qwen2": ["--model", str(folder)], "preset": ["--preset", "tiny", "--tokenizer", str(tok)]}
+    for name, flags in runs.items():
+        run, out = tmp_path / f"run-{name}", tmp_path / f"export-{name}"
+        assert main(["train", *flags, "--data", str(text_dir), "--seq-len", "16", "--max-steps", "2",
+                     "--checkpoint-every", "2", "--out", str(run), "--no-progress", "--sample-tokens", "0",
+                     "--microbatches", "2", "--micro-batch-size", "2"]) == 0
+        assert main(["export", str(run), "--format", "hf", "--out", str(out), "--shard-size", "40KB"]) == 0
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1, "expected several shards"
+        assert (out / "tokenizer.json").is_file()
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        ours = read_model(committed(run / "checkpoints")[-1][1]).eval()
+        with torch.no_grad():
+            diff = (exported(tokens).logits - ours(tokens)).abs().max().item()
+        assert diff <= 1e-5, (name, diff)
+        if name == "qwen2":
+            assert set(json.loads((out / "config.json").read_text())) == set(json.loads((folder / "config.json").read_text()))
+        else:
+            assert exported.config.model_type == "llama"
+    assert tree(folder) == before, "the model folder was written to"
+
+
+def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
+    from safetensors.torch import load_file, save_file
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(models["llama"], dst)
+        return dst
+
+    def edit_config(folder: Path, **changes: object) -> Path:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **changes}))
+        return folder
+
+    def edit_weights(folder: Path, fn) -> Path:
+        tensors = load_file(folder / "model.safetensors")
+        fn(tensors)
+        save_file(tensors, folder / "model.safetensors")
+        return folder
+
+    (missing_config := copy("no-config")).joinpath("config.json").unlink()
+    (missing_weights := copy("no-weights")).joinpath("model.safetensors").unlink()
+    big_tok = copy("big-tokenizer")
+    tokenizer_json(big_tok / "tokenizer.json", vocab=400)  # config.json: vocab_size 320
+    cases = {
+        "nowhere": (tmp_path / "nowhere", [], "not a folder"),
+        "config": (missing_config, [], "config.json does not exist"),
+        "weights": (missing_weights, [], "model.safetensors does not exist"),
+        "type": (edit_config(copy("gpt2"), model_type="gpt2"), [], "model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"),
+        "shape": (edit_weights(copy("shape"), lambda t: t.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(47, 32)})),
+                  [], "tensor 'model.layers.2.mlp.up_proj.weight' has shape [47, 32]"),
+        "missing": (edit_weights(copy("missing"), lambda t: t.pop("model.layers.6.self_attn.k_proj.bias")),
+                    [], "tensor 'model.layers.6.self_attn.k_proj.bias' is missing"),
+        "tokenizer": (big_tok, [], "has 400 tokens but config.json's vocab_size is 320"),
+        "stages": (models["llama"], ["--pp", "16"], "pp x virtual-stages = 16 stage chunks but the model has only 9 layers"),
+    }
+    for name, (folder, flags, message) in cases.items():
+        before = tree(folder) if folder.exists() else None
+        code = main(["train", "--model", str(folder), "--data", str(text_dir), "--out", str(tmp_path / "out"), *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, (name, code, err)
+        assert (tree(folder) if folder.exists() else None) == before, name
+    assert not (tmp_path / "out").exists()  # refused before a run directory or process group
