@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -14,6 +15,9 @@ from pipezero.config import NON_NEGATIVE, POSITIVE, POSITIVE_INT, ConfigError, S
 from pipezero.schedules.check import CostModel, SimResult, simulate
 from pipezero.schedules.generators import build_schedule
 from pipezero.schedules.registry import NEEDS_V
+
+if TYPE_CHECKING:
+    from pipezero.sim.planner import Cluster
 
 
 def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
@@ -175,7 +179,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=cmd_plan)
 
 
-def cluster_from_args(args: argparse.Namespace) -> "Cluster":
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
     """The planner's cluster from `--gpus` or `--nodes`, and the two link classes: `--bandwidth`
     (per GPU) or `--intra-bw` / `--inter-bw` (the inter-node link is a node's, shared by its GPUs)."""
     from pipezero.sim.planner import Cluster
