@@ -155,3 +155,14 @@ def test_a_cut_link_mended_resumes_from_the_checkpoint_with_the_losses_of_an_uni
     got = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     ref = build_config(str(toml), {"parallel.microbatches": 4, "run.max_steps": steps, "run.out": str(tmp_path / "ref")})
     assert got == pytest.approx(train(ref).losses, rel=1e-5)
+
+
+def test_max_restarts_of_a_cluster_command_goes_to_torchrun_not_to_the_ranks():
+    from pipezero.cluster import launcher_restarts
+    from pipezero.config import ConfigError
+
+    assert launcher_restarts(["train", "--max-restarts", "2", "--pp", "2"]) == (2, ["train", "--pp", "2"])
+    assert launcher_restarts(["train", "--max-restarts=1"]) == (1, ["train"])
+    assert launcher_restarts(["train"]) == (0, ["train"])
+    with pytest.raises(ConfigError, match="whole number"):
+        launcher_restarts(["train", "--max-restarts", "-1"])
