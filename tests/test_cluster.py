@@ -94,8 +94,12 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     assert took < 120, took
     said = "\n".join(errs)
     assert all(f"pipezero: error: rank {r}, step" in said for r in range(4)), said[-3000:]  # every rank, one line
-    # node 0's ranks name what they waited for and the unreachable peer on node 1
-    assert re.search(r"rank [01], step \d+: .*(from|to) rank [23]: (timed out after 15s|failed)", said), said[-3000:]
+    # node 0's ranks name what they waited for and the unreachable peer on node 1; a cut that lands
+    # in the step's norm and loss all-reduce (every rank waits in it, seen under load) has no single
+    # peer to name, and says the whole group instead
+    lines = "\n".join(x for x in said.splitlines() if "pipezero: error" in x)
+    assert re.search(r"rank [01], step \d+: .*((from|to) rank [23]|across all 4 ranks): (timed out after 15s|failed)",
+                     lines), lines
 
 
 @pytest.mark.slow
