@@ -123,7 +123,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
     flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
     # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
-    # models: a 4096 x 128 head is 2.6x a block's matmuls; ignoring it ranked P=2 far too high)
+    # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
     flops_f += 2.0 * model.vocab_size * model.dim * tokens_mb
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu) + cluster.overhead_s
     pp_bw, dp_bw = link_gbps(cluster, lay)
