@@ -70,7 +70,7 @@ def load_pipezero(rank: int, world: int, folder: str) -> dict:
     from pipezero.models import build_chunk
     from pipezero.models.hf_weights import load_chunk
     from pipezero.parallel.partition import partition
-    from pipezero.schedules.generators import build_schedule
+    from pipezero.schedules.registry import build_schedule
 
     base, t0 = rss_now(), time.perf_counter()
     cfg = build_config(None, {"model.pretrained": folder, "parallel.pp": world, "run.out": "/tmp/unused"})

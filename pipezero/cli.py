@@ -34,6 +34,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--partition": ("parallel.partition", "how layers are split over stage chunks"),
     "--stage-layers": ("parallel.stage_layers", "layers per stage chunk, e.g. 3,5,5,3"),
     "--grad-reduce": ("parallel.grad_reduce", "reduce gradients once a step or every micro-batch"),
+    "--placement": ("parallel.placement", "neighbouring ranks (one node) hold a stage's replicas (dp-inner) "
+                                          "or a pipeline's stages (pp-inner)"),
     "--bucket-mb": ("parallel.bucket_mb", "gradient bucket size in MB (default 25)"),
     "--recompute": ("parallel.recompute", "activation checkpointing"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "

@@ -122,13 +122,16 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def torchrun(self, node: int, ranks_per_node: int, port: int, args: Sequence[str],
+    def torchrun(self, node: int, ranks_per_node: int, port: int, args: Sequence[str], max_restarts: int = 0,
                  **popen: object) -> subprocess.Popen[bytes]:
         """torchrun on node `node` for a job of every node: static rendezvous at node 0, so node
-        i holds global ranks [i * ranks_per_node, (i + 1) * ranks_per_node)."""
+        i holds global ranks [i * ranks_per_node, (i + 1) * ranks_per_node). With `max_restarts`,
+        each node's agent restarts its ranks when one fails (a cut link fails every rank within
+        --timeout, so all nodes restart, and meet again at node 0 once the link is back)."""
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.spec.nodes}",
                f"--nproc-per-node={ranks_per_node}", f"--node-rank={node}", f"--master-addr={self.address(0)}",
-               f"--master-port={port}", f"--local-addr={self.address(node)}", *args]
+               f"--master-port={port}", f"--local-addr={self.address(node)}", f"--max-restarts={max_restarts}",
+               *args]
         # gloo picks its interface by name: eth0 is this node's address (traffic between two ranks
         # of one node to that address stays inside the namespace, unshaped).
         env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
@@ -182,6 +185,23 @@ def leftovers(tag: str) -> list[str]:
     return [n for n in found if n.startswith(tag)]
 
 
+def launcher_restarts(argv: Sequence[str]) -> tuple[int, list[str]]:
+    """`--max-restarts N` of a `train` command is torchrun's (each node's agent): its value, and
+    the command without it (the ranks never see launcher flags)."""
+    from pipezero.launch import strip_launcher_flags
+
+    text = "0"
+    for i, a in enumerate(argv):
+        if a == "--max-restarts" and i + 1 < len(argv):
+            text = argv[i + 1]
+        elif a.startswith("--max-restarts="):
+            text = a.split("=", 1)[1]
+    if not text.isdigit():
+        raise ConfigError(f"--max-restarts {text}: a whole number, 0 or more")
+    n = int(text)
+    return n, strip_launcher_flags(argv)
+
+
 def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], port: int = 29500) -> int:
     """`pipezero cluster`: run `pipezero <argv>` on every node of a fresh emulated cluster and return
     the job's exit status (the worst node's). SIGINT and SIGTERM tear everything down."""
@@ -193,7 +213,9 @@ def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], 
         with Cluster(spec) as cluster:
             print(f"pipezero: {spec.nodes} emulated nodes x {ranks_per_node} ranks at {spec.link} a link "
                   f"({cluster.address(0)}..{cluster.address(spec.nodes - 1)})", file=sys.stderr, flush=True)
-            agents = [cluster.torchrun(i, ranks_per_node, port, ["-m", "pipezero.cli", *argv]) for i in range(spec.nodes)]
+            restarts, argv = launcher_restarts(argv)
+            agents = [cluster.torchrun(i, ranks_per_node, port, ["-m", "pipezero.cli", *argv], restarts)
+                      for i in range(spec.nodes)]
             return max(a.wait() for a in agents)
     except KeyboardInterrupt:
         print("pipezero: stopped; the emulated cluster is removed", file=sys.stderr, flush=True)

@@ -46,6 +46,13 @@ class GradReduce(str, enum.Enum):
     MICROBATCH = "microbatch"  # reduce-scatter every micro-batch's gradients as they appear
 
 
+class Placement(str, enum.Enum):
+    """Which neighbouring global ranks (those of one node) share: a stage or a pipeline."""
+
+    DP_INNER = "dp-inner"  # rank = stage * D + replica: a stage's replicas together, gradient traffic inside a node
+    PP_INNER = "pp-inner"  # rank = replica * P + stage: a pipeline's stages together, activations inside a node
+
+
 class Packing(str, enum.Enum):
     DOC_MASKED = "doc-masked"  # documents packed into windows; attention and loss stay inside a document
     CONCAT = "concat"  # documents packed into windows with EOS between them, attention across them
@@ -104,6 +111,7 @@ class ParallelConfig:
     stage_layers: list[int] | None = None  # explicit layer count per stage chunk, overrides policy
     recompute: bool = False  # activation checkpointing per stage chunk
     grad_reduce: GradReduce = GradReduce.STEP
+    placement: Placement = Placement.DP_INNER  # ranks -> (stage, replica); `pipezero plan` picks from bandwidths
     bucket_mb: float = 25.0  # gradient bucket size for all-reduce / reduce-scatter
     zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
     # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer

@@ -125,7 +125,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu")) -> Stage:
     p = cfg.parallel
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
-    mesh = Mesh(p.pp, p.dp, rank)
+    mesh = Mesh(p.pp, p.dp, rank, p.placement)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
     bounds = partition(cfg.model, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
@@ -247,7 +247,8 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
                       "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
                       "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                      "bubble": bubble, "peak_rss_mib": rss / 2**20}  # this (the writing) rank's
+                      "bubble": bubble, "peak_rss_mib": rss / 2**20,  # this (the writing) rank's
+                      "bytes_sent": stage.executor.p2p.bytes_sent + stage.zero.bytes_sent}  # so far, before eval
             if not outcome.applied:
                 record["skipped"] = True
             result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
@@ -346,7 +347,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
         "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-        "peak_live_activations": {"measured": [x["peak_live"] for x in per_rank[:: p.dp]],
+        "peak_live_activations": {"measured": [per_rank[stage.mesh.global_rank(s, 0)]["peak_live"]
+                                               for s in range(p.pp)],
                                   "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,
         "measured_bubble": [x["measured_bubble"] for x in per_rank],

@@ -174,7 +174,7 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
 
     res = train(cfg, snapshot=True)
     rank = int(os.environ.get("RANK", "0"))
-    mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank)
+    mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank, cfg.parallel.placement)
     _perturb(rank, res.params)
     result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,15 @@ def test_mesh_positions_and_groups():
         Mesh(2, 2, rank=4)
 
 
+def test_pp_inner_placement_puts_a_pipeline_on_neighbouring_ranks():
+    from pipezero.config import Placement
+
+    m = Mesh(pp=2, dp=2, rank=1, placement=Placement.PP_INNER)  # 2 nodes x 2: node 0 holds ranks 0, 1
+    assert (m.pp_rank, m.dp_rank) == (1, 0)
+    assert m.pp_ranks() == [0, 1] and m.dp_ranks() == [1, 3]  # activations inside, gradients across
+    assert [Mesh(2, 2, r, Placement.PP_INNER).global_rank(*divmod(r, 2)[::-1]) for r in range(4)] == [0, 1, 2, 3]
+
+
 def test_partition_policies():
     cfg = apply_preset(ModelConfig(), "small")  # embedding + 8 blocks + head = 10 layers
     uniform = partition(cfg, 4, Partition.UNIFORM, 128)

@@ -50,3 +50,22 @@ def test_grad_reduce_modes_trade_memory_for_traffic():
     assert per_mb.dp_comm_s > step.dp_comm_s  # more reduce-scatters than compute can hide
     fits, _ = plan(model, Cluster(gpus=64, gpu_memory_gib=80), seq_len=2048, global_batch=256)
     assert {e.layout.grad_reduce for e in fits} == {GradReduce.STEP, GradReduce.MICROBATCH}
+
+
+def test_placement_follows_the_bandwidths_and_plan_takes_nodes_and_two_link_classes(capsys):
+    """2 nodes x 2: a slow inter-node link keeps gradients inside a node (dp-inner); the CLI takes
+    --nodes, --gpus-per-node, --intra-bw and --inter-bw and shows the placement."""
+    from pipezero.config import Placement, ScheduleKind
+    from pipezero.sim.planner import Layout, estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=10.0, inter_gbps=0.01, tflops=1e-3)
+    dp_in, pp_in = (estimate(model, 128, 16, slow, Layout(2, 2, 1, ScheduleKind.ONE_F_ONE_B, 1, 2, 4, False,
+                                                           placement=p)) for p in Placement)
+    assert dp_in.dp_comm_s < pp_in.dp_comm_s and dp_in.step_time_s < pp_in.step_time_s
+    assert main(["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--intra-bw", "10",
+                 "--inter-bw", "0.02", "--gpu-memory", "8", "--global-batch", "16", "--seq-len", "128",
+                 "--json", "--top", "400"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert {r["placement"] for r in rows} == {"dp-inner", "pp-inner"}
+    assert rows[0]["placement"] == "dp-inner" or rows[0]["pp"] == 1

@@ -1,7 +1,11 @@
 """The pp x dp arrangement of ranks as a value: which stage and replica a rank is, and its groups.
 
-Global rank = pp_rank * dp + dp_rank, so the D replicas of one stage are neighbours (on one node
-when D divides the node size) and their gradient collectives stay on the fastest links.
+Neighbouring global ranks share a node, so the placement decides which traffic stays on the fast
+links inside it. `dp-inner` (the default): global rank = pp_rank * dp + dp_rank, the D replicas of a
+stage are neighbours and their gradient collectives stay inside a node when D divides its size.
+`pp-inner`: global rank = dp_rank * pp + pp_rank, the P stages of a pipeline are neighbours and the
+activations stay inside a node, while gradients cross nodes (better when gradients are light, as in
+a small model with long sequences, or the link is fast enough to hide them).
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipezero.config import Placement
+
 
 @dataclass(frozen=True)
 class Mesh:
     pp: int
     dp: int
     rank: int = 0
+    placement: Placement = Placement.DP_INNER
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.pp * self.dp:
@@ -28,14 +35,16 @@ class Mesh:
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // self.dp
+        return self.rank // self.dp if self.placement is Placement.DP_INNER else self.rank % self.pp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank % self.dp
+        return self.rank % self.dp if self.placement is Placement.DP_INNER else self.rank // self.pp
 
     def global_rank(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
+        if self.placement is Placement.DP_INNER:
+            return pp_rank * self.dp + dp_rank
+        return dp_rank * self.pp + pp_rank
 
     def pp_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline (same replica, every stage)."""

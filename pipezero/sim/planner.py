@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipezero.config import GradReduce, ModelConfig, ScheduleKind
+from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
@@ -43,6 +43,11 @@ class Cluster:
     tflops: float = 989.0  # dense bf16 peak per GPU
     mfu: float = 0.45  # achieved share of peak in the compute of one stage
     headroom: float = 0.9  # usable share of memory (allocator, buffers, fragmentation)
+    wire_bytes: int = 2  # bytes an element of gradients and activations on the wire (bf16; fp32 runs: 4)
+    # fixed seconds a stage's forward of one micro-batch costs beyond its FLOPs (launches, Python):
+    # negligible for large micro-batches on a GPU, but on CPU with small ones it decides (measured on
+    # the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone predicted)
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Layout:
     microbatches: int
     recompute: bool
     grad_reduce: GradReduce = GradReduce.STEP
+    placement: Placement = Placement.DP_INNER
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,16 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool) -> tuple[
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
+def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
+    """(pipeline, data-parallel) bandwidth per GPU. The placement's inner group (neighbouring
+    ranks) stays inside a node when it fits one and divides it; the outer group only when the whole
+    job fits one node."""
+    inner, outer = (lay.dp, lay.pp) if lay.placement is Placement.DP_INNER else (lay.pp, lay.dp)
+    inner_bw = cluster.intra_gbps if cluster.node_size % inner == 0 else cluster.inter_gbps
+    outer_bw = cluster.intra_gbps if inner * outer <= cluster.node_size else cluster.inter_gbps
+    return (outer_bw, inner_bw) if lay.placement is Placement.DP_INNER else (inner_bw, outer_bw)
+
+
 def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout) -> Estimate:
     layers = layer_param_counts(model)
     per_stage_layers = math.ceil(model.n_layers / lay.pp)
@@ -105,14 +121,14 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     tokens_mb = seq_len * lay.micro_batch
     flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
     flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
-    if lay.pp == 1:
-        flops_f += 2.0 * model.vocab_size * model.dim * tokens_mb  # the head, on the only stage
-    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)
-    pp_bw = cluster.intra_gbps if lay.pp * lay.dp <= cluster.node_size else cluster.inter_gbps
-    hop = 2.0 * tokens_mb * model.dim / (pp_bw * 1e9)
+    # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
+    # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
+    flops_f += 2.0 * model.vocab_size * model.dim * tokens_mb
+    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu) + cluster.overhead_s
+    pp_bw, dp_bw = link_gbps(cluster, lay)
+    hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
     step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f if t_f > 0 else step_units
-    dp_bw = cluster.intra_gbps if lay.dp <= cluster.node_size else cluster.inter_gbps
-    one_pass = (lay.dp - 1) / lay.dp * 2.0 * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0  # one reduce-scatter
+    one_pass = (lay.dp - 1) / lay.dp * cluster.wire_bytes * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0  # one reduce-scatter
     dp_comm = DP_TRAFFIC[lay.zero] * 2 * one_pass
     if per_microbatch:  # M - 1 more reduce-scatters, hidden behind the compute that follows them
         dp_comm += max(0.0, (lay.microbatches - 1) * one_pass - step_units_comm * t_f)
@@ -126,6 +142,8 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
         if cluster.gpus % pp:
             continue
         dp = cluster.gpus // pp
+        # both placements differ only where some group crosses nodes
+        places = list(Placement) if pp > 1 and dp > 1 and cluster.gpus > cluster.node_size else [Placement.DP_INNER]
         if global_batch % dp:
             continue
         for mbs in (1, 2, 4, 8):
@@ -148,7 +166,8 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                             continue
                         modes = [GradReduce.STEP, GradReduce.MICROBATCH] if zero >= 2 and m > 1 else [GradReduce.STEP]
                         for recompute in (False, True):
-                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode) for mode in modes)
+                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place)
+                                       for mode in modes for place in places)
     return out
 
 

@@ -140,10 +140,12 @@ class ZeroDP:
     def _sharded_grads(self) -> bool:
         return self.stage >= 2
 
-    def _wait(self, work: Any, op: str) -> None:
+    def _wait(self, work: Any, op: str, across: str = "") -> None:
+        """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
+        across = across or f"across {self.dp} data-parallel ranks"
         with self.tracer.span(op, "wait", "collectives"):
             wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: ZeRO-{self.stage} {op} "
-                                                f"across {self.dp} data-parallel ranks", stream_ordered=self._on_gpu)
+                                                f"{across}", stream_ordered=self._on_gpu)
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -410,7 +412,9 @@ class ZeroDP:
         total = torch.stack([local, torch.as_tensor(loss, dtype=torch.float64, device=device)])
         if norm_group is not None:
             work = dist.all_reduce(total, group=norm_group, async_op=True)
-            self._wait(work, "all-reduce of the gradient norm and loss")
+            # the world group: every stage's norm and loss, not only this stage's replicas
+            self._wait(work, "all-reduce of the gradient norm and loss",
+                       f"across all {dist.get_world_size(norm_group)} ranks")
         norm_sq, loss_sum, local_sq = torch.cat([total, local.view(1)]).tolist()  # one read from the device
         norm = math.sqrt(norm_sq)  # a sum of squares: never negative; nan and inf pass through
         outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local_sq))
