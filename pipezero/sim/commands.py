@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -14,7 +15,8 @@ from pipezero.coerce import Range, coerce
 from pipezero.config import GradReduce, ScheduleKind
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
 from pipezero.errors import ConfigError
-from pipezero.schedules.check import CostModel, SimResult, simulate
+from pipezero.schedules.actions import Schedule
+from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
 
 if TYPE_CHECKING:
@@ -38,11 +40,17 @@ def parse_cost(text: str) -> tuple[float, float, float]:
     return f, b, w
 
 
-def run_one(kind: ScheduleKind, pp: int, m: int, v: int, cost: CostModel) -> SimResult:
-    try:
-        return simulate(build_schedule(kind, pp, m, v), cost)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def each_schedule(args: argparse.Namespace, skipped: dict[str, str]) -> Iterator[Schedule]:
+    """The schedule asked for, or with --compare every schedule at the asked P and M; a schedule
+    that cannot run there is one line in `skipped` under --compare, else the error."""
+    for kind in list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]:
+        try:
+            yield build_schedule(kind, args.pp, args.microbatches,
+                                 default_virtual(kind, None if args.compare else args.virtual_stages))
+        except ValueError as e:
+            if not args.compare:
+                raise ConfigError(str(e)) from None
+            skipped[kind.value] = str(e)
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
@@ -124,18 +132,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:
         return cmd_simulate_zero(args, cost)
-    kinds = list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
-    for kind in kinds:
-        v = default_virtual(kind, None if args.compare else args.virtual_stages)
-        try:
-            res = run_one(kind, args.pp, args.microbatches, v, cost)
-        except ConfigError as e:
-            if not args.compare:
-                raise
-            skipped[kind.value] = str(e)
-            continue
+    for schedule in each_schedule(args, skipped):
+        kind, v, res = ScheduleKind(schedule.name), schedule.virtual, simulate(schedule, cost)
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **res.to_json()}
         if args.png and not args.compare:
@@ -168,18 +168,11 @@ def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     check_ranges(args, {"dp": (int, POSITIVE_INT), "bucket_mb": (float, POSITIVE), "dp_comm": (float, NON_NEGATIVE),
                         "optim_cost": (float, NON_NEGATIVE)})
     opt = ZeroOptions.from_args(args)
-    kinds = list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
-    for kind in kinds:
-        v = default_virtual(kind, None if args.compare else args.virtual_stages)
-        try:
-            prog, res, figures = run_program(build_schedule(kind, args.pp, args.microbatches, v), cost, opt)
-        except ValueError as e:
-            if not args.compare:
-                raise ConfigError(str(e)) from None
-            skipped[kind.value] = str(e)
-            continue
+    for schedule in each_schedule(args, skipped):
+        kind, v = ScheduleKind(schedule.name), schedule.virtual
+        prog, res, figures = run_program(schedule, cost, opt)
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **figures}
         if args.listing and not args.json:
