@@ -37,7 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = {
-    "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)],
+    "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)]
+    # the updated weights' all-gather waited for at the end of the step, as before zero/updates.py
+    + [{"name": f"D=2 ZeRO-{z} gather at step end", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
+        "flags": ["--no-overlap-gather"]} for z in (1, 2)],
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }
@@ -86,7 +89,8 @@ def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: f
 def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str) -> dict:
     on_cluster(nodes, per_node, link, ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
-                                       "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out)])
+                                       "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
+                                       *lay.get("flags", [])])
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]
     steady = [r["step_time_s"] for r in recs[2:]]

@@ -38,6 +38,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                           "or a pipeline's stages (pp-inner)"),
     "--bucket-mb": ("parallel.bucket_mb", "gradient bucket size in MB (default 25)"),
     "--recompute": ("parallel.recompute", "activation checkpointing"),
+    "--no-overlap-gather": ("parallel.overlap_gather", "ZeRO-1/2: wait for the all-gather of updated weights at "
+                                                       "the end of the step (default: each layer waits for its own "
+                                                       "in the next forward)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),

@@ -113,6 +113,8 @@ class ParallelConfig:
     grad_reduce: GradReduce = GradReduce.STEP
     placement: Placement = Placement.DP_INNER  # ranks -> (stage, replica); `pipezero plan` picks from bandwidths
     bucket_mb: float = 25.0  # gradient bucket size for all-reduce / reduce-scatter
+    overlap_gather: bool = True  # ZeRO-1/2: each layer waits for its own updated weights in the next
+    # forward (zero/updates.py); False: every all-gather is waited for at the end of the step
     zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
     # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer
     timeout_s: float = 300.0  # every collective and p2p wait fails after this, naming the rank

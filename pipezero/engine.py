@@ -42,7 +42,7 @@ from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
-from pipezero.zero import layerwise
+from pipezero.zero import layerwise, updates
 from pipezero.zero.accounting import explain
 from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
@@ -151,9 +151,12 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
-                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire, device=device)
+                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire, device=device,
+                  defer_gathers=p.overlap_gather)
     if zero.layerwise:
         layerwise.install(zero, chunks)
+    elif p.zero in (1, 2) and p.overlap_gather:
+        updates.install(zero, chunks)  # each layer waits for its own updated weights
     # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
     # pair's transfers run in posting order (NCCL) before any is posted.
     posting = plans(schedule, predicted)
@@ -261,6 +264,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
                 save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen)
             progress.update(step, outcome.loss, record["tokens_per_s"])
+    stage.zero.settle()  # nothing in flight past the loop
     if metrics:
         metrics.close()
     if r.max_steps not in result.heldout:  # resumed from a checkpoint of the last step

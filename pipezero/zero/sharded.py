@@ -77,6 +77,7 @@ class ZeroDP:
     tracer: Tracer = field(default_factory=Tracer)
     comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
     device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
+    defer_gathers: bool = False  # stages 1-2: the step's all-gathers are waited for by settle (zero/updates.py)
     buckets: dict[int, list[Bucket]] = field(init=False)
     opt: ShardedAdamW = field(init=False)
     bytes_sent: int = 0
@@ -91,6 +92,7 @@ class ZeroDP:
     _launched: set[int] = field(default_factory=set)  # id(bucket) reduced during this backward
 
     _inflight: dict[int, Any] = field(default_factory=dict)  # id(bucket) -> prefetch all-gather
+    _updates: list[_Gather] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
     _holding: bool = False  # between gather_all and release_all: layer hooks neither gather nor release
     _expect: dict[int, set[int]] = field(default_factory=dict)  # layerwise: id(bucket) -> params to come
     _on_gpu: bool = field(init=False)  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
@@ -267,7 +269,8 @@ class ZeroDP:
             self._gathered.discard(chunk)
 
     def gather_all(self) -> None:
-        """Full weights of every chunk (stage 3), e.g. for a snapshot; undo with release_all."""
+        """Full weights of every chunk, e.g. for a snapshot; undo with release_all."""
+        self.settle()
         if self.stage == 3:
             for c in self.buckets:
                 self._gather_chunk(c)
@@ -427,9 +430,27 @@ class ZeroDP:
         with self.tracer.span("optimizer", "optim"):
             self.opt.step(params, grads, lr)
         if self.stage in (1, 2):
-            for b in self.all_buckets():
-                self._gather(b, b.flat[b.shard].clone())
+            # Started now, waited for by the first forward that reads each bucket (settle): the
+            # gathers overlap the next step's first layers. Issued in forward order (buckets are
+            # in backward order within a chunk), so the first layers' weights come first.
+            for c in sorted(self.buckets):
+                for b in reversed(self.buckets[c]):
+                    if (g := self._start_gather(b, b.flat[b.shard].clone())) is not None:
+                        self._updates.append(g)
+            if not self.defer_gathers:
+                self.settle()
         return outcome
+
+    def settle(self, b: Bucket | None = None) -> None:
+        """Wait for the updated parameters (stages 1-2) of bucket `b` and those gathered before it,
+        or of every bucket: whatever reads full parameters between steps calls this first."""
+        if b is not None and all(g.bucket is not b for g in self._updates):
+            return
+        while self._updates:
+            g = self._updates.pop(0)
+            self._finish_gather(g)
+            if g.bucket is b:
+                return
 
     # --- checkpoints -------------------------------------------------------------------------
     def shard_state(self) -> list[tuple[Bucket, dict[str, torch.Tensor]]]:
@@ -437,6 +458,7 @@ class ZeroDP:
         AdamW's two moments, each (shard_size,). They are views, so loading into them restores the
         state in place; every stage answers with the same slices, which is what lets a checkpoint
         written at one ZeRO stage load at another."""
+        self.settle()  # a step's gathers write the full buffers these slices live in
         out = []
         for b, st in zip(self.all_buckets(), self.opt.states):
             param = self._master[id(b)] if self.stage == 3 else b.flat[b.shard]
