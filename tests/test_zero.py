@@ -75,6 +75,9 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     if pp == 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "run.sample_tokens": 8,
                       "run.eval_every": 2})
+        # the updated weights' all-gather waited for at the step's end instead of layer by layer
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
+                      "parallel.overlap_gather": False})
         # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
                       "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})
