@@ -29,7 +29,9 @@ Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-par
   before the action (the runtime overlaps all but the first layer's).
 - OPTIM_STEP: drains every reduction, then one all-reduce of (norm^2, loss) over the world, then
   the sharded AdamW; at ZeRO 1 and 2 it is followed by one blocking fp32 all-gather (UNSHARD) per
-  bucket of every chunk of the rank, in chunk order, which is `ZeroDP.step`'s order.
+  bucket of every chunk of the rank, in chunk order. (The runtime only starts them there, in
+  forward order, and each layer waits for its own in the next step's forward, zero/updates.py; a
+  one-step program places that wait at the step's end, the conservative bound.)
 Tied embeddings across ranks (their buckets held back and summed between first and last rank
 inside the step) are not lowered yet.
 """
