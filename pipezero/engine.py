@@ -362,7 +362,8 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
-        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, p.dp),
+        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze,
+                            [stage.mesh.global_rank(s, 0) for s in range(p.pp)]),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)

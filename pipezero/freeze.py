@@ -28,7 +28,7 @@ from torch import nn
 
 from pipezero.errors import ConfigError
 
-if TYPE_CHECKING:  # config.py imports this module inside validate()
+if TYPE_CHECKING:  # settings.validate imports this module
     from pipezero.config import ModelConfig
 
 EXAMPLE = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks
@@ -113,9 +113,10 @@ def saved_bytes(stage: int, dp: int, frozen_numel: int) -> dict[str, int]:
             "optimizer_bytes_saved": optimizer, "zero3_param_bytes_extra": extra}
 
 
-def summarize(per_rank: Sequence[dict[str, int]], pattern: str | None, dp: int) -> dict:
-    """summary.json's `frozen` entry: the pattern, the frozen parameters of one replica (ranks are
-    numbered pp_rank * dp + dp_rank), and bytes summed over every rank."""
+def summarize(per_rank: Sequence[dict[str, int]], pattern: str | None, one_replica: Sequence[int]) -> dict:
+    """summary.json's `frozen` entry: the pattern, the frozen parameters of one replica (the global
+    ranks `one_replica`, one a stage: which they are depends on the placement), and bytes summed
+    over every rank."""
     total = {k: sum(r[k] for r in per_rank) for k in per_rank[0] if k != "frozen_params"} if per_rank else {}
-    return {"pattern": pattern, "frozen_params": sum(r["frozen_params"] for r in per_rank[::dp]), **total,
+    return {"pattern": pattern, "frozen_params": sum(per_rank[r]["frozen_params"] for r in one_replica), **total,
             "bytes_saved": total.get("grad_bytes_saved", 0) + total.get("optimizer_bytes_saved", 0)}
