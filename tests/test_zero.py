@@ -117,6 +117,9 @@ def every_schedule_cases(dp: int, pp: int) -> list[dict]:
 @pytest.mark.slow
 def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases = zero_cases(4, 1) + zero_cases(2, 2) + every_schedule_cases(2, 2)
+    # a pipeline's stages on neighbouring ranks (--placement pp-inner): the same model
+    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
+              for z in (1, 3)]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
 

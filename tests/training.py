@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pipezero.config import DType
+from pipezero.config import DType, Placement
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.registry import check_layout
 from pipezero.settings import build_config
@@ -108,7 +108,8 @@ def rank_results(per_rank: list[dict]) -> list[RankResult]:
     from pipezero.parallel.mesh import Mesh
 
     case = per_rank[0]["case"]
-    return [RankResult(rank, (m := Mesh(case["pp"], case["dp"], rank)).pp_rank, m.dp_rank, r["losses"],
+    placement = Placement(case.get("parallel.placement", Placement.DP_INNER.value))
+    return [RankResult(rank, (m := Mesh(case["pp"], case["dp"], rank, placement)).pp_rank, m.dp_rank, r["losses"],
                        r["grad_norms"], r["params"]) for rank, r in enumerate(per_rank)]
 
 
