@@ -5,7 +5,9 @@ for torch's own weighted modules equal autograd's."""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,12 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # spa
 
 import own_model  # noqa: E402
 
+from pipezero.checkpoint.export import read_model  # noqa: E402
 from pipezero.config import DType  # noqa: E402
 from pipezero.models import build_chunk  # noqa: E402
 from pipezero.parallel.mesh import Mesh  # noqa: E402
 from pipezero.parallel.spawn import run_ranks  # noqa: E402
 from pipezero.runtime.weight_grad import WeightGradCapture, apply_weight_grads  # noqa: E402
-from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure  # noqa: E402
+from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, relative_error  # noqa: E402
 
 
 @pytest.mark.parametrize("make", [lambda: nn.LayerNorm(8), lambda: nn.RMSNorm(8, eps=1e-5),
@@ -52,11 +55,21 @@ def test_spec_names_and_counts_are_the_built_models():
     assert spec.layer_param_counts() == [sum(p.numel() for p in m.parameters()) for _, m in model.layer_modules()]
 
 
+def train_noting_fallback(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """own_model.train_rank, and the executor's warnings that W fell back to autograd."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = own_model.train_rank(rank, world, overrides)
+    return {**out, "fallback": [str(w.message) for w in seen if "split backward keeps" in str(w.message)]}
+
+
 def test_own_model_pp2_dp2_zero2_zb_h1_matches_one_process(text_dir, tmp_path):
-    """One 4-rank group; every replica of every stage against one process of the same global batch."""
+    """One 4-rank group; every replica of every stage against one process of the same global batch,
+    with W split for every block (no fallback to autograd)."""
     ref = own_model.train_rank(0, 1, own_model.settings(str(text_dir), str(tmp_path / "one"), 1, 1, microbatches=8))
-    per_rank = run_ranks(own_model.train_rank, 4, own_model.settings(str(text_dir), str(tmp_path / "four"), 2, 2,
-                                                                     microbatches=4), timeout=300)
+    four = {**own_model.settings(str(text_dir), str(tmp_path / "four"), 2, 2, microbatches=4),
+            "run.checkpoint_every": 5}  # settings() runs 5 steps: one checkpoint, at the end
+    per_rank = run_ranks(train_noting_fallback, 4, four, timeout=300)
     ranks = [RankResult(rank, (m := Mesh(2, 2, rank)).pp_rank, m.dp_rank, r["losses"], r["grad_norms"], r["params"])
              for rank, r in enumerate(per_rank)]
     tol = TOLERANCES[DType.FP32]
@@ -64,4 +77,8 @@ def test_own_model_pp2_dp2_zero2_zb_h1_matches_one_process(text_dir, tmp_path):
     checks += compare_steps(ranks, ref["losses"], ref["grad_norms"], tol)
     bad = problems + [failure(c, ranks) for c in checks if not c.ok]
     assert not bad, "; ".join(bad)
+    assert not [w for r in per_rank for w in r["fallback"]]
+    saved = read_model(tmp_path / "four" / "checkpoints" / "step-00000005", own_model.GPTSpec())  # by its names
+    far = {n: relative_error(p.detach(), ref["params"][n]) for n, p in saved.named_parameters()}
+    assert far.keys() == ref["params"].keys() and max(far.values()) < tol.params, far
     assert ref["losses"][-1] < ref["losses"][0]  # it learns
