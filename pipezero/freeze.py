@@ -23,7 +23,6 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from pipezero.errors import ConfigError

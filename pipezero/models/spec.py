@@ -18,6 +18,10 @@ between pipeline chunks that tensor is (B, T, dim) in the activation dtype. Para
 `layers.{index}.<the layer's own name>` by `StageChunk`, whatever the layout, so ZeRO-3's layer
 buckets, checkpoints, `--freeze` patterns and tied weights work without knowing the model.
 
+A spec reaches the engine through Python: `pipezero.engine.train(cfg, spec=MySpec(...))` (the
+TrainConfig still gives layout, optimizer, data and run); a ModelConfig means the built-in decoder
+(`LlamaSpec`, models/llama_spec.py). examples/own_model.py is a complete example.
+
 Split backward (zero-bubble schedules' B and W) needs every weighted module of a non-first chunk to
 be one W can compute from (input, output gradient) alone: nn.Linear, nn.Embedding, nn.LayerNorm,
 nn.RMSNorm, or a module with a `weight_grad(x, dy)` method (runtime/weight_grad.py). A chunk with
@@ -68,6 +72,8 @@ class ModelSpec:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom
 
     def tied_names(self) -> tuple[str, str] | None:
+        """(a parameter of layer 0, one of layer n_layers + 1) that are one tensor, or None. Apart
+        on two pipeline ranks, the engine sums the copies' gradients between the first and last."""
         return None
 
     def doc_mask(self, docs: torch.Tensor) -> Any:

@@ -4,11 +4,12 @@ W knows the weight gradient of torch's `Linear` (y = x Wᵀ + b), `Embedding` (r
 `LayerNorm` and `RMSNorm` (y = n(x) * w + b), and of any module that computes its weight's gradient
 itself (`OwnWeightGrad`: the built-in model's RMSNorm). So any block built of those splits, whatever
 the model (models/spec.py). A chunk with any other weighted module keeps autograd for W, and the
-executor says so once, naming the module type. Forward hooks record each such module's input x and output y for the micro-batch.
-B asks autograd for the gradient of the chunk's input *and* of every recorded y, without touching
-weights, so it costs one input-gradient pass. W then needs no graph at all: dW = dyᵀ x and db = Σ dy for a Linear,
-the module's own rule otherwise (dw = Σ dy * n(x) for an RMSNorm). (The embedding's gradient needs no B: it lives on the first chunk,
-which has no input gradient to send, so W there is plain autograd.)
+executor says so once, naming the module type. Forward hooks record each such module's input x and
+output y for the micro-batch. B asks autograd for the gradient of the chunk's input *and* of every
+recorded y, without touching weights, so it costs one input-gradient pass. W then needs no graph at
+all: dW = dyᵀ x and db = Σ dy for a Linear, the module's own rule otherwise (dw = Σ dy * n(x) for a
+norm). (The embedding layer's gradient needs no B: it lives on the first chunk, which has no input
+gradient to send, so W there is plain autograd.)
 """
 
 from __future__ import annotations
