@@ -52,16 +52,21 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = s.n_heads
         self.ln1, self.ln2 = nn.LayerNorm(s.dim), nn.LayerNorm(s.dim)
-        self.qkv = nn.Linear(s.dim, 3 * s.dim)
+        self.q = nn.Linear(s.dim, s.dim)
+        # No key bias: it adds the same q.b to every score of a query, which softmax ignores, so its
+        # true gradient is zero and AdamW would only turn rounding noise into updates.
+        self.k = nn.Linear(s.dim, s.dim, bias=False)
+        self.v = nn.Linear(s.dim, s.dim)
         self.out = nn.Linear(s.dim, s.dim)
         self.fc = nn.Linear(s.dim, 4 * s.dim)
         self.proj = nn.Linear(4 * s.dim, s.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, dim) -> (B, T, dim)
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)  # (B, H, T, hd)
+        h = self.ln1(x)
+        q, k, v = (proj(h).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)  # (B, H, T, hd)
+                   for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
         return x + self.proj(F.gelu(self.fc(self.ln2(x))))
 
