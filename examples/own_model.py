@@ -2,7 +2,7 @@
 positions, LayerNorm with bias, GELU MLP, multi-head attention from nn.Linear), not the built-in Llama,
 trained with a 2-stage pipeline x 2 data-parallel replicas, ZeRO-2 and the zb-h1 schedule.
 
-    python examples/own_model.py [DATA_FOLDER]   # prints both runs' losses: the same to ~1e-6
+    python examples/own_model.py [DATA_FOLDER]   # prints both runs' losses, equal to the digits shown
 
 The model is described by a `ModelSpec` (pipezero/models/spec.py): how to build and initialise
 layer i of [embedding, block x n_layers, head], per-layer parameter counts for the partitioner,
