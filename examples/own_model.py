@@ -87,6 +87,7 @@ class GPTSpec(ModelSpec):
     def __init__(self, shape: GPTShape = GPTShape()) -> None:
         self.shape = shape
         self.n_layers, self.dim, self.vocab_size = shape.n_layers, shape.dim, shape.vocab_size
+        self.max_seq_len = shape.max_seq_len  # the end-of-run sample's window
 
     def build_layer(self, index: int) -> nn.Module:
         if index == 0:

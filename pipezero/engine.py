@@ -314,7 +314,8 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
     text = ""
     if together or stage.mesh.rank == 0:
         model = next(iter(stage.chunks.values()))
-        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens, cfg.model.max_seq_len,
+        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
+                     stage.spec.max_seq_len or cfg.data.seq_len,
                      cfg.run.seed)
         text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
     stage.zero.release_all()

@@ -18,6 +18,7 @@ class LlamaSpec(ModelSpec):
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.n_layers, self.dim, self.vocab_size = cfg.n_layers, cfg.dim, cfg.vocab_size
+        self.max_seq_len = cfg.max_seq_len
         self.deferred_init = cfg.pretrained is not None  # models/hf_weights.py fills the layers
 
     def build_layer(self, index: int) -> nn.Module:

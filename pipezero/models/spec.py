@@ -45,6 +45,7 @@ class ModelSpec:
     n_layers: int
     dim: int
     vocab_size: int
+    max_seq_len: int | None = None  # the longest sequence the model takes (learned positions); None: any
     # True when layers are allocated uninitialised (meta device, then empty) for a loader to fill
     # (a pretrained checkpoint), instead of calling init_layer.
     deferred_init: bool = False
