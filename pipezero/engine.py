@@ -25,7 +25,7 @@ from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
 from pipezero.freeze import apply_freeze, frozen_params, saved_bytes, summarize
 from pipezero.generate import sample
-from pipezero.models import build_chunk, compile_blocks, flops_per_token, param_count
+from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.optim import lr_at
 from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import PeakMemory, synchronizer, use_tf32
@@ -67,12 +67,13 @@ class RunResult:
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
 
 
-def check_corpus(cfg: TrainConfig, corpus: Corpus) -> None:
-    """Refuse a corpus the model cannot embed, or too small for one global batch."""
+def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
+    """Refuse a corpus the model (of `vocab_size` embedding rows) cannot embed, or too small for
+    one global batch."""
     corpus.check_batch(cfg.global_batch)
-    if corpus.vocab_size > cfg.model.vocab_size:
+    if corpus.vocab_size > vocab_size:
         raise ConfigError(
-            f"the tokenizer has {corpus.vocab_size} tokens but the model only {cfg.model.vocab_size} rows: "
+            f"the tokenizer has {corpus.vocab_size} tokens but the model only {vocab_size} rows: "
             f"set model.vocab_size >= {corpus.vocab_size} or use a smaller tokenizer (data.bpe_vocab)"
         )
 
@@ -107,51 +108,56 @@ class Stage:
     zero: ZeroDP
     tracer: Tracer
     peaks: PeakMemory
+    spec: ModelSpec  # the model the chunks are slices of
 
 
-def tied_copies(cfg: TrainConfig, schedule: Schedule, mesh: Mesh,
+def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
                 named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
     """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
     holds and the group that sums their gradients (a collective call on every rank)."""
-    if not cfg.model.tie_embeddings or schedule.n_chunks == 1:
+    names = spec.tied_names()
+    if names is None or schedule.n_chunks == 1:
         return None
     apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
     group = tie_group(mesh.pp, mesh.dp, mesh.rank) if apart else None
-    local, head = find_tied({n: q for ps in named.values() for n, q in ps}, cfg.model.n_layers)
+    local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
     return TiedCopies(local, head, group) if local else None
 
 
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
-                device: torch.device = torch.device("cpu")) -> Stage:
+                device: torch.device = torch.device("cpu"), spec: ModelSpec | None = None) -> Stage:
+    """This rank's part of the job. `spec` is the model (models/spec.py); None: the built-in
+    Llama (or Hugging Face family) that cfg.model describes."""
     p = cfg.parallel
+    spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
-    bounds = partition(cfg.model, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
+    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
     if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
-    chunks = {c: build_chunk(cfg.model, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
     if cfg.model.pretrained is not None:  # this rank's layers only, tensor by tensor
         from pipezero.models.hf_weights import load_chunk
 
         for chunk in chunks.values():
             load_chunk(chunk, cfg.model)
-    apply_freeze(chunks, cfg.model, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
+    apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
     if cfg.run.compile:
         for chunk in chunks.values():
             compile_blocks(chunk)
     groups = build_groups(mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
-    p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, cfg.model.dim), p.timeout_s,
+    p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
               dtype=wire, boundary=wire, device=device, tracer=tracer)  # bf16 runs: a bf16 residual stream
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
-                  tied=tied_copies(cfg, schedule, mesh, named), comm_dtype=wire, device=device,
+                  tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   defer_gathers=p.overlap_gather)
     if zero.layerwise:
         layerwise.install(zero, chunks)
@@ -163,12 +169,13 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     verify(schedule, posting)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, posting[mesh.pp_rank], p.recompute,
                         hooks=zero, tracer=tracer)
-    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device))
+    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec)
 
 
-def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
+def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
-    `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs)."""
+    `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs).
+    `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's."""
     p, r = cfg.parallel, cfg.run
     if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
         require_tensorboard()
@@ -178,12 +185,12 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
-    check_corpus(cfg, corpus)
-    stage = build_stage(cfg, rank, device=device)
+    check_corpus(cfg, corpus, (spec or spec_of(cfg.model)).vocab_size)
+    stage = build_stage(cfg, rank, device=device, spec=spec)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
     frozen = frozen_params(stage.chunks)
-    found = resume(cfg, stage.zero, frozen)
+    found = resume(cfg, stage.zero, frozen, spec)
     start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
     seq_len, g = cfg.data.seq_len, cfg.global_batch
     # samples read before `start`: saved with the checkpoint, so a resume with another global batch
@@ -210,8 +217,9 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
     with StepProgress(r.max_steps, start, show) as progress:
         if show:
             progress.console.print(
-                f"model {cfg.model.preset}: {param_count(cfg.model) / 1e6:.2f}M parameters, "
-                f"{flops_per_token(cfg.model, seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
+                f"model {cfg.model.preset if spec is None else type(spec).__name__}: "
+                f"{sum(stage.spec.layer_param_counts()) / 1e6:.2f}M parameters, "
+                f"{stage.spec.flops_per_token(seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
                 f"{len(corpus.train):,} train tokens, unigram baseline {result.unigram:.3f} nats; "
                 f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
                 f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
@@ -262,7 +270,7 @@ def train(cfg: TrainConfig, snapshot: bool = False) -> RunResult:
             if board:
                 board.write(record)
             if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
-                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen)
+                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen, spec=spec)
             progress.update(step, outcome.loss, record["tokens_per_s"])
     stage.zero.settle()  # nothing in flight past the loop
     if metrics:
@@ -310,7 +318,8 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
     text = ""
     if together or stage.mesh.rank == 0:
         model = next(iter(stage.chunks.values()))
-        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens, cfg.model.max_seq_len,
+        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
+                     stage.spec.max_seq_len or cfg.data.seq_len,
                      cfg.run.seed)
         text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
     stage.zero.release_all()
@@ -348,7 +357,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
     final = result.heldout[r.max_steps]
     atomic_write_json(result.out / "summary.json", {
         "layout": {**layout, "zero": p.zero},
-        "params": param_count(cfg.model), "unigram_baseline": result.unigram, "final_heldout_loss": final,
+        "params": sum(stage.spec.layer_param_counts()), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
         "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
         "peak_live_activations": {"measured": [per_rank[stage.mesh.global_rank(s, 0)]["peak_live"]

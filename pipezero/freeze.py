@@ -23,37 +23,33 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from pipezero.errors import ConfigError
 
 if TYPE_CHECKING:  # settings.validate imports this module
     from pipezero.config import ModelConfig
+    from pipezero.models.spec import ModelSpec
 
 EXAMPLE = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks
 
 
-def param_names(model: ModelConfig) -> list[str]:
+def param_names(model: ModelConfig | ModelSpec) -> list[str]:
     """Every parameter name of the whole model, in model order, both names of a tied weight
-    included. Built on the meta device, one block for all (blocks share their names but the index),
-    so a 70B shape costs nothing."""
-    from pipezero.models.llama import build_layer
+    included, as the model's spec lists them (on the meta device: a 70B shape costs nothing)."""
+    from pipezero.models.llama_spec import spec_of
 
-    with torch.device("meta"):
-        emb, block, head = build_layer(model, 0), build_layer(model, 1), build_layer(model, model.n_layers + 1)
-    names = [f"layers.0.{n}" for n, _ in emb.named_parameters()]
-    for i in range(1, model.n_layers + 1):
-        names += [f"layers.{i}.{n}" for n, _ in block.named_parameters()]
-    return names + [f"layers.{model.n_layers + 1}.{n}" for n, _ in head.named_parameters()]
+    return spec_of(model).param_names()
 
 
-def tied_names(model: ModelConfig) -> tuple[str, str] | None:
+def tied_names(model: ModelConfig | ModelSpec) -> tuple[str, str] | None:
     """The two names of the tied embedding weight, or None without tying."""
-    return ("layers.0.weight", f"layers.{model.n_layers + 1}.proj.weight") if model.tie_embeddings else None
+    from pipezero.models.llama_spec import spec_of
+
+    return spec_of(model).tied_names()
 
 
-def frozen_names(model: ModelConfig, pattern: str | None) -> set[str]:
+def frozen_names(model: ModelConfig | ModelSpec, pattern: str | None) -> set[str]:
     """Names `pattern` freezes (none without a pattern); a tied weight's two names go together."""
     if pattern is None:
         return set()
@@ -65,7 +61,7 @@ def frozen_names(model: ModelConfig, pattern: str | None) -> set[str]:
     return out
 
 
-def check_pattern(model: ModelConfig, pattern: str | None) -> None:
+def check_pattern(model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     """Refuse, before any process group starts, a pattern that is not a regex or would freeze
     nothing or everything (a run that trains nothing is a mistake, not a job)."""
     if pattern is None:
@@ -85,7 +81,7 @@ def check_pattern(model: ModelConfig, pattern: str | None) -> None:
                           f"e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
 
 
-def apply_freeze(chunks: dict[int, nn.Module], model: ModelConfig, pattern: str | None) -> None:
+def apply_freeze(chunks: dict[int, nn.Module], model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     """Turn off gradients of the frozen tensors of this rank's chunks (before ZeRO buckets them)."""
     frozen = frozen_names(model, pattern)
     for chunk in chunks.values():

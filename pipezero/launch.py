@@ -45,7 +45,7 @@ def preflight(cfg: TrainConfig, nproc: int) -> Device:
     from pipezero.engine import check_corpus
     from pipezero.parallel.device import local_device
 
-    check_corpus(cfg, load_corpus(cfg.data))
+    check_corpus(cfg, load_corpus(cfg.data), cfg.model.vocab_size)
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ import pytest
 from pipezero.config import ModelConfig, Partition
 from pipezero.models import apply_preset
 from pipezero.parallel.mesh import Mesh
-from pipezero.parallel.partition import balanced_cuts, layer_costs, partition
+from pipezero.models.presets import layer_costs
+from pipezero.parallel.partition import balanced_cuts, partition
 
 
 def test_mesh_positions_and_groups():

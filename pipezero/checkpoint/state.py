@@ -28,8 +28,10 @@ from torch import nn
 from pipezero.checkpoint.pieces import Piece, owned_ranges
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.store import CheckpointError, Found, Team, latest, write
-from pipezero.config import ModelConfig, TrainConfig
+from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
+from pipezero.models.llama_spec import spec_of
+from pipezero.models.spec import ModelSpec
 from pipezero.rundir import run_id
 from pipezero.zero.sharded import ZeroDP
 
@@ -38,23 +40,22 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.run.out) / "checkpoints"
 
 
-def tied_aliases(model: ModelConfig, held: set[str]) -> dict[str, list[str]]:
-    """With tied embeddings in one chunk, one parameter is both ends; a pipeline holds two equal
-    copies under two names. Saving the one parameter under both names keeps checkpoints the same
-    whatever the layout."""
-    head = f"layers.{model.n_layers + 1}.proj.weight"
-    if model.tie_embeddings and "layers.0.weight" in held and head not in held:
-        return {"layers.0.weight": [head]}
+def tied_aliases(tied: tuple[str, str] | None, held: set[str]) -> dict[str, list[str]]:
+    """With tied embeddings (the spec's two names) in one chunk, one parameter is both ends; a
+    pipeline holds two equal copies under two names. Saving the one parameter under both names
+    keeps checkpoints the same whatever the layout."""
+    if tied and tied[0] in held and tied[1] not in held:
+        return {tied[0]: [tied[1]]}
     return {}
 
 
-def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool,
+def state_dict(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
                frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> dict[str, Any]:
     """This rank's checkpoint entries, as pieces viewing its shards (`model.<name>`,
     `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), and its `frozen` tensors whole."""
-    out = frozen_state(zero, model, saving, frozen)
+    out = frozen_state(zero, tied, saving, frozen)
     held = {n for b in zero.all_buckets() for n in b.names}
-    aliases = tied_aliases(model, held) if saving else {}
+    aliases = tied_aliases(tied, held) if saving else {}
     for b, tensors in zero.shard_state():
         for o in owned_ranges(b.names, b.offsets, [q.numel() for q in b.params], b.shard):
             for kind, flat in tensors.items():
@@ -64,13 +65,13 @@ def state_dict(zero: ZeroDP, model: ModelConfig, saving: bool,
     return out
 
 
-def frozen_state(zero: ZeroDP, model: ModelConfig, saving: bool,
+def frozen_state(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
                  frozen: Sequence[tuple[str, nn.Parameter]]) -> dict[str, Any]:
     """`model.<name>` of each frozen tensor, whole: written once per stage (its first data-parallel
     rank; the replicas are equal), read by every rank."""
     if saving and zero.dp_rank != 0:
         return {}
-    aliases = tied_aliases(model, {n for n, _ in frozen}) if saving else {}
+    aliases = tied_aliases(tied, {n for n, _ in frozen}) if saving else {}
     out: dict[str, Any] = {}
     for name, q in frozen:
         flat = q.detach().view(-1)
@@ -79,10 +80,11 @@ def frozen_state(zero: ZeroDP, model: ModelConfig, saving: bool,
     return out
 
 
-def check_frozen(found: Found, cfg: TrainConfig) -> None:
+def check_frozen(found: Found, cfg: TrainConfig, spec: ModelSpec | None = None) -> None:
     """Refuse to train a tensor the checkpoint froze: it has no AdamW state to resume."""
     saved = found.manifest["config"].get("optim", {}).get("freeze")
-    thawed = sorted(frozen_names(cfg.model, saved) - frozen_names(cfg.model, cfg.optim.freeze))
+    model = spec or cfg.model
+    thawed = sorted(frozen_names(model, saved) - frozen_names(model, cfg.optim.freeze))
     if thawed:
         raise CheckpointError(f"{found.path} was trained with --freeze {saved!r}; this run trains {len(thawed)} of "
                               f"those tensors ({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}), which "
@@ -91,11 +93,11 @@ def check_frozen(found: Found, cfg: TrainConfig) -> None:
 
 
 def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None,
-         frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Path:
+         frozen: Sequence[tuple[str, nn.Parameter]] = (), spec: ModelSpec | None = None) -> Path:
     """Checkpoint after `step` optimizer steps (collective); `data`: the data position (samples read);
-    `frozen`: this rank's frozen tensors (freeze.frozen_params)."""
+    `frozen`: this rank's frozen tensors (freeze.frozen_params); `spec`: the model, when not cfg.model's."""
     team = Team.current(step)
-    state = state_dict(zero, cfg.model, saving=True, frozen=frozen)
+    state = state_dict(zero, spec_of(spec or cfg.model).tied_names(), saving=True, frozen=frozen)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
     info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
@@ -105,7 +107,8 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
     return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)
 
 
-def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
+def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
+         spec: ModelSpec | None = None) -> None:
     """Fill this rank's shards and frozen tensors from checkpoint `found`, whatever layout wrote it
     (collective)."""
     m = found.manifest
@@ -115,10 +118,10 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[st
         diff = {k: (v, now["model"].get(k)) for k, v in m["config"]["model"].items() if now["model"].get(k) != v}
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
-    check_frozen(found, cfg)  # the same answer on every rank: it reads the two configurations only
+    check_frozen(found, cfg, spec)  # the same answer on every rank: it reads the two configurations only
     if team.rank == 0:
         warn_changed(m["config"], now, found.path)
-    state = state_dict(zero, cfg.model, saving=False, frozen=frozen)
+    state = state_dict(zero, spec_of(spec or cfg.model).tied_names(), saving=False, frozen=frozen)
     same_ranks = m["world"] == team.world
     if same_ranks:  # torch RNG streams belong to ranks; after a reshard they start from the seed
         state[f"rng.rank{team.rank}"] = torch.empty_like(torch.get_rng_state())
@@ -153,7 +156,8 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> Found | None:
+def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
+           spec: ModelSpec | None = None) -> Found | None:
     """Load the newest good checkpoint when asked to resume or restarted by torchrun, and say
     which (its manifest holds the step to continue from); None when there is none to load."""
     if not (cfg.run.resume or restarted()):
@@ -165,7 +169,7 @@ def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parame
             print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",
                   file=sys.stderr, flush=True)
         return None
-    load(found, cfg, zero, frozen)
+    load(found, cfg, zero, frozen, spec)
     if team.rank == 0:
         print(f"pipezero: resumed from {found.path} (step {found.manifest['step']})", file=sys.stderr, flush=True)
     return found

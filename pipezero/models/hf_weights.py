@@ -53,7 +53,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the whole model and its shape, built on the meta device (no memory)."""
-    from pipezero.models.llama import StageChunk
+    from pipezero.models.chunk import StageChunk
 
     with torch.device("meta"):
         model = StageChunk(cfg, 0, cfg.n_layers + 2, seed=0, init=False)

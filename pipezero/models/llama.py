@@ -1,18 +1,16 @@
 """A Llama-style decoder as a flat list of layers: [Embedding, Block x n_layers, Head].
 
 Each layer maps one tensor to one tensor, so any contiguous slice of the list is a pipeline stage
-chunk and the activations between chunks are a single (B, T, dim) tensor. Packed documents add
-per-token document ids (B, T), which every rank holds with its micro-batch: each chunk turns them
-into a `DocMask` once and its blocks attend within documents only. Parameters are named
-`layers.{global_index}.…` whatever the slice, so state dicts and checkpoints are keyed the same
-way for every layout, and each layer is initialised from its own seeded generator so a layer's
-initial weights do not depend on which rank builds it.
+chunk (models/chunk.py) and the activations between chunks are a single (B, T, dim) tensor. Packed
+documents add per-token document ids (B, T), which every rank holds with its micro-batch: each
+chunk turns them into a `DocMask` once and its blocks attend within documents only. Each layer is
+initialised from its own seeded generator so a layer's initial weights do not depend on which rank
+builds it. models/llama_spec.py presents all this to the engine as a ModelSpec.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -204,64 +202,6 @@ def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> Non
                 continue
             std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
-
-
-class StageChunk(nn.Module):
-    """A contiguous slice [start, stop) of the layer list; the whole model is the slice [0, L+2)."""
-
-    def __init__(self, cfg: ModelConfig, start: int, stop: int, seed: int, init: bool = True) -> None:
-        super().__init__()
-        if not 0 <= start <= stop <= cfg.n_layers + 2:
-            raise ValueError(f"layer slice [{start}, {stop}) outside 0..{cfg.n_layers + 2}")
-        self.start, self.stop = start, stop
-        self.is_first = start == 0
-        self.is_last = stop == cfg.n_layers + 2
-        self.layers = nn.ModuleDict()
-        for i in range(start, stop):
-            layer = build_layer(cfg, i)
-            if init:
-                init_layer(layer, i, cfg, seed)
-            self.layers[str(i)] = layer
-        self.tie(cfg)
-
-    def tie(self, cfg: ModelConfig) -> None:
-        if cfg.tie_embeddings and self.is_first and self.is_last:
-            # One Parameter serves both ends; across ranks the engine sums the two gradients instead.
-            self.layers[str(self.stop - 1)].proj.weight = self.layers["0"].weight
-
-    def forward(self, x: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
-        """x: tokens (B, T) on the first chunk, else activations (B, T, dim); docs: the tokens'
-        document ids (B, T) when documents are packed with masks, else None."""
-        mask = DocMask.of(docs) if docs is not None else None
-        for layer in self.layers.values():
-            x = layer(x, mask) if mask is not None and isinstance(layer, Block) else layer(x)
-        return x
-
-    def layer_modules(self) -> Iterable[tuple[int, nn.Module]]:
-        return ((int(k), m) for k, m in self.layers.items())
-
-
-def compile_blocks(chunk: StageChunk) -> None:
-    """torch.compile every block's forward in place: the fused kernels (norms, rotary, SwiGLU) are
-    where eager mode loses time on a GPU. The module's own call and hooks stay eager, so ZeRO-3's
-    per-layer gather and release hooks run around the compiled code; names and parameters are
-    unchanged, so checkpoints do not see it."""
-    for layer in chunk.layers.values():
-        if isinstance(layer, Block):
-            layer.forward = torch.compile(layer.forward)
-
-
-def build_chunk(cfg: ModelConfig, start: int, stop: int, seed: int, device: torch.device | str = "cpu") -> StageChunk:
-    """Layers [start, stop), seeded; a pretrained model's are allocated uninitialised (on the meta
-    device first: even nn.Linear's own init of 0.5B numbers costs seconds), for models/hf_weights.py
-    to fill."""
-    if cfg.pretrained is None:
-        return StageChunk(cfg, start, stop, seed).to(device)
-    with torch.device("meta"):
-        chunk = StageChunk(cfg, start, stop, seed, init=False)
-    chunk = chunk.to_empty(device=device)
-    chunk.tie(cfg)  # to_empty gives the two ends of a tied embedding a tensor each
-    return chunk
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:

@@ -68,6 +68,16 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     return [emb] + [block_params(cfg)] * cfg.n_layers + [head]
 
 
+def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
+    """Relative training time per layer: matmul FLOPs (6 per weight a token) plus attention; the
+    embedding costs its gather and scatter-add, about one pass over its rows' bytes."""
+    attn = 12.0 * seq_len * cfg.dim
+    block = 6.0 * (block_params(cfg) - 2 * cfg.dim) + attn
+    head = 6.0 * cfg.vocab_size * cfg.dim
+    emb = 2.0 * cfg.dim
+    return [emb] + [block] * cfg.n_layers + [head]
+
+
 def param_count(cfg: ModelConfig) -> int:
     return sum(layer_param_counts(cfg))
 

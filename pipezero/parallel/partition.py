@@ -8,17 +8,8 @@ small sizes), or an explicit list of layers per chunk. Balanced cuts minimise th
 from __future__ import annotations
 
 from pipezero.config import ModelConfig, Partition
-from pipezero.models.presets import block_params, layer_param_counts
-
-
-def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:
-    """Relative training time per layer: matmul FLOPs (6 per weight a token) plus attention; the
-    embedding costs its gather and scatter-add, about one pass over its rows' bytes."""
-    attn = 12.0 * seq_len * cfg.dim
-    block = 6.0 * (block_params(cfg) - 2 * cfg.dim) + attn
-    head = 6.0 * cfg.vocab_size * cfg.dim
-    emb = 2.0 * cfg.dim
-    return [emb] + [block] * cfg.n_layers + [head]
+from pipezero.models.llama_spec import spec_of
+from pipezero.models.spec import ModelSpec
 
 
 def balanced_cuts(weights: list[float], n: int) -> list[int]:
@@ -51,19 +42,21 @@ def balanced_cuts(weights: list[float], n: int) -> list[int]:
     return counts
 
 
-def partition(cfg: ModelConfig, n_chunks: int, policy: Partition, seq_len: int,
+def partition(model: ModelConfig | ModelSpec, n_chunks: int, policy: Partition, seq_len: int,
               explicit: list[int] | None = None) -> list[tuple[int, int]]:
-    """[start, stop) layer slices of the `n_chunks` chunks in model order."""
-    n_layers = cfg.n_layers + 2
+    """[start, stop) layer slices of the `n_chunks` chunks in model order, from the spec's
+    per-layer counts."""
+    spec = spec_of(model)
+    n_layers = spec.n_layers + 2
     if explicit is not None:
         counts = list(explicit)
     elif policy is Partition.UNIFORM:
         base, extra = divmod(n_layers, n_chunks)
         counts = [base + (1 if i < extra else 0) for i in range(n_chunks)]
     elif policy is Partition.PARAMS:
-        counts = balanced_cuts([float(x) for x in layer_param_counts(cfg)], n_chunks)
+        counts = balanced_cuts([float(x) for x in spec.layer_param_counts()], n_chunks)
     else:
-        counts = balanced_cuts(layer_costs(cfg, seq_len), n_chunks)
+        counts = balanced_cuts(spec.layer_costs(seq_len), n_chunks)
     bounds, start = [], 0
     for c in counts:
         bounds.append((start, start + c))

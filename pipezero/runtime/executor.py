@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from pipezero.config import DType
-from pipezero.models import StageChunk, lm_loss
+from pipezero.models import StageChunk
 from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
@@ -161,7 +161,7 @@ class Executor:
                 with self._timed(a):
                     live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), a.chunk in split)
                     if a.chunk == self.last:
-                        st.out = lm_loss(st.out, microbatches[a.mb][1], denom)
+                        st.out = self.chunks[a.chunk].spec.loss(st.out, microbatches[a.mb][1], denom)
                         loss += st.out.detach()
                 peak = max(peak, len(live))
                 continue
@@ -245,7 +245,7 @@ class Executor:
                 x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
                 y = self._forward(self.chunks[c], x, rest[0] if rest else None)
                 if c == self.last:
-                    total += lm_loss(y, targets, 1.0).double()
+                    total += self.chunks[c].spec.loss(y, targets, 1.0).double()
                 else:
                     self.p2p.send(Kind.EVAL, c + 1, mb, y)
         self.p2p.finish()

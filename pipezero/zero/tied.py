@@ -39,10 +39,11 @@ class TiedCopies:
                 p.grad.copy_(total)
 
 
-def find_tied(named: dict[str, nn.Parameter], n_layers: int) -> tuple[list[nn.Parameter], nn.Parameter | None]:
-    """This rank's copies of the tied weight (embedding `layers.0.weight`, head
-    `layers.{L+1}.proj.weight`) when they are distinct tensors, and the head's copy."""
-    emb, head = named.get("layers.0.weight"), named.get(f"layers.{n_layers + 1}.proj.weight")
+def find_tied(named: dict[str, nn.Parameter], names: tuple[str, str]) -> tuple[list[nn.Parameter], nn.Parameter | None]:
+    """This rank's copies of the tied weight `names` (the model spec's: for the built-in model the
+    embedding `layers.0.weight` and the head's `layers.{L+1}.proj.weight`) when they are distinct
+    tensors, and the second (head's) copy."""
+    emb, head = named.get(names[0]), named.get(names[1])
     local = [p for p in (emb, head) if p is not None]
     return local, head
 
