@@ -44,24 +44,13 @@ LAYOUTS = {
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }
-TOML = """[model]
-preset = "{preset}"
-[data]
-tokenizer = "bytes"
-max_bytes = 3000000
-seq_len = {seq_len}
-[parallel]
-micro_batch_size = {mbs}
-microbatches = {m}
-bucket_mb = {bucket_mb}
-[run]
-eval_every = 0
-eval_batches = 1
-sample_tokens = 0
-progress = false
-threads = 1
-trace = {trace}
-"""
+def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, **parallel: int) -> str:
+    """The benches' run settings: bytes tokens from a few MB of the built-in corpus, one thread a
+    rank, no evaluation or sample; `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
+    extra = "".join(f"{k} = {v}\n" for k, v in parallel.items())
+    return (f'[model]\npreset = "{preset}"\n[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
+            f"[parallel]\n{extra}bucket_mb = {bucket_mb}\n[run]\neval_every = 0\neval_batches = 1\nsample_tokens = 0\n"
+            f"progress = false\nthreads = 1\ntrace = {str(trace).lower()}\n")
 
 
 def rate_bytes_per_s(rate: str) -> float:
@@ -153,8 +142,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     for group in args.layouts.split(","):
         toml = tmp / f"{group}.toml"
         m = args.dp_microbatches if group == "dp" else args.microbatches
-        toml.write_text(TOML.format(preset=args.preset, seq_len=args.seq_len, mbs=args.mbs * args.microbatches // m,
-                                    m=m, bucket_mb=args.bucket_mb, trace=str(group == "dp").lower()))
+        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group == "dp",
+                                 micro_batch_size=args.mbs * args.microbatches // m, microbatches=m))
         for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))]:
             lay = {**lay, "mbs": args.mbs * args.microbatches // m, "microbatches": m}
             runs = tmp / lay["name"].replace(" ", "_").replace("=", "")

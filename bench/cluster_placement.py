@@ -27,23 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_overlap import RESULTS, comm_alone, on_cluster, rate_bytes_per_s  # noqa: E402
-
-TOML = """[model]
-preset = "{preset}"
-[data]
-tokenizer = "bytes"
-max_bytes = 3000000
-seq_len = {seq_len}
-[parallel]
-bucket_mb = {bucket_mb}
-[run]
-eval_every = 0
-eval_batches = 1
-sample_tokens = 0
-progress = false
-threads = 1
-"""
+from cluster_overlap import RESULTS, comm_alone, on_cluster, rate_bytes_per_s, run_toml  # noqa: E402
 
 
 def flags(lay) -> list[str]:
@@ -127,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         toml = tmp / "run.toml"
-        toml.write_text(TOML.format(preset=args.preset, seq_len=args.seq_len, bucket_mb=args.bucket_mb))
+        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb))
         per_rank = args.global_batch // ranks
         refs = [Layout(1, ranks, 0, ScheduleKind.ONE_F_ONE_B, 1, per_rank, 1, False),  # one big micro-batch
                 Layout(1, ranks, 0, ScheduleKind.ONE_F_ONE_B, 1, 1, per_rank, False)]  # the same rows, one a time
