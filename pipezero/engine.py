@@ -185,8 +185,9 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     torch.manual_seed(r.seed)
     torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
     corpus = load_corpus(cfg.data)
-    check_corpus(cfg, corpus, (spec or spec_of(cfg.model)).vocab_size)
-    stage = build_stage(cfg, rank, device=device, spec=spec)
+    model = spec or spec_of(cfg.model)
+    check_corpus(cfg, corpus, model.vocab_size)
+    stage = build_stage(cfg, rank, device=device, spec=model)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
     frozen = frozen_params(stage.chunks)
@@ -348,6 +349,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
             dist.all_gather_object(events, stage.tracer.events)
     if stage.mesh.rank != 0:
         return
+    one_replica = [stage.mesh.global_rank(s, 0) for s in range(p.pp)]  # a rank a stage, as placed
     layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
               "virtual_stages": p.virtual_stages}
     if board:
@@ -360,8 +362,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "params": sum(stage.spec.layer_param_counts()), "unigram_baseline": result.unigram, "final_heldout_loss": final,
         "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
         "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-        "peak_live_activations": {"measured": [per_rank[stage.mesh.global_rank(s, 0)]["peak_live"]
-                                               for s in range(p.pp)],
+        "peak_live_activations": {"measured": [per_rank[r]["peak_live"] for r in one_replica],
                                   "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,
         "measured_bubble": [x["measured_bubble"] for x in per_rank],
@@ -371,8 +372,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
         "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
-        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze,
-                            [stage.mesh.global_rank(s, 0) for s in range(p.pp)]),
+        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
