@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 
@@ -20,20 +21,25 @@ def cache_dir() -> Path:
     return path
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: readers see old or new, never half."""
+def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
+    """`write(tmp)` fills a temporary file beside `path` (a unique name: writers may race); it is
+    fsynced, then renamed over `path`: readers see the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    atomic_write_with(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:

@@ -8,8 +8,6 @@ every parameter under the model's own names in its own shape (a tied embedding o
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest
 from pipezero.config import ModelConfig
 from pipezero.models import ModelSpec, StageChunk, build_chunk
-from pipezero.util import atomic_write_json
+from pipezero.util import atomic_write_json, atomic_write_with
 
 
 def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:
@@ -62,17 +60,8 @@ def export(source: Path, out: Path) -> Path:
     folder, or a run directory (its newest good checkpoint). Returns the checkpoint used."""
     source = resolve(source)
     model = read_model(source)
-    out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".model.", suffix=".safetensors.tmp")  # unique: exports may race
-    try:
-        os.close(fd)
-        save_model(model, tmp)  # drops the tied head's alias and restores it on load
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out / "model.safetensors")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # save_model drops the tied head's alias, and load_model restores it
+    atomic_write_with(out / "model.safetensors", lambda tmp: save_model(model, tmp))
     atomic_write_json(out / "config.json", read_manifest(source)["config"]["model"])
     return source
 

@@ -23,7 +23,7 @@ from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
 from pipezero.models.hf import CONFIG, METADATA, llama_config, to_hf
-from pipezero.util import atomic_write_json
+from pipezero.util import atomic_write_json, atomic_write_with
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
 
@@ -67,12 +67,12 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path, limit: int) -> li
     groups = shards(tensors, limit)
     meta = {"format": "pt"}
     if len(groups) == 1:
-        save_file(groups[0], str(out / "model.safetensors"), metadata=meta)
+        atomic_write_with(out / "model.safetensors", lambda tmp: save_file(groups[0], tmp, metadata=meta))
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
     for name, group in zip(names, groups):
-        save_file(group, str(out / name), metadata=meta)
+        atomic_write_with(out / name, lambda tmp, group=group: save_file(group, tmp, metadata=meta))
         weight_map.update({t: name for t in group})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     atomic_write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total},
