@@ -202,10 +202,3 @@ def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> Non
                 continue
             std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=gen))
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
-    """Sum of token cross-entropies divided by `denom` (all counted targets of the global batch), so
-    the per-micro-batch losses add up to the global mean whatever the layout. Targets of -100 (a
-    document's last token under packing, padding) are not counted."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom

@@ -8,7 +8,7 @@ from torch import nn
 
 from pipezero.config import ModelConfig
 from pipezero.models.presets import flops_per_token, layer_costs, layer_param_counts
-from pipezero.models.llama import DocMask, lm_loss
+from pipezero.models.llama import DocMask
 from pipezero.models.llama import build_layer as llama_layer
 from pipezero.models.llama import init_layer as llama_init
 from pipezero.models.spec import ModelSpec
@@ -35,9 +35,6 @@ class LlamaSpec(ModelSpec):
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.cfg, seq_len)
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
-        return lm_loss(logits, targets, denom)
 
     def tied_names(self) -> tuple[str, str] | None:
         return ("layers.0.weight", f"layers.{self.n_layers + 1}.proj.weight") if self.cfg.tie_embeddings else None

@@ -37,6 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
+    """Sum of token cross-entropies divided by `denom` (all counted targets of the global batch), so
+    the per-micro-batch losses add up to the global mean whatever the layout. Targets of -100 (a
+    document's last token under packing, padding) are not counted."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom
+
+
 class ModelSpec:
     """Base class of a model family: subclass it and fill in the four abstract methods; the rest
     have defaults. `n_layers` counts blocks; `dim` is the width of activations between chunks;
@@ -69,8 +76,7 @@ class ModelSpec:
         return [6.0 * n for n in self.layer_param_counts()]
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
-        """Token cross-entropy summed and divided by `denom`; targets of -100 are not counted."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / denom
+        return lm_loss(logits, targets, denom)
 
     def tied_names(self) -> tuple[str, str] | None:
         """(a parameter of layer 0, one of layer n_layers + 1) that are one tensor, or None. Apart
