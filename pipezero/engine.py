@@ -43,8 +43,9 @@ from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
 from pipezero.zero import layerwise, updates
-from pipezero.zero.accounting import explain
-from pipezero.zero.sharded import ZeroDP, named_by_chunk, shared_params
+from pipezero.zero.accounting import explain, held_bytes
+from pipezero.zero.buckets import named_by_chunk, shared_params
+from pipezero.zero.sharded import ZeroDP
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -158,10 +159,10 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  defer_gathers=p.overlap_gather)
+                  overlap_gather=p.overlap_gather)
     if zero.layerwise:
-        layerwise.install(zero, chunks)
-    elif p.zero in (1, 2) and p.overlap_gather:
+        layerwise.install(zero.sharded, chunks)
+    elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
     # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
     # pair's transfers run in posting order (NCCL) before any is posted.
@@ -233,7 +234,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             read += g
             mbs = corpus.microbatches(batch, mesh.dp_rank, p.dp, p.microbatches)
             peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
-            stage.zero.peak_gathered = 0  # from here to the optimizer step: this step's training
+            stage.zero.reset_peak()  # from here to the optimizer step: this step's training
             stage.zero.begin_step()
             # the mean over the global batch's targets; packing ignores those across a document boundary
             denom = max(1, int((batch[1] != IGNORE).sum()))
@@ -332,7 +333,7 @@ def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
-            "held_bytes": stage.zero.held_bytes(), "params": sum(b.numel for b in stage.zero.all_buckets()),
+            "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules, stage.zero.opt.state_bytes()), "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": peak_rss_bytes(),
             "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),

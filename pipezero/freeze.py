@@ -98,9 +98,9 @@ def frozen_params(chunks: dict[int, nn.Module]) -> list[tuple[str, nn.Parameter]
 def saved_bytes(stage: int, dp: int, frozen_numel: int) -> dict[str, int]:
     """Bytes this rank does not allocate because `frozen_numel` of its parameters are frozen: their
     fp32 gradient (whole below stage 2, a 1/D shard from stage 2) and AdamW's two fp32 moments
-    (whole at stage 0, 1/D from stage 1), as ZeroDP.held_bytes counts them; and what ZeRO-3 pays
+    (whole at stage 0, 1/D from stage 1), as zero/accounting.held_bytes counts them; and what ZeRO-3 pays
     instead for keeping them whole (4 - 4/D bytes a parameter; see the module docstring). Frozen
-    tensors are in no ZeRO bucket, so ZeroDP.held_bytes leaves them out: `param_bytes` is their own
+    tensors are in no ZeRO bucket, so held_bytes leaves them out: `param_bytes` is their own
     fp32 storage, held whole on every data-parallel rank."""
     grads = 4 * frozen_numel // (dp if stage >= 2 else 1)
     optimizer = 8 * frozen_numel // (dp if stage >= 1 else 1)

@@ -82,8 +82,8 @@ def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cas
 
         def watched(self, chunk, *args, _clean=clean):
             _clean(self, chunk, *args)
-            if not self._holding:
-                most["bytes"] = max(most["bytes"], self.gathered_bytes())
+            if self.sharded is not None and not self.sharded.holding:
+                most["bytes"] = max(most["bytes"], self.sharded.gathered_bytes())
         setattr(ZeroDP, name, watched)
     results = []
     for case in cases:

@@ -33,6 +33,7 @@ from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
 from pipezero.models.spec import ModelSpec
 from pipezero.rundir import run_id
+from pipezero.zero.checkpoint_state import restore_replicas, shard_state
 from pipezero.zero.sharded import ZeroDP
 
 
@@ -56,7 +57,7 @@ def state_dict(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
     out = frozen_state(zero, tied, saving, frozen)
     held = {n for b in zero.all_buckets() for n in b.names}
     aliases = tied_aliases(tied, held) if saving else {}
-    for b, tensors in zero.shard_state():
+    for b, tensors in shard_state(zero):
         for o in owned_ranges(b.names, b.offsets, [q.numel() for q in b.params], b.shard):
             for kind, flat in tensors.items():
                 local = flat[o.at:o.at + o.hi - o.lo]
@@ -129,7 +130,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[st
                                                        no_dist=team.world == 1))
     if same_ranks:
         torch.set_rng_state(state[f"rng.rank{team.rank}"])
-    zero.restore_replicas(m["adam_steps"])
+    restore_replicas(zero, m["adam_steps"])
 
 
 # Settings that change what the resumed steps compute (the layout may change freely).

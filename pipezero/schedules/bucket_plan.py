@@ -10,7 +10,7 @@ Every bucket is padded to a multiple of D, so each data-parallel rank owns an eq
 the same grouping rule over plain counts. It is given per-layer counts (models/presets.py knows
 layers, not tensors), so a layer is never split: where one layer is larger than the bucket, the
 runtime closes the bucket at a tensor boundary inside it and this plan closes it after the layer.
-Layer-by-layer ZeRO-3 uses one bucket a layer at run time (`ZeroDP.__post_init__`); `layerwise`
+Layer-by-layer ZeRO-3 uses one bucket a layer at run time (`zero/layerwise.layer_buckets`); `layerwise`
 gives that plan.
 """
 

@@ -11,7 +11,7 @@ Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-par
   belong to; final sends after the last action), peers as global ranks of the same replica.
 - REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
-  (`last_weight_grad`, `ZeroDP._reduces_now`); with `microbatch` at ZeRO >= 2 after every W or BW
+  (`last_weight_grad`, `Rules.reduces_every_backward` in zero/stages.py); with `microbatch` at ZeRO >= 2 after every W or BW
   of the chunk (B produces no weight gradient). The runtime launches BW's buckets as autograd fills
   them, during the backward; here they start when it ends (a conservative bound). They run async;
   the rank blocks (`blocking`: waits for this and every earlier collective) where ZeroDP drains:

@@ -15,6 +15,8 @@ computing norms and embeddings with differently rounded weights).
 from __future__ import annotations
 
 from pipezero.config import DType, GradReduce
+from pipezero.zero.buckets import Bucket
+from pipezero.zero.stages import Rules
 
 
 def paper_bytes_per_param(stage: int, dp: int, mixed: bool) -> float:
@@ -49,3 +51,11 @@ def explain(stage: int, dp: int, dtype: DType, grad_reduce: GradReduce = GradRed
                                        f"shard as backward produces it (the paper's stage {stage} memory, up to two "
                                        f"buckets in flight); {microbatches} reduce-scatters a step instead of one")
     return out
+
+
+def held_bytes(buckets: list[Bucket], rules: Rules, optimizer_bytes: int) -> dict[str, int]:
+    """Bytes a rank holds between steps for parameters, gradients and optimizer state. Stage 1-2
+    masters are views of the parameters; stage 3's master is the parameter shard."""
+    params = sum((b.shard_size if rules.sharded_params else b.padded) * 4 for b in buckets)
+    grads = sum((b.shard_size if rules.sharded_grads else b.padded) * 4 for b in buckets)
+    return {"params": params, "grads": grads, "optimizer": optimizer_bytes}

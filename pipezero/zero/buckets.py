@@ -5,18 +5,40 @@ the parameters and their `.grad` are views into them, so a collective moves a wh
 per-tensor calls and no copies. Data-parallel rank d owns the slice [d*S, (d+1)*S) of every bucket
 (S = padded size / D). Padding is zeros that no parameter maps to: it is reduced, updated and
 gathered like the rest and never read back, so sizes need not divide by D.
+
+A bucket is also the unit of ZeRO's state: besides its buffers it holds this rank's reduced gradient
+shard, ZeRO-3's master shard, and the collective in flight on it (a reduction or a gather), so the
+coordinator (zero/coordinator.py) and the stage logic (zero/sharded.py) keep no tables beside it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 
 @dataclass
+class Reduction:
+    """A bucket's gradient reduction in flight."""
+
+    work: Any  # None without a group: the result is already there
+    out: torch.Tensor | None  # reduce-scatter output, added into the shard gradient on completion
+    back: torch.Tensor | None = None  # a low-precision all-reduce's buffer, copied into the gradient
+
+
+@dataclass
+class Gathering:
+    """A bucket's all-gather of parameter shards in flight."""
+
+    work: Any
+    wire: torch.Tensor | None  # a low-precision gather's buffer, copied into the parameters
+
+
+@dataclass(eq=False)  # identity: buckets are compared and looked up as objects, never by value
 class Bucket:
     names: list[str]
     params: list[nn.Parameter]
@@ -26,13 +48,39 @@ class Bucket:
     dp_rank: int
     flat: torch.Tensor = field(init=False)  # (padded,) fp32; parameters are views into it
     grad: torch.Tensor | None = None  # (padded,) while gradients accumulate
+    shard_grad: torch.Tensor | None = None  # stages 2-3: (S,) fp32 reduced gradient shard of the step
+    master: torch.Tensor | None = None  # stage 3: (S,) fp32 parameter shard, the only copy between uses
+    reduction: Reduction | None = None
+    gathering: Gathering | None = None
+    tied: bool = False  # holds a tied embedding copy: reduced in the step, after the copies are summed
+    arrived: set[int] | None = None  # positions whose gradient is complete, during a reducing backward
+    launched: bool = False  # reduced during the current backward
+    expect: set[int] | None = None  # ZeRO-3 layer by layer: positions whose gradient is still to come
 
     def __post_init__(self) -> None:
-        self.index = {id(p): i for i, p in enumerate(self.params)}
+        # keyed by the tensor object itself (tensors hash by identity): a parameter -> its position
+        self.position: dict[nn.Parameter, int] = {p: i for i, p in enumerate(self.params)}
         self.flat = torch.zeros(self.padded, device=self.device)
         for p, off in zip(self.params, self.offsets):
             self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[off:off + p.numel()].view_as(p)
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return p in self.position
+
+    @property
+    def present(self) -> bool:
+        """Whether the full parameters are in memory (ZeRO-3 releases them between uses)."""
+        return self.flat.untyped_storage().size() != 0
+
+    def release(self) -> None:
+        """Drop the full parameters' storage. The tensor objects stay (sized zero), so views that
+        autograd saved in forward are valid again once `restore` gives the storage back."""
+        self.flat.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        if not self.present:
+            self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
 
     @property
     def device(self) -> torch.device:
@@ -64,7 +112,7 @@ class Bucket:
             return
         if self.grad is None:
             self.grad = torch.zeros(self.padded, device=self.device)
-        i = self.index[id(p)]
+        i = self.position[p]
         view = self.grad[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
         if p.grad.data_ptr() != view.data_ptr():
             view.add_(p.grad)
@@ -113,3 +161,27 @@ def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp
             close()
     close()
     return out
+
+
+def shared_params(chunks: dict[int, nn.Module]) -> set[nn.Parameter]:
+    """Parameters a chunk uses more than once (a head tied to the embedding in the same chunk)."""
+    seen: set[nn.Parameter] = set()
+    twice: set[nn.Parameter] = set()
+    for m in chunks.values():
+        for _, p in m.named_parameters(remove_duplicate=False):
+            (twice if p in seen else seen).add(p)
+    return twice
+
+
+def named_by_chunk(chunks: dict[int, nn.Module]) -> dict[int, list[tuple[str, nn.Parameter]]]:
+    """Each chunk's trainable parameters, a tied parameter listed once."""
+    seen: set[nn.Parameter] = set()  # tensors hash by identity
+    out: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for c, m in sorted(chunks.items()):
+        out[c] = []
+        for n, p in m.named_parameters():
+            if p.requires_grad and p not in seen:
+                seen.add(p)
+                out[c].append((n, p))
+    return out
+

@@ -19,11 +19,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pipezero.zero.buckets import Bucket
+from pipezero.zero.buckets import Bucket, make_buckets
 
 
 class Gatherer(Protocol):
-    """What the hooks ask of ZeRO-3's owner of the buckets (zero/sharded.py's ZeroDP): this module
+    """What the hooks ask of ZeRO-3's parameters (zero/gathering.py): this module
     places gathers and releases, the owner runs them."""
 
     def all_buckets(self) -> Iterable[Bucket]: ...
@@ -38,20 +38,28 @@ def layer_index(name: str) -> int:
     return int(name.split(".")[1])
 
 
+def layer_buckets(named: list[tuple[str, nn.Parameter]], dp: int, dp_rank: int) -> list[Bucket]:
+    """One bucket a layer, in backward order (the last layer's first)."""
+    layers: dict[int, list[tuple[str, nn.Parameter]]] = {}
+    for n, q in named:
+        layers.setdefault(layer_index(n), []).append((n, q))
+    return [make_buckets(layers[i], float("inf"), dp, dp_rank)[0] for i in sorted(layers, reverse=True)]
+
+
 def install(zero: Gatherer, chunks: dict[int, nn.Module]) -> None:
     """Hook every layer of every chunk to gather and release its bucket around each use. A layer
     that uses another layer's parameter (a head tied to the embedding, in the same chunk) gathers
     that layer's bucket too: the parameter is listed, and bucketed, once, under the embedding."""
     by_layer = {layer_index(b.names[0]): b for b in zero.all_buckets()}
-    by_param = {id(q): b for b in zero.all_buckets() for q in b.params}
+    by_param = {q: b for b in zero.all_buckets() for q in b.params}  # tensors hash by identity
     for chunk in chunks.values():
         layers = [(int(k), m) for k, m in chunk.layers.items() if int(k) in by_layer]
         for pos, (idx, module) in enumerate(layers):
             bucket = by_layer[idx]
             after = by_layer[layers[pos + 1][0]] if pos + 1 < len(layers) else None
             before = by_layer[layers[pos - 1][0]] if pos > 0 else None
-            borrowed = {id(b): b for q in module.parameters() if (b := by_param.get(id(q))) not in (None, bucket)}
-            _hook_layer(zero, module, bucket, after, before, list(borrowed.values()))
+            borrowed = list(dict.fromkeys(b for q in module.parameters() if (b := by_param.get(q)) not in (None, bucket)))
+            _hook_layer(zero, module, bucket, after, before, borrowed)
 
 
 def _hook_layer(zero: Gatherer, module: nn.Module, bucket: Bucket, after: Bucket | None,
@@ -84,7 +92,7 @@ def _hook_layer(zero: Gatherer, module: nn.Module, bucket: Bucket, after: Bucket
         if after is not None:
             zero.release(after)
         # a borrowed bucket's gradient is complete only after its own layer's backward: it stays
-        # gathered until then, and is released after the chunk's backward (ZeroDP.after_backward)
+        # gathered until then, and is released after the chunk's backward (zero/gathering.py's after_final_backward or release_layers)
         for b in [bucket, *borrowed]:
             zero.gather(b)
         zero.expect_grads(bucket)

@@ -29,7 +29,7 @@ def install(zero: Settler, chunks: dict[int, nn.Module]) -> None:
     buckets = list(zero.all_buckets())
     for chunk in chunks.values():
         for module in chunk.modules():
-            own = [b for b in buckets if any(id(q) in b.index for q in module.parameters(recurse=False))]
+            own = [b for b in buckets if any(b.holds(q) for q in module.parameters(recurse=False))]
             if own:
                 module.register_forward_pre_hook(_waiter(zero, own))
 

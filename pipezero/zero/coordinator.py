@@ -1,0 +1,145 @@
+"""The collectives of one pipeline stage's data-parallel group: start them, keep them in order, wait.
+
+ZeRO's collective actions are of three kinds: a bucket's gradient reduction (all-reduce, or
+reduce-scatter when gradients are sharded), a bucket's all-gather of parameter shards, and the
+step's all-reduce of the gradient norm and loss over the world. This object starts them (async),
+records each on its bucket, and waits for them oldest first, every wait bounded by the timeout and
+named by rank, step and operation: a replica that stopped answering is an error, not a hang. It
+decides nothing about *when*; zero/sharded.py (the executor's hooks) and the optimizer step say that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipezero.parallel.collectives import all_gather, reduce_scatter
+from pipezero.parallel.waits import wait_or_raise
+from pipezero.telemetry.trace import Tracer
+from pipezero.zero.buckets import Bucket, Gathering, Reduction
+from pipezero.zero.stages import Rules
+
+
+@dataclass
+class Coordinator:
+    rules: Rules
+    dp: int
+    group: Any  # None when dp == 1: every collective is a local copy
+    timeout_s: float
+    rank: int
+    tracer: Tracer
+    comm_dtype: torch.dtype  # bf16 halves gradient and ZeRO-3 parameter traffic
+    on_gpu: bool  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
+    step_no: int = 0
+    bytes_sent: int = 0
+    reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
+    updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
+
+    def wait(self, work: Any, op: str, across: str = "") -> None:
+        """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
+        across = across or f"across {self.dp} data-parallel ranks"
+        with self.tracer.span(op, "wait", "collectives"):
+            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: ZeRO-{self.rules.stage} "
+                                                f"{op} {across}", stream_ordered=self.on_gpu)
+
+    # --- gradient reductions -----------------------------------------------------------------
+    def reduce(self, b: Bucket) -> None:
+        """Start reducing `b`'s gradient (zeros when no gradient reached a sharded bucket)."""
+        sharded = self.rules.sharded_grads
+        if b.grad is None:
+            if not sharded:
+                return
+            b.grad = torch.zeros(b.padded, device=b.device)
+        if b.reduction is not None:
+            raise RuntimeError(f"rank {self.rank}: bucket {b.names[0]}... reduced twice in one backward")
+        self.reducing.append(b)
+        if self.group is None:
+            b.reduction = Reduction(None, b.grad[b.shard] if sharded else None)
+            return
+        # bf16 on the wire: the fp32 gradient is rounded once for the reduction, which sums in
+        # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
+        wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
+        size = wire.element_size()
+        if sharded:
+            out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
+            work = reduce_scatter(out, wire, self.group)
+            self.bytes_sent += b.padded * size * (self.dp - 1) // self.dp
+            b.reduction = Reduction(work, out)
+        else:
+            work = dist.all_reduce(wire, group=self.group, async_op=True)
+            self.bytes_sent += 2 * b.padded * size * (self.dp - 1) // self.dp
+            b.reduction = Reduction(work, None, None if wire is b.grad else wire)
+
+    def drain(self, keep_last: int = 0) -> None:
+        """Wait for the reductions in flight, all but the newest `keep_last`; a sharded result is
+        added into the bucket's fp32 gradient shard and the full gradient dropped."""
+        done, self.reducing = (self.reducing[:-keep_last], self.reducing[-keep_last:]) if keep_last \
+            else (self.reducing, [])
+        for b in done:
+            r, b.reduction = b.reduction, None
+            assert r is not None
+            if r.work is not None:
+                self.wait(r.work, self.rules.reduction)
+            if r.back is not None:
+                b.grad.copy_(r.back)  # type: ignore[union-attr]
+            if r.out is not None:
+                if b.shard_grad is not None:
+                    b.shard_grad.add_(r.out)
+                elif r.out.dtype != torch.float32:
+                    b.shard_grad = r.out.float()
+                else:
+                    # without a group r.out is a view of the gradient bucket about to be dropped
+                    b.shard_grad = r.out if r.work is not None else r.out.clone()
+                b.detach_grads()
+
+    # --- parameter gathers -------------------------------------------------------------------
+    def start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
+        """Give the bucket its storage back and start filling it from the shards (`b.gathering`);
+        without a group the shard is the whole bucket and is copied at once. `low_precision`
+        gathers in `comm_dtype`: only for ZeRO-3's compute copies, whose every element (this
+        rank's too) is then rounded alike, while the fp32 master shard stays exact."""
+        b.restore()
+        if self.group is None:
+            b.flat.copy_(shard)
+            return
+        if low_precision and self.comm_dtype != b.flat.dtype:
+            wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
+            self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
+            b.gathering = Gathering(all_gather(wire, shard.to(self.comm_dtype), self.group), wire)
+            return
+        self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
+        b.gathering = Gathering(all_gather(b.flat, shard.contiguous(), self.group), None)
+
+    def finish_gather(self, b: Bucket) -> None:
+        g, b.gathering = b.gathering, None
+        if g is None:
+            return
+        self.wait(g.work, "all-gather of parameters")
+        if g.wire is not None:
+            b.flat.copy_(g.wire)
+
+    def gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
+        self.start_gather(b, shard, low_precision)
+        self.finish_gather(b)
+
+    def start_updates(self, buckets: list[Bucket]) -> None:
+        """Stages 1-2, after the step: start gathering every bucket's updated shard, in the order
+        given (forward order: the first layers' weights come first). `settle` waits for them."""
+        for b in buckets:
+            self.start_gather(b, b.flat[b.shard].clone())
+            if b.gathering is not None:
+                self.updating.append(b)
+
+    def settle(self, b: Bucket | None = None) -> None:
+        """Wait for the updated parameters of bucket `b` and those gathered before it, or of every
+        bucket: whatever reads full parameters between steps calls this first."""
+        if b is not None and b not in self.updating:
+            return
+        while self.updating:
+            first = self.updating.pop(0)
+            self.finish_gather(first)
+            if first is b:
+                return

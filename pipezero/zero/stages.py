@@ -1,0 +1,49 @@
+"""What each ZeRO stage keeps and moves, in one table: the rest of zero/ asks these rules, never the
+stage number.
+
+Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets.py):
+
+- stage 0: gradients accumulate in full buckets; after a chunk's last backward of the step each
+  bucket is all-reduced (launched as soon as autograd has filled it, overlapping the rest of that
+  backward); every rank updates every parameter and holds all of AdamW's state.
+- stage 1: the same all-reduce, but each rank updates only its 1/D shard (AdamW state for that
+  shard only), then the updated shards are all-gathered so every rank computes with full weights.
+- stage 2: gradients are reduce-scattered instead, so each rank keeps only its gradient shard; with
+  grad-reduce `step` the full gradient still accumulates over the step's micro-batches (one
+  reduce-scatter a bucket a step), with `microbatch` every backward reduce-scatters into the fp32
+  shard and drops the full gradient. Updated shards are all-gathered as at stage 1.
+- stage 3: as stage 2, and parameters live only as shards between uses: gathered before a chunk
+  (or a layer) computes, released after. The fp32 shard is the master copy the optimizer updates;
+  nothing is gathered after the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipezero.config import GradReduce
+
+
+@dataclass(frozen=True)
+class Rules:
+    stage: int
+    sharded_grads: bool  # reduce-scatter, keeping only this rank's gradient shard (else all-reduce)
+    sharded_params: bool  # parameters exist only as shards between uses
+    updates_whole: bool  # every rank updates whole buckets (else only its shard)
+    gathers_updates: bool  # the updated shards are all-gathered after the step
+
+    @property
+    def reduction(self) -> str:
+        return "reduce-scatter of gradients" if self.sharded_grads else "all-reduce of gradients"
+
+    def reduces_every_backward(self, mode: GradReduce) -> bool:
+        """Whether a chunk's every backward reduces (else only its last of the step)."""
+        return self.sharded_grads and mode is GradReduce.MICROBATCH
+
+
+RULES = {
+    0: Rules(0, sharded_grads=False, sharded_params=False, updates_whole=True, gathers_updates=False),
+    1: Rules(1, sharded_grads=False, sharded_params=False, updates_whole=False, gathers_updates=True),
+    2: Rules(2, sharded_grads=True, sharded_params=False, updates_whole=False, gathers_updates=True),
+    3: Rules(3, sharded_grads=True, sharded_params=True, updates_whole=False, gathers_updates=False),
+}
