@@ -46,13 +46,12 @@ def pipezero_step(cfg, rank: int):
     from pipezero.engine import build_stage
 
     stage = build_stage(cfg, rank)
-    actions = stage.schedule.actions[stage.mesh.pp_rank]
     denom = cfg.global_batch * cfg.data.seq_len
 
     def step(mbs: list) -> tuple[float, float]:
         stage.zero.begin_step()
         t0 = time.perf_counter()
-        stats = stage.executor.run(actions, mbs, denom)
+        stats = stage.executor.run(stage.program, mbs, denom)
         stage.zero.step(1e-4, 1.0, stage.groups.world)
         return time.perf_counter() - t0, stats.wait_s / stats.elapsed_s
     return step
@@ -144,7 +143,7 @@ def one_process_tokens_per_s(args: argparse.Namespace) -> float:
                                     cfg.parallel.microbatches)
         stage.zero.begin_step()
         t0 = time.perf_counter()
-        stage.executor.run(stage.schedule.actions[0], mbs, cfg.global_batch * cfg.data.seq_len)
+        stage.executor.run(stage.program, mbs, cfg.global_batch * cfg.data.seq_len)
         stage.zero.step(1e-4, 1.0, None)
         times.append(time.perf_counter() - t0)
     return cfg.global_batch * cfg.data.seq_len / (sum(times[1:]) / args.steps)

@@ -74,14 +74,13 @@ def time_zero(args: argparse.Namespace, rank: int, zero: int) -> dict:
 
     cfg = config(args, zero)
     stage = build_stage(cfg, rank)
-    actions = stage.schedule.actions[0]
     denom = cfg.global_batch * cfg.data.seq_len
     times, exposed = [], []
     for step, mbs in enumerate(batches_for(cfg, rank, args.steps)):
         stage.tracer.step = step
         stage.zero.begin_step()
         t0 = time.perf_counter()
-        stage.executor.run(actions, mbs, denom)
+        stage.executor.run(stage.program, mbs, denom)
         stage.zero.step(1e-4, 1.0, stage.groups.world)
         times.append(time.perf_counter() - t0)
         exposed.append(sum(e[4] - e[3] for e in stage.tracer.events if e[5] == step and e[2] == "collectives"))

@@ -35,9 +35,11 @@ from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
+from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.registry import build_schedule
 from pipezero.schedules.posting import plans, verify
+from pipezero.schedules.program import Instr, lower
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.telemetry.trace import Tracer, write_trace
@@ -110,6 +112,7 @@ class Stage:
     tracer: Tracer
     peaks: PeakMemory
     spec: ModelSpec  # the model the chunks are slices of
+    program: tuple[Instr, ...]  # this rank's lowered program for one step (schedules/program.py)
 
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
@@ -166,11 +169,21 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         updates.install(zero, chunks)  # each layer waits for its own updated weights
     # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
     # pair's transfers run in posting order (NCCL) before any is posted.
-    posting = plans(schedule, predicted)
-    verify(schedule, posting)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, posting[mesh.pp_rank], p.recompute,
-                        hooks=zero, tracer=tracer)
-    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec)
+    verify(schedule, plans(schedule, predicted))
+    program = rank_program(schedule, predicted, mesh, zero, cfg)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer)
+    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
+                 program)
+
+
+def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
+                 cfg: TrainConfig) -> tuple[Instr, ...]:
+    """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
+    left without buckets: this rank plays only its own program)."""
+    sizes = tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(schedule.n_chunks))
+    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, BucketPlan(mesh.dp, sizes),
+                    keep_gathered=not zero.layerwise, sim=predicted)
+    return program.ranks[program.global_rank(mesh.pp_rank, mesh.dp_rank)]
 
 
 def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None) -> RunResult:
@@ -238,7 +251,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             stage.zero.begin_step()
             # the mean over the global batch's targets; packing ignores those across a document boundary
             denom = max(1, int((batch[1] != IGNORE).sum()))
-            stats = stage.executor.run(stage.schedule.actions[mesh.pp_rank], mbs, denom)
+            stats = stage.executor.run(stage.program, mbs, denom)
             peak_live = max(peak_live, stats.peak_live)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row

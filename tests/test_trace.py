@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pipezero.sim.calibrate import calibrate, predict
 from pipezero.config import ScheduleKind
@@ -84,3 +85,49 @@ def test_tensorboard_missing_is_one_clear_line(monkeypatch, capsys):
     assert main(["train", "--tensorboard", "--max-steps", "1", "--tokenizer", "bytes", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "pipezero: error: --tensorboard needs the tensorboard package: pip install tensorboard"
+
+
+def _traced_zero2(rank: int, world: int, data: str, out: str) -> None:
+    from training import train_cases
+
+    train_cases(rank, world, data, out, [{"pp": 1, "dp": 2, "kind": ScheduleKind.ONE_F_ONE_B, "m": 2,
+                                          "parallel.zero": 2, "parallel.grad_reduce": "microbatch",
+                                          "run.trace": True, "run.trace_steps": 1}])
+
+
+def test_collective_waits_are_named_by_the_program_instructions_that_started_them(text_dir, tmp_path):
+    """The runtime plays the lowered program: rank 0's traced waits on gradient reductions, in order,
+    are the REDUCE_GRAD instructions of its program (lowered here, in the test process, over the
+    buckets ZeRO builds for that model), and every other collective wait names an UNSHARD or OPTIM_STEP."""
+    import re
+
+    from training import STEPS, tiny_overrides
+
+    from pipezero.models import build_chunk, spec_of
+    from pipezero.parallel.partition import partition
+    from pipezero.parallel.spawn import run_ranks
+    from pipezero.schedules.bucket_plan import BucketPlan
+    from pipezero.schedules.check import simulate
+    from pipezero.schedules.program import DataParallel, Kind, lower
+    from pipezero.schedules.registry import build_schedule
+    from pipezero.settings import build_config
+    from pipezero.zero.buckets import make_buckets, named_by_chunk
+
+    run_ranks(_traced_zero2, 2, str(text_dir), str(tmp_path), timeout=300)
+    trace = json.loads((tmp_path / "case0" / "trace.json").read_text())
+    waits = [e["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "X" and e["pid"] == 0 and e["tid"] == 2 and e["args"]["step"] == STEPS]
+    assert waits and all(re.match(r"(REDUCE_GRAD|UNSHARD)\(\d+\.\d+\): |OPTIM_STEP: ", w) for w in waits), waits
+
+    cfg = build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "x"), 1, 2, ScheduleKind.ONE_F_ONE_B, 2,
+                                            **{"parallel.zero": 2, "parallel.grad_reduce": "microbatch"}))
+    spec = spec_of(cfg.model)
+    (bounds,) = partition(spec, 1, cfg.parallel.partition, cfg.data.seq_len, cfg.parallel.stage_layers)
+    named = named_by_chunk({0: build_chunk(spec, *bounds, cfg.run.seed, torch.device("cpu"))})
+    sizes = tuple(b.padded for b in make_buckets(named[0], cfg.parallel.bucket_mb, 2, 0))
+    schedule = build_schedule(ScheduleKind.ONE_F_ONE_B, 1, 2, 1)
+    program = lower(schedule, 2, 2, cfg.parallel.grad_reduce, BucketPlan(2, (sizes,)), sim=simulate(schedule))
+    expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in program.ranks[0]
+                if isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD]
+    assert len(sizes) > 2 and len(expected) == 2 * len(sizes)  # two backwards, each reducing every bucket
+    assert [w.split(":")[0] for w in waits if w.startswith("REDUCE_GRAD")] == expected

@@ -1,4 +1,11 @@
-"""Play one rank's action list: the runtime adds no policy of its own.
+"""Play one rank's lowered program (schedules/program.py): the runtime adds no policy of its own.
+
+The program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts (in
+the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD); the executor
+runs compute itself, posts transfers through runtime/p2p.py and hands each collective to the
+data-parallel layer, which starts, waits for or releases exactly what the instruction names. The
+program ends at OPTIM_STEP, which the engine plays (it needs the step's learning rate and loss):
+ZeroDP.step drains, clips, updates and, at ZeRO-1/2, starts the gathers of updated weights.
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
@@ -26,34 +33,24 @@ from pipezero.runtime.autocast import autocast
 from pipezero.runtime.p2p import P2P, Kind
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.posting import Post, Transfer
+from pipezero.schedules.posting import Transfer
+from pipezero.schedules.program import Compute, DataParallel, Instr, Kind as Instruction, OptimStep, PointToPoint
 from pipezero.telemetry.trace import Tracer
 
 
-class GradHooks(Protocol):
-    """What the data-parallel layer (ZeRO) needs to hear from the executor."""
+class DataParallelLayer(Protocol):
+    """What ZeRO (zero/sharded.py) does for the executor: the program's collectives, and the moments
+    around compute that no instruction marks (gradient buffers, autograd's reduction hooks)."""
 
-    def before_forward(self, chunk: int) -> None: ...
+    def play(self, instr: DataParallel) -> None: ...
 
-    def before_backward(self, chunk: int, final: bool) -> None: ...
+    def before_forward(self, chunk: int) -> None: ...  # evaluation only: outside any program
 
-    def after_backward(self, chunk: int, final: bool) -> None: ...
+    def before_backward(self, chunk: int, reduces: bool) -> None: ...
+
+    def after_backward(self, chunk: int) -> None: ...
 
     def after_input_grad(self, chunk: int) -> None: ...
-
-
-class NoHooks:
-    def before_forward(self, chunk: int) -> None:
-        pass
-
-    def before_backward(self, chunk: int, final: bool) -> None:
-        pass
-
-    def after_backward(self, chunk: int, final: bool) -> None:
-        pass
-
-    def after_input_grad(self, chunk: int) -> None:
-        pass
 
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
@@ -63,10 +60,18 @@ def docs_of(mb: MicroBatch) -> torch.Tensor | None:
     return mb[2] if len(mb) > 2 else None
 
 
-def last_weight_grad(actions: Sequence[Action]) -> dict[int, int]:
-    """Index of each chunk's last gradient-producing action (W or BW): after it, the chunk's
-    gradients for the step are complete and may be reduced."""
-    return {a.chunk: i for i, a in enumerate(actions) if a.op in (Op.W, Op.BW)}
+def reducing_backwards(program: Sequence[Instr]) -> set[int]:
+    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
+    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
+    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
+    out: set[int] = set()
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    for i, ins in enumerate(program):
+        if isinstance(ins, Compute):
+            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
+        elif isinstance(ins, DataParallel) and ins.kind is Instruction.REDUCE_GRAD and last and last[1] == ins.chunk:
+            out.add(last[0])
+    return out
 
 
 @dataclass
@@ -89,15 +94,13 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 posts: list[list[Post]], recompute: bool = False, hooks: GradHooks | None = None,
-                 tracer: Tracer | None = None) -> None:
+                 data_parallel: DataParallelLayer, recompute: bool = False, tracer: Tracer | None = None) -> None:
         self.chunks = chunks
-        # schedules/posting.py: what to post before each action (and after the last), in an order
-        # every peer agrees on; outputs wait in the outbox for their turn (one boundary at most).
-        self.posts = posts
+        # Outputs wait here for the program's SEND (schedules/posting.py orders every rank's posts
+        # so that no pair of ranks can deadlock): one boundary's worth at most.
         self._outbox: dict[Transfer, torch.Tensor] = {}
         self.tracer = tracer or Tracer()
-        self.hooks = hooks or NoHooks()
+        self.hooks = data_parallel
         self.last = n_chunks - 1
         self.p2p = p2p
         self.dtype = dtype
@@ -117,14 +120,13 @@ class Executor:
                 return checkpoint(chunk, x, docs, use_reentrant=False)
             return chunk(x, docs)
 
-    def _post(self, posts: list[Post]) -> None:
-        for p in posts:
-            chunk, grad, mb = p.transfer
-            kind = Kind.GRAD if grad else Kind.ACT
-            if p.send:
-                self.p2p.send(kind, chunk, mb, self._outbox.pop(p.transfer))
-            else:
-                self.p2p.post_recv(kind, chunk, mb)
+    def _post(self, p: PointToPoint) -> None:
+        chunk, grad, mb = p.transfer
+        kind = Kind.GRAD if grad else Kind.ACT
+        if p.send:
+            self.p2p.send(kind, chunk, mb, self._outbox.pop(p.transfer))
+        else:
+            self.p2p.post_recv(kind, chunk, mb)
 
     def _emit(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
         """Hand an output over in memory (same rank), or hold it for the plan's send."""
@@ -133,29 +135,36 @@ class Executor:
         else:
             self._outbox[(consumer, kind is Kind.GRAD, mb)] = tensor
 
-    def run(self, actions: Sequence[Action], microbatches: Sequence[MicroBatch], denom: float) -> StepStats:
-        """Play `actions` on `microbatches` (every rank holds them all: the first chunk reads the
-        tokens, the last the targets, every chunk the document ids of packed documents)."""
+    def run(self, program: Sequence[Instr], microbatches: Sequence[MicroBatch], denom: float) -> StepStats:
+        """Play this rank's `program` up to its OPTIM_STEP on `microbatches` (every rank holds them
+        all: the first chunk reads the tokens, the last the targets, every chunk the document ids
+        of packed documents)."""
         live: dict[tuple[int, int], _Live] = {}
         microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
         self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
         loss = torch.zeros((), device=self.device)
         peak = 0
-        final = last_weight_grad(actions)
-        split = {a.chunk for a in actions if a.op is Op.B}
+        reducing = reducing_backwards(program)
+        split = {ins.action.chunk for ins in program if isinstance(ins, Compute) and ins.action.op is Op.B}
         if unsplit := {c: self._unsplit.pop(c) for c in sorted(split & self._unsplit.keys())}:
             warnings.warn(f"rank {self.p2p.rank}: split backward keeps the autograd graph from B to W for chunks "
                           f"{sorted(unsplit)}: their {sorted({n for v in unsplit.values() for n in v})} modules hold "
                           f"weights whose gradient W cannot compute from (input, output gradient); training is "
                           f"unchanged, the activations live longer", stacklevel=2)
+        if not any(isinstance(ins, OptimStep) for ins in program):
+            raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        if len(self.posts) != len(actions) + 1:
-            raise ValueError(f"rank {self.p2p.rank}: a posting plan for {len(self.posts) - 1} actions, "
-                             f"given {len(actions)}")
-        for i, a in enumerate(actions):
-            self._post(self.posts[i])
+        for i, ins in enumerate(program):
+            if isinstance(ins, PointToPoint):
+                self._post(ins)
+                continue
+            if isinstance(ins, DataParallel):
+                self.hooks.play(ins)
+                continue
+            if isinstance(ins, OptimStep):
+                break
+            a = ins.action
             if a.op is Op.F:
-                self.hooks.before_forward(a.chunk)
                 x = microbatches[a.mb][0] if a.chunk == 0 else \
                     self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
                 with self._timed(a):
@@ -166,7 +175,7 @@ class Executor:
                 peak = max(peak, len(live))
                 continue
             if a.op is not Op.B:
-                self.hooks.before_backward(a.chunk, final[a.chunk] == i)
+                self.hooks.before_backward(a.chunk, i in reducing)
             if a.op is Op.W:
                 with self._timed(a):
                     self._run_w(a, live.pop((a.chunk, a.mb)))
@@ -178,8 +187,7 @@ class Executor:
             if a.op is Op.B:
                 self.hooks.after_input_grad(a.chunk)
             else:
-                self.hooks.after_backward(a.chunk, final[a.chunk] == i)
-        self._post(self.posts[-1])
+                self.hooks.after_backward(a.chunk)
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")

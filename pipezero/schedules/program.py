@@ -1,25 +1,27 @@
 """One program per rank: the schedule's compute, its transfers in the global posting order, and ZeRO's
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
-NOT YET EXECUTED: runtime/executor.py still plays the action list and ZeroDP decides its
-collectives from hooks. This module writes down, as data, what that runtime does today, so that
-`pipezero simulate --zero` can show it and the checker can prove it; making the executor interpret
-this program is the next step (after ZeRO's state is split from its policy).
+The same program runs: engine.py lowers each rank's over the buckets ZeRO built, the executor
+(runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD and REDUCE_GRAD
+to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the checker proves it. What an
+instruction cannot place is said below: autograd's hooks start a REDUCE_GRAD early, inside the
+backward before it, and layer-by-layer ZeRO-3 gathers inside each action.
 
-Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-parallel ranks):
+Placement rules (D = data-parallel ranks):
 - SEND / RECV: exactly where `posting.plans` posts them (before the action whose boundary they
   belong to; final sends after the last action), peers as global ranks of the same replica.
 - REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
-  (`last_weight_grad`, `Rules.reduces_every_backward` in zero/stages.py); with `microbatch` at ZeRO >= 2 after every W or BW
-  of the chunk (B produces no weight gradient). The runtime launches BW's buckets as autograd fills
-  them, during the backward; here they start when it ends (a conservative bound). They run async;
-  the rank blocks (`blocking`: waits for this and every earlier collective) where ZeroDP drains:
-  after each backward in `microbatch` mode, after the chunk's final backward at ZeRO-3, otherwise
-  at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is not modelled.
+  (`last_weight_grad`); with `microbatch` at ZeRO >= 2 after every W or BW of the chunk (B
+  produces no weight gradient; `Rules.reduces_every_backward` in zero/stages.py). The runtime
+  launches BW's buckets as autograd fills them, during the backward; here they start when it ends
+  (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
+  earlier collective) after each backward in `microbatch` mode, after the chunk's final backward
+  at ZeRO-3, otherwise at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is
+  a memory rule of the runtime (zero/sharded.py), not modelled here.
 - ZeRO-3, a chunk kept gathered (the default when P > 1): UNSHARD (all-gather of every bucket of
-  the chunk, blocking) right before its first F of the step (`before_forward`; the runtime gathers
-  on demand), RESHARD right after its final backward, once its reductions are drained. `prefetch`
+  the chunk, blocking) right before its first F of the step, RESHARD right after its final
+  backward, once its reductions are drained. `prefetch`
   is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
   not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
 - ZeRO-3 layer by layer: per-layer gathers with a one-layer prefetch happen inside each action
@@ -32,8 +34,9 @@ Placement rules, read from zero/sharded.py and runtime/executor.py (D = data-par
   bucket of every chunk of the rank, in chunk order. (The runtime only starts them there, in
   forward order, and each layer waits for its own in the next step's forward, zero/updates.py; a
   one-step program places that wait at the step's end, the conservative bound.)
-Tied embeddings across ranks (their buckets held back and summed between first and last rank
-inside the step) are not lowered yet.
+Tied embeddings across ranks: their buckets' REDUCE_GRADs are placed as any other's, but the
+runtime holds them back to OPTIM_STEP, where the copies are summed between the first and last
+rank first (zero/tied.py); every replica does so in the same order, so the dp groups still agree.
 """
 
 from __future__ import annotations

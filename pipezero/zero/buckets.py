@@ -56,6 +56,7 @@ class Bucket:
     arrived: set[int] | None = None  # positions whose gradient is complete, during a reducing backward
     launched: bool = False  # reduced during the current backward
     expect: set[int] | None = None  # ZeRO-3 layer by layer: positions whose gradient is still to come
+    label: str = ""  # "chunk.k", as the program names it: REDUCE_GRAD(1.0) is chunk 1's first bucket
 
     def __post_init__(self) -> None:
         # keyed by the tensor object itself (tensors hash by identity): a parameter -> its position

@@ -4,7 +4,9 @@ ZeRO's collective actions are of three kinds: a bucket's gradient reduction (all
 reduce-scatter when gradients are sharded), a bucket's all-gather of parameter shards, and the
 step's all-reduce of the gradient norm and loss over the world. This object starts them (async),
 records each on its bucket, and waits for them oldest first, every wait bounded by the timeout and
-named by rank, step and operation: a replica that stopped answering is an error, not a hang. It
+named by rank, step and the program instruction that started it (`REDUCE_GRAD(1.0): reduce-scatter
+of gradients`, on the trace's collectives row too): a replica that stopped answering is an error,
+not a hang. It
 decides nothing about *when*; zero/sharded.py (the executor's hooks) and the optimizer step say that.
 """
 
@@ -82,7 +84,7 @@ class Coordinator:
             r, b.reduction = b.reduction, None
             assert r is not None
             if r.work is not None:
-                self.wait(r.work, self.rules.reduction)
+                self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
                 b.grad.copy_(r.back)  # type: ignore[union-attr]
             if r.out is not None:
@@ -117,7 +119,7 @@ class Coordinator:
         g, b.gathering = b.gathering, None
         if g is None:
             return
-        self.wait(g.work, "all-gather of parameters")
+        self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
             b.flat.copy_(g.wire)
 

@@ -58,7 +58,8 @@ def install(zero: Gatherer, chunks: dict[int, nn.Module]) -> None:
             bucket = by_layer[idx]
             after = by_layer[layers[pos + 1][0]] if pos + 1 < len(layers) else None
             before = by_layer[layers[pos - 1][0]] if pos > 0 else None
-            borrowed = list(dict.fromkeys(b for q in module.parameters() if (b := by_param.get(q)) not in (None, bucket)))
+            borrowed = list(dict.fromkeys(b for q in module.parameters()
+                                          if (b := by_param.get(q)) not in (None, bucket)))
             _hook_layer(zero, module, bucket, after, before, borrowed)
 
 
@@ -92,7 +93,7 @@ def _hook_layer(zero: Gatherer, module: nn.Module, bucket: Bucket, after: Bucket
         if after is not None:
             zero.release(after)
         # a borrowed bucket's gradient is complete only after its own layer's backward: it stays
-        # gathered until then, and is released after the chunk's backward (zero/gathering.py's after_final_backward or release_layers)
+        # gathered until then, and is released after the chunk's backward (zero/gathering.py)
         for b in [bucket, *borrowed]:
             zero.gather(b)
         zero.expect_grads(bucket)

@@ -1,17 +1,20 @@
-"""ZeRO over the data-parallel ranks of one pipeline stage, driven by the executor's hooks.
+"""ZeRO over the data-parallel ranks of one pipeline stage: the program's collectives, played.
 
-The executor says when a chunk is about to run forward, before and after each backward, and whether
-that backward is the chunk's last of the step. From those moments alone this object decides when
-each bucket is reduced, gathered and released; what each stage keeps and moves is zero/stages.py,
-the collectives themselves zero/coordinator.py, the update zero/update.py, and the state lives on
-the buckets (zero/buckets.py).
+The lowered program (schedules/program.py) says where each collective goes: UNSHARD and RESHARD of
+ZeRO-3's parameters, one REDUCE_GRAD a bucket after the backward that completes its gradients, and
+which of them the rank waits on. The executor hands each instruction to `play`; around compute it
+also says when a backward starts (and whether reductions follow it) and ends. What each stage keeps
+and moves is zero/stages.py, the collectives themselves zero/coordinator.py, ZeRO-3's parameters
+zero/gathering.py, the update zero/update.py; the state lives on the buckets (zero/buckets.py).
 
-- Reductions: during a reducing backward (a chunk's last of the step, or every one with
-  grad-reduce `microbatch` at stages 2-3) a bucket is reduced as soon as autograd has produced all
-  of its gradients (a post-accumulate hook counts them), overlapping the rest of that backward;
-  buckets holding a parameter used twice wait for the backward's end, tied embedding copies for the
-  step. At stages 2-3 gradient buckets are allocated when their first gradient appears and at most
-  two full buckets wait on a reduce-scatter at once, so the full gradient never exists all at once.
+- Reductions: in a backward that the program follows with REDUCE_GRADs (a chunk's last of the step,
+  or every one with grad-reduce `microbatch` at stages 2-3) a bucket is reduced as soon as autograd
+  has produced all of its gradients (a post-accumulate hook counts them), overlapping the rest of
+  that backward: its REDUCE_GRAD then finds it started. Buckets holding a parameter used twice are
+  started by their REDUCE_GRAD, after the backward; tied embedding copies in the step (they are
+  summed across the first and last pipeline rank first). At stages 2-3 gradient buckets are
+  allocated when their first gradient appears and at most two full buckets wait on a reduce-scatter
+  at once, so the full gradient never exists all at once.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
   (`keep_gathered`, default when P > 1) or layer by layer.
 """
@@ -27,6 +30,7 @@ from torch import nn
 
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.nonfinite import StepOutcome
+from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, make_buckets
@@ -83,8 +87,8 @@ class ZeroDP:
         me = weakref.ref(self)
         tied = self.tied.local if self.tied else []
         for c, bs in self.buckets.items():
-            for b in bs:
-                b.tied = any(b.holds(q) for q in tied)
+            for k, b in enumerate(bs):
+                b.label, b.tied = f"{c}.{k}", any(b.holds(q) for q in tied)
                 if b.tied or any(q in self.shared for q in b.params):
                     continue  # a parameter used twice accumulates twice: reduce after the backward
                 for q in b.params:
@@ -121,14 +125,13 @@ class ZeroDP:
         if self.sharded is not None:
             self.sharded.before_use(chunk)
 
-    def before_backward(self, chunk: int, final: bool) -> None:
-        self.before_forward(chunk)  # stage 3: backward needs the full weights too
-        if not self.rules.sharded_grads:
-            for b in self.buckets.get(chunk, []):
+    def before_backward(self, chunk: int, reduces: bool) -> None:
+        """A W or BW of `chunk` starts; `reduces`: the program reduces its buckets right after it."""
+        self.before_forward(chunk)  # stage 3: backward needs the full weights (the program gathered them)
+        for b in self.buckets.get(chunk, []):
+            if not self.rules.sharded_grads:
                 b.attach_grads()  # stages 0-1 keep full gradients: one buffer for the whole step
-        if final or self.rules.reduces_every_backward(self.grad_reduce):
-            for b in self.buckets.get(chunk, []):
-                b.arrived = set()
+            b.arrived, b.launched = (set() if reduces else None), False
 
     def _grad_ready(self, b: Bucket, q: nn.Parameter) -> None:
         """Autograd finished accumulating `q`'s gradient: reduce its bucket once all have arrived."""
@@ -155,23 +158,32 @@ class ZeroDP:
         if self.sharded is not None and self.layerwise:
             self.sharded.release_layers(chunk)
 
-    def after_backward(self, chunk: int, final: bool) -> None:
+    def after_backward(self, chunk: int) -> None:
         if self.sharded is not None and self.layerwise:
             self.sharded.release_layers(chunk)
-        buckets = self.buckets.get(chunk, [])
-        for b in buckets:
-            if self.rules.sharded_grads:
+        if self.rules.sharded_grads:
+            for b in self.buckets.get(chunk, []):
                 for q in b.params:  # gradients written by W, outside autograd's accumulation
                     b.adopt(q)
-            if b.arrived is not None and not b.launched and not b.tied:
+
+    # --- the program's collectives -----------------------------------------------------------
+    def play(self, instr: DataParallel) -> None:
+        """One UNSHARD, RESHARD or REDUCE_GRAD of the program (OPTIM_STEP is `step`)."""
+        if instr.kind is Kind.REDUCE_GRAD:
+            b = self.buckets[instr.chunk][instr.bucket]  # type: ignore[index]
+            if not b.launched and not b.tied:  # not started by autograd's hooks; tied: in the step
                 self._reduce(b)
-        for b in buckets:
-            b.arrived, b.launched = None, False
-        if self.rules.reduces_every_backward(self.grad_reduce):
-            self.comm.drain()  # the full gradient does not outlive this micro-batch's backward
-        if final and self.sharded is not None:
-            self.comm.drain()  # the reduce-scatters read the gradient, not the parameters; release both
-            self.sharded.after_final_backward(chunk)
+            if instr.blocking:
+                self.comm.drain()
+        elif self.sharded is None:
+            raise ValueError(f"rank {self.rank}: {instr} in a ZeRO-{self.stage} program")
+        elif instr.kind is Kind.UNSHARD:
+            if not instr.layerwise:  # layer by layer, each layer gathers as it runs (zero/layerwise.py)
+                self.sharded.before_use(instr.chunk)
+        elif instr.layerwise:
+            self.sharded.release_layers(instr.chunk)
+        else:
+            self.sharded.after_final_backward(instr.chunk)
 
     # --- whole model ------------------------------------------------------------------------
     def gather_all(self) -> None:

@@ -73,7 +73,8 @@ def clip_and_update(buckets: list[Bucket], rules: Rules, opt: ShardedAdamW, coor
     if norm_group is not None:
         work = dist.all_reduce(total, group=norm_group, async_op=True)
         # the world group: every stage's norm and loss, not only this stage's replicas
-        coord.wait(work, "all-reduce of the gradient norm and loss", f"across all {dist.get_world_size(norm_group)} ranks")
+        coord.wait(work, "OPTIM_STEP: all-reduce of the gradient norm and loss",
+                   f"across all {dist.get_world_size(norm_group)} ranks")
     norm_sq, loss_sum, local_sq = torch.cat([total, local.view(1)]).tolist()  # one read from the device
     norm = math.sqrt(norm_sq)  # a sum of squares: never negative; nan and inf pass through
     outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local_sq))
