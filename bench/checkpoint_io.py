@@ -32,7 +32,7 @@ def measure(rank: int, world: int, preset: str, root: str) -> list[dict]:
     from pipezero.checkpoint.state import load, save
     from pipezero.checkpoint.store import Team, latest
     from pipezero.settings import build_config
-    from pipezero.engine import build_stage
+    from pipezero.stage import build_stage
 
     def cfg(zero: int, out: str):
         return build_config(None, {"model.preset": preset, "parallel.dp": world, "parallel.zero": zero,

@@ -65,7 +65,7 @@ def load_transformers(rank: int, world: int, folder: str) -> dict:
 
 
 def load_pipezero(rank: int, world: int, folder: str) -> dict:
-    """What engine.build_stage does for the weights: this rank's chunks, built and read."""
+    """What stage.build_stage does for the weights: this rank's chunks, built and read."""
     from pipezero.settings import build_config
     from pipezero.models import build_chunk
     from pipezero.models.hf_weights import load_chunk

@@ -43,7 +43,7 @@ def config(args: argparse.Namespace, kind: K, pp: int):
 
 def pipezero_step(cfg, rank: int):
     """One training step of pipezero's runtime as a function of the step's micro-batches."""
-    from pipezero.engine import build_stage
+    from pipezero.stage import build_stage
 
     stage = build_stage(cfg, rank)
     denom = cfg.global_batch * cfg.data.seq_len
@@ -61,7 +61,7 @@ def torch_step(cfg, rank: int, kind: K):
     """The same step on torch.distributed.pipelining (same chunks, init and optimizer), or None."""
     import torch
     import torch.distributed.pipelining as tpp
-    from pipezero.engine import build_stage
+    from pipezero.stage import build_stage
     from pipezero.models import lm_loss
 
     if kind not in TORCH_NAMES:
@@ -131,7 +131,7 @@ def one_process_tokens_per_s(args: argparse.Namespace) -> float:
     import torch
 
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
-    from pipezero.engine import build_stage
+    from pipezero.stage import build_stage
 
     torch.set_num_threads(1)
     cfg = config(args, K.ONE_F_ONE_B, 1)

@@ -70,7 +70,7 @@ def time_ddp(args: argparse.Namespace, rank: int) -> list[float]:
 
 
 def time_zero(args: argparse.Namespace, rank: int, zero: int) -> dict:
-    from pipezero.engine import build_stage
+    from pipezero.stage import build_stage
 
     cfg = config(args, zero)
     stage = build_stage(cfg, rank)

@@ -8,66 +8,30 @@ whole global batch, so the summed loss is the global mean whatever the layout.
 
 from __future__ import annotations
 
-import math
 import os
-import resource
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from pipezero.checkpoint import resume, save
-from pipezero.config import DType, TrainConfig
+from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
-from pipezero.freeze import apply_freeze, frozen_params, saved_bytes, summarize
+from pipezero.freeze import frozen_params
 from pipezero.generate import sample
-from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
+from pipezero.models import ModelSpec, spec_of
 from pipezero.optim import lr_at
 from pipezero.nonfinite import finite_or_none, report_nonfinite
-from pipezero.parallel.device import PeakMemory, synchronizer, use_tf32
-from pipezero.parallel.mesh import Groups, Mesh, build_groups
+from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
-from pipezero.parallel.partition import partition
-from pipezero.runtime.executor import Executor
-from pipezero.runtime.p2p import P2P
-from pipezero.schedules.actions import Schedule
-from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.check import SimResult, simulate
-from pipezero.schedules.registry import build_schedule
-from pipezero.schedules.posting import plans, verify
-from pipezero.schedules.program import Instr, lower
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
-from pipezero.telemetry.trace import Tracer, write_trace
 from pipezero.util import atomic_write_json
-from pipezero.zero import layerwise, updates
-from pipezero.zero.accounting import explain, held_bytes
-from pipezero.zero.buckets import named_by_chunk, shared_params
-from pipezero.zero.sharded import ZeroDP
-from pipezero.zero.tied import TiedCopies, find_tied, tie_group
-
-
-@dataclass
-class RunResult:
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)  # global, before clipping, per step
-    heldout: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
-    unigram: float = math.nan
-    sample_text: str = ""
-    out: Path = Path(".")
-    peak_live: int = 0  # most chunk activations this rank held at once
-    measured_bubble: float = 0.0  # mean share of the schedule this rank waited on peers
-    params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
-    resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
-    skipped_steps: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss/gradient
-    # Memory of the training steps alone, to show evaluation and the sample add nothing (ZeRO-3).
-    peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
-    peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
-    peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
+from pipezero.stage import Stage, build_stage
+from pipezero.summary import RunResult, finish_run, peak_rss_bytes
 
 
 def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
@@ -85,105 +49,11 @@ def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def peak_rss_bytes() -> int:
-    """This process's resident-memory high-water mark (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def all_sum(values: list[float], group: object | None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if group is not None:
         dist.all_reduce(t, group=group)
     return t.tolist()
-
-
-@dataclass
-class Stage:
-    """What one rank holds: its mesh position, schedule, chunks, and the executor that runs them."""
-
-    mesh: Mesh
-    groups: Groups
-    schedule: Schedule
-    predicted: SimResult
-    bounds: list[tuple[int, int]]  # [start, stop) layers of every chunk, in model order
-    chunks: dict[int, torch.nn.Module]
-    executor: Executor
-    zero: ZeroDP
-    tracer: Tracer
-    peaks: PeakMemory
-    spec: ModelSpec  # the model the chunks are slices of
-    program: tuple[Instr, ...]  # this rank's lowered program for one step (schedules/program.py)
-
-
-def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
-                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
-    """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
-    holds and the group that sums their gradients (a collective call on every rank)."""
-    names = spec.tied_names()
-    if names is None or schedule.n_chunks == 1:
-        return None
-    apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
-    group = tie_group(mesh.pp, mesh.dp, mesh.rank) if apart else None
-    local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
-    return TiedCopies(local, head, group) if local else None
-
-
-def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
-                device: torch.device = torch.device("cpu"), spec: ModelSpec | None = None) -> Stage:
-    """This rank's part of the job. `spec` is the model (models/spec.py); None: the built-in
-    Llama (or Hugging Face family) that cfg.model describes."""
-    p = cfg.parallel
-    spec = spec or spec_of(cfg.model)
-    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
-    mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
-    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
-    if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
-        raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
-                          f"and the last the head; only chunks in between may be empty")
-    chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
-    if cfg.model.pretrained is not None:  # this rank's layers only, tensor by tensor
-        from pipezero.models.hf_weights import load_chunk
-
-        for chunk in chunks.values():
-            load_chunk(chunk, cfg.model)
-    apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
-    if cfg.run.compile:
-        for chunk in chunks.values():
-            compile_blocks(chunk)
-    groups = build_groups(mesh)
-    rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
-    wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
-    p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
-              dtype=wire, boundary=wire, device=device, tracer=tracer)  # bf16 runs: a bf16 residual stream
-    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
-    named = named_by_chunk(chunks)
-    zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
-                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
-                  tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  overlap_gather=p.overlap_gather)
-    if zero.layerwise:
-        layerwise.install(zero.sharded, chunks)
-    elif zero.defers_gathers:
-        updates.install(zero, chunks)  # each layer waits for its own updated weights
-    # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
-    # pair's transfers run in posting order (NCCL) before any is posted.
-    verify(schedule, plans(schedule, predicted))
-    program = rank_program(schedule, predicted, mesh, zero, cfg)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer)
-    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
-                 program)
-
-
-def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
-                 cfg: TrainConfig) -> tuple[Instr, ...]:
-    """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
-    left without buckets: this rank plays only its own program)."""
-    sizes = tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(schedule.n_chunks))
-    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, BucketPlan(mesh.dp, sizes),
-                    keep_gathered=not zero.layerwise, sim=predicted)
-    return program.ranks[program.global_rank(mesh.pp_rank, mesh.dp_rank)]
 
 
 def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None) -> RunResult:
@@ -341,62 +211,3 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
     return text
 
 
-def finish_run(cfg: TrainConfig, stage: Stage, corpus: Corpus, result: RunResult,
-               progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
-    """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
-    p, r = cfg.parallel, cfg.run
-    mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
-            "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules, stage.zero.opt.state_bytes()), "params": sum(b.numel for b in stage.zero.all_buckets()),
-            "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
-            "peak_rss_bytes_training": result.peak_rss_training,
-            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
-    if stage.peaks.phases:
-        mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
-    per_rank, events = [mine], [stage.tracer.events]
-    if dist.is_initialized():
-        per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(per_rank, mine)
-        if r.trace:
-            events = [None] * dist.get_world_size()  # type: ignore[list-item]
-            dist.all_gather_object(events, stage.tracer.events)
-    if stage.mesh.rank != 0:
-        return
-    one_replica = [stage.mesh.global_rank(s, 0) for s in range(p.pp)]  # a rank a stage, as placed
-    layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
-              "virtual_stages": p.virtual_stages}
-    if board:
-        board.write_ranks(per_rank, r.max_steps)
-    if r.trace:
-        write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
-    final = result.heldout[r.max_steps]
-    atomic_write_json(result.out / "summary.json", {
-        "layout": {**layout, "zero": p.zero},
-        "params": sum(stage.spec.layer_param_counts()), "unigram_baseline": result.unigram, "final_heldout_loss": final,
-        "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
-        "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
-        "peak_live_activations": {"measured": [per_rank[r]["peak_live"] for r in one_replica],
-                                  "simulated": stage.predicted.peak_activations},
-        "simulated_bubble": stage.predicted.bubble,
-        "measured_bubble": [x["measured_bubble"] for x in per_rank],
-        "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
-                       "collectives": [x["collective_bytes_sent"] for x in per_rank]},
-        "ranks": per_rank,
-        "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
-                        "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
-                                                     for x in per_rank]},
-        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
-    })
-    if progress:
-        bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
-        sent = sum(x["p2p_bytes_sent"] + x["collective_bytes_sent"] for x in per_rank)
-        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); measured bubble "
-                               f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}); {sent / 2**20:,.1f} MiB sent; "
-                               f"run in {result.out}")
-        gpu = [x["peak_device_bytes"]["train"] for x in per_rank if "train" in x.get("peak_device_bytes", {})]
-        if gpu:
-            progress.console.print("GPU peak memory in training steps (allocated / reserved GiB, by rank): " + ", ".join(
-                f"{g['allocated'] / 2**30:.2f} / {g['reserved'] / 2**30:.2f}" for g in gpu))
-        if result.sample_text:
-            progress.console.print("sample:\n" + result.sample_text)

@@ -20,14 +20,30 @@ import own_model  # noqa: E402
 from pipezero.checkpoint.export import read_model  # noqa: E402
 from pipezero.config import DType  # noqa: E402
 from pipezero.models import build_chunk  # noqa: E402
+from pipezero.models.llama import RMSNorm  # noqa: E402
 from pipezero.parallel.mesh import Mesh  # noqa: E402
 from pipezero.parallel.spawn import run_ranks  # noqa: E402
 from pipezero.runtime.weight_grad import WeightGradCapture, apply_weight_grads  # noqa: E402
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, relative_error  # noqa: E402
 
 
+class Scale(nn.Module):
+    """y = x * w, a layer of one's own that says its weight's gradient (runtime/weight_grad.OwnWeightGrad)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        return (dy * x).reshape(-1, x.shape[-1]).sum(0)
+
+
 @pytest.mark.parametrize("make", [lambda: nn.LayerNorm(8), lambda: nn.RMSNorm(8, eps=1e-5),
-                                  lambda: nn.Embedding(10, 8, padding_idx=1), lambda: nn.Linear(8, 5)])
+                                  lambda: nn.Embedding(10, 8, padding_idx=1), lambda: nn.Linear(8, 5),
+                                  lambda: RMSNorm(8, 1e-5), lambda: Scale(8)])
 def test_weight_grad_rules_equal_autograd(make):
     torch.manual_seed(0)
     module = make()

@@ -22,24 +22,17 @@ from pipezero.models.presets import ffn_dim
 from pipezero.models.rotary import apply_rotary, inverse_frequencies, rotary_tables
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm, its fp32 weight rounded to the input's dtype as autocast rounds every other
+    weight. Being an `nn.RMSNorm`, split backward's W knows its weight gradient (runtime/weight_grad.py)."""
+
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__(dim, eps=eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim), in x's dtype
         # One fused kernel where torch has one; it accumulates the mean of squares in fp32 whatever
-        # x's dtype, so a bf16 residual stream loses nothing there. The fp32 weight is rounded to
-        # x's dtype as autocast rounds every other weight.
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-
-    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-        """dL/dweight from the input and the output's gradient alone, in fp32: split backward's W
-        (runtime/weight_grad.py) needs no graph for it."""
-        xf, dy2 = x.float(), dy.float().reshape(-1, dy.shape[-1])
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (dy2 * normed.reshape(-1, normed.shape[-1])).sum(0)
+        # x's dtype, so a bf16 residual stream loses nothing there.
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 @dataclass(frozen=True)

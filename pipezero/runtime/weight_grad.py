@@ -2,7 +2,7 @@
 
 W knows the weight gradient of torch's `Linear` (y = x Wᵀ + b), `Embedding` (rows scatter-added),
 `LayerNorm` and `RMSNorm` (y = n(x) * w + b), and of any module that computes its weight's gradient
-itself (`OwnWeightGrad`: the built-in model's RMSNorm). So any block built of those splits, whatever
+itself (`OwnWeightGrad`, for a layer of one's own; the built-in model's RMSNorm is an `nn.RMSNorm`). So any block built of those splits, whatever
 the model (models/spec.py). A chunk with any other weighted module keeps autograd for W, and the
 executor says so once, naming the module type. Forward hooks record each such module's input x and
 output y for the micro-batch. B asks autograd for the gradient of the chunk's input *and* of every
@@ -27,7 +27,7 @@ from torch import nn
 @runtime_checkable
 class OwnWeightGrad(Protocol):
     """A module with one weight whose gradient follows from (x, dy) alone, as a norm's does: the
-    model says how (models/llama.py's RMSNorm), so this module needs to know no model. A `bias`
+    model says how, so this module needs to know no model. A `bias`
     beside it, if any, must be added along the output's trailing dimensions (its gradient is then
     dy summed over the leading ones)."""
 

@@ -1,7 +1,7 @@
 """One program per rank: the schedule's compute, its transfers in the global posting order, and ZeRO's
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
-The same program runs: engine.py lowers each rank's over the buckets ZeRO built, the executor
+The same program runs: stage.py lowers each rank's over the buckets ZeRO built, the executor
 (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD and REDUCE_GRAD
 to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the checker proves it. What an
 instruction cannot place is said below: autograd's hooks start a REDUCE_GRAD early, inside the

@@ -1,0 +1,129 @@
+"""One rank's part of a job, built: its place in the mesh, its model chunks, ZeRO over their
+parameters, and its lowered program with the executor that plays it.
+
+Everything here happens before the first step and in the same order on every rank: process groups
+are created collectively, and the schedule is simulated (complete, deadlock-free) and its posting
+order verified before any transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipezero.config import DType, TrainConfig
+from pipezero.errors import ConfigError
+from pipezero.freeze import apply_freeze
+from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
+from pipezero.parallel.device import PeakMemory, synchronizer
+from pipezero.parallel.mesh import Groups, Mesh, build_groups
+from pipezero.parallel.partition import partition
+from pipezero.runtime.executor import Executor
+from pipezero.runtime.p2p import P2P
+from pipezero.schedules.actions import Schedule
+from pipezero.schedules.bucket_plan import BucketPlan
+from pipezero.schedules.check import SimResult, simulate
+from pipezero.schedules.posting import plans, verify
+from pipezero.schedules.program import Instr, lower
+from pipezero.schedules.program_check import check_placement
+from pipezero.schedules.registry import build_schedule
+from pipezero.telemetry.trace import Tracer
+from pipezero.zero import layerwise, updates
+from pipezero.zero.buckets import named_by_chunk, shared_params
+from pipezero.zero.sharded import ZeroDP
+from pipezero.zero.tied import TiedCopies, find_tied, tie_group
+
+
+@dataclass
+class Stage:
+    """What one rank holds: its mesh position, schedule, chunks, and the executor that runs them."""
+
+    mesh: Mesh
+    groups: Groups
+    schedule: Schedule
+    predicted: SimResult
+    bounds: list[tuple[int, int]]  # [start, stop) layers of every chunk, in model order
+    chunks: dict[int, torch.nn.Module]
+    executor: Executor
+    zero: ZeroDP
+    tracer: Tracer
+    peaks: PeakMemory
+    spec: ModelSpec  # the model the chunks are slices of
+    program: tuple[Instr, ...]  # this rank's lowered program for one step (schedules/program.py)
+
+
+def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
+                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
+    """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
+    holds and the group that sums their gradients (a collective call on every rank)."""
+    names = spec.tied_names()
+    if names is None or schedule.n_chunks == 1:
+        return None
+    apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
+    group = tie_group(mesh.pp, mesh.dp, mesh.rank) if apart else None
+    local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
+    return TiedCopies(local, head, group) if local else None
+
+
+def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
+                device: torch.device = torch.device("cpu"), spec: ModelSpec | None = None) -> Stage:
+    """This rank's part of the job. `spec` is the model (models/spec.py); None: the built-in
+    Llama (or Hugging Face family) that cfg.model describes."""
+    p = cfg.parallel
+    spec = spec or spec_of(cfg.model)
+    tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
+    mesh = Mesh(p.pp, p.dp, rank, p.placement)
+    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
+    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
+    if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
+        raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
+                          f"and the last the head; only chunks in between may be empty")
+    chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    if cfg.model.pretrained is not None:  # this rank's layers only, tensor by tensor
+        from pipezero.models.hf_weights import load_chunk
+
+        for chunk in chunks.values():
+            load_chunk(chunk, cfg.model)
+    apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
+    if cfg.run.compile:
+        for chunk in chunks.values():
+            compile_blocks(chunk)
+    groups = build_groups(mesh)
+    rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
+    wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
+    p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
+              dtype=wire, boundary=wire, device=device, tracer=tracer)  # bf16 runs: a bf16 residual stream
+    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
+    named = named_by_chunk(chunks)
+    zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
+                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
+                  tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
+                  overlap_gather=p.overlap_gather)
+    if zero.layerwise:
+        layerwise.install(zero.sharded, chunks)
+    elif zero.defers_gathers:
+        updates.install(zero, chunks)  # each layer waits for its own updated weights
+    # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
+    # pair's transfers run in posting order (NCCL) before any is posted.
+    verify(schedule, plans(schedule, predicted))
+    program = rank_program(schedule, predicted, mesh, zero, cfg)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer)
+    return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
+                 program)
+
+
+def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
+                 cfg: TrainConfig) -> tuple[Instr, ...]:
+    """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
+    left without buckets: this rank plays only its own program), its placement proved: one
+    OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
+    on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
+    (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
+    sizes = tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(schedule.n_chunks))
+    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, BucketPlan(mesh.dp, sizes),
+                    keep_gathered=not zero.layerwise, sim=predicted)
+    mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
+    check_placement(program, mine)
+    return program.ranks[mine]

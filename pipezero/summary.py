@@ -1,0 +1,112 @@
+"""What a run returns and what it leaves in summary.json: every rank's figures, gathered to rank 0,
+beside what the simulator and the ZeRO paper predict for the layout."""
+
+from __future__ import annotations
+
+import math
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from pipezero.config import TrainConfig
+from pipezero.freeze import frozen_params, saved_bytes, summarize
+from pipezero.nonfinite import finite_or_none
+from pipezero.telemetry.metrics import StepProgress
+from pipezero.telemetry.tensorboard import TensorBoardLog
+from pipezero.telemetry.trace import write_trace
+from pipezero.util import atomic_write_json
+from pipezero.zero.accounting import explain, held_bytes
+
+if TYPE_CHECKING:
+    from pipezero.data import Corpus
+    from pipezero.stage import Stage
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)  # global, before clipping, per step
+    heldout: dict[int, float] = field(default_factory=dict)  # step -> held-out loss
+    unigram: float = math.nan
+    sample_text: str = ""
+    out: Path = Path(".")
+    peak_live: int = 0  # most chunk activations this rank held at once
+    measured_bubble: float = 0.0  # mean share of the schedule this rank waited on peers
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's final parameters
+    resumed_from: int = 0  # the checkpoint step this run continued from (0: a fresh start)
+    skipped_steps: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss/gradient
+    # Memory of the training steps alone, to show evaluation and the sample add nothing (ZeRO-3).
+    peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
+    peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
+    peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunResult,
+               progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
+    """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
+    p, r = cfg.parallel, cfg.run
+    mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
+            "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules, stage.zero.opt.state_bytes()),
+            "params": sum(b.numel for b in stage.zero.all_buckets()),
+            "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
+            "peak_rss_bytes_training": result.peak_rss_training,
+            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
+    if stage.peaks.phases:
+        mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
+    per_rank, events = [mine], [stage.tracer.events]
+    if dist.is_initialized():
+        per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(per_rank, mine)
+        if r.trace:
+            events = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(events, stage.tracer.events)
+    if stage.mesh.rank != 0:
+        return
+    one_replica = [stage.mesh.global_rank(s, 0) for s in range(p.pp)]  # a rank a stage, as placed
+    layout = {"pp": p.pp, "dp": p.dp, "schedule": p.schedule.value, "microbatches": p.microbatches,
+              "virtual_stages": p.virtual_stages}
+    if board:
+        board.write_ranks(per_rank, r.max_steps)
+    if r.trace:
+        write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
+    final = result.heldout[r.max_steps]
+    atomic_write_json(result.out / "summary.json", {
+        "layout": {**layout, "zero": p.zero},
+        "params": sum(stage.spec.layer_param_counts()), "unigram_baseline": result.unigram, "final_heldout_loss": final,
+        "final_loss": finite_or_none(result.losses[-1]) if result.losses else None, "steps": r.max_steps,
+        "resumed_from": result.resumed_from, "skipped_steps": result.skipped_steps,
+        "peak_live_activations": {"measured": [per_rank[r]["peak_live"] for r in one_replica],
+                                  "simulated": stage.predicted.peak_activations},
+        "simulated_bubble": stage.predicted.bubble,
+        "measured_bubble": [x["measured_bubble"] for x in per_rank],
+        "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
+                       "collectives": [x["collective_bytes_sent"] for x in per_rank]},
+        "ranks": per_rank,
+        "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
+                        "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
+                                                     for x in per_rank]},
+        "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
+    })
+    if progress:
+        bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
+        sent = sum(x["p2p_bytes_sent"] + x["collective_bytes_sent"] for x in per_rank)
+        progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); measured bubble "
+                               f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}); {sent / 2**20:,.1f} MiB sent; "
+                               f"run in {result.out}")
+        gpu = [x["peak_device_bytes"]["train"] for x in per_rank if "train" in x.get("peak_device_bytes", {})]
+        if gpu:
+            progress.console.print("GPU peak memory in training steps (allocated / reserved GiB, by rank): " + ", ".join(
+                f"{g['allocated'] / 2**30:.2f} / {g['reserved'] / 2**30:.2f}" for g in gpu))
+        if result.sample_text:
+            progress.console.print("sample:\n" + result.sample_text)
