@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from pipezero.errors import ConfigError
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 CONFIG, TOKENIZER = "config.json", "tokenizer.json"
+TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
 # Kept with a run and copied into an export: what the model is, beyond its weights.
-METADATA = (CONFIG, TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION)
 
 # One block's parameters, pipezero name -> Hugging Face name under `model.layers.{j}.`; the three
 # families name them alike.
@@ -154,13 +156,46 @@ def model_fields(folder: Path) -> dict[str, Any]:
     }
 
 
+def _token_id(value: Any) -> int | None:
+    """An id field of config.json (an int, or a list whose first item names it); None for a
+    missing, null or negative one (older Llama configs wrote pad_token_id -1 for "none")."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 def eos_id(folder: Path) -> int | None:
     """The end-of-sequence id config.json names (the first of a list), or None."""
+    return _token_id(read_json(folder / CONFIG).get("eos_token_id"))
+
+
+def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
+    """The id that fills a row past its document's end, as the model's files name it: config.json's
+    pad_token_id, else generation_config.json's, else tokenizer_config.json's pad_token (a token,
+    looked up with `token_id`); None when none names one. Padded positions are never attended to
+    by a kept position nor predicted, so any row of the embedding would do; the model's own keeps
+    what it sees the one it was trained with."""
     config = read_json(folder / CONFIG)
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+    found: tuple[str, int] | None = None
+    if (pad := _token_id(config.get("pad_token_id"))) is not None:
+        found = (CONFIG, pad)
+    elif (folder / GENERATION).is_file() and (pad := _token_id(read_json(folder / GENERATION).get("pad_token_id"))) is not None:
+        found = (GENERATION, pad)
+    elif (folder / TOKENIZER_CONFIG).is_file():
+        token = read_json(folder / TOKENIZER_CONFIG).get("pad_token")
+        if isinstance(token, dict):  # an AddedToken as transformers 4 wrote it
+            token = token.get("content")
+        if isinstance(token, str) and (pad := token_id(token)) is not None:
+            found = (TOKENIZER_CONFIG, pad)
+    if found is None:
+        return None
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and found[1] >= vocab:
+        raise ConfigError(f"{folder / found[0]}: the padding id {found[1]} is not a row of the embedding "
+                          f"(config.json's vocab_size is {vocab}); fix or drop that pad token")
+    return found[1]
 
 
 def llama_config(fields: dict[str, Any], eos: int | None = None) -> dict[str, Any]:
