@@ -94,6 +94,9 @@ class ModelConfig:
     # high_freq_factor, original_max_position_embeddings
     sliding_window: int | None = None  # a query sees only the newest N keys (Mistral); None = all
     pretrained: str | None = None  # a local Hugging Face model folder: shape, weights and tokenizer from it
+    # "MODULE:NAME" of a ModelSpec of one's own (models/user_spec.py): the model is that spec, and the
+    # shape fields above are unused
+    spec: str | None = None
 
 
 @dataclass
