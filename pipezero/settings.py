@@ -26,7 +26,7 @@ POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=Tru
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                             "max_seq_len", "head_dim", "sliding_window")},
-    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
+    "model.window_layers": NON_NEGATIVE, "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
@@ -186,6 +186,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                "head dimension (dim / n_heads) must be even for rotary positions")
         _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
                "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
+        _check(m.window_layers is None or all(i < m.n_layers for i in m.window_layers),
+               f"model.window_layers = {m.window_layers}: blocks are numbered 0 to {m.n_layers - 1}")
     max_len = m.max_seq_len if spec is None else spec.max_seq_len
     _check(
         max_len is None or d.seq_len <= max_len,

@@ -17,6 +17,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama-tied": dict(model_type="llama", num_key_value_heads=4, tie_word_embeddings=True, rope_theta=500000.0),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8, head_dim=16, tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    # a window on blocks 3-6 only (layer_types from max_window_layers), untied
+    "qwen2-window": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=3),
 }
 
 

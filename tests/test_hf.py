@@ -132,9 +132,33 @@ def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
 
 
 def test_logits_equal_transformers(models: dict[str, Path]) -> None:
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > mistral's window 8
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > the windows of 8
     diffs = {f: (hf_logits(d, tokens) - pipezero_logits(d, tokens)).abs().max().item() for f, d in models.items()}
     assert all(d <= 1e-5 for d in diffs.values()), diffs
+
+
+def test_qwen2_window_layers_follow_layer_types(models: dict[str, Path], tmp_path: Path) -> None:
+    """Qwen2's window applies to the blocks layer_types calls sliding_attention (blocks 3-6 of the
+    qwen2-window model, whose logits equal transformers' above); a config.json without
+    layer_types (transformers 4) gives the same blocks from max_window_layers; without
+    use_sliding_window no block has one."""
+    from pipezero.models.hf import model_fields
+
+    folder = tmp_path / "older"
+    shutil.copytree(models["qwen2-window"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"][2:4] == ["full_attention", "sliding_attention"]
+    assert (model_fields(folder)["sliding_window"], model_fields(folder)["window_layers"]) == (8, [3, 4, 5, 6])
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "layer_types"}))
+    assert model_fields(folder)["window_layers"] == [3, 4, 5, 6]
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert model_fields(folder)["sliding_window"] is None
+    (folder / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention"] * 3}))
+    with pytest.raises(ConfigError, match="field 'layer_types' must list"):
+        model_fields(folder)
+    windowed = pipezero_logits(models["qwen2-window"], tokens := torch.randint(0, 300, (1, 24)))
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert (pipezero_logits(folder, tokens) - windowed).abs().max() > 1e-3  # the window matters at T=24
 
 
 def test_sliding_window_holds_with_document_masks() -> None:

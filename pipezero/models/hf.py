@@ -4,7 +4,7 @@ parameter names as ours.
 Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm,
 rotary on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few
 switches: biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling,
-Mistral's sliding window, an explicit head_dim. So loading one is a mapping of shape fields and of
+Mistral's sliding window (Qwen2's on the blocks its layer_types name), an explicit head_dim. So loading one is a mapping of shape fields and of
 names, never a second model: q and k need no permutation because both sides rotate the halves
 (x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here; weights are safetensors
 (models/hf_weights.py), so nothing in a user's folder can run code.
@@ -119,12 +119,28 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None
     return theta, [float(params[k]) for k in keys]
 
 
-def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> int | None:
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> tuple[int | None, list[int] | None]:
+    """(window, the blocks it applies to; None: all). Mistral windows every block. Qwen2 windows
+    none unless use_sliding_window, then the blocks its layer_types call sliding_attention, or
+    without layer_types (written by transformers before 5) blocks max_window_layers (default 28)
+    and on, as transformers 5's Qwen2Config derives them."""
     if kind == "mistral":
-        return _field(config, "sliding_window", int, path, None)
-    if kind == "qwen2" and config.get("use_sliding_window"):
-        raise ConfigError(f"{path}: qwen2 with use_sliding_window (windows on some layers only) is not supported")
-    return None
+        return _field(config, "sliding_window", int, path, None), None
+    if kind != "qwen2" or not _field(config, "use_sliding_window", bool, path, False):
+        return None, None
+    window = _field(config, "sliding_window", int, path)
+    n = _field(config, "num_hidden_layers", int, path)
+    types = config.get("layer_types")
+    if types is None:
+        first = _field(config, "max_window_layers", int, path, 28)
+        return window, [i for i in range(n) if i >= first]
+    if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
+        raise ConfigError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
+                          f"{n} layers")
+    return window, [i for i, t in enumerate(types) if t == SLIDING]
 
 
 def model_fields(folder: Path) -> dict[str, Any]:
@@ -152,7 +168,7 @@ def model_fields(folder: Path) -> dict[str, Any]:
         "head_dim": head_dim if head_dim is not None and head_dim * heads != dim else None,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
         "mlp_bias": kind == "llama" and _field(config, "mlp_bias", bool, path, False),
-        "rope_llama3": llama3, "sliding_window": _sliding_window(kind, config, path),
+        "rope_llama3": llama3, **dict(zip(("sliding_window", "window_layers"), _sliding_window(kind, config, path))),
     }
 
 
