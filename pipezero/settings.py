@@ -26,7 +26,8 @@ POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=Tru
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                             "max_seq_len", "head_dim", "sliding_window")},
-    "model.window_layers": NON_NEGATIVE, "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
+    "model.window_layers": NON_NEGATIVE,
+    "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
@@ -155,7 +156,8 @@ def _masks_documents(cfg: TrainConfig) -> bool:
     """Whether the data are documents packed with document masks (data/corpus.py's default for
     documents; token files and the built-in corpus are windows of one stream)."""
     d = cfg.data
-    documents = bool(d.path) and not any(Path(x).suffix in (".bin", ".npy") for x in d.path or [])  # corpus.TOKEN_SUFFIXES
+    token_file = any(Path(x).suffix in (".bin", ".npy") for x in d.path or [])  # data/corpus.py's TOKEN_SUFFIXES
+    documents = bool(d.path) and not token_file
     return documents and d.packing in (None, Packing.DOC_MASKED)
 
 

@@ -84,7 +84,8 @@ def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     folders = {  # name: (folder, the pad id expected, BOS expected)
-        "llama": (tokenizer_folder(tmp_path / "llama", "llama", {"config": 3, "generation": 7}, add_bos_token=True), 3, True),
+        "llama": (tokenizer_folder(tmp_path / "llama", "llama", {"config": 3, "generation": 7}, add_bos_token=True),
+                  3, True),
         "llama-eos": (tokenizer_folder(tmp_path / "llama-eos", "llama", {"generation": 7}, add_bos_token=True,
                                        add_eos_token=True), 7, True),
         "qwen2": (tokenizer_folder(tmp_path / "qwen2", "qwen2", {}, pad_token="<|pad|>"), None, False),
@@ -110,14 +111,14 @@ def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
         x, y = c.samples[0].rows(np.arange(train.n_docs))
         n = np.diff(train.offsets)  # each row: its document, then padding that is never a target
         for r in range(train.n_docs):
-            assert (x[r, n[r]:] == pad).all() and (y[r, n[r] - 1:] == IGNORE).all() and (y[r, :n[r] - 1] != IGNORE).all()
+            assert (x[r, n[r]:] == pad).all() and (y[r, n[r] - 1:] == IGNORE).all()
+            assert (y[r, :n[r] - 1] != IGNORE).all()
     # what changes the ids or the padding changes the cache: BOS off, another pad id
     folder = folders["llama"][0]
     before = corpus(folder)
     spec = json.loads((folder / "tokenizer.json").read_text())
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
-                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                              "special_tokens": {}}
+    a, b = ({"Sequence": {"id": s, "type_id": i}} for i, s in enumerate("AB"))
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [a], "pair": [a, b], "special_tokens": {}}
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     no_bos = corpus(folder)
     assert no_bos.tokenizer.name != before.tokenizer.name

@@ -8,7 +8,10 @@ A model's own tokenizer.json is used as it is, post-processor included: that is 
 folder's BOS lives, and it is what transformers 5 follows too (with a tokenizer.json present,
 `AutoTokenizer` drops tokenizer_config.json's add_bos_token / add_eos_token and keeps the file's
 post-processor). Its config.json says EOS (put between documents) and, with
-generation_config.json and tokenizer_config.json, the padding id (models/hf.py).
+generation_config.json and tokenizer_config.json, the padding id (models/hf.py). One difference
+remains possible: for a tokenizer class of its own (LlamaTokenizer, Qwen2Tokenizer), transformers 5
+rebuilds the normalizer and pre-tokenizer from that class's code and takes only the vocabulary,
+merges and post-processor from tokenizer.json; the two agree whenever the class saved the file.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Hugging Face decoder folders as pipezero models: their config.json as a `ModelConfig`, and their
 parameter names as ours.
 
-Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm,
-rotary on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few
-switches: biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling,
-Mistral's sliding window (Qwen2's on the blocks its layer_types name), an explicit head_dim. So loading one is a mapping of shape fields and of
-names, never a second model: q and k need no permutation because both sides rotate the halves
-(x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here; weights are safetensors
-(models/hf_weights.py), so nothing in a user's folder can run code.
+Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm, rotary
+on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few switches:
+biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling, Mistral's
+sliding window (Qwen2's, on the blocks its layer_types name), an explicit head_dim. So loading one
+is a mapping of shape fields and of names, never a second model: q and k need no permutation because
+both sides rotate the halves (x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here;
+weights are safetensors (models/hf_weights.py), so nothing in a user's folder can run code.
 """
 
 from __future__ import annotations
@@ -194,10 +194,11 @@ def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
     by a kept position nor predicted, so any row of the embedding would do; the model's own keeps
     what it sees the one it was trained with."""
     config = read_json(folder / CONFIG)
+    generation = read_json(folder / GENERATION) if (folder / GENERATION).is_file() else {}
     found: tuple[str, int] | None = None
     if (pad := _token_id(config.get("pad_token_id"))) is not None:
         found = (CONFIG, pad)
-    elif (folder / GENERATION).is_file() and (pad := _token_id(read_json(folder / GENERATION).get("pad_token_id"))) is not None:
+    elif (pad := _token_id(generation.get("pad_token_id"))) is not None:
         found = (GENERATION, pad)
     elif (folder / TOKENIZER_CONFIG).is_file():
         token = read_json(folder / TOKENIZER_CONFIG).get("pad_token")
