@@ -103,8 +103,9 @@ def spec_toml(tmp_path: Path, data: Path) -> str:
 def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsys):
     """`[model] spec` (`--model-spec`) names examples/own_model.py's GPTSpec: `pipezero verify` trains
     it at pp=2 on two ranks torchrun starts (which import it themselves) and finds every rank equal
-    to one process; `pipezero train` checkpoints it and `pipezero export` rebuilds it from the run's
-    settings, with the spec's sizes in its config.json; the Hugging Face format refuses it."""
+    to one process; `pipezero train` at pp=2 trains the same and checkpoints it, and `pipezero
+    export` rebuilds it from the run's settings, with the spec's sizes in its config.json; the
+    Hugging Face format refuses it."""
     from pipezero.checkpoint.export import load_exported
     from pipezero.cli import main
 
@@ -114,7 +115,10 @@ def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsy
                  "--out", str(tmp_path / "verify")]) == 0
     assert json.loads((tmp_path / "verify" / "verify.json").read_text())["ok"]
     run = tmp_path / "run"
-    assert main(["train", "--config", conf, "--out", str(run), "--checkpoint-every", "2"]) == 0
+    assert main(["train", "--config", conf, "--pp", "2", "--nproc", "2", "--out", str(run), "--checkpoint-every", "2"]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
+    assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
     assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
     exported = load_exported(tmp_path / "export")
     assert isinstance(exported.spec, own_model.GPTSpec)
