@@ -115,7 +115,8 @@ def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsy
                  "--out", str(tmp_path / "verify")]) == 0
     assert json.loads((tmp_path / "verify" / "verify.json").read_text())["ok"]
     run = tmp_path / "run"
-    assert main(["train", "--config", conf, "--pp", "2", "--nproc", "2", "--out", str(run), "--checkpoint-every", "2"]) == 0
+    assert main(["train", "--config", conf, "--pp", "2", "--nproc", "2", "--out", str(run),
+                 "--checkpoint-every", "2"]) == 0
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
     assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
