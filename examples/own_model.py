@@ -10,6 +10,10 @@ FLOPs per token, and the loss. `pipezero.engine.train(cfg, spec=...)` takes it; 
 still says the layout, optimizer, data and run (its [model] section is not used for the model).
 Every weighted module here is nn.Linear, nn.Embedding or nn.LayerNorm, so zero-bubble schedules
 split each block's backward into B and W without falling back to autograd.
+
+From the command line, in this folder (or with it on PYTHONPATH):
+
+    pipezero train --model-spec own_model:GPTSpec --tokenizer bytes --packing concat --data DOCS ...
 """
 
 from __future__ import annotations

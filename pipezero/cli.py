@@ -21,6 +21,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--preset": ("model.preset", "model size: tiny, small, base, 1b, 7b, 13b, 70b"),
     "--model": ("model.pretrained", "a local Hugging Face model folder (llama, mistral, qwen2: config.json, "
                                     "safetensors, tokenizer.json) to fine-tune; nothing is downloaded"),
+    "--model-spec": ("model.spec", "MODULE:NAME of a model of your own: a ModelSpec subclass, instance or function "
+                                   "returning one (examples/own_model.py:GPTSpec is one); the working directory "
+                                   "is searched first"),
     "--nproc": ("launch.nproc", "start this many local ranks through torchrun"),
     "--max-restarts": ("launch.max_restarts", "with --nproc: torchrun restarts a failed job this often, "
                                               "resuming from the last checkpoint"),

@@ -93,7 +93,12 @@ class ModelConfig:
     rope_llama3: list[float] | None = None  # Llama 3 rope scaling: factor, low_freq_factor,
     # high_freq_factor, original_max_position_embeddings
     sliding_window: int | None = None  # a query sees only the newest N keys (Mistral); None = all
+    window_layers: list[int] | None = None  # the blocks (0-based) the window applies to (Qwen2's
+    # layer_types); None = every block
     pretrained: str | None = None  # a local Hugging Face model folder: shape, weights and tokenizer from it
+    # "MODULE:NAME" of a ModelSpec of one's own (models/user_spec.py): the model is that spec, and the
+    # shape fields above are unused
+    spec: str | None = None
 
 
 @dataclass

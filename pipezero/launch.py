@@ -43,9 +43,10 @@ def preflight(cfg: TrainConfig, nproc: int) -> Device:
 
     from pipezero.data import load_corpus
     from pipezero.engine import check_corpus
+    from pipezero.models import spec_of
     from pipezero.parallel.device import local_device
 
-    check_corpus(cfg, load_corpus(cfg.data), cfg.model.vocab_size)
+    check_corpus(cfg, load_corpus(cfg.data), spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import LaunchConfig, TrainConfig
+from pipezero.config import LaunchConfig, Packing, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, apply_preset
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
@@ -26,6 +26,7 @@ POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=Tru
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                                             "max_seq_len", "head_dim", "sliding_window")},
+    "model.window_layers": NON_NEGATIVE,
     "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
@@ -133,6 +134,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     apply_preset(cfg.model, preset)
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     apply_overrides(cfg, flat)
+    if cfg.model.spec is not None:  # a model of one's own: [model] shape settings would be ignored
+        from pipezero.models.user_spec import apply_spec
+
+        apply_spec(cfg, set(flat))
     if cfg.model.pretrained is not None:  # a Hugging Face folder: its shape, tokenizer, a fine-tuning rate
         from pipezero.models.hf import apply_pretrained
 
@@ -147,29 +152,55 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _masks_documents(cfg: TrainConfig) -> bool:
+    """Whether the data are documents packed with document masks (data/corpus.py's default for
+    documents; token files and the built-in corpus are windows of one stream)."""
+    d = cfg.data
+    token_file = any(Path(x).suffix in (".bin", ".npy") for x in d.path or [])  # data/corpus.py's TOKEN_SUFFIXES
+    documents = bool(d.path) and not token_file
+    return documents and d.packing in (None, Packing.DOC_MASKED)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
     for section in _sections(False):  # a configuration built in code passes the same checks as a file
         for f in dataclasses.fields(getattr(cfg, section)):
             coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
-    _check(m.head_dim is not None or m.dim % m.n_heads == 0,
-           f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
-    kv = m.n_kv_heads or m.n_heads
-    _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
-    _check((m.head_dim or m.dim // m.n_heads) % 2 == 0,
-           "head dimension (dim / n_heads) must be even for rotary positions")
-    _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
-           "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
+    spec = None  # a model of one's own (--model-spec): its layer count and length, not [model]'s
+    if m.spec is not None:
+        from pipezero.models.spec import ModelSpec
+        from pipezero.models.user_spec import load_spec
+
+        _check(m.pretrained is None, f"--model {m.pretrained} and --model-spec {m.spec} each name the model; "
+                                     f"give one")
+        spec = load_spec(m.spec)
+        _check(not _masks_documents(cfg) or type(spec).doc_mask is not ModelSpec.doc_mask,
+               f"--model-spec {m.spec}: {type(spec).__name__} has no doc_mask, so documents cannot be packed with "
+               f"document masks (the default for --data documents); pass --packing concat or none, or give the "
+               f"spec a doc_mask")
+    else:
+        _check(m.head_dim is not None or m.dim % m.n_heads == 0,
+               f"model.dim={m.dim} must be a multiple of n_heads={m.n_heads}")
+        kv = m.n_kv_heads or m.n_heads
+        _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
+        _check((m.head_dim or m.dim // m.n_heads) % 2 == 0,
+               "head dimension (dim / n_heads) must be even for rotary positions")
+        _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
+               "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
+        _check(m.window_layers is None or all(i < m.n_layers for i in m.window_layers),
+               f"model.window_layers = {m.window_layers}: blocks are numbered 0 to {m.n_layers - 1}")
+    max_len = m.max_seq_len if spec is None else spec.max_seq_len
     _check(
-        d.seq_len <= m.max_seq_len,
-        f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={m.max_seq_len}); "
-        f"lower --seq-len or raise model.max_seq_len",
+        max_len is None or d.seq_len <= max_len,
+        f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={max_len}); lower --seq-len or "
+        + ("raise model.max_seq_len" if spec is None else f"raise the max_seq_len of --model-spec {m.spec}"),
     )
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
            f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
     chunks = p.pp * p.virtual_stages
-    layers = m.n_layers + 2  # embedding + blocks + head
+    n_layers = m.n_layers if spec is None else spec.n_layers
+    layers = n_layers + 2  # embedding + blocks + head
     if p.stage_layers is not None:
         _check(
             len(p.stage_layers) == chunks,
@@ -178,7 +209,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(
             sum(p.stage_layers) == layers,
             f"--stage-layers sums to {sum(p.stage_layers)} but the model has {layers} layers "
-            f"(embedding + {m.n_layers} blocks + head)",
+            f"(embedding + {n_layers} blocks + head)",
         )
         _check(p.stage_layers[0] >= 1 and p.stage_layers[-1] >= 1,
                f"--stage-layers {','.join(map(str, p.stage_layers))}: the first chunk must hold the embedding "
@@ -187,8 +218,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(
             chunks <= layers,
             f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "
-            f"(embedding + {m.n_layers} blocks + head); lower --pp/--virtual-stages"
-            + ("" if m.pretrained else " or use a bigger preset"),
+            f"(embedding + {n_layers} blocks + head); lower --pp/--virtual-stages"
+            + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     if d.path is not None:
@@ -207,7 +238,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     from pipezero.parallel.device import device_kind
 
     device_kind(r.device)
-    check_pattern(m, o.freeze)
+    check_pattern(spec or m, o.freeze)
     try:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ValueError as e:

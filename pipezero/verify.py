@@ -100,10 +100,13 @@ def with_tied_head(params: dict[str, torch.Tensor], layout: TrainConfig) -> dict
     """One process ties the head to the embedding (one tensor, one name); a layout with more than
     one chunk keeps two copies, the head under its own name: give the reference's tensor that name
     too, so both ends are compared."""
+    from pipezero.models import spec_of
+
     p = layout.parallel
-    if not layout.model.tie_embeddings or p.pp * p.virtual_stages == 1:
+    tied = spec_of(layout.model).tied_names()  # the built-in model's or a --model-spec's
+    if tied is None or p.pp * p.virtual_stages == 1:
         return params
-    return {**params, f"layers.{layout.model.n_layers + 1}.proj.weight": params["layers.0.weight"]}
+    return {**params, tied[1]: params[tied[0]]}
 
 
 def compare_params(ranks: list[RankResult], ref: dict[str, torch.Tensor], tol: float) -> tuple[list[Check], list[str]]:

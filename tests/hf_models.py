@@ -17,6 +17,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama-tied": dict(model_type="llama", num_key_value_heads=4, tie_word_embeddings=True, rope_theta=500000.0),
     "mistral": dict(model_type="mistral", num_key_value_heads=2, sliding_window=8, head_dim=16, tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    # a window on blocks 3-6 only (layer_types from max_window_layers), untied
+    "qwen2-window": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=3),
 }
 
 
@@ -72,3 +75,23 @@ def pipezero_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     load_chunk(model, cfg)
     with torch.no_grad():
         return model.eval()(tokens)
+
+
+def tokenizer_folder(folder: Path, family: str, pad: dict[str, Any], **tokenizer_kw: Any) -> Path:
+    """A model folder's tokenizer and config files (no weights) as transformers writes them: the
+    family's own tokenizer class trained here on a few lines of source (so its tokenizer.json is
+    the pipeline transformers rebuilds for that class), saved with save_pretrained; `pad` holds the
+    pad settings: `config` (config.json's pad_token_id), `generation` (generation_config.json's)."""
+    import inspect
+
+    from transformers import AutoConfig, GenerationConfig, LlamaTokenizer, Qwen2Tokenizer
+
+    text = inspect.getsource(inspect)
+    base = {"llama": LlamaTokenizer, "qwen2": Qwen2Tokenizer}[family](**tokenizer_kw)
+    tok = base.train_new_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], vocab_size=300)
+    tok.save_pretrained(folder)
+    AutoConfig.for_model(family, **SHAPE, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                         pad_token_id=pad.get("config")).save_pretrained(folder)
+    if "generation" in pad:
+        GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=pad["generation"]).save_pretrained(folder)
+    return folder

@@ -9,13 +9,15 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_models import FAMILIES, hf_logits, make_model, pipezero_logits, tokenizer_json
+from hf_models import FAMILIES, hf_logits, make_model, pipezero_logits, tokenizer_folder, tokenizer_json
 from pipezero.cli import main
 from pipezero.config import ModelConfig
+from pipezero.errors import ConfigError
 from pipezero.settings import build_config
 from pipezero.models.hf import from_hf, to_hf
 from pipezero.models.hf_weights import expected_shapes
@@ -66,10 +68,98 @@ def test_tokenizer_takes_eos_from_the_model_config(models: dict[str, Path], tmp_
     assert named.eos_id == 7 and named.name != guessed.name
 
 
+def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
+    """Each document's ids are what transformers' AutoTokenizer gives for its text (BOS first for a
+    BOS-adding Llama tokenizer, none for Qwen2's), then one EOS; rows past a short document hold
+    the pad id the model's config files name (config.json, else generation_config.json, else
+    tokenizer_config.json's pad_token) and are never targets. A changed BOS or pad setup is a new
+    token cache, never the stale one."""
+    from transformers import AutoTokenizer
+
+    from pipezero.config import DataConfig, Packing
+    from pipezero.data import load_corpus
+    from pipezero.data.packing import IGNORE
+
+    texts = [f"def f{i}(x):\n    return x * {i}  # \u00fcn\u00efcode {'word ' * (i % 5)}" for i in range(20)]
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    folders = {  # name: (folder, the pad id expected, BOS expected)
+        "llama": (tokenizer_folder(tmp_path / "llama", "llama", {"config": 3, "generation": 7}, add_bos_token=True),
+                  3, True),
+        "llama-eos": (tokenizer_folder(tmp_path / "llama-eos", "llama", {"generation": 7}, add_bos_token=True,
+                                       add_eos_token=True), 7, True),
+        "qwen2": (tokenizer_folder(tmp_path / "qwen2", "qwen2", {}, pad_token="<|pad|>"), None, False),
+    }
+
+    def corpus(folder: Path):  # noqa: ANN202
+        return load_corpus(DataConfig(path=[str(data)], tokenizer=str(folder / "tokenizer.json"), seq_len=64,
+                                      heldout_fraction=0.1, packing=Packing.NONE))
+
+    for name, (folder, pad, bos) in folders.items():
+        theirs = AutoTokenizer.from_pretrained(folder)
+        eos = theirs.eos_token_id
+        want = [ids if ids[-1] == eos else [*ids, eos] for ids in theirs(texts)["input_ids"]]
+        assert all((ids[0] == theirs.bos_token_id) == bos for ids in want), name
+        assert sum(ids.count(eos) for ids in want) == len(texts), name  # one EOS a document, never two
+        c = corpus(folder)
+        (train, held), tokens = (s.docs for s in c.samples), (c.train, c.heldout)
+        got = [np.asarray(t[o[d]:o[d + 1]]).tolist() for t, docs in zip(tokens, (train, held))
+               for o in [docs.offsets] for d in range(docs.n_docs)]
+        assert got == [w for i, w in enumerate(want) if i % 10 != 9] + want[9::10], name
+        pad = pad if pad is not None else theirs.convert_tokens_to_ids("<|pad|>")
+        assert c.samples[0].pad_id == pad, name
+        x, y = c.samples[0].rows(np.arange(train.n_docs))
+        n = np.diff(train.offsets)  # each row: its document, then padding that is never a target
+        for r in range(train.n_docs):
+            assert (x[r, n[r]:] == pad).all() and (y[r, n[r] - 1:] == IGNORE).all()
+            assert (y[r, :n[r] - 1] != IGNORE).all()
+    # what changes the ids or the padding changes the cache: BOS off, another pad id
+    folder = folders["llama"][0]
+    before = corpus(folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    a, b = ({"Sequence": {"id": s, "type_id": i}} for i, s in enumerate("AB"))
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [a], "pair": [a, b], "special_tokens": {}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    no_bos = corpus(folder)
+    assert no_bos.tokenizer.name != before.tokenizer.name
+    assert no_bos.train[0] != 1 and no_bos.samples[0].docs.offsets[1] == before.samples[0].docs.offsets[1] - 1
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": 5}))
+    repadded = corpus(folder)
+    assert repadded.samples[0].pad_id == 5 and repadded.tokenizer.name != no_bos.tokenizer.name
+    (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": 320}))
+    with pytest.raises(ConfigError, match="padding id 320 is not a row of the embedding"):
+        corpus(folder)
+
+
 def test_logits_equal_transformers(models: dict[str, Path]) -> None:
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > mistral's window 8
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > the windows of 8
     diffs = {f: (hf_logits(d, tokens) - pipezero_logits(d, tokens)).abs().max().item() for f, d in models.items()}
     assert all(d <= 1e-5 for d in diffs.values()), diffs
+
+
+def test_qwen2_window_layers_follow_layer_types(models: dict[str, Path], tmp_path: Path) -> None:
+    """Qwen2's window applies to the blocks layer_types calls sliding_attention (blocks 3-6 of the
+    qwen2-window model, whose logits equal transformers' above); a config.json without
+    layer_types (transformers 4) gives the same blocks from max_window_layers; without
+    use_sliding_window no block has one."""
+    from pipezero.models.hf import model_fields
+
+    folder = tmp_path / "older"
+    shutil.copytree(models["qwen2-window"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["layer_types"][2:4] == ["full_attention", "sliding_attention"]
+    assert (model_fields(folder)["sliding_window"], model_fields(folder)["window_layers"]) == (8, [3, 4, 5, 6])
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "layer_types"}))
+    assert model_fields(folder)["window_layers"] == [3, 4, 5, 6]
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert model_fields(folder)["sliding_window"] is None
+    (folder / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention"] * 3}))
+    with pytest.raises(ConfigError, match="field 'layer_types' must list"):
+        model_fields(folder)
+    windowed = pipezero_logits(models["qwen2-window"], tokens := torch.randint(0, 300, (1, 24)))
+    (folder / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    assert (pipezero_logits(folder, tokens) - windowed).abs().max() > 1e-3  # the window matters at T=24
 
 
 def test_sliding_window_holds_with_document_masks() -> None:

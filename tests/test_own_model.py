@@ -4,6 +4,8 @@ for torch's own weighted modules equal autograd's."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -98,3 +100,87 @@ def test_own_model_pp2_dp2_zero2_zb_h1_matches_one_process(text_dir, tmp_path):
     far = {n: relative_error(p.detach(), ref["params"][n]) for n, p in saved.named_parameters()}
     assert far.keys() == ref["params"].keys() and max(far.values()) < tol.params, far
     assert ref["losses"][-1] < ref["losses"][0]  # it learns
+
+
+EXAMPLES = str(Path(own_model.__file__).parent)
+SPEC = "own_model:GPTSpec"
+
+
+def spec_toml(tmp_path: Path, data: Path) -> str:
+    """A run of own_model's GPTSpec named by `[model] spec`, on bytes tokens of concatenated documents."""
+    path = tmp_path / "own.toml"
+    path.write_text(f'[model]\nspec = "{SPEC}"\n[data]\npath = ["{data}"]\ntokenizer = "bytes"\nseq_len = 32\n'
+                    f'packing = "concat"\n[parallel]\nmicrobatches = 4\nmicro_batch_size = 2\ntimeout_s = 60.0\n'
+                    f'[run]\nmax_steps = 2\nprogress = false\nsample_tokens = 0\neval_every = 0\neval_batches = 1\n'
+                    f'[optim]\nwarmup_steps = 1\nlr = 0.01\n')
+    return str(path)
+
+
+def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsys):
+    """`[model] spec` (`--model-spec`) names examples/own_model.py's GPTSpec: `pipezero verify` trains
+    it at pp=2 on two ranks torchrun starts (which import it themselves) and finds every rank equal
+    to one process; `pipezero train` at pp=2 trains the same and checkpoints it, and `pipezero
+    export` rebuilds it from the run's settings, with the spec's sizes in its config.json; the
+    Hugging Face format refuses it."""
+    from pipezero.checkpoint.export import load_exported
+    from pipezero.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p))
+    conf = spec_toml(tmp_path, text_dir)
+    assert main(["verify", "--config", conf, "--pp", "2", "--nproc", "2", "--steps", "2",
+                 "--out", str(tmp_path / "verify")]) == 0
+    assert json.loads((tmp_path / "verify" / "verify.json").read_text())["ok"]
+    run = tmp_path / "run"
+    assert main(["train", "--config", conf, "--pp", "2", "--nproc", "2", "--out", str(run),
+                 "--checkpoint-every", "2"]) == 0
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
+    assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
+    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    exported = load_exported(tmp_path / "export")
+    assert isinstance(exported.spec, own_model.GPTSpec)
+    saved = read_model(run / "checkpoints" / "step-00000002", own_model.GPTSpec())
+    theirs = dict(saved.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in exported.named_parameters())
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (config["spec"], config["n_layers"], config["dim"], config["vocab_size"]) == (SPEC, 4, 64, 256)
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 2
+    assert "a model of your own with no Hugging Face form" in capsys.readouterr().err
+
+
+SPEC_MISTAKES = [  # (flags, what the one line says)
+    (["--model-spec", "own_model"], "write MODULE:NAME"),
+    (["--model-spec", "no_such_module_here:make"], "no module named 'no_such_module_here' in the working directory"),
+    (["--model-spec", "own_model:Nope"], "has no attribute 'Nope'"),
+    (["--model-spec", "own_model:GPTShape"], "gives a GPTShape, not a pipezero.models.ModelSpec"),
+    (["--model-spec", "own_model:settings"], "settings needs arguments"),
+    (["--model-spec", SPEC, "--preset", "small"], "is the whole model; drop model.preset"),
+    (["--model-spec", SPEC, "--model", "some/folder"], "is the whole model; drop model.pretrained"),
+    (["--model-spec", SPEC, "--pp", "8"], "8 stage chunks but the model has only 6 layers (embedding + 4 blocks"),
+    (["--model-spec", SPEC, "--freeze", "attn"], "--freeze 'attn' matches no parameter; names look like layers.0.tok"),
+    (["--model-spec", SPEC, "--seq-len", "256"], "longer than the model allows (max_seq_len=128)"),
+    (["--model-spec", SPEC, "--data", "DATA"], "GPTSpec has no doc_mask"),
+    (["--model-spec", "my_decoder:two_blocks", "--pp", "5"], "only 4 layers (embedding + 2 blocks + head)"),
+    (["--model-spec", SPEC, "--data", "DATA", "--packing", "concat", "--tokenizer", "TOKENIZER", "--nproc", "2",
+      "--pp", "2"], "tokens but the model only 256 rows"),  # the launcher's check, before torchrun
+]
+
+
+def test_model_spec_mistakes_are_one_line(text_dir, tmp_path, monkeypatch, capsys):
+    """Each mistake with --model-spec is one line naming the fix, exit status 2, before any process
+    group; a module in the working directory is found (my_decoder.py, written there)."""
+    from test_bad_inputs import assert_one_line, run_main
+
+    from pipezero.data.tokenizer import BPETokenizer
+
+    (tmp_path / "my_decoder.py").write_text("from own_model import GPTShape, GPTSpec\n\n\ndef two_blocks():\n"
+                                            "    return GPTSpec(GPTShape(n_layers=2))\n")
+    BPETokenizer.train(["hello world, hello tokens"] * 20, 300).hf.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # restored after
+    monkeypatch.chdir(tmp_path)
+    fill = {"DATA": str(text_dir), "TOKENIZER": str(tmp_path / "tokenizer.json")}
+    for flags, needle in SPEC_MISTAKES:
+        argv = ["train", *(fill.get(f, f) for f in flags), "--out", str(tmp_path / "out")]
+        assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "out").exists()

@@ -18,18 +18,19 @@ from torch import nn
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest
 from pipezero.config import ModelConfig
-from pipezero.models import ModelSpec, StageChunk, build_chunk
+from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
 from pipezero.util import atomic_write_json, atomic_write_with
 
 
 def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:
-    return build_chunk(model, 0, model.n_layers + 2, seed)
+    """Every layer of `model` (a [model] section that names a --model-spec: that spec's)."""
+    return build_chunk(model, 0, spec_of(model).n_layers + 2, seed)
 
 
 def read_model(path: Path, spec: ModelSpec | None = None) -> StageChunk:
     """The whole model of checkpoint `path`, loaded in this process alone (no process group).
     `spec`: the model a run of one's own trained (engine.train's spec); None: the checkpoint's
-    [model], the built-in decoder."""
+    [model] (the built-in decoder, or the --model-spec it names)."""
     manifest = read_manifest(path)
     model = whole_model(spec or ModelConfig(**manifest["config"]["model"]))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding

@@ -86,6 +86,9 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     ckpt = resolve(source)
     run_config = read_manifest(ckpt)["config"]
     fields = run_config["model"]
+    if fields.get("spec"):
+        raise ConfigError(f"{ckpt} is a run of --model-spec {fields['spec']}, a model of your own with no Hugging "
+                          f"Face form; export it with --format pipezero")
     cfg = ModelConfig(**fields)
     kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
     if (kept / CONFIG).is_file():

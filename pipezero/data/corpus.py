@@ -29,7 +29,7 @@ from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer,
 from pipezero.util import atomic_write_bytes, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
-CACHE_VERSION = 1  # bump when the token cache's layout or contents change
+CACHE_VERSION = 2  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor)
 
 
 @dataclass
@@ -175,7 +175,8 @@ def load_documents(cfg: DataConfig) -> Corpus:
     key = hashlib.sha256(f"{CACHE_VERSION}\0{inputs}\0{tok.name}\0{every}".encode()).hexdigest()[:24]
     train, heldout = load_or_build(key, files, reader(), tok, every)
     packing = cfg.packing or Packing.DOC_MASKED
-    samples = tuple(PackedSamples(d, cfg.seq_len, packing, tok.eos_id or 0) for d in (train, heldout))
+    pad = tok.pad_id if tok.pad_id is not None else tok.eos_id or 0  # `none` packing's filler, never a target
+    samples = tuple(PackedSamples(d, cfg.seq_len, packing, pad) for d in (train, heldout))
     source = " ".join(cfg.path)
     for s, what in zip(samples, ("training documents", "held-out documents")):
         check_enough(s, 1, f"--data {source!r}: the {what}")
@@ -206,7 +207,7 @@ def load_stdlib(cfg: DataConfig) -> Corpus:
     docs = read_documents(files, cfg.max_bytes)
     train_docs, held_docs = split_documents(docs, cfg.heldout_fraction)
     tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
-    key = f"tokens-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
+    key = f"tokens-v{CACHE_VERSION}-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
     paths = cache_dir() / f"{key}.train.npy", cache_dir() / f"{key}.heldout.npy"
     if all(p.is_file() for p in paths):
         train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)

@@ -1,7 +1,17 @@
-"""Tokenizers: raw UTF-8 bytes, or a byte-level BPE trained locally with Hugging Face `tokenizers`.
+"""Tokenizers: raw UTF-8 bytes, a byte-level BPE trained locally with Hugging Face `tokenizers`, or
+a model's own tokenizer.json.
 
 The BPE is trained once on the training documents and cached by a hash of those documents and
 the vocabulary size, so every rank and every later run loads the identical vocabulary.
+
+A model's own tokenizer.json is used as it is, post-processor included: that is where a Llama
+folder's BOS lives, and it is what transformers 5 follows too (with a tokenizer.json present,
+`AutoTokenizer` drops tokenizer_config.json's add_bos_token / add_eos_token and keeps the file's
+post-processor). Its config.json says EOS (put between documents) and, with
+generation_config.json and tokenizer_config.json, the padding id (models/hf.py). One difference
+remains possible: for a tokenizer class of its own (LlamaTokenizer, Qwen2Tokenizer), transformers 5
+rebuilds the normalizer and pre-tokenizer from that class's code and takes only the vocabulary,
+merges and post-processor from tokenizer.json; the two agree whenever the class saved the file.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     name: str
     eos_id: int | None  # the id packed between documents; None: documents are packed back to back
+    pad_id: int | None  # the id filling a row past its document (never attended to, never a target); None: EOS's
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]: ...
 
@@ -37,6 +48,7 @@ class ByteTokenizer:
     vocab_size = 256
     name = "bytes"
     eos_id = 0  # NUL: never inside a document (sources refuse text that is not UTF-8 text)
+    pad_id = None
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
@@ -48,19 +60,31 @@ class ByteTokenizer:
 class BPETokenizer:
     """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
 
-    def __init__(self, hf: HFTokenizer, eos_id: int | None = None) -> None:
+    def __init__(self, hf: HFTokenizer, eos_id: int | None = None, pad_id: int | None = None) -> None:
         self.hf = hf
-        # Named by its content, so cached token arrays follow the vocabulary, not a file name:
-        # two different tokenizer.json files called alike never share a cache entry.
+        # Named by its content (the post-processor that adds BOS included), so cached token arrays
+        # follow the vocabulary, not a file name: two different tokenizer.json files called alike
+        # never share a cache entry.
         self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
         self.vocab_size = hf.get_vocab_size()
         self.eos_id = next((i for t in EOS_TOKENS if (i := hf.token_to_id(t)) is not None), None)
         if eos_id is not None:  # a model's own end-of-sequence id (its config.json) wins over a guess
             self.name += f"-eos{eos_id}"
             self.eos_id = eos_id
+        self.pad_id = pad_id
+        if pad_id is not None:
+            self.name += f"-pad{pad_id}"
+        # A post-processor that ends every text with EOS itself (add_eos_token style): the token
+        # cache puts one EOS after each document, so the text's own is dropped, not doubled.
+        probe, plain = hf.encode("a"), hf.encode("a", add_special_tokens=False)
+        self._post_eos = (self.eos_id is not None and len(probe.ids) > len(plain.ids)
+                          and probe.ids[-1] == self.eos_id)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(list(texts))]
+        """Each text's ids as the tokenizer's own pipeline gives them (BOS first where its
+        post-processor adds one), without a trailing EOS."""
+        ids = [e.ids for e in self.hf.encode_batch(list(texts))]
+        return [d[:-1] for d in ids] if self._post_eos else ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode([int(i) for i in ids])
@@ -84,24 +108,27 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | Path) -> "BPETokenizer":
         try:
-            return cls(HFTokenizer.from_file(str(path)), model_eos(Path(path).parent))
+            hf = HFTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
+        return cls(hf, *model_ids(Path(path).parent, hf))
 
 
-def model_eos(folder: Path) -> int | None:
-    """The end-of-sequence id of the Hugging Face model whose folder holds a tokenizer.json, as its
-    config.json says (BOS comes from the tokenizer's own post-processor); None beside no model."""
+def model_ids(folder: Path, hf: HFTokenizer) -> tuple[int | None, int | None]:
+    """(EOS, pad) of the Hugging Face model whose folder holds a tokenizer.json, as its config
+    files say (BOS comes from the tokenizer's own post-processor); (None, None) beside no model's
+    config.json. A padding id outside the model's vocabulary is a ConfigError naming the file."""
     if not (folder / "config.json").is_file():
-        return None
-    from pipezero.models.hf import eos_id
+        return None, None
+    from pipezero.models.hf import eos_id, pad_id
 
     try:
-        return eos_id(folder)
-    except ConfigError:
-        return None
+        eos = eos_id(folder)
+    except ConfigError:  # a config.json that is not a model's: the tokenizer stands alone
+        return None, None
+    return eos, pad_id(folder, hf.token_to_id)
 
 
 def texts_digest(texts: Sequence[str]) -> str:

@@ -1,19 +1,20 @@
 """Hugging Face decoder folders as pipezero models: their config.json as a `ModelConfig`, and their
 parameter names as ours.
 
-Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm,
-rotary on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few
-switches: biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling,
-Mistral's sliding window, an explicit head_dim. So loading one is a mapping of shape fields and of
-names, never a second model: q and k need no permutation because both sides rotate the halves
-(x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here; weights are safetensors
-(models/hf_weights.py), so nothing in a user's folder can run code.
+Llama, Mistral and Qwen2 are the same decoder as pipezero's built-in one (pre-norm RMSNorm, rotary
+on the full head dimension in the rotate-half layout, SwiGLU, optional GQA) with a few switches:
+biases (Qwen2's q/k/v, Llama's attention_bias and mlp_bias), Llama 3's rope scaling, Mistral's
+sliding window (Qwen2's, on the blocks its layer_types name), an explicit head_dim. So loading one
+is a mapping of shape fields and of names, never a second model: q and k need no permutation because
+both sides rotate the halves (x[..., :hd/2], x[..., hd/2:]) of a head. Only json is read here;
+weights are safetensors (models/hf_weights.py), so nothing in a user's folder can run code.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from pipezero.errors import ConfigError
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 CONFIG, TOKENIZER = "config.json", "tokenizer.json"
+TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
 # Kept with a run and copied into an export: what the model is, beyond its weights.
-METADATA = (CONFIG, TOKENIZER, "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION)
 
 # One block's parameters, pipezero name -> Hugging Face name under `model.layers.{j}.`; the three
 # families name them alike.
@@ -117,12 +119,28 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None
     return theta, [float(params[k]) for k in keys]
 
 
-def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> int | None:
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> tuple[int | None, list[int] | None]:
+    """(window, the blocks it applies to; None: all). Mistral windows every block. Qwen2 windows
+    none unless use_sliding_window, then the blocks its layer_types call sliding_attention, or
+    without layer_types (written by transformers before 5) blocks max_window_layers (default 28)
+    and on, as transformers 5's Qwen2Config derives them."""
     if kind == "mistral":
-        return _field(config, "sliding_window", int, path, None)
-    if kind == "qwen2" and config.get("use_sliding_window"):
-        raise ConfigError(f"{path}: qwen2 with use_sliding_window (windows on some layers only) is not supported")
-    return None
+        return _field(config, "sliding_window", int, path, None), None
+    if kind != "qwen2" or not _field(config, "use_sliding_window", bool, path, False):
+        return None, None
+    window = _field(config, "sliding_window", int, path)
+    n = _field(config, "num_hidden_layers", int, path)
+    types = config.get("layer_types")
+    if types is None:
+        first = _field(config, "max_window_layers", int, path, 28)
+        return window, [i for i in range(n) if i >= first]
+    if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
+        raise ConfigError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
+                          f"{n} layers")
+    return window, [i for i, t in enumerate(types) if t == SLIDING]
 
 
 def model_fields(folder: Path) -> dict[str, Any]:
@@ -150,17 +168,51 @@ def model_fields(folder: Path) -> dict[str, Any]:
         "head_dim": head_dim if head_dim is not None and head_dim * heads != dim else None,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
         "mlp_bias": kind == "llama" and _field(config, "mlp_bias", bool, path, False),
-        "rope_llama3": llama3, "sliding_window": _sliding_window(kind, config, path),
+        "rope_llama3": llama3, **dict(zip(("sliding_window", "window_layers"), _sliding_window(kind, config, path))),
     }
+
+
+def _token_id(value: Any) -> int | None:
+    """An id field of config.json (an int, or a list whose first item names it); None for a
+    missing, null or negative one (older Llama configs wrote pad_token_id -1 for "none")."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 def eos_id(folder: Path) -> int | None:
     """The end-of-sequence id config.json names (the first of a list), or None."""
+    return _token_id(read_json(folder / CONFIG).get("eos_token_id"))
+
+
+def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
+    """The id that fills a row past its document's end, as the model's files name it: config.json's
+    pad_token_id, else generation_config.json's, else tokenizer_config.json's pad_token (a token,
+    looked up with `token_id`); None when none names one. Padded positions are never attended to
+    by a kept position nor predicted, so any row of the embedding would do; the model's own keeps
+    what it sees the one it was trained with."""
     config = read_json(folder / CONFIG)
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+    generation = read_json(folder / GENERATION) if (folder / GENERATION).is_file() else {}
+    found: tuple[str, int] | None = None
+    if (pad := _token_id(config.get("pad_token_id"))) is not None:
+        found = (CONFIG, pad)
+    elif (pad := _token_id(generation.get("pad_token_id"))) is not None:
+        found = (GENERATION, pad)
+    elif (folder / TOKENIZER_CONFIG).is_file():
+        token = read_json(folder / TOKENIZER_CONFIG).get("pad_token")
+        if isinstance(token, dict):  # an AddedToken as transformers 4 wrote it
+            token = token.get("content")
+        if isinstance(token, str) and (pad := token_id(token)) is not None:
+            found = (TOKENIZER_CONFIG, pad)
+    if found is None:
+        return None
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and found[1] >= vocab:
+        raise ConfigError(f"{folder / found[0]}: the padding id {found[1]} is not a row of the embedding "
+                          f"(config.json's vocab_size is {vocab}); fix or drop that pad token")
+    return found[1]
 
 
 def llama_config(fields: dict[str, Any], eos: int | None = None) -> dict[str, Any]:

@@ -53,13 +53,21 @@ class DocMask:
         return cls(((docs[:, :, None] == docs[:, None, :]) & causal)[:, None], idx - first)
 
 
+def window_of(cfg: ModelConfig, block: int) -> int | None:
+    """The sliding window of block `block` (0-based): Mistral's on every block, Qwen2's on the
+    blocks its layer_types name (`window_layers`); None: the block attends to every earlier key."""
+    if cfg.window_layers is not None and block not in cfg.window_layers:
+        return None
+    return cfg.sliding_window
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: int = 0) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.head_dim or cfg.dim // cfg.n_heads
-        self.window = cfg.sliding_window
+        self.window = window_of(cfg, block)
         qkv, hd = cfg.qkv_bias, self.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=qkv)
         self.wk = nn.Linear(cfg.dim, self.n_kv * hd, bias=qkv)
@@ -128,10 +136,10 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: int = 0) -> None:  # block: 0-based, for a per-block window
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, block)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
@@ -173,7 +181,7 @@ def build_layer(cfg: ModelConfig, index: int) -> nn.Module:
         return Embedding(cfg)
     if index == cfg.n_layers + 1:
         return Head(cfg)
-    return Block(cfg)
+    return Block(cfg, index - 1)
 
 
 def init_layer(layer: nn.Module, index: int, cfg: ModelConfig, seed: int) -> None:

@@ -54,5 +54,14 @@ class LlamaSpec(ModelSpec):
 
 
 def spec_of(model: ModelConfig | ModelSpec) -> ModelSpec:
-    """A user's spec as it is; a ModelConfig as the built-in Llama (HF families included)."""
-    return model if isinstance(model, ModelSpec) else LlamaSpec(model)
+    """A user's spec as it is; a ModelConfig naming one (`spec`, from --model-spec) as that spec,
+    imported (models/user_spec.py); any other ModelConfig as the built-in Llama (HF families
+    included). Every reader of a run's model goes through here, so a spec named in the settings
+    reaches the engine, partition, freezing, checkpoints, export and verify alike."""
+    if isinstance(model, ModelSpec):
+        return model
+    if model.spec is not None:
+        from pipezero.models.user_spec import load_spec
+
+        return load_spec(model.spec)
+    return LlamaSpec(model)

@@ -18,9 +18,11 @@ between pipeline chunks that tensor is (B, T, dim) in the activation dtype. Para
 `layers.{index}.<the layer's own name>` by `StageChunk`, whatever the layout, so ZeRO-3's layer
 buckets, checkpoints, `--freeze` patterns and tied weights work without knowing the model.
 
-A spec reaches the engine through Python: `pipezero.engine.train(cfg, spec=MySpec(...))` (the
-TrainConfig still gives layout, optimizer, data and run); a ModelConfig means the built-in decoder
-(`LlamaSpec`, models/llama_spec.py). examples/own_model.py is a complete example.
+A spec reaches the engine through Python, `pipezero.engine.train(cfg, spec=MySpec(...))` (the
+TrainConfig still gives layout, optimizer, data and run), or through the settings,
+`pipezero train --model-spec my_mod:MySpec` (`[model] spec`; models/user_spec.py); any other
+ModelConfig means the built-in decoder (`LlamaSpec`, models/llama_spec.py). examples/own_model.py
+is a complete example.
 
 Split backward (zero-bubble schedules' B and W) needs every weighted module of a non-first chunk to
 be one W can compute from (input, output gradient) alone: nn.Linear, nn.Embedding, nn.LayerNorm,

@@ -1,0 +1,94 @@
+"""`--model-spec MODULE:NAME` (`[model] spec`): a model of one's own, named from the command line.
+
+The user names their own Python code explicitly, `my_pkg.my_mod:make_spec`, as `gunicorn` and
+`uvicorn` name an application: NAME is a `ModelSpec` instance, a `ModelSpec` subclass, or a
+function of no arguments returning one. Importing runs that module, which is the point: it is the
+user's code, never a file found in a data or model folder.
+
+The reference is a string in `ModelConfig`, so it travels with the run's config.json into every
+rank, `--resume`, `pipezero export` and `verify`; each process imports it again (`spec_of`). The
+working directory is searched first, as `python -m` does, so a module beside the user's shell
+imports under the `pipezero` console script too, and in ranks torchrun starts from there.
+Every mistake is one ConfigError naming the fix, raised while settings are validated, before any
+process group starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from typing import Any
+
+from pipezero.errors import ConfigError
+from pipezero.models.spec import ModelSpec
+
+EXAMPLE = "my_pkg.my_mod:make_spec"
+
+
+def _split(ref: str) -> tuple[str, str]:
+    module, sep, name = ref.partition(":")
+    if not sep or not module or not name or not all(p.isidentifier() for p in (*module.split("."), *name.split("."))):
+        raise ConfigError(f"--model-spec {ref!r}: write MODULE:NAME (an importable module and a name in it), "
+                          f"e.g. --model-spec {EXAMPLE}")
+    return module, name
+
+
+def _import(ref: str, module: str) -> Any:
+    """The module, with the working directory searched first; a module that is missing (not one it
+    imports) is one line saying where Python looked."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+            raise  # the user's module imports something missing: their traceback says what
+        raise ConfigError(f"--model-spec {ref!r}: no module named {e.name!r} in the working directory or on "
+                          f"PYTHONPATH; run from the folder that holds it, add that folder to PYTHONPATH, or "
+                          f"install its package") from None
+
+
+def load_spec(ref: str) -> ModelSpec:
+    """The ModelSpec that `ref` ("MODULE:NAME") names: an instance as it is, a subclass or a
+    function called with no arguments."""
+    module_name, name = _split(ref)
+    module = _import(ref, module_name)
+    obj: Any = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            where = getattr(module, "__file__", None) or module_name
+            raise ConfigError(f"--model-spec {ref!r}: {where} has no attribute {name!r}; name a ModelSpec "
+                              f"subclass or instance, or a function returning one, defined there")
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, ModelSpec):
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            raise ConfigError(f"--model-spec {ref!r}: {name} needs arguments; name one that takes none (a "
+                              f"function that builds your spec with its settings)") from None
+        except ValueError:  # no signature to inspect (a builtin): calling it says what it needs
+            pass
+        obj = obj()
+    if not isinstance(obj, ModelSpec):
+        raise ConfigError(f"--model-spec {ref!r} gives a {type(obj).__name__}, not a pipezero.models.ModelSpec; "
+                          f"subclass ModelSpec (examples/own_model.py) and name the class, an instance, or a "
+                          f"function returning one")
+    return obj
+
+
+def apply_spec(cfg: Any, given: set[str]) -> None:
+    """Settle `cfg` (a TrainConfig) for the spec `cfg.model.spec` names: other [model] settings
+    given beside it are refused (the spec is the whole model, so they would be silently unused);
+    the start-up line and the run's config.json name the spec, with its own sizes (the Llama-only
+    fields keep their defaults, unused)."""
+    clash = sorted(k for k in given if k.startswith("model.") and k != "model.spec")
+    if clash:
+        raise ConfigError(f"--model-spec {cfg.model.spec} is the whole model; drop {', '.join(clash)}")
+    spec = load_spec(cfg.model.spec)
+    m = cfg.model
+    m.preset, m.n_layers, m.dim, m.vocab_size = m.spec, spec.n_layers, spec.dim, spec.vocab_size
+    if spec.max_seq_len is not None:
+        m.max_seq_len = spec.max_seq_len
