@@ -41,7 +41,8 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
     if corpus.vocab_size > vocab_size:
         raise ConfigError(
             f"the tokenizer has {corpus.vocab_size} tokens but the model only {vocab_size} rows: "
-            f"set model.vocab_size >= {corpus.vocab_size} or use a smaller tokenizer (data.bpe_vocab)"
+            f"set model.vocab_size >= {corpus.vocab_size} (with --model-spec: your spec's vocab_size) or use a "
+            f"smaller tokenizer (data.bpe_vocab)"
         )
 
 

@@ -1,8 +1,7 @@
 """`--model-spec MODULE:NAME` (`[model] spec`): a model of one's own, named from the command line.
 
-The user names their own Python code explicitly, `my_pkg.my_mod:make_spec`, as `gunicorn` and
-`uvicorn` name an application: NAME is a `ModelSpec` instance, a `ModelSpec` subclass, or a
-function of no arguments returning one. Importing runs that module, which is the point: it is the
+The user names their own Python code explicitly, `my_pkg.my_mod:make_spec`: NAME is a `ModelSpec`
+instance, a `ModelSpec` subclass, or a function of no arguments returning one. Importing runs that module, which is the point: it is the
 user's code, never a file found in a data or model folder.
 
 The reference is a string in `ModelConfig`, so it travels with the run's config.json into every
