@@ -125,7 +125,8 @@ def load_chunk(chunk: nn.Module, cfg: ModelConfig, frozen_only: bool = False) ->
 
 
 class FlatReader:
-    """Reads elements [start, stop) of one of our parameters, flattened, from the folder as fp32:
+    """Reads elements [start, stop) of one of our parameters, flattened, from the folder in its
+    stored dtype (the bucket's copy into its fp32 shard converts: no fp32 copy of the range first):
     ZeRO-3's shard of a bucket is such a range of each parameter it overlaps (zero/buckets.py).
 
     A flat range starts and ends mid-row, and `get_slice` cuts whole rows: the rows the range
@@ -148,4 +149,4 @@ class FlatReader:
             first, last = start // row, -(-stop // row)
             rows = piece[first:last].reshape(-1)
             self.elements_read += rows.numel()
-            return rows[start - first * row:stop - first * row].to(torch.float32)
+            return rows[start - first * row:stop - first * row]

@@ -34,7 +34,8 @@ class Reduction:
     back: torch.Tensor | None = None  # a low-precision all-reduce's buffer, copied into the gradient
 
 
-# (parameter name, start, stop) -> elements [start, stop) of that parameter flattened, fp32
+# (parameter name, start, stop) -> elements [start, stop) of that parameter flattened, any float
+# dtype (copied into the fp32 master shard)
 FlatSource = Callable[[str, int, int], torch.Tensor]
 
 
