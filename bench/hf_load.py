@@ -1,12 +1,13 @@
 """Loading a Hugging Face checkpoint: per-rank peak memory and time, pipezero at P = 1 and P = 4
-beside transformers' from_pretrained in one process.
+(and ZeRO-3 at P = 1, D = 4) beside transformers' from_pretrained in one process.
 
     python bench/hf_load.py [--layers 32 --dim 1024 --ffn 2816 --vocab 32000] [--dtype bf16] [--shard 500MB]
 
 Generates a random Llama (default ~0.48B parameters, bf16 on disk as published checkpoints are,
 in shards with an index) with transformers' save_pretrained into a temporary folder, then in fresh
 processes: transformers loads it whole (fp32), and pipezero's ranks of P = 1 and P = 4 each build
-their stage chunks and read only their tensors (models/hf_weights.py), fp32 as pipezero trains.
+their stage chunks and read only their tensors (models/hf_weights.py), fp32 as pipezero trains;
+ZeRO-3's ranks of P = 1, D = 4 each read only their 1/4 shard of every bucket (zero/buckets.py).
 Reported per process: resident memory before loading (imports), the peak after (ru_maxrss), the
 difference, the bytes of the parameters it holds, and seconds. Writes bench/results/hf_load.json.
 """
@@ -89,6 +90,30 @@ def load_pipezero(rank: int, world: int, folder: str) -> dict:
             "layers": [list(bounds[c]) for c in schedule.chunks(rank)]}
 
 
+def load_pipezero_zero3(rank: int, world: int, folder: str) -> dict:
+    """What stage.build_stage does for the weights at ZeRO-3, P = 1, D = world: the whole model's
+    chunk on the meta device, and this data-parallel rank's shard of each bucket read."""
+    from pipezero.settings import build_config
+    from pipezero.models import build_chunk
+    from pipezero.models.chunk import place_hollow
+    from pipezero.models.hf_weights import FlatReader
+    from pipezero.zero.buckets import make_buckets, named_by_chunk
+
+    base, t0 = rss_now(), time.perf_counter()
+    cfg = build_config(None, {"model.pretrained": folder, "parallel.dp": world, "parallel.zero": 3,
+                              "run.out": "/tmp/unused"})
+    check_s = time.perf_counter() - t0
+    chunk = build_chunk(cfg.model, 0, cfg.model.n_layers + 2, cfg.run.seed, "meta")
+    place_hollow(chunk, "cpu")
+    reader = FlatReader(cfg.model)
+    buckets = make_buckets(named_by_chunk({0: chunk})[0], cfg.parallel.bucket_mb, world, rank, reader)
+    held = sum(b.master.numel() * b.master.element_size() for b in buckets)
+    seconds = time.perf_counter() - t0
+    return {"base_mib": base / MIB, "peak_mib": peak() / MIB, "delta_mib": (peak() - base) / MIB,
+            "params_mib": held / MIB, "seconds": seconds, "check_s": check_s,
+            "read_mib": reader.elements_read * 4 / MIB}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -110,6 +135,7 @@ def main() -> None:
         rows = {"transformers": run_ranks(load_transformers, 1, folder, timeout=1800)}
         for world in (1, 4):
             rows[f"pipezero P={world}"] = run_ranks(load_pipezero, world, folder, timeout=1800)
+        rows["ZeRO-3 P=1 D=4"] = run_ranks(load_pipezero_zero3, 4, folder, timeout=1800)
     print(f"{'loader':<16} {'rank':>4} {'params MiB':>10} {'base MiB':>9} {'peak MiB':>9} {'peak-base':>9} {'seconds':>8}")
     for name, ranks in rows.items():
         for r, x in enumerate(ranks):

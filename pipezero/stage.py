@@ -16,6 +16,7 @@ from pipezero.config import DType, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
+from pipezero.models.chunk import place_hollow
 from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
@@ -80,13 +81,20 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
-    chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, device) for c in schedule.chunks(mesh.pp_rank)}
+    # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
+    shards = cfg.model.pretrained is not None and p.zero == 3
+    chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, "meta" if shards else device)
+              for c in schedule.chunks(mesh.pp_rank)}
+    apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
+    source = None
     if cfg.model.pretrained is not None:  # this rank's layers only, tensor by tensor
-        from pipezero.models.hf_weights import load_chunk
+        from pipezero.models.hf_weights import FlatReader, load_chunk
 
         for chunk in chunks.values():
-            load_chunk(chunk, cfg.model)
-    apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
+            if shards:
+                place_hollow(chunk, device)  # trainable tensors: zero bytes, read by ZeRO as shards
+            load_chunk(chunk, cfg.model, frozen_only=shards)
+        source = FlatReader(cfg.model) if shards else None
     if cfg.run.compile:
         for chunk in chunks.values():
             compile_blocks(chunk)
@@ -100,7 +108,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  overlap_gather=p.overlap_gather)
+                  overlap_gather=p.overlap_gather, source=source)
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:

@@ -88,3 +88,19 @@ def build_chunk(model: ModelConfig | ModelSpec, start: int, stop: int, seed: int
     chunk = chunk.to_empty(device=device)
     chunk.tie()  # to_empty gives the two ends of a tied embedding a tensor each
     return chunk
+
+
+def place_hollow(chunk: StageChunk, device: torch.device | str) -> None:
+    """Move a chunk built on the meta device to `device` holding only what ZeRO-3 will not: frozen
+    parameters are allocated (for the loader), trainable ones keep their shape at zero bytes until
+    ZeRO-3 makes them views of its buckets, whose shards it reads itself (zero/buckets.py). A
+    tensor is allocated untouched and released at once: no resident memory, never the chunk."""
+    placed: dict[nn.Parameter, nn.Parameter] = {}  # tensors hash by identity: a tied weight, once
+    for module in chunk.modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            if p not in placed:
+                q = torch.empty(p.shape, dtype=p.dtype, device=device)
+                if p.requires_grad:
+                    q.untyped_storage().resize_(0)
+                placed[p] = nn.Parameter(q, requires_grad=p.requires_grad)
+            setattr(module, key, placed[p])

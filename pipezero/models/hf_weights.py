@@ -4,12 +4,15 @@ read per rank, one tensor at a time, only for the layers of that rank's stage ch
 A safetensors file is a json header (names, dtypes, shapes, offsets) and raw bytes; `safe_open`
 maps it and reads a tensor's bytes only when asked. So the preflight check of every name and shape
 costs the headers alone, and a rank holding layers 9-16 of a 32-layer model never reads the
-others: its peak is its chunks plus one tensor (bench/hf_load.py). (ZeRO-3 then shards each chunk; reading only a
-rank's shard ranges is not done: a flat range crosses tensor rows, which `get_slice` cannot.)
+others: its peak is its chunks plus one tensor (bench/hf_load.py). Under ZeRO-3 a rank reads less
+still: `FlatReader` hands ZeRO (zero/buckets.py) the flat ranges of its shards, each read as the rows
+of the tensor it overlaps (`get_slice`) and cut to the exact range, so the chunk's full trainable
+weights are never in memory on any rank; frozen tensors are not sharded and `load_chunk` reads them.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -105,11 +108,13 @@ def check_tokenizer(cfg: ModelConfig, tokenizer: str) -> None:
 
 
 @torch.no_grad()
-def load_chunk(chunk: nn.Module, cfg: ModelConfig) -> None:
+def load_chunk(chunk: nn.Module, cfg: ModelConfig, frozen_only: bool = False) -> None:
     """Overwrite `chunk`'s parameters with the folder's tensors: only this chunk's, one at a time
-    (fp32 whatever the stored dtype: pipezero's weights and optimizer are fp32)."""
+    (fp32 whatever the stored dtype: pipezero's weights and optimizer are fp32). `frozen_only`: the
+    trainable ones are left to ZeRO-3, which reads only its shards of them (FlatReader)."""
     assert cfg.pretrained is not None
-    params = dict(chunk.named_parameters())  # a tied head in the embedding's chunk is the embedding itself
+    # a tied head in the embedding's chunk is the embedding itself
+    params = {n: p for n, p in chunk.named_parameters() if not (frozen_only and p.requires_grad)}
     files = weight_files(Path(cfg.pretrained))
     for path, pairs in _by_file(sorted(params), cfg, files).items():
         for ours, theirs in pairs:
@@ -117,3 +122,31 @@ def load_chunk(chunk: nn.Module, cfg: ModelConfig) -> None:
             # so a rank peaks at its chunks plus one tensor, not plus every page it read.
             with _open(path) as f:
                 params[ours].copy_(f.get_tensor(theirs))
+
+
+class FlatReader:
+    """Reads elements [start, stop) of one of our parameters, flattened, from the folder in its
+    stored dtype (the bucket's copy into its fp32 shard converts: no fp32 copy of the range first):
+    ZeRO-3's shard of a bucket is such a range of each parameter it overlaps (zero/buckets.py).
+
+    A flat range starts and ends mid-row, and `get_slice` cuts whole rows: the rows the range
+    touches are read and cut to it, so at most two rows a tensor more than the range are read.
+    `elements_read` counts them (tests and the load bench compare it with the chunk's size)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        assert cfg.pretrained is not None
+        self.cfg = cfg
+        self.files = weight_files(Path(cfg.pretrained))
+        self.elements_read = 0
+
+    @torch.no_grad()
+    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
+        theirs = to_hf(name, self.cfg.n_layers, self.cfg.tie_embeddings)
+        with _open(self.files[theirs]) as f:  # one mapping a range: its pages leave memory on close
+            piece = f.get_slice(theirs)
+            shape = piece.get_shape()
+            row = math.prod(shape[1:])  # elements a row (1 for a vector)
+            first, last = start // row, -(-stop // row)
+            rows = piece[first:last].reshape(-1)
+            self.elements_read += rows.numel()
+            return rows[start - first * row:stop - first * row]

@@ -9,12 +9,16 @@ gathered like the rest and never read back, so sizes need not divide by D.
 A bucket is also the unit of ZeRO's state: besides its buffers it holds this rank's reduced gradient
 shard, ZeRO-3's master shard, and the collective in flight on it (a reduction or a gather), so the
 coordinator (zero/coordinator.py) and the stage logic (zero/sharded.py) keep no tables beside it.
+
+ZeRO-3 from a pretrained folder builds its buckets from a `FlatSource` instead of the parameters'
+values: the layout needs only their shapes, so this rank's master shard is read range by range
+(models/hf_weights.py FlatReader) and the full parameters first exist at the first gather.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +32,11 @@ class Reduction:
     work: Any  # None without a group: the result is already there
     out: torch.Tensor | None  # reduce-scatter output, added into the shard gradient on completion
     back: torch.Tensor | None = None  # a low-precision all-reduce's buffer, copied into the gradient
+
+
+# (parameter name, start, stop) -> elements [start, stop) of that parameter flattened, any float
+# dtype (copied into the fp32 master shard)
+FlatSource = Callable[[str, int, int], torch.Tensor]
 
 
 @dataclass
@@ -57,14 +66,34 @@ class Bucket:
     launched: bool = False  # reduced during the current backward
     expect: set[int] | None = None  # ZeRO-3 layer by layer: positions whose gradient is still to come
     label: str = ""  # "chunk.k", as the program names it: REDUCE_GRAD(1.0) is chunk 1's first bucket
+    source: InitVar[FlatSource | None] = None  # ZeRO-3: read the master shard from here, values unused
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, source: FlatSource | None) -> None:
         # keyed by the tensor object itself (tensors hash by identity): a parameter -> its position
         self.position: dict[nn.Parameter, int] = {p: i for i, p in enumerate(self.params)}
+        if source is not None:
+            self._from_source(source)
+            return
         self.flat = torch.zeros(self.padded, device=self.device)
         for p, off in zip(self.params, self.offsets):
             self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
             p.data = self.flat[off:off + p.numel()].view_as(p)
+
+    def _from_source(self, source: FlatSource) -> None:
+        """Only this rank's shard, read from `source`; the full parameters are views of a released
+        flat buffer that the first gather fills. Views need a storage to cut, so it is allocated,
+        never written, and released at once: on the CPU untouched pages are no resident memory; on
+        a GPU the caching allocator keeps the block for the first gather."""
+        self.flat = torch.empty(self.padded, device=self.device)
+        for p, off in zip(self.params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view_as(p)
+        self.release()
+        lo, hi = self.shard.start, self.shard.stop
+        self.master = torch.zeros(self.shard_size, device=self.device)  # padding stays zero
+        for name, p, off in zip(self.names, self.params, self.offsets):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                self.master[a - lo:b - lo].copy_(source(name, a - off, b - off))
 
     def holds(self, p: torch.Tensor) -> bool:
         return p in self.position
@@ -137,9 +166,11 @@ class Bucket:
         return out
 
 
-def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int) -> list[Bucket]:
+def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int,
+                 source: FlatSource | None = None) -> list[Bucket]:
     """Group parameters into buckets of about `bucket_mb` in reverse model order, the order in which
-    backward produces their gradients, so the first bucket is ready first."""
+    backward produces their gradients, so the first bucket is ready first. `source`: ZeRO-3 reads
+    each bucket's master shard from it (Bucket)."""
     limit = bucket_mb * 2**20 / 4  # elements; may be inf (one bucket)
     out: list[Bucket] = []
     current: list[tuple[str, nn.Parameter]] = []
@@ -152,7 +183,8 @@ def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp
             for _, p in current:
                 offsets.append(acc)
                 acc += p.numel()
-            out.append(Bucket([n for n, _ in current], [p for _, p in current], offsets, acc, dp, dp_rank))
+            out.append(Bucket([n for n, _ in current], [p for _, p in current], offsets, acc, dp, dp_rank,
+                              source=source))
         current, size = [], 0
 
     for name, p in reversed([(n, p) for n, p in named if p.requires_grad]):

@@ -29,7 +29,8 @@ class ShardedParams:
     def __post_init__(self) -> None:
         for bs in self.buckets.values():
             for b in bs:
-                b.master = b.flat[b.shard].clone()
+                if b.master is None:  # else read from a pretrained folder (Bucket's `source`)
+                    b.master = b.flat[b.shard].clone()
                 b.release()
 
     def before_use(self, chunk: int) -> None:

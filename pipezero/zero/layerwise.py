@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pipezero.zero.buckets import Bucket, make_buckets
+from pipezero.zero.buckets import Bucket, FlatSource, make_buckets
 
 
 class Gatherer(Protocol):
@@ -38,12 +38,13 @@ def layer_index(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def layer_buckets(named: list[tuple[str, nn.Parameter]], dp: int, dp_rank: int) -> list[Bucket]:
-    """One bucket a layer, in backward order (the last layer's first)."""
+def layer_buckets(named: list[tuple[str, nn.Parameter]], dp: int, dp_rank: int,
+                  source: FlatSource | None = None) -> list[Bucket]:
+    """One bucket a layer, in backward order (the last layer's first); `source` as make_buckets'."""
     layers: dict[int, list[tuple[str, nn.Parameter]]] = {}
     for n, q in named:
         layers.setdefault(layer_index(n), []).append((n, q))
-    return [make_buckets(layers[i], float("inf"), dp, dp_rank)[0] for i in sorted(layers, reverse=True)]
+    return [make_buckets(layers[i], float("inf"), dp, dp_rank, source)[0] for i in sorted(layers, reverse=True)]
 
 
 def install(zero: Gatherer, chunks: dict[int, nn.Module]) -> None:

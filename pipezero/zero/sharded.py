@@ -33,7 +33,7 @@ from pipezero.nonfinite import StepOutcome
 from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
-from pipezero.zero.buckets import Bucket, make_buckets
+from pipezero.zero.buckets import Bucket, FlatSource, make_buckets
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.layerwise import layer_buckets
@@ -61,6 +61,7 @@ class ZeroDP:
     comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
     device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
     overlap_gather: bool = False  # stages 1-2: each layer waits for its own updated weights (zero/updates.py)
+    source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
     comm: Coordinator = field(init=False)
@@ -78,8 +79,10 @@ class ZeroDP:
 
     def __post_init__(self) -> None:
         self.rules = RULES[self.stage]
-        self.buckets = {c: layer_buckets(named, self.dp, self.dp_rank) if self.layerwise
-                        else make_buckets(named, self.bucket_mb, self.dp, self.dp_rank)
+        if self.source is not None and not self.rules.sharded_params:
+            raise ValueError(f"ZeRO-{self.stage} keeps full parameters: only ZeRO-3 reads its shards from a source")
+        self.buckets = {c: layer_buckets(named, self.dp, self.dp_rank, self.source) if self.layerwise
+                        else make_buckets(named, self.bucket_mb, self.dp, self.dp_rank, self.source)
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
