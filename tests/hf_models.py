@@ -95,3 +95,12 @@ def tokenizer_folder(folder: Path, family: str, pad: dict[str, Any], **tokenizer
     if "generation" in pad:
         GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=pad["generation"]).save_pretrained(folder)
     return folder
+
+
+def hf_overrides(folder: Path, data: str, out: str, **extra: object) -> dict:
+    """Settings of a short run from the model folder `folder` (tests' small sizes)."""
+    base = {"model.pretrained": str(folder), "data.path": data, "data.seq_len": 16, "parallel.microbatches": 2,
+            "parallel.micro_batch_size": 2, "run.max_steps": 3, "run.out": out, "run.progress": False,
+            "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, "optim.warmup_steps": 1,
+            "optim.lr": 1e-3, "parallel.timeout_s": 60.0, "parallel.bucket_mb": 0.01}
+    return {**base, **extra}

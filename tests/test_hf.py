@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_models import FAMILIES, hf_logits, make_model, pipezero_logits, tokenizer_folder, tokenizer_json
+from hf_models import FAMILIES, hf_logits, hf_overrides, make_model, pipezero_logits, tokenizer_folder, tokenizer_json
 from pipezero.cli import main
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
@@ -178,14 +178,6 @@ def test_sliding_window_holds_with_document_masks() -> None:
         full.load_state_dict(windowed.state_dict())
         assert (plain - masked).abs().max() <= 1e-6
         assert (plain - full(x)).abs().max() > 1e-3
-
-
-def hf_overrides(folder: Path, data: str, out: str, **extra: object) -> dict:
-    base = {"model.pretrained": str(folder), "data.path": data, "data.seq_len": 16, "parallel.microbatches": 2,
-            "parallel.micro_batch_size": 2, "run.max_steps": 3, "run.out": out, "run.progress": False,
-            "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, "optim.warmup_steps": 1,
-            "optim.lr": 1e-3, "parallel.timeout_s": 60.0, "parallel.bucket_mb": 0.01}
-    return {**base, **extra}
 
 
 def test_training_equals_transformers_with_adamw(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_models import make_model
+from hf_models import hf_overrides, make_model
 from pipezero.settings import build_config
 from pipezero.verify import relative_error, with_tied_head
 
 pytest.importorskip("transformers")
-
-from test_hf import hf_overrides  # noqa: E402 - after the skip: it needs transformers too
 
 FREEZE = r"layers\.[0-2]\."  # the embedding and the first two blocks: loaded whole, not sharded
 CASES = [  # (family, layout); microbatches 2 a replica, so the global batch is 2 D
