@@ -20,6 +20,10 @@ gloo's reduce-scatter sends what an all-reduce of the whole bucket sends (measur
 pipezero counts for it, so ZeRO-2/3's comm here understates their time on the wire.
 Beside each measurement, the planner's prediction (sim/planner.py `estimate`) with its compute
 calibrated on the compute-only time (one factor a layout) and its link set to the rate.
+`--model dim=256,n_layers=4,vocab_size=256` overrides the preset's shape (with the bytes tokenizer a
+vocabulary of 256 suffices, and the blocks then hold most gradient bytes, not the embedding);
+`--launches` runs the ranks through bench/launch_times.py and prints, for D layouts, when each
+bucket's collective was launched and completed against the end of the step's backward.
 Writes bench/results/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
 trusting a difference under ~10%.
 """
@@ -44,11 +48,14 @@ LAYOUTS = {
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }
-def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, **parallel: int) -> str:
+def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, model: dict[str, int] | None = None,
+             **parallel: int) -> str:
     """The benches' run settings: bytes tokens from a few MB of the built-in corpus, one thread a
-    rank, no evaluation or sample; `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
+    rank, no evaluation or sample; `model` overrides the preset's shape (dim=256, vocab_size=256, ...),
+    `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
     extra = "".join(f"{k} = {v}\n" for k, v in parallel.items())
-    return (f'[model]\npreset = "{preset}"\n[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
+    shape = "".join(f"{k} = {v}\n" for k, v in (model or {}).items())
+    return (f'[model]\npreset = "{preset}"\n{shape}[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
             f"[parallel]\n{extra}bucket_mb = {bucket_mb}\n[run]\neval_every = 0\neval_batches = 1\nsample_tokens = 0\n"
             f"progress = false\nthreads = 1\ntrace = {str(trace).lower()}\n")
 
@@ -75,8 +82,12 @@ def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: f
     return outs[0][0].decode()
 
 
-def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str) -> dict:
-    on_cluster(nodes, per_node, link, ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", str(lay["pp"]),
+def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str,
+          launches: bool = False) -> dict:
+    """One run's steady step time, bytes a step and traced waits; `launches`: through
+    bench/launch_times.py, with each bucket's launch and completion against the backward's end."""
+    entry = [str(Path(__file__).resolve().parent / "launch_times.py")] if launches else ["-m", "pipezero.cli"]
+    on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
                                        "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
                                        *lay.get("flags", [])])
@@ -87,7 +98,8 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     # figure least disturbed by them (the median is kept beside it).
     return {"step_s": min(steady), "step_s_median": statistics.median(steady),
             "step_s_all": [r["step_time_s"] for r in recs], "bytes_per_step": statistics.median(sent),
-            "collective_wait_s": collective_waits(out / "trace.json")}
+            "collective_wait_s": collective_waits(out / "trace.json"),
+            "launches": launch_timeline(out / "trace.json") if launches else None}
 
 
 def collective_waits(trace: Path) -> float | None:
@@ -107,6 +119,33 @@ def collective_waits(trace: Path) -> float | None:
     return statistics.fmean(waits.values()) if waits else 0.0
 
 
+def launch_timeline(trace: Path) -> list[dict]:
+    """Rank 0's traced steps, times in seconds from the end of the step's last backward: when each
+    gradient bucket's collective was launched and completed (bench/launch_times.py), and the blocked
+    time on ZeRO's collectives. A bucket done after 0 was not hidden behind that backward."""
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") == 0 and e.get("args", {}).get("step") is not None:
+            steps.setdefault(e["args"]["step"], []).append(e)
+    out = []
+    for step, evs in sorted(steps.items()):
+        compute = [e for e in evs if e.get("cat") in ("F", "B", "W", "BW")]
+        backward = [e for e in compute if e["cat"] != "F"]
+        if not backward:
+            continue
+        start = min(e["ts"] for e in compute)
+        end = max(e["ts"] + e["dur"] for e in backward)
+        at = lambda t: round((t - end) / 1e6, 4)  # noqa: E731
+        launched = [(e["name"], at(e["ts"])) for e in evs if e.get("cat") == "launch"]
+        done = [at(e["ts"]) for e in evs if e.get("cat") == "done"]
+        waits = [(e["name"], at(e["ts"]), round(e["dur"] / 1e6, 4)) for e in evs if e.get("cat") == "wait"]
+        out.append({"step": step, "backward_s": round((end - start) / 1e6, 4), "launched": launched, "done": done,
+                    "waits": waits})
+    return out
+
+
 def comm_alone(kind: str, total: float, piece: int, link: str, nodes: int = 2) -> float:
     """Seconds `total` bytes a rank take across `link` (nodes=1: inside one node) with nothing else
     running, between two ranks."""
@@ -122,6 +161,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
     from pipezero.sim.planner import Cluster, Layout, estimate
 
     model = apply_preset(ModelConfig(), args.preset)
+    for k, v in args.model_fields.items():
+        setattr(model, k, v)
     layout = Layout(lay["pp"], lay["dp"], lay["zero"], ScheduleKind(lay["schedule"]), lay["v"], lay["mbs"],
                     lay["microbatches"], False)
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
@@ -137,14 +178,17 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
 def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     from pipezero.models.presets import PRESETS
 
-    activation = args.mbs * args.seq_len * PRESETS[args.preset]["dim"] * 4  # fp32 bytes a micro-batch
+    dim = args.model_fields.get("dim", PRESETS[args.preset]["dim"])
+    activation = args.mbs * args.seq_len * dim * 4  # fp32 bytes a micro-batch
     rows = []
     for group in args.layouts.split(","):
         toml = tmp / f"{group}.toml"
         m = args.dp_microbatches if group == "dp" else args.microbatches
-        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group == "dp",
+        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group == "dp", model=args.model_fields,
                                  micro_batch_size=args.mbs * args.microbatches // m, microbatches=m))
-        for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))]:
+        skip = [x for x in args.skip.split(",") if x]
+        for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))
+                    and not any(o in x["name"] for o in skip)]:
             lay = {**lay, "mbs": args.mbs * args.microbatches // m, "microbatches": m}
             runs = tmp / lay["name"].replace(" ", "_").replace("=", "")
             base = train(lay, toml, runs / "base", args.steps, 1, 2, args.rates.split(",")[0])
@@ -154,7 +198,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
             print(f"{lay['name']}: compute-only {base['step_s']:.3f} s, {base['bytes_per_step'] / 2**20:.2f} MiB "
                   f"a step a rank", flush=True)
             for link in args.rates.split(","):
-                run = train(lay, toml, runs / link, args.steps, 2, 1, link)
+                run = train(lay, toml, runs / link, args.steps, 2, 1, link, launches=args.launches and group == "dp")
                 piece = int(args.bucket_mb * 2**20) if group == "dp" else activation
                 comm = comm_alone(group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
@@ -165,10 +209,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                              "hidden": hidden, "bytes_per_step": run["bytes_per_step"], "predicted_s": pred,
                              "collective_wait_s": waited, "hidden_by_waits": None if waited is None else 1 - waited / comm,
                              "step_s_median": run["step_s_median"], "compute_only_s_median": base["step_s_median"],
-                             "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"]})
+                             "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"],
+                             "launches": run["launches"]})
                 by_waits = "" if waited is None else f" (by traced waits {1 - waited / comm:.0%})"
                 print(f"  {link:>8}: step {run['step_s']:.3f} s, comm alone {comm:.3f} s, hidden {hidden:.0%}{by_waits}, "
                       f"planner {pred:.3f} s ({pred / run['step_s'] - 1:+.0%})", flush=True)
+                for t in run["launches"] or []:
+                    print(f"    step {t['step']}: backward {t['backward_s']:.3f} s; launched (s from its end) "
+                          f"{[x[1] for x in t['launched']]}; done {t['done']}; "
+                          f"waited {sum(w[2] for w in t['waits']):.3f} s", flush=True)
     return rows
 
 
@@ -214,8 +263,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat-base", action="store_true", help="run compute-only twice, keep the faster")
     ap.add_argument("--only", default="", help="only layouts whose name holds one of these, e.g. ZeRO-0,ZeRO-1")
+    ap.add_argument("--skip", default="", help="leave out layouts whose name holds one of these, e.g. 'step end'")
+    ap.add_argument("--model", default="", help="the preset's shape overridden, e.g. dim=256,n_layers=4,vocab_size=256 "
+                    "(vocab 256 fits the bytes tokenizer and keeps the embedding a small share of the gradients)")
+    ap.add_argument("--launches", action="store_true", help="D layouts: trace each bucket's launch and completion "
+                    "(bench/launch_times.py) and print them against the backward's end")
     ap.add_argument("--name", default="cluster_overlap")
     args = ap.parse_args()
+    args.model_fields = {k: int(v) for k, v in (x.split("=") for x in args.model.split(",") if x)}
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure(args, Path(tmp))
     RESULTS.mkdir(exist_ok=True)

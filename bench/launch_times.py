@@ -1,0 +1,51 @@
+"""`pipezero train`, with every gradient bucket's launch and completion on the trace (a bench probe).
+
+    python bench/launch_times.py train --trace ... (the arguments of `python -m pipezero.cli`)
+
+Why: a traced step shows how long a rank blocked on ZeRO's collectives, not when each bucket's
+reduction started and ended on the wire, which is what says whether the exposed time is a bucket
+launched late (the backward produced it last) or bytes the link could not move in time. This wraps
+`ZeroDP._launch` (nothing in pipezero changes) to add, on the collectives row, a span `launch` while
+a bucket's collective is started and a zero-length `done` when gloo completes it (the work's
+future). bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
+(`launch_timeline`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def instrument() -> None:
+    from pipezero.zero.sharded import ZeroDP
+
+    original = ZeroDP._launch
+
+    def launch(self: Any, b: Any) -> None:
+        before, t0 = len(self._pending), time.time()
+        original(self, b)
+        tracer, step = self.tracer, self.tracer.step
+        if not tracer.enabled or len(self._pending) == before or self._pending[-1].work is None:
+            return
+        name = f"bucket {b.padded * 4 / 2**20:.2f} MiB"
+        tracer._record((name, "launch", "collectives", t0, time.time(), step))
+
+        def done(_: Any) -> None:  # on gloo's thread, once the collective has ended
+            now = time.time()
+            tracer._record((name, "done", "collectives", now, now, step))
+
+        self._pending[-1].work.get_future().add_done_callback(done)
+
+    ZeroDP._launch = launch  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    instrument()
+    from pipezero.cli import main
+
+    sys.exit(main(sys.argv[1:]))
