@@ -1,9 +1,9 @@
 """Flat against two-level (inside a node, then across nodes) gradient collectives on the emulated cluster.
 
-    python bench/cluster_hierarchical.py [--rates 100mbit,500mbit] [--sizes-mb 1,4,25] [--reps 3]
+    python bench/cluster_hierarchical.py [--rates 100mbit,500mbit] [--sizes-mb 1,4,25] [--reps 3] [--per-node 2]
 
 (as root). 2 nodes x 2 ranks, one group of all 4 ranks (D=4 across nodes), so each node's uplink
-carries the traffic of both its ranks. For each bucket size, every rank times:
+carries the traffic of both its ranks (`--per-node 1`: D=2, one rank a node). For each bucket size, every rank times:
   flat all-reduce          dist.all_reduce (gloo's ring over ranks 0-1-2-3: what ZeRO-0/1 run);
   two-level all-reduce     parallel/hierarchical.py: reduce-scatter in the node, all-reduce of the
                            half across nodes, all-gather in the node;
@@ -14,8 +14,8 @@ carries the traffic of both its ranks. For each bucket size, every rank times:
   two-level reduce-scatter hierarchical.reduce_scatter: an exchange in the node, then across.
 Each figure is the best over --reps of the slowest rank's time (variants interleaved within each
 repetition, so the host's load falls on all of them alike); `wire` is the bytes a node's uplink
-must carry over the link rate, the floor each variant could reach. The rate `local` runs all four
-ranks in one namespace (no shaped link): what the extra steps cost in CPU and memory alone.
+must carry over the link rate, the floor each variant could reach. The rate `local` runs every
+rank in one namespace (no shaped link): what the extra steps cost in CPU and memory alone.
 Writes bench/results/cluster_hierarchical.json.
 """
 
@@ -32,13 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PER_NODE = 2
-# bytes a node's uplink carries, as a multiple of the bucket, for 2 nodes x 2 ranks in node order
-UPLINK_SHARE = {"flat all-reduce": 1.5, "two-level all-reduce": 1.0, "flat reduce-scatter": 1.5,
-                "flat exchange RS": 1.0, "two-level reduce-scatter": 0.5}
 
 
-def worker(sizes_mb: list[float], reps: int) -> None:
+def uplink_share(variant: str, nodes: int, per_node: int) -> float:
+    """Bytes a node's uplink carries, as a multiple of the bucket, with ranks in node order: a flat
+    ring crosses each node boundary once, carrying what one rank sends (2 (W - 1) / W; gloo's
+    reduce-scatter is an all-reduce's bytes); a flat exchange sends a 1/W slice from every rank of
+    the node to every rank of another; the two-level forms send one 1/N piece a rank across."""
+    w, k, n = nodes * per_node, nodes, per_node
+    return {"flat all-reduce": 2 * (w - 1) / w, "two-level all-reduce": 2 * (k - 1) / k,
+            "flat reduce-scatter": 2 * (w - 1) / w, "flat exchange RS": n * (k - 1) / k,
+            "two-level reduce-scatter": (k - 1) / k}[variant]
+
+
+def worker(sizes_mb: list[float], reps: int, per_node: int) -> None:
     """Under torchrun (4 ranks): time every variant at every size; rank 0 prints the JSON."""
     import torch
     import torch.distributed as dist
@@ -48,7 +55,7 @@ def worker(sizes_mb: list[float], reps: int) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     everyone = [list(range(world))]
-    two_level = build_hierarchy(everyone, PER_NODE)
+    two_level = build_hierarchy(everyone, per_node)
     one_level = build_hierarchy(everyone, world)  # one "node" of every rank: the flat exchange
     assert two_level is not None and one_level is not None
 
@@ -88,13 +95,15 @@ def measure(args: argparse.Namespace) -> list[dict]:
 
     rows = []
     for rate in args.rates.split(","):
-        nodes, per_node, link = (1, 2 * PER_NODE, "10gbit") if rate == "local" else (2, PER_NODE, rate)
+        nodes, per_node, link = (1, 2 * args.per_node, "10gbit") if rate == "local" else (2, args.per_node, rate)
         said = on_cluster(nodes, per_node, link, [str(Path(__file__).resolve()), "--worker", "--sizes-mb",
-                                                  args.sizes_mb, "--reps", str(args.reps)], timeout=1800)
+                                                  args.sizes_mb, "--reps", str(args.reps), "--per-node",
+                                                  str(args.per_node)], timeout=1800)
         got = json.loads(said.strip().splitlines()[-1])
         for r in got:
-            wire = None if rate == "local" else UPLINK_SHARE[r["variant"]] * r["bytes"] / rate_bytes_per_s(rate)
-            rows.append({"link": rate, **r, "wire_s": wire})
+            share = uplink_share(r["variant"], 2, args.per_node)
+            wire = None if rate == "local" else share * r["bytes"] / rate_bytes_per_s(rate)
+            rows.append({"link": rate, "nodes": 2, "per_node": args.per_node, **r, "uplink_share": share, "wire_s": wire})
         print(table([r for r in rows if r["link"] == rate]), flush=True)
     return rows
 
@@ -118,11 +127,13 @@ def main() -> None:
     ap.add_argument("--rates", default="100mbit,500mbit", help="link rates; `local`: all ranks in one namespace")
     ap.add_argument("--sizes-mb", default="1,4,25")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--per-node", type=int, default=2, help="ranks a node (2 nodes); 1: D=2, one rank a node, where "
+                    "the two-level forms are the flat ones and only the exchange differs")
     ap.add_argument("--name", default="cluster_hierarchical")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker([float(x) for x in args.sizes_mb.split(",")], args.reps)
+        worker([float(x) for x in args.sizes_mb.split(",")], args.reps, args.per_node)
         return
     rows = measure(args)
     RESULTS.mkdir(exist_ok=True)

@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,18 +69,47 @@ def rate_bytes_per_s(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use kbit, mbit or gbit")
 
 
-def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: float = 900) -> str:
+def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: float = 900,
+               stats: dict | None = None) -> str:
     """Run `argv` (after `python`) under torchrun on a fresh emulated cluster; node 0's output, or
-    raise on failure."""
+    raise on failure. `stats`, if given, receives each node's link and TCP counters (`link_stats`)."""
     from pipezero.cluster import Cluster, ClusterSpec
 
     with Cluster(ClusterSpec(nodes=nodes, link=link)) as cluster:
         agents = [cluster.torchrun(i, per_node, 29500, argv, stdout=-1, stderr=-1) for i in range(nodes)]
         outs = [a.communicate(timeout=timeout) for a in agents]
+        if stats is not None:
+            stats.update(link_stats(cluster))
     for a, (_, err) in zip(agents, outs):
         if a.returncode:
             raise RuntimeError(err.decode()[-2000:])
     return outs[0][0].decode()
+
+
+def link_stats(cluster: Any) -> dict[str, dict[str, int]]:
+    """Per node, over the cluster's life: packets tbf dropped on the uplink (`eth0`) and downlink
+    (the bridge end), and the node's TCP segments sent, retransmitted and retransmission timeouts
+    (a namespace has counters of its own, from zero). Drops make TCP back off; a timeout stalls a
+    connection for at least 200 ms (Linux's minimum RTO), which no bucket size can hide."""
+    import re
+    import subprocess
+
+    def dropped(*cmd: str) -> int:
+        said = subprocess.run([*cmd], capture_output=True, text=True).stdout
+        return sum(int(x) for x in re.findall(r"dropped (\d+)", said))
+
+    out = {}
+    for i in range(cluster.spec.nodes):
+        inside = ["ip", "netns", "exec", cluster.namespace(i)]
+        tcp = subprocess.run([*inside, "nstat", "-asz", "TcpOutSegs", "TcpRetransSegs", "TcpExtTCPTimeouts"],
+                             capture_output=True, text=True).stdout
+        counts = {m[0]: int(m[1]) for m in re.findall(r"^(\w+)\s+(\d+)", tcp, re.M)}
+        out[f"node{i}"] = {"up_dropped": dropped(*inside, "tc", "-s", "qdisc", "show", "dev", "eth0"),
+                           "down_dropped": dropped("tc", "-s", "qdisc", "show", "dev", cluster.host_end(i)),
+                           "tcp_out_segs": counts.get("TcpOutSegs", 0),
+                           "tcp_retrans_segs": counts.get("TcpRetransSegs", 0),
+                           "tcp_timeouts": counts.get("TcpExtTCPTimeouts", 0)}
+    return out
 
 
 def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str,
@@ -87,10 +117,11 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     """One run's steady step time, bytes a step and traced waits; `launches`: through
     bench/launch_times.py, with each bucket's launch and completion against the backward's end."""
     entry = [str(Path(__file__).resolve().parent / "launch_times.py")] if launches else ["-m", "pipezero.cli"]
+    stats: dict = {}
     on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
                                        "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
-                                       *lay.get("flags", [])])
+                                       *lay.get("flags", [])], stats=stats)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]
     steady = [r["step_time_s"] for r in recs[2:]]
@@ -99,7 +130,7 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     return {"step_s": min(steady), "step_s_median": statistics.median(steady),
             "step_s_all": [r["step_time_s"] for r in recs], "bytes_per_step": statistics.median(sent),
             "collective_wait_s": collective_waits(out / "trace.json"),
-            "launches": launch_timeline(out / "trace.json") if launches else None}
+            "launches": launch_timeline(out / "trace.json") if launches else None, "link_stats": stats}
 
 
 def collective_waits(trace: Path) -> float | None:
@@ -210,10 +241,13 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                              "collective_wait_s": waited, "hidden_by_waits": None if waited is None else 1 - waited / comm,
                              "step_s_median": run["step_s_median"], "compute_only_s_median": base["step_s_median"],
                              "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"],
-                             "launches": run["launches"]})
+                             "launches": run["launches"], "link_stats": run["link_stats"]})
+                partial = RESULTS / f"{args.name}.partial.json"  # what a crash later would lose
+                partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
                 by_waits = "" if waited is None else f" (by traced waits {1 - waited / comm:.0%})"
                 print(f"  {link:>8}: step {run['step_s']:.3f} s, comm alone {comm:.3f} s, hidden {hidden:.0%}{by_waits}, "
                       f"planner {pred:.3f} s ({pred / run['step_s'] - 1:+.0%})", flush=True)
+                print(f"    link and TCP counters: {run['link_stats']}", flush=True)
                 for t in run["launches"] or []:
                     print(f"    step {t['step']}: backward {t['backward_s']:.3f} s; launched (s from its end) "
                           f"{[x[1] for x in t['launched']]}; done {t['done']}; "
@@ -275,6 +309,7 @@ def main() -> None:
         rows = measure(args, Path(tmp))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)
     draw(rows, RESULTS / f"{args.name}.png")
     print(f"wrote {RESULTS / args.name}.json and .png")
 

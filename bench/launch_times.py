@@ -7,7 +7,8 @@ reduction started and ended on the wire, which is what says whether the exposed 
 launched late (the backward produced it last) or bytes the link could not move in time. This wraps
 `ZeroDP._launch` (nothing in pipezero changes) to add, on the collectives row, a span `launch` while
 a bucket's collective is started and a zero-length `done` when gloo completes it (the work's
-future). bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
+future). gloo's reduce-scatter work has no future and its is_completed() stays False even after
+wait() (torch 2.13), so ZeRO-2/3 buckets get `launch` spans only; their waits show the rest. bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
 (`launch_timeline`).
 """
 
@@ -35,11 +36,15 @@ def instrument() -> None:
         name = f"bucket {b.padded * 4 / 2**20:.2f} MiB"
         tracer._record((name, "launch", "collectives", t0, time.time(), step))
 
-        def done(_: Any) -> None:  # on gloo's thread, once the collective has ended
+        def done(_: Any = None) -> None:
             now = time.time()
             tracer._record((name, "done", "collectives", now, now, step))
 
-        self._pending[-1].work.get_future().add_done_callback(done)
+        work = self._pending[-1].work
+        try:  # on gloo's thread, once the collective has ended
+            work.get_future().add_done_callback(done)
+        except RuntimeError:  # gloo's reduce-scatter: no future, and is_completed() stays False
+            pass
 
     ZeroDP._launch = launch  # type: ignore[method-assign]
 
