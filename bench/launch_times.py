@@ -8,7 +8,8 @@ launched late (the backward produced it last) or bytes the link could not move i
 `ZeroDP._launch` (nothing in pipezero changes) to add, on the collectives row, a span `launch` while
 a bucket's collective is started and a zero-length `done` when gloo completes it (the work's
 future). gloo's reduce-scatter work has no future and its is_completed() stays False even after
-wait() (torch 2.13), so ZeRO-2/3 buckets get `launch` spans only; their waits show the rest. bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
+wait() (torch 2.13), so ZeRO-2/3 buckets get `launch` spans only; their waits show the rest.
+bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
 (`launch_timeline`).
 """
 
