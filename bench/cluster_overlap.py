@@ -151,17 +151,20 @@ def collective_waits(trace: Path) -> float | None:
 
 
 def launch_timeline(trace: Path) -> list[dict]:
-    """Rank 0's traced steps, times in seconds from the end of the step's last backward: when each
-    gradient bucket's collective was launched and completed (bench/launch_times.py), and the blocked
-    time on ZeRO's collectives. A bucket done after 0 was not hidden behind that backward."""
+    """Rank 0's traced steps, times in seconds from the end of its step's last backward: when each
+    gradient bucket's collective was launched on rank 0 and on the latest rank (a collective can
+    only run once every rank has launched it; ranks share a host's clocks), when it completed on
+    rank 0 (bench/launch_times.py), and rank 0's blocked time on ZeRO's collectives. A bucket done
+    after 0 was not hidden behind that backward."""
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    steps: dict[int, list[dict]] = {}
+    steps: dict[int, dict[int, list[dict]]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") == 0 and e.get("args", {}).get("step") is not None:
-            steps.setdefault(e["args"]["step"], []).append(e)
+        if e.get("ph") == "X" and e.get("args", {}).get("step") is not None:
+            steps.setdefault(e["args"]["step"], {}).setdefault(e["pid"], []).append(e)
     out = []
-    for step, evs in sorted(steps.items()):
+    for step, ranks in sorted(steps.items()):
+        evs = ranks.get(0, [])
         compute = [e for e in evs if e.get("cat") in ("F", "B", "W", "BW")]
         backward = [e for e in compute if e["cat"] != "F"]
         if not backward:
@@ -169,11 +172,15 @@ def launch_timeline(trace: Path) -> list[dict]:
         start = min(e["ts"] for e in compute)
         end = max(e["ts"] + e["dur"] for e in backward)
         at = lambda t: round((t - end) / 1e6, 4)  # noqa: E731
-        launched = [(e["name"], at(e["ts"])) for e in evs if e.get("cat") == "launch"]
-        done = [at(e["ts"]) for e in evs if e.get("cat") == "done"]
+        launches = {pid: [e["ts"] for e in es if e.get("cat") == "launch"] for pid, es in ranks.items()}
+        latest = [at(max(ts)) for ts in zip(*launches.values())]  # bucket by bucket, the last rank's
+        other_ends = {pid: at(max(e["ts"] + e["dur"] for e in es if e.get("cat") in ("B", "W", "BW")))
+                      for pid, es in ranks.items() if pid and any(e.get("cat") in ("B", "W", "BW") for e in es)}
         waits = [(e["name"], at(e["ts"]), round(e["dur"] / 1e6, 4)) for e in evs if e.get("cat") == "wait"]
-        out.append({"step": step, "backward_s": round((end - start) / 1e6, 4), "launched": launched, "done": done,
-                    "waits": waits})
+        out.append({"step": step, "backward_s": round((end - start) / 1e6, 4),
+                    "launched": [at(t) for t in launches.get(0, [])], "launched_latest_rank": latest,
+                    "other_ranks_backward_end": other_ends,
+                    "done": [at(e["ts"]) for e in evs if e.get("cat") == "done"], "waits": waits})
     return out
 
 
@@ -249,8 +256,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                       f"planner {pred:.3f} s ({pred / run['step_s'] - 1:+.0%})", flush=True)
                 print(f"    link and TCP counters: {run['link_stats']}", flush=True)
                 for t in run["launches"] or []:
-                    print(f"    step {t['step']}: backward {t['backward_s']:.3f} s; launched (s from its end) "
-                          f"{[x[1] for x in t['launched']]}; done {t['done']}; "
+                    print(f"    step {t['step']}: backward {t['backward_s']:.3f} s, other ranks' end "
+                          f"{t['other_ranks_backward_end']}; launched (s from its end) {t['launched']}, on the latest "
+                          f"rank {t['launched_latest_rank']}; done {t['done']}; "
                           f"waited {sum(w[2] for w in t['waits']):.3f} s", flush=True)
     return rows
 
