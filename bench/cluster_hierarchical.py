@@ -103,7 +103,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
         for r in got:
             share = uplink_share(r["variant"], 2, args.per_node)
             wire = None if rate == "local" else share * r["bytes"] / rate_bytes_per_s(rate)
-            rows.append({"link": rate, "nodes": 2, "per_node": args.per_node, **r, "uplink_share": share, "wire_s": wire})
+            rows.append({"link": rate, "nodes": 2, "per_node": args.per_node, **r, "uplink_share": share,
+                         "wire_s": wire})
         print(table([r for r in rows if r["link"] == rate]), flush=True)
     return rows
 

@@ -46,6 +46,10 @@ LAYOUTS = {
     # the updated weights' all-gather waited for at the end of the step, as before zero/updates.py
     + [{"name": f"D=2 ZeRO-{z} gather at step end", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
         "flags": ["--no-overlap-gather"]} for z in (1, 2)],
+    # an experiment through bench/launch_times.py (only with --layouts dp-exchange): ZeRO-2/3's
+    # gradient reduce-scatter as a direct exchange, half of gloo's bytes at D=2
+    "dp-exchange": [{"name": f"D=2 ZeRO-{z} exchange RS", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
+                     "probe": ["--exchange-rs"]} for z in (2, 3)],
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }
@@ -56,7 +60,8 @@ def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, m
     `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
     extra = "".join(f"{k} = {v}\n" for k, v in parallel.items())
     shape = "".join(f"{k} = {v}\n" for k, v in (model or {}).items())
-    return (f'[model]\npreset = "{preset}"\n{shape}[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
+    return (f'[model]\npreset = "{preset}"\n{shape}'
+            f'[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
             f"[parallel]\n{extra}bucket_mb = {bucket_mb}\n[run]\neval_every = 0\neval_batches = 1\nsample_tokens = 0\n"
             f"progress = false\nthreads = 1\ntrace = {str(trace).lower()}\n")
 
@@ -116,7 +121,9 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
           launches: bool = False) -> dict:
     """One run's steady step time, bytes a step and traced waits; `launches`: through
     bench/launch_times.py, with each bucket's launch and completion against the backward's end."""
-    entry = [str(Path(__file__).resolve().parent / "launch_times.py")] if launches else ["-m", "pipezero.cli"]
+    probe = lay.get("probe", [])
+    entry = ([str(Path(__file__).resolve().parent / "launch_times.py"), *probe] if launches or probe
+             else ["-m", "pipezero.cli"])
     stats: dict = {}
     on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
@@ -130,7 +137,8 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     return {"step_s": min(steady), "step_s_median": statistics.median(steady),
             "step_s_all": [r["step_time_s"] for r in recs], "bytes_per_step": statistics.median(sent),
             "collective_wait_s": collective_waits(out / "trace.json"),
-            "launches": launch_timeline(out / "trace.json") if launches else None, "link_stats": stats}
+            "launches": launch_timeline(out / "trace.json") if launches else None, "link_stats": stats,
+            "losses": [r["loss"] for r in recs]}
 
 
 def collective_waits(trace: Path) -> float | None:
@@ -221,8 +229,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     rows = []
     for group in args.layouts.split(","):
         toml = tmp / f"{group}.toml"
-        m = args.dp_microbatches if group == "dp" else args.microbatches
-        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group == "dp", model=args.model_fields,
+        m = args.dp_microbatches if group.startswith("dp") else args.microbatches
+        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group.startswith("dp"),
+                                 model=args.model_fields,
                                  micro_batch_size=args.mbs * args.microbatches // m, microbatches=m))
         skip = [x for x in args.skip.split(",") if x]
         for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))
@@ -236,8 +245,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
             print(f"{lay['name']}: compute-only {base['step_s']:.3f} s, {base['bytes_per_step'] / 2**20:.2f} MiB "
                   f"a step a rank", flush=True)
             for link in args.rates.split(","):
-                run = train(lay, toml, runs / link, args.steps, 2, 1, link, launches=args.launches and group == "dp")
-                piece = int(args.bucket_mb * 2**20) if group == "dp" else activation
+                run = train(lay, toml, runs / link, args.steps, 2, 1, link,
+                            launches=args.launches and group.startswith("dp"))
+                piece = int(args.bucket_mb * 2**20) if group.startswith("dp") else activation
                 comm = comm_alone(group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
                 waited = run["collective_wait_s"]  # traced (D layouts): the exposed part, less CPU noise
@@ -248,7 +258,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                              "collective_wait_s": waited, "hidden_by_waits": None if waited is None else 1 - waited / comm,
                              "step_s_median": run["step_s_median"], "compute_only_s_median": base["step_s_median"],
                              "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"],
-                             "launches": run["launches"], "link_stats": run["link_stats"]})
+                             "launches": run["launches"], "link_stats": run["link_stats"], "losses": run["losses"],
+                             "compute_only_losses": base["losses"]})
                 partial = RESULTS / f"{args.name}.partial.json"  # what a crash later would lose
                 partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
                 by_waits = "" if waited is None else f" (by traced waits {1 - waited / comm:.0%})"
