@@ -248,7 +248,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 run = train(lay, toml, runs / link, args.steps, 2, 1, link,
                             launches=args.launches and group.startswith("dp"))
                 piece = int(args.bucket_mb * 2**20) if group.startswith("dp") else activation
-                comm = comm_alone(group, run["bytes_per_step"], piece, link)
+                comm = comm_alone("dp" if group.startswith("dp") else group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
                 waited = run["collective_wait_s"]  # traced (D layouts): the exposed part, less CPU noise
                 pred = predicted(lay, args, base["step_s"], link)
