@@ -12,10 +12,10 @@ wait() (torch 2.13), so ZeRO-2/3 buckets get `launch` spans only; their waits sh
 bench/cluster_overlap.py `--launches` runs the ranks through it and reads them back
 (`launch_timeline`).
 
-`--exchange-rs` (an experiment, not a pipezero option): ZeRO-2/3's gradient reduce-scatter becomes a
-direct exchange (all_to_all_single, then a sum of the D received slices when waited for), which
-sends (D - 1) / D of a bucket a rank where gloo's reduce-scatter sends an all-reduce's bytes; the
-shard each rank keeps is the same (tests/test_hierarchical.py checks the exchange against it).
+`--exchange-rs` (an experiment, not a pipezero option): ZeRO-2/3's gradient reduce-scatter becomes
+parallel/hierarchical.py's `start_exchange` (all_to_all_single, then a sum of the D received slices
+when waited for), which sends (D - 1) / D of a bucket a rank where gloo's reduce-scatter sends an
+all-reduce's bytes; the shard each rank keeps is the same (tests/test_hierarchical.py).
 """
 
 from __future__ import annotations
@@ -26,34 +26,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-class SummedExchange:
-    """The work of a started exchange: waiting for it also sums the received slices into `out`."""
-
-    def __init__(self, work: Any, got: Any, out: Any, parts: int) -> None:
-        self.work, self.got, self.out, self.parts, self.summed = work, got, out, parts, False
-
-    def wait(self, timeout: Any = None) -> bool:
-        ok = self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
-        if not self.summed:
-            self.out.copy_(self.got.view(self.parts, -1).sum(0))
-            self.summed = True
-        return ok
-
-    def get_future(self) -> Any:
-        return self.work.get_future()
-
-
-def exchange_reduce_scatter(out: Any, full: Any, group: Any) -> SummedExchange:
-    """Start summing `full` over `group`, this rank keeping its slice in `out` (as
-    parallel/collectives.py `reduce_scatter`), by one all_to_all_single."""
-    import torch
-    import torch.distributed as dist
-
-    got = torch.empty_like(full)
-    work = dist.all_to_all_single(got, full, group=group, async_op=True)
-    return SummedExchange(work, got, out, dist.get_world_size(group))
 
 
 def instrument(exchange_rs: bool = False) -> None:
@@ -84,7 +56,9 @@ def instrument(exchange_rs: bool = False) -> None:
     if exchange_rs:
         import pipezero.zero.sharded as sharded
 
-        sharded.reduce_scatter = exchange_reduce_scatter  # type: ignore[assignment]
+        from pipezero.parallel.hierarchical import start_exchange
+
+        sharded.reduce_scatter = start_exchange  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -50,12 +50,22 @@ def cases(rank: int, world: int) -> list[str]:
             assert torch.equal(got_rs, want_rs), (name, numel, "start_reduce_scatter")
         h.close()
         checked.append(name)
+    # the one-level exchange on its own, started and waited for as ZeRO waits for its works
+    from pipezero.parallel.hierarchical import start_exchange
+
+    x = torch.randint(-50, 50, (world * 300,), generator=torch.Generator().manual_seed(rank)).float()
+    want = torch.empty(300)
+    dist.reduce_scatter_tensor(want, x.clone())
+    got = torch.full((300,), float("nan"))
+    assert start_exchange(got, x, dist.group.WORLD).wait(timeout=timedelta(seconds=60)) is not False
+    assert torch.equal(got, want)
+    checked.append("exchange")
     return checked
 
 
 def test_two_level_collectives_equal_the_flat_ones():
     got = run_ranks(cases, 4, timeout=300)
-    assert got == [["2x2", "4x1", "1x4", "pairs"]] * 4
+    assert got == [["2x2", "4x1", "1x4", "pairs", "exchange"]] * 4
 
 
 def test_unequal_nodes_are_refused_before_any_group_is_made():

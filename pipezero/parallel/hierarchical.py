@@ -96,14 +96,45 @@ def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int) -> Hie
     return mine
 
 
+class ExchangeWork:
+    """A started exchange reduce-scatter (`start_exchange`): waiting for it, like torch's `Work`
+    (`wait(timeout=...)`), also sums the received slices into `out`, once."""
+
+    def __init__(self, work: Any, got: torch.Tensor, out: torch.Tensor, parts: int) -> None:
+        self._work, self._got, self._out, self._parts, self._summed = work, got, out, parts, False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        ok = self._work.wait() if timeout is None else self._work.wait(timeout=timeout)
+        if not self._summed:
+            torch.sum(self._got.view(self._parts, -1), 0, out=self._out)
+            self._summed = True
+        return ok
+
+    def get_future(self) -> Any:
+        """The exchange's own future (it completes before the sum, which `wait` does)."""
+        return self._work.get_future()
+
+
+def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> ExchangeWork:
+    """Start summing `full` over `group`, this member keeping its slice in `out` (what
+    `dist.reduce_scatter_tensor` leaves): each member sends every other its slice once
+    (all_to_all_single), (G - 1) / G of the buffer, and sums the G slices it received when waited
+    for. gloo's reduce-scatter sends an all-reduce's bytes instead, twice as many at G = 2."""
+    parts = dist.get_world_size(group)
+    if full.numel() != out.numel() * parts:
+        raise ValueError(f"exchange: {full.numel()} elements do not split into {parts} x {out.numel()}")
+    got = torch.empty_like(full)
+    return ExchangeWork(dist.all_to_all_single(got, full, group=group, async_op=True), got, out, parts)
+
+
 def _reduce_scatter_exchange(full: torch.Tensor, parts: int, group: Any) -> torch.Tensor:
-    """Sum `full` over `group` (`parts` members), returning this member's 1/parts slice: each
-    member sends every other its slice once (all_to_all_single) and sums what it received."""
+    """`start_exchange` waited for, returning this member's summed 1/parts slice (`full` itself
+    when there is no group)."""
     if group is None:
         return full
-    got = torch.empty_like(full)
-    dist.all_to_all_single(got, full, group=group)
-    return got.view(parts, -1).sum(0)
+    out = torch.empty(full.numel() // parts, dtype=full.dtype, device=full.device)
+    start_exchange(out, full, group).wait()
+    return out
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, h: Hierarchy) -> None:
