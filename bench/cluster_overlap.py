@@ -20,6 +20,10 @@ gloo's reduce-scatter sends what an all-reduce of the whole bucket sends (measur
 pipezero counts for it, so ZeRO-2/3's comm here understates their time on the wire.
 Beside each measurement, the planner's prediction (sim/planner.py `estimate`) with its compute
 calibrated on the compute-only time (one factor a layout) and its link set to the rate.
+`--model dim=256,n_layers=4,vocab_size=256` overrides the preset's shape (with the bytes tokenizer a
+vocabulary of 256 suffices, and the blocks then hold most gradient bytes, not the embedding);
+`--launches` runs the ranks through bench/launch_times.py and prints, for D layouts, when each
+bucket's collective was launched and completed against the end of the step's backward.
 Writes bench/results/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
 trusting a difference under ~10%.
 """
@@ -32,6 +36,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,14 +46,22 @@ LAYOUTS = {
     # the updated weights' all-gather waited for at the end of the step, as before zero/updates.py
     + [{"name": f"D=2 ZeRO-{z} gather at step end", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
         "flags": ["--no-overlap-gather"]} for z in (1, 2)],
+    # an experiment through bench/launch_times.py (only with --layouts dp-exchange): ZeRO-2/3's
+    # gradient reduce-scatter as a direct exchange, half of gloo's bytes at D=2
+    "dp-exchange": [{"name": f"D=2 ZeRO-{z} exchange RS", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
+                     "probe": ["--exchange-rs"]} for z in (2, 3)],
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }
-def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, **parallel: int) -> str:
+def run_toml(preset: str, seq_len: int, bucket_mb: float, trace: bool = False, model: dict[str, int] | None = None,
+             **parallel: int) -> str:
     """The benches' run settings: bytes tokens from a few MB of the built-in corpus, one thread a
-    rank, no evaluation or sample; `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
+    rank, no evaluation or sample; `model` overrides the preset's shape (dim=256, vocab_size=256, ...),
+    `parallel` adds [parallel] settings (micro_batch_size=4, ...)."""
     extra = "".join(f"{k} = {v}\n" for k, v in parallel.items())
-    return (f'[model]\npreset = "{preset}"\n[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
+    shape = "".join(f"{k} = {v}\n" for k, v in (model or {}).items())
+    return (f'[model]\npreset = "{preset}"\n{shape}'
+            f'[data]\ntokenizer = "bytes"\nmax_bytes = 3000000\nseq_len = {seq_len}\n'
             f"[parallel]\n{extra}bucket_mb = {bucket_mb}\n[run]\neval_every = 0\neval_batches = 1\nsample_tokens = 0\n"
             f"progress = false\nthreads = 1\ntrace = {str(trace).lower()}\n")
 
@@ -61,25 +74,61 @@ def rate_bytes_per_s(rate: str) -> float:
     raise ValueError(f"rate {rate!r}: use kbit, mbit or gbit")
 
 
-def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: float = 900) -> str:
+def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: float = 900,
+               stats: dict | None = None) -> str:
     """Run `argv` (after `python`) under torchrun on a fresh emulated cluster; node 0's output, or
-    raise on failure."""
+    raise on failure. `stats`, if given, receives each node's link and TCP counters (`link_stats`)."""
     from pipezero.cluster import Cluster, ClusterSpec
 
     with Cluster(ClusterSpec(nodes=nodes, link=link)) as cluster:
         agents = [cluster.torchrun(i, per_node, 29500, argv, stdout=-1, stderr=-1) for i in range(nodes)]
         outs = [a.communicate(timeout=timeout) for a in agents]
+        if stats is not None:
+            stats.update(link_stats(cluster))
     for a, (_, err) in zip(agents, outs):
         if a.returncode:
             raise RuntimeError(err.decode()[-2000:])
     return outs[0][0].decode()
 
 
-def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str) -> dict:
-    on_cluster(nodes, per_node, link, ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", str(lay["pp"]),
+def link_stats(cluster: Any) -> dict[str, dict[str, int]]:
+    """Per node, over the cluster's life: packets tbf dropped on the uplink (`eth0`) and downlink
+    (the bridge end), and the node's TCP segments sent, retransmitted and retransmission timeouts
+    (a namespace has counters of its own, from zero). Drops make TCP back off; a timeout stalls a
+    connection for at least 200 ms (Linux's minimum RTO), which no bucket size can hide."""
+    import re
+    import subprocess
+
+    def dropped(*cmd: str) -> int:
+        said = subprocess.run([*cmd], capture_output=True, text=True).stdout
+        return sum(int(x) for x in re.findall(r"dropped (\d+)", said))
+
+    out = {}
+    for i in range(cluster.spec.nodes):
+        inside = ["ip", "netns", "exec", cluster.namespace(i)]
+        tcp = subprocess.run([*inside, "nstat", "-asz", "TcpOutSegs", "TcpRetransSegs", "TcpExtTCPTimeouts"],
+                             capture_output=True, text=True).stdout
+        counts = {m[0]: int(m[1]) for m in re.findall(r"^(\w+)\s+(\d+)", tcp, re.M)}
+        out[f"node{i}"] = {"up_dropped": dropped(*inside, "tc", "-s", "qdisc", "show", "dev", "eth0"),
+                           "down_dropped": dropped("tc", "-s", "qdisc", "show", "dev", cluster.host_end(i)),
+                           "tcp_out_segs": counts.get("TcpOutSegs", 0),
+                           "tcp_retrans_segs": counts.get("TcpRetransSegs", 0),
+                           "tcp_timeouts": counts.get("TcpExtTCPTimeouts", 0)}
+    return out
+
+
+def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str,
+          launches: bool = False) -> dict:
+    """One run's steady step time, bytes a step and traced waits; `launches`: through
+    bench/launch_times.py, with each bucket's launch and completion against the backward's end."""
+    probe = lay.get("probe", [])
+    entry = ([str(Path(__file__).resolve().parent / "launch_times.py"), *probe] if launches or probe
+             else ["-m", "pipezero.cli"])
+    stats: dict = {}
+    on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
                                        "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
-                                       *lay.get("flags", [])])
+                                       *lay.get("flags", [])], stats=stats)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]
     steady = [r["step_time_s"] for r in recs[2:]]
@@ -87,7 +136,9 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     # figure least disturbed by them (the median is kept beside it).
     return {"step_s": min(steady), "step_s_median": statistics.median(steady),
             "step_s_all": [r["step_time_s"] for r in recs], "bytes_per_step": statistics.median(sent),
-            "collective_wait_s": collective_waits(out / "trace.json")}
+            "collective_wait_s": collective_waits(out / "trace.json"),
+            "launches": launch_timeline(out / "trace.json") if launches else None, "link_stats": stats,
+            "losses": [r["loss"] for r in recs]}
 
 
 def collective_waits(trace: Path) -> float | None:
@@ -107,6 +158,40 @@ def collective_waits(trace: Path) -> float | None:
     return statistics.fmean(waits.values()) if waits else 0.0
 
 
+def launch_timeline(trace: Path) -> list[dict]:
+    """Rank 0's traced steps, times in seconds from the end of its step's last backward: when each
+    gradient bucket's collective was launched on rank 0 and on the latest rank (a collective can
+    only run once every rank has launched it; ranks share a host's clocks), when it completed on
+    rank 0 (bench/launch_times.py), and rank 0's blocked time on ZeRO's collectives. A bucket done
+    after 0 was not hidden behind that backward."""
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    steps: dict[int, dict[int, list[dict]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("args", {}).get("step") is not None:
+            steps.setdefault(e["args"]["step"], {}).setdefault(e["pid"], []).append(e)
+    out = []
+    for step, ranks in sorted(steps.items()):
+        evs = ranks.get(0, [])
+        compute = [e for e in evs if e.get("cat") in ("F", "B", "W", "BW")]
+        backward = [e for e in compute if e["cat"] != "F"]
+        if not backward:
+            continue
+        start = min(e["ts"] for e in compute)
+        end = max(e["ts"] + e["dur"] for e in backward)
+        at = lambda t: round((t - end) / 1e6, 4)  # noqa: E731
+        launches = {pid: [e["ts"] for e in es if e.get("cat") == "launch"] for pid, es in ranks.items()}
+        latest = [at(max(ts)) for ts in zip(*launches.values())]  # bucket by bucket, the last rank's
+        other_ends = {pid: at(max(e["ts"] + e["dur"] for e in es if e.get("cat") in ("B", "W", "BW")))
+                      for pid, es in ranks.items() if pid and any(e.get("cat") in ("B", "W", "BW") for e in es)}
+        waits = [(e["name"], at(e["ts"]), round(e["dur"] / 1e6, 4)) for e in evs if e.get("cat") == "wait"]
+        out.append({"step": step, "backward_s": round((end - start) / 1e6, 4),
+                    "launched": [at(t) for t in launches.get(0, [])], "launched_latest_rank": latest,
+                    "other_ranks_backward_end": other_ends,
+                    "done": [at(e["ts"]) for e in evs if e.get("cat") == "done"], "waits": waits})
+    return out
+
+
 def comm_alone(kind: str, total: float, piece: int, link: str, nodes: int = 2) -> float:
     """Seconds `total` bytes a rank take across `link` (nodes=1: inside one node) with nothing else
     running, between two ranks."""
@@ -122,6 +207,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
     from pipezero.sim.planner import Cluster, Layout, estimate
 
     model = apply_preset(ModelConfig(), args.preset)
+    for k, v in args.model_fields.items():
+        setattr(model, k, v)
     layout = Layout(lay["pp"], lay["dp"], lay["zero"], ScheduleKind(lay["schedule"]), lay["v"], lay["mbs"],
                     lay["microbatches"], False)
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
@@ -137,14 +224,18 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
 def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
     from pipezero.models.presets import PRESETS
 
-    activation = args.mbs * args.seq_len * PRESETS[args.preset]["dim"] * 4  # fp32 bytes a micro-batch
+    dim = args.model_fields.get("dim", PRESETS[args.preset]["dim"])
+    activation = args.mbs * args.seq_len * dim * 4  # fp32 bytes a micro-batch
     rows = []
     for group in args.layouts.split(","):
         toml = tmp / f"{group}.toml"
-        m = args.dp_microbatches if group == "dp" else args.microbatches
-        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group == "dp",
+        m = args.dp_microbatches if group.startswith("dp") else args.microbatches
+        toml.write_text(run_toml(args.preset, args.seq_len, args.bucket_mb, trace=group.startswith("dp"),
+                                 model=args.model_fields,
                                  micro_batch_size=args.mbs * args.microbatches // m, microbatches=m))
-        for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))]:
+        skip = [x for x in args.skip.split(",") if x]
+        for lay in [x for x in LAYOUTS[group] if any(o in x["name"] for o in args.only.split(","))
+                    and not any(o in x["name"] for o in skip)]:
             lay = {**lay, "mbs": args.mbs * args.microbatches // m, "microbatches": m}
             runs = tmp / lay["name"].replace(" ", "_").replace("=", "")
             base = train(lay, toml, runs / "base", args.steps, 1, 2, args.rates.split(",")[0])
@@ -154,9 +245,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
             print(f"{lay['name']}: compute-only {base['step_s']:.3f} s, {base['bytes_per_step'] / 2**20:.2f} MiB "
                   f"a step a rank", flush=True)
             for link in args.rates.split(","):
-                run = train(lay, toml, runs / link, args.steps, 2, 1, link)
-                piece = int(args.bucket_mb * 2**20) if group == "dp" else activation
-                comm = comm_alone(group, run["bytes_per_step"], piece, link)
+                run = train(lay, toml, runs / link, args.steps, 2, 1, link,
+                            launches=args.launches and group.startswith("dp"))
+                piece = int(args.bucket_mb * 2**20) if group.startswith("dp") else activation
+                comm = comm_alone("dp" if group.startswith("dp") else group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
                 waited = run["collective_wait_s"]  # traced (D layouts): the exposed part, less CPU noise
                 pred = predicted(lay, args, base["step_s"], link)
@@ -165,10 +257,20 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                              "hidden": hidden, "bytes_per_step": run["bytes_per_step"], "predicted_s": pred,
                              "collective_wait_s": waited, "hidden_by_waits": None if waited is None else 1 - waited / comm,
                              "step_s_median": run["step_s_median"], "compute_only_s_median": base["step_s_median"],
-                             "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"]})
+                             "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"],
+                             "launches": run["launches"], "link_stats": run["link_stats"], "losses": run["losses"],
+                             "compute_only_losses": base["losses"]})
+                partial = RESULTS / f"{args.name}.partial.json"  # what a crash later would lose
+                partial.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
                 by_waits = "" if waited is None else f" (by traced waits {1 - waited / comm:.0%})"
                 print(f"  {link:>8}: step {run['step_s']:.3f} s, comm alone {comm:.3f} s, hidden {hidden:.0%}{by_waits}, "
                       f"planner {pred:.3f} s ({pred / run['step_s'] - 1:+.0%})", flush=True)
+                print(f"    link and TCP counters: {run['link_stats']}", flush=True)
+                for t in run["launches"] or []:
+                    print(f"    step {t['step']}: backward {t['backward_s']:.3f} s, other ranks' end "
+                          f"{t['other_ranks_backward_end']}; launched (s from its end) {t['launched']}, on the latest "
+                          f"rank {t['launched_latest_rank']}; done {t['done']}; "
+                          f"waited {sum(w[2] for w in t['waits']):.3f} s", flush=True)
     return rows
 
 
@@ -214,12 +316,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat-base", action="store_true", help="run compute-only twice, keep the faster")
     ap.add_argument("--only", default="", help="only layouts whose name holds one of these, e.g. ZeRO-0,ZeRO-1")
+    ap.add_argument("--skip", default="", help="leave out layouts whose name holds one of these, e.g. 'step end'")
+    ap.add_argument("--model", default="", help="the preset's shape overridden, e.g. dim=256,n_layers=4,vocab_size=256 "
+                    "(vocab 256 fits the bytes tokenizer and keeps the embedding a small share of the gradients)")
+    ap.add_argument("--launches", action="store_true", help="D layouts: trace each bucket's launch and completion "
+                    "(bench/launch_times.py) and print them against the backward's end")
     ap.add_argument("--name", default="cluster_overlap")
     args = ap.parse_args()
+    args.model_fields = {k: int(v) for k, v in (x.split("=") for x in args.model.split(",") if x)}
     with tempfile.TemporaryDirectory() as tmp:
         rows = measure(args, Path(tmp))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)
     draw(rows, RESULTS / f"{args.name}.png")
     print(f"wrote {RESULTS / args.name}.json and .png")
 

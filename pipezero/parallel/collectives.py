@@ -20,7 +20,7 @@ MINIMUM_TORCH = (2, 5)  # SDPA's enable_gqa (models/llama.py) is the newest API 
 # Every torch.distributed attribute pipezero uses, each present in torch 2.5 (gloo's async flat
 # reduce-scatter since 2.3; the rest older).
 MINIMUM_API = frozenset({
-    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather_object",
+    "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "all_gather_object",
     "broadcast_object_list", "isend", "irecv", "barrier", "new_group", "init_process_group",
     "destroy_process_group", "is_initialized", "get_rank", "get_world_size", "get_backend",
     "FileStore", "TCPStore", "PrefixStore", "ReduceOp", "ProcessGroup", "Work", "group",

@@ -1,0 +1,77 @@
+"""Two-level all-reduce and reduce-scatter (parallel/hierarchical.py) leave what the flat gloo
+collectives leave, on 4 ranks as 2 "nodes" x 2 (node = rank // 2) and on the degenerate splits."""
+
+from __future__ import annotations
+
+import torch
+
+from pipezero.parallel.spawn import run_ranks
+
+
+def cases(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from pipezero.parallel.hierarchical import (all_reduce, build_hierarchy, reduce_scatter, start_all_reduce,
+                                                start_reduce_scatter)
+
+    checked = []
+    splits = {"2x2": ([[0, 1, 2, 3]], 2), "4x1": ([[0, 1, 2, 3]], 1), "1x4": ([[0, 1, 2, 3]], 4),
+              # two groups of a mesh (the dp groups of P=2, D=2 pp-inner: {0, 2}, {1, 3}), one node each rank pair
+              "pairs": ([[0, 2], [1, 3]], 2)}
+    for name, (groups, per_node) in splits.items():
+        h = build_hierarchy(groups, per_node)
+        group_ranks = next(g for g in groups if rank in g)
+        flat_group = dist.new_group(group_ranks) if len(groups) == 1 else None
+        if flat_group is None:  # every rank creates every group, in one order
+            made = [dist.new_group(g) for g in groups]
+            flat_group = made[next(i for i, g in enumerate(groups) if rank in g)]
+        w = len(group_ranks)
+        gen = torch.Generator().manual_seed(rank)
+        for numel in (w * 5, w * 1000, 37):  # integers in floats: sums are exact in any order
+            x = torch.randint(-50, 50, (numel,), generator=gen).float()
+            want = x.clone()
+            dist.all_reduce(want, group=flat_group)
+            got = x.clone()
+            all_reduce(got, h)
+            assert torch.equal(got, want), (name, numel, "all_reduce")
+            got = x.clone()
+            start_all_reduce(got, h).wait(timeout=timedelta(seconds=60))
+            assert torch.equal(got, want), (name, numel, "start_all_reduce")
+            if numel % w:
+                continue
+            want_rs = torch.empty(numel // w)
+            dist.reduce_scatter_tensor(want_rs, x.clone(), group=flat_group)
+            got_rs = torch.empty(numel // w)
+            reduce_scatter(got_rs, x, h)
+            assert torch.equal(got_rs, want_rs), (name, numel, "reduce_scatter")
+            got_rs = torch.full((numel // w,), float("nan"))
+            start_reduce_scatter(got_rs, x, h).wait(timeout=timedelta(seconds=60))
+            assert torch.equal(got_rs, want_rs), (name, numel, "start_reduce_scatter")
+        h.close()
+        checked.append(name)
+    # the one-level exchange on its own, started and waited for as ZeRO waits for its works
+    from pipezero.parallel.hierarchical import start_exchange
+
+    x = torch.randint(-50, 50, (world * 300,), generator=torch.Generator().manual_seed(rank)).float()
+    want = torch.empty(300)
+    dist.reduce_scatter_tensor(want, x.clone())
+    got = torch.full((300,), float("nan"))
+    assert start_exchange(got, x, dist.group.WORLD).wait(timeout=timedelta(seconds=60)) is not False
+    assert torch.equal(got, want)
+    checked.append("exchange")
+    return checked
+
+
+def test_two_level_collectives_equal_the_flat_ones():
+    got = run_ranks(cases, 4, timeout=300)
+    assert got == [["2x2", "4x1", "1x4", "pairs", "exchange"]] * 4
+
+
+def test_unequal_nodes_are_refused_before_any_group_is_made():
+    import pytest
+
+    from pipezero.parallel.hierarchical import build_hierarchy
+
+    with pytest.raises(ValueError, match="unequal members a node"):  # checked before any process group
+        build_hierarchy([[0, 1, 2]], 2)
