@@ -44,6 +44,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--no-overlap-gather": ("parallel.overlap_gather", "ZeRO-1/2: wait for the all-gather of updated weights at "
                                                        "the end of the step (default: each layer waits for its own "
                                                        "in the next forward)"),
+    "--hierarchical": ("parallel.hierarchical", "reduce gradients in two levels, inside each node first, then "
+                                                "across nodes (CPU ranks; pays where a slow link joins the nodes)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),

@@ -123,6 +123,9 @@ class ParallelConfig:
     zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
     # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer
     timeout_s: float = 300.0  # every collective and p2p wait fails after this, naming the rank
+    hierarchical: bool = False  # gradient reductions in two levels, inside each node then across nodes
+    # (parallel/hierarchical.py; gloo: it pays where a slow link joins the nodes)
+    ranks_per_node: int | None = None  # for `hierarchical`; None = torchrun's LOCAL_WORLD_SIZE
 
     @property
     def world_size(self) -> int:

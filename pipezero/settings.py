@@ -30,7 +30,7 @@ RANGES: dict[str, Range] = {
     "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
-    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE,
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.ranks_per_node": POSITIVE_INT,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
@@ -222,6 +222,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
+    _check(not p.hierarchical or r.device != "cuda",
+           "--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: drop it")
+    _check(p.ranks_per_node is None or p.world_size % p.ranks_per_node == 0,
+           f"parallel.ranks_per_node = {p.ranks_per_node} does not divide the {p.world_size} ranks (pp x dp) into "
+           f"whole nodes")
     if d.path is not None:
         for arg in d.path:
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),

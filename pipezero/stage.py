@@ -8,7 +8,9 @@ order verified before any transfer.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -18,6 +20,7 @@ from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import place_hollow
 from pipezero.parallel.device import PeakMemory, synchronizer
+from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
@@ -99,6 +102,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         for chunk in chunks.values():
             compile_blocks(chunk)
     groups = build_groups(mesh)
+    hierarchy = two_level(cfg, mesh, device)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
@@ -108,7 +112,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  overlap_gather=p.overlap_gather, source=source)
+                  overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy)
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
@@ -135,3 +139,23 @@ def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: Zer
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]
+
+
+def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:
+    """With --hierarchical, this rank's dp group split by node for two-level gradient reductions
+    (every rank creates every subgroup; a layout whose groups do not split evenly is refused on
+    every rank alike, before any subgroup exists). Nodes are torchrun's: LOCAL_WORLD_SIZE ranks each,
+    unless parallel.ranks_per_node says otherwise."""
+    p = cfg.parallel
+    if not p.hierarchical or p.dp == 1:
+        return None
+    if device.type == "cuda":
+        raise ConfigError("--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: "
+                          "drop it")
+    per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+    groups = [[mesh.global_rank(s, d) for d in range(p.dp)] for s in range(p.pp)]
+    try:
+        return build_hierarchy(groups, per_node, timedelta(seconds=p.timeout_s))
+    except ValueError as e:
+        raise ConfigError(f"--hierarchical with {per_node} ranks a node: {e}; choose --placement so each "
+                          f"stage's replicas are spread evenly over the nodes") from None

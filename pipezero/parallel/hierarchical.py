@@ -63,12 +63,23 @@ class Hierarchy:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def bytes_sent(self, nbytes: int, all_reduce: bool) -> int:
+        """Bytes this rank sends reducing `nbytes`: the node's exchange ((N - 1) / N of the buffer),
+        then its 1/N piece across nodes (an exchange, or a ring all-reduce), then for an all-reduce
+        the node's all-gather of the pieces."""
+        k, n = self.nodes, self.per_node
+        inside = nbytes * (n - 1) // n
+        across = nbytes // n * (2 if all_reduce else 1) * (k - 1) // k
+        return inside + across + (inside if all_reduce else 0)
 
-def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int) -> Hierarchy | None:
+
+def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int,
+                    timeout: timedelta | None = None) -> Hierarchy | None:
     """Split each group of global ranks (the dp groups of a mesh, say) by node, and return this
     rank's split (None when it is in none). Every rank of the world calls it with the same `groups`:
     `new_group` is collective over the whole world, so every subgroup is created everywhere, in one
-    order."""
+    order. `timeout` bounds every collective of the subgroups, those on the hierarchy's own thread
+    too (a dead peer ends them rather than leaving the thread waiting)."""
     splits = []
     for ranks in groups:  # every group checked before any subgroup is created
         by_node: dict[int, list[int]] = {}
@@ -87,11 +98,11 @@ def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int) -> Hie
         local = members[node].index(me) if node is not None else None
         intra = inter = None
         for i, m in enumerate(members):
-            g = dist.new_group(m) if n > 1 else None
+            g = dist.new_group(m, timeout=timeout) if n > 1 else None
             if i == node:
                 intra = g
         for j in range(n):
-            g = dist.new_group([m[j] for m in members]) if k > 1 else None
+            g = dist.new_group([m[j] for m in members], timeout=timeout) if k > 1 else None
             if j == local:
                 inter = g
         if node is not None and local is not None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.parallel.collectives import all_gather, reduce_scatter
+from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.buckets import Bucket, Gathering, Reduction
@@ -35,6 +36,7 @@ class Coordinator:
     tracer: Tracer
     comm_dtype: torch.dtype  # bf16 halves gradient and ZeRO-3 parameter traffic
     on_gpu: bool  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
+    hierarchy: Hierarchy | None = None  # --hierarchical: gradient reductions inside the node, then across
     step_no: int = 0
     bytes_sent: int = 0
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
@@ -64,15 +66,15 @@ class Coordinator:
         # bf16 on the wire: the fp32 gradient is rounded once for the reduction, which sums in
         # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
         wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
-        size = wire.element_size()
+        nbytes, h = b.padded * wire.element_size(), self.hierarchy
         if sharded:
             out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
-            work = reduce_scatter(out, wire, self.group)
-            self.bytes_sent += b.padded * size * (self.dp - 1) // self.dp
+            work = start_reduce_scatter(out, wire, h) if h else reduce_scatter(out, wire, self.group)
+            self.bytes_sent += h.bytes_sent(nbytes, False) if h else nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, out)
         else:
-            work = dist.all_reduce(wire, group=self.group, async_op=True)
-            self.bytes_sent += 2 * b.padded * size * (self.dp - 1) // self.dp
+            work = start_all_reduce(wire, h) if h else dist.all_reduce(wire, group=self.group, async_op=True)
+            self.bytes_sent += h.bytes_sent(nbytes, True) if h else 2 * nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, None, None if wire is b.grad else wire)
 
     def drain(self, keep_last: int = 0) -> None:

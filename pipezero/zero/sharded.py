@@ -30,6 +30,7 @@ from torch import nn
 
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.nonfinite import StepOutcome
+from pipezero.parallel.hierarchical import Hierarchy
 from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
@@ -61,6 +62,7 @@ class ZeroDP:
     comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
     device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
     overlap_gather: bool = False  # stages 1-2: each layer waits for its own updated weights (zero/updates.py)
+    hierarchy: Hierarchy | None = None  # --hierarchical: two-level gradient reductions
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
@@ -86,7 +88,7 @@ class ZeroDP:
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
-                                self.comm_dtype, on_gpu)
+                                self.comm_dtype, on_gpu, self.hierarchy)
         me = weakref.ref(self)
         tied = self.tied.local if self.tied else []
         for c, bs in self.buckets.items():
