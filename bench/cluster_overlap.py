@@ -50,6 +50,9 @@ LAYOUTS = {
     # gradient reduce-scatter as a direct exchange, half of gloo's bytes at D=2
     "dp-exchange": [{"name": f"D=2 ZeRO-{z} exchange RS", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
                      "probe": ["--exchange-rs"]} for z in (2, 3)],
+    # ZeRO-2/3 letting more reduce-scatters run while the backward goes on (default: one)
+    "dp-inflight": [{"name": f"D=2 ZeRO-{z} {n} in flight", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
+                     "flags": ["--buckets-in-flight", str(n)]} for z in (2, 3) for n in (4, 16)],
     "pp": [{"name": f"P=2 {s}", "pp": 2, "dp": 1, "zero": 0, "schedule": s, "v": v}
            for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2))],
 }

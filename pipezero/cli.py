@@ -44,6 +44,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--no-overlap-gather": ("parallel.overlap_gather", "ZeRO-1/2: wait for the all-gather of updated weights at "
                                                        "the end of the step (default: each layer waits for its own "
                                                        "in the next forward)"),
+    "--buckets-in-flight": ("parallel.buckets_in_flight", "ZeRO-2/3: gradient buckets whose reduce-scatter may "
+                                                          "still run while the backward goes on (memory: a full "
+                                                          "bucket each; default 1)"),
     "--hierarchical": ("parallel.hierarchical", "reduce gradients in two levels, inside each node first, then "
                                                 "across nodes (CPU ranks; pays where a slow link joins the nodes)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "

@@ -123,6 +123,8 @@ class ParallelConfig:
     zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
     # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer
     timeout_s: float = 300.0  # every collective and p2p wait fails after this, naming the rank
+    buckets_in_flight: int = 1  # ZeRO-2/3: gradient buckets whose reduce-scatter may still run while
+    # the backward goes on (each holds a full bucket of gradient until it lands)
     hierarchical: bool = False  # gradient reductions in two levels, inside each node then across nodes
     # (parallel/hierarchical.py; gloo: it pays where a slow link joins the nodes)
     ranks_per_node: int | None = None  # for `hierarchical`; None = torchrun's LOCAL_WORLD_SIZE

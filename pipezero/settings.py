@@ -31,6 +31,7 @@ RANGES: dict[str, Range] = {
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.ranks_per_node": POSITIVE_INT,
+    "parallel.buckets_in_flight": POSITIVE_INT,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,

@@ -112,7 +112,8 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy)
+                  overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
+                  in_flight=p.buckets_in_flight)
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:

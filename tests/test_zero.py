@@ -78,6 +78,9 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
         # the updated weights' all-gather waited for at the step's end instead of layer by layer
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
                       "parallel.overlap_gather": False})
+        # more reduce-scatters running while the backward goes on (memory for overlap)
+        cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
+                      "parallel.grad_reduce": "microbatch", "parallel.buckets_in_flight": 3})
         # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
                       "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})

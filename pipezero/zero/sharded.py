@@ -13,8 +13,8 @@ zero/gathering.py, the update zero/update.py; the state lives on the buckets (ze
   that backward: its REDUCE_GRAD then finds it started. Buckets holding a parameter used twice are
   started by their REDUCE_GRAD, after the backward; tied embedding copies in the step (they are
   summed across the first and last pipeline rank first). At stages 2-3 gradient buckets are
-  allocated when their first gradient appears and at most two full buckets wait on a reduce-scatter
-  at once, so the full gradient never exists all at once.
+  allocated when their first gradient appears and at most `in_flight` full buckets (and the one
+  being filled) wait on a reduce-scatter at once, so the full gradient never exists all at once.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
   (`keep_gathered`, default when P > 1) or layer by layer.
 """
@@ -63,6 +63,7 @@ class ZeroDP:
     device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
     overlap_gather: bool = False  # stages 1-2: each layer waits for its own updated weights (zero/updates.py)
     hierarchy: Hierarchy | None = None  # --hierarchical: two-level gradient reductions
+    in_flight: int = 1  # stages 2-3: reduce-scatters still running while the backward goes on
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
@@ -150,7 +151,7 @@ class ZeroDP:
         if len(b.arrived) == len(b.params):
             self._reduce(b)
             if self.rules.sharded_grads:
-                self.comm.drain(keep_last=1)  # bound the full-gradient buckets alive at once
+                self.comm.drain(keep_last=self.in_flight)  # bound the full-gradient buckets alive at once
 
     def _reduce(self, b: Bucket) -> None:
         b.launched = True
