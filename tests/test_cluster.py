@@ -50,24 +50,31 @@ def cluster_ok():
 
 
 @pytest.mark.slow
-def test_two_nodes_pp2_dp2_zero2_equal_one_process(cluster_ok, text_dir, tmp_path):
+def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_ok, text_dir, tmp_path):
+    """P=2 D=2 ZeRO-2, then P=1 D=4 ZeRO-2 with --hierarchical: its reductions inside each node (the
+    2 ranks torchrun starts there, LOCAL_WORLD_SIZE), then across the shaped link."""
     toml = tmp_path / "tiny.toml"
     toml.write_text(TINY.format(data=text_dir, timeout=120))
     steps, m = 4, 2
-    args = ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", "2", "--dp", "2", "--zero", "2",
-            "--microbatches", str(m), "--max-steps", str(steps), "--out", str(tmp_path / "run")]
+    runs = {"pp2dp2": ["--pp", "2", "--dp", "2"], "dp4": ["--pp", "1", "--dp", "4", "--hierarchical"]}
     with Cluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
         tag = cluster.tag
-        port = free_port()
-        agents = [cluster.torchrun(node, 2, port, args, stdout=-1, stderr=-1) for node in range(2)]
-        outs = [a.communicate(timeout=600) for a in agents]
-        for a, (_, err) in zip(agents, outs):
-            assert a.returncode == 0, err.decode()[-3000:]
+        for name, layout in runs.items():
+            args = ["-m", "pipezero.cli", "train", "--config", str(toml), *layout, "--zero", "2",
+                    "--microbatches", str(m), "--max-steps", str(steps), "--out", str(tmp_path / name)]
+            port = free_port()
+            agents = [cluster.torchrun(node, 2, port, args, stdout=-1, stderr=-1) for node in range(2)]
+            outs = [a.communicate(timeout=600) for a in agents]
+            for a, (_, err) in zip(agents, outs):
+                assert a.returncode == 0, err.decode()[-3000:]
     assert leftovers(tag) == []
-    got = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    ref = build_config(str(toml), {"parallel.microbatches": m * 2, "run.max_steps": steps,
-                                   "run.out": str(tmp_path / "ref")})
-    assert got == pytest.approx(train(ref).losses, rel=1e-5)
+    summary = json.loads((tmp_path / "dp4" / "summary.json").read_text())
+    assert [r["two_level"] for r in summary["ranks"]] == [[2, 2]] * 4  # 2 nodes x 2 ranks, from torchrun
+    for name, replicas in (("pp2dp2", 2), ("dp4", 4)):
+        got = [json.loads(x)["loss"] for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        ref = build_config(str(toml), {"parallel.microbatches": m * replicas, "run.max_steps": steps,
+                                       "run.out": str(tmp_path / f"ref{replicas}")})
+        assert got == pytest.approx(train(ref).losses, rel=1e-5), name
 
 
 @pytest.mark.slow
