@@ -214,3 +214,18 @@ def test_bad_zero_simulate_input_is_one_line(argv, needle, capsys):
     assert main(["simulate", "--zero", "2", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+@pytest.mark.parametrize("mode", list(GradReduce))
+def test_the_executor_arms_autograds_reductions_in_the_backwards_the_program_reduces_after(mode):
+    """runtime/executor.reducing_backwards: with `step` only each chunk's last W or BW of the step,
+    with `microbatch` (ZeRO-2) every one; never a B, which produces no weight gradient."""
+    from pipezero.runtime.executor import reducing_backwards
+
+    prog = lowered(K.ZB_H1, 2, 2, 2, mode)
+    for rank in range(len(prog.ranks)):
+        instrs = prog.ranks[rank]
+        backwards = [i for i, x in enumerate(instrs) if isinstance(x, Compute) and x.kind in (Kind.W, Kind.BW)]
+        last = {instrs[i].action.chunk: i for i in backwards}
+        want = set(backwards) if mode is GradReduce.MICROBATCH else set(last.values())
+        assert reducing_backwards(instrs) == want
