@@ -166,6 +166,12 @@ class Bucket:
         return out
 
 
+def in_order(buckets: dict[int, list[Bucket]]) -> list[Bucket]:
+    """Every chunk's buckets, chunks in order (each chunk's in backward order): the order shards,
+    optimizer states and checkpoints are listed in."""
+    return [b for c in sorted(buckets) for b in buckets[c]]
+
+
 def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int,
                  source: FlatSource | None = None) -> list[Bucket]:
     """Group parameters into buckets of about `bucket_mb` in reverse model order, the order in which

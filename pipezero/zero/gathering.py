@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from pipezero.zero.buckets import Bucket
+from pipezero.zero.buckets import Bucket, in_order
 from pipezero.zero.coordinator import Coordinator
 
 
@@ -35,7 +35,11 @@ class ShardedParams:
 
     def before_use(self, chunk: int) -> None:
         """A chunk is about to compute: kept gathered, its buckets are gathered (once a step)."""
-        if not self.layerwise and chunk not in self.gathered:
+        if not self.layerwise:
+            self._gather_chunk(chunk)
+
+    def _gather_chunk(self, chunk: int) -> None:
+        if chunk not in self.gathered:
             for b in self.buckets.get(chunk, []):
                 self.gather(b)
             self.gathered.add(chunk)
@@ -64,7 +68,7 @@ class ShardedParams:
             b.release()
 
     def all_buckets(self) -> list[Bucket]:
-        return [b for c in sorted(self.buckets) for b in self.buckets[c]]
+        return in_order(self.buckets)
 
     def expect_grads(self, b: Bucket) -> None:
         b.expect = set(range(len(b.params)))
@@ -92,10 +96,7 @@ class ShardedParams:
     def gather_all(self) -> None:
         """Full weights of every chunk, e.g. for a snapshot; undo with release_all."""
         for c in self.buckets:
-            if c not in self.gathered:
-                for b in self.buckets[c]:
-                    self.gather(b)
-                self.gathered.add(c)
+            self._gather_chunk(c)
         self.holding = True  # rank 0 may now run forwards alone (the text sample)
 
     def release_all(self) -> None:
@@ -107,7 +108,7 @@ class ShardedParams:
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters present now (buckets whose storage is not released)."""
-        return sum(b.flat.untyped_storage().nbytes() for bs in self.buckets.values() for b in bs)
+        return sum(b.flat.untyped_storage().nbytes() for b in self.all_buckets())
 
     def _note(self) -> None:
         self.peak = max(self.peak, self.gathered_bytes())

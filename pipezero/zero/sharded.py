@@ -34,7 +34,7 @@ from pipezero.parallel.hierarchical import Hierarchy
 from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
-from pipezero.zero.buckets import Bucket, FlatSource, make_buckets
+from pipezero.zero.buckets import Bucket, FlatSource, in_order, make_buckets
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.layerwise import layer_buckets
@@ -109,7 +109,7 @@ class ZeroDP:
         self.sharded = ShardedParams(self.buckets, self.comm, self.layerwise) if self.rules.sharded_params else None
 
     def all_buckets(self) -> list[Bucket]:
-        return [b for c in sorted(self.buckets) for b in self.buckets[c]]
+        return in_order(self.buckets)
 
     @property
     def bytes_sent(self) -> int:
