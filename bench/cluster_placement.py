@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,13 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_overlap import RESULTS, comm_alone, on_cluster, rate_bytes_per_s, run_toml  # noqa: E402
 
 
+CORES = len(os.sched_getaffinity(0))  # every emulated node's ranks run on this host's cores
+
+
 def flags(lay) -> list[str]:
     """`pipezero train` flags of planner layout `lay`."""
     out = ["--pp", str(lay.pp), "--dp", str(lay.dp), "--zero", str(lay.zero), "--schedule", lay.schedule.value,
            "--virtual-stages", str(lay.virtual), "--micro-batch-size", str(lay.micro_batch),
            "--microbatches", str(lay.microbatches), "--grad-reduce", lay.grad_reduce.value,
            "--placement", lay.placement.value]
-    return out + (["--recompute"] if lay.recompute else [])
+    return out + (["--recompute"] if lay.recompute else []) + (["--hierarchical"] if lay.hierarchical else [])
 
 
 def run(lay, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str) -> dict:
@@ -49,7 +53,7 @@ def run(lay, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link:
 def describe(lay) -> str:
     return (f"P={lay.pp} D={lay.dp} ZeRO-{lay.zero} {lay.schedule.value} V={lay.virtual} B={lay.micro_batch} "
             f"M={lay.microbatches}{' rc' if lay.recompute else ''}{' mb' if lay.grad_reduce.value == 'microbatch' else ''}"
-            f" {lay.placement.value}")
+            f" {lay.placement.value}{' two-level' if lay.hierarchical else ''}")
 
 
 def fit_compute(model, args: argparse.Namespace, refs: list, measured: list[float], intra: float) -> tuple[float, float]:
@@ -60,7 +64,8 @@ def fit_compute(model, args: argparse.Namespace, refs: list, measured: list[floa
     ranks = refs[0].dp
 
     def at(u: float, o: float, ref) -> float:
-        c = Cluster(ranks, 1e6, ranks, intra, intra, tflops=1.0, mfu=1.0 / u, wire_bytes=4, overhead_s=o)
+        c = Cluster(ranks, 1e6, ranks, intra, intra, tflops=1.0, mfu=1.0 / u, wire_bytes=4, overhead_s=o,
+                    cpu=True, cores=CORES)
         return estimate(model, args.seq_len, args.global_batch, c, ref).step_time_s
 
     rows = []
@@ -120,7 +125,8 @@ def main() -> None:
         intra = 8 * piece / comm_alone("dp", 8 * piece, piece, args.link, nodes=1) / 1e9  # GB/s a rank
         inter = rate_bytes_per_s(args.link) / args.per_node / 1e9
         mfu, overhead = fit_compute(model, args, refs, measured, intra)
-        cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4, overhead_s=overhead)
+        cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4,
+                          overhead_s=overhead, cpu=True, cores=CORES)
         print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s and {describe(refs[1])}: "
               f"{measured[1]:.3f} s -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms a micro-batch's stage "
               f"forward beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "

@@ -69,3 +69,72 @@ def test_placement_follows_the_bandwidths_and_plan_takes_nodes_and_two_link_clas
     rows = json.loads(capsys.readouterr().out)["layouts"]
     assert {r["placement"] for r in rows} == {"dp-inner", "pp-inner"}
     assert rows[0]["placement"] == "dp-inner" or rows[0]["pp"] == 1
+
+
+def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
+    """P=1 holds the embedding and the head (16 bytes each at ZeRO-0); ZeRO-1 all-reduces and then
+    all-gathers (3 ring passes), ZeRO-2 reduce-scatters and all-gathers (2 on NCCL)."""
+    from pipezero.config import ScheduleKind
+    from pipezero.models import param_count
+    from pipezero.sim.planner import GIB, Layout, estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)
+    one = estimate(model, 128, 16, slow, Layout(1, 1, 0, ScheduleKind.ONE_F_ONE_B, 1, 4, 4, False))
+    assert one.model_states_gib * GIB == pytest.approx(16 * param_count(model))
+    comm = [estimate(model, 128, 16, slow, Layout(1, 4, z, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False)).dp_comm_s
+            for z in range(4)]
+    assert comm[1] == pytest.approx(1.5 * comm[0]) and comm[2] == pytest.approx(comm[0])
+    assert comm[3] == pytest.approx(1.5 * comm[0])
+
+
+def test_cpu_clusters_price_gloo_and_offer_the_two_level_reduction_where_groups_cross_nodes(capsys):
+    """On gloo a reduce-scatter costs an all-reduce, and a node's ranks share one link: at 2 nodes x 2
+    with a free inside path, the two-level reduce-scatter puts 3x fewer seconds on the link than
+    gloo's (parallel/hierarchical.py's arithmetic). GPU clusters never get --hierarchical."""
+    from pipezero.config import Placement, ScheduleKind
+    from pipezero.sim.planner import Layout, collective_s, dp_split
+
+    assert dp_split(2, 1, 4, Placement.DP_INNER) == (2, 2)  # 2 ranks of the group on each of 2 nodes
+    assert dp_split(2, 2, 2, Placement.PP_INNER) == (1, 2)
+    assert dp_split(2, 2, 2, Placement.DP_INNER) == (2, 1)  # inside one node
+    assert dp_split(4, 1, 6, Placement.DP_INNER) is None  # 4 + 2: uneven
+    cpu = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=1e9, inter_gbps=0.01, cpu=True)
+    flat, two = (collective_s(cpu, Layout(1, 4, 2, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False, hierarchical=h), 1e6)
+                 for h in (False, True))
+    assert flat["reduce_scatter"] == pytest.approx(flat["all_reduce"])
+    assert flat["reduce_scatter"] / two["reduce_scatter"] == pytest.approx(3.0)
+    assert flat["all_reduce"] / two["all_reduce"] == pytest.approx(1.5)
+    args = ["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--intra-bw", "10", "--inter-bw",
+            "0.02", "--gpu-memory", "8", "--global-batch", "16", "--seq-len", "128", "--json", "--top", "1000"]
+    assert main(args) == 0
+    assert not any(r["hierarchical"] for r in json.loads(capsys.readouterr().out)["layouts"])
+    assert main([*args, "--device", "cpu"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    two_level = [r for r in rows if r["hierarchical"]]
+    assert two_level and all(r["dp"] > 1 for r in two_level)
+    fastest = {}  # the same layout flat and two-level: never slower two-level (equal for an all-reduce
+    # with one rank a node, whose ring and exchange send the same), faster for most
+    for r in rows:
+        key = tuple(v for k, v in r.items() if k not in ("hierarchical", "step_time_s", "tokens_per_s", "why"))
+        fastest.setdefault(key, {})[r["hierarchical"]] = r["step_time_s"]
+    pairs = [v for v in fastest.values() if len(v) == 2]
+    assert pairs and all(v[True] <= v[False] for v in pairs)
+    assert sum(v[True] < v[False] for v in pairs) > len(pairs) / 2
+
+
+def test_ranks_sharing_cores_slow_each_other_except_while_idle():
+    """`cores`: four ranks on two cores compute half as fast as on four devices when all are busy;
+    a pipeline whose first stage is lighter (the head is on the last) lends it back."""
+    from pipezero.config import ScheduleKind
+    from pipezero.sim.planner import Layout, estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    base = dict(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=1e6, tflops=1e-3)
+    own, shared = (Cluster(**base), Cluster(**base, cores=2))
+    dp = Layout(1, 4, 0, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False)
+    pp = Layout(2, 2, 0, ScheduleKind.ONE_F_ONE_B, 1, 1, 8, False)
+    assert estimate(model, 128, 16, shared, dp).step_time_s == pytest.approx(
+        2 * estimate(model, 128, 16, own, dp).step_time_s, rel=1e-3)
+    slowdown = estimate(model, 128, 16, shared, pp).step_time_s / estimate(model, 128, 16, own, pp).step_time_s
+    assert 1.0 <= slowdown < 1.9

@@ -230,6 +230,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                                                   "(overrides --bandwidth's second, which is per GPU)")
     s.add_argument("--wire-bytes", type=int, default=2, choices=(2, 4), help="bytes an element on the wire: "
                                                                           "2 (bf16) or 4 (fp32 runs)")
+    s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
+                        "nodes share one link; --hierarchical becomes a candidate")
     s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     s.add_argument("--seq-len", type=int, default=4096)
     s.add_argument("--top", type=int, default=10)
@@ -255,7 +258,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (intra,inter-node GB/s)")
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
-    return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, wire_bytes=args.wire_bytes)
+    return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, wire_bytes=args.wire_bytes,
+                   cpu=args.device == "cpu")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -287,6 +291,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
              "grad_reduce": e.layout.grad_reduce.value, "placement": e.layout.placement.value,
+             "hierarchical": e.layout.hierarchical,
              "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
@@ -297,12 +302,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
                         f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
-    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "GiB", "step s", "why"):
+    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s", "why"):
         table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
     for r in rows:
         table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
                       str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
-                      "mb" if r["grad_reduce"] == "microbatch" else "", r["placement"],
+                      "mb" if r["grad_reduce"] == "microbatch" else "", r["placement"], "y" if r["hierarchical"] else "",
                       f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", r["why"])
     Console(width=160, emoji=False).print(table)
     return 0

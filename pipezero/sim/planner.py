@@ -9,8 +9,18 @@ Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
   34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, a
-pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap:
-ring all-reduce 2(D-1)/D of the bf16 gradient bytes (ZeRO-1/2 the same volume, ZeRO-3 1.5x).
+pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap,
+as the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce
+and an all-gather of the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 two
+all-gathers (forward, backward) and a reduce-scatter. A ring all-reduce sends 2(D-1)/D of the bytes a
+rank, a reduce-scatter or all-gather (D-1)/D; on CPU ranks (gloo) the reduce-scatter sends an
+all-reduce's bytes, a node's ranks share its one link (a flat ring in node order crosses it once a
+group), and `--hierarchical` is a candidate: the two-level reduction of parallel/hierarchical.py,
+an exchange inside the node then across, (g-1)/g of the bytes on the node's fast path and
+(n-1)/n of a 1/g piece on the link for g ranks of a group on each of n nodes.
+Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
+busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
+lighter than the heaviest (the head's FLOPs are on the last stage only).
 ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step` holds the full
 gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
 `microbatch` keeps the paper's memory at M reduce-scatters a step, of which the M - 1 early ones
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections import Counter
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
@@ -30,7 +41,9 @@ from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.zero.accounting import paper_bytes_per_param
 
 GIB = 2**30
-DP_TRAFFIC = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}
+# the gradient and weight collectives of a step, by ZeRO stage (zero/stages.py RULES)
+DP_COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"), 2: ("reduce_scatter", "all_gather"),
+                  3: ("all_gather", "all_gather", "reduce_scatter")}
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,11 @@ class Cluster:
     # negligible for large micro-batches on a GPU, but on CPU with small ones it decides (measured on
     # the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone predicted)
     overhead_s: float = 0.0
+    # CPU ranks on gloo (`--device cpu`): its reduce-scatter sends an all-reduce's bytes, a node's
+    # ranks share one link (inter_gbps x node_size), and --hierarchical can be chosen
+    cpu: bool = False
+    # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
+    cores: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,7 @@ class Layout:
     recompute: bool
     grad_reduce: GradReduce = GradReduce.STEP
     placement: Placement = Placement.DP_INNER
+    hierarchical: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,11 +123,44 @@ def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
     return (outer_bw, inner_bw) if lay.placement is Placement.DP_INNER else (inner_bw, outer_bw)
 
 
+def dp_split(node_size: int, pp: int, dp: int, placement: Placement) -> tuple[int, int] | None:
+    """(ranks of a data-parallel group on each node it touches, nodes it spans), the same for every
+    group, or None where the groups split unevenly (the two-level reduction refuses those)."""
+    world = pp * dp
+    groups = ([range(s * dp, (s + 1) * dp) for s in range(pp)] if placement is Placement.DP_INNER
+              else [range(s, world, pp) for s in range(pp)])
+    shapes = set()
+    for group in groups:
+        counts = Counter(r // node_size for r in group)
+        shapes |= {(c, len(counts)) for c in counts.values()}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
+    """Seconds of each data-parallel collective over `nbytes` for the layout's groups."""
+    d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    bw = link_gbps(cluster, lay)[1]
+    if cluster.cpu and split and split[1] > 1:  # one shared link a node: a group's ring crosses it once
+        bw = cluster.inter_gbps * split[0]
+    ring = (d - 1) / d * nbytes / (bw * 1e9)
+    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": 2 * ring if cluster.cpu else ring}
+    if lay.hierarchical and split:
+        g, n = split
+        inside = (g - 1) / g * nbytes / (cluster.intra_gbps * 1e9)
+        across = (n - 1) / n * nbytes / g / (cluster.inter_gbps * 1e9)
+        took["reduce_scatter"] = inside + across
+        took["all_reduce"] = 2 * inside + 2 * across  # then the node gathers its pieces back
+    return took
+
+
 def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout) -> Estimate:
     layers = layer_param_counts(model)
     per_stage_layers = math.ceil(model.n_layers / lay.pp)
-    # Heaviest stage: its share of blocks plus the embedding or the head, whichever is bigger.
-    psi = per_stage_layers * block_params(model) + max(layers[0], layers[-1])
+    # Heaviest stage: its share of blocks plus the embedding or the head (with tied embeddings the
+    # last stage keeps a copy of the table), whichever is bigger; one stage holds both.
+    ends = (layers[0] + layers[-1] if lay.pp == 1 else
+            max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
+    psi = per_stage_layers * block_params(model) + ends
     states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
     per_microbatch = lay.grad_reduce is GradReduce.MICROBATCH and lay.zero >= 2 and lay.microbatches > 1
     if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
@@ -123,15 +175,23 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
     # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
     # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
-    flops_f += 2.0 * model.vocab_size * model.dim * tokens_mb
+    head_f = 2.0 * model.vocab_size * model.dim * tokens_mb
+    flops_f += head_f
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu) + cluster.overhead_s
-    pp_bw, dp_bw = link_gbps(cluster, lay)
+    if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
+        # a stage lighter than the heaviest idles for the difference (the first has no head)
+        block_f = (flops_f - head_f) / per_stage_layers
+        lighter = (model.n_layers * block_f + head_f) / lay.pp / flops_f
+        t_f *= max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
+    pp_bw, _ = link_gbps(cluster, lay)
     hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
     step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f if t_f > 0 else step_units
-    one_pass = (lay.dp - 1) / lay.dp * cluster.wire_bytes * psi / (dp_bw * 1e9) if lay.dp > 1 else 0.0  # one reduce-scatter
-    dp_comm = DP_TRAFFIC[lay.zero] * 2 * one_pass
-    if per_microbatch:  # M - 1 more reduce-scatters, hidden behind the compute that follows them
-        dp_comm += max(0.0, (lay.microbatches - 1) * one_pass - step_units_comm * t_f)
+    dp_comm = 0.0
+    if lay.dp > 1:
+        took = collective_s(cluster, lay, cluster.wire_bytes * psi)
+        dp_comm = sum(took[c] for c in DP_COLLECTIVES[lay.zero])
+        if per_microbatch:  # M - 1 more reduce-scatters, hidden behind the compute that follows them
+            dp_comm += max(0.0, (lay.microbatches - 1) * took["reduce_scatter"] - step_units_comm * t_f)
     step = step_units_comm * t_f + dp_comm
     return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
 
@@ -146,6 +206,11 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
         places = list(Placement) if pp > 1 and dp > 1 and cluster.gpus > cluster.node_size else [Placement.DP_INNER]
         if global_batch % dp:
             continue
+        # --hierarchical (gloo only) where a group crosses nodes with the same ranks on each
+        two_level = {}
+        for place in places:
+            split = dp_split(cluster.node_size, pp, dp, place)
+            two_level[place] = (False, True) if cluster.cpu and split and split[1] > 1 else (False,)
         for mbs in (1, 2, 4, 8):
             per_rank = global_batch // dp
             if per_rank % mbs:
@@ -166,8 +231,8 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                             continue
                         modes = [GradReduce.STEP, GradReduce.MICROBATCH] if zero >= 2 and m > 1 else [GradReduce.STEP]
                         for recompute in (False, True):
-                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place)
-                                       for mode in modes for place in places)
+                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place, hier)
+                                       for mode in modes for place in places for hier in two_level[place])
     return out
 
 
@@ -190,6 +255,8 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
         parts.append(f"DP traffic {e.dp_comm_s * 1e3:.0f} ms")
     if e.layout.recompute:
         parts.append("recompute buys memory for ~1/3 more compute")
+    if e.layout.hierarchical:
+        parts.append("gradients reduced inside each node first")
     if e.layout.grad_reduce is GradReduce.MICROBATCH:
         parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
     if e is not best:
