@@ -217,7 +217,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
 
     def at(gbps: float, mfu: float) -> float:
-        c = Cluster(2, 1e6, node_size=1, intra_gbps=1e6, inter_gbps=gbps, tflops=1.0, mfu=mfu, wire_bytes=4)
+        c = Cluster(2, 1e6, node_size=1, intra_gbps=1e6, inter_gbps=gbps, tflops=1.0, mfu=mfu, wire_bytes=4,
+                    cpu=True)  # gloo's collectives
         return estimate(model, args.seq_len, batch, c, layout).step_time_s
 
     mfu = at(1e9, 1.0) / compute_s  # the compute time scales as 1 / mfu: match the measured one
