@@ -78,12 +78,12 @@ def rate_bytes_per_s(rate: str) -> float:
 
 
 def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: float = 900,
-               stats: dict | None = None) -> str:
+               stats: dict | None = None, pin: bool = False) -> str:
     """Run `argv` (after `python`) under torchrun on a fresh emulated cluster; node 0's output, or
     raise on failure. `stats`, if given, receives each node's link and TCP counters (`link_stats`)."""
     from pipezero.cluster import Cluster, ClusterSpec
 
-    with Cluster(ClusterSpec(nodes=nodes, link=link)) as cluster:
+    with Cluster(ClusterSpec(nodes=nodes, link=link, pin=pin)) as cluster:
         agents = [cluster.torchrun(i, per_node, 29500, argv, stdout=-1, stderr=-1) for i in range(nodes)]
         outs = [a.communicate(timeout=timeout) for a in agents]
         if stats is not None:
@@ -121,7 +121,7 @@ def link_stats(cluster: Any) -> dict[str, dict[str, int]]:
 
 
 def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link: str,
-          launches: bool = False) -> dict:
+          launches: bool = False, pin: bool = False) -> dict:
     """One run's steady step time, bytes a step and traced waits; `launches`: through
     bench/launch_times.py, with each bucket's launch and completion against the backward's end."""
     probe = lay.get("probe", [])
@@ -131,7 +131,7 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
                                        "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
-                                       *lay.get("flags", [])], stats=stats)
+                                       *lay.get("flags", [])], stats=stats, pin=pin)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]
     steady = [r["step_time_s"] for r in recs[2:]]
@@ -250,7 +250,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                   f"a step a rank", flush=True)
             for link in args.rates.split(","):
                 run = train(lay, toml, runs / link, args.steps, 2, 1, link,
-                            launches=args.launches and group.startswith("dp"))
+                            launches=args.launches and group.startswith("dp"), pin=args.pin)
                 piece = int(args.bucket_mb * 2**20) if group.startswith("dp") else activation
                 comm = comm_alone("dp" if group.startswith("dp") else group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
@@ -325,6 +325,8 @@ def main() -> None:
                     "(vocab 256 fits the bytes tokenizer and keeps the embedding a small share of the gradients)")
     ap.add_argument("--launches", action="store_true", help="D layouts: trace each bucket's launch and completion "
                     "(bench/launch_times.py) and print them against the backward's end")
+    ap.add_argument("--pin", action="store_true", help="each node's ranks on a core of their own across the link "
+                                                      "(pipezero cluster --pin)")
     ap.add_argument("--name", default="cluster_overlap")
     args = ap.parse_args()
     args.model_fields = {k: int(v) for k, v in (x.split("=") for x in args.model.split(",") if x)}

@@ -205,6 +205,8 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--nodes", type=int, required=True, help="emulated nodes")
     c.add_argument("--ranks-per-node", type=int, default=1, help="ranks (torchrun --nproc-per-node) a node")
     c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit)")
+    c.add_argument("--pin", action="store_true", help="give each node its own share of this host's cores, as "
+                                                      "separate machines have (needs a core a node)")
     c.add_argument("command", nargs=argparse.REMAINDER, help="the pipezero command every node runs")
     c.set_defaults(func=cmd_cluster)
 
@@ -216,7 +218,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ConfigError("pipezero cluster needs a command to run, e.g. `train --pp 2 --dp 2`")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
-    return run_on_cluster(ClusterSpec(args.nodes, args.link), args.ranks_per_node, args.command)
+    return run_on_cluster(ClusterSpec(args.nodes, args.link, pin=args.pin), args.ranks_per_node, args.command)
 
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:

@@ -40,10 +40,23 @@ class ClusterSpec:
     # rate holds over a millisecond; and how long a packet may queue before tbf drops it.
     burst: str = "64kb"
     queue_ms: int = 50
+    # each node's processes on cores of its own, as on separate machines: without it the host's
+    # scheduler lets one node's compute take another node's cores (measured: a rank whose backward
+    # runs late holds up every collective of its peers)
+    pin: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
             raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
+        if self.pin and self.nodes > len(os.sched_getaffinity(0)):
+            raise ConfigError(f"--pin: {self.nodes} nodes need a core each and this host lends "
+                              f"{len(os.sched_getaffinity(0))}; leave out --pin or use fewer nodes")
+
+
+def node_cores(cores: Sequence[int], nodes: int, node: int) -> list[int]:
+    """Node `node`'s equal share of `cores` (the first ones go to the first nodes)."""
+    per = len(cores) // nodes
+    return sorted(cores)[node * per:(node + 1) * per]
 
 
 def _run(*cmd: str) -> None:
@@ -117,7 +130,10 @@ class Cluster:
               **popen: object) -> subprocess.Popen[bytes]:
         """Run `argv` inside node `node`'s namespace, in a session of its own (so it can be
         stopped as a whole)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv],
+        cores = node_cores(list(os.sched_getaffinity(0)), self.spec.nodes, node) if self.spec.pin else None
+        # set in the child before exec: everything it starts inherits the mask
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv], preexec_fn=pin,
                                 env={**os.environ, **(env or {})}, start_new_session=True, **popen)  # type: ignore[call-overload]
         self.procs.append(proc)
         return proc
@@ -135,7 +151,7 @@ class Cluster:
         # gloo picks its interface by name: eth0 is this node's address (traffic between two ranks
         # of one node to that address stays inside the namespace, unshaped).
         env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
-               "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (ranks_per_node * self.spec.nodes)))}
+               "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // (ranks_per_node * self.spec.nodes)))}
         return self.start(node, cmd, env, **popen)
 
     def cut(self, node: int) -> None:

@@ -177,3 +177,25 @@ def test_max_restarts_of_a_cluster_command_goes_to_torchrun_not_to_the_ranks():
     assert launcher_restarts(["train"]) == (0, ["train"])
     with pytest.raises(ConfigError, match="whole number"):
         launcher_restarts(["train", "--max-restarts", "-1"])
+
+
+def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
+    """`--pin`: node i's processes see only its share of the host's cores; more nodes than cores is
+    one line before anything is built."""
+    import os
+    import sys
+
+    from pipezero.cluster import node_cores
+    from pipezero.errors import ConfigError
+
+    assert node_cores([3, 0, 1, 2], 2, 0) == [0, 1] and node_cores([3, 0, 1, 2], 2, 1) == [2, 3]
+    host = sorted(os.sched_getaffinity(0))
+    nodes = min(2, len(host))
+    with Cluster(ClusterSpec(nodes=nodes, pin=True)) as cluster:
+        procs = [cluster.start(i, [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               stdout=-1) for i in range(nodes)]
+        seen = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert seen == [node_cores(host, nodes, i) for i in range(nodes)]
+    assert not set(seen[0]) & set(seen[-1]) or nodes == 1
+    with pytest.raises(ConfigError, match="--pin"):
+        ClusterSpec(nodes=len(host) + 1, pin=True)
