@@ -30,8 +30,8 @@ overlap the remaining compute and are exposed only where they outlast it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
