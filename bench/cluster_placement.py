@@ -6,7 +6,7 @@
   1. calibrate compute: two reference layouts (P=1, D=all ranks, ZeRO-0; the same rows as one
      micro-batch and as one-row micro-batches) on one node holding every rank, so the ranks share
      the host's CPUs as they will on the cluster; the planner's `mfu` and `overhead_s` (fixed time
-     a micro-batch, which FLOPs miss) are fitted so that it reproduces both step times;
+     an action, which FLOPs miss) are fitted so that it reproduces both step times;
   2. measure the two link classes: inside a node (two ranks of one namespace, all-reduces of one
      bucket alone) and between nodes (--link, shared by a node's ranks: the planner's per-GPU
      bandwidth is the link's over --per-node);
@@ -131,8 +131,8 @@ def main() -> None:
         cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4,
                           overhead_s=overhead, cpu=True, cores=CORES)
         print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s and {describe(refs[1])}: "
-              f"{measured[1]:.3f} s -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms a micro-batch's stage "
-              f"forward beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "
+              f"{measured[1]:.3f} s -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms an action "
+              f"beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "
               f"{inter * 1e3:.1f} MB/s a rank", flush=True)
         fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
         rows = []

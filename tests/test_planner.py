@@ -138,3 +138,23 @@ def test_ranks_sharing_cores_slow_each_other_except_while_idle():
         2 * estimate(model, 128, 16, own, dp).step_time_s, rel=1e-3)
     slowdown = estimate(model, 128, 16, shared, pp).step_time_s / estimate(model, 128, 16, own, pp).step_time_s
     assert 1.0 <= slowdown < 1.9
+
+
+def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
+    """`CostModel.per_action`: each rank of ZB-H1 (F, B, W apart) pays it M times more than 1F1B
+    (F, fused BW), so on an oversubscribed host, where the bubble is not the limit, 1F1B wins."""
+    from pipezero.config import ScheduleKind
+    from pipezero.schedules.check import CostModel, simulate
+    from pipezero.schedules.registry import build_schedule
+    from pipezero.sim.planner import Layout, estimate
+
+    m, fixed = 8, 0.5
+    one, zb = (simulate(build_schedule(k, 2, m, 1), CostModel(per_action=fixed))
+               for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1))
+    busy = [[r.step_time - idle for idle in r.idle] for r in (one, zb)]
+    assert busy[0] == pytest.approx([m * (3 + 2 * fixed)] * 2) and busy[1] == pytest.approx([m * (3 + 3 * fixed)] * 2)
+    model = apply_preset(ModelConfig(), "tiny")
+    shared = Cluster(gpus=8, gpu_memory_gib=80, node_size=8, intra_gbps=1e6, tflops=1e-3, overhead_s=0.05, cores=2)
+    t = {k: estimate(model, 128, 16, shared, Layout(2, 4, 0, k, 1, 1, 4, False)).step_time_s
+         for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1)}
+    assert t[ScheduleKind.ONE_F_ONE_B] < t[ScheduleKind.ZB_H1]

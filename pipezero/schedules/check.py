@@ -35,14 +35,17 @@ class CostModel:
     comm: float = 0.0  # per hop between ranks, the same for activations and gradients
     chunk_factors: tuple[float, ...] | None = None  # per global chunk; None = 1/V each
     per_chunk: tuple[tuple[float, float, float], ...] | None = None  # measured (F, B, W) per chunk
+    # a fixed cost every action pays whatever its size (kernel launches, Python): why a fused BW is
+    # cheaper than its B and W apart, and V chunks cost more than one
+    per_action: float = 0.0
 
     def cost(self, action: Action, virtual: int) -> float:
         if self.per_chunk is not None:
             f, b, w = self.per_chunk[action.chunk]
-            return {Op.F: f, Op.B: b, Op.W: w, Op.BW: b + w}[action.op]
+            return {Op.F: f, Op.B: b, Op.W: w, Op.BW: b + w}[action.op] + self.per_action
         base = {Op.F: self.f, Op.B: self.b, Op.W: self.w, Op.BW: self.b + self.w}[action.op]
         factor = self.chunk_factors[action.chunk] if self.chunk_factors else 1.0 / virtual
-        return base * factor
+        return base * factor + self.per_action
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
   stage) x layers of the stage x per-layer bytes, Korthikanti et al. 2022 with flash attention:
   34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
-stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, a
+stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
+action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a
 pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap,
 as the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce
 and an all-gather of the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 two
@@ -57,9 +58,10 @@ class Cluster:
     mfu: float = 0.45  # achieved share of peak in the compute of one stage
     headroom: float = 0.9  # usable share of memory (allocator, buffers, fragmentation)
     wire_bytes: int = 2  # bytes an element of gradients and activations on the wire (bf16; fp32 runs: 4)
-    # fixed seconds a stage's forward of one micro-batch costs beyond its FLOPs (launches, Python):
-    # negligible for large micro-batches on a GPU, but on CPU with small ones it decides (measured on
-    # the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone predicted)
+    # fixed seconds every action (a forward, backward or split half of one) costs beyond its FLOPs
+    # (launches, Python): negligible for large micro-batches on a GPU, but on CPU with small ones it
+    # decides (measured on the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone
+    # predicted); it is why a fused BW beats its B and W apart when the bubble is not the limit
     overhead_s: float = 0.0
     # CPU ranks on gloo (`--device cpu`): its reduce-scatter sends an all-reduce's bytes, a node's
     # ranks share one link (inter_gbps x node_size), and --hierarchical can be chosen
@@ -107,9 +109,12 @@ def model_from_params(n: float) -> ModelConfig:
 
 
 @lru_cache(maxsize=4096)
-def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool) -> tuple[float, float, float]:
-    """(step time in stage-forward units, bubble, peak in-flight activation memory in stages)."""
-    res = simulate(build_schedule(kind, pp, m, v), CostModel(1.0, 2.0 if recompute else 1.0, 1.0))
+def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
+         per_action: float = 0.0) -> tuple[float, float, float]:
+    """(step time in stage-forward units, bubble, peak in-flight activation memory in stages), each
+    action costing `per_action` units more (rounded by the caller, so that layouts share the cache)."""
+    res = simulate(build_schedule(kind, pp, m, v), CostModel(1.0, 2.0 if recompute else 1.0, 1.0,
+                                                             per_action=per_action))
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
@@ -166,7 +171,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
         states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
     per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
-    step_units, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute)
+    _, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute)
     acts = peak_stages * per_stage_layers * per_layer_act
     if lay.recompute:  # one micro-batch's full activations exist while its backward recomputes
         acts += 34 * seq_len * lay.micro_batch * model.dim
@@ -177,7 +182,10 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
     head_f = 2.0 * model.vocab_size * model.dim * tokens_mb
     flops_f += head_f
-    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu) + cluster.overhead_s
+    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
+    # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
+    step_units = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute,
+                      round(cluster.overhead_s / t_f, 3))[0]
     if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
         # a stage lighter than the heaviest idles for the difference (the first has no head)
         block_f = (flops_f - head_f) / per_stage_layers
@@ -185,7 +193,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         t_f *= max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
     pp_bw, _ = link_gbps(cluster, lay)
     hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
-    step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f if t_f > 0 else step_units
+    step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f
     dp_comm = 0.0
     if lay.dp > 1:
         took = collective_s(cluster, lay, cluster.wire_bytes * psi)
