@@ -9,9 +9,8 @@ Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
   34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
-action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a
-pipeline hop from activation bytes over the link, plus data-parallel traffic that does not overlap,
-as the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce
+action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
+bytes over the link, plus data-parallel traffic that does not overlap, as the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce
 and an all-gather of the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 two
 all-gathers (forward, backward) and a reduce-scatter. A ring all-reduce sends 2(D-1)/D of the bytes a
 rank, a reduce-scatter or all-gather (D-1)/D; on CPU ranks (gloo) the reduce-scatter sends an
