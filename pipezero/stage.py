@@ -154,9 +154,8 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
         raise ConfigError("--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: "
                           "drop it")
     per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
-    groups = [[mesh.global_rank(s, d) for d in range(p.dp)] for s in range(p.pp)]
     try:
-        return build_hierarchy(groups, per_node, timedelta(seconds=p.timeout_s))
+        return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
     except ValueError as e:
         raise ConfigError(f"--hierarchical with {per_node} ranks a node: {e}; choose --placement so each "
                           f"stage's replicas are spread evenly over the nodes") from None

@@ -73,6 +73,15 @@ class Hierarchy:
         return inside + across + (inside if all_reduce else 0)
 
 
+def split_by_node(ranks: Sequence[int], ranks_per_node: int) -> list[list[int]]:
+    """The group's members on each node it touches, nodes in order (global rank g is on node
+    g // ranks_per_node)."""
+    by_node: dict[int, list[int]] = {}
+    for r in ranks:
+        by_node.setdefault(r // ranks_per_node, []).append(r)
+    return [by_node[n] for n in sorted(by_node)]
+
+
 def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int,
                     timeout: timedelta | None = None) -> Hierarchy | None:
     """Split each group of global ranks (the dp groups of a mesh, say) by node, and return this
@@ -82,10 +91,7 @@ def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int,
     too (a dead peer ends them rather than leaving the thread waiting)."""
     splits = []
     for ranks in groups:  # every group checked before any subgroup is created
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            by_node.setdefault(r // ranks_per_node, []).append(r)
-        members = [by_node[n] for n in sorted(by_node)]
+        members = split_by_node(ranks, ranks_per_node)
         if len({len(m) for m in members}) != 1:
             raise ValueError(f"group {list(ranks)} has unequal members a node ({[len(m) for m in members]}): "
                              "a two-level collective needs the same number on every node")

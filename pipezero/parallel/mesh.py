@@ -54,6 +54,10 @@ class Mesh:
         """Global ranks holding this rank's stage (every replica)."""
         return [self.global_rank(self.pp_rank, d) for d in range(self.dp)]
 
+    def dp_groups(self) -> list[list[int]]:
+        """Every stage's data-parallel group of global ranks, stages in order."""
+        return [[self.global_rank(s, d) for d in range(self.dp)] for s in range(self.pp)]
+
 
 @dataclass
 class Groups:
