@@ -30,12 +30,13 @@ overlap the remaining compute and are exposed only where they outlast it.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
+from pipezero.parallel.hierarchical import split_by_node
+from pipezero.parallel.mesh import Mesh
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.zero.accounting import paper_bytes_per_param
@@ -109,7 +110,7 @@ def model_from_params(n: float) -> ModelConfig:
 
 @lru_cache(maxsize=4096)
 def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
-         per_action: float = 0.0) -> tuple[float, float, float]:
+         per_action: float) -> tuple[float, float, float]:
     """(step time in stage-forward units, bubble, peak in-flight activation memory in stages), each
     action costing `per_action` units more (rounded by the caller, so that layouts share the cache)."""
     res = simulate(build_schedule(kind, pp, m, v), CostModel(1.0, 2.0 if recompute else 1.0, 1.0,
@@ -127,16 +128,14 @@ def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
     return (outer_bw, inner_bw) if lay.placement is Placement.DP_INNER else (inner_bw, outer_bw)
 
 
+@lru_cache(maxsize=4096)
 def dp_split(node_size: int, pp: int, dp: int, placement: Placement) -> tuple[int, int] | None:
     """(ranks of a data-parallel group on each node it touches, nodes it spans), the same for every
     group, or None where the groups split unevenly (the two-level reduction refuses those)."""
-    world = pp * dp
-    groups = ([range(s * dp, (s + 1) * dp) for s in range(pp)] if placement is Placement.DP_INNER
-              else [range(s, world, pp) for s in range(pp)])
     shapes = set()
-    for group in groups:
-        counts = Counter(r // node_size for r in group)
-        shapes |= {(c, len(counts)) for c in counts.values()}
+    for group in Mesh(pp, dp, placement=placement).dp_groups():
+        members = split_by_node(group, node_size)
+        shapes |= {(len(m), len(members)) for m in members}
     return shapes.pop() if len(shapes) == 1 else None
 
 
@@ -170,7 +169,8 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
         states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
     per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
-    _, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute)
+    # the bubble and memory without fixed costs (the same cached simulation as below when there are none)
+    _, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     acts = peak_stages * per_stage_layers * per_layer_act
     if lay.recompute:  # one micro-batch's full activations exist while its backward recomputes
         acts += 34 * seq_len * lay.micro_batch * model.dim
