@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -203,8 +204,18 @@ def comm_alone(kind: str, total: float, piece: int, link: str, nodes: int = 2) -
     return json.loads(said.strip().splitlines()[-1])["seconds"]
 
 
-def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) -> float:
-    """The planner's step time for `lay` across `link`, its compute scaled to the measured compute-only."""
+def net_cpu_s_per_gb(link: str, piece: int) -> float:
+    """Host CPU-seconds per GB crossing the emulated `link` (both ranks' all-reduces of one bucket,
+    16 of them, alone; bench/link_probe.py's `cpu_s`): the planner's `net_cpu_s_per_gb`."""
+    probe = Path(__file__).resolve().parent / "link_probe.py"
+    total = 16 * piece
+    said = json.loads(on_cluster(2, 1, link, [str(probe), "dp", str(total), str(piece)]).strip().splitlines()[-1])
+    return said["cpu_s"] / (2 * total / 1e9)  # each rank's `total` bytes cross the link
+
+
+def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, net_cpu: float) -> float:
+    """The planner's step time for `lay` across `link`, its compute scaled to the measured compute-only
+    (loopback inside one node, where no byte crosses a link and costs `net_cpu` a GB)."""
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
     from pipezero.sim.planner import Cluster, Layout, estimate
@@ -216,13 +227,14 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str) 
                     lay["microbatches"], False)
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
 
-    def at(gbps: float, mfu: float) -> float:
+    def at(gbps: float, mfu: float, cpu_s_per_gb: float) -> float:
         c = Cluster(2, 1e6, node_size=1, intra_gbps=1e6, inter_gbps=gbps, tflops=1.0, mfu=mfu, wire_bytes=4,
-                    cpu=True)  # gloo's collectives
+                    cpu=True, cores=len(os.sched_getaffinity(0)), net_cpu_s_per_gb=cpu_s_per_gb,
+                    bucket_mb=args.bucket_mb)  # gloo's collectives, on this host's cores
         return estimate(model, args.seq_len, batch, c, layout).step_time_s
 
-    mfu = at(1e9, 1.0) / compute_s  # the compute time scales as 1 / mfu: match the measured one
-    return at(rate_bytes_per_s(link) / 1e9, mfu)
+    mfu = at(1e9, 1.0, 0.0) / compute_s  # the compute time scales as 1 / mfu: match the measured one
+    return at(rate_bytes_per_s(link) / 1e9, mfu, net_cpu)
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
@@ -230,6 +242,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
     dim = args.model_fields.get("dim", PRESETS[args.preset]["dim"])
     activation = args.mbs * args.seq_len * dim * 4  # fp32 bytes a micro-batch
+    net_cpu = {link: net_cpu_s_per_gb(link, int(args.bucket_mb * 2**20)) for link in args.rates.split(",")}
+    print("host CPU-s a GB across the link: " + ", ".join(f"{k} {v:.1f}" for k, v in net_cpu.items()), flush=True)
     rows = []
     for group in args.layouts.split(","):
         toml = tmp / f"{group}.toml"
@@ -255,10 +269,11 @@ def measure(args: argparse.Namespace, tmp: Path) -> list[dict]:
                 comm = comm_alone("dp" if group.startswith("dp") else group, run["bytes_per_step"], piece, link)
                 hidden = 1 - (run["step_s"] - base["step_s"]) / comm
                 waited = run["collective_wait_s"]  # traced (D layouts): the exposed part, less CPU noise
-                pred = predicted(lay, args, base["step_s"], link)
+                pred = predicted(lay, args, base["step_s"], link, net_cpu[link])
                 rows.append({"layout": lay["name"], **lay, "link": link, "link_bytes_per_s": rate_bytes_per_s(link),
                              "compute_only_s": base["step_s"], "step_s": run["step_s"], "comm_s": comm,
                              "hidden": hidden, "bytes_per_step": run["bytes_per_step"], "predicted_s": pred,
+                             "net_cpu_s_per_gb": net_cpu[link],
                              "collective_wait_s": waited, "hidden_by_waits": None if waited is None else 1 - waited / comm,
                              "step_s_median": run["step_s_median"], "compute_only_s_median": base["step_s_median"],
                              "step_s_all": run["step_s_all"], "compute_only_s_all": base["step_s_all"],

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_overlap import RESULTS, comm_alone, on_cluster, rate_bytes_per_s, run_toml  # noqa: E402
+from cluster_overlap import RESULTS, comm_alone, net_cpu_s_per_gb, on_cluster, rate_bytes_per_s, run_toml  # noqa: E402
 
 
 CORES = len(os.sched_getaffinity(0))  # every emulated node's ranks run on this host's cores
@@ -60,25 +60,33 @@ def describe(lay) -> str:
 
 def fit_compute(model, args: argparse.Namespace, refs: list, measured: list[float], intra: float) -> tuple[float, float]:
     """The planner's (mfu, overhead_s) that reproduce both one-node reference step times. Its step
-    time is linear in 1/mfu and in the overhead: three evaluations give the coefficients."""
+    time is linear in 1/mfu and in the overhead only piecewise (communication hides behind compute
+    up to a point), so the two equations are solved around the current guess until it settles."""
     from pipezero.sim.planner import Cluster, estimate
 
     ranks = refs[0].dp
 
     def at(u: float, o: float, ref) -> float:
         c = Cluster(ranks, 1e6, ranks, intra, intra, tflops=1.0, mfu=1.0 / u, wire_bytes=4, overhead_s=o,
-                    cpu=True, cores=CORES)
+                    cpu=True, cores=CORES, bucket_mb=args.bucket_mb)
         return estimate(model, args.seq_len, args.global_batch, c, ref).step_time_s
 
-    rows = []
-    for ref, t in zip(refs, measured):
-        base = at(1.0, 0.0, ref)
-        rows.append((at(2.0, 0.0, ref) - base, at(1.0, 1.0, ref) - base, t - (2 * base - at(2.0, 0.0, ref))))
-    (a1, b1, r1), (a2, b2, r2) = rows
-    det = a1 * b2 - a2 * b1
-    u, o = (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
-    if o < 0:  # no measurable overhead: FLOPs alone, fitted on the first reference
-        u, o = r1 / a1, 0.0
+    u, o = measured[0] / at(1.0, 0.0, refs[0]), 0.0  # FLOPs alone on the first reference
+    for _ in range(20):
+        rows = []
+        for ref, t in zip(refs, measured):
+            base = at(u, o, ref)
+            du, do = (at(u * 1.01, o, ref) - base) / (0.01 * u), (at(u, o + 1e-4, ref) - base) / 1e-4
+            rows.append((du, do, t - base))
+        (a1, b1, r1), (a2, b2, r2) = rows
+        det = a1 * b2 - a2 * b1
+        step_u, step_o = (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
+        u, o = max(u + step_u, 1e-9), o + step_o
+        if o < 0:  # no measurable overhead: FLOPs alone, fitted on the first reference
+            o = 0.0
+            u = u * measured[0] / at(u, 0.0, refs[0])
+        if abs(step_u) < 1e-6 * u and abs(step_o) < 1e-9:
+            break
     return 1.0 / u, o
 
 
@@ -127,13 +135,15 @@ def main() -> None:
         piece = int(args.bucket_mb * 2**20)
         intra = 8 * piece / comm_alone("dp", 8 * piece, piece, args.link, nodes=1) / 1e9  # GB/s a rank
         inter = rate_bytes_per_s(args.link) / args.per_node / 1e9
+        net_cpu = net_cpu_s_per_gb(args.link, piece)
         mfu, overhead = fit_compute(model, args, refs, measured, intra)
         cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4,
-                          overhead_s=overhead, cpu=True, cores=CORES)
+                          overhead_s=overhead, cpu=True, cores=CORES, bucket_mb=args.bucket_mb,
+                          net_cpu_s_per_gb=net_cpu)
         print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s and {describe(refs[1])}: "
               f"{measured[1]:.3f} s -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms an action "
               f"beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "
-              f"{inter * 1e3:.1f} MB/s a rank", flush=True)
+              f"{inter * 1e3:.1f} MB/s a rank, {net_cpu:.1f} host CPU-s a GB across it", flush=True)
         fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
         rows = []
         picked = choices(fits, args.top)
@@ -158,7 +168,7 @@ def main() -> None:
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
         {"args": vars(args), "calibration": {"layouts": [describe(r) for r in refs], "measured_s": measured,
                                              "mfu": mfu, "overhead_s": overhead, "intra_gbps": intra,
-                                             "inter_gbps_per_rank": inter},
+                                             "inter_gbps_per_rank": inter, "net_cpu_s_per_gb": net_cpu},
          "considered": considered, "rows": rows}, indent=2))
     print(f"wrote {RESULTS / args.name}.json")
 

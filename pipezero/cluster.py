@@ -20,12 +20,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 from pipezero.errors import ConfigError
 from pipezero.job import children
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 class ClusterError(RuntimeError):
@@ -96,15 +101,26 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         require_root()
+        # SIGTERM (`timeout`, `kill`, a scheduler) would end the interpreter without `finally`,
+        # leaving namespaces and ranks behind: it unwinds like Ctrl-C instead, while this is open
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm = signal.signal(signal.SIGTERM, _interrupt)
         try:
             self._build()
         except BaseException:
-            self.close()
+            self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
+        try:
+            self.close()
+        finally:
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
 
     def _build(self) -> None:
         bridge, s = f"{self.tag}b", self.spec
@@ -221,10 +237,6 @@ def launcher_restarts(argv: Sequence[str]) -> tuple[int, list[str]]:
 def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], port: int = 29500) -> int:
     """`pipezero cluster`: run `pipezero <argv>` on every node of a fresh emulated cluster and return
     the job's exit status (the worst node's). SIGINT and SIGTERM tear everything down."""
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         with Cluster(spec) as cluster:
             print(f"pipezero: {spec.nodes} emulated nodes x {ranks_per_node} ranks at {spec.link} a link "
@@ -236,5 +248,3 @@ def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], 
     except KeyboardInterrupt:
         print("pipezero: stopped; the emulated cluster is removed", file=sys.stderr, flush=True)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -199,3 +199,27 @@ def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
     assert not set(seen[0]) & set(seen[-1]) or nodes == 1
     with pytest.raises(ConfigError, match="--pin"):
         ClusterSpec(nodes=len(host) + 1, pin=True)
+
+
+def test_a_script_holding_a_cluster_and_terminated_leaves_nothing(cluster_ok):
+    """SIGTERM (`timeout`, `kill`) ends a bench or script inside `with Cluster(...)` as Ctrl-C
+    does: its nodes' processes are killed and every namespace and link removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import sys, time\nfrom pipezero.cluster import Cluster, ClusterSpec\n"
+              "with Cluster(ClusterSpec(nodes=2)) as c:\n"
+              "    p = c.start(1, ['sleep', '3600'])\n"
+              "    print(c.tag, p.pid, flush=True)\n"
+              "    time.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tag, pid = proc.stdout.readline().split()
+    assert len(leftovers(tag)) == 5, leftovers(tag)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    assert leftovers(tag) == []
+    with pytest.raises(ProcessLookupError):  # the node's process is gone too
+        os.kill(int(pid), 0)

@@ -158,3 +158,87 @@ def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
     t = {k: estimate(model, 128, 16, shared, Layout(2, 4, 0, k, 1, 1, 4, False)).step_time_s
          for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1)}
     assert t[ScheduleKind.ONE_F_ONE_B] < t[ScheduleKind.ZB_H1]
+
+
+def _play_buckets(comm: float, window: float, k: int, in_flight: int | None) -> tuple[float, float, float]:
+    """Reference for sim/overlap.py, bucket by bucket: (backward stall, tail after it, forward delay)."""
+    per, dt = comm / k, window / k
+    t, finishes = 0.0, []
+    for _ in range(k):  # a reduction starts when its bucket is full and the link is free
+        t += dt
+        finishes.append(max(t, finishes[-1] if finishes else 0.0) + per)
+        if in_flight is not None and len(finishes) > in_flight:
+            t = max(t, finishes[-1 - in_flight])  # the backward waits for all but the newest n
+    gather = 0.0
+    for i in range(1, k + 1):  # gathers all started at once; bucket i's layers wait for it
+        gather = max(gather, i * per) + dt
+    return t - window, finishes[-1] - t, gather - window
+
+
+def test_bucketed_collectives_hide_behind_the_compute_beside_them():
+    """sim/overlap.py's closed forms equal playing the buckets one by one: a reduction during a
+    backward and gathers before a forward are exposed max(C/k, C - T(1 - 1/k)); the in-flight bound
+    (ZeRO-2/3's default of one bucket outstanding) stalls the backward instead, adding nothing."""
+    import itertools
+
+    from pipezero.sim.overlap import gather_before, reduce_during
+
+    for comm, window, k, n in itertools.product((0.0, 0.2, 0.5, 2.0), (0.0, 0.3, 1.0), (1, 2, 13, 40),
+                                                 (None, 1, 3, 50)):
+        stall, tail, delay = _play_buckets(comm, window, k, n)
+        got = reduce_during(comm, window, k, n)
+        assert (got.stall_s, got.tail_s) == pytest.approx((stall, tail), abs=1e-12)
+        assert gather_before(comm, window, k) == pytest.approx(delay, abs=1e-12)
+    fast, slow = reduce_during(0.2, 1.0, 10, in_flight=1), reduce_during(2.0, 1.0, 10, in_flight=1)
+    assert fast.stall_s == 0.0 and fast.tail_s == pytest.approx(0.02)  # only the last bucket shows
+    assert slow.stall_s > 0.5 and slow.exposed_s == pytest.approx(reduce_during(2.0, 1.0, 10).exposed_s)
+
+
+def test_data_parallel_traffic_hides_behind_a_long_backward_and_crossing_bytes_cost_the_host():
+    """A step whose backward outlasts its gradient all-reduce shows one bucket's share of it, not all
+    of it; the emulated cluster's network CPU (`net_cpu_s_per_gb`) slows a step only for bytes that
+    cross a node's link: none when the data-parallel group stays inside a node."""
+    from pipezero.config import Placement, ScheduleKind
+    from pipezero.models import param_count
+    from pipezero.sim.planner import Layout, collective_s, estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    base = dict(gpus=2, gpu_memory_gib=80, node_size=1, intra_gbps=1e6, inter_gbps=0.05, tflops=1e-4, cpu=True,
+                bucket_mb=0.25)
+    lay = Layout(1, 2, 0, ScheduleKind.ONE_F_ONE_B, 1, 8, 1, False)
+    free = estimate(model, 128, 16, Cluster(**{**base, "inter_gbps": 1e6}), lay)
+    hidden = estimate(model, 128, 16, Cluster(**base), lay)
+    nbytes = 2 * param_count(model)  # bf16 gradients of every parameter
+    link = collective_s(Cluster(**base), lay, nbytes)["all_reduce"]
+    assert link < free.step_time_s * 2 / 3  # the backward is longer than the transfer
+    assert 0 < hidden.dp_comm_s < 0.2 * link
+    assert hidden.step_time_s == pytest.approx(free.step_time_s + hidden.dp_comm_s, rel=1e-6)
+    busy = estimate(model, 128, 16, Cluster(**base, net_cpu_s_per_gb=10.0, cores=2), lay)
+    # a ring of 2 over 2 nodes crosses both links, half the buffer each way, twice; what moved while
+    # the ranks waited ran on idle cores
+    behind = 2 * nbytes * (1 - hidden.dp_comm_s / link)
+    assert busy.step_time_s - hidden.step_time_s == pytest.approx(10.0 * behind / 1e9 / 2, rel=1e-6)
+    inside = dict(base, gpus=4, node_size=2, inter_gbps=1e6)
+    pp2 = Layout(2, 2, 0, ScheduleKind.ONE_F_ONE_B, 1, 2, 4, False, placement=Placement.DP_INNER)
+    quiet, noisy = (estimate(model, 128, 16, Cluster(**inside, net_cpu_s_per_gb=c, cores=4), pp2)
+                    for c in (0.0, 10.0))
+    hops = 2 * 4 * 2 * (2 * 2 * 128 * model.dim)  # one boundary both ways, M=4, D=2; 2 bytes x B=2 x 128 x dim
+    assert noisy.step_time_s - quiet.step_time_s == pytest.approx(10.0 * hops / 1e9 / 4, rel=1e-6)
+
+
+def test_zero_3_gathers_once_a_step_in_a_pipeline_and_every_pass_alone():
+    """ZeRO-3 keeps a chunk gathered through the step when P > 1 (one all-gather, waited before the
+    first forward) and gathers layer by layer for every forward and backward when P = 1: 2M gathers."""
+    from pipezero.config import ScheduleKind
+    from pipezero.models import param_count
+    from pipezero.sim.planner import Layout, collective_s, estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)
+    lay = Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 1, 4, False)
+    e = estimate(model, 128, 16, slow, lay)
+    took = collective_s(slow, lay, 2 * param_count(model))  # one stage holds every parameter, bf16
+    assert e.step_time_s == pytest.approx(8 * took["all_gather"] + took["reduce_scatter"], rel=1e-3)
+    pipeline = [estimate(model, 128, 16, slow, Layout(2, 2, z, ScheduleKind.ONE_F_ONE_B, 1, 1, 8, False)).dp_comm_s
+                for z in (2, 3)]
+    assert pipeline[1] == pytest.approx(pipeline[0])  # one gather and one reduce-scatter, as ZeRO-2

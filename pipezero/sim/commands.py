@@ -233,6 +233,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
                         "nodes share one link; --hierarchical becomes a candidate")
+    s.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="the run's gradient bucket (train --bucket-mb): collectives hide behind compute a bucket at a time")
     s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     s.add_argument("--seq-len", type=int, default=4096)
     s.add_argument("--top", type=int, default=10)
@@ -259,7 +261,7 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
     return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, wire_bytes=args.wire_bytes,
-                   cpu=args.device == "cpu")
+                   cpu=args.device == "cpu", bucket_mb=args.bucket_mb)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -272,7 +274,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_ranges(args, {"params": (float, POSITIVE), "gpus": (int, POSITIVE_INT), "gpu_memory": (float, POSITIVE),
                         "node_size": (int, POSITIVE_INT), "global_batch": (int, POSITIVE_INT), "nodes": (int, POSITIVE_INT),
                         "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT), "intra_bw": (float, POSITIVE),
-                        "inter_bw": (float, POSITIVE)})
+                        "inter_bw": (float, POSITIVE), "bucket_mb": (float, POSITIVE)})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     cluster = cluster_from_args(args)
     t0 = time.perf_counter()

@@ -10,21 +10,27 @@ Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
-bytes over the link, plus data-parallel traffic that does not overlap, as the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce
-and an all-gather of the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 two
-all-gathers (forward, backward) and a reduce-scatter. A ring all-reduce sends 2(D-1)/D of the bytes a
-rank, a reduce-scatter or all-gather (D-1)/D; on CPU ranks (gloo) the reduce-scatter sends an
+bytes over the link for each boundary between chunks the first micro-batch crosses on its way
+forward and back, plus the data-parallel traffic that compute does not hide (`dp_traffic`), as
+the code moves it (zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce and
+an all-gather of the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 gathers of
+the parameters (once a step when P > 1, for every forward and backward when P = 1) and a
+reduce-scatter. Reductions run during the last backward of the step, bucket by bucket; the
+updated weights' gathers ahead of the next first forward (sim/overlap.py); the step is never
+shorter than the link's busy time. A ring all-reduce sends 2(D-1)/D of the bytes a rank, a
+reduce-scatter or all-gather (D-1)/D; on CPU ranks (gloo) the reduce-scatter sends an
 all-reduce's bytes, a node's ranks share its one link (a flat ring in node order crosses it once a
 group), and `--hierarchical` is a candidate: the two-level reduction of parallel/hierarchical.py,
 an exchange inside the node then across, (g-1)/g of the bytes on the node's fast path and
 (n-1)/n of a 1/g piece on the link for g ranks of a group on each of n nodes.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
 busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
-lighter than the heaviest (the head's FLOPs are on the last stage only).
+lighter than the heaviest (the head's FLOPs are on the last stage only); the bytes crossing its
+links cost those cores `net_cpu_s_per_gb` too.
 ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step` holds the full
 gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
-`microbatch` keeps the paper's memory at M reduce-scatters a step, of which the M - 1 early ones
-overlap the remaining compute and are exposed only where they outlast it.
+`microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
+where more than one bucket is outstanding.
 """
 
 from __future__ import annotations
@@ -39,12 +45,10 @@ from pipezero.parallel.hierarchical import split_by_node
 from pipezero.parallel.mesh import Mesh
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
+from pipezero.sim.overlap import gather_before, reduce_during
 from pipezero.zero.accounting import paper_bytes_per_param
 
 GIB = 2**30
-# the gradient and weight collectives of a step, by ZeRO stage (zero/stages.py RULES)
-DP_COLLECTIVES = {0: ("all_reduce",), 1: ("all_reduce", "all_gather"), 2: ("reduce_scatter", "all_gather"),
-                  3: ("all_gather", "all_gather", "reduce_scatter")}
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ class Cluster:
     cpu: bool = False
     # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
     cores: int = 0
+    # host CPU-seconds per GB crossing a node's link, taken from the cores that compute (0 where NICs
+    # carry it); the emulated cluster's veth, bridge and tbf run in the host's kernel: 11-14 measured
+    # by bench/link_probe.py (`cpu_s`) at 200 and 500mbit
+    net_cpu_s_per_gb: float = 0.0
+    bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
 
 
 @dataclass(frozen=True)
@@ -192,15 +201,83 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         t_f *= max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
     pp_bw, _ = link_gbps(cluster, lay)
     hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
-    step_units_comm = step_units + 2 * (lay.pp - 1) * hop / t_f
-    dp_comm = 0.0
-    if lay.dp > 1:
-        took = collective_s(cluster, lay, cluster.wire_bytes * psi)
-        dp_comm = sum(took[c] for c in DP_COLLECTIVES[lay.zero])
-        if per_microbatch:  # M - 1 more reduce-scatters, hidden behind the compute that follows them
-            dp_comm += max(0.0, (lay.microbatches - 1) * took["reduce_scatter"] - step_units_comm * t_f)
-    step = step_units_comm * t_f + dp_comm
+    # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
+    compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
+    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, compute)
+    step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
+    if cluster.net_cpu_s_per_gb:
+        # the network's CPU work runs while its bytes move: what moves behind compute takes cores from
+        # it, what moves while every rank waits runs on idle cores (pipeline hops: behind compute)
+        behind = crossing * (1.0 - dp_comm / link_s) if link_s else 0.0
+        if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
+            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop * pp_bw * 1e9
+        step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
     return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
+
+
+def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float, compute: float) -> tuple[float, float, float]:
+    """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
+    data-parallel collectives, placed as the runtime places them (zero/stages.py): gradients
+    reduced during a chunk's last backward of the step (every backward with grad-reduce
+    `microbatch`), ZeRO-1/2's updated weights gathered ahead of the next step's first forward,
+    ZeRO-3's parameters gathered once a step and kept when P > 1, layer by layer for every forward
+    and backward when P = 1. Stage 0's first forward and last backward set the pace (sim/overlap.py
+    plays them bucket by bucket); the other stages have the pipeline's fill and drain to spare."""
+    if lay.dp == 1:
+        return 0.0, 0.0, 0.0
+    m = lay.microbatches
+    took = collective_s(cluster, lay, cluster.wire_bytes * psi)
+    k = max(1, math.ceil(psi * 4 / (cluster.bucket_mb * 2**20)))  # buckets are cut in fp32 (zero/buckets.py)
+    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    if cluster.cores and split and split[1] == 1:
+        # inside a node of a host whose cores all compute, a collective is the CPU copying bytes
+        # (loopback): it takes the cores from compute for as long as it runs, so none of it hides
+        forward = backward = 0.0
+    every = lay.zero >= 2 and lay.grad_reduce is GradReduce.MICROBATCH and m > 1
+    reductions = m if every else 1
+    if lay.zero < 2:
+        counts = {"all_reduce": 1, "all_gather": lay.zero}
+        last = reduce_during(took["all_reduce"], backward, k)
+        exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if lay.zero else 0.0)
+    else:
+        bound = 1  # train's default --buckets-in-flight
+        early = (m - 1) * reduce_during(took["reduce_scatter"], backward, k, bound).stall_s if every else 0.0
+        if lay.zero == 2:
+            counts = {"reduce_scatter": reductions, "all_gather": 1}
+            last = reduce_during(took["reduce_scatter"], backward, k, bound)
+            exposed = last.exposed_s + early + gather_before(took["all_gather"], forward, k)
+        elif lay.pp > 1:  # a chunk gathered before its first forward (stage 0 waits for all of it), kept
+            counts = {"reduce_scatter": reductions, "all_gather": 1}
+            exposed = took["all_gather"] + early + reduce_during(took["reduce_scatter"], backward, k, bound).exposed_s
+        else:  # layer by layer: every forward and backward gathers again; the last also reduces
+            counts = {"reduce_scatter": reductions, "all_gather": 2 * m}
+            ag, rs = took["all_gather"], took["reduce_scatter"]
+            exposed = m * gather_before(ag, forward, k) + (m - 1) * (
+                reduce_during(ag + rs, backward, k, bound).stall_s if every else gather_before(ag, backward, k))
+            exposed += reduce_during(ag + rs, backward, k, bound).exposed_s
+    link = sum(took[c] * n for c, n in counts.items())
+    crossing = sum(crossing_bytes(cluster, lay, cluster.wire_bytes * psi)[c] * n for c, n in counts.items())
+    return exposed, link, crossing
+
+
+def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
+    """Bytes one collective of each kind over `nbytes` sends across node links, all the job's
+    data-parallel groups together: a flat ring in node order crosses each of its n nodes' links with
+    (D-1)/D of the buffer a pass; the two-level reduction sends a node's whole reduced piece
+    but (n-1)/n of it once. Groups that split unevenly count every hop as crossing."""
+    d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 2 if cluster.cpu else 1}
+    if split is None:
+        hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
+        return {c: lay.pp * hops * n * (d - 1) / d * nbytes for c, n in passes.items()}
+    g, n = split
+    flat = {c: lay.pp * (n if n > 1 else 0) * p * (d - 1) / d * nbytes for c, p in passes.items()}
+    if lay.hierarchical and n > 1:
+        flat["reduce_scatter"] = lay.pp * (n - 1) * nbytes
+        flat["all_reduce"] = 2 * flat["reduce_scatter"]
+    return flat
+
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
