@@ -25,8 +25,9 @@ an exchange inside the node then across, (g-1)/g of the bytes on the node's fast
 (n-1)/n of a 1/g piece on the link for g ranks of a group on each of n nodes.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
 busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
-lighter than the heaviest (the head's FLOPs are on the last stage only); the bytes crossing its
-links cost those cores `net_cpu_s_per_gb` too.
+lighter than the heaviest (the head's FLOPs are on the last stage only). Inside a node of such a
+host the CPU copies a collective's bytes (loopback): it slows alike and hides behind nothing; the
+bytes crossing its links cost those cores `net_cpu_s_per_gb` too.
 ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step` holds the full
 gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
 `microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
@@ -36,7 +37,7 @@ where more than one bucket is outstanding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
@@ -198,7 +199,10 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         # a stage lighter than the heaviest idles for the difference (the first has no head)
         block_f = (flops_f - head_f) / per_stage_layers
         lighter = (model.n_layers * block_f + head_f) / lay.pp / flops_f
-        t_f *= max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
+        share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
+        t_f *= share
+        # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
+        cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
     pp_bw, _ = link_gbps(cluster, lay)
     hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
     # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
