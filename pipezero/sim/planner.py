@@ -102,7 +102,7 @@ class Estimate:
     activations_gib: float
     step_time_s: float
     bubble: float
-    dp_comm_s: float
+    dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
 
     @property
@@ -207,7 +207,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
     # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
     compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
-    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, compute)
+    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f)
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
     if cluster.net_cpu_s_per_gb:
         # the network's CPU work runs while its bytes move: what moves behind compute takes cores from
@@ -219,7 +219,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
 
 
-def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float, compute: float) -> tuple[float, float, float]:
+def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[float, float, float]:
     """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
     data-parallel collectives, placed as the runtime places them (zero/stages.py): gradients
     reduced during a chunk's last backward of the step (every backward with grad-reduce
@@ -267,21 +267,21 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float, compute: f
 
 def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
     """Bytes one collective of each kind over `nbytes` sends across node links, all the job's
-    data-parallel groups together: a flat ring in node order crosses each of its n nodes' links with
-    (D-1)/D of the buffer a pass; the two-level reduction sends a node's whole reduced piece
-    but (n-1)/n of it once. Groups that split unevenly count every hop as crossing."""
+    data-parallel groups together: a flat ring in node order has n of its D hops crossing a link,
+    each carrying (D-1)/D of the buffer a pass; the two-level reduction's exchange across sends
+    (n-1)/n of each node's reduced buffer, n - 1 buffers a group. Groups that split unevenly count
+    every hop as crossing."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 2 if cluster.cpu else 1}
     if split is None:
         hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
-        return {c: lay.pp * hops * n * (d - 1) / d * nbytes for c, n in passes.items()}
-    g, n = split
+        return {c: lay.pp * hops * p * (d - 1) / d * nbytes for c, p in passes.items()}
+    _, n = split
     flat = {c: lay.pp * (n if n > 1 else 0) * p * (d - 1) / d * nbytes for c, p in passes.items()}
     if lay.hierarchical and n > 1:
         flat["reduce_scatter"] = lay.pp * (n - 1) * nbytes
         flat["all_reduce"] = 2 * flat["reduce_scatter"]
     return flat
-
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
@@ -343,7 +343,7 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
     free = cluster.gpu_memory_gib * cluster.headroom - e.memory_gib
     parts = [f"bubble {e.bubble:.1%}", f"{free:.1f} GiB to spare"]
     if e.dp_comm_s:
-        parts.append(f"DP traffic {e.dp_comm_s * 1e3:.0f} ms")
+        parts.append(f"DP traffic not hidden {e.dp_comm_s * 1e3:.0f} ms")
     if e.layout.recompute:
         parts.append("recompute buys memory for ~1/3 more compute")
     if e.layout.hierarchical:
