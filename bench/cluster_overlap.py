@@ -19,7 +19,8 @@ gloo's reduce-scatter sends what an all-reduce of the whole bucket sends (measur
 500mbit, 17.4 ms against 16.9 ms for the all-reduce and 8.6 ms for an all-gather), twice what
 pipezero counts for it, so ZeRO-2/3's comm here understates their time on the wire.
 Beside each measurement, the planner's prediction (sim/planner.py `estimate`) with its compute
-calibrated on the compute-only time (one factor a layout) and its link set to the rate.
+calibrated on the compute-only time (one factor a layout), its link set to the rate and the host's
+CPU-seconds a GB across the link (`net_cpu_s_per_gb`) probed once a rate before the layouts run.
 `--model dim=256,n_layers=4,vocab_size=256` overrides the preset's shape (with the bytes tokenizer a
 vocabulary of 256 suffices, and the blocks then hold most gradient bytes, not the embedding);
 `--launches` runs the ranks through bench/launch_times.py and prints, for D layouts, when each

@@ -6,7 +6,8 @@
   1. calibrate compute: two reference layouts (P=1, D=all ranks, ZeRO-0; the same rows as one
      micro-batch and as one-row micro-batches) on one node holding every rank, so the ranks share
      the host's CPUs as they will on the cluster; the planner's `mfu` and `overhead_s` (fixed time
-     an action, which FLOPs miss) are fitted so that it reproduces both step times;
+     an action, which FLOPs miss) are fitted so that it reproduces both step times, each the median
+     of three runs' fastest steps (one run once came out 40% fast and threw every prediction off);
   2. measure the two link classes: inside a node (two ranks of one namespace, all-reduces of one
      bucket alone) and between nodes (--link, shared by a node's ranks: the planner's per-GPU
      bandwidth is the link's over --per-node);
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -131,7 +133,9 @@ def main() -> None:
         per_rank = args.global_batch // ranks
         refs = [Layout(1, ranks, 0, ScheduleKind.ONE_F_ONE_B, 1, per_rank, 1, False),  # one big micro-batch
                 Layout(1, ranks, 0, ScheduleKind.ONE_F_ONE_B, 1, 1, per_rank, False)]  # the same rows, one a time
-        measured = [run(r, toml, tmp / f"ref{i}", args.steps, 1, ranks, args.link)["step_s"] for i, r in enumerate(refs)]
+        ref_runs = [[run(r, toml, tmp / f"ref{i}_{k}", args.steps, 1, ranks, args.link)["step_s"] for i, r in enumerate(refs)]
+                    for k in range(3)]  # rounds over both, so the host's load falls on each alike
+        measured = [statistics.median(times) for times in zip(*ref_runs)]
         piece = int(args.bucket_mb * 2**20)
         intra = 8 * piece / comm_alone("dp", 8 * piece, piece, args.link, nodes=1) / 1e9  # GB/s a rank
         inter = rate_bytes_per_s(args.link) / args.per_node / 1e9
@@ -140,8 +144,9 @@ def main() -> None:
         cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4,
                           overhead_s=overhead, cpu=True, cores=CORES, bucket_mb=args.bucket_mb,
                           net_cpu_s_per_gb=net_cpu)
-        print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s and {describe(refs[1])}: "
-              f"{measured[1]:.3f} s -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms an action "
+        runs = [", ".join(f"{x:.3f}" for x in t) for t in zip(*ref_runs)]
+        print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s ({runs[0]}) and {describe(refs[1])}: "
+              f"{measured[1]:.3f} s ({runs[1]}) -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms an action "
               f"beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "
               f"{inter * 1e3:.1f} MB/s a rank, {net_cpu:.1f} host CPU-s a GB across it", flush=True)
         fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
@@ -167,6 +172,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
         {"args": vars(args), "calibration": {"layouts": [describe(r) for r in refs], "measured_s": measured,
+                                             "measured_s_runs": [list(t) for t in zip(*ref_runs)],
                                              "mfu": mfu, "overhead_s": overhead, "intra_gbps": intra,
                                              "inter_gbps_per_rank": inter, "net_cpu_s_per_gb": net_cpu},
          "considered": considered, "rows": rows}, indent=2))
