@@ -219,7 +219,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
     (loopback inside one node, where no byte crosses a link and costs `net_cpu` a GB)."""
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
-    from pipezero.sim.planner import Cluster, Layout, estimate
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.planner import estimate
 
     model = apply_preset(ModelConfig(), args.preset)
     for k, v in args.model_fields.items():

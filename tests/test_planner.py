@@ -5,7 +5,8 @@ import pytest
 from pipezero.cli import main
 from pipezero.config import ModelConfig
 from pipezero.models import apply_preset
-from pipezero.sim.planner import Cluster, plan
+from pipezero.sim.layouts import Cluster
+from pipezero.sim.planner import plan
 from pipezero.zero.accounting import paper_bytes_per_param
 
 
@@ -39,7 +40,8 @@ def test_grad_reduce_modes_trade_memory_for_traffic():
     """ZeRO-2 inside a pipeline: `step` holds the whole bf16 gradient (2Ψ(1-1/D) bytes more),
     `microbatch` keeps the sharded memory for M reduce-scatters a step."""
     from pipezero.config import GradReduce, ScheduleKind
-    from pipezero.sim.planner import GIB, Layout, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import GIB, estimate
 
     model = apply_preset(ModelConfig(), "7b")
     cluster = Cluster(gpus=64, gpu_memory_gib=80, inter_gbps=1.0)  # a slow link: traffic shows
@@ -56,7 +58,8 @@ def test_placement_follows_the_bandwidths_and_plan_takes_nodes_and_two_link_clas
     """2 nodes x 2: a slow inter-node link keeps gradients inside a node (dp-inner); the CLI takes
     --nodes, --gpus-per-node, --intra-bw and --inter-bw and shows the placement."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.planner import Layout, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=10.0, inter_gbps=0.01, tflops=1e-3)
@@ -76,7 +79,8 @@ def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
     all-gathers (3 ring passes), ZeRO-2 reduce-scatters and all-gathers (2 on NCCL)."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.planner import GIB, Layout, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import GIB, estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)
@@ -93,7 +97,8 @@ def test_cpu_clusters_price_gloo_and_offer_the_two_level_reduction_where_groups_
     with a free inside path, the two-level reduce-scatter puts 3x fewer seconds on the link than
     gloo's (parallel/hierarchical.py's arithmetic). GPU clusters never get --hierarchical."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.planner import Layout, collective_s, dp_split
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.traffic import collective_s, dp_split
 
     assert dp_split(2, 1, 4, Placement.DP_INNER) == (2, 2)  # 2 ranks of the group on each of 2 nodes
     assert dp_split(2, 2, 2, Placement.PP_INNER) == (1, 2)
@@ -127,7 +132,8 @@ def test_ranks_sharing_cores_slow_each_other_except_while_idle():
     """`cores`: four ranks on two cores compute half as fast as on four devices when all are busy;
     a pipeline whose first stage is lighter (the head is on the last) lends it back."""
     from pipezero.config import ScheduleKind
-    from pipezero.sim.planner import Layout, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     base = dict(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=1e6, tflops=1e-3)
@@ -146,7 +152,8 @@ def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
     from pipezero.config import ScheduleKind
     from pipezero.schedules.check import CostModel, simulate
     from pipezero.schedules.registry import build_schedule
-    from pipezero.sim.planner import Layout, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import estimate
 
     m, fixed = 8, 0.5
     one, zb = (simulate(build_schedule(k, 2, m, 1), CostModel(per_action=fixed))
@@ -200,7 +207,9 @@ def test_data_parallel_traffic_hides_behind_a_long_backward_and_crossing_bytes_c
     cross a node's link: none when the data-parallel group stays inside a node."""
     from pipezero.config import Placement, ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.planner import Layout, collective_s, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import estimate
+    from pipezero.sim.traffic import collective_s
 
     model = apply_preset(ModelConfig(), "tiny")
     base = dict(gpus=2, gpu_memory_gib=80, node_size=1, intra_gbps=1e6, inter_gbps=0.05, tflops=1e-4, cpu=True,
@@ -231,7 +240,9 @@ def test_zero_3_gathers_once_a_step_in_a_pipeline_and_every_pass_alone():
     first forward) and gathers layer by layer for every forward and backward when P = 1: 2M gathers."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.planner import Layout, collective_s, estimate
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.planner import estimate
+    from pipezero.sim.traffic import collective_s
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)

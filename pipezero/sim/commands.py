@@ -20,7 +20,7 @@ from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
 
 if TYPE_CHECKING:
-    from pipezero.sim.planner import Cluster
+    from pipezero.sim.layouts import Cluster
 
 
 def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
@@ -245,7 +245,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     """The planner's cluster from `--gpus` or `--nodes`, and the two link classes: `--bandwidth`
     (per GPU) or `--intra-bw` / `--inter-bw` (the inter-node link is a node's, shared by its GPUs)."""
-    from pipezero.sim.planner import Cluster
+    from pipezero.sim.layouts import Cluster
 
     if args.nodes is not None and args.gpus is not None and args.gpus != args.nodes * args.node_size:
         raise ConfigError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node {args.node_size}")

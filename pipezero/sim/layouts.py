@@ -1,0 +1,53 @@
+"""What the planner is told and what it chooses between: a cluster (devices, memory, the two link
+classes, and on CPU hosts the cores and network costs that decide there) and one candidate layout.
+Plain frozen data, so estimates can be cached and compared; sim/planner.py enumerates and ranks
+them, sim/traffic.py prices their collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipezero.config import GradReduce, Placement, ScheduleKind
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_memory_gib: float
+    node_size: int = 8
+    intra_gbps: float = 300.0  # GB/s within a node
+    inter_gbps: float = 25.0  # GB/s between nodes, per GPU
+    tflops: float = 989.0  # dense bf16 peak per GPU
+    mfu: float = 0.45  # achieved share of peak in the compute of one stage
+    headroom: float = 0.9  # usable share of memory (allocator, buffers, fragmentation)
+    wire_bytes: int = 2  # bytes an element of gradients and activations on the wire (bf16; fp32 runs: 4)
+    # fixed seconds every action (a forward, backward or split half of one) costs beyond its FLOPs
+    # (launches, Python): negligible for large micro-batches on a GPU, but on CPU with small ones it
+    # decides (measured on the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone
+    # predicted); it is why a fused BW beats its B and W apart when the bubble is not the limit
+    overhead_s: float = 0.0
+    # CPU ranks on gloo (`--device cpu`): its reduce-scatter sends an all-reduce's bytes, a node's
+    # ranks share one link (inter_gbps x node_size), and --hierarchical can be chosen
+    cpu: bool = False
+    # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
+    cores: int = 0
+    # host CPU-seconds per GB crossing a node's link, taken from the cores that compute (0 where NICs
+    # carry it); the emulated cluster's veth, bridge and tbf run in the host's kernel: 11-14 measured
+    # by bench/link_probe.py (`cpu_s`) at 200 and 500mbit
+    net_cpu_s_per_gb: float = 0.0
+    bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    zero: int
+    schedule: ScheduleKind
+    virtual: int
+    micro_batch: int
+    microbatches: int
+    recompute: bool
+    grad_reduce: GradReduce = GradReduce.STEP
+    placement: Placement = Placement.DP_INNER
+    hierarchical: bool = False

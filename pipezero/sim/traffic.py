@@ -1,0 +1,129 @@
+"""What a layout's data-parallel collectives cost on a cluster, as the code moves them
+(zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce and an all-gather of
+the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 gathers of the parameters
+(once a step when P > 1, for every forward and backward when P = 1) and a reduce-scatter.
+Reductions run during the last backward of the step, bucket by bucket; the updated weights' gathers
+ahead of the next first forward (sim/overlap.py says how much of each hides).
+
+A ring all-reduce sends 2(D-1)/D of the bytes a rank, a reduce-scatter or all-gather (D-1)/D; on
+CPU ranks (gloo) the reduce-scatter sends an all-reduce's bytes, a node's ranks share its one link
+(a flat ring in node order crosses it once a group), and `--hierarchical` is a candidate: the
+two-level reduction of parallel/hierarchical.py, an exchange inside the node then across, (g-1)/g
+of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for g ranks of a group
+on each of n nodes. On a host whose cores every rank shares, a collective inside a node is the CPU
+copying bytes (loopback) and hides behind nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from pipezero.config import GradReduce, Placement
+from pipezero.parallel.hierarchical import split_by_node
+from pipezero.parallel.mesh import Mesh
+from pipezero.sim.layouts import Cluster, Layout
+from pipezero.sim.overlap import gather_before, reduce_during
+
+
+def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
+    """(pipeline, data-parallel) bandwidth per GPU. The placement's inner group (neighbouring
+    ranks) stays inside a node when it fits one and divides it; the outer group only when the whole
+    job fits one node."""
+    inner, outer = (lay.dp, lay.pp) if lay.placement is Placement.DP_INNER else (lay.pp, lay.dp)
+    inner_bw = cluster.intra_gbps if cluster.node_size % inner == 0 else cluster.inter_gbps
+    outer_bw = cluster.intra_gbps if inner * outer <= cluster.node_size else cluster.inter_gbps
+    return (outer_bw, inner_bw) if lay.placement is Placement.DP_INNER else (inner_bw, outer_bw)
+
+
+@lru_cache(maxsize=4096)
+def dp_split(node_size: int, pp: int, dp: int, placement: Placement) -> tuple[int, int] | None:
+    """(ranks of a data-parallel group on each node it touches, nodes it spans), the same for every
+    group, or None where the groups split unevenly (the two-level reduction refuses those)."""
+    shapes = set()
+    for group in Mesh(pp, dp, placement=placement).dp_groups():
+        members = split_by_node(group, node_size)
+        shapes |= {(len(m), len(members)) for m in members}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
+    """Seconds of each data-parallel collective over `nbytes` for the layout's groups."""
+    d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    bw = link_gbps(cluster, lay)[1]
+    if cluster.cpu and split and split[1] > 1:  # one shared link a node: a group's ring crosses it once
+        bw = cluster.inter_gbps * split[0]
+    ring = (d - 1) / d * nbytes / (bw * 1e9)
+    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": 2 * ring if cluster.cpu else ring}
+    if lay.hierarchical and split:
+        g, n = split
+        inside = (g - 1) / g * nbytes / (cluster.intra_gbps * 1e9)
+        across = (n - 1) / n * nbytes / g / (cluster.inter_gbps * 1e9)
+        took["reduce_scatter"] = inside + across
+        took["all_reduce"] = 2 * inside + 2 * across  # then the node gathers its pieces back
+    return took
+
+
+def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[float, float, float]:
+    """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
+    data-parallel collectives, placed as the runtime places them (zero/stages.py): gradients
+    reduced during a chunk's last backward of the step (every backward with grad-reduce
+    `microbatch`), ZeRO-1/2's updated weights gathered ahead of the next step's first forward,
+    ZeRO-3's parameters gathered once a step and kept when P > 1, layer by layer for every forward
+    and backward when P = 1. Stage 0's first forward and last backward set the pace (sim/overlap.py
+    plays them bucket by bucket); the other stages have the pipeline's fill and drain to spare."""
+    if lay.dp == 1:
+        return 0.0, 0.0, 0.0
+    m = lay.microbatches
+    took = collective_s(cluster, lay, cluster.wire_bytes * psi)
+    k = max(1, math.ceil(psi * 4 / (cluster.bucket_mb * 2**20)))  # buckets are cut in fp32 (zero/buckets.py)
+    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    if cluster.cores and split and split[1] == 1:
+        # inside a node of a host whose cores all compute, a collective is the CPU copying bytes
+        # (loopback): it takes the cores from compute for as long as it runs, so none of it hides
+        forward = backward = 0.0
+    every = lay.zero >= 2 and lay.grad_reduce is GradReduce.MICROBATCH and m > 1
+    reductions = m if every else 1
+    if lay.zero < 2:
+        counts = {"all_reduce": 1, "all_gather": lay.zero}
+        last = reduce_during(took["all_reduce"], backward, k)
+        exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if lay.zero else 0.0)
+    else:
+        bound = 1  # train's default --buckets-in-flight
+        early = (m - 1) * reduce_during(took["reduce_scatter"], backward, k, bound).stall_s if every else 0.0
+        if lay.zero == 2:
+            counts = {"reduce_scatter": reductions, "all_gather": 1}
+            last = reduce_during(took["reduce_scatter"], backward, k, bound)
+            exposed = last.exposed_s + early + gather_before(took["all_gather"], forward, k)
+        elif lay.pp > 1:  # a chunk gathered before its first forward (stage 0 waits for all of it), kept
+            counts = {"reduce_scatter": reductions, "all_gather": 1}
+            exposed = took["all_gather"] + early + reduce_during(took["reduce_scatter"], backward, k, bound).exposed_s
+        else:  # layer by layer: every forward and backward gathers again; the last also reduces
+            counts = {"reduce_scatter": reductions, "all_gather": 2 * m}
+            ag, rs = took["all_gather"], took["reduce_scatter"]
+            exposed = m * gather_before(ag, forward, k) + (m - 1) * (
+                reduce_during(ag + rs, backward, k, bound).stall_s if every else gather_before(ag, backward, k))
+            exposed += reduce_during(ag + rs, backward, k, bound).exposed_s
+    link = sum(took[c] * n for c, n in counts.items())
+    crossing = sum(crossing_bytes(cluster, lay, cluster.wire_bytes * psi)[c] * n for c, n in counts.items())
+    return exposed, link, crossing
+
+
+def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
+    """Bytes one collective of each kind over `nbytes` sends across node links, all the job's
+    data-parallel groups together: a flat ring in node order has n of its D hops crossing a link,
+    each carrying (D-1)/D of the buffer a pass; the two-level reduction's exchange across sends
+    (n-1)/n of each node's reduced buffer, n - 1 buffers a group. Groups that split unevenly count
+    every hop as crossing."""
+    d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 2 if cluster.cpu else 1}
+    if split is None:
+        hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
+        return {c: lay.pp * hops * p * (d - 1) / d * nbytes for c, p in passes.items()}
+    _, n = split
+    flat = {c: lay.pp * (n if n > 1 else 0) * p * (d - 1) / d * nbytes for c, p in passes.items()}
+    if lay.hierarchical and n > 1:
+        flat["reduce_scatter"] = lay.pp * (n - 1) * nbytes
+        flat["all_reduce"] = 2 * flat["reduce_scatter"]
+    return flat
