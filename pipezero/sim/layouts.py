@@ -32,8 +32,8 @@ class Cluster:
     # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
     cores: int = 0
     # host CPU-seconds per GB crossing a node's link, taken from the cores that compute (0 where NICs
-    # carry it); the emulated cluster's veth, bridge and tbf run in the host's kernel: 11-14 measured
-    # by bench/link_probe.py (`cpu_s`) at 200 and 500mbit
+    # carry it); the emulated cluster's veth, bridge and tbf run in the host's kernel: 10-15 measured
+    # by bench/link_probe.py (`cpu_s`) at 100 to 500mbit
     net_cpu_s_per_gb: float = 0.0
     bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
 
