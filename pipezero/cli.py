@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     add_export_parser(sub)
     add_cluster_parser(sub)
-    from pipezero.sim.commands import add_plan_parser, add_simulate_parser
+    from pipezero.sim.commands import add_simulate_parser
+    from pipezero.sim.plan_command import add_plan_parser
 
     add_simulate_parser(sub)
     add_plan_parser(sub)

@@ -253,3 +253,24 @@ def test_zero_3_gathers_once_a_step_in_a_pipeline_and_every_pass_alone():
     pipeline = [estimate(model, 128, 16, slow, Layout(2, 2, z, ScheduleKind.ONE_F_ONE_B, 1, 1, 8, False)).dp_comm_s
                 for z in (2, 3)]
     assert pipeline[1] == pytest.approx(pipeline[0])  # one gather and one reduce-scatter, as ZeRO-2
+
+
+def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
+    """`--tflops`/`--mfu` set the compute (half the peak: a compute-bound step twice as long),
+    `--overhead-ms`, `--cores` and `--net-cpu` describe ranks sharing one host, as the emulated
+    cluster's bench tells the planner; a value out of range is one line naming the flag."""
+    base = ["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory", "8",
+            "--global-batch", "16", "--seq-len", "128", "--json", "--top", "1000", "--device", "cpu"]
+
+    def steps(*extra: str) -> dict[tuple, float]:
+        assert main([*base, *extra]) == 0
+        return {tuple(v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "why")): r["step_time_s"]
+                for r in json.loads(capsys.readouterr().out)["layouts"]}
+
+    fast, slow = steps("--tflops", "1e-3"), steps("--tflops", "5e-4")
+    assert all(slow[k] == pytest.approx(2 * fast[k], rel=0.02) for k in fast)  # links at 300 GB/s: compute decides
+    shared = steps("--tflops", "1e-3", "--cores", "2", "--net-cpu", "12", "--overhead-ms", "3", "--inter-bw", "0.0125")
+    assert all(shared[k] > fast[k] for k in fast)
+    for bad in (["--mfu", "0"], ["--mfu", "1.5"], ["--cores", "-1"], ["--net-cpu", "-2"], ["--tflops", "0"]):
+        assert main([*base, *bad]) == 2
+        assert bad[0] in capsys.readouterr().err

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
 from rich.console import Console
 from rich.table import Table
 
@@ -18,9 +15,6 @@ from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
-
-if TYPE_CHECKING:
-    from pipezero.sim.layouts import Cluster
 
 
 def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
@@ -202,114 +196,4 @@ def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
                   "(schedules/program.py)[/dim]")
     for name, why in skipped.items():
         console.print(f"[dim]{name}: {why}[/dim]")
-    return 0
-
-
-def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
-    """GPU counts near `gpus` that split into some pp x dp, for the error message."""
-    def splits(n: int) -> bool:
-        return any(n % pp == 0 and global_batch % (n // pp) == 0 for pp in range(1, min(n, layers) + 1))
-
-    below = next((n for n in range(gpus - 1, 0, -1) if splits(n)), None)
-    above = next(n for n in range(gpus + 1, 2 * gpus + global_batch + 2) if splits(n))
-    return " or ".join(str(n) for n in (below, above) if n)
-
-
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("plan", help="choose a pp x dp x ZeRO x schedule layout for a cluster")
-    what = s.add_mutually_exclusive_group(required=True)
-    what.add_argument("--preset", help="model preset (tiny ... 70b)")
-    what.add_argument("--params", type=float, help="model size in parameters, e.g. 13e9")
-    s.add_argument("--gpus", type=int, help="GPUs in all (or --nodes x --gpus-per-node)")
-    s.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
-    s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
-    s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8)
-    s.add_argument("--bandwidth", default="300,25", help="intra,inter-node GB/s per GPU")
-    s.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (overrides --bandwidth's first)")
-    s.add_argument("--inter-bw", type=float, help="GB/s of a node's link to the others, shared by its GPUs "
-                                                  "(overrides --bandwidth's second, which is per GPU)")
-    s.add_argument("--wire-bytes", type=int, default=2, choices=(2, 4), help="bytes an element on the wire: "
-                                                                          "2 (bf16) or 4 (fp32 runs)")
-    s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
-                        "nodes share one link; --hierarchical becomes a candidate")
-    s.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="the run's gradient bucket (train --bucket-mb): collectives hide behind compute a bucket at a time")
-    s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    s.add_argument("--seq-len", type=int, default=4096)
-    s.add_argument("--top", type=int, default=10)
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_plan)
-
-
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    """The planner's cluster from `--gpus` or `--nodes`, and the two link classes: `--bandwidth`
-    (per GPU) or `--intra-bw` / `--inter-bw` (the inter-node link is a node's, shared by its GPUs)."""
-    from pipezero.sim.layouts import Cluster
-
-    if args.nodes is not None and args.gpus is not None and args.gpus != args.nodes * args.node_size:
-        raise ConfigError(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus-per-node {args.node_size}")
-    if args.nodes is None and args.gpus is None:
-        raise ConfigError("say how many GPUs: --gpus N, or --nodes K --gpus-per-node N")
-    gpus = args.gpus if args.gpus is not None else args.nodes * args.node_size
-    try:
-        intra, inter = (float(x) for x in args.bandwidth.split(","))
-    except ValueError:
-        raise ConfigError(f"--bandwidth wants intra,inter GB/s like 300,25, got {args.bandwidth!r}") from None
-    if not (intra > 0 and inter > 0 and math.isfinite(intra + inter)):
-        raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (intra,inter-node GB/s)")
-    intra = args.intra_bw if args.intra_bw is not None else intra
-    inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
-    return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, wire_bytes=args.wire_bytes,
-                   cpu=args.device == "cpu", bucket_mb=args.bucket_mb)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    import time
-
-    from pipezero.config import ModelConfig
-    from pipezero.models import apply_preset, param_count
-    from pipezero.sim.planner import model_from_params, plan, reason
-
-    check_ranges(args, {"params": (float, POSITIVE), "gpus": (int, POSITIVE_INT), "gpu_memory": (float, POSITIVE),
-                        "node_size": (int, POSITIVE_INT), "global_batch": (int, POSITIVE_INT), "nodes": (int, POSITIVE_INT),
-                        "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT), "intra_bw": (float, POSITIVE),
-                        "inter_bw": (float, POSITIVE), "bucket_mb": (float, POSITIVE)})
-    model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
-    cluster = cluster_from_args(args)
-    t0 = time.perf_counter()
-    fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
-    took = time.perf_counter() - t0
-    if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
-        raise ConfigError(f"{cluster.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
-                          f"{model.n_layers} layers and dp dividing --global-batch {args.global_batch}; "
-                          f"choose --gpus {_nearby_gpus(model.n_layers, args.global_batch, cluster.gpus)} "
-                          f"or another --global-batch")
-    if not fits:
-        raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
-                          f"{cluster.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
-    best = fits[0]
-    rows = [{"pp": e.layout.pp, "dp": e.layout.dp, "zero": e.layout.zero, "schedule": e.layout.schedule.value,
-             "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
-             "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
-             "grad_reduce": e.layout.grad_reduce.value, "placement": e.layout.placement.value,
-             "hierarchical": e.layout.hierarchical,
-             "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
-             "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
-             "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
-            for e in fits[: args.top]]
-    if args.json:
-        print(json.dumps({"params": param_count(model), "considered": considered, "fit": len(fits),
-                          "seconds": took, "layouts": rows}, indent=2))
-        return 0
-    table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
-                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
-    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s", "why"):
-        table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
-    for r in rows:
-        table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
-                      str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
-                      "mb" if r["grad_reduce"] == "microbatch" else "", r["placement"], "y" if r["hierarchical"] else "",
-                      f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", r["why"])
-    Console(width=160, emoji=False).print(table)
     return 0
