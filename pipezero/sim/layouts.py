@@ -31,9 +31,10 @@ class Cluster:
     cpu: bool = False
     # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
     cores: int = 0
-    # host CPU-seconds per GB crossing a node's link, taken from the cores that compute (0 where NICs
-    # carry it); the emulated cluster's veth, bridge and tbf run in the host's kernel: 10-15 measured
-    # by bench/link_probe.py (`cpu_s`) at 100 to 500mbit
+    # host CPU-seconds per GB crossing a node's link, taken from the cores that compute: about 0 where
+    # NCCL and the NICs move GPUs' bytes; gloo's copies and sums and the kernel's TCP path cost CPU
+    # nodes some; on the emulated cluster, whose veth, bridge and tbf run in the one host's kernel,
+    # bench/link_probe.py's `cpu_s` measured 10-15 at 100 to 500mbit
     net_cpu_s_per_gb: float = 0.0
     bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
 
