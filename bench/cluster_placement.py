@@ -9,8 +9,10 @@
      an action, which FLOPs miss) are fitted so that it reproduces both step times, each the median
      of three runs' fastest steps (one run once came out 40% fast and threw every prediction off);
   2. measure the two link classes: inside a node (two ranks of one namespace, all-reduces of one
-     bucket alone) and between nodes (--link, shared by a node's ranks: the planner's per-GPU
-     bandwidth is the link's over --per-node);
+     bucket alone) and between nodes (one rank a node, gloo's ring all-reduce of one bucket across
+     all of them: what a node's link carries a second, shared by its ranks, so the planner's
+     per-GPU bandwidth is that over --per-node; across 4 nodes the ring ran at 0.88 of the tbf
+     rate, which the nominal rate had missed);
   3. plan the global batch on K nodes x N ranks with those figures, run its top layouts there
      (placement included), and compare.
 Writes bench/results/cluster_placement.json. The host's CPUs are shared with other jobs: steps are
@@ -52,6 +54,15 @@ def run(lay, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link:
                                        "--max-steps", str(steps), "--out", str(out)])
     times = [json.loads(x)["step_time_s"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     return {"step_s": min(times[2:]), "step_s_all": times}
+
+
+def link_rate(link: str, nodes: int, piece: int) -> float:
+    """Bytes a second a node's link carries in gloo's ring all-reduce of `piece`-sized buckets across
+    `nodes` nodes of one rank each, alone (bench/link_probe.py): 2(n-1)/n of every bucket a rank."""
+    probe = Path(__file__).resolve().parent / "link_probe.py"
+    total = 8 * piece
+    said = json.loads(on_cluster(nodes, 1, link, [str(probe), "dp", str(total), str(piece)]).strip().splitlines()[-1])
+    return 2 * (nodes - 1) / nodes * total / said["seconds"]
 
 
 def describe(lay) -> str:
@@ -140,7 +151,7 @@ def main() -> None:
         measured = [statistics.median(times) for times in zip(*ref_runs)]
         piece = int(args.bucket_mb * 2**20)
         intra = 8 * piece / comm_alone("dp", 8 * piece, piece, args.link, nodes=1) / 1e9  # GB/s a rank
-        inter = rate_bytes_per_s(args.link) / args.per_node / 1e9
+        inter = link_rate(args.link, args.nodes, piece) / args.per_node / 1e9
         net_cpu = net_cpu_s_per_gb(args.link, piece)
         mfu, overhead = fit_compute(model, args, refs, measured, intra)
         cluster = Cluster(ranks, 1e6, args.per_node, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4,
@@ -150,7 +161,8 @@ def main() -> None:
         print(f"calibrated in one node on {describe(refs[0])}: {measured[0]:.3f} s ({runs[0]}) and {describe(refs[1])}: "
               f"{measured[1]:.3f} s ({runs[1]}) -> planner mfu factor {mfu:.3g}, {overhead * 1e3:.1f} ms an action "
               f"beyond FLOPs; intra-node {intra:.2f} GB/s a rank measured, inter-node "
-              f"{inter * 1e3:.1f} MB/s a rank, {net_cpu:.1f} host CPU-s a GB across it", flush=True)
+              f"{inter * 1e3:.1f} MB/s a rank measured ({rate_bytes_per_s(args.link) / args.per_node / 1e6:.1f} "
+              f"nominal), {net_cpu:.1f} host CPU-s a GB across it", flush=True)
         fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
         rows = []
         picked = choices(fits, args.top)
