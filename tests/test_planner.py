@@ -256,7 +256,8 @@ def test_zero_3_gathers_once_a_step_in_a_pipeline_and_every_pass_alone():
 
 
 def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
-    """`--tflops`/`--mfu` set the compute (half the peak: a compute-bound step twice as long),
+    """`--tflops`/`--mfu` set the compute (half the peak: a compute-bound step twice as long), the
+    wire carries fp32 by default with `--device cpu` (train's dtype there),
     `--overhead-ms`, `--cores` and `--net-cpu` describe ranks sharing one host, as the emulated
     cluster's bench tells the planner; a value out of range is one line naming the flag."""
     base = ["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory", "8",
@@ -269,6 +270,7 @@ def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
 
     fast, slow = steps("--tflops", "1e-3"), steps("--tflops", "5e-4")
     assert all(slow[k] == pytest.approx(2 * fast[k], rel=0.02) for k in fast)  # links at 300 GB/s: compute decides
+    assert steps("--tflops", "1e-3", "--wire-bytes", "4") == fast != steps("--tflops", "1e-3", "--wire-bytes", "2")
     shared = steps("--tflops", "1e-3", "--cores", "2", "--net-cpu", "12", "--overhead-ms", "3", "--inter-bw", "0.0125")
     assert all(shared[k] > fast[k] for k in fast)
     for bad in (["--mfu", "0"], ["--mfu", "1.5"], ["--cores", "-1"], ["--net-cpu", "-2"], ["--tflops", "0"]):

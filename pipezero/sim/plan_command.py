@@ -40,8 +40,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (overrides --bandwidth's first)")
     s.add_argument("--inter-bw", type=float, help="GB/s of a node's link to the others, shared by its GPUs "
                                                   "(overrides --bandwidth's second, which is per GPU)")
-    s.add_argument("--wire-bytes", type=int, default=2, choices=(2, 4), help="bytes an element on the wire: "
-                                                                          "2 (bf16) or 4 (fp32 runs)")
+    s.add_argument("--wire-bytes", type=int, choices=(2, 4),
+                   help="bytes an element on the wire: 2 (bf16 runs; the default with --device cuda) or 4 "
+                        "(fp32 runs; the default with --device cpu, where train runs fp32)")
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
                         "nodes share one link; --hierarchical becomes a candidate")
@@ -79,8 +80,9 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
         raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (intra,inter-node GB/s)")
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
+    wire = args.wire_bytes or (4 if args.device == "cpu" else 2)
     return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, tflops=args.tflops, mfu=args.mfu,
-                   wire_bytes=args.wire_bytes, overhead_s=args.overhead_ms / 1e3, cpu=args.device == "cpu",
+                   wire_bytes=wire, overhead_s=args.overhead_ms / 1e3, cpu=args.device == "cpu",
                    cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb)
 
 
