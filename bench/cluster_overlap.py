@@ -197,21 +197,25 @@ def launch_timeline(trace: Path) -> list[dict]:
     return out
 
 
+def link_probe(link: str, nodes: int, per_node: int, kind: str, total: float, piece: int) -> dict:
+    """bench/link_probe.py on a fresh emulated cluster: `seconds` for `total` bytes a rank in
+    `piece`-sized transfers with nothing else running, and the host's `cpu_s` meanwhile."""
+    probe = Path(__file__).resolve().parent / "link_probe.py"
+    said = on_cluster(nodes, per_node, link, [str(probe), kind, str(int(total)), str(piece)])
+    return json.loads(said.strip().splitlines()[-1])
+
+
 def comm_alone(kind: str, total: float, piece: int, link: str, nodes: int = 2) -> float:
     """Seconds `total` bytes a rank take across `link` (nodes=1: inside one node) with nothing else
     running, between two ranks."""
-    probe = Path(__file__).resolve().parent / "link_probe.py"
-    said = on_cluster(nodes, 2 // nodes, link, [str(probe), kind, str(int(total)), str(piece)])
-    return json.loads(said.strip().splitlines()[-1])["seconds"]
+    return link_probe(link, nodes, 2 // nodes, kind, total, piece)["seconds"]
 
 
 def net_cpu_s_per_gb(link: str, piece: int) -> float:
     """Host CPU-seconds per GB crossing the emulated `link` (both ranks' all-reduces of one bucket,
     16 of them, alone; bench/link_probe.py's `cpu_s`): the planner's `net_cpu_s_per_gb`."""
-    probe = Path(__file__).resolve().parent / "link_probe.py"
     total = 16 * piece
-    said = json.loads(on_cluster(2, 1, link, [str(probe), "dp", str(total), str(piece)]).strip().splitlines()[-1])
-    return said["cpu_s"] / (2 * total / 1e9)  # each rank's `total` bytes cross the link
+    return link_probe(link, 2, 1, "dp", total, piece)["cpu_s"] / (2 * total / 1e9)  # each rank's bytes cross
 
 
 def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, net_cpu: float) -> float:

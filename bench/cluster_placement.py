@@ -34,7 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cluster_overlap import RESULTS, comm_alone, net_cpu_s_per_gb, on_cluster, rate_bytes_per_s, run_toml  # noqa: E402
+from cluster_overlap import (RESULTS, comm_alone, link_probe, net_cpu_s_per_gb, on_cluster,  # noqa: E402
+                             rate_bytes_per_s, run_toml)
 
 
 CORES = len(os.sched_getaffinity(0))  # every emulated node's ranks run on this host's cores
@@ -59,10 +60,8 @@ def run(lay, toml: Path, out: Path, steps: int, nodes: int, per_node: int, link:
 def link_rate(link: str, nodes: int, piece: int) -> float:
     """Bytes a second a node's link carries in gloo's ring all-reduce of `piece`-sized buckets across
     `nodes` nodes of one rank each, alone (bench/link_probe.py): 2(n-1)/n of every bucket a rank."""
-    probe = Path(__file__).resolve().parent / "link_probe.py"
     total = 8 * piece
-    said = json.loads(on_cluster(nodes, 1, link, [str(probe), "dp", str(total), str(piece)]).strip().splitlines()[-1])
-    return 2 * (nodes - 1) / nodes * total / said["seconds"]
+    return 2 * (nodes - 1) / nodes * total / link_probe(link, nodes, 1, "dp", total, piece)["seconds"]
 
 
 def describe(lay) -> str:

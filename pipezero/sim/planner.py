@@ -112,7 +112,8 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
         cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
     pp_bw, _ = link_gbps(cluster, lay)
-    hop = cluster.wire_bytes * tokens_mb * model.dim / (pp_bw * 1e9)
+    hop_bytes = cluster.wire_bytes * tokens_mb * model.dim  # one micro-batch's activations (or their gradient)
+    hop = hop_bytes / (pp_bw * 1e9)
     # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
     compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
     dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f)
@@ -122,7 +123,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         # it, what moves while every rank waits runs on idle cores (pipeline hops: behind compute)
         behind = crossing * (1.0 - dp_comm / link_s) if link_s else 0.0
         if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
-            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop * pp_bw * 1e9
+            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
     return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
 
