@@ -61,6 +61,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--heldout-fraction": ("data.heldout_fraction", "share of documents held out for evaluation"),
     "--tokenizer": ("data.tokenizer", "bpe, bytes, or a tokenizer.json"),
     "--lr": ("optim.lr", "peak learning rate"),
+    "--warmup-steps": ("optim.warmup_steps", "steps of linear warm-up to the peak rate (the preset's: 20, or "
+                                             "2000 from 1b up)"),
     "--freeze": ("optim.freeze", "parameters whose name (layers.0.weight, layers.3.attn.wq.weight, ...) this regex "
                                  "matches do not train, e.g. 'layers\\.0\\.|layers\\.[1-2]\\.'"),
     "--max-steps": ("run.max_steps", "optimizer steps"),

@@ -140,7 +140,7 @@ class OptimConfig:
 
     lr: float = 3e-3  # the tiny preset's; build_config takes each preset's from models/presets.py
     min_lr: float = 3e-4  # build_config: a tenth of lr unless set
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # the large presets take longer ones (models/presets.py PRESET_WARMUP)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

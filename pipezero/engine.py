@@ -23,7 +23,7 @@ from pipezero.data.packing import IGNORE
 from pipezero.freeze import frozen_params
 from pipezero.generate import sample
 from pipezero.models import ModelSpec, spec_of
-from pipezero.optim import lr_at
+from pipezero.optim import lr_at, short_of_peak
 from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
@@ -110,6 +110,8 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
                 f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
                 f"{[b - a for a, b in stage.bounds]}")
+            if note := short_of_peak(cfg.optim, r.max_steps):
+                progress.console.print(f"warning: {note}")
         for step in range(start, r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()

@@ -16,7 +16,7 @@ from typing import Any
 from pipezero.coerce import Range, choices, coerce, describe
 from pipezero.config import LaunchConfig, Packing, TrainConfig
 from pipezero.errors import ConfigError
-from pipezero.models.presets import PRESET_LR, apply_preset
+from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
@@ -121,7 +121,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
                  names: dict[str, str] | None = None) -> TrainConfig:
-    """Defaults, then the preset's model shape and learning rate, then TOML, then overrides, then
+    """Defaults, then the preset's model shape, learning rate and warm-up, then TOML, then overrides, then
     a pretrained folder's shape (models/hf.py); validated. Overrides may be typed values (from code) or strings (the command line), which are
     parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
     is a tenth of the peak rate."""
@@ -134,6 +134,7 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     preset = flat.get("model.preset", cfg.model.preset)
     apply_preset(cfg.model, preset)
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
+    cfg.optim.warmup_steps = PRESET_WARMUP.get(preset, cfg.optim.warmup_steps)
     apply_overrides(cfg, flat)
     if cfg.model.spec is not None:  # a model of one's own: [model] shape settings would be ignored
         from pipezero.models.user_spec import apply_spec

@@ -6,7 +6,8 @@ import pytest
 
 from pipezero.settings import build_config
 from pipezero.engine import train
-from pipezero.models.presets import PRESET_LR
+from pipezero.models.presets import PRESET_LR, PRESET_WARMUP
+from pipezero.optim import short_of_peak
 
 
 def short_run(preset: str, out: str, **extra) -> list[float]:
@@ -24,6 +25,20 @@ def test_presets_take_their_rate_and_a_tenth_as_floor():
     cfg = build_config(None, {"model.preset": "base", "optim.lr": 1e-3, "optim.min_lr": 1e-5})
     assert (cfg.optim.lr, cfg.optim.min_lr) == (1e-3, 1e-5)
     assert PRESET_LR["1b"] < PRESET_LR["base"] < PRESET_LR["small"] < PRESET_LR["tiny"]
+
+
+def test_large_presets_warm_up_longer_unless_told():
+    assert build_config(None, {"model.preset": "base"}).optim.warmup_steps == 20
+    for preset, steps in PRESET_WARMUP.items():
+        assert build_config(None, {"model.preset": preset}).optim.warmup_steps == steps >= 2000
+    assert build_config(None, {"model.preset": "1b", "optim.warmup_steps": "50"}).optim.warmup_steps == 50
+
+
+def test_a_run_shorter_than_its_warm_up_says_it_never_reaches_the_peak():
+    optim = build_config(None, {"model.preset": "1b"}).optim
+    note = short_of_peak(optim, 500)
+    assert note and "2000 steps" in note and "reaches 5e-05, not its peak 0.0002" in note, note
+    assert short_of_peak(optim, 2000) is None and short_of_peak(optim, 10_000) is None
 
 
 @pytest.mark.slow
