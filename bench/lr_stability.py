@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-curves", action="store_true", help="only the probe")
     ap.add_argument("--json", default="bench/results/lr_stability.json")
     args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps: at least 2 (a spike is a later step's loss above the first's)")
     report: dict = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "args": vars(args), "curves": []}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
