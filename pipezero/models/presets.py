@@ -35,8 +35,8 @@ PRESET_LR: dict[str, float] = {"tiny": 3e-3, "small": 2e-3, "base": 6e-4, "1b": 
 # Warm-up steps where the default of 20 (optim.warmup_steps) is too short: Llama's 2000, at every size.
 # From its initial weights, one AdamW step moves every weight by the rate, and the residual
 # projections (wo, w2) turn that into a change of their output of the rate times their fan-in of
-# 2048-8192. At the 1b width one step of 1e-5 lowers the loss by 2.9 nats (bench/lr_stability.py
-# --probe, 4 blocks; 0.03 at 1e-7), so a 20-step warm-up's 1e-5, 2e-5, 3e-5, 4e-5 throws the first
+# 2048-8192. One step of 1e-5 lowers 1b's loss by 3.5 nats (bench/lr_stability.py --probe; cut to
+# 4 blocks, 2.9 at 1e-5 and 0.03 at 1e-7), so a 20-step warm-up's 1e-5, 2e-5, 3e-5, 4e-5 throws the first
 # steps about: +3.2 nats at step 4 on CPU, above the first step's loss on a GPU. The small presets'
 # test shows their 20 steps are enough.
 PRESET_WARMUP: dict[str, int] = {"1b": 2000, "7b": 2000, "13b": 2000, "70b": 2000}
