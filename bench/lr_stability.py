@@ -9,7 +9,7 @@ Two measurements on the same model, batches and seed:
   rise between consecutive steps.
 - `--probe LR`: one Adam step taken by one group of weights at a time (each weight moved by LR
   against its gradient's sign, which is what AdamW's bias-corrected first step is), and the change
-  in the loss on the same batch and on the next one. It names the weights whose first steps move the
+  in the loss on the same batch and on the next one, in the curves' precision. It names the weights whose first steps move the
   loss most: the rate a warm-up should start from is set by them.
 
     python bench/lr_stability.py --preset 1b --layers 4 --seq-len 256 --micro-batch-size 4 --steps 12 \
@@ -38,6 +38,8 @@ from pipezero.config import TrainConfig  # noqa: E402
 from pipezero.data import global_batch, load_corpus  # noqa: E402
 from pipezero.engine import train  # noqa: E402
 from pipezero.models import build_chunk, lm_loss  # noqa: E402
+from pipezero.parallel.device import device_kind  # noqa: E402
+from pipezero.runtime.autocast import autocast  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 
 
@@ -77,20 +79,22 @@ def weight_group(name: str) -> str:
 
 def probe(args: argparse.Namespace, lr: float) -> dict:
     cfg = config(args, "unused", {})
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto if cfg.run.device == "auto" else cfg.run.device)
+    device = torch.device(device_kind(cfg.run.device))
     corpus = load_corpus(cfg.data)
     model = build_chunk(cfg.model, 0, cfg.model.n_layers + 2, cfg.run.seed, device)
     n = cfg.parallel.micro_batch_size
     batches = [tuple(t.to(device) for t in global_batch(corpus.train, s, cfg.run.seed, n, cfg.data.seq_len))
                for s in (0, 1)]
 
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # in the curves' precision
+        with autocast(cfg.run.dtype, device.type):
+            return lm_loss(model(x), y, y.numel())
+
     def losses() -> list[float]:
         with torch.no_grad():
-            return [lm_loss(model(x), y, y.numel()).item() for x, y in batches]
+            return [loss(x, y).item() for x, y in batches]
 
-    x, y = batches[0]
-    lm_loss(model(x), y, y.numel()).backward()
+    loss(*batches[0]).backward()
     base = losses()
     groups: dict[str, list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
