@@ -9,8 +9,8 @@ Two measurements on the same model, batches and seed:
   rise between consecutive steps.
 - `--probe LR`: one Adam step taken by one group of weights at a time (each weight moved by LR
   against its gradient's sign, which is what AdamW's bias-corrected first step is), and the change
-  in the loss on the same batch and on the next one, in the curves' precision. It names the weights whose first steps move the
-  loss most: the rate a warm-up should start from is set by them.
+  in the loss on the same batch and on the next one, in the curves' precision. It names the
+  weights whose first steps move the loss most: the rate a warm-up should start from is set by them.
 
     python bench/lr_stability.py --preset 1b --layers 4 --seq-len 256 --micro-batch-size 4 --steps 12 \
         --variant optim.warmup_steps=20 --probe 1e-5     # a CPU-sized slice of the 1b width
