@@ -12,7 +12,7 @@ from pipezero.config import GradReduce, OptimConfig
 from pipezero.config import ScheduleKind as K
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import make_buckets
-from training import TIED_LR, assert_same_training, layouts, train_cases
+from training import assert_same_training, layouts, train_cases
 
 
 def test_sharded_adamw_equals_torch_adamw():
@@ -83,12 +83,12 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
                       "parallel.grad_reduce": "microbatch", "parallel.buckets_in_flight": 3})
         # the head tied to the embedding in one chunk: the head's layer gathers the embedding's bucket
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
-                      "model.tie_embeddings": True, "run.sample_tokens": 8, **TIED_LR})
+                      "model.tie_embeddings": True, "run.sample_tokens": 8})
     if pp > 1:
         cases.append({"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": 3,
                       "parallel.zero3_keep_gathered": False})
         cases += [{"pp": pp, "dp": dp, "kind": K.ONE_F_ONE_B, "m": 2 * pp, "parallel.zero": stage,
-                   "model.tie_embeddings": True, **TIED_LR} for stage in (0, 1, 2, 3)]
+                   "model.tie_embeddings": True} for stage in (0, 1, 2, 3)]
     return cases
 
 
@@ -146,13 +146,13 @@ def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_di
     """The two 8-rank layouts in one process group (a spawn of 8 ranks costs 2 cores most of a
     minute). The micro-batch counts and the rarer ZeRO combinations are covered at 4 ranks; here
     every schedule meets dp > 1 with P = 4, and every ZeRO stage meets dp = 4 under a pipeline. At
-    lr 1e-3 (as the tied cases): 8 micro-batch sums in another order lift Adam's rounding to ~1.4e-5
-    of the parameters at 1e-2 (measured), ~1e-6 at 1e-3, so 1e-5 still tells a wrong model."""
+    the tests' lr 1e-3 (training.LR), 8 micro-batch sums in another order leave ~1e-6 of the
+    parameters (~1.4e-5 at 1e-2, measured), so 1e-5 still tells a wrong model."""
     pipeline = [c for c in layouts(4, 2) if c["m"] == 8 or (c["kind"] is K.ZB_V and c["m"] == 4)]
     zero = [c for c in zero_cases(4, 2) if c["kind"] is K.ONE_F_ONE_B and not (
         c.get("model.tie_embeddings") and c["parallel.zero"] in (1, 2))]
     zero += [c for c in zero_cases(4, 2) if c["kind"] is K.ZB_H1 and c["parallel.zero"] >= 2]
-    cases = [{**c, **TIED_LR} for c in pipeline + zero]
+    cases = pipeline + zero
     assert {c["kind"] for c in pipeline} == set(K) and {c["parallel.zero"] for c in zero} == {0, 1, 2, 3}
     results = run_ranks(train_cases, 8, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
