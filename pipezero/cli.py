@@ -228,8 +228,9 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("verify", parents=[sub.choices["train"]], add_help=False,
                        help="check that a layout trains the same model as one process",
                        description="Run K steps of a layout and of one process (pp=1, dp=1) and compare losses, "
-                                   "gradient norms and every rank's parameters; exit 0 within tolerance, else 1. "
-                                   "See README and docs/ARCHITECTURE.md.")
+                                   "gradient norms and every rank's parameters, beside one process trained again "
+                                   "with its batch cut another way (the rounding at this learning rate); exit 0 "
+                                   "within tolerance, else 1. See README and docs/ARCHITECTURE.md.")
     v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     v.set_defaults(func=cmd_verify)
 

@@ -13,8 +13,11 @@ global batch, sequence length and dtype, then it compares
 
 Errors are relative, over whole tensors: Adam turns rounding noise in a near-zero gradient element
 into a ~1e-6 step of that element alone, so element-wise ratios near zero are noise while the
-tensor's error says whether the same model was trained. Before anything runs, the static proof that
-the schedule's transfer order cannot deadlock (schedules/posting.py) is printed.
+tensor's error says whether the same model was trained. Because that noise grows with the
+learning rate, one process is also trained with its batch cut another way (`rounding_floor`), and
+a failure of the size of that run's own error is named rounding rather than another model. Before
+anything runs, the static proof that the schedule's transfer order cannot deadlock
+(schedules/posting.py) is printed.
 
 The launching process runs the one-process reference and the comparison; each rank writes its
 losses, norms and parameters to `OUT/ranks/rankR.pt`, so verify runs on one machine (`--nproc`).
@@ -26,6 +29,7 @@ import copy
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +37,11 @@ from pipezero.config import DType, ScheduleKind, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
 from pipezero.util import atomic_write_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from pipezero.summary import RunResult
 
 # Test-only: "RANK:PARAM" adds noise to that rank's final copy of PARAM before it is written, so the
 # tests can show that verify catches one drifted replica. Never set outside tests.
@@ -42,9 +51,10 @@ TEST_PERTURB_ENV = "PIPEZERO_TEST_PERTURB"
 @dataclass(frozen=True)
 class Tolerance:
     """Largest relative error accepted. fp32: summation order alone (another cut of the batch into
-    micro-batches, another reduction tree) leaves ~1e-6 after a few steps of the tiny model, so 1e-5
-    separates rounding from a bug. bf16 computes in 8-bit mantissas (unit 3.9e-3) in another order
-    than one bf16 process does: measured over 3 steps of `tiny` (P=2, and D=2 ZeRO-2), losses within
+    micro-batches, another reduction tree) leaves ~1e-6 after a few steps of the tiny model at lr
+    1e-3, so 1e-5 separates rounding from a bug there; the floor grows with the rate (8.4e-6 at
+    1e-2), which `rounding_floor` measures for the run at hand. bf16 computes in 8-bit mantissas
+    (unit 3.9e-3) in another order than one bf16 process does: measured over 3 steps of `tiny` (P=2, and D=2 ZeRO-2), losses within
     1.3e-5, gradient norms 2.8e-4, parameters 9.7e-4; a bug moves them by far more."""
 
     loss: float
@@ -57,6 +67,14 @@ class Tolerance:
 # five times the loss's error: measured 1.0e-5 to 1.3e-5 at step 3 for pp=2 dp=4 ZeRO-3 layer by
 # layer (16 micro-batch gradients summed as 4 x 4), whose loss and parameters stay within 1e-5.
 TOLERANCES = {DType.FP32: Tolerance(1e-5, 5e-5, 1e-5), DType.BF16: Tolerance(2e-3, 1e-2, 2e-2)}
+
+# A failure within this factor of the rounding floor (`recut`) is called rounding, not a wrong
+# model. Measured, D=2 layout against its re-cut one process, check by check: the tiny preset at lr
+# 1e-2, parameters 9.35e-8 and 9.32e-8; the tests' tied model at lr 0.1, where 32 checks failed (up
+# to 2.7e-4), at most 0.09 of the re-cut run's error (a micro-batch of another shape rounds more
+# than another reduction order). A planted bug, one layer's gradient keeping one replica's half,
+# ended 0.23 away at lr 1e-3, 1.6e5 times that rate's floor.
+ROUNDING_FACTOR = 10.0
 
 
 def relative_error(value: torch.Tensor, ref: torch.Tensor) -> float:
@@ -162,6 +180,30 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     return validate(ref)
 
 
+def recut(ref: TrainConfig) -> TrainConfig | None:
+    """The one-process reference with its global batch cut into other micro-batches: twice as
+    large, else half as large, else one. The sequences of a step stay the same (they depend only
+    on the global batch), so only the summation order changes: how far this run ends from the
+    reference is the rounding floor at this learning rate. None: a batch of one sequence."""
+    p = ref.parallel
+    m, b = p.microbatches, p.micro_batch_size
+    cut = (m // 2, 2 * b) if m % 2 == 0 else (2 * m, b // 2) if b % 2 == 0 else (1, m * b) if m > 1 else None
+    if cut is None:
+        return None
+    floor = copy.deepcopy(ref)
+    floor.parallel.microbatches, floor.parallel.micro_batch_size = cut
+    floor.run.out = str(Path(ref.run.out).parent / "floor")
+    return validate(floor)
+
+
+def within_rounding(failed: list[Check], floor: list[Check], factor: float = ROUNDING_FACTOR) -> bool:
+    """Whether every failed check is within `factor` of the same check (what, step, parameter) of
+    the re-cut one-process run: the layout then differs from one process about as one process
+    differs from itself, and the tolerance is below this learning rate's rounding."""
+    same = {(c.what, c.step, c.name): c.error for c in floor}
+    return bool(failed) and all(c.error <= factor * same.get((c.what, c.step, c.name), 0.0) for c in failed)
+
+
 def _perturb(rank: int, params: dict[str, torch.Tensor]) -> None:
     spec = os.environ.get(TEST_PERTURB_ENV)
     if spec and int(spec.split(":", 1)[0]) == rank:
@@ -251,21 +293,60 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     else:
         ranks = [run_rank(run_cfg, out / "ranks")]
     console.print(f"training {steps} steps of one process (pp=1 dp=1, M={p.microbatches * p.dp}) ...")
-    ref = train(reference_config(run_cfg, out), snapshot=True)
+    ref_cfg = reference_config(run_cfg, out)
+    ref = train(ref_cfg, snapshot=True)
     checks = compare_steps(ranks, ref.losses, ref.grad_norms, tol)
     param_checks, problems = compare_params(ranks, with_tied_head(ref.params, cfg), tol.params)
     checks += param_checks
+    floor_cfg, floor = rounding_floor(ref_cfg, ref, cfg, console)
     ok = not problems and all(c.ok for c in checks)
-    console.print(table(checks, ranks, describe(cfg), steps))
+    console.print(table(checks, ranks, describe(cfg), steps, floor, tol))
     failed = [c for c in checks if not c.ok]
     for line in problems + [failure(c, ranks) for c in failed]:
         console.print(f"[red]FAILED[/red] {line}")
-    if ok:
-        console.print(f"[green]OK[/green]: every rank matches one process within {asdict(tol)} (relative)")
+    rounding = not problems and within_rounding(failed, floor)
+    cut = None if floor_cfg is None else [floor_cfg.parallel.microbatches, floor_cfg.parallel.micro_batch_size]
+    console.print(verdict(ok, rounding, tol, cut, cfg.optim.lr, bool(problems)))
     atomic_write_json(out / "verify.json", {**report, "ok": ok, "problems": problems,
                                             "failed": [failure(c, ranks) for c in failed],
-                                            "checks": [{**asdict(c), "ok": c.ok} for c in checks]})
+                                            "checks": [{**asdict(c), "ok": c.ok} for c in checks],
+                                            "rounding_floor": {"cut": cut, "checks": [asdict(c) for c in floor]},
+                                            "within_rounding": rounding})
     return 0 if ok else 1
+
+
+def rounding_floor(ref_cfg: TrainConfig, ref: RunResult, layout: TrainConfig,
+                   console: Console) -> tuple[TrainConfig | None, list[Check]]:
+    """One process again with its batch re-cut (`recut`), compared with the reference as the
+    layout's ranks are: what rounding alone moves at this learning rate, check by check."""
+    from pipezero.engine import train
+
+    floor_cfg = recut(ref_cfg)
+    if floor_cfg is None:
+        return None, []
+    p = floor_cfg.parallel
+    console.print(f"training them again with the batch cut as M={p.microbatches} x {p.micro_batch_size} "
+                  f"sequences (the rounding floor) ...")
+    again = train(floor_cfg, snapshot=True)
+    me = [RankResult(0, 0, 0, again.losses, again.grad_norms, with_tied_head(again.params, layout))]
+    tol = TOLERANCES[layout.run.dtype]
+    return floor_cfg, compare_steps(me, ref.losses, ref.grad_norms, tol) + \
+        compare_params(me, with_tied_head(ref.params, layout), tol.params)[0]
+
+
+def verdict(ok: bool, rounding: bool, tol: Tolerance, cut: list[int] | None, lr: float, problems: bool) -> str:
+    """The closing line: OK, a failure within rounding (`within_rounding`), or another model (a
+    parameter missing or invented: `problems`)."""
+    if ok:
+        return f"[green]OK[/green]: every rank matches one process within {asdict(tol)} (relative)"
+    if rounding and cut:
+        return (f"[yellow]every failure is within {ROUNDING_FACTOR:g}x of what one process differs from itself by "
+                f"(its batch as M={cut[0]} x {cut[1]}, column 'rounding'): at lr {lr:g} Adam lifts rounding above "
+                f"the tolerance, so this does not show another model; verify again with a lower --lr (1e-3 or "
+                f"below) to tell[/yellow]")
+    beyond = f": its errors exceed {ROUNDING_FACTOR:g}x what one process differs from itself by (column " \
+             f"'rounding')" if cut and not problems else ""
+    return f"[red]the layout trains another model[/red]{beyond}"
 
 
 def _where(rank: int, ranks: list[RankResult]) -> str:
@@ -278,17 +359,24 @@ def failure(c: Check, ranks: list[RankResult]) -> str:
     return f"{_where(c.rank, ranks)} {what}: relative error {c.error:.2e} > {c.tolerance:.0e}"
 
 
-def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int):
-    """Steps (worst rank each) and parameters (worst tensor of each rank), failures spelled out."""
+def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int, floor: list[Check],
+          tol: Tolerance):
+    """Steps (worst rank each) and parameters (worst tensor of each rank), failures spelled out;
+    beside each error, the same check's error of one process re-cut (`rounding_floor`). Narrow
+    enough for 80 columns: the tolerances go in the caption."""
     from rich.table import Table
 
-    t = Table(title=f"pipezero verify: {layout} against one process, {steps} steps")
-    for col, just in (("check (worst rank)", "left"), ("rank", "left"), ("layout", "right"), ("1 process", "right"),
-                      ("rel err", "right"), ("tol", "right"), ("", "center")):
+    same = {(c.what, c.step, c.name): c.error for c in floor}
+    t = Table(title=f"pipezero verify: {layout} against one process, {steps} steps",
+              caption=f"relative errors; tolerance: loss {tol.loss:.0e}, grad norm {tol.grad_norm:.0e}, parameters "
+                      f"{tol.params:.0e}; rounding: one process against itself, its batch cut another way")
+    for col, just in (("check (worst rank)", "left"), ("rank", "left"), ("1 process", "right"), ("rel err", "right"),
+                      ("rounding", "right"), ("", "center")):
         t.add_column(col, justify=just, no_wrap=col.startswith("check"))  # type: ignore[arg-type]
 
     def row(label: str, where: str, c: Check) -> None:
-        t.add_row(label, where, f"{c.value:.6g}", f"{c.reference:.6g}", f"{c.error:.1e}", f"{c.tolerance:.0e}",
+        rounding = same.get((c.what, c.step, c.name))
+        t.add_row(label, where, f"{c.reference:.6g}", f"{c.error:.1e}", "-" if rounding is None else f"{rounding:.1e}",
                   "[green]ok[/green]" if c.ok else "[red]FAIL[/red]")
 
     for step in range(1, steps + 1):
@@ -299,7 +387,7 @@ def table(checks: list[Check], ranks: list[RankResult], layout: str, steps: int)
                 row(f"{what.replace('_', ' ')}, step {step}", str(worst.rank), worst)
     for r in ranks:
         mine = [c for c in checks if c.what == "param" and c.rank == r.rank]
-        where = f"{r.rank} (pp {r.pp_rank} dp {r.dp_rank})"
+        where = f"{r.rank} (pp{r.pp_rank} dp{r.dp_rank})"
         if mine:
             worst = max(mine, key=lambda c: c.error)
             row(f"{len(mine)} parameters", where, worst)

@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pipezero.cli import main
-from pipezero.verify import TEST_PERTURB_ENV
+from pipezero.settings import build_config
+from pipezero.config import DType
+from pipezero.verify import ROUNDING_FACTOR, TEST_PERTURB_ENV, TOLERANCES, Check, recut, verdict, within_rounding
 
 SMALL = ["--tokenizer", "bytes", "--seq-len", "32", "--no-progress"]
 
@@ -25,7 +29,12 @@ def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
     report = json.loads((tmp_path / "verify.json").read_text())
     assert report["ok"] and report["transfer_order"]["proven"] and report["steps"] == 2
     assert {c["what"] for c in report["checks"]} == {"loss", "grad_norm", "param"}
-    assert "OK" in capsys.readouterr().out
+    # one process again, its batch of 4 micro-batches of 4 as 2 of 8: every check, within tolerance
+    floor = report["rounding_floor"]
+    assert floor["cut"] == [2, 8] and {c["what"] for c in floor["checks"]} == {"loss", "grad_norm", "param"}
+    assert all(c["error"] <= c["tolerance"] for c in floor["checks"]) and report["within_rounding"] is False
+    out = capsys.readouterr().out
+    assert "OK" in out and "rounding" in out
 
 
 def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
@@ -50,5 +59,39 @@ def test_one_drifted_replica_fails_verify_and_is_named(text_dir, tmp_path):
     assert report["failed"] == [report["failed"][0]] and "rank 1 (stage 0, replica 1) layers.1.attn.wq.weight" \
         in report["failed"][0]
     assert "FAILED" in log and "layers.1.attn.wq.weight" in log
+    # a 1e-3 nudge is far beyond what one process differs from itself by
+    assert report["within_rounding"] is False and "trains another model" in log
     ok = [c for c in report["checks"] if c["rank"] == 0 and c["what"] == "param"]
     assert ok and all(c["ok"] for c in ok)  # the other replica is right
+
+
+@pytest.mark.parametrize("cut, again", [((4, 2), (2, 4)), ((3, 2), (6, 1)), ((3, 1), (1, 3)), ((1, 1), None)])
+def test_the_rounding_floor_recuts_the_same_global_batch(cut, again, tmp_path):
+    """Twice the micro-batch, else half, else the whole batch as one; a single sequence can't be re-cut."""
+    ref = build_config(None, {"parallel.microbatches": cut[0], "parallel.micro_batch_size": cut[1],
+                              "run.out": str(tmp_path / "reference")})
+    floor = recut(ref)
+    got = None if floor is None else (floor.parallel.microbatches, floor.parallel.micro_batch_size)
+    assert got == again
+    if floor is not None:
+        assert floor.run.out == str(tmp_path / "floor") and floor.optim.lr == ref.optim.lr
+
+
+def check(what: str, error: float, name: str = "", step: int | None = 1) -> Check:
+    return Check(what, step, 1, name, 1.0, 1.0, error, 1e-5)
+
+
+def test_a_failure_is_called_rounding_only_within_the_factor_of_the_same_check():
+    floor = [check("param", 3e-5, "w"), check("loss", 2e-6), check("param", 1e-9, "v")]
+    near = [check("param", 8e-5, "w")]  # 2.7x the re-cut run's error of w
+    assert within_rounding(near, floor)
+    assert not within_rounding([check("param", ROUNDING_FACTOR * 3.1e-5, "w")], floor)
+    assert not within_rounding(near + [check("param", 2e-5, "v")], floor)  # v's floor is tiny: a real difference
+    assert not within_rounding([check("grad_norm", 6e-5)], floor)  # no such check re-cut
+    assert not within_rounding(near, [])  # nothing to compare with
+    assert not within_rounding([], floor)  # nothing failed
+    tol = TOLERANCES[DType.FP32]
+    line = verdict(False, True, tol, [2, 8], 0.1, False)
+    assert "lower --lr" in line and "M=2 x 8" in line and "does not show another model" in line
+    assert "exceed 10x" in verdict(False, False, tol, [2, 8], 0.1, False)
+    assert verdict(False, False, tol, [2, 8], 0.1, True).endswith("trains another model[/red]")  # a lost tensor
