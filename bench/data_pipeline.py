@@ -1,6 +1,6 @@
 """How fast documents become tokens, and how much of a training step the loader takes.
 
-    python bench/data_pipeline.py [--mb 20] [--large-mb 200] [--steps 20] [--repeat 2]
+    python bench/data_pipeline.py [--mb 20] [--large-mb 200] [--steps 20] [--repeat 2] [--ranks 4] [--json F]
 
 1. Tokenization throughput: pipezero's cache build (read jsonl, batch-encode, write the memory-mapped
    cache) beside a plain loop over the same generated files (json.loads each line, then
@@ -10,6 +10,9 @@
    the step time of a short training run on the same documents. Goal: under 1%.
 3. Peak RSS: a child process builds the cache of one generated large jsonl (streamed, so the peak
    should not grow with the file).
+4. Ranks at once (`--ranks N`): N processes, as an outside torchrun starts a node's ranks, open the
+   same new cache together, beside one process alone: the wall time until the last has it, and how
+   many of them tokenized (one should; the others wait on the cache's lock and read its result).
 
 Documents are paragraphs of this interpreter's standard library source (realistic text, no download),
 cycled to the requested size. Writes bench/results/data_pipeline.json.
@@ -124,6 +127,42 @@ print(time.perf_counter() - t0, len(c.train) + len(c.heldout),
 """
 
 
+# A rank of `--ranks`: counts its own builds (BPE training and cache), then opens the corpus.
+RANK_CHILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+import os
+os.environ["PIPEZERO_CACHE"] = {cache!r}
+from pipezero.config import DataConfig
+from pipezero.data import cache, load_corpus
+built = []
+real = cache.build
+def build(*a, **k):
+    built.append(1)
+    return real(*a, **k)
+cache.build = build
+t0 = time.perf_counter()
+load_corpus(DataConfig(path=[{path!r}], tokenizer={tok!r}, seq_len=256))
+print(time.perf_counter() - t0, len(built))
+"""
+
+
+def ranks_at_once(folder: Path, tokenizer_json: Path, tmp: Path, n: int) -> dict:
+    """One process opening a new cache, then n at once on another new cache (started together)."""
+    def start(cache: Path, k: int) -> tuple[float, list[float], int]:
+        code = RANK_CHILD.format(root=str(ROOT), cache=str(cache), path=str(folder), tok=str(tokenizer_json))
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(k)]
+        outs = [p.communicate()[0].split() for p in procs]
+        wall = time.perf_counter() - t0
+        return wall, [float(o[-2]) for o in outs], sum(int(o[-1]) for o in outs)
+
+    one_wall, one_load, _ = start(tmp / "cache-one", 1)
+    n_wall, n_load, builds = start(tmp / "cache-ranks", n)
+    return {"ranks": n, "one_wall_s": one_wall, "one_load_s": one_load[0], "ranks_wall_s": n_wall,
+            "ranks_load_s": n_load, "builds": builds, "ranks_over_one": n_wall / one_wall}
+
+
 def large_file(tmp: Path, tokenizer_json: Path, size_mb: int, paras: list[str]) -> dict:
     path = tmp / "large" / "big.jsonl"
     path.parent.mkdir()
@@ -143,6 +182,8 @@ def main() -> None:
     ap.add_argument("--large-mb", type=int, default=200, help="size of the one large jsonl (0: skip)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2, help="tokenization runs of each, alternated; the best counts")
+    ap.add_argument("--ranks", type=int, default=4, help="processes opening one new cache at once (0: skip)")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "data_pipeline.json")
     args = ap.parse_args()
     from pipezero.data.tokenizer import BPETokenizer
 
@@ -169,6 +210,8 @@ def main() -> None:
         }
         if args.large_mb:
             result["large_file"] = large_file(tmp, tokenizer_json, args.large_mb, paras)
+        if args.ranks:
+            result["ranks_at_once"] = ranks_at_once(folder, tokenizer_json, tmp, args.ranks)
     result["bench_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     t = result["tokenize"]
     print(f"tokenize {args.mb} MB jsonl ({n_docs:,} docs, {result['cores']} cores): plain encode_batch "
@@ -181,10 +224,14 @@ def main() -> None:
         lf = result["large_file"]
         print(f"large jsonl {lf['file_mb']:.0f} MB: {lf['seconds']:.1f} s, {lf['mb_per_s']:.1f} MB/s, "
               f"peak RSS {lf['peak_rss_mb']:.0f} MB ({lf['rss_after_imports_mb']:.0f} MB after imports)")
-    out = ROOT / "bench" / "results" / "data_pipeline.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    if "ranks_at_once" in result:
+        r = result["ranks_at_once"]
+        print(f"{r['ranks']} ranks opening one new cache at once: {r['ranks_wall_s']:.1f} s until the last has it, "
+              f"{r['builds']} of them tokenized; one process alone {r['one_wall_s']:.1f} s "
+              f"({r['ranks_over_one']:.2f}x)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

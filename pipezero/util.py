@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 
@@ -19,6 +21,45 @@ def cache_dir() -> Path:
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
+
+
+@contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold the cache's lock file for entry `name` (flock; released by the kernel if the holder
+    dies). Without it, the ranks of a job that an outside torchrun starts each tokenize the same
+    corpus at once, N times the work, and keep one result. The holder removes the file as it
+    leaves, so none is left behind: a process already waiting on it then finds the entry built,
+    and one that comes later makes a new file. A filesystem without locks (ENOLCK) goes unlocked:
+    every process builds and one atomic rename wins."""
+    path = cache_dir() / f".{name}.lock"
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"pipezero: waiting for another process building {name} (lock {path})", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:  # not a newer process's file
+                    path.unlink()
+            except FileNotFoundError:
+                pass
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_once(name: str, ready: Callable[[], bool], build: Callable[[], None]) -> None:
+    """`build()` the cache entry `name` unless `ready()`: among the processes sharing the cache,
+    one builds it while the others wait on its lock, then find it ready."""
+    if ready():
+        return
+    with cache_lock(name):
+        if not ready():
+            build()
 
 
 def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:

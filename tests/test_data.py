@@ -1,3 +1,5 @@
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +80,44 @@ def test_token_file(tmp_path):
     np.arange(5000, dtype=np.uint16).tofile(path)
     c = load_corpus(DataConfig(path=str(path), seq_len=16))
     assert len(c.train) + len(c.heldout) == 5000 and c.tokenizer is None and c.vocab_size == 5000
+
+
+def open_corpus_counting_builds(rank: int, world: int, cfg: DataConfig, log: str) -> str:
+    """One rank of a job an outside torchrun started: every rank opens the same new corpus at once.
+    Building the BPE and the token cache is slowed so that the other ranks arrive mid-build."""
+    import hashlib
+    import time
+
+    import torch.distributed as dist
+
+    from pipezero.data import cache, tokenizer
+
+    def counted(what: str, real):
+        def slow(*args, **kwargs):
+            with open(log, "a") as f:
+                f.write(f"{what} {rank}\n")
+            time.sleep(2.0)
+            return real(*args, **kwargs)
+        return slow
+
+    cache.build = counted("cache", cache.build)
+    tokenizer.BPETokenizer.train = counted("bpe", tokenizer.BPETokenizer.train)
+    dist.barrier()
+    c = load_corpus(cfg)
+    return hashlib.sha256(np.ascontiguousarray(c.train).tobytes()).hexdigest() + str(c.vocab_size)
+
+
+def test_ranks_opening_a_new_corpus_at_once_build_it_once(tmp_path, monkeypatch):
+    from pipezero.parallel.spawn import run_ranks
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum " * (i % 13)}) + "\n"
+                            for i in range(300)))
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    log = tmp_path / "builds.log"
+    cfg = DataConfig(path=[str(docs)], tokenizer="bpe", bpe_vocab=300, seq_len=16, heldout_fraction=0.1)
+    results = run_ranks(open_corpus_counting_builds, 3, cfg, str(log), timeout=120)
+    builds = sorted(line.split()[0] for line in log.read_text().splitlines())
+    assert builds == ["bpe", "cache"], log.read_text()  # one tokenizer and one cache for three ranks
+    assert len(set(results)) == 1  # every rank reads the same tokens
+    assert not list((tmp_path / "cache").glob(".*.lock"))  # the builders took their lock files away

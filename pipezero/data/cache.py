@@ -26,7 +26,7 @@ import numpy as np
 from pipezero.errors import ConfigError
 from pipezero.data.sources import Reader
 from pipezero.data.tokenizer import Tokenizer
-from pipezero.util import cache_dir
+from pipezero.util import build_once, cache_dir
 
 BATCH_DOCS = 1024  # documents a tokenizer call: enough to keep every core busy
 BATCH_CHARS = 8 << 20  # ... or this much text, whichever comes first, so memory stays bounded
@@ -164,10 +164,13 @@ def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
                   heldout_every: int) -> tuple[DocTokens, DocTokens]:
     """(train, held-out) documents, built on the first call for this key and memory-mapped after."""
     folder = cache_dir() / f"docs-{key}"
-    if not (folder / "meta.json").is_file():
+
+    def make() -> None:
         build(folder, files, reader, tok, heldout_every)
         if reader.records.summary():
             print(f"pipezero: {reader.records.summary()}", flush=True)
+
+    build_once(folder.name, lambda: (folder / "meta.json").is_file(), make)
     train, heldout = (open_split(folder, s) for s in SPLITS)
     if train.n_docs == 0:
         raise ConfigError(f"--data holds no document of two tokens or more ({len(files)} files); give more text")

@@ -26,7 +26,7 @@ from pipezero.data.cache import load_or_build
 from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
 from pipezero.data.sources import BadRecords, Reader, expand, fingerprint
 from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, texts_digest
-from pipezero.util import atomic_write_bytes, cache_dir
+from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
 CACHE_VERSION = 2  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor)
@@ -209,12 +209,13 @@ def load_stdlib(cfg: DataConfig) -> Corpus:
     tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
     key = f"tokens-v{CACHE_VERSION}-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
     paths = cache_dir() / f"{key}.train.npy", cache_dir() / f"{key}.heldout.npy"
-    if all(p.is_file() for p in paths):
-        train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
-    else:
-        train, heldout = _encode(tok, train_docs), _encode(tok, held_docs)
-        _save_npy(paths[0], train)
-        _save_npy(paths[1], heldout)
+
+    def make() -> None:
+        for path, docs in zip(paths, (train_docs, held_docs)):
+            _save_npy(path, _encode(tok, docs))
+
+    build_once(key, lambda: all(p.is_file() for p in paths), make)
+    train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
     need = cfg.seq_len + 2
     if len(train) < need or len(heldout) < need:
         raise ConfigError(

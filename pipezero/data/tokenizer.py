@@ -25,7 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pipezero.errors import ConfigError
-from pipezero.util import atomic_write_bytes, cache_dir
+from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # what tokenizers commonly call end-of-document
@@ -155,8 +155,6 @@ def cached_tokenizer(kind: str, bpe_vocab: int, key: str, texts: Callable[[], It
     if kind != "bpe":
         return BPETokenizer.from_file(kind)
     path = cache_dir() / f"bpe-{bpe_vocab}{'-eos' if eos else ''}-{key}.json"
-    if path.is_file():
-        return BPETokenizer.from_file(path)
-    tok = BPETokenizer.train(texts(), bpe_vocab, eos)
-    atomic_write_bytes(path, tok.hf.to_str().encode())
-    return tok
+    build_once(path.name, path.is_file,
+               lambda: atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode()))
+    return BPETokenizer.from_file(path)
