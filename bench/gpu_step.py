@@ -59,6 +59,10 @@ class Case:
 GPU_CASES = {  # the shapes: base 4 x 8 x 1024 tokens a step, 1b 2 x 4 x 2048
     "base": dict(preset="base", seq_len=1024, micro_batch_size=8, microbatches=4),
     "1b": dict(preset="1b", seq_len=2048, micro_batch_size=4, microbatches=2),
+    # base's same 32k tokens a step as one micro-batch: a quarter of the launches a token. base is
+    # bound by the host launching kernels (an eager micro-batch of 8 x 1024 kept the GPU busy 27 of
+    # 117 ms), so this shape asks how much of its gap to 30% MFU is launch overhead.
+    "base-1x32": dict(preset="base", seq_len=1024, micro_batch_size=32, microbatches=1),
 }
 CPU_CASES = {"tiny": dict(preset="tiny", seq_len=64, micro_batch_size=4, microbatches=2)}
 
