@@ -132,6 +132,31 @@ def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
         corpus(folder)
 
 
+def test_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation or padding switched on (`enable_truncation` and
+    `enable_padding` persist in the file) still gives each document whole and unpadded, as
+    AutoTokenizer does when called without truncation or padding: never cut at max_length, never
+    padded to the longest document of a batch."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from pipezero.data.tokenizer import BPETokenizer
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer_json(path)
+    texts = ["def f(x):\n    return x * 2  # a document longer than eight tokens", "x"]
+    whole = BPETokenizer.from_file(path)
+    hf = Tokenizer.from_file(str(path))
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(pad_id=0)
+    hf.save(str(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path)(texts)["input_ids"]
+    ours = BPETokenizer.from_file(path)
+    assert ours.encode_many(texts) == whole.encode_many(texts) == theirs
+    assert len(theirs[0]) > 8
+    assert ours.name == whole.name  # the same tokens: the same token cache
+
+
 def test_logits_equal_transformers(models: dict[str, Path]) -> None:
     tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))  # > the windows of 8
     diffs = {f: (hf_logits(d, tokens) - pipezero_logits(d, tokens)).abs().max().item() for f, d in models.items()}

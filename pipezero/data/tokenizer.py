@@ -61,6 +61,12 @@ class BPETokenizer:
     """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
 
     def __init__(self, hf: HFTokenizer, eos_id: int | None = None, pad_id: int | None = None) -> None:
+        # A tokenizer.json can carry truncation and padding (whoever saved it had called
+        # enable_truncation / enable_padding); encode_batch would then cut every document at
+        # max_length and pad it to the batch's longest. transformers switches both off for a call
+        # that asks for neither, and documents are tokenized whole here too.
+        hf.no_truncation()
+        hf.no_padding()
         self.hf = hf
         # Named by its content (the post-processor that adds BOS included), so cached token arrays
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
