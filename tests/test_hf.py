@@ -350,6 +350,20 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
         save_file(tensors, folder / "model.safetensors")
         return folder
 
+    def misindexed() -> Path:  # two shards; the index names the wrong one for one tensor
+        folder = copy("misindexed")
+        tensors = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        weight_map = {}
+        for file, group in halves.items():
+            save_file({n: tensors[n] for n in group}, folder / file)
+            weight_map.update(dict.fromkeys(group, file))
+        weight_map[names[0]] = "model-00002-of-00002.safetensors"
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return folder
+
     (missing_config := copy("no-config")).joinpath("config.json").unlink()
     (missing_weights := copy("no-weights")).joinpath("model.safetensors").unlink()
     big_tok = copy("big-tokenizer")
@@ -364,6 +378,8 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
         "missing": (edit_weights(copy("missing"), lambda t: t.pop("model.layers.6.self_attn.k_proj.bias")),
                     [], "tensor 'model.layers.6.self_attn.k_proj.bias' is missing"),
         "tokenizer": (big_tok, [], "has 400 tokens but config.json's vocab_size is 320"),
+        "index": (misindexed(), [], "model.safetensors.index.json puts tensor 'lm_head.weight' in "
+                                    "model-00002-of-00002.safetensors, which does not hold it"),
         "stages": (models["llama"], ["--pp", "16"], "pp x virtual-stages = 16 stage chunks but the model has only 9 layers"),
     }
     for name, (folder, flags, message) in cases.items():
