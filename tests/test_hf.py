@@ -331,6 +331,28 @@ def test_export_hf_loads_in_transformers(models: dict[str, Path], text_dir: Path
     assert tree(folder) == before, "the model folder was written to"
 
 
+def test_export_keeps_the_chat_template(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    """transformers 5 saves a tokenizer's chat template as chat_template.jinja beside
+    tokenizer_config.json: the export of a fine-tuned chat model keeps it, so apply_chat_template
+    gives on the export what it gave on the input."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(models["qwen2"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").is_file()
+    run, out = tmp_path / "run", tmp_path / "export"
+    assert main(["train", "--model", str(folder), "--data", str(text_dir), "--seq-len", "16", "--max-steps", "1",
+                 "--checkpoint-every", "1", "--out", str(run), "--no-progress", "--sample-tokens", "0",
+                 "--microbatches", "1", "--micro-batch-size", "1"]) == 0
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    chat = [{"role": "user", "content": "hi"}]
+    assert (AutoTokenizer.from_pretrained(out).apply_chat_template(chat, tokenize=False)
+            == tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi")
+
+
 def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 

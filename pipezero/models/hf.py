@@ -23,8 +23,9 @@ from pipezero.errors import ConfigError
 SUPPORTED = ("llama", "mistral", "qwen2")
 CONFIG, TOKENIZER = "config.json", "tokenizer.json"
 TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
-# Kept with a run and copied into an export: what the model is, beyond its weights.
-METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION)
+# Kept with a run and copied into an export: what the model is, beyond its weights. transformers
+# 5 saves a chat template as its own file, no longer inside tokenizer_config.json.
+METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION, "chat_template.jinja")
 
 # One block's parameters, pipezero name -> Hugging Face name under `model.layers.{j}.`; the three
 # families name them alike.
