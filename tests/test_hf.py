@@ -353,6 +353,36 @@ def test_export_keeps_the_chat_template(models: dict[str, Path], text_dir: Path,
             == tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi")
 
 
+def test_export_of_a_moved_checkpoint(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
+    """A checkpoint folder copied away from its run (so without RUN/hf) of a qwen2 (q/k/v biases, a
+    model no Llama config describes) exports with the model folder's own config, logits equal to
+    ours; with that folder gone too, the export is refused in one line, never written as a Llama."""
+    from transformers import AutoModelForCausalLM
+
+    from pipezero.checkpoint.export import read_model
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(models["qwen2"], folder)
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--data", str(text_dir), "--seq-len", "16", "--max-steps", "1",
+                 "--checkpoint-every", "1", "--out", str(run), "--no-progress", "--sample-tokens", "0",
+                 "--microbatches", "1", "--micro-batch-size", "1"]) == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "checkpoints" / "step-00000001", moved)
+    assert main(["export", str(moved), "--format", "hf", "--out", str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (exported(tokens).logits - read_model(moved).eval()(tokens)).abs().max().item() <= 1e-5
+    assert exported.config.model_type == "qwen2"
+    shutil.rmtree(folder)
+    capsys.readouterr()
+    assert main(["export", str(moved), "--format", "hf", "--out", str(tmp_path / "export2")]) == 2
+    err = capsys.readouterr().err
+    assert f"was trained from --model {folder}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "export2").exists()
+
+
 def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 
