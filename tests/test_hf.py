@@ -66,6 +66,9 @@ def test_tokenizer_takes_eos_from_the_model_config(models: dict[str, Path], tmp_
     (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 8]}))
     named = BPETokenizer.from_file(folder / "tokenizer.json")
     assert named.eos_id == 7 and named.name != guessed.name
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 320}))  # vocab_size 320
+    with pytest.raises(ConfigError, match="end-of-sequence id 320 is not a row of the embedding"):
+        BPETokenizer.from_file(folder / "tokenizer.json")
 
 
 def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
