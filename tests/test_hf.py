@@ -66,6 +66,9 @@ def test_tokenizer_takes_eos_from_the_model_config(models: dict[str, Path], tmp_
     (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [7, 8]}))
     named = BPETokenizer.from_file(folder / "tokenizer.json")
     assert named.eos_id == 7 and named.name != guessed.name
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": 320}))  # vocab_size 320
+    with pytest.raises(ConfigError, match="end-of-sequence id 320 is not a row of the embedding"):
+        BPETokenizer.from_file(folder / "tokenizer.json")
 
 
 def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
@@ -130,6 +133,31 @@ def test_documents_tokenize_as_the_models_own_tokenizer(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "pad_token_id": 320}))
     with pytest.raises(ConfigError, match="padding id 320 is not a row of the embedding"):
         corpus(folder)
+
+
+def test_tokenizer_files_truncation_and_padding_are_not_applied(tmp_path: Path) -> None:
+    """A tokenizer.json saved with truncation or padding switched on (`enable_truncation` and
+    `enable_padding` persist in the file) still gives each document whole and unpadded, as
+    AutoTokenizer does when called without truncation or padding: never cut at max_length, never
+    padded to the longest document of a batch."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from pipezero.data.tokenizer import BPETokenizer
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer_json(path)
+    texts = ["def f(x):\n    return x * 2  # a document longer than eight tokens", "x"]
+    whole = BPETokenizer.from_file(path)
+    hf = Tokenizer.from_file(str(path))
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(pad_id=0)
+    hf.save(str(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path)(texts)["input_ids"]
+    ours = BPETokenizer.from_file(path)
+    assert ours.encode_many(texts) == whole.encode_many(texts) == theirs
+    assert len(theirs[0]) > 8
+    assert ours.name == whole.name  # the same tokens: the same token cache
 
 
 def test_logits_equal_transformers(models: dict[str, Path]) -> None:
@@ -306,6 +334,58 @@ def test_export_hf_loads_in_transformers(models: dict[str, Path], text_dir: Path
     assert tree(folder) == before, "the model folder was written to"
 
 
+def test_export_keeps_the_chat_template(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    """transformers 5 saves a tokenizer's chat template as chat_template.jinja beside
+    tokenizer_config.json: the export of a fine-tuned chat model keeps it, so apply_chat_template
+    gives on the export what it gave on the input."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(models["qwen2"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").is_file()
+    run, out = tmp_path / "run", tmp_path / "export"
+    assert main(["train", "--model", str(folder), "--data", str(text_dir), "--seq-len", "16", "--max-steps", "1",
+                 "--checkpoint-every", "1", "--out", str(run), "--no-progress", "--sample-tokens", "0",
+                 "--microbatches", "1", "--micro-batch-size", "1"]) == 0
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    chat = [{"role": "user", "content": "hi"}]
+    assert (AutoTokenizer.from_pretrained(out).apply_chat_template(chat, tokenize=False)
+            == tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi")
+
+
+def test_export_of_a_moved_checkpoint(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
+    """A checkpoint folder copied away from its run (so without RUN/hf) of a qwen2 (q/k/v biases, a
+    model no Llama config describes) exports with the model folder's own config, logits equal to
+    ours; with that folder gone too, the export is refused in one line, never written as a Llama."""
+    from transformers import AutoModelForCausalLM
+
+    from pipezero.checkpoint.export import read_model
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(models["qwen2"], folder)
+    run = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--data", str(text_dir), "--seq-len", "16", "--max-steps", "1",
+                 "--checkpoint-every", "1", "--out", str(run), "--no-progress", "--sample-tokens", "0",
+                 "--microbatches", "1", "--micro-batch-size", "1"]) == 0
+    moved = tmp_path / "moved"
+    shutil.copytree(run / "checkpoints" / "step-00000001", moved)
+    assert main(["export", str(moved), "--format", "hf", "--out", str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (exported(tokens).logits - read_model(moved).eval()(tokens)).abs().max().item() <= 1e-5
+    assert exported.config.model_type == "qwen2"
+    shutil.rmtree(folder)
+    capsys.readouterr()
+    assert main(["export", str(moved), "--format", "hf", "--out", str(tmp_path / "export2")]) == 2
+    err = capsys.readouterr().err
+    assert f"was trained from --model {folder}" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "export2").exists()
+
+
 def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -325,6 +405,20 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
         save_file(tensors, folder / "model.safetensors")
         return folder
 
+    def misindexed() -> Path:  # two shards; the index names the wrong one for one tensor
+        folder = copy("misindexed")
+        tensors = load_file(folder / "model.safetensors")
+        (folder / "model.safetensors").unlink()
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        weight_map = {}
+        for file, group in halves.items():
+            save_file({n: tensors[n] for n in group}, folder / file)
+            weight_map.update(dict.fromkeys(group, file))
+        weight_map[names[0]] = "model-00002-of-00002.safetensors"
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return folder
+
     (missing_config := copy("no-config")).joinpath("config.json").unlink()
     (missing_weights := copy("no-weights")).joinpath("model.safetensors").unlink()
     big_tok = copy("big-tokenizer")
@@ -339,6 +433,8 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
         "missing": (edit_weights(copy("missing"), lambda t: t.pop("model.layers.6.self_attn.k_proj.bias")),
                     [], "tensor 'model.layers.6.self_attn.k_proj.bias' is missing"),
         "tokenizer": (big_tok, [], "has 400 tokens but config.json's vocab_size is 320"),
+        "index": (misindexed(), [], "model.safetensors.index.json puts tensor 'lm_head.weight' in "
+                                    "model-00002-of-00002.safetensors, which does not hold it"),
         "stages": (models["llama"], ["--pp", "16"], "pp x virtual-stages = 16 stage chunks but the model has only 9 layers"),
     }
     for name, (folder, flags, message) in cases.items():

@@ -4,8 +4,8 @@
 The weights go under their Hugging Face names (models/hf.py) into safetensors shards of at most
 `--shard-size` bytes, with `model.safetensors.index.json` when there is more than one, as
 transformers writes them. config.json and the tokenizer files are the ones the run started from
-(kept in `RUN/hf/` at its start), with `dtype` set to the float32 the weights are written in; a run
-of a built-in preset exports as a Llama (models/hf.py `llama_config`).
+(kept in `RUN/hf/` at its start; else the --model folder), with `dtype` set to the float32 the
+weights are written in; a run of a built-in preset exports as a Llama (models/hf.py `llama_config`).
 """
 
 from __future__ import annotations
@@ -80,6 +80,22 @@ def write_weights(tensors: dict[str, torch.Tensor], out: Path, limit: int) -> li
     return names
 
 
+def metadata_folder(ckpt: Path, pretrained: str | None) -> Path | None:
+    """Where the config and tokenizer files of checkpoint `ckpt`'s model are: the copy its run kept
+    (RUN/hf), else the --model folder it was trained from; None for a built-in preset's run (it
+    exports as a Llama). A --model run with neither is refused: a Llama config in their place
+    would describe another model (a qwen2's q/k/v biases or a window silently dropped)."""
+    kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
+    for folder in (kept, Path(pretrained) if pretrained else None):
+        if folder is not None and (folder / CONFIG).is_file():
+            return folder
+    if pretrained:
+        raise ConfigError(f"{ckpt} was trained from --model {pretrained}, whose {CONFIG} is neither in its run "
+                          f"({kept}) nor in that folder: export it from its run directory, or put the model "
+                          f"folder back")
+    return None
+
+
 def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     """Write the Hugging Face folder `out` from checkpoint `source` (a checkpoint folder, or a run
     directory: its newest good checkpoint). Returns the checkpoint used."""
@@ -90,8 +106,8 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
         raise ConfigError(f"{ckpt} is a run of --model-spec {fields['spec']}, a model of your own with no Hugging "
                           f"Face form; export it with --format pipezero")
     cfg = ModelConfig(**fields)
-    kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
-    if (kept / CONFIG).is_file():
+    kept = metadata_folder(ckpt, fields.get("pretrained"))
+    if kept is not None:
         config = json.loads((kept / CONFIG).read_text())
         config["dtype"] = "float32"
         config.pop("torch_dtype", None)
@@ -103,9 +119,9 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     write_weights(hf_tensors(read_model(ckpt), cfg), out, shard_size)
     atomic_write_json(out / CONFIG, config)
     for name in METADATA[1:]:
-        if (kept / name).is_file():
+        if kept is not None and (kept / name).is_file():
             shutil.copyfile(kept / name, out / name)
     tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
-    if not (kept / "tokenizer.json").is_file() and tokenizer.suffix == ".json" and tokenizer.is_file():
+    if (kept is None or not (kept / "tokenizer.json").is_file()) and tokenizer.suffix == ".json" and tokenizer.is_file():
         shutil.copyfile(tokenizer, out / "tokenizer.json")  # a built-in run's own tokenizer.json
     return ckpt

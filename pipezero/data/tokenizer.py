@@ -61,6 +61,12 @@ class BPETokenizer:
     """A Hugging Face byte-level BPE: never produces unknown tokens, decodes back to the exact text."""
 
     def __init__(self, hf: HFTokenizer, eos_id: int | None = None, pad_id: int | None = None) -> None:
+        # A tokenizer.json can carry truncation and padding (whoever saved it had called
+        # enable_truncation / enable_padding); encode_batch would then cut every document at
+        # max_length and pad it to the batch's longest. transformers switches both off for a call
+        # that asks for neither, and documents are tokenized whole here too.
+        hf.no_truncation()
+        hf.no_padding()
         self.hf = hf
         # Named by its content (the post-processor that adds BOS included), so cached token arrays
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
@@ -119,16 +125,16 @@ class BPETokenizer:
 def model_ids(folder: Path, hf: HFTokenizer) -> tuple[int | None, int | None]:
     """(EOS, pad) of the Hugging Face model whose folder holds a tokenizer.json, as its config
     files say (BOS comes from the tokenizer's own post-processor); (None, None) beside no model's
-    config.json. A padding id outside the model's vocabulary is a ConfigError naming the file."""
+    config.json. An EOS or padding id outside the model's vocabulary is a ConfigError naming the file."""
     if not (folder / "config.json").is_file():
         return None, None
-    from pipezero.models.hf import eos_id, pad_id
+    from pipezero.models.hf import eos_id, pad_id, read_json
 
     try:
-        eos = eos_id(folder)
+        read_json(folder / "config.json")
     except ConfigError:  # a config.json that is not a model's: the tokenizer stands alone
         return None, None
-    return eos, pad_id(folder, hf.token_to_id)
+    return eos_id(folder), pad_id(folder, hf.token_to_id)
 
 
 def texts_digest(texts: Sequence[str]) -> str:

@@ -23,8 +23,9 @@ from pipezero.errors import ConfigError
 SUPPORTED = ("llama", "mistral", "qwen2")
 CONFIG, TOKENIZER = "config.json", "tokenizer.json"
 TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
-# Kept with a run and copied into an export: what the model is, beyond its weights.
-METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION)
+# Kept with a run and copied into an export: what the model is, beyond its weights. transformers
+# 5 saves a chat template as its own file, no longer inside tokenizer_config.json.
+METADATA = (CONFIG, TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json", GENERATION, "chat_template.jinja")
 
 # One block's parameters, pipezero name -> Hugging Face name under `model.layers.{j}.`; the three
 # families name them alike.
@@ -182,9 +183,23 @@ def _token_id(value: Any) -> int | None:
     return None
 
 
+def _embedding_row(path: Path, what: str, token: int, config: dict[str, Any], fix: str) -> int:
+    """`token` checked to be a row of the embedding (config.json's vocab_size): an id past it would
+    fail inside a rank's embedding lookup, mid-run, rather than here in one line."""
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and token >= vocab:
+        raise ConfigError(f"{path}: the {what} id {token} is not a row of the embedding (config.json's vocab_size "
+                          f"is {vocab}); {fix}")
+    return token
+
+
 def eos_id(folder: Path) -> int | None:
-    """The end-of-sequence id config.json names (the first of a list), or None."""
-    return _token_id(read_json(folder / CONFIG).get("eos_token_id"))
+    """The end-of-sequence id config.json names (the first of a list), or None; it is packed after
+    every document, so it must be a row of the embedding."""
+    config = read_json(folder / CONFIG)
+    eos = _token_id(config.get("eos_token_id"))
+    return None if eos is None else _embedding_row(folder / CONFIG, "end-of-sequence", eos, config,
+                                                   "fix its eos_token_id")
 
 
 def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
@@ -208,11 +223,7 @@ def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
             found = (TOKENIZER_CONFIG, pad)
     if found is None:
         return None
-    vocab = config.get("vocab_size")
-    if isinstance(vocab, int) and found[1] >= vocab:
-        raise ConfigError(f"{folder / found[0]}: the padding id {found[1]} is not a row of the embedding "
-                          f"(config.json's vocab_size is {vocab}); fix or drop that pad token")
-    return found[1]
+    return _embedding_row(folder / found[0], "padding", found[1], config, "fix or drop that pad token")
 
 
 def llama_config(fields: dict[str, Any], eos: int | None = None) -> dict[str, Any]:

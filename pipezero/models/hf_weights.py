@@ -81,7 +81,11 @@ def check_weights(cfg: ModelConfig) -> None:
     shapes = expected_shapes(cfg)
     for path, pairs in _by_file(list(shapes), cfg, weight_files(Path(cfg.pretrained))).items():
         with _open(path) as f:
+            held = set(f.keys())
             for ours, theirs in pairs:
+                if theirs not in held:  # only an index can name a file for a tensor it lacks
+                    raise ConfigError(f"{Path(cfg.pretrained) / INDEX} puts tensor {theirs!r} in {path.name}, which "
+                                      f"does not hold it; fix the index's weight_map")
                 piece = f.get_slice(theirs)
                 got, dtype = tuple(piece.get_shape()), piece.get_dtype()
                 if got != shapes[ours]:
