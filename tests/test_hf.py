@@ -354,6 +354,11 @@ def test_export_keeps_the_chat_template(models: dict[str, Path], text_dir: Path,
     chat = [{"role": "user", "content": "hi"}]
     assert (AutoTokenizer.from_pretrained(out).apply_chat_template(chat, tokenize=False)
             == tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi")
+    # an export onto a folder that holds files (here the model it started from) is refused, the
+    # folder untouched; nothing half-written is left beside it
+    before = tree(folder)
+    assert main(["export", str(run), "--format", "hf", "--out", str(folder)]) == 2
+    assert tree(folder) == before and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_export_of_a_moved_checkpoint(models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys) -> None:
@@ -444,3 +449,16 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
         assert code == 2 and message in err and err.count("\n") == 1, (name, code, err)
         assert (tree(folder) if folder.exists() else None) == before, name
     assert not (tmp_path / "out").exists()  # refused before a run directory or process group
+
+
+def test_a_manifest_tokenizer_path_copies_only_a_tokenizer(tmp_path: Path) -> None:
+    """A built-in run's export copies the tokenizer.json its manifest names; a manifest is data, so a
+    path in it naming some other local .json file copies nothing."""
+    from pipezero.checkpoint.hf_export import is_tokenizer
+    from pipezero.data.tokenizer import BPETokenizer
+
+    real, other = tmp_path / "tok.json", tmp_path / "secrets.json"
+    BPETokenizer.train(["some text to learn from"] * 4, 300).hf.save(str(real))
+    other.write_text('{"token": "not a tokenizer"}')
+    assert is_tokenizer(real)
+    assert not is_tokenizer(other) and not is_tokenizer(tmp_path / "missing.json") and not is_tokenizer(tmp_path)

@@ -11,8 +11,10 @@ weights are written in; a run of a built-in preset exports as a Llama (models/hf
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -96,9 +98,29 @@ def metadata_folder(ckpt: Path, pretrained: str | None) -> Path | None:
     return None
 
 
+def is_tokenizer(path: Path) -> bool:
+    """Whether the manifest's `data.tokenizer` is a tokenizer.json file: the manifest is data, and
+    a path in it must not copy some other local file into a folder that may be shared."""
+    from tokenizers import Tokenizer
+
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
+        return False
+    return True
+
+
 def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     """Write the Hugging Face folder `out` from checkpoint `source` (a checkpoint folder, or a run
-    directory: its newest good checkpoint). Returns the checkpoint used."""
+    directory: its newest good checkpoint). Returns the checkpoint used. The folder is written
+    whole beside `out` and renamed into place, so an interrupted export leaves no half model that
+    transformers would load; an `out` that already holds files (another export, the very model the
+    run started from) is refused, never written over."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} already holds files; an export never writes over them: give a new folder, "
+                          f"or remove that one first")
     ckpt = resolve(source)
     run_config = read_manifest(ckpt)["config"]
     fields = run_config["model"]
@@ -113,15 +135,19 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
         config.pop("torch_dtype", None)
     else:
         config = llama_config(fields)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)  # shards of an earlier export here would mix with these
-    write_weights(hf_tensors(read_model(ckpt), cfg), out, shard_size)
-    atomic_write_json(out / CONFIG, config)
-    for name in METADATA[1:]:
-        if kept is not None and (kept / name).is_file():
-            shutil.copyfile(kept / name, out / name)
-    tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
-    if (kept is None or not (kept / "tokenizer.json").is_file()) and tokenizer.suffix == ".json" and tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")  # a built-in run's own tokenizer.json
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        write_weights(hf_tensors(read_model(ckpt), cfg), tmp, shard_size)
+        atomic_write_json(tmp / CONFIG, config)
+        for name in METADATA[1:]:
+            if kept is not None and (kept / name).is_file():
+                shutil.copyfile(kept / name, tmp / name)
+        tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
+        if not (tmp / "tokenizer.json").is_file() and is_tokenizer(tokenizer):
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")  # a built-in run's own tokenizer.json
+        os.replace(tmp, out)  # onto nothing, or onto an empty folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return ckpt
