@@ -69,6 +69,21 @@ def test_checkpoints_commit_atomically_keep_newest_and_skip_corrupt(tmp_path, ca
     assert latest(root, Team()).path.name == "step-00000004"
 
 
+def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(tmp_path, capsys):
+    """A resume past a corrupt newest checkpoint writes older steps again; pruning must not count the
+    corrupt newer one among the newest N and delete the good one it just wrote."""
+    root = tmp_path / "checkpoints"
+    for step in (4, 6):
+        _save(root, step, float(step), keep=2)
+    data6 = next((root / "step-00000006").glob("*.distcp"))
+    data6.write_bytes(data6.read_bytes()[:-10])
+    assert latest(root, Team()).path.name == "step-00000004"
+    _save(root, 5, 5.0, keep=1)  # resumed from 4 with --keep-checkpoints 1: step 5's save
+    found = latest(root, Team())
+    assert found is not None and found.path.name == "step-00000005"
+    capsys.readouterr()
+
+
 # --- distributed: one process group, every scenario --------------------------------------------------
 
 STEPS = 6

@@ -168,7 +168,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         _discard(final)  # a checkpoint of this step that failed its checksum earlier
         tmp.rename(final)
         _fsync_dir(root)
-        for old in own_checkpoints(root, info.get("run"))[:-keep] if keep > 0 else []:
+        for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:
             _discard(old)
     team.barrier(f"commit of {final}")
     return final
@@ -191,6 +191,14 @@ def own_checkpoints(root: Path, run: str | None) -> list[Path]:
         except CheckpointError:
             continue
     return mine
+
+
+def prunable(root: Path, run: str | None, step: int) -> list[Path]:
+    """Checkpoints of run `run` up to `step` (the one just written), oldest first. Newer ones exist
+    only when a resume skipped them as corrupt: counted among the newest N, they would push out the
+    good checkpoint just written and leave only themselves. They are replaced when the run reaches
+    their step."""
+    return [p for p in own_checkpoints(root, run) if int(p.name.removeprefix("step-")) <= step]
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
