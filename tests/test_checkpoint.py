@@ -84,6 +84,43 @@ def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(t
     capsys.readouterr()
 
 
+def disagreeing_ranks(rank: int, world: int, root: str) -> list[str]:
+    """Checkpoints 2 and 4, then ranks that see them differently (a folder that is not shared): the
+    last rank misses a file of step 4, then step 4's manifest, then all of step 2 too."""
+    from unittest import mock
+
+    from pipezero.checkpoint.store import CheckpointError
+
+    root_ = Path(root)
+    for step in (2, 4):
+        write(root_, step, {f"w{rank}": torch.full((100,), float(step))}, {}, 5, Team.current(step))
+    hidden: set[str] = set()
+    real_is_file = Path.is_file
+    said = []
+    for hide in (["step-00000004/.metadata"], ["step-00000004/manifest.json"],
+                 ["step-00000004/manifest.json", "step-00000002/manifest.json"]):
+        hidden.clear()
+        if rank == world - 1:
+            hidden.update(str(root_ / h) for h in hide)
+        with mock.patch.object(Path, "is_file", lambda self: str(self) not in hidden and real_is_file(self)), \
+                mock.patch.object(Path, "read_text", lambda self, *a, _real=Path.read_text, **k:
+                                  _real(Path("/nonexistent")) if str(self) in hidden else _real(self, *a, **k)):
+            try:
+                found = latest(root_, Team.current(0))
+                said.append(f"found {found.path.name if found else None}")
+            except CheckpointError as e:
+                said.append(f"error {e}")
+    return said
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_checkpoints_stop_with_one_error_instead_of_hanging(tmp_path):
+    said = run_ranks(disagreeing_ranks, 2, str(tmp_path / "checkpoints"), timeout=90)
+    for case in zip(*said):
+        assert all(s.startswith("error") for s in case), case
+        assert all("filesystem all nodes share" in s and "rank 1 sees" in s for s in case), case
+
+
 # --- distributed: one process group, every scenario --------------------------------------------------
 
 STEPS = 6
