@@ -256,6 +256,26 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
+    """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
+    when the user names that spec too, or `pipezero export` would import and call whatever code a
+    downloaded checkpoint chose."""
+    from pipezero.cli import main
+
+    (tmp_path / "payload.py").write_text("from pathlib import Path\n"
+                                         "def boom():\n    Path(__file__).with_name('ran').touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = build_config(None, {}).to_dict()
+    config["model"]["spec"] = "payload:boom"
+    path = write(tmp_path / "run" / "checkpoints", 1, {"model.x": torch.zeros(3)}, {"config": config}, 3, Team(step=1))
+    for source in (path, tmp_path / "run"):
+        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 1
+        assert "--model-spec payload:boom, if you trust it" in capsys.readouterr().err
+        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 1
+        assert "you named 'other:spec'" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
+
+
 def test_resume_warns_when_the_run_would_differ(capsys):
     from pipezero.checkpoint.state import warn_changed
 
