@@ -172,6 +172,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--format", choices=("pipezero", "hf"), default="pipezero",
                    help="pipezero: one file under our names; hf: Hugging Face names, shards, config, tokenizer")
     e.add_argument("--shard-size", default="5GB", help="with --format hf: most bytes a shard (default 5GB)")
+    e.add_argument("--model-spec", metavar="MODULE:NAME",
+                   help="a run of --model-spec: name the same spec (it imports and runs that code)")
     e.set_defaults(func=cmd_export)
 
 
@@ -191,7 +193,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             used = export_hf(source, Path(args.out), parse_size(args.shard_size))
             print(f"exported {used} to {args.out} (Hugging Face folder)")
             return 0
-        used = export(source, Path(args.out))
+        used = export(source, Path(args.out), args.model_spec)
     except CheckpointError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 1

@@ -69,6 +69,58 @@ def test_checkpoints_commit_atomically_keep_newest_and_skip_corrupt(tmp_path, ca
     assert latest(root, Team()).path.name == "step-00000004"
 
 
+def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(tmp_path, capsys):
+    """A resume past a corrupt newest checkpoint writes older steps again; pruning must not count the
+    corrupt newer one among the newest N and delete the good one it just wrote."""
+    root = tmp_path / "checkpoints"
+    for step in (4, 6):
+        _save(root, step, float(step), keep=2)
+    data6 = next((root / "step-00000006").glob("*.distcp"))
+    data6.write_bytes(data6.read_bytes()[:-10])
+    assert latest(root, Team()).path.name == "step-00000004"
+    _save(root, 5, 5.0, keep=1)  # resumed from 4 with --keep-checkpoints 1: step 5's save
+    found = latest(root, Team())
+    assert found is not None and found.path.name == "step-00000005"
+    capsys.readouterr()
+
+
+def disagreeing_ranks(rank: int, world: int, root: str) -> list[str]:
+    """Checkpoints 2 and 4, then ranks that see them differently (a folder that is not shared): the
+    last rank misses a file of step 4, then step 4's manifest, then all of step 2 too."""
+    from unittest import mock
+
+    from pipezero.checkpoint.store import CheckpointError
+
+    root_ = Path(root)
+    for step in (2, 4):
+        write(root_, step, {f"w{rank}": torch.full((100,), float(step))}, {}, 5, Team.current(step))
+    hidden: set[str] = set()
+    real_is_file = Path.is_file
+    said = []
+    for hide in (["step-00000004/.metadata"], ["step-00000004/manifest.json"],
+                 ["step-00000004/manifest.json", "step-00000002/manifest.json"]):
+        hidden.clear()
+        if rank == world - 1:
+            hidden.update(str(root_ / h) for h in hide)
+        with mock.patch.object(Path, "is_file", lambda self: str(self) not in hidden and real_is_file(self)), \
+                mock.patch.object(Path, "read_text", lambda self, *a, _real=Path.read_text, **k:
+                                  _real(Path("/nonexistent")) if str(self) in hidden else _real(self, *a, **k)):
+            try:
+                found = latest(root_, Team.current(0))
+                said.append(f"found {found.path.name if found else None}")
+            except CheckpointError as e:
+                said.append(f"error {e}")
+    return said
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_checkpoints_stop_with_one_error_instead_of_hanging(tmp_path):
+    said = run_ranks(disagreeing_ranks, 2, str(tmp_path / "checkpoints"), timeout=90)
+    for case in zip(*said):
+        assert all(s.startswith("error") for s in case), case
+        assert all("filesystem all nodes share" in s and "rank 1 sees" in s for s in case), case
+
+
 # --- distributed: one process group, every scenario --------------------------------------------------
 
 STEPS = 6
@@ -204,6 +256,26 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
+    """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
+    when the user names that spec too, or `pipezero export` would import and call whatever code a
+    downloaded checkpoint chose."""
+    from pipezero.cli import main
+
+    (tmp_path / "payload.py").write_text("from pathlib import Path\n"
+                                         "def boom():\n    Path(__file__).with_name('ran').touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = build_config(None, {}).to_dict()
+    config["model"]["spec"] = "payload:boom"
+    path = write(tmp_path / "run" / "checkpoints", 1, {"model.x": torch.zeros(3)}, {"config": config}, 3, Team(step=1))
+    for source in (path, tmp_path / "run"):
+        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 1
+        assert "--model-spec payload:boom, if you trust it" in capsys.readouterr().err
+        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 1
+        assert "you named 'other:spec'" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
+
+
 def test_resume_warns_when_the_run_would_differ(capsys):
     from pipezero.checkpoint.state import warn_changed
 
@@ -213,3 +285,48 @@ def test_resume_warns_when_the_run_would_differ(capsys):
     warn_changed(saved, build_config(None, {"optim.lr": 1e-2, "parallel.dp": 2}).to_dict(), Path("ck"))
     err = capsys.readouterr().err
     assert "optim.lr: 0.003 -> 0.01" in err and "global batch" in err
+
+
+TIED = [  # tied embeddings whose two ends sit on different pipeline ranks, each holding its own copy
+    {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "model.tie_embeddings": True},
+    {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 3, "model.tie_embeddings": True},
+]
+
+
+def tied_scenarios(rank: int, world: int, data: str, out: str) -> list[dict]:
+    res = []
+    for i, case in enumerate(TIED):
+        whole = run(data, f"{out}/a{i}", **case, **{"run.max_steps": 4, "run.checkpoint_every": 2})
+        copy_checkpoints(f"{out}/a{i}", f"{out}/b{i}", [2])
+        again = run(data, f"{out}/b{i}", **case, **{"run.max_steps": 4, "run.resume": True})
+        # the same checkpoint on one pipeline stage, where one tensor is both ends
+        copy_checkpoints(f"{out}/a{i}", f"{out}/c{i}", [2])
+        flat = run(data, f"{out}/c{i}", pp=1, dp=4, kind=K.ONE_F_ONE_B, m=2,
+                   **{"parallel.zero": 2, "model.tie_embeddings": True, "run.max_steps": 4, "run.resume": True,
+                      "run.checkpoint_every": 2})
+        res.append({"whole": whole, "again": again, "flat": flat})
+    return res
+
+
+@pytest.mark.slow
+def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, tmp_path):
+    """Each end of a tied embedding is saved under its own name by the rank that holds it: no
+    overlapping ranges of one name (which DCP refuses to save), the same run on resume."""
+    from pipezero.checkpoint.export import read_model
+    from pipezero.checkpoint.safe_reader import SafeReader
+
+    ranks = run_ranks(tied_scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
+    for i, case in enumerate(TIED):
+        for r in ranks:
+            whole, again = r[i]["whole"], r[i]["again"]
+            assert again["resumed_from"] == 2 and again["losses"] == whole["losses"][2:], case
+            assert all(torch.equal(again["params"][n], t) for n, t in whole["params"].items()), case
+        flat = ranks[0][i]["flat"]
+        assert flat["resumed_from"] == 2 and flat["losses"] == pytest.approx(ranks[0][i]["whole"]["losses"][2:],
+                                                                             rel=1e-5), case
+        # one stage saves its one tensor under both names, so a pipeline can read the head's
+        meta = SafeReader(tmp_path / f"c{i}" / "checkpoints" / "step-00000004").read_metadata()
+        assert meta.state_dict_metadata["model.layers.7.proj.weight"].size == torch.Size([256 * 64])
+        model = read_model(tmp_path / f"a{i}" / "checkpoints" / "step-00000004")
+        last = {n: t for r in ranks for n, t in r[i]["whole"]["params"].items()}
+        assert all(torch.equal(q.detach(), last[n]) for n, q in model.named_parameters()), case

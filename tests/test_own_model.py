@@ -136,7 +136,7 @@ def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsy
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
     assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
-    assert main(["export", str(run), "--out", str(tmp_path / "export")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "export"), "--model-spec", SPEC]) == 0
     exported = load_exported(tmp_path / "export")
     assert isinstance(exported.spec, own_model.GPTSpec)
     saved = read_model(run / "checkpoints" / "step-00000002", own_model.GPTSpec())

@@ -27,12 +27,25 @@ def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:
     return build_chunk(model, 0, spec_of(model).n_layers + 2, seed)
 
 
-def read_model(path: Path, spec: ModelSpec | None = None) -> StageChunk:
+def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConfig:
+    """The checkpoint's [model], refused when it names a --model-spec the caller did not: importing
+    that module runs its code, and a checkpoint is data that must not choose code to run."""
+    named = fields.get("spec")
+    if named and named != model_spec:
+        given = f"; you named {model_spec!r}" if model_spec else ""
+        raise CheckpointError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
+                              f"imports and runs that code, so name it yourself, --model-spec {named}, if you "
+                              f"trust it")
+    return ModelConfig(**fields)
+
+
+def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None = None) -> StageChunk:
     """The whole model of checkpoint `path`, loaded in this process alone (no process group).
     `spec`: the model a run of one's own trained (engine.train's spec); None: the checkpoint's
-    [model] (the built-in decoder, or the --model-spec it names)."""
+    [model], the built-in decoder, or the --model-spec it names if that is `model_spec` (what the
+    caller names and so trusts)."""
     manifest = read_manifest(path)
-    model = whole_model(spec or ModelConfig(**manifest["config"]["model"]))
+    model = whole_model(spec or trusted_model(path, manifest["config"]["model"], model_spec))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
     Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=SafeReader(path), no_dist=True))
@@ -56,11 +69,12 @@ def resolve(source: Path) -> Path:
     return source
 
 
-def export(source: Path, out: Path) -> Path:
+def export(source: Path, out: Path, model_spec: str | None = None) -> Path:
     """Write `out/model.safetensors` and `out/config.json` from checkpoint `source`: a checkpoint
-    folder, or a run directory (its newest good checkpoint). Returns the checkpoint used."""
+    folder, or a run directory (its newest good checkpoint). `model_spec`: the --model-spec the
+    user names, needed for a run of one. Returns the checkpoint used."""
     source = resolve(source)
-    model = read_model(source)
+    model = read_model(source, model_spec=model_spec)
     # save_model drops the tied head's alias, and load_model restores it
     atomic_write_with(out / "model.safetensors", lambda tmp: save_model(model, tmp))
     atomic_write_json(out / "config.json", read_manifest(source)["config"]["model"])

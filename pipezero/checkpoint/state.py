@@ -41,11 +41,14 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.run.out) / "checkpoints"
 
 
-def tied_aliases(tied: tuple[str, str] | None, held: set[str]) -> dict[str, list[str]]:
-    """With tied embeddings (the spec's two names) in one chunk, one parameter is both ends; a
-    pipeline holds two equal copies under two names. Saving the one parameter under both names
-    keeps checkpoints the same whatever the layout."""
-    if tied and tied[0] in held and tied[1] not in held:
+def tied_aliases(tied: tuple[str, str] | None, held: dict[str, nn.Parameter],
+                 shared: set[nn.Parameter]) -> dict[str, list[str]]:
+    """With tied embeddings (the spec's two names) in one chunk, one parameter is both ends, named
+    once; a pipeline holds two equal copies under two names, each saved by the rank that holds it.
+    Saving the one parameter under both names keeps checkpoints the same whatever the layout. A
+    rank that holds only the embedding's copy must not: its shard ranges of the head's name would
+    overlap the head rank's, which DCP refuses to save."""
+    if tied and tied[0] in held and tied[1] not in held and held[tied[0]] in shared:
         return {tied[0]: [tied[1]]}
     return {}
 
@@ -55,8 +58,8 @@ def state_dict(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
     """This rank's checkpoint entries, as pieces viewing its shards (`model.<name>`,
     `optim.exp_avg.<name>`, `optim.exp_avg_sq.<name>`), and its `frozen` tensors whole."""
     out = frozen_state(zero, tied, saving, frozen)
-    held = {n for b in zero.all_buckets() for n in b.names}
-    aliases = tied_aliases(tied, held) if saving else {}
+    held = {n: q for b in zero.all_buckets() for n, q in zip(b.names, b.params)}
+    aliases = tied_aliases(tied, held, zero.shared) if saving else {}
     for b, tensors in shard_state(zero):
         for o in owned_ranges(b.names, b.offsets, [q.numel() for q in b.params], b.shard):
             for kind, flat in tensors.items():
@@ -72,7 +75,7 @@ def frozen_state(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
     rank; the replicas are equal), read by every rank."""
     if saving and zero.dp_rank != 0:
         return {}
-    aliases = tied_aliases(tied, {n for n, _ in frozen}) if saving else {}
+    aliases = tied_aliases(tied, dict(frozen), zero.shared) if saving else {}
     out: dict[str, Any] = {}
     for name, q in frozen:
         flat = q.detach().view(-1)

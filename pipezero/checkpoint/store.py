@@ -168,7 +168,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         _discard(final)  # a checkpoint of this step that failed its checksum earlier
         tmp.rename(final)
         _fsync_dir(root)
-        for old in own_checkpoints(root, info.get("run"))[:-keep] if keep > 0 else []:
+        for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:
             _discard(old)
     team.barrier(f"commit of {final}")
     return final
@@ -191,6 +191,14 @@ def own_checkpoints(root: Path, run: str | None) -> list[Path]:
         except CheckpointError:
             continue
     return mine
+
+
+def prunable(root: Path, run: str | None, step: int) -> list[Path]:
+    """Checkpoints of run `run` up to `step` (the one just written), oldest first. Newer ones exist
+    only when a resume skipped them as corrupt: counted among the newest N, they would push out the
+    good checkpoint just written and leave only themselves. They are replaced when the run reaches
+    their step."""
+    return [p for p in own_checkpoints(root, run) if int(p.name.removeprefix("step-")) <= step]
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -229,8 +237,8 @@ def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
     return None
 
 
-def problems(path: Path, team: Team) -> str | None:
-    """Why checkpoint `path` must not be loaded, or None when every file matches its manifest."""
+def _local_problem(path: Path) -> str | None:
+    """What this rank alone can see wrong with checkpoint `path`: its manifest, missing files, sizes."""
     try:
         manifest = read_manifest(path)
     except CheckpointError as e:
@@ -243,15 +251,44 @@ def problems(path: Path, team: Team) -> str | None:
     wrong_size = [n for n in names if (path / n).stat().st_size != expected[n]["bytes"]]
     if wrong_size:
         return f"files of the wrong size (truncated?): {wrong_size}"
+    return None
+
+
+def _agreed(path: Path, mine: str | None, team: Team) -> str | None:
+    """Every rank's verdict on `path`, made one: the same on every rank, so all of them go on to the
+    same collectives. A rank alone cannot skip a checkpoint the others load (it would wait on
+    collectives of another checkpoint, or of training, until the timeout): ranks that disagree mean
+    the folder is not one filesystem, which is one error naming the fix."""
+    verdicts = team.gather(mine, f"check of {path.name}")
+    bad = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if not bad:
+        return None
+    if len(bad) < len(verdicts):
+        r, reason = bad[0]
+        fine = next(q for q, v in enumerate(verdicts) if v is None)
+        raise CheckpointError(f"{path}: rank {r} sees {reason}, while rank {fine} sees it complete: every rank "
+                              f"must see the same checkpoint folder; put --out on a filesystem all nodes share")
+    return bad[0][1]
+
+
+def problems(path: Path, team: Team) -> str | None:
+    """Why checkpoint `path` must not be loaded, or None when every file matches its manifest; the
+    same answer on every rank (collective), or a CheckpointError when ranks see different folders."""
+    reason = _agreed(path, _local_problem(path), team)
+    if reason is not None:
+        return reason
+    expected: dict[str, dict[str, Any]] = read_manifest(path)["files"]
+    names = sorted(expected)
     actual = _hash_share(path, names, team)
     bad = [n for n in names if actual[n]["sha256"] != expected[n]["sha256"]]
     if bad:
         return f"checksum mismatch in {bad}"
     try:  # the files are the ones saved; is their metadata loadable, and only metadata?
         SafeReader(path).read_metadata()
+        unreadable = None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata: use another
-        return f"unreadable checkpoint metadata: {cause(e)}"
-    return None
+        unreadable = f"unreadable checkpoint metadata: {cause(e)}"
+    return _agreed(path, unreadable, team)
 
 
 @dataclass
