@@ -135,7 +135,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
         device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once
-    with claim_here(cfg.run.out, cfg.run.resume, args.force):
+    def clashes() -> str | None:
+        from pipezero.checkpoint.state import clashes as beside
+
+        return beside(cfg)
+
+    with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes):
         if launching:
             return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"})

@@ -10,7 +10,9 @@ lock behind.
 
 Each run has an id, kept in `DIR/.run-id` and written into its checkpoints' manifests: pruning
 deletes only checkpoints of the same id, and resuming takes only those, so a `--force` run never
-deletes or continues from the checkpoints of the run it trained beside. `--resume` keeps the id.
+deletes or continues from the checkpoints of the run it trained beside; a `--force` run that would
+save a step that run saved (the same `step-N` folder) is refused before it starts. `--resume` keeps
+the id.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import fcntl
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -72,8 +75,10 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def claim(out: str, resume: bool, force: bool) -> Claim:
-    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be."""
+def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
+    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
+    with `--force`, what of the run already there this run would write over (its checkpoints of the
+    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing."""
     path = Path(out)
     if not out.strip():
         raise ConfigError("--out is empty: name a folder for the run")
@@ -91,6 +96,9 @@ def claim(out: str, resume: bool, force: bool) -> Claim:
             shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
+        clash = clashes() if held and force and not resume and clashes else None
+        if clash:
+            raise ConfigError(f"--out {out!r}: {clash}")
         ident = previous if (resume and previous) else uuid.uuid4().hex[:16]
         (path / RUN_ID).write_text(ident + "\n")
     except BaseException:
@@ -99,7 +107,8 @@ def claim(out: str, resume: bool, force: bool) -> Claim:
     return Claim(path, fd, ident)
 
 
-def claim_here(out: str, resume: bool, force: bool) -> contextlib.AbstractContextManager[object]:
+def claim_here(out: str, resume: bool, force: bool,
+               clashes: Callable[[], str | None] | None = None) -> contextlib.AbstractContextManager[object]:
     """Claim `out` if this process is the one that should: a launcher or a lone process, or rank 0
     under an outside torchrun (after an elastic restart it continues its own run, so the folder may
     hold it). Ranks our launcher started, and other ranks, claim nothing."""
@@ -109,4 +118,4 @@ def claim_here(out: str, resume: bool, force: bool) -> contextlib.AbstractContex
         if os.environ["RANK"] != "0":
             return contextlib.nullcontext()
         resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return claim(out, resume, force)
+    return claim(out, resume, force, clashes)

@@ -209,6 +209,28 @@ def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
         pass
 
 
+def test_a_forced_run_that_would_save_over_the_other_runs_checkpoints_is_refused(tmp_path, capsys):
+    """A save replaces the folder of its step: `--force` beside a run that saved step 2 may not save
+    step 2 itself, and is told so before it starts; saving other steps beside it is fine."""
+    from pipezero.checkpoint.state import clashes
+    from pipezero.checkpoint.store import MANIFEST
+    from pipezero.rundir import claim
+    from pipezero.settings import build_config
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (out / "checkpoints" / "step-00000002" / MANIFEST).write_text("{}")
+    args = ["train", "--max-steps", "4", "--checkpoint-every", "2", "--no-progress", "--seq-len", "16",
+            "--out", str(out), "--force"]
+    assert_one_line(*run_main(args, capsys), "--force would write over the checkpoints of the run there "
+                    "(step-00000002), saving the same steps (--checkpoint-every 2, --max-steps 4)")
+    odd = build_config(None, {"run.out": str(out), "run.max_steps": 3, "run.checkpoint_every": 3})
+    with claim(str(out), resume=False, force=True, clashes=lambda: clashes(odd)):  # saves step 3 only
+        pass
+    with claim(str(out), resume=True, force=True, clashes=lambda: "never asked"):  # --resume continues it
+        pass
+
+
 def test_pruning_and_resume_keep_to_their_own_run(tmp_path):
     import torch
 

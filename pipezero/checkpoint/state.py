@@ -27,7 +27,7 @@ from torch import nn
 
 from pipezero.checkpoint.pieces import Piece, owned_ranges
 from pipezero.checkpoint.safe_reader import SafeReader
-from pipezero.checkpoint.store import CheckpointError, Found, Team, latest, write
+from pipezero.checkpoint.store import CheckpointError, Found, Team, committed, latest, write
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -39,6 +39,25 @@ from pipezero.zero.sharded import ZeroDP
 
 def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.run.out) / "checkpoints"
+
+
+def save_steps(cfg: TrainConfig) -> set[int]:
+    """The steps a run of `cfg` saves a checkpoint after (as engine.train decides)."""
+    every, last = cfg.run.checkpoint_every, cfg.run.max_steps
+    return set(range(every, last + 1, every)) | {last} if every else set()
+
+
+def clashes(cfg: TrainConfig) -> str | None:
+    """For a new run (`--force`) beside another in the same folder: the other run's checkpoints
+    this one would replace, saving the same steps, as one line naming the fix; None if none."""
+    steps = save_steps(cfg)
+    mine = [p.name for n, p in committed(checkpoint_root(cfg)) if n in steps]
+    if not mine:
+        return None
+    shown = ", ".join(mine[:3]) + (", ..." if len(mine) > 3 else "")
+    return (f"--force would write over the checkpoints of the run there ({shown}), saving the same steps "
+            f"(--checkpoint-every {cfg.run.checkpoint_every}, --max-steps {cfg.run.max_steps}): choose another "
+            f"--out, --resume that run, or remove them")
 
 
 def tied_aliases(tied: tuple[str, str] | None, held: dict[str, nn.Parameter],
