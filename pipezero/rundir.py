@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
+from pipezero.util import atomic_write_bytes
 
 LOCK = ".lock"
 RUN_ID = ".run-id"
@@ -100,7 +101,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")
         ident = previous if (resume and previous) else uuid.uuid4().hex[:16]
-        (path / RUN_ID).write_text(ident + "\n")
+        atomic_write_bytes(path / RUN_ID, f"{ident}\n".encode())  # never a torn id that resumes nothing
     except BaseException:
         os.close(fd)
         raise

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # spa
 
 import own_model  # noqa: E402
 
+from pipezero.checkpoint import CheckpointError  # noqa: E402
 from pipezero.checkpoint.export import read_model  # noqa: E402
 from pipezero.config import DType  # noqa: E402
 from pipezero.models import build_chunk  # noqa: E402
@@ -137,7 +138,9 @@ def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsy
     layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
     assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
     assert main(["export", str(run), "--out", str(tmp_path / "export"), "--model-spec", SPEC]) == 0
-    exported = load_exported(tmp_path / "export")
+    with pytest.raises(CheckpointError, match="name it yourself, --model-spec"):
+        load_exported(tmp_path / "export")  # the export's config.json alone chooses no code
+    exported = load_exported(tmp_path / "export", SPEC)
     assert isinstance(exported.spec, own_model.GPTSpec)
     saved = read_model(run / "checkpoints" / "step-00000002", own_model.GPTSpec())
     theirs = dict(saved.named_parameters())

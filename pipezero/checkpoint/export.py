@@ -81,9 +81,12 @@ def export(source: Path, out: Path, model_spec: str | None = None) -> Path:
     return source
 
 
-def load_exported(folder: Path) -> nn.Module:
-    """The exported model, ready for inference in one process: `model(tokens) -> logits`."""
-    model = whole_model(ModelConfig(**json.loads((folder / "config.json").read_text())))
+def load_exported(folder: Path, model_spec: str | None = None) -> nn.Module:
+    """The exported model, ready for inference in one process: `model(tokens) -> logits`.
+    `model_spec`: the --model-spec of an export of one, named by the caller (config.json is data,
+    and must not choose code to import)."""
+    fields = json.loads((folder / "config.json").read_text())
+    model = whole_model(trusted_model(folder, fields, model_spec))
     missing, unexpected = load_model(model, str(folder / "model.safetensors"))
     if missing or unexpected:
         raise CheckpointError(f"{folder}: model.safetensors does not match config.json "
