@@ -258,3 +258,21 @@ def test_cli_trains_on_a_folder_with_packing(corpus_dir, tmp_path):
     proc = subprocess.run([*base[:5], str(tmp_path / "broken.jsonl"), "--out", str(tmp_path / "r2")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "broken.jsonl:2: invalid JSON" in proc.stderr
+
+
+def test_an_eos_beyond_uint16_widens_the_token_cache(tmp_path):
+    """A model folder whose config.json names an EOS id >= 65536 beside a tokenizer of fewer tokens:
+    the cache stores that EOS (uint32), and the corpus counts it among the ids the model must embed."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    docs = [doc(i) for i in range(30)]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text(BPETokenizer.train(docs, 300, eos=True).hf.to_str())
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 70000, "eos_token_id": 65600}))
+    cfg = cfg_of(write_jsonl(tmp_path / "a.jsonl", docs))
+    cfg.tokenizer = str(model / "tokenizer.json")
+    c = load_corpus(cfg)
+    assert c.train.dtype == np.uint32 and c.vocab_size == 65601
+    ends = c.samples[0].docs.offsets[1:] - 1
+    assert (np.asarray(c.train)[ends] == 65600).all()

@@ -25,7 +25,7 @@ import numpy as np
 
 from pipezero.errors import ConfigError
 from pipezero.data.sources import Reader
-from pipezero.data.tokenizer import Tokenizer
+from pipezero.data.tokenizer import Tokenizer, id_bound
 from pipezero.util import build_once, cache_dir
 
 BATCH_DOCS = 1024  # documents a tokenizer call: enough to keep every core busy
@@ -112,7 +112,7 @@ def _move_last(src: _SplitWriter, dst: _SplitWriter, src_path: Path) -> None:
 
 def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout_every: int) -> None:
     """Tokenize every document of `files` into the cache folder `dest` (atomically)."""
-    dtype = token_dtype(tok.vocab_size)
+    dtype = token_dtype(id_bound(tok))  # EOS included: a model's config.json may name one past the vocabulary
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
     try:
         with BuildProgress(files) as progress, \

@@ -25,7 +25,7 @@ from pipezero.data.batches import global_batch, heldout_batches, microbatches_fo
 from pipezero.data.cache import load_or_build
 from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
 from pipezero.data.sources import BadRecords, Reader, expand, fingerprint
-from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, load_tokenizer, texts_digest
+from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_tokenizer, texts_digest
 from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
@@ -43,8 +43,9 @@ class Corpus:
 
     @property
     def vocab_size(self) -> int:
+        """Rows the model's embedding needs: every id a row can hold (EOS and padding included)."""
         if self.tokenizer is not None:
-            return self.tokenizer.vocab_size
+            return id_bound(self.tokenizer)
         return int(max(self.train.max(initial=0), self.heldout.max(initial=0))) + 1
 
     def batch(self, step: int, position: int, seed: int, n_rows: int, seq_len: int) -> Rows:

@@ -122,6 +122,14 @@ class BPETokenizer:
         return cls(hf, *model_ids(Path(path).parent, hf))
 
 
+def id_bound(tok: Tokenizer) -> int:
+    """One past the largest id `tok` puts into a row: its vocabulary, or an EOS or padding id that a
+    model's config.json names beyond it (a padded embedding). The token cache's dtype and the model's
+    embedding rows must hold these ids too, not only the tokenizer's own."""
+    extra = [i for i in (tok.eos_id, tok.pad_id) if i is not None]
+    return max([tok.vocab_size, *(i + 1 for i in extra)])
+
+
 def model_ids(folder: Path, hf: HFTokenizer) -> tuple[int | None, int | None]:
     """(EOS, pad) of the Hugging Face model whose folder holds a tokenizer.json, as its config
     files say (BOS comes from the tokenizer's own post-processor); (None, None) beside no model's
