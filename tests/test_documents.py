@@ -276,3 +276,17 @@ def test_an_eos_beyond_uint16_widens_the_token_cache(tmp_path):
     assert c.train.dtype == np.uint32 and c.vocab_size == 65601
     ends = c.samples[0].docs.offsets[1:] - 1
     assert (np.asarray(c.train)[ends] == 65600).all()
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    """Files saved with a UTF-8 byte order mark (Windows editors, Excel, PowerShell): jsonl with CRLF
+    line ends and no newline after its last line, a json array, a text file."""
+    docs = [doc(i) for i in range(30)]
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + "\r\n".join(json.dumps({"text": d}) for d in docs[:20]).encode())
+    (tmp_path / "b.json").write_bytes(bom + json.dumps([{"text": d} for d in docs[20:29]], indent=1).encode())
+    (tmp_path / "c.txt").write_bytes(bom + docs[29].encode())
+    c = load_corpus(cfg_of(tmp_path))
+    read = [bytes(np.asarray(s.docs.tokens[a:b - 1]).astype(np.uint8)).decode()
+            for s in c.samples for a, b in zip(s.docs.offsets[:-1], s.docs.offsets[1:])]
+    assert sorted(read) == sorted(docs)

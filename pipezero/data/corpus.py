@@ -29,7 +29,8 @@ from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_
 from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
-CACHE_VERSION = 2  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor)
+CACHE_VERSION = 3  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,
+# 3: a UTF-8 byte order mark is no longer read as part of a file's first record)
 
 
 @dataclass

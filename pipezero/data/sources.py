@@ -22,6 +22,9 @@ TABLE_SUFFIXES = {".parquet"}
 # One document a file. Source-code suffixes stay accepted: a folder of code is a corpus too.
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".toml", ".c", ".h", ".html", ".csv"}
 DOCUMENT_SUFFIXES = RECORD_SUFFIXES | TABLE_SUFFIXES | TEXT_SUFFIXES
+# What Windows editors, Excel and PowerShell put before UTF-8 text: a mark, never part of the first
+# record (json refuses it, and in a text document it would be tokenized as content).
+BOM = b"\xef\xbb\xbf"
 
 
 def expand(paths: list[str]) -> list[Path]:
@@ -116,7 +119,7 @@ class Reader:
 
     def _records(self, path: Path) -> Iterator[tuple[str, int]]:
         with path.open("rb") as f:
-            head = f.read(64).lstrip()
+            head = f.read(64).removeprefix(BOM).lstrip()
         if path.suffix == ".json" and head.startswith(b"["):  # one JSON array: read whole
             yield from self._array(path)
             return
@@ -125,6 +128,8 @@ class Reader:
             for n, raw in enumerate(f, 1):
                 done += len(raw)
                 where = f"{path}:{n}"
+                if n == 1:
+                    raw = raw.removeprefix(BOM)
                 if not raw.strip():
                     continue
                 try:
@@ -141,7 +146,7 @@ class Reader:
 
     def _array(self, path: Path) -> Iterator[tuple[str, int]]:
         try:
-            records = json.loads(path.read_bytes().decode("utf-8"))
+            records = json.loads(path.read_bytes().removeprefix(BOM).decode("utf-8"))
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
         except json.JSONDecodeError as e:
@@ -177,8 +182,9 @@ class Reader:
 
     def _text(self, path: Path) -> Iterator[tuple[str, int]]:
         data = path.read_bytes()
+        text = data.removeprefix(BOM)
         try:
-            yield data.decode("utf-8"), len(data)
+            yield text.decode("utf-8"), len(data)
         except UnicodeDecodeError as e:
-            line = data[: e.start].count(b"\n") + 1
+            line = text[: e.start].count(b"\n") + 1
             self.bad(f"{path}:{line}", "is not UTF-8 text (pass text, or tokens as .bin/.npy)")
