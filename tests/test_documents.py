@@ -290,3 +290,20 @@ def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
     read = [bytes(np.asarray(s.docs.tokens[a:b - 1]).astype(np.uint8)).decode()
             for s in c.samples for a, b in zip(s.docs.offsets[:-1], s.docs.offsets[1:])]
     assert sorted(read) == sorted(docs)
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """A folder, a glob and a file that overlap (`--data docs/ 'docs/*.jsonl' docs/a.jsonl`): each file
+    is one set of documents, so no held-out document has a copy among the training documents."""
+    root = tmp_path / "docs"
+    root.mkdir()
+    write_jsonl(root / "a.jsonl", [doc(i) for i in range(40)])
+    (root / "b.txt").write_text(doc(99))
+    c = load_corpus(cfg_of([root, root / "*.jsonl", root / "a.jsonl", tmp_path / "docs" / ".." / "docs" / "b.txt"]))
+    train, held = (s.docs for s in c.samples)
+    assert train.n_docs + held.n_docs == 41
+
+    def texts(d):
+        return {bytes(np.asarray(d.tokens[a:b - 1]).astype(np.uint8)) for a, b in zip(d.offsets[:-1], d.offsets[1:])}
+
+    assert texts(train).isdisjoint(texts(held))

@@ -29,8 +29,11 @@ BOM = b"\xef\xbb\xbf"
 
 def expand(paths: list[str]) -> list[Path]:
     """Files named by `paths` (files, folders searched recursively, or glob patterns), sorted within
-    each argument so the order, and with it the corpus, is the same on every machine."""
+    each argument so the order, and with it the corpus, is the same on every machine. A file that
+    several arguments name (a folder and a glob inside it, a link) is read once, where it is first
+    named: read twice, its documents would fall on both sides of the held-out split."""
     files: list[Path] = []
+    seen: set[Path] = set()
     for arg in paths:
         p = Path(arg)
         if p.is_dir():
@@ -48,7 +51,10 @@ def expand(paths: list[str]) -> list[Path]:
             if f.suffix not in DOCUMENT_SUFFIXES:
                 raise ConfigError(f"--data file {str(f)!r}: unknown kind {f.suffix or '(no suffix)'!r}; use "
                                   f".jsonl/.json/.parquet records, .txt/.md text, or .npy/.bin tokens")
-        files.extend(found)
+        for f in found:
+            if (real := f.resolve()) not in seen:
+                seen.add(real)
+                files.append(f)
     return files
 
 
