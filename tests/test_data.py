@@ -82,6 +82,20 @@ def test_token_file(tmp_path):
     assert len(c.train) + len(c.heldout) == 5000 and c.tokenizer is None and c.vocab_size == 5000
 
 
+def test_token_file_too_short_for_held_out_windows_is_one_line(tmp_path):
+    """1000 tokens pass the length check (2 x (T + 1)), but 2% of them (20) cannot hold one held-out
+    window of T = 32: said before training, not an IndexError at the first evaluation."""
+    from pipezero.errors import ConfigError
+
+    path = tmp_path / "short.npy"
+    np.save(path, np.arange(1000, dtype=np.uint16) % 200)
+    with pytest.raises(ConfigError, match="20 held-out tokens.*--heldout-fraction") as e:
+        load_corpus(DataConfig(path=[str(path)], seq_len=32))
+    assert "\n" not in str(e.value)
+    c = load_corpus(DataConfig(path=[str(path)], seq_len=32, heldout_fraction=0.1))
+    assert [b[0].shape for b in c.eval_batches(2, 2, 32)] == [(2, 32)] * 2
+
+
 def open_corpus_counting_builds(rank: int, world: int, cfg: DataConfig, log: str) -> str:
     """One rank of a job an outside torchrun started: every rank opens the same new corpus at once.
     Building the BPE and the token cache is slowed so that the other ranks arrive mid-build."""

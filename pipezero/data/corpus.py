@@ -155,6 +155,11 @@ def load_token_file(path: Path, cfg: DataConfig) -> Corpus:
         raise ConfigError(f"token file {name!r} holds id {int(tokens.max())}, but the tokenizer "
                           f"{cfg.tokenizer!r} has only {tok.vocab_size} tokens: tokenize with that tokenizer")
     cut = int(len(tokens) * (1.0 - cfg.heldout_fraction))
+    need = cfg.seq_len + 2  # one window and its next-token targets, each split (batches.heldout_batches)
+    if min(cut, len(tokens) - cut) < need:
+        raise ConfigError(f"token file {name!r} gives {cut} train and {len(tokens) - cut} held-out tokens "
+                          f"(--heldout-fraction {cfg.heldout_fraction}); each needs at least {need} for --seq-len "
+                          f"{cfg.seq_len}: give more tokens, a shorter --seq-len or a larger --heldout-fraction")
     return Corpus(np.asarray(tokens[:cut]), np.asarray(tokens[cut:]), tok, name)
 
 
