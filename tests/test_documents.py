@@ -307,3 +307,17 @@ def test_a_file_named_twice_is_read_once(tmp_path):
         return {bytes(np.asarray(d.tokens[a:b - 1]).astype(np.uint8)) for a, b in zip(d.offsets[:-1], d.offsets[1:])}
 
     assert texts(train).isdisjoint(texts(held))
+
+
+def test_a_file_rewritten_with_its_old_size_and_modification_time_is_read_again(tmp_path):
+    """Same path, same size, same mtime, other text: what a filesystem with coarse timestamps (1-2 s:
+    HFS+, FAT, some NFS servers) gives for an edit within the tick, and what `cp -p`, `rsync -t` or
+    `tar x` give for a new version of a file. The change time (never set by a tool) tells them apart."""
+    path = write_jsonl(tmp_path / "a.jsonl", [doc(i) for i in range(30)])
+    st = path.stat()
+    first = load_corpus(cfg_of(path))
+    write_jsonl(path, [doc(i)[::-1] for i in range(30)])  # the same length, other text
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    again = load_corpus(cfg_of(path))
+    assert not np.array_equal(np.asarray(again.train), np.asarray(first.train))

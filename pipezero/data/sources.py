@@ -59,12 +59,14 @@ def expand(paths: list[str]) -> list[Path]:
 
 
 def fingerprint(files: list[Path], *extra: object) -> str:
-    """A key for what these inputs hold: each path, size and modification time (a file rewritten
-    in place changes its mtime), plus `extra` settings that change the documents read."""
+    """A key for what these inputs hold: each path, size, modification and change time, plus
+    `extra` settings that change the documents read. The modification time alone can stay the same
+    across an edit: a filesystem with 1-2 s timestamps, or a tool that keeps it (`cp -p`, `rsync -t`,
+    `tar x`); the change time is set by every write and by no tool, as git's index relies on."""
     h = hashlib.sha256(repr(extra).encode())
     for f in files:
         st = f.stat()
-        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 
