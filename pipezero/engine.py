@@ -27,6 +27,7 @@ from pipezero.optim import lr_at, short_of_peak
 from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
+from pipezero.parallel.waits import wait_or_raise
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
@@ -50,10 +51,12 @@ def default_threads(local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def all_sum(values: list[float], group: object | None) -> list[float]:
+def all_sum(values: list[float], group: object | None, timeout_s: float, what: str) -> list[float]:
+    """Sum `values` over `group`, waiting at most `timeout_s` (a CPU tensor: gloo carries it on every
+    backend); a peer that stalls or died fails this rank with `what`, as every other wait does."""
     t = torch.tensor(values, dtype=torch.float64)
     if group is not None:
-        dist.all_reduce(t, group=group)
+        wait_or_raise(dist.all_reduce(t, group=group, async_op=True), timeout_s, what)
     return t.tolist()
 
 
@@ -181,7 +184,10 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     """Mean held-out token loss (collective over the pipeline)."""
-    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp)[0]
+    p2p = stage.executor.p2p
+    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp, p2p.timeout_s,
+                    f"rank {p2p.rank}, step {p2p.step}: held-out evaluation: all-reduce of the loss across "
+                    f"{stage.mesh.pp} pipeline ranks")[0]
     stage.zero.release_all()
     stage.peaks.mark("eval")
     return total / eval_tokens

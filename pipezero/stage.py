@@ -65,7 +65,7 @@ def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
     if names is None or schedule.n_chunks == 1:
         return None
     apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
-    group = tie_group(mesh.pp, mesh.dp, mesh.rank) if apart else None
+    group = tie_group(mesh) if apart else None
     local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
     return TiedCopies(local, head, group) if local else None
 

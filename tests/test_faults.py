@@ -52,3 +52,75 @@ def test_rank_that_stops_sending_fails_the_job_within_the_timeout(text_dir, tmp_
     assert code != 0
     assert "rank 1, step 3: chunk 1 waiting for activation of micro-batch 0 from rank 0" in log, log[-4000:]
     assert took < 60
+
+
+def mismatched_settings(rank: int, world: int, data: str, out: str) -> list[str]:
+    """Train two layouts whose settings differ on rank 1 (as under an outside torchrun started with
+    different flags on one node); report what each raised."""
+    from pipezero.config import ScheduleKind as K
+    from pipezero.engine import train
+    from pipezero.settings import build_config
+    from training import tiny_overrides
+
+    cases = [  # (layout, rank 1's own settings)
+        ((2, 1, K.ONE_F_ONE_B, 2), {"parallel.microbatches": 4}),  # a pipeline waiting for a 3rd micro-batch
+        ((1, 2, K.ONE_F_ONE_B, 2), {"optim.lr": 1e-2}),  # replicas that would silently drift apart
+    ]
+    seen = []
+    for i, ((pp, dp, kind, m), own) in enumerate(cases):
+        overrides = tiny_overrides(data, f"{out}/case{i}", pp, dp, kind, m,
+                                   **{"parallel.timeout_s": 20.0, "run.max_steps": 2, **(own if rank == 1 else {})})
+        t0 = time.monotonic()
+        try:
+            train(build_config(None, overrides))
+            seen.append("trained")
+        except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+            seen.append(f"{time.monotonic() - t0:.1f}|{type(e).__name__}: {e}")
+    return seen
+
+
+def test_settings_that_differ_between_ranks_are_refused_before_any_step(text_dir, tmp_path):
+    from pipezero.parallel.spawn import run_ranks
+
+    ranks = run_ranks(mismatched_settings, 2, str(text_dir), str(tmp_path), timeout=300)
+    for seen in ranks:
+        for outcome, name in zip(seen, ("parallel.microbatches", "optim.lr")):
+            took, _, error = outcome.partition("|")
+            assert error.startswith("ConfigError") and name in error and "rank 1" in error, seen
+            assert float(took) < 10, seen  # said at once, not after a wait runs into the timeout
+
+
+def stall_in_evaluation(rank: int, world: int, data: str, out: str) -> str:
+    """P=2: the last stage stalls after its held-out forward, so the first waits in the sum of the
+    held-out loss; report what the first stage saw."""
+    from pipezero.config import ScheduleKind as K
+    from pipezero.engine import train
+    from pipezero.runtime.executor import Executor
+    from pipezero.settings import build_config
+    from training import tiny_overrides
+
+    if rank == 1:
+        clean = Executor.evaluate
+
+        def evaluate(self, batches):
+            total = clean(self, batches)
+            time.sleep(20)  # stalls past the timeout (3 s), short of the process group's own (120 s)
+            return total
+
+        Executor.evaluate = evaluate
+    overrides = tiny_overrides(data, out, 2, 1, K.ONE_F_ONE_B, 2, **{"parallel.timeout_s": 3.0, "run.max_steps": 1})
+    t0 = time.monotonic()
+    try:
+        train(build_config(None, overrides))
+        return "trained"
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{time.monotonic() - t0:.1f}|{type(e).__name__}: {e}"
+
+
+def test_a_stage_stalling_in_evaluation_fails_its_peers_within_the_timeout(text_dir, tmp_path):
+    from pipezero.parallel.spawn import run_ranks
+
+    first, _ = run_ranks(stall_in_evaluation, 2, str(text_dir), str(tmp_path), timeout=120)
+    took, _, error = first.partition("|")
+    assert error.startswith("PipelineTimeout: rank 0, step 1: held-out evaluation"), first
+    assert "timed out after 3s" in error and float(took) < 18, first  # before the stalled rank came back

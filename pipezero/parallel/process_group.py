@@ -11,13 +11,15 @@ import torch.distributed as dist
 
 from pipezero.config import Device, TrainConfig
 from pipezero.errors import ConfigError
+from pipezero.parallel.agreement import check_same_settings
 from pipezero.parallel.device import backend, device_kind, rank_device
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
     """Join the process group torchrun describes (if any); return this rank and its device. A
     layout that does not match the number of ranks is refused before any collective runs. Where the
-    caller already made a group (tests, benchmarks), "auto" follows its backend."""
+    caller already made a group (tests, benchmarks), "auto" follows its backend. Every rank's
+    settings must equal rank 0's (parallel/agreement.py), checked once the group exists."""
     p = cfg.parallel
     kind = device_kind(cfg.run.device)
     if dist.is_initialized() and "nccl" not in str(dist.get_backend()):
@@ -35,6 +37,8 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
         # NCCL's watchdog, which bounds the stream-ordered waits (parallel/waits.py).
         dist.init_process_group(backend(device), timeout=timeout, **attempt_store(timeout),
                                 **({"device_id": device} if device.type == "cuda" else {}))
+    # Settings given differently to one rank (outside torchrun) are refused on every rank at once.
+    check_same_settings(cfg, device, p.timeout_s)
     return (dist.get_rank() if dist.is_initialized() else 0), device
 
 

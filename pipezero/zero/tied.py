@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipezero.parallel.mesh import Mesh
 from pipezero.parallel.waits import wait_or_raise
 
 
@@ -48,14 +49,17 @@ def find_tied(named: dict[str, nn.Parameter], names: tuple[str, str]) -> tuple[l
     return local, head
 
 
-def tie_group(pp: int, dp: int, rank: int) -> Any:
-    """Create (collectively, on every rank) the first/last-rank pair of each replica; return ours."""
-    if pp == 1:
+def tie_group(mesh: Mesh) -> Any:
+    """Create (collectively, on every rank) the first/last-rank pair of each replica; return ours.
+    The pair's global ranks come from the mesh: under `--placement pp-inner` a replica's stages are
+    neighbours (d x P and d x P + P - 1), and pairing by the dp-inner arithmetic would sum the
+    embedding gradients of two replicas of one stage instead."""
+    if mesh.pp == 1:
         return None
     mine = None
-    for d in range(dp):
-        pair = [0 * dp + d, (pp - 1) * dp + d]
+    for d in range(mesh.dp):
+        pair = [mesh.global_rank(0, d), mesh.global_rank(mesh.pp - 1, d)]
         g = dist.new_group(pair)
-        if rank in pair:
+        if mesh.rank in pair:
             mine = g
     return mine
