@@ -73,8 +73,8 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str) -> int:
         proc = subprocess.Popen(cmd, env=env)
         while proc.poll() is None and not received:
             time.sleep(0.1)
-        if not received:
-            return proc.returncode
+        if not received:  # a negative status is torchrun's own death by that signal: say it as a shell does
+            return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         stop(proc)
     finally:
         for s, handler in previous.items():

@@ -59,3 +59,13 @@ def test_sigterm_stops_every_rank_listening_on_loopback_and_holding_the_folder(t
     time.sleep(0.5)
     assert pids_with(str(out)) == []  # no orphaned rank
     assert latest(Path(out) / "checkpoints", Team()) is not None  # the newest complete checkpoint loads
+
+
+def test_a_launcher_killed_by_a_signal_exits_128_plus_that_signal(tmp_path):
+    """torchrun itself ended by a signal (the OOM killer's SIGKILL): the job's exit status is the
+    shell's 137, not Python's -9 (which sys.exit turns into 247)."""
+    from pipezero.job import run_job
+
+    cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    assert run_job(cmd, dict(os.environ), str(tmp_path)) == 128 + signal.SIGKILL
+    assert run_job([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), str(tmp_path)) == 3

@@ -45,7 +45,9 @@ def microbatches_for_rank(batch: tuple[torch.Tensor, ...], dp_rank: int, dp: int
 
 
 def heldout_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced, fixed held-out windows: the same every evaluation and every layout."""
+    """Evenly spaced, fixed held-out windows: the same every evaluation, and for every layout with
+    the same micro-batch size (`n_batches` micro-batches of `batch_size` rows: another size spaces
+    them differently)."""
     n = n_batches * batch_size
     starts = np.linspace(0, len(tokens) - seq_len - 2, num=n).astype(np.int64)
     inputs, targets = windows(tokens, starts, seq_len)
