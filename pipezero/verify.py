@@ -54,8 +54,9 @@ class Tolerance:
     micro-batches, another reduction tree) leaves ~1e-6 after a few steps of the tiny model at lr
     1e-3, so 1e-5 separates rounding from a bug there; the floor grows with the rate (8.4e-6 at
     1e-2), which `rounding_floor` measures for the run at hand. bf16 computes in 8-bit mantissas
-    (unit 3.9e-3) in another order than one bf16 process does: measured over 3 steps of `tiny` (P=2, and D=2 ZeRO-2), losses within
-    1.3e-5, gradient norms 2.8e-4, parameters 9.7e-4; a bug moves them by far more."""
+    (unit 3.9e-3) in another order than one bf16 process does: measured over 3 steps of `tiny`
+    (P=2, and D=2 ZeRO-2), losses within 1.3e-5, gradient norms 2.8e-4, parameters 9.7e-4; a bug
+    moves them by far more."""
 
     loss: float
     grad_norm: float
