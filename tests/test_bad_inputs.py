@@ -335,6 +335,8 @@ def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
 SIM_CASES = [
     (["simulate", "--comm", "-5"], "--comm = -5.0: expected a number >= 0"),
     (["simulate", "--pp", "0"], "--pp = 0: expected an integer >= 1"),
+    (["simulate", "--cost", "nan:1:1"], "--cost nan:1:1: expected three numbers > 0"),
+    (["simulate", "--cost", "inf:1:1"], "--cost inf:1:1: expected three numbers > 0"),
     (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
