@@ -20,6 +20,7 @@ from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
+from pipezero.data.tokenizer import id_bound
 from pipezero.freeze import frozen_params
 from pipezero.generate import sample
 from pipezero.models import ModelSpec, spec_of
@@ -218,7 +219,7 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
         model = next(iter(stage.chunks.values()))
         ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
                      stage.spec.max_seq_len or cfg.data.seq_len,
-                     cfg.run.seed)
+                     cfg.run.seed, vocab=id_bound(corpus.tokenizer))
         text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
     stage.zero.release_all()
     return text

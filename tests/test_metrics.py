@@ -49,3 +49,17 @@ def test_tokens_run_on_across_a_resume_with_another_global_batch(tmp_path, text_
     lines = records(out)
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert [r["tokens"] for r in lines] == [16 * 32, 2 * 16 * 32, 2 * 16 * 32 + 32 * 32]
+
+
+def test_end_of_run_sample_draws_only_tokens_the_tokenizer_decodes(tmp_path, text_dir):
+    """The tiny model has 4096 embedding rows and the byte tokenizer 256 ids: after a few steps the
+    rows beyond 256 still carry probability, and every id sampled there decoded to nothing, so a
+    64-token sample printed a handful of characters."""
+    from pipezero.engine import train
+
+    cfg = build_config(None, {"data.path": str(text_dir), "data.tokenizer": "bytes", "run.max_steps": 2,
+                              "data.seq_len": 32, "run.out": str(tmp_path / "run"), "run.progress": False,
+                              "run.sample_tokens": 64})
+    text = train(cfg).sample_text
+    assert text.startswith("def ")
+    assert len(text) >= (4 + 64) // 4  # 68 bytes decode to at least 17 characters (at most 4 bytes each)
