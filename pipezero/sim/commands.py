@@ -123,6 +123,9 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.from_trace:
         return cmd_from_trace(args)
+    if args.png and args.compare:  # one timeline a picture: it used to exit 0 having drawn nothing
+        raise ConfigError("--png draws one schedule's timeline, not a --compare table: drop --compare and name "
+                          "the schedule with --schedule")
     check_ranges(args, {"pp": (int, POSITIVE_INT), "microbatches": (int, POSITIVE_INT),
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
     f, b, w = parse_cost(args.cost)
