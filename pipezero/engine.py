@@ -20,6 +20,7 @@ from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
+from pipezero.data.tokenizer import id_bound
 from pipezero.freeze import frozen_params
 from pipezero.generate import sample
 from pipezero.models import ModelSpec, spec_of
@@ -94,12 +95,14 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             from pipezero.models.hf import keep_metadata
 
             keep_metadata(Path(cfg.model.pretrained), out / "hf")
-    tokens_per_step = g * seq_len
     eval_set = corpus.eval_batches(r.eval_batches, p.micro_batch_size, seq_len)
     eval_tokens = sum(int((mb[1] != IGNORE).sum()) for mb in eval_set)
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
+    # tokens trained on so far (targets that carry loss: not padding, not ignored boundaries);
+    # without the old log's figure, the windows read so far
+    trained = metrics.tokens if metrics and metrics.tokens is not None else read * seq_len
     board = TensorBoardLog(out) if lead and r.tensorboard else None
     peak_live = peak_gathered_run = 0
     bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
@@ -126,7 +129,8 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             stage.zero.reset_peak()  # from here to the optimizer step: this step's training
             stage.zero.begin_step()
             # the mean over the global batch's targets; packing ignores those across a document boundary
-            denom = max(1, int((batch[1] != IGNORE).sum()))
+            counted = int((batch[1] != IGNORE).sum())
+            denom = max(1, counted)
             stats = stage.executor.run(stage.program, mbs, denom)
             peak_live = max(peak_live, stats.peak_live)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
@@ -146,9 +150,10 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             result.losses.append(outcome.loss)
             result.grad_norms.append(outcome.grad_norm)
             result.peak_rss_training = rss = peak_rss_bytes()  # before this step's evaluation
+            trained += counted
             record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
-                      "grad_norm": finite_or_none(outcome.grad_norm), "tokens": tokens_per_step * (step + 1),
-                      "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                      "grad_norm": finite_or_none(outcome.grad_norm), "tokens": trained,
+                      "step_time_s": dt, "tokens_per_s": counted / dt,
                       "bubble": bubble, "peak_rss_mib": rss / 2**20,  # this (the writing) rank's
                       "bytes_sent": stage.executor.p2p.bytes_sent + stage.zero.bytes_sent}  # so far, before eval
             if not outcome.applied:
@@ -214,7 +219,7 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
         model = next(iter(stage.chunks.values()))
         ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
                      stage.spec.max_seq_len or cfg.data.seq_len,
-                     cfg.run.seed)
+                     cfg.run.seed, vocab=id_bound(corpus.tokenizer))
         text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
     stage.zero.release_all()
     return text

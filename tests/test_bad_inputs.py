@@ -335,6 +335,10 @@ def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
 SIM_CASES = [
     (["simulate", "--comm", "-5"], "--comm = -5.0: expected a number >= 0"),
     (["simulate", "--pp", "0"], "--pp = 0: expected an integer >= 1"),
+    (["simulate", "--cost", "nan:1:1"], "--cost nan:1:1: expected three numbers > 0"),
+    (["simulate", "--cost", "inf:1:1"], "--cost inf:1:1: expected three numbers > 0"),
+    (["simulate", "--compare", "--png", "{png}"], "--png draws one schedule's timeline"),
+    (["simulate", "--compare", "--zero", "1", "--png", "{png}"], "--png draws one schedule's timeline"),
     (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
@@ -353,7 +357,7 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("argv,needle", SIM_CASES, ids=[" ".join(c[0][:3]) + c[1][:12] for c in SIM_CASES])
 def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys):
-    files = {"empty": "", "notjson": '{"traceEvents": [', "notrace": '{"hello": 1}'}
+    files = {"empty": "", "notjson": '{"traceEvents": [', "notrace": '{"hello": 1}', "png": ""}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     argv = [str(tmp_path / a[1:-1]) if a[1:-1] in files else a for a in argv]

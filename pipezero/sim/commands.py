@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Iterator
 from rich.console import Console
 from rich.table import Table
@@ -25,12 +26,14 @@ def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]
 
 
 def parse_cost(text: str) -> tuple[float, float, float]:
+    """`--cost F:B:W`; nan and inf parse as floats but would time every action as nan or inf (a
+    table of nan% bubbles), so only finite positive costs pass."""
     try:
         f, b, w = (float(x) for x in text.split(":"))
     except ValueError:
         raise ConfigError(f"--cost wants F:B:W like 1:1:1, got {text!r}") from None
-    if min(f, b, w) <= 0:
-        raise ConfigError("--cost entries must be positive")
+    if not all(0 < x < math.inf for x in (f, b, w)):
+        raise ConfigError(f"--cost {text}: expected three numbers > 0 (relative F:B:W times, like 1:1:1)")
     return f, b, w
 
 
@@ -120,6 +123,9 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if args.from_trace:
         return cmd_from_trace(args)
+    if args.png and args.compare:  # one timeline a picture: it used to exit 0 having drawn nothing
+        raise ConfigError("--png draws one schedule's timeline, not a --compare table: drop --compare and name "
+                          "the schedule with --schedule")
     check_ranges(args, {"pp": (int, POSITIVE_INT), "microbatches": (int, POSITIVE_INT),
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
     f, b, w = parse_cost(args.cost)

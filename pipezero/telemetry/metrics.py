@@ -39,8 +39,11 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_steps and path.exists():
-            kept = [json.dumps(r) + "\n" for r in _records(path.read_text()) if r["step"] <= keep_steps]
-        atomic_write_bytes(path, "".join(kept).encode())
+            kept = [r for r in _records(path.read_text()) if r["step"] <= keep_steps]
+        # the running `tokens` total goes on from the kept log (None: the resumed step's line is gone)
+        last = kept[-1] if kept and kept[-1]["step"] == keep_steps else {}
+        self.tokens: int | None = last.get("tokens") if keep_steps else 0
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self._f = path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:

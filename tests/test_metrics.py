@@ -1,0 +1,65 @@
+"""What metrics.jsonl and summary.json tell a user about throughput: counted the same way however
+the data are packed, and carried across a resume."""
+
+import json
+
+from pipezero.cli import main
+from pipezero.data import load_corpus
+from pipezero.data.packing import IGNORE
+from pipezero.settings import build_config
+
+
+def short_documents(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(400)))
+    return path
+
+
+def records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tokens_count_the_targets_trained_not_the_padding(tmp_path):
+    """With `--packing none` each row is one short document, cut to its micro-batch's length: the
+    run reads far fewer than global batch x --seq-len tokens, and tokens/s must not count the rest."""
+    args = ["--data", str(short_documents(tmp_path)), "--tokenizer", "bytes", "--packing", "none",
+            "--seq-len", "64", "--max-steps", "2", "--sample-tokens", "0"]
+    out = tmp_path / "run"
+    assert main(["train", *args, "--out", str(out), "--no-progress"]) == 0
+    cfg = build_config(None, {"data.path": args[1], "data.tokenizer": "bytes", "data.packing": "none",
+                              "data.seq_len": 64})
+    corpus = load_corpus(cfg.data)
+    g = cfg.global_batch
+    trained = [int((corpus.batch(s, s * g, cfg.run.seed, g, 64)[1] != IGNORE).sum()) for s in range(2)]
+    assert trained[0] < g * 64 // 2  # the documents are short: most of each row is not trained on
+    lines = records(out)
+    assert [r["tokens"] for r in lines] == [trained[0], trained[0] + trained[1]]
+    for r, n in zip(lines, trained):
+        assert abs(r["tokens_per_s"] - n / r["step_time_s"]) <= 1e-6 * r["tokens_per_s"]
+
+
+def test_tokens_run_on_across_a_resume_with_another_global_batch(tmp_path, text_dir):
+    """A resume may change the global batch (README: allowed and warned about): `tokens` goes on
+    from the kept log's total, not the new batch size times the step."""
+    out = tmp_path / "run"
+    common = ["train", "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "32", "--sample-tokens", "0",
+              "--eval-every", "0", "--out", str(out), "--no-progress"]
+    assert main([*common, "--max-steps", "2", "--checkpoint-every", "2"]) == 0
+    assert main([*common, "--max-steps", "3", "--microbatches", "8", "--resume"]) == 0
+    lines = records(out)
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert [r["tokens"] for r in lines] == [16 * 32, 2 * 16 * 32, 2 * 16 * 32 + 32 * 32]
+
+
+def test_end_of_run_sample_draws_only_tokens_the_tokenizer_decodes(tmp_path, text_dir):
+    """The tiny model has 4096 embedding rows and the byte tokenizer 256 ids: after a few steps the
+    rows beyond 256 still carry probability, and every id sampled there decoded to nothing, so a
+    64-token sample printed a handful of characters."""
+    from pipezero.engine import train
+
+    cfg = build_config(None, {"data.path": str(text_dir), "data.tokenizer": "bytes", "run.max_steps": 2,
+                              "data.seq_len": 32, "run.out": str(tmp_path / "run"), "run.progress": False,
+                              "run.sample_tokens": 64})
+    text = train(cfg).sample_text
+    assert text.startswith("def ")
+    assert len(text) >= (4 + 64) // 4  # 68 bytes decode to at least 17 characters (at most 4 bytes each)
