@@ -349,6 +349,8 @@ SIM_CASES = [
      "--seq-len = 0: expected an integer >= 1"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--node-size", "0"],
      "--node-size = 0: expected an integer >= 1"),
+    (["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "80", "--seq-len", "2048"],
+     "--seq-len 2048 is longer than the model's max_seq_len 1024 (train refuses it)"),
     (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80"],
      "3 GPUs split into no layout: pp x dp must equal --gpus with pp <= 2 layers and dp dividing --global-batch "
      "1024; choose --gpus 2 or 4"),

@@ -58,7 +58,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--net-cpu", type=float, default=0.0,
                    help="host CPU-seconds a GB crossing a node's link costs those cores (bench/link_probe.py)")
     s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    s.add_argument("--seq-len", type=int, default=4096)
+    s.add_argument("--seq-len", type=int, default=None,
+                   help="tokens a sequence (default: the model's longest, at most 4096)")
     s.add_argument("--top", type=int, default=10)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plan)
@@ -100,9 +101,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "mfu": (float, Range(0, 1, open_low=True)), "overhead_ms": (float, NON_NEGATIVE),
                         "cores": (int, NON_NEGATIVE), "net_cpu": (float, NON_NEGATIVE)})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
+    seq_len = args.seq_len or min(4096, model.max_seq_len)
+    if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
+        raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len {model.max_seq_len} "
+                          f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
     t0 = time.perf_counter()
-    fits, considered = plan(model, cluster, args.seq_len, args.global_batch)
+    fits, considered = plan(model, cluster, seq_len, args.global_batch)
     took = time.perf_counter() - t0
     if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
         raise ConfigError(f"{cluster.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
