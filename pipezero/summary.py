@@ -94,7 +94,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
         "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
                        "collectives": [x["collective_bytes_sent"] for x in per_rank]},
         "ranks": per_rank,
-        "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches),
+        "zero_memory": {**explain(p.zero, p.dp, r.dtype, p.grad_reduce, p.microbatches, p.buckets_in_flight),
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),

@@ -188,3 +188,15 @@ def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
         assert r["more"]["from"] == 2 and r["more"]["losses"][0] == pytest.approx(first["losses"][2], rel=1e-5)
     for r in results:  # every rank refuses alike, before any collective of the load
         assert "was trained with --freeze" in r["thawed"] and "resume with --freeze" in r["thawed"], r["thawed"]
+
+
+def test_zero3_layer_by_layer_tied_head_with_its_norm_frozen(text_dir, tmp_path):
+    """At pp=1 the tied head's projection is the embedding, bucketed under layer 0: with the head's
+    norm frozen the head layer owns no bucket, yet it computes with the embedding's, which ZeRO-3
+    layer by layer must gather for it (it read released, zero-byte storage)."""
+    cases = [{"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "model.tie_embeddings": True,
+              "optim.freeze": r"layers\.7\.norm"},
+             {"pp": 1, "dp": 2, "kind": K.ZB_H1, "m": 2, "parallel.zero": 3, "model.tie_embeddings": True,
+              "optim.freeze": r"layers\.7\.norm"}]
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
+    assert_same_training(results, str(text_dir), tmp_path)

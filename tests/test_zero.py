@@ -166,3 +166,13 @@ def test_tied_embeddings_with_a_pipeline_on_neighbouring_ranks(text_dir, tmp_pat
               "parallel.placement": "pp-inner"}]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
+
+
+def test_memory_note_counts_the_buckets_in_flight_it_was_given():
+    """summary.json's `grad_reduce_note` says how many full gradient buckets a microbatch-mode rank
+    may hold: the one backward fills and the `--buckets-in-flight` still reduce-scattering."""
+    from pipezero.config import DType
+    from pipezero.zero.accounting import explain
+
+    assert "up to 2 buckets" in explain(2, 2, DType.FP32, GradReduce.MICROBATCH, 4)["grad_reduce_note"]
+    assert "up to 4 buckets" in explain(3, 2, DType.FP32, GradReduce.MICROBATCH, 4, in_flight=3)["grad_reduce_note"]

@@ -30,7 +30,10 @@ def ours_bytes_per_param(stage: int, dp: int) -> float:
 
 
 def explain(stage: int, dp: int, dtype: DType, grad_reduce: GradReduce = GradReduce.STEP,
-            microbatches: int = 1) -> dict:
+            microbatches: int = 1, in_flight: int = 1) -> dict:
+    """The paper's and our bytes a parameter, and what `grad_reduce` costs. `in_flight`
+    (--buckets-in-flight): reduce-scatters that may still run while backward fills the next bucket,
+    so a microbatch-mode rank holds up to `in_flight + 1` full gradient buckets (zero/sharded.py)."""
     mixed = dtype is DType.BF16
     paper = paper_bytes_per_param(stage, dp, mixed)
     ours = ours_bytes_per_param(stage, dp)
@@ -48,8 +51,9 @@ def explain(stage: int, dp: int, dtype: DType, grad_reduce: GradReduce = GradRed
                                        f"parameter over the paper's stage {stage}; one reduce-scatter a step")
         else:
             out["grad_reduce_note"] = (f"microbatch: each micro-batch's gradient is reduce-scattered into the fp32 "
-                                       f"shard as backward produces it (the paper's stage {stage} memory, up to two "
-                                       f"buckets in flight); {microbatches} reduce-scatters a step instead of one")
+                                       f"shard as backward produces it (the paper's stage {stage} memory, up to "
+                                       f"{in_flight + 1} buckets of full gradient at once); {microbatches} "
+                                       f"reduce-scatters a step instead of one")
     return out
 
 

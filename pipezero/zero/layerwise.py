@@ -59,9 +59,40 @@ def install(zero: Gatherer, chunks: dict[int, nn.Module]) -> None:
             bucket = by_layer[idx]
             after = by_layer[layers[pos + 1][0]] if pos + 1 < len(layers) else None
             before = by_layer[layers[pos - 1][0]] if pos > 0 else None
-            borrowed = list(dict.fromkeys(b for q in module.parameters()
-                                          if (b := by_param.get(q)) not in (None, bucket)))
-            _hook_layer(zero, module, bucket, after, before, borrowed)
+            _hook_layer(zero, module, bucket, after, before, _borrowed(module, bucket, by_param))
+        # A layer whose own tensors are all frozen owns no bucket, but may still compute with
+        # another layer's (a tied head whose norm is frozen: its projection is the embedding)
+        for k, module in chunk.layers.items():
+            if int(k) not in by_layer and (borrowed := _borrowed(module, None, by_param)):
+                _hook_borrower(zero, module, borrowed)
+
+
+def _borrowed(module: nn.Module, own: Bucket | None, by_param: dict[nn.Parameter, Bucket]) -> list[Bucket]:
+    """Buckets other than `own` that hold parameters `module` computes with, in order, once each."""
+    return list(dict.fromkeys(b for q in module.parameters() if (b := by_param.get(q)) not in (None, own)))
+
+
+def _hook_borrower(zero: Gatherer, module: nn.Module, borrowed: list[Bucket]) -> None:
+    """Gather the buckets a bucketless layer borrows around its forward and again before its
+    backward; they are released after its forward and, as any borrowed bucket, after the chunk's
+    backward (zero/gathering.py release_layers)."""
+    def pre_forward(_m: nn.Module, _args: tuple) -> None:
+        for b in borrowed:
+            zero.gather(b)
+
+    def post_forward(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+        if torch.is_grad_enabled() and out.requires_grad:
+            out.register_hook(pre_backward)
+        for b in borrowed:
+            zero.release(b)
+
+    def pre_backward(grad: torch.Tensor) -> torch.Tensor:
+        for b in borrowed:
+            zero.gather(b)
+        return grad
+
+    module.register_forward_pre_hook(pre_forward)
+    module.register_forward_hook(post_forward)
 
 
 def _hook_layer(zero: Gatherer, module: nn.Module, bucket: Bucket, after: Bucket | None,
