@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from pipezero.parallel.waits import gather_objects
+
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -39,10 +41,8 @@ def report_nonfinite(outcome: StepOutcome, local_loss: float, step: int, pp_rank
     """Say which pipeline stages produced the non-finite loss or gradients of a skipped step
     (every rank takes part), and stop the run after `limit` such steps in a row."""
     mine = (pp_rank, math.isfinite(local_loss), outcome.local_grads_finite)
-    flags = [mine]
-    if dist.is_initialized():
-        flags = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(flags, mine)
+    where = f"rank {dist.get_rank()}, " if dist.is_initialized() else ""
+    flags = gather_objects(mine, f"{where}step {step}: non-finite step: which stages produced it")
     bad_loss = sorted({s for s, loss_ok, _ in flags if not loss_ok})
     bad_grads = sorted({s for s, _, grads_ok in flags if not grads_ok})
     what = "; ".join(x for x in (f"loss on stage {bad_loss}" if bad_loss else "",

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
+from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
 from pipezero.telemetry.trace import write_trace
@@ -65,13 +65,9 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
-    per_rank, events = [mine], [stage.tracer.events]
-    if dist.is_initialized():
-        per_rank = [None] * dist.get_world_size()  # type: ignore[list-item]
-        dist.all_gather_object(per_rank, mine)
-        if r.trace:
-            events = [None] * dist.get_world_size()  # type: ignore[list-item]
-            dist.all_gather_object(events, stage.tracer.events)
+    end = f"rank {stage.mesh.rank}: end of run"
+    per_rank = gather_objects(mine, f"{end}: every rank's figures for summary.json")
+    events = gather_objects(stage.tracer.events, f"{end}: every rank's trace") if r.trace else [stage.tracer.events]
     if stage.mesh.rank != 0:
         return
     one_replica = [stage.mesh.global_rank(s, 0) for s in range(p.pp)]  # a rank a stage, as placed

@@ -26,3 +26,26 @@ def test_silent_peer_times_out_with_named_operation():
     took, text = message.split("|", 1)
     assert float(took[:-1]) < 10
     assert "rank 1, step 7: chunk 1 waiting for activation of micro-batch 5 from rank 0" in text
+
+
+def departed_peer(rank: int, world: int) -> str:
+    from pipezero.parallel.waits import PipelineTimeout, gather_objects
+
+    if rank == 1:
+        return "left"  # its process ends without joining the gather
+    t0 = time.monotonic()
+    try:
+        gather_objects({"rank": rank}, "rank 0: end of run: every rank's figures for summary.json")
+    except PipelineTimeout as e:
+        return f"{time.monotonic() - t0:.1f}s|{e}"
+    return "gathered?"
+
+
+def test_an_object_gather_whose_peer_left_fails_naming_the_operation():
+    """summary.json's and a non-finite step's gathers have no async form: a peer that is gone fails
+    them with the operation named, not a bare gloo error."""
+    message, left = run_ranks(departed_peer, 2, timeout=90)
+    assert left == "left"
+    took, text = message.split("|", 1)
+    assert float(took[:-1]) < 60
+    assert text.startswith("rank 0: end of run: every rank's figures for summary.json: failed after"), text

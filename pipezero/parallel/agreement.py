@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.parallel.collectives import all_gather
-from pipezero.parallel.waits import wait_or_raise
+from pipezero.parallel.waits import gather_objects, wait_or_raise
 
 # Settings a rank may hold on its own: how many CPU threads it computes with, and the progress bar
 # (drawn by rank 0 alone). Everything else shapes the collectives or the numbers.
@@ -53,8 +53,7 @@ def check_same_settings(cfg: TrainConfig, device: torch.device, timeout_s: float
     if bool((digests == digests[0]).all()):
         return
     # Every rank saw the same digests, so all take this path together.
-    settings: list[dict[str, Any] | None] = [None] * world
-    dist.all_gather_object(settings, mine)
+    settings: list[dict[str, Any] | None] = gather_objects(mine, f"rank {rank}: every rank's settings")
     first = settings[0] or {}
     r = next(r for r in range(1, world) if settings[r] != first)
     other = settings[r] or {}

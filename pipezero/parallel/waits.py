@@ -32,3 +32,21 @@ def wait_or_raise(work: Any, timeout_s: float, what: str, stream_ordered: bool =
         raise PipelineTimeout(f"{what}: {how} ({e})") from e
     if ok is False:
         raise PipelineTimeout(f"{what}: timed out after {timeout_s:g}s")
+
+
+def gather_objects(obj: Any, what: str) -> list[Any]:
+    """Every rank's `obj`, in rank order (`[obj]` without a process group). An object gather has no
+    asynchronous form, so the group's own timeout (`--timeout`, set when it was made) bounds it;
+    a failure (a peer gone, or that timeout) names `what`, as every other wait does."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    t0 = time.monotonic()
+    try:
+        dist.all_gather_object(out, obj)
+    except RuntimeError as e:  # gloo's and NCCL's errors (DistBackendError) are RuntimeErrors
+        raise PipelineTimeout(f"{what}: failed after {time.monotonic() - t0:.1f}s (a peer gone, or past "
+                              f"--timeout) ({e})") from e
+    return out
