@@ -178,7 +178,7 @@ class RunConfig:
     device: Device = Device.AUTO
     out: str = "runs/latest"
     eval_every: int = 50  # held-out loss every K steps (and at the end); 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # an evaluation reads this many global batches of held-out windows (any layout: the same)
     sample_tokens: int = 64  # length of the text sample printed at the end; 0 = none
     checkpoint_every: int = 0  # save a sharded checkpoint every K steps and at the end; 0 = never
     keep_checkpoints: int = 3  # the newest N complete checkpoints are kept, older ones deleted

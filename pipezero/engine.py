@@ -95,8 +95,12 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             from pipezero.models.hf import keep_metadata
 
             keep_metadata(Path(cfg.model.pretrained), out / "hf")
-    eval_set = corpus.eval_batches(r.eval_batches, p.micro_batch_size, seq_len)
-    eval_tokens = sum(int((mb[1] != IGNORE).sum()) for mb in eval_set)
+    # The held-out windows: `eval_batches` global batches of them, spaced over the held-out data, so
+    # which windows (and so the held-out loss) depends on the global batch alone, never on P, D, M
+    # or B; each replica evaluates its share, cut as training cuts a batch.
+    (held,) = corpus.eval_batches(1, r.eval_batches * g, seq_len)
+    eval_set = corpus.microbatches(held, mesh.dp_rank, p.dp, r.eval_batches * p.microbatches)
+    eval_tokens = int((held[1] != IGNORE).sum())
     result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
     show = r.progress and lead
     metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
@@ -188,11 +192,12 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
 
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
-    """Mean held-out token loss (collective over the pipeline)."""
+    """Mean held-out token loss over every replica's share (collective over all ranks: each
+    replica's last stage holds its share's summed loss, every other rank zero)."""
     p2p = stage.executor.p2p
-    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.pp, p2p.timeout_s,
+    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.world, p2p.timeout_s,
                     f"rank {p2p.rank}, step {p2p.step}: held-out evaluation: all-reduce of the loss across "
-                    f"{stage.mesh.pp} pipeline ranks")[0]
+                    f"{stage.mesh.world_size} ranks")[0]
     stage.zero.release_all()
     stage.peaks.mark("eval")
     return total / eval_tokens

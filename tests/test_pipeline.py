@@ -78,6 +78,38 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
 
 
 @pytest.mark.slow
+def heldout_of(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict[int, float]]:
+    """Each case's held-out losses (step -> loss) on this rank."""
+    from pipezero.engine import train
+    from pipezero.settings import build_config
+    from training import tiny_overrides
+
+    return [train(build_config(None, tiny_overrides(data, f"{out}/case{i}", **case))).heldout
+            for i, case in enumerate(cases)]
+
+
+def test_the_heldout_loss_is_the_same_for_every_layout(text_dir, tmp_path):
+    """The held-out windows follow the global batch only: micro-batches of 1, 2 and 4 sequences,
+    over a pipeline or over replicas, evaluate the same windows and report the same loss (a
+    replica evaluates its share; the loss is summed over every rank)."""
+    from pipezero.engine import train
+    from pipezero.settings import build_config
+    from training import tiny_overrides
+
+    extra = {"run.eval_every": 2, "run.eval_batches": 2}
+    cases = [{"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 1, "parallel.micro_batch_size": 2, **extra},
+             {"pp": 2, "dp": 1, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.micro_batch_size": 1, **extra}]
+    per_rank = run_ranks(heldout_of, 2, str(text_dir), str(tmp_path), cases, timeout=600)
+    one = train(build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "one"), 1, 1, K.ONE_F_ONE_B, 1,
+                                                  **{"parallel.micro_batch_size": 4, **extra}))).heldout
+    assert sorted(one) == [2, 4, 5]
+    for case, results in zip(cases, zip(*per_rank)):
+        for rank, heldout in enumerate(results):
+            assert sorted(heldout) == sorted(one), (case, rank)
+            for step, loss in heldout.items():
+                assert abs(loss - one[step]) <= 1e-5 * one[step], (case, rank, step, loss, one[step])
+
+
 def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule
