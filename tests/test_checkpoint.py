@@ -247,11 +247,11 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     res = train(cfg)
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")]) == 0
     model = load_exported(tmp_path / "export")
-    batches = load_corpus(cfg.data).eval_batches(cfg.run.eval_batches, cfg.parallel.micro_batch_size,
-                                                 cfg.data.seq_len)
-    tokens = sum(int((mb[1] != IGNORE).sum()) for mb in batches)
+    # the run's held-out windows: eval_batches global batches of them, one batch here
+    (held,) = load_corpus(cfg.data).eval_batches(1, cfg.run.eval_batches * cfg.global_batch, cfg.data.seq_len)
+    tokens = int((held[1] != IGNORE).sum())
     with torch.no_grad():  # (tokens, targets[, document ids]): the run's packed held-out rows
-        loss = sum(float(lm_loss(model(mb[0], *mb[2:]), mb[1], tokens)) for mb in batches)
+        loss = float(lm_loss(model(held[0], *held[2:]), held[1], tokens))
     assert loss == pytest.approx(res.heldout[3], rel=1e-6)
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
