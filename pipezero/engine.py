@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipezero.checkpoint import resume, save
+from pipezero.checkpoint import resume, save, saves_after
 from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
-from pipezero.data.tokenizer import id_bound
 from pipezero.freeze import frozen_params
 from pipezero.generate import sample
 from pipezero.models import ModelSpec, spec_of
@@ -169,7 +168,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 metrics.write(record)
             if board:
                 board.write(record)
-            if r.checkpoint_every and ((step + 1) % r.checkpoint_every == 0 or step + 1 == r.max_steps):
+            if saves_after(cfg, step + 1):
                 save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen, spec=spec)
             progress.update(step, outcome.loss, record["tokens_per_s"])
     stage.zero.settle()  # nothing in flight past the loop
@@ -224,7 +223,7 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
         model = next(iter(stage.chunks.values()))
         ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
                      stage.spec.max_seq_len or cfg.data.seq_len,
-                     cfg.run.seed, vocab=id_bound(corpus.tokenizer))
+                     cfg.run.seed, vocab=corpus.vocab_size)
         text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
     stage.zero.release_all()
     return text

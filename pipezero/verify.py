@@ -296,9 +296,7 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     console.print(f"training {steps} steps of one process (pp=1 dp=1, M={p.microbatches * p.dp}) ...")
     ref_cfg = reference_config(run_cfg, out)
     ref = train(ref_cfg, snapshot=True)
-    checks = compare_steps(ranks, ref.losses, ref.grad_norms, tol)
-    param_checks, problems = compare_params(ranks, with_tied_head(ref.params, cfg), tol.params)
-    checks += param_checks
+    checks, problems = against(ranks, ref, cfg)
     floor_cfg, floor = rounding_floor(ref_cfg, ref, cfg, console)
     ok = not problems and all(c.ok for c in checks)
     console.print(table(checks, ranks, describe(cfg), steps, floor, tol))
@@ -330,9 +328,16 @@ def rounding_floor(ref_cfg: TrainConfig, ref: RunResult, layout: TrainConfig,
                   f"sequences (the rounding floor) ...")
     again = train(floor_cfg, snapshot=True)
     me = [RankResult(0, 0, 0, again.losses, again.grad_norms, with_tied_head(again.params, layout))]
+    return floor_cfg, against(me, ref, layout)[0]
+
+
+def against(ranks: list[RankResult], ref: RunResult, layout: TrainConfig) -> tuple[list[Check], list[str]]:
+    """Every step's loss and norm, then every parameter, of `ranks` against one process's `ref`
+    (both ends of a tied embedding compared), at the layout's dtype's tolerance; and what no rank
+    holds or the reference lacks."""
     tol = TOLERANCES[layout.run.dtype]
-    return floor_cfg, compare_steps(me, ref.losses, ref.grad_norms, tol) + \
-        compare_params(me, with_tied_head(ref.params, layout), tol.params)[0]
+    params, problems = compare_params(ranks, with_tied_head(ref.params, layout), tol.params)
+    return compare_steps(ranks, ref.losses, ref.grad_norms, tol) + params, problems
 
 
 def verdict(ok: bool, rounding: bool, tol: Tolerance, cut: list[int] | None, lr: float, problems: bool) -> str:

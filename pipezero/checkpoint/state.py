@@ -41,17 +41,17 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
     return Path(cfg.run.out) / "checkpoints"
 
 
-def save_steps(cfg: TrainConfig) -> set[int]:
-    """The steps a run of `cfg` saves a checkpoint after (as engine.train decides)."""
+def saves_after(cfg: TrainConfig, step: int) -> bool:
+    """Whether a run of `cfg` saves a checkpoint after step `step` (1-based): every
+    --checkpoint-every steps and after the last."""
     every, last = cfg.run.checkpoint_every, cfg.run.max_steps
-    return set(range(every, last + 1, every)) | {last} if every else set()
+    return bool(every) and step <= last and (step % every == 0 or step == last)
 
 
 def clashes(cfg: TrainConfig) -> str | None:
     """For a new run (`--force`) beside another in the same folder: the other run's checkpoints
     this one would replace, saving the same steps, as one line naming the fix; None if none."""
-    steps = save_steps(cfg)
-    mine = [p.name for n, p in committed(checkpoint_root(cfg)) if n in steps]
+    mine = [p.name for n, p in committed(checkpoint_root(cfg)) if saves_after(cfg, n)]
     if not mine:
         return None
     shown = ", ".join(mine[:3]) + (", ..." if len(mine) > 3 else "")
