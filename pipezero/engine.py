@@ -124,7 +124,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
         for step in range(start, r.max_steps):
             lr = lr_at(step, cfg.optim, r.max_steps)
             t0 = time.perf_counter()
-            stage.executor.p2p.step = stage.tracer.step = step + 1
+            stage.tracer.step = step + 1  # the one step counter: p2p's and ZeRO's messages read it too
             batch = corpus.batch(step, read, r.seed, g, seq_len)
             read += g
             mbs = corpus.microbatches(batch, mesh.dp_rank, p.dp, p.microbatches)
@@ -195,7 +195,7 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     replica's last stage holds its share's summed loss, every other rank zero)."""
     p2p = stage.executor.p2p
     total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.world, p2p.timeout_s,
-                    f"rank {p2p.rank}, step {p2p.step}: held-out evaluation: all-reduce of the loss across "
+                    f"rank {p2p.rank}, step {stage.tracer.step}: held-out evaluation: all-reduce of the loss across "
                     f"{stage.mesh.world_size} ranks")[0]
     stage.zero.release_all()
     stage.peaks.mark("eval")

@@ -30,7 +30,7 @@ if int(os.environ["RANK"]) == int(rank) and os.environ.get("TORCHELASTIC_RESTART
         clean_send = P2P.send
 
         def send(self, *args, **kwargs):
-            if self.step >= int(at):
+            if self.tracer.step >= int(at):
                 time.sleep(3600)
             clean_send(self, *args, **kwargs)
 

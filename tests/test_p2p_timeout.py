@@ -7,8 +7,9 @@ from pipezero.parallel.spawn import run_ranks
 
 def silent_peer(rank: int, world: int) -> str:
     from pipezero.runtime.p2p import P2P, Kind, PipelineTimeout
+    from pipezero.telemetry.trace import Tracer
 
-    p2p = P2P(rank, {0: 0, 1: 1}, (2, 4), timeout_s=2.0, step=7)
+    p2p = P2P(rank, {0: 0, 1: 1}, (2, 4), timeout_s=2.0, tracer=Tracer(step=7))
     if rank == 0:
         time.sleep(4.0)  # stalls: never sends the activation
         return "stalled"

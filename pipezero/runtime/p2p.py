@@ -41,7 +41,6 @@ class P2P:
     dtype: torch.dtype = torch.float32  # on the wire; bf16 halves the traffic
     boundary: torch.dtype = torch.float32  # what chunks hand over and take (the residual stream's dtype)
     device: torch.device = torch.device("cpu")  # where buffers live (a GPU: NCCL moves them)
-    step: int = 0
     # Sequence length of each micro-batch of the step (or evaluation) under way: every rank holds
     # the micro-batches, so each receiver knows a transfer's shape without it travelling.
     lengths: Sequence[int] = ()
@@ -57,7 +56,7 @@ class P2P:
 
     def describe(self, kind: Kind, chunk: int, mb: int) -> str:
         what = "gradient" if kind is Kind.GRAD else "activation"
-        return (f"rank {self.rank}, step {self.step}: chunk {chunk} waiting for {what} of micro-batch {mb} "
+        return (f"rank {self.rank}, step {self.tracer.step}: chunk {chunk} waiting for {what} of micro-batch {mb} "
                 f"from rank {self._source(kind, chunk)}")
 
     def post_recv(self, kind: Kind, chunk: int, mb: int) -> None:
@@ -88,7 +87,7 @@ class P2P:
         work = dist.isend(payload, dst=dst)
         self.bytes_sent += payload.numel() * payload.element_size()
         what = "gradient" if kind is Kind.GRAD else "activation"
-        self._sends.append((work, f"rank {self.rank}, step {self.step}: sending {what} of micro-batch {mb} "
+        self._sends.append((work, f"rank {self.rank}, step {self.tracer.step}: sending {what} of micro-batch {mb} "
                                   f"for chunk {consumer} to rank {dst}"))
 
     def finish(self) -> None:
@@ -98,7 +97,7 @@ class P2P:
         self._sends.clear()
         if self._recvs or self._local:
             left = sorted(self._recvs) + sorted(self._local)
-            raise RuntimeError(f"rank {self.rank}, step {self.step}: transfers never consumed: {left}")
+            raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: transfers never consumed: {left}")
 
     def _wait(self, work: Any, what: str) -> None:
         t0 = time.perf_counter()

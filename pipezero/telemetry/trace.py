@@ -34,6 +34,8 @@ class Tracer:
 
     rank: int = 0
     enabled: bool = False
+    # The optimizer step under way (1-based, the true step after a resume): the rank's one step
+    # counter, which p2p's and ZeRO's messages name too, so no part counts steps of its own.
     step: int = 0
     sync: Callable[[], None] | None = None  # waits for queued device work (torch.cuda.synchronize)
     keep_steps: int = 3  # the ring: the newest steps kept (the trace's PNG shows the last one)

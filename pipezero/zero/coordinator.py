@@ -37,7 +37,6 @@ class Coordinator:
     comm_dtype: torch.dtype  # bf16 halves gradient and ZeRO-3 parameter traffic
     on_gpu: bool  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
     hierarchy: Hierarchy | None = None  # --hierarchical: gradient reductions inside the node, then across
-    step_no: int = 0
     bytes_sent: int = 0
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
@@ -46,7 +45,7 @@ class Coordinator:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
         across = across or f"across {self.dp} data-parallel ranks"
         with self.tracer.span(op, "wait", "collectives"):
-            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.step_no}: ZeRO-{self.rules.stage} "
+            wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: ZeRO-{self.rules.stage} "
                                                 f"{op} {across}", stream_ordered=self.on_gpu)
 
     # --- gradient reductions -----------------------------------------------------------------

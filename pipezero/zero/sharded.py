@@ -117,11 +117,10 @@ class ZeroDP:
 
     @property
     def step_no(self) -> int:
-        return self.comm.step_no
+        return self.tracer.step
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.comm.step_no += 1
         for b in self.all_buckets():
             if b.grad is not None:
                 b.grad.zero_()
@@ -216,7 +215,7 @@ class ZeroDP:
         """Finish the reductions, clip and update this rank's shards (zero/update.py), and start
         making full parameters available again (stages 1 and 2)."""
         if self.tied is not None:  # tied copies first: their buckets were held back for this
-            self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.comm.step_no}: sum of tied embedding "
+            self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: sum of tied embedding "
                                                 f"gradients between the first and last pipeline rank")
             for b in self.all_buckets():
                 if b.tied:
