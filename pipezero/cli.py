@@ -189,6 +189,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipezero.checkpoint.export import export
 
     source = Path(args.source)
+    if not args.out.strip():
+        raise ConfigError("--out is empty: name a new folder for the export")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
     try:
