@@ -155,6 +155,48 @@ def test_export_never_writes_into_a_runs_own_folders(trained, tmp_path, capsys, 
     assert tree(run) == before
 
 
+def test_a_save_never_removes_what_it_did_not_write(tmp_path):
+    """store.write replaced whatever sat at checkpoints/step-N: an export, a user's file, another
+    run's checkpoint. It refuses instead, naming the path and the fix, and leaves nothing behind; its
+    own checkpoint of that step (one that failed its checksum) it still replaces."""
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    export = root / "step-00000002"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"mine")
+    (root / "step-00000003").write_text("a file of mine")
+    write(root, 4, {"x": torch.zeros(4)}, {"run": "other"}, keep=5, team=Team())
+    before = tree(root)
+    for step in (2, 3, 4):
+        with pytest.raises(CheckpointError, match=rf"{root}/step-0000000{step} .*not a checkpoint this run wrote"):
+            write(root, step, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+        assert tree(root) == before
+    own = write(root, 5, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (own / "__0_0.distcp").write_bytes(b"bit rot")
+    again = write(root, 5, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    assert again == own and (own / "__0_0.distcp").read_bytes() != b"bit rot"
+    assert [s for s, _ in committed(root)] == [4, 5]
+
+
+def test_a_run_that_would_save_over_a_folder_it_did_not_write_is_refused_before_training(trained, tmp_path, capsys):
+    """`export --format hf --out RUN/checkpoints/step-00000002` was accepted, and a later `--resume
+    --max-steps 2` deleted it without a word at its save. The run is refused before it trains, one
+    line naming the folder and the fix; likewise a --force run beside it."""
+    run = copy_run(trained, tmp_path / "run")
+    export = run / "checkpoints" / "step-00000002"
+    assert main(["export", str(trained["run"]), "--format", "hf", "--out", str(tmp_path / "e")]) == 0
+    shutil.copytree(tmp_path / "e", export)  # as the export there was accepted
+    before = tree(run)
+    base = ["train", "--model", str(trained["model"]), "--data", str(trained["docs"]), "--max-steps", "2",
+            "--out", str(run), *SMALL]
+    for flags in (["--resume", "--checkpoint-every", "1"], ["--force", "--checkpoint-every", "2"]):
+        assert_one_line(*run_main([*base, *flags], capsys), f"{export} is not a checkpoint this run wrote")
+        after = tree(run)
+        assert after.pop(".lock") and after == {k: v for k, v in before.items() if k != ".lock"}, flags  # the
+        # lock file, which was there, holds the pid of the last process that locked it
+
+
 # 3. an export's config must describe the checkpoint's weights
 
 
