@@ -256,6 +256,25 @@ def test_export_out_that_is_a_symlink_or_cannot_be_made_is_one_line(trained, tmp
 # 5. a refused run leaves its --out as it found it
 
 
+def test_a_refused_run_leaves_its_folder_as_it_found_it(trained, tmp_path, capsys):
+    """A run refused after it claimed --out (here: too few documents for the global batch, found when
+    the corpus is read) left --out/.lock and .run-id behind, and the folders it made; a refusal of
+    the claim itself (a folder holding a run) left a .lock there. Now nothing is left or changed."""
+    base = ["train", "--model", str(trained["model"]), "--data", str(trained["docs"]), "--max-steps", "1",
+            "--seq-len", "16", "--no-progress"]
+    too_big = ["--microbatches", "64", "--micro-batch-size", "64"]
+    assert_one_line(*run_main([*base, *too_big, "--out", str(tmp_path / "a" / "b" / "run")], capsys),
+                    "give more documents")
+    assert not (tmp_path / "a").exists()
+    run = copy_run(trained, tmp_path / "run")
+    (run / ".lock").unlink()
+    before = tree(run)
+    assert_one_line(*run_main([*base, "--out", str(run)], capsys), "already holds a run")
+    assert tree(run) == before
+    assert_one_line(*run_main([*base, *too_big, "--resume", "--out", str(run)], capsys), "give more documents")
+    assert tree(run) == before
+
+
 # 6. a run that saved no checkpoint
 
 
