@@ -24,8 +24,6 @@ from pipezero.errors import ConfigError
 from pipezero.rundir import RUN_ID
 from pipezero.util import make_folders, remove_made
 
-RUN_OWN = ("checkpoints", "hf")  # the folders of a run that the run itself writes and deletes in
-
 
 def run_of_source(source: Path) -> Path | None:
     """The run folder an export's `source` belongs to: itself (a run), the run of a
