@@ -130,8 +130,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
     from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
-    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
+    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
+    if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
+        from pipezero.checkpoint.state import resume_clashes
+
+        if clash := resume_clashes(cfg, run_id(cfg.run.out)):
+            raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
         device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once
@@ -189,6 +194,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipezero.checkpoint.export import export
 
     source = Path(args.source)
+    if not args.out.strip():
+        raise ConfigError("--out is empty: name a new folder for the export")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
     try:

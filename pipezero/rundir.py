@@ -13,6 +13,10 @@ deletes only checkpoints of the same id, and resuming takes only those, so a `--
 deletes or continues from the checkpoints of the run it trained beside; a `--force` run that would
 save a step that run saved (the same `step-N` folder) is refused before it starts. `--resume` keeps
 the id.
+
+A run refused after its claim (the corpus too small for a batch, a checkpoint of another model),
+or one that failed before writing anything, leaves the folder as the claim found it: no `.lock`, no
+new `.run-id`, none of the folders made for it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
-from pipezero.util import atomic_write_bytes
+from pipezero.util import atomic_write_bytes, make_folders, remove_made
 
 LOCK = ".lock"
 RUN_ID = ".run-id"
@@ -42,18 +46,62 @@ def run_id(out: str | Path) -> str | None:
         return None
 
 
+Entries = dict[str, tuple[int, int, int]]
+
+
+def _entries(path: Path) -> Entries:
+    """The folder's entries besides the claim's own files, each as (inode, mtime, size): a run that
+    wrote anything at the top of its folder, or made or removed anything in a folder there (its
+    checkpoints, RUN/hf), changes one of them."""
+    out = {}
+    for p in path.iterdir():
+        if p.name not in (LOCK, RUN_ID):
+            st = p.lstat()
+            out[p.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return out
+
+
+@dataclass
+class AsFound:
+    """The run folder as a claim found it, to put back when the run is refused: nothing of a run
+    that never started may stay (a .lock, a .run-id, the folders made for it)."""
+
+    made: list[Path]  # folders the claim created, innermost first
+    had_lock: bool
+    previous_id: bytes | None  # the .run-id file's bytes; None: there was none
+    entries: Entries
+
+
 @dataclass
 class Claim:
-    """An exclusive hold on a run folder; release it (or leave the `with` block) when the run ends."""
+    """An exclusive hold on a run folder; release it (or leave the `with` block) when the run ends.
+    A run that wrote nothing there (refused, or failed before it started) leaves the folder as it
+    found it."""
 
     path: Path
     fd: int
     id: str
+    found: AsFound
 
     def release(self) -> None:
         if self.fd >= 0:
+            try:
+                if _entries(self.path) == self.found.entries:
+                    self._put_back()  # under the lock still: no other run is in between
+            except OSError:
+                pass  # the folder went away or cannot be read: nothing to put back
             os.close(self.fd)  # closing drops the flock
             self.fd = -1
+
+    def _put_back(self) -> None:
+        run_file = self.path / RUN_ID
+        if self.found.previous_id is None:
+            run_file.unlink(missing_ok=True)
+        elif _read(run_file) != self.found.previous_id:
+            atomic_write_bytes(run_file, self.found.previous_id)
+        if not self.found.had_lock:
+            (self.path / LOCK).unlink(missing_ok=True)
+        remove_made(self.found.made)
 
     def __enter__(self) -> "Claim":
         return self
@@ -62,15 +110,29 @@ class Claim:
         self.release()
 
 
-def _lock(path: Path) -> int:
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+def _read(path: Path) -> bytes | None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ConfigError(f"--out {str(path)!r} is in use by another run (pid {holder}); wait for it to end "
-                          f"or choose another --out") from None
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+
+
+def _lock(path: Path) -> int:
+    while True:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(f"--out {str(path)!r} is in use by another run (pid {holder}); wait for it to end "
+                              f"or choose another --out") from None
+        try:
+            if os.stat(path / LOCK).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the file was removed by a refused run's claim as we locked it: lock the new one
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -79,33 +141,43 @@ def _lock(path: Path) -> int:
 def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
     """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
     with `--force`, what of the run already there this run would write over (its checkpoints of the
-    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing."""
+    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing.
+    A refusal leaves the folder as it was."""
     path = Path(out)
     if not out.strip():
         raise ConfigError("--out is empty: name a folder for the run")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
+    made: list[Path] = []
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        made = make_folders(path)
+        had_lock = (path / LOCK).exists()
         fd = _lock(path)
     except OSError as e:
+        remove_made(made)
         raise ConfigError(f"--out {out!r} cannot be written ({e.strerror or e}): choose a writable folder") from None
+    except BaseException:
+        remove_made(made)
+        raise
+    previous = _read(path / RUN_ID)
+    held = Claim(path, fd, "", AsFound(made, had_lock, previous, _entries(path)))
     try:
-        previous = run_id(path)
-        held = sorted(p.name for p in path.iterdir() if p.name not in (LOCK, RUN_ID))
-        if held and not (resume or force):
-            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        if held.found.entries and not (resume or force):
+            names = sorted(held.found.entries)
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
-        clash = clashes() if held and force and not resume and clashes else None
+        clash = clashes() if held.found.entries and force and not resume and clashes else None
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")
-        ident = previous if (resume and previous) else uuid.uuid4().hex[:16]
-        atomic_write_bytes(path / RUN_ID, f"{ident}\n".encode())  # never a torn id that resumes nothing
+        kept = run_id(path)
+        held.id = kept if (resume and kept) else uuid.uuid4().hex[:16]
+        if kept != held.id:
+            atomic_write_bytes(path / RUN_ID, f"{held.id}\n".encode())  # never a torn id that resumes nothing
     except BaseException:
-        os.close(fd)
+        held.release()
         raise
-    return Claim(path, fd, ident)
+    return held
 
 
 def claim_here(out: str, resume: bool, force: bool,

@@ -85,3 +85,31 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def make_folders(path: Path) -> list[Path]:
+    """Create `path` and its missing parents; the folders made, innermost first, so that a caller
+    refused after this can leave the filesystem as it found it (`remove_made`). Raises OSError."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing.append(p)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        remove_made(missing)  # those made before the one that failed
+        raise
+    return missing
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders `make_folders` made, innermost first, each only while it is still empty
+    (something another process put there stays, and so do its parents)."""
+    for p in made:
+        try:
+            p.rmdir()
+        except FileNotFoundError:
+            continue  # never made: a deeper one failed first
+        except OSError:
+            return

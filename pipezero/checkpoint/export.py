@@ -16,9 +16,12 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from pipezero.checkpoint.safe_reader import SafeReader
-from pipezero.checkpoint.store import CheckpointError, Team, latest, problems, read_manifest
+from pipezero.checkpoint.export_folder import check_out, write_folder
+from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, latest, problems, read_manifest
 from pipezero.config import ModelConfig
+from pipezero.errors import ConfigError
 from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
+from pipezero.rundir import RUN_ID
 from pipezero.util import atomic_write_json, atomic_write_with
 
 
@@ -63,6 +66,12 @@ def resolve(source: Path) -> Path:
         if found is None:
             raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
         return found.path
+    if not (source / MANIFEST).is_file():
+        if (source / RUN_ID).is_file() or (source / "metrics.jsonl").is_file():
+            raise ConfigError(f"{source} saved no checkpoint (it trained without --checkpoint-every): train with "
+                              f"--checkpoint-every K (a checkpoint every K steps and at the end), then export")
+        raise ConfigError(f"{source} is neither a run folder nor a checkpoint (it holds no checkpoints/ and no "
+                          f"{MANIFEST}): pass a run directory or one of its checkpoints/step-N")
     reason = problems(source, Team())
     if reason:
         raise CheckpointError(f"{source} cannot be exported: {reason}")
@@ -70,14 +79,21 @@ def resolve(source: Path) -> Path:
 
 
 def export(source: Path, out: Path, model_spec: str | None = None) -> Path:
-    """Write `out/model.safetensors` and `out/config.json` from checkpoint `source`: a checkpoint
-    folder, or a run directory (its newest good checkpoint). `model_spec`: the --model-spec the
-    user names, needed for a run of one. Returns the checkpoint used."""
+    """Write the folder `out` holding `model.safetensors` and `config.json` from checkpoint
+    `source`: a checkpoint folder, or a run directory (its newest good checkpoint). `model_spec`:
+    the --model-spec the user names, needed for a run of one. `out` must be new or empty
+    (export_folder.py). Returns the checkpoint used."""
+    check_out(out, source)
     source = resolve(source)
-    model = read_model(source, model_spec=model_spec)
-    # save_model drops the tied head's alias, and load_model restores it
-    atomic_write_with(out / "model.safetensors", lambda tmp: save_model(model, tmp))
-    atomic_write_json(out / "config.json", read_manifest(source)["config"]["model"])
+    manifest = read_manifest(source)
+
+    def fill(folder: Path) -> None:
+        model = read_model(source, model_spec=model_spec)
+        # save_model drops the tied head's alias, and load_model restores it
+        atomic_write_with(folder / "model.safetensors", lambda tmp: save_model(model, tmp))
+        atomic_write_json(folder / "config.json", manifest["config"]["model"])
+
+    write_folder(out, fill)
     return source
 
 

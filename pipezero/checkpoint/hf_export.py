@@ -5,26 +5,26 @@ The weights go under their Hugging Face names (models/hf.py) into safetensors sh
 `--shard-size` bytes, with `model.safetensors.index.json` when there is more than one, as
 transformers writes them. config.json and the tokenizer files are the ones the run started from
 (kept in `RUN/hf/` at its start; else the --model folder), with `dtype` set to the float32 the
-weights are written in; a run of a built-in preset exports as a Llama (models/hf.py `llama_config`).
+weights are written in, refused when it no longer describes the weights (the manifest holds the
+model's shape); a run of a built-in preset exports as a Llama (models/hf.py `llama_config`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from pipezero.checkpoint.export import read_model, resolve
+from pipezero.checkpoint.export_folder import check_out, write_folder
 from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
-from pipezero.models.hf import CONFIG, METADATA, llama_config, to_hf
+from pipezero.models.hf import CONFIG, METADATA, llama_config, model_fields, to_hf
 from pipezero.util import atomic_write_json, atomic_write_with
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -112,15 +112,24 @@ def is_tokenizer(path: Path) -> bool:
     return True
 
 
+def check_describes(kept: Path, ckpt: Path, cfg: ModelConfig) -> None:
+    """Refuse a kept config.json that no longer describes checkpoint `ckpt`'s model (`cfg`, from its
+    manifest): the --model folder or RUN/hf changed after training, and the export would be a
+    folder transformers cannot load, or loads as another model."""
+    theirs = model_fields(kept)
+    differ = [f"{k} {v!r} there, {getattr(cfg, k)!r} in the checkpoint" for k, v in theirs.items()
+              if getattr(cfg, k) != v]
+    if differ:
+        raise ConfigError(f"{kept / CONFIG} does not describe the weights of {ckpt} ({'; '.join(differ[:3])}"
+                          f"{'; ...' if len(differ) > 3 else ''}): put back the config.json the run trained from, "
+                          f"or export with --format pipezero")
+
+
 def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     """Write the Hugging Face folder `out` from checkpoint `source` (a checkpoint folder, or a run
-    directory: its newest good checkpoint). Returns the checkpoint used. The folder is written
-    whole beside `out` and renamed into place, so an interrupted export leaves no half model that
-    transformers would load; an `out` that already holds files (another export, the very model the
-    run started from) is refused, never written over."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} already holds files; an export never writes over them: give a new folder, "
-                          f"or remove that one first")
+    directory: its newest good checkpoint). Returns the checkpoint used. `out` must be new or
+    empty, and is written whole beside it (export_folder.py)."""
+    check_out(out, source)
     ckpt = resolve(source)
     run_config = read_manifest(ckpt)["config"]
     fields = run_config["model"]
@@ -130,24 +139,22 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     cfg = ModelConfig(**fields)
     kept = metadata_folder(ckpt, fields.get("pretrained"))
     if kept is not None:
+        check_describes(kept, ckpt, cfg)
         config = json.loads((kept / CONFIG).read_text())
         config["dtype"] = "float32"
         config.pop("torch_dtype", None)
     else:
         config = llama_config(fields)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        write_weights(hf_tensors(read_model(ckpt), cfg), tmp, shard_size)
-        atomic_write_json(tmp / CONFIG, config)
+
+    def fill(folder: Path) -> None:
+        write_weights(hf_tensors(read_model(ckpt), cfg), folder, shard_size)
+        atomic_write_json(folder / CONFIG, config)
         for name in METADATA[1:]:
             if kept is not None and (kept / name).is_file():
-                shutil.copyfile(kept / name, tmp / name)
+                shutil.copyfile(kept / name, folder / name)
         tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
-        if not (tmp / "tokenizer.json").is_file() and is_tokenizer(tokenizer):
-            shutil.copyfile(tokenizer, tmp / "tokenizer.json")  # a built-in run's own tokenizer.json
-        os.replace(tmp, out)  # onto nothing, or onto an empty folder
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not (folder / "tokenizer.json").is_file() and is_tokenizer(tokenizer):
+            shutil.copyfile(tokenizer, folder / "tokenizer.json")  # a built-in run's own tokenizer.json
+
+    write_folder(out, fill)
     return ckpt

@@ -27,7 +27,7 @@ from torch import nn
 
 from pipezero.checkpoint.pieces import Piece, owned_ranges
 from pipezero.checkpoint.safe_reader import SafeReader
-from pipezero.checkpoint.store import CheckpointError, Found, Team, committed, latest, write
+from pipezero.checkpoint.store import CheckpointError, Found, Team, at_steps, committed, latest, write, written_by
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -48,16 +48,40 @@ def saves_after(cfg: TrainConfig, step: int) -> bool:
     return bool(every) and step <= last and (step % every == 0 or step == last)
 
 
+def saved_over(cfg: TrainConfig) -> list[Path]:
+    """What sits at `checkpoints/step-N` for the steps a run of `cfg` saves: a save replaces it."""
+    return [p for n, p in at_steps(checkpoint_root(cfg)) if saves_after(cfg, n)]
+
+
+def _not_written(cfg: TrainConfig, paths: list[Path]) -> str:
+    more = f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+    return (f"{paths[0]} is not a checkpoint this run wrote{more}, and this run saves that step (--checkpoint-every "
+            f"{cfg.run.checkpoint_every}, --max-steps {cfg.run.max_steps}), which would replace it: move it away, "
+            f"or choose another --out")
+
+
 def clashes(cfg: TrainConfig) -> str | None:
-    """For a new run (`--force`) beside another in the same folder: the other run's checkpoints
-    this one would replace, saving the same steps, as one line naming the fix; None if none."""
-    mine = [p.name for n, p in committed(checkpoint_root(cfg)) if saves_after(cfg, n)]
-    if not mine:
+    """For a new run (`--force`) beside another in the same folder: the other run's checkpoints, or
+    anything else, this one would replace, saving the same steps, as one line naming the fix; None
+    if none."""
+    there = saved_over(cfg)
+    theirs = {p for _, p in committed(checkpoint_root(cfg))}
+    if foreign := [p for p in there if p not in theirs]:
+        return _not_written(cfg, foreign)
+    if not there:
         return None
-    shown = ", ".join(mine[:3]) + (", ..." if len(mine) > 3 else "")
+    shown = ", ".join(p.name for p in there[:3]) + (", ..." if len(there) > 3 else "")
     return (f"--force would write over the checkpoints of the run there ({shown}), saving the same steps "
             f"(--checkpoint-every {cfg.run.checkpoint_every}, --max-steps {cfg.run.max_steps}): choose another "
             f"--out, --resume that run, or remove them")
+
+
+def resume_clashes(cfg: TrainConfig, run: str | None) -> str | None:
+    """For a resumed run `run`: what it would replace at the steps it saves that it did not write (an
+    export put there, a user's file, another run's checkpoint), as one line naming the fix; None if
+    nothing. A save refuses these too (store.write), but only after training up to it."""
+    foreign = [p for p in saved_over(cfg) if not written_by(p, run)]
+    return _not_written(cfg, foreign) if foreign else None
 
 
 def tied_aliases(tied: tuple[str, str] | None, held: dict[str, nn.Parameter],

@@ -98,16 +98,29 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def committed(root: Path) -> list[tuple[int, Path]]:
-    """Committed checkpoints (a `step-N` folder with a manifest), oldest first."""
+def at_steps(root: Path) -> list[tuple[int, Path]]:
+    """Everything named `step-N` under `root` (checkpoints, and whatever else a user put there),
+    oldest first: a save of step N replaces what is at its name."""
     if not root.is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and (p / MANIFEST).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoints (a `step-N` folder with a manifest), oldest first."""
+    return [(n, p) for n, p in at_steps(root) if (p / MANIFEST).is_file()]
+
+
+def written_by(path: Path, run: str | None) -> bool:
+    """Whether `path` is a checkpoint of run `run`, or of a run from before ids (as `latest` takes
+    them): the only thing at `step-N` a save of that run may replace. Anything else (an export,
+    a user's file, another run's checkpoint, one whose manifest cannot be read) it did not write."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        return read_manifest(path).get("run") in (None, run)
+    except CheckpointError:
+        return False
 
 
 def _sha256(path: Path) -> str:
@@ -149,6 +162,10 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     """Save `state` (a flat DCP state dict) as checkpoint `step` with `info` in its manifest, then
     keep only the newest `keep` checkpoints. Collective: every rank calls it."""
     tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
+    mine = team.rank != 0 or not (final.exists() or final.is_symlink()) or written_by(final, info.get("run"))
+    if not team.share(mine, f"check of {final.name}"):  # every rank stops alike, before writing anything
+        raise CheckpointError(f"rank {team.rank}, step {step}: {final} is not a checkpoint this run wrote, and a "
+                              f"save replaces the folder of its step: move it out of {root}, then --resume")
     if team.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier attempt at this step
         tmp.mkdir(parents=True)
@@ -165,7 +182,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     if team.rank == 0:
         atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
         _fsync_dir(tmp)
-        _discard(final)  # a checkpoint of this step that failed its checksum earlier
+        _discard(final)  # this run's checkpoint of this step that failed its checksum earlier
         tmp.rename(final)
         _fsync_dir(root)
         for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:

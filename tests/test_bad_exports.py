@@ -1,0 +1,292 @@
+"""Nothing a user owns is lost around export, checkpoint saves and run folders.
+
+An export writes only into a folder it creates or that is empty (written whole beside it, then
+renamed into place), never through a symlink, never into a run's own checkpoints; a checkpoint
+save never removes a folder it did not write; a refused run leaves its --out as it found it; and
+each refusal is one line naming the input and the fix, exit 2. One run is trained in this process
+for the whole module (a 2-block random Llama, one step); each test works on copies of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_models import make_model
+from pipezero.cli import main
+from test_bad_inputs import assert_one_line, run_main
+
+pytest.importorskip("transformers")
+
+SMALL = ["--seq-len", "16", "--no-progress", "--sample-tokens", "0", "--microbatches", "1",
+         "--micro-batch-size", "1"]
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under `folder` (hidden ones too) with size, inode and modification time: to
+    prove nothing was written, replaced or removed there."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_ino, p.lstat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """`model` (a random 2-block Llama folder), `docs` (a few text files) and `run`: one step of
+    fine-tuning `model` on `docs`, checkpointed (RUN/checkpoints/step-00000001, RUN/hf)."""
+    import inspect
+
+    root = tmp_path_factory.mktemp("exports")
+    model = make_model(root / "model", "llama", num_hidden_layers=2)
+    docs = root / "docs"
+    docs.mkdir()
+    text = inspect.getsource(inspect)
+    for i in range(6):
+        (docs / f"{i}.txt").write_text(text[i * 4000:(i + 1) * 4000])
+    run = root / "run"
+    assert main(["train", "--model", str(model), "--data", str(docs), "--max-steps", "1", "--checkpoint-every", "1",
+                 "--out", str(run), *SMALL]) == 0
+    assert (run / "checkpoints" / "step-00000001" / "manifest.json").is_file() and (run / "hf").is_dir()
+    return {"model": model, "docs": docs, "run": run}
+
+
+def copy_run(trained: dict[str, Path], dest: Path, checkpoints: bool = True) -> Path:
+    """A copy of the module's run (without its checkpoints: as a run without --checkpoint-every
+    leaves its folder), for a test to change."""
+    skip = shutil.ignore_patterns("checkpoints") if not checkpoints else None
+    shutil.copytree(trained["run"], dest, ignore=skip)
+    return dest
+
+
+def no_debris(folder: Path) -> None:
+    """No half-written export (`.NAME.*.tmp`) is left in `folder`."""
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")], sorted(p.name for p in folder.iterdir())
+
+
+# 1. the default export never writes over a folder that holds files
+
+
+def test_the_default_export_never_writes_over_the_model_folder(trained, tmp_path, capsys):
+    """`pipezero export RUN --out MODEL` replaced the model's config.json and model.safetensors (so
+    `train --model MODEL` failed after); over an earlier --format hf export it mixed both formats.
+    Both are refused like --format hf's, the folder untouched."""
+    model = tmp_path / "m"
+    shutil.copytree(trained["model"], model)
+    before = tree(model)
+    assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(model)], capsys), "already holds files")
+    assert tree(model) == before
+    hf = tmp_path / "hf-export"
+    assert main(["export", str(trained["run"]), "--format", "hf", "--out", str(hf)]) == 0
+    before = tree(hf)
+    assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(hf)], capsys), "already holds files")
+    assert tree(hf) == before
+    no_debris(tmp_path)
+
+
+def test_the_default_export_writes_a_new_or_empty_folder_whole(trained, tmp_path, capsys):
+    """Into a new folder or an empty one, written beside it and renamed into place (no debris), with
+    the permissions a folder made by the user has (a temporary folder is private, 0700)."""
+    from pipezero.checkpoint.export import load_exported
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    umask = os.umask(0)
+    os.umask(umask)
+    for out in (tmp_path / "new" / "deeper", empty):
+        assert main(["export", str(trained["run"]), "--out", str(out)]) == 0
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        load_exported(out)
+        no_debris(out.parent)
+    assert (tmp_path / "new" / "deeper").stat().st_mode & 0o777 == 0o777 & ~umask
+    hf = tmp_path / "hf"
+    assert main(["export", str(trained["run"]), "--format", "hf", "--out", str(hf)]) == 0
+    assert hf.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_an_export_that_fails_midway_leaves_nothing_behind(trained, tmp_path, capsys, monkeypatch):
+    """A disk that fills up mid-export: one line (exit 1), no half folder, not even the parents made
+    for --out (it was a traceback, and left --out holding a temporary file)."""
+    import pipezero.checkpoint.export as export
+
+    def full_disk(model, path):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_model", full_disk)
+    code, err = run_main(["export", str(trained["run"]), "--out", str(tmp_path / "a" / "b")], capsys)
+    assert code == 1 and err.count("\n") == 1 and "No space left on device" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+# 2. a checkpoint save never removes a folder it did not write; export never writes into a run's own folders
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+def test_export_never_writes_into_a_runs_own_folders(trained, tmp_path, capsys, fmt):
+    """An export inside RUN/checkpoints (where a later save of that step, or the debris cleaning,
+    deletes it), into RUN/hf (the run rewrites it at every start), the run folder itself, or inside
+    the very checkpoint exported: refused in one line, nothing written."""
+    run = copy_run(trained, tmp_path / "run")
+    ckpt = run / "checkpoints" / "step-00000001"
+    moved = tmp_path / "moved"  # a checkpoint outside any run: exported into another run's checkpoints
+    shutil.copytree(ckpt, moved)
+    (tmp_path / "link").symlink_to(run / "checkpoints")
+    before = tree(run)
+    cases = [(run, run / "checkpoints" / "step-00000002", "inside the checkpoints folder of run"),
+             (ckpt, tmp_path / "link" / "step-00000002", "inside the checkpoints folder of run"),
+             (moved, run / "checkpoints" / ".tmp-step-00000002", "inside the checkpoints folder of run"),
+             (run, run / "checkpoints" / "exports" / "mine", "inside the checkpoints folder of run"),
+             (ckpt, run / "hf", "already holds files"),
+             (run, run, "already holds files"),
+             (ckpt, ckpt / "export", "is inside the checkpoint"),
+             (run, moved / "export", "is inside the checkpoint")]
+    for source, out, needle in cases:
+        assert_one_line(*run_main(["export", str(source), "--format", fmt, "--out", str(out)], capsys), needle)
+        assert tree(run) == before, (source, out)
+    assert not (moved / "export").exists()
+    shutil.rmtree(run / "hf")  # RUN/hf missing (it is only read back): still the run's own
+    before = tree(run)
+    assert_one_line(*run_main(["export", str(run), "--format", fmt, "--out", str(run / "hf")], capsys),
+                    "the run's own hf folder")
+    assert tree(run) == before
+
+
+def test_a_save_never_removes_what_it_did_not_write(tmp_path):
+    """store.write replaced whatever sat at checkpoints/step-N: an export, a user's file, another
+    run's checkpoint. It refuses instead, naming the path and the fix, and leaves nothing behind; its
+    own checkpoint of that step (one that failed its checksum) it still replaces."""
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    export = root / "step-00000002"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"mine")
+    (root / "step-00000003").write_text("a file of mine")
+    write(root, 4, {"x": torch.zeros(4)}, {"run": "other"}, keep=5, team=Team())
+    before = tree(root)
+    for step in (2, 3, 4):
+        with pytest.raises(CheckpointError, match=rf"{root}/step-0000000{step} .*not a checkpoint this run wrote"):
+            write(root, step, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+        assert tree(root) == before
+    own = write(root, 5, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (own / "__0_0.distcp").write_bytes(b"bit rot")
+    again = write(root, 5, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    assert again == own and (own / "__0_0.distcp").read_bytes() != b"bit rot"
+    assert [s for s, _ in committed(root)] == [4, 5]
+
+
+def test_a_run_that_would_save_over_a_folder_it_did_not_write_is_refused_before_training(trained, tmp_path, capsys):
+    """`export --format hf --out RUN/checkpoints/step-00000002` was accepted, and a later `--resume
+    --max-steps 2` deleted it without a word at its save. The run is refused before it trains, one
+    line naming the folder and the fix; likewise a --force run beside it."""
+    run = copy_run(trained, tmp_path / "run")
+    export = run / "checkpoints" / "step-00000002"
+    assert main(["export", str(trained["run"]), "--format", "hf", "--out", str(tmp_path / "e")]) == 0
+    shutil.copytree(tmp_path / "e", export)  # as the export there was accepted
+    before = tree(run)
+    base = ["train", "--model", str(trained["model"]), "--data", str(trained["docs"]), "--max-steps", "2",
+            "--out", str(run), *SMALL]
+    for flags in (["--resume", "--checkpoint-every", "1"], ["--force", "--checkpoint-every", "2"]):
+        assert_one_line(*run_main([*base, *flags], capsys), f"{export} is not a checkpoint this run wrote")
+        after = tree(run)
+        assert after.pop(".lock") and after == {k: v for k, v in before.items() if k != ".lock"}, flags  # the
+        # lock file, which was there, holds the pid of the last process that locked it
+
+
+# 3. an export's config must describe the checkpoint's weights
+
+
+def test_hf_export_refuses_a_config_that_does_not_match_the_weights(trained, tmp_path, capsys):
+    """A moved checkpoint exports with the --model folder's config.json, a run's with RUN/hf's:
+    when that file no longer describes the weights (the folder was changed after training), the
+    export wrote a folder transformers cannot load, exit 0. The manifest holds the model's shape:
+    the mismatch is refused in one line naming the file."""
+    run = copy_run(trained, tmp_path / "run")
+    config = json.loads((run / "hf" / "config.json").read_text())
+    (run / "hf" / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "num_hidden_layers": 3}))
+    assert_one_line(*run_main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "e1")], capsys),
+                    f"{run / 'hf' / 'config.json'} does not describe the weights of")
+    assert not (tmp_path / "e1").exists()
+    moved = tmp_path / "moved"
+    shutil.copytree(trained["run"] / "checkpoints" / "step-00000001", moved)
+    model_config = trained["model"] / "config.json"
+    kept = model_config.read_bytes()
+    try:
+        model_config.write_text(json.dumps({**json.loads(kept), "intermediate_size": 96}))
+        code, err = run_main(["export", str(moved), "--format", "hf", "--out", str(tmp_path / "e2")], capsys)
+    finally:
+        model_config.write_bytes(kept)
+    assert_one_line(code, err, f"{model_config} does not describe the weights of")
+    assert "ffn_dim" in err and not (tmp_path / "e2").exists()
+    no_debris(tmp_path)
+
+
+# 4. --out that is a symlink, or where no folder can be made
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+def test_export_out_that_is_a_symlink_or_cannot_be_made_is_one_line(trained, tmp_path, capsys, fmt):
+    model = tmp_path / "m"
+    shutil.copytree(trained["model"], model)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for name, target in (("to-model", model), ("to-empty", empty), ("dangling", tmp_path / "nowhere")):
+        (tmp_path / name).symlink_to(target)
+    before = tree(tmp_path)
+    cases = [(tmp_path / "to-model", "is a symlink"), (tmp_path / "to-empty", "is a symlink"),
+             (tmp_path / "dangling", "is a symlink"), (a_file, "already holds files"),
+             (a_file / "sub", "cannot be made"), (Path("/proc/pipezero-no-such-export"), "cannot be made"),
+             ("", "--out is empty")]
+    if os.geteuid() != 0:  # root writes into a read-only folder anyway
+        (tmp_path / "ro").mkdir(mode=0o500)
+        cases.append((tmp_path / "ro" / "export", "cannot be made"))
+        before = tree(tmp_path)
+    for out, needle in cases:
+        assert_one_line(*run_main(["export", str(trained["run"]), "--format", fmt, "--out", str(out)], capsys),
+                        needle)
+        assert tree(tmp_path) == before, out
+
+
+# 5. a refused run leaves its --out as it found it
+
+
+def test_a_refused_run_leaves_its_folder_as_it_found_it(trained, tmp_path, capsys):
+    """A run refused after it claimed --out (here: too few documents for the global batch, found when
+    the corpus is read) left --out/.lock and .run-id behind, and the folders it made; a refusal of
+    the claim itself (a folder holding a run) left a .lock there. Now nothing is left or changed."""
+    base = ["train", "--model", str(trained["model"]), "--data", str(trained["docs"]), "--max-steps", "1",
+            "--seq-len", "16", "--no-progress"]
+    too_big = ["--microbatches", "64", "--micro-batch-size", "64"]
+    assert_one_line(*run_main([*base, *too_big, "--out", str(tmp_path / "a" / "b" / "run")], capsys),
+                    "give more documents")
+    assert not (tmp_path / "a").exists()
+    run = copy_run(trained, tmp_path / "run")
+    (run / ".lock").unlink()
+    before = tree(run)
+    assert_one_line(*run_main([*base, "--out", str(run)], capsys), "already holds a run")
+    assert tree(run) == before
+    assert_one_line(*run_main([*base, *too_big, "--resume", "--out", str(run)], capsys), "give more documents")
+    assert tree(run) == before
+
+
+# 6. a run that saved no checkpoint
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+def test_export_of_a_run_that_saved_no_checkpoint_is_one_line(trained, tmp_path, capsys, fmt):
+    """`pipezero export RUN` after a run without --checkpoint-every failed with `unreadable
+    manifest.json`; a folder that is no run nor checkpoint (the documents, the model) likewise."""
+    run = copy_run(trained, tmp_path / "run", checkpoints=False)
+    assert_one_line(*run_main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
+                    f"{run} saved no checkpoint (it trained without --checkpoint-every): train with "
+                    f"--checkpoint-every")
+    for folder in (trained["docs"], trained["model"]):
+        assert_one_line(*run_main(["export", str(folder), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
+                        f"{folder} is neither a run folder nor a checkpoint")
+    assert not (tmp_path / "e").exists()
