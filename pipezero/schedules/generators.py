@@ -96,8 +96,8 @@ def rounds(pp: int, microbatches: int) -> tuple[int, ...]:
     """Interleaved 1F1B's micro-batches a round, round by round.
 
     R = max(1, M // P) rounds, torch.distributed.pipelining's count, so every round but a lone one
-    has at least P micro-batches: a shorter round leaves rank 0 without its next chunk's input when
-    the warm-up ends, and the 1F1B order then deadlocks. Where R does not divide M the rounds differ
+    has at least P micro-batches: a shorter round leaves rank 0 waiting for its next chunk's input
+    (measured: idle at P = 2 and 3, deadlock from P = 4 on). Where R does not divide M the rounds differ
     by one, the larger first: the warm-up is sized by the first round and must cover the largest.
     Where R divides M these are torch's equal rounds (Megatron's rounds of P when P divides M).
     """
