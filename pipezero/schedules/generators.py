@@ -92,28 +92,42 @@ def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
     return _build("1f1b", pp, m, 1, Placement.LOOP, rank)
 
 
-def round_size(pp: int, microbatches: int) -> int:
-    """Interleaved 1F1B's micro-batches a round: P in Megatron; M // max(1, M // P) in general, the
-    rule torch.distributed.pipelining's ScheduleInterleaved1F1B uses (M < P: all M in one round)."""
-    return microbatches // max(1, microbatches // pp)
+def rounds(pp: int, microbatches: int) -> tuple[int, ...]:
+    """Interleaved 1F1B's micro-batches a round, round by round.
+
+    R = max(1, M // P) rounds, torch.distributed.pipelining's count, so every round but a lone one
+    has at least P micro-batches: a shorter round leaves rank 0 waiting for its next chunk's input
+    (measured: idle at P = 2 and 3, deadlock from P = 4 on). Where R does not divide M the rounds differ
+    by one, the larger first: the warm-up is sized by the first round and must cover the largest.
+    Where R divides M these are torch's equal rounds (Megatron's rounds of P when P divides M).
+    """
+    count = max(1, microbatches // pp)
+    size, larger = divmod(microbatches, count)
+    return (size + 1,) * larger + (size,) * (count - larger)
+
+
+def _round_order(sizes: tuple[int, ...], chunks: tuple[int, ...], backward: bool) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) in the order a rank takes them: round by round, each round through the
+    rank's chunks (model order forward, reverse backward), each chunk over the round's micro-batches."""
+    order, first = [], 0
+    for size in sizes:
+        order += [(c, mb) for c in (chunks[::-1] if backward else chunks) for mb in range(first, first + size)]
+        first += size
+    return order
 
 
 def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     """Megatron-LM's virtual pipeline (Narayanan et al. 2021): micro-batches go round the V chunks of
-    a rank in rounds of G, then 1F1B over virtual micro-batches after (P-1-r)*2 + (V-1)*G warm-up
-    forwards. Megatron takes G = P; like torch.distributed.pipelining's flexible variant, G = M // R
-    with R = max(1, M // P) rounds, so any M that R divides runs (M < P: one round of M)."""
+    a rank in rounds, then 1F1B over virtual micro-batches after (P-1-r)*2 + (V-1)*G warm-up
+    forwards, G the first round's size. Megatron's rounds are of P; torch.distributed.pipelining's
+    of M // R with R = max(1, M // P), refusing M that R does not divide; `rounds` makes them
+    unequal there, so every M runs and the bubble stays (P-1)/(VM+P-1) at M >= P."""
     total = m * v
-    g = round_size(pp, m)
-
-    def chunk_and_mb(k: int, chunks: tuple[int, ...], backward: bool) -> tuple[int, int]:
-        group = (k // g) % v
-        return chunks[v - 1 - group if backward else group], (k // (g * v)) * g + k % g
+    sizes = rounds(pp, m)
 
     def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
-        warmup = min((pp - 1 - r) * 2 + (v - 1) * g, total)
-        fwd = [chunk_and_mb(k, chunks, False) for k in range(total)]
-        bwd = [chunk_and_mb(k, chunks, True) for k in range(total)]
+        warmup = min((pp - 1 - r) * 2 + (v - 1) * sizes[0], total)
+        fwd, bwd = _round_order(sizes, chunks, False), _round_order(sizes, chunks, True)
         seq = [Action(c, Op.F, mb) for c, mb in fwd[:warmup]]
         for i in range(total - warmup):
             seq += [Action(fwd[warmup + i][0], Op.F, fwd[warmup + i][1]), Action(bwd[i][0], Op.BW, bwd[i][1])]

@@ -64,11 +64,6 @@ def check_layout(kind: ScheduleKind, pp: int, microbatches: int, virtual_stages:
         raise ValueError(f"--schedule {kind.value} needs --virtual-stages >= 2 (got {v})")
     if rule == "==2" and v != 2:
         raise ValueError(f"--schedule {kind.value} places exactly two chunks a rank in a V: use --virtual-stages 2")
-    if kind is ScheduleKind.INTERLEAVED_1F1B and m % (m // g.round_size(pp, m)):
-        rounds = m // g.round_size(pp, m)
-        ok = [x for x in range(max(1, m - pp), m + pp + 1) if x % max(1, x // pp) == 0]
-        raise ValueError(f"--schedule interleaved-1f1b runs M micro-batches in max(1, M // --pp) = {rounds} equal "
-                         f"rounds: --microbatches {m} is not a multiple of {rounds} (try one of {ok})")
     if kind is ScheduleKind.DUALPIPE_V and m < 2 * pp and pp > 1:
         raise ValueError(f"--schedule {kind.value} needs --microbatches >= 2 x --pp = {2 * pp} (got {m})")
 
