@@ -24,3 +24,20 @@ def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if total > 400_000:
             break
     return root
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_when_distributed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast lane (`-m "not distributed"`) is one process: a test that starts a process (ranks,
+    a subprocess, a network namespace's command) without the `distributed` marker fails here, so
+    the lane cannot slow down unnoticed."""
+    if request.node.get_closest_marker("distributed"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.distributed")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

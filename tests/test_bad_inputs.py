@@ -172,6 +172,7 @@ def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path
     (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
     (["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
 ])
+@pytest.mark.distributed
 def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_path):
     flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".json")) else f for f in flags]
     proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", *flags,

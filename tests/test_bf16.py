@@ -24,6 +24,7 @@ def sent(out) -> dict[str, int]:
     return {"p2p": sum(s["bytes_sent"]["p2p"]), "collectives": sum(s["bytes_sent"]["collectives"])}
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_bf16_halves_traffic_and_trains_like_one_bf16_process(text_dir, tmp_path):
     cases = [{**c, "run.dtype": d} for c in LAYOUTS for d in ("fp32", "bf16")]

@@ -113,6 +113,7 @@ def disagreeing_ranks(rank: int, world: int, root: str) -> list[str]:
     return said
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_ranks_that_see_different_checkpoints_stop_with_one_error_instead_of_hanging(tmp_path):
     said = run_ranks(disagreeing_ranks, 2, str(tmp_path / "checkpoints"), timeout=90)
@@ -200,6 +201,7 @@ def scenarios(rank: int, world: int, data: str, out: str) -> dict:
     return res
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_resume_reshard_corruption_and_nonfinite_steps(text_dir, tmp_path):
     from pipezero.checkpoint.export import read_model
@@ -308,6 +310,7 @@ def tied_scenarios(rank: int, world: int, data: str, out: str) -> list[dict]:
     return res
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, tmp_path):
     """Each end of a tied embedding is saved under its own name by the rank that holds it: no

@@ -49,6 +49,7 @@ def cluster_ok():
     require_root()  # fails (not skips) where the host cannot build namespaces: CI runs as root
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_ok, text_dir, tmp_path):
     """P=2 D=2 ZeRO-2, then P=1 D=4 ZeRO-2 with --hierarchical: its reductions inside each node (the
@@ -77,6 +78,7 @@ def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_
         assert got == pytest.approx(train(ref).losses, rel=1e-5), name
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, text_dir, tmp_path):
     import time
@@ -109,6 +111,7 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
                      lines), lines
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_pipezero_cluster_stopped_leaves_no_namespace_link_or_process(cluster_ok, text_dir, tmp_path):
     import signal
@@ -135,6 +138,7 @@ def test_pipezero_cluster_stopped_leaves_no_namespace_link_or_process(cluster_ok
     assert ps == [], ps
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_cut_link_mended_resumes_from_the_checkpoint_with_the_losses_of_an_uninterrupted_run(
         cluster_ok, text_dir, tmp_path):
@@ -179,6 +183,7 @@ def test_max_restarts_of_a_cluster_command_goes_to_torchrun_not_to_the_ranks():
         launcher_restarts(["train", "--max-restarts", "-1"])
 
 
+@pytest.mark.distributed
 def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
     """`--pin`: node i's processes see only its share of the host's cores; more nodes than cores is
     one line before anything is built."""
@@ -201,6 +206,7 @@ def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
         ClusterSpec(nodes=len(host) + 1, pin=True)
 
 
+@pytest.mark.distributed
 def test_a_script_holding_a_cluster_and_terminated_leaves_nothing(cluster_ok):
     """SIGTERM (`timeout`, `kill`) ends a bench or script inside `with Cluster(...)` as Ctrl-C
     does: its nodes' processes are killed and every namespace and link removed."""

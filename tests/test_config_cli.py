@@ -63,12 +63,14 @@ def test_cli_errors_exit_2_without_traceback(argv, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.distributed
 def test_console_script_reports_error_as_exit_2():
     proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--preset", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_short_training_run_loss_falls(tmp_path, text_dir):
     out = tmp_path / "run"
     rc = main(["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--max-steps", "40",
@@ -85,6 +87,7 @@ def test_short_training_run_loss_falls(tmp_path, text_dir):
     assert summary["final_heldout_loss"] < summary["unigram_baseline"]
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_training_is_deterministic_for_a_seed(tmp_path, text_dir):
     from pipezero.engine import train
 

@@ -121,6 +121,7 @@ def open_corpus_counting_builds(rank: int, world: int, cfg: DataConfig, log: str
     return hashlib.sha256(np.ascontiguousarray(c.train).tobytes()).hexdigest() + str(c.vocab_size)
 
 
+@pytest.mark.distributed
 def test_ranks_opening_a_new_corpus_at_once_build_it_once(tmp_path, monkeypatch):
     from pipezero.parallel.spawn import run_ranks
 

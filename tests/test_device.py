@@ -63,6 +63,7 @@ def test_gpu_instruments_record_nothing_on_cpu():
     assert peaks.phases == {}
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_compiled_blocks_train_like_eager(tmp_path):
     """--compile changes kernels, not the model: the same losses to float tolerance, and the same

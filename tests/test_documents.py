@@ -239,6 +239,7 @@ def test_whole_documents_cut_each_micro_batch_to_its_own_length_with_the_same_lo
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.distributed
 def test_cli_trains_on_a_folder_with_packing(corpus_dir, tmp_path):
     import subprocess
     import sys

@@ -36,6 +36,7 @@ def losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sigkilled_rank_restarts_from_checkpoint_with_the_same_losses(text_dir, tmp_path):
     assert main([*train_args(text_dir, tmp_path / "clean"), "--nproc", "2"]) == 0
@@ -45,6 +46,7 @@ def test_sigkilled_rank_restarts_from_checkpoint_with_the_same_losses(text_dir, 
     assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")  # every step once, bit for bit
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_rank_that_stops_sending_fails_the_job_within_the_timeout(text_dir, tmp_path):
     args = [*train_args(text_dir, tmp_path / "silent"), "--timeout", "5"]
@@ -79,6 +81,7 @@ def mismatched_settings(rank: int, world: int, data: str, out: str) -> list[str]
     return seen
 
 
+@pytest.mark.distributed
 def test_settings_that_differ_between_ranks_are_refused_before_any_step(text_dir, tmp_path):
     from pipezero.parallel.spawn import run_ranks
 
@@ -117,6 +120,7 @@ def stall_in_evaluation(rank: int, world: int, data: str, out: str) -> str:
         return f"{time.monotonic() - t0:.1f}|{type(e).__name__}: {e}"
 
 
+@pytest.mark.distributed
 def test_a_stage_stalling_in_evaluation_fails_its_peers_within_the_timeout(text_dir, tmp_path):
     from pipezero.parallel.spawn import run_ranks
 

@@ -158,6 +158,7 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
                                        for x in summary["ranks"])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
     results = run_ranks(freeze_scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
@@ -190,6 +191,7 @@ def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
         assert "was trained with --freeze" in r["thawed"] and "resume with --freeze" in r["thawed"], r["thawed"]
 
 
+@pytest.mark.distributed
 def test_zero3_layer_by_layer_tied_head_with_its_norm_frozen(text_dir, tmp_path):
     """At pp=1 the tied head's projection is the embedding, bucketed under layer 0: with the head's
     norm frozen the head layer owns no bucket, yet it computes with the embedding's, which ZeRO-3

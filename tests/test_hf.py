@@ -208,6 +208,7 @@ def test_sliding_window_holds_with_document_masks() -> None:
         assert (plain - full(x)).abs().max() > 1e-3
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_training_equals_transformers_with_adamw(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
     """K steps of pipezero (one process) = K steps of the transformers model with torch's AdamW:
     decay on matrices only (pipezero decays tensors of 2+ dimensions), global-norm clipping, the
@@ -275,6 +276,7 @@ def train_layouts(rank: int, world: int, folder: str, data: str, out: str, cases
             .losses for i, c in enumerate(cases)]
 
 
+@pytest.mark.distributed
 def test_every_layout_equals_one_process(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
     """A loaded llama (7 blocks: neither 2 nor 4 divides its 9 layers; biases through split
     backward) has the first-step loss of one process on P in {2, 4}, D in {1, 2}, ZeRO 0-3 and
@@ -298,6 +300,7 @@ def test_every_layout_equals_one_process(models: dict[str, Path], text_dir: Path
             assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref)), (rank, case, losses, ref)
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_export_hf_loads_in_transformers(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
     """A fine-tuned qwen2 (tied) and a built-in preset run export as folders transformers loads,
     in shards with an index, with the input's config keys and tokenizer; logits equal ours."""

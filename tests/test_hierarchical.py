@@ -3,6 +3,8 @@ collectives leave, on 4 ranks as 2 "nodes" x 2 (node = rank // 2) and on the deg
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from pipezero.parallel.spawn import run_ranks
@@ -63,6 +65,7 @@ def cases(rank: int, world: int) -> list[str]:
     return checked
 
 
+@pytest.mark.distributed
 def test_two_level_collectives_equal_the_flat_ones():
     got = run_ranks(cases, 4, timeout=300)
     assert got == [["2x2", "4x1", "1x4", "pairs", "exchange"]] * 4

@@ -3,6 +3,8 @@ folder, and stopped as a whole by SIGTERM. One training job serves every check."
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import shutil
 import signal
@@ -26,6 +28,7 @@ def listeners(pids: list[int]) -> list[str]:
     return [line.split()[3] for line in table if any(f"pid={p}," in line for p in pids)]
 
 
+@pytest.mark.distributed
 def test_sigterm_stops_every_rank_listening_on_loopback_and_holding_the_folder(text_dir, tmp_path, capsys):
     out = tmp_path / "sigterm-run-marker"
     cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", "--microbatches", "2",
@@ -61,6 +64,7 @@ def test_sigterm_stops_every_rank_listening_on_loopback_and_holding_the_folder(t
     assert latest(Path(out) / "checkpoints", Team()) is not None  # the newest complete checkpoint loads
 
 
+@pytest.mark.distributed
 def test_a_launcher_killed_by_a_signal_exits_128_plus_that_signal(tmp_path):
     """torchrun itself ended by a signal (the OOM killer's SIGKILL): the job's exit status is the
     shell's 137, not Python's -9 (which sys.exit turns into 247)."""

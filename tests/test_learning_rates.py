@@ -41,6 +41,7 @@ def test_a_run_shorter_than_its_warm_up_says_it_never_reaches_the_peak():
     assert short_of_peak(optim, 2000) is None and short_of_peak(optim, 10_000) is None
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "small", "base"])
 def test_default_rate_has_no_spike(preset, tmp_path):
@@ -49,6 +50,7 @@ def test_default_rate_has_no_spike(preset, tmp_path):
     assert losses[-1] < losses[0] - 0.1, losses  # and it does learn
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 @pytest.mark.slow
 def test_a_far_too_high_rate_does_spike(tmp_path):
     losses = short_run("base", str(tmp_path), **{"optim.lr": 2e-2, "optim.grad_clip": 0.0})

@@ -14,6 +14,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_two_nodes_through_c10d_rendezvous(text_dir, tmp_path):
     port = free_port()

@@ -82,6 +82,7 @@ def train_noting_fallback(rank: int, world: int, overrides: dict[str, Any]) -> d
     return {**out, "fallback": [str(w.message) for w in seen if "split backward keeps" in str(w.message)]}
 
 
+@pytest.mark.distributed
 def test_own_model_pp2_dp2_zero2_zb_h1_matches_one_process(text_dir, tmp_path):
     """One 4-rank group; every replica of every stage against one process of the same global batch,
     with W split for every block (no fallback to autograd)."""
@@ -117,6 +118,7 @@ def spec_toml(tmp_path: Path, data: Path) -> str:
     return str(path)
 
 
+@pytest.mark.distributed
 def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsys):
     """`[model] spec` (`--model-spec`) names examples/own_model.py's GPTSpec: `pipezero verify` trains
     it at pp=2 on two ranks torchrun starts (which import it themselves) and finds every rank equal

@@ -1,5 +1,6 @@
 """A peer that never sends makes the waiting rank fail within the timeout, naming rank and operation."""
 
+import pytest
 import time
 
 from pipezero.parallel.spawn import run_ranks
@@ -21,6 +22,7 @@ def silent_peer(rank: int, world: int) -> str:
     return "received?"
 
 
+@pytest.mark.distributed
 def test_silent_peer_times_out_with_named_operation():
     stalled, message = run_ranks(silent_peer, 2, timeout=60)
     assert stalled == "stalled"
@@ -42,6 +44,7 @@ def departed_peer(rank: int, world: int) -> str:
     return "gathered?"
 
 
+@pytest.mark.distributed
 def test_an_object_gather_whose_peer_left_fails_naming_the_operation():
     """summary.json's and a non-finite step's gathers have no async form: a peer that is gone fails
     them with the operation named, not a bare gloo error."""

@@ -21,6 +21,7 @@ def whole_documents(folder) -> dict:
     return {"data.path": str(path), "data.heldout_fraction": 0.1, "data.packing": "none"}
 
 
+@pytest.mark.distributed
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule
@@ -35,6 +36,7 @@ def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
             assert r["peak_live"] == simulate(build_schedule(kind, 2, m, V_OF.get(kind, 1))).peak_activations[rank]
 
 
+@pytest.mark.distributed
 def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     cases = [{"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": m} for m in (1, 3)]
     # Activation recomputation and the cost partition change memory and cuts, not the model.
@@ -78,7 +80,6 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
         assert_same_training([[r[0]] for r in drifted], str(text_dir), tmp_path, refs)
 
 
-@pytest.mark.slow
 def heldout_of(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict[int, float]]:
     """Each case's held-out losses (step -> loss) on this rank."""
     from pipezero.engine import train
@@ -89,6 +90,7 @@ def heldout_of(rank: int, world: int, data: str, out: str, cases: list[dict]) ->
             for i, case in enumerate(cases)]
 
 
+@pytest.mark.distributed
 def test_the_heldout_loss_is_the_same_for_every_layout(text_dir, tmp_path):
     """The held-out windows follow the global batch only: micro-batches of 1, 2 and 4 sequences,
     over a pipeline or over replicas, evaluate the same windows and report the same loss (a
@@ -111,6 +113,7 @@ def test_the_heldout_loss_is_the_same_for_every_layout(text_dir, tmp_path):
                 assert abs(loss - one[step]) <= 1e-5 * one[step], (case, rank, step, loss, one[step])
 
 
+@pytest.mark.distributed
 def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule
@@ -133,6 +136,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
             assert r["peak_live"] == sim[rank // c["dp"]], c
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_cli_nproc_launches_through_torchrun(text_dir, tmp_path):
     import json

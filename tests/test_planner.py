@@ -17,6 +17,7 @@ def test_zero_paper_table_1_for_7_5b_at_dp_64():
     assert gb == pytest.approx([120, 31.4, 16.6, 1.88], abs=0.05)
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_70b_on_1024_gpus_of_80_gib_fits():
     model = apply_preset(ModelConfig(), "70b")
     cluster = Cluster(gpus=1024, gpu_memory_gib=80)
@@ -28,6 +29,7 @@ def test_70b_on_1024_gpus_of_80_gib_fits():
     assert all(best.step_time_s <= e.step_time_s for e in fits)
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_plan_cli_json(capsys):
     assert main(["plan", "--preset", "7b", "--gpus", "64", "--gpu-memory", "80", "--global-batch", "256",
                  "--seq-len", "2048", "--json", "--top", "3"]) == 0

@@ -12,6 +12,7 @@ from pipezero.sim.calibrate import calibrate, predict
 from pipezero.config import ScheduleKind
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_trace_of_4_rank_1f1b_and_calibrated_bubble(text_dir, tmp_path):
     out = tmp_path / "run"
@@ -95,6 +96,7 @@ def _traced_zero2(rank: int, world: int, data: str, out: str) -> None:
                                           "run.trace": True, "run.trace_steps": 1}])
 
 
+@pytest.mark.distributed
 def test_collective_waits_are_named_by_the_program_instructions_that_started_them(text_dir, tmp_path):
     """The runtime plays the lowered program: rank 0's traced waits on gradient reductions, in order,
     are the REDUCE_GRAD instructions of its program (lowered here, in the test process, over the

@@ -37,6 +37,7 @@ def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
     assert "OK" in out and "rounding" in out
 
 
+@pytest.mark.distributed
 def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
     """ZB-V with M < 2P and tied embeddings (both ends on rank 0): exit 0, every tensor compared."""
     toml = tmp_path / "tied.toml"
@@ -51,6 +52,7 @@ def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
     assert len(steps) == 2 * 3 and all(c["error"] <= 1e-5 for c in steps)  # every rank, every step
 
 
+@pytest.mark.distributed
 def test_one_drifted_replica_fails_verify_and_is_named(text_dir, tmp_path):
     """ZeRO-3 over two replicas; the test-only hook nudges replica 1's copy of one weight by 1e-3."""
     code, log, report = verify(text_dir, tmp_path / "v", "--nproc", "2", "--dp", "2", "--zero", "3",

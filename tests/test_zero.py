@@ -92,6 +92,7 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     return cases
 
 
+@pytest.mark.distributed
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     cases = zero_cases(2, 1)
     results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
@@ -117,6 +118,7 @@ def every_schedule_cases(dp: int, pp: int) -> list[dict]:
     return [{"pp": pp, "dp": dp, "kind": kind, "m": 2 * pp, **z} for kind in others for z in settings]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases = zero_cases(4, 1) + zero_cases(2, 2) + every_schedule_cases(2, 2)
@@ -141,6 +143,7 @@ def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
         assert [r["two_level"] for r in summary["ranks"]] == [want] * 4, (case, summary["ranks"][0]["two_level"])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_dir, tmp_path):
     """The two 8-rank layouts in one process group (a spawn of 8 ranks costs 2 cores most of a
@@ -158,6 +161,7 @@ def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_di
     assert_same_training(results, str(text_dir), tmp_path)
 
 
+@pytest.mark.distributed
 def test_tied_embeddings_with_a_pipeline_on_neighbouring_ranks(text_dir, tmp_path):
     """--placement pp-inner puts replica d's first and last stage on ranks d x P and d x P + P - 1:
     the tied embedding's gradients are summed between those two, not between two replicas of one
