@@ -72,7 +72,7 @@ class BPETokenizer:
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
         # never share a cache entry.
         self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
-        self.vocab_size = hf.get_vocab_size()
+        self.vocab_size = largest_id(hf)[0] + 1  # ids need not be contiguous: the rows they need
         self.eos_id = next((i for t in EOS_TOKENS if (i := hf.token_to_id(t)) is not None), None)
         if eos_id is not None:  # a model's own end-of-sequence id (its config.json) wins over a guess
             self.name += f"-eos{eos_id}"
@@ -120,6 +120,16 @@ class BPETokenizer:
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
         return cls(hf, *model_ids(Path(path).parent, hf))
+
+
+def largest_id(hf: HFTokenizer) -> tuple[int, str]:
+    """(the largest id `hf` can put into a row, its token), from the vocabulary, the added tokens and
+    what the post-processor inserts (a BOS may be named there by id alone). Not the token count:
+    ids need not be contiguous, and an edited or merged tokenizer.json can hold id 1000 among 300
+    tokens, which every rank's embedding lookup would fail on mid-run."""
+    found = max(((i, t) for t, i in hf.get_vocab(with_added_tokens=True).items()), default=(-1, ""))
+    probe = hf.encode("a")  # truncation and padding are off (BPETokenizer): only the post-processor adds
+    return max([found, *zip(probe.ids, probe.tokens)])
 
 
 def id_bound(tok: Tokenizer) -> int:

@@ -96,19 +96,22 @@ def check_weights(cfg: ModelConfig) -> None:
 
 
 def check_tokenizer(cfg: ModelConfig, tokenizer: str) -> None:
-    """The tokenizer's ids must be rows of the embedding."""
-    from tokenizers import Tokenizer
+    """Every id the tokenizer can produce must be a row of the embedding: its count, and its
+    largest id (an id at or past vocab_size fails inside every rank's embedding lookup, mid-run)."""
+    from pipezero.data.tokenizer import BPETokenizer, largest_id
 
     path = Path(tokenizer)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: a Hugging Face model folder needs its {TOKENIZER}")
-    try:
-        size = Tokenizer.from_file(str(path)).get_vocab_size()
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
-        raise ConfigError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+    hf = BPETokenizer.from_file(path).hf
+    size = hf.get_vocab_size()
     if size > cfg.vocab_size:
         raise ConfigError(f"{path} has {size} tokens but config.json's vocab_size is {cfg.vocab_size}: "
                           f"the embedding has no row for the rest")
+    top, token = largest_id(hf)
+    if top >= cfg.vocab_size:
+        raise ConfigError(f"{path} gives id {top} ({token!r}) but config.json's vocab_size is {cfg.vocab_size}: "
+                          f"the embedding has no row for it; number the tokenizer's ids below {cfg.vocab_size}")
 
 
 @torch.no_grad()

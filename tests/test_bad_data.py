@@ -1,0 +1,153 @@
+"""Bad inputs on the data surfaces (documents, tokenizers, the token cache, Hugging Face config.json
+and weights): each is one line naming the input and the fix, exit 2, before any rank starts, and a
+damaged cache entry is rebuilt rather than read.
+
+Everything runs in this process (`pipezero.cli.main`); model folders are written here by hand
+(config.json, a tiny BPE tokenizer.json, random safetensors), not with transformers, to stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipezero.cli import main
+from pipezero.errors import ConfigError
+
+CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32,
+          "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
+          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": 0}
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, needle: str) -> None:
+    assert code == 2, (code, err)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pipezero") and needle in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of 40 small text documents (Python source)."""
+    import inspect
+
+    root = tmp_path_factory.mktemp("docs")
+    text = inspect.getsource(inspect)
+    for i in range(40):
+        (root / f"{i:02d}.txt").write_text(text[i * 3000:(i + 1) * 3000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def tokenizer_text(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A 300-token byte-level BPE whose id 0 is <|endoftext|>."""
+    from hf_models import tokenizer_json
+
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer_json(path)
+    return path.read_text()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, tokenizer_text: str) -> Path:
+    """A 2-block Llama folder with random weights that pipezero loads as it is."""
+    from safetensors.torch import save_file
+
+    from pipezero.config import ModelConfig
+    from pipezero.models.hf import model_fields, to_hf
+    from pipezero.models.hf_weights import expected_shapes
+
+    folder = tmp_path_factory.mktemp("model")
+    (folder / "tokenizer.json").write_text(tokenizer_text)
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    cfg = ModelConfig(**model_fields(folder), pretrained=str(folder))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {to_hf(n, cfg.n_layers, cfg.tie_embeddings): 0.02 * torch.randn(shape, generator=gen)
+               for n, shape in expected_shapes(cfg).items()}
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def copy_model(model: Path, dest: Path, config: dict | None = None, tokenizer: dict | None = None) -> Path:
+    """A copy of `model` with config.json's keys replaced by `config` (None values are removed) and
+    tokenizer.json replaced by `tokenizer`."""
+    import shutil
+
+    shutil.copytree(model, dest)
+    if config is not None:
+        merged = {**json.loads((dest / "config.json").read_text()), **config}
+        (dest / "config.json").write_text(json.dumps({k: v for k, v in merged.items() if v is not None}))
+    if tokenizer is not None:
+        (dest / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return dest
+
+
+def train_argv(model: Path | None, docs: Path, out: Path, *flags: str) -> list[str]:
+    return ["train", *(["--model", str(model)] if model else []), "--data", str(docs), "--seq-len", "16",
+            "--max-steps", "1", "--no-progress", "--out", str(out), *flags]
+
+
+# --- 1. tokenizer ids past the embedding -----------------------------------------------------------
+
+def tokenizer_with(text: str, change) -> dict:
+    t = json.loads(text)
+    change(t)
+    return t
+
+
+def _move_token(t: dict) -> None:
+    t["model"]["vocab"]["e"] = 1000  # a frequent token: the count stays 300, the largest id is 1000
+
+
+def _added_token(t: dict) -> None:  # the end-of-text token renumbered (added token and vocabulary alike)
+    t["added_tokens"][0]["id"] = t["model"]["vocab"]["<|endoftext|>"] = 700
+
+
+def _bos_template(t: dict) -> None:  # a post-processor putting BOS (id 900, in no vocabulary) first
+    t["post_processor"] = {"type": "TemplateProcessing",
+                           "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [900], "tokens": ["<s>"]}}}
+
+
+@pytest.mark.parametrize("change,needle", [
+    (_move_token, "gives id 1000 ('e') but config.json's vocab_size is 320"),
+    (_added_token, "gives id 700 ('<|endoftext|>') but config.json's vocab_size is 320"),
+    (_bos_template, "gives id 900 ('<s>') but config.json's vocab_size is 320"),
+], ids=["vocab", "added", "post-processor"])
+def test_a_tokenizer_id_past_the_embedding_is_refused_before_any_rank(change, needle, model, tokenizer_text, docs,
+                                                                        tmp_path, capsys):
+    folder = copy_model(model, tmp_path / "m", tokenizer=tokenizer_with(tokenizer_text, change))
+    assert_one_line(*run_main(train_argv(folder, docs, tmp_path / "out"), capsys), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_alone_counts_its_largest_id(tokenizer_text, docs, tmp_path, capsys):
+    """--tokenizer FILE with the built-in model: the rows the model needs are one past the largest
+    id, not the count, and the token cache's dtype follows it too."""
+    from pipezero.data.tokenizer import BPETokenizer, id_bound
+
+    path = tmp_path / "moved.json"
+    path.write_text(json.dumps(tokenizer_with(tokenizer_text, _move_token)))
+    assert id_bound(BPETokenizer.from_file(path)) == 1001
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(tokenizer_with(tokenizer_text, lambda t: t["model"]["vocab"].update(e=70000))))
+    assert id_bound(BPETokenizer.from_file(wide)) == 70001
+    config = tmp_path / "run.toml"
+    config.write_text("[model]\nvocab_size = 512\n")
+    assert_one_line(*run_main([*train_argv(None, docs, tmp_path / "out", "--tokenizer", str(path)),
+                               "--config", str(config)], capsys), "set model.vocab_size >= 1001")
