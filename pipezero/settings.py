@@ -193,11 +193,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(m.window_layers is None or all(i < m.n_layers for i in m.window_layers),
                f"model.window_layers = {m.window_layers}: blocks are numbered 0 to {m.n_layers - 1}")
     max_len = m.max_seq_len if spec is None else spec.max_seq_len
-    _check(
-        max_len is None or d.seq_len <= max_len,
-        f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={max_len}); lower --seq-len or "
-        + ("raise model.max_seq_len" if spec is None else f"raise the max_seq_len of --model-spec {m.spec}"),
-    )
+    if spec is not None:
+        limit, fix = f"max_seq_len={max_len}", f"lower --seq-len or raise the max_seq_len of --model-spec {m.spec}"
+    elif m.pretrained is not None:  # its shape is the folder's: only --seq-len can change
+        limit, fix = f"config.json's max_position_embeddings is {max_len}", "lower --seq-len"
+    else:
+        limit, fix = f"max_seq_len={max_len}", "lower --seq-len or raise model.max_seq_len"
+    _check(max_len is None or d.seq_len <= max_len,
+           f"--seq-len {d.seq_len} is longer than the model allows ({limit}); {fix}")
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
            f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
     chunks = p.pp * p.virtual_stages

@@ -151,3 +151,81 @@ def test_a_tokenizer_alone_counts_its_largest_id(tokenizer_text, docs, tmp_path,
     config.write_text("[model]\nvocab_size = 512\n")
     assert_one_line(*run_main([*train_argv(None, docs, tmp_path / "out", "--tokenizer", str(path)),
                                "--config", str(config)], capsys), "set model.vocab_size >= 1001")
+
+
+# --- 2. config.json values of the wrong kind, impossible, or ids given as tokens ------------------
+
+def _llama3(**changes: object) -> dict:
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return {"rope_parameters": {**rope, **changes}}
+
+
+CONFIG_CASES = [
+    ({"hidden_size": "32"}, "field 'hidden_size' = \"32\" is not an integer"),
+    ({"hidden_size": None}, "field 'hidden_size' is missing"),
+    ({"hidden_size": 0}, "field 'hidden_size' = 0 must be at least 1"),
+    ({"hidden_size": -32}, "field 'hidden_size' = -32 must be at least 1"),
+    ({"vocab_size": 0}, "field 'vocab_size' = 0 must be at least 1"),
+    ({"num_hidden_layers": 0}, "field 'num_hidden_layers' = 0 must be at least 1"),
+    ({"intermediate_size": -1}, "field 'intermediate_size' = -1 must be at least 1"),
+    ({"max_position_embeddings": 0}, "field 'max_position_embeddings' = 0 must be at least 1"),
+    ({"max_position_embeddings": 16.0}, "field 'max_position_embeddings' = 16.0 is not an integer"),
+    ({"max_position_embeddings": 8}, "--seq-len 16 is longer than the model allows (config.json's "
+                                     "max_position_embeddings is 8); lower --seq-len"),
+    ({"num_attention_heads": 0}, "field 'num_attention_heads' = 0 must be at least 1"),
+    ({"num_attention_heads": 5}, "hidden_size 32 is not a multiple of num_attention_heads 5"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"num_key_value_heads": 0}, "field 'num_key_value_heads' = 0 must be at least 1"),
+    ({"head_dim": 0}, "field 'head_dim' = 0 must be at least 1"),
+    ({"head_dim": 7}, "head_dim 7 is odd: rotary positions turn pairs of a head's dimensions"),
+    ({"rms_norm_eps": 0}, "field 'rms_norm_eps' = 0 must be a number > 0"),
+    ({"rms_norm_eps": -1e-6}, "field 'rms_norm_eps' = -1e-06 must be a number > 0"),
+    ({"rms_norm_eps": float("inf")}, "field 'rms_norm_eps' = Infinity must be a number > 0"),
+    ({"rms_norm_eps": "1e-6"}, "field 'rms_norm_eps' = \"1e-6\" is not a number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+     "field 'rope_parameters.rope_theta' = \"abc\" is not a number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+     "field 'rope_parameters.rope_theta' is missing"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "field 'rope_parameters.rope_theta' = 0 must be a number > 0"),
+    ({"rope_parameters": None, "rope_theta": "x"}, "field 'rope_theta' = \"x\" is not a number"),
+    (_llama3(factor=0), "field 'rope_parameters.factor' = 0 must be a number > 0"),
+    (_llama3(factor=True), "field 'rope_parameters.factor' = true is not a number"),
+    (_llama3(low_freq_factor=4.0), "rope_parameters' high_freq_factor 4.0 must be above its low_freq_factor 4.0"),
+    (_llama3(low_freq_factor=0), "field 'rope_parameters.low_freq_factor' = 0 must be a number > 0"),
+    (_llama3(original_max_position_embeddings=0),
+     "field 'rope_parameters.original_max_position_embeddings' = 0 must be at least 1"),
+    (_llama3(original_max_position_embeddings=None), "llama3 rope scaling lacks original_max_position_embeddings"),
+    ({"model_type": "mistral", "sliding_window": 0}, "field 'sliding_window' = 0 must be at least 1"),
+    ({"tie_word_embeddings": 1}, "field 'tie_word_embeddings' = 1 is not true or false"),
+    ({"hidden_act": None}, "field 'hidden_act' = null; only silu (SwiGLU) is supported"),
+    # ids written as tokens, or as numbers that are not integer ids: refused, never silently ignored
+    ({"eos_token_id": "<|endoftext|>"},
+     "field 'eos_token_id' = \"<|endoftext|>\" is a token, not an id: write its id, 0 in tokenizer.json"),
+    ({"eos_token_id": "</s>"}, "field 'eos_token_id' = \"</s>\" is a token, not an id, and tokenizer.json "
+                               "has no such token: write the end-of-sequence id"),
+    ({"eos_token_id": ["<|endoftext|>"]}, "field 'eos_token_id' = [\"<|endoftext|>\"] is a token, not an id"),
+    ({"eos_token_id": 0.0}, "field 'eos_token_id' = 0.0 is not an integer id"),
+    ({"eos_token_id": True}, "field 'eos_token_id' = true is not an integer id"),
+    ({"pad_token_id": "<|endoftext|>"}, "field 'pad_token_id' = \"<|endoftext|>\" is a token, not an id: write "
+                                        "its id, 0 in tokenizer.json"),
+    ({"pad_token_id": 1.5}, "field 'pad_token_id' = 1.5 is not an integer id"),
+]
+
+
+@pytest.mark.parametrize("change,needle", CONFIG_CASES, ids=[json.dumps(c[0])[:60] for c in CONFIG_CASES])
+def test_a_bad_config_json_value_is_one_line_naming_the_key(change, needle, model, docs, tmp_path, capsys):
+    folder = copy_model(model, tmp_path / "m")
+    merged = {**json.loads((folder / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps(merged))
+    code, err = run_main(train_argv(folder, docs, tmp_path / "out"), capsys)
+    assert_one_line(code, err, needle)
+    assert "config.json" in err and not (tmp_path / "out").exists()
+
+
+def test_a_generation_config_pad_token_written_as_a_token_is_refused(model, docs, tmp_path, capsys):
+    folder = copy_model(model, tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"pad_token_id": "<|endoftext|>"}))
+    assert_one_line(*run_main(train_argv(folder, docs, tmp_path / "out"), capsys),
+                    "generation_config.json: field 'pad_token_id' = \"<|endoftext|>\" is a token, not an id")

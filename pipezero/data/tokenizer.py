@@ -152,7 +152,7 @@ def model_ids(folder: Path, hf: HFTokenizer) -> tuple[int | None, int | None]:
         read_json(folder / "config.json")
     except ConfigError:  # a config.json that is not a model's: the tokenizer stands alone
         return None, None
-    return eos_id(folder), pad_id(folder, hf.token_to_id)
+    return eos_id(folder, hf.token_to_id), pad_id(folder, hf.token_to_id)
 
 
 def texts_digest(texts: Sequence[str]) -> str:
