@@ -132,6 +132,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
+    if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
+        from pipezero.models.hf_weights import check_finite
+
+        check_finite(cfg.model)
+
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
         device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once

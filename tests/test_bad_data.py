@@ -229,3 +229,46 @@ def test_a_generation_config_pad_token_written_as_a_token_is_refused(model, docs
     (folder / "generation_config.json").write_text(json.dumps({"pad_token_id": "<|endoftext|>"}))
     assert_one_line(*run_main(train_argv(folder, docs, tmp_path / "out"), capsys),
                     "generation_config.json: field 'pad_token_id' = \"<|endoftext|>\" is a token, not an id")
+
+
+# --- 3. weights holding NaN or inf ------------------------------------------------------------------
+
+def with_tensors(folder: Path, change) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def _poison(tensors: dict[str, torch.Tensor]) -> None:
+    tensors["model.layers.1.self_attn.q_proj.weight"][3, 5] = float("nan")
+    tensors["lm_head.weight"][7] = float("inf")  # a whole row: 32 values
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)
+    tensors["model.norm.weight"][0] = float("-inf")
+
+
+def test_non_finite_weights_are_named_before_any_rank(model, docs, tmp_path, capsys, monkeypatch):
+    folder = with_tensors(copy_model(model, tmp_path / "m"), _poison)
+    code, err = run_main(train_argv(folder, docs, tmp_path / "out"), capsys)
+    assert_one_line(code, err, "3 tensors hold NaN or inf: lm_head.weight (32 of 10240 values), "
+                               "model.layers.1.self_attn.q_proj.weight (1 of 1024), model.norm.weight (1 of 32)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_loading_non_finite_weights_refuses_them(model, tmp_path):
+    """Under an outside torchrun each rank loads its chunks itself: a tensor that is not finite is
+    refused there too (the launcher's scan is not run)."""
+    from pipezero.config import ModelConfig
+    from pipezero.models import build_chunk
+    from pipezero.models.hf import model_fields
+    from pipezero.models.hf_weights import FlatReader, load_chunk
+
+    folder = with_tensors(copy_model(model, tmp_path / "m"), _poison)
+    cfg = ModelConfig(**model_fields(folder), pretrained=str(folder))
+    with pytest.raises(ConfigError, match=r"tensor 'model.norm.weight' holds NaN or inf"):
+        load_chunk(build_chunk(cfg, 3, 4, seed=0), cfg)
+    with pytest.raises(ConfigError, match=r"tensor 'model.layers.1.self_attn.q_proj.weight' holds NaN or inf"):
+        FlatReader(cfg)("layers.2.attn.wq.weight", 0, 1024)
+    load_chunk(build_chunk(cfg, 0, 1, seed=0), cfg)  # the embedding is finite
