@@ -272,3 +272,36 @@ def test_a_rank_loading_non_finite_weights_refuses_them(model, tmp_path):
     with pytest.raises(ConfigError, match=r"tensor 'model.layers.1.self_attn.q_proj.weight' holds NaN or inf"):
         FlatReader(cfg)("layers.2.attn.wq.weight", 0, 1024)
     load_chunk(build_chunk(cfg, 0, 1, seed=0), cfg)  # the embedding is finite
+
+
+# --- 4. a cache folder that is a file, or cannot be written -----------------------------------------
+
+def _cache_cases(tmp_path: Path) -> list[tuple[str, str]]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    return [
+        (str(a_file), f"the cache folder {a_file} (PIPEZERO_CACHE) is a file, not a folder"),
+        (str(a_file / "sub"), f"the cache folder {a_file / 'sub'} (PIPEZERO_CACHE) cannot be made"),
+        ("/proc/pipezero-cache", "the cache folder /proc/pipezero-cache (PIPEZERO_CACHE) cannot be made"),
+        ("/proc", "the cache folder /proc (PIPEZERO_CACHE) cannot be written"),
+    ]
+
+
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2", "--pp", "2"]], ids=["one-process", "launcher"])
+def test_a_cache_folder_that_is_a_file_or_unwritable_is_one_line(launch, docs, tmp_path, capsys, monkeypatch):
+    for cache, needle in _cache_cases(tmp_path):
+        monkeypatch.setenv("PIPEZERO_CACHE", cache)
+        code, err = run_main([*train_argv(None, docs, tmp_path / "out", "--tokenizer", "bytes"), *launch], capsys)
+        assert_one_line(code, err, needle)
+        assert "point PIPEZERO_CACHE at a folder you can write" in err
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_the_default_cache_folder_names_where_it_comes_from(tmp_path, monkeypatch):
+    from pipezero.util import cache_dir
+
+    (tmp_path / "xdg").write_text("x")
+    monkeypatch.delenv("PIPEZERO_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(ConfigError, match=r"\(XDG_CACHE_HOME\) cannot be made .*; point PIPEZERO_CACHE at a folder"):
+        cache_dir()
