@@ -305,3 +305,118 @@ def test_the_default_cache_folder_names_where_it_comes_from(tmp_path, monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     with pytest.raises(ConfigError, match=r"\(XDG_CACHE_HOME\) cannot be made .*; point PIPEZERO_CACHE at a folder"):
         cache_dir()
+
+
+# --- 5. damaged token cache entries -----------------------------------------------------------------
+
+def _cut(name: str, n_bytes: int):
+    def damage(entry: Path) -> None:
+        path = entry / name
+        size = path.stat().st_size
+        with path.open("r+b") as f:
+            f.truncate(size - n_bytes if n_bytes > 0 else size // 2)
+    return damage
+
+
+def _grow(entry: Path) -> None:
+    with (entry / "train.tokens").open("ab") as f:
+        f.write(b"\0\0" * 8)
+
+
+def _swap_offsets(entry: Path) -> None:  # same size, other content: documents cut elsewhere
+    import numpy as np
+
+    offsets = np.load(entry / "train.offsets.npy")
+    offsets[1], offsets[2] = offsets[1] + 1, offsets[2] - 1
+    np.save(entry / "train.offsets.npy", offsets)
+
+
+def _edit_meta(**changes: object):
+    def damage(entry: Path) -> None:
+        meta = json.loads((entry / "meta.json").read_text())
+        (entry / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return damage
+
+
+DAMAGE = {
+    "tokens cut by a byte": _cut("train.tokens", 1),
+    "tokens cut by a token": _cut("train.tokens", 2),  # keeps uint16's alignment
+    "tokens cut in half": _cut("train.tokens", 0),
+    "held-out tokens cut by a token": _cut("heldout.tokens", 2),
+    "tokens grown": _grow,
+    "tokens removed": lambda e: (e / "train.tokens").unlink(),
+    "offsets cut": _cut("train.offsets.npy", 8),
+    "offsets edited": _swap_offsets,
+    "offsets removed": lambda e: (e / "heldout.offsets.npy").unlink(),
+    "meta dtype edited": _edit_meta(dtype="uint32"),
+    "meta count edited": _edit_meta(documents=3),
+    "meta not json": lambda e: (e / "meta.json").write_text('{"dtype": "uin'),
+    "meta removed": lambda e: (e / "meta.json").unlink(),
+}
+
+
+def _documents(tmp_path: Path):
+    from pipezero.config import DataConfig
+
+    (tmp_path / "d").mkdir()
+    words = "the quick brown fox jumps over a lazy dog".split()
+    (tmp_path / "d" / "a.jsonl").write_text("".join(json.dumps({"text": " ".join(words[i % 9:] + words[:i % 9]) * 3})
+                                                    + "\n" for i in range(60)))
+    return DataConfig(path=[str(tmp_path / "d")], tokenizer="bytes", seq_len=32, heldout_fraction=0.1)
+
+
+def _arrays(corpus) -> list:
+    import numpy as np
+
+    return [np.asarray(a).copy() for s in corpus.samples for a in (s.docs.tokens, s.docs.offsets)]
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
+def test_a_damaged_cache_entry_is_rebuilt(damage, tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    before = _arrays(load_corpus(cfg))
+    [entry] = cache_dir().glob("docs-*")
+    capsys.readouterr()
+    DAMAGE[damage](entry)
+    after = _arrays(load_corpus(cfg))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    err = capsys.readouterr().err
+    assert f"pipezero: warning: the token cache entry {entry} is damaged (" in err and "); rebuilding it" in err
+    assert err.count("\n") == 1
+    assert [p.name for p in cache_dir().iterdir() if p.name.startswith(".docs-")] == []  # nothing left beside it
+    _arrays(load_corpus(cfg))
+    assert capsys.readouterr().err == ""  # rebuilt whole: read as it is from then on
+
+
+def test_damaged_stdlib_and_tokenizer_caches_are_rebuilt(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from pipezero.config import DataConfig
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    stdlib = DataConfig(tokenizer="bytes", max_bytes=100_000, seq_len=32)
+    first = load_corpus(stdlib)
+    train, held = np.asarray(first.train).copy(), np.asarray(first.heldout).copy()
+    [path] = cache_dir().glob("tokens-*.train.npy")
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 2)
+    again = load_corpus(stdlib)
+    assert np.array_equal(again.train, train) and np.array_equal(again.heldout, held)
+    assert f"the token cache file {path} is damaged" in capsys.readouterr().err
+
+    bpe = _documents(tmp_path)
+    bpe.tokenizer, bpe.bpe_vocab = "bpe", 300
+    tokens = np.asarray(load_corpus(bpe).train).copy()
+    [path] = cache_dir().glob("bpe-300-*.json")
+    path.write_text('{"model": ')
+    capsys.readouterr()
+    assert np.array_equal(load_corpus(bpe).train, tokens)
+    assert f"the cached tokenizer {path} is damaged" in capsys.readouterr().err

@@ -17,6 +17,7 @@ merges and post-processor from tokenizer.json; the two agree whenever the class 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -179,6 +180,23 @@ def cached_tokenizer(kind: str, bpe_vocab: int, key: str, texts: Callable[[], It
     if kind != "bpe":
         return BPETokenizer.from_file(kind)
     path = cache_dir() / f"bpe-{bpe_vocab}{'-eos' if eos else ''}-{key}.json"
-    build_once(path.name, path.is_file,
-               lambda: atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode()))
+
+    def train() -> None:
+        if path.exists():  # not a readable tokenizer: the user never gave this file, so it is not theirs to fix
+            print(f"pipezero: warning: the cached tokenizer {path} is damaged ({_unreadable(path)}); rebuilding it",
+                  file=sys.stderr, flush=True)
+        atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode())
+
+    build_once(path.name, lambda: _unreadable(path) is None, train)
     return BPETokenizer.from_file(path)
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why `path` is not a tokenizer.json `tokenizers` loads; None when it is."""
+    if not path.is_file():
+        return "missing"
+    try:
+        HFTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
