@@ -236,6 +236,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for arg in d.path:
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
+        from pipezero.data.sources import check_out_of_reach
+
+        check_out_of_reach(d.path, r.out)
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
     if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers

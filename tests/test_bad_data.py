@@ -420,3 +420,40 @@ def test_damaged_stdlib_and_tokenizer_caches_are_rebuilt(tmp_path, capsys, monke
     capsys.readouterr()
     assert np.array_equal(load_corpus(bpe).train, tokens)
     assert f"the cached tokenizer {path} is damaged" in capsys.readouterr().err
+
+
+# --- 6. --out inside a --data folder ---------------------------------------------------------------
+
+def test_out_inside_the_data_is_refused(docs, tmp_path, capsys, monkeypatch):
+    """The run's own files (metrics.jsonl, hf/config.json, ...) would be read as documents when it
+    resumes, changing the corpus under it: refused before anything is written, whichever way the
+    data names the folder; a glob that cannot reach the run's files is fine."""
+    from pipezero.settings import build_config
+
+    root = tmp_path / "data"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.jsonl").write_text('{"text": "hello there"}\n')
+    (root / "b.txt").write_text("hello")
+    (tmp_path / "link").symlink_to(root)
+    (root / "old-run").mkdir()
+    (root / "old-run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    monkeypatch.chdir(tmp_path)
+    refused = [
+        ([str(root)], root / "run"),
+        ([str(root)], root),
+        ([str(root / "sub")], root),  # --out holds the data
+        (["data"], root / "run"),  # relative
+        ([str(tmp_path / "link")], root / "run"),  # through a link
+        ([str(root / "**" / "*.jsonl")], root / "run"),
+        (["data/*/*.jsonl"], root / "run"),
+        ([str(root / "old-run" / "metrics.jsonl")], root / "old-run"),
+    ]
+    for data, out in refused:
+        with pytest.raises(ConfigError, match=r"^--out '.*' (is inside|holds) --data '.*': the run's own files"):
+            build_config(None, {"data.path": data, "run.out": str(out)})
+    for data, out in [([str(root / "*.txt")], root / "run"), ([str(root / "sub")], root / "run"),
+                      (["data/*.txt"], "data/run")]:
+        build_config(None, {"data.path": data, "run.out": str(out)})  # the run's files are out of reach
+    code, err = run_main(train_argv(None, root, root / "run", "--tokenizer", "bytes"), capsys)
+    assert_one_line(code, err, "put --out outside the data")
+    assert not (root / "run").exists()

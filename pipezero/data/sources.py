@@ -7,9 +7,12 @@ user can find it; with `skip` it is counted instead, and the count is printed on
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +59,44 @@ def expand(paths: list[str]) -> list[Path]:
                 seen.add(real)
                 files.append(f)
     return files
+
+
+MAGIC = re.compile(r"[*?[]")
+
+
+def _glob_reaches(pattern: str, run: Path) -> bool:
+    """Whether glob `pattern` can match a file inside the folder `run`, or lies inside it."""
+    parts = Path(os.path.abspath(pattern)).parts
+    fixed = next(i for i, part in enumerate(parts) if MAGIC.search(part))
+    prefix, rest = Path(*parts[:fixed]).resolve(), parts[fixed:]
+    if prefix == run or run in prefix.parents:
+        return True
+    if prefix not in run.parents:
+        return False
+    inside = run.relative_to(prefix).parts  # a file of the run is these and at least one more part
+    if "**" in rest:
+        rest = rest[:rest.index("**")]
+    elif len(rest) <= len(inside):
+        return False
+    return all(fnmatch.fnmatchcase(name, part) for name, part in zip(inside, rest))
+
+
+def check_out_of_reach(paths: list[str], out: str) -> None:
+    """Refuse a run folder and documents that overlap: the run's own files (metrics.jsonl,
+    hf/config.json, checkpoints' json) would be read as documents when it resumes, and the corpus
+    would change under it. Refused rather than left out of the corpus: then `--data docs` would
+    mean other documents in each command, and a run folder among the documents is a mistake to
+    say before anything is written, not to work around."""
+    run = Path(out).resolve()
+    for arg in paths:
+        path = Path(arg)
+        real = path.resolve() if path.exists() else None
+        if real is not None and run in real.parents:
+            raise ConfigError(f"--out {out!r} holds --data {arg!r}: the run's own files could be read as documents "
+                              f"when it resumes; put --out outside the data")
+        if (real == run or real in run.parents) if real is not None else (MAGIC.search(arg) and _glob_reaches(arg, run)):
+            raise ConfigError(f"--out {out!r} is inside --data {arg!r}: the run's own files would be read as "
+                              f"documents when it resumes; put --out outside the data")
 
 
 def fingerprint(files: list[Path], *extra: object) -> str:
