@@ -60,6 +60,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                   "or none (one document a row)"),
     "--heldout-fraction": ("data.heldout_fraction", "share of documents held out for evaluation"),
     "--tokenizer": ("data.tokenizer", "bpe, bytes, or a tokenizer.json"),
+    "--max-document-mb": ("data.max_document_mb", "largest document (a record, a parquet value, a text file): "
+                                                  "a larger one is a bad record (tokenizing one takes many times "
+                                                  "its size in memory)"),
     "--lr": ("optim.lr", "peak learning rate"),
     "--warmup-steps": ("optim.warmup_steps", "steps of linear warm-up to the peak rate (the preset's: 20, or "
                                              "2000 from 1b up)"),

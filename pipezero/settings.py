@@ -36,6 +36,7 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
+    "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
     **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads",
                                           "trace_steps")},

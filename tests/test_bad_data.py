@@ -457,3 +457,73 @@ def test_out_inside_the_data_is_refused(docs, tmp_path, capsys, monkeypatch):
     code, err = run_main(train_argv(None, root, root / "run", "--tokenizer", "bytes"), capsys)
     assert_one_line(code, err, "put --out outside the data")
     assert not (root / "run").exists()
+
+
+# --- 7. a document too large to tokenize in bounded memory ------------------------------------------
+
+def _oversized(root: Path, mb: float) -> dict[str, Path]:
+    """One file of each kind whose second document is `mb` MB, beside small ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    big = "word " * int(mb * (1 << 20) / 5)
+    small = [f"document number {i} " * 20 for i in range(30)]
+    root.mkdir()
+    (root / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in [small[0], big, *small[1:]]))
+    (root / "b.json").write_text(json.dumps([{"text": t} for t in [small[0], big, *small[1:]]]))
+    pq.write_table(pa.table({"text": [small[0], big, *small[1:]]}), root / "c.parquet")
+    (root / "d.txt").write_text(big)
+    return {"jsonl": root / "a.jsonl", "json": root / "b.json", "parquet": root / "c.parquet", "txt": root / "d.txt"}
+
+
+@pytest.mark.parametrize("kind,where", [("jsonl", "a.jsonl:2"), ("json", "b.json: record 1"),
+                                        ("parquet", "c.parquet: row 2"), ("txt", "d.txt")])
+def test_a_document_over_the_limit_is_one_line_or_skipped(kind, where, tmp_path, capsys):
+    from pipezero.config import DataConfig, OnBadRecord
+    from pipezero.data import load_corpus
+
+    path = _oversized(tmp_path / "d", 1.5)[kind]
+    cfg = DataConfig(path=[str(path)], tokenizer="bytes", seq_len=32, heldout_fraction=0.1, max_document_mb=1)
+    with pytest.raises(ConfigError, match=rf"{where}: a document of 1.5 MB, over data.max_document_mb = 1 "
+                                          rf"\(--max-document-mb\).*; fix the record or pass --on-bad-record skip"):
+        load_corpus(cfg)
+    if kind != "txt":  # the others are kept
+        cfg.on_bad_record = OnBadRecord.SKIP
+        corpus = load_corpus(cfg)
+        assert sum(s.docs.n_docs for s in corpus.samples) == 30
+        assert "skipped 1 bad records (first: " in capsys.readouterr().out
+    cfg.max_document_mb, cfg.on_bad_record = 2, OnBadRecord.FAIL  # under a higher limit it is read
+    cfg.path = [str(path), str(path.parent / "a.jsonl")]  # (a text file alone cannot be split for held-out)
+    assert sum(s.docs.n_docs for s in load_corpus(cfg).samples) == {"jsonl": 31, "txt": 32}.get(kind, 62)
+
+
+def test_an_over_long_jsonl_line_is_never_held_whole(tmp_path):
+    """A 24 MB line under a 1 MB limit is skipped over in blocks: the reader's own allocations stay
+    near the limit, not the line's size (the tokenizer never sees it)."""
+    import tracemalloc
+
+    from pipezero.config import OnBadRecord
+    from pipezero.data.sources import BadRecords, Reader
+
+    path = tmp_path / "a.jsonl"
+    with path.open("w") as f:
+        f.write(json.dumps({"text": "before"}) + "\n")
+        f.write(json.dumps({"text": "x" * (24 << 20)}) + "\n")
+        f.write(json.dumps({"text": "after"}) + "\n")
+    reader = Reader("text", BadRecords(OnBadRecord.SKIP), max_document_bytes=1 << 20)
+    tracemalloc.start()
+    try:
+        texts = [t for t, _ in reader.documents(path)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert texts == ["before", "after"] and reader.records.skipped == 1
+    assert peak < 4 << 20, peak
+
+
+def test_the_document_limit_is_a_setting_with_a_flag(docs, tmp_path, capsys):
+    from pipezero.settings import build_config
+
+    assert build_config().data.max_document_mb == 8
+    assert_one_line(*run_main(train_argv(None, docs, tmp_path / "out", "--max-document-mb", "0"), capsys),
+                    "--max-document-mb 0: expected an integer >= 1")

@@ -182,10 +182,10 @@ def load_documents(cfg: DataConfig) -> Corpus:
     assert cfg.path is not None
     files = expand(cfg.path)
     every = max(2, round(1.0 / cfg.heldout_fraction))
-    inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value)
+    inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value, cfg.max_document_mb)
 
     def reader() -> Reader:
-        return Reader(cfg.text_field, BadRecords(cfg.on_bad_record))
+        return Reader(cfg.text_field, BadRecords(cfg.on_bad_record), cfg.max_document_mb << 20)
 
     def sample() -> Iterable[str]:  # every 4th document trains a BPE, streamed
         r = reader()
