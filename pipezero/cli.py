@@ -60,6 +60,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                   "or none (one document a row)"),
     "--heldout-fraction": ("data.heldout_fraction", "share of documents held out for evaluation"),
     "--tokenizer": ("data.tokenizer", "bpe, bytes, or a tokenizer.json"),
+    "--max-document-mb": ("data.max_document_mb", "largest document (a record, a parquet value, a text file): "
+                                                  "a larger one is a bad record (tokenizing one takes many times "
+                                                  "its size in memory)"),
     "--lr": ("optim.lr", "peak learning rate"),
     "--warmup-steps": ("optim.warmup_steps", "steps of linear warm-up to the peak rate (the preset's: 20, or "
                                              "2000 from 1b up)"),
@@ -137,6 +140,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         if clash := resume_clashes(cfg, run_id(cfg.run.out)):
             raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
+    if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
+        from pipezero.models.hf_weights import check_finite
+
+        check_finite(cfg.model)
+
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
         device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once

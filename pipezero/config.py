@@ -164,6 +164,8 @@ class DataConfig:
     seq_len: int = 128
     heldout_fraction: float = 0.02
     max_bytes: int | None = None  # read at most this much text (for quick tests)
+    max_document_mb: int = 8  # a larger document (record, parquet value, text file) is a bad record: tokenizing
+    # one takes ~50-200x its size in memory (tokenizers' per-token state); 8 MB is one tokenizer batch's text
 
     def __post_init__(self) -> None:
         if isinstance(self.path, (str, Path)):  # one path given in code: a list of one

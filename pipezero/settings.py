@@ -36,6 +36,7 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
+    "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
     **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads",
                                           "trace_steps")},
@@ -193,11 +194,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(m.window_layers is None or all(i < m.n_layers for i in m.window_layers),
                f"model.window_layers = {m.window_layers}: blocks are numbered 0 to {m.n_layers - 1}")
     max_len = m.max_seq_len if spec is None else spec.max_seq_len
-    _check(
-        max_len is None or d.seq_len <= max_len,
-        f"--seq-len {d.seq_len} is longer than the model allows (max_seq_len={max_len}); lower --seq-len or "
-        + ("raise model.max_seq_len" if spec is None else f"raise the max_seq_len of --model-spec {m.spec}"),
-    )
+    if spec is not None:
+        limit, fix = f"max_seq_len={max_len}", f"lower --seq-len or raise the max_seq_len of --model-spec {m.spec}"
+    elif m.pretrained is not None:  # its shape is the folder's: only --seq-len can change
+        limit, fix = f"config.json's max_position_embeddings is {max_len}", "lower --seq-len"
+    else:
+        limit, fix = f"max_seq_len={max_len}", "lower --seq-len or raise model.max_seq_len"
+    _check(max_len is None or d.seq_len <= max_len,
+           f"--seq-len {d.seq_len} is longer than the model allows ({limit}); {fix}")
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
            f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
     chunks = p.pp * p.virtual_stages
@@ -233,6 +237,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for arg in d.path:
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
+        from pipezero.data.sources import check_out_of_reach
+
+        check_out_of_reach(d.path, r.out)
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
     if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers

@@ -11,15 +11,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipezero.errors import ConfigError
+
+
+def _cache_root() -> tuple[Path, str]:
+    """The cache folder and what chose it (the variable a user would change)."""
+    if os.environ.get("PIPEZERO_CACHE"):
+        return Path(os.environ["PIPEZERO_CACHE"]), "PIPEZERO_CACHE"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pipezero", "XDG_CACHE_HOME"
+    return Path(os.path.expanduser("~/.cache")) / "pipezero", "the default, ~/.cache/pipezero"
+
+
+def cache_error(path: Path, source: str, what: str, e: OSError) -> ConfigError:
+    return ConfigError(f"the cache folder {path} ({source}) {what} ({e.strerror or e}); point PIPEZERO_CACHE at a "
+                       f"folder you can write")
+
 
 def cache_dir() -> Path:
     """Where tokenizers and tokenized corpora are cached: $PIPEZERO_CACHE, else ~/.cache/pipezero.
-    Created private (0700): what is cached is read back as trusted tokens and tokenizers."""
-    root = os.environ.get("PIPEZERO_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pipezero"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    Created private (0700): what is cached is read back as trusted tokens and tokenizers. Only
+    made here, not probed for writing: a read-only cache whose entries are complete is still read
+    (writes fail in one line where an entry is built: `cache_lock`)."""
+    path, source = _cache_root()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"the cache folder {path} ({source}) is a file, not a folder; point PIPEZERO_CACHE at a "
+                          f"folder you can write")
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise cache_error(path, source, "cannot be made", e) from None
     return path
 
 
@@ -32,7 +53,11 @@ def cache_lock(name: str) -> Iterator[None]:
     and one that comes later makes a new file. A filesystem without locks (ENOLCK) goes unlocked:
     every process builds and one atomic rename wins."""
     path = cache_dir() / f".{name}.lock"
-    with open(path, "a") as f:
+    try:
+        f = open(path, "a")  # noqa: SIM115 - closed by the `with` below
+    except OSError as e:  # the first write of any build
+        raise cache_error(path.parent, _cache_root()[1], "cannot be written", e) from None
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

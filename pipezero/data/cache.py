@@ -3,7 +3,10 @@
 A cache is a folder named by a key (the inputs' fingerprint, the tokenizer's content, the settings
 that change which documents are kept). It is built in a temporary folder beside it and renamed into
 place when complete, so an interrupted build leaves only a temporary folder that nothing reads, and
-a cache is never reused for other inputs or another tokenizer. Documents stream through in batches
+a cache is never reused for other inputs or another tokenizer. Its meta.json records every file's
+size, the offsets' digests and a checksum over itself: an entry damaged since (a truncated or edited
+file, a disk that lost a write) is rebuilt instead of read, where a truncation that keeps the
+dtype's alignment would otherwise train on less data without a word. Documents stream through in batches
 (`tokenizers` encodes a batch on every core); each document is followed by the tokenizer's EOS id.
 Every k-th document (k = 1 / held-out fraction) goes to the held-out split, so it is split by
 documents, never inside one.
@@ -11,10 +14,12 @@ documents, never inside one.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,9 +142,8 @@ def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout
                 os.fsync(f.fileno())
         for name, w in zip(SPLITS, writers):
             np.save(tmp / f"{name}.offsets.npy", w.offsets(), allow_pickle=False)
-        meta = {"dtype": dtype.name, "documents": seen, "skipped": reader.records.skipped,
-                "short": reader.records.short, "tokenizer": tok.name}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        seal(tmp, {"dtype": dtype.name, "documents": seen, "skipped": reader.records.skipped,
+                   "short": reader.records.short, "tokenizer": tok.name})
         try:
             os.rename(tmp, dest)
         except OSError:  # another process finished the same cache first: keep theirs
@@ -151,26 +155,82 @@ def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout
         raise
 
 
+META = "meta.json"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checksum(meta: dict) -> str:
+    return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()).hexdigest()
+
+
+def seal(folder: Path, meta: dict) -> None:
+    """Write meta.json: `meta`, every file's size, the offsets' digests (8 bytes a document: cheap to
+    hash at each open; the token files are only sized, being the bulk), and a checksum of it all."""
+    meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir())},
+            "sha256": {f"{s}.offsets.npy": _digest(folder / f"{s}.offsets.npy") for s in SPLITS}}
+    (folder / META).write_text(json.dumps({**meta, "checksum": _checksum(meta)}))
+
+
+def problem(folder: Path) -> str | None:
+    """Why the entry `folder` does not match its meta.json (so cannot be read as it is); None when it does."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError:
+        return f"no {META}"
+    except (OSError, ValueError) as e:
+        return f"{META} is not readable json: {str(e).splitlines()[0]}"
+    if not isinstance(meta, dict) or meta.get("checksum") != _checksum(meta):
+        return f"{META} does not match its checksum"
+    for name, size in meta["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if (got := path.stat().st_size) != size:
+            return f"{name} holds {got} bytes, not {size}"
+    for name, digest in meta["sha256"].items():
+        if _digest(folder / name) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
 def open_split(folder: Path, name: str) -> DocTokens:
-    meta = json.loads((folder / "meta.json").read_text())
+    """Split `name` of an entry that `problem` found whole."""
+    dtype = json.loads((folder / META).read_text())["dtype"]
     offsets = np.load(folder / f"{name}.offsets.npy", allow_pickle=False)
     path = folder / f"{name}.tokens"
-    tokens = np.memmap(path, dtype=meta["dtype"], mode="r") if path.stat().st_size else \
-        np.zeros(0, dtype=meta["dtype"])
+    tokens = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
     return DocTokens(tokens, offsets)
+
+
+def discard(folder: Path) -> None:
+    """Remove the damaged entry `folder`: renamed aside first, so no reader finds half of it."""
+    aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".damaged"))
+    os.replace(folder, aside / folder.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
                   heldout_every: int) -> tuple[DocTokens, DocTokens]:
-    """(train, held-out) documents, built on the first call for this key and memory-mapped after."""
+    """(train, held-out) documents, built on the first call for this key (or when the entry no
+    longer matches its meta.json) and memory-mapped after."""
     folder = cache_dir() / f"docs-{key}"
 
     def make() -> None:
+        if folder.exists():
+            print(f"pipezero: warning: the token cache entry {folder} is damaged ({problem(folder)}); rebuilding it",
+                  file=sys.stderr, flush=True)
+            discard(folder)
         build(folder, files, reader, tok, heldout_every)
+        if reason := problem(folder):
+            raise ConfigError(f"the token cache entry {folder} is damaged right after it was built ({reason}); "
+                              f"check the disk, or point PIPEZERO_CACHE at another folder")
         if reader.records.summary():
             print(f"pipezero: {reader.records.summary()}", flush=True)
 
-    build_once(folder.name, lambda: (folder / "meta.json").is_file(), make)
+    build_once(folder.name, lambda: problem(folder) is None, make)
     train, heldout = (open_split(folder, s) for s in SPLITS)
     if train.n_docs == 0:
         raise ConfigError(f"--data holds no document of two tokens or more ({len(files)} files); give more text")

@@ -12,6 +12,7 @@ import hashlib
 import io
 import itertools
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from collections.abc import Iterable
@@ -29,8 +30,9 @@ from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_
 from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
-CACHE_VERSION = 3  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,
-# 3: a UTF-8 byte order mark is no longer read as part of a file's first record)
+CACHE_VERSION = 4  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,
+# 3: a UTF-8 byte order mark is no longer read as part of a file's first record, 4: meta.json records sizes,
+# digests and its checksum)
 
 
 @dataclass
@@ -122,6 +124,18 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def npy_problem(path: Path) -> str | None:
+    """Why the cached .npy `path` cannot be read as it is (missing, or a header or size that does not
+    hold: numpy maps only what its header says, and refuses a file shorter than that); None when it can."""
+    if not path.is_file():
+        return "missing"
+    try:
+        np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        return str(e).splitlines()[0] or type(e).__name__
+    return None
+
+
 def read_tokens(path: Path) -> np.ndarray:
     """The ids of a token file, memory-mapped: a `.npy` of unsigned or signed integers (never
     unpickled: a file cannot run code), or a raw `.bin` of uint16 (uint32 when the name says u32)."""
@@ -168,10 +182,10 @@ def load_documents(cfg: DataConfig) -> Corpus:
     assert cfg.path is not None
     files = expand(cfg.path)
     every = max(2, round(1.0 / cfg.heldout_fraction))
-    inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value)
+    inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value, cfg.max_document_mb)
 
     def reader() -> Reader:
-        return Reader(cfg.text_field, BadRecords(cfg.on_bad_record))
+        return Reader(cfg.text_field, BadRecords(cfg.on_bad_record), cfg.max_document_mb << 20)
 
     def sample() -> Iterable[str]:  # every 4th document trains a BPE, streamed
         r = reader()
@@ -221,7 +235,15 @@ def load_stdlib(cfg: DataConfig) -> Corpus:
         for path, docs in zip(paths, (train_docs, held_docs)):
             _save_npy(path, _encode(tok, docs))
 
-    build_once(key, lambda: all(p.is_file() for p in paths), make)
+    def make_checked() -> None:
+        for path in paths:
+            if path.exists():
+                print(f"pipezero: warning: the token cache file {path} is damaged ({npy_problem(path)}); rebuilding it",
+                      file=sys.stderr, flush=True)
+                break
+        make()
+
+    build_once(key, lambda: not any(npy_problem(p) for p in paths), make_checked)
     train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
     need = cfg.seq_len + 2
     if len(train) < need or len(heldout) < need:

@@ -1,18 +1,25 @@
 """Documents from the user's files: jsonl/json records, parquet rows, or whole text files.
 
 Every reader streams (jsonl line by line, parquet one row group at a time, a text file at a time),
-so a file larger than memory is never held whole. A bad record is reported as `file:line` so the
+so a file larger than memory is never held whole; a document larger than data.max_document_mb is a
+bad record, found from its size before it is decoded (a jsonl line that long is skipped over in
+blocks, never held): tokenizing one document takes ~50-200x its text in memory, so a 48 MB line
+peaked at 977 MB with bytes and 10.8 GB with a 300-token BPE. A bad record is reported as `file:line` so the
 user can find it; with `skip` it is counted instead, and the count is printed once at the end.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from pipezero.config import OnBadRecord
 from pipezero.errors import ConfigError
@@ -58,6 +65,44 @@ def expand(paths: list[str]) -> list[Path]:
     return files
 
 
+MAGIC = re.compile(r"[*?[]")
+
+
+def _glob_reaches(pattern: str, run: Path) -> bool:
+    """Whether glob `pattern` can match a file inside the folder `run`, or lies inside it."""
+    parts = Path(os.path.abspath(pattern)).parts
+    fixed = next(i for i, part in enumerate(parts) if MAGIC.search(part))
+    prefix, rest = Path(*parts[:fixed]).resolve(), parts[fixed:]
+    if prefix == run or run in prefix.parents:
+        return True
+    if prefix not in run.parents:
+        return False
+    inside = run.relative_to(prefix).parts  # a file of the run is these and at least one more part
+    if "**" in rest:
+        rest = rest[:rest.index("**")]
+    elif len(rest) <= len(inside):
+        return False
+    return all(fnmatch.fnmatchcase(name, part) for name, part in zip(inside, rest))
+
+
+def check_out_of_reach(paths: list[str], out: str) -> None:
+    """Refuse a run folder and documents that overlap: the run's own files (metrics.jsonl,
+    hf/config.json, checkpoints' json) would be read as documents when it resumes, and the corpus
+    would change under it. Refused rather than left out of the corpus: then `--data docs` would
+    mean other documents in each command, and a run folder among the documents is a mistake to
+    say before anything is written, not to work around."""
+    run = Path(out).resolve()
+    for arg in paths:
+        path = Path(arg)
+        real = path.resolve() if path.exists() else None
+        if real is not None and run in real.parents:
+            raise ConfigError(f"--out {out!r} holds --data {arg!r}: the run's own files could be read as documents "
+                              f"when it resumes; put --out outside the data")
+        if (real == run or real in run.parents) if real is not None else (MAGIC.search(arg) and _glob_reaches(arg, run)):
+            raise ConfigError(f"--out {out!r} is inside --data {arg!r}: the run's own files would be read as "
+                              f"documents when it resumes; put --out outside the data")
+
+
 def fingerprint(files: list[Path], *extra: object) -> str:
     """A key for what these inputs hold: each path, size, modification and change time, plus
     `extra` settings that change the documents read. The modification time alone can stay the same
@@ -94,12 +139,37 @@ class BadRecords:
         return "; ".join(parts)
 
 
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its length in bytes) for each line of `f`; a line longer than `limit` comes as None,
+    read past in blocks of at most `limit` bytes, so memory stays near `limit` whatever its length."""
+    while raw := f.readline(limit + 1):
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        n = len(raw)
+        while raw and not raw.endswith(b"\n"):
+            raw = f.readline(limit)
+            n += len(raw)
+        yield None, n
+
+
 @dataclass
 class Reader:
     """Yields (text, bytes read so far in the file) for each document of one file."""
 
     text_field: str
     records: BadRecords = field(default_factory=lambda: BadRecords(OnBadRecord.FAIL))
+    max_document_bytes: int = 8 << 20  # DataConfig.max_document_mb
+
+    def too_large(self, where: str, n_bytes: int) -> bool:
+        """Whether a document of `n_bytes` is over the limit (then reported as a bad record)."""
+        if n_bytes <= self.max_document_bytes:
+            return False
+        limit = self.max_document_bytes >> 20
+        self.bad(where, f"a document of {n_bytes / (1 << 20):.1f} MB, over data.max_document_mb = {limit} "
+                        f"(--max-document-mb): tokenizing takes many times a document's size in memory; split "
+                        f"it or raise the limit")
+        return True
 
     def documents(self, path: Path) -> Iterator[tuple[str, int]]:
         if path.stat().st_size == 0:
@@ -123,7 +193,12 @@ class Reader:
         if not isinstance(text, str):
             self.bad(where, f"field {self.text_field!r} holds {type(text).__name__}, not text")
             return None
-        return text
+        return None if self._text_too_large(where, text) else text
+
+    def _text_too_large(self, where: str, text: str) -> bool:
+        """`too_large` for decoded text (a json array's record, a parquet value): UTF-8 is at most 4
+        bytes a character, so only text that might be over the limit is encoded to measure it."""
+        return len(text) * 4 > self.max_document_bytes and self.too_large(where, len(text.encode("utf-8")))
 
     def _records(self, path: Path) -> Iterator[tuple[str, int]]:
         with path.open("rb") as f:
@@ -133,9 +208,12 @@ class Reader:
             return
         done = 0
         with path.open("rb") as f:
-            for n, raw in enumerate(f, 1):
-                done += len(raw)
+            for n, (raw, size) in enumerate(_lines(f, self.max_document_bytes), 1):
+                done += size
                 where = f"{path}:{n}"
+                if raw is None:
+                    self.too_large(where, size)
+                    continue
                 if n == 1:
                     raw = raw.removeprefix(BOM)
                 if not raw.strip():
@@ -186,9 +264,13 @@ class Reader:
                 if not isinstance(text, str):
                     self.bad(f"{path}: row {row}", f"column {self.text_field!r} holds {type(text).__name__}, not text")
                     continue
+                if self._text_too_large(f"{path}: row {row}", text):
+                    continue
                 yield text, size * (g + 1) // pf.num_row_groups
 
     def _text(self, path: Path) -> Iterator[tuple[str, int]]:
+        if self.too_large(str(path), path.stat().st_size):  # one document a file: known before it is read
+            return
         data = path.read_bytes()
         text = data.removeprefix(BOM)
         try:

@@ -17,6 +17,7 @@ merges and post-processor from tokenizer.json; the two agree whenever the class 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -72,7 +73,7 @@ class BPETokenizer:
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
         # never share a cache entry.
         self.name = f"bpe-{hashlib.sha256(hf.to_str().encode()).hexdigest()[:16]}"
-        self.vocab_size = hf.get_vocab_size()
+        self.vocab_size = largest_id(hf)[0] + 1  # ids need not be contiguous: the rows they need
         self.eos_id = next((i for t in EOS_TOKENS if (i := hf.token_to_id(t)) is not None), None)
         if eos_id is not None:  # a model's own end-of-sequence id (its config.json) wins over a guess
             self.name += f"-eos{eos_id}"
@@ -122,6 +123,16 @@ class BPETokenizer:
         return cls(hf, *model_ids(Path(path).parent, hf))
 
 
+def largest_id(hf: HFTokenizer) -> tuple[int, str]:
+    """(the largest id `hf` can put into a row, its token), from the vocabulary, the added tokens and
+    what the post-processor inserts (a BOS may be named there by id alone). Not the token count:
+    ids need not be contiguous, and an edited or merged tokenizer.json can hold id 1000 among 300
+    tokens, which every rank's embedding lookup would fail on mid-run."""
+    found = max(((i, t) for t, i in hf.get_vocab(with_added_tokens=True).items()), default=(-1, ""))
+    probe = hf.encode("a")  # truncation and padding are off (BPETokenizer): only the post-processor adds
+    return max([found, *zip(probe.ids, probe.tokens)])
+
+
 def id_bound(tok: Tokenizer) -> int:
     """One past the largest id `tok` puts into a row: its vocabulary, or an EOS or padding id that a
     model's config.json names beyond it (a padded embedding). The token cache's dtype and the model's
@@ -142,7 +153,7 @@ def model_ids(folder: Path, hf: HFTokenizer) -> tuple[int | None, int | None]:
         read_json(folder / "config.json")
     except ConfigError:  # a config.json that is not a model's: the tokenizer stands alone
         return None, None
-    return eos_id(folder), pad_id(folder, hf.token_to_id)
+    return eos_id(folder, hf.token_to_id), pad_id(folder, hf.token_to_id)
 
 
 def texts_digest(texts: Sequence[str]) -> str:
@@ -169,6 +180,23 @@ def cached_tokenizer(kind: str, bpe_vocab: int, key: str, texts: Callable[[], It
     if kind != "bpe":
         return BPETokenizer.from_file(kind)
     path = cache_dir() / f"bpe-{bpe_vocab}{'-eos' if eos else ''}-{key}.json"
-    build_once(path.name, path.is_file,
-               lambda: atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode()))
+
+    def train() -> None:
+        if path.exists():  # not a readable tokenizer: the user never gave this file, so it is not theirs to fix
+            print(f"pipezero: warning: the cached tokenizer {path} is damaged ({_unreadable(path)}); rebuilding it",
+                  file=sys.stderr, flush=True)
+        atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode())
+
+    build_once(path.name, lambda: _unreadable(path) is None, train)
     return BPETokenizer.from_file(path)
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why `path` is not a tokenizer.json `tokenizers` loads; None when it is."""
+    if not path.is_file():
+        return "missing"
+    try:
+        HFTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None

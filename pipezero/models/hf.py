@@ -13,6 +13,7 @@ weights are safetensors (models/hf_weights.py), so nothing in a user's folder ca
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -87,37 +88,60 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _field(config: dict[str, Any], key: str, kind: type, path: Path, default: Any = ...) -> Any:
-    """config[key] checked to be a `kind`; `default` when absent or null (no default: an error)."""
-    value = config.get(key)
+KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _field(config: dict[str, Any], key: str, kind: type, path: Path, default: Any = ..., least: float | None = None,
+           above: float | None = None, where: str = "") -> Any:
+    """config[key] checked to be a `kind`, at least `least` or (finite and) above `above`; `default`
+    when absent or null (no default: an error). A size of 0 or an eps of -1 would otherwise pass
+    the type check and be refused later under pipezero's own setting names (model.dim), which the
+    user never wrote; `where` prefixes the key of a nested object (rope_parameters.)."""
+    name, value = f"{where}{key}", config.get(key)
     if value is None:
         if default is ...:
-            raise ConfigError(f"{path}: field {key!r} is missing")
+            raise ConfigError(f"{path}: field {name!r} is missing")
         return default
+    shown = json.dumps(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{path}: field {key!r} = {json.dumps(value)} is not a {kind.__name__}")
+        raise ConfigError(f"{path}: field {name!r} = {shown} is not {KIND_NAMES[kind]}")
+    if above is not None and not (math.isfinite(value) and value > above):
+        raise ConfigError(f"{path}: field {name!r} = {shown} must be a number > {above:g}")
+    if least is not None and value < least:
+        raise ConfigError(f"{path}: field {name!r} = {shown} must be at least {least:g}")
     return value
 
 
 def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None]:
     """(theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling`."""
+    where = "rope_parameters." if config.get("rope_parameters") else "rope_scaling."
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{path}: field 'rope_parameters' is not an object")
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        raise ConfigError(f"{path}: field {where[:-1]!r} is not an object")
+    if "rope_theta" in params:
+        theta = _field(params, "rope_theta", float, path, above=0, where=where)
+    else:
+        theta = _field(config, "rope_theta", float, path, 10000.0, above=0)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
         raise ConfigError(f"{path}: rope type {kind!r} is not supported; supported: default, llama3")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if not isinstance(params.get(k), (int, float))]
+    missing = [k for k in keys if params.get(k) is None]
     if missing:
         raise ConfigError(f"{path}: llama3 rope scaling lacks {', '.join(missing)}")
-    return theta, [float(params[k]) for k in keys]
+    # each divides (context / low, inv / factor), and the band between the cut-offs is blended by
+    # (x - low) / (high - low): none may be zero, and high must lie above low
+    factor, low, high = (_field(params, k, float, path, above=0, where=where) for k in keys[:3])
+    context = _field(params, keys[3], float, path, least=1, where=where)
+    if high <= low:
+        raise ConfigError(f"{path}: {where[:-1]}' high_freq_factor {high} must be above its low_freq_factor {low} "
+                          f"(the wavelengths between the two cut-offs are blended)")
+    return theta, [factor, low, high, context]
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -129,14 +153,14 @@ def _sliding_window(kind: str, config: dict[str, Any], path: Path) -> tuple[int 
     without layer_types (written by transformers before 5) blocks max_window_layers (default 28)
     and on, as transformers 5's Qwen2Config derives them."""
     if kind == "mistral":
-        return _field(config, "sliding_window", int, path, None), None
+        return _field(config, "sliding_window", int, path, None, least=1), None
     if kind != "qwen2" or not _field(config, "use_sliding_window", bool, path, False):
         return None, None
-    window = _field(config, "sliding_window", int, path)
-    n = _field(config, "num_hidden_layers", int, path)
+    window = _field(config, "sliding_window", int, path, least=1)
+    n = _field(config, "num_hidden_layers", int, path, least=1)
     types = config.get("layer_types")
     if types is None:
-        first = _field(config, "max_window_layers", int, path, 28)
+        first = _field(config, "max_window_layers", int, path, 28, least=0)
         return window, [i for i in range(n) if i >= first]
     if not isinstance(types, list) or len(types) != n or any(t not in (SLIDING, FULL) for t in types):
         raise ConfigError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
@@ -153,19 +177,21 @@ def model_fields(folder: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{path}: field 'hidden_act' = {act!r}; only silu (SwiGLU) is supported")
-    dim, heads = _field(config, "hidden_size", int, path), _field(config, "num_attention_heads", int, path)
-    head_dim = _field(config, "head_dim", int, path, None)
+        raise ConfigError(f"{path}: field 'hidden_act' = {json.dumps(act)}; only silu (SwiGLU) is supported")
+
+    def size(key: str, default: Any = ...) -> Any:
+        return _field(config, key, int, path, default, least=1)
+
+    dim, heads, head_dim = size("hidden_size"), size("num_attention_heads"), size("head_dim", None)
+    kv = size("num_key_value_heads", None)
+    _check_heads(path, dim, heads, kv, head_dim)
     theta, llama3 = _rope(config, path)
     attention_bias = kind == "llama" and _field(config, "attention_bias", bool, path, False)
     return {
-        "vocab_size": _field(config, "vocab_size", int, path), "dim": dim,
-        "n_layers": _field(config, "num_hidden_layers", int, path), "n_heads": heads,
-        "n_kv_heads": _field(config, "num_key_value_heads", int, path, None),
-        "ffn_dim": _field(config, "intermediate_size", int, path),
-        "max_seq_len": _field(config, "max_position_embeddings", int, path),
+        "vocab_size": size("vocab_size"), "dim": dim, "n_layers": size("num_hidden_layers"), "n_heads": heads,
+        "n_kv_heads": kv, "ffn_dim": size("intermediate_size"), "max_seq_len": size("max_position_embeddings"),
         "tie_embeddings": _field(config, "tie_word_embeddings", bool, path, False),
-        "norm_eps": float(_field(config, "rms_norm_eps", float, path, 1e-6)), "rope_theta": theta,
+        "norm_eps": _field(config, "rms_norm_eps", float, path, 1e-6, above=0), "rope_theta": theta,
         "head_dim": head_dim if head_dim is not None and head_dim * heads != dim else None,
         "qkv_bias": kind == "qwen2" or attention_bias, "out_bias": attention_bias,
         "mlp_bias": kind == "llama" and _field(config, "mlp_bias", bool, path, False),
@@ -173,14 +199,38 @@ def model_fields(folder: Path) -> dict[str, Any]:
     }
 
 
-def _token_id(value: Any) -> int | None:
-    """An id field of config.json (an int, or a list whose first item names it); None for a
-    missing, null or negative one (older Llama configs wrote pad_token_id -1 for "none")."""
-    if isinstance(value, list):
-        value = value[0] if value else None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+def _check_heads(path: Path, dim: int, heads: int, kv: int | None, head_dim: int | None) -> None:
+    """The attention shape config.json gives must split into heads, in the keys the user wrote
+    (pipezero's validate would name its own settings, model.dim and n_heads)."""
+    if head_dim is None and dim % heads:
+        raise ConfigError(f"{path}: hidden_size {dim} is not a multiple of num_attention_heads {heads}; fix one, "
+                          f"or give head_dim")
+    if kv is not None and heads % kv:
+        raise ConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} "
+                          f"(each key/value head serves a whole group of query heads)")
+    if (head_dim or dim // heads) % 2:
+        what = f"head_dim {head_dim}" if head_dim else f"the head dimension {dim // heads} (hidden_size / num_attention_heads)"
+        raise ConfigError(f"{path}: {what} is odd: rotary positions turn pairs of a head's dimensions")
+
+
+def _token_id(config: dict[str, Any], key: str, path: Path, token_id: Callable[[str], int | None]) -> int | None:
+    """An id field of a config file (an int, or a list whose first item names it); None for a
+    missing, null or negative one (older Llama configs wrote pad_token_id -1 for "none"). A token
+    written where its id belongs ("</s>") is refused, naming the id: ignored, it would leave the
+    documents without their EOS, and transformers would not read it either."""
+    value = config.get(key)
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, str):
+            found = token_id(item)
+            what = "end-of-sequence" if key.startswith("eos") else "padding"
+            fix = (f": write its id, {found} in tokenizer.json" if found is not None
+                   else f", and tokenizer.json has no such token: write the {what} id")
+            raise ConfigError(f"{path}: field {key!r} = {json.dumps(value)} is a token, not an id{fix}")
+        if item is not None and (not isinstance(item, int) or isinstance(item, bool)):
+            raise ConfigError(f"{path}: field {key!r} = {json.dumps(value)} is not an integer id")
+    first = items[0] if items else None
+    return first if isinstance(first, int) and first >= 0 else None
 
 
 def _embedding_row(path: Path, what: str, token: int, config: dict[str, Any], fix: str) -> int:
@@ -193,11 +243,12 @@ def _embedding_row(path: Path, what: str, token: int, config: dict[str, Any], fi
     return token
 
 
-def eos_id(folder: Path) -> int | None:
+def eos_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
     """The end-of-sequence id config.json names (the first of a list), or None; it is packed after
-    every document, so it must be a row of the embedding."""
+    every document, so it must be a row of the embedding. `token_id` looks a token up (to name the
+    id of one written in its place)."""
     config = read_json(folder / CONFIG)
-    eos = _token_id(config.get("eos_token_id"))
+    eos = _token_id(config, "eos_token_id", folder / CONFIG, token_id)
     return None if eos is None else _embedding_row(folder / CONFIG, "end-of-sequence", eos, config,
                                                    "fix its eos_token_id")
 
@@ -211,9 +262,9 @@ def pad_id(folder: Path, token_id: Callable[[str], int | None]) -> int | None:
     config = read_json(folder / CONFIG)
     generation = read_json(folder / GENERATION) if (folder / GENERATION).is_file() else {}
     found: tuple[str, int] | None = None
-    if (pad := _token_id(config.get("pad_token_id"))) is not None:
+    if (pad := _token_id(config, "pad_token_id", folder / CONFIG, token_id)) is not None:
         found = (CONFIG, pad)
-    elif (pad := _token_id(generation.get("pad_token_id"))) is not None:
+    elif (pad := _token_id(generation, "pad_token_id", folder / GENERATION, token_id)) is not None:
         found = (GENERATION, pad)
     elif (folder / TOKENIZER_CONFIG).is_file():
         token = read_json(folder / TOKENIZER_CONFIG).get("pad_token")

@@ -95,20 +95,74 @@ def check_weights(cfg: ModelConfig) -> None:
                     raise ConfigError(f"{path}: tensor {theirs!r} is {dtype}; weights must be floating point")
 
 
+SCAN_ELEMENTS = 16 << 20  # values read at a time by the non-finite scan: its memory stays bounded
+
+
+def _nonfinite(values: torch.Tensor) -> int:
+    """How many of `values` are NaN or inf. A sum screens them first: it is finite only when every
+    value is, and costs a sixth of isfinite's pass (CPU, torch 2.13); the exact count is taken only
+    when the sum is not finite (an overflowing sum then counts 0)."""
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(values.sum(dtype=wide))):
+        return 0
+    return int((~torch.isfinite(values)).sum())
+
+
+def _count_nonfinite(path: Path, name: str) -> tuple[int, int]:
+    """(values of tensor `name` in `path` that are NaN or inf, its values), read a block of rows at a
+    time; one mapping a tensor, so the pages read leave memory as it closes (as in load_chunk)."""
+    with _open(path) as f:
+        piece = f.get_slice(name)
+        shape = piece.get_shape()
+        if len(shape) < 2:
+            values = f.get_tensor(name)
+            return _nonfinite(values), values.numel()
+        rows = max(1, SCAN_ELEMENTS // max(1, math.prod(shape[1:])))
+        return sum(_nonfinite(piece[i:i + rows]) for i in range(0, shape[0], rows)), math.prod(shape)
+
+
+def check_finite(cfg: ModelConfig) -> None:
+    """Refuse weights holding NaN or inf, naming the tensors. Every step of such a model is
+    non-finite: it would be skipped until the run stops (or, under run.max_bad_steps, a run would
+    exit 0 having learnt nothing). This reads every tensor once, so it runs once, where the ranks
+    are launched (cli.py), and each rank checks only the tensors it loads (`_finite`)."""
+    assert cfg.pretrained is not None
+    groups = _by_file(list(expected_shapes(cfg)), cfg, weight_files(Path(cfg.pretrained)))
+    counts = {theirs: _count_nonfinite(path, theirs) for path, pairs in groups.items() for theirs in {t for _, t in pairs}}
+    bad = sorted((name, n, total) for name, (n, total) in counts.items() if n)
+    if bad:
+        shown = ", ".join(f"{name} ({n} of {total}{' values' if i == 0 else ''})" for i, (name, n, total) in enumerate(bad[:5]))
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ConfigError(f"{cfg.pretrained}: {len(bad)} tensor{'s hold' if len(bad) > 1 else ' holds'} NaN or inf: "
+                          f"{shown}{more}; these weights cannot train: restore them from their source")
+
+
+def _finite(values: torch.Tensor, name: str, path: Path) -> torch.Tensor:
+    """`values` read from tensor `name`, refused when not finite (a rank's own check: an outside
+    torchrun starts ranks with no launcher to scan the folder first)."""
+    if _nonfinite(values):
+        raise ConfigError(f"{path}: tensor {name!r} holds NaN or inf; these weights cannot train: restore them "
+                          f"from their source")
+    return values
+
+
 def check_tokenizer(cfg: ModelConfig, tokenizer: str) -> None:
-    """The tokenizer's ids must be rows of the embedding."""
-    from tokenizers import Tokenizer
+    """Every id the tokenizer can produce must be a row of the embedding: its count, and its
+    largest id (an id at or past vocab_size fails inside every rank's embedding lookup, mid-run)."""
+    from pipezero.data.tokenizer import BPETokenizer, largest_id
 
     path = Path(tokenizer)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: a Hugging Face model folder needs its {TOKENIZER}")
-    try:
-        size = Tokenizer.from_file(str(path)).get_vocab_size()
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
-        raise ConfigError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+    hf = BPETokenizer.from_file(path).hf
+    size = hf.get_vocab_size()
     if size > cfg.vocab_size:
         raise ConfigError(f"{path} has {size} tokens but config.json's vocab_size is {cfg.vocab_size}: "
                           f"the embedding has no row for the rest")
+    top, token = largest_id(hf)
+    if top >= cfg.vocab_size:
+        raise ConfigError(f"{path} gives id {top} ({token!r}) but config.json's vocab_size is {cfg.vocab_size}: "
+                          f"the embedding has no row for it; number the tokenizer's ids below {cfg.vocab_size}")
 
 
 @torch.no_grad()
@@ -125,7 +179,7 @@ def load_chunk(chunk: nn.Module, cfg: ModelConfig, frozen_only: bool = False) ->
             # A mapping a tensor: the file pages it touched leave resident memory when it closes,
             # so a rank peaks at its chunks plus one tensor, not plus every page it read.
             with _open(path) as f:
-                params[ours].copy_(f.get_tensor(theirs))
+                params[ours].copy_(_finite(f.get_tensor(theirs), theirs, path))
 
 
 class FlatReader:
@@ -153,4 +207,4 @@ class FlatReader:
             first, last = start // row, -(-stop // row)
             rows = piece[first:last].reshape(-1)
             self.elements_read += rows.numel()
-            return rows[start - first * row:stop - first * row]
+            return _finite(rows[start - first * row:stop - first * row], theirs, self.files[theirs])
