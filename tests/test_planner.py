@@ -38,6 +38,7 @@ def test_plan_cli_json(capsys):
     assert main(["plan", "--preset", "70b", "--gpus", "2", "--gpu-memory", "16"]) == 2  # nothing fits
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_grad_reduce_modes_trade_memory_for_traffic():
     """ZeRO-2 inside a pipeline: `step` holds the whole bf16 gradient (2Ψ(1-1/D) bytes more),
     `microbatch` keeps the sharded memory for M reduce-scatters a step."""
