@@ -84,7 +84,7 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     import time
 
     toml = tmp_path / "tiny.toml"
-    toml.write_text(TINY.format(data=text_dir, timeout=15))
+    toml.write_text(TINY.format(data=text_dir, timeout=8))  # as the mended-link test: enough under load
     metrics = tmp_path / "run" / "metrics.jsonl"
     args = ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", "2", "--dp", "2", "--microbatches", "2",
             "--max-steps", "100000", "--out", str(tmp_path / "run")]
@@ -107,7 +107,7 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     # in the step's norm and loss all-reduce (every rank waits in it, seen under load) has no single
     # peer to name, and says the whole group instead
     lines = "\n".join(x for x in said.splitlines() if "pipezero: error" in x)
-    assert re.search(r"rank [01], step \d+: .*((from|to) rank [23]|across all 4 ranks): (timed out after 15s|failed)",
+    assert re.search(r"rank [01], step \d+: .*((from|to) rank [23]|across all 4 ranks): (timed out after 8s|failed)",
                      lines), lines
 
 
