@@ -15,28 +15,13 @@ import pytest
 import torch
 
 from pipezero.cli import main
+from one_line import assert_one_line, run_main
 from pipezero.errors import ConfigError
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32,
           "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu",
           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "eos_token_id": 0}
-
-
-def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
-
-
-def assert_one_line(code: int, err: str, needle: str) -> None:
-    assert code == 2, (code, err)
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pipezero") and needle in lines[0], err
 
 
 @pytest.fixture(scope="module")
