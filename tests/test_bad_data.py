@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipezero.cli import main
 from one_line import assert_one_line, run_main
 from pipezero.errors import ConfigError
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from pipezero.cli import main
 from one_line import assert_one_line, run_main
 
 
