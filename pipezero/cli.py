@@ -129,8 +129,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
-    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
+
+    adopt_slurm(launch.nproc)
 
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
