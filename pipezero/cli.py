@@ -132,9 +132,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
-    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
+    adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
         from pipezero.checkpoint.state import resume_clashes
 

@@ -1,7 +1,8 @@
 """`--nproc N`: start N local ranks through torch.distributed's own launcher (torchrun).
 
 Under an outside `torchrun` (several machines, `--nnodes K --rdzv-backend c10d`) nothing is
-launched: the ranks read RANK / WORLD_SIZE / MASTER_ADDR from the environment torchrun set.
+launched: the ranks read RANK / WORLD_SIZE / MASTER_ADDR from the environment torchrun set. Under
+`srun` with one task a rank, the same variables are taken from Slurm's first (slurm.py).
 """
 
 from __future__ import annotations
@@ -9,14 +10,28 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 from pipezero.config import Device, TrainConfig
+from pipezero.errors import ConfigError
 from pipezero.job import run_job
+from pipezero.slurm import in_srun_step, rank_variables
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def adopt_slurm(nproc: int | None, env: MutableMapping[str, str] = os.environ) -> None:
+    """Make an srun task (one a rank) a rank as torchrun's would be, before anything reads RANK:
+    the run folder's claim, the process group (env://), the device by LOCAL_RANK. Written into the
+    process's environment because torch's env:// rendezvous reads it there. A `--nproc` launcher
+    must be the step's only task, or every task would start its own copy of the job."""
+    tasks = env.get("SLURM_NTASKS", "1")
+    if nproc is not None and nproc > 1 and in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env and tasks != "1":
+        raise ConfigError(f"--nproc {nproc} inside an srun step of SLURM_NTASKS={tasks} tasks would start "
+                          f"{tasks} jobs: drop --nproc (srun starts one task a rank) or run `srun --ntasks 1`")
+    env.update(rank_variables(env))
 
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them

@@ -1,0 +1,160 @@
+"""Slurm's task variables, read as the torchrun variables the ranks already understand.
+
+Under `srun pipezero train` (one task a rank, no torchrun) every task would otherwise start as rank
+0 of 1. Slurm already tells each task who it is: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and the
+tasks per node; the rendezvous host is the step's first node. Turning these into RANK / WORLD_SIZE
+/ LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT keeps one way of joining the process
+group (env://) for torchrun and Slurm alike. Host lists are expanded here, not by `scontrol`, so a
+rank needs no Slurm client on its PATH.
+
+Under `srun torchrun` the workers see both torchrun's variables and their node's SLURM_PROCID:
+torchrun's win, and nothing is read from Slurm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from pipezero.errors import ConfigError
+
+PORT_BASE = 15000  # job ports lie in [15000, 25000): below Linux's ephemeral range (32768+)
+PORT_SPAN = 10000
+
+T = TypeVar("T")
+
+_REPEAT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at the commas outside brackets (those inside separate a bracket's ranges)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError("nested '['")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("']' without '['")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("'[' without ']'")
+    parts.append(text[start:])
+    return parts
+
+
+def _bracket_values(body: str) -> list[str]:
+    """`01-04,07` -> 01 02 03 04 07: each number as wide as the range's first (Slurm's padding)."""
+    values = []
+    for item in body.split(","):
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"[{body}] holds {item!r}, not a number or a range N-M")
+        last = int(hi) if sep else int(lo)
+        if last < int(lo):
+            raise ValueError(f"[{body}] has a descending range {item!r}")
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), last + 1)]
+    return values
+
+
+def _expand_one(pattern: str) -> list[str]:
+    """One host expression: literal text and bracket groups, every combination in order."""
+    if not pattern:
+        raise ValueError("an empty host name")
+    pieces = re.split(r"(\[[^\]]*\])", pattern)
+    choices = [_bracket_values(p[1:-1]) if p.startswith("[") else [p] for p in pieces if p]
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list (`gpu[01-04,07],cpu3`) as host names, in Slurm's order."""
+    return [host for part in _split_top_level(text) for host in _expand_one(part)]
+
+
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE's form (`2(x3),1`: three nodes of 2 tasks, then one of 1), one count a node."""
+    counts: list[int] = []
+    for item in text.split(","):
+        m = _REPEAT.fullmatch(item)
+        if not m or int(m.group(1)) < 1:
+            raise ValueError(f"{item!r} is not N or N(xK) with N >= 1")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def job_port(job_id: str) -> int:
+    """The rendezvous port every task of one job computes alike, without talking to each other;
+    consecutive jobs on one node get different ports."""
+    return PORT_BASE + int(job_id) % PORT_SPAN
+
+
+def _read(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> T:
+    """`parse(env[name])`, a malformed value refused in one line naming the variable."""
+    try:
+        return parse(env[name])
+    except ValueError as e:
+        raise ConfigError(f"{name}={env[name]!r} is not what Slurm sets ({e}); "
+                          f"run under srun, or unset it") from None
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    return next((n for n in names if env.get(n)), None)
+
+
+def _local_world_size(env: Mapping[str, str]) -> tuple[int, str]:
+    """This node's task count and the variable it came from: the step's layout by SLURM_NODEID,
+    else --ntasks-per-node, else all tasks on one node."""
+    layout = _first(env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    if layout:
+        counts = _read(env, layout, tasks_per_node)
+        node = _read(env, "SLURM_NODEID", int) if "SLURM_NODEID" in env else 0
+        if not 0 <= node < len(counts):
+            raise ConfigError(f"SLURM_NODEID={node} but {layout}={env[layout]!r} lists {len(counts)} nodes")
+        return counts[node], layout
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _read(env, "SLURM_NTASKS_PER_NODE", int), "SLURM_NTASKS_PER_NODE"
+    return _read(env, "SLURM_NTASKS", int), "SLURM_NTASKS"
+
+
+def _refuse_disagreement(env: Mapping[str, str], ours: dict[str, str], sources: dict[str, str]) -> None:
+    """A RANK (or WORLD_SIZE, ...) set beside Slurm's with another value is a leftover of another
+    launcher or an exported variable: which one is right cannot be guessed."""
+    for name, value in ours.items():
+        if name in env and env[name] != value:
+            raise ConfigError(f"{name}={env[name]} but {sources[name]} says {value} for this srun task: unset "
+                              f"{name} (srun numbers its tasks), or start the ranks with `srun torchrun`")
+
+
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    """A task of an srun step (the batch script itself has SLURM_PROCID too, but no step)."""
+    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env
+
+
+def rank_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The torchrun variables this process takes from Slurm: empty outside an srun step, under
+    torchrun (its variables win), and for a step of one task (a lone process, or a `--nproc`
+    launcher). MASTER_ADDR / MASTER_PORT given by the user are kept."""
+    if "TORCHELASTIC_RUN_ID" in env or not in_srun_step(env):
+        return {}
+    local_world, layout = _local_world_size(env)
+    ours = {"RANK": str(_read(env, "SLURM_PROCID", int)), "WORLD_SIZE": str(_read(env, "SLURM_NTASKS", int)),
+            "LOCAL_RANK": str(_read(env, "SLURM_LOCALID", int)), "LOCAL_WORLD_SIZE": str(local_world)}
+    sources = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID",
+               "LOCAL_WORLD_SIZE": f"the tasks per node ({layout})"}
+    _refuse_disagreement(env, ours, sources)
+    if ours["WORLD_SIZE"] == "1":
+        return {}
+    nodes = _first(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+    if "MASTER_ADDR" not in env and not nodes:
+        raise ConfigError("an srun task without SLURM_JOB_NODELIST: set MASTER_ADDR to the host of rank 0")
+    if "MASTER_PORT" not in env and not env.get("SLURM_JOB_ID"):
+        raise ConfigError("an srun task without SLURM_JOB_ID: set MASTER_PORT for the rendezvous")
+    return {**ours,
+            "MASTER_ADDR": env.get("MASTER_ADDR") or _read(env, nodes, expand_hostlist)[0],
+            "MASTER_PORT": env.get("MASTER_PORT") or str(_read(env, "SLURM_JOB_ID", job_port))}
