@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Iterator
 from rich.console import Console
 from rich.table import Table
@@ -25,6 +24,9 @@ def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]
             coerce(f"--{dest.replace('_', '-')}", kind, getattr(args, dest), False, accepted)
 
 
+MAX_COST = 1e6  # relative times: a million to one is beyond any real F:B:W
+
+
 def parse_cost(text: str) -> tuple[float, float, float]:
     """`--cost F:B:W`; nan and inf parse as floats but would time every action as nan or inf (a
     table of nan% bubbles), so only finite positive costs pass."""
@@ -32,22 +34,45 @@ def parse_cost(text: str) -> tuple[float, float, float]:
         f, b, w = (float(x) for x in text.split(":"))
     except ValueError:
         raise ConfigError(f"--cost wants F:B:W like 1:1:1, got {text!r}") from None
-    if not all(0 < x < math.inf for x in (f, b, w)):
-        raise ConfigError(f"--cost {text}: expected three numbers > 0 (relative F:B:W times, like 1:1:1)")
+    if not all(0 < x <= MAX_COST for x in (f, b, w)):  # larger: a step's sum of costs overflows to inf
+        raise ConfigError(f"--cost {text}: expected three numbers > 0 and at most {MAX_COST:g} (relative F:B:W "
+                          f"times, like 1:1:1)")
     return f, b, w
+
+
+# How large a schedule `simulate` plays. The simulator keeps every action (~0.5 KB each, about 3
+# a cell of P x M x V) and takes 10-25 us an action, growing with P (measured on the 2-core machine:
+# 1f1b P=256 M=256 3.2 s and 88 MB; P=16 M=32768 13.9 s and 612 MB; P=10^6 never answered), so
+# these bounds answer in seconds and a few hundred MB. Real pipelines are far smaller.
+MAX_PP = 256
+MAX_CELLS = 65_536
+
+
+def check_size(pp: int, microbatches: int, virtual: int) -> None:
+    """Refuse, in one line, a schedule too large to simulate in seconds."""
+    if pp > MAX_PP:
+        raise ConfigError(f"--pp {pp}: simulate plays at most {MAX_PP} pipeline ranks; choose --pp {MAX_PP} or fewer")
+    if pp * microbatches * virtual > MAX_CELLS:
+        raise ConfigError(f"--pp {pp} x --microbatches {microbatches} x {virtual} virtual stages is "
+                          f"{pp * microbatches * virtual:,} cells; simulate plays at most {MAX_CELLS:,}: choose "
+                          f"--microbatches {max(1, MAX_CELLS // (pp * virtual))} or fewer")
 
 
 def each_schedule(args: argparse.Namespace, skipped: dict[str, str]) -> Iterator[Schedule]:
     """The schedule asked for, or with --compare every schedule at the asked P and M; a schedule
-    that cannot run there is one line in `skipped` under --compare, else the error."""
+    that cannot run there, or is too large to simulate, is one line in `skipped` under --compare,
+    else the error."""
     for kind in list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]:
+        virtual = default_virtual(kind, None if args.compare else args.virtual_stages)
         try:
-            yield build_schedule(kind, args.pp, args.microbatches,
-                                 default_virtual(kind, None if args.compare else args.virtual_stages))
-        except ValueError as e:
+            check_size(args.pp, args.microbatches, virtual)
+            schedule = build_schedule(kind, args.pp, args.microbatches, virtual)
+        except ValueError as e:  # ConfigError too
             if not args.compare:
                 raise ConfigError(str(e)) from None
             skipped[kind.value] = str(e)
+            continue
+        yield schedule
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,13 +18,18 @@ from pipezero.sim.layouts import Cluster
 
 
 def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
-    """GPU counts near `gpus` that split into some pp x dp, for the error message."""
-    def splits(n: int) -> bool:
-        return any(n % pp == 0 and global_batch % (n // pp) == 0 for pp in range(1, min(n, layers) + 1))
-
-    below = next((n for n in range(gpus - 1, 0, -1) if splits(n)), None)
-    above = next(n for n in range(gpus + 1, 2 * gpus + global_batch + 2) if splits(n))
+    """GPU counts nearest `gpus` that split into some pp x dp (pp at most `layers`, dp dividing the
+    global batch), for the error message: taken from those products, not by scanning counts (a
+    scan down from --gpus 2^30 ran for minutes, and one up past every product never ended)."""
+    sizes = {pp * dp for pp in range(1, layers + 1) for dp in divisors(global_batch)}
+    below = max((n for n in sizes if n < gpus), default=None)
+    above = min((n for n in sizes if n > gpus), default=None)
     return " or ".join(str(n) for n in (below, above) if n)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
