@@ -243,6 +243,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ConfigError("pipezero cluster needs a command to run, e.g. `train --pp 2 --dp 2`")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
+    inner = build_parser().parse_args(args.command)  # a mistake in it: one line here, not every node's
+    if inner.command in ("train", "verify"):  # its settings too, as each node's ranks would read them
+        from pipezero.settings import build_config
+
+        settings, _, names = flag_values(inner)
+        build_config(inner.config, settings, names)
     return run_on_cluster(ClusterSpec(args.nodes, args.link, pin=args.pin), args.ranks_per_node, args.command)
 
 

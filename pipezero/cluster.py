@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
@@ -70,10 +71,31 @@ def _run(*cmd: str) -> None:
         raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
 
 
-def require_root() -> None:
+CAP_NET_ADMIN = 12  # the capability bit `ip netns`, veth and tc need
+
+
+def has_net_admin(status: str | None = None) -> bool:
+    """Whether this process holds CAP_NET_ADMIN, read from /proc/self/status's CapEff mask (a
+    default container's root lacks it, and `ip netns add` then fails after a traceback)."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return True  # no /proc to ask: let `ip` say
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
+    return True
+
+
+def require_root(status: str | None = None) -> None:
     """One line, before anything is created, when this host cannot build namespaces."""
     if os.geteuid() != 0:
         raise ConfigError("the emulated cluster needs root (network namespaces, veth, tc): run as root")
+    if not has_net_admin(status):
+        raise ConfigError("the emulated cluster needs network-admin rights (CAP_NET_ADMIN) to build namespaces, "
+                          "veth and tc, and this root has none: run it on a host, or a container started with "
+                          "--cap-add NET_ADMIN")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         raise ConfigError(f"the emulated cluster needs iproute2's {' and '.join(missing)}: install iproute2")
