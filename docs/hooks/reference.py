@@ -83,7 +83,10 @@ def configuration_page() -> str:
              "`[parallel]`, `[optim]`, `[data]`, `[run]`), and command-line flags. Every value, whatever its "
              "source, is checked against what its key accepts below; a mistake is one line naming the key, exit "
              "status 2. TOML values must have the key's type (`pp = 2`, not `pp = \"2\"`; an integer key refuses "
-             "`2.5` and `64.0`; a bool is `true` or `false`).", ""]
+             "`2.5` and `64.0`; a bool is `true` or `false`). The global batch is `parallel.microbatches` x "
+             "`parallel.micro_batch_size` x `parallel.dp` sequences of `data.seq_len` tokens, and the sequences of "
+             "step s depend only on the seed, the data, the global batch and the sequence length, never on the "
+             "layout.", ""]
     for name, cls in SECTIONS.items():
         title = "[launch] (command line only)" if name == "launch" else f"[{name}]"
         lines += [f"## {title}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
