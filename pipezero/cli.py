@@ -1,5 +1,6 @@
 """`pipezero train | verify | export | cluster | simulate | plan`: a thin argparse layer over config, engine,
 launcher and simulator. The reference pages of the documentation are generated from this parser.
+
 Every user mistake becomes one line on stderr and exit code 2; only bugs give tracebacks.
 """
 
