@@ -5,6 +5,9 @@ three layers, later ones winning: these defaults, an optional TOML file (one tab
 command-line overrides; `settings.validate` turns every impossible combination into one
 `ConfigError` whose message names the fix, so nothing bad reaches a process group.
 
+Each field's docstring (the string under it) is its documentation: the site's configuration
+reference is generated from them, and a test fails for a field without one.
+
 This module is the vocabulary every other module shares, so it imports nothing of pipezero: where
 settings come from and how they are checked is `settings.py`.
 """
@@ -72,9 +75,7 @@ class Partition(str, enum.Enum):
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-style decoder. `preset` fills the shape; explicit fields override it.
-
-    Each field's docstring is its documentation: the reference pages are generated from them."""
+    """Shape of a Llama-style decoder. `preset` fills the shape; explicit fields override it."""
 
     preset: str = "tiny"
     """A named shape (models/presets.py: tiny, small, base, 1b, 7b, 13b, 70b) with its own learning

@@ -29,7 +29,8 @@ from typing import Any
 from pipezero import config
 from pipezero.cli import TRAIN_FLAGS, build_parser
 from pipezero.coerce import shown
-from pipezero.settings import RANGES, accepts
+from pipezero.coerce import describe
+from pipezero.settings import RANGES, setting_type
 
 SECTIONS: dict[str, type] = {"model": config.ModelConfig, "parallel": config.ParallelConfig,
                              "optim": config.OptimConfig, "data": config.DataConfig, "run": config.RunConfig,
@@ -86,7 +87,8 @@ def configuration_page() -> str:
              "`2.5` and `64.0`; a bool is `true` or `false`). The global batch is `parallel.microbatches` x "
              "`parallel.micro_batch_size` x `parallel.dp` sequences of `data.seq_len` tokens, and the sequences of "
              "step s depend only on the seed, the data, the global batch and the sequence length, never on the "
-             "layout.", ""]
+             "layout. Defaults below are the dataclasses'; `model.preset` replaces the shape keys and the learning "
+             "rate and warm-up with its own (the table at the end).", ""]
     for name, cls in SECTIONS.items():
         title = "[launch] (command line only)" if name == "launch" else f"[{name}]"
         lines += [f"## {title}", "", inspect.cleandoc(cls.__doc__ or ""), ""]
@@ -98,7 +100,7 @@ def configuration_page() -> str:
             key = f"{name}.{f.name}"
             flag = _flag_of(key)
             lines += [f"### `{key}` {{#{key}}}", "", docs.get(f.name, ""), "",
-                      f"- accepts: {accepts(key)}",
+                      f"- type: {describe(setting_type(key))}",
                       f"- default: {_default(f)}"]
             if key in RANGES:
                 lines.append(f"- range: {RANGES[key].describe()}")
