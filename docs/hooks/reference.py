@@ -163,7 +163,7 @@ def cli_page() -> str:
         if inherited:
             lines += [f"`{name}` takes every flag of [`train`](#train), and these:", ""]
             actions = [a for a in actions if not (a.option_strings and a.option_strings[0] in train)]
-        lines += ["| flag | value | default | what it does |", "|---|---|---|---|"]
+        lines += ["| flag | value | default / setting | what it does |", "|---|---|---|---|"]
         for a in actions:
             names = ", ".join(f"`{s}`" for s in a.option_strings) or f"`{a.dest}`"
             key = setting.get(a.option_strings[0]) if a.option_strings else None
