@@ -1,4 +1,5 @@
-"""`pipezero train | simulate`: a thin argparse layer over config, engine and simulator.
+"""`pipezero train | verify | export | cluster | simulate | plan`: a thin argparse layer over config, engine,
+launcher and simulator. The reference pages of the documentation are generated from this parser.
 
 Every user mistake becomes one line on stderr and exit code 2; only bugs give tracebacks.
 """
@@ -259,7 +260,7 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
                        description="Run K steps of a layout and of one process (pp=1, dp=1) and compare losses, "
                                    "gradient norms and every rank's parameters, beside one process trained again "
                                    "with its batch cut another way (the rounding at this learning rate); exit 0 "
-                                   "within tolerance, else 1. See README and docs/ARCHITECTURE.md.")
+                                   "within tolerance, else 1. See docs/how-to/verify.md.")
     v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
     v.set_defaults(func=cmd_verify)
 

@@ -5,6 +5,9 @@ three layers, later ones winning: these defaults, an optional TOML file (one tab
 command-line overrides; `settings.validate` turns every impossible combination into one
 `ConfigError` whose message names the fix, so nothing bad reaches a process group.
 
+Each field's docstring (the string under it) is its documentation: the site's configuration
+reference is generated from them, and a test fails for a field without one.
+
 This module is the vocabulary every other module shares, so it imports nothing of pipezero: where
 settings come from and how they are checked is `settings.py`.
 """
@@ -75,59 +78,103 @@ class ModelConfig:
     """Shape of a Llama-style decoder. `preset` fills the shape; explicit fields override it."""
 
     preset: str = "tiny"
-    vocab_size: int = 4096  # model rows; the tokenizer's vocabulary must fit in it
+    """A named shape (models/presets.py: tiny, small, base, 1b, 7b, 13b, 70b) with its own learning
+    rate and warm-up, so one word gives a model that trains as intended."""
+    vocab_size: int = 4096
+    """Rows of the embedding and the head; the tokenizer's vocabulary must fit in it."""
     dim: int = 128
-    n_layers: int = 2  # transformer blocks; the layer list also holds embedding and head
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Transformer blocks; the layer list that stages are cut from also holds the embedding and the head."""
     n_heads: int = 4
-    n_kv_heads: int | None = None  # None = n_heads (no grouped-query attention)
-    ffn_dim: int | None = None  # None = SwiGLU's 8/3 * dim rounded up to a multiple of 64
-    max_seq_len: int = 1024  # longest sequence the rotary cache is built for
+    """Attention heads (query heads under grouped-query attention)."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; None = n_heads (none shared)."""
+    ffn_dim: int | None = None
+    """Hidden width of the SwiGLU MLP; None = 8/3 x dim rounded up to a multiple of 64, Llama's rule."""
+    max_seq_len: int = 1024
+    """Longest sequence the rotary cache is built for; --seq-len may not exceed it."""
     tie_embeddings: bool = False
+    """The head reuses the embedding matrix (one tensor held by the first and last stage, its
+    gradients summed between them)."""
     norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
-    # Set by a Hugging Face model (models/hf.py), defaults for the built-in shapes:
-    head_dim: int | None = None  # None = dim // n_heads; some checkpoints set it apart (Mistral, Qwen)
-    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2; Llama's attention_bias)
-    out_bias: bool = False  # bias on the attention output projection (Llama's attention_bias)
-    mlp_bias: bool = False  # biases on the three SwiGLU projections (Llama's mlp_bias)
-    rope_llama3: list[float] | None = None  # Llama 3 rope scaling: factor, low_freq_factor,
-    # high_freq_factor, original_max_position_embeddings
-    sliding_window: int | None = None  # a query sees only the newest N keys (Mistral); None = all
-    window_layers: list[int] | None = None  # the blocks (0-based) the window applies to (Qwen2's
-    # layer_types); None = every block
-    pretrained: str | None = None  # a local Hugging Face model folder: shape, weights and tokenizer from it
-    # "MODULE:NAME" of a ModelSpec of one's own (models/user_spec.py): the model is that spec, and the
-    # shape fields above are unused
+    """Base of the rotary position frequencies."""
+    head_dim: int | None = None
+    """Width of one head; None = dim // n_heads. Set by Hugging Face models that choose it apart
+    (Mistral, Qwen)."""
+    qkv_bias: bool = False
+    """Biases on the q, k, v projections (Qwen2; Llama's attention_bias)."""
+    out_bias: bool = False
+    """Bias on the attention output projection (Llama's attention_bias)."""
+    mlp_bias: bool = False
+    """Biases on the three SwiGLU projections (Llama's mlp_bias)."""
+    rope_llama3: list[float] | None = None
+    """Llama 3 rope scaling as four numbers: factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings; None = no scaling."""
+    sliding_window: int | None = None
+    """A query sees only the newest N keys (Mistral, Qwen2); None = all keys."""
+    window_layers: list[int] | None = None
+    """The blocks (0-based) the sliding window applies to (Qwen2's layer_types); None = every block."""
+    pretrained: str | None = None
+    """A local Hugging Face model folder: shape, weights and tokenizer come from it, and the shape
+    settings above are refused beside it."""
     spec: str | None = None
+    """"MODULE:NAME" of a ModelSpec of one's own (models/user_spec.py): the model is that spec, and
+    the shape settings above are unused."""
 
 
 @dataclass
 class ParallelConfig:
     """Layout of ranks and of the work of one optimizer step."""
 
-    pp: int = 1  # pipeline ranks
-    dp: int = 1  # data-parallel ranks per pipeline stage
-    zero: int = 0  # ZeRO stage 0..3 across the dp ranks of a stage
+    pp: int = 1
+    """Pipeline ranks: the model's layers are cut into pp x virtual_stages chunks."""
+    dp: int = 1
+    """Data-parallel ranks per pipeline stage."""
+    zero: int = 0
+    """ZeRO stage across the dp ranks of a stage: 1 shards optimizer state, 2 also gradients, 3 also
+    parameters."""
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    microbatches: int = 4  # M micro-batches per dp rank per step
-    micro_batch_size: int = 4  # B sequences per micro-batch
-    virtual_stages: int = 1  # V stage chunks per pipeline rank
+    """Pipeline schedule (schedules/registry.py says what each is for)."""
+    microbatches: int = 4
+    """M micro-batches per data-parallel rank per step; more of them shrink the pipeline bubble."""
+    micro_batch_size: int = 4
+    """B sequences per micro-batch."""
+    virtual_stages: int = 1
+    """V stage chunks per pipeline rank (interleaved and V-shaped schedules need 2 or more)."""
     partition: Partition = Partition.UNIFORM
-    stage_layers: list[int] | None = None  # explicit layer count per stage chunk, overrides policy
-    recompute: bool = False  # activation checkpointing per stage chunk
+    """How layers are split over stage chunks: equal layer counts, equal parameters, or equal cost."""
+    stage_layers: list[int] | None = None
+    """Explicit layer count per stage chunk (embedding and head included); overrides `partition`."""
+    recompute: bool = False
+    """Activation checkpointing per stage chunk: forward again in backward instead of holding activations."""
     grad_reduce: GradReduce = GradReduce.STEP
-    placement: Placement = Placement.DP_INNER  # ranks -> (stage, replica); `pipezero plan` picks from bandwidths
-    bucket_mb: float = 25.0  # gradient bucket size for all-reduce / reduce-scatter
-    overlap_gather: bool = True  # ZeRO-1/2: each layer waits for its own updated weights in the next
-    # forward (zero/updates.py); False: every all-gather is waited for at the end of the step
-    zero3_keep_gathered: bool | None = None  # ZeRO-3 keeps a chunk gathered over its micro-batches;
-    # None = yes when pp > 1 (a stage runs many micro-batches close together), else layer by layer
-    timeout_s: float = 300.0  # every collective and p2p wait fails after this, naming the rank
-    buckets_in_flight: int = 1  # ZeRO-2/3: gradient buckets whose reduce-scatter may still run while
-    # the backward goes on (each holds a full bucket of gradient until it lands)
-    hierarchical: bool = False  # gradient reductions in two levels, inside each node then across nodes
-    # (parallel/hierarchical.py; gloo: it pays where a slow link joins the nodes)
-    ranks_per_node: int | None = None  # for `hierarchical`; None = torchrun's LOCAL_WORLD_SIZE
+    """Reduce gradients once a step (memory: a full gradient through the step) or every micro-batch
+    (more reduce-scatters, the gradient never outlives one backward)."""
+    placement: Placement = Placement.DP_INNER
+    """Which ranks share a node: a stage's replicas (dp-inner, gradient traffic inside a node) or a
+    pipeline's stages (pp-inner, activations inside a node); `pipezero plan` weighs both."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MB: reductions start a bucket at a time while backward runs."""
+    overlap_gather: bool = True
+    """ZeRO-1/2: each layer waits for its own updated weights in the next forward (zero/updates.py);
+    False: every all-gather is waited for at the end of the step."""
+    zero3_keep_gathered: bool | None = None
+    """ZeRO-3 keeps a chunk gathered over its micro-batches; None = yes when pp > 1 (a stage runs
+    many micro-batches close together), else layer by layer."""
+    timeout_s: float = 300.0
+    """Seconds any collective or p2p wait may take before the run fails naming the rank and what it
+    waited for."""
+    buckets_in_flight: int = 1
+    """ZeRO-2/3: gradient buckets whose reduce-scatter may still run while the backward goes on
+    (each holds a full bucket of gradient until it lands)."""
+    hierarchical: bool = False
+    """Gradient reductions in two levels, inside each node then across nodes (parallel/hierarchical.py;
+    gloo only: it pays where a slow link joins the nodes)."""
+    ranks_per_node: int | None = None
+    """Ranks a node for `hierarchical`; None = torchrun's LOCAL_WORLD_SIZE."""
 
     @property
     def world_size(self) -> int:
@@ -138,34 +185,55 @@ class ParallelConfig:
 class OptimConfig:
     """AdamW with linear warm-up then cosine decay to `min_lr`."""
 
-    lr: float = 3e-3  # the tiny preset's; build_config takes each preset's from models/presets.py
-    min_lr: float = 3e-4  # build_config: a tenth of lr unless set
-    warmup_steps: int = 20  # the large presets take longer ones (models/presets.py PRESET_WARMUP)
+    lr: float = 3e-3
+    """Peak learning rate; build_config takes each preset's from models/presets.py (this is tiny's)."""
+    min_lr: float = 3e-4
+    """Rate at the end of the cosine decay; build_config makes it a tenth of lr unless set."""
+    warmup_steps: int = 20
+    """Steps of linear warm-up to the peak rate; the large presets take longer ones
+    (models/presets.py PRESET_WARMUP)."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    freeze: str | None = None  # regex (re.search) over parameter names `layers.{i}.…`: those tensors do not
-    # train (no gradient, no AdamW state, not in ZeRO's buckets); freeze.py
+    """AdamW's denominator epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping."""
+    freeze: str | None = None
+    """Regex (re.search) over parameter names `layers.{i}.…`: those tensors do not train (no gradient,
+    no AdamW state, not in ZeRO's buckets); freeze.py."""
 
 
 @dataclass
 class DataConfig:
     """Where tokens come from. `path=None` means the interpreter's standard-library source."""
 
-    path: list[str] | None = None  # document files, folders or globs (data/sources.py), or one token file
-    text_field: str = "text"  # the field of a jsonl/json record, or column of a parquet file, holding text
+    path: list[str] | None = None
+    """Document files, folders or globs (data/sources.py), or one token file (.npy, .bin);
+    None = the Python standard library's source as a built-in corpus."""
+    text_field: str = "text"
+    """The field of a jsonl/json record, or column of a parquet file, holding a document's text."""
     on_bad_record: OnBadRecord = OnBadRecord.FAIL
-    packing: Packing | None = None  # None: doc-masked for documents; the built-in corpus and token
-    # files keep random windows over one token stream (they have no document boundaries to respect)
-    tokenizer: str = "bpe"  # "bpe" (trained locally, cached), "bytes", or a tokenizer.json path
+    """A bad record stops the run naming its file and line (fail), or is counted and skipped."""
+    packing: Packing | None = None
+    """How documents become windows; None: doc-masked for documents, while the built-in corpus and
+    token files keep random windows over one token stream (they have no document boundaries)."""
+    tokenizer: str = "bpe"
+    """"bpe" (trained locally on the data, cached), "bytes", or a tokenizer.json path."""
     bpe_vocab: int = 4096
+    """Vocabulary size of the locally trained BPE."""
     seq_len: int = 128
+    """Tokens a sequence."""
     heldout_fraction: float = 0.02
-    max_bytes: int | None = None  # read at most this much text (for quick tests)
-    max_document_mb: int = 8  # a larger document (record, parquet value, text file) is a bad record: tokenizing
-    # one takes ~50-200x its size in memory (tokenizers' per-token state); 8 MB is one tokenizer batch's text
+    """Share of documents held out, whole, for evaluation (every k-th, k = 1 / fraction)."""
+    max_bytes: int | None = None
+    """Read at most this much text (for quick tests); None = all of it."""
+    max_document_mb: int = 8
+    """A larger document (record, parquet value, text file) is a bad record: tokenizing one takes
+    ~50-200x its size in memory (tokenizers' per-token state); 8 MB is one tokenizer batch's text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.path, (str, Path)):  # one path given in code: a list of one
@@ -174,24 +242,45 @@ class DataConfig:
 
 @dataclass
 class RunConfig:
+    """How long to train, where to write, and what to record on the way."""
+
     max_steps: int = 200
+    """Optimizer steps."""
     seed: int = 1234
+    """Seed of the initial weights and the data order; with the data, batch and length it fixes
+    every step's global batch whatever the layout."""
     dtype: DType = DType.FP32
+    """Compute and communication dtype; master weights and AdamW state stay fp32."""
     device: Device = Device.AUTO
+    """cpu (gloo), cuda (GPU LOCAL_RANK, NCCL), or auto: cuda when torch sees a GPU."""
     out: str = "runs/latest"
-    eval_every: int = 50  # held-out loss every K steps (and at the end); 0 = only at the end
-    eval_batches: int = 4  # an evaluation reads this many global batches of held-out windows (any layout: the same)
-    sample_tokens: int = 64  # length of the text sample printed at the end; 0 = none
-    checkpoint_every: int = 0  # save a sharded checkpoint every K steps and at the end; 0 = never
-    keep_checkpoints: int = 3  # the newest N complete checkpoints are kept, older ones deleted
-    resume: bool = False  # continue from the newest good checkpoint under <out>/checkpoints
-    max_bad_steps: int = 3  # non-finite loss/gradient steps skipped in a row before the run stops
+    """Run directory: metrics.jsonl, summary.json, config.json, checkpoints."""
+    eval_every: int = 50
+    """Held-out loss every K steps (and at the end); 0 = only at the end."""
+    eval_batches: int = 4
+    """An evaluation reads this many global batches of held-out windows (any layout: the same ones)."""
+    sample_tokens: int = 64
+    """Length of the text sample printed at the end; 0 = none."""
+    checkpoint_every: int = 0
+    """Save a sharded checkpoint every K steps and at the end; 0 = never."""
+    keep_checkpoints: int = 3
+    """The newest N complete checkpoints of this run are kept, older ones deleted."""
+    resume: bool = False
+    """Continue from the newest good checkpoint under <out>/checkpoints (a fresh start if none)."""
+    max_bad_steps: int = 3
+    """Non-finite loss/gradient steps skipped in a row before the run stops."""
     trace: bool = False
-    tensorboard: bool = False  # also write metrics.jsonl's records as TensorBoard scalars under <out>/tensorboard
-    trace_steps: int = 3  # with trace: events of the newest N steps are kept and written (bounded memory)
-    threads: int | None = None  # torch intra-op threads per rank; None = cores / local ranks
-    compile: bool = False  # torch.compile each transformer block (not with split-backward schedules)
+    """Write trace.json (Chrome/Perfetto) and trace.png, the measured timeline of the last step."""
+    tensorboard: bool = False
+    """Also write metrics.jsonl's records as TensorBoard scalars under <out>/tensorboard."""
+    trace_steps: int = 3
+    """With trace: events of the newest N steps are kept and written (bounded memory)."""
+    threads: int | None = None
+    """Torch intra-op threads per rank; None = cores / local ranks."""
+    compile: bool = False
+    """torch.compile each transformer block (not with split-backward schedules)."""
     progress: bool = True
+    """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: no per-step lines."""
 
 
 @dataclass
@@ -226,5 +315,7 @@ def _jsonable(obj: Any) -> Any:
 class LaunchConfig:
     """How the local launcher starts ranks; not saved with a run (it does not change what is computed)."""
 
-    nproc: int | None = None  # local ranks started through torchrun; None = this process is one rank
-    max_restarts: int = 0  # torchrun restarts a failed job this often; the ranks resume from a checkpoint
+    nproc: int | None = None
+    """Local ranks started through torchrun; None = this process is one rank."""
+    max_restarts: int = 0
+    """torchrun restarts a failed job this often; the ranks resume from a checkpoint."""

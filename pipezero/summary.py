@@ -26,6 +26,46 @@ if TYPE_CHECKING:
     from pipezero.stage import Stage
 
 
+# What summary.json holds, key by key, and what each rank's entry under "ranks" holds. The reference
+# page of the run's files is generated from these tables; a training test compares them with the keys
+# a run writes, so neither can change without the other.
+SUMMARY_FIELDS: dict[str, str] = {
+    "layout": "pp, dp, zero, schedule, microbatches and virtual_stages of the run",
+    "params": "parameters of the whole model (every layer counted once)",
+    "unigram_baseline": "held-out loss of a model that knows only token frequencies, in nats: the bar to beat",
+    "final_heldout_loss": "held-out loss after the last step",
+    "final_loss": "training loss of the last step (null when non-finite)",
+    "steps": "run.max_steps",
+    "resumed_from": "the checkpoint step the run continued from (0: a fresh start)",
+    "skipped_steps": "steps skipped for a non-finite loss or gradient norm",
+    "peak_live_activations": "most chunk activations held at once, measured on one rank a stage beside the "
+                             "simulator's peak for the schedule",
+    "simulated_bubble": "the schedule's bubble as the simulator plays it at F:B:W = 1:1:1",
+    "measured_bubble": "each rank's mean idle share over the steps after the first",
+    "bytes_sent": "bytes each rank sent, p2p and collectives apart",
+    "ranks": "every rank's own figures (the table below)",
+    "zero_memory": "the ZeRO paper's and pipezero's bytes a parameter for the stage, what --grad-reduce costs, and "
+                   "each rank's measured held bytes a parameter",
+    "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
+              "freezing saved over every rank",
+}
+RANK_FIELDS: dict[str, str] = {
+    "peak_live": "most chunk activations this rank held at once",
+    "measured_bubble": "this rank's mean idle share of a step",
+    "held_bytes": "bytes held between steps for parameters, gradients and optimizer state",
+    "params": "parameters in this rank's ZeRO buckets",
+    "p2p_bytes_sent": "activation and gradient bytes sent to other stages",
+    "collective_bytes_sent": "bytes sent in data-parallel collectives (reductions, gathers)",
+    "peak_rss_bytes": "resident-memory high-water mark of the whole run",
+    "two_level": "with --hierarchical: [nodes, ranks a node] of this rank's group; else null",
+    "frozen": "this rank's frozen parameters and the gradient and optimizer bytes that saved",
+    "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
+    "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
+    "peak_device_bytes": "on GPUs only: allocated and reserved peaks of the training steps after the first, and "
+                         "of evaluation",
+}
+
+
 @dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)

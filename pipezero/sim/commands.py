@@ -78,12 +78,12 @@ def each_schedule(args: argparse.Namespace, skipped: dict[str, str]) -> Iterator
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="play a pipeline schedule under a cost model")
     s.add_argument("--schedule", choices=[k.value for k in SCHEDULES], default="1f1b", help=help_text())
-    s.add_argument("--pp", type=int, default=4)
-    s.add_argument("--microbatches", type=int, default=8)
+    s.add_argument("--pp", type=int, default=4, help="pipeline ranks (P)")
+    s.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (M)")
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
     s.add_argument("--cost", default="1:1:1", help="relative F:B:W cost of one stage")
     s.add_argument("--comm", type=float, default=0.0, help="time of one hop between ranks, in F units")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     s.add_argument("--png", help="draw the timeline to this file")
     s.add_argument("--compare", action="store_true", help="every schedule side by side")
     s.add_argument("--from-trace", help="fit the cost model to a run's trace.json and compare")
@@ -91,9 +91,10 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                    help="lower the schedule with this ZeRO stage's collectives and time them too")
     z.add_argument("--dp", type=int, default=1, help="data-parallel ranks a stage (with --zero)")
-    z.add_argument("--grad-reduce", choices=[g.value for g in GradReduce], default=GradReduce.STEP.value)
+    z.add_argument("--grad-reduce", choices=[g.value for g in GradReduce], default=GradReduce.STEP.value,
+                   help="reduce gradients once a step or every micro-batch (as train --grad-reduce)")
     z.add_argument("--preset", default="small", help="model preset that sizes the buckets (default small)")
-    z.add_argument("--bucket-mb", type=float, default=25.0)
+    z.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (as train --bucket-mb)")
     z.add_argument("--dp-comm", type=float, default=0.5,
                    help="time, in F units, for one rank's link to carry one stage's parameters (0: free)")
     z.add_argument("--zero3-layerwise", action="store_true", help="ZeRO-3 layer by layer, not a chunk kept gathered")

@@ -40,7 +40,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--gpus", type=int, help="GPUs in all (or --nodes x --gpus-per-node)")
     s.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
     s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
-    s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8)
+    s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8, help="GPUs a node")
     s.add_argument("--bandwidth", default="300,25", help="intra,inter-node GB/s per GPU")
     s.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (overrides --bandwidth's first)")
     s.add_argument("--inter-bw", type=float, help="GB/s of a node's link to the others, shared by its GPUs "
@@ -65,8 +65,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
     s.add_argument("--seq-len", type=int, default=None,
                    help="tokens a sequence (default: the model's longest, at most 4096)")
-    s.add_argument("--top", type=int, default=10)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--top", type=int, default=10, help="layouts to show, fastest first")
+    s.add_argument("--json", action="store_true", help="print the layouts as JSON instead of a table")
     s.set_defaults(func=cmd_plan)
 
 

@@ -12,6 +12,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipezero.util import atomic_write_bytes
 
+# Every field a metrics.jsonl record may hold, with what it means. The reference page of the run's
+# files is generated from this table, and `MetricsLog.write` refuses a field missing from it, so the
+# documentation cannot fall behind what the loop writes.
+FIELDS: dict[str, str] = {
+    "step": "the optimizer step this line is about, counted from 1 (across a resume too)",
+    "loss": "the step's training loss in nats a target token; null when the step was skipped as non-finite",
+    "lr": "the learning rate the step used (warm-up, then cosine decay)",
+    "grad_norm": "the global gradient norm before clipping, over trainable tensors; null when non-finite",
+    "tokens": "targets trained on so far, across a resume too; padding and ignored targets are not counted",
+    "step_time_s": "wall-clock seconds of the step, its queued device work included",
+    "tokens_per_s": "the step's counted targets over step_time_s",
+    "bubble": "the writing rank's idle share of the step: time blocked on peers (CPU) or the GPU's idle time "
+              "between compute actions (CUDA events)",
+    "peak_rss_mib": "the writing rank's resident-memory high-water mark so far, MiB",
+    "bytes_sent": "bytes the writing rank has sent so far, p2p and collectives, before this step's evaluation",
+    "skipped": "present (true) when a non-finite loss or gradient norm skipped the step on every rank",
+    "heldout_loss": "present on evaluation steps (every run.eval_every and the last): the held-out loss",
+}
 REQUIRED_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s")
 
 
@@ -50,6 +68,9 @@ class MetricsLog:
         missing = [k for k in REQUIRED_FIELDS if k not in record]
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
+        undeclared = [k for k in record if k not in FIELDS]
+        if undeclared:  # a field the reference page would not list
+            raise ValueError(f"metrics record field {undeclared} is not declared in telemetry/metrics.py FIELDS")
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
 
