@@ -108,9 +108,9 @@ def one_thread_refs(cases: list[dict], data: str, tmp_path: Path) -> dict:
     threads = torch.get_num_threads()
     for case in cases:
         model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
-        key = (case["m"] * case["dp"], tuple(sorted(model.items())))
+        key = (data, case["m"] * case["dp"], tuple(sorted(model.items())))
         if key not in refs:
-            overrides = tiny_overrides(data, str(tmp_path / f"ref{len(refs)}"), 1, 1, K.ONE_F_ONE_B, key[0], **model)
+            overrides = tiny_overrides(data, str(tmp_path / f"ref{len(refs)}"), 1, 1, K.ONE_F_ONE_B, key[1], **model)
             res = train(build_config(None, {**overrides, "run.threads": 1}), snapshot=True)
             refs[key] = (res.losses, res.params, res.grad_norms)
     torch.set_num_threads(threads)  # train() set one thread for this whole process

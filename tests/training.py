@@ -117,18 +117,25 @@ def rank_results(per_rank: list[dict]) -> list[RankResult]:
                        r["grad_norms"], r["params"]) for rank, r in enumerate(per_rank)]
 
 
+# The one-process runs of this test session, shared by every layout test: one (data, global batch,
+# model and optimizer settings) is one run whatever test asks for it. They were the parent's serial
+# work after every rank had finished, again in each test.
+ONE_PROCESS_RUNS: dict = {}
+
+
 def assert_same_training(results: list[list[dict]], data: str, tmp_path, refs: dict | None = None) -> None:
     """`results[rank][case]`: on every rank, every case's losses, gradient norms and parameters equal
     the one-process run's; each data-parallel replica of each stage is compared on its own (one
-    merged copy would hide a replica that drifted). `refs` caches the one-process runs."""
-    refs = {} if refs is None else refs
+    merged copy would hide a replica that drifted). `refs` caches the one-process runs (default: the
+    session's)."""
+    refs = ONE_PROCESS_RUNS if refs is None else refs
     for per_rank in zip(*results):
         case = per_rank[0]["case"]
         # the same model, optimizer and data, one process
         model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
-        key = (case["m"] * case["dp"], tuple(sorted(model.items())))
+        key = (data, case["m"] * case["dp"], tuple(sorted(model.items())))
         if key not in refs:
-            refs[key] = reference(data, str(tmp_path / f"ref{len(refs)}"), key[0], **model)
+            refs[key] = reference(data, str(tmp_path / f"ref{len(refs)}"), key[1], **model)
         ref_losses, ref_params, ref_norms = refs[key]
         layout = build_config(None, tiny_overrides(data, str(tmp_path / "unused"), **case))
         ref_params = with_tied_head(ref_params, layout)  # both ends of a tied embedding compared
