@@ -88,11 +88,11 @@ def has_net_admin(status: str | None = None) -> bool:
     return True
 
 
-def require_root(status: str | None = None) -> None:
+def require_root() -> None:
     """One line, before anything is created, when this host cannot build namespaces."""
     if os.geteuid() != 0:
         raise ConfigError("the emulated cluster needs root (network namespaces, veth, tc): run as root")
-    if not has_net_admin(status):
+    if not has_net_admin():
         raise ConfigError("the emulated cluster needs network-admin rights (CAP_NET_ADMIN) to build namespaces, "
                           "veth and tc, and this root has none: run it on a host, or a container started with "
                           "--cap-add NET_ADMIN")
