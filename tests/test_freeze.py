@@ -18,7 +18,7 @@ from pipezero.freeze import frozen_names, param_names, saved_bytes
 from pipezero.models import build_chunk, layer_param_counts
 from pipezero.parallel.partition import partition
 from pipezero.parallel.spawn import run_ranks
-from training import assert_same_training, tiny_overrides, train_cases
+from training import assert_same_training, reference_key, tiny_overrides, train_cases
 
 FIRST = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks (of tests' six)
 LAST = r"layers\.[4-7]\."  # pp=2: rank 1's whole stage; gradients go back through it to rank 0
@@ -107,10 +107,10 @@ def one_thread_refs(cases: list[dict], data: str, tmp_path: Path) -> dict:
     refs: dict = {}
     threads = torch.get_num_threads()
     for case in cases:
-        model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
-        key = (data, case["m"] * case["dp"], tuple(sorted(model.items())))
+        key = reference_key(data, case)
         if key not in refs:
-            overrides = tiny_overrides(data, str(tmp_path / f"ref{len(refs)}"), 1, 1, K.ONE_F_ONE_B, key[1], **model)
+            overrides = tiny_overrides(data, str(tmp_path / f"ref{len(refs)}"), 1, 1, K.ONE_F_ONE_B, key[1],
+                                       **dict(key[2]))
             res = train(build_config(None, {**overrides, "run.threads": 1}), snapshot=True)
             refs[key] = (res.losses, res.params, res.grad_norms)
     torch.set_num_threads(threads)  # train() set one thread for this whole process

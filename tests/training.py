@@ -117,6 +117,13 @@ def rank_results(per_rank: list[dict]) -> list[RankResult]:
                        r["grad_norms"], r["params"]) for rank, r in enumerate(per_rank)]
 
 
+def reference_key(data: str, case: dict) -> tuple:
+    """What makes a case's one-process run: its data, global batch (in micro-batches) and its model,
+    optimizer and data settings (the layout's are not: every layout trains the same run)."""
+    model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
+    return data, case["m"] * case["dp"], tuple(sorted(model.items()))
+
+
 # The one-process runs of this test session, shared by every layout test: one (data, global batch,
 # model and optimizer settings) is one run whatever test asks for it. They were the parent's serial
 # work after every rank had finished, again in each test.
@@ -131,11 +138,9 @@ def assert_same_training(results: list[list[dict]], data: str, tmp_path, refs: d
     refs = ONE_PROCESS_RUNS if refs is None else refs
     for per_rank in zip(*results):
         case = per_rank[0]["case"]
-        # the same model, optimizer and data, one process
-        model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
-        key = (data, case["m"] * case["dp"], tuple(sorted(model.items())))
+        key = reference_key(data, case)
         if key not in refs:
-            refs[key] = reference(data, str(tmp_path / f"ref{len(refs)}"), key[1], **model)
+            refs[key] = reference(data, str(tmp_path / f"ref{len(refs)}"), key[1], **dict(key[2]))
         ref_losses, ref_params, ref_norms = refs[key]
         layout = build_config(None, tiny_overrides(data, str(tmp_path / "unused"), **case))
         ref_params = with_tied_head(ref_params, layout)  # both ends of a tied embedding compared
