@@ -36,6 +36,7 @@ from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
 from pipezero.zero.sharded import ZeroDP
+from pipezero.schedules.zero_rules import RULES
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -85,7 +86,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
                           f"and the last the head; only chunks in between may be empty")
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
-    shards = cfg.model.pretrained is not None and p.zero == 3
+    shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params
     chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, "meta" if shards else device)
               for c in schedule.chunks(mesh.pp_rank)}
     apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only

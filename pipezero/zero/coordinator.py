@@ -23,7 +23,7 @@ from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_re
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.buckets import Bucket, Gathering, Reduction
-from pipezero.zero.stages import Rules
+from pipezero.schedules.zero_rules import Rules
 
 
 @dataclass
