@@ -14,7 +14,7 @@ from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
 from pipezero.checkpoint.store import Team, committed, latest, problems, write
 from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from training import tiny_overrides
 
 

@@ -3,7 +3,7 @@
 import pytest
 import time
 
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 
 
 def silent_peer(rank: int, world: int) -> str:
