@@ -127,6 +127,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                  program)
 
 
+def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
+    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here)."""
+    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
+
+
 def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
                  cfg: TrainConfig) -> tuple[Instr, ...]:
     """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
@@ -134,9 +139,8 @@ def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: Zer
     OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
     on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
     (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
-    sizes = tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(schedule.n_chunks))
-    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, BucketPlan(mesh.dp, sizes),
-                    keep_gathered=not zero.layerwise, sim=predicted)
+    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce,
+                    built_buckets(zero, schedule.n_chunks), keep_gathered=not zero.layerwise, sim=predicted)
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]

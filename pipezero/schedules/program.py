@@ -42,6 +42,7 @@ rank first (zero/tied.py); every replica does so in the same order, so the dp gr
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce
@@ -166,6 +167,23 @@ class Program:
         return " ".join(str(i) for i in self.ranks[rank])
 
 
+def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
+    """The data-parallel collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
+    `REDUCE_GRAD(c.k)`): what the runtime must start, in the same order (zero/coordinator.py's
+    `issued`). A kept-gathered chunk's UNSHARD gathers its buckets in their order. A layer-by-layer
+    UNSHARD stands for per-layer gathers the runtime places inside the compute (zero/layerwise.py),
+    which this program does not list: refused here rather than matched loosely."""
+    out: list[str] = []
+    for i in instrs:
+        if not isinstance(i, DataParallel) or i.kind is Kind.RESHARD:
+            continue
+        if i.layerwise:
+            raise ValueError(f"{i}: a layer-by-layer gather is placed by the runtime, not listed by the program")
+        ks = range(len(bp.buckets(i.chunk))) if i.bucket is None else [i.bucket]
+        out.extend(f"{i.kind.value}({i.chunk}.{k})" for k in ks)
+    return out
+
+
 def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
     """Index of each chunk's last W or BW (runtime/executor.py's rule, restated: plans import no
     runtime): after it the chunk's gradients for the step are complete."""
@@ -229,10 +247,11 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
     out.append(OptimStep())
-    if rules.gathers_updates:
-        for c in s.chunks(p):
-            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, n * 4, True)
-                       for k, n in enumerate(bp.buckets(c)))
+    if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
+        for c in sorted(s.chunks(p)):
+            sizes = bp.buckets(c)
+            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, sizes[k] * 4, True)
+                       for k in reversed(range(len(sizes))))
     return tuple(out)
 
 

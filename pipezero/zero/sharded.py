@@ -121,6 +121,7 @@ class ZeroDP:
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.comm.new_step()
         for b in self.all_buckets():
             if b.grad is not None:
                 b.grad.zero_()
