@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, TrainConfig
+from pipezero.config import DType, GradQuant, ParallelConfig, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
@@ -35,6 +35,8 @@ from pipezero.schedules.registry import build_schedule
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
+from pipezero.zero.compressed import Wire
+from pipezero.zero.quantize import Bits
 from pipezero.zero.sharded import ZeroDP
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
@@ -113,7 +115,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
-                  in_flight=p.buckets_in_flight)
+                  in_flight=p.buckets_in_flight, **wires(p))
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
@@ -140,6 +142,15 @@ def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: Zer
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]
+
+
+def wires(p: ParallelConfig) -> dict[str, Wire | None]:
+    """ZeroDP's `weights` and `grads`: how --quantize-weights and --quantize-grads send each."""
+    bits = {"int8": Bits.INT8, "int4": Bits.INT4}
+
+    def wire(q: WeightQuant | GradQuant) -> Wire | None:
+        return Wire(bits[q.value], p.quant_block) if q.value in bits else None
+    return {"weights": wire(p.quantize_weights), "grads": wire(p.quantize_grads)}
 
 
 def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:

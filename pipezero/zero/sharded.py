@@ -35,6 +35,7 @@ from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, FlatSource, in_order, make_buckets
+from pipezero.zero.compressed import Wire
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.layerwise import layer_buckets
@@ -65,6 +66,8 @@ class ZeroDP:
     hierarchy: Hierarchy | None = None  # --hierarchical: two-level gradient reductions
     in_flight: int = 1  # stages 2-3: reduce-scatters still running while the backward goes on
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
+    weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
+    grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
     comm: Coordinator = field(init=False)
@@ -89,7 +92,7 @@ class ZeroDP:
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
-                                self.comm_dtype, on_gpu, self.hierarchy)
+                                self.comm_dtype, on_gpu, self.hierarchy, self.weights, self.grads)
         me = weakref.ref(self)
         tied = self.tied.local if self.tied else []
         for c, bs in self.buckets.items():
