@@ -90,3 +90,73 @@ def test_message_sizes():
             assert message_bytes(n, bits, block) == int(-(-nb * block * per // 1)) + 4 * nb
     assert message_bytes(256, Bits.INT8, 256) / (256 * 4) == pytest.approx(0.2539, abs=1e-4)
     assert message_bytes(256, Bits.INT4, 256) / (256 * 4) == pytest.approx(0.1289, abs=1e-4)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--dp", "1", "--quantize-grads", "int8"], "--quantize-grads int8 with --dp 1: there is no data-parallel"),
+    (["--dp", "2", "--zero", "1", "--quantize-weights", "int4"], "--quantize-weights"),  # int8 only
+    (["--dp", "2", "--zero", "0", "--quantize-weights", "int8"], "ZeRO-0 gathers no weights"),
+    (["--dp", "2", "--quantize-grads", "int8", "--quant-block", "0"], "--quant-block"),
+    (["--dp", "2", "--zero", "3", "--quantize-grads", "int4", "--hierarchical", "--device", "cuda"],
+     "--hierarchical is for gloo"),
+])
+def test_bad_combinations_refused_in_one_line(argv, needle, capsys, tmp_path):
+    from one_line import assert_one_line, run_main
+
+    argv = ["train", "--nproc", "2", "--out", str(tmp_path / "run"), *argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_every_schedule_stage_and_placement_accepts_the_options():
+    """Config validation accepts both options on every schedule, ZeRO stage and placement with
+    D > 1 (the distributed test trains a sample of them; the collectives are the same calls)."""
+    from pipezero.config import Placement, ScheduleKind
+    from pipezero.settings import build_config
+
+    for kind in ScheduleKind:
+        v = 2 if kind.value in ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v") else 1
+        for zero in range(4):
+            for place in Placement:
+                cfg = build_config(None, {"parallel.pp": "2", "parallel.dp": "2", "parallel.schedule": kind.value,
+                                          "parallel.virtual_stages": str(v), "parallel.microbatches": "4",
+                                          "parallel.zero": str(zero), "parallel.placement": place.value,
+                                          "parallel.quantize_grads": "int4", "model.n_layers": "6",
+                                          **({"parallel.quantize_weights": "int8"} if zero else {})})
+                assert cfg.parallel.quantize_grads.value == "int4"
+
+
+def test_the_traffic_model_prices_the_bytes_sent():
+    """plan's model (sim/traffic.py) and simulate's lowered program (sim/program_view.py) count the
+    quantized bytes: an element's code and its share of the scale, the exchange one pass."""
+    import argparse
+    from dataclasses import replace
+
+    from pipezero.config import ScheduleKind
+    from pipezero.schedules.check import CostModel
+    from pipezero.schedules.registry import build_schedule
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.program_view import ZeroOptions, run_program
+    from pipezero.sim.traffic import dp_traffic, element_bytes
+
+    int8, int4 = element_bytes(8, 256), element_bytes(4, 256)
+    assert (int8, int4) == (1 + 4 / 256, 0.5 + 4 / 256)
+    cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)  # D = 4 over 2 nodes
+    # in units of one fp32 buffer's ring pass: gloo's reduce-scatter 2, the quantized exchange 1
+    for zero, weights, grads, plain, packed in ((0, 0, 4, 2, 2 * int4 / 4), (1, 8, 8, 3, 3 * int8 / 4),
+                                                (2, 0, 8, 3, 1 + int8 / 4), (3, 8, 0, 4, 2 + 2 * int8 / 4)):
+        lay = Layout(1, 4, zero, ScheduleKind.ONE_F_ONE_B, 1, 4, 2, False)
+        if zero == 3:
+            lay = replace(lay, microbatches=1)  # layer by layer: a forward and a backward gather (1 each)
+        base = dp_traffic(cpu, lay, 1e6, 0.01)[2]
+        got = dp_traffic(cpu, replace(lay, weight_bits=weights, grad_bits=grads), 1e6, 0.01)[2]
+        assert got / base == pytest.approx(packed / plain), zero
+    args = argparse.Namespace(zero=3, dp=2, grad_reduce="step", preset="tiny", bucket_mb=25.0, dp_comm=0.5,
+                              zero3_layerwise=False, zero3_prefetch=False, dtype="fp32", optim_cost=0.0,
+                              quantize_weights="none", quantize_grads="none", quant_block=256)
+    s = build_schedule(ScheduleKind.ONE_F_ONE_B, 2, 4)
+    sent = {}
+    for w, g in (("none", "none"), ("int8", "int4")):
+        args.quantize_weights, args.quantize_grads = w, g
+        sent[w] = sum(run_program(s, CostModel(), ZeroOptions.from_args(args))[2]["bytes_sent"])
+    # ZeRO-3 kept gathered (P = 2): one gather and one reduction a step, each a ring pass
+    assert sent["int8"] / sent["none"] == pytest.approx((int8 + int4) / 8, rel=1e-4)

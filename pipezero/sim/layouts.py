@@ -52,3 +52,6 @@ class Layout:
     grad_reduce: GradReduce = GradReduce.STEP
     placement: Placement = Placement.DP_INNER
     hierarchical: bool = False
+    weight_bits: int = 0  # --quantize-weights: 8 (int8 gathers), 0 not quantized
+    grad_bits: int = 0  # --quantize-grads: 8 or 4, 0 not quantized
+    quant_block: int = 256  # elements a scale (--quant-block)

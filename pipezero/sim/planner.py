@@ -50,6 +50,7 @@ class Estimate:
     bubble: float
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
+    crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
 
     @property
     def memory_gib(self) -> float:
@@ -125,7 +126,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
             behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
-    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
+    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step, crossing)
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
@@ -171,9 +172,19 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
     return out
 
 
-def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> tuple[list[Estimate], int]:
-    """Layouts that fit, fastest first, and how many were considered."""
-    layouts = candidate_layouts(model, cluster, global_batch)
+def quantized(lay: Layout, weight_bits: int, grad_bits: int, block: int) -> Layout:
+    """`lay` with the run's --quantize-weights / --quantize-grads where it has that traffic (train
+    refuses them where it has none: D = 1, or weights at ZeRO-0)."""
+    return replace(lay, weight_bits=weight_bits if lay.dp > 1 and lay.zero else 0,
+                   grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block)
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+         grad_bits: int = 0, quant_block: int = 256) -> tuple[list[Estimate], int]:
+    """Layouts that fit, fastest first, and how many were considered; every layout with the given
+    quantization of its traffic (bits 0: none)."""
+    layouts = [quantized(lay, weight_bits, grad_bits, quant_block)
+               for lay in candidate_layouts(model, cluster, global_batch)]
     fits = []
     for lay in layouts:
         est = estimate(model, seq_len, global_batch, cluster, lay)
