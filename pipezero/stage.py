@@ -32,6 +32,8 @@ from pipezero.schedules.posting import plans, verify
 from pipezero.schedules.program import Instr, lower
 from pipezero.schedules.program_check import check_placement
 from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.zero_rules import RULES
+from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
@@ -83,11 +85,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
     bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
-    if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
-        raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
-                          f"and the last the head; only chunks in between may be empty")
+    check_end_chunks([b - a for a, b in bounds])
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
-    shards = cfg.model.pretrained is not None and p.zero == 3
+    shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params
     chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, "meta" if shards else device)
               for c in schedule.chunks(mesh.pp_rank)}
     apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
@@ -161,9 +161,7 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
     p = cfg.parallel
     if not p.hierarchical or p.dp == 1:
         return None
-    if device.type == "cuda":
-        raise ConfigError("--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: "
-                          "drop it")
+    check_hierarchical(p.hierarchical, device.type)
     per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
     try:
         return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))

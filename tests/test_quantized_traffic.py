@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipezero.config import ScheduleKind as K
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from training import train_cases
 
 STEPS = 20
@@ -34,13 +34,13 @@ def collectives(rank: int, world: int) -> list[str]:
     from torch import nn
 
     from pipezero.parallel.hierarchical import build_hierarchy
+    from pipezero.schedules.zero_rules import RULES
     from pipezero.telemetry.trace import Tracer
     from pipezero.zero import compressed
     from pipezero.zero.buckets import Bucket
     from pipezero.zero.compressed import Wire
     from pipezero.zero.coordinator import Coordinator
     from pipezero.zero.quantize import Bits
-    from pipezero.zero.stages import RULES
 
     # 256-element shards of blocks of 32: every level's messages cut the same blocks out of the bucket
     block, d, numel = 32, world, 1024

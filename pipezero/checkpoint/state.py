@@ -43,9 +43,11 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
 
 def saves_after(cfg: TrainConfig, step: int) -> bool:
     """Whether a run of `cfg` saves a checkpoint after step `step` (1-based): every
-    --checkpoint-every steps and after the last."""
+    --checkpoint-every steps, and after the last unless --no-save-final and no --checkpoint-every."""
     every, last = cfg.run.checkpoint_every, cfg.run.max_steps
-    return bool(every) and step <= last and (step % every == 0 or step == last)
+    if step == last:
+        return bool(every) or cfg.run.save_final
+    return bool(every) and step < last and step % every == 0
 
 
 def saved_over(cfg: TrainConfig) -> list[Path]:

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.schedules.zero_rules import Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import compressed
 from pipezero.zero.buckets import Bucket, Gathering, Reduction
 from pipezero.zero.compressed import Wire
-from pipezero.zero.stages import Rules
 
 
 @dataclass

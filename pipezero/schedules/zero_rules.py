@@ -1,5 +1,6 @@
-"""What each ZeRO stage keeps and moves, in one table: the rest of zero/ asks these rules, never the
-stage number.
+"""What each ZeRO stage keeps and moves, in one table: the lowering (schedules/program.py), the
+runtime (zero/), the simulator and the planner (sim/) ask these rules, never the stage number. Plain
+data beside the plans that follow from it, so the plan layer reads it without torch.
 
 Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets.py):
 
@@ -31,6 +32,11 @@ class Rules:
     sharded_params: bool  # parameters exist only as shards between uses
     updates_whole: bool  # every rank updates whole buckets (else only its shard)
     gathers_updates: bool  # the updated shards are all-gathered after the step
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether any parameter gather crosses the group (what --quantize-weights compresses)."""
+        return self.sharded_params or self.gathers_updates
 
     @property
     def reduction(self) -> str:
