@@ -55,6 +55,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                                         "weights stay fp32"),
     "--quantize-grads": ("parallel.quantize_grads", "gradient reductions travel blockwise-quantized, summed in fp32 "
                                                     "(~1/4 or ~1/8 of fp32's bytes)"),
+    "--secondary-shard": ("parallel.secondary_shard", "ZeRO-3 layer by layer: node keeps each bucket split over its "
+                                                      "ranks after the step's first gather, so later gathers stay "
+                                                      "inside the node (4/N bytes a parameter)"),
     "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),

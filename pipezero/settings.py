@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import LaunchConfig, Packing, ParallelConfig, TrainConfig, WeightQuant
+from pipezero.config import LaunchConfig, Packing, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
@@ -201,6 +201,19 @@ def check_quantization(p: ParallelConfig) -> None:
            f"updates all of them); use --zero 1, 2 or 3, or drop it")
 
 
+def check_secondary_shard(p: ParallelConfig) -> None:
+    """--secondary-shard node saves gathers only where ZeRO-3 gathers a bucket more than once a step."""
+    if p.secondary_shard is SecondaryShard.NONE:
+        return
+    _check(RULES[p.zero].sharded_params and p.dp > 1,
+           f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp > 1 gathers parameters "
+           f"over a group; use --zero 3 or drop it")
+    layerwise = p.zero3_keep_gathered is False or (p.zero3_keep_gathered is None and p.pp == 1)
+    _check(layerwise, f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
+                      f"(one gather a step), so no later gather would stay inside the node; use it layer by layer "
+                      f"(--pp 1, or parallel.zero3_keep_gathered = false)")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
@@ -268,6 +281,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"parallel.ranks_per_node = {p.ranks_per_node} does not divide the {p.world_size} ranks (pp x dp) into "
            f"whole nodes")
     check_quantization(p)
+    check_secondary_shard(p)
     if d.path is not None:
         for arg in d.path:
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),

@@ -118,7 +118,23 @@ def collectives(rank: int, world: int) -> list[str]:
                 assert bool(((b.flat - full).abs() <= bound(full, 127, block))[others].all())
                 assert c.bytes_sent == 6 * w.bytes(256)
         checked.append(name)
+    # hpZ: the first gather after the masters change crosses the group and refreshes the node share;
+    # the next stays inside the node ((N - 1) shares of 256) and brings the same values
+    node = build_hierarchy([[0, 1, 2, 3]], 2)
+    c = Coordinator(RULES[3], d, dist.group.WORLD, 60.0, rank, Tracer(), torch.float32, False, node=node)
+    b = bucket()
+    for version in range(2):  # the masters of two steps
+        full = everyone(torch.randn(numel // d, generator=torch.Generator().manual_seed(rank + 10 * version))).view(-1)
+        sent = c.bytes_sent
+        for _ in range(2):
+            b.release()
+            c.gather(b, full[b.shard].clone(), low_precision=True)
+            assert torch.equal(b.flat, full), version
+        assert c.bytes_sent - sent == 3 * numel + 2 * numel, "the second gather left the node"
+        c.generation += 1  # the optimizer step
+    checked.append("hpZ")
     h.close()
+    node.close()
     return checked
 
 
@@ -128,6 +144,8 @@ def quantized_run(rank: int, world: int, data: str, out: str, cases: list[dict])
 
 # blocks of 32: a bucket's shard ends in a partial block (padding sent too) that is a small share of it
 BASE = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "run.max_steps": STEPS, "parallel.quant_block": 32}
+LAYERWISE = {**BASE, "pp": 1, "dp": 4, "parallel.micro_batch_size": 1, "parallel.zero": 3,
+             "parallel.ranks_per_node": 2}
 CASES = [
     {**BASE, "parallel.zero": 1},  # the uncompressed reference (every stage trains alike in fp32)
     {**BASE, "parallel.zero": 1, "parallel.quantize_weights": "int8"},
@@ -135,25 +153,41 @@ CASES = [
     {**BASE, "parallel.zero": 2, "parallel.quantize_grads": "int4", "parallel.quantize_weights": "int8"},
     {**BASE, "parallel.zero": 3, "kind": K.ZB_V, "parallel.quantize_weights": "int8", "parallel.quantize_grads": "int4",
      "parallel.hierarchical": True, "parallel.ranks_per_node": 1},  # two-level: each group on 2 nodes
+    # hpZ (--secondary-shard node): ZeRO-3 layer by layer (P = 1) over 2 nodes x 2, the same global batch
+    {**LAYERWISE},
+    {**LAYERWISE, "parallel.secondary_shard": "node"},
+    {**LAYERWISE, "parallel.secondary_shard": "node", "parallel.quantize_weights": "int8",
+     "parallel.quantize_grads": "int8", "parallel.hierarchical": True},  # all three, two-level
 ]
 
 
 @pytest.mark.distributed
 def test_quantized_traffic_trains_within_tolerance(text_dir, tmp_path):
     per_rank = run_ranks(quantized_run, 4, str(text_dir), str(tmp_path), CASES, timeout=300)
-    assert [r[0] for r in per_rank] == [["flat", "2x2"]] * 4
+    assert [r[0] for r in per_rank] == [["flat", "2x2", "hpZ"]] * 4
     results = per_rank[0][1]
     ref = results[0]["losses"]
     assert len(ref) == STEPS
-    for case, res in zip(CASES[1:], results[1:]):
+    plain, secondary, together = results[5:]
+    # the secondary shares hold exactly what the step's first gather brought: the same training
+    assert secondary["losses"] == plain["losses"]
+    assert plain["losses"] == pytest.approx(ref, rel=1e-4)  # P = 1 D = 4 against P = 2 D = 2: float order
+    for case, res in zip(CASES[1:5] + CASES[7:], results[1:5] + results[7:]):
         got = res["losses"]
         mean_gap = abs(sum(got) - sum(ref)) / sum(ref)
         step_gap = max(abs(a - b) / b for a, b in zip(got, ref))
         mean_tol, step_tol = TOLERANCE[case.get("parallel.quantize_grads", "int8")]
         assert mean_gap <= mean_tol and step_gap <= step_tol, (case, mean_gap, step_gap)
         assert got != ref, case  # the option changed what was sent
-    sent = [sum(json.loads((tmp_path / f"case{i}" / "summary.json").read_text())["bytes_sent"]["collectives"])
-            for i in range(len(CASES))]
+    summaries = [json.loads((tmp_path / f"case{i}" / "summary.json").read_text()) for i in range(len(CASES))]
+    sent = [sum(s["bytes_sent"]["collectives"]) for s in summaries]
+    # hpZ: every gather after a bucket's first of the step moves (N-1)/N of it inside the node, where
+    # the flat one moved (D-1)/D over the group; it holds 4/N bytes a parameter more (N = 2)
+    assert sent[6] < sent[5] and sent[7] < sent[6]
+    for r in summaries[6]["ranks"]:
+        assert r["held_bytes"]["secondary"] == pytest.approx(2 * r["params"], rel=0.01)
+    assert all(r["held_bytes"]["secondary"] == 0 for r in summaries[5]["ranks"])
+    sent = sent[:5]
     # In units of a stage's fp32 parameters, each term (D - 1) / D of it: the reference ZeRO-1 sends
     # an all-reduce (2) and a gather (1); int8 sends 1/4 of fp32's bytes and a 4-byte scale a block,
     # int4 1/8 and the scales (the shards' last partial blocks: under 1% more), gloo's

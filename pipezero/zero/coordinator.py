@@ -41,6 +41,8 @@ class Coordinator:
     hierarchy: Hierarchy | None = None  # --hierarchical: gradient reductions inside the node, then across
     weights: Wire | None = None  # --quantize-weights: gathers of parameters travel blockwise-quantized
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel blockwise-quantized
+    node: Hierarchy | None = None  # --secondary-shard node: this rank's node (its own subgroups) for ZeRO-3
+    generation: int = 0  # version of the master shards: a secondary share cut from an older one is stale
     bytes_sent: int = 0  # as the wire carries them: quantized messages count their codes and scales
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
@@ -137,6 +139,16 @@ class Coordinator:
         if self.group is None:
             b.flat.copy_(shard)
             return
+        if low_precision and self.node is not None:  # ZeRO-3 with a secondary share in each node
+            if b.secondary_of == self.generation:
+                self._start_node_gather(b)
+                return
+            self._start_gather(b, shard, low_precision, keep_own)
+            b.gathering.refresh = self.generation  # type: ignore[union-attr]
+            return
+        self._start_gather(b, shard, low_precision, keep_own)
+
+    def _start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool, keep_own: bool) -> None:
         if self.weights is not None and (low_precision or keep_own):
             self.bytes_sent += compressed.bytes_gather(self.weights, b.shard_size, self.dp)
             what = f"rank {self.rank}: parameter bucket {b.label} ({b.names[0]}, ...)"
@@ -151,6 +163,14 @@ class Coordinator:
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
         b.gathering = Gathering(all_gather(b.flat, shard.contiguous(), self.group), None)
 
+    def _start_node_gather(self, b: Bucket) -> None:
+        """hpZ: the bucket from its N shares in this rank's node, fp32, as the step's first gather
+        left them (so every replica still computes with the same values): nothing crosses nodes."""
+        h = self.node
+        assert h is not None and b.secondary is not None
+        self.bytes_sent += (h.per_node - 1) * b.secondary.numel() * 4
+        b.gathering = Gathering(all_gather(b.flat, b.secondary, h.intra), None)
+
     def finish_gather(self, b: Bucket) -> None:
         g, b.gathering = b.gathering, None
         if g is None:
@@ -158,6 +178,14 @@ class Coordinator:
         self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
             b.flat.copy_(g.wire)
+        if g.refresh >= 0:  # hpZ: keep this rank's share of its node's copy for the step's later gathers
+            h = self.node
+            assert h is not None
+            part = b.padded // h.per_node
+            if b.secondary is None:
+                b.secondary = torch.empty(part, device=b.device)
+            b.secondary.copy_(b.flat[h.local * part:(h.local + 1) * part])
+            b.secondary_of = g.refresh  # the masters it was gathered from, even if a step came since
 
     def gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
         self.start_gather(b, shard, low_precision)

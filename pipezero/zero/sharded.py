@@ -68,6 +68,7 @@ class ZeroDP:
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
     weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
+    node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
     comm: Coordinator = field(init=False)
@@ -92,7 +93,8 @@ class ZeroDP:
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
-                                self.comm_dtype, on_gpu, self.hierarchy, self.weights, self.grads)
+                                self.comm_dtype, on_gpu, self.hierarchy, self.weights, self.grads,
+                                self.node)
         me = weakref.ref(self)
         tied = self.tied.local if self.tied else []
         for c, bs in self.buckets.items():
@@ -227,6 +229,7 @@ class ZeroDP:
                             b.adopt(q)
                     self._reduce(b)
         self.comm.drain()
+        self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
         outcome = clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,
                                   self.tied.head if self.tied else None, self.device)
         if outcome.applied and self.rules.gathers_updates:
