@@ -160,3 +160,51 @@ def test_the_traffic_model_prices_the_bytes_sent():
         sent[w] = sum(run_program(s, CostModel(), ZeroOptions.from_args(args))[2]["bytes_sent"])
     # ZeRO-3 kept gathered (P = 2): one gather and one reduction a step, each a ring pass
     assert sent["int8"] / sent["none"] == pytest.approx((int8 + int4) / 8, rel=1e-4)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--pp", "2", "--dp", "2", "--zero", "3"], "ZeRO-3 keeps each chunk gathered for its step"),
+    (["--dp", "2", "--zero", "2"], "only ZeRO-3 with --dp > 1"),
+])
+def test_secondary_shard_refused_where_it_saves_nothing(argv, needle, capsys, tmp_path):
+    from one_line import assert_one_line, run_main
+
+    nproc = str(2 * (2 if "--pp" in argv else 1))
+    argv = ["train", "--nproc", nproc, "--out", str(tmp_path / "run"), "--secondary-shard", "node", *argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_secondary_shard_needs_two_nodes_of_two_ranks_before_any_group():
+    """Checked on each rank from the mesh alone, before a subgroup exists (so no rank hangs)."""
+    from pipezero.errors import ConfigError
+    from pipezero.parallel.mesh import Mesh
+    from pipezero.settings import build_config
+    from pipezero.stage import secondary_node
+
+    for per_node, found in ((1, r"\(1, 4\)"), (4, r"\(4, 1\)")):  # one rank a node; one node
+        cfg = build_config(None, {"parallel.dp": "4", "parallel.zero": "3", "parallel.secondary_shard": "node",
+                                  "parallel.ranks_per_node": str(per_node)})
+        with pytest.raises(ConfigError, match=found):
+            secondary_node(cfg, Mesh(1, 4))
+
+
+def test_the_planner_prices_the_secondary_shard():
+    """hpZ: ZeRO-3 layer by layer crosses the node links once a step instead of at every gather,
+    and holds 4/g bytes a parameter more (g ranks of the group a node)."""
+    from dataclasses import replace
+
+    from pipezero.config import ModelConfig, ScheduleKind
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.planner import estimate, with_options
+    from pipezero.sim.traffic import dp_traffic
+
+    cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)
+    lay = Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 4, 2, False)  # M = 2: 4 gathers a step
+    hpz = with_options(lay, cpu, 0, 0, 256, True)
+    assert hpz.secondary and not with_options(replace(lay, zero=2), cpu, 0, 0, 256, True).secondary
+    base, got = dp_traffic(cpu, lay, 1e6, 0.01), dp_traffic(cpu, hpz, 1e6, 0.01)
+    # crossing: 4 gathers (1 pass each) and gloo's reduce-scatter (2) -> 1 gather and the reduction
+    assert got[2] / base[2] == pytest.approx(3 / 6)
+    model = ModelConfig()
+    plain, more = estimate(model, 128, 16, cpu, lay), estimate(model, 128, 16, cpu, hpz)
+    assert more.model_states_gib > plain.model_states_gib and more.crossing_bytes < plain.crossing_bytes

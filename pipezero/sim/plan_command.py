@@ -59,6 +59,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
                    help="price gradient reductions quantized (an exchange, summed in fp32)")
     q.add_argument("--quant-block", type=int, default=256, help="elements a scale (default 256)")
+    q.add_argument("--secondary-shard", choices=("none", "node"), default="none",
+                   help="ZeRO-3 layer by layer keeps a node's copy split over its ranks (memory 4/N bytes a "
+                        "parameter), its later gathers inside the node")
     c = s.add_argument_group("compute (defaults: an H100's dense bf16 peak at 45% of it)")
     c.add_argument("--tflops", type=float, default=989.0, help="dense peak TFLOP/s of one GPU at the run's dtype")
     c.add_argument("--mfu", type=float, default=0.45, help="share of that peak one stage's compute reaches")
@@ -121,7 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     bits = {"none": 0, "int8": 8, "int4": 4}
     fits, considered = plan(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
-                            bits[args.quantize_grads], args.quant_block)
+                            bits[args.quantize_grads], args.quant_block, args.secondary_shard == "node")
     took = time.perf_counter() - t0
     if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
         raise ConfigError(f"{cluster.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
@@ -137,7 +140,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
              "grad_reduce": e.layout.grad_reduce.value, "placement": e.layout.placement.value,
              "hierarchical": e.layout.hierarchical, "quantize_weights_bits": e.layout.weight_bits,
-             "quantize_grads_bits": e.layout.grad_bits, "node_link_bytes": e.crossing_bytes,
+             "quantize_grads_bits": e.layout.grad_bits, "secondary_shard": e.layout.secondary,
+             "node_link_bytes": e.crossing_bytes,
              "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}

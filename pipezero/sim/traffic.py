@@ -129,9 +129,15 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
         else:  # layer by layer: every forward and backward gathers again; the last also reduces
             counts = {"reduce_scatter": reductions, "all_gather": 2 * m}
             ag, rs = took["all_gather"], took["reduce_scatter"]
-            exposed = m * gather_before(ag, forward, k) + (m - 1) * (
-                reduce_during(ag + rs, backward, k, bound).stall_s if every else gather_before(ag, backward, k))
-            exposed += reduce_during(ag + rs, backward, k, bound).exposed_s
+            later = ag
+            if lay.secondary and split:  # hpZ: after the first, from the node's fp32 shares (zero/coordinator.py)
+                g = split[0]
+                later = took["node_gather"] = (g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                counts.update(all_gather=1, node_gather=2 * m - 1)
+            exposed = gather_before(ag, forward, k) + (m - 1) * gather_before(later, forward, k) + (m - 1) * (
+                reduce_during(later + rs, backward, k, bound).stall_s if every else gather_before(later, backward, k))
+            exposed += reduce_during(later + rs, backward, k, bound).exposed_s
+    counts.pop("node_gather", None)  # inside the node: neither on the link nor crossing it
     link = sum(took[c] * n for c, n in counts.items())
     crossing = sum(crossing_bytes(cluster, lay, payload[c])[c] * n for c, n in counts.items())
     return exposed, link, crossing
