@@ -14,13 +14,13 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, TrainConfig
+from pipezero.config import DType, GradQuant, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import place_hollow
 from pipezero.parallel.device import PeakMemory, synchronizer
-from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy
+from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
@@ -32,12 +32,14 @@ from pipezero.schedules.posting import plans, verify
 from pipezero.schedules.program import Instr, lower
 from pipezero.schedules.program_check import check_placement
 from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.zero_rules import RULES
+from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
+from pipezero.zero.compressed import Wire
+from pipezero.zero.quantize import Bits
 from pipezero.zero.sharded import ZeroDP
-from pipezero.schedules.zero_rules import RULES
-from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -103,6 +105,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
             compile_blocks(chunk)
     groups = build_groups(mesh)
     hierarchy = two_level(cfg, mesh, device)
+    node = secondary_node(cfg, mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
@@ -113,7 +116,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
-                  in_flight=p.buckets_in_flight)
+                  in_flight=p.buckets_in_flight, node=node, **wires(p))
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
@@ -146,6 +149,35 @@ def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: Zer
     return program.ranks[mine]
 
 
+def wires(p: ParallelConfig) -> dict[str, Wire | None]:
+    """ZeroDP's `weights` and `grads`: how --quantize-weights and --quantize-grads send each."""
+    bits = {"int8": Bits.INT8, "int4": Bits.INT4}
+
+    def wire(q: WeightQuant | GradQuant) -> Wire | None:
+        return Wire(bits[q.value], p.quant_block) if q.value in bits else None
+    return {"weights": wire(p.quantize_weights), "grads": wire(p.quantize_grads)}
+
+
+def ranks_per_node(p: ParallelConfig) -> int:
+    return p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+
+
+def secondary_node(cfg: TrainConfig, mesh: Mesh) -> Hierarchy | None:
+    """With --secondary-shard node, this rank's dp group split by node into subgroups of its own
+    (not --hierarchical's: those run on another thread, and two threads must not share a group).
+    Refused on every rank alike, before any subgroup exists, where it would save nothing."""
+    p = cfg.parallel
+    if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
+        return None
+    per_node = ranks_per_node(p)
+    split = {(len(m), len(ms)) for g in mesh.dp_groups() for ms in [split_by_node(g, per_node)] for m in ms}
+    if len(split) != 1 or min(next(iter(split))) < 2:
+        raise ConfigError(f"--secondary-shard node with {per_node} ranks a node: each stage's replicas must sit on 2 "
+                          f"or more nodes with the same number (2 or more) on each, found (ranks a node, nodes) "
+                          f"{sorted(split)}; choose --placement or --dp so they do, or drop it")
+    return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
+
+
 def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:
     """With --hierarchical, this rank's dp group split by node for two-level gradient reductions
     (every rank creates every subgroup; a layout whose groups do not split evenly is refused on
@@ -155,7 +187,7 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
     if not p.hierarchical or p.dp == 1:
         return None
     check_hierarchical(p.hierarchical, device.type)
-    per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+    per_node = ranks_per_node(p)
     try:
         return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
     except ValueError as e:
