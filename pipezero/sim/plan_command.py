@@ -49,8 +49,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="bytes an element on the wire: 2 (bf16 runs; the default with --device cuda) or 4 "
                         "(fp32 runs; the default with --device cpu, where train runs fp32)")
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
-                        "nodes share one link; --hierarchical becomes a candidate")
+                   help="cpu: ranks on gloo, reduce-scatters as direct exchanges of slices, "
+                        "a node's ranks sharing one link; --hierarchical becomes a candidate")
     s.add_argument("--bucket-mb", type=float, default=25.0,
                    help="the run's gradient bucket (train --bucket-mb): collectives hide behind compute a bucket at a time")
     q = s.add_argument_group("quantized traffic (as train's flags; zero/quantize.py)")
