@@ -16,6 +16,7 @@ Needs root and iproute2 (`ip`, `tc`). Everything it creates is named with a tag 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,10 +24,15 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
 from pipezero.job import children
+
+
+# a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
+RATE = re.compile(r"(\d+(?:\.\d+)?)(?:[kmgt]i?)?(?:bit|bps)")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -53,6 +59,9 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
             raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
+        if not RATE.fullmatch(self.link) or float(RATE.fullmatch(self.link)[1]) <= 0:  # tc would fail mid-build
+            raise ConfigError(f"--link {self.link!r}: a tc rate such as 200mbit (a number > 0, then kbit, mbit, gbit "
+                              f"or bit; tc's bps units are bytes a second)")
         if self.pin and self.nodes > len(os.sched_getaffinity(0)):
             raise ConfigError(f"--pin: {self.nodes} nodes need a core each and this host lends "
                               f"{len(os.sched_getaffinity(0))}; leave out --pin or use fewer nodes")
@@ -70,10 +79,31 @@ def _run(*cmd: str) -> None:
         raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
 
 
+# what `ip` and `tc` need: links, addresses and qdiscs (NET_ADMIN), a namespace's mount (SYS_ADMIN)
+RIGHTS = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
+
+
+def missing_rights(status: str | None = None) -> list[str]:
+    """The capabilities of RIGHTS this process lacks, from /proc/self/status's CapEff (`status`: its
+    text). Root in a default container has neither, so `ip` failed there after the euid check passed."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:  # not Linux: `ip` itself will say
+            return []
+    held = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return [name for name, bit in RIGHTS.items() if not held >> bit & 1]
+
+
 def require_root() -> None:
     """One line, before anything is created, when this host cannot build namespaces."""
     if os.geteuid() != 0:
         raise ConfigError("the emulated cluster needs root (network namespaces, veth, tc): run as root")
+    lacking = missing_rights()
+    if lacking:
+        raise ConfigError(f"this root lacks {' and '.join(lacking)}, which network namespaces, veth and tc need "
+                          f"(a default container's root has neither): run the container with --cap-add NET_ADMIN "
+                          f"--cap-add SYS_ADMIN, or --privileged")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         raise ConfigError(f"the emulated cluster needs iproute2's {' and '.join(missing)}: install iproute2")
