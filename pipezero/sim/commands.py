@@ -108,6 +108,17 @@ def check_work(args: argparse.Namespace) -> None:
                       f"{' or --dp' if zero else ''}{', or drop --compare' if args.compare else ''}")
 
 
+def check_instructions(args: argparse.Namespace, count: int) -> None:
+    """Refuse a lowered program (every schedule's, every rank's) past what plays within seconds: the
+    buckets a chunk (--preset, --bucket-mb, --zero3-layerwise, --grad-reduce microbatch) multiply
+    P x D x M x V."""
+    if count > limits.INSTRUCTION_LIMIT:
+        raise ConfigError(f"the lowered program has {count} instructions over its ranks; the limit is "
+                          f"{limits.INSTRUCTION_LIMIT}, a few seconds' work: lower --microbatches, --pp or --dp, "
+                          f"or fewer buckets a chunk (a smaller --preset, a larger --bucket-mb, no "
+                          f"--zero3-layerwise or --grad-reduce microbatch)")
+
+
 def check_png(text: str, drawn: int) -> None:
     """Refuse a --png that would fail only after the simulation, or be written under another name
     (matplotlib adds .png to a folder's name), or draw for minutes."""
@@ -152,7 +163,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                        description="Play a schedule action by action under a cost model. A request answers "
                                    f"within seconds: it plays at most {limits.PLAY_LIMIT} stage micro-batches "
                                    f"(--pp x --microbatches x V, summed over --compare's schedules), with --zero "
-                                   f"at most {limits.ZERO_PLAY_LIMIT} (that x --dp).")
+                                   f"at most {limits.ZERO_PLAY_LIMIT} (that x --dp) and "
+                                   f"{limits.INSTRUCTION_LIMIT} instructions of the lowered program.")
     s.add_argument("--schedule", choices=[k.value for k in SCHEDULES], default="1f1b", help=help_text())
     s.add_argument("--pp", type=int, default=4, help=f"pipeline ranks (1 to {limits.PP.high:.0f})")
     s.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (M)")
@@ -277,14 +289,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     """Every chosen schedule lowered with ZeRO's collectives: step time and bubble without and with
     their traffic (sim/program_view.py)."""
-    from pipezero.sim.program_view import ZeroOptions, draw, run_program
+    from pipezero.sim.program_view import ZeroOptions, draw, lower_zero, run_program
 
     opt = ZeroOptions.from_args(args)
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
-    for schedule in each_schedule(args, skipped):
-        kind, v = ScheduleKind(schedule.name), schedule.virtual
-        prog, res, figures = run_program(schedule, cost, opt)
+    lowered = [(schedule, lower_zero(schedule, opt)) for schedule in each_schedule(args, skipped)]
+    check_instructions(args, sum(low.instructions for _, low in lowered))
+    for schedule, low in lowered:
+        kind, v, prog = ScheduleKind(schedule.name), schedule.virtual, low.prog
+        res, figures = run_program(low, cost, opt)
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **figures}
         if args.listing and not args.json:

@@ -18,6 +18,9 @@ DP = Range(1, 1024)
 # each action also carries its collectives on P x D ranks, so P x D x M x V is held lower
 PLAY_LIMIT = 16384
 ZERO_PLAY_LIMIT = 4096
+# and the lowered program's instructions (every schedule's, every rank's): each costs 10-40 us to
+# prove and play twice, so buckets a chunk count too (70b at ZeRO-3 layer by layer: 80 a chunk)
+INSTRUCTION_LIMIT = 80_000
 # --png draws one bar an action: matplotlib takes about 1.3 ms a bar
 DRAW_LIMIT = 512
 # relative times (F:B:W, hops, the optimizer): sums over up to PLAY_LIMIT x 3 actions stay finite
