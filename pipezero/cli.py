@@ -230,27 +230,50 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
                                    "--ranks-per-node 2 --link 200mbit train --pp 2 --dp 2 --zero 2")
     c.add_argument("--nodes", type=int, required=True, help="emulated nodes")
     c.add_argument("--ranks-per-node", type=int, default=1, help="ranks (torchrun --nproc-per-node) a node")
-    c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit)")
+    c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit), e.g. 200mbit")
     c.add_argument("--pin", action="store_true", help="give each node its own share of this host's cores, as "
                                                       "separate machines have (needs a core a node)")
-    c.add_argument("command", nargs=argparse.REMAINDER, help="the pipezero command every node runs")
+    c.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the `train` command every node runs; its pp x dp must be --nodes x --ranks-per-node "
+                        "(checked, with its data, before the cluster is built)")
     c.set_defaults(func=cmd_cluster)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from pipezero.cluster import ClusterSpec, run_on_cluster
+    from pipezero.cluster import ClusterSpec, require_root, run_on_cluster
+    from pipezero.launch import preflight
 
     if not args.command:
         raise ConfigError("pipezero cluster needs a command to run, e.g. `train --pp 2 --dp 2`")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
-    inner = build_parser().parse_args(args.command)  # a mistake in it: one line here, not every node's
-    if inner.command in ("train", "verify"):  # its settings too, as each node's ranks would read them
-        from pipezero.settings import build_config
+    spec = ClusterSpec(args.nodes, args.link, pin=args.pin)
+    cfg = cluster_job(args.command, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node "
+                      f"{args.ranks_per_node}")
+    require_root()
+    preflight(cfg, args.nodes * args.ranks_per_node)  # data, tokenizer, vocabulary: once, not on every rank
+    return run_on_cluster(spec, args.ranks_per_node, args.command)
 
-        settings, _, names = flag_values(inner)
-        build_config(inner.config, settings, names)
-    return run_on_cluster(ClusterSpec(args.nodes, args.link, pin=args.pin), args.ranks_per_node, args.command)
+
+def cluster_job(argv: Sequence[str], world: int, shape: str) -> Any:
+    """The run every node's ranks would start, checked here as `train` checks it, before the
+    cluster is built: a bad command used to end in a traceback or in every rank's torchrun report."""
+    from pipezero.settings import build_config, build_launch
+
+    parser = build_parser()
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv[0] in commands and argv[0] != "train":
+        raise ConfigError(f"pipezero cluster runs `train` on every node, not `{argv[0]}`: e.g. pipezero cluster "
+                          f"--nodes 2 train --dp 2")
+    inner = parser.parse_args(list(argv))  # a mistake in it: one line here, not every node's
+    settings, launch, names = flag_values(inner)
+    if build_launch(launch, names).nproc is not None:
+        raise ConfigError("--nproc: the cluster starts --ranks-per-node ranks a node; drop --nproc")
+    cfg = build_config(inner.config, settings, names)
+    if cfg.parallel.world_size != world:
+        raise ConfigError(f"train's pp x dp = {cfg.parallel.world_size} but the cluster runs {shape} = {world} "
+                          f"ranks; make them equal")
+    return cfg
 
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:

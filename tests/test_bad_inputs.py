@@ -326,7 +326,7 @@ SIM_CASES = [
     (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
-    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number > 0"),
+    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number >= 1000000"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--bandwidth", "0,0"],
      "--bandwidth 0,0: expected two numbers > 0"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "0"],
