@@ -193,6 +193,29 @@ def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
         pass
 
 
+def test_resume_in_a_folder_no_run_claimed_leaves_its_files_alone(tmp_path, capsys):
+    """`--resume --out DIR` where DIR holds a config.json and metrics.jsonl of the user's (no .run-id,
+    no checkpoints) started at step 0 and replaced both (the metrics line dropped as a torn step)."""
+    args = ["train", "--max-steps", "1", "--no-progress", "--seq-len", "16", "--tokenizer", "bytes"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    (mine / "metrics.jsonl").write_text("my notes")
+    assert_one_line(*run_main([*args, "--out", str(mine), "--resume"], capsys),
+                    "holds config.json, metrics.jsonl but no run pipezero started (no .run-id, no checkpoints)")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert (mine / "metrics.jsonl").read_text() == "my notes"
+    notes = tmp_path / "notes"  # files a run never writes: a first --resume (a requeued job) trains there
+    notes.mkdir()
+    (notes / "run.toml").write_text("")
+    from pipezero.rundir import claim
+
+    with claim(str(notes), resume=True, force=False):
+        pass
+    with claim(str(mine), resume=True, force=True):  # --force: train there anyway
+        pass
+
+
 def test_a_forced_run_that_would_save_over_the_other_runs_checkpoints_is_refused(tmp_path, capsys):
     """A save replaces the folder of its step: `--force` beside a run that saved step 2 may not save
     step 2 itself, and is told so before it starts; saving other steps beside it is fine."""
