@@ -288,6 +288,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=cmd_verify)
 
 
+# train's settings verify decides itself (verify.layout_config) or has no use for: given, they would
+# be ignored without a word
+VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
+               "run.sample_tokens", "launch.max_restarts")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
@@ -295,6 +301,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError("--steps must be at least 1")
     settings, launch_values, names = flag_values(args)
+    ignored = [names[k] for k in (*settings, *launch_values) if k in VERIFY_SETS] + (["--force"] if args.force else [])
+    if ignored:
+        raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "
+                          f"without checkpoints; it takes no {ignored[0]}: drop it")
     cfg = build_config(args.config, settings, names)
     return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
 

@@ -39,10 +39,13 @@ RANGES: dict[str, Range] = {
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
     "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
-    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads",
+    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps",
                                           "trace_steps")},
+    "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("seed", "eval_every", "sample_tokens", "checkpoint_every")},
-    "launch.nproc": POSITIVE_INT, "launch.max_restarts": NON_NEGATIVE,
+    # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would
+    # exhaust the host's memory and process table; more ranks than this run under an outside torchrun
+    "launch.nproc": Range(1, 256), "launch.max_restarts": NON_NEGATIVE,
 }
 
 

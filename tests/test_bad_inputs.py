@@ -47,6 +47,10 @@ CONFIG_CASES = [
     (None, ["--max-steps", "2.5"], "--max-steps 2.5: expected an integer >= 1"),
     (None, ["--seq-len", "64.0"], "--seq-len 64.0: expected an integer >= 1"),
     (None, ["--threads", "-1"], "--threads -1: expected an integer >= 1"),
+    # OpenMP could not start 100000 threads: the interpreter died of SIGSEGV, no message
+    (None, ["--threads", "100000"], "--threads 100000: expected an integer >= 1 and <= 1024"),
+    # with data enough, the launcher would have started 100000 ranks (each importing torch)
+    (None, ["--nproc", "100000", "--dp", "100000"], "--nproc 100000: expected an integer >= 1 and <= 256"),
     (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
