@@ -135,3 +135,42 @@ def test_the_planner_plays_within_its_budget_and_says_what_it_left_out(capsys, m
     assert out["skipped"] == result.skipped and out["considered"] == result.considered
     assert main(["plan", "--preset", "small", "--gpus", "8", "--gpu-memory", "80"]) == 0
     assert f"{result.skipped} layouts of many micro-batches not simulated" in capsys.readouterr().out
+
+
+def _trace(layout: object, events: list[dict] | None = None) -> dict:
+    """A trace.json as a 2-rank gpipe run writes it (2 steps of 4 micro-batches), or with `events`."""
+    evs = events or [{"ph": "X", "pid": r, "cat": c, "name": f"{r}{c}{m}", "args": {"step": s},
+                      "ts": 1000 * s + 10 * m + 3 * r + (5 if c == "B" else 0), "dur": 4}
+                     for s in (1, 2) for r in (0, 1) for m in range(4) for c in ("F", "B")]
+    return {"traceEvents": evs, "otherData": {"layout": layout}}
+
+
+LAYOUT = {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 4, "virtual_stages": 1}
+ONE_F = {"ph": "X", "pid": 0, "cat": "F", "name": "0F0", "args": {"step": 1}, "ts": 0}
+TRACE_CASES = [
+    # grew past 3 GB for minutes
+    (_trace({**LAYOUT, "pp": 100000, "microbatches": 100000}), "asks for 130000000000 stage micro-batches"),
+    # tracebacks: ValueError, TypeError, KeyError
+    (_trace({**LAYOUT, "schedule": "bogus"}), "schedule 'bogus' is none of pipezero's"),
+    (_trace({**LAYOUT, "pp": "2"}), "must be integers >= 1"),
+    (_trace({}), "otherData.layout lacks schedule"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": -5}]), "event '0F0' has ts 0 and dur -5: finite times >= 0 only"),
+    (_trace({**LAYOUT, "pp": 1, "virtual_stages": 1}), "an event of rank 1, but the layout has pp x dp = 1"),
+    # exit 0 with a comparison of nothing: M = 0, times past a float
+    (_trace({**LAYOUT, "microbatches": 0}), "must be integers >= 1"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": 1e308}, {**ONE_F, "pid": 1, "name": "1F0", "ts": 1e308, "dur": 1e308}]),
+     "its times overflow"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": 4}]), "compute events of chunks [0], but the layout has chunks 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("trace, needle", TRACE_CASES, ids=[c[1][:30] for c in TRACE_CASES])
+def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, capsys):
+    import json
+
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    t0 = time.monotonic()
+    assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys), needle)
+    assert time.monotonic() - t0 < 5
+    (tmp_path / "trace.json").write_text(json.dumps(_trace(LAYOUT)))  # the same run as written: compared
+    assert run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys)[0] == 0

@@ -214,13 +214,18 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
         raise ConfigError(f"--from-trace {args.from_trace!r} does not exist (a run with --trace writes trace.json)")
     try:
         cal = calibrate(args.from_trace)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # empty, not JSON, not a trace
+        lay = cal.layout
+        step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
+        others = what_if(cal)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError) as e:  # not a trace
         raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
                           f"trained with --trace") from None
-    lay = cal.layout
-    step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
-    others = what_if(cal)
+    if not all(math.isfinite(x) for x in (step, bubble, cal.measured_step_s, cal.measured_bubble)):
+        raise ConfigError(f"--from-trace {args.from_trace!r}: its times overflow (step time {cal.measured_step_s:g} "
+                          f"s); pass the trace.json of a run trained with --trace")
     if args.json:
         print(json.dumps({"layout": lay, "measured": {"step_time_s": cal.measured_step_s, "bubble": cal.measured_bubble},
                           "simulated": {"step_time_s": step, "bubble": bubble}, "hop_s": cal.hop_s,
