@@ -183,6 +183,9 @@ def train_here(cfg: Any) -> int:
     return 0
 
 
+SHARD_SIZE = "5GB"  # export --format hf's default, as transformers' save_pretrained
+
+
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json",
                        description="Export a checkpoint (any layout) as one safetensors file for inference, or "
@@ -191,7 +194,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
     e.add_argument("--format", choices=("pipezero", "hf"), default="pipezero",
                    help="pipezero: one file under our names; hf: Hugging Face names, shards, config, tokenizer")
-    e.add_argument("--shard-size", default="5GB", help="with --format hf: most bytes a shard (default 5GB)")
+    e.add_argument("--shard-size", default=SHARD_SIZE, help=f"with --format hf: most bytes a shard (default {SHARD_SIZE})")
     e.add_argument("--model-spec", metavar="MODULE:NAME",
                    help="a run of --model-spec: name the same spec (it imports and runs that code)")
     e.set_defaults(func=cmd_export)
@@ -208,6 +211,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("--out is empty: name a new folder for the export")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
+    if args.format == "hf" and args.model_spec:
+        raise ConfigError("--format hf writes the Hugging Face families (llama, mistral, qwen2), never a --model-spec "
+                          "model: drop --model-spec, or --format hf to export it as model.safetensors")
+    if args.format != "hf" and args.shard_size != SHARD_SIZE:
+        raise ConfigError(f"--shard-size {args.shard_size} applies with --format hf (the pipezero format is one "
+                          f"model.safetensors): add --format hf, or drop --shard-size")
     try:
         if args.format == "hf":
             from pipezero.checkpoint.hf_export import export_hf, parse_size

@@ -601,3 +601,12 @@ def test_a_broken_json_array_names_its_line(text, needle, tmp_path):
     (tmp_path / "a.json").write_text(text)
     with pytest.raises(ConfigError, match=re.escape(needle)):
         list(Reader("text", BadRecords(OnBadRecord.SKIP)).documents(tmp_path / "a.json"))
+
+
+def test_data_that_is_a_pipe_is_one_line(tmp_path, capsys):
+    """A named pipe was reported as a glob that 'matches no files'; read as a document it would block."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert_one_line(*run_main(train_argv(None, tmp_path / "pipe.txt", tmp_path / "out"), capsys),
+                    f"--data '{tmp_path / 'pipe.txt'}' is not a regular file or folder")

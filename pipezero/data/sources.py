@@ -53,6 +53,8 @@ def expand(paths: list[str]) -> list[Path]:
         elif p.is_file():
             found = [p]
             what = ""
+        elif p.exists():  # a pipe, socket or device: read as a document it could block or never end
+            raise ConfigError(f"--data {arg!r} is not a regular file or folder; pass document files, folders or globs")
         else:
             found = sorted(Path(f) for f in glob.glob(arg, recursive=True) if Path(f).is_file())
             what = f"--data {arg!r} matches no files"
