@@ -197,6 +197,9 @@ CONFIG_CASES = [
     ({"pad_token_id": "<|endoftext|>"}, "field 'pad_token_id' = \"<|endoftext|>\" is a token, not an id: write "
                                         "its id, 0 in tokenizer.json"),
     ({"pad_token_id": 1.5}, "field 'pad_token_id' = 1.5 is not an integer id"),
+    # the expected shapes were built a block at a time: 10^9 blocks never finished (past a minute, 1.3 GB)
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000, but the weights hold 2 blocks"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers = 3, but the weights hold 2 blocks"),
 ]
 
 
