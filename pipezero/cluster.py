@@ -278,3 +278,6 @@ def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], 
     except KeyboardInterrupt:
         print("pipezero: stopped; the emulated cluster is removed", file=sys.stderr, flush=True)
         return 130
+    except ClusterError as e:  # `ip` or `tc` refused a step (a rate tc cannot shape, a name taken): one line
+        print(f"pipezero: error: the emulated cluster failed: {e}", file=sys.stderr, flush=True)
+        return 1

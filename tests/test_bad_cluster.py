@@ -71,3 +71,22 @@ def test_root_without_network_rights_is_one_line_before_anything_is_built(nothin
     monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
     assert_one_line(*run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys),
                     "lacks CAP_NET_ADMIN and CAP_SYS_ADMIN")
+
+
+def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
+    """`tc` refusing the link's rate mid-build was a ClusterError traceback (after the teardown)."""
+    import pipezero.cluster as cluster
+
+    made: list[str] = []
+
+    def refused(self):  # noqa: ANN001
+        made.append("tried")
+        raise cluster.ClusterError("`tc qdisc add dev eth0 root tbf rate 99999999999gbit` failed: rate too large")
+
+    monkeypatch.setattr(cluster, "require_root", lambda: None)
+    monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world: None)  # the data is not the case here
+    monkeypatch.setattr(cluster.Cluster, "_build", refused)
+    code, err = run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys)
+    assert made and code == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
+                                        "tbf rate 99999999999gbit` failed: rate too large"]
