@@ -18,7 +18,7 @@ def nothing_built(monkeypatch):
         raise AssertionError("a cluster was built for a refused command")
 
     monkeypatch.setattr(pipezero.cluster, "run_on_cluster", built)
-    monkeypatch.setattr(pipezero.cluster.Cluster, "__enter__", built)
+    monkeypatch.setattr(pipezero.cluster.EmulatedCluster, "__enter__", built)
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(cluster, "require_root", lambda: None)
     monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world: None)  # the data is not the case here
-    monkeypatch.setattr(cluster.Cluster, "_build", refused)
+    monkeypatch.setattr(cluster.EmulatedCluster, "_build", refused)
     code, err = run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys)
     assert made and code == 1 and "Traceback" not in err
     assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
