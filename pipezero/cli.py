@@ -301,8 +301,8 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
 
 # train's settings verify decides itself (verify.layout_config) or has no use for: given, they would
 # be ignored without a word
-VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_checkpoints", "run.eval_every",
-               "run.sample_tokens", "launch.max_restarts")
+VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_checkpoints", "run.save_final",
+               "run.eval_every", "run.sample_tokens", "launch.max_restarts")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -101,7 +101,7 @@ def test_a_failure_is_called_rounding_only_within_the_factor_of_the_same_check()
 
 @pytest.mark.parametrize("flags", [["--max-steps", "100"], ["--resume"], ["--checkpoint-every", "1"],
                                    ["--keep-checkpoints", "2"], ["--eval-every", "1"], ["--sample-tokens", "10"],
-                                   ["--max-restarts", "1"], ["--force"]])
+                                   ["--max-restarts", "1"], ["--force"], ["--no-save-final"]])
 def test_a_train_flag_verify_would_ignore_is_refused(flags, tmp_path, capsys):
     """verify runs --steps steps, fresh, without checkpoints: these flags changed nothing, exit 0."""
     from one_line import assert_one_line, run_main

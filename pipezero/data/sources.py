@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipezero.config import OnBadRecord
-from pipezero.data import json_array
+import pipezero.data.json_array as json_array
 from pipezero.errors import ConfigError
 
 RECORD_SUFFIXES = {".jsonl", ".json"}
