@@ -45,6 +45,8 @@ class Range:
 
 def _bound(x: float) -> str:
     """A bound as the user would type it: whole numbers below 1e7 in full (1048576, not 1.04858e+06)."""
+    if isinstance(x, int) and not isinstance(x, bool):  # an integer bound, exact: 2^64 - 1 is not 1.84467e+19
+        return str(x)
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e7 else f"{x:g}"
 
 

@@ -51,6 +51,13 @@ CONFIG_CASES = [
     (None, ["--threads", "100000"], "--threads 100000: expected an integer >= 1 and <= 1024"),
     # with data enough, the launcher would have started 100000 ranks (each importing torch)
     (None, ["--nproc", "100000", "--dp", "100000"], "--nproc 100000: expected an integer >= 1 and <= 256"),
+    # torch's generators: "Overflow when unpacking long long", a traceback
+    (None, ["--seed", "18446744073709551616"], "--seed 18446744073709551616: expected an integer >= 0 and <= "
+                                               "4294967295"),
+    # generated a token a whole forward, 1e11 times
+    (None, ["--sample-tokens", "100000000000"], "--sample-tokens 100000000000: expected an integer >= 0 and <= 4096"),
+    # each rank's process group timeout overflowed a timedelta
+    (None, ["--timeout", "1e300"], "--timeout 1e300: expected a number > 0 and <= 604800"),
     (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
