@@ -135,7 +135,7 @@ DATA_CASES = [
     (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
     (["--data", "object.npy"], "cannot be read as token ids"),
     (["--data", "odd.bin"], "holds 101 bytes, not a whole number of uint16 ids"),
-    (["--data", "empty.bin"], "holds 0 bytes"),
+    (["--data", "empty.bin"], "empty.bin' is empty: write its ids, or leave it out of --data"),
     (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
     (["--data", "beyond.npy", "--tokenizer", "small.json"], "holds id 399, but the tokenizer"),
 ]
