@@ -44,7 +44,7 @@ def parse_cost(text: str) -> tuple[float, float, float]:
 
 # flags only the ZeRO lowering reads: given without --zero they would change nothing
 ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch", "dtype",
-              "optim_cost", "listing")
+              "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
 def flag(dest: str) -> str:
@@ -198,6 +198,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
     z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16 halves reductions and ZeRO-3 gathers")
+    z.add_argument("--quantize-weights", choices=("none", "int8"), default="none",
+                   help="parameter gathers as int8 with a scale a block (as train --quantize-weights)")
+    z.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
+                   help="gradient reductions quantized (as train --quantize-grads)")
+    z.add_argument("--quant-block", type=int, default=256, help="elements a scale (as train --quant-block)")
     z.add_argument("--optim-cost", type=float, default=0.0, help=f"time of the optimizer update, in F units ({limits.TIME.describe()})")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     s.set_defaults(func=cmd_simulate)
@@ -261,8 +266,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:
-        check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE),
-                            "dp_comm": (float, limits.TIME), "optim_cost": (float, limits.TIME)})
+        check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE), "dp_comm": (float, limits.TIME),
+                            "optim_cost": (float, limits.TIME), "quant_block": (int, POSITIVE_INT)})
     check_work(args)
     if args.png:
         check_png(args.png, args.pp * args.microbatches * default_virtual(ScheduleKind(args.schedule),
