@@ -35,7 +35,9 @@ RANGES: dict[str, Range] = {
     # a week: every wait is bounded by it, and 1e300 s overflowed the process group's timedelta on each rank
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(0, 7 * 86400, open_low=True),
     "parallel.ranks_per_node": POSITIVE_INT,
-    "parallel.buckets_in_flight": POSITIVE_INT, "parallel.quant_block": POSITIVE_INT,
+    "parallel.buckets_in_flight": POSITIVE_INT,
+    # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
+    "parallel.quant_block": Range(1, 1 << 20),
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,

@@ -56,6 +56,8 @@ CONFIG_CASES = [
                                                "4294967295"),
     # generated a token a whole forward, 1e11 times
     (None, ["--sample-tokens", "100000000000"], "--sample-tokens 100000000000: expected an integer >= 0 and <= 4096"),
+    # every rank padded its buckets to a block of 10^12 elements: an allocation of 4 TB, a traceback a rank
+    (None, ["--quant-block", "1000000000000"], "--quant-block 1000000000000: expected an integer >= 1 and <= 1048576"),
     # each rank's process group timeout overflowed a timedelta
     (None, ["--timeout", "1e300"], "--timeout 1e300: expected a number > 0 and <= 604800"),
     (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),

@@ -74,6 +74,8 @@ CASES = [
     ([*PLAN, "--inter-bw", "1e308"], "--inter-bw = 1e+308: expected a number >= 1e-06 and <= 1000000"),
     ([*PLAN, "--bandwidth", "1e308,1e-308"], "--bandwidth 1e308,1e-308: expected two numbers > 0 (from 1e-06 to 1e+06"),
     ([*PLAN, "--net-cpu", "1e308"], "--net-cpu = 1e+308: expected a number >= 0 and <= 10000"),
+    ([*PLAN, "--quant-block", "1000000000000"], "--quant-block = 1000000000000: expected an integer >= 1 and <= 1048576"),
+    (["simulate", "--quantize-grads", "int8"], "--quantize-grads applies with --zero"),
 ]
 
 

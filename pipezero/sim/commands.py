@@ -13,7 +13,7 @@ from rich.table import Table
 
 from pipezero.coerce import Range, coerce
 from pipezero.config import GradReduce, ScheduleKind
-from pipezero.settings import POSITIVE, POSITIVE_INT
+from pipezero.settings import POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
 from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
@@ -267,7 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:
         check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE), "dp_comm": (float, limits.TIME),
-                            "optim_cost": (float, limits.TIME), "quant_block": (int, POSITIVE_INT)})
+                            "optim_cost": (float, limits.TIME), "quant_block": (int, RANGES["parallel.quant_block"])})
     check_work(args)
     if args.png:
         check_png(args.png, args.pp * args.microbatches * default_virtual(ScheduleKind(args.schedule),

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from pipezero.coerce import Range
 from pipezero.errors import ConfigError
-from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
+from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
 from pipezero.sim.commands import check_ranges
 from pipezero.sim.layouts import Cluster
@@ -129,7 +129,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "inter_bw": (float, limits.GBPS), "bucket_mb": (float, POSITIVE),
                         "tflops": (float, limits.TFLOPS), "mfu": (float, Range(0, 1, open_low=True)),
                         "overhead_ms": (float, limits.OVERHEAD_MS), "cores": (int, NON_NEGATIVE),
-                        "net_cpu": (float, limits.NET_CPU), "quant_block": (int, POSITIVE_INT)})
+                        "net_cpu": (float, limits.NET_CPU), "quant_block": (int, RANGES["parallel.quant_block"])})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
