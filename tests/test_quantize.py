@@ -135,7 +135,7 @@ def test_the_traffic_model_prices_the_bytes_sent():
     from pipezero.schedules.check import CostModel
     from pipezero.schedules.registry import build_schedule
     from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.program_view import ZeroOptions, run_program
+    from pipezero.sim.program_view import ZeroOptions, lower_zero, run_program
     from pipezero.sim.traffic import dp_traffic, element_bytes
 
     int8, int4 = element_bytes(8, 256), element_bytes(4, 256)
@@ -157,7 +157,8 @@ def test_the_traffic_model_prices_the_bytes_sent():
     sent = {}
     for w, g in (("none", "none"), ("int8", "int4")):
         args.quantize_weights, args.quantize_grads = w, g
-        sent[w] = sum(run_program(s, CostModel(), ZeroOptions.from_args(args))[2]["bytes_sent"])
+        opt = ZeroOptions.from_args(args)
+        sent[w] = sum(run_program(lower_zero(s, opt), CostModel(), opt)[1]["bytes_sent"])
     # ZeRO-3 kept gathered (P = 2): one gather and one reduction a step, each a ring pass
     assert sent["int8"] / sent["none"] == pytest.approx((int8 + int4) / 8, rel=1e-4)
 
