@@ -220,6 +220,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not args.out.strip():
         raise ConfigError("--out is empty: name a new folder for the export")
+    if not args.source.strip():  # Path("") is the working directory
+        raise ConfigError("the source is empty: pass a run directory or one of its checkpoints/step-N")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
     if args.format == "hf" and args.model_spec:

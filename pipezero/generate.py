@@ -22,6 +22,8 @@ def sample(model: nn.Module, prompt: list[int], n_tokens: int, max_seq_len: int,
         logits = model(window)[0, -1].float().cpu() / max(temperature, 1e-5)
         if vocab is not None:
             logits = logits[:vocab]
+        if not bool(torch.isfinite(logits).all()):  # weights a last update made non-finite (--lr 1e308):
+            break  # nothing to draw from; the held-out loss already says NaN
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits[logits < kth] = -float("inf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 from pipezero.config import Device, TrainConfig
 from pipezero.errors import ConfigError
@@ -32,6 +32,25 @@ def adopt_slurm(nproc: int | None, env: MutableMapping[str, str] = os.environ) -
         raise ConfigError(f"--nproc {nproc} inside an srun step of SLURM_NTASKS={tasks} tasks would start "
                           f"{tasks} jobs: drop --nproc (srun starts one task a rank) or run `srun --ntasks 1`")
     env.update(rank_variables(env))
+    check_rank_variables(env)
+
+
+def check_rank_variables(env: Mapping[str, str]) -> None:
+    """RANK / WORLD_SIZE / LOCAL_RANK set by hand (or left over in a shell) are read by every
+    later step as integers: text there was a traceback, a rank past the world a wait for a peer
+    that never comes. Refused here, naming the variable."""
+    if "RANK" not in env or "WORLD_SIZE" not in env:  # under_torchrun's test: otherwise none is read
+        return
+    values = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        text = env.get(name)
+        if text is not None and not text.isdigit():
+            raise ConfigError(f"{name}={text[:80]!r} is not a rank number; these are torchrun's variables: "
+                              f"unset them, or set them to integers (RANK < WORLD_SIZE)")
+        values[name] = None if text is None else int(text)
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"]:
+        raise ConfigError(f"RANK={values['RANK']} is not a rank of WORLD_SIZE={values['WORLD_SIZE']}; these are "
+                          f"torchrun's variables: unset them, or set RANK below WORLD_SIZE")
 
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them

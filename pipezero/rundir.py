@@ -40,6 +40,21 @@ HELD_BY_LAUNCHER = "PIPEZERO_RUN_CLAIMED"  # set for the ranks a launcher starte
 # what a run writes at the top of its folder (engine.py, summary.py, telemetry/): in a folder no run
 # claimed, --resume would replace them
 RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "trace.json", "trace.png", "tensorboard", "hf"}
+RUN_FOLDERS = {"checkpoints", "tensorboard", "hf"}  # of RUN_FILES and the checkpoints, those that are folders
+
+
+def wrong_kind(path: Path) -> str | None:
+    """A name the run writes that holds the other kind (a folder where a file goes, a file or a
+    pipe where a folder goes) failed as a traceback only when written, after the training: said
+    here instead, or None."""
+    for name in sorted(RUN_FILES | RUN_FOLDERS):
+        entry = path / name
+        if name in RUN_FOLDERS and entry.exists() and not entry.is_dir():
+            return f"{name} is a file, where the run writes a folder: move it away, or choose another --out"
+        if name not in RUN_FOLDERS and entry.exists() and not entry.is_file():
+            kind = "a folder" if entry.is_dir() else "not a regular file"
+            return f"{name} is {kind}, where the run writes a file: move it away, or choose another --out"
+    return None
 
 
 def run_id(out: str | Path) -> str | None:
@@ -176,7 +191,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
                               f"no checkpoints), and --resume would write over them: choose another --out, or pass "
                               f"--force to train there anyway")
-        clash = clashes() if held.found.entries and force and not resume and clashes else None
+        clash = (clashes() if held.found.entries and force and not resume and clashes else None) or wrong_kind(path)
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")
         kept = run_id(path)

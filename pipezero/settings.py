@@ -33,7 +33,8 @@ RANGES: dict[str, Range] = {
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     # a week: every wait is bounded by it, and 1e300 s overflowed the process group's timedelta on each rank
-    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(0, 7 * 86400, open_low=True),
+    # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
     # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
@@ -126,11 +127,12 @@ def build_launch(values: dict[str, Any], names: dict[str, str] | None = None) ->
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+    if not p.is_file():  # a folder or a pipe is named as such: "does not exist" would send the user looking
+        what = "is a folder" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist"
+        raise ConfigError(f"config file {str(p)!r} {what}; name a .toml file")
     try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     flat: dict[str, Any] = {}
     for section, table in data.items():
@@ -168,6 +170,8 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
+    key = "parallel.quant_block"
+    check_quant_block(cfg.parallel, None if key not in flat else names.get(key, key) if key in (overrides or {}) else key)
     return validate(cfg)
 
 
@@ -210,6 +214,13 @@ def check_quantization(p: ParallelConfig) -> None:
     _check(p.quantize_weights is WeightQuant.NONE or RULES[p.zero].gathers_weights,
            f"--quantize-weights {p.quantize_weights.value} with --zero 0: ZeRO-0 gathers no weights (every rank "
            f"updates all of them); use --zero 1, 2 or 3, or drop it")
+
+
+def check_quant_block(p: ParallelConfig, set_as: str | None) -> None:
+    """A block size with nothing quantized was silently ignored. `set_as`: how the user set it (its
+    flag or TOML key); None: left at its default."""
+    _check(set_as is None or p.quantize_weights is not WeightQuant.NONE or p.quantize_grads.value != "none",
+           f"{set_as} {p.quant_block} applies with --quantize-weights or --quantize-grads: add one, or drop it")
 
 
 def check_secondary_shard(p: ParallelConfig) -> None:
@@ -295,6 +306,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_secondary_shard(p)
     if d.path is not None:
         for arg in d.path:
+            _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
                    f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
         from pipezero.data.sources import check_out_of_reach

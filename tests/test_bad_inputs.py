@@ -59,7 +59,7 @@ CONFIG_CASES = [
     # every rank padded its buckets to a block of 10^12 elements: an allocation of 4 TB, a traceback a rank
     (None, ["--quant-block", "1000000000000"], "--quant-block 1000000000000: expected an integer >= 1 and <= 1048576"),
     # each rank's process group timeout overflowed a timedelta
-    (None, ["--timeout", "1e300"], "--timeout 1e300: expected a number > 0 and <= 604800"),
+    (None, ["--timeout", "1e300"], "--timeout 1e300: expected a number >= 1 and <= 604800"),
     (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),

@@ -226,7 +226,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     in it may point outside the folder or disagree with the folder's name."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path}: unreadable {MANIFEST}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__

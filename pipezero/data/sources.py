@@ -117,7 +117,8 @@ def fingerprint(files: list[Path], *extra: object) -> str:
     h = hashlib.sha256(repr(extra).encode())
     for f in files:
         st = f.stat()
-        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+        line = f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n"
+        h.update(line.encode(errors="surrogateescape"))  # a file name need not be UTF-8: it hashes as its bytes
     return h.hexdigest()[:16]
 
 

@@ -81,7 +81,7 @@ def read_json(path: Path) -> dict[str, Any]:
                           f"model.safetensors (or model.safetensors.index.json with its shards)")
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than json follows
         raise ConfigError(f"{path} is not readable json: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} holds a json {type(data).__name__}, not an object")
@@ -309,6 +309,8 @@ def apply_pretrained(cfg: Any, given: set[str]) -> None:
     config.json, and unless `given` (settings the user set) says otherwise its tokenizer.json and a
     fine-tuning learning rate. A shape setting given alongside is refused: the weights fix it."""
     folder = Path(cfg.model.pretrained)
+    if not cfg.model.pretrained.strip():  # Path("") is the working directory
+        raise ConfigError("--model is empty: name a local Hugging Face model folder")
     if not folder.is_dir():
         raise ConfigError(f"--model {folder}: not a folder; pass a local Hugging Face model folder (nothing "
                           f"is downloaded)")

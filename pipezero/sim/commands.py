@@ -224,7 +224,7 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
         others = what_if(cal)
     except ConfigError:
         raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError) as e:  # not a trace
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError, RecursionError) as e:
         raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
                           f"trained with --trace") from None

@@ -40,7 +40,7 @@ def _records(text: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)

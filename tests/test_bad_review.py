@@ -1,0 +1,121 @@
+"""A fresh review of bad inputs (issue 33, round three): the cases it found mishandled, each one
+line naming the input, exit 2, before anything trains. One process each (the fast lane)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from one_line import assert_one_line, run_main
+
+DEEP = "[" * 100_000 + "]" * 100_000  # nested past what Python's json reader follows: a RecursionError
+TRAIN = ["train", "--preset", "tiny", "--max-steps", "1", "--no-progress", "--seq-len", "16"]
+
+
+def test_a_config_file_that_is_a_folder_or_not_text_is_one_line(tmp_path, capsys):
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe\x00")
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "dir.toml")], capsys),
+                    "dir.toml' is a folder; name a .toml file")
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "bin.toml")], capsys),
+                    "bin.toml' is not valid TOML: 'utf-8' codec can't decode byte 0xff")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN, "--data", ""], "--data '' is empty: name document files"),  # was "--out is inside --data ''"
+    ([*TRAIN, "--model", ""], "--model is empty: name a local Hugging Face model folder"),
+    (["export", "", "--out", "e"], "the source is empty: pass a run directory"),
+    ([*TRAIN, "--quant-block", "7"], "--quant-block 7 applies with --quantize-weights or --quantize-grads"),  # ignored
+    ([*TRAIN, "--timeout", "0.5"], "--timeout 0.5: expected a number >= 1 and <= 604800"),
+    ([*TRAIN, "--timeout", "1e-300"], "--timeout 1e-300: expected a number >= 1"),  # 0 ms: every connect failed
+])
+def test_an_empty_or_ignored_or_unusable_value_is_one_line(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_quant_block_from_toml_alone_is_named_by_its_key(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[parallel]\nquant_block = 64\n")
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "run.toml")], capsys),
+                    "parallel.quant_block 64 applies with --quantize-weights or --quantize-grads")
+
+
+def test_a_file_name_that_is_not_utf8_is_hashed_as_its_bytes(tmp_path):
+    """A document named with a byte UTF-8 cannot hold was a UnicodeEncodeError traceback."""
+    from pipezero.data.sources import fingerprint
+
+    odd = tmp_path / os.fsdecode(b"x\xff.txt")
+    odd.write_text("hello")
+    assert len(fingerprint([odd])) == 16
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a rank number"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not a rank number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a rank number"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 is not a rank of WORLD_SIZE=1"),
+])
+def test_torchrun_variables_set_by_hand_are_checked(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    check_rank_variables({"WORLD_SIZE": "abc"})  # without RANK nothing reads them
+
+
+@pytest.mark.parametrize("name, make, needle", [
+    ("summary.json", Path.mkdir, "summary.json is a folder, where the run writes a file"),
+    ("trace.json", Path.mkdir, "trace.json is a folder, where the run writes a file"),
+    ("metrics.jsonl", os.mkfifo, "metrics.jsonl is not a regular file"),
+    ("checkpoints", lambda p: p.write_text("x"), "checkpoints is a file, where the run writes a folder"),
+    ("tensorboard", lambda p: p.write_text("x"), "tensorboard is a file, where the run writes a folder"),
+])
+def test_a_run_name_of_the_other_kind_is_refused_before_training(name, make, needle, tmp_path, capsys):
+    """Each was a traceback (or a hang, for a pipe) after the training, when first written."""
+    out = tmp_path / "o"
+    out.mkdir()
+    make(out / name)
+    data = tmp_path / "a.txt"
+    data.write_text("hello there " * 50)
+    assert_one_line(*run_main([*TRAIN, "--data", str(data), "--out", str(out), "--force"], capsys), needle)
+    assert sorted(p.name for p in out.iterdir()) == [name]  # no lock, no run id left behind
+
+
+def test_json_nested_too_deep_is_one_line_wherever_it_is_read(tmp_path, capsys):
+    from pipezero.checkpoint import CheckpointError
+    from pipezero.checkpoint.store import read_manifest
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import read_json
+    from pipezero.telemetry.metrics import _records
+
+    (tmp_path / "config.json").write_text(DEEP)
+    with pytest.raises(ConfigError, match="config.json is not readable json: maximum recursion depth"):
+        read_json(tmp_path / "config.json")
+    (tmp_path / "manifest.json").write_text(DEEP)
+    with pytest.raises(CheckpointError, match="unreadable manifest.json: maximum recursion depth"):
+        read_manifest(tmp_path)
+    assert _records(f'{DEEP}\n{{"step": 1}}\n') == [{"step": 1}]  # a resume skips the line
+    (tmp_path / "trace.json").write_text(DEEP)
+    assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys),
+                    "is not a pipezero trace.json (RecursionError")
+
+
+def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
+    """--lr 1e308: the one step's update left every weight NaN; torch.multinomial raised."""
+    from pipezero.generate import sample
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.full((8,), float("nan")))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.w.expand(*ids.shape, 8)
+
+    assert sample(Broken(), [1, 2], 5, 16, 0) == [1, 2]
