@@ -4,6 +4,7 @@ line naming the input, exit 2, before anything trains. One process each (the fas
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,12 @@ def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
             return self.w.expand(*ids.shape, 8)
 
     assert sample(Broken(), [1, 2], 5, 16, 0) == [1, 2]
+
+
+def test_a_spec_module_that_exits_on_import_is_one_line(tmp_path, capsys, monkeypatch):
+    """It ended pipezero with its own status: exit 0, nothing trained, nothing said."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    assert_one_line(*run_main(["train", "--model-spec", "exits_on_import:X", "--max-steps", "1"], capsys),
+                    "--model-spec 'exits_on_import:X': importing exits_on_import called sys.exit(0)")

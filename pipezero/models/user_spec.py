@@ -42,6 +42,10 @@ def _import(ref: str, module: str) -> Any:
         sys.path.insert(0, cwd)
     try:
         return importlib.import_module(module)
+    except SystemExit as e:  # would end pipezero as the module chose (exit 0: "done", nothing trained)
+        raise ConfigError(f"--model-spec {ref!r}: importing {module} called sys.exit({e.code!r}); a spec's module "
+                          f"must define it without ending the program (guard a script part with "
+                          f"`if __name__ == \"__main__\":`)") from None
     except ModuleNotFoundError as e:
         if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
             raise  # the user's module imports something missing: their traceback says what
