@@ -317,6 +317,8 @@ VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
 
@@ -328,6 +330,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "
                           f"without checkpoints; it takes no {ignored[0]}: drop it")
     cfg = build_config(args.config, settings, names)
+    out = Path(cfg.run.out)
+    if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
+        raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
+                          f"for verify's runs")
     return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
 
 

@@ -47,7 +47,7 @@ def wrong_kind(path: Path) -> str | None:
     """A name the run writes that holds the other kind (a folder where a file goes, a file or a
     pipe where a folder goes) failed as a traceback only when written, after the training: said
     here instead, or None."""
-    for name in sorted(RUN_FILES | RUN_FOLDERS):
+    for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID}):
         entry = path / name
         if name in RUN_FOLDERS and entry.exists() and not entry.is_dir():
             return f"{name} is a file, where the run writes a folder: move it away, or choose another --out"
@@ -61,7 +61,7 @@ def run_id(out: str | Path) -> str | None:
     """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs)."""
     try:
         return (Path(out) / RUN_ID).read_text().strip() or None
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # a damaged id claims nothing: the run is not ours to resume
         return None
 
 
@@ -167,6 +167,8 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         raise ConfigError("--out is empty: name a folder for the run")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
+    if path.is_dir() and (wrong := wrong_kind(path)):  # before the lock: a refusal leaves the folder as found
+        raise ConfigError(f"--out {out!r}: {wrong}")
     made: list[Path] = []
     try:
         made = make_folders(path)
@@ -191,7 +193,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
                               f"no checkpoints), and --resume would write over them: choose another --out, or pass "
                               f"--force to train there anyway")
-        clash = (clashes() if held.found.entries and force and not resume and clashes else None) or wrong_kind(path)
+        clash = clashes() if held.found.entries and force and not resume and clashes else None
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")
         kept = run_id(path)

@@ -76,6 +76,7 @@ def test_torchrun_variables_set_by_hand_are_checked(env, needle):
     ("metrics.jsonl", os.mkfifo, "metrics.jsonl is not a regular file"),
     ("checkpoints", lambda p: p.write_text("x"), "checkpoints is a file, where the run writes a folder"),
     ("tensorboard", lambda p: p.write_text("x"), "tensorboard is a file, where the run writes a folder"),
+    (".run-id", Path.mkdir, ".run-id is a folder, where the run writes a file"),  # an IsADirectoryError
 ])
 def test_a_run_name_of_the_other_kind_is_refused_before_training(name, make, needle, tmp_path, capsys):
     """Each was a traceback (or a hang, for a pipe) after the training, when first written."""
@@ -129,3 +130,20 @@ def test_a_spec_module_that_exits_on_import_is_one_line(tmp_path, capsys, monkey
     (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
     assert_one_line(*run_main(["train", "--model-spec", "exits_on_import:X", "--max-steps", "1"], capsys),
                     "--model-spec 'exits_on_import:X': importing exits_on_import called sys.exit(0)")
+
+
+def test_a_run_id_that_is_not_text_claims_nothing(tmp_path):
+    """A binary .run-id was a UnicodeDecodeError traceback on --resume; now it is read as a missing one."""
+    from pipezero.rundir import RUN_ID, run_id
+
+    (tmp_path / RUN_ID).write_bytes(b"\xff\xfe")
+    assert run_id(tmp_path) is None
+
+
+@pytest.mark.parametrize("out, needle", [("a-file", "--out 'a-file' is a file: name a folder for verify's runs"),
+                                         ("", "--out '' is empty: name a folder for verify's runs")])
+def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("mine")
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--steps", "1", "--out", out], capsys), needle)
+    assert (tmp_path / "a-file").read_text() == "mine"
