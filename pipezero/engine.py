@@ -28,6 +28,7 @@ from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.telemetry.memory_profile import PeakMeter
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
@@ -75,6 +76,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     corpus = load_corpus(cfg.data)
     model = spec or spec_of(cfg.model)
     check_corpus(cfg, corpus, model.vocab_size)
+    meter = PeakMeter(device).__enter__() if r.memory_profile else None  # from nothing: the model is built inside
     stage = build_stage(cfg, rank, device=device, spec=model)
     mesh, groups = stage.mesh, stage.groups
     named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
@@ -137,6 +139,10 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             stats = stage.executor.run(stage.program, mbs, denom)
             peak_live = max(peak_live, stats.peak_live)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
+            if meter is not None and step == start:  # the first step's peak, as the memory model predicts it
+                stage.zero.settle()
+                meter.__exit__(None, None, None)
+                result.measured_peak_bytes = meter.peak_bytes
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
             if not outcome.applied:
                 report_nonfinite(outcome, float(stats.loss), step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)

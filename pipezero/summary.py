@@ -83,6 +83,7 @@ class RunResult:
     peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
     peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
+    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak of the first step
 
 
 def peak_rss_bytes() -> int:

@@ -237,3 +237,17 @@ def _reductions(chunk: int, bp: BucketPlan, zero: int, wire: int, drain: bool) -
     sizes = bp.buckets(chunk)
     return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, n * wire, drain and k == len(sizes) - 1)
             for k, n in enumerate(sizes)]
+
+
+def reducing_backwards(program: tuple[Instr, ...] | list[Instr]) -> set[int]:
+    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
+    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
+    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
+    out: set[int] = set()
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    for i, ins in enumerate(program):
+        if isinstance(ins, Compute):
+            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
+        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
+            out.add(last[0])
+    return out
