@@ -186,7 +186,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
     result.sample_text = end_sample(cfg, stage, corpus)
     result.peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)
-    finish_run(cfg, stage, corpus, result, progress if show else None, board)
+    finish_run(cfg, stage, corpus, result, progress if show else None, board, own_model=spec is not None)
     if board:
         board.close()
     if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives
