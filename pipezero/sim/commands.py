@@ -15,6 +15,7 @@ from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
+from pipezero.sim.memory_command import add_memory_flags, cmd_simulate_memory
 
 
 def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
@@ -104,7 +105,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="bf16 halves reductions and ZeRO-3 gathers")
     z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
+    add_memory_flags(s)
     s.set_defaults(func=cmd_simulate)
+    s.set_defaults(defaults=s.parse_args([]))  # --memory with --config: which flags were changed
 
 
 def cmd_from_trace(args: argparse.Namespace) -> int:
@@ -154,6 +157,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           "the schedule with --schedule")
     check_ranges(args, {"pp": (int, POSITIVE_INT), "microbatches": (int, POSITIVE_INT),
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
+    if args.memory:
+        check_ranges(args, {"dp": (int, POSITIVE_INT), "bucket_mb": (float, POSITIVE)})
+        check_size(args.pp, args.microbatches, args.virtual_stages or 1)
+        return cmd_simulate_memory(args, args.defaults)
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:

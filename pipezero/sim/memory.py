@@ -360,11 +360,17 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
             # one bucket's wire copy and output alive beside the full gradient at its peak)
             top = max(bp.buckets(c), default=0)
             coll = top * plan.wire * plan.gloo + top // prog.dp * plan.wire
+        filling = 0
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
-            for k in range(len(bp.buckets(c))):
-                grad_bucket(c, k)
+            if i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
+                # at most `in_flight` waiting on a reduce-scatter and the one being filled
+                fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
+                filling = sum(fresh[-(plan.in_flight + 1):]) * F32
+            else:
+                for k in range(len(bp.buckets(c))):
+                    grad_bucket(c, k)
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
-        note(str(ins), {"activations": extra, "collectives": coll})
+        note(str(ins), {"activations": extra, "collectives": coll, "grads": filling})
         live["p2p"] -= grad_in
         if a.op is Op.B and c == 0:
             pass  # the first chunk has no input gradient: its B waits for W, which is a full backward
