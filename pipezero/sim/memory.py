@@ -30,7 +30,7 @@ fp32 q and k. Other models (own specs) are estimated with the block formula of t
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipezero.config import Device, DType, GradReduce, ModelConfig, TrainConfig
 from pipezero.models.presets import block_params, ffn_dim, layer_costs, layer_param_counts
@@ -122,7 +122,8 @@ class ChunkBytes:
 class Plan:
     """Everything the walk needs for one layout, torch-free."""
 
-    program: Program
+    program: Program  # one replica's (D = 1) programs: every data-parallel rank of a stage holds alike
+    dp: int
     chunk_params: tuple[tuple[int, ...], ...]  # per chunk, per layer parameter counts
     layer_bounds: tuple[tuple[int, int], ...]
     shapes: Shapes
@@ -162,12 +163,13 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None) -> Plan:
     owned = _owned_params(per_chunk, bounds, m)
     buckets = plan_buckets(owned, p.bucket_mb, p.dp, layerwise=layerwise)
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
-    program = lower(schedule, p.dp, p.zero, p.grad_reduce, buckets, keep_gathered=not layerwise, wire_bytes=wire,
-                    sim=simulate(schedule))
+    # lowered for one replica (the sizes stay padded for D): the instructions do not depend on D
+    program = lower(schedule, 1, p.zero, p.grad_reduce, BucketPlan(1, buckets.numels), keep_gathered=not layerwise,
+                    wire_bytes=wire, sim=simulate(schedule))
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
     batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
-    return Plan(program, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
+    return Plan(program, p.dp, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
                 p.recompute, layerwise, p.buckets_in_flight, batch, wire, not cuda)
 
 
@@ -208,15 +210,21 @@ def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
 
 def predict(cfg: TrainConfig, cuda: bool | None = None) -> list[RankMemory]:
     """Every rank's peak and its categories (ranks in mesh order, pp_rank x D + dp_rank)."""
-    plan = build_plan(cfg, cuda)
-    return [walk(plan, r) for r in range(len(plan.program.ranks))]
+    return every_rank(build_plan(cfg, cuda))
 
 
-def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
-    """Play rank `rank`'s program over byte counts; the first step of a run (gradient buffers are
-    created inside it), which is the step `train --memory-profile` measures."""
-    prog = plan.program
-    pp_rank, _ = prog.coords(rank)
+def every_rank(plan: Plan, keep_timeline: bool = False) -> list[RankMemory]:
+    """`walk` of each pipeline rank, repeated for its D data-parallel ranks (global ranks in order)."""
+    stages = [walk(plan, s, keep_timeline) for s in range(len(plan.program.ranks))]
+    return [replace(stages[r // plan.dp], rank=r) for r in range(len(stages) * plan.dp)]
+
+
+def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
+    """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
+    rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
+    the step `train --memory-profile` measures."""
+    prog, dp = plan.program, plan.dp
+    rank = pp_rank
     rules = RULES[prog.zero]
     chunks = prog.schedule.chunks(pp_rank)
     bp: BucketPlan = prog.buckets
@@ -224,12 +232,12 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
     mb_act = s.tokens * s.dim * s.act  # one boundary activation or its gradient
     cb = {c: chunk_bytes(plan, c) for c in chunks}
     whole = {c: bp.chunk_numel(c) * F32 for c in chunks}
-    shard = {c: whole[c] // prog.dp for c in chunks}
+    shard = {c: whole[c] // dp for c in chunks}
     live: dict[str, int] = defaultdict(int)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
     live["batch"] = plan.batch_bytes
-    res = RankMemory(rank)
+    res = RankMemory(pp_rank * dp)
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
     full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
     shard_grads: set[tuple[int, int]] = set()
@@ -263,17 +271,17 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
                 live["collectives"] -= n * plan.wire  # the wire copy of the gradient
             if rules.sharded_grads:
                 live["collectives"] -= n * plan.wire if plan.gloo else 0
-                live["collectives"] -= n // prog.dp * plan.wire  # the reduce-scatter's output ...
+                live["collectives"] -= n // dp * plan.wire  # the reduce-scatter's output ...
                 if (c, k) not in shard_grads:  # ... becomes (or is added into) the fp32 shard
                     shard_grads.add((c, k))
-                    live["grads"] += n // prog.dp * F32
+                    live["grads"] += n // dp * F32
                 live["grads"] -= full_grads.pop((c, k), 0)
 
     def reduce(c: int, k: int) -> None:
         n = bp.buckets(c)[k]
         if rules.sharded_grads:
             grad_bucket(c, k)  # zeros where no gradient reached it
-        if prog.dp == 1:
+        if dp == 1:
             if rules.sharded_grads:
                 reducing.append((c, k))
             return
@@ -281,7 +289,7 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
         if plan.wire != F32:
             live["collectives"] += n * plan.wire
         if rules.sharded_grads:
-            live["collectives"] += n // prog.dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+            live["collectives"] += n // dp * plan.wire + (n * plan.wire if plan.gloo else 0)
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -307,7 +315,7 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
             live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
             drain()
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
-            norm = max((n // prog.dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
+            norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
             note(str(ins), {"optimizer": norm})
             continue
         if isinstance(ins, DataParallel):
@@ -355,11 +363,11 @@ def walk(plan: Plan, rank: int, keep_timeline: bool = False) -> RankMemory:
         if a.op is Op.W and key in held and not split_done.get(key):
             extra += whole[c]  # autograd.grad returns every weight gradient of the chunk at once
         coll = 0
-        if rules.sharded_grads and prog.dp > 1 and i in reducing_at:
+        if rules.sharded_grads and dp > 1 and i in reducing_at:
             # autograd's hooks reduce-scatter buckets inside this backward (measured on gloo: about
             # one bucket's wire copy and output alive beside the full gradient at its peak)
             top = max(bp.buckets(c), default=0)
-            coll = top * plan.wire * plan.gloo + top // prog.dp * plan.wire
+            coll = top * plan.wire * plan.gloo + top // dp * plan.wire
         filling = 0
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
             if i in reducing_at:  # buckets appear as their first gradient does and leave reduced:

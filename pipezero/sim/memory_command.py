@@ -12,7 +12,7 @@ from rich.table import Table
 
 from pipezero.config import ScheduleKind, TrainConfig
 from pipezero.schedules.registry import default_virtual
-from pipezero.sim.memory import CATEGORIES, RankMemory, build_plan, walk
+from pipezero.sim.memory import CATEGORIES, RankMemory, build_plan, every_rank
 
 MIB = 2**20
 # simulate's flag -> the run setting it sets for --memory (the layout flags train also takes)
@@ -53,7 +53,7 @@ def memory_config(args: argparse.Namespace, defaults: argparse.Namespace) -> Tra
 def cmd_simulate_memory(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
     cfg = memory_config(args, defaults)
     plan = build_plan(cfg)
-    ranks = [walk(plan, r, keep_timeline=bool(args.png)) for r in range(len(plan.program.ranks))]
+    ranks = every_rank(plan, keep_timeline=bool(args.png))
     if args.png:
         draw_memory(ranks, cfg, args.png)
     if args.json:
