@@ -77,7 +77,20 @@ def main() -> None:
     ap.add_argument("--max-ranks", type=int, default=4)
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
+    ap.add_argument("--repredict", help="a results JSON: predict its measured cases again (the model changed), "
+                                        "measure nothing")
     args = ap.parse_args()
+    if args.repredict:
+        rows = json.loads(Path(args.repredict).read_text())["rows"]
+        for row in rows:
+            cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
+                                              row["zero"], row["recompute"], str(Path(__file__).parent), "-"))
+            for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
+                r.update(predicted_peak_bytes=pred.peak_bytes, ratio=pred.peak_bytes / r["measured_peak_bytes"],
+                         categories=pred.categories, at=pred.at)
+            show(row)
+        report(rows, args.out)
+        return
     todo = cases(args.models.split(","), [int(x) for x in args.pp.split(",")], [int(x) for x in args.dp.split(",")],
                  args.max_ranks)
     rows = []
@@ -99,18 +112,26 @@ def main() -> None:
                           "ratio": pred[r].peak_bytes / measured[r][i], "categories": pred[r].categories,
                           "at": pred[r].at} for r in range(world)]
                 rows.append({**c, "ranks": ranks})
-                worst = max(ranks, key=lambda x: abs(x["ratio"] - 1))
-                print(f"{c['model']:<11} {c['schedule']:<16} P={c['pp']} D={c['dp']} Z{c['zero']} "
-                      f"recompute={int(c['recompute'])}  worst rank {worst['rank']}: predicted "
-                      f"{worst['predicted_peak_bytes'] / 2**20:7.2f} MiB, measured "
-                      f"{worst['measured_peak_bytes'] / 2**20:7.2f} MiB, ratio {worst['ratio']:.3f}", flush=True)
+                show(rows[-1])
+    report(rows, args.out)
+
+
+def show(row: dict) -> None:
+    worst = max(row["ranks"], key=lambda x: abs(x["ratio"] - 1))
+    print(f"{row['model']:<11} {row['schedule']:<16} P={row['pp']} D={row['dp']} Z{row['zero']} "
+          f"recompute={int(row['recompute'])}  worst rank {worst['rank']}: predicted "
+          f"{worst['predicted_peak_bytes'] / 2**20:7.2f} MiB, measured "
+          f"{worst['measured_peak_bytes'] / 2**20:7.2f} MiB, ratio {worst['ratio']:.3f} (at {worst['at']})", flush=True)
+
+
+def report(rows: list[dict], out: str) -> None:
     ratios = [r["ratio"] for row in rows for r in row["ranks"]]
     errors = sorted(abs(x - 1) for x in ratios)
     summary = {"cases": len(rows), "ranks": len(ratios), "worst_ratio": max(ratios, key=lambda x: abs(x - 1)),
                "median_abs_error": statistics.median(errors), "within_10pct": sum(e <= 0.10 for e in errors)}
     print(f"{summary['cases']} cases, {summary['ranks']} ranks: worst ratio {summary['worst_ratio']:.3f}, median "
           f"|error| {summary['median_abs_error']:.1%}, {summary['within_10pct']}/{summary['ranks']} within 10%")
-    atomic_write_json(Path(args.out), {"summary": summary, "rows": rows})
+    atomic_write_json(Path(out), {"summary": summary, "rows": rows})
 
 
 def corpus(root: Path) -> str:

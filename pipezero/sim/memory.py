@@ -31,17 +31,23 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from pipezero.config import Device, DType, GradReduce, ModelConfig, TrainConfig
-from pipezero.models.presets import block_params, ffn_dim, layer_costs, layer_param_counts
+from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
+                             ScheduleKind, TrainConfig)
+from pipezero.models.presets import ffn_dim, layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
-from pipezero.schedules.check import simulate
+from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
                                         reducing_backwards)
 from pipezero.schedules.registry import build_schedule
 from pipezero.zero.stages import RULES
+
+if TYPE_CHECKING:
+    from pipezero.sim.layouts import Layout
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "p2p", "collectives", "batch")
 F32 = 4
@@ -115,7 +121,7 @@ class ChunkBytes:
     stash_new: int  # of which created by B (the rest was held)
     forward_peak: int  # extra inside F
     backward_peak: int  # extra inside B / BW / W
-    recompute_held: int  # with --recompute: the checkpoint's input and output
+    recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
 
 
 @dataclass(frozen=True)
@@ -124,6 +130,7 @@ class Plan:
 
     program: Program  # one replica's (D = 1) programs: every data-parallel rank of a stage holds alike
     dp: int
+    buckets: BucketPlan  # each chunk's buckets, padded for D
     chunk_params: tuple[tuple[int, ...], ...]  # per chunk, per layer parameter counts
     layer_bounds: tuple[tuple[int, int], ...]
     shapes: Shapes
@@ -154,23 +161,39 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None) -> Plan:
     """The layout of `cfg` lowered as the run lowers it (stage.py): schedule, partition, buckets.
     `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU)."""
     p, m = cfg.parallel, cfg.model
-    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     counts = layer_param_counts(m)
-    bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), schedule.n_chunks, p.partition, p.stage_layers)
+    bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
+                 p.stage_layers)
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     layerwise = p.zero == 3 and not keep
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
     owned = _owned_params(per_chunk, bounds, m)
     buckets = plan_buckets(owned, p.bucket_mb, p.dp, layerwise=layerwise)
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
-    # lowered for one replica (the sizes stay padded for D): the instructions do not depend on D
-    program = lower(schedule, 1, p.zero, p.grad_reduce, BucketPlan(1, buckets.numels), keep_gathered=not layerwise,
-                    wire_bytes=wire, sim=simulate(schedule))
+    program = lowered(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.zero, p.grad_reduce, layerwise,
+                      tuple(len(b) for b in buckets.numels))
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
     batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
-    return Plan(program, p.dp, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
+    return Plan(program, p.dp, buckets, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
                 p.recompute, layerwise, p.buckets_in_flight, batch, wire, not cuda)
+
+
+@lru_cache(maxsize=4096)
+def lowered(kind: ScheduleKind, pp: int, m: int, v: int, zero: int, mode: GradReduce, layerwise: bool,
+            buckets: tuple[int, ...]) -> Program:
+    """One replica's (D = 1) programs with `buckets[c]` buckets in chunk c: which instructions a rank
+    plays depends on neither D nor the buckets' sizes, so the planner's candidates share them."""
+    schedule, sim = played(kind, pp, m, v)
+    plan = BucketPlan(1, tuple((1,) * n for n in buckets))
+    return lower(schedule, 1, zero, mode, plan, keep_gathered=not layerwise, sim=sim)
+
+
+@lru_cache(maxsize=1024)
+def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, SimResult]:
+    """The schedule and its simulation (which proves it and orders its transfers)."""
+    schedule = build_schedule(kind, pp, m, v)
+    return schedule, simulate(schedule)
 
 
 def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int, int]],
@@ -197,7 +220,10 @@ def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
     out = 0 if hi == n_layers + 2 else s.tokens * s.dim * s.act
     fwd = max((x.forward_extra for x in layers), default=0)
     bwd = max((x.backward_extra for x in layers), default=0)
-    return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd, inp + out)
+    # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
+    loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
+    return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
+                      inp + out + loss)
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -227,7 +253,7 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     rank = pp_rank
     rules = RULES[prog.zero]
     chunks = prog.schedule.chunks(pp_rank)
-    bp: BucketPlan = prog.buckets
+    bp = plan.buckets
     s = plan.shapes
     mb_act = s.tokens * s.dim * s.act  # one boundary activation or its gradient
     cb = {c: chunk_bytes(plan, c) for c in chunks}
@@ -247,15 +273,14 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     last = prog.schedule.n_chunks - 1
 
     def note(where: str, extra: dict[str, int] | None = None) -> None:
-        now = dict(live)
-        for k, v in (extra or {}).items():
-            now[k] = now.get(k, 0) + v
-        total = sum(now.values())
+        total = sum(live.values()) + (sum(extra.values()) if extra else 0)
+        if total <= res.peak_bytes and not keep_timeline:
+            return
+        now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
         if total > res.peak_bytes:
-            res.peak_bytes, res.at = total, where
-            res.categories = {c: now.get(c, 0) for c in CATEGORIES}
+            res.peak_bytes, res.at, res.categories = total, where, now
         if keep_timeline:
-            res.timeline.append((len(res.timeline), {c: now.get(c, 0) for c in CATEGORIES}))
+            res.timeline.append((len(res.timeline), now))
 
     def grad_bucket(c: int, k: int) -> None:
         if (c, k) not in full_grads:
@@ -417,5 +442,16 @@ def describe(r: RankMemory) -> str:
         f"{c} {b / 2**30:.2f}" for c, b in r.biggest()) + ")"
 
 
-__all__ = ["CATEGORIES", "RankMemory", "Plan", "build_plan", "predict", "walk", "fits", "describe", "Schedule",
-           "GradReduce", "block_params"]
+def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
+                  bucket_mb: float) -> RankMemory:
+    """The planner's figure for one candidate layout: the heavier of its first and last pipeline
+    ranks (the first holds the most micro-batches in flight and the embedding, the last the head;
+    the ranks between hold less than the first), so thousands of candidates plan in seconds."""
+    par = ParallelConfig(pp=lay.pp, dp=lay.dp, zero=lay.zero, schedule=lay.schedule, microbatches=lay.microbatches,
+                         micro_batch_size=lay.micro_batch, virtual_stages=lay.virtual, recompute=lay.recompute,
+                         grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb)
+    cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
+                      run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
+    plan = build_plan(cfg, cuda)
+    return max((walk(plan, r) for r in sorted({0, lay.pp - 1})), key=lambda r: r.peak_bytes)
+

@@ -35,6 +35,7 @@ from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.sim.layouts import Cluster, Layout
+from pipezero.sim.memory import layout_memory
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
 from pipezero.zero.accounting import paper_bytes_per_param
 
@@ -82,16 +83,13 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     ends = (layers[0] + layers[-1] if lay.pp == 1 else
             max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
     psi = per_stage_layers * block_params(model) + ends
-    states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
-    per_microbatch = lay.grad_reduce is GradReduce.MICROBATCH and lay.zero >= 2 and lay.microbatches > 1
-    if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
-        states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
-    per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
-    # the bubble and memory without fixed costs (the same cached simulation as below when there are none)
-    _, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
-    acts = peak_stages * per_stage_layers * per_layer_act
-    if lay.recompute:  # one micro-batch's full activations exist while its backward recomputes
-        acts += 34 * seq_len * lay.micro_batch * model.dim
+    # memory: the heaviest rank's peak from the memory model (sim/memory.py), split into model
+    # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
+    peak = layout_memory(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
+    states = sum(peak.categories[c] for c in ("params", "gathered", "grads", "optimizer"))
+    acts = peak.peak_bytes - states
+    # the bubble without fixed costs (the same cached simulation as below when there are none)
+    _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
     flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
     flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
