@@ -394,8 +394,12 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             top = max(bp.buckets(c), default=0)
             coll = top * plan.wire * plan.gloo + top // dp * plan.wire
         filling = 0
+        stashed_w = a.op is Op.W and split_done.get(key, False)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
-            if i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
+            if stashed_w:  # W from the stash makes every weight gradient apart, then moves them into
+                # the buckets (`adopt`, after W): the new gradients and the buckets filling up
+                filling = whole[c] + max(bp.buckets(c), default=0) * F32
+            elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
                 # at most `in_flight` waiting on a reduce-scatter and the one being filled
                 fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
                 filling = sum(fresh[-(plan.in_flight + 1):]) * F32
@@ -403,7 +407,12 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
                 for k in range(len(bp.buckets(c))):
                     grad_bucket(c, k)
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
+        if stashed_w:
+            coll = 0  # the program's REDUCE_GRADs start them, after W
         note(str(ins), {"activations": extra, "collectives": coll, "grads": filling})
+        if stashed_w and rules.sharded_grads:
+            for k in range(len(bp.buckets(c))):
+                grad_bucket(c, k)
         live["p2p"] -= grad_in
         if a.op is Op.B and c == 0:
             pass  # the first chunk has no input gradient: its B waits for W, which is a full backward
