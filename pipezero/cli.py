@@ -137,6 +137,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
+    from pipezero.sim.fit import check_fit, rank_limit_gib
+
+    check_fit(cfg, *rank_limit_gib(cfg))  # before any rank starts: a layout that cannot fit is refused here
     from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 

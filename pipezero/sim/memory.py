@@ -102,6 +102,7 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
+    held += n * a * d  # the MLP's linears keep their input flattened to (B·T, dim) as well
     if a != F32:
         held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
     # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
@@ -122,6 +123,8 @@ class ChunkBytes:
     forward_peak: int  # extra inside F
     backward_peak: int  # extra inside B / BW / W
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
+    recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
+    last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,10 @@ def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
     bwd = max((x.backward_extra for x in layers), default=0)
     # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
     loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
+    # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
-                      inp + out + loss)
+                      inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
+                      layers[-1].held if layers else 0)
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -384,21 +389,25 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
-        extra = b.backward_peak + (b.held if plan.recompute and a.op is not Op.W else 0) + (b.stash_new if split else 0)
+        extra = b.backward_peak + (b.recomputed if plan.recompute and a.op is not Op.W else 0) + \
+            (b.stash_new if split else 0)
         if a.op is Op.W and key in held and not split_done.get(key):
-            extra += whole[c]  # autograd.grad returns every weight gradient of the chunk at once
+            # autograd.grad returns every weight gradient of the chunk at once, by which time it
+            # has freed the activations it went through
+            extra = max(extra, whole[c] - held[key])
         coll = 0
         if rules.sharded_grads and dp > 1 and i in reducing_at:
             # autograd's hooks reduce-scatter buckets inside this backward (measured on gloo: about
-            # one bucket's wire copy and output alive beside the full gradient at its peak)
+            # one bucket's full wire copy alive beside the full gradient at its peak; NCCL: its output)
             top = max(bp.buckets(c), default=0)
-            coll = top * plan.wire * plan.gloo + top // dp * plan.wire
+            coll = top * plan.wire if plan.gloo else top // dp * plan.wire
         filling = 0
         stashed_w = a.op is Op.W and split_done.get(key, False)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
             if stashed_w:  # W from the stash makes every weight gradient apart, then moves them into
                 # the buckets (`adopt`, after W): the new gradients and the buckets filling up
-                filling = whole[c] + max(bp.buckets(c), default=0) * F32
+                fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
+                filling = whole[c] + max(fresh, default=0) * F32
             elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
                 # at most `in_flight` waiting on a reduce-scatter and the one being filled
                 fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
@@ -409,7 +418,10 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
         if stashed_w:
             coll = 0  # the program's REDUCE_GRADs start them, after W
-        note(str(ins), {"activations": extra, "collectives": coll, "grads": filling})
+        note(str(ins), {"activations": extra, "grads": filling})
+        if coll:  # the first bucket completes once backward has left the chunk's last layer behind
+            freed = min(b.last_layer, held.get(key, 0)) if a.op is Op.BW else 0
+            note(str(ins), {"activations": b.backward_peak - freed, "grads": filling, "collectives": coll})
         if stashed_w and rules.sharded_grads:
             for k in range(len(bp.buckets(c))):
                 grad_bucket(c, k)
