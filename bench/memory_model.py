@@ -27,7 +27,7 @@ from pipezero.parallel.spawn import run_ranks  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.telemetry.memory_profile import first_step_peaks  # noqa: E402
+from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
 from pipezero.util import atomic_write_json  # noqa: E402
 
 MODELS = {
@@ -77,9 +77,13 @@ def main() -> None:
     ap.add_argument("--max-ranks", type=int, default=4)
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
+    ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
     ap.add_argument("--repredict", help="a results JSON: predict its measured cases again (the model changed), "
                                         "measure nothing")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
     if args.repredict:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
         for row in rows:
@@ -132,6 +136,23 @@ def report(rows: list[dict], out: str) -> None:
     print(f"{summary['cases']} cases, {summary['ranks']} ranks: worst ratio {summary['worst_ratio']:.3f}, median "
           f"|error| {summary['median_abs_error']:.1%}, {summary['within_10pct']}/{summary['ranks']} within 10%")
     atomic_write_json(Path(out), {"summary": summary, "rows": rows})
+
+
+def markdown(results: dict) -> str:
+    """Predicted / measured per rank, grouped by model, schedule and recompute: cases, ranks, the
+    lowest, median and highest ratio."""
+    groups: dict[tuple, list[float]] = {}
+    for row in results["rows"]:
+        groups.setdefault((row["model"], row["schedule"], row["recompute"]), []).extend(
+            r["ratio"] for r in row["ranks"])
+    lines = ["| model | schedule | recompute | ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
+    for (model, kind, rec), ratios in sorted(groups.items()):
+        lines.append(f"| {model} | {kind} | {'yes' if rec else 'no'} | {len(ratios)} | {min(ratios):.3f} | "
+                     f"{statistics.median(ratios):.3f} | {max(ratios):.3f} |")
+    s = results["summary"]
+    lines.append(f"\n{s['cases']} cases, {s['ranks']} ranks: worst ratio {s['worst_ratio']:.3f}, median |error| "
+                 f"{s['median_abs_error']:.1%}, {s['within_10pct']} of {s['ranks']} within 10%.")
+    return "\n".join(lines)
 
 
 def corpus(root: Path) -> str:

@@ -11,7 +11,7 @@ from pipezero.config import ScheduleKind as K
 from pipezero.parallel.spawn import run_ranks
 from pipezero.settings import build_config
 from pipezero.sim.memory import predict
-from pipezero.telemetry.memory_profile import first_step_peaks
+from pipezero.sim.memory_runs import first_step_peaks
 from training import tiny_overrides
 
 pytestmark = pytest.mark.distributed

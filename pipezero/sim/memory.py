@@ -125,6 +125,7 @@ class ChunkBytes:
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
     recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
     last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
+    inner_backward_peak: int  # `backward_peak` over the layers inside the checkpoint (not the loss's)
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,8 @@ def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
     # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
                       inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
-                      layers[-1].held if layers else 0)
+                      layers[-1].held if layers else 0,
+                      max((x.backward_extra for x in layers[:-1] if loss), default=bwd) if loss else bwd)
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -389,8 +391,9 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
-        extra = b.backward_peak + (b.recomputed if plan.recompute and a.op is not Op.W else 0) + \
-            (b.stash_new if split else 0)
+        extra = b.backward_peak + (b.stash_new if split else 0)
+        if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
+            extra = max(b.backward_peak, b.recomputed + b.inner_backward_peak)
         if a.op is Op.W and key in held and not split_done.get(key):
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through

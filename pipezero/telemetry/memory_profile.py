@@ -59,17 +59,3 @@ class PeakMeter(AbstractContextManager):
             self.peak_bytes = peak_of_events(self._prof)
         self._prof = None
 
-
-def first_step_peaks(rank: int, world: int, configs: list) -> list[int]:
-    """One rank of a `world`-rank job (parallel/spawn.py run_ranks): train each TrainConfig of
-    `configs` for its steps with --memory-profile and return this rank's measured peaks, in order.
-    The memory model's bench and test hold these against sim/memory.py's predictions."""
-    from dataclasses import replace
-
-    from pipezero.engine import train
-
-    out = []
-    for cfg in configs:
-        res = train(replace(cfg, run=replace(cfg.run, memory_profile=True)))
-        out.append(res.measured_peak_bytes or 0)
-    return out
