@@ -23,10 +23,12 @@ import torch.distributed as dist
 from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
 from pipezero.telemetry.trace import Tracer
 
-__all__ = ["P2P", "Kind", "PipelineTimeout"]
+__all__ = ["P2P", "Payload", "PipelineTimeout"]
 
 
-class Kind(enum.IntEnum):
+class Payload(enum.IntEnum):
+    """What a point-to-point transfer carries (a tag in its key, beside the chunk and micro-batch)."""
+
     ACT = 0  # activation into chunk c from chunk c-1
     GRAD = 1  # gradient into chunk c from chunk c+1
     EVAL = 2  # forward-only activation during evaluation
@@ -51,15 +53,15 @@ class P2P:
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str]] = field(default_factory=list)
 
-    def _source(self, kind: Kind, chunk: int) -> int:
-        return self.rank_of_chunk[chunk + 1 if kind is Kind.GRAD else chunk - 1]
+    def _source(self, kind: Payload, chunk: int) -> int:
+        return self.rank_of_chunk[chunk + 1 if kind is Payload.GRAD else chunk - 1]
 
-    def describe(self, kind: Kind, chunk: int, mb: int) -> str:
-        what = "gradient" if kind is Kind.GRAD else "activation"
+    def describe(self, kind: Payload, chunk: int, mb: int) -> str:
+        what = "gradient" if kind is Payload.GRAD else "activation"
         return (f"rank {self.rank}, step {self.tracer.step}: chunk {chunk} waiting for {what} of micro-batch {mb} "
                 f"from rank {self._source(kind, chunk)}")
 
-    def post_recv(self, kind: Kind, chunk: int, mb: int) -> None:
+    def post_recv(self, kind: Payload, chunk: int, mb: int) -> None:
         key = (int(kind), chunk, mb)
         src = self._source(kind, chunk)
         if key in self._recvs or key in self._local or src == self.rank:
@@ -68,7 +70,7 @@ class P2P:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._recvs[key] = (dist.irecv(buf, src=src), buf)
 
-    def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:
+    def recv(self, kind: Payload, chunk: int, mb: int) -> torch.Tensor:
         key = (int(kind), chunk, mb)
         if key in self._local:
             return self._local.pop(key)
@@ -77,7 +79,7 @@ class P2P:
         self._wait(work, self.describe(kind, chunk, mb))
         return buf if buf.dtype == self.boundary else buf.to(self.boundary)
 
-    def send(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: Payload, consumer: int, mb: int, tensor: torch.Tensor) -> None:
         """Send to the rank holding `consumer` (the chunk that will receive it)."""
         dst = self.rank_of_chunk[consumer]
         if dst == self.rank:  # handed over in memory: nothing travels, nothing is rounded
@@ -86,7 +88,7 @@ class P2P:
         payload = tensor.detach().to(self.dtype).contiguous()
         work = dist.isend(payload, dst=dst)
         self.bytes_sent += payload.numel() * payload.element_size()
-        what = "gradient" if kind is Kind.GRAD else "activation"
+        what = "gradient" if kind is Payload.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.tracer.step}: sending {what} of micro-batch {mb} "
                                   f"for chunk {consumer} to rank {dst}"))
 

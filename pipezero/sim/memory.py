@@ -44,7 +44,7 @@ from pipezero.schedules.check import SimResult, simulate
 from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
                                         reducing_backwards)
 from pipezero.schedules.registry import build_schedule
-from pipezero.zero.stages import RULES
+from pipezero.schedules.zero_rules import RULES
 
 if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout

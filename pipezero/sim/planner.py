@@ -1,12 +1,10 @@
 """Pick a training layout: enumerate (P, D, ZeRO stage, schedule, V, micro-batch size and count,
 recompute), drop what does not fit in memory, estimate step time, rank what is left.
 
-Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
-  model states, ZeRO paper (Rajbhandari et al. 2020, mixed-precision Adam): 16Ψ at stage 0,
-  (4 + 12/D)Ψ at stage 1, (2 + 14/D)Ψ at stage 2, 16Ψ/D at stage 3;
-  activations: the schedule's peak in-flight micro-batches (from the simulator, in units of one
-  stage) x layers of the stage x per-layer bytes, Korthikanti et al. 2022 with flash attention:
-  34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
+Memory per rank: the memory model's peak (sim/memory.py: the lowered program walked over byte
+counts, pipezero's fp32 weights, gradients and AdamW whatever the compute dtype), of the heavier of
+the first and last pipeline rank; it holds states (parameters, gradients, optimizer, ZeRO-3's
+gathered weights) apart from the rest (activations, transfers, collective buffers).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
@@ -37,7 +35,7 @@ from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.memory import layout_memory
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
-from pipezero.zero.accounting import paper_bytes_per_param
+from pipezero.schedules.zero_rules import RULES
 
 GIB = 2**30
 
@@ -162,7 +160,7 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                     for zero in (0, 1, 2, 3):
                         if dp == 1 and zero:
                             continue
-                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if zero >= 2 and m > 1 else [GradReduce.STEP]
+                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if RULES[zero].sharded_grads and m > 1 else [GradReduce.STEP]
                         for recompute in (False, True):
                             out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place, hier)
                                        for mode in modes for place in places for hier in two_level[place])
