@@ -42,7 +42,7 @@ rank first (zero/tied.py); every replica does so in the same order, so the dp gr
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce
@@ -192,20 +192,23 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, wire_bytes: int = 4,
-          sim: SimResult | None = None) -> Program:
+          sim: SimResult | None = None, posts: list | None = None,
+          pp_ranks: Collection[int] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). `sim`: the schedule's simulation if already played (the posting
-    order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    order is taken from it), or `posts`: its posting plans (posting.plans) if already made.
+    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead. `pp_ranks`: lower only these
+    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks)."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
-    posts = plans(s, sim)
+    posts = posts if posts is not None else plans(s, sim)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
-             for p in range(s.pp) for d in range(dp)]
+             if pp_ranks is None or p in pp_ranks else () for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 

@@ -40,7 +40,8 @@ from pipezero.models.presets import ffn_dim, layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
-from pipezero.schedules.check import SimResult, simulate
+from pipezero.schedules.check import simulate
+from pipezero.schedules.posting import plans
 from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
                                         reducing_backwards)
 from pipezero.schedules.registry import build_schedule
@@ -161,9 +162,10 @@ class RankMemory:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at}
 
 
-def build_plan(cfg: TrainConfig, cuda: bool | None = None) -> Plan:
+def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> Plan:
     """The layout of `cfg` lowered as the run lowers it (stage.py): schedule, partition, buckets.
-    `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU)."""
+    `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU);
+    `pp_ranks`: lower only these pipeline ranks (None: all)."""
     p, m = cfg.parallel, cfg.model
     counts = layer_param_counts(m)
     bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
@@ -175,7 +177,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None) -> Plan:
     buckets = plan_buckets(owned, p.bucket_mb, p.dp, layerwise=layerwise)
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     program = lowered(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.zero, p.grad_reduce, layerwise,
-                      tuple(len(b) for b in buckets.numels))
+                      tuple(len(b) for b in buckets.numels), pp_ranks)
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
     batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
@@ -185,19 +187,20 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None) -> Plan:
 
 @lru_cache(maxsize=4096)
 def lowered(kind: ScheduleKind, pp: int, m: int, v: int, zero: int, mode: GradReduce, layerwise: bool,
-            buckets: tuple[int, ...]) -> Program:
-    """One replica's (D = 1) programs with `buckets[c]` buckets in chunk c: which instructions a rank
-    plays depends on neither D nor the buckets' sizes, so the planner's candidates share them."""
-    schedule, sim = played(kind, pp, m, v)
+            buckets: tuple[int, ...], pp_ranks: tuple[int, ...] | None = None) -> Program:
+    """One replica's (D = 1) programs with `buckets[c]` buckets in chunk c (of `pp_ranks` only, if
+    given): which instructions a rank plays depends on neither D nor the buckets' sizes, so the
+    planner's candidates share them."""
+    schedule, posts = played(kind, pp, m, v)
     plan = BucketPlan(1, tuple((1,) * n for n in buckets))
-    return lower(schedule, 1, zero, mode, plan, keep_gathered=not layerwise, sim=sim)
+    return lower(schedule, 1, zero, mode, plan, keep_gathered=not layerwise, posts=posts, pp_ranks=pp_ranks)
 
 
 @lru_cache(maxsize=1024)
-def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, SimResult]:
-    """The schedule and its simulation (which proves it and orders its transfers)."""
+def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, list]:
+    """The schedule and its posting plans (from its simulation, which proves it)."""
     schedule = build_schedule(kind, pp, m, v)
-    return schedule, simulate(schedule)
+    return schedule, plans(schedule, simulate(schedule))
 
 
 def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int, int]],
@@ -280,7 +283,9 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     last = prog.schedule.n_chunks - 1
 
     def note(where: str, extra: dict[str, int] | None = None) -> None:
-        total = sum(live.values()) + (sum(extra.values()) if extra else 0)
+        total = sum(live.values())
+        if extra:
+            total += sum(extra.values())
         if total <= res.peak_bytes and not keep_timeline:
             return
         now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
@@ -470,12 +475,34 @@ def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, c
                   bucket_mb: float) -> RankMemory:
     """The planner's figure for one candidate layout: the heavier of its first and last pipeline
     ranks (the first holds the most micro-batches in flight and the embedding, the last the head;
-    the ranks between hold less than the first), so thousands of candidates plan in seconds."""
-    par = ParallelConfig(pp=lay.pp, dp=lay.dp, zero=lay.zero, schedule=lay.schedule, microbatches=lay.microbatches,
-                         micro_batch_size=lay.micro_batch, virtual_stages=lay.virtual, recompute=lay.recompute,
-                         grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb)
-    cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
-                      run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
-    plan = build_plan(cfg, cuda)
-    return max((walk(plan, r) for r in sorted({0, lay.pp - 1})), key=lambda r: r.peak_bytes)
+    the ranks between hold less than the first). Candidates that differ only in where ranks sit
+    (placement, two-level reductions) share one walk."""
+    return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
+                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb)
 
+
+@dataclass(frozen=True, eq=False)
+class _Shape:
+    """A ModelConfig (a mutable dataclass) as a cache key, by value."""
+
+    model: ModelConfig
+
+    def __hash__(self) -> int:
+        return hash(repr(self.model))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shape) and repr(other.model) == repr(self.model)
+
+
+@lru_cache(maxsize=4096)
+def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
+                   micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
+                   bucket_mb: float) -> RankMemory:
+    par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
+                         micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
+                         grad_reduce=mode, bucket_mb=bucket_mb)
+    cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
+                      run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
+    ends = tuple(sorted({0, pp - 1}))
+    plan = build_plan(cfg, cuda, ends)
+    return max((walk(plan, r) for r in ends), key=lambda r: r.peak_bytes)
