@@ -21,14 +21,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
 from pipezero.config import ScheduleKind  # noqa: E402
-from pipezero.parallel.spawn import run_ranks  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
 from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
 from pipezero.util import atomic_write_json  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 MODELS = {
     # activations dominate: 6 blocks of width 64 over 2 x 512 tokens a micro-batch

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from pipezero.config import ScheduleKind as K
-from pipezero.parallel.spawn import run_ranks
 from pipezero.settings import build_config
 from pipezero.sim.memory import predict
 from pipezero.sim.memory_runs import first_step_peaks
+from ranks import run_ranks
 from training import tiny_overrides
 
 pytestmark = pytest.mark.distributed

@@ -99,7 +99,10 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         weights = linear_params * 2 if a != F32 else 0
         held = n * d * a + n * F32 + logsm + weights  # normed input, rms statistics, log-softmax
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
-        return LayerBytes(held, n * d * a + new, logits + upcast, 2 * logsm + linear_params * F32, new)
+        # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
+        # the projection's weight gradient
+        backward = max(2 * logsm, logsm + linear_params * F32)
+        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
