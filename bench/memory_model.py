@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
 from pipezero.config import ScheduleKind  # noqa: E402
+from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
@@ -100,7 +101,7 @@ def main() -> None:
                  args.max_ranks)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = args.data or corpus(Path(tmp) / "corpus")
+        data = args.data or str(write_stdlib_sample(Path(tmp) / "corpus"))
         by_world: dict[int, list[dict]] = {}
         for c in todo:
             by_world.setdefault(c["pp"] * c["dp"], []).append(c)
@@ -154,20 +155,6 @@ def markdown(results: dict) -> str:
     lines.append(f"\n{s['cases']} cases, {s['ranks']} ranks: worst ratio {s['worst_ratio']:.3f}, median |error| "
                  f"{s['median_abs_error']:.1%}, {s['within_10pct']} of {s['ranks']} within 10%.")
     return "\n".join(lines)
-
-
-def corpus(root: Path) -> str:
-    from pipezero.data import stdlib_files
-
-    root.mkdir(parents=True)
-    total = 0
-    for i, f in enumerate(stdlib_files()):
-        text = f.read_text(encoding="utf-8", errors="replace")
-        (root / f"{i:04d}.py").write_text(text)
-        total += len(text)
-        if total > 400_000:
-            break
-    return str(root)
 
 
 if __name__ == "__main__":

@@ -212,10 +212,9 @@ def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int
     sits in the same chunk owns only its norm (the table is listed once, under the embedding)."""
     out = [list(c) for c in per_chunk]
     last = len(bounds) - 1
-    if m.tie_embeddings and bounds[last][0] == 0 and out[last]:
-        pass  # layer_param_counts already counts the tied head as its norm alone
-    elif m.tie_embeddings and out[last]:
-        out[last][-1] += m.vocab_size * m.dim  # apart: the head keeps its own copy of the table
+    # layer_param_counts counts a tied head as its norm alone; apart, the head keeps its own table
+    if m.tie_embeddings and bounds[last][0] != 0 and out[last]:
+        out[last][-1] += m.vocab_size * m.dim
     return out
 
 
@@ -283,7 +282,6 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     reducing: list[tuple[int, int]] = []  # reductions in flight, oldest first
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
-    last = prog.schedule.n_chunks - 1
 
     def note(where: str, extra: dict[str, int] | None = None) -> None:
         total = sum(live.values())
@@ -384,18 +382,15 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             inp = recvs.pop(recv_key, 0)
             live["p2p"] -= inp
             keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
-            if plan.recompute and c == last:
-                keep -= 0
             note(str(ins), {"activations": b.held + b.forward_peak})
             held[key] = keep
             live["activations"] += keep
             note(str(ins))
             continue
         # a backward: B, W or BW
-        if a.op in (Op.BW, Op.W) or (a.op is Op.B and c == 0):
+        if a.op in (Op.BW, Op.W) and not rules.sharded_grads:
             for k in range(len(bp.buckets(c))):
-                if not rules.sharded_grads:
-                    grad_bucket(c, k)  # stages 0-1: one buffer for the whole step
+                grad_bucket(c, k)  # stages 0-1: one buffer for the whole step, from the first W or BW
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
@@ -437,19 +432,12 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             for k in range(len(bp.buckets(c))):
                 grad_bucket(c, k)
         live["p2p"] -= grad_in
-        if a.op is Op.B and c == 0:
-            pass  # the first chunk has no input gradient: its B waits for W, which is a full backward
-        elif split:
+        if split:  # the graph is freed; W needs only the stash
             split_done[key] = True
-            live["activations"] -= held[key]
+            live["activations"] += b.stash - held[key]
             held[key] = b.stash
-            live["activations"] += b.stash
-        elif a.op is Op.B:  # recompute: the graph is kept for W
-            pass
-        else:
+        elif a.op is not Op.B:  # (B of the first chunk, or with recompute, keeps the graph for W)
             live["activations"] -= held.pop(key)
-        if a.op is not Op.W and c > 0:
-            live["p2p"] += 0  # the input gradient sent is counted at its SEND
         note(str(ins))
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
