@@ -26,7 +26,7 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m = s.add_argument_group("memory (--memory: each rank's predicted peak by category, sim/memory.py)")
     m.add_argument("--memory", action="store_true", help="predict every rank's peak memory of one step")
-    m.add_argument("--config", help="a train TOML file; the flags given override it")
+    m.add_argument("--config", help="a train TOML file; flags set to other than simulate's defaults override it")
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
     m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
     m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
