@@ -40,11 +40,9 @@ from pipezero.models.presets import ffn_dim, layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
-from pipezero.schedules.check import simulate
-from pipezero.schedules.posting import plans
+from pipezero.schedules.proven import proven_layout
 from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
                                         reducing_backwards)
-from pipezero.schedules.registry import build_schedule
 from pipezero.schedules.zero_rules import RULES
 
 if TYPE_CHECKING:
@@ -201,9 +199,9 @@ def lowered(kind: ScheduleKind, pp: int, m: int, v: int, zero: int, mode: GradRe
 
 @lru_cache(maxsize=1024)
 def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, list]:
-    """The schedule and its posting plans (from its simulation, which proves it)."""
-    schedule = build_schedule(kind, pp, m, v)
-    return schedule, plans(schedule, simulate(schedule))
+    """The schedule and its proven posting order (schedules/proven.py), as the run lowers it."""
+    proven = proven_layout(kind, pp, m, v)
+    return proven.schedule, proven.posts
 
 
 def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int, int]],
