@@ -209,7 +209,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans(s) if posts is None else posts
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
                            wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
-             for p in range(s.pp) for d in range(dp)]
+             if pp_ranks is None or p in pp_ranks else () for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
