@@ -83,6 +83,7 @@ class LayerBytes:
     forward_extra: int
     backward_extra: int
     stash_new: int = 0
+    recorded: int = 0  # a split chunk's forward also keeps every weight op's output for B (records)
 
 
 def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
@@ -100,7 +101,7 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
         # the projection's weight gradient
         backward = max(2 * logsm, logsm + linear_params * F32)
-        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new)
+        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
@@ -114,7 +115,10 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     stash = n * a * (3 * d + s.q + s.hidden) + new
     # backward of one block: its output's gradient, SwiGLU's hidden gradients and one weight gradient
     backward = n * a * (2 * d + 3 * s.hidden) + d * s.hidden * F32
-    return LayerBytes(held, stash, n * a * s.hidden, backward, new)
+    # a split chunk's forward records each weight op's output for B: beyond what autograd keeps,
+    # q and k before rotation and the two projections back into the residual stream
+    recorded = n * a * (s.q + s.kv + 2 * d)
+    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class ChunkBytes:
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
     recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
     last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
+    recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
     inner_backward_peak: int  # `backward_peak` over the layers inside the checkpoint (not the loss's)
 
 
@@ -232,7 +237,7 @@ def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
     # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
                       inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
-                      layers[-1].held if layers else 0,
+                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
                       max((x.backward_extra for x in layers[:-1] if loss), default=bwd) if loss else bwd)
 
 
@@ -335,6 +340,10 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             live["gathered"] -= gathered.pop(c)
 
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
+    # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
+    # not with recompute)
+    splits = set() if plan.recompute else {ins.action.chunk for ins in prog.ranks[rank] if isinstance(ins, Compute)
+                                           and ins.action.op is Op.B and ins.action.chunk > 0}
     reducing_at = reducing_backwards(prog.ranks[rank])
     note("start")
     for i, ins in enumerate(prog.ranks[rank]):
@@ -380,6 +389,8 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             inp = recvs.pop(recv_key, 0)
             live["p2p"] -= inp
             keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
+            if c in splits:  # the executor records weight ops' outputs in F of a chunk that runs B
+                keep += b.recorded
             note(str(ins), {"activations": b.held + b.forward_peak})
             held[key] = keep
             live["activations"] += keep
@@ -392,10 +403,11 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
-        extra = b.backward_peak + (b.stash_new if split else 0)
+        # (B: its output gradients, the stash W will need, are the backward's gradients)
+        extra = max(b.backward_peak, b.stash_new) if split else b.backward_peak
         if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
             extra = max(b.backward_peak, b.recomputed + b.inner_backward_peak)
-        if a.op is Op.W and key in held and not split_done.get(key):
+        if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
@@ -406,10 +418,10 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
             top = max(bp.buckets(c), default=0)
             coll = top * plan.wire if plan.gloo else top // dp * plan.wire
         filling = 0
-        stashed_w = a.op is Op.W and split_done.get(key, False)
+        stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
-            if stashed_w:  # W from the stash makes every weight gradient apart, then moves them into
-                # the buckets (`adopt`, after W): the new gradients and the buckets filling up
+            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W): the new
+                # gradients and the buckets filling up
                 fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
                 filling = whole[c] + max(fresh, default=0) * F32
             elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
