@@ -424,6 +424,8 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
                 # gradients and the buckets filling up
                 fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
                 filling = whole[c] + max(fresh, default=0) * F32
+                if not split_done.get(key):  # autograd's W has freed the activations it went through
+                    filling = max(0, filling - held.get(key, 0))
             elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
                 # at most `in_flight` waiting on a reduce-scatter and the one being filled
                 fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
