@@ -26,21 +26,21 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m = s.add_argument_group("memory (--memory: each rank's predicted peak by category, sim/memory.py)")
     m.add_argument("--memory", action="store_true", help="predict every rank's peak memory of one step")
-    m.add_argument("--config", help="a train TOML file; flags set to other than simulate's defaults override it")
+    m.add_argument("--config", help="a train TOML file; the flags given override it")
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
     m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
     m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
 
 
-def memory_config(args: argparse.Namespace, defaults: argparse.Namespace) -> TrainConfig:
-    """The run settings the flags describe; with --config, only flags changed from simulate's
-    defaults override the file."""
+def memory_config(args: argparse.Namespace, changed: list[str]) -> TrainConfig:
+    """The run settings the flags describe; with --config, only the flags `changed` from a bare
+    simulate's override the file."""
     from pipezero.settings import build_config
 
     given = {}
     for dest, key in LAYOUT.items():
         value = getattr(args, dest, None)
-        if value is None or (args.config and value == getattr(defaults, dest, None)):
+        if value is None or (args.config and dest not in changed):
             continue
         given[key] = value if isinstance(value, (bool, str)) else str(value)
     if args.virtual_stages is None and not args.config:
@@ -50,8 +50,8 @@ def memory_config(args: argparse.Namespace, defaults: argparse.Namespace) -> Tra
     return build_config(args.config, given, {key: f"--{dest.replace('_', '-')}" for dest, key in LAYOUT.items()})
 
 
-def cmd_simulate_memory(args: argparse.Namespace, defaults: argparse.Namespace) -> int:
-    cfg = memory_config(args, defaults)
+def cmd_simulate_memory(args: argparse.Namespace, changed: list[str]) -> int:
+    cfg = memory_config(args, changed)
     plan = build_plan(cfg)
     ranks = every_rank(plan, keep_timeline=bool(args.png))
     if args.png:
