@@ -110,3 +110,8 @@ def test_fit_check_refuses_before_any_rank_starts(capsys, monkeypatch, tmp_path)
     assert "activations" in err and "layouts that fit on 2 ranks, fastest first: --pp" in err
     fits = check_fit(build_config(None, layout(**{"parallel.pp": 2, "parallel.microbatches": 4})), 0.2 * 16, False)
     assert fits is not None and len(fits) == 2
+
+
+def test_simulate_memory_refuses_flags_it_would_ignore(capsys):
+    code, err = run_main(["simulate", "--memory", "--cost", "1:2:1"], capsys)
+    assert_one_line(code, err, "--memory takes no --cost")
