@@ -96,6 +96,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
     "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
+    "--memory-profile": ("run.memory_profile", "measure each rank's peak memory of the first step and write it "
+                                               "beside the memory model's prediction in summary.json"),
+    "--gpu-memory": ("run.gpu_memory_gib", "GiB a rank may use: a layout whose predicted peak exceeds it is refused "
+                                           "before any rank starts (default on CUDA: the device's memory; CPU: off)"),
 }
 
 
@@ -144,6 +148,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
+    from pipezero.sim.fit import check_fit, rank_limit_gib
+
+    check_fit(cfg, *rank_limit_gib(cfg))  # before any rank starts: a layout that cannot fit is refused here
     from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 

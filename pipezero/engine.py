@@ -30,6 +30,7 @@ from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.telemetry.memory_profile import PeakMeter
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
@@ -88,6 +89,7 @@ class Trainer:
     peak_live: int = 0
     peak_gathered_run: int = 0
     bubbles: list[float] = field(default_factory=list)  # per steady step: share spent blocked on peers
+    meter: PeakMeter | None = None  # --memory-profile: open from before the model is built to the first step's end
 
     @classmethod
     def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None) -> Trainer:
@@ -101,6 +103,7 @@ class Trainer:
         corpus = load_corpus(cfg.data)
         model = spec or spec_of(cfg.model)
         check_corpus(cfg, corpus, model.vocab_size)
+        meter = PeakMeter(device).__enter__() if r.memory_profile else None  # from nothing: the model is built inside
         stage = build_stage(cfg, rank, device=device, spec=model)
         frozen = frozen_params(stage.chunks)
         found = resume(cfg, stage.zero, frozen, spec)
@@ -129,7 +132,7 @@ class Trainer:
         result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
         return cls(cfg, stage, corpus, spec, frozen, result, start, read, trained, bad_in_a_row, eval_set,
                    int((held[1] != IGNORE).sum()), metrics, TensorBoardLog(out) if lead and r.tensorboard else None,
-                   synchronizer(device) or (lambda: None))
+                   synchronizer(device) or (lambda: None), meter=meter)
 
     @property
     def shows_progress(self) -> bool:
@@ -167,6 +170,10 @@ class Trainer:
         stats = stage.executor.run(stage.program, mbs, max(1, counted))
         self.peak_live = max(self.peak_live, stats.peak_live)
         outcome = stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, stats.loss)
+        if self.meter is not None:  # the first step's peak, as the memory model predicts it
+            stage.zero.settle()
+            self.meter.__exit__(None, None, None)
+            result.measured_peak_bytes, self.meter = self.meter.peak_bytes, None
         self.bad_in_a_row = 0 if outcome.applied else 1 + self.bad_in_a_row
         if not outcome.applied:
             report_nonfinite(outcome, float(stats.loss), step + 1, stage.mesh.pp_rank, self.bad_in_a_row,
@@ -220,7 +227,7 @@ class Trainer:
         result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
         result.sample_text = end_sample(cfg, stage, self.corpus)
         result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
-        finish_run(cfg, stage, self.corpus, result, progress, self.board)
+        finish_run(cfg, stage, self.corpus, result, progress, self.board, own_model=self.spec is not None)
         if self.board:
             self.board.close()
         if snapshot:  # every rank takes part: ZeRO-3 gathers are collectives

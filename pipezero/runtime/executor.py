@@ -34,7 +34,7 @@ from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import Compute, DataParallel, Instr, Kind, OptimStep, PointToPoint
+from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint, reducing_backwards
 from pipezero.telemetry.trace import Tracer
 
 
@@ -58,20 +58,6 @@ MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, 
 
 def docs_of(mb: MicroBatch) -> torch.Tensor | None:
     return mb[2] if len(mb) > 2 else None
-
-
-def reducing_backwards(program: Sequence[Instr]) -> set[int]:
-    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
-    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
-    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
-    out: set[int] = set()
-    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
-    for i, ins in enumerate(program):
-        if isinstance(ins, Compute):
-            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
-        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
-            out.add(last[0])
-    return out
 
 
 @dataclass

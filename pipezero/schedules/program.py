@@ -42,7 +42,7 @@ rank first (zero/tied.py); every replica does so in the same order, so the dp gr
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce
@@ -196,14 +196,15 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
-          posts: list[list[list[Post]]] | None = None) -> Program:
+          posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
-    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead. `pp_ranks`: lower only these
+    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py)."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
@@ -212,7 +213,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans(s) if posts is None else posts
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
                            wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
-             for p in range(s.pp) for d in range(dp)]
+             if pp_ranks is None or p in pp_ranks else () for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
@@ -285,3 +286,17 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[
     coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
     return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
             *(DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * grad), False) for c, k in held)]
+
+
+def reducing_backwards(program: tuple[Instr, ...] | list[Instr]) -> set[int]:
+    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
+    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
+    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
+    out: set[int] = set()
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    for i, ins in enumerate(program):
+        if isinstance(ins, Compute):
+            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
+        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
+            out.add(last[0])
+    return out
