@@ -52,6 +52,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                                 "across nodes (CPU ranks; pays where a slow link joins the nodes)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
+    "--stall-report": ("parallel.stall_report_s", "seconds a wait may take before every rank writes where it is "
+                                                  "for the hang doctor (default: a quarter of --timeout)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),
     "--data": ("data.path", "documents: .jsonl/.json/.parquet records, .txt/.md files, folders or globs; "
                             "or one .bin/.npy token file"),
@@ -289,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    from pipezero.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 

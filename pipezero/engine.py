@@ -28,6 +28,7 @@ from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.runtime.watch import start_watch
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
@@ -77,6 +78,10 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     check_corpus(cfg, corpus, model.vocab_size)
     stage = build_stage(cfg, rank, device=device, spec=model)
     mesh, groups = stage.mesh, stage.groups
+    flight = stage.executor.flight
+    # Writes this rank's flight record for the hang doctor when a wait stalls or fails (a daemon
+    # thread: a rank that fails leaves it behind, and it writes nothing after the failed wait).
+    watch = start_watch(cfg, stage)
     named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
     frozen = frozen_params(stage.chunks)
     found = resume(cfg, stage.zero, frozen, spec)
@@ -137,6 +142,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
             stats = stage.executor.run(stage.program, mbs, denom)
             peak_live = max(peak_live, stats.peak_live)
             outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
+            flight.outside("after OPTIM_STEP")
             bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
             if not outcome.applied:
                 report_nonfinite(outcome, float(stats.loss), step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)
@@ -163,14 +169,17 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 record["skipped"] = True
             result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
             if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
+                flight.outside("evaluation")
                 record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
             if metrics:
                 metrics.write(record)
             if board:
                 board.write(record)
             if saves_after(cfg, step + 1):
+                flight.outside("checkpoint")
                 save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen, spec=spec)
             progress.update(step, outcome.loss, record["tokens_per_s"])
+    flight.outside("end of run")
     stage.zero.settle()  # nothing in flight past the loop
     if metrics:
         metrics.close()
@@ -181,6 +190,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     result.sample_text = end_sample(cfg, stage, corpus)
     result.peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)
     finish_run(cfg, stage, corpus, result, progress if show else None, board)
+    watch.stop()
     if board:
         board.close()
     if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives

@@ -14,6 +14,7 @@ import torch
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
+from pipezero.doctor import Ranks, stragglers
 from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
@@ -102,6 +103,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "two_level": [h.nodes, h.per_node] if (h := stage.zero.hierarchy) else None,  # --hierarchical: K x N
             "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
             "peak_rss_bytes_training": result.peak_rss_training,
+            "waits_s": stage.executor.flight.waits(),  # blocked on each peer and in collectives: stragglers
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
@@ -134,6 +136,8 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
+        "straggler": stragglers([x["waits_s"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value),
+                                r.max_steps - result.resumed_from),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
