@@ -144,3 +144,79 @@ def test_the_watchdog_writes_a_stalled_wait_asks_the_others_and_says_when_it_res
     assert load_records(tmp_path)[3]["state"] == "resumed"
     w.stop() if w._thread.is_alive() else None
     assert "rank 1 (stage 0) never did" not in (report(tmp_path) or "")  # a straggler is no culprit
+
+
+# --- injected faults, P=2 D=2 (tests/hang_faults.py) ------------------------------------------------
+MATRIX = os.environ.get("PIPEZERO_HANG_MATRIX") == "1"  # every fault on every case (about 2 minutes here)
+HANGS = [(f, c) for f in ("stop", "kill", "skip") for c in ("1f1b", "zb-v", "zero3")] if MATRIX else \
+    [("stop", "1f1b"), ("kill", "zero3"), ("skip", "zb-v")]  # in CI: each fault once, each case once
+
+
+def expected(fault: str, out: Path) -> tuple[int, str]:
+    """The rank and the instruction the doctor must name, from what the fault wrote when it struck."""
+    from hang_faults import FAULTY
+
+    struck = json.loads((out / "fault.json").read_text())
+    if fault == "kill":
+        return FAULTY, struck["op"]  # the reduction it died in (its program prints it as REDUCE_GRAD(c.k...))
+    chunk, grad, mb = struck["transfer"]
+    return FAULTY, f"SEND({'grad' if grad else 'act'} {chunk}:{mb} to {struck['peer']})"
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault,case", HANGS)
+def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir, tmp_path, fault, case, capsys):
+    from hang_faults import FAULTY, faulty_run
+
+    from pipezero.cli import main
+    from pipezero.parallel.spawn import run_ranks
+
+    t0 = time.monotonic()
+    seen = run_ranks(faulty_run, 4, str(text_dir), str(tmp_path), fault, case, timeout=90,
+                     lost=(FAULTY,) if fault in ("stop", "kill") else ())
+    took = time.monotonic() - t0
+    assert all(s is None or s.startswith("PipelineTimeout") for s in seen), seen  # every live rank failed, named
+    rank, instruction = expected(fault, tmp_path)
+    records = load_records(tmp_path)
+    facts = next(iter(records.values()))["plan"]
+    v = verdict(records, programs(facts), Ranks.of(facts))
+    assert v.culprit == rank and v.instruction.startswith(instruction) and v.step == 2, (v, report(tmp_path))
+    assert (FAULTY in records) == (fault == "skip")  # a stopped or killed rank cannot answer
+    assert len(v.waiting) >= 2, v
+    assert gone(json.loads((tmp_path / "fault.json").read_text())["pid"])  # nothing left running
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"verdict: rank {rank} (stage 0)" in printed and instruction in printed, printed
+    assert took < 60, took
+
+
+@pytest.mark.distributed
+def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
+    """Rank 1's compute takes half as long again (and 0.3 s more once a step); the run finishes,
+    summary.json names it as the straggler, and the doctor finds no hang in the stall records."""
+    from hang_faults import FAULTY, faulty_run, slow_cases
+
+    from pipezero.cli import main
+    from pipezero.parallel.spawn import run_ranks
+
+    cases = ["1f1b", "zb-v", "zero3"] if MATRIX else ["zero3"]
+    seen = run_ranks(slow_cases, 4, str(text_dir), str(tmp_path), cases, timeout=120)
+    assert all(s == ["trained"] * len(cases) for s in seen), seen
+    for case in cases:
+        out = tmp_path / case
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["straggler"]["rank"] == FAULTY, summary["straggler"]
+        assert load_records(out), "the slow rank made a wait pass the stall threshold"
+        capsys.readouterr()
+        assert main(["doctor", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert "no hang" in printed and f"straggler (summary.json): rank {FAULTY}" in printed, printed

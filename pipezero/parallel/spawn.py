@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable, 
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it after the result is safe
 
 
-TEARDOWN_GRACE_S = 5.0  # a rank with its result written may take this long to exit before it is killed
+TEARDOWN_GRACE_S = 2.0  # a rank with its result written may take this long to exit before it is killed
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, threads: int = 1,
