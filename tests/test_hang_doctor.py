@@ -152,15 +152,21 @@ HANGS = [(f, c) for f in ("stop", "kill", "skip") for c in ("1f1b", "zb-v", "zer
     [("stop", "1f1b"), ("kill", "zero3"), ("skip", "zb-v")]  # in CI: each fault once, each case once
 
 
-def expected(fault: str, out: Path) -> tuple[int, str]:
-    """The rank and the instruction the doctor must name, from what the fault wrote when it struck."""
+def expected(fault: str, out: Path) -> tuple[int, str, int]:
+    """The rank, the instruction the doctor must name and the least index it may have, from what
+    the fault wrote when it struck. A rank killed in the wait for a reduction may have completed
+    that one and others behind it (gloo runs them on its own threads): the doctor must name one of
+    its reductions at or after the instruction it died in, the first its peers never saw end."""
     from hang_faults import FAULTY
 
     struck = json.loads((out / "fault.json").read_text())
-    if fault == "kill":
-        return FAULTY, struck["op"]  # the reduction it died in (its program prints it as REDUCE_GRAD(c.k...))
+    if fault == "kill":  # its program prints it as REDUCE_GRAD(c.k) or REDUCE_GRAD(c.k, wait): one a step
+        facts = next(iter(load_records(out).values()))["plan"]
+        mine = [str(i) for i in programs(facts).ranks[Ranks.of(facts).slot(FAULTY)]]
+        return FAULTY, "REDUCE_GRAD(", next(j for j, text in enumerate(mine)
+                                              if text.split(",")[0].rstrip(")") + ")" == struck["op"])
     chunk, grad, mb = struck["transfer"]
-    return FAULTY, f"SEND({'grad' if grad else 'act'} {chunk}:{mb} to {struck['peer']})"
+    return FAULTY, f"SEND({'grad' if grad else 'act'} {chunk}:{mb} to {struck['peer']})", struck["index"]
 
 
 def gone(pid: int) -> bool:
@@ -184,11 +190,12 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
                      lost=(FAULTY,) if fault in ("stop", "kill") else ())
     took = time.monotonic() - t0
     assert all(s is None or s.startswith("PipelineTimeout") for s in seen), seen  # every live rank failed, named
-    rank, instruction = expected(fault, tmp_path)
+    rank, instruction, index = expected(fault, tmp_path)
     records = load_records(tmp_path)
     facts = next(iter(records.values()))["plan"]
     v = verdict(records, programs(facts), Ranks.of(facts))
     assert v.culprit == rank and v.instruction.startswith(instruction) and v.step == 2, (v, report(tmp_path))
+    assert v.index == index if fault != "kill" else v.index >= index, (v, index)
     assert (FAULTY in records) == (fault == "skip")  # a stopped or killed rank cannot answer
     assert len(v.waiting) >= 2, v
     assert gone(json.loads((tmp_path / "fault.json").read_text())["pid"])  # nothing left running
