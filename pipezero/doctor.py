@@ -196,8 +196,15 @@ def _lost_transfer(link: tuple[int, int, Position], records: dict[int, Record], 
                    f"{len(waiters)} rank(s) wait because of it")
 
 
-def verdict(records: dict[int, Record], prog: Program, ranks: Ranks) -> Verdict:
-    """Who holds everyone up, from the records of the ranks that answered and every rank's program."""
+def stuck(rec: Record, min_wait_s: float) -> bool:
+    """A wait that failed, or has lasted `min_wait_s`: records of a moving run are taken moments
+    apart, and a wait that just began says nothing about who holds whom up."""
+    return bool(rec.get("awaited")) and (rec["state"] == "failed" or rec["waited_s"] >= min_wait_s)
+
+
+def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s: float = 0.5) -> Verdict:
+    """Who holds everyone up, from the records of the ranks that answered and every rank's program;
+    waits shorter than `min_wait_s` (unless they failed) are no sign of a hang."""
     for r, rec in sorted(records.items()):  # a SEND passed without posting: everything after follows from it
         j = rec.get("unposted", -1)
         if j >= 0:
@@ -209,7 +216,7 @@ def verdict(records: dict[int, Record], prog: Program, ranks: Ranks) -> Verdict:
     holds: dict[int, list[tuple[int, Position]]] = {}  # waiter -> peers behind it, with where they must get to
     links: list[tuple[int, int, Position]] = []
     for r, rec in records.items():
-        for q, at in needed(rec, prog, ranks):
+        for q, at in needed(rec, prog, ranks) if stuck(rec, min_wait_s) else []:
             if q not in records or not reached(records[q], at):
                 holds.setdefault(r, []).append((q, at))
             elif rec["awaited"]["op"] == "RECV":

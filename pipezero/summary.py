@@ -49,6 +49,9 @@ SUMMARY_FIELDS: dict[str, str] = {
                    "each rank's measured held bytes a parameter",
     "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
               "freezing saved over every rank",
+    "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
+                 "by_rank): p2p waits count against the peer, a collective's against its last arrival; {} for "
+                 "one rank (docs/how-to/hang-doctor.md)",
 }
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
@@ -61,6 +64,8 @@ RANK_FIELDS: dict[str, str] = {
     "two_level": "with --hierarchical: [nodes, ranks a node] of this rank's group; else null",
     "frozen": "this rank's frozen parameters and the gradient and optimizer bytes that saved",
     "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
+    "waits_s": "seconds this rank was blocked: on each peer's transfers (p2p, by rank), in data-parallel "
+               "collectives, and in the optimizer step's all-reduce over the world",
     "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
     "peak_device_bytes": "on GPUs only: allocated and reserved peaks of the training steps after the first, and "
                          "of evaluation",

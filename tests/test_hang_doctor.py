@@ -227,3 +227,13 @@ def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
         assert main(["doctor", str(out)]) == 0
         printed = capsys.readouterr().out
         assert "no hang" in printed and f"straggler (summary.json): rank {FAULTY}" in printed, printed
+
+
+def test_waits_that_just_began_are_no_hang():
+    """SIGUSR1 on a moving run: records taken moments apart show short waits, no culprit."""
+    records = stalled_pipeline()
+    for r in records.values():
+        r.update(state="asked", waited_s=0.01)
+    assert verdict(records, PROG, RANKS).culprit is None
+    records[3]["state"] = "failed"  # a failed wait counts however short (a peer gone)
+    assert verdict(records, PROG, RANKS).culprit == 1
