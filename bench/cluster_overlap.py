@@ -83,9 +83,9 @@ def on_cluster(nodes: int, per_node: int, link: str, argv: list[str], timeout: f
                stats: dict | None = None, pin: bool = False) -> str:
     """Run `argv` (after `python`) under torchrun on a fresh emulated cluster; node 0's output, or
     raise on failure. `stats`, if given, receives each node's link and TCP counters (`link_stats`)."""
-    from pipezero.cluster import Cluster, ClusterSpec
+    from pipezero.cluster import ClusterSpec, EmulatedCluster
 
-    with Cluster(ClusterSpec(nodes=nodes, link=link, pin=pin)) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=nodes, link=link, pin=pin)) as cluster:
         agents = [cluster.torchrun(i, per_node, 29500, argv, stdout=-1, stderr=-1) for i in range(nodes)]
         outs = [a.communicate(timeout=timeout) for a in agents]
         if stats is not None:

@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
 from pipezero.config import ScheduleKind as K  # noqa: E402
-from pipezero.parallel.spawn import run_ranks  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 TORCH_NAMES = {K.GPIPE: "ScheduleGPipe", K.ONE_F_ONE_B: "Schedule1F1B", K.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
                K.LOOPED_BFS: "ScheduleLoopedBFS", K.ZB_H1: "ScheduleInterleavedZeroBubble",

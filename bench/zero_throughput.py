@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
-from pipezero.parallel.spawn import run_ranks  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 
 def config(args: argparse.Namespace, zero: int):

@@ -101,7 +101,7 @@ def require_root() -> None:
         raise ConfigError(f"the emulated cluster needs iproute2's {' and '.join(missing)}: install iproute2")
 
 
-class Cluster:
+class EmulatedCluster:
     """Build the namespaces and links on enter, tear everything down on exit (processes first)."""
 
     def __init__(self, spec: ClusterSpec) -> None:
@@ -121,7 +121,7 @@ class Cluster:
     def host_end(self, node: int) -> str:
         return f"{self.tag}v{node}"
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> "EmulatedCluster":
         require_root()
         # SIGTERM (`timeout`, `kill`, a scheduler) would end the interpreter without `finally`,
         # leaving namespaces and ranks behind: it unwinds like Ctrl-C instead, while this is open
@@ -260,7 +260,7 @@ def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], 
     """`pipezero cluster`: run `pipezero <argv>` on every node of a fresh emulated cluster and return
     the job's exit status (the worst node's). SIGINT and SIGTERM tear everything down."""
     try:
-        with Cluster(spec) as cluster:
+        with EmulatedCluster(spec) as cluster:
             print(f"pipezero: {spec.nodes} emulated nodes x {ranks_per_node} ranks at {spec.link} a link "
                   f"({cluster.address(0)}..{cluster.address(spec.nodes - 1)})", file=sys.stderr, flush=True)
             restarts, argv = launcher_restarts(argv)

@@ -265,7 +265,9 @@ class RunConfig:
     sample_tokens: int = 64
     """Length of the text sample printed at the end; 0 = none."""
     checkpoint_every: int = 0
-    """Save a sharded checkpoint every K steps and at the end; 0 = never."""
+    """Save a sharded checkpoint every K steps and at the end; 0 = only at the end (see save_final)."""
+    save_final: bool = True
+    """Save a checkpoint after the last step, so a run keeps what it trained (--no-save-final: none)."""
     keep_checkpoints: int = 3
     """The newest N complete checkpoints of this run are kept, older ones deleted."""
     resume: bool = False

@@ -226,7 +226,7 @@ def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
     if not will_sample(cfg, corpus):
         return ""
     together = stage.zero.layerwise
-    if not together and stage.zero.stage == 3:
+    if not together and stage.zero.rules.sharded_params:
         stage.zero.gather_all()
     text = ""
     if together or stage.mesh.rank == 0:

@@ -165,6 +165,22 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def check_end_chunks(counts: list[int]) -> None:
+    """Layers a chunk holds, in model order: the embedding and the head cannot leave the ends.
+    Checked on the configuration and again on the partition a rank builds (a TrainConfig made in
+    Python is not validated)."""
+    _check(counts[0] >= 1 and counts[-1] >= 1,
+           f"--stage-layers {','.join(map(str, counts))}: the first chunk must hold the embedding "
+           f"and the last the head; only chunks in between may be empty")
+
+
+def check_hierarchical(hierarchical: bool, device_type: str) -> None:
+    """--hierarchical splits gloo's collectives by node; NCCL chooses its own algorithms. Checked on
+    the configuration when the device is named and by each rank once `auto` has resolved it."""
+    _check(not hierarchical or device_type != "cuda",
+           "--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: drop it")
+
+
 def _masks_documents(cfg: TrainConfig) -> bool:
     """Whether the data are documents packed with document masks (data/corpus.py's default for
     documents; token files and the built-in corpus are windows of one stream)."""
@@ -227,9 +243,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"--stage-layers sums to {sum(p.stage_layers)} but the model has {layers} layers "
             f"(embedding + {n_layers} blocks + head)",
         )
-        _check(p.stage_layers[0] >= 1 and p.stage_layers[-1] >= 1,
-               f"--stage-layers {','.join(map(str, p.stage_layers))}: the first chunk must hold the embedding "
-               f"and the last the head; only chunks in between may be empty")
+        check_end_chunks(p.stage_layers)
     else:
         _check(
             chunks <= layers,
@@ -238,8 +252,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
-    _check(not p.hierarchical or r.device != "cuda",
-           "--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: drop it")
+    check_hierarchical(p.hierarchical, r.device.value)
     _check(p.ranks_per_node is None or p.world_size % p.ranks_per_node == 0,
            f"parallel.ranks_per_node = {p.ranks_per_node} does not divide the {p.world_size} ranks (pp x dp) into "
            f"whole nodes")

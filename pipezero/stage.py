@@ -37,6 +37,8 @@ from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
 from pipezero.zero.sharded import ZeroDP
+from pipezero.schedules.zero_rules import RULES
+from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -82,11 +84,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
     bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
-    if bounds[0][0] == bounds[0][1] or bounds[-1][0] == bounds[-1][1]:
-        raise ConfigError(f"--stage-layers {[b - a for a, b in bounds]}: the first chunk must hold the embedding "
-                          f"and the last the head; only chunks in between may be empty")
+    check_end_chunks([b - a for a, b in bounds])
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
-    shards = cfg.model.pretrained is not None and p.zero == 3
+    shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params
     chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, "meta" if shards else device)
               for c in schedule.chunks(mesh.pp_rank)}
     apply_freeze(chunks, spec, cfg.optim.freeze)  # before ZeRO: buckets take trainable tensors only
@@ -130,6 +130,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                  program)
 
 
+def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
+    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here)."""
+    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
+
+
 def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
                  cfg: TrainConfig) -> tuple[Instr, ...]:
     """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
@@ -137,9 +142,8 @@ def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: Zer
     OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
     on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
     (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
-    sizes = tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(schedule.n_chunks))
-    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, BucketPlan(mesh.dp, sizes),
-                    keep_gathered=not zero.layerwise, sim=predicted)
+    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce,
+                    built_buckets(zero, schedule.n_chunks), keep_gathered=not zero.layerwise, sim=predicted)
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]
@@ -153,9 +157,7 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
     p = cfg.parallel
     if not p.hierarchical or p.dp == 1:
         return None
-    if device.type == "cuda":
-        raise ConfigError("--hierarchical is for gloo (CPU ranks); NCCL picks its own topology-aware algorithms: "
-                          "drop it")
+    check_hierarchical(p.hierarchical, device.type)
     per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
     try:
         return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))

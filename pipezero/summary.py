@@ -4,7 +4,9 @@ beside what the simulator and the ZeRO paper predict for the layout."""
 from __future__ import annotations
 
 import math
+import os
 import resource
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +45,8 @@ SUMMARY_FIELDS: dict[str, str] = {
                              "simulator's peak for the schedule",
     "simulated_bubble": "the schedule's bubble as the simulator plays it at F:B:W = 1:1:1",
     "measured_bubble": "each rank's mean idle share over the steps after the first",
+    "shared_cores": "CPU runs: the most crowded host ({host, ranks, cores}) when a host ran more ranks than it has "
+                    "cores, whose measured bubble then includes waiting for a core; else null",
     "bytes_sent": "bytes each rank sent, p2p and collectives apart",
     "ranks": "every rank's own figures (the table below)",
     "zero_memory": "the ZeRO paper's and pipezero's bytes a parameter for the stage, what --grad-reduce costs, and "
@@ -61,6 +65,8 @@ RANK_FIELDS: dict[str, str] = {
     "p2p_bytes_sent": "activation and gradient bytes sent to other stages",
     "collective_bytes_sent": "bytes sent in data-parallel collectives (reductions, gathers)",
     "peak_rss_bytes": "resident-memory high-water mark of the whole run",
+    "host": "the host name this rank ran on",
+    "cores": "the cores this rank's process could run on",
     "two_level": "with --hierarchical: [nodes, ranks a node] of this rank's group; else null",
     "frozen": "this rank's frozen parameters and the gradient and optimizer bytes that saved",
     "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
@@ -96,6 +102,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def shared_cores(per_rank: list[dict]) -> dict | None:
+    """The most crowded host when some host runs more CPU ranks than it has cores: their measured
+    bubble then holds time spent waiting for a core, which the simulated bubble does not model."""
+    hosts: dict[str, dict] = {}
+    for x in per_rank:
+        h = hosts.setdefault(x["host"], {"host": x["host"], "ranks": 0, "cores": x["cores"]})
+        h["ranks"] += 1
+    crowded = [h for h in hosts.values() if h["ranks"] > h["cores"]]
+    return max(crowded, key=lambda h: h["ranks"] / h["cores"]) if crowded else None
+
+
 def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunResult,
                progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
@@ -104,7 +121,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules, stage.zero.opt.state_bytes()),
             "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
-            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),
             "two_level": [h.nodes, h.per_node] if (h := stage.zero.hierarchy) else None,  # --hierarchical: K x N
             "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
             "peak_rss_bytes_training": result.peak_rss_training,
@@ -125,6 +142,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
     if r.trace:
         write_trace(result.out / "trace.json", events, layout, result.out / "trace.png", step=r.max_steps)
     final = result.heldout[r.max_steps]
+    crowded = shared_cores(per_rank) if stage.executor.p2p.device.type == "cpu" else None
     atomic_write_json(result.out / "summary.json", {
         "layout": {**layout, "zero": p.zero},
         "params": sum(stage.spec.layer_param_counts()), "unigram_baseline": result.unigram, "final_heldout_loss": final,
@@ -134,6 +152,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                                   "simulated": stage.predicted.peak_activations},
         "simulated_bubble": stage.predicted.bubble,
         "measured_bubble": [x["measured_bubble"] for x in per_rank],
+        "shared_cores": crowded,
         "bytes_sent": {"p2p": [x["p2p_bytes_sent"] for x in per_rank],
                        "collectives": [x["collective_bytes_sent"] for x in per_rank]},
         "ranks": per_rank,
@@ -147,9 +166,11 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
         sent = sum(x["p2p_bytes_sent"] + x["collective_bytes_sent"] for x in per_rank)
+        why = (f", {crowded['ranks']} ranks shared {crowded['cores']} cores: they waited for cores as well as for "
+               f"each other" if crowded else "")
         progress.console.print(f"held-out loss {final:.4f} (unigram baseline {result.unigram:.4f}); measured bubble "
-                               f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}); {sent / 2**20:,.1f} MiB sent; "
-                               f"run in {result.out}")
+                               f"{bubble:.1%} (simulated {stage.predicted.bubble:.1%}{why}); {sent / 2**20:,.1f} MiB "
+                               f"sent; run in {result.out}")
         gpu = [x["peak_device_bytes"]["train"] for x in per_rank if "train" in x.get("peak_device_bytes", {})]
         if gpu:
             progress.console.print("GPU peak memory in training steps (allocated / reserved GiB, by rank): " + ", ".join(

@@ -30,7 +30,7 @@ def _mark(out: str, **what: object) -> None:
 
 def inject(fault: str, out: str) -> None:
     from pipezero.runtime.executor import Executor
-    from pipezero.runtime.p2p import P2P, Kind
+    from pipezero.runtime.p2p import P2P, Payload
     from pipezero.zero.coordinator import Coordinator
 
     if fault in ("stop", "skip"):
@@ -43,7 +43,7 @@ def inject(fault: str, out: str) -> None:
         def send(self, kind, consumer, mb, tensor):
             remote = self.rank_of_chunk[consumer] != self.rank
             if self.tracer.step == 2 and mb == strike_mb and remote and not Path(out, "fault.json").exists():
-                _mark(out, transfer=[consumer, kind is Kind.GRAD, mb], peer=self.rank_of_chunk[consumer],
+                _mark(out, transfer=[consumer, kind is Payload.GRAD, mb], peer=self.rank_of_chunk[consumer],
                       index=self.flight.index, instr=self.flight.instr)
                 if fault == "stop":
                     os.kill(os.getpid(), signal.SIGSTOP)

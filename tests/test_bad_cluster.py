@@ -13,7 +13,7 @@ def nothing_built(monkeypatch):
     def build(*args, **kwargs):
         raise AssertionError("the cluster was built")
 
-    monkeypatch.setattr("pipezero.cluster.Cluster.__enter__", build)
+    monkeypatch.setattr("pipezero.cluster.EmulatedCluster.__enter__", build)
 
 
 @pytest.mark.parametrize("inner, needle", [

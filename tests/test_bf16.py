@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipezero.config import ScheduleKind as K
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from training import reference, train_cases
 
 LAYOUTS = [

@@ -14,7 +14,7 @@ from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
 from pipezero.checkpoint.store import Team, committed, latest, problems, write
 from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from training import tiny_overrides
 
 
@@ -333,3 +333,20 @@ def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, t
         model = read_model(tmp_path / f"a{i}" / "checkpoints" / "step-00000004")
         last = {n: t for r in ranks for n, t in r[i]["whole"]["params"].items()}
         assert all(torch.equal(q.detach(), last[n]) for n, q in model.named_parameters()), case
+
+
+def test_the_last_step_is_saved_unless_told_not_to():
+    """A run keeps what it trained: the last step is saved without --checkpoint-every, and
+    --no-save-final alone turns that off (a --checkpoint-every run still saves its end)."""
+    from pipezero.checkpoint import saves_after
+    from pipezero.settings import build_config
+
+    def saved(**run) -> list[int]:
+        cfg = build_config(overrides={"run.max_steps": 10, **{f"run.{k}": v for k, v in run.items()}})
+        return [s for s in range(1, 11) if saves_after(cfg, s)]
+
+    assert saved() == [10]
+    assert saved(save_final=False) == []
+    assert saved(checkpoint_every=4) == [4, 8, 10]
+    assert saved(checkpoint_every=4, save_final=False) == [4, 8, 10]
+    assert saved(checkpoint_every=5) == [5, 10]

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from pipezero.cluster import Cluster, ClusterSpec, leftovers, require_root
+from pipezero.cluster import ClusterSpec, EmulatedCluster, leftovers, require_root
 from pipezero.settings import build_config
 from pipezero.engine import train
 
@@ -58,7 +58,7 @@ def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_
     toml.write_text(TINY.format(data=text_dir, timeout=120))
     steps, m = 4, 2
     runs = {"pp2dp2": ["--pp", "2", "--dp", "2"], "dp4": ["--pp", "1", "--dp", "4", "--hierarchical"]}
-    with Cluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
         tag = cluster.tag
         for name, layout in runs.items():
             args = ["-m", "pipezero.cli", "train", "--config", str(toml), *layout, "--zero", "2",
@@ -88,7 +88,7 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     metrics = tmp_path / "run" / "metrics.jsonl"
     args = ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", "2", "--dp", "2", "--microbatches", "2",
             "--max-steps", "100000", "--out", str(tmp_path / "run")]
-    with Cluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
         port = free_port()
         agents = [cluster.torchrun(node, 2, port, args, stdout=-1, stderr=-1) for node in range(2)]
         deadline = time.monotonic() + 300
@@ -152,7 +152,7 @@ def test_a_cut_link_mended_resumes_from_the_checkpoint_with_the_losses_of_an_uni
     run = tmp_path / "run"
     args = ["-m", "pipezero.cli", "train", "--config", str(toml), "--dp", "2", "--zero", "1", "--microbatches", "2",
             "--max-steps", str(steps), "--checkpoint-every", "1", "--out", str(run)]
-    with Cluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=2, link="200mbit")) as cluster:
         port = free_port()
         agents = [cluster.torchrun(node, 1, port, args, max_restarts=2, stdout=-1, stderr=-1) for node in range(2)]
         deadline = time.monotonic() + 300
@@ -196,7 +196,7 @@ def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
     assert node_cores([3, 0, 1, 2], 2, 0) == [0, 1] and node_cores([3, 0, 1, 2], 2, 1) == [2, 3]
     host = sorted(os.sched_getaffinity(0))
     nodes = min(2, len(host))
-    with Cluster(ClusterSpec(nodes=nodes, pin=True)) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=nodes, pin=True)) as cluster:
         procs = [cluster.start(i, [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
                                stdout=-1) for i in range(nodes)]
         seen = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
@@ -208,15 +208,15 @@ def test_pinned_nodes_run_on_cores_of_their_own(cluster_ok):
 
 @pytest.mark.distributed
 def test_a_script_holding_a_cluster_and_terminated_leaves_nothing(cluster_ok):
-    """SIGTERM (`timeout`, `kill`) ends a bench or script inside `with Cluster(...)` as Ctrl-C
+    """SIGTERM (`timeout`, `kill`) ends a bench or script inside `with EmulatedCluster(...)` as Ctrl-C
     does: its nodes' processes are killed and every namespace and link removed."""
     import os
     import signal
     import subprocess
     import sys
 
-    script = ("import sys, time\nfrom pipezero.cluster import Cluster, ClusterSpec\n"
-              "with Cluster(ClusterSpec(nodes=2)) as c:\n"
+    script = ("import sys, time\nfrom pipezero.cluster import ClusterSpec, EmulatedCluster\n"
+              "with EmulatedCluster(ClusterSpec(nodes=2)) as c:\n"
               "    p = c.start(1, ['sleep', '3600'])\n"
               "    print(c.tag, p.pid, flush=True)\n"
               "    time.sleep(3600)\n")

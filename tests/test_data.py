@@ -123,7 +123,7 @@ def open_corpus_counting_builds(rank: int, world: int, cfg: DataConfig, log: str
 
 @pytest.mark.distributed
 def test_ranks_opening_a_new_corpus_at_once_build_it_once(tmp_path, monkeypatch):
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum " * (i % 13)}) + "\n"

@@ -201,5 +201,7 @@ def test_first_tutorial_runs(tmp_path):
     for rank in summary["ranks"]:
         assert set(rank) <= set(RANK_FIELDS)
     assert (tmp_path / "runs" / "traced" / "trace.png").is_file()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step-{FIRST_RUN_STEPS:08d}"]  # no --checkpoint-every
+    assert (tmp_path / "runs" / "tiny-model" / "model.safetensors").is_file()
     assert (tmp_path / "runs" / "1f1b-sim.png").is_file()
     assert (tmp_path / "runs" / "check" / "verify.json").is_file()

@@ -83,7 +83,7 @@ def mismatched_settings(rank: int, world: int, data: str, out: str) -> list[str]
 
 @pytest.mark.distributed
 def test_settings_that_differ_between_ranks_are_refused_before_any_step(text_dir, tmp_path):
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     ranks = run_ranks(mismatched_settings, 2, str(text_dir), str(tmp_path), timeout=300)
     for seen in ranks:
@@ -124,7 +124,7 @@ def stall_in_evaluation(rank: int, world: int, data: str, out: str) -> tuple[str
 
 @pytest.mark.distributed
 def test_a_stage_stalling_in_evaluation_fails_its_peers_within_the_timeout(text_dir, tmp_path):
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     (first, failed_at), (_, back_at) = run_ranks(stall_in_evaluation, 2, str(text_dir), str(tmp_path), timeout=120)
     error = first.partition("|")[2]

@@ -17,7 +17,7 @@ from pipezero.config import ScheduleKind as K
 from pipezero.freeze import frozen_names, param_names, saved_bytes
 from pipezero.models import build_chunk, layer_param_counts
 from pipezero.parallel.partition import partition
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from training import assert_same_training, reference_key, tiny_overrides, train_cases
 
 FIRST = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks (of tests' six)

@@ -183,7 +183,7 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
     from hang_faults import FAULTY, faulty_run
 
     from pipezero.cli import main
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     t0 = time.monotonic()
     seen = run_ranks(faulty_run, 4, str(text_dir), str(tmp_path), fault, case, timeout=90,
@@ -213,7 +213,7 @@ def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
     from hang_faults import FAULTY, faulty_run, slow_cases
 
     from pipezero.cli import main
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     cases = ["1f1b", "zb-v", "zero3"] if MATRIX else ["zero3"]
     seen = run_ranks(slow_cases, 4, str(text_dir), str(tmp_path), cases, timeout=120)

@@ -283,7 +283,7 @@ def test_every_layout_equals_one_process(models: dict[str, Path], text_dir: Path
     every schedule, and the second step's (which its gradients and the optimizer step decide):
     one spawned group of 4 runs them all."""
     from pipezero.engine import train
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
 
     folder, data = models["llama"], str(text_dir)
     cases = layout_cases()

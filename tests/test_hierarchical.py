@@ -7,7 +7,7 @@ import pytest
 
 import torch
 
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 
 
 def cases(rank: int, world: int) -> list[str]:

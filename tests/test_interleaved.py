@@ -8,7 +8,7 @@ import pytest
 
 from pipezero.config import GradReduce
 from pipezero.config import ScheduleKind as K
-from pipezero.schedules.actions import Action, Op, Placement, Schedule
+from pipezero.schedules.actions import Action, Op, ChunkPlacement, Schedule
 from pipezero.schedules.bucket_plan import uniform_plan
 from pipezero.schedules.check import ScheduleError, simulate
 from pipezero.schedules.posting import plans, verify
@@ -55,7 +55,7 @@ def torch_interleaved(p: int, m: int, v: int) -> Schedule:
     op = {"FORWARD": Op.F, "FULL_BACKWARD": Op.BW}
     ranks = tuple(tuple(Action(a.stage_index, op[a.computation_type.name], a.microbatch_index)
                         for a in ref._calculate_single_rank_operations(r) if a is not None) for r in range(p))
-    return Schedule("torch-interleaved-1f1b", p, m, v, Placement.LOOP, ranks)
+    return Schedule("torch-interleaved-1f1b", p, m, v, ChunkPlacement.LOOP, ranks)
 
 
 def test_torch_refuses_p_2_m_5_and_its_formula_there_is_no_schedule():

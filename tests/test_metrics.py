@@ -63,3 +63,11 @@ def test_end_of_run_sample_draws_only_tokens_the_tokenizer_decodes(tmp_path, tex
     text = train(cfg).sample_text
     assert text.startswith("def ")
     assert len(text) >= (4 + 64) // 4  # 68 bytes decode to at least 17 characters (at most 4 bytes each)
+
+
+def test_a_host_with_more_ranks_than_cores_is_named_beside_the_bubble():
+    from pipezero.summary import shared_cores
+
+    two_hosts = [{"host": "a", "cores": 2}] * 4 + [{"host": "b", "cores": 8}] * 2
+    assert shared_cores(two_hosts) == {"host": "a", "ranks": 4, "cores": 2}
+    assert shared_cores([{"host": "a", "cores": 4}] * 4) is None  # one core a rank: nothing to say

@@ -25,7 +25,7 @@ from pipezero.config import DType  # noqa: E402
 from pipezero.models import build_chunk  # noqa: E402
 from pipezero.models.llama import RMSNorm  # noqa: E402
 from pipezero.parallel.mesh import Mesh  # noqa: E402
-from pipezero.parallel.spawn import run_ranks  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 from pipezero.runtime.weight_grad import WeightGradCapture, apply_weight_grads  # noqa: E402
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, relative_error  # noqa: E402
 

@@ -3,11 +3,11 @@
 import pytest
 import time
 
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 
 
 def silent_peer(rank: int, world: int) -> str:
-    from pipezero.runtime.p2p import P2P, Kind, PipelineTimeout
+    from pipezero.runtime.p2p import P2P, Payload, PipelineTimeout
     from pipezero.telemetry.trace import Tracer
 
     p2p = P2P(rank, {0: 0, 1: 1}, (2, 4), timeout_s=2.0, tracer=Tracer(step=7))
@@ -16,7 +16,7 @@ def silent_peer(rank: int, world: int) -> str:
         return "stalled"
     t0 = time.monotonic()
     try:
-        p2p.recv(Kind.ACT, 1, 5)
+        p2p.recv(Payload.ACT, 1, 5)
     except PipelineTimeout as e:
         return f"{time.monotonic() - t0:.1f}s|{e}"
     return "received?"

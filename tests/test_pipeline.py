@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from pipezero.config import ScheduleKind as K
 from training import V_OF, assert_same_training, layouts, peer_layouts, train_cases, train_cases_watching_gathers
 

@@ -107,7 +107,7 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
 
     from pipezero.models import build_chunk, spec_of
     from pipezero.parallel.partition import partition
-    from pipezero.parallel.spawn import run_ranks
+    from ranks import run_ranks
     from pipezero.schedules.bucket_plan import BucketPlan
     from pipezero.schedules.check import simulate
     from pipezero.schedules.program import DataParallel, Kind, lower

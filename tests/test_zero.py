@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.config import ScheduleKind as K
 from pipezero.zero.adamw import ShardedAdamW

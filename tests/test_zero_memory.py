@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from pipezero.config import ScheduleKind as K, TrainConfig
 from pipezero.models import param_count
-from pipezero.parallel.spawn import run_ranks
+from ranks import run_ranks
 from pipezero.settings import build_config
 from pipezero.zero.accounting import paper_bytes_per_param
 from training import tiny_overrides

@@ -56,6 +56,7 @@ def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **ext
         "parallel.micro_batch_size": 2, "parallel.virtual_stages": V_OF.get(kind, 1) if pp > 1 else 1,
         "parallel.timeout_s": 60.0, "parallel.bucket_mb": 0.05,  # several buckets even for a tiny model
         "run.max_steps": STEPS, "run.out": out, "run.progress": False, "run.sample_tokens": 0, "run.eval_every": 0,
+        "run.save_final": False,
         "run.eval_batches": 1, "optim.warmup_steps": 2, "optim.lr": LR,
     }
     base.update(extra)

@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.util import atomic_write_json
 
 FORMAT = "pipezero-checkpoint/1"
@@ -43,6 +40,8 @@ class CheckpointError(RuntimeError):
 def cause(e: BaseException) -> str:
     """One line saying what went wrong: DCP's CheckpointException prints every rank's traceback;
     keep each failed rank's exception instead."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(e, CheckpointException):
         return "; ".join(f"rank {r}: {cause(exc)}" for r, (exc, _) in sorted(e.failures.items())) or "unknown"
     text = str(e).strip().splitlines()
@@ -67,6 +66,8 @@ class Team:
     def run(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run one checkpoint operation (a DCP call or a collective); any failure, a timeout or a
         dead peer included, becomes a CheckpointError naming this rank, the step and `what`."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             with warnings.catch_warnings():  # DCP warns that one process means no process group: intended
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -161,6 +162,8 @@ def _discard(path: Path) -> None:
 def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], keep: int, team: Team) -> Path:
     """Save `state` (a flat DCP state dict) as checkpoint `step` with `info` in its manifest, then
     keep only the newest `keep` checkpoints. Collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
     tmp, final = root / f".tmp-step-{step:08d}", step_dir(root, step)
     mine = team.rank != 0 or not (final.exists() or final.is_symlink()) or written_by(final, info.get("run"))
     if not team.share(mine, f"check of {final.name}"):  # every rank stops alike, before writing anything
@@ -291,6 +294,10 @@ def _agreed(path: Path, mine: str | None, team: Team) -> str | None:
 def problems(path: Path, team: Team) -> str | None:
     """Why checkpoint `path` must not be loaded, or None when every file matches its manifest; the
     same answer on every rank (collective), or a CheckpointError when ranks see different folders."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.safe_reader import SafeReader
+
     reason = _agreed(path, _local_problem(path), team)
     if reason is not None:
         return reason

@@ -31,11 +31,11 @@ from pipezero.models import StageChunk
 from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.flight import FlightRecord
-from pipezero.runtime.p2p import P2P, Kind
+from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import Compute, DataParallel, Instr, Kind as Instruction, OptimStep, PointToPoint
+from pipezero.schedules.program import Compute, DataParallel, Instr, Kind, OptimStep, PointToPoint
 from pipezero.telemetry.trace import Tracer
 
 
@@ -70,7 +70,7 @@ def reducing_backwards(program: Sequence[Instr]) -> set[int]:
     for i, ins in enumerate(program):
         if isinstance(ins, Compute):
             last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
-        elif isinstance(ins, DataParallel) and ins.kind is Instruction.REDUCE_GRAD and last and last[1] == ins.chunk:
+        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
             out.add(last[0])
     return out
 
@@ -125,18 +125,18 @@ class Executor:
 
     def _post(self, p: PointToPoint) -> None:
         chunk, grad, mb = p.transfer
-        kind = Kind.GRAD if grad else Kind.ACT
+        kind = Payload.GRAD if grad else Payload.ACT
         if p.send:
             self.p2p.send(kind, chunk, mb, self._outbox.pop(p.transfer))
         else:
             self.p2p.post_recv(kind, chunk, mb)
 
-    def _emit(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+    def _emit(self, kind: Payload, consumer: int, mb: int, tensor: torch.Tensor) -> None:
         """Hand an output over in memory (same rank), or hold it for the plan's send."""
         if self.p2p.rank_of_chunk[consumer] == self.p2p.rank:
             self.p2p.send(kind, consumer, mb, tensor)
         else:
-            self._outbox[(consumer, kind is Kind.GRAD, mb)] = tensor
+            self._outbox[(consumer, kind is Payload.GRAD, mb)] = tensor
 
     def run(self, program: Sequence[Instr], microbatches: Sequence[MicroBatch], denom: float) -> StepStats:
         """Play this rank's `program` up to its OPTIM_STEP on `microbatches` (every rank holds them
@@ -170,7 +170,7 @@ class Executor:
             a = ins.action
             if a.op is Op.F:
                 x = microbatches[a.mb][0] if a.chunk == 0 else \
-                    self.p2p.recv(Kind.ACT, a.chunk, a.mb).requires_grad_(True)
+                    self.p2p.recv(Payload.ACT, a.chunk, a.mb).requires_grad_(True)
                 with self._timed(a):
                     live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), a.chunk in split)
                     if a.chunk == self.last:
@@ -184,7 +184,7 @@ class Executor:
                 with self._timed(a):
                     self._run_w(a, live.pop((a.chunk, a.mb)))
             else:
-                grad = None if a.chunk == self.last else self.p2p.recv(Kind.GRAD, a.chunk, a.mb)
+                grad = None if a.chunk == self.last else self.p2p.recv(Payload.GRAD, a.chunk, a.mb)
                 st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
                 with self._timed(a):
                     self._run_b(a, st, grad)
@@ -213,7 +213,7 @@ class Executor:
         else:
             y = self._forward(chunk, x, docs)
         if a.chunk != self.last:
-            self._emit(Kind.ACT, a.chunk + 1, a.mb, y)
+            self._emit(Payload.ACT, a.chunk + 1, a.mb, y)
         return _Live(x, y, records=records)
 
     def _run_b(self, a: Action, st: _Live, grad: torch.Tensor | None) -> None:
@@ -231,7 +231,7 @@ class Executor:
             st.grad = grad
             gx = torch.autograd.grad(st.out, [st.inp], grad, retain_graph=True)[0] if a.chunk > 0 else None
         if gx is not None:
-            self._emit(Kind.GRAD, a.chunk - 1, a.mb, gx)
+            self._emit(Payload.GRAD, a.chunk - 1, a.mb, gx)
 
     def _run_w(self, a: Action, st: _Live) -> None:
         if st.stash is not None:
@@ -254,11 +254,11 @@ class Executor:
             tokens, targets, *rest = (t.to(self.device) for t in batch)
             for c in sorted(self.chunks):
                 self.hooks.before_forward(c)
-                x = tokens if c == 0 else self.p2p.recv(Kind.EVAL, c, mb)
+                x = tokens if c == 0 else self.p2p.recv(Payload.EVAL, c, mb)
                 y = self._forward(self.chunks[c], x, rest[0] if rest else None)
                 if c == self.last:
                     total += self.chunks[c].spec.loss(y, targets, 1.0).double()
                 else:
-                    self.p2p.send(Kind.EVAL, c + 1, mb, y)
+                    self.p2p.send(Payload.EVAL, c + 1, mb, y)
         self.p2p.finish()
         return float(total)

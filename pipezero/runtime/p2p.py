@@ -24,10 +24,12 @@ from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
 from pipezero.runtime.flight import FlightRecord
 from pipezero.telemetry.trace import Tracer
 
-__all__ = ["P2P", "Kind", "PipelineTimeout"]
+__all__ = ["P2P", "Payload", "PipelineTimeout"]
 
 
-class Kind(enum.IntEnum):
+class Payload(enum.IntEnum):
+    """What a point-to-point transfer carries (a tag in its key, beside the chunk and micro-batch)."""
+
     ACT = 0  # activation into chunk c from chunk c-1
     GRAD = 1  # gradient into chunk c from chunk c+1
     EVAL = 2  # forward-only activation during evaluation
@@ -53,15 +55,15 @@ class P2P:
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str, dict[str, Any]]] = field(default_factory=list)
 
-    def _source(self, kind: Kind, chunk: int) -> int:
-        return self.rank_of_chunk[chunk + 1 if kind is Kind.GRAD else chunk - 1]
+    def _source(self, kind: Payload, chunk: int) -> int:
+        return self.rank_of_chunk[chunk + 1 if kind is Payload.GRAD else chunk - 1]
 
-    def describe(self, kind: Kind, chunk: int, mb: int) -> str:
-        what = "gradient" if kind is Kind.GRAD else "activation"
+    def describe(self, kind: Payload, chunk: int, mb: int) -> str:
+        what = "gradient" if kind is Payload.GRAD else "activation"
         return (f"rank {self.rank}, step {self.tracer.step}: chunk {chunk} waiting for {what} of micro-batch {mb} "
                 f"from rank {self._source(kind, chunk)}")
 
-    def post_recv(self, kind: Kind, chunk: int, mb: int) -> None:
+    def post_recv(self, kind: Payload, chunk: int, mb: int) -> None:
         key = (int(kind), chunk, mb)
         src = self._source(kind, chunk)
         if key in self._recvs or key in self._local or src == self.rank:
@@ -70,17 +72,17 @@ class P2P:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._recvs[key] = (dist.irecv(buf, src=src), buf)
 
-    def recv(self, kind: Kind, chunk: int, mb: int) -> torch.Tensor:
+    def recv(self, kind: Payload, chunk: int, mb: int) -> torch.Tensor:
         key = (int(kind), chunk, mb)
         if key in self._local:
             return self._local.pop(key)
         self.post_recv(kind, chunk, mb)
         work, buf = self._recvs.pop(key)
         self._wait(work, self.describe(kind, chunk, mb),
-                   {"op": "RECV", "peer": self._source(kind, chunk), "transfer": [chunk, kind is Kind.GRAD, mb]})
+                   {"op": "RECV", "peer": self._source(kind, chunk), "transfer": [chunk, kind is Payload.GRAD, mb]})
         return buf if buf.dtype == self.boundary else buf.to(self.boundary)
 
-    def send(self, kind: Kind, consumer: int, mb: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: Payload, consumer: int, mb: int, tensor: torch.Tensor) -> None:
         """Send to the rank holding `consumer` (the chunk that will receive it)."""
         dst = self.rank_of_chunk[consumer]
         if dst == self.rank:  # handed over in memory: nothing travels, nothing is rounded
@@ -91,10 +93,10 @@ class P2P:
         nbytes = payload.numel() * payload.element_size()
         self.bytes_sent += nbytes
         self.flight.posted(dst, nbytes)
-        what = "gradient" if kind is Kind.GRAD else "activation"
+        what = "gradient" if kind is Payload.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.tracer.step}: sending {what} of micro-batch {mb} "
                                   f"for chunk {consumer} to rank {dst}",
-                            {"op": "SEND", "peer": dst, "transfer": [consumer, kind is Kind.GRAD, mb]}))
+                            {"op": "SEND", "peer": dst, "transfer": [consumer, kind is Payload.GRAD, mb]}))
 
     def finish(self) -> None:
         """Wait for every send of the step, so buffers can be reused and a dead peer is noticed."""

@@ -31,15 +31,15 @@ class Action:
     __repr__ = __str__
 
 
-class Placement(str, enum.Enum):
+class ChunkPlacement(str, enum.Enum):
     """How stage chunks map to ranks (P ranks, V chunks each)."""
 
     LOOP = "loop"  # rank r holds r, r+P, r+2P, ... (one chunk a rank when V=1)
     V_SHAPE = "v"  # V=2: rank r holds r and 2P-1-r, so the last chunk sits beside the first
 
 
-def chunks_of_rank(placement: Placement, pp: int, virtual: int, rank: int) -> tuple[int, ...]:
-    if placement is Placement.V_SHAPE:
+def chunks_of_rank(placement: ChunkPlacement, pp: int, virtual: int, rank: int) -> tuple[int, ...]:
+    if placement is ChunkPlacement.V_SHAPE:
         if virtual != 2:
             raise ValueError("the V-shape placement holds exactly two chunks a rank")
         return (rank, 2 * pp - 1 - rank)
@@ -52,7 +52,7 @@ class Schedule:
     pp: int
     microbatches: int
     virtual: int
-    placement: Placement
+    placement: ChunkPlacement
     actions: tuple[tuple[Action, ...], ...]  # actions[rank] in execution order
 
     @property

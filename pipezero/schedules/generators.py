@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from pipezero.schedules.actions import Action, Op, Placement, Schedule, chunks_of_rank
+from pipezero.schedules.actions import Action, Op, ChunkPlacement, Schedule, chunks_of_rank
 
 
 class RankOrder:
@@ -57,7 +57,7 @@ class RankOrder:
             self.w()
 
 
-def _build(name: str, pp: int, m: int, v: int, placement: Placement,
+def _build(name: str, pp: int, m: int, v: int, placement: ChunkPlacement,
            rank_fn: Callable[[RankOrder, int, tuple[int, ...]], None]) -> Schedule:
     ranks = []
     for r in range(pp):
@@ -75,7 +75,7 @@ def gpipe(pp: int, m: int, v: int = 1) -> Schedule:
             o.f(chunks[0])
         for _ in range(m):
             o.bw(chunks[0])
-    return _build("gpipe", pp, m, 1, Placement.LOOP, rank)
+    return _build("gpipe", pp, m, 1, ChunkPlacement.LOOP, rank)
 
 
 def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
@@ -89,7 +89,7 @@ def one_f_one_b(pp: int, m: int, v: int = 1) -> Schedule:
             o.bw(chunks[0])
         for _ in range(warmup):
             o.bw(chunks[0])
-    return _build("1f1b", pp, m, 1, Placement.LOOP, rank)
+    return _build("1f1b", pp, m, 1, ChunkPlacement.LOOP, rank)
 
 
 def rounds(pp: int, microbatches: int) -> tuple[int, ...]:
@@ -133,7 +133,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
             seq += [Action(fwd[warmup + i][0], Op.F, fwd[warmup + i][1]), Action(bwd[i][0], Op.BW, bwd[i][1])]
         seq += [Action(c, Op.BW, mb) for c, mb in bwd[total - warmup:]]
         o.actions.extend(seq)
-    return _build("interleaved-1f1b", pp, m, v, Placement.LOOP, rank)
+    return _build("interleaved-1f1b", pp, m, v, ChunkPlacement.LOOP, rank)
 
 
 def looped_bfs(pp: int, m: int, v: int) -> Schedule:
@@ -146,7 +146,7 @@ def looped_bfs(pp: int, m: int, v: int) -> Schedule:
         for c in reversed(chunks):
             for _ in range(m):
                 o.bw(c)
-    return _build("looped-bfs", pp, m, v, Placement.LOOP, rank)
+    return _build("looped-bfs", pp, m, v, ChunkPlacement.LOOP, rank)
 
 
 def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
@@ -166,7 +166,7 @@ def zb_h1(pp: int, m: int, v: int = 1) -> Schedule:
         for _ in range(warmup):
             o.b(c)
             o.w()
-    return _build("zb-h1", pp, m, 1, Placement.LOOP, rank)
+    return _build("zb-h1", pp, m, 1, ChunkPlacement.LOOP, rank)
 
 
 def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
@@ -201,7 +201,7 @@ def zb_h2(pp: int, m: int, v: int = 1) -> Schedule:
                 continue
             left -= 1
         t += 1
-    return Schedule("zb-h2", pp, m, 1, Placement.LOOP, tuple(tuple(o.actions) for o in orders))
+    return Schedule("zb-h2", pp, m, 1, ChunkPlacement.LOOP, tuple(tuple(o.actions) for o in orders))
 
 
 def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
@@ -233,7 +233,7 @@ def zb_v(pp: int, m: int, v: int = 2) -> Schedule:
         for _ in range(pp - r):
             o.b(down)
             o.w()
-    return _build("zb-v", pp, m, 2, Placement.V_SHAPE, rank)
+    return _build("zb-v", pp, m, 2, ChunkPlacement.V_SHAPE, rank)
 
 
 def dualpipe_v(pp: int, m: int, v: int = 2) -> Schedule:
@@ -272,4 +272,4 @@ def dualpipe_v(pp: int, m: int, v: int = 2) -> Schedule:
             o.w()
             o.b(down) if split else o.bw(down)
         # 8: the deferred Ws (drained by _build)
-    return _build("dualpipe-v", pp, m, 2, Placement.V_SHAPE, rank)
+    return _build("dualpipe-v", pp, m, 2, ChunkPlacement.V_SHAPE, rank)

@@ -13,7 +13,7 @@ Placement rules (D = data-parallel ranks):
 - REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
   (`last_weight_grad`); with `microbatch` at ZeRO >= 2 after every W or BW of the chunk (B
-  produces no weight gradient; `Rules.reduces_every_backward` in zero/stages.py). The runtime
+  produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). The runtime
   launches BW's buckets as autograd fills them, during the backward; here they start when it ends
   (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
   earlier collective) after each backward in `microbatch` mode, after the chunk's final backward
@@ -42,6 +42,7 @@ rank first (zero/tied.py); every replica does so in the same order, so the dp gr
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce
@@ -49,6 +50,7 @@ from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.posting import Transfer, plans
+from pipezero.schedules.zero_rules import RULES, Rules
 
 
 class Kind(str, enum.Enum):
@@ -150,6 +152,10 @@ class Program:
     buckets: BucketPlan
     ranks: tuple[tuple[Instr, ...], ...]
 
+    @property
+    def rules(self) -> Rules:
+        return RULES[self.zero]
+
     def global_rank(self, pp_rank: int, dp_rank: int) -> int:
         return pp_rank * self.dp + dp_rank
 
@@ -159,6 +165,23 @@ class Program:
 
     def listing(self, rank: int) -> str:
         return " ".join(str(i) for i in self.ranks[rank])
+
+
+def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
+    """The data-parallel collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
+    `REDUCE_GRAD(c.k)`): what the runtime must start, in the same order (zero/coordinator.py's
+    `issued`). A kept-gathered chunk's UNSHARD gathers its buckets in their order. A layer-by-layer
+    UNSHARD stands for per-layer gathers the runtime places inside the compute (zero/layerwise.py),
+    which this program does not list: refused here rather than matched loosely."""
+    out: list[str] = []
+    for i in instrs:
+        if not isinstance(i, DataParallel) or i.kind is Kind.RESHARD:
+            continue
+        if i.layerwise:
+            raise ValueError(f"{i}: a layer-by-layer gather is placed by the runtime, not listed by the program")
+        ks = range(len(bp.buckets(i.chunk))) if i.bucket is None else [i.bucket]
+        out.extend(f"{i.kind.value}({i.chunk}.{k})" for k in ks)
+    return out
 
 
 def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
@@ -175,23 +198,23 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). `sim`: the schedule's simulation if already played (the posting
     order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
-    if zero not in (0, 1, 2, 3):
+    if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
     posts = plans(s, sim)
-    ranks = [_rank_program(s, p, d, dp, zero, grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
+    ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
-def _rank_program(s: Schedule, p: int, d: int, dp: int, zero: int, mode: GradReduce, bp: BucketPlan,
+def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
                   keep: bool, prefetch: bool, wire: int, posts: list) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
-    layerwise = zero == 3 and not keep
+    layerwise = rules.sharded_params and not keep
     out: list[Instr] = []
 
     def p2p(boundary: list) -> None:
@@ -206,34 +229,35 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, zero: int, mode: GradRed
         uses_weights = a.op is not Op.W or a.chunk == 0
         if layerwise and uses_weights:
             out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
-        elif zero == 3 and not layerwise and a.chunk not in gathered:
+        elif rules.sharded_params and not layerwise and a.chunk not in gathered:
             gathered.add(a.chunk)
             out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
         ahead = acts[i + 1].chunk if i + 1 < len(acts) else None
-        if prefetch and zero == 3 and not layerwise and ahead not in gathered and first.get(ahead) == i + 1:
+        if prefetch and rules.sharded_params and not layerwise and ahead not in gathered and first.get(ahead) == i + 1:
             gathered.add(ahead)  # the next action's chunk, gathered while this one computes
             out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
         out.append(Compute(a))
         if layerwise and uses_weights:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
         is_final = final.get(a.chunk) == i
-        per_mb = zero >= 2 and mode is GradReduce.MICROBATCH
+        per_mb = rules.reduces_every_backward(mode)
         if a.op in (Op.W, Op.BW) and (is_final or per_mb):
-            out.extend(_reductions(a.chunk, bp, zero, wire, drain=per_mb or (zero == 3 and is_final)))
-        if zero == 3 and not layerwise and is_final:
+            out.extend(_reductions(a.chunk, bp, rules, wire, drain=per_mb or (rules.sharded_params and is_final)))
+        if rules.sharded_params and not layerwise and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
     out.append(OptimStep())
-    if zero in (1, 2):
-        for c in s.chunks(p):
-            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, n * 4, True)
-                       for k, n in enumerate(bp.buckets(c)))
+    if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
+        for c in sorted(s.chunks(p)):
+            sizes = bp.buckets(c)
+            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, sizes[k] * 4, True)
+                       for k in reversed(range(len(sizes))))
     return tuple(out)
 
 
-def _reductions(chunk: int, bp: BucketPlan, zero: int, wire: int, drain: bool) -> list[DataParallel]:
+def _reductions(chunk: int, bp: BucketPlan, rules: Rules, wire: int, drain: bool) -> list[DataParallel]:
     """One REDUCE_GRAD a bucket of `chunk` in backward order; with `drain` the last one blocks."""
-    coll = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
     sizes = bp.buckets(chunk)
     return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, n * wire, drain and k == len(sizes) - 1)
             for k, n in enumerate(sizes)]

@@ -131,7 +131,7 @@ def check_placement(prog: Program, rank: int) -> None:
             continue
         c = i.action.chunk
         stashed = layerwise and i.kind is Kind.W and c > 0  # W from B's (x, dy) stash needs no weights
-        if prog.zero == 3 and c not in gathered and not stashed:
+        if prog.rules.sharded_params and c not in gathered and not stashed:
             raise ScheduleError(f"rank {rank}: {i} (#{k}) runs on chunk {c}'s shard: no UNSHARD before it")
         if i.kind in (Kind.W, Kind.BW):
             stale = [b for (ch, b), at in last_reduce.items() if ch == c and at < k]

@@ -37,6 +37,7 @@ from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
 from pipezero.zero.accounting import paper_bytes_per_param
+from pipezero.schedules.zero_rules import RULES
 
 GIB = 2**30
 
@@ -83,8 +84,9 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
             max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
     psi = per_stage_layers * block_params(model) + ends
     states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
-    per_microbatch = lay.grad_reduce is GradReduce.MICROBATCH and lay.zero >= 2 and lay.microbatches > 1
-    if lay.zero >= 2 and lay.microbatches > 1 and not per_microbatch:
+    sharded_grads = RULES[lay.zero].sharded_grads
+    per_microbatch = RULES[lay.zero].reduces_every_backward(lay.grad_reduce) and lay.microbatches > 1
+    if sharded_grads and lay.microbatches > 1 and not per_microbatch:
         states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
     per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
     # the bubble and memory without fixed costs (the same cached simulation as below when there are none)
@@ -164,7 +166,7 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                     for zero in (0, 1, 2, 3):
                         if dp == 1 and zero:
                             continue
-                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if zero >= 2 and m > 1 else [GradReduce.STEP]
+                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if RULES[zero].sharded_grads and m > 1 else [GradReduce.STEP]
                         for recompute in (False, True):
                             out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place, hier)
                                        for mode in modes for place in places for hier in two_level[place])

@@ -20,6 +20,7 @@ from pipezero.schedules.check import CostModel
 from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
+from pipezero.schedules.zero_rules import RULES
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class ZeroOptions:
     prefetch: bool  # ZeRO-3 kept gathered: gather one action ahead (a what-if; the runtime does not)
     wire_bytes: int  # 2 with bf16 communication, else 4
     optim: float  # the optimizer update's compute time
+
+    @property
+    def sharded_params(self) -> bool:
+        return RULES[self.zero].sharded_params
+
+    @property
+    def zero3_layerwise(self) -> bool:
+        """ZeRO-3 gathers layer by layer (the flag means nothing below stage 3)."""
+        return self.sharded_params and self.layerwise
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
@@ -64,7 +74,7 @@ def traffic(prog: Program, rank: int) -> int:
 def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program, ProgramResult, dict]:
     """Lower, prove and time `s` under `opt`; the JSON-ready figures beside the program and its play."""
     layers = chunk_layers(opt.preset, s.n_chunks)
-    buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero == 3 and opt.layerwise)
+    buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero3_layerwise)
     prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
                  prefetch=opt.prefetch, wire_bytes=opt.wire_bytes)
     check_program(prog)
@@ -76,7 +86,7 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
               for k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)}
     counts[Kind.OPTIM_STEP.value] = sum(1 for i in prog.ranks[0] if isinstance(i, OptimStep))
     figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,
-               "zero3_layerwise": opt.zero == 3 and opt.layerwise, "zero3_prefetch": opt.zero == 3 and opt.prefetch,
+               "zero3_layerwise": opt.zero3_layerwise, "zero3_prefetch": opt.sharded_params and opt.prefetch,
                "buckets_per_chunk":
                [len(b) for b in buckets.numels], "dp_comm": opt.dp_comm,
                "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,

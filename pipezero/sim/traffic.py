@@ -1,5 +1,5 @@
 """What a layout's data-parallel collectives cost on a cluster, as the code moves them
-(zero/stages.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce and an all-gather of
+(schedules/zero_rules.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce and an all-gather of
 the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 gathers of the parameters
 (once a step when P > 1, for every forward and backward when P = 1) and a reduce-scatter.
 Reductions run during the last backward of the step, bucket by bucket; the updated weights' gathers
@@ -24,6 +24,7 @@ from pipezero.parallel.hierarchical import split_by_node
 from pipezero.parallel.mesh import Mesh
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.overlap import gather_before, reduce_during
+from pipezero.schedules.zero_rules import RULES
 
 
 def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
@@ -66,7 +67,7 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
 
 def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[float, float, float]:
     """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
-    data-parallel collectives, placed as the runtime places them (zero/stages.py): gradients
+    data-parallel collectives, placed as the runtime places them (schedules/zero_rules.py): gradients
     reduced during a chunk's last backward of the step (every backward with grad-reduce
     `microbatch`), ZeRO-1/2's updated weights gathered ahead of the next step's first forward,
     ZeRO-3's parameters gathered once a step and kept when P > 1, layer by layer for every forward
@@ -83,16 +84,17 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
         # inside a node of a host whose cores all compute, a collective is the CPU copying bytes
         # (loopback): it takes the cores from compute for as long as it runs, so none of it hides
         forward = backward = 0.0
-    every = lay.zero >= 2 and lay.grad_reduce is GradReduce.MICROBATCH and m > 1
+    rules = RULES[lay.zero]
+    every = rules.reduces_every_backward(lay.grad_reduce) and m > 1
     reductions = m if every else 1
-    if lay.zero < 2:
-        counts = {"all_reduce": 1, "all_gather": lay.zero}
+    if not rules.sharded_grads:
+        counts = {"all_reduce": 1, "all_gather": int(rules.gathers_updates)}
         last = reduce_during(took["all_reduce"], backward, k)
-        exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if lay.zero else 0.0)
+        exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if rules.gathers_updates else 0.0)
     else:
         bound = 1  # train's default --buckets-in-flight
         early = (m - 1) * reduce_during(took["reduce_scatter"], backward, k, bound).stall_s if every else 0.0
-        if lay.zero == 2:
+        if not rules.sharded_params:
             counts = {"reduce_scatter": reductions, "all_gather": 1}
             last = reduce_during(took["reduce_scatter"], backward, k, bound)
             exposed = last.exposed_s + early + gather_before(took["all_gather"], forward, k)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pipezero.config import DType, GradReduce
 from pipezero.zero.buckets import Bucket
-from pipezero.zero.stages import Rules
+from pipezero.schedules.zero_rules import Rules
 
 
 def paper_bytes_per_param(stage: int, dp: int, mixed: bool) -> float:

@@ -24,7 +24,7 @@ from pipezero.parallel.waits import wait_or_raise
 from pipezero.runtime.flight import FlightRecord
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.buckets import Bucket, Gathering, Reduction
-from pipezero.zero.stages import Rules
+from pipezero.schedules.zero_rules import Rules
 
 
 @dataclass
@@ -42,6 +42,13 @@ class Coordinator:
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
     flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
+    # The collectives started since the step began, named as the program names them (`REDUCE_GRAD(1.0)`,
+    # `UNSHARD(0.2)`), in the order they were started: what tests/test_program_played.py holds against
+    # the lowered program. One string a bucket a step, cleared by `new_step`.
+    issued: list[str] = field(default_factory=list)
+
+    def new_step(self) -> None:
+        self.issued.clear()
 
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
@@ -60,6 +67,7 @@ class Coordinator:
             b.grad = torch.zeros(b.padded, device=b.device)
         if b.reduction is not None:
             raise RuntimeError(f"rank {self.rank}: bucket {b.names[0]}... reduced twice in one backward")
+        self.issued.append(f"REDUCE_GRAD({b.label})")
         self.reducing.append(b)
         if self.group is None:
             b.reduction = Reduction(None, b.grad[b.shard] if sharded else None)
@@ -107,6 +115,7 @@ class Coordinator:
         gathers in `comm_dtype`: only for ZeRO-3's compute copies, whose every element (this
         rank's too) is then rounded alike, while the fp32 master shard stays exact."""
         b.restore()
+        self.issued.append(f"UNSHARD({b.label})")
         if self.group is None:
             b.flat.copy_(shard)
             return

@@ -4,7 +4,7 @@ The lowered program (schedules/program.py) says where each collective goes: UNSH
 ZeRO-3's parameters, one REDUCE_GRAD a bucket after the backward that completes its gradients, and
 which of them the rank waits on. The executor hands each instruction to `play`; around compute it
 also says when a backward starts (and whether reductions follow it) and ends. What each stage keeps
-and moves is zero/stages.py, the collectives themselves zero/coordinator.py, ZeRO-3's parameters
+and moves is schedules/zero_rules.py, the collectives themselves zero/coordinator.py, ZeRO-3's parameters
 zero/gathering.py, the update zero/update.py; the state lives on the buckets (zero/buckets.py).
 
 - Reductions: in a backward that the program follows with REDUCE_GRADs (a chunk's last of the step,
@@ -38,7 +38,7 @@ from pipezero.zero.buckets import Bucket, FlatSource, in_order, make_buckets
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.layerwise import layer_buckets
-from pipezero.zero.stages import RULES, Rules
+from pipezero.schedules.zero_rules import RULES, Rules
 from pipezero.zero.tied import TiedCopies
 from pipezero.zero.update import clip_and_update
 
@@ -121,6 +121,7 @@ class ZeroDP:
 
     # --- executor hooks ----------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.comm.new_step()
         for b in self.all_buckets():
             if b.grad is not None:
                 b.grad.zero_()

@@ -2,7 +2,7 @@
 
 Every stage updates the same slices the same way (zero/adamw.py is fused AdamW element for element),
 which is why any layout trains the model one process trains. What differs is where a stage finds
-its shard of parameters and gradient (zero/stages.py): stage 0 updates whole buckets, stage 1 the
+its shard of parameters and gradient (schedules/zero_rules.py): stage 0 updates whole buckets, stage 1 the
 shard of its full gradient, stages 2-3 their reduced gradient shard, stage 3 into its master shard.
 """
 
@@ -19,7 +19,7 @@ from pipezero.nonfinite import StepOutcome
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket
 from pipezero.zero.coordinator import Coordinator
-from pipezero.zero.stages import Rules
+from pipezero.schedules.zero_rules import Rules
 
 
 def shards(buckets: list[Bucket], rules: Rules, head: nn.Parameter | None) -> tuple[

@@ -1,0 +1,87 @@
+"""The runtime starts the data-parallel collectives its lowered program lists, in the program's order.
+
+Each rank records the collectives it starts (zero/coordinator.py `issued`: one name a bucket, as
+the program names it) and, after one step, holds them against `started_collectives` of its own
+program. Point-to-point transfers need no such record: the executor posts them by playing the
+program's SEND and RECV instructions in order (runtime/executor.py `run`).
+
+Covered: every schedule with ZeRO 0-3 at P=2 D=2, the stages that move the most at P=4 D=1 and P=1
+D=4, both placements, `--hierarchical` and per-micro-batch reductions. Not covered, because the
+runtime still places them itself (issue 28 item 2): layer-by-layer ZeRO-3 gathers (inside the
+compute, one layer ahead) and the buckets of a tied embedding split across pipeline ranks (reduced
+in the optimizer step, after the two copies are summed).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipezero.config import ScheduleKind as K
+from ranks import run_ranks
+from training import V_OF
+
+
+def cases() -> list[dict]:
+    out = []
+    for kind in K:
+        for zero in (0, 1, 2, 3):
+            out.append({"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": zero})
+    out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.grad_reduce": "microbatch"}
+            for z in (2, 3)]
+    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
+            for z in (1, 3)]
+    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": True}]
+    two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z} for z in (0, 3)]
+    out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
+    out += [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)]
+    return out
+
+
+def played(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[tuple[list[str], list[str]]]:
+    """(started, listed) for each case on this rank: the collectives the runtime started in the step,
+    and those its program lists."""
+    import pipezero.engine as engine
+    from pipezero.schedules.program import started_collectives
+    from pipezero.settings import build_config
+    from pipezero.stage import built_buckets
+    from pipezero.zero.sharded import ZeroDP
+    from training import tiny_overrides
+
+    seen: dict = {}
+    build, step = engine.build_stage, ZeroDP.step
+
+    def keep_stage(*args, **kwargs):
+        seen["stage"] = stage = build(*args, **kwargs)
+        return stage
+
+    def keep_started(self, *args, **kwargs):
+        outcome = step(self, *args, **kwargs)
+        seen["started"] = list(self.comm.issued)  # before evaluation gathers anything
+        return outcome
+
+    engine.build_stage, ZeroDP.step = keep_stage, keep_started
+    results = []
+    for i, case in enumerate(cases):
+        overrides = tiny_overrides(data, f"{out}/case{i}", **case)
+        overrides.update({"run.max_steps": 1, "parallel.zero3_keep_gathered": True, "run.eval_batches": 1})
+        engine.train(build_config(None, overrides))
+        stage = seen["stage"]
+        results.append((seen["started"], started_collectives(stage.program, built_buckets(stage.zero,
+                                                                                           stage.schedule.n_chunks))))
+    return results
+
+
+@pytest.mark.distributed
+def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_path):
+    todo = cases()
+    assert {c["kind"] for c in todo} == set(K) and V_OF
+    per_rank = run_ranks(played, 4, str(text_dir), str(tmp_path), todo, timeout=600)
+    for rank, results in enumerate(per_rank):
+        for case, (started, listed) in zip(todo, results):
+            assert started == listed, f"rank {rank}, {case}: started {started}, the program lists {listed}"
+    # the comparison has something to compare: reductions everywhere, gathers at ZeRO-1-3 with D > 1
+    assert all(any(s.startswith("REDUCE_GRAD") for s in started) for started, _ in per_rank[0])
+    assert all(any(s.startswith("UNSHARD") for s in started) for c, (started, _) in zip(todo, per_rank[0])
+               if c["parallel.zero"] and c["dp"] > 1)
