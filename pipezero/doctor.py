@@ -246,8 +246,13 @@ def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s:
     ins = str(prog.ranks[ranks.slot(culprit)][j])
     waiting = {w: _awaited_text(records[w]) for w in records if w in holds}
     stage = ranks.coords(culprit)[0]
+    began = min(records[w]["written"] - records[w]["waited_s"] for w in holds)  # the first of these waits
     if culprit not in records:
         how = "gave no record (stopped or dead)"
+    elif records[culprit]["written"] < began:
+        rec = records[culprit]
+        how = (f"has not answered since before the others began to wait (its last record: step {rec['step']}, "
+               f"instruction {rec['index']} {rec['instr']}): stopped or dead")
     else:
         rec = records[culprit]
         how = f"is at instruction {rec['index']} {rec['instr']}" + (

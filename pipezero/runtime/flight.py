@@ -20,11 +20,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-Finished = tuple[int, int, str, float, float]  # (step, index, instruction, start, end), wall-clock
+Finished = tuple[int, int, Any, float, float]  # (step, index, instruction, start, end), wall-clock
 
 
 def describe(ins: Any) -> tuple[str, int, int, int]:
-    """(kind, chunk, micro-batch, peer) of a program instruction (schedules/program.py); -1: none."""
+    """(kind, chunk, micro-batch, peer) of a program instruction (schedules/program.py), or of the
+    text naming where a rank is outside its program; -1: none."""
+    if isinstance(ins, str):
+        return "", -1, -1, -1
     kind = ins.kind.value
     if hasattr(ins, "action"):  # Compute
         return kind, ins.action.chunk, ins.action.mb, -1
@@ -42,8 +45,9 @@ class FlightRecord:
         self.rank, self.stage = rank, stage
         self._step_of = step_of  # the tracer (its `step` is the run's one step counter), or None
         self.index = -1  # instruction under way; -1: outside the program (evaluation, checkpoint, start)
-        self.instr = "start"  # its text, as the program prints it (`1F3`, `SEND(act 1:3 to 2)`)
-        self.kind, self.chunk, self.mb, self.peer = "", -1, -1, -1
+        # The instruction itself (or the text naming where the rank is outside its program): kept by
+        # reference, turned into text and fields only when a record is written.
+        self.ins: Any = "start"
         self.nbytes = 0  # bytes this instruction put on the wire so far
         self.started = time.time()
         self.awaited: dict[str, Any] | None = None  # what the rank blocks on now (see `awaiting`)
@@ -59,14 +63,18 @@ class FlightRecord:
         self._n = 0  # instructions finished so far (the ring's write position is _n % keep)
 
     @property
+    def instr(self) -> str:
+        """The instruction under way as the program prints it (`1F3`, `SEND(act 1:3 to 2)`)."""
+        return str(self.ins)
+
+    @property
     def step(self) -> int:
         return int(getattr(self._step_of, "step", 0))
 
     def begin(self, index: int, ins: Any) -> None:
         """Instruction `index` of the program starts (the previous one, if any, is finished)."""
         self.finish()
-        self.index, self.instr = index, str(ins)
-        self.kind, self.chunk, self.mb, self.peer = describe(ins)
+        self.index, self.ins = index, ins
         self.nbytes, self.started = 0, time.time()
         if index == 0:
             self.sent, self.unposted = {}, -1
@@ -74,15 +82,15 @@ class FlightRecord:
     def outside(self, what: str) -> None:
         """The rank leaves its program for `what` (evaluation, a checkpoint, the end of the run)."""
         self.finish()
-        self.index, self.instr, self.kind, self.chunk, self.mb, self.peer = -1, what, "", -1, -1, -1
+        self.index, self.ins = -1, what
         self.started = time.time()
 
     def finish(self) -> None:
         if self.index < 0:
             return
-        if self.kind == "SEND" and self.nbytes == 0 and self.unposted < 0:
+        if self.nbytes == 0 and self.unposted < 0 and getattr(self.ins, "send", False):
             self.unposted = self.index
-        self._ring[self._n % len(self._ring)] = (self.step, self.index, self.instr, self.started, time.time())
+        self._ring[self._n % len(self._ring)] = (self.step, self.index, self.ins, self.started, time.time())
         self._n += 1
         self.index = -1
 
@@ -125,13 +133,14 @@ class FlightRecord:
     def snapshot(self, state: str) -> dict[str, Any]:
         """The record as JSON-ready data; `state`: why it is written (stalled, failed, asked, ...)."""
         now = time.time()
+        kind, chunk, mb, peer = describe(self.ins)
         return {"rank": self.rank, "stage": self.stage, "state": state, "step": self.step, "written": now,
-                "index": self.index, "instr": self.instr, "kind": self.kind, "chunk": self.chunk, "mb": self.mb,
-                "peer": self.peer, "nbytes": self.nbytes, "started": self.started,
+                "index": self.index, "instr": self.instr, "kind": kind, "chunk": chunk, "mb": mb,
+                "peer": peer, "nbytes": self.nbytes, "started": self.started,
                 "awaited": dict(self.awaited) if self.awaited else None,
                 "waited_s": now - self.awaited_since if self.awaited else 0.0, "failure": self.failure,
                 "sent": {str(k): v for k, v in self.sent.items()}, "unposted": self.unposted,
-                "recent": [list(e) for e in self.recent()]}
+                "recent": [[step, i, str(ins), t0, t1] for step, i, ins, t0, t1 in self.recent()]}
 
     def waits(self) -> dict[str, Any]:
         """Seconds blocked, for the straggler figures in summary.json (doctor.stragglers)."""
