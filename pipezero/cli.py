@@ -50,6 +50,15 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                                           "bucket each; default 1)"),
     "--hierarchical": ("parallel.hierarchical", "reduce gradients in two levels, inside each node first, then "
                                                 "across nodes (CPU ranks; pays where a slow link joins the nodes)"),
+    "--quantize-weights": ("parallel.quantize_weights", "ZeRO-1/2/3: gathers of parameters travel as int8 with one "
+                                                        "fp32 scale a block (~1/4 of fp32's bytes); master "
+                                                        "weights stay fp32"),
+    "--quantize-grads": ("parallel.quantize_grads", "gradient reductions travel blockwise-quantized, summed in fp32 "
+                                                    "(~1/4 or ~1/8 of fp32's bytes)"),
+    "--secondary-shard": ("parallel.secondary_shard", "ZeRO-3 layer by layer: node keeps each bucket split over its "
+                                                      "ranks after the step's first gather, so later gathers stay "
+                                                      "inside the node (4/N bytes a parameter)"),
+    "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
     "--stall-report": ("parallel.stall_report_s", "seconds a wait may take before every rank writes where it is "

@@ -49,6 +49,22 @@ class GradReduce(str, enum.Enum):
     MICROBATCH = "microbatch"  # reduce-scatter every micro-batch's gradients as they appear
 
 
+class WeightQuant(str, enum.Enum):
+    NONE = "none"
+    INT8 = "int8"  # one signed byte an element, one fp32 scale a block
+
+
+class GradQuant(str, enum.Enum):
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"  # two elements a byte
+
+
+class SecondaryShard(str, enum.Enum):
+    NONE = "none"
+    NODE = "node"  # ZeRO-3: a copy of the parameters split over each node's ranks (ZeRO++'s hpZ)
+
+
 class Placement(str, enum.Enum):
     """Which neighbouring global ranks (those of one node) share: a stage or a pipeline."""
 
@@ -178,6 +194,21 @@ class ParallelConfig:
     gloo only: it pays where a slow link joins the nodes)."""
     ranks_per_node: int | None = None
     """Ranks a node for `hierarchical`; None = torchrun's LOCAL_WORLD_SIZE."""
+    quantize_weights: WeightQuant = WeightQuant.NONE
+    """ZeRO-3's parameter gathers and ZeRO-1/2's gathers of updated weights travel as int8 codes with
+    one fp32 scale a `quant_block` elements (zero/quantize.py), about 1/4 of fp32's bytes; the fp32
+    master shards are never quantized."""
+    quantize_grads: GradQuant = GradQuant.NONE
+    """Gradient reductions travel blockwise-quantized (int8 or int4) and are summed in fp32 on arrival:
+    a reduce-scatter becomes an exchange of quantized slices (two-level with `hierarchical`), an
+    all-reduce (ZeRO-0/1) that exchange followed by a quantized gather of the sums."""
+    secondary_shard: SecondaryShard = SecondaryShard.NONE
+    """ZeRO-3 layer by layer: after a step's first gather of a bucket each rank keeps its 1/N share
+    of it (N ranks of its group on its node), so the step's later gathers of that bucket stay
+    inside the node (ZeRO++'s hpZ); costs 4/N bytes a parameter."""
+    quant_block: int = 256
+    """Elements sharing one fp32 scale in `quantize_weights` and `quantize_grads`: smaller blocks
+    keep more precision next to a large value and send 4 bytes more a block."""
 
     @property
     def world_size(self) -> int:

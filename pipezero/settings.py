@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import LaunchConfig, Packing, TrainConfig
+from pipezero.config import LaunchConfig, Packing, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
+from pipezero.schedules.zero_rules import RULES
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
@@ -33,7 +34,7 @@ RANGES: dict[str, Range] = {
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.stall_report_s": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
-    "parallel.buckets_in_flight": POSITIVE_INT,
+    "parallel.buckets_in_flight": POSITIVE_INT, "parallel.quant_block": POSITIVE_INT,
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
@@ -190,6 +191,30 @@ def _masks_documents(cfg: TrainConfig) -> bool:
     return documents and d.packing in (None, Packing.DOC_MASKED)
 
 
+def check_quantization(p: ParallelConfig) -> None:
+    """--quantize-weights and --quantize-grads work on every schedule, placement and ZeRO stage that
+    moves what they compress; a layout with nothing to compress is refused, naming why."""
+    for flag, value in (("--quantize-weights", p.quantize_weights.value), ("--quantize-grads", p.quantize_grads.value)):
+        _check(value == "none" or p.dp > 1, f"{flag} {value} with --dp 1: there is no data-parallel traffic to "
+                                            f"quantize; drop it or raise --dp")
+    _check(p.quantize_weights is WeightQuant.NONE or RULES[p.zero].gathers_weights,
+           f"--quantize-weights {p.quantize_weights.value} with --zero 0: ZeRO-0 gathers no weights (every rank "
+           f"updates all of them); use --zero 1, 2 or 3, or drop it")
+
+
+def check_secondary_shard(p: ParallelConfig) -> None:
+    """--secondary-shard node saves gathers only where ZeRO-3 gathers a bucket more than once a step."""
+    if p.secondary_shard is SecondaryShard.NONE:
+        return
+    _check(RULES[p.zero].sharded_params and p.dp > 1,
+           f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp > 1 gathers parameters "
+           f"over a group; use --zero 3 or drop it")
+    layerwise = p.zero3_keep_gathered is False or (p.zero3_keep_gathered is None and p.pp == 1)
+    _check(layerwise, f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
+                      f"(one gather a step), so no later gather would stay inside the node; use it layer by layer "
+                      f"(--pp 1, or parallel.zero3_keep_gathered = false)")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
@@ -256,6 +281,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(p.ranks_per_node is None or p.world_size % p.ranks_per_node == 0,
            f"parallel.ranks_per_node = {p.ranks_per_node} does not divide the {p.world_size} ranks (pp x dp) into "
            f"whole nodes")
+    check_quantization(p)
+    check_secondary_shard(p)
     if d.path is not None:
         for arg in d.path:
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),

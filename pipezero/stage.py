@@ -2,8 +2,8 @@
 parameters, and its lowered program with the executor that plays it.
 
 Everything here happens before the first step and in the same order on every rank: process groups
-are created collectively, and the schedule is simulated (complete, deadlock-free) and its posting
-order verified before any transfer.
+are created collectively, and the schedule is proven (schedules/proven.py: complete, deadlock-free,
+its posting order free of cycles) before any transfer.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, TrainConfig
+from pipezero.config import DType, GradQuant, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import place_hollow
 from pipezero.parallel.device import PeakMemory, synchronizer
-from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy
+from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
@@ -28,17 +28,18 @@ from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.check import SimResult, simulate
-from pipezero.schedules.posting import plans, verify
+from pipezero.schedules.check import SimResult
 from pipezero.schedules.program import Instr, lower
 from pipezero.schedules.program_check import check_placement
-from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.proven import ProvenSchedule, proven_layout
+from pipezero.schedules.zero_rules import RULES
+from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
+from pipezero.zero.compressed import Wire
+from pipezero.zero.quantize import Bits
 from pipezero.zero.sharded import ZeroDP
-from pipezero.schedules.zero_rules import RULES
-from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.zero.tied import TiedCopies, find_tied, tie_group
 
 
@@ -81,8 +82,8 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
+    proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # before any transfer
+    schedule, predicted = proven.schedule, proven.predicted
     bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
     check_end_chunks([b - a for a, b in bounds])
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
@@ -104,6 +105,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
             compile_blocks(chunk)
     groups = build_groups(mesh)
     hierarchy = two_level(cfg, mesh, device)
+    node = secondary_node(cfg, mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
     flight = FlightRecord(rank, mesh.pp_rank, step_of=tracer)  # where this rank is in its program (doctor.py)
@@ -115,16 +117,13 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
-                  in_flight=p.buckets_in_flight)
+                  in_flight=p.buckets_in_flight, node=node, **wires(p))
     zero.comm.flight = flight
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
-    # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
-    # pair's transfers run in posting order (NCCL) before any is posted.
-    verify(schedule, plans(schedule, predicted))
-    program = rank_program(schedule, predicted, mesh, zero, cfg)
+    program = rank_program(proven, mesh, zero, cfg)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  program)
@@ -135,18 +134,47 @@ def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
     return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
 
 
-def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
-                 cfg: TrainConfig) -> tuple[Instr, ...]:
+def rank_program(proven: ProvenSchedule, mesh: Mesh, zero: ZeroDP, cfg: TrainConfig) -> tuple[Instr, ...]:
     """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
     left without buckets: this rank plays only its own program), its placement proved: one
     OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
     on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
     (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
-    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce,
-                    built_buckets(zero, schedule.n_chunks), keep_gathered=not zero.layerwise, sim=predicted)
+    s = proven.schedule
+    program = lower(s, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, built_buckets(zero, s.n_chunks),
+                    keep_gathered=not zero.layerwise, posts=proven.posts)
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]
+
+
+def wires(p: ParallelConfig) -> dict[str, Wire | None]:
+    """ZeroDP's `weights` and `grads`: how --quantize-weights and --quantize-grads send each."""
+    bits = {"int8": Bits.INT8, "int4": Bits.INT4}
+
+    def wire(q: WeightQuant | GradQuant) -> Wire | None:
+        return Wire(bits[q.value], p.quant_block) if q.value in bits else None
+    return {"weights": wire(p.quantize_weights), "grads": wire(p.quantize_grads)}
+
+
+def ranks_per_node(p: ParallelConfig) -> int:
+    return p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+
+
+def secondary_node(cfg: TrainConfig, mesh: Mesh) -> Hierarchy | None:
+    """With --secondary-shard node, this rank's dp group split by node into subgroups of its own
+    (not --hierarchical's: those run on another thread, and two threads must not share a group).
+    Refused on every rank alike, before any subgroup exists, where it would save nothing."""
+    p = cfg.parallel
+    if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
+        return None
+    per_node = ranks_per_node(p)
+    split = {(len(m), len(ms)) for g in mesh.dp_groups() for ms in [split_by_node(g, per_node)] for m in ms}
+    if len(split) != 1 or min(next(iter(split))) < 2:
+        raise ConfigError(f"--secondary-shard node with {per_node} ranks a node: each stage's replicas must sit on 2 "
+                          f"or more nodes with the same number (2 or more) on each, found (ranks a node, nodes) "
+                          f"{sorted(split)}; choose --placement or --dp so they do, or drop it")
+    return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
 
 
 def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:
@@ -158,7 +186,7 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
     if not p.hierarchical or p.dp == 1:
         return None
     check_hierarchical(p.hierarchical, device.type)
-    per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))
+    per_node = ranks_per_node(p)
     try:
         return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
     except ValueError as e:

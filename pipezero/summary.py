@@ -60,7 +60,8 @@ SUMMARY_FIELDS: dict[str, str] = {
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
     "measured_bubble": "this rank's mean idle share of a step",
-    "held_bytes": "bytes held between steps for parameters, gradients and optimizer state",
+    "held_bytes": "bytes held between steps for parameters, gradients and optimizer state, and ZeRO-3's "
+                  "secondary share of each bucket with --secondary-shard node",
     "params": "parameters in this rank's ZeRO buckets",
     "p2p_bytes_sent": "activation and gradient bytes sent to other stages",
     "collective_bytes_sent": "bytes sent in data-parallel collectives (reductions, gathers)",

@@ -208,15 +208,16 @@ class HierarchicalWork:
         return self._future.done()
 
 
-def _start(h: Hierarchy, fn: Callable[..., None], *args: Any) -> HierarchicalWork:
+def start_on(h: Hierarchy, fn: Callable[..., None], *args: Any) -> HierarchicalWork:
+    """`fn(*args)` on this rank's collective thread, after the collectives started before it."""
     return HierarchicalWork(h._pool.submit(fn, *args))
 
 
 def start_all_reduce(t: torch.Tensor, h: Hierarchy) -> HierarchicalWork:
     """`all_reduce` on this rank's collective thread; returns at once."""
-    return _start(h, all_reduce, t, h)
+    return start_on(h, all_reduce, t, h)
 
 
 def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, h: Hierarchy) -> HierarchicalWork:
     """`reduce_scatter` on this rank's collective thread; returns at once."""
-    return _start(h, reduce_scatter, out, full, h)
+    return start_on(h, reduce_scatter, out, full, h)

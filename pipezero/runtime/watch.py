@@ -92,13 +92,13 @@ class Watch:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """End the thread; a rank that wrote records says it finished (the last record is then not
-        a stale wait, and `pipezero doctor` on the finished run finds no hang)."""
+    def stop(self, finished: bool = True) -> None:
+        """End the thread; a rank that `finished` its run and wrote records says so (the last record
+        is then not a stale wait, and `pipezero doctor` on the finished run finds no hang)."""
         self._stop.set()
         self._thread.join()
         self.flight.on_failure = None
-        if self._wrote and not self._failed_at:
+        if finished and self._wrote and not self._failed_at:
             self.write("finished")
 
     def write(self, state: str) -> None:

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.check import SimResult
-from pipezero.schedules.posting import Transfer, plans
+from pipezero.schedules.posting import Post, Transfer, plans
 from pipezero.schedules.zero_rules import RULES, Rules
 
 
@@ -191,26 +190,31 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
-          keep_gathered: bool = True, prefetch: bool = False, wire_bytes: int = 4,
-          sim: SimResult | None = None) -> Program:
+          keep_gathered: bool = True, prefetch: bool = False, wire_bytes: float = 4,
+          grad_bytes: float | None = None, gather_bytes: float | None = None,
+          posts: list[list[list[Post]]] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
-    gather their fp32 masters (4). `sim`: the schedule's simulation if already played (the posting
-    order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
+    reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
+    `posts`: the proven posting order (schedules/proven.py; derived here when not given).
+    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
-    posts = plans(s, sim)
-    ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes, posts[p])
+    posts = plans(s) if posts is None else posts
+    ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
+                           wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
-                  keep: bool, prefetch: bool, wire: int, posts: list) -> tuple[Instr, ...]:
+                  keep: bool, prefetch: bool, wire: float, grad: float, gather: float | None,
+                  posts: list) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -221,7 +225,8 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         out.extend(PointToPoint(q.send, q.transfer, q.peer * dp + d) for q in boundary)
 
     def whole(kind: Kind, chunk: int, coll: Collective, blocking: bool) -> DataParallel:
-        return DataParallel(kind, chunk, None, coll, bp.chunk_numel(chunk) * wire, blocking, layerwise)
+        width = gather if gather is not None and coll is Collective.ALL_GATHER else wire
+        return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking, layerwise)
 
     gathered: set[int] = set()
     for i, a in enumerate(acts):
@@ -242,7 +247,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         is_final = final.get(a.chunk) == i
         per_mb = rules.reduces_every_backward(mode)
         if a.op in (Op.W, Op.BW) and (is_final or per_mb):
-            out.extend(_reductions(a.chunk, bp, rules, wire, drain=per_mb or (rules.sharded_params and is_final)))
+            out.extend(_reductions(a.chunk, bp, rules, grad, drain=per_mb or (rules.sharded_params and is_final)))
         if rules.sharded_params and not layerwise and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
@@ -250,14 +255,14 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
     if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
         for c in sorted(s.chunks(p)):
             sizes = bp.buckets(c)
-            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, sizes[k] * 4, True)
+            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(sizes[k] * (gather or 4)), True)
                        for k in reversed(range(len(sizes))))
     return tuple(out)
 
 
-def _reductions(chunk: int, bp: BucketPlan, rules: Rules, wire: int, drain: bool) -> list[DataParallel]:
+def _reductions(chunk: int, bp: BucketPlan, rules: Rules, wire: float, drain: bool) -> list[DataParallel]:
     """One REDUCE_GRAD a bucket of `chunk` in backward order; with `drain` the last one blocks."""
     coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
     sizes = bp.buckets(chunk)
-    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, n * wire, drain and k == len(sizes) - 1)
+    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, round(n * wire), drain and k == len(sizes) - 1)
             for k, n in enumerate(sizes)]

@@ -34,6 +34,11 @@ class Rules:
     gathers_updates: bool  # the updated shards are all-gathered after the step
 
     @property
+    def gathers_weights(self) -> bool:
+        """Whether any parameter gather crosses the group (what --quantize-weights compresses)."""
+        return self.sharded_params or self.gathers_updates
+
+    @property
     def reduction(self) -> str:
         return "reduce-scatter of gradients" if self.sharded_grads else "all-reduce of gradients"
 

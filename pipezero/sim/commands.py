@@ -102,6 +102,11 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
     z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16 halves reductions and ZeRO-3 gathers")
+    z.add_argument("--quantize-weights", choices=("none", "int8"), default="none",
+                   help="parameter gathers as int8 with a scale a block (as train --quantize-weights)")
+    z.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
+                   help="gradient reductions quantized (as train --quantize-grads)")
+    z.add_argument("--quant-block", type=int, default=256, help="elements a scale (as train --quant-block)")
     z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     s.set_defaults(func=cmd_simulate)
@@ -192,7 +197,7 @@ def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     from pipezero.sim.program_view import ZeroOptions, draw, run_program
 
     check_ranges(args, {"dp": (int, POSITIVE_INT), "bucket_mb": (float, POSITIVE), "dp_comm": (float, NON_NEGATIVE),
-                        "optim_cost": (float, NON_NEGATIVE)})
+                        "optim_cost": (float, NON_NEGATIVE), "quant_block": (int, POSITIVE_INT)})
     opt = ZeroOptions.from_args(args)
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}

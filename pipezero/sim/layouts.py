@@ -52,3 +52,7 @@ class Layout:
     grad_reduce: GradReduce = GradReduce.STEP
     placement: Placement = Placement.DP_INNER
     hierarchical: bool = False
+    weight_bits: int = 0  # --quantize-weights: 8 (int8 gathers), 0 not quantized
+    grad_bits: int = 0  # --quantize-grads: 8 or 4, 0 not quantized
+    quant_block: int = 256  # elements a scale (--quant-block)
+    secondary: bool = False  # --secondary-shard node: ZeRO-3 layer by layer gathers again inside the node

@@ -53,6 +53,15 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "nodes share one link; --hierarchical becomes a candidate")
     s.add_argument("--bucket-mb", type=float, default=25.0,
                    help="the run's gradient bucket (train --bucket-mb): collectives hide behind compute a bucket at a time")
+    q = s.add_argument_group("quantized traffic (as train's flags; zero/quantize.py)")
+    q.add_argument("--quantize-weights", choices=("none", "int8"), default="none",
+                   help="price ZeRO-1/2/3's parameter gathers as int8 with a scale a block")
+    q.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
+                   help="price gradient reductions quantized (an exchange, summed in fp32)")
+    q.add_argument("--quant-block", type=int, default=256, help="elements a scale (default 256)")
+    q.add_argument("--secondary-shard", choices=("none", "node"), default="none",
+                   help="ZeRO-3 layer by layer keeps a node's copy split over its ranks (memory 4/N bytes a "
+                        "parameter), its later gathers inside the node")
     c = s.add_argument_group("compute (defaults: an H100's dense bf16 peak at 45% of it)")
     c.add_argument("--tflops", type=float, default=989.0, help="dense peak TFLOP/s of one GPU at the run's dtype")
     c.add_argument("--mfu", type=float, default=0.45, help="share of that peak one stage's compute reaches")
@@ -104,7 +113,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT), "intra_bw": (float, POSITIVE),
                         "inter_bw": (float, POSITIVE), "bucket_mb": (float, POSITIVE), "tflops": (float, POSITIVE),
                         "mfu": (float, Range(0, 1, open_low=True)), "overhead_ms": (float, NON_NEGATIVE),
-                        "cores": (int, NON_NEGATIVE), "net_cpu": (float, NON_NEGATIVE)})
+                        "cores": (int, NON_NEGATIVE), "net_cpu": (float, NON_NEGATIVE),
+                        "quant_block": (int, POSITIVE_INT)})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
@@ -112,7 +122,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
     t0 = time.perf_counter()
-    fits, considered = plan(model, cluster, seq_len, args.global_batch)
+    bits = {"none": 0, "int8": 8, "int4": 4}
+    fits, considered = plan(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
+                            bits[args.quantize_grads], args.quant_block, args.secondary_shard == "node")
     took = time.perf_counter() - t0
     if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
         raise ConfigError(f"{cluster.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
@@ -127,7 +139,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
              "grad_reduce": e.layout.grad_reduce.value, "placement": e.layout.placement.value,
-             "hierarchical": e.layout.hierarchical,
+             "hierarchical": e.layout.hierarchical, "quantize_weights_bits": e.layout.weight_bits,
+             "quantize_grads_bits": e.layout.grad_bits, "secondary_shard": e.layout.secondary,
+             "node_link_bytes": e.crossing_bytes,
              "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
@@ -138,12 +152,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
                         f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
-    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s", "why"):
+    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s",
+                "GB x-node", "why"):
         table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
     for r in rows:
         table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
                       str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
                       "mb" if r["grad_reduce"] == "microbatch" else "", r["placement"], "y" if r["hierarchical"] else "",
-                      f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", r["why"])
+                      f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", f"{r['node_link_bytes'] / 1e9:.2f}",
+                      r["why"])
     Console(width=160, emoji=False).print(table)
     return 0

@@ -51,6 +51,7 @@ class Estimate:
     bubble: float
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
+    crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
 
     @property
     def memory_gib(self) -> float:
@@ -84,6 +85,9 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
             max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
     psi = per_stage_layers * block_params(model) + ends
     states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
+        states += 4 * psi / split[0]
     sharded_grads = RULES[lay.zero].sharded_grads
     per_microbatch = RULES[lay.zero].reduces_every_backward(lay.grad_reduce) and lay.microbatches > 1
     if sharded_grads and lay.microbatches > 1 and not per_microbatch:
@@ -127,7 +131,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
             behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
-    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step)
+    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step, crossing)
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
@@ -173,9 +177,24 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
     return out
 
 
-def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int) -> tuple[list[Estimate], int]:
-    """Layouts that fit, fastest first, and how many were considered."""
-    layouts = candidate_layouts(model, cluster, global_batch)
+def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int, block: int,
+                 secondary: bool) -> Layout:
+    """`lay` with the run's --quantize-weights / --quantize-grads / --secondary-shard where it has
+    what they change (train refuses them where it has none: D = 1, weights at ZeRO-0, a secondary
+    shard but for ZeRO-3 layer by layer over 2 or more nodes of 2 or more ranks)."""
+    rules = RULES[lay.zero]
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    hpz = secondary and rules.sharded_params and lay.pp == 1 and split is not None and min(split) > 1
+    return replace(lay, weight_bits=weight_bits if lay.dp > 1 and rules.gathers_weights else 0,
+                   grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz)
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+         grad_bits: int = 0, quant_block: int = 256, secondary: bool = False) -> tuple[list[Estimate], int]:
+    """Layouts that fit, fastest first, and how many were considered; every layout with the given
+    quantization of its traffic (bits 0: none) and secondary shard where it has them."""
+    layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
+               for lay in candidate_layouts(model, cluster, global_batch)]
     fits = []
     for lay in layouts:
         est = estimate(model, seq_len, global_batch, cluster, lay)
@@ -194,6 +213,8 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
         parts.append("recompute buys memory for ~1/3 more compute")
     if e.layout.hierarchical:
         parts.append("gradients reduced inside each node first")
+    if e.layout.secondary:
+        parts.append("ZeRO-3's later gathers inside the node")
     if e.layout.grad_reduce is GradReduce.MICROBATCH:
         parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
     if e is not best:

@@ -19,6 +19,7 @@ from pipezero.schedules.bucket_plan import plan_buckets
 from pipezero.schedules.check import CostModel
 from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
 from pipezero.schedules.program_check import check_program
+from pipezero.schedules.proven import prove
 from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
 from pipezero.schedules.zero_rules import RULES
 
@@ -35,6 +36,8 @@ class ZeroOptions:
     prefetch: bool  # ZeRO-3 kept gathered: gather one action ahead (a what-if; the runtime does not)
     wire_bytes: int  # 2 with bf16 communication, else 4
     optim: float  # the optimizer update's compute time
+    grad_bytes: float | None = None  # --quantize-grads: an element of every gradient reduction
+    gather_bytes: float | None = None  # --quantize-weights: an element of every parameter gather
 
     @property
     def sharded_params(self) -> bool:
@@ -47,8 +50,15 @@ class ZeroOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
+        """`simulate`'s flags; quantized traffic as an element's share of its message (zero/quantize.py)."""
+        from pipezero.sim.traffic import element_bytes
+
+        bits = {"int8": 8, "int4": 4}
+        grad = element_bytes(bits[args.quantize_grads], args.quant_block) if args.quantize_grads in bits else None
+        gather = element_bytes(8, args.quant_block) if args.quantize_weights == "int8" else None
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
-                   args.zero3_layerwise, args.zero3_prefetch, 2 if args.dtype == "bf16" else 4, args.optim_cost)
+                   args.zero3_layerwise, args.zero3_prefetch, 2 if args.dtype == "bf16" else 4, args.optim_cost,
+                   grad, gather)
 
 
 def chunk_layers(preset: str, n_chunks: int, seq_len: int = 1024) -> list[list[int]]:
@@ -62,7 +72,8 @@ def chunk_layers(preset: str, n_chunks: int, seq_len: int = 1024) -> list[list[i
 
 
 def traffic(prog: Program, rank: int) -> int:
-    """Bytes the rank sends in its collectives over a ring (ZeroDP.bytes_sent's accounting)."""
+    """Bytes the rank sends in its collectives over a ring (ZeroDP.bytes_sent's accounting on NCCL and
+    for quantized traffic; gloo's own reduce-scatter sends twice its share)."""
     d = prog.dp
     total = 0.0
     for i in prog.ranks[rank]:
@@ -76,7 +87,8 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
     layers = chunk_layers(opt.preset, s.n_chunks)
     buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero3_layerwise)
     prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
-                 prefetch=opt.prefetch, wire_bytes=opt.wire_bytes)
+                 prefetch=opt.prefetch, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes,
+                 gather_bytes=opt.gather_bytes, posts=prove(s).posts)
     check_program(prog)
     stage_bytes = sum(map(sum, layers)) / s.pp * opt.wire_bytes
     bandwidth = stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")

@@ -12,6 +12,10 @@ two-level reduction of parallel/hierarchical.py, an exchange inside the node the
 of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for g ranks of a group
 on each of n nodes. On a host whose cores every rank shares, a collective inside a node is the CPU
 copying bytes (loopback) and hides behind nothing.
+
+Quantized traffic (zero/compressed.py) is priced by the bytes it sends: `--quantize-weights` gathers
+bits / 8 + 4 / block bytes an element, `--quantize-grads` reduces at that width, its reduce-scatter an
+exchange (one pass, where gloo's own sends two) and its all-reduce that exchange and a gather.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from functools import lru_cache
 from pipezero.config import GradReduce, Placement
 from pipezero.parallel.hierarchical import split_by_node
 from pipezero.parallel.mesh import Mesh
+from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.overlap import gather_before, reduce_during
-from pipezero.schedules.zero_rules import RULES
+from pipezero.zero.quantize import Bits, message_bytes
 
 
 def link_gbps(cluster: Cluster, lay: Layout) -> tuple[float, float]:
@@ -48,6 +53,25 @@ def dp_split(node_size: int, pp: int, dp: int, placement: Placement) -> tuple[in
     return shapes.pop() if len(shapes) == 1 else None
 
 
+def element_bytes(bits: int, block: int) -> float:
+    """Bytes an element of a quantized message: the code and its share of the block's fp32 scale."""
+    return message_bytes(block, Bits(bits), block) / block
+
+
+def payload_bytes(cluster: Cluster, lay: Layout, psi: float) -> dict[str, float]:
+    """Bytes of the buffer each kind of collective moves for `psi` parameters, as it travels."""
+    plain = cluster.wire_bytes * psi
+    grads = psi * element_bytes(lay.grad_bits, lay.quant_block) if lay.grad_bits else plain
+    gathers = psi * element_bytes(lay.weight_bits, lay.quant_block) if lay.weight_bits else plain
+    return {"all_reduce": grads, "all_gather": gathers, "reduce_scatter": grads}
+
+
+def reduce_scatter_passes(cluster: Cluster, lay: Layout) -> int:
+    """Buffers' worth (times (D-1)/D) a flat reduce-scatter sends: gloo's sends an all-reduce's, the
+    quantized exchange one."""
+    return 2 if cluster.cpu and not lay.grad_bits else 1
+
+
 def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
     """Seconds of each data-parallel collective over `nbytes` for the layout's groups."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
@@ -55,7 +79,7 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
     if cluster.cpu and split and split[1] > 1:  # one shared link a node: a group's ring crosses it once
         bw = cluster.inter_gbps * split[0]
     ring = (d - 1) / d * nbytes / (bw * 1e9)
-    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": 2 * ring if cluster.cpu else ring}
+    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": reduce_scatter_passes(cluster, lay) * ring}
     if lay.hierarchical and split:
         g, n = split
         inside = (g - 1) / g * nbytes / (cluster.intra_gbps * 1e9)
@@ -76,7 +100,8 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
     if lay.dp == 1:
         return 0.0, 0.0, 0.0
     m = lay.microbatches
-    took = collective_s(cluster, lay, cluster.wire_bytes * psi)
+    payload = payload_bytes(cluster, lay, psi)
+    took = {c: collective_s(cluster, lay, n)[c] for c, n in payload.items()}
     k = max(1, math.ceil(psi * 4 / (cluster.bucket_mb * 2**20)))  # buckets are cut in fp32 (zero/buckets.py)
     forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
@@ -104,11 +129,17 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
         else:  # layer by layer: every forward and backward gathers again; the last also reduces
             counts = {"reduce_scatter": reductions, "all_gather": 2 * m}
             ag, rs = took["all_gather"], took["reduce_scatter"]
-            exposed = m * gather_before(ag, forward, k) + (m - 1) * (
-                reduce_during(ag + rs, backward, k, bound).stall_s if every else gather_before(ag, backward, k))
-            exposed += reduce_during(ag + rs, backward, k, bound).exposed_s
+            later = ag
+            if lay.secondary and split:  # hpZ: after the first, from the node's fp32 shares (zero/coordinator.py)
+                g = split[0]
+                later = took["node_gather"] = (g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                counts.update(all_gather=1, node_gather=2 * m - 1)
+            exposed = gather_before(ag, forward, k) + (m - 1) * gather_before(later, forward, k) + (m - 1) * (
+                reduce_during(later + rs, backward, k, bound).stall_s if every else gather_before(later, backward, k))
+            exposed += reduce_during(later + rs, backward, k, bound).exposed_s
+    counts.pop("node_gather", None)  # inside the node: neither on the link nor crossing it
     link = sum(took[c] * n for c, n in counts.items())
-    crossing = sum(crossing_bytes(cluster, lay, cluster.wire_bytes * psi)[c] * n for c, n in counts.items())
+    crossing = sum(crossing_bytes(cluster, lay, payload[c])[c] * n for c, n in counts.items())
     return exposed, link, crossing
 
 
@@ -119,7 +150,7 @@ def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, fl
     (n-1)/n of each node's reduced buffer, n - 1 buffers a group. Groups that split unevenly count
     every hop as crossing."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
-    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 2 if cluster.cpu else 1}
+    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": reduce_scatter_passes(cluster, lay)}
     if split is None:
         hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
         return {c: lay.pp * hops * p * (d - 1) / d * nbytes for c, p in passes.items()}

@@ -62,4 +62,6 @@ def held_bytes(buckets: list[Bucket], rules: Rules, optimizer_bytes: int) -> dic
     masters are views of the parameters; stage 3's master is the parameter shard."""
     params = sum((b.shard_size if rules.sharded_params else b.padded) * 4 for b in buckets)
     grads = sum((b.shard_size if rules.sharded_grads else b.padded) * 4 for b in buckets)
-    return {"params": params, "grads": grads, "optimizer": optimizer_bytes}
+    # --secondary-shard node: ZeRO-3's share of each bucket kept in the node, 4/N bytes a parameter
+    secondary = sum(b.secondary.numel() * 4 for b in buckets if b.secondary is not None)
+    return {"params": params, "grads": grads, "optimizer": optimizer_bytes, "secondary": secondary}

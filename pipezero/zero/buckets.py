@@ -45,6 +45,7 @@ class Gathering:
 
     work: Any
     wire: torch.Tensor | None  # a low-precision gather's buffer, copied into the parameters
+    refresh: int = -1  # --secondary-shard: keep this rank's node share once it lands, as of this generation
 
 
 @dataclass(eq=False)  # identity: buckets are compared and looked up as objects, never by value
@@ -65,6 +66,8 @@ class Bucket:
     arrived: set[int] | None = None  # positions whose gradient is complete, during a reducing backward
     launched: bool = False  # reduced during the current backward
     expect: set[int] | None = None  # ZeRO-3 layer by layer: positions whose gradient is still to come
+    secondary: torch.Tensor | None = None  # --secondary-shard: (padded / N,) this rank's share in its node
+    secondary_of: int = -1  # the coordinator's generation (masters' version) `secondary` was cut from
     label: str = ""  # "chunk.k", as the program names it: REDUCE_GRAD(1.0) is chunk 1's first bucket
     source: InitVar[FlatSource | None] = None  # ZeRO-3: read the master shard from here, values unused
 

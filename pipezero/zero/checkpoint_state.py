@@ -35,6 +35,7 @@ def restore_replicas(zero: "ZeroDP", adam_steps: int) -> None:
     """After loading the shards: rebuild what the stage keeps whole on every rank (parameters below
     stage 3, AdamW moments at stage 0) from the shards of the other dp ranks."""
     zero.opt.step_count = adam_steps
+    zero.comm.generation += 1  # new masters: any secondary share (--secondary-shard) is stale
     if zero.rules.sharded_params:
         return
     for b, st in zip(zero.all_buckets(), zero.opt.states):

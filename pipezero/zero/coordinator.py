@@ -22,9 +22,11 @@ from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.runtime.flight import FlightRecord
-from pipezero.telemetry.trace import Tracer
-from pipezero.zero.buckets import Bucket, Gathering, Reduction
 from pipezero.schedules.zero_rules import Rules
+from pipezero.telemetry.trace import Tracer
+from pipezero.zero import compressed
+from pipezero.zero.buckets import Bucket, Gathering, Reduction
+from pipezero.zero.compressed import Wire
 
 
 @dataclass
@@ -38,7 +40,11 @@ class Coordinator:
     comm_dtype: torch.dtype  # bf16 halves gradient and ZeRO-3 parameter traffic
     on_gpu: bool  # NCCL collectives: waits are stream-ordered (parallel/waits.py)
     hierarchy: Hierarchy | None = None  # --hierarchical: gradient reductions inside the node, then across
-    bytes_sent: int = 0
+    weights: Wire | None = None  # --quantize-weights: gathers of parameters travel blockwise-quantized
+    grads: Wire | None = None  # --quantize-grads: gradient reductions travel blockwise-quantized
+    node: Hierarchy | None = None  # --secondary-shard node: this rank's node (its own subgroups) for ZeRO-3
+    generation: int = 0  # version of the master shards: a secondary share cut from an older one is stale
+    bytes_sent: int = 0  # as the wire carries them: quantized messages count their codes and scales
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
     flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
@@ -72,6 +78,9 @@ class Coordinator:
         if self.group is None:
             b.reduction = Reduction(None, b.grad[b.shard] if sharded else None)
             return
+        if self.grads is not None:
+            self._reduce_quantized(b)
+            return
         # bf16 on the wire: the fp32 gradient is rounded once for the reduction, which sums in
         # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
         wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
@@ -79,12 +88,32 @@ class Coordinator:
         if sharded:
             out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
             work = start_reduce_scatter(out, wire, h) if h else reduce_scatter(out, wire, self.group)
-            self.bytes_sent += h.bytes_sent(nbytes, False) if h else nbytes * (self.dp - 1) // self.dp
+            # gloo's reduce-scatter is an all-reduce and a copy: it sends an all-reduce's bytes
+            passes = 1 if self.on_gpu else 2
+            self.bytes_sent += h.bytes_sent(nbytes, False) if h else passes * nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, out)
         else:
             work = start_all_reduce(wire, h) if h else dist.all_reduce(wire, group=self.group, async_op=True)
             self.bytes_sent += h.bytes_sent(nbytes, True) if h else 2 * nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, None, None if wire is b.grad else wire)
+
+    def _reduce_quantized(self, b: Bucket) -> None:
+        """qgZ (zero/compressed.py): the fp32 gradient quantized blockwise, exchanged, summed in fp32;
+        without sharded gradients the summed slices are gathered back, quantized again."""
+        w, h, grad = self.grads, self.hierarchy, b.grad
+        assert w is not None and grad is not None
+        what = f"rank {self.rank}: gradient bucket {b.label} ({b.names[0]}, ...)"
+        if self.rules.sharded_grads:
+            out = torch.empty(b.shard_size, device=b.device)
+            work = compressed.start_reduce_scatter_two_level(out, grad, h, w, what) if h \
+                else compressed.start_reduce_scatter(out, grad, self.group, w, what)
+            self.bytes_sent += compressed.bytes_reduce_scatter(w, b.padded, self.dp, h)
+            b.reduction = Reduction(work, out)
+        else:
+            work = compressed.start_all_reduce_two_level(grad, h, w, what) if h \
+                else compressed.start_all_reduce(grad, self.group, w, what)
+            self.bytes_sent += compressed.bytes_all_reduce(w, b.padded, self.dp, h)
+            b.reduction = Reduction(work, None)
 
     def drain(self, keep_last: int = 0) -> None:
         """Wait for the reductions in flight, all but the newest `keep_last`; a sharded result is
@@ -109,15 +138,33 @@ class Coordinator:
                 b.detach_grads()
 
     # --- parameter gathers -------------------------------------------------------------------
-    def start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
+    def start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False, keep_own: bool = False) -> None:
         """Give the bucket its storage back and start filling it from the shards (`b.gathering`);
         without a group the shard is the whole bucket and is copied at once. `low_precision`
-        gathers in `comm_dtype`: only for ZeRO-3's compute copies, whose every element (this
-        rank's too) is then rounded alike, while the fp32 master shard stays exact."""
+        gathers in `comm_dtype`, or quantized with --quantize-weights: only for ZeRO-3's compute
+        copies, whose every element (this rank's too) is then rounded alike, while the fp32 master
+        shard stays exact. `keep_own` (ZeRO-1/2's updated weights, whose own shard of `flat` is the
+        master) quantizes with --quantize-weights but leaves this rank's own shard exact."""
         b.restore()
         self.issued.append(f"UNSHARD({b.label})")
         if self.group is None:
             b.flat.copy_(shard)
+            return
+        if low_precision and self.node is not None:  # ZeRO-3 with a secondary share in each node
+            if b.secondary_of == self.generation:
+                self._start_node_gather(b)
+                return
+            self._start_gather(b, shard, low_precision, keep_own)
+            b.gathering.refresh = self.generation  # type: ignore[union-attr]
+            return
+        self._start_gather(b, shard, low_precision, keep_own)
+
+    def _start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool, keep_own: bool) -> None:
+        if self.weights is not None and (low_precision or keep_own):
+            self.bytes_sent += compressed.bytes_gather(self.weights, b.shard_size, self.dp)
+            what = f"rank {self.rank}: parameter bucket {b.label} ({b.names[0]}, ...)"
+            work = compressed.start_gather(b.flat, shard, self.group, self.weights, what, b.shard if keep_own else None)
+            b.gathering = Gathering(work, None)
             return
         if low_precision and self.comm_dtype != b.flat.dtype:
             wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
@@ -127,6 +174,14 @@ class Coordinator:
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
         b.gathering = Gathering(all_gather(b.flat, shard.contiguous(), self.group), None)
 
+    def _start_node_gather(self, b: Bucket) -> None:
+        """hpZ: the bucket from its N shares in this rank's node, fp32, as the step's first gather
+        left them (so every replica still computes with the same values): nothing crosses nodes."""
+        h = self.node
+        assert h is not None and b.secondary is not None
+        self.bytes_sent += (h.per_node - 1) * b.secondary.numel() * 4
+        b.gathering = Gathering(all_gather(b.flat, b.secondary, h.intra), None)
+
     def finish_gather(self, b: Bucket) -> None:
         g, b.gathering = b.gathering, None
         if g is None:
@@ -134,6 +189,14 @@ class Coordinator:
         self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
             b.flat.copy_(g.wire)
+        if g.refresh >= 0:  # hpZ: keep this rank's share of its node's copy for the step's later gathers
+            h = self.node
+            assert h is not None
+            part = b.padded // h.per_node
+            if b.secondary is None:
+                b.secondary = torch.empty(part, device=b.device)
+            b.secondary.copy_(b.flat[h.local * part:(h.local + 1) * part])
+            b.secondary_of = g.refresh  # the masters it was gathered from, even if a step came since
 
     def gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
         self.start_gather(b, shard, low_precision)
@@ -146,7 +209,7 @@ class Coordinator:
         A copy of the shard would be alive for every bucket until its gather is waited for, 4/D
         bytes a parameter (it halved ZeRO-1's saving at D=2; tests/test_zero_memory.py)."""
         for b in buckets:
-            self.start_gather(b, b.flat[b.shard])
+            self.start_gather(b, b.flat[b.shard], keep_own=True)
             if b.gathering is not None:
                 self.updating.append(b)
 

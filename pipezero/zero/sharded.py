@@ -35,6 +35,7 @@ from pipezero.schedules.program import DataParallel, Kind
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket, FlatSource, in_order, make_buckets
+from pipezero.zero.compressed import Wire
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.layerwise import layer_buckets
@@ -65,6 +66,9 @@ class ZeroDP:
     hierarchy: Hierarchy | None = None  # --hierarchical: two-level gradient reductions
     in_flight: int = 1  # stages 2-3: reduce-scatters still running while the backward goes on
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
+    weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
+    grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
+    node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
     buckets: dict[int, list[Bucket]] = field(init=False)
     rules: Rules = field(init=False)
     comm: Coordinator = field(init=False)
@@ -89,7 +93,8 @@ class ZeroDP:
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
-                                self.comm_dtype, on_gpu, self.hierarchy)
+                                self.comm_dtype, on_gpu, self.hierarchy, self.weights, self.grads,
+                                self.node)
         me = weakref.ref(self)
         tied = self.tied.local if self.tied else []
         for c, bs in self.buckets.items():
@@ -225,6 +230,7 @@ class ZeroDP:
                             b.adopt(q)
                     self._reduce(b)
         self.comm.drain()
+        self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
         outcome = clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,
                                   self.tied.head if self.tied else None, self.device)
         if outcome.applied and self.rules.gathers_updates:
