@@ -310,15 +310,19 @@ def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None
 
 # --- stragglers -----------------------------------------------------------------------------------
 def stragglers(waits: list[dict[str, Any]], ranks: Ranks, steps: int) -> dict[str, Any]:
-    """Which rank made the others wait most, per step: p2p waits count against the peer waited on;
-    in a collective the last to arrive waits least, so each member's excess over the group's least
-    counts against the member that waited least (data-parallel groups, and the world at OPTIM_STEP)."""
+    """Which rank made the others wait most, per step. Between two pipeline neighbours, what one
+    waited on the other beyond what the other waited on it counts against the other (a rank late
+    to send makes its peer late to answer: the back-and-forth cancels). In a collective the last to
+    arrive waits least, so each member's excess over the group's least counts against the member
+    that waited least (data-parallel groups, and the world at OPTIM_STEP)."""
     if ranks.world < 2:
         return {}
     blame = [0.0] * ranks.world
-    for w in waits:
-        for peer, s in w["p2p"].items():
-            blame[int(peer)] += s
+    on = [[waits[r]["p2p"].get(str(q), 0.0) for q in range(ranks.world)] for r in range(ranks.world)]
+    for r in range(ranks.world):
+        for q in range(r + 1, ranks.world):
+            net = on[r][q] - on[q][r]
+            blame[q if net > 0 else r] += abs(net)
     groups = [[ranks.rank(p * ranks.dp + d) for d in range(ranks.dp)] for p in range(ranks.pp)]
     for key, members in [("collectives", g) for g in groups] + [("world", list(range(ranks.world)))]:
         if len(members) < 2:
