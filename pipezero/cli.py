@@ -61,6 +61,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
+    "--stall-report": ("parallel.stall_report_s", "seconds a wait may take before every rank writes where it is "
+                                                  "for the hang doctor (default: a quarter of --timeout)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),
     "--data": ("data.path", "documents: .jsonl/.json/.parquet records, .txt/.md files, folders or globs; "
                             "or one .bin/.npy token file"),
@@ -349,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    from pipezero.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 

@@ -183,6 +183,9 @@ class ParallelConfig:
     timeout_s: float = 300.0
     """Seconds any collective or p2p wait may take before the run fails naming the rank and what it
     waited for."""
+    stall_report_s: float | None = None
+    """Seconds a wait may take before every rank writes its flight record for the hang doctor
+    (runtime/watch.py); None = a quarter of `timeout_s`."""
     buckets_in_flight: int = 1
     """ZeRO-2/3: gradient buckets whose reduce-scatter may still run while the backward goes on
     (each holds a full bucket of gradient until it lands)."""

@@ -16,6 +16,7 @@ import torch
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
+from pipezero.doctor import Ranks, stragglers
 from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
@@ -54,6 +55,9 @@ SUMMARY_FIELDS: dict[str, str] = {
               "freezing saved over every rank",
     "memory": "ranks: each rank's predicted_peak_bytes and its categories (sim/memory.py; null for a model of "
               "one's own), and with --memory-profile its measured_peak_bytes of the first step (else null)",
+    "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
+                 "by_rank): p2p waits count against the peer, a collective's against its last arrival; {} for "
+                 "one rank (docs/how-to/hang-doctor.md)",
 }
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
@@ -69,6 +73,8 @@ RANK_FIELDS: dict[str, str] = {
     "two_level": "with --hierarchical: [nodes, ranks a node] of this rank's group; else null",
     "frozen": "this rank's frozen parameters and the gradient and optimizer bytes that saved",
     "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
+    "waits_s": "seconds this rank was blocked: on each peer's transfers (p2p, by rank), in data-parallel "
+               "collectives, and in the optimizer step's all-reduce over the world",
     "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
     "measured_peak_bytes": "with --memory-profile: this rank's peak memory of the first step (CUDA: allocator peak; "
                            "CPU: live tensor bytes); else null",
@@ -138,7 +144,8 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run},
-            "measured_peak_bytes": result.measured_peak_bytes}
+            "measured_peak_bytes": result.measured_peak_bytes,
+            "waits_s": stage.executor.flight.waits()}  # blocked on each peer and in collectives: stragglers
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
     end = f"rank {stage.mesh.rank}: end of run"
@@ -173,6 +180,8 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
         "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
+        "straggler": stragglers([x["waits_s"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value),
+                                r.max_steps - result.resumed_from),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
