@@ -23,12 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
 from pipezero.config import ScheduleKind as K  # noqa: E402
+from pipezero.schedules.registry import default_virtual  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 TORCH_NAMES = {K.GPIPE: "ScheduleGPipe", K.ONE_F_ONE_B: "Schedule1F1B", K.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
                K.LOOPED_BFS: "ScheduleLoopedBFS", K.ZB_H1: "ScheduleInterleavedZeroBubble",
                K.ZB_V: "ScheduleZBVZeroBubble", K.DUALPIPE_V: "ScheduleDualPipeV"}
-V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+V_OF = {kind: default_virtual(kind) for kind in K}
 
 
 def config(args: argparse.Namespace, kind: K, pp: int):

@@ -39,5 +39,5 @@ def test_compare_skips_the_schedules_too_large_to_simulate(monkeypatch):
     skipped: dict[str, str] = {}
     played = list(commands.each_schedule(args, skipped))
     assert skipped and all("24 cells" in why for why in skipped.values()), skipped
-    assert set(skipped) == {"interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v"}
+    assert set(skipped) == {"interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v", "v-half"}
     assert len(played) == 4

@@ -8,11 +8,11 @@ import torch
 
 from pipezero.config import DType, Placement
 from pipezero.config import ScheduleKind as K
-from pipezero.schedules.registry import check_layout
+from pipezero.schedules.registry import check_layout, default_virtual
 from pipezero.settings import build_config
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, with_tied_head
 
-V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+V_OF = {kind: default_virtual(kind) for kind in K}  # the fewest chunks a rank each schedule takes
 STEPS = 5
 # The comparisons' learning rate. Adam turns rounding in near-zero early gradients into steps of
 # the full rate, so the float floor of "same model" grows with it: two one-process runs of the
