@@ -2,8 +2,8 @@
 parameters, and its lowered program with the executor that plays it.
 
 Everything here happens before the first step and in the same order on every rank: process groups
-are created collectively, and the schedule is simulated (complete, deadlock-free) and its posting
-order verified before any transfer.
+are created collectively, and the schedule is proven (schedules/proven.py: complete, deadlock-free,
+its posting order free of cycles) before any transfer.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from pipezero.runtime.executor import Executor
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.check import SimResult, simulate
-from pipezero.schedules.posting import plans, verify
+from pipezero.schedules.check import SimResult
 from pipezero.schedules.program import Instr, lower
 from pipezero.schedules.program_check import check_placement
-from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.proven import ProvenSchedule, proven_layout
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.telemetry.trace import Tracer
@@ -82,8 +81,8 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    predicted = simulate(schedule)  # proves completeness and deadlock-freedom before any transfer
+    proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # before any transfer
+    schedule, predicted = proven.schedule, proven.predicted
     bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
     check_end_chunks([b - a for a, b in bounds])
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
@@ -121,10 +120,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
-    # Transfers are posted in one order every rank agrees on, proven not to deadlock where a rank
-    # pair's transfers run in posting order (NCCL) before any is posted.
-    verify(schedule, plans(schedule, predicted))
-    program = rank_program(schedule, predicted, mesh, zero, cfg)
+    program = rank_program(proven, mesh, zero, cfg)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  program)
@@ -135,15 +131,15 @@ def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
     return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
 
 
-def rank_program(schedule: Schedule, predicted: SimResult, mesh: Mesh, zero: ZeroDP,
-                 cfg: TrainConfig) -> tuple[Instr, ...]:
+def rank_program(proven: ProvenSchedule, mesh: Mesh, zero: ZeroDP, cfg: TrainConfig) -> tuple[Instr, ...]:
     """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
     left without buckets: this rank plays only its own program), its placement proved: one
     OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
     on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
     (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
-    program = lower(schedule, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce,
-                    built_buckets(zero, schedule.n_chunks), keep_gathered=not zero.layerwise, sim=predicted)
+    s = proven.schedule
+    program = lower(s, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, built_buckets(zero, s.n_chunks),
+                    keep_gathered=not zero.layerwise, posts=proven.posts)
     mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
     check_placement(program, mine)
     return program.ranks[mine]

@@ -232,19 +232,15 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
 def transfer_proof(cfg: TrainConfig) -> dict:
     """schedules/posting.py's static proof for this layout: every rank posts its transfers in one
     global order with no cycle among stream order, compute order and waits."""
-    from pipezero.schedules import posting
-    from pipezero.schedules.check import ScheduleError, simulate
-    from pipezero.schedules.registry import build_schedule
+    from pipezero.schedules.check import ScheduleError
+    from pipezero.schedules.proven import proven_layout
 
     p = cfg.parallel
-    s = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    plans = posting.plans(s, simulate(s))
-    sends = sum(q.send for rank in plans for posts in rank for q in posts)
     try:
-        posting.verify(s, plans)
+        proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ScheduleError as e:
-        return {"proven": False, "transfers": sends, "error": str(e)}
-    return {"proven": True, "transfers": sends}
+        return {"proven": False, "error": str(e)}
+    return {"proven": True, "transfers": sum(q.send for rank in proven.posts for posts in rank for q in posts)}
 
 
 def describe(cfg: TrainConfig) -> str:

@@ -109,7 +109,6 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
     from pipezero.parallel.partition import partition
     from ranks import run_ranks
     from pipezero.schedules.bucket_plan import BucketPlan
-    from pipezero.schedules.check import simulate
     from pipezero.schedules.program import DataParallel, Kind, lower
     from pipezero.schedules.registry import build_schedule
     from pipezero.settings import build_config
@@ -128,7 +127,7 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
     named = named_by_chunk({0: build_chunk(spec, *bounds, cfg.run.seed, torch.device("cpu"))})
     sizes = tuple(b.padded for b in make_buckets(named[0], cfg.parallel.bucket_mb, 2, 0))
     schedule = build_schedule(ScheduleKind.ONE_F_ONE_B, 1, 2, 1)
-    program = lower(schedule, 2, 2, cfg.parallel.grad_reduce, BucketPlan(2, (sizes,)), sim=simulate(schedule))
+    program = lower(schedule, 2, 2, cfg.parallel.grad_reduce, BucketPlan(2, (sizes,)))
     expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in program.ranks[0]
                 if isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD]
     assert len(sizes) > 2 and len(expected) == 2 * len(sizes)  # two backwards, each reducing every bucket

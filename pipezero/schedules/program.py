@@ -48,8 +48,7 @@ from dataclasses import dataclass
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.check import SimResult
-from pipezero.schedules.posting import Transfer, plans
+from pipezero.schedules.posting import Post, Transfer, plans
 from pipezero.schedules.zero_rules import RULES, Rules
 
 
@@ -193,20 +192,19 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
-          sim: SimResult | None = None) -> Program:
+          posts: list[list[list[Post]]] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
-    `sim`: the schedule's simulation if already played (the posting
-    order is taken from it). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    `posts`: the proven posting order (schedules/proven.py; derived here when not given). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
-    posts = plans(s, sim)
+    posts = plans(s) if posts is None else posts
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
                            wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
              for p in range(s.pp) for d in range(dp)]

@@ -19,6 +19,7 @@ from pipezero.schedules.bucket_plan import plan_buckets
 from pipezero.schedules.check import CostModel
 from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
 from pipezero.schedules.program_check import check_program
+from pipezero.schedules.proven import prove
 from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
 from pipezero.schedules.zero_rules import RULES
 
@@ -87,7 +88,7 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
     buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero3_layerwise)
     prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
                  prefetch=opt.prefetch, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes,
-                 gather_bytes=opt.gather_bytes)
+                 gather_bytes=opt.gather_bytes, posts=prove(s).posts)
     check_program(prog)
     stage_bytes = sum(map(sum, layers)) / s.pp * opt.wire_bytes
     bandwidth = stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
