@@ -4,8 +4,8 @@
 
 Each rank runs with one torch thread. For each schedule, pipezero's executor and (where torch has
 the same schedule) torch's `PipelineStage` + `Schedule*` run the same chunks on the same batches in
-the same process group, alternating step by step (the first step of each is dropped). Printed: step
-time, tokens/s, measured bubble (time a rank spent blocked on its peers over its step time, averaged
+the same process group, every schedule's step in turn within each step (the first step dropped),
+so the machine's drift hits them alike. Printed: step time, tokens/s, measured bubble (time a rank spent blocked on its peers over its step time, averaged
 over ranks), the simulator's bubble at 1:1:1, the ratio to the ideal (P x the one-process,
 one-thread throughput), and memory from one more, untimed step of ours: the most chunk activations a
 rank held at once and the most bytes of tensors a rank allocated and held at once while it played
@@ -106,39 +106,45 @@ def torch_step(cfg, rank: int, kind: K):
 
 
 def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> dict:
-    """Ours and torch's alternate step by step, so the machine's drift hits both alike."""
+    """Every schedule's step, ours and torch's, in turn within each step (every stage built first),
+    so the machine's drift over the run hits every schedule alike; the first step is dropped."""
     import torch.distributed as dist
 
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
     from test_zero_memory import peak_live_bytes
 
-    out: dict = {}
+    players: dict = {}  # kind -> [ours, theirs or None, torch's error or None]
     for kind in kinds:
         cfg = config(args, kind, world)
-        corpus = load_corpus(cfg.data)
-        batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
-                                         cfg.parallel.microbatches) for s in range(args.steps + 1)]
-        ours_step = pipezero_step(cfg, rank)
         try:
             theirs_step, err = torch_step(cfg, rank, kind), None
         except Exception as e:  # noqa: BLE001 - report, do not hide, a torch schedule that fails here
             theirs_step, err = None, f"{type(e).__name__}: {str(e)[:200]}"
-        ours, bubbles, theirs = [], [], []
-        for mbs in batches:
+        players[kind] = [pipezero_step(cfg, rank), theirs_step, err]
+    corpus = load_corpus(cfg.data)  # the same batches whatever the schedule (only the layout differs)
+    batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
+                                     cfg.parallel.microbatches) for s in range(args.steps + 1)]
+    out = {kind.value: {"ours": [], "bubble": [], "torch": []} for kind in kinds}
+    for mbs in batches:
+        for kind, player in players.items():
+            row = out[kind.value]
             dist.barrier()
-            t, b, _, _ = ours_step(mbs)
-            ours.append(t)
-            bubbles.append(b)
-            if theirs_step is not None:
+            t, b, _, _ = player[0](mbs)
+            row["ours"].append(t)
+            row["bubble"].append(b)
+            if player[1] is not None:
                 dist.barrier()
                 try:
-                    theirs.append(theirs_step(mbs))
+                    row["torch"].append(player[1](mbs))
                 except Exception as e:  # noqa: BLE001
-                    theirs_step, theirs, err = None, [], f"{type(e).__name__}: {str(e)[:200]}"
+                    player[1], row["torch"], player[2] = None, [], f"{type(e).__name__}: {str(e)[:200]}"
+    for kind, (ours_step, _, err) in players.items():
         dist.barrier()
         _, _, live, step_bytes = ours_step(batches[-1], peak_live_bytes)  # untimed: the profiler slows it
-        out[kind.value] = {"ours": ours[1:], "bubble": bubbles[1:], "torch": theirs[1:] if theirs else None,
-                           "torch_error": err, "peak_live": live, "step_peak_bytes": step_bytes}
+        row = out[kind.value]
+        out[kind.value] = {"ours": row["ours"][1:], "bubble": row["bubble"][1:],
+                           "torch": row["torch"][1:] if row["torch"] else None, "torch_error": err,
+                           "peak_live": live, "step_peak_bytes": step_bytes}
     return out
 
 
