@@ -46,6 +46,7 @@ def config(args: argparse.Namespace, kind: K, pp: int):
         "data.max_bytes": 3_000_000, "parallel.pp": pp, "parallel.schedule": kind.value,
         "parallel.microbatches": args.microbatches, "parallel.micro_batch_size": args.micro_batch_size,
         "parallel.virtual_stages": V_OF.get(kind, 1) if pp > 1 else 1, "run.progress": False, "run.threads": 1,
+        "run.save_final": False,
     })
 
 

@@ -194,6 +194,9 @@ def train_here(cfg: Any) -> int:
     return 0
 
 
+SHARD_SIZE = "5GB"  # export --format hf's default, as transformers' save_pretrained
+
+
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a checkpoint as model.safetensors + config.json",
                        description="Export a checkpoint (any layout) as one safetensors file for inference, or "
@@ -202,7 +205,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
     e.add_argument("--format", choices=("pipezero", "hf"), default="pipezero",
                    help="pipezero: one file under our names; hf: Hugging Face names, shards, config, tokenizer")
-    e.add_argument("--shard-size", default="5GB", help="with --format hf: most bytes a shard (default 5GB)")
+    e.add_argument("--shard-size", default=SHARD_SIZE, help=f"with --format hf: most bytes a shard (default {SHARD_SIZE})")
     e.add_argument("--model-spec", metavar="MODULE:NAME",
                    help="a run of --model-spec: name the same spec (it imports and runs that code)")
     e.set_defaults(func=cmd_export)
@@ -219,6 +222,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("--out is empty: name a new folder for the export")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
+    if args.format == "hf" and args.model_spec:
+        raise ConfigError("--format hf writes the Hugging Face families (llama, mistral, qwen2), never a --model-spec "
+                          "model: drop --model-spec, or --format hf to export it as model.safetensors")
+    if args.format != "hf" and args.shard_size != SHARD_SIZE:
+        raise ConfigError(f"--shard-size {args.shard_size} applies with --format hf (the pipezero format is one "
+                          f"model.safetensors): add --format hf, or drop --shard-size")
     try:
         if args.format == "hf":
             from pipezero.checkpoint.hf_export import export_hf, parse_size
@@ -241,27 +250,50 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
                                    "--ranks-per-node 2 --link 200mbit train --pp 2 --dp 2 --zero 2")
     c.add_argument("--nodes", type=int, required=True, help="emulated nodes")
     c.add_argument("--ranks-per-node", type=int, default=1, help="ranks (torchrun --nproc-per-node) a node")
-    c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit)")
+    c.add_argument("--link", default="200mbit", help="each node's link rate, tc units (kbit, mbit, gbit), e.g. 200mbit")
     c.add_argument("--pin", action="store_true", help="give each node its own share of this host's cores, as "
                                                       "separate machines have (needs a core a node)")
-    c.add_argument("command", nargs=argparse.REMAINDER, help="the pipezero command every node runs")
+    c.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the `train` command every node runs; its pp x dp must be --nodes x --ranks-per-node "
+                        "(checked, with its data, before the cluster is built)")
     c.set_defaults(func=cmd_cluster)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from pipezero.cluster import ClusterSpec, run_on_cluster
+    from pipezero.cluster import ClusterSpec, require_root, run_on_cluster
+    from pipezero.launch import preflight
 
     if not args.command:
         raise ConfigError("pipezero cluster needs a command to run, e.g. `train --pp 2 --dp 2`")
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
-    inner = build_parser().parse_args(args.command)  # a mistake in it: one line here, not every node's
-    if inner.command in ("train", "verify"):  # its settings too, as each node's ranks would read them
-        from pipezero.settings import build_config
+    spec = ClusterSpec(args.nodes, args.link, pin=args.pin)
+    cfg = cluster_job(args.command, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node "
+                      f"{args.ranks_per_node}")
+    require_root()
+    preflight(cfg, args.nodes * args.ranks_per_node)  # data, tokenizer, vocabulary: once, not on every rank
+    return run_on_cluster(spec, args.ranks_per_node, args.command)
 
-        settings, _, names = flag_values(inner)
-        build_config(inner.config, settings, names)
-    return run_on_cluster(ClusterSpec(args.nodes, args.link, pin=args.pin), args.ranks_per_node, args.command)
+
+def cluster_job(argv: Sequence[str], world: int, shape: str) -> Any:
+    """The run every node's ranks would start, checked here as `train` checks it, before the
+    cluster is built: a bad command used to end in a traceback or in every rank's torchrun report."""
+    from pipezero.settings import build_config, build_launch
+
+    parser = build_parser()
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv[0] in commands and argv[0] != "train":
+        raise ConfigError(f"pipezero cluster runs `train` on every node, not `{argv[0]}`: e.g. pipezero cluster "
+                          f"--nodes 2 train --dp 2")
+    inner = parser.parse_args(list(argv))  # a mistake in it: one line here, not every node's
+    settings, launch, names = flag_values(inner)
+    if build_launch(launch, names).nproc is not None:
+        raise ConfigError("--nproc: the cluster starts --ranks-per-node ranks a node; drop --nproc")
+    cfg = build_config(inner.config, settings, names)
+    if cfg.parallel.world_size != world:
+        raise ConfigError(f"train's pp x dp = {cfg.parallel.world_size} but the cluster runs {shape} = {world} "
+                          f"ranks; make them equal")
+    return cfg
 
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:
@@ -276,6 +308,12 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=cmd_verify)
 
 
+# train's settings verify decides itself (verify.layout_config) or has no use for: given, they would
+# be ignored without a word
+VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_checkpoints", "run.save_final",
+               "run.eval_every", "run.sample_tokens", "launch.max_restarts")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
@@ -283,6 +321,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError("--steps must be at least 1")
     settings, launch_values, names = flag_values(args)
+    ignored = [names[k] for k in (*settings, *launch_values) if k in VERIFY_SETS] + (["--force"] if args.force else [])
+    if ignored:
+        raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "
+                          f"without checkpoints; it takes no {ignored[0]}: drop it")
     cfg = build_config(args.config, settings, names)
     return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
 

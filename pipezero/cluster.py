@@ -16,6 +16,7 @@ Needs root and iproute2 (`ip`, `tc`). Everything it creates is named with a tag 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,6 +29,10 @@ from types import TracebackType
 
 from pipezero.errors import ConfigError
 from pipezero.job import children
+
+
+# a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
+RATE = re.compile(r"(\d+(?:\.\d+)?)(?:[kmgt]i?)?(?:bit|bps)")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -54,6 +59,9 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
             raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
+        if not RATE.fullmatch(self.link) or float(RATE.fullmatch(self.link)[1]) <= 0:  # tc would fail mid-build
+            raise ConfigError(f"--link {self.link!r}: a tc rate such as 200mbit (a number > 0, then kbit, mbit, gbit "
+                              f"or bit; tc's bps units are bytes a second)")
         if self.pin and self.nodes > len(os.sched_getaffinity(0)):
             raise ConfigError(f"--pin: {self.nodes} nodes need a core each and this host lends "
                               f"{len(os.sched_getaffinity(0))}; leave out --pin or use fewer nodes")
@@ -71,31 +79,31 @@ def _run(*cmd: str) -> None:
         raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
 
 
-CAP_NET_ADMIN = 12  # the capability bit `ip netns`, veth and tc need
+# what `ip` and `tc` need: links, addresses and qdiscs (NET_ADMIN), a namespace's mount (SYS_ADMIN)
+RIGHTS = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}
 
 
-def has_net_admin(status: str | None = None) -> bool:
-    """Whether this process holds CAP_NET_ADMIN, read from /proc/self/status's CapEff mask (a
-    default container's root lacks it, and `ip netns add` then fails after a traceback)."""
+def missing_rights(status: str | None = None) -> list[str]:
+    """The capabilities of RIGHTS this process lacks, from /proc/self/status's CapEff (`status`: its
+    text). Root in a default container has neither, so `ip` failed there after the euid check passed."""
     if status is None:
         try:
             status = Path("/proc/self/status").read_text()
-        except OSError:
-            return True  # no /proc to ask: let `ip` say
-    for line in status.splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> CAP_NET_ADMIN & 1)
-    return True
+        except OSError:  # not Linux: `ip` itself will say
+            return []
+    held = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return [name for name, bit in RIGHTS.items() if not held >> bit & 1]
 
 
 def require_root() -> None:
     """One line, before anything is created, when this host cannot build namespaces."""
     if os.geteuid() != 0:
         raise ConfigError("the emulated cluster needs root (network namespaces, veth, tc): run as root")
-    if not has_net_admin():
-        raise ConfigError("the emulated cluster needs network-admin rights (CAP_NET_ADMIN) to build namespaces, "
-                          "veth and tc, and this root has none: run it on a host, or a container started with "
-                          "--cap-add NET_ADMIN")
+    lacking = missing_rights()
+    if lacking:
+        raise ConfigError(f"this root lacks {' and '.join(lacking)}, which network namespaces, veth and tc need "
+                          f"(a default container's root has neither): run the container with --cap-add NET_ADMIN "
+                          f"--cap-add SYS_ADMIN, or --privileged")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         raise ConfigError(f"the emulated cluster needs iproute2's {' and '.join(missing)}: install iproute2")
@@ -270,3 +278,6 @@ def run_on_cluster(spec: ClusterSpec, ranks_per_node: int, argv: Sequence[str], 
     except KeyboardInterrupt:
         print("pipezero: stopped; the emulated cluster is removed", file=sys.stderr, flush=True)
         return 130
+    except ClusterError as e:  # `ip` or `tc` refused a step (a rate tc cannot shape, a name taken): one line
+        print(f"pipezero: error: the emulated cluster failed: {e}", file=sys.stderr, flush=True)
+        return 1

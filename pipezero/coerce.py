@@ -37,10 +37,17 @@ class Range:
     def describe(self) -> str:
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.open_low else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.open_low else '>='} {_bound(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<' if self.open_high else '<='} {self.high:g}")
+            parts.append(f"{'<' if self.open_high else '<='} {_bound(self.high)}")
         return " and ".join(parts)
+
+
+def _bound(x: float) -> str:
+    """A bound as the user would type it: whole numbers below 1e7 in full (1048576, not 1.04858e+06)."""
+    if isinstance(x, int) and not isinstance(x, bool):  # an integer bound, exact: 2^64 - 1 is not 1.84467e+19
+        return str(x)
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e7 else f"{x:g}"
 
 
 def _plain(ftype: Any) -> tuple[Any, bool]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,134 +62,188 @@ def all_sum(values: list[float], group: object | None, timeout_s: float, what: s
     return t.tolist()
 
 
+@dataclass
+class Trainer:
+    """One rank's run: `set_up` once (process group, corpus, stage, resume, what the run writes),
+    then `step` for each step, then `finish`. The stage is the rank's plan and the state that plays
+    it; this object holds the run's own progress: data read, tokens trained, bad steps in a row,
+    the figures the summary reports. `train` drives it; a step is one call, so a caller (a test, a
+    notebook) can stop between any two."""
+
+    cfg: TrainConfig
+    stage: Stage
+    corpus: Corpus
+    spec: ModelSpec | None  # a model of one's own, else cfg.model's
+    frozen: list[tuple[str, torch.nn.Parameter]]  # --freeze: saved whole, no optimizer state
+    result: RunResult
+    start: int  # the first step to train (a resumed run's checkpoint step)
+    read: int  # samples read so far (the data position)
+    trained: int  # targets trained on so far
+    bad_in_a_row: int
+    eval_set: list
+    eval_tokens: int
+    metrics: MetricsLog | None  # rank 0's
+    board: TensorBoardLog | None
+    sync: Callable[[], None]
+    peak_live: int = 0
+    peak_gathered_run: int = 0
+    bubbles: list[float] = field(default_factory=list)  # per steady step: share spent blocked on peers
+
+    @classmethod
+    def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None) -> Trainer:
+        p, r = cfg.parallel, cfg.run
+        if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
+            require_tensorboard()
+        rank, device = init_distributed(cfg)
+        use_tf32(device)
+        torch.manual_seed(r.seed)
+        torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
+        corpus = load_corpus(cfg.data)
+        model = spec or spec_of(cfg.model)
+        check_corpus(cfg, corpus, model.vocab_size)
+        stage = build_stage(cfg, rank, device=device, spec=model)
+        frozen = frozen_params(stage.chunks)
+        found = resume(cfg, stage.zero, frozen, spec)
+        start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
+        g = cfg.global_batch
+        # samples read before `start`: saved with the checkpoint, so a resume with another global batch
+        # goes on where the data stopped (checkpoints from before this was saved: start x G)
+        read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
+        lead, out = rank == 0, Path(r.out)
+        if lead:
+            out.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(out / "config.json", cfg.to_dict())
+            if cfg.model.pretrained is not None:  # what `export --format hf` writes back beside the weights
+                from pipezero.models.hf import keep_metadata
+
+                keep_metadata(Path(cfg.model.pretrained), out / "hf")
+        # The held-out windows: `eval_batches` global batches of them, spaced over the held-out data, so
+        # which windows (and so the held-out loss) depends on the global batch alone, never on P, D, M
+        # or B; each replica evaluates its share, cut as training cuts a batch.
+        (held,) = corpus.eval_batches(1, r.eval_batches * g, cfg.data.seq_len)
+        eval_set = corpus.microbatches(held, stage.mesh.dp_rank, p.dp, r.eval_batches * p.microbatches)
+        metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
+        # tokens trained on so far (targets that carry loss: not padding, not ignored boundaries);
+        # without the old log's figure, the windows read so far
+        trained = metrics.tokens if metrics and metrics.tokens is not None else read * cfg.data.seq_len
+        result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
+        return cls(cfg, stage, corpus, spec, frozen, result, start, read, trained, bad_in_a_row, eval_set,
+                   int((held[1] != IGNORE).sum()), metrics, TensorBoardLog(out) if lead and r.tensorboard else None,
+                   synchronizer(device) or (lambda: None))
+
+    @property
+    def shows_progress(self) -> bool:
+        return self.cfg.run.progress and self.stage.mesh.rank == 0
+
+    def announce(self, progress: StepProgress) -> None:
+        """The run's opening lines: model, corpus, layout, a learning-rate warning."""
+        cfg, p, stage = self.cfg, self.cfg.parallel, self.stage
+        progress.console.print(
+            f"model {cfg.model.preset if self.spec is None else type(self.spec).__name__}: "
+            f"{sum(stage.spec.layer_param_counts()) / 1e6:.2f}M parameters, "
+            f"{stage.spec.flops_per_token(cfg.data.seq_len) / 1e6:.1f} MFLOP/token; corpus {self.corpus.source}: "
+            f"{len(self.corpus.train):,} train tokens, unigram baseline {self.result.unigram:.3f} nats; "
+            f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
+            f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
+            f"{[b - a for a, b in stage.bounds]}")
+        if note := short_of_peak(cfg.optim, cfg.run.max_steps):
+            progress.console.print(f"warning: {note}")
+
+    def step(self, step: int) -> dict:
+        """Train step `step` (0-based), evaluate and save when due; the step's metrics record."""
+        cfg, p, r, stage, result = self.cfg, self.cfg.parallel, self.cfg.run, self.stage, self.result
+        lr = lr_at(step, cfg.optim, r.max_steps)
+        t0 = time.perf_counter()
+        stage.tracer.step = step + 1  # the one step counter: p2p's and ZeRO's messages read it too
+        g = cfg.global_batch
+        batch = self.corpus.batch(step, self.read, r.seed, g, cfg.data.seq_len)
+        self.read += g
+        mbs = self.corpus.microbatches(batch, stage.mesh.dp_rank, p.dp, p.microbatches)
+        self.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
+        stage.zero.reset_peak()  # from here to the optimizer step: this step's training
+        stage.zero.begin_step()
+        # the mean over the global batch's targets; packing ignores those across a document boundary
+        counted = int((batch[1] != IGNORE).sum())
+        stats = stage.executor.run(stage.program, mbs, max(1, counted))
+        self.peak_live = max(self.peak_live, stats.peak_live)
+        outcome = stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, stats.loss)
+        self.bad_in_a_row = 0 if outcome.applied else 1 + self.bad_in_a_row
+        if not outcome.applied:
+            report_nonfinite(outcome, float(stats.loss), step + 1, stage.mesh.pp_rank, self.bad_in_a_row,
+                             r.max_bad_steps)
+            result.skipped_steps.append(step + 1)
+        self.sync()  # the step's time includes its queued kernels (the optimizer's, the gathers')
+        dt = time.perf_counter() - t0
+        busy = stage.executor.clock.busy_share()  # GPU: idle time between compute actions
+        bubble = 1.0 - busy if busy is not None else \
+            stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0  # CPU: share blocked on peers
+        steady = step > self.start or r.max_steps == 1  # the first step pays one-off costs (allocations, warm-up)
+        if steady:
+            self.bubbles.append(bubble)
+        stage.peaks.mark("train" if steady else None)  # not the first step's
+        result.losses.append(outcome.loss)
+        result.grad_norms.append(outcome.grad_norm)
+        result.peak_rss_training = rss = peak_rss_bytes()  # before this step's evaluation
+        self.trained += counted
+        record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
+                  "grad_norm": finite_or_none(outcome.grad_norm), "tokens": self.trained,
+                  "step_time_s": dt, "tokens_per_s": counted / dt,
+                  "bubble": bubble, "peak_rss_mib": rss / 2**20,  # this (the writing) rank's
+                  "bytes_sent": stage.executor.p2p.bytes_sent + stage.zero.bytes_sent}  # so far, before eval
+        if not outcome.applied:
+            record["skipped"] = True
+        result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
+        if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
+            record["heldout_loss"] = result.heldout[step + 1] = self.evaluate()
+        if self.metrics:
+            self.metrics.write(record)
+        if self.board:
+            self.board.write(record)
+        if saves_after(cfg, step + 1):
+            save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read},
+                 frozen=self.frozen, spec=self.spec)
+        return record
+
+    def evaluate(self) -> float:
+        return evaluate(self.stage, self.eval_set, self.eval_tokens)
+
+    def finish(self, progress: StepProgress | None, snapshot: bool = False) -> RunResult:
+        """After the last step: the final evaluation if a resume skipped it, the text sample, and
+        summary.json; with `snapshot`, this rank's final parameters (a full copy: tests, not big runs)."""
+        cfg, stage, result = self.cfg, self.stage, self.result
+        stage.zero.settle()  # nothing in flight past the loop
+        if self.metrics:
+            self.metrics.close()
+        if cfg.run.max_steps not in result.heldout:  # resumed from a checkpoint of the last step
+            result.heldout[cfg.run.max_steps] = self.evaluate()
+        result.peak_live = self.peak_live
+        result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
+        result.sample_text = end_sample(cfg, stage, self.corpus)
+        result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
+        finish_run(cfg, stage, self.corpus, result, progress, self.board)
+        if self.board:
+            self.board.close()
+        if snapshot:  # every rank takes part: ZeRO-3 gathers are collectives
+            named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]
+            stage.zero.gather_all()
+            result.params = {n: q.detach().clone() for n, q in named}  # frozen too
+            stage.zero.release_all()
+        return result
+
+
 def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs).
     `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's."""
-    p, r = cfg.parallel, cfg.run
-    if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
-        require_tensorboard()
-    rank, device = init_distributed(cfg)
-    use_tf32(device)
-    sync = synchronizer(device) or (lambda: None)
-    torch.manual_seed(r.seed)
-    torch.set_num_threads(r.threads or default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", p.world_size))))
-    corpus = load_corpus(cfg.data)
-    model = spec or spec_of(cfg.model)
-    check_corpus(cfg, corpus, model.vocab_size)
-    stage = build_stage(cfg, rank, device=device, spec=model)
-    mesh, groups = stage.mesh, stage.groups
-    named = [(n, q) for c in sorted(stage.chunks) for n, q in stage.chunks[c].named_parameters()]  # frozen too
-    frozen = frozen_params(stage.chunks)
-    found = resume(cfg, stage.zero, frozen, spec)
-    start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
-    seq_len, g = cfg.data.seq_len, cfg.global_batch
-    # samples read before `start`: saved with the checkpoint, so a resume with another global batch
-    # goes on where the data stopped (checkpoints from before this was saved: start x G)
-    read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
-    lead = rank == 0
-    out = Path(r.out)
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out / "config.json", cfg.to_dict())
-        if cfg.model.pretrained is not None:  # what `export --format hf` writes back beside the weights
-            from pipezero.models.hf import keep_metadata
-
-            keep_metadata(Path(cfg.model.pretrained), out / "hf")
-    # The held-out windows: `eval_batches` global batches of them, spaced over the held-out data, so
-    # which windows (and so the held-out loss) depends on the global batch alone, never on P, D, M
-    # or B; each replica evaluates its share, cut as training cuts a batch.
-    (held,) = corpus.eval_batches(1, r.eval_batches * g, seq_len)
-    eval_set = corpus.microbatches(held, mesh.dp_rank, p.dp, r.eval_batches * p.microbatches)
-    eval_tokens = int((held[1] != IGNORE).sum())
-    result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
-    show = r.progress and lead
-    metrics = MetricsLog(out / "metrics.jsonl", keep_steps=start) if lead else None
-    # tokens trained on so far (targets that carry loss: not padding, not ignored boundaries);
-    # without the old log's figure, the windows read so far
-    trained = metrics.tokens if metrics and metrics.tokens is not None else read * seq_len
-    board = TensorBoardLog(out) if lead and r.tensorboard else None
-    peak_live = peak_gathered_run = 0
-    bubbles: list[float] = []  # per step: share of the schedule this rank spent blocked on peers
-    with StepProgress(r.max_steps, start, show) as progress:
+    trainer = Trainer.set_up(cfg, spec)
+    show = trainer.shows_progress
+    with StepProgress(cfg.run.max_steps, trainer.start, show) as progress:
         if show:
-            progress.console.print(
-                f"model {cfg.model.preset if spec is None else type(spec).__name__}: "
-                f"{sum(stage.spec.layer_param_counts()) / 1e6:.2f}M parameters, "
-                f"{stage.spec.flops_per_token(seq_len) / 1e6:.1f} MFLOP/token; corpus {corpus.source}: "
-                f"{len(corpus.train):,} train tokens, unigram baseline {result.unigram:.3f} nats; "
-                f"layout pp={p.pp} dp={p.dp} zero={p.zero} schedule={p.schedule.value} M={p.microbatches}; "
-                f"layers per stage chunk (embedding + blocks + head, policy {p.partition.value}): "
-                f"{[b - a for a, b in stage.bounds]}")
-            if note := short_of_peak(cfg.optim, r.max_steps):
-                progress.console.print(f"warning: {note}")
-        for step in range(start, r.max_steps):
-            lr = lr_at(step, cfg.optim, r.max_steps)
-            t0 = time.perf_counter()
-            stage.tracer.step = step + 1  # the one step counter: p2p's and ZeRO's messages read it too
-            batch = corpus.batch(step, read, r.seed, g, seq_len)
-            read += g
-            mbs = corpus.microbatches(batch, mesh.dp_rank, p.dp, p.microbatches)
-            peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)  # incl. evaluations
-            stage.zero.reset_peak()  # from here to the optimizer step: this step's training
-            stage.zero.begin_step()
-            # the mean over the global batch's targets; packing ignores those across a document boundary
-            counted = int((batch[1] != IGNORE).sum())
-            denom = max(1, counted)
-            stats = stage.executor.run(stage.program, mbs, denom)
-            peak_live = max(peak_live, stats.peak_live)
-            outcome = stage.zero.step(lr, cfg.optim.grad_clip, groups.world, stats.loss)
-            bad_in_a_row = 0 if outcome.applied else 1 + bad_in_a_row
-            if not outcome.applied:
-                report_nonfinite(outcome, float(stats.loss), step + 1, mesh.pp_rank, bad_in_a_row, r.max_bad_steps)
-                result.skipped_steps.append(step + 1)
-            sync()  # the step's time includes its queued kernels (the optimizer's, the gathers')
-            dt = time.perf_counter() - t0
-            busy = stage.executor.clock.busy_share()  # GPU: idle time between compute actions
-            bubble = 1.0 - busy if busy is not None else \
-                stats.wait_s / stats.elapsed_s if stats.elapsed_s else 0.0  # CPU: share blocked on peers
-            steady = step > start or r.max_steps == 1  # the first step pays one-off costs (allocations, warm-up)
-            if steady:
-                bubbles.append(bubble)
-            stage.peaks.mark("train" if steady else None)  # not the first step's
-            result.losses.append(outcome.loss)
-            result.grad_norms.append(outcome.grad_norm)
-            result.peak_rss_training = rss = peak_rss_bytes()  # before this step's evaluation
-            trained += counted
-            record = {"step": step + 1, "loss": finite_or_none(outcome.loss), "lr": lr,
-                      "grad_norm": finite_or_none(outcome.grad_norm), "tokens": trained,
-                      "step_time_s": dt, "tokens_per_s": counted / dt,
-                      "bubble": bubble, "peak_rss_mib": rss / 2**20,  # this (the writing) rank's
-                      "bytes_sent": stage.executor.p2p.bytes_sent + stage.zero.bytes_sent}  # so far, before eval
-            if not outcome.applied:
-                record["skipped"] = True
-            result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
-            if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
-                record["heldout_loss"] = result.heldout[step + 1] = evaluate(stage, eval_set, eval_tokens)
-            if metrics:
-                metrics.write(record)
-            if board:
-                board.write(record)
-            if saves_after(cfg, step + 1):
-                save(cfg, stage.zero, step + 1, bad_in_a_row, data={"samples": read}, frozen=frozen, spec=spec)
-            progress.update(step, outcome.loss, record["tokens_per_s"])
-    stage.zero.settle()  # nothing in flight past the loop
-    if metrics:
-        metrics.close()
-    if r.max_steps not in result.heldout:  # resumed from a checkpoint of the last step
-        result.heldout[r.max_steps] = evaluate(stage, eval_set, eval_tokens)
-    result.peak_live = peak_live
-    result.measured_bubble = sum(bubbles) / len(bubbles) if bubbles else 0.0
-    result.sample_text = end_sample(cfg, stage, corpus)
-    result.peak_gathered_run = max(peak_gathered_run, stage.zero.peak_gathered)
-    finish_run(cfg, stage, corpus, result, progress if show else None, board)
-    if board:
-        board.close()
-    if snapshot:  # a full copy (tests); every rank takes part: ZeRO-3 gathers are collectives
-        stage.zero.gather_all()
-        result.params = {n: q.detach().clone() for n, q in named}
-        stage.zero.release_all()
-    return result
+            trainer.announce(progress)
+        for step in range(trainer.start, cfg.run.max_steps):
+            record = trainer.step(step)
+            progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
+    return trainer.finish(progress if show else None, snapshot)
 
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:

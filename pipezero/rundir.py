@@ -12,7 +12,8 @@ Each run has an id, kept in `DIR/.run-id` and written into its checkpoints' mani
 deletes only checkpoints of the same id, and resuming takes only those, so a `--force` run never
 deletes or continues from the checkpoints of the run it trained beside; a `--force` run that would
 save a step that run saved (the same `step-N` folder) is refused before it starts. `--resume` keeps
-the id.
+the id; in a folder that holds a run's file names (config.json, metrics.jsonl, ...) but was never
+claimed and holds no checkpoints, it is refused: those files are someone else's.
 
 A run refused after its claim (the corpus too small for a batch, a checkpoint of another model),
 or one that failed before writing anything, leaves the folder as the claim found it: no `.lock`, no
@@ -36,6 +37,9 @@ from pipezero.util import atomic_write_bytes, make_folders, remove_made
 LOCK = ".lock"
 RUN_ID = ".run-id"
 HELD_BY_LAUNCHER = "PIPEZERO_RUN_CLAIMED"  # set for the ranks a launcher started: it holds the lock
+# what a run writes at the top of its folder (engine.py, summary.py, telemetry/): in a folder no run
+# claimed, --resume would replace them
+RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "trace.json", "trace.png", "tensorboard", "hf"}
 
 
 def run_id(out: str | Path) -> str | None:
@@ -167,6 +171,11 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
+        foreign = sorted(set(held.found.entries) & RUN_FILES)
+        if resume and not force and previous is None and foreign and "checkpoints" not in held.found.entries:
+            raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
+                              f"no checkpoints), and --resume would write over them: choose another --out, or pass "
+                              f"--force to train there anyway")
         clash = clashes() if held.found.entries and force and not resume and clashes else None
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")

@@ -32,18 +32,29 @@ RANGES: dict[str, Range] = {
     "model.norm_eps": POSITIVE, "model.rope_theta": POSITIVE, "model.rope_llama3": POSITIVE,
     **{f"parallel.{k}": POSITIVE_INT for k in ("pp", "dp", "microbatches", "micro_batch_size", "virtual_stages")},
     "parallel.zero": Range(0, 3), "parallel.stage_layers": NON_NEGATIVE,
-    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": POSITIVE, "parallel.ranks_per_node": POSITIVE_INT,
-    "parallel.buckets_in_flight": POSITIVE_INT, "parallel.quant_block": POSITIVE_INT,
+    # a week: every wait is bounded by it, and 1e300 s overflowed the process group's timedelta on each rank
+    "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(0, 7 * 86400, open_low=True),
+    "parallel.ranks_per_node": POSITIVE_INT,
+    "parallel.buckets_in_flight": POSITIVE_INT,
+    # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
+    "parallel.quant_block": Range(1, 1 << 20),
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
     "optim.beta2": Range(0, 1, open_high=True), "optim.eps": POSITIVE, "optim.grad_clip": NON_NEGATIVE,
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
     "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
-    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps", "threads",
+    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps",
                                           "trace_steps")},
-    **{f"run.{k}": NON_NEGATIVE for k in ("seed", "eval_every", "sample_tokens", "checkpoint_every")},
-    "launch.nproc": POSITIVE_INT, "launch.max_restarts": NON_NEGATIVE,
+    "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
+    **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
+    # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
+    # a seed of 2^64 was a traceback; 32 bits leave that product room
+    "run.seed": Range(0, 2**32 - 1),
+    "run.sample_tokens": Range(0, 4096),  # a token a whole forward (no cache): 1e11 never ended
+    # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would
+    # exhaust the host's memory and process table; more ranks than this run under an outside torchrun
+    "launch.nproc": Range(1, 256), "launch.max_restarts": NON_NEGATIVE,
 }
 
 

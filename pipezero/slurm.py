@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 from pipezero.errors import ConfigError
@@ -49,9 +49,10 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def _bracket_values(body: str) -> list[str]:
-    """`01-04,07` -> 01 02 03 04 07: each number as wide as the range's first (Slurm's padding)."""
-    values = []
+def _bracket_ranges(body: str) -> list[tuple[int, int, int]]:
+    """`01-04,07` -> (1, 4, 2), (7, 7, 2): each range's first and last number and its width (Slurm
+    pads each number as wide as the range's first)."""
+    ranges = []
     for item in body.split(","):
         lo, sep, hi = item.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
@@ -59,33 +60,69 @@ def _bracket_values(body: str) -> list[str]:
         last = int(hi) if sep else int(lo)
         if last < int(lo):
             raise ValueError(f"[{body}] has a descending range {item!r}")
-        values += [str(n).zfill(len(lo)) for n in range(int(lo), last + 1)]
-    return values
+        ranges.append((int(lo), last, len(lo)))
+    return ranges
 
 
-def _expand_one(pattern: str) -> list[str]:
-    """One host expression: literal text and bracket groups, every combination in order."""
+def _expand_one(pattern: str) -> Iterator[str]:
+    """One host expression: literal text and bracket groups, every combination in order. Checked
+    whole here, expanded lazily: `n[1-1000000000]` is one line to parse, not a billion names."""
     if not pattern:
         raise ValueError("an empty host name")
     pieces = re.split(r"(\[[^\]]*\])", pattern)
-    choices = [_bracket_values(p[1:-1]) if p.startswith("[") else [p] for p in pieces if p]
-    return ["".join(combo) for combo in itertools.product(*choices)]
+    groups = [_bracket_ranges(p[1:-1]) if p.startswith("[") else p for p in pieces if p]
+    return _combinations(groups)
+
+
+def _combinations(groups: list[str | list[tuple[int, int, int]]]) -> Iterator[str]:
+    """Each name the groups spell, the first group varying slowest (itertools.product would first
+    hold every group's values whole)."""
+    if not groups:
+        yield ""
+        return
+    head = [groups[0]] if isinstance(groups[0], str) else (
+        str(n).zfill(width) for lo, hi, width in groups[0] for n in range(lo, hi + 1))
+    for value in head:
+        for rest in _combinations(groups[1:]):
+            yield value + rest
+
+
+def hosts(text: str) -> Iterator[str]:
+    """Slurm's compressed host list (`gpu[01-04,07],cpu3`) as host names, in Slurm's order: every
+    part checked at once (a ValueError), the names made as they are read."""
+    parts = [_expand_one(part) for part in _split_top_level(text)]
+    return itertools.chain.from_iterable(parts)
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list (`gpu[01-04,07],cpu3`) as host names, in Slurm's order."""
-    return [host for part in _split_top_level(text) for host in _expand_one(part)]
+    """Every host of Slurm's compressed host list, in order."""
+    return list(hosts(text))
+
+
+def _task_runs(text: str) -> list[tuple[int, int]]:
+    """SLURM_TASKS_PER_NODE's form (`2(x3),1`) as (tasks, nodes) runs, unexpanded."""
+    runs = []
+    for item in text.split(","):
+        m = _REPEAT.fullmatch(item)
+        if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
+            raise ValueError(f"{item!r} is not N or N(xK) with N, K >= 1")
+        runs.append((int(m.group(1)), int(m.group(2) or 1)))
+    return runs
 
 
 def tasks_per_node(text: str) -> list[int]:
     """SLURM_TASKS_PER_NODE's form (`2(x3),1`: three nodes of 2 tasks, then one of 1), one count a node."""
-    counts: list[int] = []
-    for item in text.split(","):
-        m = _REPEAT.fullmatch(item)
-        if not m or int(m.group(1)) < 1:
-            raise ValueError(f"{item!r} is not N or N(xK) with N >= 1")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts
+    return [tasks for tasks, nodes in _task_runs(text) for _ in range(nodes)]
+
+
+def tasks_on_node(text: str, node: int) -> int | None:
+    """The tasks of node `node` in SLURM_TASKS_PER_NODE's form, None past its nodes; found without
+    expanding the runs (`2(x1000000000)` is one run, not a billion counts)."""
+    for tasks, nodes in _task_runs(text):
+        if 0 <= node < nodes:
+            return tasks
+        node -= nodes
+    return None
 
 
 def job_port(job_id: str) -> int:
@@ -99,7 +136,8 @@ def _read(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> T:
     try:
         return parse(env[name])
     except ValueError as e:
-        raise ConfigError(f"{name}={env[name]!r} is not what Slurm sets ({e}); "
+        shown = env[name] if len(env[name]) <= 80 else env[name][:77] + "..."
+        raise ConfigError(f"{name}={shown!r} is not what Slurm sets ({str(e)[:200]}); "
                           f"run under srun, or unset it") from None
 
 
@@ -112,11 +150,12 @@ def _local_world_size(env: Mapping[str, str]) -> tuple[int, str]:
     else --ntasks-per-node, else all tasks on one node."""
     layout = _first(env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
     if layout:
-        counts = _read(env, layout, tasks_per_node)
         node = _read(env, "SLURM_NODEID", int) if "SLURM_NODEID" in env else 0
-        if not 0 <= node < len(counts):
-            raise ConfigError(f"SLURM_NODEID={node} but {layout}={env[layout]!r} lists {len(counts)} nodes")
-        return counts[node], layout
+        count = _read(env, layout, lambda text: tasks_on_node(text, node))
+        if count is None:
+            nodes = sum(n for _, n in _task_runs(env[layout]))
+            raise ConfigError(f"SLURM_NODEID={node} but {layout}={env[layout]!r} lists {nodes} nodes")
+        return count, layout
     if env.get("SLURM_NTASKS_PER_NODE"):
         return _read(env, "SLURM_NTASKS_PER_NODE", int), "SLURM_NTASKS_PER_NODE"
     return _read(env, "SLURM_NTASKS", int), "SLURM_NTASKS"
@@ -129,6 +168,18 @@ def _refuse_disagreement(env: Mapping[str, str], ours: dict[str, str], sources: 
         if name in env and env[name] != value:
             raise ConfigError(f"{name}={env[name]} but {sources[name]} says {value} for this srun task: unset "
                               f"{name} (srun numbers its tasks), or start the ranks with `srun torchrun`")
+
+
+def _check_numbers(ours: dict[str, str], sources: dict[str, str]) -> None:
+    """Ranks within the world and local ranks within the node: a task numbered past them would wait
+    at the rendezvous for peers that never come (until --timeout), or index a device it lacks."""
+    rank, world, local, local_world = (int(ours[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    if world < 1:
+        raise ConfigError(f"{sources['WORLD_SIZE']}={world}: a step has at least one task; run under srun, or unset it")
+    for name, value, bound in (("RANK", rank, world), ("LOCAL_RANK", local, local_world)):
+        if not 0 <= value < bound:
+            raise ConfigError(f"{sources[name]}={value} is not a task of {bound} ({sources[name.replace('RANK', 'WORLD_SIZE')]}"
+                              f"); these are Slurm's variables: run under srun, or unset them")
 
 
 def in_srun_step(env: Mapping[str, str]) -> bool:
@@ -147,14 +198,18 @@ def rank_variables(env: Mapping[str, str]) -> dict[str, str]:
             "LOCAL_RANK": str(_read(env, "SLURM_LOCALID", int)), "LOCAL_WORLD_SIZE": str(local_world)}
     sources = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID",
                "LOCAL_WORLD_SIZE": f"the tasks per node ({layout})"}
+    _check_numbers(ours, sources)
     _refuse_disagreement(env, ours, sources)
     if ours["WORLD_SIZE"] == "1":
         return {}
+    if "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit() and 1 <= int(env["MASTER_PORT"]) <= 65535):
+        raise ConfigError(f"MASTER_PORT={env['MASTER_PORT'][:80]!r} is not a port (1 to 65535): set a free port, or "
+                          f"unset it (the job's port then follows SLURM_JOB_ID)")
     nodes = _first(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
     if "MASTER_ADDR" not in env and not nodes:
         raise ConfigError("an srun task without SLURM_JOB_NODELIST: set MASTER_ADDR to the host of rank 0")
     if "MASTER_PORT" not in env and not env.get("SLURM_JOB_ID"):
         raise ConfigError("an srun task without SLURM_JOB_ID: set MASTER_PORT for the rendezvous")
     return {**ours,
-            "MASTER_ADDR": env.get("MASTER_ADDR") or _read(env, nodes, expand_hostlist)[0],
+            "MASTER_ADDR": env.get("MASTER_ADDR") or _read(env, nodes, lambda text: next(hosts(text))),
             "MASTER_PORT": env.get("MASTER_PORT") or str(_read(env, "SLURM_JOB_ID", job_port))}

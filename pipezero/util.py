@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -23,9 +24,9 @@ def _cache_root() -> tuple[Path, str]:
     return Path(os.path.expanduser("~/.cache")) / "pipezero", "the default, ~/.cache/pipezero"
 
 
-def cache_error(path: Path, source: str, what: str, e: OSError) -> ConfigError:
-    return ConfigError(f"the cache folder {path} ({source}) {what} ({e.strerror or e}); point PIPEZERO_CACHE at a "
-                       f"folder you can write")
+def cache_error(path: Path, source: str, what: str, e: OSError,
+                fix: str = "point PIPEZERO_CACHE at a folder you can write") -> ConfigError:
+    return ConfigError(f"the cache folder {path} ({source}) {what} ({e.strerror or e}); {fix}")
 
 
 def cache_dir() -> Path:
@@ -77,14 +78,27 @@ def cache_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# A write to the cache that failed for want of room or rights: the user's to fix (another folder,
+# free space), not a bug. A build removes what it had written before it raises.
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
+
 def build_once(name: str, ready: Callable[[], bool], build: Callable[[], None]) -> None:
     """`build()` the cache entry `name` unless `ready()`: among the processes sharing the cache,
-    one builds it while the others wait on its lock, then find it ready."""
+    one builds it while the others wait on its lock, then find it ready. A disk that fills up
+    during the build is one line naming the cache folder."""
     if ready():
         return
     with cache_lock(name):
         if not ready():
-            build()
+            try:
+                build()
+            except OSError as e:
+                if e.errno not in FULL:
+                    raise
+                path, source = _cache_root()
+                raise cache_error(path, source, f"could not hold {name}", e,
+                                  "free space there, or point PIPEZERO_CACHE at a folder with room") from None
 
 
 def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:

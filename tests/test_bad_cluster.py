@@ -1,4 +1,6 @@
-"""`pipezero cluster` refuses, in one line and before building anything, what it cannot run."""
+"""`pipezero cluster` refuses, in one line and before building anything, what it cannot run: an
+inner command other than a `train` the CLI would accept on this cluster's ranks, a bad --link, data
+the ranks could not read, a host whose root cannot build namespaces."""
 
 from __future__ import annotations
 
@@ -9,37 +11,82 @@ from one_line import assert_one_line, run_main
 
 @pytest.fixture
 def nothing_built(monkeypatch):
-    """Fail the test if the cluster would be built."""
-    def build(*args, **kwargs):
-        raise AssertionError("the cluster was built")
+    """Building a cluster fails the test: every case here must be refused before."""
+    import pipezero.cluster
 
-    monkeypatch.setattr("pipezero.cluster.EmulatedCluster.__enter__", build)
+    def built(*a, **kw):  # noqa: ANN002, ANN003
+        raise AssertionError("a cluster was built for a refused command")
 
-
-@pytest.mark.parametrize("inner, needle", [
-    (["trian", "--pp", "2"], "invalid choice: 'trian'"),  # 37 lines of every node's torchrun before
-    (["train", "--pp", "two"], "--pp"),
-    (["train", "--no-such-flag"], "--no-such-flag"),
-])
-def test_a_wrong_inner_command_is_one_line_before_the_cluster_is_built(inner, needle, nothing_built, capsys):
-    assert_one_line(*run_main(["cluster", "--nodes", "2", *inner], capsys), needle)
+    monkeypatch.setattr(pipezero.cluster, "run_on_cluster", built)
+    monkeypatch.setattr(pipezero.cluster.EmulatedCluster, "__enter__", built)
 
 
-def test_root_without_network_admin_rights_is_one_line(monkeypatch, capsys):
+@pytest.fixture
+def host_ok(monkeypatch):
+    """This host may build clusters, whoever runs the test (the cases are about the command)."""
+    import pipezero.cluster
+
+    monkeypatch.setattr(pipezero.cluster, "require_root", lambda: None)
+
+
+CASES = [
+    # 37 lines of every node's torchrun before
+    (["cluster", "--nodes", "2", "trian", "--pp", "2"], "invalid choice: 'trian'"),
+    (["cluster", "--nodes", "2", "plan", "--preset", "tiny"], "pipezero cluster runs `train` on every node, not `plan`"),
+    (["cluster", "--nodes", "2", "verify", "--dp", "2"], "pipezero cluster runs `train` on every node, not `verify`"),
+    (["cluster", "--nodes", "2", "train", "--pp", "two"], "--pp"),
+    (["cluster", "--nodes", "2", "train", "--pp", "0"], "--pp 0: expected an integer >= 1"),
+    (["cluster", "--nodes", "2", "train", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["cluster", "--nodes", "2", "train"],
+     "train's pp x dp = 1 but the cluster runs --nodes 2 x --ranks-per-node 1 = 2 ranks; make them equal"),
+    (["cluster", "--nodes", "2", "train", "--dp", "2", "--nproc", "4"],
+     "--nproc: the cluster starts --ranks-per-node ranks a node; drop --nproc"),
+    (["cluster", "--nodes", "2", "--link", "fast", "train", "--dp", "2"],
+     "--link 'fast': a tc rate such as 200mbit"),
+    (["cluster", "--nodes", "2", "--link", "0mbit", "train", "--dp", "2"], "--link '0mbit': a tc rate such as 200mbit"),
+    (["cluster", "--nodes", "2", "train", "--dp", "2", "--data", "/no/such/docs"], "/no/such/docs"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CASES, ids=[" ".join(c[0][3:6]) for c in CASES])
+def test_a_bad_cluster_command_is_one_line_before_anything_is_built(argv, needle, nothing_built, host_ok, capsys):
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_rights_are_read_from_the_effective_capabilities():
+    from pipezero.cluster import missing_rights
+
+    assert missing_rights("Name:\tpython\nCapEff:\t000001ffffffffff\n") == []  # a host's root
+    assert missing_rights("Name:\tpython\nCapEff:\t00000000a80425fb\n") == ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]  # docker
+    assert missing_rights("CapEff:\t0000000000001000\n") == ["CAP_SYS_ADMIN"]
+    assert missing_rights("CapEff:\t0000000000000000\n") == ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+    assert missing_rights("Name:\tpython\n") == ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]
+
+
+def test_root_without_network_rights_is_one_line_before_anything_is_built(nothing_built, monkeypatch, capsys):
     """A default container's root: `ip netns add` failed with a ClusterError traceback."""
-    import os
+    import pipezero.cluster as cluster
 
-    from pipezero import cluster
+    monkeypatch.setattr(cluster, "missing_rights", lambda status=None: ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"])
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 0)
+    assert_one_line(*run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys),
+                    "lacks CAP_NET_ADMIN and CAP_SYS_ADMIN")
 
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(cluster, "has_net_admin", lambda status=None: False)
-    assert_one_line(*run_main(["cluster", "--nodes", "2", "train", "--pp", "2"], capsys), "CAP_NET_ADMIN")
 
+def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
+    """`tc` refusing the link's rate mid-build was a ClusterError traceback (after the teardown)."""
+    import pipezero.cluster as cluster
 
-def test_net_admin_is_read_from_the_effective_capabilities():
-    from pipezero.cluster import has_net_admin
+    made: list[str] = []
 
-    assert has_net_admin("Name:\tpython\nCapEff:\t000001ffffffffff\n")  # a host's root
-    assert not has_net_admin("CapEff:\t00000000a80425fb\n")  # a default container's root: bit 12 clear
-    assert not has_net_admin("CapEff:\t0000000000000000\n")
-    assert has_net_admin("CapEff:\t0000000000001000\n")
+    def refused(self):  # noqa: ANN001
+        made.append("tried")
+        raise cluster.ClusterError("`tc qdisc add dev eth0 root tbf rate 99999999999gbit` failed: rate too large")
+
+    monkeypatch.setattr(cluster, "require_root", lambda: None)
+    monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world: None)  # the data is not the case here
+    monkeypatch.setattr(cluster.EmulatedCluster, "_build", refused)
+    code, err = run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys)
+    assert made and code == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
+                                        "tbf rate 99999999999gbit` failed: rate too large"]

@@ -9,12 +9,14 @@ Everything runs in this process (`pipezero.cli.main`); model folders are written
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from one_line import assert_one_line, run_main
+from pipezero.config import OnBadRecord
 from pipezero.errors import ConfigError
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 32,
@@ -195,6 +197,9 @@ CONFIG_CASES = [
     ({"pad_token_id": "<|endoftext|>"}, "field 'pad_token_id' = \"<|endoftext|>\" is a token, not an id: write "
                                         "its id, 0 in tokenizer.json"),
     ({"pad_token_id": 1.5}, "field 'pad_token_id' = 1.5 is not an integer id"),
+    # the expected shapes were built a block at a time: 10^9 blocks never finished (past a minute, 1.3 GB)
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers = 1000000000, but the weights hold 2 blocks"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers = 3, but the weights hold 2 blocks"),
 ]
 
 
@@ -511,3 +516,100 @@ def test_the_document_limit_is_a_setting_with_a_flag(docs, tmp_path, capsys):
     assert build_config().data.max_document_mb == 8
     assert_one_line(*run_main(train_argv(None, docs, tmp_path / "out", "--max-document-mb", "0"), capsys),
                     "--max-document-mb 0: expected an integer >= 1")
+
+
+# --- 8. a full disk while the cache is built, and JSON the reader cannot follow --------------------
+
+def test_a_full_disk_during_the_cache_build_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """The token cache's write fails half way (ENOSPC): one line naming the cache folder and the
+    fix, and neither the half-written temporary folder nor an entry is left behind."""
+    import errno
+
+    from pipezero.data import cache
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    _documents(tmp_path)
+    written = cache._SplitWriter.write
+
+    def fills_up(self, docs):  # noqa: ANN001
+        written(self, docs[: len(docs) // 2])  # part of the batch reaches the disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache._SplitWriter, "write", fills_up)
+    code, err = run_main(train_argv(None, tmp_path / "d", tmp_path / "out", "--tokenizer", "bytes"), capsys)
+    assert_one_line(code, err, f"the cache folder {tmp_path / 'cache'} (PIPEZERO_CACHE) could not hold docs-")
+    assert "(No space left on device); free space there, or point PIPEZERO_CACHE at a folder with room" in err
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no entry, no temporary folder, no lock
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_json_the_reader_cannot_follow_is_a_bad_record(kind, tmp_path, capsys):
+    """Nesting past Python's recursion limit, an integer of 5,001 digits and a lone surrogate
+    escape were tracebacks (RecursionError, ValueError, the tokenizer's UnicodeEncodeError); now each
+    is a bad record, named, or skipped with --on-bad-record skip."""
+    from pipezero.config import DataConfig, OnBadRecord
+    from pipezero.data import load_corpus
+
+    good = [json.dumps({"text": f"document number {i} " * 20}) for i in range(30)]
+    bad = {"deep": '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+           "digits": '{"text": "a", "n": 1' + "0" * 5000 + "}", "surrogate": '{"text": "abc \\ud800 def"}'}
+    for name, record in bad.items():
+        path = tmp_path / name / f"a.{kind}"
+        path.parent.mkdir()
+        lines = [good[0], record, *good[1:]]
+        path.write_text("\n".join(lines) if kind == "jsonl" else "[" + ",\n".join(lines) + "]")
+        where = f"a.{kind}:2" if kind == "jsonl" else f"a.{kind}: record 1"
+        needle = {"deep": "nested deeper than the JSON reader follows", "digits": "value has 5001 digits",
+                  "surrogate": "holds a lone UTF-16 surrogate (\\ud800 at character 4)"}[name]
+        cfg = DataConfig(path=[str(path)], tokenizer="bytes", seq_len=32, heldout_fraction=0.1)
+        with pytest.raises(ConfigError, match=re.escape(f"{where}: ") + ".*" + re.escape(needle)):
+            load_corpus(cfg)
+        cfg.on_bad_record = OnBadRecord.SKIP
+        assert sum(s.docs.n_docs for s in load_corpus(cfg).samples) == 30
+        assert "skipped 1 bad records" in capsys.readouterr().out
+
+
+def test_a_json_array_is_read_a_record_at_a_time(tmp_path):
+    """A 20 MB array of small records: the reader's own allocations stay near its block (1 MB of
+    text), not the file's size (json.loads of the whole file held several times the file)."""
+    import tracemalloc
+
+    from pipezero.data.sources import BadRecords, Reader
+
+    path = tmp_path / "a.json"
+    records = [{"text": f"document {i} " + "word " * 200, "id": i} for i in range(20_000)]
+    path.write_text(json.dumps(records))
+    assert path.stat().st_size > 20e6
+    reader = Reader("text", BadRecords(OnBadRecord.FAIL))
+    tracemalloc.start()
+    try:
+        count = sum(1 for _ in reader.documents(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count == len(records)
+    assert peak < 6 << 20, peak
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[{"text": "a"} {"text": "b"}]', "a.json:1: invalid JSON (expected ',' or ']' after a record)"),
+    ('[{"text": "a"},\n{"text": "b"', "a.json:2: invalid JSON (Expecting ',' delimiter)"),
+    ('[{"text": "a"}] trailing', "a.json:1: invalid JSON (extra data after the array)"),
+    ('[{"text": "a"},\n', "a.json:2: invalid JSON (the file ends inside the array (no closing ']'))"),
+])
+def test_a_broken_json_array_names_its_line(text, needle, tmp_path):
+    from pipezero.data.sources import BadRecords, Reader
+
+    (tmp_path / "a.json").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        list(Reader("text", BadRecords(OnBadRecord.SKIP)).documents(tmp_path / "a.json"))
+
+
+def test_data_that_is_a_pipe_is_one_line(tmp_path, capsys):
+    """A named pipe was reported as a glob that 'matches no files'; read as a document it would block."""
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert_one_line(*run_main(train_argv(None, tmp_path / "pipe.txt", tmp_path / "out"), capsys),
+                    f"--data '{tmp_path / 'pipe.txt'}' is not a regular file or folder")

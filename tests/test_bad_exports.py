@@ -240,7 +240,7 @@ def test_export_out_that_is_a_symlink_or_cannot_be_made_is_one_line(trained, tmp
         (tmp_path / name).symlink_to(target)
     before = tree(tmp_path)
     cases = [(tmp_path / "to-model", "is a symlink"), (tmp_path / "to-empty", "is a symlink"),
-             (tmp_path / "dangling", "is a symlink"), (a_file, "already holds files"),
+             (tmp_path / "dangling", "is a symlink"), (a_file, "is a file, not a folder"),
              (a_file / "sub", "cannot be made"), (Path("/proc/pipezero-no-such-export"), "cannot be made"),
              ("", "--out is empty")]
     if os.geteuid() != 0:  # root writes into a read-only folder anyway
@@ -289,4 +289,15 @@ def test_export_of_a_run_that_saved_no_checkpoint_is_one_line(trained, tmp_path,
     for folder in (trained["docs"], trained["model"]):
         assert_one_line(*run_main(["export", str(folder), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
                         f"{folder} is neither a run folder nor a checkpoint")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--model-spec", "nosuch:x"], "is not a run of a --model-spec (its model is "),
+    (["--format", "hf", "--model-spec", "nosuch:x"], "--format hf writes the Hugging Face families"),
+    (["--shard-size", "1MB"], "--shard-size 1MB applies with --format hf"),
+])
+def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, capsys, flags, needle):
+    """These exported with exit 0 as if the flag had been applied."""
+    assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(tmp_path / "e"), *flags], capsys), needle)
     assert not (tmp_path / "e").exists()

@@ -47,6 +47,19 @@ CONFIG_CASES = [
     (None, ["--max-steps", "2.5"], "--max-steps 2.5: expected an integer >= 1"),
     (None, ["--seq-len", "64.0"], "--seq-len 64.0: expected an integer >= 1"),
     (None, ["--threads", "-1"], "--threads -1: expected an integer >= 1"),
+    # OpenMP could not start 100000 threads: the interpreter died of SIGSEGV, no message
+    (None, ["--threads", "100000"], "--threads 100000: expected an integer >= 1 and <= 1024"),
+    # with data enough, the launcher would have started 100000 ranks (each importing torch)
+    (None, ["--nproc", "100000", "--dp", "100000"], "--nproc 100000: expected an integer >= 1 and <= 256"),
+    # torch's generators: "Overflow when unpacking long long", a traceback
+    (None, ["--seed", "18446744073709551616"], "--seed 18446744073709551616: expected an integer >= 0 and <= "
+                                               "4294967295"),
+    # generated a token a whole forward, 1e11 times
+    (None, ["--sample-tokens", "100000000000"], "--sample-tokens 100000000000: expected an integer >= 0 and <= 4096"),
+    # every rank padded its buckets to a block of 10^12 elements: an allocation of 4 TB, a traceback a rank
+    (None, ["--quant-block", "1000000000000"], "--quant-block 1000000000000: expected an integer >= 1 and <= 1048576"),
+    # each rank's process group timeout overflowed a timedelta
+    (None, ["--timeout", "1e300"], "--timeout 1e300: expected a number > 0 and <= 604800"),
     (None, ["--max-restarts", "-1"], "--max-restarts -1: expected an integer >= 0"),
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
@@ -124,7 +137,7 @@ DATA_CASES = [
     (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
     (["--data", "object.npy"], "cannot be read as token ids"),
     (["--data", "odd.bin"], "holds 101 bytes, not a whole number of uint16 ids"),
-    (["--data", "empty.bin"], "holds 0 bytes"),
+    (["--data", "empty.bin"], "empty.bin' is empty: write its ids, or leave it out of --data"),
     (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
     (["--data", "beyond.npy", "--tokenizer", "small.json"], "holds id 399, but the tokenizer"),
 ]
@@ -190,6 +203,29 @@ def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
         assert_one_line(*run_main([*args, "--out", str(tmp_path / "busy"), "--resume"], capsys),
                         f"is in use by another run (pid {os.getpid()})")
     with claim(str(tmp_path / "busy"), resume=True, force=False):  # released: free again
+        pass
+
+
+def test_resume_in_a_folder_no_run_claimed_leaves_its_files_alone(tmp_path, capsys):
+    """`--resume --out DIR` where DIR holds a config.json and metrics.jsonl of the user's (no .run-id,
+    no checkpoints) started at step 0 and replaced both (the metrics line dropped as a torn step)."""
+    args = ["train", "--max-steps", "1", "--no-progress", "--seq-len", "16", "--tokenizer", "bytes"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    (mine / "metrics.jsonl").write_text("my notes")
+    assert_one_line(*run_main([*args, "--out", str(mine), "--resume"], capsys),
+                    "holds config.json, metrics.jsonl but no run pipezero started (no .run-id, no checkpoints)")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "metrics.jsonl"]
+    assert (mine / "metrics.jsonl").read_text() == "my notes"
+    notes = tmp_path / "notes"  # files a run never writes: a first --resume (a requeued job) trains there
+    notes.mkdir()
+    (notes / "run.toml").write_text("")
+    from pipezero.rundir import claim
+
+    with claim(str(notes), resume=True, force=False):
+        pass
+    with claim(str(mine), resume=True, force=True):  # --force: train there anyway
         pass
 
 
@@ -326,7 +362,7 @@ SIM_CASES = [
     (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
     (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
-    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number > 0"),
+    (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number >= 1000000"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--bandwidth", "0,0"],
      "--bandwidth 0,0: expected two numbers > 0"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "0"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -456,3 +457,38 @@ def test_a_requeued_job_resumes_and_ends_on_the_losses_of_one_process(local_slur
     check_like_one_process(tmp_path / form, ref, steps)
     local_slurm.stop()
     assert pids_marked(str(local_slurm.root)) == [] and pids_marked(str(tmp_path)) == []
+
+
+# --- values Slurm never sets: one line, at once ------------------------------------------------------
+
+@pytest.mark.parametrize("extra, needle", [
+    # a task numbered past the step waited at the rendezvous for peers that never came
+    ({"SLURM_PROCID": "6"}, "SLURM_PROCID=6 is not a task of 6 (SLURM_NTASKS)"),
+    ({"SLURM_PROCID": "-1"}, "SLURM_PROCID=-1 is not a task of 6"),
+    ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0: a step has at least one task"),
+    ({"SLURM_LOCALID": "3"}, "SLURM_LOCALID=3 is not a task of 3 (the tasks per node"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3(x0)"}, "'3(x0)' is not N or N(xK) with N, K >= 1"),
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a port (1 to 65535)"),
+    ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a port"),
+    ({"SLURM_JOB_ID": "9" * 5000}, "SLURM_JOB_ID='999"),
+])
+def test_a_variable_slurm_would_not_set_is_one_line(extra, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as e:
+        rank_variables(step_env(**extra))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_huge_host_lists_and_layouts_are_read_without_expanding_them():
+    """`n[1-1000000000]` and `2(x1000000000)` were expanded whole to take one host and one count:
+    gigabytes, then the kernel killed the rank (a MemoryError under a limit)."""
+    env = step_env(SLURM_STEP_NODELIST="n[1-1000000000]", SLURM_STEP_TASKS_PER_NODE="3(x1000000000)",
+                   SLURM_NODEID="999999999")
+    t0 = time.monotonic()
+    got = rank_variables(env)
+    assert (got["MASTER_ADDR"], got["LOCAL_WORLD_SIZE"]) == ("n1", "3")
+    assert time.monotonic() - t0 < 1
+    with pytest.raises(ConfigError, match="SLURM_NODEID=1000000000 but SLURM_STEP_TASKS_PER_NODE='3.x1000000000.' "
+                                          "lists 1000000000 nodes"):
+        rank_variables({**env, "SLURM_NODEID": "1000000000"})
+    with pytest.raises(ConfigError, match="an empty host name"):  # a bad part after a huge one is still seen
+        rank_variables(step_env(SLURM_STEP_NODELIST="n[1-1000000000],,x"))

@@ -97,3 +97,15 @@ def test_a_failure_is_called_rounding_only_within_the_factor_of_the_same_check()
     assert "lower --lr" in line and "M=2 x 8" in line and "does not show another model" in line
     assert "exceed 10x" in verdict(False, False, tol, [2, 8], 0.1, False)
     assert verdict(False, False, tol, [2, 8], 0.1, True).endswith("trains another model[/red]")  # a lost tensor
+
+
+@pytest.mark.parametrize("flags", [["--max-steps", "100"], ["--resume"], ["--checkpoint-every", "1"],
+                                   ["--keep-checkpoints", "2"], ["--eval-every", "1"], ["--sample-tokens", "10"],
+                                   ["--max-restarts", "1"], ["--force"], ["--no-save-final"]])
+def test_a_train_flag_verify_would_ignore_is_refused(flags, tmp_path, capsys):
+    """verify runs --steps steps, fresh, without checkpoints: these flags changed nothing, exit 0."""
+    from one_line import assert_one_line, run_main
+
+    code, err = run_main(["verify", "--out", str(tmp_path / "v"), *SMALL, *flags], capsys)
+    assert_one_line(code, err, f"it takes no {flags[0]}: drop it")
+    assert not (tmp_path / "v").exists()

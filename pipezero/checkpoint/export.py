@@ -39,6 +39,10 @@ def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConf
         raise CheckpointError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
                               f"imports and runs that code, so name it yourself, --model-spec {named}, if you "
                               f"trust it")
+    if model_spec and not named:  # it would be ignored: the checkpoint is of the built-in or a HF model
+        raise ConfigError(f"--model-spec {model_spec}: {path} is not a run of a --model-spec (its model is "
+                          f"{fields.get('pretrained') or 'preset ' + str(fields.get('preset') or 'the built-in decoder')}); drop "
+                          f"--model-spec")
     return ModelConfig(**fields)
 
 

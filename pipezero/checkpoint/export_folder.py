@@ -60,7 +60,10 @@ def check_out(out: Path, source: Path) -> None:
     if out.is_symlink():
         raise ConfigError(f"--out {out} is a symlink (to {os.readlink(out)}); an export writes only a folder "
                           f"of its own: give a new folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder; an export writes a folder of its own and never "
+                          f"over a file: give a new folder")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} already holds files; an export never writes over them: give a new folder, "
                           f"or remove that one first")
     reason = _inside_a_run(out, source)

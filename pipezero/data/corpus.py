@@ -145,10 +145,14 @@ def read_tokens(path: Path) -> np.ndarray:
             return np.load(path, mmap_mode="r", allow_pickle=False)
         dtype = np.dtype(np.uint32 if "u32" in path.name else np.uint16)
         size = path.stat().st_size
-        if size == 0 or size % dtype.itemsize:
+        if size == 0:
+            raise ConfigError(f"token file {name!r} is empty: write its ids, or leave it out of --data")
+        if size % dtype.itemsize:
             raise ConfigError(f"token file {name!r} holds {size} bytes, not a whole number of {dtype.name} ids "
                               f"({dtype.itemsize} bytes each; name it *u32*.bin for uint32)")
         return np.memmap(path, dtype=dtype, mode="r")
+    except ConfigError:
+        raise
     except (ValueError, OSError) as e:  # object arrays, a broken header, an unreadable file
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"token file {name!r} cannot be read as token ids ({reason}); write it with "

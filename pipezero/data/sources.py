@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from pipezero.config import OnBadRecord
+import pipezero.data.json_array as json_array
 from pipezero.errors import ConfigError
 
 RECORD_SUFFIXES = {".jsonl", ".json"}
@@ -32,6 +33,9 @@ DOCUMENT_SUFFIXES = RECORD_SUFFIXES | TABLE_SUFFIXES | TEXT_SUFFIXES
 # What Windows editors, Excel and PowerShell put before UTF-8 text: a mark, never part of the first
 # record (json refuses it, and in a text document it would be tokenized as content).
 BOM = b"\xef\xbb\xbf"
+# Half of a UTF-16 pair: JSON may escape one alone (\ud800), and no encoder, the tokenizer's included,
+# can write it.
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def expand(paths: list[str]) -> list[Path]:
@@ -49,6 +53,8 @@ def expand(paths: list[str]) -> list[Path]:
         elif p.is_file():
             found = [p]
             what = ""
+        elif p.exists():  # a pipe, socket or device: read as a document it could block or never end
+            raise ConfigError(f"--data {arg!r} is not a regular file or folder; pass document files, folders or globs")
         else:
             found = sorted(Path(f) for f in glob.glob(arg, recursive=True) if Path(f).is_file())
             what = f"--data {arg!r} matches no files"
@@ -193,6 +199,10 @@ class Reader:
         if not isinstance(text, str):
             self.bad(where, f"field {self.text_field!r} holds {type(text).__name__}, not text")
             return None
+        if lone := SURROGATE.search(text):  # JSON's \ud800 escapes decode to what UTF-8 cannot encode
+            self.bad(where, f"field {self.text_field!r} holds a lone UTF-16 surrogate (\\u{ord(lone.group()):04x} at "
+                            f"character {lone.start()}), which is not text")
+            return None
         return None if self._text_too_large(where, text) else text
 
     def _text_too_large(self, where: str, text: str) -> bool:
@@ -203,7 +213,7 @@ class Reader:
     def _records(self, path: Path) -> Iterator[tuple[str, int]]:
         with path.open("rb") as f:
             head = f.read(64).removeprefix(BOM).lstrip()
-        if path.suffix == ".json" and head.startswith(b"["):  # one JSON array: read whole
+        if path.suffix == ".json" and head.startswith(b"["):  # one JSON array
             yield from self._array(path)
             return
         done = 0
@@ -226,23 +236,37 @@ class Reader:
                 except json.JSONDecodeError as e:
                     self.bad(where, f"invalid JSON ({e.msg}, column {e.colno})")
                     continue
+                except RecursionError:
+                    self.bad(where, "a record nested deeper than the JSON reader follows")
+                    continue
+                except ValueError as e:  # an integer of more digits than int() converts
+                    self.bad(where, f"a record the JSON reader refuses ({str(e).split(';')[0]})")
+                    continue
                 text = self._field(record, where)
                 if text is not None:
                     yield text, done
 
     def _array(self, path: Path) -> Iterator[tuple[str, int]]:
-        try:
-            records = json.loads(path.read_bytes().removeprefix(BOM).decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: invalid UTF-8 at byte {e.start}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); write one record a line (.jsonl) "
-                              f"or one array of records") from None
-        size = path.stat().st_size
-        for i, record in enumerate(records):
-            text = self._field(record, f"{path}: record {i}")
-            if text is not None:
-                yield text, size
+        """One JSON array of records, decoded a record at a time (json_array.py): memory follows the
+        largest record, not the file. JSON may spell a byte as a 6-character escape, so a record is
+        read past undecoded only when its text is over 6 x the document limit."""
+        limit = 6 * self.max_document_bytes + json_array.BLOCK
+        with path.open("rb") as f:
+            try:
+                for i, (record, done) in enumerate(json_array.records(f, limit)):
+                    where = f"{path}: record {i}"
+                    if isinstance(record, json_array.Skipped):
+                        if record.reason == "over the limit":
+                            self.too_large(where, record.chars)
+                        else:
+                            self.bad(where, record.reason)
+                        continue
+                    text = self._field(record, where)
+                    if text is not None:
+                        yield text, done
+            except json_array.ArrayError as e:
+                raise ConfigError(f"{path}:{e.line}: invalid JSON ({e.msg}); write one record a line (.jsonl) "
+                                  f"or one array of records") from None
 
     def _parquet(self, path: Path) -> Iterator[tuple[str, int]]:
         try:

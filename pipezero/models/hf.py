@@ -39,7 +39,7 @@ BLOCK_NAMES: dict[str, str] = {
 }
 _FROM_HF_BLOCK = {v: k for k, v in BLOCK_NAMES.items()}
 _OURS = re.compile(r"^layers\.(\d+)\.(.+)$")
-_THEIRS = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+HF_BLOCK_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def to_hf(name: str, n_layers: int, tied: bool) -> str:
@@ -68,7 +68,7 @@ def from_hf(name: str, n_layers: int) -> str:
         return f"layers.{n_layers + 1}.norm.weight"
     if name == "lm_head.weight":
         return f"layers.{n_layers + 1}.proj.weight"
-    m = _THEIRS.match(name)
+    m = HF_BLOCK_NAME.match(name)
     if m and int(m.group(1)) < n_layers and m.group(2) in _FROM_HF_BLOCK:
         return f"layers.{int(m.group(1)) + 1}.{_FROM_HF_BLOCK[m.group(2)]}"
     raise KeyError(f"Hugging Face tensor {name!r} has no pipezero parameter")

@@ -22,7 +22,7 @@ from torch import nn
 
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
-from pipezero.models.hf import TOKENIZER, read_json, to_hf
+from pipezero.models.hf import HF_BLOCK_NAME, TOKENIZER, read_json, to_hf
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -78,8 +78,13 @@ def _by_file(names: list[str], cfg: ModelConfig, files: dict[str, Path]) -> dict
 def check_weights(cfg: ModelConfig) -> None:
     """Refuse a folder whose weights disagree with its config.json, from the headers alone."""
     assert cfg.pretrained is not None
+    files = weight_files(Path(cfg.pretrained))
+    held = {int(m.group(1)) for name in files if (m := HF_BLOCK_NAME.match(name))}
+    if cfg.n_layers > len(held):  # before the shapes: they are built a block at a time (10^9 blocks: never done)
+        raise ConfigError(f"{Path(cfg.pretrained) / 'config.json'}: num_hidden_layers = {cfg.n_layers}, but the "
+                          f"weights hold {len(held)} blocks (model.layers.N); fix config.json")
     shapes = expected_shapes(cfg)
-    for path, pairs in _by_file(list(shapes), cfg, weight_files(Path(cfg.pretrained))).items():
+    for path, pairs in _by_file(list(shapes), cfg, files).items():
         with _open(path) as f:
             held = set(f.keys())
             for ours, theirs in pairs:

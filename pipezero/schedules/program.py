@@ -198,7 +198,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
-    `posts`: the proven posting order (schedules/proven.py; derived here when not given). `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    `posts`: the proven posting order (schedules/proven.py; derived here when not given).
+    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:

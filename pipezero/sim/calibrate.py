@@ -10,16 +10,20 @@ idle share over all ranks), so the two columns compare like with like.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipezero.config import ScheduleKind
+from pipezero.errors import ConfigError
 from pipezero.schedules.check import CostModel, simulate
-from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual
+from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual
+from pipezero.sim import limits
 from pipezero.telemetry.trace import load_trace, parse_action
 
 OPS = ("F", "B", "W", "BW")
+SIZES = ("pp", "dp", "microbatches", "virtual_stages")
 
 
 @dataclass
@@ -39,9 +43,38 @@ class Calibration:
                 for r in range(lay["pp"])]
 
 
+def check_trace(layout: object, compute: list[tuple[int, dict]]) -> None:
+    """Refuse (ValueError: the trace is not one pipezero wrote) a layout that is missing or
+    impossible, events outside it, times that are not finite and >= 0, and (ConfigError) a layout
+    past what simulate plays in seconds: a hand-edited trace with pp = M = 100000 grew past 3 GB,
+    and one of 2 ranks' events under pp = 1 printed a comparison of nothing, exit 0."""
+    if not isinstance(layout, dict) or not all(k in layout for k in ("schedule", *SIZES)):
+        raise ValueError(f"otherData.layout lacks schedule, {', '.join(SIZES)}")
+    if not all(type(layout[k]) is int and layout[k] >= 1 for k in SIZES):
+        raise ValueError(f"otherData.layout's {', '.join(SIZES)} must be integers >= 1, not {layout}")
+    if layout["schedule"] not in {k.value for k in SCHEDULES}:
+        raise ValueError(f"otherData.layout's schedule {layout['schedule']!r} is none of pipezero's")
+    pp, m, v = layout["pp"], layout["microbatches"], layout["virtual_stages"]
+    check_layout(ScheduleKind(layout["schedule"]), pp, m, v)
+    played = pp * m * (v + sum(default_virtual(k) for k in SCHEDULES))
+    if played > limits.PLAY_LIMIT:
+        raise ConfigError(f"--from-trace: the trace's layout (pp {pp}, {m} micro-batches) asks for {played} stage micro-batches "
+                          f"over the traced schedule and every what-if; simulate plays at most {limits.PLAY_LIMIT}, "
+                          f"a few seconds' work")
+    for rank, e in compute:
+        if not 0 <= rank < pp * layout["dp"]:
+            raise ValueError(f"an event of rank {rank}, but the layout has pp x dp = {pp * layout['dp']} ranks")
+        if not all(isinstance(e[k], (int, float)) and math.isfinite(e[k]) and e[k] >= 0 for k in ("ts", "dur")):
+            raise ValueError(f"event {e['name']!r} has ts {e['ts']!r} and dur {e['dur']!r}: finite times >= 0 only")
+    chunks = {parse_action(e["name"], e["cat"])[0] for _, e in compute}
+    if chunks != set(range(pp * v)):
+        raise ValueError(f"compute events of chunks {sorted(chunks)[:8]}, but the layout has chunks 0 to {pp * v - 1}")
+
+
 def calibrate(trace_path: str | Path) -> Calibration:
     layout, by_rank = load_trace(Path(trace_path))
     compute = [(rank, e) for rank, evs in by_rank.items() for e in evs if e["cat"] in OPS]
+    check_trace(layout, compute)
     steps = sorted({e["args"]["step"] for _, e in compute})
     use = [s for s in steps if s > steps[0]] or steps
     samples: dict[tuple[int, str], list[float]] = {}

@@ -4,70 +4,158 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
 from pipezero.coerce import Range, coerce
 from pipezero.config import GradReduce, ScheduleKind
-from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
+from pipezero.settings import POSITIVE, POSITIVE_INT, RANGES
+from pipezero.sim import limits
 from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
-from pipezero.schedules.registry import SCHEDULES, build_schedule, default_virtual, help_text
+from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual, help_text
 
 
-def check_ranges(args: argparse.Namespace, limits: dict[str, tuple[type, Range]]) -> None:
+def check_ranges(args: argparse.Namespace, ranges: dict[str, tuple[type, Range]]) -> None:
     """Refuse a flag value out of its range in one line, the way `train` does (settings.coerce_setting)."""
-    for dest, (kind, accepted) in limits.items():
+    for dest, (kind, accepted) in ranges.items():
         if getattr(args, dest, None) is not None:
             coerce(f"--{dest.replace('_', '-')}", kind, getattr(args, dest), False, accepted)
 
 
-MAX_COST = 1e6  # relative times: a million to one is beyond any real F:B:W
-
-
 def parse_cost(text: str) -> tuple[float, float, float]:
     """`--cost F:B:W`; nan and inf parse as floats but would time every action as nan or inf (a
-    table of nan% bubbles), so only finite positive costs pass."""
+    table of nan% bubbles), and so would finite costs whose sum overflows (1e308), so each is held
+    to limits.COST."""
     try:
         f, b, w = (float(x) for x in text.split(":"))
     except ValueError:
         raise ConfigError(f"--cost wants F:B:W like 1:1:1, got {text!r}") from None
-    if not all(0 < x <= MAX_COST for x in (f, b, w)):  # larger: a step's sum of costs overflows to inf
-        raise ConfigError(f"--cost {text}: expected three numbers > 0 and at most {MAX_COST:g} (relative F:B:W "
-                          f"times, like 1:1:1)")
+    if not all(math.isfinite(x) and x in limits.COST for x in (f, b, w)):
+        raise ConfigError(f"--cost {text}: expected three numbers > 0 (from {limits.COST.low:g} to "
+                          f"{limits.COST.high:g}: relative F:B:W times, like 1:1:1)")
     return f, b, w
 
 
-# How large a schedule `simulate` plays. The simulator keeps every action (~0.5 KB each, about 3
-# a cell of P x M x V) and takes 10-25 us an action, growing with P (measured on the 2-core machine:
-# 1f1b P=256 M=256 3.2 s and 88 MB; P=16 M=32768 13.9 s and 612 MB; P=10^6 never answered), so
-# these bounds answer in seconds and a few hundred MB. Real pipelines are far smaller.
-MAX_PP = 256
-MAX_CELLS = 65_536
+# flags only the ZeRO lowering reads: given without --zero they would change nothing
+ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch", "dtype",
+              "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
-def check_size(pp: int, microbatches: int, virtual: int) -> None:
-    """Refuse, in one line, a schedule too large to simulate in seconds."""
-    if pp > MAX_PP:
-        raise ConfigError(f"--pp {pp}: simulate plays at most {MAX_PP} pipeline ranks; choose --pp {MAX_PP} or fewer")
-    if pp * microbatches * virtual > MAX_CELLS:
-        raise ConfigError(f"--pp {pp} x --microbatches {microbatches} x {virtual} virtual stages is "
-                          f"{pp * microbatches * virtual:,} cells; simulate plays at most {MAX_CELLS:,}: choose "
-                          f"--microbatches {max(1, MAX_CELLS // (pp * virtual))} or fewer")
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def changed_flags(args: argparse.Namespace) -> list[str]:
+    """The flags whose value differs from a bare `simulate`'s, in the parser's order."""
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    bare = vars(parser.parse_args(["simulate"]))
+    return [dest for dest, value in bare.items() if dest != "func" and getattr(args, dest, value) != value]
+
+
+def check_combination(args: argparse.Namespace) -> None:
+    """Refuse flags the request would ignore: it used to exit 0 as if they had been applied."""
+    given = changed_flags(args)
+    if args.from_trace:
+        extra = [d for d in given if d not in ("from_trace", "json")]
+        if extra:
+            raise ConfigError(f"--from-trace takes no {flag(extra[0])}: the layout and costs come from the run's "
+                              f"trace; drop {flag(extra[0])}")
+    elif args.zero is None:
+        extra = [d for d in given if d in ZERO_FLAGS]
+        if extra:
+            raise ConfigError(f"{flag(extra[0])} applies with --zero (the lowered program's ZeRO traffic): add "
+                              f"--zero 0, 1, 2 or 3, or drop {flag(extra[0])}")
+
+
+def played(args: argparse.Namespace) -> tuple[int, int]:
+    """(stage micro-batches the request plays: P x M x V, x D with --zero, summed over the schedules
+    it plays; how many schedules). A schedule that cannot run there is refused, or under --compare
+    not played."""
+    total = count = 0
+    for kind in list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]:
+        v = default_virtual(kind, None if args.compare else args.virtual_stages)
+        try:
+            check_layout(kind, args.pp, args.microbatches, v)
+        except ValueError as e:
+            if not args.compare:
+                raise ConfigError(str(e)) from None
+            continue
+        total += args.pp * args.microbatches * v * (args.dp if args.zero is not None else 1)
+        count += 1
+    return total, count
+
+
+def check_work(args: argparse.Namespace) -> None:
+    """Refuse, before any schedule is built, a request past what plays within seconds (sim/limits.py)."""
+    total, count = played(args)
+    zero = args.zero is not None
+    limit = limits.ZERO_PLAY_LIMIT if zero else limits.PLAY_LIMIT
+    if total <= limit:
+        return
+    what = f"--pp {args.pp} x --microbatches {args.microbatches}"
+    what += (f" over --compare's {count} schedules (x their V)" if args.compare else
+             f" x V {default_virtual(ScheduleKind(args.schedule), args.virtual_stages)}")
+    what += f" x --dp {args.dp}" if zero else ""
+    fewer = limit * args.microbatches // total  # the micro-batches that would fit, all else kept
+    fix = f"choose --microbatches {fewer} or fewer, or lower --pp" if fewer else "lower --pp"
+    raise ConfigError(f"{what} = {total} stage micro-batches to play; the limit is {limit}"
+                      f"{' with --zero' if zero else ''}, a few seconds' work: {fix}"
+                      f"{' or --dp' if zero else ''}{', or drop --compare' if args.compare else ''}")
+
+
+def check_instructions(args: argparse.Namespace, count: int) -> None:
+    """Refuse a lowered program (every schedule's, every rank's) past what plays within seconds: the
+    buckets a chunk (--preset, --bucket-mb, --zero3-layerwise, --grad-reduce microbatch) multiply
+    P x D x M x V."""
+    if count > limits.INSTRUCTION_LIMIT:
+        raise ConfigError(f"the lowered program has {count} instructions over its ranks; the limit is "
+                          f"{limits.INSTRUCTION_LIMIT}, a few seconds' work: lower --microbatches, --pp or --dp, "
+                          f"or fewer buckets a chunk (a smaller --preset, a larger --bucket-mb, no "
+                          f"--zero3-layerwise or --grad-reduce microbatch)")
+
+
+def check_png(text: str, drawn: int) -> None:
+    """Refuse a --png that would fail only after the simulation, or be written under another name
+    (matplotlib adds .png to a folder's name), or draw for minutes."""
+    path = Path(text)
+    if path.is_dir():
+        raise ConfigError(f"--png {text} is a folder: name the .png file to write, e.g. {path / 'timeline.png'}")
+    if path.suffix.lower() != ".png":
+        raise ConfigError(f"--png {text}: name a file ending .png")
+    folder = path.parent
+    while not folder.exists():  # the folders it would make
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--png {text} cannot be written: {folder} is not a folder this user can write")
+    if drawn > limits.DRAW_LIMIT:
+        raise ConfigError(f"--png draws at most {limits.DRAW_LIMIT} stage micro-batches (P x M x V), a bar an "
+                          f"action; this has {drawn}: lower --microbatches or --pp, or drop --png")
+
+
+def written(path: str, draw: Callable[[], None]) -> None:
+    """Run `draw` (which replaces `path` whole or not at all); a failed write is the user's to fix."""
+    try:
+        draw()
+    except OSError as e:
+        raise ConfigError(f"--png {path} cannot be written: {e.strerror or e}") from None
 
 
 def each_schedule(args: argparse.Namespace, skipped: dict[str, str]) -> Iterator[Schedule]:
     """The schedule asked for, or with --compare every schedule at the asked P and M; a schedule
-    that cannot run there, or is too large to simulate, is one line in `skipped` under --compare,
-    else the error."""
+    that cannot run there is one line in `skipped` under --compare, else the error (its size was
+    checked before: check_work)."""
     for kind in list(SCHEDULES) if args.compare else [ScheduleKind(args.schedule)]:
         virtual = default_virtual(kind, None if args.compare else args.virtual_stages)
         try:
-            check_size(args.pp, args.microbatches, virtual)
             schedule = build_schedule(kind, args.pp, args.microbatches, virtual)
-        except ValueError as e:  # ConfigError too
+        except ValueError as e:
             if not args.compare:
                 raise ConfigError(str(e)) from None
             skipped[kind.value] = str(e)
@@ -76,27 +164,35 @@ def each_schedule(args: argparse.Namespace, skipped: dict[str, str]) -> Iterator
 
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("simulate", help="play a pipeline schedule under a cost model")
+    s = sub.add_parser("simulate", help="play a pipeline schedule under a cost model",
+                       description="Play a schedule action by action under a cost model. A request answers "
+                                   f"within seconds: it plays at most {limits.PLAY_LIMIT} stage micro-batches "
+                                   f"(--pp x --microbatches x V, summed over --compare's schedules), with --zero "
+                                   f"at most {limits.ZERO_PLAY_LIMIT} (that x --dp) and "
+                                   f"{limits.INSTRUCTION_LIMIT} instructions of the lowered program.")
     s.add_argument("--schedule", choices=[k.value for k in SCHEDULES], default="1f1b", help=help_text())
-    s.add_argument("--pp", type=int, default=4, help="pipeline ranks (P)")
+    s.add_argument("--pp", type=int, default=4, help=f"pipeline ranks (P, {limits.PP.describe()})")
     s.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (M)")
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
-    s.add_argument("--cost", default="1:1:1", help="relative F:B:W cost of one stage")
-    s.add_argument("--comm", type=float, default=0.0, help="time of one hop between ranks, in F units")
+    s.add_argument("--cost", default="1:1:1", help=f"relative F:B:W cost of one stage (each {limits.COST.describe()})")
+    s.add_argument("--comm", type=float, default=0.0, help=f"time of one hop between ranks, in F units ({limits.TIME.describe()})")
     s.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
-    s.add_argument("--png", help="draw the timeline to this file")
+    s.add_argument("--png", help=f"draw the timeline to this .png file (at most {limits.DRAW_LIMIT} stage "
+                                 f"micro-batches, P x M x V)")
     s.add_argument("--compare", action="store_true", help="every schedule side by side")
     s.add_argument("--from-trace", help="fit the cost model to a run's trace.json and compare")
     z = s.add_argument_group("ZeRO traffic (the lowered program: gathers, reductions and the optimizer step)")
     z.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None,
                    help="lower the schedule with this ZeRO stage's collectives and time them too")
-    z.add_argument("--dp", type=int, default=1, help="data-parallel ranks a stage (with --zero)")
+    z.add_argument("--dp", type=int, default=1,
+                   help=f"data-parallel ranks a stage (with --zero; {limits.DP.describe()})")
     z.add_argument("--grad-reduce", choices=[g.value for g in GradReduce], default=GradReduce.STEP.value,
                    help="reduce gradients once a step or every micro-batch (as train --grad-reduce)")
     z.add_argument("--preset", default="small", help="model preset that sizes the buckets (default small)")
     z.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (as train --bucket-mb)")
     z.add_argument("--dp-comm", type=float, default=0.5,
-                   help="time, in F units, for one rank's link to carry one stage's parameters (0: free)")
+                   help=f"time, in F units, for one rank's link to carry one stage's parameters (0: free; "
+                        f"{limits.TIME.describe()})")
     z.add_argument("--zero3-layerwise", action="store_true", help="ZeRO-3 layer by layer, not a chunk kept gathered")
     z.add_argument("--zero3-prefetch", action="store_true",
                    help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
@@ -107,27 +203,34 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
                    help="gradient reductions quantized (as train --quantize-grads)")
     z.add_argument("--quant-block", type=int, default=256, help="elements a scale (as train --quant-block)")
-    z.add_argument("--optim-cost", type=float, default=0.0, help="time of the optimizer update, in F units")
+    z.add_argument("--optim-cost", type=float, default=0.0, help=f"time of the optimizer update, in F units ({limits.TIME.describe()})")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     s.set_defaults(func=cmd_simulate)
 
 
 def cmd_from_trace(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from pipezero.sim.calibrate import calibrate, predict, what_if
 
+    if Path(args.from_trace).is_dir():
+        raise ConfigError(f"--from-trace {args.from_trace!r} is a folder: pass the trace.json in it (a run with "
+                          f"--trace writes OUT/trace.json)")
     if not Path(args.from_trace).is_file():
         raise ConfigError(f"--from-trace {args.from_trace!r} does not exist (a run with --trace writes trace.json)")
     try:
         cal = calibrate(args.from_trace)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:  # empty, not JSON, not a trace
+        lay = cal.layout
+        step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
+        others = what_if(cal)
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError) as e:  # not a trace
         raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
                           f"trained with --trace") from None
-    lay = cal.layout
-    step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
-    others = what_if(cal)
+    if not all(math.isfinite(x) for x in (step, bubble, cal.measured_step_s, cal.measured_bubble)):
+        raise ConfigError(f"--from-trace {args.from_trace!r}: its times overflow (step time {cal.measured_step_s:g} "
+                          f"s); pass the trace.json of a run trained with --trace")
     if args.json:
         print(json.dumps({"layout": lay, "measured": {"step_time_s": cal.measured_step_s, "bubble": cal.measured_bubble},
                           "simulated": {"step_time_s": step, "bubble": bubble}, "hop_s": cal.hop_s,
@@ -152,15 +255,23 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    check_combination(args)
     if args.from_trace:
         return cmd_from_trace(args)
     if args.png and args.compare:  # one timeline a picture: it used to exit 0 having drawn nothing
         raise ConfigError("--png draws one schedule's timeline, not a --compare table: drop --compare and name "
                           "the schedule with --schedule")
-    check_ranges(args, {"pp": (int, POSITIVE_INT), "microbatches": (int, POSITIVE_INT),
-                        "virtual_stages": (int, POSITIVE_INT), "comm": (float, NON_NEGATIVE)})
+    check_ranges(args, {"pp": (int, limits.PP), "microbatches": (int, POSITIVE_INT),
+                        "virtual_stages": (int, POSITIVE_INT), "comm": (float, limits.TIME)})
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
+    if args.zero is not None:
+        check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE), "dp_comm": (float, limits.TIME),
+                            "optim_cost": (float, limits.TIME), "quant_block": (int, RANGES["parallel.quant_block"])})
+    check_work(args)
+    if args.png:
+        check_png(args.png, args.pp * args.microbatches * default_virtual(ScheduleKind(args.schedule),
+                                                                         args.virtual_stages))
     if args.zero is not None:
         return cmd_simulate_zero(args, cost)
     results: dict[str, dict] = {}
@@ -173,8 +284,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             from pipezero.telemetry.plot import draw_timeline
 
             bars = [(e.rank, e.action.op.value, e.action.mb, e.start, e.end) for e in res.timeline]
-            draw_timeline(bars, args.pp, f"{kind.value}  P={args.pp} M={args.microbatches} V={v}  "
-                          f"bubble {res.bubble:.1%}", args.png)
+            title = f"{kind.value}  P={args.pp} M={args.microbatches} V={v}  bubble {res.bubble:.1%}"
+            written(args.png, lambda: draw_timeline(bars, args.pp, title, args.png))
     if args.json:
         print(json.dumps(results if args.compare else next(iter(results.values())), indent=2))
         return 0
@@ -194,25 +305,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     """Every chosen schedule lowered with ZeRO's collectives: step time and bubble without and with
     their traffic (sim/program_view.py)."""
-    from pipezero.sim.program_view import ZeroOptions, draw, run_program
+    from pipezero.sim.program_view import ZeroOptions, draw, lower_zero, run_program
 
-    check_ranges(args, {"dp": (int, POSITIVE_INT), "bucket_mb": (float, POSITIVE), "dp_comm": (float, NON_NEGATIVE),
-                        "optim_cost": (float, NON_NEGATIVE), "quant_block": (int, POSITIVE_INT)})
     opt = ZeroOptions.from_args(args)
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
-    for schedule in each_schedule(args, skipped):
-        kind, v = ScheduleKind(schedule.name), schedule.virtual
-        prog, res, figures = run_program(schedule, cost, opt)
+    lowered = [(schedule, lower_zero(schedule, opt)) for schedule in each_schedule(args, skipped)]
+    check_instructions(args, sum(low.instructions for _, low in lowered))
+    for schedule, low in lowered:
+        kind, v, prog = ScheduleKind(schedule.name), schedule.virtual, low.prog
+        res, figures = run_program(low, cost, opt)
         results[kind.value] = {"schedule": kind.value, "pp": args.pp, "microbatches": args.microbatches,
                                "virtual_stages": v, **figures}
         if args.listing and not args.json:
             print("\n".join(f"{kind.value} rank {r} (pp {r // args.dp}, dp {r % args.dp}): {prog.listing(r)}"
                             for r in range(len(prog.ranks))))
         if args.png and not args.compare:
-            draw(prog, res, f"{kind.value}  P={args.pp} D={args.dp} M={args.microbatches} V={v}  ZeRO-{args.zero} "
-                 f"{args.grad_reduce}  bubble {figures['bubble_no_zero_traffic']:.1%} -> {res.bubble:.1%} with "
-                 f"ZeRO traffic (dp replica 0)", args.png)
+            title = (f"{kind.value}  P={args.pp} D={args.dp} M={args.microbatches} V={v}  ZeRO-{args.zero} "
+                     f"{args.grad_reduce}  bubble {figures['bubble_no_zero_traffic']:.1%} -> {res.bubble:.1%} with "
+                     f"ZeRO traffic (dp replica 0)")
+            written(args.png, lambda: draw(prog, res, title, args.png))
     if args.json:
         print(json.dumps(results if args.compare else next(iter(results.values())), indent=2))
         return 0

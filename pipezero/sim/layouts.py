@@ -26,7 +26,7 @@ class Cluster:
     # decides (measured on the emulated cluster: B=1 x M=8 ran 2-4x slower than FLOPs alone
     # predicted); it is why a fused BW beats its B and W apart when the bubble is not the limit
     overhead_s: float = 0.0
-    # CPU ranks on gloo (`--device cpu`): its reduce-scatter sends an all-reduce's bytes, a node's
+    # CPU ranks on gloo (`--device cpu`): reduce-scatters are direct exchanges of slices, a node's
     # ranks share one link (inter_gbps x node_size), and --hierarchical can be chosen
     cpu: bool = False
     # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host

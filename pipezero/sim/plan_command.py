@@ -12,18 +12,18 @@ from rich.table import Table
 
 from pipezero.coerce import Range
 from pipezero.errors import ConfigError
-from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT
+from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
+from pipezero.sim import limits
 from pipezero.sim.commands import check_ranges
 from pipezero.sim.layouts import Cluster
 
 
 def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
     """GPU counts nearest `gpus` that split into some pp x dp (pp at most `layers`, dp dividing the
-    global batch), for the error message: taken from those products, not by scanning counts (a
-    scan down from --gpus 2^30 ran for minutes, and one up past every product never ended)."""
-    sizes = {pp * dp for pp in range(1, layers + 1) for dp in divisors(global_batch)}
-    below = max((n for n in sizes if n < gpus), default=None)
-    above = min((n for n in sizes if n > gpus), default=None)
+    global batch, within limits.GPUS), for the error message; empty when there are none. Taken from
+    those products, not by scanning counts (a scan down from --gpus 2^30 ran for minutes)."""
+    counts = {pp * dp for pp in range(1, layers + 1) for dp in divisors(global_batch) if pp * dp in limits.GPUS}
+    below, above = max((n for n in counts if n < gpus), default=None), min((n for n in counts if n > gpus), default=None)
     return " or ".join(str(n) for n in (below, above) if n)
 
 
@@ -33,15 +33,22 @@ def divisors(n: int) -> list[int]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("plan", help="choose a pp x dp x ZeRO x schedule layout for a cluster")
+    s = sub.add_parser("plan", help="choose a pp x dp x ZeRO x schedule layout for a cluster",
+                       description="Enumerate layouts, drop those that do not fit, estimate and rank the rest. "
+                                   "A request answers within seconds: it simulates at most "
+                                   f"{limits.PLAN_BUDGET} schedule actions, the layouts of fewest micro-batches first, "
+                                   "and says how many layouts it left unsimulated (lower --global-batch to weigh "
+                                   "them).")
     what = s.add_mutually_exclusive_group(required=True)
     what.add_argument("--preset", help="model preset (tiny ... 70b)")
-    what.add_argument("--params", type=float, help="model size in parameters, e.g. 13e9")
-    s.add_argument("--gpus", type=int, help="GPUs in all (or --nodes x --gpus-per-node)")
-    s.add_argument("--gpu-memory", type=float, required=True, help="GiB per GPU")
+    what.add_argument("--params", type=float, help=f"model size in parameters, e.g. 13e9 ({limits.PARAMS.describe()})")
+    s.add_argument("--gpus", type=int, help=f"GPUs in all (or --nodes x --gpus-per-node; {limits.GPUS.describe()})")
+    s.add_argument("--gpu-memory", type=float, required=True, help=f"GiB per GPU, e.g. 80 ({limits.GPU_MEMORY_GIB.describe()})")
     s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
-    s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8, help="GPUs a node")
-    s.add_argument("--bandwidth", default="300,25", help="intra,inter-node GB/s per GPU")
+    s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8,
+                   help=f"GPUs a node ({limits.GPUS.describe()})")
+    s.add_argument("--bandwidth", default="300,25", help=f"intra,inter-node GB/s per GPU (each, as --intra-bw and --inter-bw, "
+                                                         f"{limits.GBPS.describe()})")
     s.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (overrides --bandwidth's first)")
     s.add_argument("--inter-bw", type=float, help="GB/s of a node's link to the others, shared by its GPUs "
                                                   "(overrides --bandwidth's second, which is per GPU)")
@@ -49,8 +56,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="bytes an element on the wire: 2 (bf16 runs; the default with --device cuda) or 4 "
                         "(fp32 runs; the default with --device cpu, where train runs fp32)")
     s.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: ranks on gloo, whose reduce-scatter sends an all-reduce's bytes and whose "
-                        "nodes share one link; --hierarchical becomes a candidate")
+                   help="cpu: ranks on gloo, reduce-scatters as direct exchanges of slices, "
+                        "a node's ranks sharing one link; --hierarchical becomes a candidate")
     s.add_argument("--bucket-mb", type=float, default=25.0,
                    help="the run's gradient bucket (train --bucket-mb): collectives hide behind compute a bucket at a time")
     q = s.add_argument_group("quantized traffic (as train's flags; zero/quantize.py)")
@@ -63,15 +70,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="ZeRO-3 layer by layer keeps a node's copy split over its ranks (memory 4/N bytes a "
                         "parameter), its later gathers inside the node")
     c = s.add_argument_group("compute (defaults: an H100's dense bf16 peak at 45% of it)")
-    c.add_argument("--tflops", type=float, default=989.0, help="dense peak TFLOP/s of one GPU at the run's dtype")
+    c.add_argument("--tflops", type=float, default=989.0, help=f"dense peak TFLOP/s of one GPU at the run's dtype "
+                                                                     f"({limits.TFLOPS.describe()})")
     c.add_argument("--mfu", type=float, default=0.45, help="share of that peak one stage's compute reaches")
     c.add_argument("--overhead-ms", type=float, default=0.0,
-                   help="fixed milliseconds every forward, backward or half of one costs beyond its FLOPs")
+                   help="fixed milliseconds every forward, backward or half of one costs beyond its FLOPs "
+                        f"({limits.OVERHEAD_MS.describe()})")
     h = s.add_argument_group("ranks sharing one host (an emulated cluster)")
     h.add_argument("--cores", type=int, default=0, help="CPU cores every rank shares (0: a device a rank)")
     h.add_argument("--net-cpu", type=float, default=0.0,
-                   help="host CPU-seconds a GB crossing a node's link costs those cores (bench/link_probe.py)")
-    s.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+                   help="host CPU-seconds a GB crossing a node's link costs those cores (bench/link_probe.py; "
+                        f"{limits.NET_CPU.describe()})")
+    s.add_argument("--global-batch", type=int, default=1024, help=f"sequences per step ({limits.GLOBAL_BATCH.describe()})")
     s.add_argument("--seq-len", type=int, default=None,
                    help="tokens a sequence (default: the model's longest, at most 4096)")
     s.add_argument("--top", type=int, default=10, help="layouts to show, fastest first")
@@ -87,12 +97,16 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.nodes is None and args.gpus is None:
         raise ConfigError("say how many GPUs: --gpus N, or --nodes K --gpus-per-node N")
     gpus = args.gpus if args.gpus is not None else args.nodes * args.node_size
+    if gpus not in limits.GPUS:
+        raise ConfigError(f"--nodes {args.nodes} x --gpus-per-node {args.node_size} = {gpus} GPUs; the limit is "
+                          f"{limits.GPUS.high:.0f}: fewer --nodes or --gpus-per-node")
     try:
         intra, inter = (float(x) for x in args.bandwidth.split(","))
     except ValueError:
         raise ConfigError(f"--bandwidth wants intra,inter GB/s like 300,25, got {args.bandwidth!r}") from None
-    if not (intra > 0 and inter > 0 and math.isfinite(intra + inter)):
-        raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (intra,inter-node GB/s)")
+    if not all(math.isfinite(x) and x in limits.GBPS for x in (intra, inter)):
+        raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (from {limits.GBPS.low:g} to "
+                          f"{limits.GBPS.high:g}: intra,inter-node GB/s)")
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
     wire = args.wire_bytes or (4 if args.device == "cpu" else 2)
@@ -106,15 +120,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset, param_count
-    from pipezero.sim.planner import model_from_params, plan, reason
+    from pipezero.sim.planner import model_from_params, plan_within, reason
 
-    check_ranges(args, {"params": (float, POSITIVE), "gpus": (int, POSITIVE_INT), "gpu_memory": (float, POSITIVE),
-                        "node_size": (int, POSITIVE_INT), "global_batch": (int, POSITIVE_INT), "nodes": (int, POSITIVE_INT),
-                        "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT), "intra_bw": (float, POSITIVE),
-                        "inter_bw": (float, POSITIVE), "bucket_mb": (float, POSITIVE), "tflops": (float, POSITIVE),
-                        "mfu": (float, Range(0, 1, open_low=True)), "overhead_ms": (float, NON_NEGATIVE),
-                        "cores": (int, NON_NEGATIVE), "net_cpu": (float, NON_NEGATIVE),
-                        "quant_block": (int, POSITIVE_INT)})
+    check_ranges(args, {"params": (float, limits.PARAMS), "gpus": (int, limits.GPUS),
+                        "gpu_memory": (float, limits.GPU_MEMORY_GIB), "node_size": (int, limits.GPUS),
+                        "global_batch": (int, limits.GLOBAL_BATCH), "nodes": (int, limits.GPUS),
+                        "seq_len": (int, POSITIVE_INT), "top": (int, POSITIVE_INT), "intra_bw": (float, limits.GBPS),
+                        "inter_bw": (float, limits.GBPS), "bucket_mb": (float, POSITIVE),
+                        "tflops": (float, limits.TFLOPS), "mfu": (float, Range(0, 1, open_low=True)),
+                        "overhead_ms": (float, limits.OVERHEAD_MS), "cores": (int, NON_NEGATIVE),
+                        "net_cpu": (float, limits.NET_CPU), "quant_block": (int, RANGES["parallel.quant_block"])})
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
@@ -123,14 +138,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
     t0 = time.perf_counter()
     bits = {"none": 0, "int8": 8, "int4": 4}
-    fits, considered = plan(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
-                            bits[args.quantize_grads], args.quant_block, args.secondary_shard == "node")
+    result = plan_within(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
+                         bits[args.quantize_grads], args.quant_block, args.secondary_shard == "node")
+    fits, considered, skipped = result.fits, result.considered, result.skipped
     took = time.perf_counter() - t0
+    if not considered and skipped:
+        raise ConfigError(f"every layout of {cluster.gpus} GPUs at --global-batch {args.global_batch} runs more "
+                          f"micro-batches a rank than the planner simulates within its time budget "
+                          f"({limits.PLAN_BUDGET} actions): lower --global-batch")
     if not considered:  # no pp x dp split of the GPUs at all: more GPUs would not be the fix
+        nearby = _nearby_gpus(model.n_layers, args.global_batch, cluster.gpus)
         raise ConfigError(f"{cluster.gpus} GPUs split into no layout: pp x dp must equal --gpus with pp <= "
                           f"{model.n_layers} layers and dp dividing --global-batch {args.global_batch}; "
-                          f"choose --gpus {_nearby_gpus(model.n_layers, args.global_batch, cluster.gpus)} "
-                          f"or another --global-batch")
+                          f"choose {'--gpus ' + nearby + ' or ' if nearby else ''}another --global-batch")
     if not fits:
         raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
                           f"{cluster.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
@@ -147,11 +167,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
             for e in fits[: args.top]]
     if args.json:
-        print(json.dumps({"params": param_count(model), "considered": considered, "fit": len(fits),
-                          "seconds": took, "layouts": rows}, indent=2))
+        print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,
+                          "fit": len(fits), "seconds": took, "layouts": rows}, indent=2))
         return 0
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
-                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)")
+                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)",
+                  caption=f"{skipped} layouts of many micro-batches not simulated (the planner's time budget): "
+                          f"lower --global-batch to weigh them" if skipped else None)
     for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s",
                 "GB x-node", "why"):
         table.add_column(col, justify="left" if col in ("schedule", "why") else "right")

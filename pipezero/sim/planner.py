@@ -33,7 +33,8 @@ from functools import lru_cache
 from pipezero.config import GradReduce, ModelConfig, Placement, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
-from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout
+from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
+from pipezero.sim import limits
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
 from pipezero.zero.accounting import paper_bytes_per_param
@@ -165,8 +166,6 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                         check_layout(kind, pp, m, v)
                     except ValueError:
                         continue
-                    if pp * m * v > 20000:  # beyond what the simulator plays in a planner's time
-                        continue
                     for zero in (0, 1, 2, 3):
                         if dp == 1 and zero:
                             continue
@@ -175,6 +174,36 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
                             out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place, hier)
                                        for mode in modes for place in places for hier in two_level[place])
     return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: list[Estimate]  # fastest first
+    considered: int  # layouts estimated
+    skipped: int  # layouts whose simulation did not fit in the budget (the most micro-batches)
+    played: int  # budget spent
+
+
+def sim_actions(lay: Layout) -> int:
+    """Actions one simulation of the layout's schedule plays (B and W apart: three a micro-batch)."""
+    return lay.pp * lay.microbatches * lay.virtual * (3 if lay.schedule in SPLIT_BACKWARD else 2)
+
+
+def affordable(layouts: list[Layout], budget: int, sims_each: int) -> tuple[list[Layout], int]:
+    """The layouts whose simulations fit in `budget`, cheapest simulation first (layouts sharing one
+    are estimated together), and the budget they spend; the rest all play more actions."""
+    by_sim: dict[tuple, list[Layout]] = {}
+    for lay in layouts:
+        by_sim.setdefault((sim_actions(lay), lay.schedule.value, lay.pp, lay.microbatches, lay.virtual,
+                           lay.recompute), []).append(lay)
+    chosen, spent = [], 0
+    for key in sorted(by_sim):
+        cost = key[0] * sims_each + limits.LAYOUT_COST * len(by_sim[key])
+        if spent + cost > budget:
+            break
+        chosen += by_sim[key]
+        spent += cost
+    return chosen, spent
 
 
 def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int, block: int,
@@ -189,19 +218,30 @@ def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int
                    grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz)
 
 
-def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
-         grad_bits: int = 0, quant_block: int = 256, secondary: bool = False) -> tuple[list[Estimate], int]:
-    """Layouts that fit, fastest first, and how many were considered; every layout with the given
-    quantization of its traffic (bits 0: none) and secondary shard where it has them."""
+def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+                grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
+                budget: int | None = None) -> Plan:
+    """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
+    every layout with the given quantization of its traffic (bits 0: none) and secondary shard
+    where it has them."""
     layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
                for lay in candidate_layouts(model, cluster, global_batch)]
+    # a fixed cost an action makes a second simulation of each schedule (estimate)
+    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, 2 if cluster.overhead_s else 1)
     fits = []
-    for lay in layouts:
+    for lay in chosen:
         est = estimate(model, seq_len, global_batch, cluster, lay)
         if est.memory_gib <= cluster.gpu_memory_gib * cluster.headroom:
             fits.append(est)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
-    return fits, len(layouts)
+    return Plan(fits, len(chosen), len(layouts) - len(chosen), spent)
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+         grad_bits: int = 0, quant_block: int = 256, secondary: bool = False) -> tuple[list[Estimate], int]:
+    """Layouts that fit, fastest first, and how many were considered (within limits.PLAN_BUDGET)."""
+    result = plan_within(model, cluster, seq_len, global_batch, weight_bits, grad_bits, quant_block, secondary)
+    return result.fits, result.considered
 
 
 def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipezero.config import GradReduce, ModelConfig, Partition
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.bucket_plan import plan_buckets
+from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
 from pipezero.schedules.check import CostModel
 from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
 from pipezero.schedules.program_check import check_program
@@ -82,16 +82,34 @@ def traffic(prog: Program, rank: int) -> int:
     return int(total)
 
 
-def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program, ProgramResult, dict]:
-    """Lower, prove and time `s` under `opt`; the JSON-ready figures beside the program and its play."""
+@dataclass(frozen=True)
+class Lowered:
+    """A schedule lowered with ZeRO's collectives, before it is proved and played (the costly part,
+    about 10-40 us an instruction: cmd_simulate_zero counts them first)."""
+
+    prog: Program
+    buckets: BucketPlan
+    stage_bytes: float  # one average stage's parameters on the wire
+
+    @property
+    def instructions(self) -> int:
+        return sum(len(r) for r in self.prog.ranks)
+
+
+def lower_zero(s: Schedule, opt: ZeroOptions) -> Lowered:
     layers = chunk_layers(opt.preset, s.n_chunks)
     buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero3_layerwise)
     prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
                  prefetch=opt.prefetch, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes,
                  gather_bytes=opt.gather_bytes, posts=prove(s).posts)
+    return Lowered(prog, buckets, sum(map(sum, layers)) / s.pp * opt.wire_bytes)
+
+
+def run_program(low: Lowered, cost: CostModel, opt: ZeroOptions) -> tuple[ProgramResult, dict]:
+    """Prove and time a lowered program under `opt`; its play and the JSON-ready figures."""
+    prog, buckets = low.prog, low.buckets
     check_program(prog)
-    stage_bytes = sum(map(sum, layers)) / s.pp * opt.wire_bytes
-    bandwidth = stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
+    bandwidth = low.stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
     res = simulate_program(prog, cost, CommCost(bandwidth=bandwidth, optim=opt.optim))
     free = simulate_program(prog, cost, CommCost(optim=opt.optim))
     counts = {k.value: sum(1 for i in prog.ranks[0] if i.kind is k)
@@ -104,7 +122,7 @@ def run_program(s: Schedule, cost: CostModel, opt: ZeroOptions) -> tuple[Program
                "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,
                "step_time": res.step_time, "bubble": res.bubble, "comm_busy": res.comm_busy,
                "bytes_sent": [traffic(prog, r) for r in range(len(prog.ranks))], "rank0_instructions": counts}
-    return prog, res, figures
+    return res, figures
 
 
 def draw(prog: Program, res: ProgramResult, title: str, path: str) -> None:

@@ -5,8 +5,9 @@ the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 gathers
 Reductions run during the last backward of the step, bucket by bucket; the updated weights' gathers
 ahead of the next first forward (sim/overlap.py says how much of each hides).
 
-A ring all-reduce sends 2(D-1)/D of the bytes a rank, a reduce-scatter or all-gather (D-1)/D; on
-CPU ranks (gloo) the reduce-scatter sends an all-reduce's bytes, a node's ranks share its one link
+A ring all-reduce sends 2(D-1)/D of the bytes a rank, a reduce-scatter or all-gather (D-1)/D (on
+CPU ranks the reduce-scatter is a direct exchange of slices, zero/coordinator.py, because gloo's own
+sends an all-reduce's bytes); on CPU ranks a node's ranks share its one link
 (a flat ring in node order crosses it once a group), and `--hierarchical` is a candidate: the
 two-level reduction of parallel/hierarchical.py, an exchange inside the node then across, (g-1)/g
 of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for g ranks of a group
@@ -15,7 +16,7 @@ copying bytes (loopback) and hides behind nothing.
 
 Quantized traffic (zero/compressed.py) is priced by the bytes it sends: `--quantize-weights` gathers
 bits / 8 + 4 / block bytes an element, `--quantize-grads` reduces at that width, its reduce-scatter an
-exchange (one pass, where gloo's own sends two) and its all-reduce that exchange and a gather.
+exchange and its all-reduce that exchange and a gather.
 """
 
 from __future__ import annotations
@@ -66,12 +67,6 @@ def payload_bytes(cluster: Cluster, lay: Layout, psi: float) -> dict[str, float]
     return {"all_reduce": grads, "all_gather": gathers, "reduce_scatter": grads}
 
 
-def reduce_scatter_passes(cluster: Cluster, lay: Layout) -> int:
-    """Buffers' worth (times (D-1)/D) a flat reduce-scatter sends: gloo's sends an all-reduce's, the
-    quantized exchange one."""
-    return 2 if cluster.cpu and not lay.grad_bits else 1
-
-
 def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
     """Seconds of each data-parallel collective over `nbytes` for the layout's groups."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
@@ -79,7 +74,7 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
     if cluster.cpu and split and split[1] > 1:  # one shared link a node: a group's ring crosses it once
         bw = cluster.inter_gbps * split[0]
     ring = (d - 1) / d * nbytes / (bw * 1e9)
-    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": reduce_scatter_passes(cluster, lay) * ring}
+    took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": ring}
     if lay.hierarchical and split:
         g, n = split
         inside = (g - 1) / g * nbytes / (cluster.intra_gbps * 1e9)
@@ -150,7 +145,7 @@ def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, fl
     (n-1)/n of each node's reduced buffer, n - 1 buffers a group. Groups that split unevenly count
     every hop as crossing."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
-    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": reduce_scatter_passes(cluster, lay)}
+    passes = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
     if split is None:
         hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
         return {c: lay.pp * hops * p * (d - 1) / d * nbytes for c, p in passes.items()}

@@ -11,6 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+from pipezero.util import atomic_write_with  # noqa: E402
+
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
 
 
@@ -32,9 +34,16 @@ def draw_timeline(bars: Iterable[tuple[int, str, int, float, float]], n_ranks: i
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", ncol=4, fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)
+
+
+def save(fig: plt.Figure, path: str | Path) -> None:
+    """Write `fig` to `path` whole or not at all (a temporary file renamed over it, util.atomic_write_with):
+    a failed or interrupted drawing leaves whatever was at `path`. The format follows the suffix."""
+    try:
+        atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix[1:] or "png"))
+    finally:
+        plt.close(fig)
 
 
 COMM_COLOURS = {"UNSHARD": "#8172B3", "REDUCE_GRAD": "#937860", "OPTIM_STEP": "#DA8BC3"}
@@ -69,6 +78,4 @@ def draw_program_timeline(compute: Iterable[tuple[int, str, int, float, float]],
                 for k, c in COMM_COLOURS.items()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=7, fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

@@ -1,0 +1,42 @@
+"""The sizes and values `simulate` and `plan` accept.
+
+Both play schedules action by action in Python, so a request's time and memory follow how many
+actions it plays: unbounded, `simulate --pp 4 --microbatches 10000000` grew past 3.5 GB and
+`plan --gpus 1073741824` ran for minutes. Each limit below is where a request still answers within
+a few seconds and a few hundred MB on one busy CPU core (measured; the numbers are in the commit
+that set them). Values are bounded too where an extreme one overflows a float into inf and nan.
+"""
+
+from __future__ import annotations
+
+from pipezero.coerce import Range
+
+# simulate: pipeline ranks, and with --zero data-parallel ranks (the lowered program has P x D ranks)
+PP = Range(1, 1024)
+DP = Range(1, 1024)
+# stage micro-batches (P x M x V, summed over --compare's schedules) one request plays; with --zero
+# each action also carries its collectives on P x D ranks, so P x D x M x V is held lower
+PLAY_LIMIT = 16384
+ZERO_PLAY_LIMIT = 4096
+# and the lowered program's instructions (every schedule's, every rank's): each costs 10-40 us to
+# prove and play twice, so buckets a chunk count too (70b at ZeRO-3 layer by layer: 80 a chunk)
+INSTRUCTION_LIMIT = 80_000
+# --png draws one bar an action: matplotlib takes about 1.3 ms a bar
+DRAW_LIMIT = 512
+# relative times (F:B:W, hops, the optimizer): sums over up to PLAY_LIMIT x 3 actions stay finite
+COST = Range(1e-6, 1e6)
+TIME = Range(0, 1e6)
+
+# plan: schedule actions simulated a request, each layout's estimate counted as LAYOUT_COST of
+# them; many micro-batches a rank cost the most and are played last, what does not fit is skipped
+PLAN_BUDGET = 200_000
+LAYOUT_COST = 5
+# plan: GPUs (the groups of every split are enumerated) and sequences a step
+GPUS = Range(1, 65536)
+GLOBAL_BATCH = Range(1, 2**20)
+PARAMS = Range(1e6, 1e13)
+GPU_MEMORY_GIB = Range(0, 16384, open_low=True)  # a byte count (80e9) is refused, not planned for
+TFLOPS = Range(1e-6, 1e5)
+GBPS = Range(1e-6, 1e6)
+OVERHEAD_MS = Range(0, 1e6)
+NET_CPU = Range(0, 1e4)

@@ -1,0 +1,178 @@
+"""`plan` and `simulate` refuse what they cannot answer in one line, exit 2: sizes past
+what answers within seconds (sim/limits.py), values that overflow, files they cannot write, flags
+they would ignore. All in this process (cluster's refusals: test_bad_cluster.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from one_line import assert_one_line, run_main
+
+PLAN = ["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80"]
+
+# (argv, what the one line must say); {tmp} is the test's folder, {file} a file in it
+CASES = [
+    # 40 million stage micro-batches grew past 3.5 GB before a MemoryError
+    (["simulate", "--pp", "4", "--microbatches", "10000000"],
+     "--pp 4 x --microbatches 10000000 x V 1 = 40000000 stage micro-batches to play; the limit is 16384, a few "
+     "seconds' work: choose --microbatches 4096 or fewer"),
+    (["simulate", "--schedule", "zb-v", "--pp", "256", "--microbatches", "256"],
+     "= 131072 stage micro-batches to play; the limit is 16384, a few seconds' work: choose --microbatches 32 or"),
+    (["simulate", "--pp", "1000000", "--microbatches", "4"], "--pp = 1000000: expected an integer >= 1 and <= 1024"),
+    (["simulate", "--compare", "--pp", "64", "--microbatches", "64"], "over --compare's 7 schedules"),
+    (["simulate", "--schedule", "interleaved-1f1b", "--virtual-stages", "100000", "--pp", "2", "--microbatches", "2"],
+     "x V 100000 = 400000 stage micro-batches to play; the limit is 16384"),
+    (["simulate", "--zero", "1", "--dp", "100000"], "--dp = 100000: expected an integer >= 1 and <= 1024"),
+    (["simulate", "--zero", "2", "--pp", "8", "--dp", "64", "--microbatches", "64"],
+     "x --dp 64 = 32768 stage micro-batches to play; the limit is 4096 with --zero"),
+    (["simulate", "--zero", "3", "--zero3-layerwise", "--grad-reduce", "microbatch", "--preset", "70b", "--pp", "4",
+      "--dp", "16", "--microbatches", "64"], "the lowered program has 120896 instructions over its ranks; the limit is 80000"),
+    (["simulate", "--cost", "1e308:1e308:1"], "--cost 1e308:1e308:1: expected three numbers > 0 (from 1e-06 to 1e+06"),
+    (["simulate", "--cost", "1:1e-320:1"], "--cost 1:1e-320:1: expected three numbers > 0 (from 1e-06 to 1e+06"),
+    (["simulate", "--comm", "1e308"], "--comm = 1e+308: expected a number >= 0 and <= 1000000"),
+    (["simulate", "--zero", "1", "--dp-comm", "1e308"], "--dp-comm = 1e+308: expected a number >= 0 and <= 1000000"),
+    (["simulate", "--zero", "1", "--optim-cost", "1e308"], "--optim-cost = 1e+308: expected a number >= 0 and <= 1000000"),
+    (["simulate", "--png", "{tmp}"], "is a folder: name the .png file to write"),
+    (["simulate", "--png", "{file}/x.png"], "cannot be written"),
+    (["simulate", "--png", "{tmp}/x.txt"], "--png {tmp}/x.txt: name a file ending .png"),
+    (["simulate", "--pp", "4", "--microbatches", "1024", "--png", "{tmp}/x.png"],
+     "--png draws at most 512 stage micro-batches"),
+    (["simulate", "--from-trace", "{tmp}"], "is a folder: pass the trace.json"),
+    (["simulate", "--from-trace", "{file}", "--png", "{tmp}/x.png"], "--from-trace takes no --png"),
+    (["simulate", "--from-trace", "{file}", "--zero", "1"], "--from-trace takes no --zero"),
+    (["simulate", "--dp", "4"], "--dp applies with --zero"),
+    (["simulate", "--listing"], "--listing applies with --zero"),
+    (["simulate", "--preset", "70b"], "--preset applies with --zero"),
+    (["plan", "--preset", "70b", "--gpus", "100000", "--gpu-memory", "80"],
+     "--gpus = 100000: expected an integer >= 1 and <= 65536"),
+    (["plan", "--preset", "tiny", "--gpus", "1073741824", "--gpu-memory", "80"],
+     "--gpus = 1073741824: expected an integer >= 1 and <= 65536"),
+    (["plan", "--preset", "tiny", "--gpu-memory", "80", "--nodes", "100000000", "--gpus-per-node", "8"],
+     "--nodes = 100000000: expected an integer >= 1 and <= 65536"),
+    (["plan", "--preset", "tiny", "--gpu-memory", "80", "--nodes", "1024", "--gpus-per-node", "1024"],
+     "--nodes 1024 x --gpus-per-node 1024 = 1048576 GPUs; the limit is 65536"),
+    # nothing splits 65521 GPUs (pp <= 80 layers, dp dividing 1024): a StopIteration traceback before
+    (["plan", "--preset", "70b", "--gpus", "65521", "--gpu-memory", "80"], "choose --gpus 64512 or 65536 or another"),
+    # a scan down from the count ran for minutes
+    (["plan", "--preset", "tiny", "--gpus", "65535", "--gpu-memory", "80"], "choose --gpus 2048 or another"),
+    (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80", "--global-batch", "1"],
+     "choose --gpus 2 or another --global-batch"),
+    ([*PLAN, "--global-batch", "1000000000"], "--global-batch = 1000000000: expected an integer >= 1 and <= 1048576"),
+    (["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", "80", "--global-batch", "1048576"],
+     "runs more micro-batches a rank than the planner simulates within its time budget"),
+    (["plan", "--params", "1e30", "--gpus", "8", "--gpu-memory", "80"],
+     "--params = 1e+30: expected a number >= 1000000 and <= 1e+13"),
+    (["plan", "--params", "1", "--gpus", "8", "--gpu-memory", "80"],
+     "--params = 1.0: expected a number >= 1000000 and <= 1e+13"),
+    ([*PLAN[:-1], "8e10"], "--gpu-memory = 80000000000.0: expected a number > 0 and <= 16384"),
+    ([*PLAN, "--tflops", "1e-300"], "--tflops = 1e-300: expected a number >= 1e-06 and <= 100000"),
+    ([*PLAN, "--overhead-ms", "1e308"], "--overhead-ms = 1e+308: expected a number >= 0 and <= 1000000"),
+    ([*PLAN, "--intra-bw", "1e-300"], "--intra-bw = 1e-300: expected a number >= 1e-06 and <= 1000000"),
+    ([*PLAN, "--inter-bw", "1e308"], "--inter-bw = 1e+308: expected a number >= 1e-06 and <= 1000000"),
+    ([*PLAN, "--bandwidth", "1e308,1e-308"], "--bandwidth 1e308,1e-308: expected two numbers > 0 (from 1e-06 to 1e+06"),
+    ([*PLAN, "--net-cpu", "1e308"], "--net-cpu = 1e+308: expected a number >= 0 and <= 10000"),
+    ([*PLAN, "--quant-block", "1000000000000"], "--quant-block = 1000000000000: expected an integer >= 1 and <= 1048576"),
+    (["simulate", "--quantize-grads", "int8"], "--quantize-grads applies with --zero"),
+]
+
+
+def filled(argv: list[str], tmp_path: Path) -> list[str]:
+    (tmp_path / "file").write_text("{}")
+    return [a.replace("{tmp}", str(tmp_path)).replace("{file}", str(tmp_path / "file")) for a in argv]
+
+
+@pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(c[0][:5]) for c in CASES])
+def test_bad_plan_or_simulate_request_is_one_line_at_once(argv, needle, tmp_path, capsys):
+    t0 = time.monotonic()
+    code, err = run_main(filled(argv, tmp_path), capsys)
+    assert time.monotonic() - t0 < 5
+    assert_one_line(code, err, needle.replace("{tmp}", str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_a_failed_drawing_leaves_the_png_that_was_there(tmp_path, capsys, monkeypatch):
+    """--png replaces its file whole or not at all: a drawing that fails midway leaves the old one."""
+    import matplotlib.figure
+
+    from pipezero.cli import main
+
+    png = tmp_path / "t.png"
+    png.write_bytes(b"the user's picture")
+
+    def broken(self, path, **kw):  # noqa: ANN001 - matplotlib's signature
+        Path(path).write_bytes(b"half a pic")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", broken)
+    code, err = run_main(["simulate", "--pp", "2", "--microbatches", "2", "--png", str(png)], capsys)
+    assert_one_line(code, err, f"--png {png} cannot be written")
+    assert png.read_bytes() == b"the user's picture"
+    assert [p.name for p in tmp_path.iterdir()] == ["t.png"]
+    monkeypatch.undo()
+    assert main(["simulate", "--pp", "2", "--microbatches", "2", "--png", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_planner_plays_within_its_budget_and_says_what_it_left_out(capsys, monkeypatch):
+    """Layouts are simulated cheapest first until the budget is spent; the rest are counted, and
+    the table and JSON say so with the fix."""
+    import json
+
+    from pipezero.cli import main
+    from pipezero.config import ModelConfig
+    from pipezero.models import apply_preset
+    from pipezero.sim import limits, planner
+    from pipezero.sim.layouts import Cluster
+
+    model = apply_preset(ModelConfig(), "small")
+    result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=20000)
+    assert result.skipped > 0 and result.considered > 0 and result.played <= 20000
+    assert all(planner.sim_actions(e.layout) <= 20000 for e in result.fits)
+    monkeypatch.setattr(limits, "PLAN_BUDGET", 20000)
+    assert main(["plan", "--preset", "small", "--gpus", "8", "--gpu-memory", "80", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["skipped"] == result.skipped and out["considered"] == result.considered
+    assert main(["plan", "--preset", "small", "--gpus", "8", "--gpu-memory", "80"]) == 0
+    assert f"{result.skipped} layouts of many micro-batches not simulated" in capsys.readouterr().out
+
+
+def _trace(layout: object, events: list[dict] | None = None) -> dict:
+    """A trace.json as a 2-rank gpipe run writes it (2 steps of 4 micro-batches), or with `events`."""
+    evs = events or [{"ph": "X", "pid": r, "cat": c, "name": f"{r}{c}{m}", "args": {"step": s},
+                      "ts": 1000 * s + 10 * m + 3 * r + (5 if c == "B" else 0), "dur": 4}
+                     for s in (1, 2) for r in (0, 1) for m in range(4) for c in ("F", "B")]
+    return {"traceEvents": evs, "otherData": {"layout": layout}}
+
+
+LAYOUT = {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 4, "virtual_stages": 1}
+ONE_F = {"ph": "X", "pid": 0, "cat": "F", "name": "0F0", "args": {"step": 1}, "ts": 0}
+TRACE_CASES = [
+    # grew past 3 GB for minutes
+    (_trace({**LAYOUT, "pp": 100000, "microbatches": 100000}), "asks for 130000000000 stage micro-batches"),
+    # tracebacks: ValueError, TypeError, KeyError
+    (_trace({**LAYOUT, "schedule": "bogus"}), "schedule 'bogus' is none of pipezero's"),
+    (_trace({**LAYOUT, "pp": "2"}), "must be integers >= 1"),
+    (_trace({}), "otherData.layout lacks schedule"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": -5}]), "event '0F0' has ts 0 and dur -5: finite times >= 0 only"),
+    (_trace({**LAYOUT, "pp": 1, "virtual_stages": 1}), "an event of rank 1, but the layout has pp x dp = 1"),
+    # exit 0 with a comparison of nothing: M = 0, times past a float
+    (_trace({**LAYOUT, "microbatches": 0}), "must be integers >= 1"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": 1e308}, {**ONE_F, "pid": 1, "name": "1F0", "ts": 1e308, "dur": 1e308}]),
+     "its times overflow"),
+    (_trace(LAYOUT, [{**ONE_F, "dur": 4}]), "compute events of chunks [0], but the layout has chunks 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("trace, needle", TRACE_CASES, ids=[c[1][:30] for c in TRACE_CASES])
+def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, capsys):
+    import json
+
+    (tmp_path / "trace.json").write_text(json.dumps(trace))
+    t0 = time.monotonic()
+    assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys), needle)
+    assert time.monotonic() - t0 < 5
+    (tmp_path / "trace.json").write_text(json.dumps(_trace(LAYOUT)))  # the same run as written: compared
+    assert run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys)[0] == 0
