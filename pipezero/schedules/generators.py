@@ -292,7 +292,7 @@ def _v_half_block(pp: int, r: int, gap: int) -> dict[int, tuple[int, Op]]:
 def v_half(pp: int, m: int, v: int = 2) -> Schedule:
     """V-Half (Qi, Wan, Huang, Lin 2024, "Pipeline Parallelism with Controllable Memory", arXiv
     2405.15362): ZB-V's placement with a building block that lives half as long, so half 1F1B's
-    activations ((P+2)//2 stages at the peak against 1F1B's P) with less bubble than 1F1B.
+    activations ((P+2)//2 stages at the peak against 1F1B's P) and, at F = B = W, less bubble.
 
     Built as the paper builds it: each rank's block (`_v_half_block`) is repeated every six slots,
     a micro-batch bringing six passes (F, B, W of two chunks), the four F and B passes landing on
