@@ -52,11 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    try:
-        from ranks import run_ranks
-    except ImportError:  # commits before the spawner moved to tests/
-        from pipezero.parallel.spawn import run_ranks
     from pipezero.data import stdlib_files
+    from ranks import run_ranks  # before 2026-12-06 (703e589 and older): pipezero.parallel.spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus, total = Path(tmp) / "corpus", 0

@@ -127,8 +127,12 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
 
 
 def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
-    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here)."""
-    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
+    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here), with
+    those holding a tied embedding's copy."""
+    held = frozenset((c, k) for c, bs in zero.buckets.items() for k, b in enumerate(bs) if b.tied)
+    tied_numel = zero.tied.local[0].numel() if held and zero.tied is not None else 0
+    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)),
+                      held, tied_numel)
 
 
 def rank_program(proven: ProvenSchedule, mesh: Mesh, zero: ZeroDP, cfg: TrainConfig) -> tuple[Instr, ...]:
