@@ -42,6 +42,7 @@ class ScheduleKind(str, enum.Enum):
     ZB_H2 = "zb-h2"
     ZB_V = "zb-v"
     DUALPIPE_V = "dualpipe-v"
+    V_HALF = "v-half"
 
 
 class GradReduce(str, enum.Enum):
