@@ -132,7 +132,7 @@ def train(lay: dict, toml: Path, out: Path, steps: int, nodes: int, per_node: in
     stats: dict = {}
     on_cluster(nodes, per_node, link, [*entry, "train", "--config", str(toml), "--pp", str(lay["pp"]),
                                        "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule", lay["schedule"],
-                                       "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out),
+                                       "--virtual-stages", str(lay["v"]), "--max-steps", str(steps), "--out", str(out), "--no-save-final",
                                        *lay.get("flags", [])], stats=stats, pin=pin)
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     sent = [b["bytes_sent"] - a["bytes_sent"] for a, b in zip(recs, recs[1:])]

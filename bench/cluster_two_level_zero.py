@@ -30,7 +30,7 @@ VARIANTS = {"flat (gloo)": [], "two-level (--hierarchical)": ["--hierarchical"]}
 def run(flags: list[str], toml: Path, out: Path, steps: int, link: str, zero: int) -> dict:
     probe = str(Path(__file__).resolve().parent / "launch_times.py")
     on_cluster(2, 2, link, [probe, "train", *flags, "--config", str(toml), "--pp", "1", "--dp", "4", "--zero",
-                            str(zero), "--max-steps", str(steps), "--out", str(out)])
+                            str(zero), "--max-steps", str(steps), "--out", str(out), "--no-save-final"])
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steady = [r["step_time_s"] for r in recs[2:]]
     return {"step_s": min(steady), "step_s_median": statistics.median(steady),

@@ -95,6 +95,7 @@ def loader_share(folder: Path, tokenizer_json: Path, out: Path, steps: int) -> d
     cfg = build_config(None, {"data.path": str(folder), "data.tokenizer": str(tokenizer_json), "data.seq_len": 256,
                               "model.vocab_size": 4096, "run.max_steps": steps, "run.out": str(out),
                               "run.progress": False, "run.sample_tokens": 0, "run.eval_every": 0,
+                              "run.save_final": False,
                               "run.eval_batches": 1})
     train(cfg)
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][1:]  # not the first

@@ -73,6 +73,7 @@ def config(case: Case, steps: int, out: str, device: str) -> TrainConfig:
         "data.max_bytes": 20_000_000, "parallel.micro_batch_size": case.micro_batch_size,
         "parallel.microbatches": case.microbatches, "run.dtype": "bf16" if device == "cuda" else "fp32",
         "run.device": device, "run.compile": case.compile, "run.max_steps": steps, "run.out": out,
+        "run.save_final": False,
         "run.progress": False, "run.eval_every": 0, "run.eval_batches": 1, "run.sample_tokens": 0,
     })
 

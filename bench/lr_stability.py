@@ -48,6 +48,7 @@ def config(args: argparse.Namespace, out: str, extra: dict[str, str]) -> TrainCo
                  "data.max_bytes": 20_000_000, "parallel.micro_batch_size": args.micro_batch_size,
                  "parallel.microbatches": args.microbatches, "run.dtype": args.dtype, "run.device": args.device,
                  "run.max_steps": args.steps, "run.out": out, "run.progress": False, "run.eval_every": 0,
+                 "run.save_final": False,
                  "run.eval_batches": 1, "run.sample_tokens": 0, **extra}
     if args.layers:
         overrides["model.n_layers"] = args.layers

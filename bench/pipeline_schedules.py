@@ -1,13 +1,17 @@
 """Time every pipeline schedule on one model and layout, beside torch.distributed.pipelining.
 
-    python bench/pipeline_schedules.py [--preset small] [--pp 2] [--microbatches 8] [--steps 4]
+    python bench/pipeline_schedules.py [--preset small] [--n-layers N] [--pp 2] [--microbatches 8] [--steps 4]
 
 Each rank runs with one torch thread. For each schedule, pipezero's executor and (where torch has
 the same schedule) torch's `PipelineStage` + `Schedule*` run the same chunks on the same batches in
-the same process group, alternating step by step (the first step of each is dropped). Printed: step
-time, tokens/s, measured bubble (time a rank spent blocked on its peers over its step time, averaged
-over ranks), the simulator's bubble at 1:1:1, and
-the ratio to the ideal (P x the one-process, one-thread throughput). Results go to
+the same process group, every schedule's step in turn within each step (the first step dropped),
+so the machine's drift hits them alike. Printed: step time, tokens/s, measured bubble (time a rank spent blocked on its peers over its step time, averaged
+over ranks), the simulator's bubble at 1:1:1, the ratio to the ideal (P x the one-process,
+one-thread throughput), and memory from one more, untimed step of ours: the most chunk activations a
+rank held at once and the most bytes of tensors a rank allocated and held at once while it played
+the schedule (the profiler's memory events: activations, what split backward keeps for W, gradients
+in flight, temporaries; the model, its gradient buffers and the optimizer step are not counted),
+the largest over ranks ("sched MiB"; each rank's in the JSON). Results go to
 bench/results/pipeline_schedules.json.
 """
 
@@ -17,28 +21,32 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
 
 from pipezero.config import ScheduleKind as K  # noqa: E402
+from pipezero.schedules.registry import default_virtual  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 TORCH_NAMES = {K.GPIPE: "ScheduleGPipe", K.ONE_F_ONE_B: "Schedule1F1B", K.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
                K.LOOPED_BFS: "ScheduleLoopedBFS", K.ZB_H1: "ScheduleInterleavedZeroBubble",
                K.ZB_V: "ScheduleZBVZeroBubble", K.DUALPIPE_V: "ScheduleDualPipeV"}
-V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+V_OF = {kind: default_virtual(kind) for kind in K}
 
 
 def config(args: argparse.Namespace, kind: K, pp: int):
     from pipezero.settings import build_config
 
     return build_config(None, {
-        "model.preset": args.preset, "data.seq_len": args.seq_len, "data.tokenizer": "bytes",
+        "model.preset": args.preset, **({"model.n_layers": args.n_layers} if args.n_layers else {}),
+        "data.seq_len": args.seq_len, "data.tokenizer": "bytes",
         "data.max_bytes": 3_000_000, "parallel.pp": pp, "parallel.schedule": kind.value,
         "parallel.microbatches": args.microbatches, "parallel.micro_batch_size": args.micro_batch_size,
         "parallel.virtual_stages": V_OF.get(kind, 1) if pp > 1 else 1, "run.progress": False, "run.threads": 1,
+        "run.save_final": False,
     })
 
 
@@ -49,12 +57,16 @@ def pipezero_step(cfg, rank: int):
     stage = build_stage(cfg, rank)
     denom = cfg.global_batch * cfg.data.seq_len
 
-    def step(mbs: list) -> tuple[float, float]:
+    def step(mbs: list, measure: Callable | None = None) -> tuple[float, float, int, int | None]:
+        """(seconds, measured bubble, peak live chunk activations, and with `measure` (such as
+        peak_live_bytes) its figure for the schedule alone, the optimizer step left out)."""
         stage.zero.begin_step()
         t0 = time.perf_counter()
-        stats = stage.executor.run(stage.program, mbs, denom)
+        ran: list = []
+        held = measure(lambda: ran.append(stage.executor.run(stage.program, mbs, denom))) if measure else None
+        stats = ran[0] if measure else stage.executor.run(stage.program, mbs, denom)
         stage.zero.step(1e-4, 1.0, stage.groups.world)
-        return time.perf_counter() - t0, stats.wait_s / stats.elapsed_s
+        return time.perf_counter() - t0, stats.wait_s / stats.elapsed_s, stats.peak_live, held
     return step
 
 
@@ -95,36 +107,45 @@ def torch_step(cfg, rank: int, kind: K):
 
 
 def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> dict:
-    """Ours and torch's alternate step by step, so the machine's drift hits both alike."""
+    """Every schedule's step, ours and torch's, in turn within each step (every stage built first),
+    so the machine's drift over the run hits every schedule alike; the first step is dropped."""
     import torch.distributed as dist
 
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
+    from test_zero_memory import peak_live_bytes
 
-    out: dict = {}
+    players: dict = {}  # kind -> [ours, theirs or None, torch's error or None]
     for kind in kinds:
         cfg = config(args, kind, world)
-        corpus = load_corpus(cfg.data)
-        batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
-                                         cfg.parallel.microbatches) for s in range(args.steps + 1)]
-        ours_step = pipezero_step(cfg, rank)
         try:
             theirs_step, err = torch_step(cfg, rank, kind), None
         except Exception as e:  # noqa: BLE001 - report, do not hide, a torch schedule that fails here
             theirs_step, err = None, f"{type(e).__name__}: {str(e)[:200]}"
-        ours, bubbles, theirs = [], [], []
-        for mbs in batches:
+        players[kind] = [pipezero_step(cfg, rank), theirs_step, err]
+    corpus = load_corpus(cfg.data)  # the same batches whatever the schedule (only the layout differs)
+    batches = [microbatches_for_rank(global_batch(corpus.train, s, 0, cfg.global_batch, cfg.data.seq_len), 0, 1,
+                                     cfg.parallel.microbatches) for s in range(args.steps + 1)]
+    out = {kind.value: {"ours": [], "bubble": [], "torch": []} for kind in kinds}
+    for mbs in batches:
+        for kind, player in players.items():
+            row = out[kind.value]
             dist.barrier()
-            t, b = ours_step(mbs)
-            ours.append(t)
-            bubbles.append(b)
-            if theirs_step is not None:
+            t, b, _, _ = player[0](mbs)
+            row["ours"].append(t)
+            row["bubble"].append(b)
+            if player[1] is not None:
                 dist.barrier()
                 try:
-                    theirs.append(theirs_step(mbs))
+                    row["torch"].append(player[1](mbs))
                 except Exception as e:  # noqa: BLE001
-                    theirs_step, theirs, err = None, [], f"{type(e).__name__}: {str(e)[:200]}"
-        out[kind.value] = {"ours": ours[1:], "bubble": bubbles[1:], "torch": theirs[1:] if theirs else None,
-                           "torch_error": err}
+                    player[1], row["torch"], player[2] = None, [], f"{type(e).__name__}: {str(e)[:200]}"
+    for kind, (ours_step, _, err) in players.items():
+        dist.barrier()
+        _, _, live, step_bytes = ours_step(batches[-1], peak_live_bytes)  # untimed: the profiler slows it
+        row = out[kind.value]
+        out[kind.value] = {"ours": row["ours"][1:], "bubble": row["bubble"][1:],
+                           "torch": row["torch"][1:] if row["torch"] else None, "torch_error": err,
+                           "peak_live": live, "step_peak_bytes": step_bytes}
     return out
 
 
@@ -153,12 +174,15 @@ def one_process_tokens_per_s(args: argparse.Namespace) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--n-layers", type=int, default=None, help="the preset's blocks unless given (2P chunks of V "
+                    "schedules are even when the blocks plus embedding and head divide by 2P)")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--schedules", default=",".join(k.value for k in K))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pipeline_schedules.json")
     args = ap.parse_args()
     kinds = [K(s) for s in args.schedules.split(",")]
     from pipezero.schedules.check import simulate
@@ -171,28 +195,35 @@ def main() -> None:
     rows = {}
     print(f"{args.preset}, P={args.pp}, M={args.microbatches}, B={args.micro_batch_size}, T={args.seq_len}, 1 thread a rank;"
           f" one process: {single:,.0f} tok/s, ideal P x that: {ideal:,.0f} tok/s")
-    print(f"{'schedule':18}{'step s':>8}{'tok/s':>9}{'vs ideal':>9}{'bubble':>8}{'sim':>7}{'torch s':>9}{'torch tok/s':>12}"
-          f"{'ours/torch':>11}")
+    print(f"{'schedule':18}{'step s':>8}{'tok/s':>9}{'vs ideal':>9}{'bubble':>8}{'sim':>7}{'live':>6}{'sched MiB':>10}"
+          f"{'torch s':>9}{'torch tok/s':>12}{'ours/torch':>11}")
     for kind in kinds:
         step = max(sum(r[kind.value]["ours"]) / args.steps for r in per_rank)
         bubble = sum(sum(r[kind.value]["bubble"]) / args.steps for r in per_rank) / args.pp
         sim = simulate(build_schedule(kind, args.pp, args.microbatches, V_OF.get(kind, 1))).bubble
+        live = max(r[kind.value]["peak_live"] for r in per_rank)
+        step_mib = max(r[kind.value]["step_peak_bytes"] for r in per_rank) / 2**20
         t = per_rank[0][kind.value]["torch"]
         tstep = max(sum(r[kind.value]["torch"]) / args.steps for r in per_rank) if t else None
         rows[kind.value] = {"step_s": step, "tokens_per_s": tokens / step, "vs_ideal": tokens / step / ideal,
                             "measured_bubble": bubble, "simulated_bubble": sim,
+                            "peak_live_activations": live, "schedule_peak_mib": step_mib,
+                            "schedule_peak_bytes_per_rank": [r[kind.value]["step_peak_bytes"] for r in per_rank],
                             "torch_step_s": tstep, "torch_tokens_per_s": tokens / tstep if tstep else None,
                             "ours_over_torch_throughput": tstep / step if tstep else None,
                             "torch_error": per_rank[0][kind.value]["torch_error"]}
         r = rows[kind.value]
         tcol = f"{tstep:9.3f}{tokens / tstep:12,.0f}{tstep / step:11.2f}" if tstep else f"{'-':>9}{'-':>12}{'-':>11}"
-        print(f"{kind.value:18}{step:8.3f}{tokens / step:9,.0f}{r['vs_ideal']:9.2f}{bubble:8.1%}{sim:7.1%}{tcol}")
+        print(f"{kind.value:18}{step:8.3f}{tokens / step:9,.0f}{r['vs_ideal']:9.2f}{bubble:8.1%}{sim:7.1%}{live:6d}"
+              f"{step_mib:10.1f}{tcol}")
         if r["torch_error"]:
             print(f"    torch: {r['torch_error']}")
-    out = Path(__file__).parent / "results" / "pipeline_schedules.json"
+    out = args.out
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "one_process_tokens_per_s": single, "ideal_tokens_per_s": ideal,
-                               "schedules": rows}, indent=2))
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"args": {**vars(args), "out": str(out)}, "one_process_tokens_per_s": single,
+                               "ideal_tokens_per_s": ideal, "schedules": rows}, indent=2))
+    tmp.replace(out)
     print(f"wrote {out}")
 
 

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace, out: Path, trace: bool) -> float:
     cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.pp),
            "--pp", str(args.pp), "--dp", "1", "--schedule", args.schedule, "--microbatches", str(args.microbatches),
            "--max-steps", str(args.steps), "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0",
-           "--out", str(out), "--no-progress"] + (["--trace"] if trace else [])
+           "--out", str(out), "--no-progress", "--no-save-final"] + (["--trace"] if trace else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])

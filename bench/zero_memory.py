@@ -91,7 +91,7 @@ def run_stage(args: argparse.Namespace, zero: int, out: Path, schedule: str = "1
     cmd = [sys.executable, "-m", "pipezero.cli", "train", *extra, "--preset", args.preset, "--nproc", str(args.pp * args.dp),
            "--pp", str(args.pp), "--dp", str(args.dp), "--zero", str(zero), "--microbatches", str(args.microbatches),
            "--micro-batch-size", "1", "--seq-len", str(args.seq_len), "--max-steps", str(args.steps),
-           "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--grad-reduce", args.grad_reduce, "--out", str(out),
+           "--tokenizer", "bytes", "--eval-every", "0", "--sample-tokens", "0", "--no-save-final", "--grad-reduce", args.grad_reduce, "--out", str(out),
            "--bucket-mb", str(args.bucket_mb), "--no-progress"]
     return poll(cmd, f"zero {zero} {schedule}")
 

@@ -32,7 +32,7 @@ def config(args: argparse.Namespace, zero: int):
         "model.preset": args.preset, "data.seq_len": args.seq_len, "data.tokenizer": "bytes",
         "data.max_bytes": 3_000_000, "parallel.dp": args.dp, "parallel.zero": zero,
         "parallel.microbatches": args.microbatches, "parallel.micro_batch_size": args.micro_batch_size,
-        "run.progress": False, "run.threads": 1, "run.trace": True,
+        "run.progress": False, "run.threads": 1, "run.trace": True, "run.save_final": False,
     })
 
 

@@ -61,6 +61,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
+    "--stall-report": ("parallel.stall_report_s", "seconds a wait may take before every rank writes where it is "
+                                                  "for the hang doctor (default: a quarter of --timeout)"),
     "--seq-len": ("data.seq_len", "tokens a sequence"),
     "--data": ("data.path", "documents: .jsonl/.json/.parquet records, .txt/.md files, folders or globs; "
                             "or one .bin/.npy token file"),
@@ -96,6 +98,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
     "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
+    "--memory-profile": ("run.memory_profile", "measure each rank's peak memory of the first step and write it "
+                                               "beside the memory model's prediction in summary.json"),
+    "--gpu-memory": ("run.gpu_memory_gib", "GiB a rank may use: a layout whose predicted peak exceeds it is refused "
+                                           "before any rank starts (default on CUDA: the device's memory; CPU: off)"),
 }
 
 
@@ -144,6 +150,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
+    from pipezero.sim.fit import check_fit, rank_limit_gib
+
+    check_fit(cfg, *rank_limit_gib(cfg))  # before any rank starts: a layout that cannot fit is refused here
     from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
@@ -350,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    from pipezero.doctor import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 

@@ -42,6 +42,7 @@ class ScheduleKind(str, enum.Enum):
     ZB_H2 = "zb-h2"
     ZB_V = "zb-v"
     DUALPIPE_V = "dualpipe-v"
+    V_HALF = "v-half"
 
 
 class GradReduce(str, enum.Enum):
@@ -183,6 +184,9 @@ class ParallelConfig:
     timeout_s: float = 300.0
     """Seconds any collective or p2p wait may take before the run fails naming the rank and what it
     waited for."""
+    stall_report_s: float | None = None
+    """Seconds a wait may take before every rank writes its flight record for the hang doctor
+    (runtime/watch.py); None = a quarter of `timeout_s`."""
     buckets_in_flight: int = 1
     """ZeRO-2/3: gradient buckets whose reduce-scatter may still run while the backward goes on
     (each holds a full bucket of gradient until it lands)."""
@@ -314,6 +318,13 @@ class RunConfig:
     """torch.compile each transformer block (not with split-backward schedules)."""
     progress: bool = True
     """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: no per-step lines."""
+    memory_profile: bool = False
+    """Measure each rank's peak memory of the first step (CUDA: the caching allocator's peak; CPU: live
+    tensor bytes from the profiler's memory events) and write it beside the memory model's prediction
+    in summary.json. Off: nothing is measured, nothing is paid."""
+    gpu_memory_gib: float | None = None
+    """Refuse, before any rank starts, a layout whose predicted peak on some rank exceeds this many GiB
+    (sim/memory.py). None: on CUDA the device's memory, on CPU no check."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.telemetry.memory_profile import PeakMeter
+from pipezero.runtime.watch import Watch, start_watch
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
@@ -88,6 +90,10 @@ class Trainer:
     peak_live: int = 0
     peak_gathered_run: int = 0
     bubbles: list[float] = field(default_factory=list)  # per steady step: share spent blocked on peers
+    meter: PeakMeter | None = None  # --memory-profile: open from before the model is built to the first step's end
+    # Writes the rank's flight record for the hang doctor when a wait stalls or fails (a thread of
+    # its own: a rank blocked in a wait cannot speak); stopped by `finish`, or by `train` on failure.
+    watch: Watch | None = None
 
     @classmethod
     def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None) -> Trainer:
@@ -101,6 +107,7 @@ class Trainer:
         corpus = load_corpus(cfg.data)
         model = spec or spec_of(cfg.model)
         check_corpus(cfg, corpus, model.vocab_size)
+        meter = PeakMeter(device).__enter__() if r.memory_profile else None  # from nothing: the model is built inside
         stage = build_stage(cfg, rank, device=device, spec=model)
         frozen = frozen_params(stage.chunks)
         found = resume(cfg, stage.zero, frozen, spec)
@@ -129,7 +136,8 @@ class Trainer:
         result = RunResult(unigram=unigram_entropy(corpus.train), out=out, resumed_from=start)
         return cls(cfg, stage, corpus, spec, frozen, result, start, read, trained, bad_in_a_row, eval_set,
                    int((held[1] != IGNORE).sum()), metrics, TensorBoardLog(out) if lead and r.tensorboard else None,
-                   synchronizer(device) or (lambda: None))
+                   synchronizer(device) or (lambda: None), meter=meter,
+                   watch=start_watch(cfg, stage))
 
     @property
     def shows_progress(self) -> bool:
@@ -167,6 +175,11 @@ class Trainer:
         stats = stage.executor.run(stage.program, mbs, max(1, counted))
         self.peak_live = max(self.peak_live, stats.peak_live)
         outcome = stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, stats.loss)
+        if self.meter is not None:  # the first step's peak, as the memory model predicts it
+            stage.zero.settle()
+            self.meter.__exit__(None, None, None)
+            result.measured_peak_bytes, self.meter = self.meter.peak_bytes, None
+        stage.executor.flight.outside("after OPTIM_STEP")
         self.bad_in_a_row = 0 if outcome.applied else 1 + self.bad_in_a_row
         if not outcome.applied:
             report_nonfinite(outcome, float(stats.loss), step + 1, stage.mesh.pp_rank, self.bad_in_a_row,
@@ -194,12 +207,14 @@ class Trainer:
             record["skipped"] = True
         result.peak_gathered_training = max(result.peak_gathered_training, stage.zero.peak_gathered)
         if (r.eval_every and (step + 1) % r.eval_every == 0) or step + 1 == r.max_steps:
+            stage.executor.flight.outside("evaluation")
             record["heldout_loss"] = result.heldout[step + 1] = self.evaluate()
         if self.metrics:
             self.metrics.write(record)
         if self.board:
             self.board.write(record)
         if saves_after(cfg, step + 1):
+            stage.executor.flight.outside("checkpoint")
             save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read},
                  frozen=self.frozen, spec=self.spec)
         return record
@@ -207,10 +222,16 @@ class Trainer:
     def evaluate(self) -> float:
         return evaluate(self.stage, self.eval_set, self.eval_tokens)
 
+    def stop_watch(self, finished: bool = True) -> None:
+        if self.watch is not None:
+            self.watch.stop(finished)
+            self.watch = None
+
     def finish(self, progress: StepProgress | None, snapshot: bool = False) -> RunResult:
         """After the last step: the final evaluation if a resume skipped it, the text sample, and
         summary.json; with `snapshot`, this rank's final parameters (a full copy: tests, not big runs)."""
         cfg, stage, result = self.cfg, self.stage, self.result
+        stage.executor.flight.outside("end of run")
         stage.zero.settle()  # nothing in flight past the loop
         if self.metrics:
             self.metrics.close()
@@ -220,7 +241,8 @@ class Trainer:
         result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
         result.sample_text = end_sample(cfg, stage, self.corpus)
         result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
-        finish_run(cfg, stage, self.corpus, result, progress, self.board)
+        finish_run(cfg, stage, self.corpus, result, progress, self.board, own_model=self.spec is not None)
+        self.stop_watch()
         if self.board:
             self.board.close()
         if snapshot:  # every rank takes part: ZeRO-3 gathers are collectives
@@ -237,13 +259,16 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's."""
     trainer = Trainer.set_up(cfg, spec)
     show = trainer.shows_progress
-    with StepProgress(cfg.run.max_steps, trainer.start, show) as progress:
-        if show:
-            trainer.announce(progress)
-        for step in range(trainer.start, cfg.run.max_steps):
-            record = trainer.step(step)
-            progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
-    return trainer.finish(progress if show else None, snapshot)
+    try:
+        with StepProgress(cfg.run.max_steps, trainer.start, show) as progress:
+            if show:
+                trainer.announce(progress)
+            for step in range(trainer.start, cfg.run.max_steps):
+                record = trainer.step(step)
+                progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
+        return trainer.finish(progress if show else None, snapshot)
+    finally:
+        trainer.stop_watch(finished=False)  # a failed run's: its records stay as they were written
 
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:

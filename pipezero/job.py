@@ -65,15 +65,25 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def run_job(cmd: Sequence[str], env: dict[str, str], out: str) -> int:
-    """Run torchrun command `cmd`; its exit status, or 128 + the signal that stopped it."""
+def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1) -> int:
+    """Run torchrun command `cmd` of `world` ranks; its exit status, or 128 + the signal that
+    stopped it. SIGUSR1 asks every rank for its flight record; the hang doctor's report (doctor.py)
+    is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
+    from pipezero.runtime.watch import Desk, ask
+
     received: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in STOP_SIGNALS}
+    previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: ask(out))
+    desk = Desk(out, world)
     try:
         proc = subprocess.Popen(cmd, env=env)
         while proc.poll() is None and not received:
             time.sleep(0.1)
+            if text := desk.poll():
+                print(text, file=sys.stderr, flush=True)
         if not received:  # a negative status is torchrun's own death by that signal: say it as a shell does
+            if proc.returncode != 0 and (text := desk.final()):
+                print(text, file=sys.stderr, flush=True)
             return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         stop(proc)
     finally:

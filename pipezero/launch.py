@@ -122,4 +122,4 @@ def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
     # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return run_job(cmd, env, out)
+    return run_job(cmd, env, out, nproc)

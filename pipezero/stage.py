@@ -24,6 +24,7 @@ from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
+from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
@@ -107,8 +108,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     node = secondary_node(cfg, mesh)
     rank_of_chunk = {c: mesh.global_rank(r, mesh.dp_rank) for c, r in schedule.rank_of_chunk.items()}
     wire = torch.bfloat16 if cfg.run.dtype is DType.BF16 else torch.float32  # communication dtype
+    flight = FlightRecord(rank, mesh.pp_rank, step_of=tracer)  # where this rank is in its program (doctor.py)
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
-              dtype=wire, boundary=wire, device=device, tracer=tracer)  # bf16 runs: a bf16 residual stream
+              dtype=wire, boundary=wire, device=device, tracer=tracer, flight=flight)  # bf16: a bf16 residual stream
     keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
@@ -116,19 +118,24 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
                   in_flight=p.buckets_in_flight, node=node, **wires(p))
+    zero.comm.flight = flight
     if zero.layerwise:
         layerwise.install(zero.sharded, chunks)
     elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
     program = rank_program(proven, mesh, zero, cfg)
-    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer)
+    executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  program)
 
 
 def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
-    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here)."""
-    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)))
+    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here), with
+    those holding a tied embedding's copy."""
+    held = frozenset((c, k) for c, bs in zero.buckets.items() for k, b in enumerate(bs) if b.tied)
+    tied_numel = zero.tied.local[0].numel() if held and zero.tied is not None else 0
+    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)),
+                      held, tied_numel)
 
 
 def rank_program(proven: ProvenSchedule, mesh: Mesh, zero: ZeroDP, cfg: TrainConfig) -> tuple[Instr, ...]:

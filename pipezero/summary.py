@@ -16,6 +16,7 @@ import torch
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
+from pipezero.doctor import Ranks, stragglers
 from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
@@ -52,6 +53,11 @@ SUMMARY_FIELDS: dict[str, str] = {
                    "each rank's measured held bytes a parameter",
     "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
               "freezing saved over every rank",
+    "memory": "ranks: each rank's predicted_peak_bytes and its categories (sim/memory.py; null for a model of "
+              "one's own), and with --memory-profile its measured_peak_bytes of the first step (else null)",
+    "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
+                 "by_rank): p2p waits count against the peer, a collective's against its last arrival; {} for "
+                 "one rank (docs/how-to/hang-doctor.md)",
 }
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
@@ -67,7 +73,11 @@ RANK_FIELDS: dict[str, str] = {
     "two_level": "with --hierarchical: [nodes, ranks a node] of this rank's group; else null",
     "frozen": "this rank's frozen parameters and the gradient and optimizer bytes that saved",
     "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
+    "waits_s": "seconds this rank was blocked: on each peer's transfers (p2p, by rank), in data-parallel "
+               "collectives, and in the optimizer step's all-reduce over the world",
     "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
+    "measured_peak_bytes": "with --memory-profile: this rank's peak memory of the first step (CUDA: allocator peak; "
+                           "CPU: live tensor bytes); else null",
     "peak_device_bytes": "on GPUs only: allocated and reserved peaks of the training steps after the first, and "
                          "of evaluation",
 }
@@ -90,11 +100,24 @@ class RunResult:
     peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
     peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
+    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak of the first step
 
 
 def peak_rss_bytes() -> int:
     """This process's resident-memory high-water mark (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list[dict]) -> dict:
+    """summary.json's `memory`: the memory model's peak per rank beside the measured one. The model
+    knows the built-in decoder's layers, not a spec of one's own (its prediction is null)."""
+    from pipezero.sim.memory import predict
+
+    predicted = None if own_model or cfg.model.spec is not None else predict(cfg, cuda)
+    return {"ranks": [{"rank": r, "measured_peak_bytes": x["measured_peak_bytes"],
+                       "predicted_peak_bytes": predicted[r].peak_bytes if predicted else None,
+                       "categories": predicted[r].categories if predicted else None}
+                      for r, x in enumerate(per_rank)]}
 
 
 def shared_cores(per_rank: list[dict]) -> dict | None:
@@ -109,7 +132,7 @@ def shared_cores(per_rank: list[dict]) -> dict | None:
 
 
 def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunResult,
-               progress: StepProgress | None, board: TensorBoardLog | None = None) -> None:
+               progress: StepProgress | None, board: TensorBoardLog | None = None, own_model: bool = False) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
@@ -120,7 +143,9 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "two_level": [h.nodes, h.per_node] if (h := stage.zero.hierarchy) else None,  # --hierarchical: K x N
             "frozen": saved_bytes(p.zero, p.dp, sum(q.numel() for _, q in frozen_params(stage.chunks))),
             "peak_rss_bytes_training": result.peak_rss_training,
-            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run}}
+            "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run},
+            "measured_peak_bytes": result.measured_peak_bytes,
+            "waits_s": stage.executor.flight.waits()}  # blocked on each peer and in collectives: stragglers
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
     end = f"rank {stage.mesh.rank}: end of run"
@@ -154,6 +179,9 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                         "held_bytes_per_param": [sum(x["held_bytes"].values()) / max(1, x["params"])
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
+        "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
+        "straggler": stragglers([x["waits_s"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value),
+                                r.max_steps - result.resumed_from),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)

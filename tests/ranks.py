@@ -13,7 +13,7 @@ import pickle
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,14 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable, 
         os._exit(0)  # skip interpreter teardown: gloo threads can abort it after the result is safe
 
 
-def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, threads: int = 1) -> list[Any]:
+TEARDOWN_GRACE_S = 2.0  # a rank with its result written may take this long to exit before it is killed
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, threads: int = 1,
+              lost: Collection[int] = ()) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` processes; return the values in rank order. `fn` must be
-    importable by name (a module-level function) because ranks are spawned, not forked."""
+    importable by name (a module-level function) because ranks are spawned, not forked. `lost`: ranks
+    a fault test stops or kills: once every other rank is done they are killed, and give None."""
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.get_context("spawn")
@@ -55,22 +60,33 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 300.0, thre
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        done = [Path(tmp) / f"rank{r}.pkl" for r in range(world)]
+        # Until every rank's result is safe (or its process gone): a rank whose peers failed may then
+        # hang in gloo's teardown, and is killed below after a short grace, as lost ranks are.
+        while time.monotonic() < deadline and any(p.is_alive() and not done[r].exists()
+                                                  for r, p in enumerate(procs) if r not in lost):
+            time.sleep(0.05)
+        grace = min(deadline, time.monotonic() + TEARDOWN_GRACE_S)
+        for r, p in enumerate(procs):
+            if r not in lost:
+                p.join(max(0.0, grace - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in lost and not done[r].exists()]
         for p in procs:
             if p.is_alive():
                 p.kill()
+            p.join()
         results: list[dict[str, Any] | None] = []
         for r in range(world):
             f = Path(tmp) / f"rank{r}.pkl"
             results.append(pickle.loads(f.read_bytes()) if f.exists() else None)
     errors = []
     for r, res in enumerate(results):
+        if res is None and r in lost:
+            continue
         if res is None:
             errors.append(f"rank {r}: {'hung (killed after timeout)' if r in hung else 'died without a result'}")
         elif not res["ok"]:
             errors.append(f"rank {r}: {res['error']}\n{res['traceback']}")
     if errors:
         raise AssertionError("distributed test failed:\n" + "\n".join(errors))
-    return [res["value"] for res in results]  # type: ignore[index]
+    return [res["value"] if res is not None else None for res in results]

@@ -22,7 +22,8 @@ CASES = [
     (["simulate", "--schedule", "zb-v", "--pp", "256", "--microbatches", "256"],
      "= 131072 stage micro-batches to play; the limit is 16384, a few seconds' work: choose --microbatches 32 or"),
     (["simulate", "--pp", "1000000", "--microbatches", "4"], "--pp = 1000000: expected an integer >= 1 and <= 1024"),
-    (["simulate", "--compare", "--pp", "64", "--microbatches", "64"], "over --compare's 7 schedules"),
+    # every schedule but dualpipe-v (M >= 2P)
+    (["simulate", "--compare", "--pp", "64", "--microbatches", "64"], "over --compare's 8 schedules"),
     (["simulate", "--schedule", "interleaved-1f1b", "--virtual-stages", "100000", "--pp", "2", "--microbatches", "2"],
      "x V 100000 = 400000 stage micro-batches to play; the limit is 16384"),
     (["simulate", "--zero", "1", "--dp", "100000"], "--dp = 100000: expected an integer >= 1 and <= 1024"),
@@ -151,7 +152,8 @@ LAYOUT = {"pp": 2, "dp": 1, "schedule": "gpipe", "microbatches": 4, "virtual_sta
 ONE_F = {"ph": "X", "pid": 0, "cat": "F", "name": "0F0", "args": {"step": 1}, "ts": 0}
 TRACE_CASES = [
     # grew past 3 GB for minutes
-    (_trace({**LAYOUT, "pp": 100000, "microbatches": 100000}), "asks for 130000000000 stage micro-batches"),
+    # 10^10 x (1 traced + 14 chunks a micro-batch over every schedule's what-if)
+    (_trace({**LAYOUT, "pp": 100000, "microbatches": 100000}), "asks for 150000000000 stage micro-batches"),
     # tracebacks: ValueError, TypeError, KeyError
     (_trace({**LAYOUT, "schedule": "bogus"}), "schedule 'bogus' is none of pipezero's"),
     (_trace({**LAYOUT, "pp": "2"}), "must be integers >= 1"),

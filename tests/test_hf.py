@@ -248,9 +248,9 @@ def layout_cases() -> list[dict]:
     """Layouts of 4 ranks: every ZeRO stage at P = 2, D = 2 (split and fused backward), every
     schedule at P = 4 (the fewest micro-batches it allows, of 4 and 8)."""
     from pipezero.config import ScheduleKind as K
-    from pipezero.schedules.registry import check_layout
+    from pipezero.schedules.registry import check_layout, default_virtual
 
-    v_of = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+    v_of = {kind: default_virtual(kind) for kind in K}
     cases: list[dict] = [{"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": z, "parallel.schedule": s}
                          for z, s in ((0, "1f1b"), (1, "zb-h1"), (2, "gpipe"), (3, "zb-h1"))]
     for kind in K:

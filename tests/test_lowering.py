@@ -229,3 +229,37 @@ def test_the_executor_arms_autograds_reductions_in_the_backwards_the_program_red
         last = {instrs[i].action.chunk: i for i in backwards}
         want = set(backwards) if mode is GradReduce.MICROBATCH else set(last.values())
         assert reducing_backwards(instrs) == want
+
+
+@pytest.mark.parametrize("kind", list(K), ids=lambda k: k.value)
+def test_a_tied_embedding_is_summed_then_reduced_before_the_step(kind):
+    """With the embedding tied to the head across chunks, the ranks holding the copies sum them
+    (TIED_SUM) and reduce the buckets holding them just before OPTIM_STEP, never in the backward;
+    every ZeRO stage's program passes the checker, whose joint play meets the two ends."""
+    from pipezero.schedules.program import OptimStep
+
+    s = schedule(kind, 2)
+    layers = [[1000] * 3 for _ in range(s.n_chunks)]
+    for zero in range(4):
+        plan = plan_buckets(layers, 0.001, 2, tied_numel=1000)  # one bucket a layer
+        assert plan.held == {(0, 2), (s.n_chunks - 1, 0)}
+        prog = lower(s, 2, zero, GradReduce.MICROBATCH, plan)
+        check_program(prog)
+        ends = {s.rank_of_chunk[0], s.rank_of_chunk[s.n_chunks - 1]}
+        for rank, instrs in enumerate(prog.ranks):
+            names = [str(i) for i in instrs]
+            step = next(k for k, i in enumerate(instrs) if isinstance(i, OptimStep))
+            sums = [k for k, i in enumerate(instrs) if i.kind is Kind.TIED_SUM]
+            held = [k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD and (i.chunk, i.bucket) in plan.held]
+            if prog.coords(rank)[0] not in ends:
+                assert not sums and not held, names
+                continue
+            assert len(sums) == 1 and held and sums[0] < min(held) and max(held) < step, names
+            assert len(held) == len({(instrs[k].chunk, instrs[k].bucket) for k in held})  # once, not per backward
+    # one end skipping its TIED_SUM leaves the other waiting: the joint play says so
+    broken = list(prog.ranks)
+    last = prog.global_rank(s.rank_of_chunk[s.n_chunks - 1], 0)
+    if last != prog.global_rank(s.rank_of_chunk[0], 0):
+        broken[last] = tuple(i for i in broken[last] if i.kind is not Kind.TIED_SUM)
+        with pytest.raises(ScheduleError, match="deadlocks"):
+            simulate_program(replace(prog, ranks=tuple(broken)))

@@ -40,18 +40,24 @@ def test_plan_cli_json(capsys):
 
 @pytest.mark.distributed  # full lane: seconds of one-process training or planning
 def test_grad_reduce_modes_trade_memory_for_traffic():
-    """ZeRO-2 inside a pipeline: `step` holds the whole bf16 gradient (2Ψ(1-1/D) bytes more),
-    `microbatch` keeps the sharded memory for M reduce-scatters a step."""
+    """ZeRO-2 inside a pipeline: `step` holds the whole fp32 gradient through the step (pipezero
+    keeps fp32 gradients whatever the compute dtype), `microbatch` keeps the sharded memory, a few
+    full buckets in flight, for M reduce-scatters a step."""
     from pipezero.config import GradReduce, ScheduleKind
     from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import GIB, estimate
+    from pipezero.sim.memory import layout_memory
+    from pipezero.sim.planner import estimate
 
     model = apply_preset(ModelConfig(), "7b")
     cluster = Cluster(gpus=64, gpu_memory_gib=80, inter_gbps=1.0)  # a slow link: traffic shows
     step, per_mb = (estimate(model, 2048, 256, cluster, Layout(4, 16, 2, ScheduleKind.ONE_F_ONE_B, 1, 1, 16, False, g))
                     for g in (GradReduce.STEP, GradReduce.MICROBATCH))
-    psi_gib = (step.model_states_gib - per_mb.model_states_gib) / (2 * (1 - 1 / 16))
-    assert psi_gib * GIB == pytest.approx(7e9 / 4, rel=0.2)  # about a quarter of the model per stage
+    assert step.model_states_gib > per_mb.model_states_gib
+    lays = [Layout(4, 16, 2, ScheduleKind.ONE_F_ONE_B, 1, 1, 16, False, g) for g in (GradReduce.STEP, GradReduce.MICROBATCH)]
+    whole, sharded = (layout_memory(model, 2048, lay, True, True, cluster.bucket_mb).categories for lay in lays)
+    assert whole["grads"] == whole["params"]  # the stage's whole fp32 gradient, as large as its weights
+    assert whole["params"] == pytest.approx(4 * 7e9 / 4, rel=0.2)  # about a quarter of the model per stage
+    assert sharded["grads"] < whole["grads"] / 2  # its 1/16 shard and two buckets (a layer each) in flight
     assert per_mb.dp_comm_s > step.dp_comm_s  # more reduce-scatters than compute can hide
     fits, _ = plan(model, Cluster(gpus=64, gpu_memory_gib=80), seq_len=2048, global_batch=256)
     assert {e.layout.grad_reduce for e in fits} == {GradReduce.STEP, GradReduce.MICROBATCH}

@@ -6,10 +6,10 @@ program. Point-to-point transfers need no such record: the executor posts them b
 program's SEND and RECV instructions in order (runtime/executor.py `run`).
 
 Covered: every schedule with ZeRO 0-3 at P=2 D=2, the stages that move the most at P=4 D=1 and P=1
-D=4, both placements, `--hierarchical` and per-micro-batch reductions. Not covered, because the
-runtime still places them itself (issue 28 item 2): layer-by-layer ZeRO-3 gathers (inside the
-compute, one layer ahead) and the buckets of a tied embedding split across pipeline ranks (reduced
-in the optimizer step, after the two copies are summed).
+D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied embedding (TIED_SUM,
+then the reductions of the buckets holding its copies, before the step). Not covered, because the
+runtime still places them itself: layer-by-layer ZeRO-3 gathers (inside the compute, one layer
+ahead).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def cases() -> list[dict]:
     out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z} for z in (0, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
     out += [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)]
+    # a tied embedding: summed between the ends (or on the V's turn rank), then its buckets reduced
+    tied = {"model.tie_embeddings": True}
+    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, **tied} for z in (0, 1, 2, 3)]
+    out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, **tied},
+            {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 1, "parallel.placement": "pp-inner", **tied},
+            {"pp": 4, "dp": 1, "kind": K.INTERLEAVED_1F1B, "m": 8, "parallel.zero": 0, **tied}]
     return out
 
 
@@ -85,3 +91,5 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
     assert all(any(s.startswith("REDUCE_GRAD") for s in started) for started, _ in per_rank[0])
     assert all(any(s.startswith("UNSHARD") for s in started) for c, (started, _) in zip(todo, per_rank[0])
                if c["parallel.zero"] and c["dp"] > 1)
+    assert all(any(s.startswith("TIED_SUM") for s in started) for c, (started, _) in zip(todo, per_rank[0])
+               if c.get("model.tie_embeddings"))  # rank 0 holds the embedding in every tied case

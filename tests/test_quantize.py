@@ -111,10 +111,11 @@ def test_every_schedule_stage_and_placement_accepts_the_options():
     """Config validation accepts both options on every schedule, ZeRO stage and placement with
     D > 1 (the distributed test trains a sample of them; the collectives are the same calls)."""
     from pipezero.config import Placement, ScheduleKind
+    from pipezero.schedules.registry import default_virtual
     from pipezero.settings import build_config
 
     for kind in ScheduleKind:
-        v = 2 if kind.value in ("interleaved-1f1b", "looped-bfs", "zb-v", "dualpipe-v") else 1
+        v = default_virtual(kind)
         for zero in range(4):
             for place in Placement:
                 cfg = build_config(None, {"parallel.pp": "2", "parallel.dp": "2", "parallel.schedule": kind.value,

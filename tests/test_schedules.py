@@ -9,9 +9,9 @@ from pipezero.cli import main
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.registry import build_schedule
+from pipezero.schedules.registry import build_schedule, default_virtual
 
-V_OF = {K.INTERLEAVED_1F1B: 2, K.LOOPED_BFS: 2, K.ZB_V: 2, K.DUALPIPE_V: 2}
+V_OF = {kind: default_virtual(kind) for kind in K}
 
 
 def m_values(p):
@@ -121,11 +121,65 @@ def test_zb_v_and_dualpipe_v_published_figures():
             assert dpv.idle == pytest.approx([(p - 1) * 0.5] * p)
 
 
+def v_half_idle(p: int) -> float:
+    """V-Half's idle a rank at F = B = W (stage units) once M > P // 2: the fill and drain of its block.
+
+    Its steady state idles nowhere (every six slots a rank runs one micro-batch's six passes), so
+    the idle is the same whatever M, and the same on every rank (the step ends together, each rank
+    busy 3M). Played, the fill and drain cost 7/4 a stage of the pipeline's depth, 7(P-1)/4, plus a
+    quarter of the `gap` idle slots that keep even P's blocks apart (3 for even P, 0 for odd).
+    1F1B idles 3(P-1): V-Half's is 7/12 of it plus at most 3/4."""
+    return (7 * (p - 1) + (3 if p % 2 == 0 else 0)) / 4
+
+
+def test_v_half_memory_is_half_of_1f1b_and_its_bubble_below():
+    """V-Half (arXiv 2405.15362, sail-sg's comparison table at T_F=T_B=T_W): activation memory
+    (P+2)//2 micro-batches of a stage against 1F1B's P, bubble rate ~P/2M against 1F1B's ~P/M.
+    Asserted: the peak is exactly (P+2)//2 stages on every rank once M > P (never above it for any
+    M), the idle is `v_half_idle` on every rank for M > P // 2, below 1F1B's wherever M >= 2."""
+    for p in range(2, 9):
+        for m in m_values(p):
+            r = simulate(build_schedule(K.V_HALF, p, m, 2))
+            one = simulate(build_schedule(K.ONE_F_ONE_B, p, m))
+            assert max(r.peak_activation_memory) <= (p + 2) // 2 <= p / 2 + 1, (p, m)
+            if m > p:
+                assert r.peak_activation_memory == [(p + 2) // 2] * p, (p, m)
+            if m > p // 2:
+                assert r.idle == pytest.approx([v_half_idle(p)] * p), (p, m)
+            if m >= 2:
+                assert r.step_time < one.step_time, (p, m)
+    # the paper's ~P/2M: P = 8, M = 32 plays 13 idle a rank over a step of 109 (1F1B: 21 over 117)
+    r = simulate(build_schedule(K.V_HALF, 8, 32, 2))
+    assert r.bubble == pytest.approx(13 / 109) and 8 / 64 - 0.01 < r.bubble < 8 / 64
+
+
+def test_v_half_blocks_never_collide():
+    """The four F and B passes of a rank's block sit on distinct slots modulo 6 for every P (the
+    repeated blocks share no slot), and each block keeps its own dependencies: F down the V one
+    rank per two slots, back up one per slot, B after its F and its successor's B."""
+    from pipezero.schedules.generators import _v_half_block
+
+    for p in range(1, 65):
+        gap = 3 if p % 2 == 0 else 0
+        blocks = [{(which, op): s for s, (which, op) in _v_half_block(p, r, gap).items()} for r in range(p)]
+        for r, b in enumerate(blocks):
+            assert len({s % 6 for s in b.values()}) == 4, (p, r)
+            assert b[(1, Op.F)] > b[(0, Op.F)] and b[(1, Op.B)] > b[(1, Op.F)] and b[(0, Op.B)] > b[(1, Op.B)]
+            if r + 1 < p:  # the next rank down
+                nxt = blocks[r + 1]
+                assert nxt[(0, Op.F)] > b[(0, Op.F)] and b[(1, Op.F)] > nxt[(1, Op.F)]
+                assert nxt[(1, Op.B)] > b[(1, Op.B)] and b[(0, Op.B)] > nxt[(0, Op.B)]
+        last = blocks[-1]
+        assert last[(1, Op.F)] > last[(0, Op.F)] and last[(0, Op.B)] > last[(1, Op.B)]  # the V's turn
+
+
 def test_layout_errors_name_allowed_values():
     with pytest.raises(ValueError, match="--virtual-stages 2"):
         build_schedule(K.ZB_V, 4, 8, 3)
     with pytest.raises(ValueError, match=">= 2 x --pp = 8"):
         build_schedule(K.DUALPIPE_V, 4, 7, 2)
+    with pytest.raises(ValueError, match="--virtual-stages 2"):
+        build_schedule(K.V_HALF, 4, 8, 1)
 
 
 def _edit(s, rank, fn):

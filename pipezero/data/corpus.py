@@ -86,6 +86,20 @@ def stdlib_files() -> list[Path]:
     return files
 
 
+def write_stdlib_sample(root: Path, chars: int = 400_000) -> Path:
+    """A small folder of documents: the standard library's first files, about `chars` characters,
+    one .py file each (tests and benches that need documents without downloading any)."""
+    root.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for i, f in enumerate(stdlib_files()):
+        text = f.read_text(encoding="utf-8", errors="replace")
+        (root / f"{i:04d}.py").write_text(text)
+        total += len(text)
+        if total > chars:
+            break
+    return root
+
+
 def read_documents(files: list[Path], max_bytes: int | None) -> list[str]:
     docs: list[str] = []
     total = 0

@@ -7,9 +7,13 @@ small sizes), or an explicit list of layers per chunk. Balanced cuts minimise th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from pipezero.config import ModelConfig, Partition
-from pipezero.models.llama_spec import spec_of
-from pipezero.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from pipezero.models.spec import ModelSpec
 
 
 def balanced_cuts(weights: list[float], n: int) -> list[int]:
@@ -46,17 +50,26 @@ def partition(model: ModelConfig | ModelSpec, n_chunks: int, policy: Partition, 
               explicit: list[int] | None = None) -> list[tuple[int, int]]:
     """[start, stop) layer slices of the `n_chunks` chunks in model order, from the spec's
     per-layer counts."""
+    from pipezero.models.llama_spec import spec_of  # torch: only for a spec; plans call `cut`
+
     spec = spec_of(model)
-    n_layers = spec.n_layers + 2
+    return cut(spec.layer_param_counts(), lambda: spec.layer_costs(seq_len), n_chunks, policy, explicit)
+
+
+def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, policy: Partition,
+        explicit: list[int] | None = None) -> list[tuple[int, int]]:
+    """`partition` over plain per-layer counts (`params`, and `costs` asked only by the cost
+    policy), so torch-free plans (sim/memory.py) cut a model as the run will."""
+    n_layers = len(params)
     if explicit is not None:
         counts = list(explicit)
     elif policy is Partition.UNIFORM:
         base, extra = divmod(n_layers, n_chunks)
         counts = [base + (1 if i < extra else 0) for i in range(n_chunks)]
     elif policy is Partition.PARAMS:
-        counts = balanced_cuts([float(x) for x in spec.layer_param_counts()], n_chunks)
+        counts = balanced_cuts([float(x) for x in params], n_chunks)
     else:
-        counts = balanced_cuts(spec.layer_costs(seq_len), n_chunks)
+        counts = balanced_cuts(costs(), n_chunks)
     bounds, start = [], 0
     for c in counts:
         bounds.append((start, start + c))

@@ -30,11 +30,12 @@ from pipezero.config import DType
 from pipezero.models import StageChunk
 from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
+from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import Compute, DataParallel, Instr, Kind, OptimStep, PointToPoint
+from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint, reducing_backwards
 from pipezero.telemetry.trace import Tracer
 
 
@@ -60,20 +61,6 @@ def docs_of(mb: MicroBatch) -> torch.Tensor | None:
     return mb[2] if len(mb) > 2 else None
 
 
-def reducing_backwards(program: Sequence[Instr]) -> set[int]:
-    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
-    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
-    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
-    out: set[int] = set()
-    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
-    for i, ins in enumerate(program):
-        if isinstance(ins, Compute):
-            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
-        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
-            out.add(last[0])
-    return out
-
-
 @dataclass
 class StepStats:
     loss: torch.Tensor  # this rank's share of the global mean loss (non-zero only on the last chunk),
@@ -94,12 +81,14 @@ class _Live:
 
 class Executor:
     def __init__(self, chunks: dict[int, StageChunk], n_chunks: int, p2p: P2P, dtype: DType,
-                 data_parallel: DataParallelLayer, recompute: bool = False, tracer: Tracer | None = None) -> None:
+                 data_parallel: DataParallelLayer, recompute: bool = False, tracer: Tracer | None = None,
+                 flight: FlightRecord | None = None) -> None:
         self.chunks = chunks
         # Outputs wait here for the program's SEND (schedules/posting.py orders every rank's posts
         # so that no pair of ranks can deadlock): one boundary's worth at most.
         self._outbox: dict[Transfer, torch.Tensor] = {}
         self.tracer = tracer or Tracer()
+        self.flight = flight or FlightRecord(p2p.rank, -1, step_of=self.tracer)  # the hang doctor's view
         self.hooks = data_parallel
         self.last = n_chunks - 1
         self.p2p = p2p
@@ -155,6 +144,7 @@ class Executor:
             raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
         for i, ins in enumerate(program):
+            self.flight.begin(i, ins)
             if isinstance(ins, PointToPoint):
                 self._post(ins)
                 continue

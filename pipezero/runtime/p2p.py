@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
+from pipezero.runtime.flight import FlightRecord
 from pipezero.telemetry.trace import Tracer
 
 __all__ = ["P2P", "Payload", "PipelineTimeout"]
@@ -49,9 +50,10 @@ class P2P:
     bytes_sent: int = 0
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
     tracer: Tracer = field(default_factory=Tracer)
+    flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
-    _sends: list[tuple[Any, str]] = field(default_factory=list)
+    _sends: list[tuple[Any, str, dict[str, Any]]] = field(default_factory=list)
 
     def _source(self, kind: Payload, chunk: int) -> int:
         return self.rank_of_chunk[chunk + 1 if kind is Payload.GRAD else chunk - 1]
@@ -76,7 +78,8 @@ class P2P:
             return self._local.pop(key)
         self.post_recv(kind, chunk, mb)
         work, buf = self._recvs.pop(key)
-        self._wait(work, self.describe(kind, chunk, mb))
+        self._wait(work, self.describe(kind, chunk, mb),
+                   {"op": "RECV", "peer": self._source(kind, chunk), "transfer": [chunk, kind is Payload.GRAD, mb]})
         return buf if buf.dtype == self.boundary else buf.to(self.boundary)
 
     def send(self, kind: Payload, consumer: int, mb: int, tensor: torch.Tensor) -> None:
@@ -87,22 +90,25 @@ class P2P:
             return
         payload = tensor.detach().to(self.dtype).contiguous()
         work = dist.isend(payload, dst=dst)
-        self.bytes_sent += payload.numel() * payload.element_size()
+        nbytes = payload.numel() * payload.element_size()
+        self.bytes_sent += nbytes
+        self.flight.posted(dst, nbytes)
         what = "gradient" if kind is Payload.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.tracer.step}: sending {what} of micro-batch {mb} "
-                                  f"for chunk {consumer} to rank {dst}"))
+                                  f"for chunk {consumer} to rank {dst}",
+                            {"op": "SEND", "peer": dst, "transfer": [consumer, kind is Payload.GRAD, mb]}))
 
     def finish(self) -> None:
         """Wait for every send of the step, so buffers can be reused and a dead peer is noticed."""
-        for work, what in self._sends:
-            self._wait(work, what)
+        for work, what, awaited in self._sends:
+            self._wait(work, what, awaited)
         self._sends.clear()
         if self._recvs or self._local:
             left = sorted(self._recvs) + sorted(self._local)
             raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: transfers never consumed: {left}")
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, awaited: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"):
+        with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"), self.flight.awaiting(what, **awaited):
             wait_or_raise(work, self.timeout_s, what, stream_ordered=self.device.type == "cuda")
         self.wait_s += time.perf_counter() - t0

@@ -27,6 +27,10 @@ class BucketPlan:
 
     dp: int
     numels: tuple[tuple[int, ...], ...]
+    # An embedding tied to the head across chunks: (chunk, bucket) of the buckets holding its copies,
+    # reduced in the step after the copies' gradients are summed (TIED_SUM), and its elements.
+    held: frozenset[tuple[int, int]] = frozenset()
+    tied_numel: int = 0
 
     def buckets(self, chunk: int) -> tuple[int, ...]:
         return self.numels[chunk]
@@ -58,14 +62,19 @@ def group_layers(layer_params: Sequence[int], bucket_mb: float) -> list[int]:
 
 
 def plan_buckets(chunk_layers: Sequence[Sequence[int]], bucket_mb: float, dp: int,
-                 layerwise: bool = False) -> BucketPlan:
+                 layerwise: bool = False, tied_numel: int = 0) -> BucketPlan:
     """`chunk_layers[c]`: parameter counts of chunk c's layers in model order. `layerwise`: one
-    bucket a layer, as layer-by-layer ZeRO-3 builds them."""
+    bucket a layer, as layer-by-layer ZeRO-3 builds them. `tied_numel`: the embedding (the first
+    layer) is tied to the head (the last) and has that many elements; with more than one chunk its
+    copies sit in chunk 0's last bucket and the last chunk's first (buckets run in backward order)."""
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    grouped = ([n for n in reversed(layers) if n > 0] if layerwise else group_layers(layers, bucket_mb)
-               for layers in chunk_layers)
-    return BucketPlan(dp, tuple(tuple(_padded(n, dp) for n in g) for g in grouped))
+    grouped = [[n for n in reversed(layers) if n > 0] if layerwise else group_layers(layers, bucket_mb)
+               for layers in chunk_layers]
+    numels = tuple(tuple(_padded(n, dp) for n in g) for g in grouped)
+    n = len(numels)
+    held = frozenset({(0, len(numels[0]) - 1), (n - 1, 0)}) if tied_numel and n > 1 else frozenset()
+    return BucketPlan(dp, numels, held, tied_numel if held else 0)
 
 
 def uniform_plan(n_chunks: int, buckets_per_chunk: int, numel: int, dp: int) -> BucketPlan:

@@ -273,3 +273,46 @@ def dualpipe_v(pp: int, m: int, v: int = 2) -> Schedule:
             o.b(down) if split else o.bw(down)
         # 8: the deferred Ws (drained by _build)
     return _build("dualpipe-v", pp, m, 2, ChunkPlacement.V_SHAPE, rank)
+
+
+def _v_half_block(pp: int, r: int, gap: int) -> dict[int, tuple[int, Op]]:
+    """V-Half's building block on rank r: micro-batch 0's four F and B passes, slot -> (which of the
+    rank's two chunks, 0 going down the V and 1 coming back, op). A slot is one chunk pass at F = B = W.
+
+    Going down the V (chunk r's forward, then chunk r's backward on the way home) a micro-batch
+    moves one rank every two slots, coming back up every slot, where 1F1B's block moves every slot
+    both ways. Chunk r is held from slot 2r to 6P-2+gap-r and chunk 2P-1-r from 3P-2-r to
+    3P-1+gap+2r: 6P+2*gap-1 slots together on every rank, so with a block every six slots a rank
+    holds about P chunks = P/2 stages of activations (plus the W lag), where 1F1B's rank 0 holds P.
+    """
+    return {2 * r: (0, Op.F), 3 * pp - 2 - r: (1, Op.F), 3 * pp - 1 + gap + 2 * r: (1, Op.B),
+            6 * pp - 2 + gap - r: (0, Op.B)}
+
+
+def v_half(pp: int, m: int, v: int = 2) -> Schedule:
+    """V-Half (Qi, Wan, Huang, Lin 2024, "Pipeline Parallelism with Controllable Memory", arXiv
+    2405.15362): ZB-V's placement with a building block that lives half as long, so half 1F1B's
+    activations ((P+2)//2 stages at the peak against 1F1B's P) and, at F = B = W, less bubble.
+
+    Built as the paper builds it: each rank's block (`_v_half_block`) is repeated every six slots,
+    a micro-batch bringing six passes (F, B, W of two chunks), the four F and B passes landing on
+    distinct slots modulo 6 and the two slots left running the oldest deferred W. Ranks then play
+    that order as soon as their inputs allow (the paper's squeezing), which closes the warm-up's
+    and cool-down's holes. The blocks never collide and each respects its own dependencies, so the
+    order is deadlock-free for any M >= 1 (fewer blocks, the same rule). `gap` idles rank 0 between
+    the returning chunk's forward and backward just enough to keep the residues apart: modulo 6
+    the four passes differ by amounts that depend only on the parities of P and r, which leave
+    {3, 4} for even P and {0, 1} for odd P; the smallest is taken.
+    """
+    gap = 3 if pp % 2 == 0 else 0
+
+    def rank(o: RankOrder, r: int, chunks: tuple[int, ...]) -> None:
+        block = _v_half_block(pp, r, gap)
+        for slot in range(max(block) + 6 * (m - 1) + 1):
+            start = next((s for s in block if s <= slot and (slot - s) % 6 == 0 and (slot - s) // 6 < m), None)
+            if start is None:
+                o.w()  # a slot no block fills: the oldest deferred weight gradient, if any
+                continue
+            which, op = block[start]  # RankOrder numbers micro-batches in order, as the blocks come
+            (o.f if op is Op.F else o.b)(chunks[which])
+    return _build("v-half", pp, m, 2, ChunkPlacement.V_SHAPE, rank)

@@ -42,7 +42,7 @@ rank first (zero/tied.py); every replica does so in the same order, so the dp gr
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce
@@ -62,6 +62,7 @@ class Kind(str, enum.Enum):
     UNSHARD = "UNSHARD"  # all-gather of parameter shards into full weights
     RESHARD = "RESHARD"  # drop the full weights, keep the shard (local, no traffic)
     REDUCE_GRAD = "REDUCE_GRAD"  # one bucket's all-reduce or reduce-scatter
+    TIED_SUM = "TIED_SUM"  # a tied embedding's copies' gradients summed (first and last pipeline rank)
     OPTIM_STEP = "OPTIM_STEP"  # drain, norm and loss all-reduce over the world, update
 
 
@@ -167,9 +168,9 @@ class Program:
 
 
 def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
-    """The data-parallel collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
-    `REDUCE_GRAD(c.k)`): what the runtime must start, in the same order (zero/coordinator.py's
-    `issued`). A kept-gathered chunk's UNSHARD gathers its buckets in their order. A layer-by-layer
+    """The collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
+    `REDUCE_GRAD(c.k)`) and a tied embedding's `TIED_SUM(c)`: what the runtime must start, in the
+    same order (zero/coordinator.py's `issued`). A kept-gathered chunk's UNSHARD gathers its buckets in their order. A layer-by-layer
     UNSHARD stands for per-layer gathers the runtime places inside the compute (zero/layerwise.py),
     which this program does not list: refused here rather than matched loosely."""
     out: list[str] = []
@@ -178,6 +179,9 @@ def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
             continue
         if i.layerwise:
             raise ValueError(f"{i}: a layer-by-layer gather is placed by the runtime, not listed by the program")
+        if i.kind is Kind.TIED_SUM:
+            out.append(f"TIED_SUM({i.chunk})")
+            continue
         ks = range(len(bp.buckets(i.chunk))) if i.bucket is None else [i.bucket]
         out.extend(f"{i.kind.value}({i.chunk}.{k})" for k in ks)
     return out
@@ -192,14 +196,15 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
-          posts: list[list[list[Post]]] | None = None) -> Program:
+          posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
-    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead."""
+    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead. `pp_ranks`: lower only these
+    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py)."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
@@ -208,7 +213,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans(s) if posts is None else posts
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
                            wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
-             for p in range(s.pp) for d in range(dp)]
+             if pp_ranks is None or p in pp_ranks else () for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
 
 
@@ -251,6 +256,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if rules.sharded_params and not layerwise and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
+    out.extend(_tied(sorted(s.chunks(p)), bp, rules, grad))
     out.append(OptimStep())
     if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
         for c in sorted(s.chunks(p)):
@@ -261,8 +267,36 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
 
 
 def _reductions(chunk: int, bp: BucketPlan, rules: Rules, wire: float, drain: bool) -> list[DataParallel]:
-    """One REDUCE_GRAD a bucket of `chunk` in backward order; with `drain` the last one blocks."""
+    """One REDUCE_GRAD a bucket of `chunk` in backward order, but for the buckets of a tied
+    embedding's copies (reduced in the step: `_tied`); with `drain` the last one blocks."""
     coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
-    sizes = bp.buckets(chunk)
-    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, round(n * wire), drain and k == len(sizes) - 1)
-            for k, n in enumerate(sizes)]
+    ks = [k for k in range(len(bp.buckets(chunk))) if (chunk, k) not in bp.held]
+    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, round(bp.buckets(chunk)[k] * wire), drain and k == ks[-1])
+            for k in ks]
+
+
+def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[DataParallel]:
+    """Before the step, on a rank holding a copy of a tied embedding: the copies' gradients summed
+    (an all-reduce between the first and last pipeline rank of the replica, or a local sum when one
+    rank holds both; the fp32 gradients, 4 bytes an element), then the buckets holding them reduced
+    over the dp group."""
+    held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
+    if not held:
+        return []
+    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
+    return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
+            *(DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * grad), False) for c, k in held)]
+
+
+def reducing_backwards(program: tuple[Instr, ...] | list[Instr]) -> set[int]:
+    """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
+    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
+    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
+    out: set[int] = set()
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    for i, ins in enumerate(program):
+        if isinstance(ins, Compute):
+            last = (i, ins.action.chunk) if ins.action.op in (Op.W, Op.BW) else None
+        elif isinstance(ins, DataParallel) and ins.kind is Kind.REDUCE_GRAD and last and last[1] == ins.chunk:
+            out.add(last[0])
+    return out

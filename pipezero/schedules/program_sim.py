@@ -4,7 +4,8 @@ overlaps it, and the waits that tie them together.
 The compute lane follows check.simulate exactly (an action starts when the rank is free and its
 inputs have arrived, a hop later when they come from another rank), so with free communication a
 program takes exactly the schedule's time: the collectives add only what they cost. On top:
-- a collective (UNSHARD, REDUCE_GRAD) is a rendezvous of its dp group: it starts when every member
+- a collective (UNSHARD, REDUCE_GRAD) is a rendezvous of its dp group (TIED_SUM: of the replica's
+  ranks holding a tied embedding's copies): it starts when every member
   has issued it and each member's communication lane is free (one stream a group, in order), and
   takes `CommCost.time` (bytes over bandwidth, times the ring's traffic factor);
 - issuing costs the compute lane nothing; a `blocking` collective holds the rank until it (and so
@@ -66,7 +67,8 @@ class ProgramResult:
         return {"step_time": self.step_time, "bubble": self.bubble, "busy": self.busy, "comm_busy": self.comm_busy}
 
 
-GroupKey = tuple[str, int, int]  # ("dp", pp_rank, sequence number) or ("world", 0, sequence number)
+# ("dp", pp_rank, n), ("tie", dp_rank, n): the ranks holding a tied embedding's copies, ("world", 0, n)
+GroupKey = tuple[str, int, int]
 
 
 @dataclass
@@ -91,13 +93,17 @@ class _Play:
     def members(self, key: GroupKey) -> list[int]:
         if key[0] == "world":
             return list(range(len(self.prog.ranks)))
+        if key[0] == "tie":
+            s = self.prog.schedule
+            ends = sorted({s.rank_of_chunk[0], s.rank_of_chunk[s.n_chunks - 1]})
+            return [self.prog.global_rank(p, key[1]) for p in ends]
         return [self.prog.global_rank(key[1], d) for d in range(self.prog.dp)]
 
     def issue(self, rank: int, group: str, ready: float, instr: Instr) -> GroupKey:
-        p, _ = self.prog.coords(rank)
+        p, d = self.prog.coords(rank)
         n = self.seq.get((rank, group), 0)
         self.seq[(rank, group)] = n + 1
-        key = (group, p if group == "dp" else 0, n)
+        key = (group, {"dp": p, "tie": d}.get(group, 0), n)
         self.issued.setdefault(key, {})[rank] = ready
         self.last[rank] = key
         ranks = self.members(key)
@@ -139,7 +145,7 @@ class _Play:
             for k in [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else []):
                 self.done[(d, *k)] = end
         elif isinstance(instr, DataParallel) and instr.kind is not Kind.RESHARD:
-            key = self.issue(r, "dp", self.free[r], instr)
+            key = self.issue(r, "tie" if instr.kind is Kind.TIED_SUM else "dp", self.free[r], instr)
             if instr.kind is Kind.UNSHARD:
                 self.gate[(r, instr.chunk)] = key
             if instr.blocking:

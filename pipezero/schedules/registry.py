@@ -42,6 +42,8 @@ SCHEDULES: dict[ScheduleKind, ScheduleInfo] = {
     ScheduleKind.ZB_V: ScheduleInfo(g.zb_v, "==2", True, "two chunks a rank in a V, no bubble at 1F1B's memory"),
     ScheduleKind.DUALPIPE_V: ScheduleInfo(g.dualpipe_v, "==2", True,
                                           "a V of two chunks, one micro-batch's forward beside another's backward"),
+    ScheduleKind.V_HALF: ScheduleInfo(g.v_half, "==2", True,
+                                      "a V of two chunks, half 1F1B's activations, less bubble than 1F1B at F=B=W"),
 }
 
 # Schedules whose backward is split into B (input gradient) and W (weight gradient).

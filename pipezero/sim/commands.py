@@ -19,6 +19,7 @@ from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual, help_text
+from pipezero.sim.memory_command import LAYOUT, add_memory_flags, cmd_simulate_memory
 
 
 def check_ranges(args: argparse.Namespace, ranges: dict[str, tuple[type, Range]]) -> None:
@@ -47,6 +48,10 @@ ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_laye
               "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
+# what --memory reads: train's layout flags (sim/memory_command.py)
+MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
+
+
 def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -67,6 +72,11 @@ def check_combination(args: argparse.Namespace) -> None:
         if extra:
             raise ConfigError(f"--from-trace takes no {flag(extra[0])}: the layout and costs come from the run's "
                               f"trace; drop {flag(extra[0])}")
+    elif args.memory:
+        extra = [d for d in given if d not in MEMORY_FLAGS]
+        if extra:
+            raise ConfigError(f"--memory takes no {flag(extra[0])}: it predicts memory, not time; drop "
+                              f"{flag(extra[0])}")
     elif args.zero is None:
         extra = [d for d in given if d in ZERO_FLAGS]
         if extra:
@@ -205,6 +215,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--quant-block", type=int, default=256, help="elements a scale (as train --quant-block)")
     z.add_argument("--optim-cost", type=float, default=0.0, help=f"time of the optimizer update, in F units ({limits.TIME.describe()})")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
+    add_memory_flags(s)
     s.set_defaults(func=cmd_simulate)
 
 
@@ -263,6 +274,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                           "the schedule with --schedule")
     check_ranges(args, {"pp": (int, limits.PP), "microbatches": (int, POSITIVE_INT),
                         "virtual_stages": (int, POSITIVE_INT), "comm": (float, limits.TIME)})
+    if args.memory:
+        check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE)})
+        check_work(args)
+        if args.png:
+            check_png(args.png, args.pp * args.microbatches * default_virtual(ScheduleKind(args.schedule), args.virtual_stages))
+        return cmd_simulate_memory(args, changed_flags(args))
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:

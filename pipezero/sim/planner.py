@@ -1,12 +1,10 @@
 """Pick a training layout: enumerate (P, D, ZeRO stage, schedule, V, micro-batch size and count,
 recompute), drop what does not fit in memory, estimate step time, rank what is left.
 
-Memory per rank (bytes), for the heaviest pipeline stage holding Ψ parameters:
-  model states, ZeRO paper (Rajbhandari et al. 2020, mixed-precision Adam): 16Ψ at stage 0,
-  (4 + 12/D)Ψ at stage 1, (2 + 14/D)Ψ at stage 2, 16Ψ/D at stage 3;
-  activations: the schedule's peak in-flight micro-batches (from the simulator, in units of one
-  stage) x layers of the stage x per-layer bytes, Korthikanti et al. 2022 with flash attention:
-  34·s·b·h bf16 bytes a layer, 2·s·b·h with full recomputation (only each layer's input kept).
+Memory per rank: the memory model's peak (sim/memory.py: the lowered program walked over byte
+counts, pipezero's fp32 weights, gradients and AdamW whatever the compute dtype), of the heavier of
+the first and last pipeline rank; it holds states (parameters, gradients, optimizer, ZeRO-3's
+gathered weights) apart from the rest (activations, transfers, collective buffers).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
@@ -36,8 +34,8 @@ from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
 from pipezero.sim import limits
 from pipezero.sim.layouts import Cluster, Layout
+from pipezero.sim.memory import layout_memory
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
-from pipezero.zero.accounting import paper_bytes_per_param
 from pipezero.schedules.zero_rules import RULES
 
 GIB = 2**30
@@ -85,20 +83,16 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     ends = (layers[0] + layers[-1] if lay.pp == 1 else
             max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
     psi = per_stage_layers * block_params(model) + ends
-    states = paper_bytes_per_param(lay.zero, lay.dp, mixed=True) * psi
+    # memory: the heaviest rank's peak from the memory model (sim/memory.py), split into model
+    # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
+    peak = layout_memory(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
+    states = sum(peak.categories[c] for c in ("params", "gathered", "grads", "optimizer"))
+    acts = peak.peak_bytes - states
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
         states += 4 * psi / split[0]
-    sharded_grads = RULES[lay.zero].sharded_grads
-    per_microbatch = RULES[lay.zero].reduces_every_backward(lay.grad_reduce) and lay.microbatches > 1
-    if sharded_grads and lay.microbatches > 1 and not per_microbatch:
-        states += 2 * psi * (1 - 1 / lay.dp)  # the whole bf16 gradient lives through the step
-    per_layer_act = (2 if lay.recompute else 34) * seq_len * lay.micro_batch * model.dim
-    # the bubble and memory without fixed costs (the same cached simulation as below when there are none)
-    _, bubble, peak_stages = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
-    acts = peak_stages * per_stage_layers * per_layer_act
-    if lay.recompute:  # one micro-batch's full activations exist while its backward recomputes
-        acts += 34 * seq_len * lay.micro_batch * model.dim
+    # the bubble without fixed costs (the same cached simulation as below when there are none)
+    _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
     flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
     flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values

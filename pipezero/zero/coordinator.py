@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_exchange, start_reduce_scatter
 from pipezero.parallel.waits import wait_or_raise
+from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.zero_rules import Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import compressed
@@ -46,6 +47,7 @@ class Coordinator:
     bytes_sent: int = 0  # as the wire carries them: quantized messages count their codes and scales
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
+    flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
     # The collectives started since the step began, named as the program names them (`REDUCE_GRAD(1.0)`,
     # `UNSHARD(0.2)`), in the order they were started: what tests/test_program_played.py holds against
     # the lowered program. One string a bucket a step, cleared by `new_step`.
@@ -57,7 +59,7 @@ class Coordinator:
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
         across = across or f"across {self.dp} data-parallel ranks"
-        with self.tracer.span(op, "wait", "collectives"):
+        with self.tracer.span(op, "wait", "collectives"), self.flight.awaiting(op, **awaited_of(op)):
             wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: ZeRO-{self.rules.stage} "
                                                 f"{op} {across}", stream_ordered=self.on_gpu)
 
@@ -223,3 +225,17 @@ class Coordinator:
             self.finish_gather(first)
             if first is b:
                 return
+
+
+def awaited_of(op: str) -> dict[str, object]:
+    """The program instruction a wait's `op` names, as the flight record keeps it: `REDUCE_GRAD(1.0):
+    ...` is chunk 1's bucket 0; `OPTIM_STEP: ...` the step's all-reduce over the world."""
+    head = op.split(":", 1)[0]
+    name, _, where = head.partition("(")
+    if name == "OPTIM_STEP":
+        return {"op": name}
+    if name in ("REDUCE_GRAD", "UNSHARD") and where.endswith(")"):
+        chunk, _, bucket = where[:-1].partition(".")
+        if chunk.isdigit():
+            return {"op": name, "chunk": int(chunk), "bucket": int(bucket) if bucket.isdigit() else None}
+    return {"op": "other"}

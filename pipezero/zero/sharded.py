@@ -11,8 +11,8 @@ zero/gathering.py, the update zero/update.py; the state lives on the buckets (ze
   or every one with grad-reduce `microbatch` at stages 2-3) a bucket is reduced as soon as autograd
   has produced all of its gradients (a post-accumulate hook counts them), overlapping the rest of
   that backward: its REDUCE_GRAD then finds it started. Buckets holding a parameter used twice are
-  started by their REDUCE_GRAD, after the backward; tied embedding copies in the step (they are
-  summed across the first and last pipeline rank first). At stages 2-3 gradient buckets are
+  started by their REDUCE_GRAD, after the backward; those of a tied embedding's copies by the
+  REDUCE_GRADs the program places before the step, after its TIED_SUM has summed the copies. At stages 2-3 gradient buckets are
   allocated when their first gradient appears and at most `in_flight` full buckets (and the one
   being filled) wait on a reduce-scatter at once, so the full gradient never exists all at once.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
@@ -179,10 +179,12 @@ class ZeroDP:
 
     # --- the program's collectives -----------------------------------------------------------
     def play(self, instr: DataParallel) -> None:
-        """One UNSHARD, RESHARD or REDUCE_GRAD of the program (OPTIM_STEP is `step`)."""
-        if instr.kind is Kind.REDUCE_GRAD:
+        """One UNSHARD, RESHARD, TIED_SUM or REDUCE_GRAD of the program (OPTIM_STEP is `step`)."""
+        if instr.kind is Kind.TIED_SUM:
+            self._sum_tied(instr.chunk)
+        elif instr.kind is Kind.REDUCE_GRAD:
             b = self.buckets[instr.chunk][instr.bucket]  # type: ignore[index]
-            if not b.launched and not b.tied:  # not started by autograd's hooks; tied: in the step
+            if not b.launched:  # else started by autograd's hooks during the backward
                 self._reduce(b)
             if instr.blocking:
                 self.comm.drain()
@@ -195,6 +197,20 @@ class ZeroDP:
             self.sharded.release_layers(instr.chunk)
         else:
             self.sharded.after_final_backward(instr.chunk)
+
+    def _sum_tied(self, chunk: int) -> None:
+        """TIED_SUM: add the tied embedding's copies' gradients (the program reduces their buckets,
+        held back from the backward, right after)."""
+        if self.tied is None:
+            raise ValueError(f"rank {self.rank}: TIED_SUM({chunk}) on a rank holding no tied copy")
+        self.comm.issued.append(f"TIED_SUM({chunk})")
+        self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: TIED_SUM({chunk}): sum of "
+                                            f"tied embedding gradients between the first and last pipeline rank")
+        if self.rules.sharded_grads:  # the sum is the copies' gradient: into the flat buckets
+            for b in self.all_buckets():
+                if b.tied:
+                    for q in b.params:
+                        b.adopt(q)
 
     # --- whole model ------------------------------------------------------------------------
     def gather_all(self) -> None:
@@ -220,15 +236,6 @@ class ZeroDP:
     def step(self, lr: float, max_norm: float, norm_group: Any, loss: torch.Tensor | float = 0.0) -> StepOutcome:
         """Finish the reductions, clip and update this rank's shards (zero/update.py), and start
         making full parameters available again (stages 1 and 2)."""
-        if self.tied is not None:  # tied copies first: their buckets were held back for this
-            self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: sum of tied embedding "
-                                                f"gradients between the first and last pipeline rank")
-            for b in self.all_buckets():
-                if b.tied:
-                    if self.rules.sharded_grads:
-                        for q in b.params:
-                            b.adopt(q)
-                    self._reduce(b)
         self.comm.drain()
         self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
         outcome = clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,

@@ -1,0 +1,161 @@
+"""The memory model (pipezero/sim/memory.py) against measured runs: each rank's predicted peak beside
+its measured peak of the first step (`train --memory-profile`: on CPU the profiler's live tensor
+bytes), for every schedule x ZeRO 0-3 x P in {1, 2, 4} x D in {1, 2}, with and without recompute,
+on two models: `activations` (long sequences, few parameters) and `states` (many thin layers, eight
+tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
+
+    python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
+
+Prints one line a case (the worst rank's ratio), the worst and median ratio over every rank of every
+case, and writes every rank's figures to bench/results/memory_model.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
+
+from pipezero.config import ScheduleKind  # noqa: E402
+from pipezero.data import write_stdlib_sample  # noqa: E402
+from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
+from pipezero.settings import build_config  # noqa: E402
+from pipezero.sim.memory import predict  # noqa: E402
+from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
+from pipezero.util import atomic_write_json  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+MODELS = {
+    # activations dominate: 6 blocks of width 64 over 2 x 512 tokens a micro-batch
+    "activations": {"model.n_layers": 6, "model.dim": 64, "model.n_heads": 4, "model.vocab_size": 256,
+                    "data.seq_len": 512, "parallel.micro_batch_size": 2, "parallel.bucket_mb": 0.25},
+    # model state dominates: 8 blocks of width 128 over 16 tokens
+    "states": {"model.n_layers": 8, "model.dim": 128, "model.n_heads": 4, "model.vocab_size": 256,
+               "data.seq_len": 16, "parallel.micro_batch_size": 1, "parallel.bucket_mb": 0.5},
+}
+
+
+def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recompute: bool, data: str,
+             out: str) -> dict:
+    return {**MODELS[model], "model.preset": "tiny", "data.path": data, "data.tokenizer": "bytes",
+            "data.packing": "concat", "parallel.pp": pp, "parallel.dp": dp, "parallel.zero": zero,
+            "parallel.schedule": kind.value, "parallel.microbatches": 2 * pp,
+            "parallel.virtual_stages": default_virtual(kind, None) if pp > 1 else 1, "parallel.recompute": recompute,
+            "parallel.timeout_s": 120.0, "run.max_steps": 1, "run.out": out, "run.progress": False,
+            "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, "run.threads": 1}
+
+
+def cases(models: list[str], pps: list[int], dps: list[int], max_ranks: int) -> list[dict]:
+    out = []
+    for model in models:
+        for pp in pps:
+            for dp in dps:
+                if pp * dp > max_ranks:
+                    continue
+                for kind in SCHEDULES if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
+                    try:
+                        check_layout(kind, pp, 2 * pp, default_virtual(kind, None))
+                    except ValueError:
+                        continue
+                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        for recompute in (False, True):
+                            out.append({"model": model, "schedule": kind.value, "pp": pp, "dp": dp, "zero": zero,
+                                        "recompute": recompute})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="activations,states")
+    ap.add_argument("--pp", default="1,2,4")
+    ap.add_argument("--dp", default="1,2")
+    ap.add_argument("--max-ranks", type=int, default=4)
+    ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
+    ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
+    ap.add_argument("--repredict", help="a results JSON: predict its measured cases again (the model changed), "
+                                        "measure nothing")
+    args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return
+    if args.repredict:
+        rows = json.loads(Path(args.repredict).read_text())["rows"]
+        for row in rows:
+            cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
+                                              row["zero"], row["recompute"], str(Path(__file__).parent), "-"))
+            for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
+                r.update(predicted_peak_bytes=pred.peak_bytes, ratio=pred.peak_bytes / r["measured_peak_bytes"],
+                         categories=pred.categories, at=pred.at)
+            show(row)
+        report(rows, args.out)
+        return
+    todo = cases(args.models.split(","), [int(x) for x in args.pp.split(",")], [int(x) for x in args.dp.split(",")],
+                 args.max_ranks)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data or str(write_stdlib_sample(Path(tmp) / "corpus"))
+        by_world: dict[int, list[dict]] = {}
+        for c in todo:
+            by_world.setdefault(c["pp"] * c["dp"], []).append(c)
+        for world, group in sorted(by_world.items()):
+            cfgs = [build_config(None, settings(c["model"], ScheduleKind(c["schedule"]), c["pp"], c["dp"], c["zero"],
+                                                c["recompute"], data, f"{tmp}/run{i}"))
+                    for i, c in enumerate(group)]
+            t0 = time.perf_counter()
+            measured = run_ranks(first_step_peaks, world, cfgs, timeout=3600)
+            print(f"# {len(group)} cases on {world} ranks in {time.perf_counter() - t0:.0f} s", flush=True)
+            for i, (c, cfg) in enumerate(zip(group, cfgs)):
+                pred = predict(cfg, cuda=False)
+                ranks = [{"rank": r, "predicted_peak_bytes": pred[r].peak_bytes, "measured_peak_bytes": measured[r][i],
+                          "ratio": pred[r].peak_bytes / measured[r][i], "categories": pred[r].categories,
+                          "at": pred[r].at} for r in range(world)]
+                rows.append({**c, "ranks": ranks})
+                show(rows[-1])
+    report(rows, args.out)
+
+
+def show(row: dict) -> None:
+    worst = max(row["ranks"], key=lambda x: abs(x["ratio"] - 1))
+    print(f"{row['model']:<11} {row['schedule']:<16} P={row['pp']} D={row['dp']} Z{row['zero']} "
+          f"recompute={int(row['recompute'])}  worst rank {worst['rank']}: predicted "
+          f"{worst['predicted_peak_bytes'] / 2**20:7.2f} MiB, measured "
+          f"{worst['measured_peak_bytes'] / 2**20:7.2f} MiB, ratio {worst['ratio']:.3f} (at {worst['at']})", flush=True)
+
+
+def report(rows: list[dict], out: str) -> None:
+    ratios = [r["ratio"] for row in rows for r in row["ranks"]]
+    errors = sorted(abs(x - 1) for x in ratios)
+    summary = {"cases": len(rows), "ranks": len(ratios), "worst_ratio": max(ratios, key=lambda x: abs(x - 1)),
+               "median_abs_error": statistics.median(errors), "within_10pct": sum(e <= 0.10 for e in errors)}
+    print(f"{summary['cases']} cases, {summary['ranks']} ranks: worst ratio {summary['worst_ratio']:.3f}, median "
+          f"|error| {summary['median_abs_error']:.1%}, {summary['within_10pct']}/{summary['ranks']} within 10%")
+    atomic_write_json(Path(out), {"summary": summary, "rows": rows})
+
+
+def markdown(results: dict) -> str:
+    """Predicted / measured per rank, grouped by model, schedule and recompute: cases, ranks, the
+    lowest, median and highest ratio."""
+    groups: dict[tuple, list[float]] = {}
+    for row in results["rows"]:
+        groups.setdefault((row["model"], row["schedule"], row["recompute"]), []).extend(
+            r["ratio"] for r in row["ranks"])
+    lines = ["| model | schedule | recompute | ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
+    for (model, kind, rec), ratios in sorted(groups.items()):
+        lines.append(f"| {model} | {kind} | {'yes' if rec else 'no'} | {len(ratios)} | {min(ratios):.3f} | "
+                     f"{statistics.median(ratios):.3f} | {max(ratios):.3f} |")
+    s = results["summary"]
+    lines.append(f"\n{s['cases']} cases, {s['ranks']} ranks: worst ratio {s['worst_ratio']:.3f}, median |error| "
+                 f"{s['median_abs_error']:.1%}, {s['within_10pct']} of {s['ranks']} within 10%.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

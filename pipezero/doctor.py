@@ -1,0 +1,362 @@
+"""The hang doctor: from every rank's flight record (runtime/flight.py) and the compiled plan, which
+rank (or link) holds everyone up, and at which instruction.
+
+Each rank that can still answer writes its record to `RUN/doctor/rank-NNNNN.json` (runtime/watch.py)
+when one of its waits passes the stall threshold or fails, or when a report is asked for (SIGUSR1 to
+the launcher). A record says where the rank is (step, instruction index) and what it waits for, in
+the plan's terms: a transfer from a peer, or a collective of its data-parallel group or the world.
+The programs of every rank are recomputed here from the plan facts a record carries (schedule,
+layout, ZeRO stage, bucket sizes), so each wait can be matched with the instruction of the peer that
+must happen for it to end: the peer's SEND of that transfer, or its own turn at that collective. A
+peer that has not reached that instruction holds the waiter up; following who-holds-up-whom ends at
+the rank whose next action never happened (no record: stopped or dead; or not waiting: stuck in
+its own work), at a link (the peer passed its SEND, the data never came), or in a cycle (the plan's
+order broken). A SEND the program passed without posting anything is named first: after it, a
+peer's tag-less receives match the wrong sends, and every later wait is a consequence.
+
+`verdict` and `table` are pure functions of records and programs, tested with synthetic records.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipezero.config import GradReduce, Placement, ScheduleKind
+from pipezero.schedules.bucket_plan import BucketPlan
+from pipezero.schedules.program import Instr, Kind, PointToPoint, Program, lower
+from pipezero.schedules.registry import build_schedule
+
+FOLDER = "doctor"  # under the run folder
+REQUEST = "request"  # its content: the time a report was asked for
+Record = dict[str, Any]
+Position = tuple[int, int]  # (step, instruction index)
+PAST = 1 << 30  # index of a rank outside its program after a step: past every instruction of it
+
+
+def record_path(out: str | Path, rank: int) -> Path:
+    return Path(out) / FOLDER / f"rank-{rank:05d}.json"
+
+
+def load_records(out: str | Path) -> dict[int, Record]:
+    """The newest record of every rank of the newest run that wrote any, by rank."""
+    found: dict[int, Record] = {}
+    for path in sorted((Path(out) / FOLDER).glob("rank-*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # a record being replaced: the rename makes this rare, never a torn read
+        found[int(rec["rank"])] = rec
+    if not found:
+        return {}
+    newest = max(found.values(), key=lambda r: r["written"])
+    return {r: rec for r, rec in found.items() if rec.get("run") == newest.get("run")}
+
+
+# --- the plan -------------------------------------------------------------------------------------
+def programs(facts: dict[str, Any]) -> Program:
+    """Every rank's program, lowered from the plan facts a record carries (runtime/watch.py)."""
+    s = build_schedule(ScheduleKind(facts["schedule"]), facts["pp"], facts["microbatches"], facts["virtual_stages"])
+    buckets = BucketPlan(facts["dp"], tuple(tuple(b) for b in facts["buckets"]))
+    return lower(s, facts["dp"], facts["zero"], GradReduce(facts["grad_reduce"]), buckets,
+                 keep_gathered=not facts["layerwise"])
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Global ranks <-> program slots (`Program.ranks[pp_rank * dp + dp_rank]`), by placement."""
+
+    pp: int
+    dp: int
+    placement: str = Placement.DP_INNER.value
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        if self.placement == Placement.DP_INNER.value:
+            return divmod(rank, self.dp)
+        d, p = divmod(rank, self.pp)
+        return p, d
+
+    def slot(self, rank: int) -> int:
+        p, d = self.coords(rank)
+        return p * self.dp + d
+
+    def rank(self, slot: int) -> int:
+        p, d = divmod(slot, self.dp)
+        return p * self.dp + d if self.placement == Placement.DP_INNER.value else d * self.pp + p
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp
+
+    @classmethod
+    def of(cls, facts: dict[str, Any]) -> Ranks:
+        return cls(facts["pp"], facts["dp"], facts.get("placement", Placement.DP_INNER.value))
+
+
+def position(rec: Record) -> Position:
+    """Where a rank is: outside its program after step s (evaluation, checkpoint) is past step s."""
+    if rec["index"] >= 0:
+        return rec["step"], rec["index"]
+    return (rec["step"], PAST) if rec["step"] > 0 else (0, -1)
+
+
+def _matches(ins: Instr, aw: dict[str, Any]) -> bool:
+    if ins.kind.value != aw["op"]:
+        return False
+    if aw["op"] == Kind.OPTIM_STEP.value:
+        return True
+    bucket = getattr(ins, "bucket", None)
+    return ins.chunk == aw.get("chunk") and (bucket is None or aw.get("bucket") is None or bucket == aw["bucket"])
+
+
+def needed(rec: Record, prog: Program, ranks: Ranks) -> list[tuple[int, Position]]:
+    """What the wait in `rec` needs to end: (peer, the position in the peer's program it must reach)."""
+    aw, me = rec.get("awaited"), rec["rank"]
+    if not aw or rec["index"] < 0 and aw["op"] in ("RECV", "SEND"):
+        return []  # no wait, or a transfer outside the program (evaluation)
+    op = aw["op"]
+    if op in ("RECV", "SEND"):
+        peer, want = aw["peer"], Kind.SEND if op == "RECV" else Kind.RECV
+        transfer = tuple(aw["transfer"])
+        for j, ins in enumerate(prog.ranks[ranks.slot(peer)]):
+            if isinstance(ins, PointToPoint) and ins.kind is want and ins.transfer == transfer \
+                    and ranks.rank(ins.peer) == me:
+                return [(peer, (rec["step"], j))]
+        return []
+    if op not in (Kind.REDUCE_GRAD.value, Kind.UNSHARD.value, Kind.OPTIM_STEP.value):
+        return []
+    mine = prog.ranks[ranks.slot(me)]
+    hits = [j for j, ins in enumerate(mine) if _matches(ins, aw)]
+    step, upto = position(rec)
+    done = [j for j in hits if j <= upto]
+    later = [j for j in hits if j > upto]
+    if done:  # the newest one started (older ones are waited for first)
+        nth = len(done) - 1
+    elif later and op == Kind.REDUCE_GRAD.value:  # started by autograd's hooks inside the backward before it
+        nth = 0
+    elif hits:  # started in the previous step's tail (ZeRO-1/2's gathers of updated weights)
+        step, nth = step - 1, len(hits) - 1
+    else:
+        return []
+    pp = ranks.coords(me)[0]
+    group = range(ranks.world) if op == Kind.OPTIM_STEP.value else \
+        [ranks.rank(pp * ranks.dp + d) for d in range(ranks.dp)]
+    out = []
+    for q in group:
+        theirs = [j for j, ins in enumerate(prog.ranks[ranks.slot(q)]) if _matches(ins, aw)]
+        if q != me and nth < len(theirs):
+            out.append((q, (step, theirs[nth])))
+    return out
+
+
+def reached(rec: Record, at: Position) -> bool:
+    """Whether the rank of `rec` has done (or is inside) the instruction at `at`."""
+    pos = position(rec)
+    return pos > at or (pos == at and (rec.get("awaited") is not None or rec.get("nbytes", 0) > 0))
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    culprit: int | None  # the rank whose next action never happened; None: a link, a cycle or no hang
+    link: tuple[int, int] | None = None  # (sender, receiver) whose transfer was sent and never arrived
+    instruction: str = ""  # the culprit's instruction that never happened, as its program prints it
+    index: int = -1  # its position in the culprit's program
+    step: int = 0
+    waiting: dict[int, str] = field(default_factory=dict)  # rank -> what it waits for because of it
+    text: str = ""
+
+
+def _awaited_text(rec: Record) -> str:
+    aw = rec.get("awaited") or {}
+    op = aw.get("op", "")
+    if op == "RECV":
+        chunk, grad, mb = aw["transfer"]
+        return f"{'gradient' if grad else 'activation'} {chunk}:{mb} from rank {aw['peer']}"
+    if op == "SEND":
+        chunk, grad, mb = aw["transfer"]
+        return f"send of {'gradient' if grad else 'activation'} {chunk}:{mb} to rank {aw['peer']}"
+    if op == "OPTIM_STEP":
+        return "OPTIM_STEP all-reduce (world)"
+    if op in ("REDUCE_GRAD", "UNSHARD"):
+        where = f"{aw['chunk']}" if aw.get("bucket") is None else f"{aw['chunk']}.{aw['bucket']}"
+        return f"{op}({where}) (data-parallel group)"
+    return str(aw.get("what", "")).split(": ", 1)[-1] if aw else ""
+
+
+def _lost_transfer(link: tuple[int, int, Position], records: dict[int, Record], prog: Program, ranks: Ranks,
+                   waiters: list[int]) -> Verdict:
+    q, r, (step, j) = link
+    ins = str(prog.ranks[ranks.slot(q)][j])
+    return Verdict(None, (q, r), ins, j, step, {w: _awaited_text(records[w]) for w in waiters},
+                   f"link {q} -> {r}: rank {q} posted instruction {j} {ins} of step {step}, rank {r} never got it; "
+                   f"{len(waiters)} rank(s) wait because of it")
+
+
+def stuck(rec: Record, min_wait_s: float) -> bool:
+    """A wait that failed, or has lasted `min_wait_s`: records of a moving run are taken moments
+    apart, and a wait that just began says nothing about who holds whom up."""
+    return bool(rec.get("awaited")) and (rec["state"] == "failed" or rec["waited_s"] >= min_wait_s)
+
+
+def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s: float = 0.5) -> Verdict:
+    """Who holds everyone up, from the records of the ranks that answered and every rank's program;
+    waits shorter than `min_wait_s` (unless they failed) are no sign of a hang."""
+    for r, rec in sorted(records.items()):  # a SEND passed without posting: everything after follows from it
+        j = rec.get("unposted", -1)
+        if j >= 0:
+            ins = str(prog.ranks[ranks.slot(r)][j])
+            waiting = {q: _awaited_text(x) for q, x in records.items() if x.get("awaited") and q != r}
+            return Verdict(r, None, ins, j, rec["step"], waiting,
+                           f"rank {r} (stage {rec['stage']}) passed instruction {j} {ins} of step {rec['step']} without "
+                           f"posting it: its peer's receives (matched in posting order) never get that transfer")
+    holds: dict[int, list[tuple[int, Position]]] = {}  # waiter -> peers behind it, with where they must get to
+    links: list[tuple[int, int, Position]] = []
+    for r, rec in records.items():
+        for q, at in needed(rec, prog, ranks) if stuck(rec, min_wait_s) else []:
+            if q not in records or not reached(records[q], at):
+                holds.setdefault(r, []).append((q, at))
+            elif rec["awaited"]["op"] == "RECV":
+                links.append((q, r, at))
+    if not holds and links:
+        return _lost_transfer(links[0], records, prog, ranks, [links[0][1]])
+    if not holds:
+        return Verdict(None, text="no rank is held up by another: no hang in these records")
+    roots: dict[int, list[tuple[int, Position]]] = {}  # culprit -> (waiter, position awaited) chains end at
+    for start in holds:
+        seen, r = [start], start
+        while r in holds:
+            nxt = min(holds[r], key=lambda h: h[1])[0]  # the peer furthest behind first
+            if nxt in seen:
+                cycle = " -> ".join(map(str, seen[seen.index(nxt):] + [nxt]))
+                return Verdict(None, waiting={w: _awaited_text(records[w]) for w in holds},
+                               text=f"a cycle of waits {cycle}: each rank waits for the next, which waits in turn; "
+                                    f"the ranks broke the plan's global order")
+            seen.append(nxt)
+            r = nxt
+        roots.setdefault(r, []).extend((w, at) for w in seen[:-1] for q, at in holds[w] if q == r)
+    culprit = min(roots, key=lambda q: (-len({w for w, _ in roots[q]}), q))
+    lost = [(q, r, at) for q, r, at in links if r == culprit]
+    if lost:  # the rank everyone waits for waits itself for a transfer its peer did post
+        return _lost_transfer(lost[0], records, prog, ranks, [culprit, *holds])
+    step, j = min(at for _, at in roots[culprit])
+    ins = str(prog.ranks[ranks.slot(culprit)][j])
+    waiting = {w: _awaited_text(records[w]) for w in records if w in holds}
+    stage = ranks.coords(culprit)[0]
+    began = min(records[w]["written"] - records[w]["waited_s"] for w in holds)  # the first of these waits
+    if culprit not in records:
+        how = "gave no record (stopped or dead)"
+    elif records[culprit]["written"] < began:
+        rec = records[culprit]
+        how = (f"has not answered since before the others began to wait (its last record: step {rec['step']}, "
+               f"instruction {rec['index']} {rec['instr']}): stopped or dead")
+    else:
+        rec = records[culprit]
+        how = f"is at instruction {rec['index']} {rec['instr']}" + (
+            f", itself waiting for {_awaited_text(rec)}" if rec.get("awaited") else ", not waiting on anyone")
+    return Verdict(culprit, None, ins, j, step, waiting,
+                   f"rank {culprit} (stage {stage}) never did instruction {j} {ins} of step {step}: it {how}; "
+                   f"{len(waiting)} rank(s) wait because of it")
+
+
+# --- the report -----------------------------------------------------------------------------------
+def table(records: dict[int, Record], ranks: Ranks, now: float | None = None) -> str:
+    """One line a rank: stage, the instruction it is at, what it waits for and from whom, how long."""
+    now = time.time() if now is None else now
+    rows = [("rank", "stage", "step", "instruction", "state", "waits for", "for")]
+    for r in range(ranks.world):
+        rec = records.get(r)
+        if rec is None:
+            rows.append((str(r), str(ranks.coords(r)[0]), "?", "?", "no record", "", ""))
+            continue
+        at = f"{rec['index']} {rec['instr']}" if rec["index"] >= 0 else rec["instr"]
+        since = rec["written"] - rec["waited_s"] if rec.get("awaited") else None
+        took = f"{rec['waited_s']:.1f}s" if since is not None else ""
+        rows.append((str(r), str(rec["stage"]), str(rec["step"]), at, rec["state"], _awaited_text(rec), took))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def merged_facts(records: dict[int, Record]) -> dict[str, Any]:
+    """The newest record's plan facts, each chunk's bucket sizes taken from a rank that holds it."""
+    facts = dict(max(records.values(), key=lambda r: r["written"])["plan"])
+    buckets = [list(b) for b in facts["buckets"]]
+    for rec in records.values():
+        for c in rec["plan"].get("own_chunks", []):
+            buckets[c] = rec["plan"]["buckets"][c]
+    facts["buckets"] = buckets
+    return facts
+
+
+def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None:
+    """The doctor's table and verdict from the records under run folder `out`; None without any."""
+    records = load_records(out)
+    if not records:
+        return None
+    facts = merged_facts(records)
+    ranks, prog = Ranks.of(facts), programs(facts)
+    v = verdict(records, prog, ranks)
+    lines = [f"hang doctor: {len(records)} of {ranks.world} ranks answered ({Path(out) / FOLDER})",
+             table(records, ranks), f"verdict: {v.text}"]
+    lines += [f"  rank {w} waits for {what}" for w, what in sorted(v.waiting.items())]
+    if summary is not None and summary.get("straggler"):
+        s = summary["straggler"]
+        lines.append(f"straggler (summary.json): rank {s['rank']} made the others wait {s['s_per_step']:.3f}s a step")
+    return "\n".join(lines)
+
+
+# --- stragglers -----------------------------------------------------------------------------------
+def stragglers(waits: list[dict[str, Any]], ranks: Ranks, steps: int) -> dict[str, Any]:
+    """Which rank made the others wait most, per step. Between two pipeline neighbours, what one
+    waited on the other beyond what the other waited on it counts against the other (a rank late
+    to send makes its peer late to answer: the back-and-forth cancels). In a collective the last to
+    arrive waits least, so each member's excess over the group's least counts against the member
+    that waited least (data-parallel groups, and the world at OPTIM_STEP)."""
+    if ranks.world < 2:
+        return {}
+    blame = [0.0] * ranks.world
+    on = [[waits[r]["p2p"].get(str(q), 0.0) for q in range(ranks.world)] for r in range(ranks.world)]
+    for r in range(ranks.world):
+        for q in range(r + 1, ranks.world):
+            net = on[r][q] - on[q][r]
+            blame[q if net > 0 else r] += abs(net)
+    groups = [[ranks.rank(p * ranks.dp + d) for d in range(ranks.dp)] for p in range(ranks.pp)]
+    for key, members in [("collectives", g) for g in groups] + [("world", list(range(ranks.world)))]:
+        if len(members) < 2:
+            continue
+        times = [waits[m][key] for m in members]
+        last = members[times.index(min(times))]
+        blame[last] += sum(t - min(times) for t in times)
+    per_step = [b / max(1, steps) for b in blame]
+    worst = max(range(ranks.world), key=lambda r: per_step[r])
+    return {"rank": worst, "stage": ranks.coords(worst)[0], "s_per_step": per_step[worst], "by_rank": per_step}
+
+
+def add_doctor_parser(sub: Any) -> None:
+    d = sub.add_parser("doctor", help="say where every rank of a run stopped and which one holds the others up",
+                       description="Read RUN/doctor/ (the flight records ranks write when a wait stalls or fails, "
+                                   "or when the launcher gets SIGUSR1) and print one line a rank and the verdict; "
+                                   "exit 0 when records were found, 1 when none. See docs/how-to/hang-doctor.md.")
+    d.add_argument("run", help="the run folder (--out of the run)")
+    d.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: Any) -> int:
+    import sys
+
+    out = Path(args.run)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    text = report(out, summary)
+    if text is None:
+        s = (summary or {}).get("straggler")
+        tail = f"; straggler (summary.json): rank {s['rank']}, {s['s_per_step']:.3f}s a step" if s else ""
+        print(f"pipezero doctor: no flight records under {out / FOLDER}{tail}", file=sys.stderr)
+        return 1
+    print(text)
+    return 0

@@ -1,0 +1,171 @@
+"""Each rank's watchdog: writes its flight record to the run folder when the hang doctor needs it.
+
+A rank blocked in a wait cannot speak for itself (its thread is inside gloo or NCCL, and Python
+signal handlers run only between bytecodes of the main thread), so a daemon thread looks at the
+rank's flight record a few times a second and writes it, by temp file and rename, to
+`RUN/doctor/rank-NNNNN.json` when
+- a wait has lasted past the stall threshold (`--stall-report`; then it asks every rank for theirs),
+- a wait failed (a timeout, a peer gone: written at once from the failing thread, then it asks),
+- a stalled wait ended after all (a straggler: the record says `resumed`),
+- a report was asked for: `RUN/doctor/request` holds a newer time than the last answered (written by
+  a stalled rank, a failing rank, or the launcher on SIGUSR1).
+Rank 0 under an outside launcher (torchrun, srun) also gathers the records and prints the doctor's
+report (doctor.py); under pipezero's own launcher the launcher does (job.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pipezero.doctor import FOLDER, REQUEST, load_records, record_path, report
+from pipezero.runtime.flight import FlightRecord
+from pipezero.util import atomic_write_bytes, atomic_write_json
+
+SETTLE_S = 1.5  # after a request, how long a gatherer waits for every rank's answer before printing
+
+
+def ask(out: str | Path) -> float:
+    """Ask every rank of the run in `out` for its record; the request's time."""
+    now = time.time()
+    atomic_write_bytes(Path(out) / FOLDER / REQUEST, f"{now!r}\n".encode())
+    return now
+
+
+def asked(out: str | Path) -> float:
+    try:
+        return float((Path(out) / FOLDER / REQUEST).read_text())
+    except (OSError, ValueError):
+        return 0.0
+
+
+class Desk:
+    """Gathers the records after each request and prints the report once (launcher, or rank 0)."""
+
+    def __init__(self, out: str | Path, world: int, since: float | None = None) -> None:
+        self.out, self.world = Path(out), world
+        self.printed = time.time() if since is None else since  # requests before this are another run's
+
+    def poll(self) -> str | None:
+        """The report, once per request: when every rank answered it, or SETTLE_S after it."""
+        req = asked(self.out)
+        if req <= self.printed:
+            return None
+        answered = [r for r in load_records(self.out).values() if r["written"] >= req - SETTLE_S]
+        if len(answered) < self.world and time.time() - req < SETTLE_S:
+            return None
+        self.printed = req
+        return report(self.out)
+
+    def final(self) -> str | None:
+        """At the job's end: the report of records newer than the last printed (a failed job whose
+        ranks wrote their records, and died before a request could settle)."""
+        records = load_records(self.out)
+        if not records or max(r["written"] for r in records.values()) <= self.printed:
+            return None
+        self.printed = time.time()
+        return report(self.out)
+
+
+class Watch:
+    """The watchdog thread of one rank (`start`, then `stop` at the end of the run)."""
+
+    def __init__(self, flight: FlightRecord, out: str | Path, stall_s: float, plan: dict[str, Any],
+                 run: str | None, desk: Desk | None = None) -> None:
+        self.flight, self.out, self.stall_s = flight, Path(out), stall_s
+        self.plan, self.run, self.desk = plan, run, desk
+        self.tick = min(0.5, max(0.05, stall_s / 4))
+        self._answered = time.time()  # requests older than the run are not for it
+        self._stalled = 0.0  # `awaited_since` of the wait last reported as stalled
+        self._resumed = 0.0
+        self._failed_at = False  # after a failed wait the record stays as it was then
+        self._wrote = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"pipezero-watch-{flight.rank}", daemon=True)
+        flight.on_failure = self._failed
+
+    def start(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def stop(self, finished: bool = True) -> None:
+        """End the thread; a rank that `finished` its run and wrote records says so (the last record
+        is then not a stale wait, and `pipezero doctor` on the finished run finds no hang)."""
+        self._stop.set()
+        self._thread.join()
+        self.flight.on_failure = None
+        if finished and self._wrote and not self._failed_at:
+            self.write("finished")
+
+    def write(self, state: str) -> None:
+        rec = self.flight.snapshot(state)
+        rec.update(run=self.run, plan=self.plan)
+        with self._lock:
+            atomic_write_json(record_path(self.out, self.flight.rank), rec)
+            self._wrote = True
+
+    def _failed(self) -> None:
+        self._failed_at = True
+        self.write("failed")
+        self._answered = ask(self.out)
+
+    def check(self) -> None:
+        """One look at the record (the thread's tick; tests call it directly)."""
+        f = self.flight
+        if self._failed_at:
+            return
+        since = f.awaited_since if f.awaited else 0.0
+        if since and since != self._stalled and time.time() - since >= self.stall_s:
+            self._stalled = since
+            self.write("stalled")
+            self._answered = ask(self.out)
+        elif self._stalled and self._stalled != self._resumed and since != self._stalled:
+            self._resumed = self._stalled  # the stalled wait ended: a straggler, not a hang
+            self.write("resumed")
+        req = asked(self.out)
+        if req > self._answered:
+            self._answered = req
+            self.write("asked")
+        if self.desk is not None and (text := self.desk.poll()):
+            print(text, file=sys.stderr, flush=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self.check()
+            except OSError as e:  # a full disk or a removed folder must not kill the rank's training
+                print(f"pipezero: rank {self.flight.rank}: hang doctor record not written ({e})", file=sys.stderr)
+
+
+def plan_facts(cfg: Any, stage: Any) -> dict[str, Any]:
+    """What the doctor needs to lower every rank's program in one process (doctor.programs): the
+    layout, and each chunk's bucket sizes, this rank's own as ZeRO built them, the others' by the
+    planner's rule from the model's layer sizes (a record of a rank holding them overrides these)."""
+    from pipezero.schedules.bucket_plan import plan_buckets
+
+    p = cfg.parallel
+    counts = stage.spec.layer_param_counts()
+    planned = plan_buckets([counts[a:b] for a, b in stage.bounds], p.bucket_mb, p.dp, layerwise=stage.zero.layerwise)
+    own = sorted(stage.chunks)
+    sizes = [[b.padded for b in stage.zero.buckets[c]] if c in own else list(planned.buckets(c))
+             for c in range(stage.schedule.n_chunks)]
+    return {"schedule": p.schedule.value, "pp": p.pp, "dp": p.dp, "microbatches": p.microbatches,
+            "virtual_stages": p.virtual_stages, "zero": p.zero, "grad_reduce": p.grad_reduce.value,
+            "layerwise": stage.zero.layerwise, "placement": p.placement.value, "buckets": sizes, "own_chunks": own}
+
+
+def start_watch(cfg: Any, stage: Any) -> Watch:
+    """The rank's watchdog, started; rank 0 also prints reports unless pipezero's launcher does."""
+    import os
+
+    from pipezero.rundir import HELD_BY_LAUNCHER, run_id
+
+    p, out = cfg.parallel, cfg.run.out
+    stall = p.stall_report_s if p.stall_report_s is not None else p.timeout_s / 4
+    lead = stage.mesh.rank == 0 and p.world_size > 1 and not os.environ.get(HELD_BY_LAUNCHER)
+    return Watch(stage.executor.flight, out, stall, plan_facts(cfg, stage), run_id(out),
+                 Desk(out, p.world_size) if lead else None).start()

@@ -1,0 +1,77 @@
+"""The fit check `train` runs before any rank starts: every rank's predicted peak (sim/memory.py)
+against the memory a rank may use (`--gpu-memory GIB`; on CUDA by default the device's memory).
+A layout that does not fit is refused in one line naming the rank, what fills it, and the fastest
+layouts the planner finds that fit on the same number of ranks, so an out-of-memory error never
+arrives mid-run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipezero.config import Device, DType, TrainConfig
+from pipezero.errors import ConfigError
+from pipezero.sim.memory import RankMemory, predict
+
+GIB = 2**30
+
+
+def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
+    """(GiB a rank may use, whether ranks run on CUDA): --gpu-memory, else on CUDA the device's
+    memory, else (CPU) no limit."""
+    cuda = cfg.run.device is Device.CUDA
+    if cfg.run.device is Device.AUTO:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cfg.run.gpu_memory_gib is not None or not cuda:
+        return cfg.run.gpu_memory_gib, cuda
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / GIB, cuda
+
+
+def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
+    """Raise ConfigError when some rank's predicted peak exceeds `limit_gib`; the prediction
+    otherwise (None without a limit, or for a model of one's own, whose layers the model does not
+    know)."""
+    if limit_gib is None or cfg.model.spec is not None:
+        return None
+    ranks = predict(cfg, cuda)
+    over = [r for r in ranks if r.peak_bytes > limit_gib * GIB]
+    if not over:
+        return ranks
+    worst = max(over, key=lambda r: r.peak_bytes)
+    parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in worst.biggest())
+    raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
+                      f"{worst.peak_bytes / GIB:.2f} GiB ({parts} GiB; {len(over)} of {len(ranks)} ranks over); "
+                      f"{alternatives(cfg, limit_gib, cuda)}")
+
+
+def alternatives(cfg: TrainConfig, limit_gib: float, cuda: bool, top: int = 3) -> str:
+    """The planner's fastest layouts that fit on the same ranks, as train flags."""
+    from pipezero.sim.layouts import Cluster
+    from pipezero.sim.planner import plan
+
+    world = cfg.parallel.world_size
+    cluster = Cluster(gpus=world, gpu_memory_gib=limit_gib, node_size=world, cpu=not cuda, headroom=1.0,
+                      wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4)
+    try:
+        fits, _ = plan(replace(cfg.model), cluster, cfg.data.seq_len, cfg.global_batch)
+    except ValueError:
+        fits = []
+    if not fits:
+        return f"no layout of {world} ranks fits with global batch {cfg.global_batch}: more ranks or a smaller model"
+    shown = [flags(e.layout) for e in fits[:top]]
+    return f"layouts that fit on {world} ranks, fastest first: " + "; ".join(shown)
+
+
+def flags(lay) -> str:  # a planner Layout as train's flags
+    out = f"--pp {lay.pp} --dp {lay.dp} --zero {lay.zero} --schedule {lay.schedule.value} " \
+          f"--microbatches {lay.microbatches} --micro-batch-size {lay.micro_batch}"
+    if lay.virtual > 1:
+        out += f" --virtual-stages {lay.virtual}"
+    if lay.recompute:
+        out += " --recompute"
+    if lay.grad_reduce.value != "step":
+        out += f" --grad-reduce {lay.grad_reduce.value}"
+    return out

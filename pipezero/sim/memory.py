@@ -1,0 +1,511 @@
+"""Each rank's memory over one training step, predicted from the plan alone (no torch): the lowered
+program (schedules/program.py) is walked instruction by instruction and every buffer it creates or
+frees is added to or taken from its category, so what a schedule keeps alive (micro-batches in
+flight, split backward's stash for W, ZeRO-3's gathered chunks, buckets waiting on a reduction,
+sends not yet waited for) follows from the order of the instructions rather than from formulas.
+
+Categories (bytes on one rank):
+- params: the fp32 flat buckets (ZeRO-3: this rank's master shards only); pipezero keeps fp32
+  weights whatever --dtype says (zero/accounting.py);
+- gathered: ZeRO-3's full parameters while a chunk (or a layer) is gathered;
+- grads: fp32 gradient buckets (ZeRO-0/1: whole, from the chunk's first backward on; ZeRO-2/3: a
+  full bucket from its first gradient to its reduction, then this rank's shard);
+- optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0);
+- activations: what autograd saves in forward for each micro-batch in flight (recompute: the
+  chunk's input only), split backward's (x, dy) stash from B to W, and the transient peak inside an
+  action (a backward's gradients, the head's logits);
+- p2p: receive buffers posted ahead of use, and sends, which gloo and NCCL hold until the step's
+  end waits for them;
+- collectives: a reduction's low-precision wire copy and its reduce-scatter output;
+- batch: the step's token batch (every rank holds the global batch's share of its replica).
+
+Per-layer bytes count what the built-in Llama's autograd keeps (models/llama.py), per token:
+a block saves its RMSNorm outputs, q, k, v before and after rotation, attention's output and its
+contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·kv + 4·hidden
+elements, plus fp32 statistics); the head its normed input and log-softmax (vocab elements, fp32).
+Under bf16 autocast linears keep bf16 copies of their weights per micro-batch and rotation keeps
+fp32 q and k. Other models (own specs) are estimated with the block formula of their dims.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
+                             ScheduleKind, TrainConfig)
+from pipezero.models.presets import ffn_dim, layer_costs, layer_param_counts
+from pipezero.parallel.partition import cut
+from pipezero.schedules.actions import Op, Schedule
+from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
+from pipezero.schedules.proven import proven_layout
+from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
+                                        reducing_backwards)
+from pipezero.schedules.zero_rules import RULES
+
+if TYPE_CHECKING:
+    from pipezero.sim.layouts import Layout
+
+CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "p2p", "collectives", "batch")
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the per-layer activation bytes depend on."""
+
+    dim: int
+    q: int  # heads x head dim
+    kv: int  # kv heads x head dim
+    heads: int
+    hidden: int  # SwiGLU's
+    vocab: int
+    tokens: int  # B x T of one micro-batch
+    act: int  # bytes an activation element (4 fp32, 2 under bf16 autocast)
+
+    @classmethod
+    def of(cls, m: ModelConfig, micro_batch: int, seq_len: int, dtype: DType) -> "Shapes":
+        hd = m.head_dim or m.dim // m.n_heads
+        return cls(m.dim, m.n_heads * hd, (m.n_kv_heads or m.n_heads) * hd, m.n_heads, ffn_dim(m), m.vocab_size,
+                   micro_batch * seq_len, 2 if dtype is DType.BF16 else F32)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One layer for one micro-batch: `held` from its F to its backward (its output included, its
+    input not: that is the layer before's output), `stash` what split backward keeps from B to W,
+    and the extra bytes alive for a moment inside forward and backward."""
+
+    held: int
+    stash: int  # of which `stash_new` is B's output gradients; the rest (inputs x) is part of `held`
+    forward_extra: int
+    backward_extra: int
+    stash_new: int = 0
+    recorded: int = 0  # a split chunk's forward also keeps every weight op's output for B (records)
+
+
+def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
+    """Index 0 is the embedding, n_layers + 1 the head, the rest blocks (models/llama.py)."""
+    n, a, d = s.tokens, s.act, s.dim
+    if index == 0:  # the gathered rows are its output; the token ids are the batch's
+        return LayerBytes(n * d * a, 0, 0, 0)  # W of the first chunk is a full backward: no stash
+    if index == n_layers + 1:
+        logits = n * s.vocab * a
+        logsm = n * s.vocab * F32  # cross-entropy's log-softmax, in fp32
+        upcast = n * s.vocab * F32 if a != F32 else 0  # logits.float() under bf16
+        weights = linear_params * 2 if a != F32 else 0
+        held = n * d * a + n * F32 + logsm + weights  # normed input, rms statistics, log-softmax
+        new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
+        # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
+        # the projection's weight gradient
+        backward = max(2 * logsm, logsm + linear_params * F32)
+        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits)
+    rot = F32 if a != F32 else a  # rotation computes in fp32
+    held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
+    held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
+    held += n * a * d  # the MLP's linears keep their input flattened to (B·T, dim) as well
+    if a != F32:
+        held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
+    # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
+    # input (the layer before's), its two normed tensors, attention's output, the residual sum and
+    # SwiGLU's product; every dy is new
+    new = n * a * (4 * d + s.q + 2 * s.kv + 2 * s.hidden)
+    stash = n * a * (3 * d + s.q + s.hidden) + new
+    # backward of one block: its output's gradient, SwiGLU's hidden gradients and one weight gradient
+    backward = n * a * (2 * d + 3 * s.hidden) + d * s.hidden * F32
+    # a split chunk's forward records each weight op's output for B: beyond what autograd keeps,
+    # q and k before rotation and the two projections back into the residual stream
+    recorded = n * a * (s.q + s.kv + 2 * d)
+    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded)
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    held: int  # one micro-batch from F to its backward
+    stash: int  # from B to W (split backward)
+    stash_new: int  # of which created by B (the rest was held)
+    forward_peak: int  # extra inside F
+    backward_peak: int  # extra inside B / BW / W
+    recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
+    recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
+    last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
+    recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
+    inner_backward_peak: int  # `backward_peak` over the layers inside the checkpoint (not the loss's)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the walk needs for one layout, torch-free."""
+
+    program: Program  # one replica's (D = 1) programs: every data-parallel rank of a stage holds alike
+    dp: int
+    buckets: BucketPlan  # each chunk's buckets, padded for D
+    chunk_params: tuple[tuple[int, ...], ...]  # per chunk, per layer parameter counts
+    layer_bounds: tuple[tuple[int, int], ...]
+    shapes: Shapes
+    recompute: bool
+    layerwise: bool
+    in_flight: int
+    batch_bytes: int  # the step's tokens on one rank
+    wire: int  # bytes an element of gradient reductions and ZeRO-3 gathers
+    gloo: bool  # CPU ranks: gloo's reduce-scatter reduces a full copy of the bucket, then keeps a shard
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    peak_bytes: int = 0
+    categories: dict[str, int] = field(default_factory=dict)  # at the peak
+    at: str = ""  # the instruction at which the peak is reached
+    timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (instruction, live) after each
+
+    def biggest(self, k: int = 3) -> list[tuple[str, int]]:
+        return sorted(((c, b) for c, b in self.categories.items() if b), key=lambda x: -x[1])[:k]
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at}
+
+
+def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> Plan:
+    """The layout of `cfg` lowered as the run lowers it (stage.py): schedule, partition, buckets.
+    `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU);
+    `pp_ranks`: lower only these pipeline ranks (None: all)."""
+    p, m = cfg.parallel, cfg.model
+    counts = layer_param_counts(m)
+    bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
+                 p.stage_layers)
+    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
+    layerwise = RULES[p.zero].sharded_params and not keep
+    per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
+    owned = _owned_params(per_chunk, bounds, m)
+    buckets = plan_buckets(owned, p.bucket_mb, p.dp, layerwise=layerwise)
+    wire = 2 if cfg.run.dtype is DType.BF16 else F32
+    program = lowered(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.zero, p.grad_reduce, layerwise,
+                      tuple(len(b) for b in buckets.numels), pp_ranks)
+    cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
+    docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
+    batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
+    return Plan(program, p.dp, buckets, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
+                p.recompute, layerwise, p.buckets_in_flight, batch, wire, not cuda)
+
+
+@lru_cache(maxsize=4096)
+def lowered(kind: ScheduleKind, pp: int, m: int, v: int, zero: int, mode: GradReduce, layerwise: bool,
+            buckets: tuple[int, ...], pp_ranks: tuple[int, ...] | None = None) -> Program:
+    """One replica's (D = 1) programs with `buckets[c]` buckets in chunk c (of `pp_ranks` only, if
+    given): which instructions a rank plays depends on neither D nor the buckets' sizes, so the
+    planner's candidates share them."""
+    schedule, posts = played(kind, pp, m, v)
+    plan = BucketPlan(1, tuple((1,) * n for n in buckets))
+    return lower(schedule, 1, zero, mode, plan, keep_gathered=not layerwise, posts=posts, pp_ranks=pp_ranks)
+
+
+@lru_cache(maxsize=1024)
+def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, list]:
+    """The schedule and its proven posting order (schedules/proven.py), as the run lowers it."""
+    proven = proven_layout(kind, pp, m, v)
+    return proven.schedule, proven.posts
+
+
+def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int, int]],
+                  m: ModelConfig) -> list[list[int]]:
+    """Per chunk, the layers' trainable parameters as buckets see them: a tied head whose embedding
+    sits in the same chunk owns only its norm (the table is listed once, under the embedding)."""
+    out = [list(c) for c in per_chunk]
+    last = len(bounds) - 1
+    # layer_param_counts counts a tied head as its norm alone; apart, the head keeps its own table
+    if m.tie_embeddings and bounds[last][0] != 0 and out[last]:
+        out[last][-1] += m.vocab_size * m.dim
+    return out
+
+
+def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
+    lo, hi = plan.layer_bounds[chunk]
+    n_layers = plan.layer_bounds[-1][1] - 2  # blocks: the layer list is [embedding, blocks..., head]
+    s = plan.shapes
+    layers = [layer_bytes(s, i, n_layers, _linear_params(s, plan.chunk_params[chunk][i - lo], i, n_layers))
+              for i in range(lo, hi)]
+    held = sum(x.held for x in layers)
+    inp = 0 if lo == 0 else s.tokens * s.dim * s.act
+    out = 0 if hi == n_layers + 2 else s.tokens * s.dim * s.act
+    fwd = max((x.forward_extra for x in layers), default=0)
+    bwd = max((x.backward_extra for x in layers), default=0)
+    # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
+    loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
+    # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
+    return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
+                      inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
+                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
+                      max((x.backward_extra for x in layers[:-1] if loss), default=bwd) if loss else bwd)
+
+
+def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
+    if index == 0:
+        return 0
+    if index == n_layers + 1:
+        return params - s.dim
+    return params - 2 * s.dim
+
+
+def predict(cfg: TrainConfig, cuda: bool | None = None) -> list[RankMemory]:
+    """Every rank's peak and its categories (ranks in mesh order, pp_rank x D + dp_rank)."""
+    return every_rank(build_plan(cfg, cuda))
+
+
+def every_rank(plan: Plan, keep_timeline: bool = False) -> list[RankMemory]:
+    """`walk` of each pipeline rank, repeated for its D data-parallel ranks (global ranks in order)."""
+    stages = [walk(plan, s, keep_timeline) for s in range(len(plan.program.ranks))]
+    return [replace(stages[r // plan.dp], rank=r) for r in range(len(stages) * plan.dp)]
+
+
+def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
+    """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
+    rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
+    the step `train --memory-profile` measures."""
+    prog, dp = plan.program, plan.dp
+    rank = pp_rank
+    rules = RULES[prog.zero]
+    chunks = prog.schedule.chunks(pp_rank)
+    bp = plan.buckets
+    s = plan.shapes
+    mb_act = s.tokens * s.dim * s.act  # one boundary activation or its gradient
+    cb = {c: chunk_bytes(plan, c) for c in chunks}
+    whole = {c: bp.chunk_numel(c) * F32 for c in chunks}
+    shard = {c: whole[c] // dp for c in chunks}
+    live: dict[str, int] = defaultdict(int)
+    live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
+    live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
+    live["batch"] = plan.batch_bytes
+    res = RankMemory(pp_rank * dp)
+    held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
+    full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
+    shard_grads: set[tuple[int, int]] = set()
+    reducing: list[tuple[int, int]] = []  # reductions in flight, oldest first
+    recvs: dict[tuple[int, bool, int], int] = {}
+    gathered: dict[int, int] = {}
+
+    def note(where: str, extra: dict[str, int] | None = None) -> None:
+        total = sum(live.values())
+        if extra:
+            total += sum(extra.values())
+        if total <= res.peak_bytes and not keep_timeline:
+            return
+        now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
+        if total > res.peak_bytes:
+            res.peak_bytes, res.at, res.categories = total, where, now
+        if keep_timeline:
+            res.timeline.append((len(res.timeline), now))
+
+    def grad_bucket(c: int, k: int) -> None:
+        if (c, k) not in full_grads:
+            full_grads[(c, k)] = bp.buckets(c)[k] * F32
+            live["grads"] += full_grads[(c, k)]
+
+    def drain(keep_last: int = 0) -> None:
+        nonlocal reducing
+        done, reducing = (reducing[:-keep_last], reducing[-keep_last:]) if keep_last else (reducing, [])
+        for c, k in done:
+            n = bp.buckets(c)[k]
+            if plan.wire != F32:
+                live["collectives"] -= n * plan.wire  # the wire copy of the gradient
+            if rules.sharded_grads:
+                live["collectives"] -= n * plan.wire if plan.gloo else 0
+                live["collectives"] -= n // dp * plan.wire  # the reduce-scatter's output ...
+                if (c, k) not in shard_grads:  # ... becomes (or is added into) the fp32 shard
+                    shard_grads.add((c, k))
+                    live["grads"] += n // dp * F32
+                live["grads"] -= full_grads.pop((c, k), 0)
+
+    def reduce(c: int, k: int) -> None:
+        n = bp.buckets(c)[k]
+        if rules.sharded_grads:
+            grad_bucket(c, k)  # zeros where no gradient reached it
+        if dp == 1:
+            if rules.sharded_grads:
+                reducing.append((c, k))
+            return
+        reducing.append((c, k))
+        if plan.wire != F32:
+            live["collectives"] += n * plan.wire
+        if rules.sharded_grads:
+            live["collectives"] += n // dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+
+    def gather(c: int, on: bool, backward: bool = False) -> None:
+        if on and c not in gathered:
+            gathered[c] = whole[c] if not plan.layerwise else _layerwise_gathered(plan, c, 3 if backward else 2)
+            live["gathered"] += gathered[c]
+        elif not on and c in gathered:
+            live["gathered"] -= gathered.pop(c)
+
+    split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
+    # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
+    # not with recompute)
+    splits = set() if plan.recompute else {ins.action.chunk for ins in prog.ranks[rank] if isinstance(ins, Compute)
+                                           and ins.action.op is Op.B and ins.action.chunk > 0}
+    reducing_at = reducing_backwards(prog.ranks[rank])
+    note("start")
+    for i, ins in enumerate(prog.ranks[rank]):
+        if isinstance(ins, PointToPoint):
+            chunk, grad, mb = ins.transfer
+            if ins.send:
+                live["p2p"] += mb_act  # held by the send until the step's end waits for it
+            else:
+                recvs[ins.transfer] = mb_act
+                live["p2p"] += mb_act
+            note(str(ins))
+            continue
+        if isinstance(ins, OptimStep):
+            live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
+            drain()
+            # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
+            norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
+            note(str(ins), {"optimizer": norm})
+            continue
+        if isinstance(ins, DataParallel):
+            if ins.kind is Kind.UNSHARD and prog.rules.sharded_params:
+                gather(ins.chunk, True)
+            elif ins.kind is Kind.RESHARD:
+                gather(ins.chunk, False)
+            elif ins.kind is Kind.REDUCE_GRAD:
+                if (ins.chunk, ins.bucket) not in reducing:
+                    reduce(ins.chunk, ins.bucket)  # type: ignore[arg-type]
+                if ins.blocking:
+                    drain()
+                elif rules.sharded_grads:
+                    drain(keep_last=plan.in_flight)  # zero/sharded.py bounds the full buckets in flight
+            note(str(ins))
+            continue
+        assert isinstance(ins, Compute)
+        a = ins.action
+        c, key = a.chunk, (a.chunk, a.mb)
+        b = cb[c]
+        if plan.layerwise and a.op is not Op.F and c in gathered:
+            gather(c, False)  # in backward the layer just done is released only once its gradients are in
+            gather(c, True, backward=True)
+        recv_key = (c, a.op is not Op.F, a.mb)
+        if a.op is Op.F:
+            inp = recvs.pop(recv_key, 0)
+            live["p2p"] -= inp
+            keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
+            if c in splits:  # the executor records weight ops' outputs in F of a chunk that runs B
+                keep += b.recorded
+            note(str(ins), {"activations": b.held + b.forward_peak})
+            held[key] = keep
+            live["activations"] += keep
+            note(str(ins))
+            continue
+        # a backward: B, W or BW
+        if a.op in (Op.BW, Op.W) and not rules.sharded_grads:
+            for k in range(len(bp.buckets(c))):
+                grad_bucket(c, k)  # stages 0-1: one buffer for the whole step, from the first W or BW
+        split = a.op is Op.B and c > 0 and not plan.recompute
+        # inside a backward: its gradients (B: every output gradient W will need), and with
+        # recompute the chunk's forward again
+        # (B: its output gradients, the stash W will need, are the backward's gradients)
+        extra = max(b.backward_peak, b.stash_new) if split else b.backward_peak
+        if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
+            extra = max(b.backward_peak, b.recomputed + b.inner_backward_peak)
+        if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
+            # autograd.grad returns every weight gradient of the chunk at once, by which time it
+            # has freed the activations it went through
+            extra = max(extra, whole[c] - held[key])
+        coll = 0
+        if rules.sharded_grads and dp > 1 and i in reducing_at:
+            # autograd's hooks reduce-scatter buckets inside this backward (measured on gloo: about
+            # one bucket's full wire copy alive beside the full gradient at its peak; NCCL: its output)
+            top = max(bp.buckets(c), default=0)
+            coll = top * plan.wire if plan.gloo else top // dp * plan.wire
+        filling = 0
+        stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
+        if a.op in (Op.BW, Op.W) and rules.sharded_grads:
+            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W): the new
+                # gradients and the buckets filling up
+                fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
+                filling = whole[c] + max(fresh, default=0) * F32
+                if not split_done.get(key):  # autograd's W has freed the activations it went through
+                    filling = max(0, filling - held.get(key, 0))
+            elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
+                # at most `in_flight` waiting on a reduce-scatter and the one being filled
+                fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
+                filling = sum(fresh[-(plan.in_flight + 1):]) * F32
+            else:
+                for k in range(len(bp.buckets(c))):
+                    grad_bucket(c, k)
+        grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
+        if stashed_w:
+            coll = 0  # the program's REDUCE_GRADs start them, after W
+        note(str(ins), {"activations": extra, "grads": filling})
+        if coll:  # the first bucket completes once backward has left the chunk's last layer behind
+            freed = min(b.last_layer, held.get(key, 0)) if a.op is Op.BW else 0
+            note(str(ins), {"activations": b.backward_peak - freed, "grads": filling, "collectives": coll})
+        if stashed_w and rules.sharded_grads:
+            for k in range(len(bp.buckets(c))):
+                grad_bucket(c, k)
+        live["p2p"] -= grad_in
+        if split:  # the graph is freed; W needs only the stash
+            split_done[key] = True
+            live["activations"] += b.stash - held[key]
+            held[key] = b.stash
+        elif a.op is not Op.B:  # (B of the first chunk, or with recompute, keeps the graph for W)
+            live["activations"] -= held.pop(key)
+        note(str(ins))
+    res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
+    return res
+
+
+def _layerwise_gathered(plan: Plan, chunk: int, span: int) -> int:
+    """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers, the layer computing and
+    the next one prefetched (forward: 2), and in backward also the layer just done, released only
+    once autograd has accumulated all of its gradients (3)."""
+    layers = [n for n in plan.chunk_params[chunk] if n > 0]
+    return max((sum(layers[i:i + span]) for i in range(len(layers))), default=0) * F32
+
+
+def fits(ranks: list[RankMemory], limit_bytes: float) -> RankMemory | None:
+    """The rank whose peak is furthest over `limit_bytes`, or None when every rank fits."""
+    over = [r for r in ranks if r.peak_bytes > limit_bytes]
+    return max(over, key=lambda r: r.peak_bytes) if over else None
+
+
+def describe(r: RankMemory) -> str:
+    return f"rank {r.rank}: {r.peak_bytes / 2**30:.2f} GiB (" + ", ".join(
+        f"{c} {b / 2**30:.2f}" for c, b in r.biggest()) + ")"
+
+
+def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
+                  bucket_mb: float) -> RankMemory:
+    """The planner's figure for one candidate layout: the heavier of its first and last pipeline
+    ranks (the first holds the most micro-batches in flight and the embedding, the last the head;
+    the ranks between hold less than the first). Candidates that differ only in where ranks sit
+    (placement, two-level reductions) share one walk."""
+    return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
+                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb)
+
+
+@dataclass(frozen=True, eq=False)
+class _Shape:
+    """A ModelConfig (a mutable dataclass) as a cache key, by value."""
+
+    model: ModelConfig
+
+    def __hash__(self) -> int:
+        return hash(repr(self.model))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Shape) and repr(other.model) == repr(self.model)
+
+
+@lru_cache(maxsize=4096)
+def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
+                   micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
+                   bucket_mb: float) -> RankMemory:
+    par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
+                         micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
+                         grad_reduce=mode, bucket_mb=bucket_mb)
+    cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
+                      run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
+    ends = tuple(sorted({0, pp - 1}))
+    plan = build_plan(cfg, cuda, ends)
+    return max((walk(plan, r) for r in ends), key=lambda r: r.peak_bytes)

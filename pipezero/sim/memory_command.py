@@ -1,0 +1,94 @@
+"""`pipezero simulate --memory`: each rank's predicted peak memory by category (sim/memory.py) for a
+layout given with train's layout flags, as a table, JSON, or a picture of every rank's memory over
+the step (--png)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from pipezero.config import ScheduleKind, TrainConfig
+from pipezero.schedules.registry import default_virtual
+from pipezero.sim.memory import CATEGORIES, RankMemory, build_plan, every_rank
+
+MIB = 2**20
+# simulate's flag -> the run setting it sets for --memory (the layout flags train also takes)
+LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "parallel.dp", "zero": "parallel.zero",
+                          "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
+                          "virtual_stages": "parallel.virtual_stages", "micro_batch_size": "parallel.micro_batch_size",
+                          "seq_len": "data.seq_len", "recompute": "parallel.recompute", "dtype": "run.dtype",
+                          "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce"}
+
+
+def add_memory_flags(s: argparse.ArgumentParser) -> None:
+    m = s.add_argument_group("memory (--memory: each rank's predicted peak by category, sim/memory.py)")
+    m.add_argument("--memory", action="store_true", help="predict every rank's peak memory of one step")
+    m.add_argument("--config", help="a train TOML file; the flags given override it")
+    m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
+    m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
+    m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
+
+
+def memory_config(args: argparse.Namespace, changed: list[str]) -> TrainConfig:
+    """The run settings the flags describe; with --config, only the flags `changed` from a bare
+    simulate's override the file."""
+    from pipezero.settings import build_config
+
+    given = {}
+    for dest, key in LAYOUT.items():
+        value = getattr(args, dest, None)
+        if value is None or (args.config and dest not in changed):
+            continue
+        given[key] = value if isinstance(value, (bool, str)) else str(value)
+    if args.virtual_stages is None and not args.config:
+        given["parallel.virtual_stages"] = str(default_virtual(ScheduleKind(args.schedule)))
+    if args.zero is None and not args.config:
+        given["parallel.zero"] = "0"
+    return build_config(args.config, given, {key: f"--{dest.replace('_', '-')}" for dest, key in LAYOUT.items()})
+
+
+def cmd_simulate_memory(args: argparse.Namespace, changed: list[str]) -> int:
+    cfg = memory_config(args, changed)
+    plan = build_plan(cfg)
+    ranks = every_rank(plan, keep_timeline=bool(args.png))
+    if args.png:
+        draw_memory(ranks, cfg, args.png)
+    if args.json:
+        print(json.dumps({"ranks": [r.to_json() for r in ranks]}, indent=2))
+        return 0
+    p = cfg.parallel
+    table = Table(title=f"peak memory a rank (MiB): {cfg.model.preset} P={p.pp} D={p.dp} ZeRO-{p.zero} "
+                        f"{p.schedule.value} M={p.microbatches} B={p.micro_batch_size} T={cfg.data.seq_len} "
+                        f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}")
+    shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
+    for col in ("rank", "peak", *shown, "at"):
+        table.add_column(col, justify="left" if col == "at" else "right")
+    for r in ranks:
+        table.add_row(str(r.rank), f"{r.peak_bytes / MIB:,.1f}", *(f"{r.categories[c] / MIB:,.1f}" for c in shown),
+                      r.at)
+    Console(width=160, emoji=False).print(table)
+    return 0
+
+
+def draw_memory(ranks: list[RankMemory], cfg: TrainConfig, path: str) -> None:
+    """One panel a pipeline rank (data-parallel rank 0): live bytes by category, instruction by
+    instruction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in ranks if r.rank % cfg.parallel.dp == 0]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.8 * len(shown) + 0.6), squeeze=False, sharex=False)
+    for ax, r in zip(axes[:, 0], shown):
+        xs = [i for i, _ in r.timeline]
+        ax.stackplot(xs, *[[live[c] / MIB for _, live in r.timeline] for c in CATEGORIES], labels=CATEGORIES)
+        ax.set_ylabel(f"rank {r.rank}\nMiB")
+    axes[0, 0].legend(loc="upper left", fontsize=7, ncol=4)
+    axes[-1, 0].set_xlabel("instruction of the step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,248 @@
+"""The hang doctor: its verdict over synthetic records (fast lane), the flight record and watchdog in
+one process, and injected faults at P=2 D=2 (distributed; the full matrix with PIPEZERO_HANG_MATRIX=1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pipezero.doctor import Ranks, load_records, programs, report, stragglers, table, verdict
+from pipezero.runtime.flight import FlightRecord
+from pipezero.schedules.program import PointToPoint
+
+FACTS = {"schedule": "1f1b", "pp": 2, "dp": 2, "microbatches": 4, "virtual_stages": 1, "zero": 0,
+         "grad_reduce": "step", "layerwise": False, "placement": "dp-inner", "buckets": [[64], [64]]}
+PROG, RANKS = programs(FACTS), Ranks.of(FACTS)
+
+
+def at(rank: int, text: str) -> int:
+    """Index of the instruction printed as `text` in `rank`'s program."""
+    return [str(i) for i in PROG.ranks[rank]].index(text)
+
+
+def rec(rank: int, index: int, awaited: dict | None = None, step: int = 2, **extra) -> dict:
+    return {"rank": rank, "stage": RANKS.coords(rank)[0], "state": "stalled", "step": step, "written": 100.0,
+            "index": index, "instr": str(PROG.ranks[rank][index]) if index >= 0 else "end of run", "nbytes": 0,
+            "awaited": awaited, "waited_s": 2.0 if awaited else 0.0, "unposted": -1, "plan": FACTS, "run": "r",
+            **extra}
+
+
+def optim(rank: int) -> int:
+    return at(rank, "OPTIM_STEP")
+
+
+def stalled_pipeline() -> dict[int, dict]:
+    """Rank 1 stopped before sending activation 1:1 to rank 3: rank 3 waits for it in 1F1, the
+    others in their data-parallel gradient all-reduce."""
+    return {0: rec(0, optim(0), {"op": "REDUCE_GRAD", "chunk": 0, "bucket": 0}),
+            2: rec(2, optim(2), {"op": "REDUCE_GRAD", "chunk": 1, "bucket": 0}),
+            3: rec(3, at(3, "1F1"), {"op": "RECV", "peer": 1, "transfer": [1, False, 1]})}
+
+
+def test_a_rank_that_gave_no_record_is_named_with_the_send_it_never_made():
+    v = verdict(stalled_pipeline(), PROG, RANKS)
+    assert v.culprit == 1 and v.instruction == "SEND(act 1:1 to 3)" and v.index == at(1, "SEND(act 1:1 to 3)")
+    assert v.step == 2 and sorted(v.waiting) == [0, 2, 3] and "no record" in v.text
+
+
+def test_a_rank_stuck_in_its_own_work_is_named_not_its_waiting_peers():
+    records = stalled_pipeline()
+    records[1] = rec(1, at(1, "0F1"))  # alive, in a forward that never ends, waiting on no one
+    v = verdict(records, PROG, RANKS)
+    assert v.culprit == 1 and v.instruction == "SEND(act 1:1 to 3)" and "not waiting on anyone" in v.text
+    records[1].update(step=1, written=90.0)  # its last record predates the waits: it stopped answering
+    v = verdict(records, PROG, RANKS)
+    assert v.culprit == 1 and v.step == 2 and "stopped or dead" in v.text and "step 1" in v.text
+
+
+def test_a_send_passed_without_posting_is_named_before_its_consequences():
+    j = at(1, "SEND(act 1:1 to 3)")
+    records = stalled_pipeline()
+    records[1] = rec(1, at(1, "0BW3"), {"op": "RECV", "peer": 3, "transfer": [0, True, 3]}, unposted=j)
+    records[3] = rec(3, at(3, "1BW3"), {"op": "RECV", "peer": 1, "transfer": [1, False, 3]})  # a cycle follows
+    v = verdict(records, PROG, RANKS)
+    assert (v.culprit, v.index, v.instruction) == (1, j, "SEND(act 1:1 to 3)") and "without posting" in v.text
+
+
+def test_a_transfer_posted_and_never_received_blames_the_link():
+    records = stalled_pipeline()
+    records[1] = rec(1, at(1, "0BW1"), {"op": "RECV", "peer": 3, "transfer": [0, True, 1]})  # past its SEND 1:1
+    v = verdict(records, PROG, RANKS)
+    assert v.culprit is None and v.link == (1, 3) and v.instruction == "SEND(act 1:1 to 3)"
+
+
+def test_waits_in_a_cycle_are_a_broken_plan_order():
+    records = {1: rec(1, at(1, "0BW0"), {"op": "RECV", "peer": 3, "transfer": [0, True, 0]}),
+               3: rec(3, at(3, "1F0"), {"op": "RECV", "peer": 1, "transfer": [1, False, 0]})}
+    records[1]["index"] = at(1, "SEND(act 1:0 to 3)") - 1  # never posted its send of 1:0
+    assert "cycle" in verdict(records, PROG, RANKS).text
+
+
+def test_finished_records_are_no_hang_and_the_table_shows_missing_ranks():
+    records = {r: rec(r, -1, state="finished", step=3) for r in (0, 2, 3)}
+    v = verdict(records, PROG, RANKS)
+    assert v.culprit is None and v.link is None and "no hang" in v.text
+    lines = table(stalled_pipeline(), RANKS, now=100.0).splitlines()
+    assert len(lines) == 5 and "no record" in lines[2] and "activation 1:1 from rank 1" in lines[4]
+
+
+def test_a_reduction_started_inside_a_backward_matches_the_next_reduce_grad():
+    zero3 = programs({**FACTS, "zero": 3})
+    j = [str(i) for i in zero3.ranks[0]].index("0BW3")
+    records = {0: rec(0, j, {"op": "REDUCE_GRAD", "chunk": 0, "bucket": 0})}
+    v = verdict(records, zero3, RANKS)
+    assert v.culprit == 1 and v.instruction.startswith("REDUCE_GRAD(0.0") and v.index == j + 1 and v.step == 2
+
+
+def test_placement_maps_global_ranks_to_program_slots():
+    pp_inner = Ranks(2, 2, "pp-inner")  # rank = replica * P + stage
+    assert [pp_inner.coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert all(pp_inner.rank(pp_inner.slot(r)) == r for r in range(4))
+    assert all(isinstance(i, PointToPoint) is False or i.peer in range(4) for i in PROG.ranks[0])
+
+
+def test_the_straggler_is_the_rank_others_waited_for():
+    waits = [{"p2p": {"1": 0.5}, "collectives": 1.0, "world": 0.4},  # rank 0 waits for rank 1 in its dp group
+             {"p2p": {"3": 0.3}, "collectives": 0.1, "world": 0.0},  # rank 1 arrives last everywhere
+             {"p2p": {}, "collectives": 0.2, "world": 0.3},
+             {"p2p": {"1": 0.9}, "collectives": 0.2, "world": 0.2}]  # late itself, as rank 1 fed it late
+    s = stragglers(waits, RANKS, steps=2)
+    assert s["rank"] == 1 and s["stage"] == 0
+    # p2p (rank 3's wait net of rank 1's on it), dp group excess, world excess
+    assert s["s_per_step"] == pytest.approx((0.5 + 0.6 + 0.9 + 0.9) / 2)
+    assert s["by_rank"][3] == 0.0
+    assert stragglers(waits[:1], Ranks(1, 1), steps=2) == {}
+
+
+def test_the_flight_record_keeps_a_fixed_ring_and_notices_an_unposted_send():
+    f = FlightRecord(1, 0, keep=4)
+    prog = PROG.ranks[1]
+    for step in (1, 2):
+        for i, ins in enumerate(prog):
+            f.begin(i, ins)
+            if isinstance(ins, PointToPoint) and ins.send and not (step == 2 and str(ins) == "SEND(act 1:1 to 3)"):
+                f.posted(ins.peer, 1024)
+        f.outside("after OPTIM_STEP")
+    assert len(f.recent()) == 4 and f.recent()[-1][1] == len(prog) - 1  # the newest four, in order
+    assert f.unposted == at(1, "SEND(act 1:1 to 3)") and f.sent == {3: 3}
+    with pytest.raises(RuntimeError), f.awaiting("x", op="RECV", peer=3, transfer=[0, True, 0]):
+        raise RuntimeError("peer gone")
+    assert f.failure == "peer gone" and f.awaited is None and 3 in f.waited_on
+
+
+def test_the_watchdog_writes_a_stalled_wait_asks_the_others_and_says_when_it_resumed(tmp_path):
+    from pipezero.runtime.watch import Watch, asked
+
+    f = FlightRecord(3, 1)
+    w = Watch(f, tmp_path, stall_s=0.05, plan=FACTS, run="r")  # not started: the test ticks it
+    with f.awaiting("activation", op="RECV", peer=1, transfer=[1, False, 1]):
+        w.check()
+        assert not load_records(tmp_path)  # not yet past the threshold
+        time.sleep(0.06)
+        w.check()
+        assert load_records(tmp_path)[3]["state"] == "stalled" and asked(tmp_path) > 0
+    w.check()
+    assert load_records(tmp_path)[3]["state"] == "resumed"
+    w.stop() if w._thread.is_alive() else None
+    assert "rank 1 (stage 0) never did" not in (report(tmp_path) or "")  # a straggler is no culprit
+
+
+# --- injected faults, P=2 D=2 (tests/hang_faults.py) ------------------------------------------------
+MATRIX = os.environ.get("PIPEZERO_HANG_MATRIX") == "1"  # every fault on every case (about 2 minutes here)
+HANGS = [(f, c) for f in ("stop", "kill", "skip") for c in ("1f1b", "zb-v", "zero3")] if MATRIX else \
+    [("stop", "1f1b"), ("kill", "zero3"), ("skip", "zb-v")]  # in CI: each fault once, each case once
+
+
+def expected(fault: str, out: Path) -> tuple[int, str | tuple[str, ...], int]:
+    """The rank, the instruction the doctor must name (or its possible starts) and the least index
+    it may have, from what the fault wrote when it struck. A rank killed in the wait for a reduction
+    may have completed that one and others behind it (gloo runs them on its own threads): the doctor
+    must name one of its collectives at or after the one it died in, the first its peers never saw
+    end (a later reduction, or the optimizer step's all-reduce)."""
+    from hang_faults import FAULTY
+
+    struck = json.loads((out / "fault.json").read_text())
+    if fault == "kill":  # its program prints it as REDUCE_GRAD(c.k) or REDUCE_GRAD(c.k, wait): one a step
+        facts = next(iter(load_records(out).values()))["plan"]
+        mine = [str(i) for i in programs(facts).ranks[Ranks.of(facts).slot(FAULTY)]]
+        return FAULTY, ("REDUCE_GRAD(", "OPTIM_STEP"), next(j for j, text in enumerate(mine)
+                                              if text.split(",")[0].rstrip(")") + ")" == struck["op"])
+    chunk, grad, mb = struck["transfer"]
+    return FAULTY, f"SEND({'grad' if grad else 'act'} {chunk}:{mb} to {struck['peer']})", struck["index"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault,case", HANGS)
+def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir, tmp_path, fault, case, capsys):
+    from hang_faults import FAULTY, faulty_run
+
+    from pipezero.cli import main
+    from ranks import run_ranks
+
+    t0 = time.monotonic()
+    seen = run_ranks(faulty_run, 4, str(text_dir), str(tmp_path), fault, case, timeout=90,
+                     lost=(FAULTY,) if fault in ("stop", "kill") else ())
+    took = time.monotonic() - t0
+    assert all(s is None or s.startswith("PipelineTimeout") for s in seen), (seen, report(tmp_path))  # named
+    rank, instruction, index = expected(fault, tmp_path)
+    records = load_records(tmp_path)
+    facts = next(iter(records.values()))["plan"]
+    v = verdict(records, programs(facts), Ranks.of(facts))
+    assert v.culprit == rank and v.instruction.startswith(instruction) and v.step == 2, (v, report(tmp_path))
+    assert v.index == index if fault != "kill" else v.index >= index, (v, index)
+    if fault == "skip":
+        assert records[FAULTY]["state"] == "failed" and records[FAULTY]["step"] == 2
+    else:  # a stopped or killed rank cannot answer: at most a record from before (a stall under load)
+        assert FAULTY not in records or records[FAULTY]["state"] != "failed" and "stopped or dead" in v.text, v
+    assert len(v.waiting) >= 2, v
+    assert gone(json.loads((tmp_path / "fault.json").read_text())["pid"])  # nothing left running
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert f"verdict: rank {rank} (stage 0)" in printed and v.instruction in printed, printed
+    assert took < 60, took
+
+
+@pytest.mark.distributed
+def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
+    """Rank 1's compute takes half as long again (and 0.3 s more once a step); the run finishes,
+    summary.json names it as the straggler, and the doctor finds no hang in the stall records."""
+    from hang_faults import FAULTY, faulty_run, slow_cases
+
+    from pipezero.cli import main
+    from ranks import run_ranks
+
+    cases = ["1f1b", "zb-v", "zero3"] if MATRIX else ["zero3"]
+    seen = run_ranks(slow_cases, 4, str(text_dir), str(tmp_path), cases, timeout=120)
+    assert all(s == ["trained"] * len(cases) for s in seen), seen
+    for case in cases:
+        out = tmp_path / case
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["straggler"]["rank"] == FAULTY, summary["straggler"]
+        assert load_records(out), "the slow rank made a wait pass the stall threshold"
+        capsys.readouterr()
+        assert main(["doctor", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert "no hang" in printed and f"straggler (summary.json): rank {FAULTY}" in printed, printed
+
+
+def test_waits_that_just_began_are_no_hang():
+    """SIGUSR1 on a moving run: records taken moments apart show short waits, no culprit."""
+    records = stalled_pipeline()
+    for r in records.values():
+        r.update(state="asked", waited_s=0.01)
+    assert verdict(records, PROG, RANKS).culprit is None
+    records[3]["state"] = "failed"  # a failed wait counts however short (a peer gone)
+    assert verdict(records, PROG, RANKS).culprit == 1

@@ -1,0 +1,117 @@
+"""The memory model (sim/memory.py) in one process: its per-layer bytes against what autograd
+really saves, the walk's ZeRO and schedule rules, `simulate --memory`, the planner reading it, and
+train's fit check refusing a layout before any rank starts. Its accuracy against measured runs is
+tests/test_memory_model_run.py (and bench/memory_model.py for the whole table)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipezero.cli import main
+from pipezero.config import DType, ModelConfig, ScheduleKind as K
+from pipezero.models.llama import Block
+from pipezero.models.presets import apply_preset, block_params
+from pipezero.settings import build_config
+from pipezero.sim.fit import check_fit
+from pipezero.sim.memory import Shapes, layer_bytes, predict
+from one_line import assert_one_line, run_main
+
+
+def layout(**kw) -> dict:
+    base = {"model.preset": "small", "data.seq_len": 64, "parallel.micro_batch_size": 2, "run.device": "cpu"}
+    base.update({k: v if isinstance(v, bool) else str(v) for k, v in kw.items()})
+    return base
+
+
+def test_block_bytes_are_what_autograd_saves():
+    """A block's `held`: every tensor its forward saves for backward (its weights and its input
+    aside: those are parameters and the layer before's output) plus its output."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    b, t = 2, 48
+    block, x = Block(cfg), torch.randn(b, t, cfg.dim, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        st = tensor.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = block(x)
+    # rotary's cos and sin tables are cached on the module, shared by every micro-batch
+    tables = {t.untyped_storage().data_ptr() for t in block.attn._tables}
+    own = sum(n for ptr, n in saved.items() if ptr not in weights | tables and ptr != x.untyped_storage().data_ptr())
+    predicted = layer_bytes(Shapes.of(cfg, b, t, DType.FP32), 1, cfg.n_layers, block_params(cfg) - 2 * cfg.dim)
+    assert predicted.held == own + y.untyped_storage().nbytes()
+
+
+def test_zero_stages_shard_what_they_should():
+    """Model states at the peak: ZeRO-1 shards AdamW's moments, ZeRO-3 the parameters too."""
+    peaks = {z: predict(build_config(None, layout(**{"parallel.dp": 2, "parallel.zero": z,
+                                                     "parallel.microbatches": 2})))[0] for z in range(4)}
+    cat = {z: r.categories for z, r in peaks.items()}
+    assert cat[1]["optimizer"] == cat[0]["optimizer"] // 2
+    assert cat[3]["params"] == cat[0]["params"] // 2
+    assert cat[0]["params"] == cat[1]["params"] == cat[2]["params"]
+    assert peaks[3].peak_bytes < peaks[1].peak_bytes < peaks[0].peak_bytes
+
+
+def test_schedules_hold_what_they_keep_in_flight():
+    """GPipe's first rank holds all M micro-batches' activations, 1F1B's P; recompute keeps only
+    each chunk's input and output between its forward and backward, so at its peak a rank holds one
+    micro-batch's chunk (recomputed in backward) instead of P."""
+    def acts(kind: K, m: int, recompute: bool = False) -> list[int]:
+        cfg = build_config(None, layout(**{"parallel.pp": 2, "parallel.schedule": kind.value, "data.seq_len": 1024,
+                                           "parallel.microbatches": m, "parallel.recompute": recompute}))
+        return [r.categories["activations"] for r in predict(cfg)]
+
+    assert acts(K.GPIPE, 8)[0] > 3 * acts(K.ONE_F_ONE_B, 8)[0]
+    assert acts(K.ONE_F_ONE_B, 8)[0] == acts(K.ONE_F_ONE_B, 16)[0]  # in flight: P, whatever M
+    assert acts(K.ONE_F_ONE_B, 8, recompute=True)[0] < 0.6 * acts(K.ONE_F_ONE_B, 8)[0]
+
+
+def test_simulate_memory_json_names_every_rank(capsys):
+    assert main(["simulate", "--memory", "--json", "--preset", "small", "--pp", "2", "--dp", "2", "--zero", "3",
+                 "--schedule", "zb-h1", "--microbatches", "4", "--seq-len", "64", "--micro-batch-size", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in out["ranks"]] == [0, 1, 2, 3]
+    for r in out["ranks"]:
+        assert r["peak_bytes"] == sum(r["categories"].values()) > 0
+        assert r["categories"]["gathered"] > 0  # ZeRO-3 keeps its chunk gathered through the step
+
+
+def test_plan_reads_the_memory_model():
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.memory import layout_memory
+    from pipezero.sim.planner import GIB, estimate
+
+    model = apply_preset(ModelConfig(), "small")
+    lay = Layout(2, 1, 0, K.ONE_F_ONE_B, 1, 2, 4, False)
+    cluster = Cluster(gpus=2, gpu_memory_gib=80, cpu=True, wire_bytes=4)
+    est = estimate(model, 64, 8, cluster, lay)
+    assert est.memory_gib * GIB == pytest.approx(layout_memory(model, 64, lay, False, False, 25.0).peak_bytes)
+
+
+def test_fit_check_refuses_before_any_rank_starts(capsys, monkeypatch, tmp_path):
+    import pipezero.launch as launch
+
+    def no_launch(*a, **k):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr(launch, "launch_local", no_launch)
+    code, err = run_main(["train", "--preset", "small", "--pp", "2", "--microbatches", "4", "--seq-len", "256",
+                          "--micro-batch-size", "4", "--device", "cpu", "--nproc", "2", "--gpu-memory", "0.2",
+                          "--out", str(tmp_path / "run")], capsys)
+    assert_one_line(code, err, "does not fit --gpu-memory 0.2 GiB: rank 0")
+    assert "activations" in err and "layouts that fit on 2 ranks, fastest first: --pp" in err
+    fits = check_fit(build_config(None, layout(**{"parallel.pp": 2, "parallel.microbatches": 4})), 0.2 * 16, False)
+    assert fits is not None and len(fits) == 2
+
+
+def test_simulate_memory_refuses_flags_it_would_ignore(capsys):
+    code, err = run_main(["simulate", "--memory", "--cost", "1:2:1"], capsys)
+    assert_one_line(code, err, "--memory takes no --cost")
