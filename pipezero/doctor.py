@@ -45,11 +45,15 @@ def load_records(out: str | Path) -> dict[int, Record]:
     """The newest record of every rank of the newest run that wrote any, by rank."""
     found: dict[int, Record] = {}
     for path in sorted((Path(out) / FOLDER).glob("rank-*.json")):
+        if not path.is_file():  # a pipe's read would wait forever; a folder is no record
+            continue
         try:
             rec = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue  # a record being replaced: the rename makes this rare, never a torn read
-        found[int(rec["rank"])] = rec
+        if not (isinstance(rec, dict) and type(rec.get("rank")) is int and isinstance(rec.get("written"), (int, float))):
+            continue  # not a record a rank wrote
+        found[rec["rank"]] = rec
     if not found:
         return {}
     newest = max(found.values(), key=lambda r: r["written"])
@@ -350,12 +354,19 @@ def cmd_doctor(args: Any) -> int:
     out = Path(args.run)
     try:
         summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         summary = None
-    text = report(out, summary)
-    if text is None:
-        s = (summary or {}).get("straggler")
+    summary = summary if isinstance(summary, dict) else None
+    try:  # the records are data on disk: one a user edited or another tool wrote is one line, not a traceback
+        text = report(out, summary)
+        s = (summary or {}).get("straggler") if text is None else None
         tail = f"; straggler (summary.json): rank {s['rank']}, {s['s_per_step']:.3f}s a step" if s else ""
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        print(f"pipezero doctor: {out}'s flight records or summary.json are not as pipezero writes them "
+              f"({type(e).__name__}: {e}); remove {out / FOLDER} and reproduce the hang to write fresh ones",
+              file=sys.stderr)
+        return 2
+    if text is None:
         print(f"pipezero doctor: no flight records under {out / FOLDER}{tail}", file=sys.stderr)
         return 1
     print(text)

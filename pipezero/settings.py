@@ -36,6 +36,7 @@ RANGES: dict[str, Range] = {
     # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
+    "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
     # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)

@@ -147,3 +147,49 @@ def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, c
     (tmp_path / "a-file").write_text("mine")
     assert_one_line(*run_main(["verify", "--preset", "tiny", "--steps", "1", "--out", out], capsys), needle)
     assert (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["simulate", "--config", "{toml}"], "--config applies with --memory: add --memory, or drop --config"),  # pp ignored
+    (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
+    (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
+    (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # was "does not fit -1 GiB"
+    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+])
+def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")
+    argv = [a.replace("{toml}", str(tmp_path / "run.toml")) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+# (what is under RUN, the status, what stderr says): records no rank wrote are skipped, and a record
+# or summary.json of the wrong shape is one line
+DOCTOR_CASES = [
+    ("deep", 1, "no flight records under"),  # RecursionError traceback
+    ("pipe", 1, "no flight records under"),  # the read waited forever
+    ("shapes", 1, "no flight records under"),  # [] / rank "x" / {}: KeyError, ValueError
+    ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
+    ("straggler", 2, "(KeyError: 's_per_step')"),
+]
+
+
+@pytest.mark.parametrize("case, code, needle", DOCTOR_CASES)
+def test_doctor_reads_records_as_data(case, code, needle, tmp_path, capsys):
+    records = tmp_path / "doctor"
+    records.mkdir()
+    if case == "deep":
+        (records / "rank-00000.json").write_text(DEEP)
+        (tmp_path / "summary.json").write_text(DEEP)
+    elif case == "pipe":
+        os.mkfifo(records / "rank-00000.json")
+    elif case == "shapes":
+        (records / "rank-00000.json").write_text("[]")
+        (records / "rank-00001.json").write_text('{"rank": "x", "written": 1}')
+        (records / "rank-00002.json").write_text("{}")
+        (tmp_path / "summary.json").write_text("[1]")
+    elif case == "minimal":
+        (records / "rank-00000.json").write_text('{"rank": 0, "written": 1}')
+    else:
+        (tmp_path / "summary.json").write_text('{"straggler": {"rank": 1}}')
+    got, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert got == code and "Traceback" not in err and len(err.strip().splitlines()) == 1 and needle in err, err

@@ -50,6 +50,7 @@ ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_laye
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:
@@ -77,6 +78,8 @@ def check_combination(args: argparse.Namespace) -> None:
         if extra:
             raise ConfigError(f"--memory takes no {flag(extra[0])}: it predicts memory, not time; drop "
                               f"{flag(extra[0])}")
+    elif memory_only := [d for d in given if d in MEMORY_ONLY]:  # a timing run read none of them: exit 0
+        raise ConfigError(f"{flag(memory_only[0])} applies with --memory: add --memory, or drop {flag(memory_only[0])}")
     elif args.zero is None:
         extra = [d for d in given if d in ZERO_FLAGS]
         if extra:
