@@ -51,7 +51,8 @@ def load_records(out: str | Path) -> dict[int, Record]:
             rec = json.loads(path.read_text())
         except (OSError, ValueError, RecursionError):
             continue  # a record being replaced: the rename makes this rare, never a torn read
-        if not (isinstance(rec, dict) and type(rec.get("rank")) is int and isinstance(rec.get("written"), (int, float))):
+        stamped = isinstance(rec, dict) and isinstance(rec.get("written"), int | float)
+        if not stamped or type(rec.get("rank")) is not int:
             continue  # not a record a rank wrote
         found[rec["rank"]] = rec
     if not found:

@@ -172,8 +172,9 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
-    key = "parallel.quant_block"
-    check_quant_block(cfg.parallel, None if key not in flat else names.get(key, key) if key in (overrides or {}) else key)
+    key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
+    set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
+    check_quant_block(cfg.parallel, set_as)
     return validate(cfg)
 
 

@@ -150,7 +150,8 @@ def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, c
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["simulate", "--config", "{toml}"], "--config applies with --memory: add --memory, or drop --config"),  # pp ignored
+    # its pp = 2 was ignored, exit 0
+    (["simulate", "--config", "{toml}"], "--config applies with --memory: add --memory, or drop --config"),
     (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
     (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
     (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # was "does not fit -1 GiB"
