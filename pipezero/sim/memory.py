@@ -136,7 +136,7 @@ class ChunkBytes:
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """Everything the walk needs for one layout, torch-free."""
 
     program: Program  # one replica's (D = 1) programs: every data-parallel rank of a stage holds alike
@@ -168,7 +168,7 @@ class RankMemory:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at}
 
 
-def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> Plan:
+def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> MemoryPlan:
     """The layout of `cfg` lowered as the run lowers it (stage.py): schedule, partition, buckets.
     `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU);
     `pp_ranks`: lower only these pipeline ranks (None: all)."""
@@ -187,8 +187,9 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
     batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
-    return Plan(program, p.dp, buckets, per_chunk, tuple(bounds), Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype),
-                p.recompute, layerwise, p.buckets_in_flight, batch, wire, not cuda)
+    shapes = Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype)
+    return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
+                      p.buckets_in_flight, batch, wire, not cuda)
 
 
 @lru_cache(maxsize=4096)
@@ -221,7 +222,7 @@ def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int
     return out
 
 
-def chunk_bytes(plan: Plan, chunk: int) -> ChunkBytes:
+def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     lo, hi = plan.layer_bounds[chunk]
     n_layers = plan.layer_bounds[-1][1] - 2  # blocks: the layer list is [embedding, blocks..., head]
     s = plan.shapes
@@ -254,13 +255,13 @@ def predict(cfg: TrainConfig, cuda: bool | None = None) -> list[RankMemory]:
     return every_rank(build_plan(cfg, cuda))
 
 
-def every_rank(plan: Plan, keep_timeline: bool = False) -> list[RankMemory]:
+def every_rank(plan: MemoryPlan, keep_timeline: bool = False) -> list[RankMemory]:
     """`walk` of each pipeline rank, repeated for its D data-parallel ranks (global ranks in order)."""
     stages = [walk(plan, s, keep_timeline) for s in range(len(plan.program.ranks))]
     return [replace(stages[r // plan.dp], rank=r) for r in range(len(stages) * plan.dp)]
 
 
-def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
+def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
     rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
     the step `train --memory-profile` measures."""
@@ -455,7 +456,7 @@ def walk(plan: Plan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
     return res
 
 
-def _layerwise_gathered(plan: Plan, chunk: int, span: int) -> int:
+def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
     """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers, the layer computing and
     the next one prefetched (forward: 2), and in backward also the layer just done, released only
     once autograd has accumulated all of its gradients (3)."""

@@ -107,7 +107,7 @@ def start_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, wire: Wire,
     return GatherWork(dist.all_gather_into_tensor(got, msg, group=group, async_op=True), got, out, parts, wire, keep)
 
 
-class ExchangeWork:
+class QuantizedExchange:
     """A started quantized reduce-scatter (flat): `wait` decodes the D received messages and sums
     them into `out` in fp32, once."""
 
@@ -123,19 +123,19 @@ class ExchangeWork:
         return ok
 
 
-def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str) -> ExchangeWork:
+def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str) -> QuantizedExchange:
     """Start summing `full` (D x S) over `group`, this rank keeping slice `rank` in `out` (S,) fp32."""
     parts = dist.get_world_size(group)
     msgs = wire.encode_parts(full, parts, what, nonfinite_ok=True)
     got = torch.empty_like(msgs)
-    return ExchangeWork(dist.all_to_all_single(got, msgs, group=group, async_op=True), got, out, parts, wire)
+    return QuantizedExchange(dist.all_to_all_single(got, msgs, group=group, async_op=True), got, out, parts, wire)
 
 
 class AllReduceWork:
     """A quantized all-reduce over a flat group: its reduce-scatter is in flight; `wait` sums it,
     then encodes this rank's slice, all-gathers the messages and decodes them all into `t`."""
 
-    def __init__(self, first: ExchangeWork, slice_: torch.Tensor, t: torch.Tensor, group: Any, wire: Wire,
+    def __init__(self, first: QuantizedExchange, slice_: torch.Tensor, t: torch.Tensor, group: Any, wire: Wire,
                  what: str) -> None:
         self._first, self._slice, self._t, self._group, self._wire, self._what = first, slice_, t, group, wire, what
         self._done = False
@@ -191,7 +191,8 @@ def all_reduce_two_level(t: torch.Tensor, h: Hierarchy, wire: Wire, what: str) -
     s = t.numel() // (k * n)
     piece = torch.empty(s, dtype=torch.float32, device=t.device)
     reduce_scatter_two_level(piece, t, h, wire, what)
-    across = _gather_messages(encode(piece, wire.bits, wire.block, what, nonfinite_ok=True), h.inter)  # K messages: n x N + l
+    # K messages: n x N + l
+    across = _gather_messages(encode(piece, wire.bits, wire.block, what, nonfinite_ok=True), h.inter)
     every = _gather_messages(across, h.intra)  # (N, K) messages: local l's K first
     per = wire.bytes(s)
     in_order = every.view(n, k, per).transpose(0, 1).reshape(-1)  # (K, N): group position n x N + l
