@@ -194,3 +194,10 @@ def test_doctor_reads_records_as_data(case, code, needle, tmp_path, capsys):
         (tmp_path / "summary.json").write_text('{"straggler": {"rank": 1}}')
     got, err = run_main(["doctor", str(tmp_path)], capsys)
     assert got == code and "Traceback" not in err and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_a_text_field_with_no_records_to_read_it_from_is_one_line(tmp_path, capsys):
+    """Text files are read whole: --text-field was ignored, exit 0."""
+    (tmp_path / "a.txt").write_text("hello there " * 50)
+    argv = [*TRAIN, "--data", str(tmp_path / "a.txt"), "--text-field", "body", "--out", str(tmp_path / "o")]
+    assert_one_line(*run_main(argv, capsys), "--text-field 'body' names a field of .jsonl/.json/.parquet records")

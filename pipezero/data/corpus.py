@@ -25,7 +25,7 @@ from pipezero.errors import ConfigError
 from pipezero.data.batches import global_batch, heldout_batches, microbatches_for_rank
 from pipezero.data.cache import load_or_build
 from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
-from pipezero.data.sources import BadRecords, Reader, expand, fingerprint
+from pipezero.data.sources import RECORD_SUFFIXES, TABLE_SUFFIXES, BadRecords, Reader, expand, fingerprint
 from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_tokenizer, texts_digest
 from pipezero.util import atomic_write_bytes, build_once, cache_dir
 
@@ -199,6 +199,9 @@ def load_documents(cfg: DataConfig) -> Corpus:
     """The user's documents, tokenized into the cache on first use, as packed samples."""
     assert cfg.path is not None
     files = expand(cfg.path)
+    if cfg.text_field != DataConfig.text_field and not any(f.suffix in RECORD_SUFFIXES | TABLE_SUFFIXES for f in files):
+        raise ConfigError(f"--text-field {cfg.text_field!r} names a field of .jsonl/.json/.parquet records, but --data "
+                          f"holds none (text files are read whole): drop it")  # it was ignored, exit 0
     every = max(2, round(1.0 / cfg.heldout_fraction))
     inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value, cfg.max_document_mb)
 
