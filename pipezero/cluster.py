@@ -32,7 +32,7 @@ from pipezero.job import children
 
 
 # a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
-RATE = re.compile(r"(\d+(?:\.\d+)?)(?:[kmgt]i?)?(?:bit|bps)")
+RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(?:[kmgt]i?)?(?:bit|bps)")  # ASCII digits: tc reads no others
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -201,3 +201,13 @@ def test_a_text_field_with_no_records_to_read_it_from_is_one_line(tmp_path, caps
     (tmp_path / "a.txt").write_text("hello there " * 50)
     argv = [*TRAIN, "--data", str(tmp_path / "a.txt"), "--text-field", "body", "--out", str(tmp_path / "o")]
     assert_one_line(*run_main(argv, capsys), "--text-field 'body' names a field of .jsonl/.json/.parquet records")
+
+
+def test_a_link_rate_in_other_digits_is_refused_before_anything_is_built():
+    """'٣mbit' (an Arabic-Indic 3) passed the check and failed inside tc, after the namespaces were made."""
+    from pipezero.cluster import ClusterSpec
+    from pipezero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--link '٣mbit': a tc rate such as 200mbit"):
+        ClusterSpec(nodes=2, link="٣mbit")
+    ClusterSpec(nodes=2, link="2.5gbit")
