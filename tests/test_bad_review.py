@@ -211,3 +211,15 @@ def test_a_link_rate_in_other_digits_is_refused_before_anything_is_built():
     with pytest.raises(ConfigError, match="--link '٣mbit': a tc rate such as 200mbit"):
         ClusterSpec(nodes=2, link="٣mbit")
     ClusterSpec(nodes=2, link="2.5gbit")
+
+
+@pytest.mark.parametrize("missing", ["SLURM_LOCALID", "SLURM_NTASKS"])
+def test_a_slurm_step_variable_missing_is_one_line(missing):
+    """A hand-made srun environment lacking one of srun's variables was a KeyError traceback."""
+    from pipezero.errors import ConfigError
+    from pipezero.slurm import rank_variables
+
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "5"}
+    del env[missing]
+    with pytest.raises(ConfigError, match=f"{missing} is not set, but SLURM_STEP_ID and SLURM_PROCID say"):
+        rank_variables(env)
