@@ -142,21 +142,23 @@ def quantized_run(rank: int, world: int, data: str, out: str, cases: list[dict])
     return collectives(rank, world), train_cases(rank, world, data, out, cases)
 
 
-# blocks of 32: a bucket's shard ends in a partial block (padding sent too) that is a small share of it
-BASE = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "run.max_steps": STEPS, "parallel.quant_block": 32}
+BASE = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "run.max_steps": STEPS}
+# blocks of 32: a bucket's shard ends in a partial block (padding sent too) that is a small share of it;
+# only with a quantize flag (alone, --quant-block is refused: it would change nothing)
+Q = {"parallel.quant_block": 32}
 LAYERWISE = {**BASE, "pp": 1, "dp": 4, "parallel.micro_batch_size": 1, "parallel.zero": 3,
              "parallel.ranks_per_node": 2}
 CASES = [
     {**BASE, "parallel.zero": 1},  # the uncompressed reference (every stage trains alike in fp32)
-    {**BASE, "parallel.zero": 1, "parallel.quantize_weights": "int8"},
-    {**BASE, "parallel.zero": 0, "parallel.quantize_grads": "int8"},
-    {**BASE, "parallel.zero": 2, "parallel.quantize_grads": "int4", "parallel.quantize_weights": "int8"},
-    {**BASE, "parallel.zero": 3, "kind": K.ZB_V, "parallel.quantize_weights": "int8", "parallel.quantize_grads": "int4",
+    {**BASE, **Q, "parallel.zero": 1, "parallel.quantize_weights": "int8"},
+    {**BASE, **Q, "parallel.zero": 0, "parallel.quantize_grads": "int8"},
+    {**BASE, **Q, "parallel.zero": 2, "parallel.quantize_grads": "int4", "parallel.quantize_weights": "int8"},
+    {**BASE, **Q, "parallel.zero": 3, "kind": K.ZB_V, "parallel.quantize_weights": "int8", "parallel.quantize_grads": "int4",
      "parallel.hierarchical": True, "parallel.ranks_per_node": 1},  # two-level: each group on 2 nodes
     # hpZ (--secondary-shard node): ZeRO-3 layer by layer (P = 1) over 2 nodes x 2, the same global batch
     {**LAYERWISE},
     {**LAYERWISE, "parallel.secondary_shard": "node"},
-    {**LAYERWISE, "parallel.secondary_shard": "node", "parallel.quantize_weights": "int8",
+    {**LAYERWISE, **Q, "parallel.secondary_shard": "node", "parallel.quantize_weights": "int8",
      "parallel.quantize_grads": "int8", "parallel.hierarchical": True},  # all three, two-level
 ]
 
@@ -190,8 +192,8 @@ def test_quantized_traffic_trains_within_tolerance(text_dir, tmp_path):
     sent = sent[:5]
     # In units of a stage's fp32 parameters, each term (D - 1) / D of it: the reference ZeRO-1 sends
     # an all-reduce (2) and a gather (1); int8 sends 1/4 of fp32's bytes and a 4-byte scale a block,
-    # int4 1/8 and the scales (the shards' last partial blocks: under 1% more), gloo's
-    # reduce-scatter an all-reduce's bytes (2), the quantized exchange 1.
+    # int4 1/8 and the scales (the shards' last partial blocks: under 1% more); a reduce-scatter
+    # (the quantized exchange) 1.
     int8, int4 = (1 + 4 / 32) / 4, (0.5 + 4 / 32) / 4
     # ZeRO-3 also gathers its weights once more for the held-out evaluation at the end
     want = [3, 2 + int8, 2 * int8, int4 + int8, int8 + int4 + int8 / STEPS]
