@@ -302,6 +302,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
+    if p.stall_report_s is not None:
+        _check(p.stall_report_s < p.timeout_s,
+               f"--stall-report {p.stall_report_s:g} is not below --timeout {p.timeout_s:g}: a wait fails at the "
+               f"timeout before it would be reported; choose --stall-report < {p.timeout_s:g} (default a quarter)")
     _check(p.ranks_per_node is None or p.world_size % p.ranks_per_node == 0,
            f"parallel.ranks_per_node = {p.ranks_per_node} does not divide the {p.world_size} ranks (pp x dp) into "
            f"whole nodes")

@@ -223,3 +223,21 @@ def test_a_slurm_step_variable_missing_is_one_line(missing):
     del env[missing]
     with pytest.raises(ConfigError, match=f"{missing} is not set, but SLURM_STEP_ID and SLURM_PROCID say"):
         rank_variables(env)
+
+
+def test_a_stall_report_at_or_past_the_timeout_is_refused():
+    """The watchdog reports a wait that passed --stall-report; past --timeout the wait has already
+    failed, so such a setting would silently never report: refused in one line."""
+    from pipezero.errors import ConfigError
+    from pipezero.settings import build_config
+
+    with pytest.raises(ConfigError, match="--stall-report 60 is not below --timeout 30"):
+        build_config(overrides={"parallel.stall_report_s": 60.0, "parallel.timeout_s": 30.0})
+    assert build_config(overrides={"parallel.stall_report_s": 5.0, "parallel.timeout_s": 30.0})
+
+
+def test_plan_refuses_a_quant_block_it_would_not_use(capsys):
+    """As train does: without a --quantize-* flag the block size changes nothing in the plan."""
+    argv = ["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--global-batch", "4", "--seq-len", "64"]
+    assert_one_line(*run_main([*argv, "--quant-block", "64"], capsys), "--quant-block 64 prices quantized traffic")
+    assert run_main([*argv, "--quant-block", "64", "--quantize-grads", "int8"], capsys)[0] == 0

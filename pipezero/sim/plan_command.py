@@ -65,7 +65,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="price ZeRO-1/2/3's parameter gathers as int8 with a scale a block")
     q.add_argument("--quantize-grads", choices=("none", "int8", "int4"), default="none",
                    help="price gradient reductions quantized (an exchange, summed in fp32)")
-    q.add_argument("--quant-block", type=int, default=256, help="elements a scale (default 256)")
+    q.add_argument("--quant-block", type=int, default=None, help="elements a scale (default 256; only with a "
+                   "--quantize-* flag)")
     q.add_argument("--secondary-shard", choices=("none", "node"), default="none",
                    help="ZeRO-3 layer by layer keeps a node's copy split over its ranks (memory 4/N bytes a "
                         "parameter), its later gathers inside the node")
@@ -130,6 +131,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "tflops": (float, limits.TFLOPS), "mfu": (float, Range(0, 1, open_low=True)),
                         "overhead_ms": (float, limits.OVERHEAD_MS), "cores": (int, NON_NEGATIVE),
                         "net_cpu": (float, limits.NET_CPU), "quant_block": (int, RANGES["parallel.quant_block"])})
+    if args.quant_block is not None and args.quantize_weights == args.quantize_grads == "none":
+        raise ConfigError(f"--quant-block {args.quant_block} prices quantized traffic: add --quantize-weights or "
+                          f"--quantize-grads, or drop it")
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
@@ -139,7 +143,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     bits = {"none": 0, "int8": 8, "int4": 4}
     result = plan_within(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
-                         bits[args.quantize_grads], args.quant_block, args.secondary_shard == "node")
+                         bits[args.quantize_grads], args.quant_block or 256, args.secondary_shard == "node")
     fits, considered, skipped = result.fits, result.considered, result.skipped
     took = time.perf_counter() - t0
     if not considered and skipped:
