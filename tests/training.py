@@ -66,16 +66,59 @@ def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **ext
 
 
 def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
-    """Train each case (keyword arguments of tiny_overrides) in this process group, in order."""
+    """Train each case (keyword arguments of tiny_overrides) in this process group, in order. Every
+    run is also held to its program: the collectives its last step started are those the lowered
+    program lists, in its order (`played`), so every layout test checks that too."""
     from pipezero.engine import train
 
+    seen = watch_program()
     results = []
     for i, case in enumerate(cases):
         cfg = build_config(None, tiny_overrides(data, f"{out}/case{i}", **case))
+        seen.clear()
         res = train(cfg, snapshot=True)
+        started, listed = played(seen)
+        if started != listed:
+            raise AssertionError(f"rank {rank}, {case}: the runtime started {started}, the program lists {listed}")
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
-                        "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training})
+                        "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started})
     return results
+
+
+def watch_program() -> dict:
+    """From now on in this rank process, every run leaves in the returned dict its stage and the
+    collectives its last step started (zero/coordinator.py `issued`, copied right after the
+    optimizer step, before an evaluation gathers anything)."""
+    import pipezero.engine as engine
+    from pipezero.zero.sharded import ZeroDP
+
+    if not hasattr(engine, "_watched"):
+        build, step, seen = engine.build_stage, ZeroDP.step, {}
+
+        def keep_stage(*args, **kwargs):
+            seen["stage"] = stage = build(*args, **kwargs)
+            return stage
+
+        def keep_started(self, *args, **kwargs):
+            outcome = step(self, *args, **kwargs)
+            seen["started"] = list(self.comm.issued)
+            return outcome
+
+        engine.build_stage, ZeroDP.step, engine._watched = keep_stage, keep_started, seen
+    return engine._watched
+
+
+def played(seen: dict) -> tuple[list[str], list[str]]:
+    """(started, listed) of the run `watch_program` saw last: what the runtime started and what the
+    program lists; both empty where the program does not list them (layer-by-layer ZeRO-3 gathers
+    inside the compute) or no step ran."""
+    from pipezero.schedules.program import started_collectives
+    from pipezero.stage import built_buckets
+
+    stage = seen.get("stage")
+    if stage is None or "started" not in seen or stage.zero.layerwise:
+        return [], []
+    return seen["started"], started_collectives(stage.program, built_buckets(stage.zero, stage.schedule.n_chunks))
 
 
 def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
