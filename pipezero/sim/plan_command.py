@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipezero.coerce import Range
+from pipezero.config import ParallelConfig
 from pipezero.errors import ConfigError
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
@@ -143,7 +144,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     bits = {"none": 0, "int8": 8, "int4": 4}
     result = plan_within(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
-                         bits[args.quantize_grads], args.quant_block or 256, args.secondary_shard == "node")
+                         bits[args.quantize_grads], args.quant_block or ParallelConfig.quant_block, args.secondary_shard == "node")
     fits, considered, skipped = result.fits, result.considered, result.skipped
     took = time.perf_counter() - t0
     if not considered and skipped:
