@@ -98,7 +98,8 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
                                           if q in name_of and layer_of(name_of[q]) != i))
             if own or borrows:
                 layers.append(LayerTensors(i, own, borrows))
-        splits = all(splittable(m) for m in chunk.modules() if next(m.parameters(recurse=False), None) is not None)
+        splits = c > 0 and all(splittable(m) for m in chunk.modules()
+                               if next(m.parameters(recurse=False), None) is not None)
         out.append(ChunkShapes(tuple(layers), splits))
     names = spec.tied_names()
     trainable = {n for ps in named.values() for n, _ in ps}

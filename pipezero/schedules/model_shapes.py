@@ -52,8 +52,10 @@ class LayerTensors:
 @dataclass(frozen=True)
 class ChunkShapes:
     layers: tuple[LayerTensors, ...]  # model order; layers with nothing trainable and nothing borrowed left out
-    splits: bool = True  # split backward's W needs no weights here: every weighted module computes its
-    # gradient from (input, output gradient) (runtime/weight_grad.py); False: W runs autograd again
+    # split backward's W needs no weights here: every weighted module computes its gradient from
+    # (input, output gradient) (runtime/weight_grad.py); never the first chunk, whose B computes
+    # nothing (it has no input gradient), so its W runs autograd
+    splits: bool = True
 
     @property
     def tensors(self) -> tuple[TensorShape, ...]:
@@ -97,7 +99,7 @@ class ModelShapes:
                 if n > 0:
                     layers.append(LayerTensors(i, (TensorShape(f"layers.{i}.weight", (n,)),)))
                 i += 1
-            chunks.append(ChunkShapes(tuple(layers)))
+            chunks.append(ChunkShapes(tuple(layers), splits=len(chunks) > 0))
         pair = (f"layers.0.weight", f"layers.{i - 1}.weight") if tied and len(chunks) > 1 else None
         return cls(tuple(chunks), pair)
 
@@ -120,6 +122,6 @@ def cut(layers: Sequence[LayerTensors], bounds: Sequence[tuple[int, int]], tied:
                 borrows += (tied[0],)
             if own or borrows:
                 out.append(LayerTensors(layer.index, own, borrows))
-        chunks.append(ChunkShapes(tuple(out), True if splits is None else splits[c]))
+        chunks.append(ChunkShapes(tuple(out), c > 0 if splits is None else splits[c]))
     apart = tied is not None and len(bounds) > 1
     return ModelShapes(tuple(chunks), tied if apart else None)
