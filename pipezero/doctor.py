@@ -117,6 +117,13 @@ def _matches(ins: Instr, aw: dict[str, Any]) -> int:
     return int(_matches_one(ins, aw))
 
 
+def _shown(ins: Instr, awaited: list[dict[str, Any]]) -> str:
+    """An instruction as the verdict names it: a compute instruction with the collective inside it
+    that the waiters wait for (`0BW3 (REDUCE_GRAD(0.1)@grads 1)`)."""
+    inside = [d for d in getattr(ins, "during", ()) if any(_matches_one(d, aw) for aw in awaited)]
+    return f"{ins} ({inside[0]})" if inside else str(ins)
+
+
 def _matches_one(ins: Instr, aw: dict[str, Any]) -> bool:
     if ins.kind.value != aw["op"]:
         return False
@@ -257,7 +264,7 @@ def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s:
     if lost:  # the rank everyone waits for waits itself for a transfer its peer did post
         return _lost_transfer(lost[0], records, prog, ranks, [culprit, *holds])
     step, j = min(at for _, at in roots[culprit])
-    ins = str(prog.ranks[ranks.slot(culprit)][j])
+    ins = _shown(prog.ranks[ranks.slot(culprit)][j], [records[w]["awaited"] for w, _ in roots[culprit]])
     waiting = {w: _awaited_text(records[w]) for w in records if w in holds}
     stage = ranks.coords(culprit)[0]
     began = min(records[w]["written"] - records[w]["waited_s"] for w in holds)  # the first of these waits
