@@ -107,7 +107,7 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
 
     from pipezero.models import spec_of
     from ranks import run_ranks
-    from pipezero.schedules.program import DataParallel, Kind
+    from pipezero.schedules.program import DataParallel, Kind, flat
     from pipezero.settings import build_config
     from pipezero.stage import plan_of
 
@@ -121,7 +121,7 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
                                             **{"parallel.zero": 2, "parallel.grad_reduce": "microbatch"}))
     plan, _ = plan_of(cfg, spec_of(cfg.model))
     program, sizes = plan.program, plan.buckets.buckets(0)
-    expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in program.ranks[0]
+    expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in flat(program.ranks[0])  # those inside BW too
                 if isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD]
     assert len(sizes) > 2 and len(expected) == 2 * len(sizes)  # two backwards, each reducing every bucket
     assert [w.split(":")[0] for w in waits if w.startswith("REDUCE_GRAD")] == expected

@@ -1,12 +1,12 @@
 """One program per rank: the schedule's compute, its transfers in the global posting order, and ZeRO's
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
-The same program runs: schedules/compile.py compiles every rank's (the only place one is made), the executor
-(runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD and REDUCE_GRAD
-to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the checker proves it. What an
-instruction cannot place is said below: autograd's hooks start a REDUCE_GRAD early, inside the
-backward before it; layer-by-layer ZeRO-3's gathers sit inside the compute instruction whose
-layers need them, each with the moment that fires it.
+The same program runs: schedules/compile.py compiles every rank's (the only place one is made),
+the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD,
+TIED_SUM and REDUCE_GRAD to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the
+checker proves it. What happens inside an action sits inside its compute instruction (`during`),
+each with the moment that fires it (schedules/layer_plan.py): a fused backward's reductions and
+layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the moments.
 
 Placement rules (D = data-parallel ranks):
 - SEND / RECV: exactly where `posting.plans` posts them (before the action whose boundary they
@@ -14,9 +14,10 @@ Placement rules (D = data-parallel ranks):
 - REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
   (`last_weight_grad`); with `microbatch` at ZeRO >= 2 after every W or BW of the chunk (B
-  produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). The runtime
-  launches BW's buckets as autograd fills them, during the backward; here they start when it ends
-  (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
+  produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). In a
+  BW each bucket's sits inside it, at the moment autograd completes the bucket (`grads k`), but
+  for a bucket holding a tensor used twice (reduced after it); the simulator starts them when the
+  BW ends (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
   earlier collective) after each backward in `microbatch` mode, after the chunk's final backward
   at ZeRO-3, otherwise at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is
   a memory rule of the runtime (zero/sharded.py), not modelled here.
@@ -36,9 +37,9 @@ Placement rules (D = data-parallel ranks):
   bucket of every chunk of the rank, in chunk order. (The runtime only starts them there, in
   forward order, and each layer waits for its own in the next step's forward, zero/updates.py; a
   one-step program places that wait at the step's end, the conservative bound.)
-Tied embeddings across ranks: their buckets' REDUCE_GRADs are placed as any other's, but the
-runtime holds them back to OPTIM_STEP, where the copies are summed between the first and last
-rank first (zero/tied.py); every replica does so in the same order, so the dp groups still agree.
+Tied embeddings across ranks: their buckets' REDUCE_GRADs come just before OPTIM_STEP, after a
+TIED_SUM has summed the copies between the first and last rank (zero/tied.py); every replica does
+so in the same order, so the dp groups still agree.
 """
 
 from __future__ import annotations
