@@ -100,7 +100,7 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
                 layers.append(LayerTensors(i, own, borrows))
         splits = c > 0 and all(splittable(m) for m in chunk.modules()
                                if next(m.parameters(recurse=False), None) is not None)
-        out.append(ChunkShapes(tuple(layers), splits))
+        out.append(ChunkShapes(tuple(layers), splits, bounds[c][1]))
     names = spec.tied_names()
     trainable = {n for ps in named.values() for n, _ in ps}
     tied = names if names and len(bounds) > 1 and set(names) <= trainable else None

@@ -134,3 +134,17 @@ def test_layer_by_layer_lists_each_actions_gathers_where_its_layers_run():
     later = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
     assert later["1W1"] == "1W1" and later["1B0"].startswith("1B0[UNSHARD(1.0, wait)@bwd 4")
     assert Action(1, Op.W, 1) in plan.schedule.actions[1]
+
+
+def test_with_recompute_a_backward_gathers_the_layers_its_forward_runs_again():
+    """--recompute runs the chunk's forward again inside the backward, right after the last layer's
+    `bwd` (the first saved tensor it needs), up to inside that last layer (torch's early stop): the
+    block recomputed first uses the bucket prefetched at `bwd 4`, then is released at its `fwd-end`
+    and gathered again for its own backward."""
+    p = ParallelConfig(pp=2, dp=2, zero=3, schedule=K.ZB_H1, microbatches=2, zero3_keep_gathered=False,
+                       recompute=True)
+    plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
+    listed = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
+    assert listed["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.1)@fwd-end 3 "
+                             "RESHARD(1.0)@bwd 3 UNSHARD(1.1, wait)@bwd 3 RESHARD(1.1)@end]")
+    assert listed["1W0"] == listed["1B0"].replace("1B0", "1W0")  # no stash with recompute: W runs autograd again

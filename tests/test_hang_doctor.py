@@ -176,8 +176,10 @@ def expected(fault: str, out: Path) -> tuple[int, str | tuple[str, ...], int]:
         mine = programs(facts).ranks[Ranks.of(facts).slot(FAULTY)]  # a fused backward holds its reductions
 
         def names(ins) -> list[str]:
-            return [t.split("@")[0].split(",")[0].rstrip(")") + ")" for t in map(str, [ins, *getattr(ins, "during", ())])]
-        return FAULTY, ("REDUCE_GRAD(", "OPTIM_STEP"), next(j for j, ins in enumerate(mine) if struck["op"] in names(ins))
+            texts = map(str, [ins, *getattr(ins, "during", ())])
+            return [t.split("@")[0].split(",")[0].rstrip(")") + ")" for t in texts]
+        return FAULTY, ("REDUCE_GRAD(", "OPTIM_STEP"), next(j for j, ins in enumerate(mine)
+                                                             if struck["op"] in names(ins))
     chunk, grad, mb = struck["transfer"]
     return FAULTY, f"SEND({'grad' if grad else 'act'} {chunk}:{mb} to {struck['peer']})", struck["index"]
 

@@ -12,7 +12,8 @@ D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied em
 then the reductions of the buckets holding its copies, before the step). Layer-by-layer ZeRO-3
 (the default at P=1, asked for at P=2): its gathers sit inside the compute instructions and are
 held to the program like any other, under fused and split backward (W from B's stash, and W of the
-first chunk running autograd again), the V placement, --recompute, a head tied to the embedding in
+first chunk running autograd again), the V placement, --recompute (the forward run again inside each
+backward, its layers gathered again as the program lists them), a head tied to the embedding in
 one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers.
 """
 
@@ -52,6 +53,7 @@ def cases() -> list[dict]:
     out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, **lw} for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V,
                                                                          K.INTERLEAVED_1F1B)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.recompute": True, **lw},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
             {"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.(1|4)\.", **lw, **tied}]

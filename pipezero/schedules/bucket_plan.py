@@ -71,6 +71,8 @@ class BucketPlan:
     # (chunk, bucket) of buckets holding a tensor two layers of the chunk use: it accumulates twice,
     # so autograd's hooks cannot say when it is complete; reduced after the backward
     shared: frozenset[tuple[int, int]] = frozenset()
+    # per chunk: whether its last layer computes with a bucket (recomputation stops inside it)
+    last_owned: tuple[bool, ...] = ()
 
     def buckets(self, chunk: int) -> tuple[int, ...]:
         return self.numels[chunk]
@@ -89,6 +91,11 @@ class BucketPlan:
         accumulated all their gradients (neither a tied copy held for TIED_SUM nor shared)."""
         return [k for k in range(len(self.numels[chunk])) if (chunk, k) not in self.held | self.shared]
 
+    def ends_with_owner(self, chunk: int) -> bool:
+        """Whether the chunk's last layer is one of `layers(chunk)` (--recompute's forward in a
+        backward stops inside the chunk's last layer that saves anything for backward)."""
+        return not self.last_owned or self.last_owned[chunk]
+
     def stashes_w(self, chunk: int) -> bool:
         """Whether a split W of `chunk` runs from B's stash, touching no weight (runtime/executor.py:
         never on the first chunk, which has no input gradient to compute)."""
@@ -105,7 +112,8 @@ def _padded(numel: int, dp: int) -> int:
     return -(-numel // dp) * dp
 
 
-def group_tensors(tensors: Sequence[TensorShape], bucket_mb: float, layerwise: bool = False) -> tuple[BucketLayout, ...]:
+def group_tensors(tensors: Sequence[TensorShape], bucket_mb: float,
+                  layerwise: bool = False) -> tuple[BucketLayout, ...]:
     """The buckets one chunk's trainable tensors (model order) fall into, bucket 0 first: close a
     bucket once it reaches `bucket_mb` MiB of fp32 (inf: one bucket a chunk); `layerwise`: one a layer."""
     if layerwise:
@@ -144,9 +152,11 @@ def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool 
         if where[first][0] != 0 or where[second][0] != last:
             raise ValueError(f"tied weight {model.tied}: its copies must sit in the first and last chunk")
     uses = tuple(_uses(c, bs) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
-    shared = frozenset(where[n] for chunk in model.chunks for layer in chunk.layers for n in layer.borrows if n in where)
+    shared = frozenset(where[n] for chunk in model.chunks for layer in chunk.layers for n in layer.borrows
+                       if n in where)
+    last = tuple(bool(c.layers) and (c.stop < 0 or c.layers[-1].index == c.stop - 1) for c in model.chunks)
     return BucketPlan(dp, numels, held, model.tied_numel if held else 0, layouts, uses,
-                      tuple(c.splits for c in model.chunks), shared)
+                      tuple(c.splits for c in model.chunks), shared, last)
 
 
 def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...]) -> tuple[LayerUse, ...]:

@@ -21,7 +21,7 @@ from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, plan_buckets
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import DataParallel, Instr, Program, layer_collectives, lower
+from pipezero.schedules.program import DataParallel, Program, layer_collectives, lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -53,9 +53,6 @@ class CompiledPlan:
     def layouts(self, chunk: int) -> tuple[BucketLayout, ...]:
         """Chunk `chunk`'s buckets, bucket 0 first: the tensors zero/buckets.py lays out in each."""
         return self.buckets.layouts[chunk]
-
-    def rank_program(self, pp_rank: int, dp_rank: int) -> tuple[Instr, ...]:
-        return self.program.ranks[self.program.global_rank(pp_rank, dp_rank)]
 
     def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
         """Layer by layer, a forward of `chunk` outside the program (an evaluation, the text sample):

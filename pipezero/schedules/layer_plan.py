@@ -28,9 +28,15 @@ bucket it borrows, a head tied to the embedding in the same chunk) is gathered, 
 prefetch is still in flight, and the next layer's gather started; at `fwd-end` the layer's (and the
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
 own bucket gathered and the layer before it prefetched. Whatever is still gathered at `end` is
-released, so nothing of the chunk outlives the action. With --recompute a backward runs the chunk's
-forward again inside autograd, at moments no hook can order against the backward's: there every
-bucket is gathered at `start` and released at `end`.
+released, so nothing of the chunk outlives the action.
+
+With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
+checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
+chunk's last layer, right after that layer's `bwd` (or before any `bwd` when the last layer trains
+nothing and so has no hooks). The forward runs until the last tensor the first forward saved is
+saved again (torch's early stop), which is inside the last layer: every layer passes its `fwd` and
+`fwd-end` there but the last, which passes only its `fwd` (when the last layer has no hooks, every
+hooked layer passes both). The same rules gather and release at those moments as in a forward.
 """
 
 from __future__ import annotations
@@ -85,19 +91,29 @@ def traverses(op: Op, chunk: int, stashed: bool) -> bool:
     return op is Op.BW
 
 
-def moments(op: Op | None, layers: Sequence[LayerUse], through: bool, grads: Sequence[int] = ()) -> list[Trigger]:
+def moments(op: Op | None, layers: Sequence[LayerUse], through: bool, grads: Sequence[int] = (),
+            recompute: bool = False, ends_with_owner: bool = True) -> list[Trigger]:
     """The moments an action passes, in order; `op` None is a forward outside any program (an
     evaluation, the text sample); `through`: a backward that runs autograd through the chunk;
     `layers`: its layers layer by layer (else none); `grads`: a fused backward's buckets whose
-    completion autograd reports (bucket order; layer by layer each right after its layer's `bwd`)."""
+    completion autograd reports (bucket order; layer by layer each right after its layer's `bwd`);
+    `recompute`: a backward runs the forward again (module docstring), `ends_with_owner`: inside
+    the last of `layers`, the chunk's last layer."""
     out = [START]
     if op in (None, Op.F):
         for u in layers:
             out += [Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index)]
     elif through:
+        again = [t for u in layers for t in (Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index))]
+        if recompute and ends_with_owner:
+            again = again[:-1]  # stopped inside the last layer, before it returns
+        if recompute and not ends_with_owner:
+            out += again
         done = set()
-        for u in reversed(layers):
+        for j, u in enumerate(reversed(layers)):
             out.append(Trigger(Moment.BACKWARD, u.index))
+            if j == 0 and recompute and ends_with_owner:
+                out += again
             if u.bucket is not None and u.bucket in grads:
                 out.append(Trigger(Moment.GRADS, u.bucket))
                 done.add(u.bucket)
@@ -115,14 +131,10 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
     return out
 
 
-def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False) -> list[Step]:
+def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
+          ends_with_owner: bool = True) -> list[Step]:
     """The action's gathers and releases, in the order they happen (module docstring)."""
     owners = [u for u in layers if u.bucket is not None]
-    every = sorted({k for u in layers for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows},
-                   reverse=True)  # forward order: buckets run in backward order
-    backward = op not in (None, Op.F)
-    if backward and through and recompute:
-        return [Step(True, k, START, wait=True) for k in every] + [Step(False, k, END) for k in every]
     present: set[int] = set()
     flying: set[int] = set()
     out: list[Step] = []
@@ -146,7 +158,7 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             present.discard(k)
 
     position = {u.index: j for j, u in enumerate(owners)}
-    for t in moments(op, layers, through)[1:-1]:
+    for t in moments(op, layers, through, (), recompute, ends_with_owner)[1:-1]:
         u = next(x for x in layers if x.index == t.index)
         j = position.get(u.index)
         if t.moment is Moment.FORWARD:

@@ -56,6 +56,7 @@ class ChunkShapes:
     # (input, output gradient) (runtime/weight_grad.py); never the first chunk, whose B computes
     # nothing (it has no input gradient), so its W runs autograd
     splits: bool = True
+    stop: int = -1  # one past the chunk's last layer (model-wide); -1: its last listed layer is its last
 
     @property
     def tensors(self) -> tuple[TensorShape, ...]:
@@ -76,15 +77,16 @@ class ModelShapes:
         return next(t.numel for t in self.chunks[0].tensors if t.name == self.tied[0])
 
     def to_json(self) -> dict[str, Any]:
+        def layer(x: LayerTensors) -> list:
+            return [x.index, [[t.name, list(t.shape)] for t in x.tensors], list(x.borrows)]
         return {"tied": list(self.tied) if self.tied else None,
-                "chunks": [{"splits": c.splits, "layers": [[layer.index, [[t.name, list(t.shape)] for t in layer.tensors],
-                                                             list(layer.borrows)] for layer in c.layers]}
+                "chunks": [{"splits": c.splits, "stop": c.stop, "layers": [layer(x) for x in c.layers]}
                            for c in self.chunks]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelShapes:
         chunks = tuple(ChunkShapes(tuple(LayerTensors(i, tuple(TensorShape(n, tuple(s)) for n, s in ts), tuple(b))
-                                         for i, ts, b in c["layers"]), c["splits"]) for c in d["chunks"])
+                                         for i, ts, b in c["layers"]), c["splits"], c["stop"]) for c in d["chunks"])
         return cls(chunks, tuple(d["tied"]) if d.get("tied") else None)
 
     @classmethod
@@ -99,7 +101,7 @@ class ModelShapes:
                 if n > 0:
                     layers.append(LayerTensors(i, (TensorShape(f"layers.{i}.weight", (n,)),)))
                 i += 1
-            chunks.append(ChunkShapes(tuple(layers), splits=len(chunks) > 0))
+            chunks.append(ChunkShapes(tuple(layers), splits=len(chunks) > 0, stop=i))
         pair = (f"layers.0.weight", f"layers.{i - 1}.weight") if tied and len(chunks) > 1 else None
         return cls(tuple(chunks), pair)
 
@@ -122,6 +124,6 @@ def cut(layers: Sequence[LayerTensors], bounds: Sequence[tuple[int, int]], tied:
                 borrows += (tied[0],)
             if own or borrows:
                 out.append(LayerTensors(layer.index, own, borrows))
-        chunks.append(ChunkShapes(tuple(out), c > 0 if splits is None else splits[c]))
+        chunks.append(ChunkShapes(tuple(out), c > 0 if splits is None else splits[c], b))
     apart = tied is not None and len(bounds) > 1
     return ModelShapes(tuple(chunks), tied if apart else None)

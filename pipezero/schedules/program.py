@@ -299,7 +299,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         per_mb = rules.reduces_every_backward(mode)
         after: list[DataParallel] = []
         if a.op in (Op.W, Op.BW) and (is_final or per_mb):
-            inside, after = _with_reductions(a, inside, bp, rules, w.grad, layerwise,
+            inside, after = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute,
                                              drain=per_mb or (rules.sharded_params and is_final))
         out.append(Compute(a, inside))
         out.extend(after)
@@ -330,11 +330,12 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
                               st.wait, st.at) if st.gather else
                  DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
                               st.at)
-                 for st in steps(op, bp.layers(c), through, recompute))
+                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c)))
 
 
 def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, wire: float,
-                     layerwise: bool, drain: bool) -> tuple[tuple[DataParallel, ...], list[DataParallel]]:
+                     layerwise: bool, recompute: bool,
+                     drain: bool) -> tuple[tuple[DataParallel, ...], list[DataParallel]]:
     """One REDUCE_GRAD a bucket of `a`'s chunk, in bucket order, but for a tied embedding's copies
     (reduced in the step: `_tied`). In a fused backward, each bucket's autograd can report complete
     goes inside it at that moment (`grads k`, schedules/layer_plan.py), merged with the action's own
@@ -353,7 +354,8 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
 
     if not early:
         return inside, [reduce(k, None) for k in late]
-    order = {t: n for n, t in enumerate(moments(a.op, bp.layers(c) if layerwise else (), True, early))}
+    order = {t: n for n, t in enumerate(moments(a.op, bp.layers(c) if layerwise else (), True, early, recompute,
+                                                bp.ends_with_owner(c)))}
     merged = sorted([*inside, *(reduce(k, Trigger(Moment.GRADS, k)) for k in early)],
                     key=lambda d: order[d.at])  # type: ignore[index]
     return tuple(merged), [reduce(k, None) for k in late]

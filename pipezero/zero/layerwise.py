@@ -44,8 +44,8 @@ def install(zero: Moments, chunks: dict[int, nn.Module]) -> None:
     for c, chunk in chunks.items():
         for k, module in chunk.layers.items():
             index = int(k)
-            uses = list(dict.fromkeys([own[index]] if index in own else []) |
-                        dict.fromkeys(b for q in module.parameters() if (b := by_param.get(q)) is not None))
+            mine = [own[index]] if index in own else []
+            uses = list(dict.fromkeys(mine + [b for q in module.parameters() if (b := by_param.get(q)) is not None]))
             if uses:
                 _hook_layer(zero, module, index, uses)
         chunk.register_forward_pre_hook(lambda _m, _a, c=c: zero.begin_outside(c))
