@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from pipezero.schedules.model_shapes import ChunkShapes, ModelShapes, TensorShape
 
@@ -29,11 +30,11 @@ class BucketLayout:
 
     tensors: tuple[TensorShape, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         out, acc = [], 0
         for t in self.tensors:

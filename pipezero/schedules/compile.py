@@ -85,8 +85,9 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
         raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
     lw = layerwise(p)
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw)
-    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute, wire_bytes, grad_bytes, gather_bytes,
-           tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
+    # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
+    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, wire_bytes, grad_bytes,
+           gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
     width = gather_bytes if gather_bytes is not None else wire_bytes

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
@@ -197,7 +197,9 @@ def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
     price a chunk's gathered layers as a whole (sim/memory.py)."""
     out: list[Instr] = []
     for i in hoisted(instrs):
-        if isinstance(i, Compute) and any(d.kind is Kind.UNSHARD for d in i.during):
+        if not isinstance(i, Compute) or not i.during:
+            out.append(i)
+        elif any(d.kind is Kind.UNSHARD for d in i.during):
             c = i.action.chunk
             out += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER, 0, True), Compute(i.action),
                     DataParallel(Kind.RESHARD, c, None, Collective.LOCAL, 0)]
@@ -285,6 +287,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking)
 
     gathered: set[int] = set()
+    inside_of: dict[tuple, tuple[tuple[DataParallel, ...], list[DataParallel]]] = {}  # alike for alike actions
     for i, a in enumerate(acts):
         p2p(posts[i])
         if kept and a.chunk not in gathered:
@@ -294,13 +297,17 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if prefetch and kept and ahead not in gathered and first.get(ahead) == i + 1:
             gathered.add(ahead)  # the next action's chunk, gathered while this one computes
             out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
-        inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire) if layerwise else ()
         is_final = final.get(a.chunk) == i
         per_mb = rules.reduces_every_backward(mode)
-        after: list[DataParallel] = []
-        if a.op in (Op.W, Op.BW) and (is_final or per_mb):
-            inside, after = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute,
-                                             drain=per_mb or (rules.sharded_params and is_final))
+        reduces = a.op in (Op.W, Op.BW) and (is_final or per_mb)
+        drain = per_mb or (rules.sharded_params and is_final)
+        key = (a.op, a.chunk, reduces, drain)
+        if key not in inside_of:
+            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire) \
+                if layerwise else ()
+            inside_of[key] = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute, drain) \
+                if reduces else (inside, [])
+        inside, after = inside_of[key]
         out.append(Compute(a, inside))
         out.extend(after)
         if kept and is_final:
@@ -369,7 +376,8 @@ def hoisted(instrs: Sequence[Instr]) -> list[Instr]:
     for i in instrs:
         if isinstance(i, Compute) and any(d.kind is Kind.REDUCE_GRAD for d in i.during):
             out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD)))
-            out.extend(replace(d, at=None) for d in i.during if d.kind is Kind.REDUCE_GRAD)
+            out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking)
+                       for d in i.during if d.kind is Kind.REDUCE_GRAD)
         else:
             out.append(i)
     return out
