@@ -83,7 +83,11 @@ class _Key:
 
 @lru_cache(maxsize=64)
 def _balance(key: _Key, cuda: bool | None) -> Balanced:
-    cfg = key.cfg
+    return search(key.cfg, cuda)
+
+
+def search(cfg: TrainConfig, cuda: bool | None = None) -> Balanced:
+    """`balance` without its cache (every rank's start, the fit check and the summary ask alike)."""
     p = cfg.parallel
     schedule = played(p.schedule, p.pp, p.microbatches, p.virtual_stages)[0]
     n_chunks = schedule.n_chunks
@@ -113,16 +117,26 @@ def _order(peaks: list[int]) -> tuple[int, ...]:
 
 
 class _Peaks:
-    """Each pipeline rank's predicted peak for a cut, walked once per (rank, its chunks' bounds)."""
+    """Each pipeline rank's predicted peak for a cut, walked once per (rank, what its chunks hold).
+    A chunk is known by its layers' kinds (the embedding, a block, the head), parameter counts and
+    sliding windows, not by where it starts: moving a layer between two chunks shifts the chunks
+    between them, whose ranks then need no new walk."""
 
     def __init__(self, cfg: TrainConfig, cuda: bool | None, chunks_of: list[tuple[int, ...]]) -> None:
         self.cfg, self.cuda, self.chunks_of = cfg, cuda, chunks_of
         self.cache: dict[tuple, int] = {}
         self.walks = 0
+        m = cfg.model
+        params = layer_param_counts(m)
+        last = len(params) - 1
+        windows = set(m.window_layers) if m.window_layers is not None else None
+        self.layers = [("embedding" if i == 0 else "head" if i == last else "block", n,
+                        m.sliding_window is not None and (windows is None or i - 1 in windows))
+                       for i, n in enumerate(params)]
 
     def rank(self, counts: tuple[int, ...], r: int) -> int:
         starts = [sum(counts[:c]) for c in range(len(counts) + 1)]
-        key = (r, tuple((starts[c], starts[c + 1]) for c in self.chunks_of[r]))
+        key = (r, tuple(tuple(self.layers[starts[c]:starts[c + 1]]) for c in self.chunks_of[r]))
         if key not in self.cache:
             run = replace(self.cfg, parallel=replace(self.cfg.parallel, partition=Partition.UNIFORM,
                                                      stage_layers=list(counts)))
@@ -196,11 +210,12 @@ def _moves(counts: tuple[int, ...], peaks: list[int], rank_of_chunk: dict[int, i
 def _descend(peaks: _Peaks, counts: tuple[int, ...], rank_of_chunk: dict[int, int]) -> tuple[int, ...]:
     """Take the move (`_moves`) that lowers the sorted peaks most, until none does; then look two
     moves ahead (the first may raise them: with several chunks a rank, the least peak can need two
-    chunks to shrink at once), and go on while that finds a lower cut."""
+    chunks to shrink at once), and go on while that finds a lower cut. Most cuts two moves away
+    differ from the current one in a chunk or two, so their ranks' peaks are mostly cached."""
     current = _order(peaks.all(counts))
     while True:
-        scored = [(_order(peaks.all(m)), m) for m in _moves(counts, peaks.all(counts), rank_of_chunk)]
-        better = min(scored, default=None)
+        scored = sorted((_order(peaks.all(m)), m) for m in _moves(counts, peaks.all(counts), rank_of_chunk))
+        better = scored[0] if scored else None
         if better is None or better[0] >= current:
             ahead = [(_order(peaks.all(m2)), m2) for _, m1 in scored
                      for m2 in _moves(m1, peaks.all(m1), rank_of_chunk)]
