@@ -134,3 +134,28 @@ def test_memory_partition_with_a_spec_of_ones_own_is_one_line(capsys, monkeypatc
     assert_one_line(*run_main(["train", "--model-spec", "own_model:GPTSpec", "--partition", "memory",
                                "--packing", "concat", "--max-steps", "1"], capsys),
                     "--partition memory with --model-spec own_model:GPTSpec")
+
+
+def test_plan_tries_memory_cuts_only_where_few_layouts_fit():
+    """The planner's rescue (sim/planner.cut_by_memory): a 4-stage 1F1B layout over its memory with
+    uniform cuts fits with memory cuts, estimated again with the slower step its heavier last rank
+    paces; with ten layouts that fit already, nothing is searched."""
+    from pipezero.config import ModelConfig
+    from pipezero.models import apply_preset
+    from pipezero.sim.fit import flags
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.planner import cut_by_memory, estimate
+
+    model = apply_preset(ModelConfig(), "small")
+    lay = Layout(4, 1, 0, K.ONE_F_ONE_B, 1, 4, 8, False)
+    probe = Cluster(4, 1.0, cpu=True, wire_bytes=4)
+    uniform = estimate(model, 1024, 32, probe, lay)
+    memory = max(peaks(build_config(None, {"model.preset": "small", "data.seq_len": "1024", "parallel.pp": "4",
+                                           "parallel.microbatches": "8", "run.device": "cpu"}), Partition.MEMORY))
+    assert memory / GIB < uniform.memory_gib
+    cluster = replace(probe, gpu_memory_gib=(memory / GIB + uniform.memory_gib) / 2 / probe.headroom)
+    (rescued,) = cut_by_memory(model, cluster, 1024, 32, [], [uniform])
+    assert rescued.layout.partition is Partition.MEMORY and rescued.memory_gib <= cluster.gpu_memory_gib * 0.9
+    assert rescued.step_time_s > uniform.step_time_s  # the last rank holds 4 blocks, uniform's at most 2
+    assert flags(rescued.layout).endswith("--partition memory")
+    assert cut_by_memory(model, cluster, 1024, 32, [uniform] * 10, [uniform]) == []

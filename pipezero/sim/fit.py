@@ -75,4 +75,6 @@ def flags(lay) -> str:  # a planner Layout as train's flags
         out += " --recompute"
     if lay.grad_reduce.value != "step":
         out += f" --grad-reduce {lay.grad_reduce.value}"
+    if lay.partition.value != "uniform":
+        out += f" --partition {lay.partition.value}"
     return out

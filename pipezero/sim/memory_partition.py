@@ -26,12 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-from pipezero.config import Partition, TrainConfig
+from pipezero.config import (DataConfig, DType, ModelConfig, Packing, ParallelConfig, Partition, RunConfig,
+                             TrainConfig)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
-from pipezero.sim.memory import build_plan, played, walk
+from pipezero.sim.memory import RankMemory, build_plan, played, walk
+
+if TYPE_CHECKING:
+    from pipezero.sim.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -223,3 +228,35 @@ def _descend(peaks: _Peaks, counts: tuple[int, ...], rank_of_chunk: dict[int, in
             if better is None or better[0] >= current:
                 return counts
         current, counts = better
+
+
+@dataclass(frozen=True)
+class BalancedLayout:
+    """What the planner (sim/planner.py) needs of a candidate layout cut by memory."""
+
+    peak: RankMemory  # the rank whose predicted peak is largest, with its categories
+    counts: tuple[int, ...]  # layers a stage chunk
+    blocks: int  # the most blocks one rank holds (its compute sets the pipeline's pace)
+    params: int  # the most parameters one rank holds (its data-parallel traffic)
+    walks: int  # the search's memory-model walks (the first time it ran)
+
+
+def balanced_layout(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
+                    bucket_mb: float) -> BalancedLayout:
+    """The planner's candidate `lay` cut by memory: its largest peak and its heaviest rank's share,
+    from the run settings the candidate stands for (as sim/memory.layout_memory builds them)."""
+    par = ParallelConfig(pp=lay.pp, dp=lay.dp, zero=lay.zero, schedule=lay.schedule, microbatches=lay.microbatches,
+                         micro_batch_size=lay.micro_batch, virtual_stages=lay.virtual, recompute=lay.recompute,
+                         grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb, partition=Partition.MEMORY)
+    cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
+                      run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
+    chosen = balance(cfg, cuda)
+    top = max(range(lay.pp), key=lambda r: chosen.peaks[r])
+    plan = build_plan(resolve(cfg, cuda), cuda, (top,))
+    schedule = played(lay.schedule, lay.pp, lay.microbatches, lay.virtual)[0]
+    params = layer_param_counts(model)
+    starts = [sum(chosen.counts[:c]) for c in range(len(chosen.counts) + 1)]
+    held = [[i for c in schedule.chunks(r) for i in range(starts[c], starts[c + 1])] for r in range(lay.pp)]
+    blocks = max(sum(1 for i in layers if 0 < i < len(params) - 1) for layers in held)
+    return BalancedLayout(replace(walk(plan, top), rank=top * lay.dp), chosen.counts, blocks,
+                          max(sum(params[i] for i in layers) for layers in held), chosen.walks)
