@@ -10,9 +10,10 @@ is asked for, while the rank's own thread is blocked in the wait.
 What the doctor needs beyond "where": the sends a rank really posted to each peer this step
 (`sent`), and the first SEND instruction that ended without posting anything (`unposted`): a
 program that passed a SEND its peer never got is told apart from a link that lost it. And, for
-stragglers (doctor.stragglers), two sums over the run: the seconds this rank waited on each peer
-(p2p) and in collectives, and the seconds of its own work: its compute instructions (F, B, W, BW)
-less the waits inside them (a forward's receive of its input, a backward's gathers and reductions).
+stragglers (doctor.stragglers), two sums: the seconds this rank waited on each peer (p2p) and in
+collectives over the run, and the seconds of its own work over the steps after the first: its
+compute instructions (F, B, W, BW) less the waits inside them (a forward's receive of its input, a
+backward's gathers and reductions).
 Waits say who waited, not for whom (a rank fed late by a slow peer passes the delay on and looks as
 guilty as it); own work says who was slow, and every rank of a stage has the same work to do.
 """
@@ -174,6 +175,6 @@ class FlightRecord:
                 "recent": [[step, i, str(ins), t0, t1] for step, i, ins, t0, t1 in self.recent()]}
 
     def waits(self) -> dict[str, Any]:
-        """Seconds blocked, for summary.json (own work, for the straggler, is `own_work_s`)."""
+        """Seconds blocked, for summary.json (own work, for the straggler, is `work`)."""
         return {"p2p": {str(k): v for k, v in self.waited_on.items()}, "collectives": self.collective_wait_s,
                 "world": self.world_wait_s}
