@@ -320,8 +320,7 @@ def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None
 # compute action does: forward, input gradient and weight gradient 2 FLOPs a weight each (F:B:W =
 # 1:1:1, as the simulator's default).
 SHARE = {Kind.F: 1 / 3, Kind.B: 1 / 3, Kind.W: 1 / 3, Kind.BW: 2 / 3}
-
-
+# What the doctor's straggler line adds, by summary.json's `compared_with`.
 BASIS = {"data-parallel replicas": ": its own work ran that much past its data-parallel replicas'",
          "planned work": ": its own work ran that much past the others', weighed by the plan's cost of each rank's"}
 
@@ -340,9 +339,9 @@ def stragglers(work: list[dict[str, Any]], ranks: Ranks) -> dict[str, Any]:
 
     Waits alone cannot say it: a rank fed late by a slow peer is late in turn to its own sends and
     collectives, so the delay spreads over the slow rank's neighbours, which then wait as little
-    as it does (a run with rank 1 slowed had ranks 1, 2 and 3 at 0.31, 0.34 and 0.32 s a step of
-    others' waits). Own work can: the ranks of one stage run the same program, so
-    the data-parallel replicas of a stage say how long its work takes, and a rank whose own work
+    as it does (with rank 1 slowed, blame by waits gave ranks 1, 2 and 3 0.31, 0.34 and 0.32 s a
+    step, and named rank 2). Own work can: the ranks of one stage run the same program, so the
+    data-parallel replicas of a stage say how long its work takes, and a rank whose own work
     runs past theirs holds its replicas up at every collective and its pipeline peers at every
     transfer by that much. With one replica (D = 1) each rank is compared with the others through
     the plan's cost of their work. The reference is the lower median of a pool's seconds per unit
