@@ -24,6 +24,7 @@ module, which walks it.)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -69,21 +70,19 @@ def balance(cfg: TrainConfig, cuda: bool | None = None) -> Balanced:
     return _balance(_Key(cfg), cuda)
 
 
-@dataclass(frozen=True, eq=False)
 class _Key:
-    """A TrainConfig (mutable) as a cache key, by the value of what the memory model reads."""
+    """A TrainConfig (mutable) as a cache key, by the value of what the memory model reads, taken
+    when the key is made: a copy, so changing the caller's configuration later changes no key."""
 
-    cfg: TrainConfig
-
-    def _id(self) -> str:
-        c = self.cfg
-        return repr((c.model, c.parallel, c.data, c.run.dtype, c.run.device))
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = copy.deepcopy(cfg)
+        self.ident = repr((cfg.model, cfg.parallel, cfg.data, cfg.run.dtype, cfg.run.device))
 
     def __hash__(self) -> int:
-        return hash(self._id())
+        return hash(self.ident)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Key) and other._id() == self._id()
+        return isinstance(other, _Key) and other.ident == self.ident
 
 
 @lru_cache(maxsize=64)
@@ -92,7 +91,8 @@ def _balance(key: _Key, cuda: bool | None) -> Balanced:
 
 
 def search(cfg: TrainConfig, cuda: bool | None = None) -> Balanced:
-    """`balance` without its cache (every rank's start, the fit check and the summary ask alike)."""
+    """`balance` uncached (the bench times it). A run asks `balance`, whose cache answers its start,
+    its fit check and its summary with one search."""
     p = cfg.parallel
     schedule = played(p.schedule, p.pp, p.microbatches, p.virtual_stages)[0]
     n_chunks = schedule.n_chunks
