@@ -286,8 +286,8 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
     if e.layout.secondary:
         parts.append("ZeRO-3's later gathers inside the node")
     if e.layout.partition is Partition.MEMORY:
-        parts.append("--partition memory: fits only with memory-balanced cuts, the last rank's extra blocks "
-                     "pace the step")
+        parts.append("--partition memory: fits only with memory-balanced cuts; the rank with most blocks "
+                     "paces the step")
     if e.layout.grad_reduce is GradReduce.MICROBATCH:
         parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
     if e is not best:
