@@ -52,8 +52,8 @@ def pids_marked(marker: str) -> list[int]:
 
 class LocalSlurm:
     """munged, slurmctld (on the first node) and one slurmd a node in the foreground, every file
-    under `root`; `stop` cancels the jobs, ends the daemons, kills anything of theirs still alive
-    and removes the namespaces."""
+    under `root`; `stop` cancels the jobs, ends the daemons and removes the namespaces, and
+    `kill_leftovers` kills whatever of theirs is still alive."""
 
     def __init__(self, root: Path, names: list[str]) -> None:
         self.root = root
