@@ -16,11 +16,12 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, GradQuant, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
+from pipezero.config import DType, GradQuant, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import StageChunk, place_hollow
+from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
@@ -78,6 +79,21 @@ def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
     return TiedCopies(local, head, group) if local else None
 
 
+def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list[int] | None:
+    """The run's explicit cuts; under `--partition memory` the ones whose largest predicted peak is
+    least (sim/memory_partition.py), computed from the run's settings alone so every rank, and the
+    prediction in summary.json, cut alike."""
+    p = cfg.parallel
+    if p.partition is not Partition.MEMORY or p.stage_layers is not None:
+        return p.stage_layers
+    if type(spec) is not LlamaSpec:
+        raise ConfigError(f"--partition memory with the model {type(spec).__name__}: the memory model knows the "
+                          f"built-in decoder's layers only; use --partition params or cost, or --stage-layers")
+    from pipezero.sim.memory_partition import resolve
+
+    return resolve(cfg, device.type == "cuda").parallel.stage_layers
+
+
 def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | None) -> ModelShapes:
     """What the plan needs of the model (schedules/model_shapes.py): every chunk built on the meta
     device (no memory), frozen as the run freezes it, its trainable tensors listed as ZeRO lists
@@ -107,12 +123,13 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     return ModelShapes(tuple(out), tied)
 
 
-def plan_of(cfg: TrainConfig, spec: ModelSpec) -> tuple[CompiledPlan, list[tuple[int, int]]]:
+def plan_of(cfg: TrainConfig, spec: ModelSpec,
+            device: torch.device = torch.device("cpu")) -> tuple[CompiledPlan, list[tuple[int, int]]]:
     """The run's plan (schedules/compile.py) and the layers [start, stop) of every chunk: the same on
     every rank, and in `pipezero verify` before any rank starts. ScheduleError says why a layout's
     schedule is refused."""
     p = cfg.parallel
-    bounds = partition(spec, p.pp * p.virtual_stages, p.partition, cfg.data.seq_len, p.stage_layers)
+    bounds = partition(spec, p.pp * p.virtual_stages, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
     check_end_chunks([b - a for a, b in bounds])
     return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze),
                         wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4), bounds
@@ -126,7 +143,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    plan, bounds = plan_of(cfg, spec)  # before any transfer
+    plan, bounds = plan_of(cfg, spec, device)  # before any transfer
     schedule, predicted = plan.schedule, plan.predicted
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
     shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params

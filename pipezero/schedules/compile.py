@@ -80,7 +80,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     `schedule`: a schedule built by the caller (simulate builds each kind it compares), proven
     here; else the layout's, proven once a process. ScheduleError says why a schedule is refused."""
     key = (p.schedule, p.pp, p.microbatches, p.virtual_stages)
-    proven = prove(schedule) if schedule is not None else _proven(*key)
+    proven = prove(schedule) if schedule is not None else proven_of(*key)
     if len(model.chunks) != proven.schedule.n_chunks:
         raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
     lw = layerwise(p)
@@ -95,15 +95,16 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
 
 
 @lru_cache(maxsize=1024)
-def _proven(kind: ScheduleKind, pp: int, m: int, v: int) -> ProvenSchedule:
-    """A layout's proof, made once a process: the planner compiles many candidates sharing one."""
+def proven_of(kind: ScheduleKind, pp: int, m: int, v: int) -> ProvenSchedule:
+    """A layout's proven schedule (schedules/proven.py), made once a process: the planner and the
+    memory partition compile many candidates sharing one."""
     return proven_layout(kind, pp, m, v)
 
 
 @lru_cache(maxsize=4096)
 def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
     """The lowering of a layout's proven schedule, cached: the planner's candidates share programs."""
-    return _lower(_proven(*key), *how)  # type: ignore[arg-type]
+    return _lower(proven_of(*key), *how)  # type: ignore[arg-type]
 
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
