@@ -157,7 +157,8 @@ def test_planned_work_weighs_each_compute_action_by_its_chunk():
     assert [planned_work(PROG.ranks[r], [3.0, 6.0]) for r in range(4)] == pytest.approx([12.0, 12.0, 24.0, 24.0])
     # zb-v: a rank of stage 0 holds chunks 0 and 3, of stage 1 chunks 1 and 2; F, B and W are a
     # third each of a micro-batch's chunk cost, 4 micro-batches
-    zbv = programs({**FACTS, "schedule": "zb-v", "virtual_stages": 2, "buckets": [[64]] * 4})
+    zbv = programs({**FACTS, "schedule": "zb-v", "virtual_stages": 2,
+                    "model": ModelShapes.of_counts([[64]] * 4).to_json()})
     costs = [1.0, 2.0, 4.0, 8.0]
     assert [planned_work(zbv.ranks[r], costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
 
