@@ -89,13 +89,15 @@ def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
     def linear(name: str, n_in: int, n_out: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
         return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
 
-    block = [("attn_norm.weight", (d,)), *linear("attn.wq", d, q, cfg.qkv_bias), *linear("attn.wk", d, kv, cfg.qkv_bias),
-             *linear("attn.wv", d, kv, cfg.qkv_bias), *linear("attn.wo", q, d, cfg.out_bias),
+    block = [("attn_norm.weight", (d,)), *linear("attn.wq", d, q, cfg.qkv_bias),
+             *linear("attn.wk", d, kv, cfg.qkv_bias), *linear("attn.wv", d, kv, cfg.qkv_bias),
+             *linear("attn.wo", q, d, cfg.out_bias),
              ("mlp_norm.weight", (d,)), *linear("mlp.w1", d, hidden, cfg.mlp_bias),
              *linear("mlp.w3", d, hidden, cfg.mlp_bias), *linear("mlp.w2", hidden, d, cfg.mlp_bias)]
     head = [("norm.weight", (d,)), ("proj.weight", (cfg.vocab_size, d))]
     layers = [[("weight", (cfg.vocab_size, d))]] + [block] * cfg.n_layers + [head]
-    return [LayerTensors(i, tuple(TensorShape(f"layers.{i}.{n}", s) for n, s in named)) for i, named in enumerate(layers)]
+    return [LayerTensors(i, tuple(TensorShape(f"layers.{i}.{n}", s) for n, s in named))
+            for i, named in enumerate(layers)]
 
 
 def tied_pair(cfg: ModelConfig) -> tuple[str, str] | None:
