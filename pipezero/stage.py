@@ -123,16 +123,18 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     return ModelShapes(tuple(out), tied)
 
 
-def plan_of(cfg: TrainConfig, spec: ModelSpec,
-            device: torch.device = torch.device("cpu")) -> tuple[CompiledPlan, list[tuple[int, int]]]:
+def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.device("cpu"),
+            mesh: Mesh | None = None) -> tuple[CompiledPlan, list[tuple[int, int]]]:
     """The run's plan (schedules/compile.py) and the layers [start, stop) of every chunk: the same on
-    every rank, and in `pipezero verify` before any rank starts. ScheduleError says why a layout's
-    schedule is refused."""
+    every rank, and in `pipezero verify` before any rank starts. `mesh`: only this rank's program
+    (a rank plays its own; the others' are the same data, compiled where they run). ScheduleError
+    says why a layout's schedule is refused."""
     p = cfg.parallel
     bounds = partition(spec, p.pp * p.virtual_stages, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
     check_end_chunks([b - a for a, b in bounds])
+    mine = {} if mesh is None else {"pp_ranks": (mesh.pp_rank,), "replicas": (mesh.dp_rank,)}
     return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze),
-                        wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4), bounds
+                        wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
 
 
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
@@ -143,7 +145,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    plan, bounds = plan_of(cfg, spec, device)  # before any transfer
+    plan, bounds = plan_of(cfg, spec, device, mesh)  # before any transfer
     schedule, predicted = plan.schedule, plan.predicted
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
     shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params
