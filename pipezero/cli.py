@@ -365,13 +365,87 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class OutputFailed(Exception):
+    """Standard output could not take what a command printed (a full disk, a closed pipe). Not an
+    OSError: a command's own handlers of its file writes (a checkpoint on a full disk) never take
+    it for theirs, and no OSError of those is taken for this."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.error = error
+
+
+class GuardedOutput:
+    """A stream (sys.stdout) whose failed writes and flushes raise OutputFailed; anything else is
+    the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputFailed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise OutputFailed(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+# commands whose result is what they print: with standard output closed, it would go nowhere, exit 0
+PRINTS_ITS_RESULT = ("plan", "simulate", "doctor")
+
+
+def output_failed(e: OutputFailed, stream: Any) -> int:
+    """A broken pipe (`pipezero plan | head`) ends quietly with the shell's status for SIGPIPE;
+    any other failure is one line. Standard output is pointed at /dev/null, so the interpreter's
+    own flush at exit finds nothing to fail on."""
+    import errno
+
+    if stream is sys.__stdout__:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):
+            pass
+    if under_torchrun_env():
+        os._exit(2)  # a rank: peers may be gone, no teardown collective
+    if e.error.errno == errno.EPIPE:
+        return 128 + 13  # as if killed by SIGPIPE, as `yes | head` is
+    print(f"pipezero: error: cannot write to standard output ({e}): free space where it goes, or redirect it "
+          f"elsewhere", file=sys.stderr)
+    return 2
+
+
+def under_torchrun_env() -> bool:
+    from pipezero.launch import under_torchrun
+
+    return under_torchrun()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    stream = sys.stdout
+    if stream is None and args.command in PRINTS_ITS_RESULT:
+        print(f"pipezero: error: standard output is closed, and pipezero {args.command} prints its result there: "
+              f"redirect it to a file (> result.txt) or /dev/null", file=sys.stderr)
+        return 2
+    if stream is not None:
+        sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
+        return code
+    except OutputFailed as e:
+        return output_failed(e, stream)
     except ConfigError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 2
@@ -379,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "
               "newest complete one", file=sys.stderr)
         return 130
+    finally:
+        if stream is not None:
+            sys.stdout = stream
 
 
 if __name__ == "__main__":

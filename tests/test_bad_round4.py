@@ -1,0 +1,63 @@
+"""A fresh review of bad inputs (issue 33, round four): the leftovers of round three and the cases
+the fourth review found mishandled, each one line naming the input, exit 2, nothing of the user's
+touched. One process each, nothing trained (the fast lane), unless marked."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from one_line import assert_one_line, run_main
+
+TRAIN = ["train", "--preset", "tiny", "--max-steps", "1", "--no-progress", "--seq-len", "16"]
+
+
+class FailingStream(io.StringIO):
+    """A standard output that refuses every write, as /dev/full (ENOSPC) or a closed pipe (EPIPE)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__()
+        self.code = code
+
+    def write(self, text: str) -> int:
+        raise OSError(self.code, os.strerror(self.code))
+
+    def flush(self) -> None:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--json"], ["simulate"], ["plan", "--preset", "tiny", "--gpus", "8",
+                                                                        "--gpu-memory", "80", "--json"]])
+def test_a_full_standard_output_is_one_line(argv, capsys, monkeypatch):
+    """`plan --json > /dev/full` ended in an OSError traceback."""
+    monkeypatch.setattr("sys.stdout", FailingStream(errno.ENOSPC))
+    assert_one_line(*run_main(argv, capsys), "cannot write to standard output (No space left on device)")
+
+
+def test_a_closed_pipe_ends_quietly_as_sigpipe_would(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdout", FailingStream(errno.EPIPE))
+    code, err = run_main(["simulate", "--json"], capsys)
+    assert (code, err) == (141, "")
+
+
+def test_a_closed_standard_output_is_refused_where_it_is_the_result(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdout", None)
+    assert_one_line(*run_main(["simulate"], capsys), "standard output is closed")
+
+
+def test_a_full_disk_under_a_commands_own_files_is_not_taken_for_standard_output(tmp_path, capsys, monkeypatch):
+    """Only the stream's own failures are output failures: an OSError from a file a command writes
+    (here simulate --png's) keeps its own report."""
+    from pipezero.telemetry import plot
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(plot, "draw_timeline", full)
+    assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "t.png")], capsys),
+                    "t.png cannot be written: No space left on device")
