@@ -301,3 +301,32 @@ def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, cap
     """These exported with exit 0 as if the flag had been applied."""
     assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(tmp_path / "e"), *flags], capsys), needle)
     assert not (tmp_path / "e").exists()
+
+
+# 7. round four: what the run kept of its model, and a damaged checkpoint
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_hf_export_refuses_a_kept_model_file_that_is_not_a_file(trained, tmp_path, capsys, name):
+    """RUN/hf/tokenizer.json made a folder: the export succeeded without a tokenizer, exit 0."""
+    run = copy_run(trained, tmp_path / "run")
+    kept = run / "hf" / name
+    kept.unlink(missing_ok=True)
+    kept.mkdir()
+    assert_one_line(*run_main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "e")], capsys),
+                    f"{kept} is a folder")
+    assert not (tmp_path / "e").exists()
+    no_debris(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+def test_export_of_a_damaged_checkpoint_is_one_line_exit_2(trained, tmp_path, capsys, fmt):
+    """A truncated or edited checkpoint file: one line, exit 1 before (it is the user's input)."""
+    run = copy_run(trained, tmp_path / "run")
+    step = run / "checkpoints" / "step-00000001"
+    victim = next(p for p in sorted(step.iterdir()) if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:100])
+    for source in (step, run):
+        assert_one_line(*run_main(["export", str(source), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
+                        "step-00000001")
+    assert not (tmp_path / "e").exists()

@@ -8,6 +8,7 @@ every parameter under the model's own names in its own shape (a tied embedding o
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.export_folder import check_out, write_folder
-from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, latest, problems, read_manifest
+from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, committed, problems, read_manifest
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
 from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
@@ -66,10 +67,7 @@ def resolve(source: Path) -> Path:
     """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
     directory's newest good checkpoint."""
     if (source / "checkpoints").is_dir():
-        found = latest(source / "checkpoints", Team())
-        if found is None:
-            raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
-        return found.path
+        return newest_good(source / "checkpoints")
     if not (source / MANIFEST).is_file():
         if (source / RUN_ID).is_file() or (source / "metrics.jsonl").is_file():
             raise ConfigError(f"{source} saved no checkpoint (it trained without --checkpoint-every): train with "
@@ -77,9 +75,31 @@ def resolve(source: Path) -> Path:
         raise ConfigError(f"{source} is neither a run folder nor a checkpoint (it holds no checkpoints/ and no "
                           f"{MANIFEST}): pass a run directory or one of its checkpoints/step-N")
     reason = problems(source, Team())
-    if reason:
-        raise CheckpointError(f"{source} cannot be exported: {reason}")
+    if reason:  # the user's input, as a wrong path is: one line, exit 2
+        raise ConfigError(f"{source} cannot be exported: {reason}; export an earlier checkpoint (a step-N beside "
+                          f"it), or the run folder (its newest good one)")
     return source
+
+
+def newest_good(root: Path) -> Path:
+    """The newest checkpoint under `root` whose files match their manifest (as `latest` finds one
+    to resume), a warning for each newer one skipped; none good is one line naming why."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(committed(root)):
+        reason = problems(path, Team())
+        if reason is None:
+            for bad, why in skipped:
+                print(f"pipezero: warning: skipping corrupt checkpoint {bad}: {why}; exporting {path.name}",
+                      file=sys.stderr, flush=True)
+            return path
+        skipped.append((path, reason))
+    if skipped:
+        bad, why = skipped[0]
+        older = f" (and {len(skipped) - 1} older, likewise)" if len(skipped) > 1 else ""
+        raise ConfigError(f"{root} holds no complete checkpoint to export: {bad.name} {why}{older}; resume the run "
+                          f"to save a good one, or restore the files")
+    raise ConfigError(f"{root} holds no complete checkpoint to export: train with --checkpoint-every K (a "
+                      f"checkpoint every K steps and at the end), then export")
 
 
 def export(source: Path, out: Path, model_spec: str | None = None) -> Path:

@@ -90,12 +90,26 @@ def metadata_folder(ckpt: Path, pretrained: str | None) -> Path | None:
     kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
     for folder in (kept, Path(pretrained) if pretrained else None):
         if folder is not None and (folder / CONFIG).is_file():
+            check_files(folder)
             return folder
+        if folder is not None and (folder / CONFIG).exists():  # not another folder's config in its place
+            check_files(folder)
     if pretrained:
         raise ConfigError(f"{ckpt} was trained from --model {pretrained}, whose {CONFIG} is neither in its run "
                           f"({kept}) nor in that folder: export it from its run directory, or put the model "
                           f"folder back")
     return None
+
+
+def check_files(folder: Path) -> None:
+    """Refuse a model file of `folder` (METADATA) that is there but is no regular file (a folder, a
+    pipe): skipped, the export went without a tokenizer, exit 0."""
+    for name in METADATA:
+        path = folder / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise ConfigError(f"{path} is {kind}, where the model's {name} belongs: put the file back (from the "
+                              f"model folder the run trained from), or export with --format pipezero")
 
 
 def is_tokenizer(path: Path) -> bool:
