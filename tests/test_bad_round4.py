@@ -61,3 +61,39 @@ def test_a_full_disk_under_a_commands_own_files_is_not_taken_for_standard_output
     monkeypatch.setattr(plot, "draw_timeline", full)
     assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "t.png")], capsys),
                     "t.png cannot be written: No space left on device")
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_before_anything_is_written(tmp_path):
+    """--lr 1e308: the one update left every weight NaN, saved as the final checkpoint, exit 0."""
+    import torch
+
+    from pipezero.checkpoint.pieces import Piece
+    from pipezero.checkpoint.state import check_finite, nonfinite_entries
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    shard = torch.zeros(8)
+    state = {"model.a": Piece(16, 0, shard[:4]), "model.b": Piece(16, 4, shard[4:]), "step": torch.zeros(2, dtype=torch.long)}
+    check_finite(state, Team(step=3), 1e-3)  # finite: nothing said
+    shard[5] = float("nan")
+    state["optim.exp_avg_sq.c"] = torch.tensor([float("inf")])
+    assert nonfinite_entries(state) == ["model.b", "optim.exp_avg_sq.c"]
+    with pytest.raises(CheckpointError, match=r"^step 3: checkpoint not saved: model.b, optim.exp_avg_sq.c hold NaN "
+                                              r"or inf .*lower --lr \(now 1e\+308\)"):
+        check_finite(state, Team(step=3), 1e308)
+
+
+@pytest.mark.distributed  # trains twice in this process (~5 s)
+def test_a_diverged_run_saves_no_checkpoint_and_keeps_the_earlier_ones(tmp_path, capsys):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 4000, 4000).astype(np.uint16))
+    run = tmp_path / "run"
+    base = [*TRAIN, "--data", str(tokens), "--out", str(run), "--checkpoint-every", "1", "--sample-tokens", "0",
+            "--microbatches", "1", "--micro-batch-size", "1"]
+    assert run_main(base, capsys)[0] == 0
+    good = run / "checkpoints" / "step-00000001"
+    kept = sorted((p.name, p.read_bytes()) for p in good.iterdir())
+    code, err = run_main([*base, "--resume", "--max-steps", "3", "--lr", "1e308"], capsys)
+    assert code == 1 and err.count("pipezero: error:") == 1, err
+    assert "step 2: checkpoint not saved:" in err and "hold NaN or inf" in err, err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+    assert sorted((p.name, p.read_bytes()) for p in good.iterdir()) == kept

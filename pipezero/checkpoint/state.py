@@ -152,6 +152,7 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
     `frozen`: this rank's frozen tensors (freeze.frozen_params); `spec`: the model, when not cfg.model's."""
     team = Team.current(step)
     state = state_dict(zero, spec_of(spec or cfg.model).tied_names(), saving=True, frozen=frozen)
+    check_finite(state, team, cfg.optim.lr)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
     info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
@@ -159,6 +160,29 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
             "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "virtual_stages": p.virtual_stages,
                        "schedule": p.schedule.value}}
     return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)
+
+
+def nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """The names of `state`'s floating-point entries (weights, AdamW moments) holding NaN or inf."""
+    bad = []
+    for name, value in state.items():
+        t = getattr(value, "_local", value)  # a Piece's own elements
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad
+
+
+def check_finite(state: dict[str, Any], team: Team, lr: float) -> None:
+    """Refuse, on every rank alike (collective), to save weights or optimizer state that are NaN
+    or inf: an update that overflowed (--lr 1e308) left every weight NaN, saved as the run's final
+    checkpoint with exit 0, and a resume or an export took it for the trained model. The earlier
+    checkpoints stay (nothing is written or pruned)."""
+    bad = sorted({n for part in team.gather(nonfinite_entries(state), "check that the state is finite") for n in part})
+    if bad:
+        shown = ", ".join(bad[:2]) + (f" and {len(bad) - 2} more" if len(bad) > 2 else "")
+        raise CheckpointError(f"step {team.step}: checkpoint not saved: {shown} hold NaN or inf (an update diverged); "
+                              f"the earlier checkpoints are kept: lower --lr (now {lr:g}) and start again, or "
+                              f"--resume from the last good one")
 
 
 def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
