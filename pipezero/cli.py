@@ -331,8 +331,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
 
-    if args.steps < 1:
-        raise ConfigError("--steps must be at least 1")
+    from pipezero.coerce import coerce
+    from pipezero.sim.limits import VERIFY_STEPS
+
+    coerce("--steps", int, args.steps, False, VERIFY_STEPS)  # 10^11 trained three runs for ever
     settings, launch_values, names = flag_values(args)
     ignored = [names[k] for k in (*settings, *launch_values) if k in VERIFY_SETS] + (["--force"] if args.force else [])
     if ignored:

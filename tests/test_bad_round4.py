@@ -97,3 +97,32 @@ def test_a_diverged_run_saves_no_checkpoint_and_keeps_the_earlier_ones(tmp_path,
     assert "step 2: checkpoint not saved:" in err and "hold NaN or inf" in err, err
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
     assert sorted((p.name, p.read_bytes()) for p in good.iterdir()) == kept
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under `folder` with size, inode and modification time: nothing written, replaced or removed."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_ino, p.lstat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda out: (out / "metrics.jsonl").write_text("{}\n"), "holds 'metrics.jsonl', which verify did not write"),
+    (lambda out: (out / "notes.txt").write_text("mine"), "holds 'notes.txt', which verify did not write"),
+    (lambda out: (out / "layout").write_text("mine"), "layout is a file, where verify writes a folder"),
+    (lambda out: (out / "verify.json").mkdir(), "verify.json is a folder, where verify writes a file"),
+])
+def test_verify_writes_only_into_a_folder_of_its_own(make, needle, tmp_path, capsys):
+    """`verify --out RUN` made layout/, reference/, floor/ beside a run's files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out)
+    before = tree(out)
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--seq-len", "16", "--out", str(out)], capsys), needle)
+    assert tree(out) == before
+
+
+@pytest.mark.parametrize("steps, needle", [("100000000000", "--steps = 100000000000: expected an integer >= 1 and <= 1000"),
+                                           ("0", "--steps = 0: expected an integer >= 1")])
+def test_verify_steps_are_bounded(steps, needle, tmp_path, capsys):
+    assert_one_line(*run_main(["verify", "--steps", steps, "--out", str(tmp_path / "v")], capsys), needle)
+    assert not (tmp_path / "v").exists()

@@ -40,3 +40,7 @@ TFLOPS = Range(1e-6, 1e5)
 GBPS = Range(1e-6, 1e6)
 OVERHEAD_MS = Range(0, 1e6)
 NET_CPU = Range(0, 1e4)
+
+# verify: steps it trains three times (the layout, one process, one process re-cut), keeping every
+# step's loss and norm; a check of a few steps, not a training run (10^11 never ended)
+VERIFY_STEPS = Range(1, 1000)
