@@ -126,12 +126,31 @@ def build_launch(values: dict[str, Any], names: dict[str, str] | None = None) ->
                            for k, v in values.items()})
 
 
+def kind_of(path: Path) -> str:
+    """What `path` is, where a regular file was wanted, for a message: a folder, a pipe or a device
+    named as such ("does not exist" sent the user looking for a path that is there)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "is a broken symlink" if path.is_symlink() else "does not exist"
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    if stat.S_ISFIFO(mode):
+        return "is a pipe (FIFO), not a file"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a file"
+    return "is a file" if stat.S_ISREG(mode) else "is not a regular file"
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
     p = Path(path)
     if not p.is_file():  # a folder or a pipe is named as such: "does not exist" would send the user looking
-        what = "is a folder" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist"
-        raise ConfigError(f"config file {str(p)!r} {what}; name a .toml file")
+        raise ConfigError(f"config file {str(p)!r} {kind_of(p)}; name a .toml file")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -162,6 +181,18 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     cfg.optim.warmup_steps = PRESET_WARMUP.get(preset, cfg.optim.warmup_steps)
     apply_overrides(cfg, flat)
+
+    def shown(key: str) -> str:  # a setting as the user set it: its flag, or its key in the TOML file
+        return names.get(key, key) if key in (overrides or {}) else f"{key} (in {toml_path})"
+
+    for owner, flag, what in (("model.spec", "--model-spec", "is the whole model"),
+                              ("model.pretrained", "--model", "fixes the model's shape")):
+        # said here, where the flag the user typed is known (models/ name the key: 'drop model.preset')
+        clash = [shown(k) for k in sorted(flat) if k.startswith("model.") and k != owner]
+        if owner in flat and str(flat[owner] or "").strip() and clash:
+            raise ConfigError(f"{flag} {flat[owner]} {what}; drop {', '.join(clash)}")
+    if cfg.model.pretrained is not None and cfg.model.pretrained.strip():
+        check_model_files(Path(cfg.model.pretrained))
     if cfg.model.spec is not None:  # a model of one's own: [model] shape settings would be ignored
         from pipezero.models.user_spec import apply_spec
 
@@ -176,6 +207,19 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
     return validate(cfg)
+
+
+def check_model_files(folder: Path) -> None:
+    """A --model folder's files that are there but are no regular file (a folder, a pipe): named as
+    what they are (models/hf.py said "does not exist"; a pipe would block its reader)."""
+    from pipezero.models.hf import CONFIG, TOKENIZER
+    from pipezero.models.hf_weights import INDEX, SINGLE
+
+    for name in (CONFIG, TOKENIZER, SINGLE, INDEX):
+        path = folder / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise ConfigError(f"--model {folder}: {name} {kind_of(path)}; a Hugging Face model folder holds it as a "
+                              f"file (save_pretrained writes it)")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -315,12 +359,15 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
-                   f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
+                   f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
+            _check(not Path(arg).exists() or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
+                   f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
         from pipezero.data.sources import check_out_of_reach
 
         check_out_of_reach(d.path, r.out)
     if d.tokenizer.endswith(".json"):
-        _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
+        _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} {kind_of(Path(d.tokenizer))}; name a "
+                                            f"tokenizer.json, or use bpe or bytes")
     if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers
         from pipezero.models.hf_weights import check_tokenizer, check_weights
 

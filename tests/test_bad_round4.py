@@ -126,3 +126,38 @@ def test_verify_writes_only_into_a_folder_of_its_own(make, needle, tmp_path, cap
 def test_verify_steps_are_bounded(steps, needle, tmp_path, capsys):
     assert_one_line(*run_main(["verify", "--steps", steps, "--out", str(tmp_path / "v")], capsys), needle)
     assert not (tmp_path / "v").exists()
+
+
+def test_a_model_setting_beside_model_or_model_spec_is_named_as_the_user_set_it(tmp_path, capsys):
+    """'drop model.preset' when the user typed --preset."""
+    (tmp_path / "m").mkdir()
+    assert_one_line(*run_main(["train", "--model", str(tmp_path / "m"), "--preset", "tiny"], capsys),
+                    f"--model {tmp_path / 'm'} fixes the model's shape; drop --preset")
+    assert_one_line(*run_main(["train", "--model-spec", "x:y", "--preset", "tiny"], capsys),
+                    "--model-spec x:y is the whole model; drop --preset")
+    (tmp_path / "p.toml").write_text('[model]\npreset = "tiny"\n')
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "p.toml"), "--model", str(tmp_path / "m")], capsys),
+                    f"drop model.preset (in {tmp_path / 'p.toml'})")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN, "--data", "{fifo}.npy"], "--data '{fifo}.npy' is a pipe (FIFO), not a file"),  # np.load blocked: a hang
+    ([*TRAIN, "--data", "{fifo}"], "--data '{fifo}' is a pipe (FIFO), not a file"),
+    ([*TRAIN, "--data", "/dev/zero"], "--data '/dev/zero' is a device, not a file"),
+    ([*TRAIN, "--tokenizer", "{fifo}.json"], "tokenizer file '{fifo}.json' is a pipe (FIFO), not a file"),
+    ([*TRAIN, "--tokenizer", "{tmp}"], "is a folder; name a tokenizer.json"),
+    (["simulate", "--from-trace", "{fifo}"], "--from-trace '{fifo}' is a pipe (FIFO), not a file"),
+    (["train", "--model", "{model}"], "config.json is a pipe (FIFO), not a file"),
+])
+def test_a_pipe_or_device_is_named_as_what_it_is(argv, needle, tmp_path, capsys):
+    """A pipe given as a data or model path was reported as "does not exist", or read for ever."""
+    fifo = tmp_path / "fifo"
+    for name in ("fifo", "fifo.npy", "fifo.json"):
+        os.mkfifo(tmp_path / name)
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    subst = {"fifo": str(fifo), "model": str(model), "tmp": str(tmp_path / "tok.json")}
+    (tmp_path / "tok.json").mkdir()
+    argv = [a.format(**subst) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle.format(**subst))
