@@ -203,10 +203,41 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
+    if unused := unused_data_setting(cfg.data, set(flat)):
+        key, why = unused
+        raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
+                          f"drop it")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
     return validate(cfg)
+
+
+# settings that only documents read (records, parquet, text files): a token file and the built-in
+# corpus take none of them
+DOCUMENT_SETTINGS = ("data.text_field", "data.on_bad_record", "data.max_document_mb")
+
+
+def unused_data_setting(d: Any, given: set[str]) -> tuple[str, str] | None:
+    """A data setting the user set (`given`) that the data source reads nothing of, and why: each
+    was accepted and changed nothing, exit 0. None when every one given is read."""
+    from pipezero.data.corpus import TOKEN_SUFFIXES
+
+    tokens = next((p for p in d.path or [] if Path(p).suffix in TOKEN_SUFFIXES), None)
+    source = (f"applies to documents; --data {tokens} is a token file (ids, tokenized already)" if tokens else
+              "applies to --data documents; the built-in corpus (no --data) has no records" if d.path is None else None)
+    for key in DOCUMENT_SETTINGS:
+        if key in given and source:
+            return key, source
+    if "data.tokenizer" in given and tokens and not d.tokenizer.endswith(".json"):
+        return "data.tokenizer", (f"tokenizes nothing: --data {tokens} holds token ids already (a tokenizer.json "
+                                  f"may name what they mean, for the text sample)")
+    if "data.bpe_vocab" in given and (tokens or d.tokenizer != "bpe"):
+        return "data.bpe_vocab", ("sizes the BPE trained on the text, and " +
+                                  (f"--data {tokens} is a token file" if tokens else f"the tokenizer is {d.tokenizer}"))
+    if "data.max_bytes" in given and d.path is not None:
+        return "data.max_bytes", "cuts the built-in corpus only (--data is read whole)"
+    return None
 
 
 def check_model_files(folder: Path) -> None:

@@ -31,7 +31,7 @@ class FailingStream(io.StringIO):
         raise OSError(self.code, os.strerror(self.code))
 
 
-@pytest.mark.parametrize("argv", [["simulate", "--json"], ["simulate"], ["plan", "--preset", "tiny", "--gpus", "8",
+@pytest.mark.parametrize("argv", [["simulate", "--json"], ["simulate"], ["plan", "--preset", "tiny", "--gpus", "1", "--global-batch", "1",
                                                                         "--gpu-memory", "80", "--json"]])
 def test_a_full_standard_output_is_one_line(argv, capsys, monkeypatch):
     """`plan --json > /dev/full` ended in an OSError traceback."""
@@ -161,3 +161,26 @@ def test_a_pipe_or_device_is_named_as_what_it_is(argv, needle, tmp_path, capsys)
     (tmp_path / "tok.json").mkdir()
     argv = [a.format(**subst) for a in argv]
     assert_one_line(*run_main(argv, capsys), needle.format(**subst))
+
+
+@pytest.mark.parametrize("flags, toml, needle", [
+    (["--data", "{npy}", "--on-bad-record", "skip"], "", "--on-bad-record skip applies to documents; --data {npy} is "
+                                                         "a token file"),
+    (["--data", "{npy}", "--tokenizer", "bytes"], "", "--tokenizer bytes tokenizes nothing: --data {npy} holds token "
+                                                      "ids already"),
+    (["--data", "{npy}", "--text-field", "body"], "", "--text-field body applies to documents"),
+    (["--data", "{npy}", "--max-document-mb", "2"], "", "--max-document-mb 2 applies to documents"),
+    (["--on-bad-record", "skip"], "", "--on-bad-record skip applies to --data documents; the built-in corpus"),
+    (["--data", "{npy}"], "[data]\nbpe_vocab = 300\n", "data.bpe_vocab (in {toml}) 300 sizes the BPE"),
+    (["--tokenizer", "bytes"], "[data]\nbpe_vocab = 300\n", "the tokenizer is bytes"),
+    (["--data", "{npy}"], "[data]\nmax_bytes = 3000\n", "data.max_bytes (in {toml}) 3000 cuts the built-in corpus"),
+])
+def test_a_data_setting_the_source_does_not_read_is_one_line(flags, toml, needle, tmp_path, capsys):
+    """Each was accepted and changed nothing, exit 0."""
+    npy = tmp_path / "tokens.npy"
+    np.save(npy, np.arange(1000, dtype=np.uint16))
+    (tmp_path / "run.toml").write_text(toml)
+    subst = {"npy": str(npy), "toml": str(tmp_path / "run.toml")}
+    argv = [*TRAIN, "--out", str(tmp_path / "out"), *(f.format(**subst) for f in flags)]
+    assert_one_line(*run_main([*argv, "--config", subst["toml"]] if toml else argv, capsys), needle.format(**subst))
+    assert not (tmp_path / "out").exists()
