@@ -152,8 +152,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_launch(launch, cfg.parallel.world_size)
     from pipezero.sim.fit import check_fit, rank_limit_gib
 
-    check_fit(cfg, *rank_limit_gib(cfg))  # before any rank starts: a layout that cannot fit is refused here
+    limit, cuda = rank_limit_gib(cfg)
+    check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
     from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
+
+    if limit is None and not cuda and not under_torchrun():
+        check_host_memory(cfg)
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
@@ -183,6 +187,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         exit_rank(code)
     return code
+
+
+def check_host_memory(cfg: Any) -> None:
+    """CPU ranks started here share this host's memory: a model whose ranks' predicted peaks
+    (sim/memory.py) add up past it was built for minutes before the kernel killed it (--preset 7b
+    on a 24 GiB host). A model of one's own is not predicted."""
+    if cfg.model.spec is not None:
+        return
+    from pipezero.sim.memory import predict
+
+    gib = 2**30
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = predict(cfg, False)
+    need = sum(r.peak_bytes for r in ranks)
+    if need > host:
+        whose = "1 CPU rank's predicted peak" if len(ranks) == 1 else f"{len(ranks)} CPU ranks' predicted peaks"
+        raise ConfigError(f"the run needs about {need / gib:.1f} GiB ({whose}: weights, gradients, AdamW state, "
+                          f"activations), more than this host's {host / gib:.1f} GiB: a smaller --preset or --model, "
+                          f"or ranks on more hosts")
 
 
 def train_here(cfg: Any) -> int:

@@ -240,6 +240,23 @@ def unused_data_setting(d: Any, given: set[str]) -> tuple[str, str] | None:
     return None
 
 
+def check_step_size(cfg: TrainConfig) -> None:
+    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
+    from pipezero.sim import limits
+
+    p, seq = cfg.parallel, cfg.data.seq_len
+    played = p.pp * p.microbatches * p.virtual_stages
+    _check(played <= limits.TRAIN_PLAY_LIMIT,
+           f"--pp {p.pp} x --microbatches {p.microbatches} x --virtual-stages {p.virtual_stages} = {played} stage "
+           f"micro-batches a step; the limit is {limits.TRAIN_PLAY_LIMIT} (every rank builds and proves the step's "
+           f"schedule as it starts, minutes past that): fewer --microbatches, each of a larger --micro-batch-size")
+    tokens = cfg.global_batch * seq
+    _check(tokens <= limits.BATCH_TOKENS,
+           f"--microbatches {p.microbatches} x --micro-batch-size {p.micro_batch_size} x --dp {p.dp} = "
+           f"{cfg.global_batch} sequences of --seq-len {seq} = {tokens} tokens a step; the limit is "
+           f"{limits.BATCH_TOKENS} (every rank holds the step's batch in memory): a smaller global batch")
+
+
 def check_model_files(folder: Path) -> None:
     """A --model folder's files that are there but are no regular file (a folder, a pipe): named as
     what they are (models/hf.py said "does not exist"; a pipe would block its reader)."""
@@ -375,6 +392,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"(embedding + {n_layers} blocks + head); lower --pp/--virtual-stages"
             + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
+    check_step_size(cfg)
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     if p.stall_report_s is not None:
@@ -387,6 +405,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_quantization(p)
     check_secondary_shard(p)
     if d.path is not None:
+        _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
+                             "out for the built-in corpus")  # an empty list was the built-in corpus, silently
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),

@@ -184,3 +184,69 @@ def test_a_data_setting_the_source_does_not_read_is_one_line(flags, toml, needle
     argv = [*TRAIN, "--out", str(tmp_path / "out"), *(f.format(**subst) for f in flags)]
     assert_one_line(*run_main([*argv, "--config", subst["toml"]] if toml else argv, capsys), needle.format(**subst))
     assert not (tmp_path / "out").exists()
+
+
+# --- the fourth review's cases ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--microbatches", "1000000000"], "--pp 1 x --microbatches 1000000000 x --virtual-stages 1 = 1000000000 stage "
+                                       "micro-batches a step; the limit is 65536"),  # never started: proving 10^9
+    (["--pp", "2", "--microbatches", "40000"], "= 80000 stage micro-batches a step"),
+    (["--micro-batch-size", "1000000000"], "= 1000000000 sequences of --seq-len 16 = 16000000000 tokens a step; "
+                                           "the limit is 268435456"),  # a 119 GiB allocation's traceback
+])
+def test_a_step_past_what_a_rank_can_build_or_hold_is_one_line(flags, needle, tmp_path, capsys):
+    argv = ["train", "--preset", "tiny", "--max-steps", "1", "--seq-len", "16", "--microbatches", "1",
+            "--out", str(tmp_path / "o"), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--preset", "7b", "--seq-len", "16"], "GiB (1 CPU rank's predicted peak: weights, gradients, AdamW "
+                                                     "state, activations), more than this host's"),
+    (["train", "--preset", "70b", "--seq-len", "16", "--pp", "4", "--nproc", "4"], "(4 CPU ranks' predicted peaks"),
+])
+def test_a_model_past_the_hosts_memory_is_refused_before_it_is_built(argv, needle, tmp_path, capsys, monkeypatch):
+    """--preset 7b on a CPU host of 24 GiB was built for minutes, until the kernel killed it. The
+    host here is made 16 GiB, as a laptop's, so the test does not depend on this machine's size."""
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 4 << 20 if name == "SC_PHYS_PAGES" else real(name))
+    code, err = run_main([*argv, "--max-steps", "1", "--device", "cpu", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, needle)
+    assert f"this host's {(4 << 20) * real('SC_PAGE_SIZE') / 2**30:.1f} GiB" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tiny_heldout_fraction_holds_out_nothing_instead_of_overflowing():
+    """--heldout-fraction 1e-320: 1 / x is inf, round(inf) an OverflowError traceback."""
+    from pipezero.data.corpus import every_kth, split_documents
+
+    assert every_kth(0.25) == 4 and every_kth(1e-320) == 2**62
+    train, held = split_documents(["a\n" * 50] * 3, 1e-320)
+    assert train and held  # fewer documents than k: the tail of the text is held out
+
+
+def test_an_empty_data_path_list_is_refused_not_the_built_in_corpus(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[data]\npath = []\n")
+    assert_one_line(*run_main([*TRAIN, "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "o")], capsys),
+                    "data.path = []: name document files")
+    assert not (tmp_path / "o").exists()
+
+
+def test_rope_settings_given_twice_that_differ_are_refused(tmp_path):
+    """transformers 5 reads rope_scaling and rope_theta over rope_parameters: a yarn scaling added
+    beside rope_parameters trained default rope silently, another model than transformers loads."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import _rope
+
+    base = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert _rope(base, tmp_path) == (500000.0, None)
+    assert _rope({**base, "rope_theta": 500000.0}, tmp_path) == (500000.0, None)  # the same, twice: fine
+    for extra, needle in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "in rope_scaling (rope_type)"),
+                          ({"rope_scaling": {"type": "yarn"}}, "in rope_scaling (rope_type)"),
+                          ({"rope_theta": "big"}, "in rope_theta (rope_theta)"),
+                          ({"rope_theta": 10000.0}, "in rope_theta")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            _rope({**base, **extra}, tmp_path)
