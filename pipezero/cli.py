@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pipezero.errors import ConfigError
@@ -161,11 +162,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
+    kept = Path(cfg.run.out) / "hf"
+    if cfg.model.pretrained is not None and kept.is_symlink():  # rewritten at each start, through the link
+        raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
+                          f"model's files there at each start, which would write over that folder's: remove the "
+                          f"link (the run keeps its own copy)")
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
         from pipezero.checkpoint.state import resume_clashes
 
         if clash := resume_clashes(cfg, run_id(cfg.run.out)):
             raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
+        from pipezero.checkpoint.state import resume_problem
+
+        if not under_torchrun() and (problem := resume_problem(cfg, run_id(cfg.run.out))):
+            raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
     if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
         from pipezero.models.hf_weights import check_finite
 
@@ -244,8 +254,6 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pipezero.checkpoint import CheckpointError
     from pipezero.checkpoint.export import export
 
@@ -349,8 +357,6 @@ VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pipezero.settings import build_config, build_launch
     from pipezero.verify import verify_layout
 
@@ -364,11 +370,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "
                           f"without checkpoints; it takes no {ignored[0]}: drop it")
     cfg = build_config(args.config, settings, names)
+    launch = build_launch(launch_values, names)
+    if launch.nproc is not None and launch.nproc != cfg.parallel.world_size:  # was ignored: one process trained
+        raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {cfg.parallel.world_size}; make them equal (verify "
+                          f"starts the layout's pp x dp ranks)")
     out = Path(cfg.run.out)
     if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
-    return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
+    from pipezero.launch import under_torchrun
+    from pipezero.sim.fit import rank_limit_gib
+
+    limit, cuda = rank_limit_gib(cfg)
+    if limit is None and not cuda and not under_torchrun():
+        check_host_memory(cfg)  # --preset 7b: minutes of building before the kernel killed it
+    return verify_layout(cfg, args.steps, launch.nproc, args.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -473,6 +489,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return output_failed(e, stream)
     except ConfigError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        import errno
+
+        if e.errno != errno.ENAMETOOLONG:  # any other is no input of the user's: its traceback
+            raise
+        name = str(e.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:40]}...{name[-20:]} ({len(name)} characters)"
+        print(f"pipezero: error: the path {shown!r} is too long for this filesystem (File name too long): a name "
+              f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
         print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "

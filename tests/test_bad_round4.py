@@ -250,3 +250,20 @@ def test_rope_settings_given_twice_that_differ_are_refused(tmp_path):
                           ({"rope_theta": 10000.0}, "in rope_theta")):
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             _rope({**base, **extra}, tmp_path)
+
+
+def test_verify_nproc_that_is_not_the_layout_is_one_line(tmp_path, capsys):
+    """verify --nproc 2 of a one-rank layout trained one process, exit 0, the flag ignored."""
+    assert_one_line(*run_main(["verify", "--nproc", "2", "--preset", "tiny", "--out", str(tmp_path / "v")], capsys),
+                    "--nproc 2 but pp x dp = 1; make them equal")
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("argv", [[*TRAIN, "--out", "{long}"], [*TRAIN, "--data", "{long}.txt"],
+                                  ["simulate", "--png", "{long}.png"], ["export", "{long}", "--out", "e"]])
+def test_a_name_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """An OSError (File name too long) traceback from the first Path.exists that met it."""
+    monkeypatch.chdir(tmp_path)
+    long = "x" * 300
+    code, err = run_main([a.format(long=long) for a in argv], capsys)
+    assert_one_line(code, err, "characters)' is too long for this filesystem (File name too long)")

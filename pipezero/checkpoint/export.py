@@ -7,9 +7,11 @@ every parameter under the model's own names in its own shape (a tied embedding o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,10 +33,11 @@ def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:
     return build_chunk(model, 0, spec_of(model).n_layers + 2, seed)
 
 
-def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConfig:
+def trusted_model(path: Path, fields: Any, model_spec: str | None) -> ModelConfig:
     """The checkpoint's [model], refused when it names a --model-spec the caller did not: importing
     that module runs its code, and a checkpoint is data that must not choose code to run."""
-    named = fields.get("spec")
+    cfg = manifest_model(path, fields)  # checked as data first; importing the spec is for below
+    named = cfg.spec
     if named and named != model_spec:
         given = f"; you named {model_spec!r}" if model_spec else ""
         raise CheckpointError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
@@ -42,9 +45,27 @@ def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConf
                               f"trust it")
     if model_spec and not named:  # it would be ignored: the checkpoint is of the built-in or a HF model
         raise ConfigError(f"--model-spec {model_spec}: {path} is not a run of a --model-spec (its model is "
-                          f"{fields.get('pretrained') or 'preset ' + str(fields.get('preset') or 'the built-in decoder')}); drop "
+                          f"{cfg.pretrained or 'preset ' + str(cfg.preset or 'the built-in decoder')}); drop "
                           f"--model-spec")
-    return ModelConfig(**fields)
+    return cfg
+
+
+def manifest_model(path: Path, fields: Any) -> ModelConfig:
+    """The manifest's [model], each field checked as a TOML value of it: the manifest is data, and
+    an edited one (an unknown key, a size as a string, a null) was a TypeError traceback while the
+    model was built."""
+    from pipezero.settings import coerce_setting
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["(not a table)"]
+    try:
+        if unknown:
+            raise ConfigError(f"{unknown[0]!r} is no model setting")
+        typed = {k: coerce_setting(f"model.{k}", v) for k, v in fields.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its {MANIFEST}'s [model] is not as pipezero writes it ({e}): the manifest was "
+                          f"edited; export another checkpoint, or put the manifest back") from None
+    return ModelConfig(**typed)
 
 
 def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None = None) -> StageChunk:
@@ -53,7 +74,7 @@ def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None
     [model], the built-in decoder, or the --model-spec it names if that is `model_spec` (what the
     caller names and so trusts)."""
     manifest = read_manifest(path)
-    model = whole_model(spec or trusted_model(path, manifest["config"]["model"], model_spec))
+    model = whole_model(spec or trusted_model(path, manifest["config"].get("model"), model_spec))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
     Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=SafeReader(path), no_dist=True))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipezero.checkpoint.export import read_model, resolve
+from pipezero.checkpoint.export import manifest_model, read_model, resolve
 from pipezero.checkpoint.export_folder import check_out, write_folder
 from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
@@ -146,11 +146,11 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     check_out(out, source)
     ckpt = resolve(source)
     run_config = read_manifest(ckpt)["config"]
-    fields = run_config["model"]
-    if fields.get("spec"):
+    fields = run_config.get("model")
+    if isinstance(fields, dict) and fields.get("spec"):
         raise ConfigError(f"{ckpt} is a run of --model-spec {fields['spec']}, a model of your own with no Hugging "
                           f"Face form; export it with --format pipezero")
-    cfg = ModelConfig(**fields)
+    cfg = manifest_model(ckpt, fields)
     kept = metadata_folder(ckpt, fields.get("pretrained"))
     if kept is not None:
         check_describes(kept, ckpt, cfg)

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipezero.checkpoint.store import CheckpointError, Found, Team, at_steps, committed, latest, write, written_by
+from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, read_manifest, write,
+                                       written_by)
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -185,6 +186,41 @@ def check_finite(state: dict[str, Any], team: Team, lr: float) -> None:
                               f"--resume from the last good one")
 
 
+def model_diff(saved: Any, now: dict[str, Any]) -> dict[str, Any]:
+    """The [model] settings a checkpoint (`saved`) and this run (`now`) disagree on, as saved vs
+    now. The --model folder's path is not one: the weights come from the checkpoint, the shape is
+    compared field by field, and the same folder named from another working directory ('base',
+    '/data/base') refused a resume."""
+    if not isinstance(saved, dict):
+        return {"[model]": (saved, "a table")}
+    keys = (set(saved) | set(now)) - {"pretrained"}
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
+
+
+def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
+    """Why `--resume` in `cfg.run.out` (claimed by run `run`) would not continue its checkpoints,
+    from their manifests alone, before any rank starts; None when it would (or there are none).
+    Said by the ranks only as they loaded (exit 1), or not at all: a missing or damaged .run-id made
+    the resume take none of the run's checkpoints and train from step 0, exit 0."""
+    manifests = []
+    for _, path in reversed(committed(checkpoint_root(cfg))):
+        try:
+            manifests.append((path, read_manifest(path)))
+        except CheckpointError:
+            continue  # a damaged one: the ranks skip it, naming it
+    ids = {m.get("run") for _, m in manifests}
+    if manifests and run is None and None not in ids:
+        theirs = manifests[0][1]["run"]
+        return (f"its .run-id is missing or damaged, so --resume would take none of its checkpoints (run {theirs!r} "
+                f"wrote them) and train from step 0: write that id back, printf '{theirs}\\n' > "
+                f"{Path(cfg.run.out) / '.run-id'}, or train in another --out")
+    mine = [(p, m) for p, m in manifests if m.get("run") in (None, run)]
+    if mine and (diff := model_diff(mine[0][1]["config"].get("model"), cfg.to_dict()["model"])):
+        return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
+                f"(--preset, --model, [model]), or start a new --out")
+    return None
+
+
 def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
          spec: ModelSpec | None = None) -> None:
     """Fill this rank's shards and frozen tensors from checkpoint `found`, whatever layout wrote it
@@ -196,8 +232,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[st
     m = found.manifest
     team = Team.current(m["step"])
     now = cfg.to_dict()
-    if m["config"]["model"] != now["model"]:
-        diff = {k: (v, now["model"].get(k)) for k, v in m["config"]["model"].items() if now["model"].get(k) != v}
+    if diff := model_diff(m["config"].get("model"), now["model"]):
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
     check_frozen(found, cfg, spec)  # the same answer on every rank: it reads the two configurations only
@@ -228,6 +263,8 @@ def warn_changed(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None
     if saved["parallel"]["microbatches"] * saved["parallel"]["micro_batch_size"] * saved["parallel"]["dp"] != \
             now["parallel"]["microbatches"] * now["parallel"]["micro_batch_size"] * now["parallel"]["dp"]:
         changed.append("global batch (microbatches x micro_batch_size x dp)")
+    if (saved.get("model") or {}).get("pretrained") != now["model"].get("pretrained"):
+        changed.append(f"model.pretrained: {saved['model'].get('pretrained')!r} -> {now['model'].get('pretrained')!r}")
     if changed:
         print(f"pipezero: warning: resuming {path} with changed settings, the run will differ from the "
               f"original: {'; '.join(changed)}", file=sys.stderr, flush=True)
