@@ -267,3 +267,28 @@ def test_a_name_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys, 
     long = "x" * 300
     code, err = run_main([a.format(long=long) for a in argv], capsys)
     assert_one_line(code, err, "characters)' is too long for this filesystem (File name too long)")
+
+
+def test_doctor_of_a_folder_that_is_not_there_or_a_file_is_one_line(tmp_path, capsys):
+    """Both were 'no flight records under X/doctor', exit 1, sending the user to look for records."""
+    (tmp_path / "f").write_text("x")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "nowhere")], capsys), "nowhere does not exist: pass the run's")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "f")], capsys), "f is not a folder: pass the run's folder")
+
+
+@pytest.mark.parametrize("sizes, needle", [
+    ({"pp": 1_000_000_000}, "past what train runs"),  # lowered programs for ever
+    ({"microbatches": 1_000_000_000}, "past what train runs"),
+    ({"dp": 0}, "positive integers only"),
+    ({"pp": "2"}, "positive integers only"),
+])
+def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsys):
+    import json
+
+    plan = {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "dp": 1, "zero": 0,
+            "grad_reduce": "step", "buckets": [[], []], "layerwise": False, **sizes}
+    record = {"rank": 0, "written": 1.0, "run": "x", "step": 1, "index": 0, "instr": "F", "state": "waiting",
+              "stage": 0, "waited_s": 1.0, "plan": plan}
+    (tmp_path / "doctor").mkdir()
+    (tmp_path / "doctor" / "rank-00000.json").write_text(json.dumps(record))
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
