@@ -292,3 +292,18 @@ def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsy
     (tmp_path / "doctor").mkdir()
     (tmp_path / "doctor" / "rank-00000.json").write_text(json.dumps(record))
     assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR='' MASTER_PORT='' name no rendezvous"),  # a ValueError traceback
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' name no"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' name no"),
+])
+def test_rank_variables_by_hand_need_a_rendezvous(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "0", "WORLD_SIZE": "1"})  # one rank: no rendezvous to name
+    check_rank_variables({**env, "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
