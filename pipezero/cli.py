@@ -162,6 +162,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
+                          f"unset it")
     kept = Path(cfg.run.out) / "hf"
     if cfg.model.pretrained is not None and kept.is_symlink():  # rewritten at each start, through the link
         raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
@@ -220,6 +224,8 @@ def check_host_memory(cfg: Any) -> None:
 
 def train_here(cfg: Any) -> int:
     """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
+    from torch.distributed import DistNetworkError, DistStoreError
+
     from pipezero.checkpoint import CheckpointError
     from pipezero.engine import train
     from pipezero.launch import under_torchrun
@@ -230,6 +236,15 @@ def train_here(cfg: Any) -> int:
         train(cfg)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+        if under_torchrun():
+            os._exit(1)  # peers may be gone: no teardown collective
+        return 1
+    except (DistNetworkError, DistStoreError) as e:  # a MASTER_ADDR that resolves nowhere, a port nobody serves
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: the process group's connection to "
+              f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed ({type(e).__name__}: "
+              f"{first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or let --nproc start them",
+              file=sys.stderr, flush=True)
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1

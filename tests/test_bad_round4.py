@@ -307,3 +307,29 @@ def test_rank_variables_by_hand_need_a_rendezvous(env, needle):
         check_rank_variables(env)
     check_rank_variables({"RANK": "0", "WORLD_SIZE": "1"})  # one rank: no rendezvous to name
     check_rank_variables({**env, "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+
+
+def test_a_leftover_torchelastic_restart_count_is_one_line(tmp_path, capsys, monkeypatch):
+    """Read as an integer by the claim and the resume: 'x' was a ValueError traceback."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    assert_one_line(*run_main([*TRAIN, "--out", str(tmp_path / "o")], capsys),
+                    "TORCHELASTIC_RESTART_COUNT='x' is not a count")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
+    """A MASTER_ADDR that resolves nowhere: a DistNetworkError traceback after --timeout."""
+    import torch.distributed as dist
+
+    from pipezero import engine
+    from pipezero.cli import train_here
+
+    def unreachable(cfg):
+        raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect to (x, 1).")
+
+    monkeypatch.setattr(engine, "train", unreachable)
+    monkeypatch.setenv("MASTER_ADDR", "no.such.host")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert train_here(None) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "connection to no.such.host:29999 failed (DistNetworkError: The client" in err
