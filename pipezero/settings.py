@@ -190,7 +190,8 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         # said here, where the flag the user typed is known (models/ name the key: 'drop model.preset')
         clash = [shown(k) for k in sorted(flat) if k.startswith("model.") and k != owner]
         if owner in flat and str(flat[owner] or "").strip() and clash:
-            raise ConfigError(f"{flag} {flat[owner]} {what}; drop {', '.join(clash)}")
+            named = flag if owner in (overrides or {}) else shown(owner)
+            raise ConfigError(f"{named} {flat[owner]} {what}; drop {', '.join(clash)}")
     if cfg.model.pretrained is not None and cfg.model.pretrained.strip():
         check_model_files(Path(cfg.model.pretrained))
     if cfg.model.spec is not None:  # a model of one's own: [model] shape settings would be ignored
@@ -370,7 +371,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(max_len is None or d.seq_len <= max_len,
            f"--seq-len {d.seq_len} is longer than the model allows ({limit}); {fix}")
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
-           f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
+           f"--tokenizer (data.tokenizer) {d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path (nothing is "
+           f"downloaded)")
     chunks = p.pp * p.virtual_stages
     n_layers = m.n_layers if spec is None else spec.n_layers
     layers = n_layers + 2  # embedding + blocks + head
@@ -393,7 +395,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
     check_step_size(cfg)
-    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
+    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
+                             f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     if p.stall_report_s is not None:
         _check(p.stall_report_s < p.timeout_s,

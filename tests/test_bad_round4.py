@@ -333,3 +333,14 @@ def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
     assert train_here(None) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "connection to no.such.host:29999 failed (DistNetworkError: The client" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN, "--tokenizer", "gpt2"], "--tokenizer (data.tokenizer) 'gpt2': use 'bpe', 'bytes' or a tokenizer.json"),
+    (["train", "--config", "{toml}"], "model.spec (in {toml}) x:y is the whole model; drop model.pretrained (in {toml})"),
+])
+def test_a_setting_is_named_as_the_user_gave_it(argv, needle, tmp_path, capsys):
+    """'data.tokenizer=...' for --tokenizer; '--model-spec' for a spec the TOML file named."""
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nspec = "x:y"\npretrained = "m"\n')
+    assert_one_line(*run_main([a.format(toml=toml) for a in argv], capsys), needle.format(toml=toml))
