@@ -224,8 +224,6 @@ def check_host_memory(cfg: Any) -> None:
 
 def train_here(cfg: Any) -> int:
     """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
-    from torch.distributed import DistNetworkError, DistStoreError
-
     from pipezero.checkpoint import CheckpointError
     from pipezero.engine import train
     from pipezero.launch import under_torchrun
@@ -239,7 +237,9 @@ def train_here(cfg: Any) -> int:
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
-    except (DistNetworkError, DistStoreError) as e:  # a MASTER_ADDR that resolves nowhere, a port nobody serves
+    except RuntimeError as e:  # torch's DistNetworkError, DistStoreError: a MASTER_ADDR that resolves nowhere
+        if type(e).__name__ not in ("DistNetworkError", "DistStoreError"):  # by name: torch 2.5 has no such API
+            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: the process group's connection to "
               f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed ({type(e).__name__}: "
