@@ -173,12 +173,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                           f"model's files there at each start, which would write over that folder's: remove the "
                           f"link (the run keeps its own copy)")
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
-        from pipezero.checkpoint.state import resume_clashes
+        from pipezero.checkpoint.state import resume_clashes, resume_problem
 
         if clash := resume_clashes(cfg, run_id(cfg.run.out)):
             raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
-        from pipezero.checkpoint.state import resume_problem
-
         if not under_torchrun() and (problem := resume_problem(cfg, run_id(cfg.run.out))):
             raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
     if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
@@ -373,11 +371,12 @@ VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pipezero.settings import build_config, build_launch
-    from pipezero.verify import verify_layout
-
     from pipezero.coerce import coerce
+    from pipezero.launch import under_torchrun
+    from pipezero.settings import build_config, build_launch
+    from pipezero.sim.fit import rank_limit_gib
     from pipezero.sim.limits import VERIFY_STEPS
+    from pipezero.verify import verify_layout
 
     coerce("--steps", int, args.steps, False, VERIFY_STEPS)  # 10^11 trained three runs for ever
     settings, launch_values, names = flag_values(args)
@@ -394,9 +393,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
-    from pipezero.launch import under_torchrun
-    from pipezero.sim.fit import rank_limit_gib
-
     limit, cuda = rank_limit_gib(cfg)
     if limit is None and not cuda and not under_torchrun():
         check_host_memory(cfg)  # --preset 7b: minutes of building before the kernel killed it
@@ -470,19 +466,15 @@ def output_failed(e: OutputFailed, stream: Any) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         except (OSError, ValueError):
             pass
-    if under_torchrun_env():
+    from pipezero.launch import under_torchrun
+
+    if under_torchrun():
         os._exit(2)  # a rank: peers may be gone, no teardown collective
     if e.error.errno == errno.EPIPE:
         return 128 + 13  # as if killed by SIGPIPE, as `yes | head` is
     print(f"pipezero: error: cannot write to standard output ({e}): free space where it goes, or redirect it "
           f"elsewhere", file=sys.stderr)
     return 2
-
-
-def under_torchrun_env() -> bool:
-    from pipezero.launch import under_torchrun
-
-    return under_torchrun()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -215,7 +215,7 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
                 f"wrote them) and train from step 0: write that id back, printf '{theirs}\\n' > "
                 f"{Path(cfg.run.out) / '.run-id'}, or train in another --out")
     mine = [(p, m) for p, m in manifests if m.get("run") in (None, run)]
-    if mine and (diff := model_diff(mine[0][1]["config"].get("model"), cfg.to_dict()["model"])):
+    if mine and (diff := model_diff((mine[0][1].get("config") or {}).get("model"), cfg.to_dict()["model"])):
         return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
                 f"(--preset, --model, [model]), or start a new --out")
     return None
