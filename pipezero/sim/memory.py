@@ -84,24 +84,30 @@ class LayerBytes:
     backward_extra: int
     stash_new: int = 0
     recorded: int = 0  # a split chunk's forward also keeps every weight op's output for B (records)
+    # under --recompute the forward saves nothing inside the checkpoint: the most bytes alive at
+    # once inside this layer's forward, its input aside
+    forward_live: int = 0
 
 
 def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
     """Index 0 is the embedding, n_layers + 1 the head, the rest blocks (models/llama.py)."""
     n, a, d = s.tokens, s.act, s.dim
     if index == 0:  # the gathered rows are its output; the token ids are the batch's
-        return LayerBytes(n * d * a, 0, 0, 0)  # W of the first chunk is a full backward: no stash
+        return LayerBytes(n * d * a, 0, 0, 0, forward_live=n * d * a)  # W of the first chunk is a full backward
     if index == n_layers + 1:
         logits = n * s.vocab * a
         logsm = n * s.vocab * F32  # cross-entropy's log-softmax, in fp32
         upcast = n * s.vocab * F32 if a != F32 else 0  # logits.float() under bf16
         weights = linear_params * 2 if a != F32 else 0
-        held = n * d * a + n * F32 + logsm + weights  # normed input, rms statistics, log-softmax
+        # the norm's normalised input (for its weight's gradient) and its output (the projection's
+        # input), rms statistics, log-softmax and the targets (int64)
+        held = 2 * n * d * a + n * F32 + logsm + weights + n * 8
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
         # the projection's weight gradient
         backward = max(2 * logsm, logsm + linear_params * F32)
-        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits)
+        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits,
+                          forward_live=2 * n * d * a + logits + upcast + logsm)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
@@ -113,12 +119,18 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     # SwiGLU's product; every dy is new
     new = n * a * (4 * d + s.q + 2 * s.kv + 2 * s.hidden)
     stash = n * a * (3 * d + s.q + s.hidden) + new
-    # backward of one block: its output's gradient, SwiGLU's hidden gradients and one weight gradient
-    backward = n * a * (2 * d + 3 * s.hidden) + d * s.hidden * F32
+    # backward of one block, beyond what it holds (measured on the profiler's events): SwiGLU's
+    # down projection's input gradient and the two it splits into (gate's and up's) are alive while
+    # its saved product is already freed, two hidden-wide tensors net; or a weight gradient (before
+    # autograd accumulates it) with the input gradient computed beside it
+    backward = max(2 * n * a * s.hidden, d * s.hidden * F32 + n * a * (s.hidden + d))
     # a split chunk's forward records each weight op's output for B: beyond what autograd keeps,
     # q and k before rotation and the two projections back into the residual stream
     recorded = n * a * (s.q + s.kv + 2 * d)
-    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded)
+    # a forward that saves nothing (recompute's): SwiGLU's gate, up and product at once beside the
+    # residual stream, its normed copy and the attention branch's output
+    live = n * a * (3 * s.hidden + 3 * d)
+    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded, live)
 
 
 @dataclass(frozen=True)
@@ -129,10 +141,10 @@ class ChunkBytes:
     forward_peak: int  # extra inside F
     backward_peak: int  # extra inside B / BW / W
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
-    recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
+    recompute_forward: int  # with --recompute: extra inside F (the most one layer's forward holds at once)
+    recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_peak`)
     last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
     recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
-    inner_backward_peak: int  # `backward_peak` over the layers inside the checkpoint (not the loss's)
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,7 @@ class RankMemory:
     categories: dict[str, int] = field(default_factory=dict)  # at the peak
     at: str = ""  # the instruction at which the peak is reached
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (instruction, live) after each
+    totals: list[tuple[str, int]] = field(default_factory=list)  # with the timeline: (instruction, total) each
 
     def biggest(self, k: int = 3) -> list[tuple[str, int]]:
         return sorted(((c, b) for c, b in self.categories.items() if b), key=lambda x: -x[1])[:k]
@@ -235,11 +248,38 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     bwd = max((x.backward_extra for x in layers), default=0)
     # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
     loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
-    # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
-                      inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
-                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
-                      max((x.backward_extra for x in layers[:-1] if loss), default=bwd) if loss else bwd)
+                      inp + out + loss, max((x.forward_live for x in layers), default=0),
+                      recompute_peak(layers, out, loss, s.tokens * s.dim * s.act),
+                      layers[-1].held if layers else 0, sum(x.recorded for x in layers))
+
+
+def recompute_peak(layers: list[LayerBytes], out: int, loss: int, boundary: int) -> int:
+    """The most bytes a backward of a checkpointed chunk (torch.utils.checkpoint, non-reentrant, as
+    runtime/executor.py runs it) adds to what the chunk holds between F and B (`recompute_held`).
+
+    The last chunk's loss sits outside the checkpoint, so its backward runs first: log-softmax's
+    gradient and the logits' beside the saved log-softmax (2 x `loss`), which it then frees. The
+    first unpack of a saved tensor reruns the chunk's forward up to its last saved tensor (early
+    stop: neither the chunk's output nor the logits are made again), so every layer's saved
+    tensors are back at once; autograd then frees each as it is unpacked, layer by layer from the
+    last: at layer i the layers up to i are still held, plus i's own backward and the gradient
+    flowing into it. At the head the logits' gradient takes the freed log-softmax's place, beside
+    the projection's input gradient."""
+    held = [x.held for x in layers]
+    if loss:
+        held[-1] -= loss  # the log-softmax is the loss's, kept outside the checkpoint
+    elif held:
+        held[-1] -= out  # the chunk's output is saved by nothing inside it
+    peak = 2 * loss
+    for i in range(len(layers) - 1, -1, -1):
+        below = sum(held[:i + 1])
+        if loss and i == len(layers) - 1:
+            peak = max(peak, below + boundary)  # the logits' gradient replaces the log-softmax
+        else:
+            flowing = boundary if i < len(layers) - 1 else 0  # the last layer's is the received one
+            peak = max(peak, below + layers[i].backward_extra + flowing)
+    return peak
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -298,6 +338,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             res.peak_bytes, res.at, res.categories = total, where, now
         if keep_timeline:
             res.timeline.append((len(res.timeline), now))
+            res.totals.append((where, total))
 
     def grad_bucket(c: int, k: int) -> None:
         if (c, k) not in full_grads:
@@ -350,7 +391,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     for i, ins in enumerate(prog.ranks[rank]):
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
-            if ins.send:
+            if ins.send and not grad and (chunk - 1, mb) in held:
+                # an activation travels as the chunk's output itself (runtime/p2p.py sends the
+                # tensor, no copy, as the wire and the residual stream share a dtype): it moves from
+                # the micro-batch's activations to the send, which holds it until the step's end
+                held[(chunk - 1, mb)] -= mb_act
+                live["activations"] -= mb_act
+                live["p2p"] += mb_act
+            elif ins.send:
                 live["p2p"] += mb_act  # held by the send until the step's end waits for it
             else:
                 recvs[ins.transfer] = mb_act
@@ -392,7 +440,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
             if c in splits:  # the executor records weight ops' outputs in F of a chunk that runs B
                 keep += b.recorded
-            note(str(ins), {"activations": b.held + b.forward_peak})
+            note(str(ins), {"activations": b.recompute_forward if plan.recompute else b.held + b.forward_peak})
             held[key] = keep
             live["activations"] += keep
             note(str(ins))
@@ -407,7 +455,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         # (B: its output gradients, the stash W will need, are the backward's gradients)
         extra = max(b.backward_peak, b.stash_new) if split else b.backward_peak
         if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
-            extra = max(b.backward_peak, b.recomputed + b.inner_backward_peak)
+            extra = b.recompute_backward
         if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
