@@ -87,6 +87,13 @@ class LayerBytes:
     # under --recompute the forward saves nothing inside the checkpoint: the most bytes alive at
     # once inside this layer's forward, its input aside
     forward_live: int = 0
+    # W from B's stash (runtime/weight_grad.py), one weight op at a time: a norm recomputes its
+    # normalised input in fp32 and multiplies it by dy (two activation-sized fp32 tensors); a
+    # linear makes its weight's gradient (fp32, after a bf16 product under autocast)
+    w_extra: int = 0
+    # what split backward's B frees as it goes: the tensors autograd saved that no weight op's
+    # record (x, y) also holds; the recorded ones live until B returns
+    b_freed: int = 0
 
 
 def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
@@ -103,11 +110,14 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         # input), rms statistics, log-softmax and the targets (int64)
         held = 2 * n * d * a + n * F32 + logsm + weights + n * 8
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
+        # W's x: the head's input (the layer before's output) and the norm's output
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
         # the projection's weight gradient
         backward = max(2 * logsm, logsm + linear_params * F32)
-        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits,
-                          forward_live=2 * n * d * a + logits + upcast + logsm)
+        return LayerBytes(held, 2 * n * d * a + new, logits + upcast, backward, new, logits,
+                          forward_live=2 * n * d * a + logits + upcast + logsm,
+                          w_extra=max(2 * n * d * F32, linear_params * (F32 + (a if a != F32 else 0))),
+                          b_freed=held - n * d * a)  # all but the norm's output (the projection's x)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
@@ -115,10 +125,14 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     if a != F32:
         held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
     # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
-    # input (the layer before's), its two normed tensors, attention's output, the residual sum and
-    # SwiGLU's product; every dy is new
+    # input (the layer before's output, kept past B by the stash), its two normed tensors,
+    # attention's output, the residual sum and SwiGLU's product; every dy is new
     new = n * a * (4 * d + s.q + 2 * s.kv + 2 * s.hidden)
-    stash = n * a * (3 * d + s.q + s.hidden) + new
+    stash = n * a * (4 * d + s.q + s.hidden) + new
+    # recorded and saved by autograd alike (kept through B): the first normed tensor, v, attention's
+    # output, the residual sum, the second normed tensor, gate, up and their product, and the
+    # block's output (the next layer's input)
+    b_freed = held - n * a * (4 * d + s.q + s.kv + 3 * s.hidden)
     # backward of one block, beyond what it holds (measured on the profiler's events): SwiGLU's
     # down projection's input gradient and the two it splits into (gate's and up's) are alive while
     # its saved product is already freed, two hidden-wide tensors net; or a weight gradient (before
@@ -130,7 +144,8 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     # a forward that saves nothing (recompute's): SwiGLU's gate, up and product at once beside the
     # residual stream, its normed copy and the attention branch's output
     live = n * a * (3 * s.hidden + 3 * d)
-    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded, live)
+    w = max(2 * n * d * F32, max(d * s.hidden, d * s.q) * (F32 + (a if a != F32 else 0)))
+    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded, live, w, b_freed)
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,8 @@ class ChunkBytes:
     recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_peak`)
     last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
     recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
+    w_peak: int  # extra inside a W from B's stash
+    b_peak: int  # extra inside a split B (see `split_b_peak`)
 
 
 @dataclass(frozen=True)
@@ -251,7 +268,24 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
                       inp + out + loss, max((x.forward_live for x in layers), default=0),
                       recompute_peak(layers, out, loss, s.tokens * s.dim * s.act),
-                      layers[-1].held if layers else 0, sum(x.recorded for x in layers))
+                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
+                      max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss))
+
+
+def split_b_peak(layers: list[LayerBytes], loss: int) -> int:
+    """The most bytes a split backward's B (runtime/weight_grad.input_grad_and_stash) adds to what
+    the chunk holds (its activations and F's records). B asks autograd for the gradients of the
+    chunk's input and of every recorded weight op's output, which it keeps (the stash's dy);
+    autograd frees, layer by layer from the last, the saved tensors no record holds (`b_freed`).
+    The last chunk starts with the loss's backward (log-softmax's gradient and the logits' beside
+    the log-softmax). Inside a block its new gradients come before its frees, so each block's
+    backward transient is counted on top of the gradients kept so far, its own included."""
+    peak = 2 * loss
+    kept = 0
+    for x in reversed(layers):
+        kept += x.stash_new - x.b_freed
+        peak = max(peak, kept + x.backward_extra)
+    return max(peak, kept)
 
 
 def recompute_peak(layers: list[LayerBytes], out: int, loss: int, boundary: int) -> int:
@@ -350,12 +384,10 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         done, reducing = (reducing[:-keep_last], reducing[-keep_last:]) if keep_last else (reducing, [])
         for c, k in done:
             n = bp.buckets(c)[k]
-            if plan.wire != F32:
-                live["collectives"] -= n * plan.wire  # the wire copy of the gradient
-            if rules.sharded_grads:
-                live["collectives"] -= n * plan.wire if plan.gloo else 0
-                live["collectives"] -= n // dp * plan.wire  # the reduce-scatter's output ...
-                if (c, k) not in shard_grads:  # ... becomes (or is added into) the fp32 shard
+            if dp > 1:
+                live["collectives"] -= reduction_bytes(plan, n, rules.sharded_grads)
+            if rules.sharded_grads:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
+                if (c, k) not in shard_grads:
                     shard_grads.add((c, k))
                     live["grads"] += n // dp * F32
                 live["grads"] -= full_grads.pop((c, k), 0)
@@ -369,10 +401,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                 reducing.append((c, k))
             return
         reducing.append((c, k))
-        if plan.wire != F32:
-            live["collectives"] += n * plan.wire
-        if rules.sharded_grads:
-            live["collectives"] += n // dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+        live["collectives"] += reduction_bytes(plan, n, rules.sharded_grads)
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -453,28 +482,37 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
         # (B: its output gradients, the stash W will need, are the backward's gradients)
-        extra = max(b.backward_peak, b.stash_new) if split else b.backward_peak
+        extra = b.b_peak if split else b.backward_peak
         if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
             extra = b.recompute_backward
+        if a.op is Op.W and split_done.get(key):
+            extra = b.w_peak
         if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
         coll = 0
         if rules.sharded_grads and dp > 1 and i in reducing_at:
-            # autograd's hooks reduce-scatter buckets inside this backward (measured on gloo: about
-            # one bucket's full wire copy alive beside the full gradient at its peak; NCCL: its output)
-            top = max(bp.buckets(c), default=0)
-            coll = top * plan.wire if plan.gloo else top // dp * plan.wire
+            # autograd's hooks start each bucket's reduce-scatter inside this backward as soon as
+            # its gradients are complete, then wait for all but the newest `in_flight`
+            # (zero/sharded.py): the newest `in_flight + 1` reductions are alive at once, each with
+            # its buffers, beside every full gradient not yet reduced
+            per = [reduction_bytes(plan, n, True) for n in bp.buckets(c)]
+            k = plan.in_flight + 1
+            coll = max((sum(per[j:j + k]) for j in range(max(1, len(per) - k + 1))), default=0)
         filling = 0
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
-            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W): the new
-                # gradients and the buckets filling up
+            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W)
                 fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
-                filling = whole[c] + max(fresh, default=0) * F32
-                if not split_done.get(key):  # autograd's W has freed the activations it went through
-                    filling = max(0, filling - held.get(key, 0))
+                if split_done.get(key):
+                    # W from B's stash makes one weight's gradient at a time (runtime/weight_grad.py):
+                    # added at once into a bucket that exists (the parameter's .grad is its view),
+                    # kept as the parameter's .grad where none does, until `adopt` allocates the
+                    # bucket and moves them in
+                    filling = (sum(fresh) + max(fresh, default=0)) * F32
+                else:  # autograd's W returns every gradient at once, having freed the activations
+                    filling = max(0, whole[c] + max(fresh, default=0) * F32 - held.get(key, 0))
             elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
                 # at most `in_flight` waiting on a reduce-scatter and the one being filled
                 fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
@@ -502,6 +540,17 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         note(str(ins))
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
+
+
+def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
+    """Bytes a gradient reduction of an `n`-element bucket holds besides the bucket while in flight
+    (zero/coordinator.py): the low-precision copy it travels as (bf16), and when gradients are
+    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer
+    (parallel/hierarchical.start_exchange), which gets every member's slice of the bucket."""
+    out = n * plan.wire if plan.wire != F32 else 0
+    if sharded:
+        out += n // plan.dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+    return out
 
 
 def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
