@@ -107,8 +107,8 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         upcast = n * s.vocab * F32 if a != F32 else 0  # logits.float() under bf16
         weights = linear_params * 2 if a != F32 else 0
         # the norm's normalised input (for its weight's gradient) and its output (the projection's
-        # input), rms statistics, log-softmax and the targets (int64)
-        held = 2 * n * d * a + n * F32 + logsm + weights + n * 8
+        # input), rms statistics, log-softmax, the targets (int64) and the loss's total weight
+        held = 2 * n * d * a + n * F32 + logsm + weights + n * 8 + F32
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
         # W's x: the head's input (the layer before's output) and the norm's output
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
@@ -545,11 +545,12 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
 def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
     """Bytes a gradient reduction of an `n`-element bucket holds besides the bucket while in flight
     (zero/coordinator.py): the low-precision copy it travels as (bf16), and when gradients are
-    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer
-    (parallel/hierarchical.start_exchange), which gets every member's slice of the bucket."""
+    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer for the
+    other members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
     out = n * plan.wire if plan.wire != F32 else 0
     if sharded:
-        out += n // plan.dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+        shard = n // plan.dp * plan.wire
+        out += shard + (shard * (plan.dp - 1) if plan.gloo and plan.dp > 2 else 0)
     return out
 
 
