@@ -136,6 +136,11 @@ class ExchangeWork:
             self._finish = None
         return ok
 
+    def get_future(self) -> Any:
+        """Done when every send and receive is (the sum, if any, waits for `wait`); raises where
+        the backend's point-to-point works have no future."""
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
 
 # p2p tags of the exchanges: a reduce-scatter's and a gather's messages between the same two
 # members never match each other, whatever the two have in flight (each kind is posted in one

@@ -12,17 +12,22 @@ Categories (bytes on one rank):
   full bucket from its first gradient to its reduction, then this rank's shard);
 - optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0);
 - activations: what autograd saves in forward for each micro-batch in flight (recompute: the
-  chunk's input only), split backward's (x, dy) stash from B to W, and the transient peak inside an
-  action (a backward's gradients, the head's logits);
+  chunk's input, output and loss only), a split chunk's records of its weight ops for B, split
+  backward's (x, dy) stash from B to W, and the transient inside an action, followed layer by
+  layer where it matters (a recomputed chunk's backward, a split B, a ZeRO-2/3 backward whose
+  buckets fill and leave reduced as the layers behind it free their activations);
 - p2p: receive buffers posted ahead of use, and sends, which gloo and NCCL hold until the step's
-  end waits for them;
-- collectives: a reduction's low-precision wire copy and its reduce-scatter output;
+  end waits for them (an activation's send is the chunk's output itself, moved here from
+  `activations` when it is sent);
+- collectives: a reduction's buffers while in flight: the low-precision wire copy, the
+  reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received;
 - batch: the step's token batch (every rank holds the global batch's share of its replica).
 
 Per-layer bytes count what the built-in Llama's autograd keeps (models/llama.py), per token:
 a block saves its RMSNorm outputs, q, k, v before and after rotation, attention's output and its
 contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·kv + 4·hidden
-elements, plus fp32 statistics); the head its normed input and log-softmax (vocab elements, fp32).
+elements, plus fp32 statistics); the head its two normed tensors, log-softmax (vocab elements,
+fp32) and the targets.
 Under bf16 autocast linears keep bf16 copies of their weights per micro-batch and rotation keeps
 fp32 q and k. Other models (own specs) are estimated with the block formula of their dims.
 """
@@ -157,11 +162,15 @@ class ChunkBytes:
     backward_peak: int  # extra inside B / BW / W
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
     recompute_forward: int  # with --recompute: extra inside F (the most one layer's forward holds at once)
-    recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_peak`)
-    last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
+    recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_moments`)
+    recompute_b: int  # with --recompute: extra inside a B, which retains the graph for W
     recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
     w_peak: int  # extra inside a W from B's stash
     b_peak: int  # extra inside a split B (see `split_b_peak`)
+    # a full backward's course, layer by layer from the last: (parameters whose gradients exist by
+    # then, bytes beyond what the chunk held before it), without and with recompute
+    moments: tuple[tuple[int, int], ...] = ()
+    recompute_moments: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,11 +274,29 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     bwd = max((x.backward_extra for x in layers), default=0)
     # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
     loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
+    params = list(plan.chunk_params[chunk])
+    boundary = s.tokens * s.dim * s.act
+    rec = recompute_moments(layers, params, out, loss, boundary)
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
                       inp + out + loss, max((x.forward_live for x in layers), default=0),
-                      recompute_peak(layers, out, loss, s.tokens * s.dim * s.act),
-                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
-                      max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss))
+                      max((m for _, m in rec), default=0),
+                      max((m for _, m in recompute_moments(layers, params, out, loss, boundary, True)), default=0),
+                      sum(x.recorded for x in layers),
+                      max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
+                      backward_moments(layers, params, boundary), rec)
+
+
+def backward_moments(layers: list[LayerBytes], params: list[int], boundary: int) -> tuple[tuple[int, int], ...]:
+    """A full backward of the chunk (no recompute) as autograd runs it, layer by layer from the
+    last: at layer i the gradients of the layers after it and of i exist, i's backward adds its
+    transient, and the layers after i have freed what they saved, i's output among it (`held`
+    counts a layer's output, which the next layer saves)."""
+    out, done, freed = [], 0, 0
+    for j, (x, n) in enumerate(zip(reversed(layers), reversed(params))):
+        done += n
+        out.append((done, x.backward_extra - freed - (boundary if j else 0)))
+        freed += x.held
+    return tuple(out)
 
 
 def split_b_peak(layers: list[LayerBytes], loss: int) -> int:
@@ -288,9 +315,11 @@ def split_b_peak(layers: list[LayerBytes], loss: int) -> int:
     return max(peak, kept)
 
 
-def recompute_peak(layers: list[LayerBytes], out: int, loss: int, boundary: int) -> int:
-    """The most bytes a backward of a checkpointed chunk (torch.utils.checkpoint, non-reentrant, as
-    runtime/executor.py runs it) adds to what the chunk holds between F and B (`recompute_held`).
+def recompute_moments(layers: list[LayerBytes], params: list[int], out: int, loss: int,
+                      boundary: int, retain: bool = False) -> tuple[tuple[int, int], ...]:
+    """A backward of a checkpointed chunk (torch.utils.checkpoint, non-reentrant, as
+    runtime/executor.py runs it), as `backward_moments`: the bytes beyond what the chunk holds
+    between F and B (`recompute_held`), moment by moment.
 
     The last chunk's loss sits outside the checkpoint, so its backward runs first: log-softmax's
     gradient and the logits' beside the saved log-softmax (2 x `loss`), which it then frees. The
@@ -298,22 +327,27 @@ def recompute_peak(layers: list[LayerBytes], out: int, loss: int, boundary: int)
     stop: neither the chunk's output nor the logits are made again), so every layer's saved
     tensors are back at once; autograd then frees each as it is unpacked, layer by layer from the
     last: at layer i the layers up to i are still held, plus i's own backward and the gradient
-    flowing into it. At the head the logits' gradient takes the freed log-softmax's place, beside
-    the projection's input gradient."""
+    flowing into it, less i's output (the next layer saved it, and has freed it) and, in the last
+    chunk, less the log-softmax. At the head the logits' gradient takes the freed log-softmax's
+    place, beside the projection's input gradient. `retain`: a B (autograd.grad with the graph
+    retained for W) keeps the log-softmax."""
     held = [x.held for x in layers]
     if loss:
         held[-1] -= loss  # the log-softmax is the loss's, kept outside the checkpoint
     elif held:
         held[-1] -= out  # the chunk's output is saved by nothing inside it
-    peak = 2 * loss
+    moments = [(0, 2 * loss)] if loss else []
+    done = 0
     for i in range(len(layers) - 1, -1, -1):
         below = sum(held[:i + 1])
+        done += params[i]
         if loss and i == len(layers) - 1:
-            peak = max(peak, below + boundary)  # the logits' gradient replaces the log-softmax
+            moments.append((done, below + boundary))  # the logits' gradient replaces the log-softmax
         else:
-            flowing = boundary if i < len(layers) - 1 else 0  # the last layer's is the received one
-            peak = max(peak, below + layers[i].backward_extra + flowing)
-    return peak
+            inner = i < len(layers) - 1  # the last layer's gradient is the received one
+            after = boundary + (0 if retain else loss) if inner else 0  # its output (and the log-softmax), freed
+            moments.append((done, below + layers[i].backward_extra + (boundary if inner else 0) - after))
+    return tuple(moments)
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -483,23 +517,15 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         # recompute the chunk's forward again
         # (B: its output gradients, the stash W will need, are the backward's gradients)
         extra = b.b_peak if split else b.backward_peak
-        if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
-            extra = b.recompute_backward
+        if plan.recompute:  # the loss's backward first, then the chunk recomputed; W's autograd.grad
+            # over the retained graph recomputes it again (B's unpacking freed what it recomputed)
+            extra = b.recompute_b if a.op is Op.B else b.recompute_backward
         if a.op is Op.W and split_done.get(key):
             extra = b.w_peak
         if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
-        coll = 0
-        if rules.sharded_grads and dp > 1 and i in reducing_at:
-            # autograd's hooks start each bucket's reduce-scatter inside this backward as soon as
-            # its gradients are complete, then wait for all but the newest `in_flight`
-            # (zero/sharded.py): the newest `in_flight + 1` reductions are alive at once, each with
-            # its buffers, beside every full gradient not yet reduced
-            per = [reduction_bytes(plan, n, True) for n in bp.buckets(c)]
-            k = plan.in_flight + 1
-            coll = max((sum(per[j:j + k]) for j in range(max(1, len(per) - k + 1))), default=0)
         filling = 0
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
@@ -511,22 +537,22 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                     # kept as the parameter's .grad where none does, until `adopt` allocates the
                     # bucket and moves them in
                     filling = (sum(fresh) + max(fresh, default=0)) * F32
-                else:  # autograd's W returns every gradient at once, having freed the activations
+                else:  # autograd's W returns every gradient at once, once it has freed the
+                    # activations (and with recompute its recomputed chunk): after its own peak
                     filling = max(0, whole[c] + max(fresh, default=0) * F32 - held.get(key, 0))
-            elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
-                # at most `in_flight` waiting on a reduce-scatter and the one being filled
-                fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
-                filling = sum(fresh[-(plan.in_flight + 1):]) * F32
-            else:
+                    note(str(ins), {"activations": extra})
+                    extra = 0
+        grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
+        if a.op is Op.BW and rules.sharded_grads:
+            # the backward's course: each bucket appears with its first gradient, and in a
+            # backward the program follows with REDUCE_GRADs leaves reduced as it completes
+            for extras in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
+                note(str(ins), extras)
+            if i not in reducing_at:
                 for k in range(len(bp.buckets(c))):
                     grad_bucket(c, k)
-        grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
-        if stashed_w:
-            coll = 0  # the program's REDUCE_GRADs start them, after W
-        note(str(ins), {"activations": extra, "grads": filling})
-        if coll:  # the first bucket completes once backward has left the chunk's last layer behind
-            freed = min(b.last_layer, held.get(key, 0)) if a.op is Op.BW else 0
-            note(str(ins), {"activations": b.backward_peak - freed, "grads": filling, "collectives": coll})
+        else:
+            note(str(ins), {"activations": extra, "grads": filling})
         if stashed_w and rules.sharded_grads:
             for k in range(len(bp.buckets(c))):
                 grad_bucket(c, k)
@@ -535,11 +561,41 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             split_done[key] = True
             live["activations"] += b.stash - held[key]
             held[key] = b.stash
-        elif a.op is not Op.B:  # (B of the first chunk, or with recompute, keeps the graph for W)
+        elif a.op is not Op.B:
             live["activations"] -= held.pop(key)
+        else:  # B of the first chunk, or with recompute, keeps the graph and its output's gradient for W
+            held[key] += grad_in
+            live["activations"] += grad_in
         note(str(ins))
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
+
+
+def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],
+                     shards: set[tuple[int, int]], reducing: bool) -> list[dict[str, int]]:
+    """The extra bytes at each moment of a full backward of chunk `c` at ZeRO-2/3 (see
+    `backward_moments`): gradients land in a bucket allocated with its first gradient (`adopt`,
+    zero/buckets.py) while the layers behind free their activations; with `reducing`, autograd's
+    hooks start a bucket's reduce-scatter as soon as it is complete and then wait for all but the
+    newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it and the `in_flight`
+    before it are in flight with their buffers, and the older ones are reduced to their shard."""
+    sizes = plan.buckets.buckets(c)
+    ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+    dp, k_alive = plan.dp, plan.in_flight + 1
+    out = []
+    for done, act in (b.recompute_moments if plan.recompute else b.moments):
+        grads = coll = 0
+        complete = [k for k, e in enumerate(ends) if e <= done] if reducing else []
+        for k, n in enumerate(sizes):
+            started = k == 0 or ends[k - 1] < done
+            if started and (c, k) not in full:
+                grads += n * F32
+        for k in complete[:-k_alive]:  # reduced: the full bucket gives way to its shard
+            grads -= sizes[k] * F32 - (0 if (c, k) in shards else sizes[k] // dp * F32)
+        for k in complete[-k_alive:]:
+            coll += reduction_bytes(plan, sizes[k], True)
+        out.append({"activations": act, "grads": grads, "collectives": coll})
+    return out
 
 
 def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
