@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipezero.config import GradReduce, Placement, ScheduleKind
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import Instr, Kind, PointToPoint, Program, lower
+from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program, lower
 from pipezero.schedules.registry import build_schedule
 
 FOLDER = "doctor"  # under the run folder
@@ -309,35 +310,63 @@ def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None
     lines += [f"  rank {w} waits for {what}" for w, what in sorted(v.waiting.items())]
     if summary is not None and summary.get("straggler"):
         s = summary["straggler"]
-        lines.append(f"straggler (summary.json): rank {s['rank']} made the others wait {s['s_per_step']:.3f}s a step")
+        lines.append(f"straggler (summary.json): rank {s['rank']} made the others wait {s['s_per_step']:.3f}s a step"
+                     + BASIS.get(s.get("compared_with"), ""))
     return "\n".join(lines)
 
 
 # --- stragglers -----------------------------------------------------------------------------------
-def stragglers(waits: list[dict[str, Any]], ranks: Ranks, steps: int) -> dict[str, Any]:
-    """Which rank made the others wait most, per step. Between two pipeline neighbours, what one
-    waited on the other beyond what the other waited on it counts against the other (a rank late
-    to send makes its peer late to answer: the back-and-forth cancels). In a collective the last to
-    arrive waits least, so each member's excess over the group's least counts against the member
-    that waited least (data-parallel groups, and the world at OPTIM_STEP)."""
+# The share of a layer's training cost (models' `layer_costs`: forward and backward together) each
+# compute action does: forward, input gradient and weight gradient 2 FLOPs a weight each (F:B:W =
+# 1:1:1, as the simulator's default).
+SHARE = {Kind.F: 1 / 3, Kind.B: 1 / 3, Kind.W: 1 / 3, Kind.BW: 2 / 3}
+# What the doctor's straggler line adds, by summary.json's `compared_with`.
+BASIS = {"data-parallel replicas": ": its own work ran that much past its data-parallel replicas'",
+         "planned work": ": its own work ran that much past the others', weighed by the plan's cost of each rank's"}
+
+
+def planned_work(program: Sequence[Instr], chunk_costs: Sequence[float]) -> float:
+    """The plan's cost of one step of a rank's compute, in the units of `chunk_costs` (each
+    chunk's summed layer costs): what its instructions F, B, W and BW ask of it. Ranks of one stage
+    run the same program: equal figures; across stages, what the partition's cost model expects."""
+    return sum(SHARE[ins.kind] * chunk_costs[ins.action.chunk] for ins in program if isinstance(ins, Compute))
+
+
+def stragglers(work: list[dict[str, Any]], ranks: Ranks) -> dict[str, Any]:
+    """Which rank made the others wait most, per step, from each rank's own work: the seconds of
+    its compute instructions less the waits inside them (`own_s` over `steps`, runtime/flight.py),
+    beside the plan's cost of one step of that work (`planned`, `planned_work`).
+
+    Waits alone cannot say it: a rank fed late by a slow peer is late in turn to its own sends and
+    collectives, so the delay spreads over the slow rank's neighbours, which then wait as little
+    as it does (with rank 1 slowed, blame by waits gave ranks 1, 2 and 3 0.31, 0.34 and 0.32 s a
+    step, and named rank 2). Own work can: the ranks of one stage run the same program, so the
+    data-parallel replicas of a stage say how long its work takes, and a rank whose own work
+    runs past theirs holds its replicas up at every collective and its pipeline peers at every
+    transfer by that much. With one replica (D = 1) each rank is compared with the others through
+    the plan's cost of their work. The reference is the lower median of a pool's seconds per unit
+    of planned work: up to half of a pool may be slow and still be told apart; with two, the faster."""
     if ranks.world < 2:
         return {}
-    blame = [0.0] * ranks.world
-    on = [[waits[r]["p2p"].get(str(q), 0.0) for q in range(ranks.world)] for r in range(ranks.world)]
-    for r in range(ranks.world):
-        for q in range(r + 1, ranks.world):
-            net = on[r][q] - on[q][r]
-            blame[q if net > 0 else r] += abs(net)
-    groups = [[ranks.rank(p * ranks.dp + d) for d in range(ranks.dp)] for p in range(ranks.pp)]
-    for key, members in [("collectives", g) for g in groups] + [("world", list(range(ranks.world)))]:
-        if len(members) < 2:
-            continue
-        times = [waits[m][key] for m in members]
-        last = members[times.index(min(times))]
-        blame[last] += sum(t - min(times) for t in times)
-    per_step = [b / max(1, steps) for b in blame]
-    worst = max(range(ranks.world), key=lambda r: per_step[r])
-    return {"rank": worst, "stage": ranks.coords(worst)[0], "s_per_step": per_step[worst], "by_rank": per_step}
+    own = [w["own_s"] / max(1, w["steps"]) for w in work]
+    planned = [w.get("planned") or 0.0 for w in work]
+    if min(planned) <= 0:  # no cost model for this model: every rank's work taken as equal
+        planned = [1.0] * ranks.world
+    if ranks.dp > 1:
+        pools = [[ranks.rank(p * ranks.dp + d) for d in range(ranks.dp)] for p in range(ranks.pp)]
+        basis = "data-parallel replicas"
+    else:
+        pools, basis = [list(range(ranks.world))], "planned work"
+    expected = [0.0] * ranks.world
+    for pool in pools:
+        rates = sorted(own[m] / planned[m] for m in pool)
+        typical = rates[(len(rates) - 1) // 2]
+        for m in pool:
+            expected[m] = typical * planned[m]
+    late = [max(0.0, o - e) for o, e in zip(own, expected)]
+    worst = max(range(ranks.world), key=lambda r: (late[r], -r))
+    return {"rank": worst, "stage": ranks.coords(worst)[0], "s_per_step": late[worst], "by_rank": late,
+            "own_work_s": own, "compared_with": basis}
 
 
 def add_doctor_parser(sub: Any) -> None:

@@ -16,7 +16,7 @@ import torch
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
-from pipezero.doctor import Ranks, stragglers
+from pipezero.doctor import Ranks, planned_work, stragglers
 from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
@@ -56,8 +56,9 @@ SUMMARY_FIELDS: dict[str, str] = {
     "memory": "ranks: each rank's predicted_peak_bytes and its categories (sim/memory.py; null for a model of "
               "one's own), and with --memory-profile its measured_peak_bytes of the first step (else null)",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
-                 "by_rank): p2p waits count against the peer, a collective's against its last arrival; {} for "
-                 "one rank (docs/how-to/hang-doctor.md)",
+                 "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
+                 "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
+                 "through the plan's cost of each rank's work); {} for one rank (docs/how-to/hang-doctor.md)",
 }
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
@@ -75,6 +76,9 @@ RANK_FIELDS: dict[str, str] = {
     "peak_rss_bytes_training": "resident-memory high-water mark at the end of the last training step",
     "waits_s": "seconds this rank was blocked: on each peer's transfers (p2p, by rank), in data-parallel "
                "collectives, and in the optimizer step's all-reduce over the world",
+    "work": "own_s: seconds of this rank's compute instructions (F, B, W, BW) less the waits inside them, over "
+            "`steps` training steps (those after the first when there are more); planned: the plan's cost of one "
+            "step of them (layer costs); for the straggler",
     "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
     "measured_peak_bytes": "with --memory-profile: this rank's peak memory of the first step (CUDA: allocator peak; "
                            "CPU: live tensor bytes); else null",
@@ -131,6 +135,13 @@ def shared_cores(per_rank: list[dict]) -> dict | None:
     return max(crowded, key=lambda h: h["ranks"] / h["cores"]) if crowded else None
 
 
+def own_work(cfg: TrainConfig, stage: "Stage") -> dict[str, float]:
+    """This rank's own work over the run (seconds) and the plan's cost of one step of it."""
+    costs = stage.spec.layer_costs(cfg.data.seq_len)
+    chunks = [sum(costs[a:b]) for a, b in stage.bounds]
+    return {**stage.executor.flight.work(), "planned": planned_work(stage.program, chunks)}
+
+
 def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunResult,
                progress: StepProgress | None, board: TensorBoardLog | None = None, own_model: bool = False) -> None:
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
@@ -145,7 +156,8 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run},
             "measured_peak_bytes": result.measured_peak_bytes,
-            "waits_s": stage.executor.flight.waits()}  # blocked on each peer and in collectives: stragglers
+            "waits_s": stage.executor.flight.waits(),  # blocked on each peer and in collectives
+            "work": own_work(cfg, stage)}  # who is slow: the straggler
     if stage.peaks.phases:
         mine["peak_device_bytes"] = stage.peaks.phases  # training steps after the first, evaluation
     end = f"rank {stage.mesh.rank}: end of run"
@@ -180,8 +192,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
         "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
-        "straggler": stragglers([x["waits_s"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value),
-                                r.max_steps - result.resumed_from),
+        "straggler": stragglers([x["work"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value)),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)

@@ -6,8 +6,10 @@ OUT/fault.json, so the test knows the instruction the doctor must name:
   test's spawner kills it once the others failed);
 - "kill": SIGKILL itself inside its first wait for a gradient reduction (mid-collective);
 - "skip": return from its first send of micro-batch 1 without posting it (a planted bug);
-- "slow": every compute action takes half as long again, plus 0.3 s once a step (a straggler
-  that catches up: no hang).
+- "slow": every compute action takes half as long again, plus 0.3 s after each of its chunks'
+  forward of micro-batch 0 (once a step; twice with zb-v's two chunks a rank): a straggler that
+  catches up (no hang). The sleeps fall inside the compute instructions, so they count as the
+  rank's own work (runtime/flight.py), as a slower device's compute would.
 """
 
 from __future__ import annotations

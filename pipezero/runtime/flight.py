@@ -10,7 +10,12 @@ is asked for, while the rank's own thread is blocked in the wait.
 What the doctor needs beyond "where": the sends a rank really posted to each peer this step
 (`sent`), and the first SEND instruction that ended without posting anything (`unposted`): a
 program that passed a SEND its peer never got is told apart from a link that lost it. And, for
-stragglers, the seconds this rank waited on each peer (p2p) and in collectives, summed over the run.
+stragglers (doctor.stragglers), two sums: the seconds this rank waited on each peer (p2p) and in
+collectives over the run, and the seconds of its own work over the steps after the first: its
+compute instructions (F, B, W, BW) less the waits inside them (a forward's receive of its input, a
+backward's gathers and reductions).
+Waits say who waited, not for whom (a rank fed late by a slow peer passes the delay on and looks as
+guilty as it); own work says who was slow, and every rank of a stage has the same work to do.
 """
 
 from __future__ import annotations
@@ -57,6 +62,12 @@ class FlightRecord:
         self.waited_on: dict[int, float] = {}  # peer -> seconds blocked on its p2p transfers (run)
         self.collective_wait_s = 0.0  # seconds blocked in data-parallel collectives (run)
         self.world_wait_s = 0.0  # seconds blocked in the optimizer step's all-reduce over the world (run)
+        # Seconds in compute instructions less the waits inside them, over the steps after the first
+        # this process played (the first warms up allocators and caches unevenly), and in that first.
+        self.own_work_s, self.own_steps, self.first_work_s = 0.0, 0, 0.0
+        self._work_steps: tuple[int, int] | None = None  # (first step with own work, latest)
+        self._t0 = time.perf_counter()  # start of the instruction under way, for own_work_s
+        self._waited = 0.0  # seconds blocked so far inside the instruction under way
         self.failure = ""  # the error a wait ended with; the record then stays as it was at that wait
         self.on_failure: Callable[[], None] | None = None  # the watchdog's: write the record at once
         self._ring: list[Finished | None] = [None] * keep
@@ -76,6 +87,7 @@ class FlightRecord:
         self.finish()
         self.index, self.ins = index, ins
         self.nbytes, self.started = 0, time.time()
+        self._t0, self._waited = time.perf_counter(), 0.0
         if index == 0:
             self.sent, self.unposted = {}, -1
 
@@ -90,9 +102,28 @@ class FlightRecord:
             return
         if self.nbytes == 0 and self.unposted < 0 and getattr(self.ins, "send", False):
             self.unposted = self.index
+        if hasattr(self.ins, "action"):  # Compute: F, B, W or BW
+            self._worked(max(0.0, time.perf_counter() - self._t0 - self._waited))
         self._ring[self._n % len(self._ring)] = (self.step, self.index, self.ins, self.started, time.time())
         self._n += 1
         self.index = -1
+
+    def _worked(self, seconds: float) -> None:
+        step = self.step
+        first, latest = self._work_steps or (step, step)
+        if step == first:
+            self.first_work_s += seconds
+        else:
+            self.own_steps += step != latest
+            self.own_work_s += seconds
+        self._work_steps = first, step
+
+    def work(self) -> dict[str, float]:
+        """Own work a step, as seconds over steps (those after the first when there are any), for the
+        straggler in summary.json (doctor.stragglers)."""
+        if self.own_steps:
+            return {"own_s": self.own_work_s, "steps": self.own_steps}
+        return {"own_s": self.first_work_s, "steps": 1 if self._work_steps else 0}
 
     def posted(self, peer: int, nbytes: int) -> None:
         """A send of `nbytes` to `peer` was posted (runtime/p2p.py)."""
@@ -115,6 +146,7 @@ class FlightRecord:
             raise
         finally:
             took = time.perf_counter() - t0
+            self._waited += took
             peer, op = awaited.get("peer"), awaited.get("op")
             if op in ("RECV", "SEND") and peer is not None:
                 self.waited_on[peer] = self.waited_on.get(peer, 0.0) + took
@@ -143,6 +175,6 @@ class FlightRecord:
                 "recent": [[step, i, str(ins), t0, t1] for step, i, ins, t0, t1 in self.recent()]}
 
     def waits(self) -> dict[str, Any]:
-        """Seconds blocked, for the straggler figures in summary.json (doctor.stragglers)."""
+        """Seconds blocked, for summary.json (own work, for the straggler, is `work`)."""
         return {"p2p": {str(k): v for k, v in self.waited_on.items()}, "collectives": self.collective_wait_s,
                 "world": self.world_wait_s}
