@@ -35,7 +35,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
     "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
     "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V)"),
-    "--partition": ("parallel.partition", "how layers are split over stage chunks"),
+    "--partition": ("parallel.partition", "how layers are split over stage chunks (memory: the cut whose largest "
+                                          "predicted per-rank peak is least)"),
     "--stage-layers": ("parallel.stage_layers", "layers per stage chunk, e.g. 3,5,5,3"),
     "--grad-reduce": ("parallel.grad_reduce", "reduce gradients once a step or every micro-batch"),
     "--placement": ("parallel.placement", "neighbouring ranks (one node) hold a stage's replicas (dp-inner) "

@@ -85,9 +85,10 @@ class OnBadRecord(str, enum.Enum):
 
 
 class Partition(str, enum.Enum):
-    UNIFORM = "uniform"
-    PARAMS = "params"
-    COST = "cost"
+    UNIFORM = "uniform"  # equal layer counts
+    PARAMS = "params"  # equal parameters
+    COST = "cost"  # equal modelled compute time
+    MEMORY = "memory"  # the least largest predicted per-rank peak (sim/memory_partition.py)
 
 
 @dataclass
@@ -162,7 +163,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     """V stage chunks per pipeline rank (interleaved and V-shaped schedules need 2 or more)."""
     partition: Partition = Partition.UNIFORM
-    """How layers are split over stage chunks: equal layer counts, equal parameters, or equal cost."""
+    """How layers are split over stage chunks: equal layer counts, equal parameters, equal cost, or
+    `memory`: the cuts whose largest predicted per-rank peak (sim/memory.py) is least, which gives
+    1F1B's first rank, holding P micro-batches of activations, fewer layers than its last."""
     stage_layers: list[int] | None = None
     """Explicit layer count per stage chunk (embedding and head included); overrides `partition`."""
     recompute: bool = False

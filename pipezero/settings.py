@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import LaunchConfig, Packing, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
+from pipezero.config import LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
@@ -294,6 +294,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
         check_end_chunks(p.stage_layers)
     else:
+        _check(p.partition is not Partition.MEMORY or spec is None,
+               f"--partition memory with --model-spec {m.spec}: the memory model knows the built-in decoder's layers, "
+               f"not a spec of one's own; use --partition params or cost, or --stage-layers")
         _check(
             chunks <= layers,
             f"pp x virtual-stages = {chunks} stage chunks but the model has only {layers} layers "

@@ -14,11 +14,12 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, GradQuant, ParallelConfig, SecondaryShard, TrainConfig, WeightQuant
+from pipezero.config import DType, GradQuant, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import place_hollow
+from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
@@ -74,6 +75,21 @@ def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
     return TiedCopies(local, head, group) if local else None
 
 
+def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list[int] | None:
+    """The run's explicit cuts; under `--partition memory` the ones whose largest predicted peak is
+    least (sim/memory_partition.py), computed from the run's settings alone so every rank, and the
+    prediction in summary.json, cut alike."""
+    p = cfg.parallel
+    if p.partition is not Partition.MEMORY or p.stage_layers is not None:
+        return p.stage_layers
+    if type(spec) is not LlamaSpec:
+        raise ConfigError(f"--partition memory with the model {type(spec).__name__}: the memory model knows the "
+                          f"built-in decoder's layers only; use --partition params or cost, or --stage-layers")
+    from pipezero.sim.memory_partition import resolve
+
+    return resolve(cfg, device.type == "cuda").parallel.stage_layers
+
+
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu"), spec: ModelSpec | None = None) -> Stage:
     """This rank's part of the job. `spec` is the model (models/spec.py); None: the built-in
@@ -84,7 +100,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
     proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # before any transfer
     schedule, predicted = proven.schedule, proven.predicted
-    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, p.stage_layers)
+    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
     check_end_chunks([b - a for a, b in bounds])
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
     shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params

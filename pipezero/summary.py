@@ -116,8 +116,9 @@ def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list
     """summary.json's `memory`: the memory model's peak per rank beside the measured one. The model
     knows the built-in decoder's layers, not a spec of one's own (its prediction is null)."""
     from pipezero.sim.memory import predict
+    from pipezero.sim.memory_partition import resolve
 
-    predicted = None if own_model or cfg.model.spec is not None else predict(cfg, cuda)
+    predicted = None if own_model or cfg.model.spec is not None else predict(resolve(cfg, cuda), cuda)
     return {"ranks": [{"rank": r, "measured_peak_bytes": x["measured_peak_bytes"],
                        "predicted_peak_bytes": predicted[r].peak_bytes if predicted else None,
                        "categories": predicted[r].categories if predicted else None}

@@ -21,6 +21,23 @@ def whole_documents(folder) -> dict:
     return {"data.path": str(path), "data.heldout_fraction": 0.1, "data.packing": "none"}
 
 
+def assert_cut_by_memory(results: list[list[dict]], data: str, out) -> None:
+    """Every rank of a `--partition memory` case held the cuts the policy chooses for its settings,
+    and they are not uniform's (else the case would test nothing)."""
+    from pipezero.settings import build_config
+    from pipezero.sim.memory_partition import balance
+    from training import tiny_overrides
+
+    cases = [r["case"] for r in results[0] if r["case"].get("parallel.partition") == "memory"]
+    assert cases
+    for case in cases:
+        counts = list(balance(build_config(None, tiny_overrides(data, str(out), **case)), False).counts)
+        assert len(set(counts)) > 1, counts
+        for per_rank in results:
+            (bounds,) = [r["bounds"] for r in per_rank if r["case"] == case]
+            assert [b - a for a, b in bounds] == counts, (case, bounds, counts)
+
+
 @pytest.mark.distributed
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
@@ -42,6 +59,8 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     # Activation recomputation and the cost partition change memory and cuts, not the model.
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "parallel.recompute": True, "parallel.partition": "cost"}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
+    # Memory-balanced cuts over a V placement: (1, 1, 2, 4) layers, not uniform's (2, 2, 2, 2).
+    cases += [{"pp": 2, "dp": 1, "kind": K.ZB_V, "m": 4, "parallel.partition": "memory"}]
     # Tied embeddings with the two ends on two ranks (1f1b, zb-h1) and on one rank (zb-v's V).
     cases += [{"pp": 2, "dp": 1, "kind": kind, "m": 4, "model.tie_embeddings": True}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V)]
@@ -60,6 +79,7 @@ def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     results = run_ranks(train_cases_watching_gathers, 2, str(text_dir), str(tmp_path), cases)
     refs: dict = {}
     assert_same_training(results, str(text_dir), tmp_path, refs)
+    assert_cut_by_memory(results, str(text_dir), tmp_path)
     for per_rank in results:
         fused = next(r["peak_gathered"] for r in per_rank if r["case"] == cases[-5])  # 1f1b, layer by layer
         for r in per_rank:
@@ -122,6 +142,8 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
+    # Memory-balanced cuts (sim/memory_partition.py): (2, 1, 2, 3) layers, not uniform's (2, 2, 2, 2).
+    cases += [{"pp": 4, "dp": 1, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.partition": "memory"}]
     # Micro-batches of different lengths through four stages, and through ZeRO 0-3 across replicas.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, **whole_documents(tmp_path)}
               for kind in (K.ONE_F_ONE_B, K.INTERLEAVED_1F1B, K.ZB_H2, K.ZB_V)]
@@ -129,6 +151,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
               for zero in (0, 1, 2, 3)]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
+    assert_cut_by_memory(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):
         for r in per_rank:
             c = r["case"]

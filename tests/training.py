@@ -81,7 +81,8 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
         if started != listed:
             raise AssertionError(f"rank {rank}, {case}: the runtime started {started}, the program lists {listed}")
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
-                        "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started})
+                        "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started,
+                        "bounds": seen["stage"].bounds})
     return results
 
 

@@ -3,6 +3,10 @@
 Policies: `uniform` (layer count), `params` (parameter count) and `cost` (modelled time per layer,
 where the LM head's vocab x dim matmul and the embedding's memory traffic count, which matter at
 small sizes), or an explicit list of layers per chunk. Balanced cuts minimise the heaviest chunk.
+
+`memory` balances each rank's predicted peak, which depends on the whole run (schedule, ZeRO stage,
+micro-batch shape), not on per-layer counts: sim/memory_partition.resolve turns it into an explicit
+list first, and here it is only ever explicit.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, poli
     n_layers = len(params)
     if explicit is not None:
         counts = list(explicit)
+    elif policy is Partition.MEMORY:
+        raise ValueError("the memory partition is chosen from the whole run configuration: pass the cuts of "
+                         "sim/memory_partition.resolve(cfg) as explicit counts")
     elif policy is Partition.UNIFORM:
         base, extra = divmod(n_layers, n_chunks)
         counts = [base + (1 if i < extra else 0) for i in range(n_chunks)]

@@ -50,7 +50,7 @@ ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_laye
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
-MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute")  # add_memory_flags' own: no timing run reads them
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:

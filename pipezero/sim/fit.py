@@ -11,6 +11,7 @@ from dataclasses import replace
 from pipezero.config import Device, DType, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.sim.memory import RankMemory, predict
+from pipezero.sim.memory_partition import resolve
 
 GIB = 2**30
 
@@ -36,7 +37,7 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
     know)."""
     if limit_gib is None or cfg.model.spec is not None:
         return None
-    ranks = predict(cfg, cuda)
+    ranks = predict(resolve(cfg, cuda), cuda)
     over = [r for r in ranks if r.peak_bytes > limit_gib * GIB]
     if not over:
         return ranks
@@ -74,4 +75,6 @@ def flags(lay) -> str:  # a planner Layout as train's flags
         out += " --recompute"
     if lay.grad_reduce.value != "step":
         out += f" --grad-reduce {lay.grad_reduce.value}"
+    if lay.partition.value != "uniform":
+        out += f" --partition {lay.partition.value}"
     return out

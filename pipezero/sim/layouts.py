@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipezero.config import GradReduce, Placement, ScheduleKind
+from pipezero.config import GradReduce, Partition, Placement, ScheduleKind
 
 
 @dataclass(frozen=True)
@@ -56,3 +56,4 @@ class Layout:
     grad_bits: int = 0  # --quantize-grads: 8 or 4, 0 not quantized
     quant_block: int = 256  # elements a scale (--quant-block)
     secondary: bool = False  # --secondary-shard node: ZeRO-3 layer by layer gathers again inside the node
+    partition: Partition = Partition.UNIFORM  # memory: cut so that the largest per-rank peak is least

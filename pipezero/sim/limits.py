@@ -31,6 +31,11 @@ TIME = Range(0, 1e6)
 # them; many micro-batches a rank cost the most and are played last, what does not fit is skipped
 PLAN_BUDGET = 200_000
 LAYOUT_COST = 5
+# plan: where fewer layouts than this fit, those that do not are tried with memory-balanced cuts
+# (sim/memory_partition.py), nearest to fitting first, until the searches have walked this many
+# rank programs (one to tens of ms each)
+MEMORY_CUT_RANK = 10
+MEMORY_CUT_WALKS = 200
 # plan: GPUs (the groups of every split are enumerated) and sequences a step
 GPUS = Range(1, 65536)
 GLOBAL_BATCH = Range(1, 2**20)

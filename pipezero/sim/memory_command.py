@@ -10,9 +10,10 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from pipezero.config import ScheduleKind, TrainConfig
+from pipezero.config import Partition, ScheduleKind, TrainConfig
 from pipezero.schedules.registry import default_virtual
 from pipezero.sim.memory import CATEGORIES, RankMemory, build_plan, every_rank
+from pipezero.sim.memory_partition import resolve
 
 MIB = 2**20
 # simulate's flag -> the run setting it sets for --memory (the layout flags train also takes)
@@ -20,7 +21,8 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "schedule": "parallel.schedule", "microbatches": "parallel.microbatches",
                           "virtual_stages": "parallel.virtual_stages", "micro_batch_size": "parallel.micro_batch_size",
                           "seq_len": "data.seq_len", "recompute": "parallel.recompute", "dtype": "run.dtype",
-                          "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce"}
+                          "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce",
+                          "partition": "parallel.partition"}
 
 
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
@@ -30,6 +32,9 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
     m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
     m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
+    m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
+                   help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
+                        "largest predicted peak is least)")
 
 
 def memory_config(args: argparse.Namespace, changed: list[str]) -> TrainConfig:
@@ -52,17 +57,19 @@ def memory_config(args: argparse.Namespace, changed: list[str]) -> TrainConfig:
 
 def cmd_simulate_memory(args: argparse.Namespace, changed: list[str]) -> int:
     cfg = memory_config(args, changed)
-    plan = build_plan(cfg)
+    plan = build_plan(resolve(cfg))
     ranks = every_rank(plan, keep_timeline=bool(args.png))
+    cuts = [b - a for a, b in plan.layer_bounds]  # layers a stage chunk, as the policy cut them
     if args.png:
         draw_memory(ranks, cfg, args.png)
     if args.json:
-        print(json.dumps({"ranks": [r.to_json() for r in ranks]}, indent=2))
+        print(json.dumps({"ranks": [r.to_json() for r in ranks], "stage_layers": cuts}, indent=2))
         return 0
     p = cfg.parallel
     table = Table(title=f"peak memory a rank (MiB): {cfg.model.preset} P={p.pp} D={p.dp} ZeRO-{p.zero} "
                         f"{p.schedule.value} M={p.microbatches} B={p.micro_batch_size} T={cfg.data.seq_len} "
-                        f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}")
+                        f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}; layers a chunk "
+                        f"{','.join(map(str, cuts))} ({'explicit' if p.stage_layers else p.partition.value})")
     shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
     for col in ("rank", "peak", *shown, "at"):
         table.add_column(col, justify="left" if col == "at" else "right")
