@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Debian's Slurm and munge for tests/test_slurm.py, which starts its own munged, slurmctld and
-# slurmd on this machine (README: "Slurm").
+# Debian's Slurm and munge for tests/test_slurm.py, which starts its own munged, slurmctld and a
+# slurmd on each of two nodes emulated on this machine (tests/local_slurm.py; README: "Slurm").
 #
-#   .ci/setup_slurm.sh                       install slurmctld, slurmd, slurm-client and munge
+#   .ci/setup_slurm.sh                       install slurmctld, slurmd, slurm-client and munge, and
+#                                            iproute2 and util-linux for the nodes' namespaces
 #                                            (apt-get; nothing to do when they are there)
-#   .ci/setup_slurm.sh conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID
-#                                            write DIR/slurm.conf and DIR/munge.key for one node
-#                                            on this machine, every state file under DIR
+#   .ci/setup_slurm.sh conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID NAME=ADDR...
+#                                            write DIR/slurm.conf and DIR/munge.key for the nodes
+#                                            NAME at ADDR (slurmctld on the first), every state
+#                                            file under DIR
 set -euo pipefail
 
 install() {
     local missing=()
-    for cmd in munged slurmctld slurmd sbatch srun scontrol; do
+    for cmd in munged slurmctld slurmd sbatch srun scontrol ip tc nsenter unshare; do
         command -v "$cmd" >/dev/null || missing+=("$cmd")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
@@ -19,25 +21,34 @@ install() {
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     export DEBIAN_FRONTEND=noninteractive
-    local packages=(slurmctld slurmd slurm-client munge)
+    local packages=(slurmctld slurmd slurm-client munge iproute2 util-linux)
     $sudo apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null ||
         { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends "${packages[@]}" >/dev/null; }
 }
 
-# One node named localhost (it resolves everywhere: the ranks' rendezvous host is the first node's
-# name) with 4 CPUs whatever the machine has (SlurmdParameters=config_overrides) and CPUs shared
-# between jobs (OverSubscribe=FORCE). No cgroups: processes are tracked by parent
-# (proctrack/linuxproc) and tasks are not bound (task/none), which works in containers too.
-# Debian's build allows one slurmd a host, so "nodes" here are one node.
+# Each node NAME at ADDR has 4 CPUs whatever the machine has (SlurmdParameters=config_overrides)
+# and shares them between jobs (OverSubscribe=FORCE); slurmctld runs on the first node. Each slurmd
+# has its own spool, pid and log file (%n: its node name). No cgroups: processes are tracked by
+# parent (proctrack/linuxproc) and tasks are not bound (task/none), which works in containers too.
+# Debian's slurmd is built for one slurmd a host name (no --enable-multiple-slurmd): several nodes
+# on one machine need a host name and an address each (tests/test_slurm.py: a network and a UTS
+# namespace a node).
 conf() {
     local dir=$1 ctld_port=$2 slurmd_port=$3 first_job_id=$4
-    mkdir -p "$dir/state" "$dir/spool"
+    shift 4
+    local head=${1%%=*} head_addr=${1#*=} nodes="" node
+    for node in "$@"; do
+        [[ $node =~ ^[A-Za-z][A-Za-z0-9-]*=[0-9.]+$ ]] || { echo "setup_slurm: '$node' is not NAME=ADDR" >&2; exit 2; }
+        nodes+="NodeName=${node%%=*} NodeAddr=${node#*=} CPUs=4 State=UNKNOWN"$'\n'
+    done
+    mkdir -p "$dir/state"
+    for node in "$@"; do mkdir -p "$dir/spool-${node%%=*}"; done
     chmod 700 "$dir"
     head -c 1024 /dev/urandom >"$dir/munge.key"
     chmod 600 "$dir/munge.key"
     cat >"$dir/slurm.conf" <<CONF
 ClusterName=pipezero
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost=$head($head_addr)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 AuthType=auth/munge
@@ -46,11 +57,11 @@ CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool-%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
+SlurmdLogFile=$dir/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
@@ -67,14 +78,13 @@ FirstJobId=$first_job_id
 KillWait=5
 InactiveLimit=0
 MinJobAge=60
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+${nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 CONF
 }
 
 case "${1:-install}" in
     install) install ;;
-    conf) [ $# -eq 5 ] || { echo "usage: $0 conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID" >&2; exit 2; }
-          conf "$2" "$3" "$4" "$5" ;;
-    *) echo "usage: $0 [install | conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID]" >&2; exit 2 ;;
+    conf) [ $# -ge 6 ] || { echo "usage: $0 conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID NAME=ADDR..." >&2; exit 2; }
+          shift; conf "$@" ;;
+    *) echo "usage: $0 [install | conf DIR CTLD_PORT SLURMD_PORT FIRST_JOB_ID NAME=ADDR...]" >&2; exit 2 ;;
 esac

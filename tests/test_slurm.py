@@ -1,6 +1,7 @@
 """Slurm: one task a rank (`srun pipezero train`) reads SLURM_* as torchrun's variables, and
 `srun torchrun` keeps torchrun's. The pure rules are tested here in one process; the daemons'
-test (a real slurmctld, slurmd and munged on this machine) is at the end."""
+test (a real slurmctld, munged and a slurmd on each of two nodes emulated on this machine,
+tests/local_slurm.py) is at the end."""
 
 from __future__ import annotations
 
@@ -9,16 +10,14 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from local_slurm import LocalSlurm, pids_marked
 
+from pipezero.cluster import require_root
 from pipezero.errors import ConfigError
 from pipezero.slurm import expand_hostlist, job_port, rank_variables, tasks_per_node
 
@@ -206,133 +205,13 @@ def test_a_nproc_launcher_in_a_step_of_one_task_stays_a_launcher():
     assert "RANK" not in env and "WORLD_SIZE" not in env
 
 
-# --- a real Slurm on this machine: munged, slurmctld and slurmd, both sbatch forms ------------------
+# --- a real Slurm of two nodes on this machine, both sbatch forms ----------------------------------
 
-SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
-FORMS = {"srun_ranks": ["--ntasks=4", "--ntasks-per-node=4", "--cpus-per-task=1"],  # one task a rank
-         "srun_torchrun": ["--ntasks-per-node=1", "--cpus-per-task=4"]}  # one task a node, torchrun's 4 ranks
+SLURM_COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "nsenter", "unshare")
+NODES = ["node1", "node2"]  # a network and UTS namespace each (tests/local_slurm.py)
+FORMS = {"srun_ranks": ["--ntasks=4", "--ntasks-per-node=2", "--cpus-per-task=1"],  # one task a rank
+         "srun_torchrun": ["--ntasks-per-node=1", "--cpus-per-task=2"]}  # one task a node, torchrun's 2 ranks
 JOB_WAIT_S = 240.0  # both jobs, on a loaded 2-core machine: seen up to 75 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pids_marked(marker: str) -> list[int]:
-    """Processes whose command line or environment holds `marker` (our state folder): the daemons,
-    slurmstepd (started by slurmd, with its environment) and the job's ranks (sbatch --export=ALL)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            text = (entry / "cmdline").read_bytes() + (entry / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if marker.encode() in text:
-            found.append(int(entry.name))
-    return found
-
-
-class LocalSlurm:
-    """munged, slurmctld and slurmd in the foreground, every file under `root`, on free ports;
-    `stop` cancels the jobs and ends the daemons, and kills anything of theirs still alive."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.conf = root / "slurm.conf"
-        self.daemons: list[tuple[str, subprocess.Popen]] = []
-        first_job = random.randrange(1000, 60000)  # jobs' derived rendezvous ports differ between test runs
-        subprocess.run(["bash", str(REPO / ".ci/setup_slurm.sh"), "conf", str(root), str(free_port()),
-                        str(free_port()), str(first_job)], check=True, timeout=30)
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
-
-    def start(self) -> None:
-        r = self.root
-        self._daemon("munged", ["munged", "--foreground", "--force", f"--socket={r}/munge.socket",
-                                f"--key-file={r}/munge.key", f"--pid-file={r}/munged.pid",
-                                f"--log-file={r}/munged.log", f"--seed-file={r}/munged.seed"])
-        self.wait_for(lambda: (r / "munge.socket").exists(), "munged's socket", 20)
-        self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
-        self._daemon("slurmd", ["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)])
-        self.wait_for(lambda: self.ctl(["sinfo", "-h", "-o", "%T"]).strip() == "idle",
-                       "node localhost idle (sinfo)", 30)
-
-    def _daemon(self, name: str, cmd: list[str]) -> None:
-        log = open(self.root / f"{name}.out", "wb")
-        self.daemons.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)))
-
-    def wait_for(self, ready: Callable[[], bool], what: str, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not ready():
-            dead = [name for name, p in self.daemons if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise AssertionError(f"local Slurm: no {what} after {seconds} s; ended: {dead}\n{self.logs()}")
-            time.sleep(0.2)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-1500:]
-                         for f in sorted(self.root.glob("*.out")) + sorted(self.root.glob("*.log")))
-
-    def ctl(self, cmd: list[str]) -> str:
-        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=20)
-        return done.stdout if done.returncode == 0 else ""
-
-    def submit(self, script: Path, options: list[str], env: dict[str, str], args: list[str]) -> str:
-        done = subprocess.run(["sbatch", "--parsable", *options, str(script), *args], env={**self.env, **env},
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip().split(";")[0]
-
-    def state(self, job: str) -> tuple[str, str]:
-        """(JobState, ExitCode) of a job slurmctld still remembers (MinJobAge)."""
-        fields = dict(f.split("=", 1) for f in self.ctl(["scontrol", "-o", "show", "job", job]).split() if "=" in f)
-        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
-
-    def wait(self, jobs: dict[str, str], seconds: float, marker: str) -> tuple[dict[str, tuple[str, str]], int]:
-        """Each job's final (state, exit code), and the most processes seen at once with `marker`
-        (proof that `pids_marked` sees the ranks); a job still running at the deadline fails the
-        test naming it, and is cancelled in `stop`."""
-        deadline, final, seen = time.monotonic() + seconds, {}, 0
-        while len(final) < len(jobs):
-            seen = max(seen, len(pids_marked(marker)))
-            for name, job in jobs.items():
-                state = self.state(job)
-                if state[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "UNKNOWN"):
-                    final[name] = state
-            if time.monotonic() > deadline:
-                raise AssertionError(f"Slurm jobs {jobs} not done after {seconds} s: {final}\n{self.logs()}")
-            time.sleep(0.5)
-        return final, seen
-
-    def stop(self) -> None:
-        if self.daemons and all(p.poll() is None for _, p in self.daemons):
-            self.ctl(["scancel", "--full", "--user", "root"])
-            deadline = time.monotonic() + 20
-            while self.ctl(["squeue", "-h"]).strip() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        for _, p in reversed(self.daemons):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in reversed(self.daemons):
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=5)
-        deadline = time.monotonic() + 15  # slurmstepd and the ranks end on their own after scancel
-        while pids_marked(str(self.root)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def kill_leftovers(self) -> None:
-        """After a failed test: whatever the daemons left behind must not outlive it."""
-        for pid in pids_marked(str(self.root)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.fixture
@@ -340,15 +219,18 @@ def local_slurm(tmp_path: Path):
     missing = [c for c in SLURM_COMMANDS if shutil.which(c) is None]
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): run .ci/setup_slurm.sh")
+    require_root()  # fails (not skips) where the host cannot build namespaces: CI runs as root
     root = Path(f"/tmp/pz-slurm-{os.getpid()}-{random.randrange(1 << 30):x}")  # short: socket paths <= 108 bytes
-    cluster = LocalSlurm(root)
+    cluster = LocalSlurm(root, NODES)
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
-        cluster.kill_leftovers()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            cluster.stop()
+        finally:
+            cluster.kill_leftovers()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def toml_of(overrides: dict) -> str:
@@ -377,14 +259,14 @@ def prepared_run(text_dir: Path, tmp_path: Path, steps: int) -> tuple[object, Pa
     config = tmp_path / "run.toml"
     config.write_text(toml_of({k: v for k, v in settings.items() if k != "run.out"}))
     env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
-           "CHECKPOINT_EVERY": "2", "NPROC_PER_NODE": "4"}
+           "CHECKPOINT_EVERY": "2", "NPROC_PER_NODE": "2"}
     return ref, config, env
 
 
 def submit_form(cluster: LocalSlurm, form: str, config: Path, env: dict[str, str], tmp_path: Path) -> str:
-    """sbatch examples/slurm/FORM.sbatch on the one local node, logging to tmp_path/FORM.log."""
+    """sbatch examples/slurm/FORM.sbatch on the two local nodes, logging to tmp_path/FORM.log."""
     return cluster.submit(REPO / f"examples/slurm/{form}.sbatch",
-                          ["--nodes=1", *FORMS[form], f"--output={tmp_path}/{form}.log", f"--chdir={tmp_path}",
+                          [f"--nodes={len(NODES)}", *FORMS[form], f"--output={tmp_path}/{form}.log", f"--chdir={tmp_path}",
                            f"--export=ALL,OUT={tmp_path}/{form}"], env, ["--config", str(config)])
 
 
@@ -399,6 +281,11 @@ def check_like_one_process(run: Path, ref: object, steps: int) -> None:
     mine = RankResult(0, 0, 0, [r["loss"] for r in lines], [r["grad_norm"] for r in lines], {})
     bad = [c for c in compare_steps([mine], ref.losses, ref.grad_norms, TOLERANCES[DType.FP32]) if not c.ok]
     assert not bad, (run, bad)
+
+
+def rank_hosts(run: Path) -> list[str]:
+    """Each rank's host name, in rank order (summary.json): the node whose UTS namespace it ran in."""
+    return [r["host"] for r in json.loads((run / "summary.json").read_text())["ranks"]]
 
 
 def assert_completed(tmp_path: Path, form: str, final: tuple[str, str]) -> str:
@@ -419,9 +306,14 @@ def test_both_sbatch_forms_train_on_a_real_slurm_like_one_process(local_slurm, t
         check_like_one_process(tmp_path / form, ref, 4)
         assert sorted(p.name for p in (tmp_path / form / "checkpoints").iterdir()) == \
             ["step-00000002", "step-00000004"], form  # the scripts' --checkpoint-every
+    # srun places tasks in blocks (node1: tasks 0 and 1); torchrun's nodes take their rank blocks in
+    # the order they join its rendezvous
+    assert rank_hosts(tmp_path / "srun_ranks") == ["node1", "node1", "node2", "node2"]
+    assert rank_hosts(tmp_path / "srun_torchrun") in (["node1", "node1", "node2", "node2"],
+                                                      ["node2", "node2", "node1", "node1"])
     assert seen >= 4, seen  # pids_marked sees the ranks: their command lines name the config
     local_slurm.stop()
-    assert pids_marked(str(local_slurm.root)) == []  # no daemon, slurmstepd or rank left
+    assert local_slurm.left() == []  # no daemon, slurmstepd or rank, namespace or link left
     assert pids_marked(str(tmp_path)) == []
     print(f"both Slurm forms: {took:.1f} s from submission to done")
 
@@ -455,8 +347,9 @@ def test_a_requeued_job_resumes_and_ends_on_the_losses_of_one_process(local_slur
     log = assert_completed(tmp_path, form, final[form])
     assert "requeueing" in log and "pipezero: resumed from" in log, log[-3000:]
     check_like_one_process(tmp_path / form, ref, steps)
+    assert rank_hosts(tmp_path / form) == ["node1", "node1", "node2", "node2"]  # the second start's ranks
     local_slurm.stop()
-    assert pids_marked(str(local_slurm.root)) == [] and pids_marked(str(tmp_path)) == []
+    assert local_slurm.left() == [] and pids_marked(str(tmp_path)) == []
 
 
 # --- values Slurm never sets: one line, at once ------------------------------------------------------
