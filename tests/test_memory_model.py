@@ -167,3 +167,19 @@ def test_fit_check_refuses_before_any_rank_starts(capsys, monkeypatch, tmp_path)
 def test_simulate_memory_refuses_flags_it_would_ignore(capsys):
     code, err = run_main(["simulate", "--memory", "--cost", "1:2:1"], capsys)
     assert_one_line(code, err, "--memory takes no --cost")
+
+
+def test_the_planner_reads_the_heaviest_rank_not_only_the_ends():
+    """Under an even cut of `small` at P=4, 1F1B, the second rank (a whole stage of blocks, P-1
+    micro-batches in flight) outweighs both ends: the planner's figure is the heaviest of all ranks."""
+    from pipezero.config import DataConfig, Packing, ParallelConfig, TrainConfig
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.memory import build_plan, layout_memory, walk
+
+    model = apply_preset(ModelConfig(), "small")
+    par = ParallelConfig(pp=4, dp=1, zero=0, schedule=K.ONE_F_ONE_B, microbatches=8, micro_batch_size=4)
+    cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=1024, packing=Packing.CONCAT))
+    peaks = [walk(build_plan(cfg, False, (r,)), r).peak_bytes for r in range(4)]
+    assert peaks[1] > max(peaks[0], peaks[3])
+    lay = Layout(4, 1, 0, K.ONE_F_ONE_B, 1, 4, 8, False)
+    assert layout_memory(model, 1024, lay, False, False, par.bucket_mb).peak_bytes == max(peaks)
