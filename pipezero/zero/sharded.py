@@ -186,6 +186,11 @@ class ZeroDP:
             b = self.buckets[instr.chunk][instr.bucket]  # type: ignore[index]
             if not b.launched:  # else started by autograd's hooks during the backward
                 self._reduce(b)
+                if self.rules.sharded_grads and not instr.blocking:
+                    # the bound the hooks keep (`_grad_ready`): without it every bucket a split W
+                    # or a shared parameter leaves to its REDUCE_GRAD stayed full, with its
+                    # reduction's buffers, until the step drained them all
+                    self.comm.drain(keep_last=self.in_flight)
             if instr.blocking:
                 self.comm.drain()
         elif self.sharded is None:
