@@ -13,8 +13,8 @@ show the rest. bench/cluster_overlap.py `--launches` runs the ranks through it a
 (`launch_timeline`).
 
 `--exchange-rs` (an experiment, not a pipezero option): ZeRO-2/3's gradient reduce-scatter becomes
-parallel/hierarchical.py's `start_exchange` (all_to_all_single, then a sum of the D received slices
-when waited for), which sends (D - 1) / D of a bucket a rank where gloo's reduce-scatter sends an
+parallel/hierarchical.py's `start_exchange` (each rank sends every other its slice, then sums the D
+slices when waited for), which sends (D - 1) / D of a bucket a rank where gloo's reduce-scatter sends an
 all-reduce's bytes; the shard each rank keeps is the same (tests/test_hierarchical.py). The
 two-level reductions themselves are pipezero's `--hierarchical`.
 """

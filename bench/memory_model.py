@@ -6,8 +6,13 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
 
-Prints one line a case (the worst rank's ratio), the worst and median ratio over every rank of every
-case, and writes every rank's figures to bench/results/memory_model.json.
+Prints one line a case (the worst rank's ratio), then the summary: cases and ranks, how many ranks
+within 10%, the median error, the worst over- and under-prediction (with and without recompute), and
+writes every rank's figures to bench/results/memory_model.json, one line a case.
+
+    python bench/memory_model.py --repredict bench/results/memory_model.json
+
+predicts the stored measurements again (after a change to the model), measuring nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
 from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
-from pipezero.util import atomic_write_json  # noqa: E402
+from pipezero.util import atomic_write_bytes  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 MODELS = {
@@ -93,7 +98,7 @@ def main() -> None:
                                               row["zero"], row["recompute"], str(Path(__file__).parent), "-"))
             for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
                 r.update(predicted_peak_bytes=pred.peak_bytes, ratio=pred.peak_bytes / r["measured_peak_bytes"],
-                         categories=pred.categories, at=pred.at)
+                         at=pred.at)
             show(row)
         report(rows, args.out)
         return
@@ -115,8 +120,7 @@ def main() -> None:
             for i, (c, cfg) in enumerate(zip(group, cfgs)):
                 pred = predict(cfg, cuda=False)
                 ranks = [{"rank": r, "predicted_peak_bytes": pred[r].peak_bytes, "measured_peak_bytes": measured[r][i],
-                          "ratio": pred[r].peak_bytes / measured[r][i], "categories": pred[r].categories,
-                          "at": pred[r].at} for r in range(world)]
+                          "ratio": pred[r].peak_bytes / measured[r][i], "at": pred[r].at} for r in range(world)]
                 rows.append({**c, "ranks": ranks})
                 show(rows[-1])
     report(rows, args.out)
@@ -130,14 +134,46 @@ def show(row: dict) -> None:
           f"{worst['measured_peak_bytes'] / 2**20:7.2f} MiB, ratio {worst['ratio']:.3f} (at {worst['at']})", flush=True)
 
 
+def summarize(rows: list[dict]) -> dict:
+    """Over every rank of `rows`: how many, how many within 10%, the median |error|, the worst
+    over- and under-prediction and where they are."""
+    ranks = [(row, r) for row in rows for r in row["ranks"]]
+    if not ranks:
+        return {"cases": len(rows), "ranks": 0}
+    errors = [abs(r["ratio"] - 1) for _, r in ranks]
+    over = max(ranks, key=lambda x: x[1]["ratio"])
+    under = min(ranks, key=lambda x: x[1]["ratio"])
+    return {"cases": len(rows), "ranks": len(ranks), "within_10pct": sum(e <= 0.10 for e in errors),
+            "median_abs_error": statistics.median(errors),
+            "worst_over": over[1]["ratio"], "worst_over_case": case_name(over[0], over[1]["rank"]),
+            "worst_under": under[1]["ratio"], "worst_under_case": case_name(under[0], under[1]["rank"])}
+
+
+def case_name(row: dict, rank: int) -> str:
+    return (f"{row['model']} {row['schedule']} P={row['pp']} D={row['dp']} Z{row['zero']}"
+            f"{' recompute' if row['recompute'] else ''} rank {rank}")
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    out = []
+    for what, part in (("all", rows), ("without recompute", [r for r in rows if not r["recompute"]]),
+                       ("with recompute", [r for r in rows if r["recompute"]])):
+        s = summarize(part)
+        if not s["ranks"]:
+            continue
+        out.append(f"{what}: {s['cases']} cases, {s['ranks']} ranks, {s['within_10pct']}/{s['ranks']} within 10%, "
+                   f"median |error| {s['median_abs_error']:.1%}, worst over {s['worst_over']:.3f} "
+                   f"({s['worst_over_case']}), worst under {s['worst_under']:.3f} ({s['worst_under_case']})")
+    return out
+
+
 def report(rows: list[dict], out: str) -> None:
-    ratios = [r["ratio"] for row in rows for r in row["ranks"]]
-    errors = sorted(abs(x - 1) for x in ratios)
-    summary = {"cases": len(rows), "ranks": len(ratios), "worst_ratio": max(ratios, key=lambda x: abs(x - 1)),
-               "median_abs_error": statistics.median(errors), "within_10pct": sum(e <= 0.10 for e in errors)}
-    print(f"{summary['cases']} cases, {summary['ranks']} ranks: worst ratio {summary['worst_ratio']:.3f}, median "
-          f"|error| {summary['median_abs_error']:.1%}, {summary['within_10pct']}/{summary['ranks']} within 10%")
-    atomic_write_json(Path(out), {"summary": summary, "rows": rows})
+    for line in summary_lines(rows):
+        print(line)
+    # one line a case: the file stays readable and diffs show which cases moved
+    body = ",\n".join("  " + json.dumps(row, sort_keys=True) for row in rows)
+    text = f'{{"summary": {json.dumps(summarize(rows), sort_keys=True)},\n "rows": [\n{body}\n]}}\n'
+    atomic_write_bytes(Path(out), text.encode())
 
 
 def markdown(results: dict) -> str:
@@ -151,9 +187,8 @@ def markdown(results: dict) -> str:
     for (model, kind, rec), ratios in sorted(groups.items()):
         lines.append(f"| {model} | {kind} | {'yes' if rec else 'no'} | {len(ratios)} | {min(ratios):.3f} | "
                      f"{statistics.median(ratios):.3f} | {max(ratios):.3f} |")
-    s = results["summary"]
-    lines.append(f"\n{s['cases']} cases, {s['ranks']} ranks: worst ratio {s['worst_ratio']:.3f}, median |error| "
-                 f"{s['median_abs_error']:.1%}, {s['within_10pct']} of {s['ranks']} within 10%.")
+    lines.append("")
+    lines += [line + "." for line in summary_lines(results["rows"])]
     return "\n".join(lines)
 
 

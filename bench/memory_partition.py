@@ -6,12 +6,15 @@ the policy's search takes on larger layouts (the planner and every rank's start 
 
     python bench/memory_partition.py [--preset small] [--seq-len 1024] [--microbatches 8] [--micro-batch-size 4]
 
-Prints one line a policy and writes bench/results/memory_partition.json.
+Prints one line a policy and writes bench/results/memory_partition.json. `--repredict FILE`
+predicts a results file's layouts again (after a change to the memory model), keeping its
+measurements, and times the searches again; it trains nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -84,7 +87,26 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_partition.json"))
+    ap.add_argument("--repredict", help="a results JSON: predict its layouts again, measure nothing")
     args = ap.parse_args()
+    if args.repredict:
+        old = json.loads(Path(args.repredict).read_text())
+        for k in ("preset", "seq_len", "microbatches", "micro_batch_size"):
+            setattr(args, k, old["layout"][k])
+        for row in old["rows"]:
+            resolved = resolve(build_config(None, settings(args, Partition(row["policy"]), str(Path(__file__).parent),
+                                                           "-")), cuda=False)
+            layers = resolved.parallel.stage_layers or [b - a for a, b in _bounds(resolved)]
+            predicted = [r.peak_bytes for r in predict(resolved, cuda=False)]
+            if "measured_peak_bytes" in row and layers != row["stage_layers"]:
+                raise SystemExit(f"{row['policy']}: the policy now cuts {layers}, measured {row['stage_layers']}: "
+                                 f"measure again (without --repredict)")
+            row.update(stage_layers=layers, predicted_peak_bytes=predicted, predicted_ratio=spread(predicted))
+            print(f"{row['policy']:<8} layers {','.join(map(str, layers)):<9} predicted MiB "
+                  f"{' '.join(f'{x / MIB:6.1f}' for x in predicted)}  largest/smallest {spread(predicted):.2f}")
+        old["searches"] = timed_search()
+        atomic_write_json(Path(args.out), old)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or str(write_stdlib_sample(Path(tmp) / "corpus"))

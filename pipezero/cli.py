@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from pipezero.errors import ConfigError
@@ -153,16 +154,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_launch(launch, cfg.parallel.world_size)
     from pipezero.sim.fit import check_fit, rank_limit_gib
 
-    check_fit(cfg, *rank_limit_gib(cfg))  # before any rank starts: a layout that cannot fit is refused here
+    limit, cuda = rank_limit_gib(cfg)
+    check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
     from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
+
+    if limit is None and not cuda and not under_torchrun():
+        check_host_memory(cfg)
     from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
+                          f"unset it")
+    kept = Path(cfg.run.out) / "hf"
+    if cfg.model.pretrained is not None and kept.is_symlink():  # rewritten at each start, through the link
+        raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
+                          f"model's files there at each start, which would write over that folder's: remove the "
+                          f"link (the run keeps its own copy)")
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
-        from pipezero.checkpoint.state import resume_clashes
+        from pipezero.checkpoint.state import resume_clashes, resume_problem
 
         if clash := resume_clashes(cfg, run_id(cfg.run.out)):
             raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
+        if not under_torchrun() and (problem := resume_problem(cfg, run_id(cfg.run.out))):
+            raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
     if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
         from pipezero.models.hf_weights import check_finite
 
@@ -186,6 +202,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return code
 
 
+def check_host_memory(cfg: Any) -> None:
+    """CPU ranks started here share this host's memory: a model whose ranks' predicted peaks
+    (sim/memory.py) add up past it was built for minutes before the kernel killed it (--preset 7b
+    on a 24 GiB host). A model of one's own is not predicted."""
+    if cfg.model.spec is not None:
+        return
+    from pipezero.sim.memory import predict
+
+    gib = 2**30
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = predict(cfg, False)
+    need = sum(r.peak_bytes for r in ranks)
+    if need > host:
+        whose = "1 CPU rank's predicted peak" if len(ranks) == 1 else f"{len(ranks)} CPU ranks' predicted peaks"
+        raise ConfigError(f"the run needs about {need / gib:.1f} GiB ({whose}: weights, gradients, AdamW state, "
+                          f"activations), more than this host's {host / gib:.1f} GiB: a smaller --preset or --model, "
+                          f"or ranks on more hosts")
+
+
 def train_here(cfg: Any) -> int:
     """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
     from pipezero.checkpoint import CheckpointError
@@ -198,6 +233,17 @@ def train_here(cfg: Any) -> int:
         train(cfg)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+        if under_torchrun():
+            os._exit(1)  # peers may be gone: no teardown collective
+        return 1
+    except RuntimeError as e:  # torch's DistNetworkError, DistStoreError: a MASTER_ADDR that resolves nowhere
+        if type(e).__name__ not in ("DistNetworkError", "DistStoreError"):  # by name: torch 2.5 has no such API
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: the process group's connection to "
+              f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed ({type(e).__name__}: "
+              f"{first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or let --nproc start them",
+              file=sys.stderr, flush=True)
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
@@ -222,8 +268,6 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from pipezero.checkpoint import CheckpointError
     from pipezero.checkpoint.export import export
 
@@ -316,7 +360,7 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
                                    "gradient norms and every rank's parameters, beside one process trained again "
                                    "with its batch cut another way (the rounding at this learning rate); exit 0 "
                                    "within tolerance, else 1. See docs/how-to/verify.md.")
-    v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3)")
+    v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3, at most 1000)")
     v.set_defaults(func=cmd_verify)
 
 
@@ -327,24 +371,32 @@ VERIFY_SETS = ("run.max_steps", "run.resume", "run.checkpoint_every", "run.keep_
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from pipezero.coerce import coerce
+    from pipezero.launch import under_torchrun
     from pipezero.settings import build_config, build_launch
+    from pipezero.sim.fit import rank_limit_gib
+    from pipezero.sim.limits import VERIFY_STEPS
     from pipezero.verify import verify_layout
 
-    if args.steps < 1:
-        raise ConfigError("--steps must be at least 1")
+    coerce("--steps", int, args.steps, False, VERIFY_STEPS)  # 10^11 trained three runs for ever
     settings, launch_values, names = flag_values(args)
     ignored = [names[k] for k in (*settings, *launch_values) if k in VERIFY_SETS] + (["--force"] if args.force else [])
     if ignored:
         raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "
                           f"without checkpoints; it takes no {ignored[0]}: drop it")
     cfg = build_config(args.config, settings, names)
+    launch = build_launch(launch_values, names)
+    if launch.nproc is not None and launch.nproc != cfg.parallel.world_size:  # was ignored: one process trained
+        raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {cfg.parallel.world_size}; make them equal (verify "
+                          f"starts the layout's pp x dp ranks)")
     out = Path(cfg.run.out)
     if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
-    return verify_layout(cfg, args.steps, build_launch(launch_values, names).nproc, args.argv)
+    limit, cuda = rank_limit_gib(cfg)
+    if limit is None and not cuda and not under_torchrun():
+        check_host_memory(cfg)  # --preset 7b: minutes of building before the kernel killed it
+    return verify_layout(cfg, args.steps, launch.nproc, args.argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -366,20 +418,103 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class OutputFailed(Exception):
+    """Standard output could not take what a command printed (a full disk, a closed pipe). Not an
+    OSError: a command's own handlers of its file writes (a checkpoint on a full disk) never take
+    it for theirs, and no OSError of those is taken for this."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error.strerror or str(error))
+        self.error = error
+
+
+class GuardedOutput:
+    """A stream (sys.stdout) whose failed writes and flushes raise OutputFailed; anything else is
+    the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputFailed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise OutputFailed(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+# commands whose result is what they print: with standard output closed, it would go nowhere, exit 0
+PRINTS_ITS_RESULT = ("plan", "simulate", "doctor")
+
+
+def output_failed(e: OutputFailed, stream: Any) -> int:
+    """A broken pipe (`pipezero plan | head`) ends quietly with the shell's status for SIGPIPE;
+    any other failure is one line. Standard output is pointed at /dev/null, so the interpreter's
+    own flush at exit finds nothing to fail on."""
+    import errno
+
+    if stream is sys.__stdout__:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+        except (OSError, ValueError):
+            pass
+    from pipezero.launch import under_torchrun
+
+    if under_torchrun():
+        os._exit(2)  # a rank: peers may be gone, no teardown collective
+    if e.error.errno == errno.EPIPE:
+        return 128 + 13  # as if killed by SIGPIPE, as `yes | head` is
+    print(f"pipezero: error: cannot write to standard output ({e}): free space where it goes, or redirect it "
+          f"elsewhere", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    stream = sys.stdout
+    if stream is None and args.command in PRINTS_ITS_RESULT:
+        print(f"pipezero: error: standard output is closed, and pipezero {args.command} prints its result there: "
+              f"redirect it to a file (> result.txt) or /dev/null", file=sys.stderr)
+        return 2
+    if stream is not None:
+        sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
+        return code
+    except OutputFailed as e:
+        return output_failed(e, stream)
     except ConfigError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        import errno
+
+        if e.errno != errno.ENAMETOOLONG:  # any other is no input of the user's: its traceback
+            raise
+        name = str(e.filename or "")
+        shown = name if len(name) <= 80 else f"{name[:40]}...{name[-20:]} ({len(name)} characters)"
+        print(f"pipezero: error: the path {shown!r} is too long for this filesystem (File name too long): a name "
+              f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
         print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "
               "newest complete one", file=sys.stderr)
         return 130
+    finally:
+        if stream is not None:
+            sys.stdout = stream
 
 
 if __name__ == "__main__":

@@ -63,8 +63,23 @@ def load_records(out: str | Path) -> dict[int, Record]:
 
 
 # --- the plan -------------------------------------------------------------------------------------
+def check_size(facts: dict[str, Any]) -> None:
+    """A record is data on disk: its layout within what train runs (sim/limits.py), or the
+    ValueError cmd_doctor reports (an edited record of pp = 10^9 lowered programs for ever)."""
+    from pipezero.sim import limits
+
+    sizes = {k: facts[k] for k in ("pp", "dp", "microbatches", "virtual_stages")}
+    if not all(type(v) is int and v >= 1 for v in sizes.values()):
+        raise ValueError(f"plan sizes {sizes}: positive integers only")
+    world, played = sizes["pp"] * sizes["dp"], sizes["pp"] * sizes["microbatches"] * sizes["virtual_stages"]
+    if world not in limits.GPUS or played > limits.TRAIN_PLAY_LIMIT:
+        raise ValueError(f"plan sizes {sizes}: past what train runs ({limits.GPUS.high:g} ranks, "
+                         f"{limits.TRAIN_PLAY_LIMIT} stage micro-batches a step)")
+
+
 def programs(facts: dict[str, Any]) -> Program:
     """Every rank's program, compiled from the plan facts a record carries (runtime/watch.py)."""
+    check_size(facts)
     p = ParallelConfig(pp=facts["pp"], dp=facts["dp"], zero=facts["zero"], schedule=ScheduleKind(facts["schedule"]),
                        microbatches=facts["microbatches"], virtual_stages=facts["virtual_stages"],
                        grad_reduce=GradReduce(facts["grad_reduce"]), bucket_mb=facts["bucket_mb"],
@@ -392,6 +407,10 @@ def cmd_doctor(args: Any) -> int:
     import sys
 
     out = Path(args.run)
+    if not out.is_dir():  # was "no flight records under FILE/doctor", exit 1
+        print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
+              f"folder (its --out)", file=sys.stderr)
+        return 2
     try:
         summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError, RecursionError):

@@ -48,7 +48,7 @@ def report_nonfinite(outcome: StepOutcome, local_loss: float, step: int, pp_rank
     what = "; ".join(x for x in (f"loss on stage {bad_loss}" if bad_loss else "",
                                  f"gradients on stage {bad_grads}" if bad_grads else "") if x)
     message = (f"step {step}: non-finite {what or 'global norm'} (loss {outcome.loss}, grad norm "
-               f"{outcome.grad_norm}); step skipped, {in_a_row} in a row (limit run.max_bad_steps={limit})")
+               f"{outcome.grad_norm}); step skipped, {in_a_row} in a row (limit --max-bad-steps {limit})")
     if (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"pipezero: warning: {message}", file=sys.stderr, flush=True)
     if in_a_row >= limit:

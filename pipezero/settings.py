@@ -127,12 +127,31 @@ def build_launch(values: dict[str, Any], names: dict[str, str] | None = None) ->
                            for k, v in values.items()})
 
 
+def kind_of(path: Path) -> str:
+    """What `path` is, where a regular file was wanted, for a message: a folder, a pipe or a device
+    named as such ("does not exist" sent the user looking for a path that is there)."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return "is a broken symlink" if path.is_symlink() else "does not exist"
+    if stat.S_ISDIR(mode):
+        return "is a folder"
+    if stat.S_ISFIFO(mode):
+        return "is a pipe (FIFO), not a file"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a file"
+    return "is a file" if stat.S_ISREG(mode) else "is not a regular file"
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
     p = Path(path)
     if not p.is_file():  # a folder or a pipe is named as such: "does not exist" would send the user looking
-        what = "is a folder" if p.is_dir() else "is not a regular file" if p.exists() else "does not exist"
-        raise ConfigError(f"config file {str(p)!r} {what}; name a .toml file")
+        raise ConfigError(f"config file {str(p)!r} {kind_of(p)}; name a .toml file")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -163,6 +182,19 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     cfg.optim.warmup_steps = PRESET_WARMUP.get(preset, cfg.optim.warmup_steps)
     apply_overrides(cfg, flat)
+
+    def shown(key: str) -> str:  # a setting as the user set it: its flag, or its key in the TOML file
+        return names.get(key, key) if key in (overrides or {}) else f"{key} (in {toml_path})"
+
+    for owner, flag, what in (("model.spec", "--model-spec", "is the whole model"),
+                              ("model.pretrained", "--model", "fixes the model's shape")):
+        # said here, where the flag the user typed is known (models/ name the key: 'drop model.preset')
+        clash = [shown(k) for k in sorted(flat) if k.startswith("model.") and k != owner]
+        if owner in flat and str(flat[owner] or "").strip() and clash:
+            named = flag if owner in (overrides or {}) else shown(owner)
+            raise ConfigError(f"{named} {flat[owner]} {what}; drop {', '.join(clash)}")
+    if cfg.model.pretrained is not None and cfg.model.pretrained.strip():
+        check_model_files(Path(cfg.model.pretrained))
     if cfg.model.spec is not None:  # a model of one's own: [model] shape settings would be ignored
         from pipezero.models.user_spec import apply_spec
 
@@ -173,10 +205,71 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         apply_pretrained(cfg, set(flat))
     if "optim.min_lr" not in flat:
         cfg.optim.min_lr = cfg.optim.lr / 10
+    if unused := unused_data_setting(cfg.data, set(flat)):
+        key, why = unused
+        raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
+                          f"drop it")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
     return validate(cfg)
+
+
+# settings that only documents read (records, parquet, text files): a token file and the built-in
+# corpus take none of them
+DOCUMENT_SETTINGS = ("data.text_field", "data.on_bad_record", "data.max_document_mb")
+
+
+def unused_data_setting(d: Any, given: set[str]) -> tuple[str, str] | None:
+    """A data setting the user set (`given`) that the data source reads nothing of, and why: each
+    was accepted and changed nothing, exit 0. None when every one given is read."""
+    from pipezero.data.corpus import TOKEN_SUFFIXES
+
+    tokens = next((p for p in d.path or [] if Path(p).suffix in TOKEN_SUFFIXES), None)
+    source = (f"applies to documents; --data {tokens} is a token file (ids, tokenized already)" if tokens else
+              "applies to --data documents; the built-in corpus (no --data) has no records" if d.path is None else None)
+    for key in DOCUMENT_SETTINGS:
+        if key in given and source:
+            return key, source
+    if "data.tokenizer" in given and tokens and not d.tokenizer.endswith(".json"):
+        return "data.tokenizer", (f"tokenizes nothing: --data {tokens} holds token ids already (a tokenizer.json "
+                                  f"may name what they mean, for the text sample)")
+    if "data.bpe_vocab" in given and (tokens or d.tokenizer != "bpe"):
+        return "data.bpe_vocab", ("sizes the BPE trained on the text, and " +
+                                  (f"--data {tokens} is a token file" if tokens else f"the tokenizer is {d.tokenizer}"))
+    if "data.max_bytes" in given and d.path is not None:
+        return "data.max_bytes", "cuts the built-in corpus only (--data is read whole)"
+    return None
+
+
+def check_step_size(cfg: TrainConfig) -> None:
+    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
+    from pipezero.sim import limits
+
+    p, seq = cfg.parallel, cfg.data.seq_len
+    played = p.pp * p.microbatches * p.virtual_stages
+    _check(played <= limits.TRAIN_PLAY_LIMIT,
+           f"--pp {p.pp} x --microbatches {p.microbatches} x --virtual-stages {p.virtual_stages} = {played} stage "
+           f"micro-batches a step; the limit is {limits.TRAIN_PLAY_LIMIT} (every rank builds and proves the step's "
+           f"schedule as it starts, minutes past that): fewer --microbatches, each of a larger --micro-batch-size")
+    tokens = cfg.global_batch * seq
+    _check(tokens <= limits.BATCH_TOKENS,
+           f"--microbatches {p.microbatches} x --micro-batch-size {p.micro_batch_size} x --dp {p.dp} = "
+           f"{cfg.global_batch} sequences of --seq-len {seq} = {tokens} tokens a step; the limit is "
+           f"{limits.BATCH_TOKENS} (every rank holds the step's batch in memory): a smaller global batch")
+
+
+def check_model_files(folder: Path) -> None:
+    """A --model folder's files that are there but are no regular file (a folder, a pipe): named as
+    what they are (models/hf.py said "does not exist"; a pipe would block its reader)."""
+    from pipezero.models.hf import CONFIG, TOKENIZER
+    from pipezero.models.hf_weights import INDEX, SINGLE
+
+    for name in (CONFIG, TOKENIZER, SINGLE, INDEX):
+        path = folder / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise ConfigError(f"--model {folder}: {name} {kind_of(path)}; a Hugging Face model folder holds it as a "
+                              f"file (save_pretrained writes it)")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -278,7 +371,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(max_len is None or d.seq_len <= max_len,
            f"--seq-len {d.seq_len} is longer than the model allows ({limit}); {fix}")
     _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
-           f"data.tokenizer={d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path")
+           f"--tokenizer (data.tokenizer) {d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path (nothing is "
+           f"downloaded)")
     chunks = p.pp * p.virtual_stages
     n_layers = m.n_layers if spec is None else spec.n_layers
     layers = n_layers + 2  # embedding + blocks + head
@@ -303,7 +397,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"(embedding + {n_layers} blocks + head); lower --pp/--virtual-stages"
             + ("" if m.pretrained or spec else " or use a bigger preset"),
         )
-    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr ({o.lr:g})")
+    check_step_size(cfg)
+    _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
+                             f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     if p.stall_report_s is not None:
         _check(p.stall_report_s < p.timeout_s,
@@ -315,15 +411,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_quantization(p)
     check_secondary_shard(p)
     if d.path is not None:
+        _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
+                             "out for the built-in corpus")  # an empty list was the built-in corpus, silently
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
             _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
-                   f"--data {arg!r} does not exist; pass document files, folders, globs or a token file")
+                   f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
+            _check(not Path(arg).exists() or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
+                   f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
         from pipezero.data.sources import check_out_of_reach
 
         check_out_of_reach(d.path, r.out)
     if d.tokenizer.endswith(".json"):
-        _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} does not exist")
+        _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} {kind_of(Path(d.tokenizer))}; name a "
+                                            f"tokenizer.json, or use bpe or bytes")
     if m.pretrained is not None:  # every tensor's name and shape, from the safetensors headers
         from pipezero.models.hf_weights import check_tokenizer, check_weights
 

@@ -250,6 +250,31 @@ def describe(cfg: TrainConfig) -> str:
             f"V={p.virtual_stages} dtype={cfg.run.dtype.value}")
 
 
+# what verify writes into --out: its runs' folders, the layout's ranks' results, the report, and the
+# hang doctor's requests (runtime/watch.py)
+OWN = {"layout": True, "reference": True, "floor": True, "ranks": True, "doctor": True, "verify.json": False}
+
+
+def check_out(out: Path) -> None:
+    """Refuse an --out holding anything verify did not write (a run's folder, the user's files):
+    verify made its folders beside them, and its runs replace what is at those names. A folder of
+    an earlier verify is verify's own, written again."""
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN)
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise ConfigError(f"--out {out} holds {foreign[0]!r}{more}, which verify did not write; verify writes "
+                          f"layout/, reference/, floor/, ranks/ and verify.json into a folder of its own: give a new "
+                          f"or empty folder")
+    for name, folder in OWN.items():
+        entry = out / name
+        if entry.is_symlink() or (entry.exists() and entry.is_dir() != folder):
+            kind = "a symlink" if entry.is_symlink() else "a folder" if entry.is_dir() else "a file"
+            raise ConfigError(f"--out {out}: {name} is {kind}, where verify writes a {'folder' if folder else 'file'}: "
+                              f"give a new or empty folder")
+
+
 def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[str]) -> int:
     """The `pipezero verify` command: 0 when the layout matches one process within tolerance, else 1.
     Under torchrun (the ranks it launched) it trains this rank and leaves."""
@@ -266,6 +291,7 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     world = cfg.parallel.world_size
     if world > 1 and nproc != world:
         raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
+    check_out(out)
     console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
     proof = transfer_proof(cfg)
     p = cfg.parallel

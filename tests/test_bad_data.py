@@ -612,4 +612,4 @@ def test_data_that_is_a_pipe_is_one_line(tmp_path, capsys):
 
     os.mkfifo(tmp_path / "pipe.txt")
     assert_one_line(*run_main(train_argv(None, tmp_path / "pipe.txt", tmp_path / "out"), capsys),
-                    f"--data '{tmp_path / 'pipe.txt'}' is not a regular file or folder")
+                    f"--data '{tmp_path / 'pipe.txt'}' is a pipe (FIFO), not a file")

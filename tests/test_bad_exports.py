@@ -301,3 +301,100 @@ def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, cap
     """These exported with exit 0 as if the flag had been applied."""
     assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(tmp_path / "e"), *flags], capsys), needle)
     assert not (tmp_path / "e").exists()
+
+
+# 7. round four: what the run kept of its model, and a damaged checkpoint
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
+def test_hf_export_refuses_a_kept_model_file_that_is_not_a_file(trained, tmp_path, capsys, name):
+    """RUN/hf/tokenizer.json made a folder: the export succeeded without a tokenizer, exit 0."""
+    run = copy_run(trained, tmp_path / "run")
+    kept = run / "hf" / name
+    kept.unlink(missing_ok=True)
+    kept.mkdir()
+    assert_one_line(*run_main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "e")], capsys),
+                    f"{kept} is a folder")
+    assert not (tmp_path / "e").exists()
+    no_debris(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+def test_export_of_a_damaged_checkpoint_is_one_line_exit_2(trained, tmp_path, capsys, fmt):
+    """A truncated or edited checkpoint file: one line, exit 1 before (it is the user's input)."""
+    run = copy_run(trained, tmp_path / "run")
+    step = run / "checkpoints" / "step-00000001"
+    victim = next(p for p in sorted(step.iterdir()) if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:100])
+    for source in (step, run):
+        assert_one_line(*run_main(["export", str(source), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
+                        "step-00000001")
+    assert not (tmp_path / "e").exists()
+
+
+def edit_manifest(step: Path, change) -> None:
+    manifest = json.loads((step / "manifest.json").read_text())
+    change(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("fmt", ["pipezero", "hf"])
+@pytest.mark.parametrize("change, needle", [
+    (lambda m: m["config"]["model"].update(bogus=1), "('bogus' is no model setting)"),
+    (lambda m: m["config"]["model"].update(dim="64"), '(model.dim = "64": expected an integer >= 1)'),
+    (lambda m: m["config"]["model"].update(n_layers=None), "(model.n_layers = null: expected an integer >= 1)"),
+    (lambda m: m["config"].update(model=[1]), "('(not a table)' is no model setting)"),
+])
+def test_export_of_an_edited_manifest_model_is_one_line(trained, tmp_path, capsys, fmt, change, needle):
+    """A TypeError traceback while the model was built from the manifest's [model]."""
+    run = copy_run(trained, tmp_path / "run")
+    edit_manifest(run / "checkpoints" / "step-00000001", change)
+    assert_one_line(*run_main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
+                    f"manifest.json's [model] is not as pipezero writes it {needle}")
+    assert not (tmp_path / "e").exists()
+
+
+def resume_argv(trained: dict[str, Path], run: Path) -> list[str]:
+    return ["train", "--model", str(trained["model"]), "--data", str(trained["docs"]), "--max-steps", "2",
+            "--resume", "--out", str(run), *SMALL]
+
+
+def test_a_resume_that_would_not_continue_its_checkpoints_is_refused_before_any_rank(trained, tmp_path, capsys):
+    """A damaged .run-id made --resume take none of the run's checkpoints and train from step 0,
+    exit 0; a checkpoint of another model was said by the ranks as they loaded (exit 1)."""
+    run = copy_run(trained, tmp_path / "run")
+    theirs = (run / ".run-id").read_text().strip()
+    (run / ".run-id").write_bytes(b"\xff\xfe\x00")
+    before = tree(run)
+    assert_one_line(*run_main(resume_argv(trained, run), capsys),
+                    f"its .run-id is missing or damaged, so --resume would take none of its checkpoints (run "
+                    f"{theirs!r} wrote them) and train from step 0: write that id back, printf '{theirs}\\n' >")
+    assert tree(run) == before
+    (run / ".run-id").write_text(f"{theirs}\n")
+    edit_manifest(run / "checkpoints" / "step-00000001", lambda m: m["config"]["model"].update(n_layers=3))
+    before = tree(run)
+    assert_one_line(*run_main(resume_argv(trained, run), capsys),
+                    "step-00000001 holds a different model (saved vs now: {'n_layers': (3, 2)})")
+    assert tree(run) == before
+
+
+def test_the_model_folders_path_is_no_model_setting_on_resume():
+    """The same folder named from another working directory ('model', '/data/model') refused a
+    resume as 'a different model'."""
+    from pipezero.checkpoint.state import model_diff
+
+    assert model_diff({"dim": 32, "pretrained": "model"}, {"dim": 32, "pretrained": "/data/model"}) == {}
+    assert model_diff({"dim": 32}, {"dim": 64, "n_layers": 2}) == {"dim": (32, 64), "n_layers": (None, 2)}
+
+
+def test_a_run_whose_hf_folder_is_a_symlink_is_refused_before_it_writes_through_it(trained, tmp_path, capsys):
+    """RUN/hf linked to a folder of the user's: a resume rewrote that folder's config.json."""
+    run = copy_run(trained, tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    shutil.rmtree(run / "hf")
+    (run / "hf").symlink_to(mine)
+    before = tree(tmp_path)
+    assert_one_line(*run_main(resume_argv(trained, run), capsys), f"hf is a symlink (to {mine})")
+    assert tree(tmp_path) == before

@@ -346,9 +346,10 @@ def test_checkpoint_files_are_data_not_code(tmp_path, capsys, monkeypatch):
 
     # export of a named checkpoint checks it first
     from pipezero.checkpoint.export import export
+    from pipezero.errors import ConfigError
 
     (good / "__0_0.distcp").write_bytes(b"\0" * (good / "__0_0.distcp").stat().st_size)
-    with pytest.raises(CheckpointError, match="cannot be exported: checksum mismatch"):
+    with pytest.raises(ConfigError, match="cannot be exported: checksum mismatch"):
         export(good, tmp_path / "export")
 
 

@@ -66,7 +66,7 @@ def test_torchrun_variables_set_by_hand_are_checked(env, needle):
 
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         check_rank_variables(env)
-    check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
     check_rank_variables({"WORLD_SIZE": "abc"})  # without RANK nothing reads them
 
 

@@ -61,14 +61,39 @@ def cases(rank: int, world: int) -> list[str]:
     got = torch.full((300,), float("nan"))
     assert start_exchange(got, x, dist.group.WORLD).wait(timeout=timedelta(seconds=60)) is not False
     assert torch.equal(got, want)
+    # bf16 slices: summed in fp32 and rounded once (sums of four bf16 numbers of this range are
+    # exact in fp32, so the rounded sum is one number whatever the order)
+    xb = (torch.randn(world * 300, generator=torch.Generator().manual_seed(rank)) * 3).bfloat16()
+    every = torch.empty(world * world * 300)
+    dist.all_gather_into_tensor(every, xb.float())
+    want_b = every.view(world, world, 300)[:, rank].sum(0).bfloat16()
+    got_b = torch.empty(300, dtype=torch.bfloat16)
+    start_exchange(got_b, xb, dist.group.WORLD).wait(timeout=timedelta(seconds=60))
+    assert torch.equal(got_b, want_b)
     checked.append("exchange")
+    # the gather by exchange fills what all_gather_into_tensor fills: from a shard apart (ZeRO-3's
+    # master) and from the member's own slice of the output (ZeRO-1/2's updated weights)
+    from pipezero.parallel.hierarchical import start_gather_exchange
+
+    shard = torch.randint(-50, 50, (300,), generator=torch.Generator().manual_seed(rank)).float()
+    want_g = torch.empty(world * 300)
+    dist.all_gather_into_tensor(want_g, shard)
+    got_g = torch.full((world * 300,), float("nan"))
+    start_gather_exchange(got_g, shard, dist.group.WORLD).wait(timeout=timedelta(seconds=60))
+    assert torch.equal(got_g, want_g)
+    got_g = torch.full((world * 300,), float("nan"))
+    got_g[rank * 300:(rank + 1) * 300] = shard
+    start_gather_exchange(got_g, got_g[rank * 300:(rank + 1) * 300], dist.group.WORLD).wait(
+        timeout=timedelta(seconds=60))
+    assert torch.equal(got_g, want_g)
+    checked.append("gather")
     return checked
 
 
 @pytest.mark.distributed
 def test_two_level_collectives_equal_the_flat_ones():
     got = run_ranks(cases, 4, timeout=300)
-    assert got == [["2x2", "4x1", "1x4", "pairs", "exchange"]] * 4
+    assert got == [["2x2", "4x1", "1x4", "pairs", "exchange", "gather"]] * 4
 
 
 def test_unequal_nodes_are_refused_before_any_group_is_made():

@@ -12,7 +12,9 @@ import torch
 
 from pipezero.cli import main
 from pipezero.config import DType, ModelConfig, ScheduleKind as K
-from pipezero.models.llama import Block
+from pipezero.models.llama import Block, Head
+from pipezero.models.spec import lm_loss
+from pipezero.runtime.weight_grad import WeightGradCapture
 from pipezero.models.presets import apply_preset, block_params
 from pipezero.settings import build_config
 from pipezero.sim.fit import check_fit
@@ -47,6 +49,56 @@ def test_block_bytes_are_what_autograd_saves():
     own = sum(n for ptr, n in saved.items() if ptr not in weights | tables and ptr != x.untyped_storage().data_ptr())
     predicted = layer_bytes(Shapes.of(cfg, b, t, DType.FP32), 1, cfg.n_layers, block_params(cfg) - 2 * cfg.dim)
     assert predicted.held == own + y.untyped_storage().nbytes()
+
+
+def saved_by(module: torch.nn.Module, x: torch.Tensor, loss: bool = False) -> tuple[dict, list, torch.Tensor]:
+    """What autograd saves running `module` on `x` (storage -> bytes; weights, rotary tables and x
+    left out), the weight ops' records a split forward keeps, and the output."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    cap = WeightGradCapture(module)
+    with cap.recording() as records, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = module(x)
+        if loss:
+            y = lm_loss(y, torch.randint(0, 256, x.shape[:2]), 1.0)
+    tables = getattr(getattr(module, "attn", None), "_tables", None) or ()
+    skip |= {t.untyped_storage().data_ptr() for t in tables}
+    return {p: n for p, n in saved.items() if p not in skip}, records, y
+
+
+def test_head_bytes_are_what_autograd_saves():
+    """The head with its loss: the norm's two outputs, its statistics, log-softmax, the targets."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    b, t = 2, 48
+    saved, _, _ = saved_by(Head(cfg), torch.randn(b, t, cfg.dim, requires_grad=True), loss=True)
+    predicted = layer_bytes(Shapes.of(cfg, b, t, DType.FP32), cfg.n_layers + 1, cfg.n_layers, cfg.vocab_size * cfg.dim)
+    assert predicted.held == sum(saved.values())
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_split_backward_keeps_and_frees_what_the_model_says(head):
+    """Split backward: B frees the saved tensors no weight op's record holds (`b_freed`), keeps a dy
+    for every record (`stash_new`), and W's stash keeps every record's x, the layer's input among
+    them (`stash` - `stash_new`)."""
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    b, t = 2, 48
+    x = torch.randn(b, t, cfg.dim, requires_grad=True)
+    module = Head(cfg) if head else Block(cfg)
+    saved, records, _ = saved_by(module, x, loss=head)
+    recorded = {s.untyped_storage().data_ptr() for r in records for s in (r.x, r.y)}
+    xs = {r.x.untyped_storage().data_ptr(): r.x.untyped_storage().nbytes() for r in records}
+    dys = sum(r.y.untyped_storage().nbytes() for r in records)
+    shapes = Shapes.of(cfg, b, t, DType.FP32)
+    predicted = layer_bytes(shapes, cfg.n_layers + 1, cfg.n_layers, cfg.vocab_size * cfg.dim) if head else \
+        layer_bytes(shapes, 1, cfg.n_layers, block_params(cfg) - 2 * cfg.dim)
+    assert predicted.b_freed == sum(n for p, n in saved.items() if p not in recorded)
+    assert predicted.stash_new == dys
+    assert predicted.stash - predicted.stash_new == sum(xs.values())
 
 
 def test_zero_stages_shard_what_they_should():
@@ -115,3 +167,19 @@ def test_fit_check_refuses_before_any_rank_starts(capsys, monkeypatch, tmp_path)
 def test_simulate_memory_refuses_flags_it_would_ignore(capsys):
     code, err = run_main(["simulate", "--memory", "--cost", "1:2:1"], capsys)
     assert_one_line(code, err, "--memory takes no --cost")
+
+
+def test_the_planner_reads_the_heaviest_rank_not_only_the_ends():
+    """Under an even cut of `small` at P=4, 1F1B, the second rank (a whole stage of blocks, P-1
+    micro-batches in flight) outweighs both ends: the planner's figure is the heaviest of all ranks."""
+    from pipezero.config import DataConfig, Packing, ParallelConfig, TrainConfig
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.memory import build_plan, layout_memory, walk
+
+    model = apply_preset(ModelConfig(), "small")
+    par = ParallelConfig(pp=4, dp=1, zero=0, schedule=K.ONE_F_ONE_B, microbatches=8, micro_batch_size=4)
+    cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=1024, packing=Packing.CONCAT))
+    peaks = [walk(build_plan(cfg, False, (r,)), r).peak_bytes for r in range(4)]
+    assert peaks[1] > max(peaks[0], peaks[3])
+    lay = Layout(4, 1, 0, K.ONE_F_ONE_B, 1, 4, 8, False)
+    assert layout_memory(model, 1024, lay, False, False, par.bucket_mb).peak_bytes == max(peaks)

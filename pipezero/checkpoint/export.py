@@ -7,8 +7,11 @@ every parameter under the model's own names in its own shape (a tied embedding o
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,7 +20,7 @@ from torch import nn
 
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.export_folder import check_out, write_folder
-from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, latest, problems, read_manifest
+from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, committed, problems, read_manifest
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
 from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
@@ -30,10 +33,11 @@ def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:
     return build_chunk(model, 0, spec_of(model).n_layers + 2, seed)
 
 
-def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConfig:
+def trusted_model(path: Path, fields: Any, model_spec: str | None) -> ModelConfig:
     """The checkpoint's [model], refused when it names a --model-spec the caller did not: importing
     that module runs its code, and a checkpoint is data that must not choose code to run."""
-    named = fields.get("spec")
+    cfg = manifest_model(path, fields)  # checked as data first; importing the spec is for below
+    named = cfg.spec
     if named and named != model_spec:
         given = f"; you named {model_spec!r}" if model_spec else ""
         raise CheckpointError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
@@ -41,9 +45,27 @@ def trusted_model(path: Path, fields: dict, model_spec: str | None) -> ModelConf
                               f"trust it")
     if model_spec and not named:  # it would be ignored: the checkpoint is of the built-in or a HF model
         raise ConfigError(f"--model-spec {model_spec}: {path} is not a run of a --model-spec (its model is "
-                          f"{fields.get('pretrained') or 'preset ' + str(fields.get('preset') or 'the built-in decoder')}); drop "
+                          f"{cfg.pretrained or 'preset ' + str(cfg.preset or 'the built-in decoder')}); drop "
                           f"--model-spec")
-    return ModelConfig(**fields)
+    return cfg
+
+
+def manifest_model(path: Path, fields: Any) -> ModelConfig:
+    """The manifest's [model], each field checked as a TOML value of it: the manifest is data, and
+    an edited one (an unknown key, a size as a string, a null) was a TypeError traceback while the
+    model was built."""
+    from pipezero.settings import coerce_setting
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known) if isinstance(fields, dict) else ["(not a table)"]
+    try:
+        if unknown:
+            raise ConfigError(f"{unknown[0]!r} is no model setting")
+        typed = {k: coerce_setting(f"model.{k}", v) for k, v in fields.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{path}: its {MANIFEST}'s [model] is not as pipezero writes it ({e}): the manifest was "
+                          f"edited; export another checkpoint, or put the manifest back") from None
+    return ModelConfig(**typed)
 
 
 def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None = None) -> StageChunk:
@@ -52,7 +74,7 @@ def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None
     [model], the built-in decoder, or the --model-spec it names if that is `model_spec` (what the
     caller names and so trusts)."""
     manifest = read_manifest(path)
-    model = whole_model(spec or trusted_model(path, manifest["config"]["model"], model_spec))
+    model = whole_model(spec or trusted_model(path, manifest["config"].get("model"), model_spec))
     params = dict(model.named_parameters())  # a tied weight appears once, as the embedding
     flat = {f"model.{n}": torch.empty(p.numel()) for n, p in params.items()}
     Team().run(f"read of {path}", lambda: dcp.load(flat, storage_reader=SafeReader(path), no_dist=True))
@@ -66,10 +88,7 @@ def resolve(source: Path) -> Path:
     """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
     directory's newest good checkpoint."""
     if (source / "checkpoints").is_dir():
-        found = latest(source / "checkpoints", Team())
-        if found is None:
-            raise CheckpointError(f"{source}/checkpoints holds no complete checkpoint to export")
-        return found.path
+        return newest_good(source / "checkpoints")
     if not (source / MANIFEST).is_file():
         if (source / RUN_ID).is_file() or (source / "metrics.jsonl").is_file():
             raise ConfigError(f"{source} saved no checkpoint (it trained without --checkpoint-every): train with "
@@ -77,9 +96,31 @@ def resolve(source: Path) -> Path:
         raise ConfigError(f"{source} is neither a run folder nor a checkpoint (it holds no checkpoints/ and no "
                           f"{MANIFEST}): pass a run directory or one of its checkpoints/step-N")
     reason = problems(source, Team())
-    if reason:
-        raise CheckpointError(f"{source} cannot be exported: {reason}")
+    if reason:  # the user's input, as a wrong path is: one line, exit 2
+        raise ConfigError(f"{source} cannot be exported: {reason}; export an earlier checkpoint (a step-N beside "
+                          f"it), or the run folder (its newest good one)")
     return source
+
+
+def newest_good(root: Path) -> Path:
+    """The newest checkpoint under `root` whose files match their manifest (as `latest` finds one
+    to resume), a warning for each newer one skipped; none good is one line naming why."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(committed(root)):
+        reason = problems(path, Team())
+        if reason is None:
+            for bad, why in skipped:
+                print(f"pipezero: warning: skipping corrupt checkpoint {bad}: {why}; exporting {path.name}",
+                      file=sys.stderr, flush=True)
+            return path
+        skipped.append((path, reason))
+    if skipped:
+        bad, why = skipped[0]
+        older = f" (and {len(skipped) - 1} older, likewise)" if len(skipped) > 1 else ""
+        raise ConfigError(f"{root} holds no complete checkpoint to export: {bad.name} {why}{older}; resume the run "
+                          f"to save a good one, or restore the files")
+    raise ConfigError(f"{root} holds no complete checkpoint to export: train with --checkpoint-every K (a "
+                      f"checkpoint every K steps and at the end), then export")
 
 
 def export(source: Path, out: Path, model_spec: str | None = None) -> Path:

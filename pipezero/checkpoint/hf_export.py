@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipezero.checkpoint.export import read_model, resolve
+from pipezero.checkpoint.export import manifest_model, read_model, resolve
 from pipezero.checkpoint.export_folder import check_out, write_folder
 from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
@@ -90,12 +90,26 @@ def metadata_folder(ckpt: Path, pretrained: str | None) -> Path | None:
     kept = ckpt.parent.parent / "hf"  # RUN/checkpoints/step-N -> RUN/hf
     for folder in (kept, Path(pretrained) if pretrained else None):
         if folder is not None and (folder / CONFIG).is_file():
+            check_files(folder)
             return folder
+        if folder is not None and (folder / CONFIG).exists():  # not another folder's config in its place
+            check_files(folder)
     if pretrained:
         raise ConfigError(f"{ckpt} was trained from --model {pretrained}, whose {CONFIG} is neither in its run "
                           f"({kept}) nor in that folder: export it from its run directory, or put the model "
                           f"folder back")
     return None
+
+
+def check_files(folder: Path) -> None:
+    """Refuse a model file of `folder` (METADATA) that is there but is no regular file (a folder, a
+    pipe): skipped, the export went without a tokenizer, exit 0."""
+    for name in METADATA:
+        path = folder / name
+        if path.exists() and not path.is_file():
+            kind = "a folder" if path.is_dir() else "not a regular file"
+            raise ConfigError(f"{path} is {kind}, where the model's {name} belongs: put the file back (from the "
+                              f"model folder the run trained from), or export with --format pipezero")
 
 
 def is_tokenizer(path: Path) -> bool:
@@ -132,11 +146,11 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     check_out(out, source)
     ckpt = resolve(source)
     run_config = read_manifest(ckpt)["config"]
-    fields = run_config["model"]
-    if fields.get("spec"):
+    fields = run_config.get("model")
+    if isinstance(fields, dict) and fields.get("spec"):
         raise ConfigError(f"{ckpt} is a run of --model-spec {fields['spec']}, a model of your own with no Hugging "
                           f"Face form; export it with --format pipezero")
-    cfg = ModelConfig(**fields)
+    cfg = manifest_model(ckpt, fields)
     kept = metadata_folder(ckpt, fields.get("pretrained"))
     if kept is not None:
         check_describes(kept, ckpt, cfg)

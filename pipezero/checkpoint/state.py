@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipezero.checkpoint.store import CheckpointError, Found, Team, at_steps, committed, latest, write, written_by
+from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, read_manifest, write,
+                                       written_by)
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -152,6 +153,7 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
     `frozen`: this rank's frozen tensors (freeze.frozen_params); `spec`: the model, when not cfg.model's."""
     team = Team.current(step)
     state = state_dict(zero, spec_of(spec or cfg.model).tied_names(), saving=True, frozen=frozen)
+    check_finite(state, team, cfg.optim.lr)
     state[f"rng.rank{team.rank}"] = torch.get_rng_state()
     p = cfg.parallel
     info = {"config": cfg.to_dict(), "run": run_id(cfg.run.out), "world": team.world, "adam_steps": zero.opt.step_count,
@@ -159,6 +161,64 @@ def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dic
             "layout": {"pp": p.pp, "dp": p.dp, "zero": p.zero, "virtual_stages": p.virtual_stages,
                        "schedule": p.schedule.value}}
     return write(checkpoint_root(cfg), step, state, info, cfg.run.keep_checkpoints, team)
+
+
+def nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """The names of `state`'s floating-point entries (weights, AdamW moments) holding NaN or inf."""
+    bad = []
+    for name, value in state.items():
+        t = getattr(value, "_local", value)  # a Piece's own elements
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad
+
+
+def check_finite(state: dict[str, Any], team: Team, lr: float) -> None:
+    """Refuse, on every rank alike (collective), to save weights or optimizer state that are NaN
+    or inf: an update that overflowed (--lr 1e308) left every weight NaN, saved as the run's final
+    checkpoint with exit 0, and a resume or an export took it for the trained model. The earlier
+    checkpoints stay (nothing is written or pruned)."""
+    bad = sorted({n for part in team.gather(nonfinite_entries(state), "check that the state is finite") for n in part})
+    if bad:
+        shown = ", ".join(bad[:2]) + (f" and {len(bad) - 2} more" if len(bad) > 2 else "")
+        raise CheckpointError(f"step {team.step}: checkpoint not saved: {shown} hold NaN or inf (an update diverged); "
+                              f"the earlier checkpoints are kept: lower --lr (now {lr:g}) and start again, or "
+                              f"--resume from the last good one")
+
+
+def model_diff(saved: Any, now: dict[str, Any]) -> dict[str, Any]:
+    """The [model] settings a checkpoint (`saved`) and this run (`now`) disagree on, as saved vs
+    now. The --model folder's path is not one: the weights come from the checkpoint, the shape is
+    compared field by field, and the same folder named from another working directory ('base',
+    '/data/base') refused a resume."""
+    if not isinstance(saved, dict):
+        return {"[model]": (saved, "a table")}
+    keys = (set(saved) | set(now)) - {"pretrained"}
+    return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
+
+
+def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
+    """Why `--resume` in `cfg.run.out` (claimed by run `run`) would not continue its checkpoints,
+    from their manifests alone, before any rank starts; None when it would (or there are none).
+    Said by the ranks only as they loaded (exit 1), or not at all: a missing or damaged .run-id made
+    the resume take none of the run's checkpoints and train from step 0, exit 0."""
+    manifests = []
+    for _, path in reversed(committed(checkpoint_root(cfg))):
+        try:
+            manifests.append((path, read_manifest(path)))
+        except CheckpointError:
+            continue  # a damaged one: the ranks skip it, naming it
+    ids = {m.get("run") for _, m in manifests}
+    if manifests and run is None and None not in ids:
+        theirs = manifests[0][1]["run"]
+        return (f"its .run-id is missing or damaged, so --resume would take none of its checkpoints (run {theirs!r} "
+                f"wrote them) and train from step 0: write that id back, printf '{theirs}\\n' > "
+                f"{Path(cfg.run.out) / '.run-id'}, or train in another --out")
+    mine = [(p, m) for p, m in manifests if m.get("run") in (None, run)]
+    if mine and (diff := model_diff((mine[0][1].get("config") or {}).get("model"), cfg.to_dict()["model"])):
+        return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
+                f"(--preset, --model, [model]), or start a new --out")
+    return None
 
 
 def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
@@ -172,8 +232,7 @@ def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[st
     m = found.manifest
     team = Team.current(m["step"])
     now = cfg.to_dict()
-    if m["config"]["model"] != now["model"]:
-        diff = {k: (v, now["model"].get(k)) for k, v in m["config"]["model"].items() if now["model"].get(k) != v}
+    if diff := model_diff(m["config"].get("model"), now["model"]):
         raise CheckpointError(f"{found.path} holds a different model (saved vs now: {diff}); train with the "
                               f"same [model] settings or start a new --out")
     check_frozen(found, cfg, spec)  # the same answer on every rank: it reads the two configurations only
@@ -204,6 +263,8 @@ def warn_changed(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None
     if saved["parallel"]["microbatches"] * saved["parallel"]["micro_batch_size"] * saved["parallel"]["dp"] != \
             now["parallel"]["microbatches"] * now["parallel"]["micro_batch_size"] * now["parallel"]["dp"]:
         changed.append("global batch (microbatches x micro_batch_size x dp)")
+    if (saved.get("model") or {}).get("pretrained") != now["model"].get("pretrained"):
+        changed.append(f"model.pretrained: {saved['model'].get('pretrained')!r} -> {now['model'].get('pretrained')!r}")
     if changed:
         print(f"pipezero: warning: resuming {path} with changed settings, the run will differ from the "
               f"original: {'; '.join(changed)}", file=sys.stderr, flush=True)

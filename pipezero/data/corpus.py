@@ -113,11 +113,17 @@ def read_documents(files: list[Path], max_bytes: int | None) -> list[str]:
     return [d for d in docs if d]
 
 
+def every_kth(heldout_fraction: float) -> int:
+    """k: every k-th document is held out. A fraction of 1e-320 made 1 / x inf (an OverflowError
+    traceback): k is capped, holding out none, which the size checks then name."""
+    return max(2, round(min(1.0 / heldout_fraction, 2.0**62)))
+
+
 def split_documents(docs: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
     """Hold out every k-th document (k = 1 / fraction), so the held-out text is drawn from the whole
     corpus rather than whatever sorts last. With fewer than k documents, hold out the tail of the
     text instead, cut at a line end."""
-    k = max(2, round(1.0 / heldout_fraction))
+    k = every_kth(heldout_fraction)
     if len(docs) >= k:
         return [d for i, d in enumerate(docs) if i % k != k - 1], [d for i, d in enumerate(docs) if i % k == k - 1]
     text = "".join(docs)
@@ -202,7 +208,7 @@ def load_documents(cfg: DataConfig) -> Corpus:
     if cfg.text_field != DataConfig.text_field and not any(f.suffix in RECORD_SUFFIXES | TABLE_SUFFIXES for f in files):
         raise ConfigError(f"--text-field {cfg.text_field!r} names a field of .jsonl/.json/.parquet records, but --data "
                           f"holds none (text files are read whole): drop it")  # it was ignored, exit 0
-    every = max(2, round(1.0 / cfg.heldout_fraction))
+    every = every_kth(cfg.heldout_fraction)
     inputs = fingerprint(files, cfg.text_field, cfg.on_bad_record.value, cfg.max_document_mb)
 
     def reader() -> Reader:

@@ -116,7 +116,21 @@ def _field(config: dict[str, Any], key: str, kind: type, path: Path, default: An
 
 def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None]:
     """(theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or the older
-    `rope_theta` + `rope_scaling`."""
+    `rope_theta` + `rope_scaling`. Both, differing, are refused: transformers 5 reads the older
+    keys over rope_parameters, so reading rope_parameters alone trained another model than the
+    one transformers loads (a yarn scaling silently dropped)."""
+    legacy = config.get("rope_scaling")
+    if config.get("rope_parameters") and (legacy is not None or config.get("rope_theta") is not None):
+        params, older = config["rope_parameters"], dict(legacy) if isinstance(legacy, dict) else {"": legacy}
+        if "type" in older:
+            older.setdefault("rope_type", older.pop("type"))
+        if config.get("rope_theta") is not None:
+            older["rope_theta"] = config["rope_theta"]
+        differ = [k for k, v in older.items() if not isinstance(params, dict) or params.get(k) != v]
+        if differ:
+            raise ConfigError(f"{path}: rope settings are given twice and differ, in rope_parameters and in "
+                              f"{'rope_theta' if differ[0] == 'rope_theta' else 'rope_scaling'} ({differ[0] or 'rope_scaling'}); "
+                              f"transformers reads the older keys: keep one")
     where = "rope_parameters." if config.get("rope_parameters") else "rope_scaling."
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(params, dict):

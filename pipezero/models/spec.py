@@ -89,7 +89,7 @@ class ModelSpec:
         """What blocks take as their second argument when documents are packed with masks (from
         per-token document ids (B, T)). A model without document masking refuses them."""
         raise NotImplementedError(f"{type(self).__name__} does not support packed document masks; "
-                                  f"use data.packing concat or none")
+                                  f"use --packing concat or none")
 
     def param_names(self) -> list[str]:
         """Every parameter name of the whole model in model order, both names of a tied weight

@@ -20,8 +20,8 @@ already keeps the group inside one node (`--placement dp-inner` with D <= ranks 
 the exchange alone still halves gloo's reduce-scatter bytes (measured 2.0x faster at D=2, 100mbit).
 
 Reduce-scatter keeps the flat collective's output: group position j = n x N + l (node n, local rank
-l) ends with slice j of W. Each level's reduce-scatter is a direct exchange (`all_to_all_single`
-then a sum of the K or N received pieces), which sends (G - 1) / G of the buffer a rank, where
+l) ends with slice j of W. Each level's reduce-scatter is a direct exchange (each member sends every
+other its slice, then sums the K or N pieces), which sends (G - 1) / G of the buffer a rank, where
 gloo's `reduce_scatter_tensor` sends a whole all-reduce's worth.
 
 Ranks of one node are those torchrun puts there: global rank g is on node g // ranks_per_node.
@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -117,34 +118,88 @@ def build_hierarchy(groups: Sequence[Sequence[int]], ranks_per_node: int,
 
 
 class ExchangeWork:
-    """A started exchange reduce-scatter (`start_exchange`): waiting for it, like torch's `Work`
-    (`wait(timeout=...)`), also sums the received slices into `out`, once."""
+    """A started exchange (`start_exchange`, `start_gather_exchange`): its sends and receives,
+    waited for like torch's `Work` (`wait(timeout=...)`, the timeout spanning them all); a
+    reduce-scatter's wait also sums the received slices into `out`, once."""
 
-    def __init__(self, work: Any, got: torch.Tensor, out: torch.Tensor, parts: int) -> None:
-        self._work, self._got, self._out, self._parts, self._summed = work, got, out, parts, False
+    def __init__(self, works: list[Any], finish: Callable[[], None] | None = None) -> None:
+        self._works, self._finish = works, finish
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        ok = self._work.wait() if timeout is None else self._work.wait(timeout=timeout)
-        if not self._summed:
-            torch.sum(self._got.view(self._parts, -1), 0, out=self._out)
-            self._summed = True
+        end = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        ok = True
+        for w in self._works:
+            left = None if end is None else timedelta(seconds=max(0.0, end - time.monotonic()))
+            ok = (w.wait() if left is None else w.wait(timeout=left)) is not False and ok
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
         return ok
 
     def get_future(self) -> Any:
-        """The exchange's own future (it completes before the sum, which `wait` does)."""
-        return self._work.get_future()
+        """Done when every send and receive is (the sum, if any, waits for `wait`); raises where
+        the backend's point-to-point works have no future."""
+        return torch.futures.collect_all([w.get_future() for w in self._works])
+
+
+# p2p tags of the exchanges: a reduce-scatter's and a gather's messages between the same two
+# members never match each other, whatever the two have in flight (each kind is posted in one
+# order on every member, as every member plays the same program)
+REDUCE_TAG, GATHER_TAG = 1, 2
 
 
 def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> ExchangeWork:
     """Start summing `full` over `group`, this member keeping its slice in `out` (what
-    `dist.reduce_scatter_tensor` leaves): each member sends every other its slice once
-    (all_to_all_single), (G - 1) / G of the buffer, and sums the G slices it received when waited
-    for. gloo's reduce-scatter sends an all-reduce's bytes instead, twice as many at G = 2."""
+    `dist.reduce_scatter_tensor` leaves): each member sends every other its slice once, (G - 1) / G
+    of the buffer, and sums the G slices when waited for. gloo's reduce-scatter sends an
+    all-reduce's bytes instead, twice as many at G = 2.
+
+    Receives land in a buffer of the G - 1 other members' slices (at G = 2 in `out` itself), never
+    in one the size of `full`: in flight, a bucket's reduction holds (G - 1) / G of the bucket
+    beside it, not all of it (all_to_all_single's output, the whole bucket, cost ZeRO-2 and -3 a
+    bucket's bytes for each reduction in flight). The sum is in member order, as before."""
     parts = dist.get_world_size(group)
     if full.numel() != out.numel() * parts:
         raise ValueError(f"exchange: {full.numel()} elements do not split into {parts} x {out.numel()}")
-    got = torch.empty_like(full)
-    return ExchangeWork(dist.all_to_all_single(got, full, group=group, async_op=True), got, out, parts)
+    me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+    slices = full.view(parts, -1)
+    got = out.view(1, -1) if parts == 2 else torch.empty(parts - 1, out.numel(), dtype=out.dtype, device=out.device)
+    peers = [j for j in range(parts) if j != me]
+    works = [dist.irecv(got[i], src=ranks[j], group=group, tag=REDUCE_TAG) for i, j in enumerate(peers)]
+    works += [dist.isend(slices[j], dst=ranks[j], group=group, tag=REDUCE_TAG) for j in peers]
+
+    def finish() -> None:
+        if parts == 2:  # out holds the other member's slice: one addition (commutative), rounded once
+            out.add_(slices[me])
+            return
+        # in member order, accumulated in fp32 and rounded once, as torch.sum of the G slices did
+        acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        acc.copy_(slices[0] if me == 0 else got[0])
+        for j in range(1, parts):
+            acc.add_(slices[me] if j == me else got[peers.index(j)])
+        if acc is not out:
+            out.copy_(acc)
+
+    return ExchangeWork(works, finish)
+
+
+def start_gather_exchange(out: torch.Tensor, shard: torch.Tensor, group: Any) -> ExchangeWork:
+    """Start filling `out` (G x shard) with every member's `shard`, in member order, as
+    `dist.all_gather_into_tensor` does: each member sends its shard to every other, which receives
+    it in place, into its slice of `out`. gloo's all-gather receives into a flat buffer the size of
+    `out` and copies it over, a whole bucket's bytes more while it runs (ZeRO-1/2's gathers of
+    updated weights, two at once on gloo's threads, and ZeRO-3's of every layer)."""
+    parts = dist.get_world_size(group)
+    if out.numel() != shard.numel() * parts:
+        raise ValueError(f"gather: {out.numel()} elements do not split into {parts} x {shard.numel()}")
+    me, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+    slices = out.view(parts, -1)
+    if slices[me].data_ptr() != shard.data_ptr():  # ZeRO-1/2 send their own slice of `out`
+        slices[me].copy_(shard.reshape(-1))
+    peers = [j for j in range(parts) if j != me]
+    works = [dist.irecv(slices[j], src=ranks[j], group=group, tag=GATHER_TAG) for j in peers]
+    works += [dist.isend(slices[me], dst=ranks[j], group=group, tag=GATHER_TAG) for j in peers]
+    return ExchangeWork(works)
 
 
 def _reduce_scatter_exchange(full: torch.Tensor, parts: int, group: Any) -> torch.Tensor:

@@ -159,41 +159,50 @@ class Executor:
                 continue
             if isinstance(ins, OptimStep):
                 break
-            a = ins.action
-            if a.op is Op.F:
-                x = microbatches[a.mb][0] if a.chunk == 0 else \
-                    self.p2p.recv(Payload.ACT, a.chunk, a.mb).requires_grad_(True)
-                with self._timed(a):
-                    self.hooks.begin_compute(ins)
-                    live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), a.chunk in split)
-                    self.hooks.end_compute(ins)
-                    if a.chunk == self.last:
-                        st.out = self.chunks[a.chunk].spec.loss(st.out, microbatches[a.mb][1], denom)
-                        loss += st.out.detach()
-                peak = max(peak, len(live))
-                continue
-            if a.op is not Op.B:
-                self.hooks.before_backward(a.chunk)
-            if a.op is Op.W:
-                with self._timed(a):
-                    self.hooks.begin_compute(ins)
-                    self._run_w(a, live.pop((a.chunk, a.mb)))
-                    self.hooks.end_compute(ins)
-            else:
-                grad = None if a.chunk == self.last else self.p2p.recv(Payload.GRAD, a.chunk, a.mb)
-                st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
-                with self._timed(a):
-                    self.hooks.begin_compute(ins)
-                    self._run_b(a, st, grad)
-                    self.hooks.end_compute(ins)
-            if a.op is Op.B:
-                self.hooks.after_input_grad(a.chunk)
-            else:
-                self.hooks.after_backward(a.chunk)
+            self._play(ins, live, microbatches, ins.action.chunk in split, denom, loss)
+            peak = max(peak, len(live))
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
         return StepStats(loss, peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
+
+    def _play(self, ins: Compute, live: dict[tuple[int, int], _Live], microbatches: Sequence[MicroBatch],
+              split: bool, denom: float, loss: torch.Tensor) -> None:
+        """One compute action (the last chunk's F adds its loss into `loss`), the collectives inside
+        it armed for its moments. A method of its own so that nothing it binds outlives it: a local
+        of the step's loop held a finished micro-batch (its input, its received gradient, a split
+        chunk's recorded weight-op tensors, W's stash) alive until the next action rebound the name,
+        up to most of a chunk's activations."""
+        a = ins.action
+        if a.op is Op.F:
+            x = microbatches[a.mb][0] if a.chunk == 0 else \
+                self.p2p.recv(Payload.ACT, a.chunk, a.mb).requires_grad_(True)
+            with self._timed(a):
+                self.hooks.begin_compute(ins)
+                live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), split)
+                self.hooks.end_compute(ins)
+                if a.chunk == self.last:
+                    st.out = self.chunks[a.chunk].spec.loss(st.out, microbatches[a.mb][1], denom)
+                    loss.add_(st.out.detach())
+            return
+        if a.op is not Op.B:
+            self.hooks.before_backward(a.chunk)
+        if a.op is Op.W:
+            with self._timed(a):
+                self.hooks.begin_compute(ins)
+                self._run_w(a, live.pop((a.chunk, a.mb)))
+                self.hooks.end_compute(ins)
+        else:
+            grad = None if a.chunk == self.last else self.p2p.recv(Payload.GRAD, a.chunk, a.mb)
+            st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
+            with self._timed(a):
+                self.hooks.begin_compute(ins)
+                self._run_b(a, st, grad)
+                self.hooks.end_compute(ins)
+        if a.op is Op.B:
+            self.hooks.after_input_grad(a.chunk)
+        else:
+            self.hooks.after_backward(a.chunk)
 
     @contextmanager
     def _timed(self, a: Action) -> Iterator[None]:

@@ -230,7 +230,10 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
         raise ConfigError(f"--from-trace {args.from_trace!r} is a folder: pass the trace.json in it (a run with "
                           f"--trace writes OUT/trace.json)")
     if not Path(args.from_trace).is_file():
-        raise ConfigError(f"--from-trace {args.from_trace!r} does not exist (a run with --trace writes trace.json)")
+        from pipezero.settings import kind_of
+
+        raise ConfigError(f"--from-trace {args.from_trace!r} {kind_of(Path(args.from_trace))} (a run with --trace "
+                          f"writes trace.json)")
     try:
         cal = calibrate(args.from_trace)
         lay = cal.layout

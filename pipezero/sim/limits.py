@@ -46,3 +46,14 @@ TFLOPS = Range(1e-6, 1e5)
 GBPS = Range(1e-6, 1e6)
 OVERHEAD_MS = Range(0, 1e6)
 NET_CPU = Range(0, 1e4)
+
+# verify: steps it trains three times (the layout, one process, one process re-cut), keeping every
+# step's loss and norm; a check of a few steps, not a training run (10^11 never ended)
+VERIFY_STEPS = Range(1, 1000)
+
+# train (and verify): every rank builds and proves its step's schedule when it starts, about 0.2 ms a
+# stage micro-batch on a busy core (P x M x V = 10^5: 12 s; --microbatches 10^9 never started)
+TRAIN_PLAY_LIMIT = 65536
+# and holds a step's global batch (M x B x D sequences of T + 1 token ids) in memory on every rank:
+# --micro-batch-size 10^9 was a 119 GiB allocation's traceback
+BATCH_TOKENS = 1 << 28

@@ -12,17 +12,22 @@ Categories (bytes on one rank):
   full bucket from its first gradient to its reduction, then this rank's shard);
 - optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0);
 - activations: what autograd saves in forward for each micro-batch in flight (recompute: the
-  chunk's input only), split backward's (x, dy) stash from B to W, and the transient peak inside an
-  action (a backward's gradients, the head's logits);
+  chunk's input, output and loss only), a split chunk's records of its weight ops for B, split
+  backward's (x, dy) stash from B to W, and the transient inside an action, followed layer by
+  layer where it matters (a recomputed chunk's backward, a split B, a ZeRO-2/3 backward whose
+  buckets fill and leave reduced as the layers behind it free their activations);
 - p2p: receive buffers posted ahead of use, and sends, which gloo and NCCL hold until the step's
-  end waits for them;
-- collectives: a reduction's low-precision wire copy and its reduce-scatter output;
+  end waits for them (an activation's send is the chunk's output itself, moved here from
+  `activations` when it is sent);
+- collectives: a reduction's buffers while in flight: the low-precision wire copy, the
+  reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received;
 - batch: the step's token batch (every rank holds the global batch's share of its replica).
 
 Per-layer bytes count what the built-in Llama's autograd keeps (models/llama.py), per token:
 a block saves its RMSNorm outputs, q, k, v before and after rotation, attention's output and its
 contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·kv + 4·hidden
-elements, plus fp32 statistics); the head its normed input and log-softmax (vocab elements, fp32).
+elements, plus fp32 statistics); the head its two normed tensors, log-softmax (vocab elements,
+fp32) and the targets.
 Under bf16 autocast linears keep bf16 copies of their weights per micro-batch and rotation keeps
 fp32 q and k. Other models (own specs) are estimated with the block formula of their dims.
 """
@@ -84,24 +89,40 @@ class LayerBytes:
     backward_extra: int
     stash_new: int = 0
     recorded: int = 0  # a split chunk's forward also keeps every weight op's output for B (records)
+    # under --recompute the forward saves nothing inside the checkpoint: the most bytes alive at
+    # once inside this layer's forward, its input aside
+    forward_live: int = 0
+    # W from B's stash (runtime/weight_grad.py), one weight op at a time: a norm recomputes its
+    # normalised input in fp32 and multiplies it by dy (two activation-sized fp32 tensors); a
+    # linear makes its weight's gradient (fp32, after a bf16 product under autocast)
+    w_extra: int = 0
+    # what split backward's B frees as it goes: the tensors autograd saved that no weight op's
+    # record (x, y) also holds; the recorded ones live until B returns
+    b_freed: int = 0
 
 
 def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
     """Index 0 is the embedding, n_layers + 1 the head, the rest blocks (models/llama.py)."""
     n, a, d = s.tokens, s.act, s.dim
     if index == 0:  # the gathered rows are its output; the token ids are the batch's
-        return LayerBytes(n * d * a, 0, 0, 0)  # W of the first chunk is a full backward: no stash
+        return LayerBytes(n * d * a, 0, 0, 0, forward_live=n * d * a)  # W of the first chunk is a full backward
     if index == n_layers + 1:
         logits = n * s.vocab * a
         logsm = n * s.vocab * F32  # cross-entropy's log-softmax, in fp32
         upcast = n * s.vocab * F32 if a != F32 else 0  # logits.float() under bf16
         weights = linear_params * 2 if a != F32 else 0
-        held = n * d * a + n * F32 + logsm + weights  # normed input, rms statistics, log-softmax
+        # the norm's normalised input (for its weight's gradient) and its output (the projection's
+        # input), rms statistics, log-softmax, the targets (int64) and the loss's total weight
+        held = 2 * n * d * a + n * F32 + logsm + weights + n * 8 + F32
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
+        # W's x: the head's input (the layer before's output) and the norm's output
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
         # the projection's weight gradient
         backward = max(2 * logsm, logsm + linear_params * F32)
-        return LayerBytes(held, n * d * a + new, logits + upcast, backward, new, logits)
+        return LayerBytes(held, 2 * n * d * a + new, logits + upcast, backward, new, logits,
+                          forward_live=2 * n * d * a + logits + upcast + logsm,
+                          w_extra=max(2 * n * d * F32, linear_params * (F32 + (a if a != F32 else 0))),
+                          b_freed=held - n * d * a)  # all but the norm's output (the projection's x)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
@@ -109,16 +130,27 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     if a != F32:
         held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
     # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
-    # input (the layer before's), its two normed tensors, attention's output, the residual sum and
-    # SwiGLU's product; every dy is new
+    # input (the layer before's output, kept past B by the stash), its two normed tensors,
+    # attention's output, the residual sum and SwiGLU's product; every dy is new
     new = n * a * (4 * d + s.q + 2 * s.kv + 2 * s.hidden)
-    stash = n * a * (3 * d + s.q + s.hidden) + new
-    # backward of one block: its output's gradient, SwiGLU's hidden gradients and one weight gradient
-    backward = n * a * (2 * d + 3 * s.hidden) + d * s.hidden * F32
+    stash = n * a * (4 * d + s.q + s.hidden) + new
+    # recorded and saved by autograd alike (kept through B): the first normed tensor, v, attention's
+    # output, the residual sum, the second normed tensor, gate, up and their product, and the
+    # block's output (the next layer's input)
+    b_freed = held - n * a * (4 * d + s.q + s.kv + 3 * s.hidden)
+    # backward of one block, beyond what it holds (measured on the profiler's events): SwiGLU's
+    # down projection's input gradient and the two it splits into (gate's and up's) are alive while
+    # its saved product is already freed, two hidden-wide tensors net; or a weight gradient (before
+    # autograd accumulates it) with the input gradient computed beside it
+    backward = max(2 * n * a * s.hidden, d * s.hidden * F32 + n * a * (s.hidden + d))
     # a split chunk's forward records each weight op's output for B: beyond what autograd keeps,
     # q and k before rotation and the two projections back into the residual stream
     recorded = n * a * (s.q + s.kv + 2 * d)
-    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded)
+    # a forward that saves nothing (recompute's): SwiGLU's gate, up and product at once beside the
+    # residual stream, its normed copy and the attention branch's output
+    live = n * a * (3 * s.hidden + 3 * d)
+    w = max(2 * n * d * F32, max(d * s.hidden, d * s.q) * (F32 + (a if a != F32 else 0)))
+    return LayerBytes(held, stash, n * a * s.hidden, backward, new, recorded, live, w, b_freed)
 
 
 @dataclass(frozen=True)
@@ -129,10 +161,16 @@ class ChunkBytes:
     forward_peak: int  # extra inside F
     backward_peak: int  # extra inside B / BW / W
     recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
-    recomputed: int  # what backward recomputes: `held` up to the last tensor saved inside the chunk
-    last_layer: int  # the chunk's last layer's part of `held`: freed before its first bucket is complete
+    recompute_forward: int  # with --recompute: extra inside F (the most one layer's forward holds at once)
+    recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_moments`)
+    recompute_b: int  # with --recompute: extra inside a B, which retains the graph for W
     recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
-    inner_backward_peak: int  # `backward_peak` over the layers inside the checkpoint (not the loss's)
+    w_peak: int  # extra inside a W from B's stash
+    b_peak: int  # extra inside a split B (see `split_b_peak`)
+    # a full backward's course, layer by layer from the last: (parameters whose gradients exist by
+    # then, bytes beyond what the chunk held before it), without and with recompute
+    moments: tuple[tuple[int, int], ...] = ()
+    recompute_moments: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -160,6 +198,7 @@ class RankMemory:
     categories: dict[str, int] = field(default_factory=dict)  # at the peak
     at: str = ""  # the instruction at which the peak is reached
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (instruction, live) after each
+    totals: list[tuple[str, int]] = field(default_factory=list)  # with the timeline: (instruction, total) each
 
     def biggest(self, k: int = 3) -> list[tuple[str, int]]:
         return sorted(((c, b) for c, b in self.categories.items() if b), key=lambda x: -x[1])[:k]
@@ -201,11 +240,80 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     bwd = max((x.backward_extra for x in layers), default=0)
     # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
     loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
-    # recompute stops at the chunk's last saved tensor: not its output, nor the loss outside it
+    params = list(plan.chunk_params[chunk])
+    boundary = s.tokens * s.dim * s.act
+    rec = recompute_moments(layers, params, out, loss, boundary)
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
-                      inp + out + loss, held - out - (s.tokens * s.vocab * F32 if loss else 0),
-                      layers[-1].held if layers else 0, sum(x.recorded for x in layers),
-                      max((x.backward_extra for x in layers[:-1] if loss), default=bwd) if loss else bwd)
+                      inp + out + loss, max((x.forward_live for x in layers), default=0),
+                      max((m for _, m in rec), default=0),
+                      max((m for _, m in recompute_moments(layers, params, out, loss, boundary, True)), default=0),
+                      sum(x.recorded for x in layers),
+                      max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
+                      backward_moments(layers, params, boundary), rec)
+
+
+def backward_moments(layers: list[LayerBytes], params: list[int], boundary: int) -> tuple[tuple[int, int], ...]:
+    """A full backward of the chunk (no recompute) as autograd runs it, layer by layer from the
+    last: at layer i the gradients of the layers after it and of i exist, i's backward adds its
+    transient, and the layers after i have freed what they saved, i's output among it (`held`
+    counts a layer's output, which the next layer saves)."""
+    out, done, freed = [], 0, 0
+    for j, (x, n) in enumerate(zip(reversed(layers), reversed(params))):
+        done += n
+        out.append((done, x.backward_extra - freed - (boundary if j else 0)))
+        freed += x.held
+    return tuple(out)
+
+
+def split_b_peak(layers: list[LayerBytes], loss: int) -> int:
+    """The most bytes a split backward's B (runtime/weight_grad.input_grad_and_stash) adds to what
+    the chunk holds (its activations and F's records). B asks autograd for the gradients of the
+    chunk's input and of every recorded weight op's output, which it keeps (the stash's dy);
+    autograd frees, layer by layer from the last, the saved tensors no record holds (`b_freed`).
+    The last chunk starts with the loss's backward (log-softmax's gradient and the logits' beside
+    the log-softmax). Inside a block its new gradients come before its frees, so each block's
+    backward transient is counted on top of the gradients kept so far, its own included."""
+    peak = 2 * loss
+    kept = 0
+    for x in reversed(layers):
+        kept += x.stash_new - x.b_freed
+        peak = max(peak, kept + x.backward_extra)
+    return max(peak, kept)
+
+
+def recompute_moments(layers: list[LayerBytes], params: list[int], out: int, loss: int,
+                      boundary: int, retain: bool = False) -> tuple[tuple[int, int], ...]:
+    """A backward of a checkpointed chunk (torch.utils.checkpoint, non-reentrant, as
+    runtime/executor.py runs it), as `backward_moments`: the bytes beyond what the chunk holds
+    between F and B (`recompute_held`), moment by moment.
+
+    The last chunk's loss sits outside the checkpoint, so its backward runs first: log-softmax's
+    gradient and the logits' beside the saved log-softmax (2 x `loss`), which it then frees. The
+    first unpack of a saved tensor reruns the chunk's forward up to its last saved tensor (early
+    stop: neither the chunk's output nor the logits are made again), so every layer's saved
+    tensors are back at once; autograd then frees each as it is unpacked, layer by layer from the
+    last: at layer i the layers up to i are still held, plus i's own backward and the gradient
+    flowing into it, less i's output (the next layer saved it, and has freed it) and, in the last
+    chunk, less the log-softmax. At the head the logits' gradient takes the freed log-softmax's
+    place, beside the projection's input gradient. `retain`: a B (autograd.grad with the graph
+    retained for W) keeps the log-softmax."""
+    held = [x.held for x in layers]
+    if loss:
+        held[-1] -= loss  # the log-softmax is the loss's, kept outside the checkpoint
+    elif held:
+        held[-1] -= out  # the chunk's output is saved by nothing inside it
+    moments = [(0, 2 * loss)] if loss else []
+    done = 0
+    for i in range(len(layers) - 1, -1, -1):
+        below = sum(held[:i + 1])
+        done += params[i]
+        if loss and i == len(layers) - 1:
+            moments.append((done, below + boundary))  # the logits' gradient replaces the log-softmax
+        else:
+            inner = i < len(layers) - 1  # the last layer's gradient is the received one
+            after = boundary + (0 if retain else loss) if inner else 0  # its output (and the log-softmax), freed
+            moments.append((done, below + layers[i].backward_extra + (boundary if inner else 0) - after))
+    return tuple(moments)
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
@@ -264,6 +372,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             res.peak_bytes, res.at, res.categories = total, where, now
         if keep_timeline:
             res.timeline.append((len(res.timeline), now))
+            res.totals.append((where, total))
 
     def grad_bucket(c: int, k: int) -> None:
         if (c, k) not in full_grads:
@@ -275,12 +384,10 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         done, reducing = (reducing[:-keep_last], reducing[-keep_last:]) if keep_last else (reducing, [])
         for c, k in done:
             n = bp.buckets(c)[k]
-            if plan.wire != F32:
-                live["collectives"] -= n * plan.wire  # the wire copy of the gradient
-            if rules.sharded_grads:
-                live["collectives"] -= n * plan.wire if plan.gloo else 0
-                live["collectives"] -= n // dp * plan.wire  # the reduce-scatter's output ...
-                if (c, k) not in shard_grads:  # ... becomes (or is added into) the fp32 shard
+            if dp > 1:
+                live["collectives"] -= reduction_bytes(plan, n, rules.sharded_grads)
+            if rules.sharded_grads:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
+                if (c, k) not in shard_grads:
                     shard_grads.add((c, k))
                     live["grads"] += n // dp * F32
                 live["grads"] -= full_grads.pop((c, k), 0)
@@ -294,10 +401,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                 reducing.append((c, k))
             return
         reducing.append((c, k))
-        if plan.wire != F32:
-            live["collectives"] += n * plan.wire
-        if rules.sharded_grads:
-            live["collectives"] += n // dp * plan.wire + (n * plan.wire if plan.gloo else 0)
+        live["collectives"] += reduction_bytes(plan, n, rules.sharded_grads)
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -317,7 +421,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     for i, ins in enumerate(instrs):
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
-            if ins.send:
+            if ins.send and not grad and (chunk - 1, mb) in held:
+                # an activation travels as the chunk's output itself (runtime/p2p.py sends the
+                # tensor, no copy, as the wire and the residual stream share a dtype): it moves from
+                # the micro-batch's activations to the send, which holds it until the step's end
+                held[(chunk - 1, mb)] -= mb_act
+                live["activations"] -= mb_act
+                live["p2p"] += mb_act
+            elif ins.send:
                 live["p2p"] += mb_act  # held by the send until the step's end waits for it
             else:
                 recvs[ins.transfer] = mb_act
@@ -359,7 +470,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
             if c in splits:  # the executor records weight ops' outputs in F of a chunk that runs B
                 keep += b.recorded
-            note(str(ins), {"activations": b.held + b.forward_peak})
+            note(str(ins), {"activations": b.recompute_forward if plan.recompute else b.held + b.forward_peak})
             held[key] = keep
             live["activations"] += keep
             note(str(ins))
@@ -372,42 +483,43 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
         # (B: its output gradients, the stash W will need, are the backward's gradients)
-        extra = max(b.backward_peak, b.stash_new) if split else b.backward_peak
-        if plan.recompute and a.op is not Op.W:  # the loss's backward first, then the chunk recomputed
-            extra = max(b.backward_peak, b.recomputed + b.inner_backward_peak)
+        extra = b.b_peak if split else b.backward_peak
+        if plan.recompute:  # the loss's backward first, then the chunk recomputed; W's autograd.grad
+            # over the retained graph recomputes it again (B's unpacking freed what it recomputed)
+            extra = b.recompute_b if a.op is Op.B else b.recompute_backward
+        if a.op is Op.W and split_done.get(key):
+            extra = b.w_peak
         if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
-        coll = 0
-        if rules.sharded_grads and dp > 1 and i in reducing_at:
-            # autograd's hooks reduce-scatter buckets inside this backward (measured on gloo: about
-            # one bucket's full wire copy alive beside the full gradient at its peak; NCCL: its output)
-            top = max(bp.buckets(c), default=0)
-            coll = top * plan.wire if plan.gloo else top // dp * plan.wire
         filling = 0
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
         if a.op in (Op.BW, Op.W) and rules.sharded_grads:
-            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W): the new
-                # gradients and the buckets filling up
+            if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W)
                 fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
-                filling = whole[c] + max(fresh, default=0) * F32
-                if not split_done.get(key):  # autograd's W has freed the activations it went through
-                    filling = max(0, filling - held.get(key, 0))
-            elif i in reducing_at:  # buckets appear as their first gradient does and leave reduced:
-                # at most `in_flight` waiting on a reduce-scatter and the one being filled
-                fresh = sorted(n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads)
-                filling = sum(fresh[-(plan.in_flight + 1):]) * F32
-            else:
+                if split_done.get(key):
+                    # W from B's stash makes one weight's gradient at a time (runtime/weight_grad.py):
+                    # added at once into a bucket that exists (the parameter's .grad is its view),
+                    # kept as the parameter's .grad where none does, until `adopt` allocates the
+                    # bucket and moves them in
+                    filling = (sum(fresh) + max(fresh, default=0)) * F32
+                else:  # autograd's W returns every gradient at once, once it has freed the
+                    # activations (and with recompute its recomputed chunk): after its own peak
+                    filling = max(0, whole[c] + max(fresh, default=0) * F32 - held.get(key, 0))
+                    note(str(ins), {"activations": extra})
+                    extra = 0
+        grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
+        if a.op is Op.BW and rules.sharded_grads:
+            # the backward's course: each bucket appears with its first gradient, and in a
+            # backward the program follows with REDUCE_GRADs leaves reduced as it completes
+            for extras in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
+                note(str(ins), extras)
+            if i not in reducing_at:
                 for k in range(len(bp.buckets(c))):
                     grad_bucket(c, k)
-        grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
-        if stashed_w:
-            coll = 0  # the program's REDUCE_GRADs start them, after W
-        note(str(ins), {"activations": extra, "grads": filling})
-        if coll:  # the first bucket completes once backward has left the chunk's last layer behind
-            freed = min(b.last_layer, held.get(key, 0)) if a.op is Op.BW else 0
-            note(str(ins), {"activations": b.backward_peak - freed, "grads": filling, "collectives": coll})
+        else:
+            note(str(ins), {"activations": extra, "grads": filling})
         if stashed_w and rules.sharded_grads:
             for k in range(len(bp.buckets(c))):
                 grad_bucket(c, k)
@@ -416,11 +528,53 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             split_done[key] = True
             live["activations"] += b.stash - held[key]
             held[key] = b.stash
-        elif a.op is not Op.B:  # (B of the first chunk, or with recompute, keeps the graph for W)
+        elif a.op is not Op.B:
             live["activations"] -= held.pop(key)
+        else:  # B of the first chunk, or with recompute, keeps the graph and its output's gradient for W
+            held[key] += grad_in
+            live["activations"] += grad_in
         note(str(ins))
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
+
+
+def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],
+                     shards: set[tuple[int, int]], reducing: bool) -> list[dict[str, int]]:
+    """The extra bytes at each moment of a full backward of chunk `c` at ZeRO-2/3 (see
+    `backward_moments`): gradients land in a bucket allocated with its first gradient (`adopt`,
+    zero/buckets.py) while the layers behind free their activations; with `reducing`, autograd's
+    hooks start a bucket's reduce-scatter as soon as it is complete and then wait for all but the
+    newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it and the `in_flight`
+    before it are in flight with their buffers, and the older ones are reduced to their shard."""
+    sizes = plan.buckets.buckets(c)
+    ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+    dp, k_alive = plan.dp, plan.in_flight + 1
+    out = []
+    for done, act in (b.recompute_moments if plan.recompute else b.moments):
+        grads = coll = 0
+        complete = [k for k, e in enumerate(ends) if e <= done] if reducing else []
+        for k, n in enumerate(sizes):
+            started = k == 0 or ends[k - 1] < done
+            if started and (c, k) not in full:
+                grads += n * F32
+        for k in complete[:-k_alive]:  # reduced: the full bucket gives way to its shard
+            grads -= sizes[k] * F32 - (0 if (c, k) in shards else sizes[k] // dp * F32)
+        for k in complete[-k_alive:]:
+            coll += reduction_bytes(plan, sizes[k], True)
+        out.append({"activations": act, "grads": grads, "collectives": coll})
+    return out
+
+
+def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
+    """Bytes a gradient reduction of an `n`-element bucket holds besides the bucket while in flight
+    (zero/coordinator.py): the low-precision copy it travels as (bf16), and when gradients are
+    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer for the
+    other members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
+    out = n * plan.wire if plan.wire != F32 else 0
+    if sharded:
+        shard = n // plan.dp * plan.wire
+        out += shard + (shard * (plan.dp - 1) if plan.gloo and plan.dp > 2 else 0)
+    return out
 
 
 def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
@@ -444,10 +598,15 @@ def describe(r: RankMemory) -> str:
 
 def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
                   bucket_mb: float) -> RankMemory:
-    """The planner's figure for one candidate layout: the heavier of its first and last pipeline
-    ranks (the first holds the most micro-batches in flight and the embedding, the last the head;
-    the ranks between hold less than the first). Candidates that differ only in where ranks sit
-    (placement, two-level reductions) share one walk."""
+    """The planner's figure for one candidate layout: the heaviest of its first two and last two
+    pipeline ranks. The first holds the most micro-batches in flight and the embedding, the last
+    the head, but under an even cut the second can outweigh both, holding a whole stage of blocks
+    and one micro-batch fewer than the first (small, 1F1B, P=4: rank 1 1196 MiB against 1066 on the
+    ends; 7b P=4 D=4 ZeRO-2 zb-h1: 38.6 GiB against 29.0): a plan that read only the ends listed
+    layouts the fit check refuses. Past the second, ranks hold as many blocks and fewer micro-batches
+    (in a V, the same chunks mirrored), so four walks stand for all, at twice the cost of two where
+    all P would cost P/2 times. Candidates that differ only in where ranks sit (placement, two-level
+    reductions) share one walk."""
     return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
                           lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb)
 
@@ -474,6 +633,6 @@ def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kin
                          grad_reduce=mode, bucket_mb=bucket_mb)
     cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
-    ends = tuple(sorted({0, pp - 1}))
-    plan = build_plan(cfg, cuda, ends)
-    return max((walk(plan, r) for r in ends), key=lambda r: r.peak_bytes)
+    ranks = tuple(sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1}))
+    plan = build_plan(cfg, cuda, ranks)
+    return max((walk(plan, r) for r in ranks), key=lambda r: r.peak_bytes)

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pipezero.parallel.collectives import all_gather, reduce_scatter
-from pipezero.parallel.hierarchical import Hierarchy, start_all_reduce, start_exchange, start_reduce_scatter
+from pipezero.parallel.hierarchical import (Hierarchy, start_all_reduce, start_exchange, start_gather_exchange,
+                                           start_reduce_scatter)
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.zero_rules import Rules
@@ -168,13 +169,16 @@ class Coordinator:
             work = compressed.start_gather(b.flat, shard, self.group, self.weights, what, b.shard if keep_own else None)
             b.gathering = Gathering(work, None)
             return
+        # CPU ranks gather by direct exchange: gloo's all-gather would hold a copy of the whole
+        # bucket while it runs (parallel/hierarchical.start_gather_exchange)
+        gather = all_gather if self.on_gpu else start_gather_exchange
         if low_precision and self.comm_dtype != b.flat.dtype:
             wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
             self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
-            b.gathering = Gathering(all_gather(wire, shard.to(self.comm_dtype), self.group), wire)
+            b.gathering = Gathering(gather(wire, shard.to(self.comm_dtype), self.group), wire)
             return
         self.bytes_sent += b.padded * 4 * (self.dp - 1) // self.dp
-        b.gathering = Gathering(all_gather(b.flat, shard.contiguous(), self.group), None)
+        b.gathering = Gathering(gather(b.flat, shard.contiguous(), self.group), None)
 
     def _start_node_gather(self, b: Bucket) -> None:
         """hpZ: the bucket from its N shares in this rank's node, fp32, as the step's first gather

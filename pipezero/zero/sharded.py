@@ -176,8 +176,6 @@ class ZeroDP:
         if len(b.arrived) == len(b.params):
             b.arrived = None
             self.moment(Trigger(Moment.GRADS, self.index[b]), [], f"bucket {b.label}'s gradients")
-            if self.rules.sharded_grads and b.reduction is not None:
-                self.comm.drain(keep_last=self.in_flight)  # bound the full-gradient buckets alive at once
 
     def after_input_grad(self, chunk: int) -> None:
         """A B ran, its weight gradients deferred to W (what it gathered, layer by layer, the program
@@ -196,6 +194,11 @@ class ZeroDP:
             self._sum_tied(instr.chunk)
         elif instr.kind is Kind.REDUCE_GRAD:
             self.comm.reduce(self.buckets[instr.chunk][instr.bucket])  # type: ignore[index]
+            if self.rules.sharded_grads and not instr.blocking:
+                # at most `in_flight` full gradient buckets wait on a reduce-scatter: without this bound
+                # every bucket a split W or a shared parameter reduces stayed full, with its
+                # reduction's buffers, until the step drained them all
+                self.comm.drain(keep_last=self.in_flight)
             if instr.blocking:
                 self.comm.drain()
         elif self.sharded is None:
