@@ -361,7 +361,9 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
 
-    def note(where: str, extra: dict[str, int] | None = None) -> None:
+    def note(where: object, extra: dict[str, int] | None = None) -> None:
+        """`where`: an instruction, named only when it sets a peak or the timeline is kept (naming
+        every one cost a planner request seconds)."""
         total = sum(live.values())
         if extra:
             total += sum(extra.values())
@@ -369,10 +371,10 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             return
         now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
         if total > res.peak_bytes:
-            res.peak_bytes, res.at, res.categories = total, where, now
+            res.peak_bytes, res.at, res.categories = total, str(where), now
         if keep_timeline:
             res.timeline.append((len(res.timeline), now))
-            res.totals.append((where, total))
+            res.totals.append((str(where), total))
 
     def grad_bucket(c: int, k: int) -> None:
         if (c, k) not in full_grads:
@@ -433,14 +435,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             else:
                 recvs[ins.transfer] = mb_act
                 live["p2p"] += mb_act
-            note(str(ins))
+            note(ins)
             continue
         if isinstance(ins, OptimStep):
             live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
             drain()
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
             norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
-            note(str(ins), {"optimizer": norm})
+            note(ins, {"optimizer": norm})
             continue
         if isinstance(ins, DataParallel):
             if ins.kind is Kind.UNSHARD and prog.rules.sharded_params:
@@ -454,7 +456,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                     drain()
                 elif rules.sharded_grads:
                     drain(keep_last=plan.in_flight)  # zero/sharded.py bounds the full buckets in flight
-            note(str(ins))
+            note(ins)
             continue
         assert isinstance(ins, Compute)
         a = ins.action
@@ -470,10 +472,10 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             keep = b.recompute_held if plan.recompute else b.held + (inp if c > 0 else 0)
             if c in splits:  # the executor records weight ops' outputs in F of a chunk that runs B
                 keep += b.recorded
-            note(str(ins), {"activations": b.recompute_forward if plan.recompute else b.held + b.forward_peak})
+            note(ins, {"activations": b.recompute_forward if plan.recompute else b.held + b.forward_peak})
             held[key] = keep
             live["activations"] += keep
-            note(str(ins))
+            note(ins)
             continue
         # a backward: B, W or BW
         if a.op in (Op.BW, Op.W) and not rules.sharded_grads:
@@ -507,19 +509,19 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                 else:  # autograd's W returns every gradient at once, once it has freed the
                     # activations (and with recompute its recomputed chunk): after its own peak
                     filling = max(0, whole[c] + max(fresh, default=0) * F32 - held.get(key, 0))
-                    note(str(ins), {"activations": extra})
+                    note(ins, {"activations": extra})
                     extra = 0
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
         if a.op is Op.BW and rules.sharded_grads:
             # the backward's course: each bucket appears with its first gradient, and in a
             # backward the program follows with REDUCE_GRADs leaves reduced as it completes
             for extras in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
-                note(str(ins), extras)
+                note(ins, extras)
             if i not in reducing_at:
                 for k in range(len(bp.buckets(c))):
                     grad_bucket(c, k)
         else:
-            note(str(ins), {"activations": extra, "grads": filling})
+            note(ins, {"activations": extra, "grads": filling})
         if stashed_w and rules.sharded_grads:
             for k in range(len(bp.buckets(c))):
                 grad_bucket(c, k)
@@ -533,7 +535,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         else:  # B of the first chunk, or with recompute, keeps the graph and its output's gradient for W
             held[key] += grad_in
             live["activations"] += grad_in
-        note(str(ins))
+        note(ins)
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
 
