@@ -251,9 +251,16 @@ def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
             return f"file name {name!r} is not a plain name inside the checkpoint"
         if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
             return f"file {name!r} lacks an integer size and a sha256"
-    for key, kind in (("config", dict), ("world", int), ("adam_steps", int), ("bad_in_a_row", int)):
-        if key in m and not isinstance(m[key], kind):
-            return f"{key} is not a {kind.__name__}"
+    if "config" in m and not isinstance(m["config"], dict):
+        return "config is not a dict"
+    if "data" in m and not isinstance(m["data"], dict):
+        return "data is not a dict"
+    counts = {key: m[key] for key in ("world", "adam_steps", "bad_in_a_row") if key in m}
+    if isinstance(m.get("data"), dict) and "samples" in m["data"]:  # read as numbers on resume: a str, a traceback
+        counts["data.samples"] = m["data"]["samples"]
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # adam_steps < 0: NaN weights
+            return f"{key} {value!r} is not a count"
     return None
 
 
