@@ -4,6 +4,8 @@ line naming the input, exit 2, nothing of the user's touched. One process each, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from one_line import assert_one_line, run_main
@@ -83,3 +85,38 @@ def test_a_manifest_edited_by_hand_is_a_bad_checkpoint(edit, needle, tmp_path):
     (step / MANIFEST).write_text(json.dumps({**manifest, **edit}))
     with pytest.raises(CheckpointError, match="bad manifest.json: " + needle):
         read_manifest(step)
+
+
+def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_file(tmp_path):
+    """A notes.txt put into an old `step-N` folder was deleted with it by --keep-checkpoints: a
+    folder holding a file its manifest does not list (or a link to elsewhere) is kept."""
+    import json
+
+    from pipezero.checkpoint.store import FORMAT, MANIFEST, prunable
+
+    def checkpoint(step: int) -> Path:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        (folder / "a").write_text("x")
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "run": "r",
+                                                   "files": {"a": {"bytes": 1, "sha256": "0" * 64}}}))
+        return folder
+
+    first, second, third = checkpoint(1), checkpoint(2), checkpoint(3)
+    assert prunable(tmp_path, "r", 3) == [first, second, third]
+    (first / "notes.txt").write_text("mine")
+    third.rename(tmp_path / "real-3")
+    third.symlink_to(tmp_path / "real-3")
+    assert prunable(tmp_path, "r", 3) == [second]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model = 1\n", "model = 1 is a value, not a table: write [model] on a line of its own, its keys under it"),
+    ("[[model]]\ndim = 3\n", "[[model]] is an array of tables: write [model], once"),
+    ("foo = 1\n", "unknown table [foo]; use one of model"),
+])
+def test_a_section_that_is_not_a_table_is_named_as_what_it_is(text, needle, tmp_path, capsys):
+    """`model = 1` was refused as "unknown table [model]; use one of model, ...": a contradiction."""
+    (tmp_path / "c.toml").write_text(text)
+    assert_one_line(*run_main([*TRAIN, "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")], capsys),
+                    needle)

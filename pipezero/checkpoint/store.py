@@ -202,15 +202,22 @@ def run_of(path: Path) -> str | None:
 
 def own_checkpoints(root: Path, run: str | None) -> list[Path]:
     """Committed checkpoints of run `run`, oldest first: the only ones its pruning may delete. One
-    whose manifest cannot be read is nobody's, and is kept."""
+    whose manifest cannot be read is nobody's, and is kept; so is a link (to a folder elsewhere)
+    and a folder that holds a file its save did not write."""
     mine = []
     for _, path in committed(root):
         try:
-            if run_of(path) == run:
+            if not path.is_symlink() and run_of(path) == run and _only_its_files(path):
                 mine.append(path)
-        except CheckpointError:
+        except (CheckpointError, OSError):
             continue
     return mine
+
+
+def _only_its_files(path: Path) -> bool:
+    """Whether checkpoint `path` holds only what its save wrote: a file its manifest does not list
+    was put there by someone, and deleting the folder would delete it."""
+    return {p.name for p in path.iterdir()} <= {MANIFEST, *read_manifest(path)["files"]}
 
 
 def prunable(root: Path, run: str | None, step: int) -> list[Path]:
