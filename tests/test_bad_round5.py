@@ -120,3 +120,12 @@ def test_a_section_that_is_not_a_table_is_named_as_what_it_is(text, needle, tmp_
     (tmp_path / "c.toml").write_text(text)
     assert_one_line(*run_main([*TRAIN, "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")], capsys),
                     needle)
+
+
+@pytest.mark.parametrize("value", ["x", "0", "a:layers.0.weight", ":"])
+def test_the_tests_perturbation_variable_malformed_is_one_line(value, tmp_path, capsys, monkeypatch):
+    """PIPEZERO_TEST_PERTURB=x (the tests' hook, RANK:PARAMETER) ended every rank in a ValueError."""
+    monkeypatch.setenv("PIPEZERO_TEST_PERTURB", value)
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--seq-len", "16", "--steps", "1", "--out",
+                               str(tmp_path / "v")], capsys), "PIPEZERO_TEST_PERTURB=")
+    assert not (tmp_path / "v").exists()
