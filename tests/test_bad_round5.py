@@ -129,3 +129,16 @@ def test_the_tests_perturbation_variable_malformed_is_one_line(value, tmp_path, 
     assert_one_line(*run_main(["verify", "--preset", "tiny", "--seq-len", "16", "--steps", "1", "--out",
                                str(tmp_path / "v")], capsys), "PIPEZERO_TEST_PERTURB=")
     assert not (tmp_path / "v").exists()
+
+
+def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
+    """`doctor RUN` where RUN/summary.json is a named pipe waited for a writer for ever."""
+    import os
+
+    from pipezero.doctor import cmd_doctor
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "summary.json")
+    assert cmd_doctor(type("Args", (), {"run": str(run)})()) == 1  # no records: the usual answer, at once
+    assert "no flight records" in capsys.readouterr().err
