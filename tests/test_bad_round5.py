@@ -142,3 +142,27 @@ def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
     os.mkfifo(run / "summary.json")
     assert cmd_doctor(type("Args", (), {"run": str(run)})()) == 1  # no records: the usual answer, at once
     assert "no flight records" in capsys.readouterr().err
+
+
+def test_a_cache_entry_edited_to_hold_an_id_past_the_vocabulary_is_rebuilt(tmp_path, capsys, monkeypatch):
+    """Token files are only sized at each open (they are the bulk): bytes edited in place to an id
+    past the tokenizer's vocabulary passed, and the embedding's IndexError ended the run in a traceback."""
+    import numpy as np
+
+    from test_bad_data import _arrays, _documents
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    before = _arrays(load_corpus(cfg))
+    [entry] = cache_dir().glob("docs-*")
+    capsys.readouterr()
+    tokens = entry / "train.tokens"
+    tokens.write_bytes(b"\xff\xff" + tokens.read_bytes()[2:])
+    after = _arrays(load_corpus(cfg))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    err = capsys.readouterr().err
+    assert f"the token cache entry {entry} is damaged (train.tokens holds id 65535" in err, err
+    assert err.count("\n") == 1
