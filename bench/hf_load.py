@@ -98,7 +98,9 @@ def load_pipezero_zero3(rank: int, world: int, folder: str) -> dict:
     from pipezero.models import build_chunk
     from pipezero.models.chunk import place_hollow
     from pipezero.models.hf_weights import FlatReader
-    from pipezero.zero.buckets import make_buckets, named_by_chunk
+    from pipezero.schedules.bucket_plan import group_tensors
+    from pipezero.schedules.model_shapes import TensorShape
+    from pipezero.zero.buckets import build_buckets, named_by_chunk
 
     base, t0 = rss_now(), time.perf_counter()
     cfg = build_config(None, {"model.pretrained": folder, "parallel.dp": world, "parallel.zero": 3,
@@ -107,7 +109,9 @@ def load_pipezero_zero3(rank: int, world: int, folder: str) -> dict:
     chunk = build_chunk(cfg.model, 0, cfg.model.n_layers + 2, cfg.run.seed, "meta")
     place_hollow(chunk, "cpu")
     reader = FlatReader(cfg.model)
-    buckets = make_buckets(named_by_chunk({0: chunk})[0], cfg.parallel.bucket_mb, world, rank, reader)
+    named = named_by_chunk({0: chunk})[0]
+    layouts = group_tensors([TensorShape(n, tuple(q.shape)) for n, q in named], cfg.parallel.bucket_mb)  # the plan's
+    buckets = build_buckets(layouts, named, world, rank, reader)
     held = sum(b.master.numel() * b.master.element_size() for b in buckets)
     seconds = time.perf_counter() - t0
     return {"base_mib": base / MIB, "peak_mib": peak() / MIB, "delta_mib": (peak() - base) / MIB,

@@ -5,8 +5,8 @@ Each rank that can still answer writes its record to `RUN/doctor/rank-NNNNN.json
 when one of its waits passes the stall threshold or fails, or when a report is asked for (SIGUSR1 to
 the launcher). A record says where the rank is (step, instruction index) and what it waits for, in
 the plan's terms: a transfer from a peer, or a collective of its data-parallel group or the world.
-The programs of every rank are recomputed here from the plan facts a record carries (schedule,
-layout, ZeRO stage, bucket sizes), so each wait can be matched with the instruction of the peer that
+The programs of every rank are compiled here from the plan facts a record carries (the layout and
+the model's shapes, schedules/compile.py), so each wait can be matched with the instruction of the peer that
 must happen for it to end: the peer's SEND of that transfer, or its own turn at that collective. A
 peer that has not reached that instruction holds the waiter up; following who-holds-up-whom ends at
 the rank whose next action never happened (no record: stopped or dead; or not waiting: stuck in
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipezero.config import GradReduce, Placement, ScheduleKind
-from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program, lower
-from pipezero.schedules.registry import build_schedule
+from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind
+from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.model_shapes import ModelShapes
+from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program
 
 FOLDER = "doctor"  # under the run folder
 REQUEST = "request"  # its content: the time a report was asked for
@@ -78,12 +78,13 @@ def check_size(facts: dict[str, Any]) -> None:
 
 
 def programs(facts: dict[str, Any]) -> Program:
-    """Every rank's program, lowered from the plan facts a record carries (runtime/watch.py)."""
+    """Every rank's program, compiled from the plan facts a record carries (runtime/watch.py)."""
     check_size(facts)
-    s = build_schedule(ScheduleKind(facts["schedule"]), facts["pp"], facts["microbatches"], facts["virtual_stages"])
-    buckets = BucketPlan(facts["dp"], tuple(tuple(b) for b in facts["buckets"]))
-    return lower(s, facts["dp"], facts["zero"], GradReduce(facts["grad_reduce"]), buckets,
-                 keep_gathered=not facts["layerwise"])
+    p = ParallelConfig(pp=facts["pp"], dp=facts["dp"], zero=facts["zero"], schedule=ScheduleKind(facts["schedule"]),
+                       microbatches=facts["microbatches"], virtual_stages=facts["virtual_stages"],
+                       grad_reduce=GradReduce(facts["grad_reduce"]), bucket_mb=facts["bucket_mb"],
+                       zero3_keep_gathered=facts["zero3_keep_gathered"], recompute=facts["recompute"])
+    return compile_plan(p, ModelShapes.from_json(facts["model"])).program
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,22 @@ def position(rec: Record) -> Position:
     return (rec["step"], PAST) if rec["step"] > 0 else (0, -1)
 
 
-def _matches(ins: Instr, aw: dict[str, Any]) -> bool:
+def _matches(ins: Instr, aw: dict[str, Any]) -> int:
+    """How many times instruction `ins` is the collective `aw` names (layer by layer, a compute
+    instruction holds its gathers, a bucket's possibly twice)."""
+    if isinstance(ins, Compute):
+        return sum(_matches(d, aw) for d in ins.during)
+    return int(_matches_one(ins, aw))
+
+
+def _shown(ins: Instr, awaited: list[dict[str, Any]]) -> str:
+    """An instruction as the verdict names it: a compute instruction with the collective inside it
+    that the waiters wait for (`0BW3 (REDUCE_GRAD(0.1)@grads 1)`)."""
+    inside = [d for d in getattr(ins, "during", ()) if any(_matches_one(d, aw) for aw in awaited)]
+    return f"{ins} ({inside[0]})" if inside else str(ins)
+
+
+def _matches_one(ins: Instr, aw: dict[str, Any]) -> bool:
     if ins.kind.value != aw["op"]:
         return False
     if aw["op"] == Kind.OPTIM_STEP.value:
@@ -150,7 +166,7 @@ def needed(rec: Record, prog: Program, ranks: Ranks) -> list[tuple[int, Position
     if op not in (Kind.REDUCE_GRAD.value, Kind.UNSHARD.value, Kind.OPTIM_STEP.value):
         return []
     mine = prog.ranks[ranks.slot(me)]
-    hits = [j for j, ins in enumerate(mine) if _matches(ins, aw)]
+    hits = [j for j, ins in enumerate(mine) for _ in range(_matches(ins, aw))]
     step, upto = position(rec)
     done = [j for j in hits if j <= upto]
     later = [j for j in hits if j > upto]
@@ -167,7 +183,7 @@ def needed(rec: Record, prog: Program, ranks: Ranks) -> list[tuple[int, Position
         [ranks.rank(pp * ranks.dp + d) for d in range(ranks.dp)]
     out = []
     for q in group:
-        theirs = [j for j, ins in enumerate(prog.ranks[ranks.slot(q)]) if _matches(ins, aw)]
+        theirs = [j for j, ins in enumerate(prog.ranks[ranks.slot(q)]) for _ in range(_matches(ins, aw))]
         if q != me and nth < len(theirs):
             out.append((q, (step, theirs[nth])))
     return out
@@ -264,7 +280,7 @@ def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s:
     if lost:  # the rank everyone waits for waits itself for a transfer its peer did post
         return _lost_transfer(lost[0], records, prog, ranks, [culprit, *holds])
     step, j = min(at for _, at in roots[culprit])
-    ins = str(prog.ranks[ranks.slot(culprit)][j])
+    ins = _shown(prog.ranks[ranks.slot(culprit)][j], [records[w]["awaited"] for w, _ in roots[culprit]])
     waiting = {w: _awaited_text(records[w]) for w in records if w in holds}
     stage = ranks.coords(culprit)[0]
     began = min(records[w]["written"] - records[w]["waited_s"] for w in holds)  # the first of these waits
@@ -302,14 +318,8 @@ def table(records: dict[int, Record], ranks: Ranks, now: float | None = None) ->
 
 
 def merged_facts(records: dict[int, Record]) -> dict[str, Any]:
-    """The newest record's plan facts, each chunk's bucket sizes taken from a rank that holds it."""
-    facts = dict(max(records.values(), key=lambda r: r["written"])["plan"])
-    buckets = [list(b) for b in facts["buckets"]]
-    for rec in records.values():
-        for c in rec["plan"].get("own_chunks", []):
-            buckets[c] = rec["plan"]["buckets"][c]
-    facts["buckets"] = buckets
-    return facts
+    """The newest record's plan facts (every rank compiled the same plan, from the whole model's shapes)."""
+    return dict(max(records.values(), key=lambda r: r["written"])["plan"])
 
 
 def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None:

@@ -291,7 +291,8 @@ def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
 def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
     """The end-of-run text sample, decoded on rank 0. Layer by layer at ZeRO-3, every replica
     samples the same tokens (same parameters, same seed), so each layer is gathered and released
-    around its use by the same hooks as in training and the whole model never exists at once;
+    around its use as an F's program gathers it (the compiled plan's `forward_only`, armed by the
+    chunk's hook) and the whole model never exists at once;
     otherwise rank 0 alone samples (below stage 3 its parameters are whole, kept-gathered stage 3
     gathers its one chunk as its training steps do)."""
     if not will_sample(cfg, corpus):

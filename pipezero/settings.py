@@ -18,6 +18,7 @@ from pipezero.coerce import Range, choices, coerce, describe
 from pipezero.config import LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
+from pipezero.schedules.compile import layerwise
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -331,8 +332,7 @@ def check_secondary_shard(p: ParallelConfig) -> None:
     _check(RULES[p.zero].sharded_params and p.dp > 1,
            f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp > 1 gathers parameters "
            f"over a group; use --zero 3 or drop it")
-    layerwise = p.zero3_keep_gathered is False or (p.zero3_keep_gathered is None and p.pp == 1)
-    _check(layerwise, f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
+    _check(layerwise(p), f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
                       f"(one gather a step), so no later gather would stay inside the node; use it layer by layer "
                       f"(--pp 1, or parallel.zero3_keep_gathered = false)")
 

@@ -1,9 +1,11 @@
 """One rank's part of a job, built: its place in the mesh, its model chunks, ZeRO over their
-parameters, and its lowered program with the executor that plays it.
+parameters, and its program with the executor that plays it.
 
-Everything here happens before the first step and in the same order on every rank: process groups
-are created collectively, and the schedule is proven (schedules/proven.py: complete, deadlock-free,
-its posting order free of cycles) before any transfer.
+Everything here happens before the first step and in the same order on every rank: the plan is
+compiled (schedules/compile.py: the schedule proven complete, deadlock-free and its posting order
+free of cycles, the buckets planned tensor by tensor, every rank's program lowered) before any
+transfer, from the model's shapes alone; ZeRO then lays its buffers out as the plan says, and the
+executor plays this rank's program. Process groups are created collectively.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pipezero.config import DType, GradQuant, ParallelConfig, Partition, Seconda
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
-from pipezero.models.chunk import place_hollow
+from pipezero.models.chunk import StageChunk, place_hollow
 from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
@@ -27,12 +29,13 @@ from pipezero.parallel.partition import partition
 from pipezero.runtime.executor import Executor
 from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P
+from pipezero.runtime.weight_grad import splittable
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import SimResult
-from pipezero.schedules.program import Instr, lower
+from pipezero.schedules.compile import CompiledPlan, compile_plan
+from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape, layer_of
+from pipezero.schedules.program import Instr
 from pipezero.schedules.program_check import check_placement
-from pipezero.schedules.proven import ProvenSchedule, proven_layout
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.telemetry.trace import Tracer
@@ -59,7 +62,8 @@ class Stage:
     tracer: Tracer
     peaks: PeakMemory
     spec: ModelSpec  # the model the chunks are slices of
-    program: tuple[Instr, ...]  # this rank's lowered program for one step (schedules/program.py)
+    plan: CompiledPlan  # every rank's program and the buckets, compiled once (schedules/compile.py)
+    program: tuple[Instr, ...]  # this rank's program for one step (schedules/program.py)
 
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
@@ -90,6 +94,49 @@ def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list
     return resolve(cfg, device.type == "cuda").parallel.stage_layers
 
 
+def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | None) -> ModelShapes:
+    """What the plan needs of the model (schedules/model_shapes.py): every chunk built on the meta
+    device (no memory), frozen as the run freezes it, its trainable tensors listed as ZeRO lists
+    them (zero/buckets.py `named_by_chunk`: a weight tied inside a chunk once), the tensors each
+    layer borrows from another, and whether split backward's W can run from B's stash."""
+    with torch.device("meta"):
+        chunks = {c: StageChunk(spec, a, b, 0, init=False) for c, (a, b) in enumerate(bounds)}
+    apply_freeze(chunks, spec, freeze)
+    named = named_by_chunk(chunks)
+    out = []
+    for c, chunk in chunks.items():
+        name_of = {q: n for n, q in named[c]}  # tensors hash by identity
+        layers = []
+        for k, module in chunk.layers.items():
+            i = int(k)
+            own = tuple(TensorShape(n, tuple(q.shape)) for n, q in named[c] if layer_of(n) == i)
+            borrows = tuple(dict.fromkeys(name_of[q] for q in module.parameters()
+                                          if q in name_of and layer_of(name_of[q]) != i))
+            if own or borrows:
+                layers.append(LayerTensors(i, own, borrows))
+        splits = c > 0 and all(splittable(m) for m in chunk.modules()
+                               if next(m.parameters(recurse=False), None) is not None)
+        out.append(ChunkShapes(tuple(layers), splits, bounds[c][1]))
+    names = spec.tied_names()
+    trainable = {n for ps in named.values() for n, _ in ps}
+    tied = names if names and len(bounds) > 1 and set(names) <= trainable else None
+    return ModelShapes(tuple(out), tied)
+
+
+def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.device("cpu"),
+            mesh: Mesh | None = None) -> tuple[CompiledPlan, list[tuple[int, int]]]:
+    """The run's plan (schedules/compile.py) and the layers [start, stop) of every chunk: the same on
+    every rank, and in `pipezero verify` before any rank starts. `mesh`: only this rank's program
+    (a rank plays its own; the others' are the same data, compiled where they run). ScheduleError
+    says why a layout's schedule is refused."""
+    p = cfg.parallel
+    bounds = partition(spec, p.pp * p.virtual_stages, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
+    check_end_chunks([b - a for a, b in bounds])
+    mine = {} if mesh is None else {"pp_ranks": (mesh.pp_rank,), "replicas": (mesh.dp_rank,)}
+    return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze),
+                        wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
+
+
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                 device: torch.device = torch.device("cpu"), spec: ModelSpec | None = None) -> Stage:
     """This rank's part of the job. `spec` is the model (models/spec.py); None: the built-in
@@ -98,10 +145,8 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     spec = spec or spec_of(cfg.model)
     tracer = tracer or Tracer(rank, cfg.run.trace, sync=synchronizer(device), keep_steps=cfg.run.trace_steps)
     mesh = Mesh(p.pp, p.dp, rank, p.placement)
-    proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # before any transfer
-    schedule, predicted = proven.schedule, proven.predicted
-    bounds = partition(spec, schedule.n_chunks, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
-    check_end_chunks([b - a for a, b in bounds])
+    plan, bounds = plan_of(cfg, spec, device, mesh)  # before any transfer
+    schedule, predicted = plan.schedule, plan.predicted
     # ZeRO-3 from a folder: chunks stay on the meta device, and each rank reads only its shards
     shards = cfg.model.pretrained is not None and RULES[p.zero].sharded_params
     chunks = {c: build_chunk(spec, *bounds[c], cfg.run.seed, "meta" if shards else device)
@@ -127,45 +172,42 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     flight = FlightRecord(rank, mesh.pp_rank, step_of=tracer)  # where this rank is in its program (doctor.py)
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
               dtype=wire, boundary=wire, device=device, tracer=tracer, flight=flight)  # bf16: a bf16 residual stream
-    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
     named = named_by_chunk(chunks)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
-                  p.grad_reduce, p.bucket_mb, p.timeout_s, rank, keep_gathered=keep, tracer=tracer,
+                  {c: plan.layouts(c) for c in chunks}, p.grad_reduce, p.timeout_s, rank,
+                  keep_gathered=not plan.layerwise, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
-                  in_flight=p.buckets_in_flight, node=node, **wires(p))
+                  in_flight=p.buckets_in_flight, node=node, forward_only=plan.forward_only, **wires(p))
     zero.comm.flight = flight
     if zero.layerwise:
-        layerwise.install(zero.sharded, chunks)
+        layerwise.install(zero, chunks)
     elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
-    program = rank_program(proven, mesh, zero, cfg)
+    program = rank_program(plan, mesh, zero)
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
-                 program)
+                 plan, program)
 
 
-def built_buckets(zero: ZeroDP, n_chunks: int) -> BucketPlan:
-    """The buckets ZeRO built on this rank, as a plan (other ranks' chunks have none here), with
-    those holding a tied embedding's copy."""
-    held = frozenset((c, k) for c, bs in zero.buckets.items() for k, b in enumerate(bs) if b.tied)
-    tied_numel = zero.tied.local[0].numel() if held and zero.tied is not None else 0
-    return BucketPlan(zero.dp, tuple(tuple(b.padded for b in zero.buckets.get(c, [])) for c in range(n_chunks)),
-                      held, tied_numel)
-
-
-def rank_program(proven: ProvenSchedule, mesh: Mesh, zero: ZeroDP, cfg: TrainConfig) -> tuple[Instr, ...]:
-    """This rank's lowered program, over the buckets ZeRO actually built (other ranks' chunks are
-    left without buckets: this rank plays only its own program), its placement proved: one
-    OPTIM_STEP after everything, every bucket reduced after its last gradient, ZeRO-3 compute only
-    on gathered weights. That dp groups agree and no waits cycle follows from the lowering itself
-    (every rank lowers the same data) and is proved by tests/test_lowering.py, not at every start."""
-    s = proven.schedule
-    program = lower(s, mesh.dp, cfg.parallel.zero, cfg.parallel.grad_reduce, built_buckets(zero, s.n_chunks),
-                    keep_gathered=not zero.layerwise, posts=proven.posts)
-    mine = program.global_rank(mesh.pp_rank, mesh.dp_rank)
-    check_placement(program, mine)
-    return program.ranks[mine]
+def rank_program(plan: CompiledPlan, mesh: Mesh, zero: ZeroDP) -> tuple[Instr, ...]:
+    """This rank's program, its placement proved: one OPTIM_STEP after everything, every bucket
+    reduced after its last gradient, ZeRO-3 compute only on gathered weights. That dp groups agree
+    and no waits cycle follows from the lowering itself (every rank compiles the same data) and is
+    proved by tests/test_lowering.py, not at every start. The buckets ZeRO built must hold what the
+    plan's do: the tied embedding's copies where the plan holds them back for TIED_SUM, a tensor
+    used twice where the plan reduces after the backward."""
+    mine = plan.program.global_rank(mesh.pp_rank, mesh.dp_rank)
+    check_placement(plan.program, mine)
+    for what, built, planned in (("the tied embedding's copies", lambda b: b.tied, plan.buckets.held),
+                                 ("a tensor used twice", lambda b: any(q in zero.shared for q in b.params),
+                                  plan.buckets.shared)):
+        ours = {(c, k) for c, bs in zero.buckets.items() for k, b in enumerate(bs) if built(b)}
+        theirs = {(c, k) for c, k in planned if c in zero.buckets}
+        if ours != theirs:
+            raise RuntimeError(f"rank {mesh.rank}: ZeRO holds {what} in buckets {sorted(ours)}, the plan in "
+                               f"{sorted(theirs)}")
+    return plan.program.ranks[mine]
 
 
 def wires(p: ParallelConfig) -> dict[str, Wire | None]:

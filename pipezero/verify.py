@@ -240,17 +240,18 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
 
 
 def transfer_proof(cfg: TrainConfig) -> dict:
-    """schedules/posting.py's static proof for this layout: every rank posts its transfers in one
-    global order with no cycle among stream order, compute order and waits."""
+    """The layout's plan, compiled as its ranks will compile it (schedules/compile.py), with
+    schedules/posting.py's static proof in it: every rank posts its transfers in one global order
+    with no cycle among stream order, compute order and waits."""
+    from pipezero.models import spec_of
     from pipezero.schedules.check import ScheduleError
-    from pipezero.schedules.proven import proven_layout
+    from pipezero.stage import plan_of
 
-    p = cfg.parallel
     try:
-        proven = proven_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+        plan, _ = plan_of(cfg, spec_of(cfg.model))
     except ScheduleError as e:
         return {"proven": False, "error": str(e)}
-    return {"proven": True, "transfers": sum(q.send for rank in proven.posts for posts in rank for q in posts)}
+    return {"proven": True, "transfers": sum(q.send for rank in plan.proven.posts for posts in rank for q in posts)}
 
 
 def describe(cfg: TrainConfig) -> str:

@@ -286,7 +286,8 @@ def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsy
     import json
 
     plan = {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "dp": 1, "zero": 0,
-            "grad_reduce": "step", "buckets": [[], []], "layerwise": False, **sizes}
+            "grad_reduce": "step", "bucket_mb": 25.0, "zero3_keep_gathered": None, "recompute": False,
+            "model": {"tied": None, "chunks": [{"splits": c > 0, "stop": c + 1, "layers": []} for c in range(2)]}, **sizes}
     record = {"rank": 0, "written": 1.0, "run": "x", "step": 1, "index": 0, "instr": "F", "state": "waiting",
               "stage": 0, "waited_s": 1.0, "plan": plan}
     (tmp_path / "doctor").mkdir()

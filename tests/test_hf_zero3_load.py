@@ -100,7 +100,9 @@ def test_flat_ranges_cut_across_rows_and_shards_cover_a_bucket(tmp_path: Path) -
     from pipezero.models.chunk import place_hollow
     from pipezero.models.hf import to_hf
     from pipezero.models.hf_weights import FlatReader
-    from pipezero.zero.buckets import make_buckets, named_by_chunk
+    from pipezero.schedules.bucket_plan import group_tensors
+    from pipezero.schedules.model_shapes import TensorShape
+    from pipezero.zero.buckets import build_buckets, named_by_chunk
 
     folder = make_model(tmp_path / "tied", "llama-tied")
     cfg = build_config(None, {"model.pretrained": str(folder), "run.out": str(tmp_path / "out")}).model
@@ -115,7 +117,8 @@ def test_flat_ranges_cut_across_rows_and_shards_cover_a_bucket(tmp_path: Path) -
     chunk = build_chunk(cfg, 0, cfg.n_layers + 2, 0, "meta")
     place_hollow(chunk, "cpu")
     named = named_by_chunk({0: chunk})[0]
-    shards = [make_buckets(named, 0.01, 3, d, reader) for d in range(3)]
+    layouts = group_tensors([TensorShape(n, tuple(q.shape)) for n, q in named], 0.01)
+    shards = [build_buckets(layouts, named, 3, d, reader) for d in range(3)]
     for k, b in enumerate(shards[0]):
         laid = torch.cat([whole[to_hf(n, cfg.n_layers, cfg.tie_embeddings)] for n in b.names]
                          + [torch.zeros(b.padded - b.numel)])

@@ -33,12 +33,26 @@ def test_config_imports_nothing_of_pipezero():
     ("runtime/weight_grad.py", "pipezero.models"),  # a norm says how its weight gradient is computed
     ("schedules", "pipezero.runtime"),  # plans are data: no torch, no executor
     ("schedules", "pipezero.zero"),
+    ("schedules", "pipezero.models"),  # the plan takes the model's shapes as data (schedules/model_shapes.py)
+    ("schedules", "pipezero.sim"),
+    ("schedules", "pipezero.stage"),
 ])
 def test_lower_layers_do_not_import_higher_ones(lower, higher):
     path = ROOT / lower
     for module in [path] if path.is_file() else sorted(path.rglob("*.py")):
         bad = sorted(m for m in imports_of(module) if m == higher or m.startswith(higher + "."))
         assert not bad, f"{module.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_plan_layer_imports_no_torch():
+    """schedules/ compiles every rank's program from data (simulate, plan and the doctor run it in
+    processes that never load torch)."""
+    for module in sorted((ROOT / "schedules").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n == "torch" or n.startswith("torch.")]
+            assert not bad, f"{module.relative_to(ROOT)} imports {bad}"
 
 
 def module_name(path: Path) -> str:

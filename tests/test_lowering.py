@@ -9,9 +9,10 @@ import pytest
 
 from pipezero.config import GradReduce
 from pipezero.config import ScheduleKind as K
-from pipezero.schedules.bucket_plan import group_layers, plan_buckets, uniform_plan
+from pipezero.schedules.bucket_plan import group_tensors, plan_buckets, uniform_plan
+from pipezero.schedules.model_shapes import ModelShapes, TensorShape
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, Program, lower
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, Program, flat, hoisted, lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import SCHEDULES, build_schedule
@@ -30,7 +31,9 @@ def lowered(kind: K, p: int, d: int, zero: int, mode: GradReduce = GradReduce.ST
 
 
 def count(prog: Program, rank: int, kind: Kind, chunk: int | None = None) -> int:
-    return sum(1 for i in prog.ranks[rank] if i.kind is kind and (chunk is None or getattr(i, "chunk", None) == chunk))
+    """Instructions of `kind` on `rank`, those inside compute instructions included."""
+    return sum(1 for i in flat(prog.ranks[rank])
+               if i.kind is kind and (chunk is None or getattr(i, "chunk", None) == chunk))
 
 
 CASES = [(k, p, d, z, g) for k in K for p in (2, 4) for d in (1, 2) for z in range(4) for g in GradReduce]
@@ -56,13 +59,25 @@ def test_zero3_keep_gathered_one_unshard_and_reshard_per_chunk():
             assert instrs[first_f - 1].kind is Kind.UNSHARD  # gathered on demand: no prefetch at run time
 
 
-def test_zero3_layerwise_wraps_every_weight_reading_action():
+def test_zero3_layerwise_lists_every_layers_gathers_inside_the_actions_that_read_it():
+    """Layer by layer, each action that runs autograd (or the forward) through the chunk gathers
+    each of its layers once, inside it, at a moment of that action, and releases them all; a W from
+    B's stash and the first chunk's B (no input gradient) read no weights and list nothing."""
     prog = lowered(K.ZB_H1, 2, 2, 3, keep=False, m=4)
     for r in range(4):
-        acts = [i.action for i in prog.ranks[r] if isinstance(i, Compute)]
-        reading = sum(1 for a in acts if a.op.value != "W" or a.chunk == 0)
-        assert count(prog, r, Kind.UNSHARD) == reading == count(prog, r, Kind.RESHARD)
-        assert all(i.layerwise for i in prog.ranks[r] if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD)
+        assert not any(i.kind in (Kind.UNSHARD, Kind.RESHARD) for i in prog.ranks[r])  # only inside compute
+        for i in prog.ranks[r]:
+            if not isinstance(i, Compute):
+                continue
+            a = i.action
+            reads = a.op.value in ("F", "BW") or (a.op.value == "B") == (a.chunk > 0)
+            gathered = [d.bucket for d in i.during if d.kind is Kind.UNSHARD]
+            released = [d.bucket for d in i.during if d.kind is Kind.RESHARD]
+            assert sorted(gathered) == sorted(released) == (list(range(BUCKETS)) if reads else []), i.describe()
+            assert all(d.at is not None for d in i.during)
+            # the first layer's gather is waited for at once, the next ones prefetched a layer ahead
+            assert [d.blocking for d in i.during if d.kind is Kind.UNSHARD] == ([True] + [False] * (BUCKETS - 1)
+                                                                                if reads else [])
 
 
 @pytest.mark.parametrize("zero", [2, 3])
@@ -72,7 +87,7 @@ def test_microbatch_mode_reduces_every_bucket_after_every_backward(zero):
     for r in range(4):
         c = prog.schedule.chunks(prog.coords(r)[0])[0]
         assert count(prog, r, Kind.REDUCE_GRAD, c) == m * BUCKETS
-        reds = [i for i in prog.ranks[r] if i.kind is Kind.REDUCE_GRAD]
+        reds = [i for i in flat(prog.ranks[r]) if i.kind is Kind.REDUCE_GRAD]
         assert {i.collective for i in reds} == {Collective.REDUCE_SCATTER}
         assert sum(i.blocking for i in reds) == m  # drained after each backward
 
@@ -82,7 +97,7 @@ def test_microbatch_mode_reduces_every_bucket_after_every_backward(zero):
 def test_step_mode_reduces_each_bucket_once_after_the_last_weight_gradient(zero, coll):
     prog = lowered(K.ONE_F_ONE_B, 4, 2, zero, GradReduce.STEP)
     for r in range(8):
-        instrs = prog.ranks[r]
+        instrs = hoisted(prog.ranks[r])  # a fused backward's reductions right after it
         reds = [k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD]
         assert len(reds) == BUCKETS and all(instrs[k].collective is coll for k in reds)
         last_bw = max(k for k, i in enumerate(instrs) if i.kind is Kind.BW)
@@ -97,15 +112,15 @@ def test_zero1_and_2_gather_updated_shards_in_fp32_after_the_step():
     tail = prog.ranks[0][-2:]
     assert tail[0].kind is Kind.OPTIM_STEP
     assert tail[1].kind is Kind.UNSHARD and tail[1].nbytes == 4000 and tail[1].blocking
-    assert [i.nbytes for i in prog.ranks[0] if i.kind is Kind.REDUCE_GRAD] == [2000]  # bf16 on the wire
+    assert [i.nbytes for i in flat(prog.ranks[0]) if i.kind is Kind.REDUCE_GRAD] == [2000]  # bf16 on the wire
 
 
 def test_swapped_reductions_on_one_dp_rank_are_rejected_naming_ranks_and_position():
     prog = lowered(K.ONE_F_ONE_B, 2, 2, 2)
-    instrs = list(prog.ranks[1])
+    instrs = hoisted(prog.ranks[1])
     a, b = (k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD and i.bucket in (0, 1))
     instrs[a], instrs[b] = instrs[b], instrs[a]
-    bad = replace(prog, ranks=(prog.ranks[0], tuple(instrs), *prog.ranks[2:]))
+    bad = replace(prog, ranks=(tuple(hoisted(prog.ranks[0])), tuple(instrs), *prog.ranks[2:]))
     with pytest.raises(ScheduleError, match=r"ranks \[0, 1\]\): rank 1 and rank 0 differ at collective #0: "
                                             r"rank 0 issues REDUCE_GRAD\(0\.0\), rank 1 issues REDUCE_GRAD\(0\.1\)"):
         check_program(bad)
@@ -120,7 +135,7 @@ def test_checker_rejects_missing_transfer_compute_on_a_shard_and_late_gradients(
     with pytest.raises(ScheduleError, match="runs on chunk 0's shard"):  # on both: the dp group agrees
         check_program(replace(prog, ranks=(*no_gather, *prog.ranks[2:])))
     step0 = lowered(K.ONE_F_ONE_B, 2, 1, 0)
-    instrs = list(step0.ranks[0])
+    instrs = hoisted(step0.ranks[0])
     k = next(k for k, i in enumerate(instrs) if i.kind is Kind.REDUCE_GRAD)
     instrs.insert(2, instrs.pop(k))  # bucket 0 reduced before the backward that fills it
     with pytest.raises(ScheduleError, match="after chunk 0's last REDUCE_GRAD of bucket 0"):
@@ -152,12 +167,19 @@ def test_collectives_cost_bytes_over_bandwidth_and_gate_compute():
     assert res.step_time > simulate(s).step_time and res.comm_busy[0] > 0
 
 
-def test_bucket_plan_follows_make_buckets_rule():
-    assert group_layers([5, 3, 4], bucket_mb=7 * 4 / 2**20) == [7, 5]  # reverse order, close at >= limit
-    assert group_layers([5, 0, 3], bucket_mb=float("inf")) == [8]
-    plan = plan_buckets([[5, 3], [7]], bucket_mb=float("inf"), dp=2)
+def test_buckets_group_tensors_in_reverse_model_order():
+    """The one grouping rule (zero/buckets.py lays its flat buffers out from it): tensors in reverse
+    model order, a bucket closed once it holds the limit, tensors inside in that order too."""
+    t = [TensorShape("layers.0.a", (5,)), TensorShape("layers.1.b", (3,)), TensorShape("layers.1.c", (2, 2))]
+    close_at_7 = group_tensors(t, bucket_mb=7 * 4 / 2**20)
+    assert [[x.name for x in b.tensors] for b in close_at_7] == [["layers.1.c", "layers.1.b"], ["layers.0.a"]]
+    assert [b.offsets for b in close_at_7] == [(0, 4), (0,)] and [b.numel for b in close_at_7] == [7, 5]
+    assert [b.numel for b in group_tensors(t, float("inf"))] == [12]
+    by_layer = group_tensors(t, float("inf"), layerwise=True)
+    assert [[x.name for x in b.tensors] for b in by_layer] == [["layers.1.c", "layers.1.b"], ["layers.0.a"]]
+    plan = plan_buckets(ModelShapes.of_counts([[5, 3], [7]]), bucket_mb=float("inf"), dp=2)
     assert plan.numels == ((8,), (8,))  # padded to a multiple of D
-    assert plan_buckets([[5, 3]], 1.0, dp=2, layerwise=True).numels == ((4, 6),)
+    assert plan_buckets(ModelShapes.of_counts([[5, 3]]), 1.0, dp=2, layerwise=True).numels == ((4, 6),)
     assert Counter(uniform_plan(3, 2, 5, 4).numels) == Counter({(8, 8): 3})
 
 
@@ -217,18 +239,38 @@ def test_bad_zero_simulate_input_is_one_line(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("mode", list(GradReduce))
-def test_the_executor_arms_autograds_reductions_in_the_backwards_the_program_reduces_after(mode):
-    """runtime/executor.reducing_backwards: with `step` only each chunk's last W or BW of the step,
-    with `microbatch` (ZeRO-2) every one; never a B, which produces no weight gradient."""
-    from pipezero.runtime.executor import reducing_backwards
-
+def test_a_fused_backward_that_reduces_starts_each_buckets_reduction_inside_it(mode):
+    """A BW the program follows with reductions (with `step` each chunk's last W or BW of the step,
+    with `microbatch` (ZeRO-2) every one) holds each bucket's REDUCE_GRAD at the moment autograd
+    completes it, in bucket order; a W's follow it (W writes its gradients
+    outside autograd's accumulation); a B reduces nothing. ZeRO-2 drains after each backward's
+    reductions with `microbatch` only (with `step`, at OPTIM_STEP)."""
     prog = lowered(K.ZB_H1, 2, 2, 2, mode)
     for rank in range(len(prog.ranks)):
         instrs = prog.ranks[rank]
-        backwards = [i for i, x in enumerate(instrs) if isinstance(x, Compute) and x.kind in (Kind.W, Kind.BW)]
-        last = {instrs[i].action.chunk: i for i in backwards}
+        backwards = [k for k, x in enumerate(instrs) if isinstance(x, Compute) and x.kind in (Kind.W, Kind.BW)]
+        last = {instrs[k].action.chunk: k for k in backwards}
         want = set(backwards) if mode is GradReduce.MICROBATCH else set(last.values())
-        assert reducing_backwards(instrs) == want
+        for k in backwards:
+            x = instrs[k]
+            inside = [d for d in x.during if d.kind is Kind.REDUCE_GRAD]
+            after = []
+            for d in instrs[k + 1:]:
+                if d.kind is not Kind.REDUCE_GRAD:
+                    break
+                after.append(d)
+            reduced = inside or after
+            assert bool(reduced) == (k in want), x.describe()
+            if not reduced:
+                continue
+            assert [d.bucket for d in reduced] == list(range(BUCKETS))
+            assert [d.blocking for d in reduced] == [False] * (BUCKETS - 1) + [mode is GradReduce.MICROBATCH]
+            if x.kind is Kind.BW:
+                assert not after and [str(d.at) for d in inside] == [f"grads {b}" for b in range(BUCKETS)]
+            else:
+                assert not inside
+        assert not any(d.kind is Kind.REDUCE_GRAD for x in instrs if isinstance(x, Compute) and x.kind is Kind.B
+                       for d in x.during)
 
 
 @pytest.mark.parametrize("kind", list(K), ids=lambda k: k.value)
@@ -239,9 +281,9 @@ def test_a_tied_embedding_is_summed_then_reduced_before_the_step(kind):
     from pipezero.schedules.program import OptimStep
 
     s = schedule(kind, 2)
-    layers = [[1000] * 3 for _ in range(s.n_chunks)]
+    layers = ModelShapes.of_counts([[1000] * 3 for _ in range(s.n_chunks)], tied=True)
     for zero in range(4):
-        plan = plan_buckets(layers, 0.001, 2, tied_numel=1000)  # one bucket a layer
+        plan = plan_buckets(layers, 0.001, 2)  # one bucket a layer
         assert plan.held == {(0, 2), (s.n_chunks - 1, 0)}
         prog = lower(s, 2, zero, GradReduce.MICROBATCH, plan)
         check_program(prog)

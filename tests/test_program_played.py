@@ -9,9 +9,12 @@ instructions in order (runtime/executor.py `run`).
 
 Covered: every schedule with ZeRO 0-3 at P=2 D=2, the stages that move the most at P=4 D=1 and P=1
 D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied embedding (TIED_SUM,
-then the reductions of the buckets holding its copies, before the step). Not covered, because the
-runtime still places them itself: layer-by-layer ZeRO-3 gathers (inside the compute, one layer
-ahead).
+then the reductions of the buckets holding its copies, before the step). Layer-by-layer ZeRO-3
+(the default at P=1, asked for at P=2): its gathers sit inside the compute instructions and are
+held to the program like any other, under fused and split backward (W from B's stash, and W of the
+first chunk running autograd again), the V placement, --recompute (the forward run again inside each
+backward, its layers gathered again as the program lists them), a head tied to the embedding in
+one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def cases() -> list[dict]:
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": True}]
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
     out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
-    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z} for z in (0, 3)]
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, "parallel.zero3_keep_gathered": True}
+            for z in (0, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
     out += [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)]
     # a tied embedding: summed between the ends (or on the V's turn rank), then its buckets reduced
@@ -44,6 +48,15 @@ def cases() -> list[dict]:
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, **tied},
             {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 1, "parallel.placement": "pp-inner", **tied},
             {"pp": 4, "dp": 1, "kind": K.INTERLEAVED_1F1B, "m": 8, "parallel.zero": 0, **tied}]
+    # ZeRO-3 layer by layer: the gathers inside each action, one layer ahead
+    lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
+    out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, **lw} for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V,
+                                                                         K.INTERLEAVED_1F1B)]
+    out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.recompute": True, **lw},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
+            {"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, **lw, **tied},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, **tied},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.(1|4)\.", **lw, **tied}]
     return out
 
 
@@ -51,7 +64,7 @@ def cases() -> list[dict]:
 def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_path):
     todo = cases()
     assert {c["kind"] for c in todo} == set(K)
-    one_step = {"run.max_steps": 1, "parallel.zero3_keep_gathered": True}
+    one_step = {"run.max_steps": 1}
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**c, **one_step} for c in todo],
                         timeout=600)  # train_cases raises where a rank started other than its program lists
     first = [r["started"] for r in results[0]]  # rank 0's, case by case
@@ -60,4 +73,4 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
     assert all(any(s.startswith("UNSHARD") for s in started) for c, started in zip(todo, first)
                if c["parallel.zero"] and c["dp"] > 1)
     assert all(any(s.startswith("TIED_SUM") for s in started) for c, started in zip(todo, first)
-               if c.get("model.tie_embeddings"))  # rank 0 holds the embedding in every tied case
+               if c.get("model.tie_embeddings") and c["pp"] > 1)  # rank 0 holds the embedding in every tied case

@@ -98,21 +98,18 @@ def _traced_zero2(rank: int, world: int, data: str, out: str) -> None:
 
 @pytest.mark.distributed
 def test_collective_waits_are_named_by_the_program_instructions_that_started_them(text_dir, tmp_path):
-    """The runtime plays the lowered program: rank 0's traced waits on gradient reductions, in order,
-    are the REDUCE_GRAD instructions of its program (lowered here, in the test process, over the
-    buckets ZeRO builds for that model), and every other collective wait names an UNSHARD or OPTIM_STEP."""
+    """The runtime plays the compiled program: rank 0's traced waits on gradient reductions, in order,
+    are the REDUCE_GRAD instructions of its program (compiled here, in the test process, as every
+    rank compiles it), and every other collective wait names an UNSHARD or OPTIM_STEP."""
     import re
 
     from training import STEPS, tiny_overrides
 
-    from pipezero.models import build_chunk, spec_of
-    from pipezero.parallel.partition import partition
+    from pipezero.models import spec_of
     from ranks import run_ranks
-    from pipezero.schedules.bucket_plan import BucketPlan
-    from pipezero.schedules.program import DataParallel, Kind, lower
-    from pipezero.schedules.registry import build_schedule
+    from pipezero.schedules.program import DataParallel, Kind, flat
     from pipezero.settings import build_config
-    from pipezero.zero.buckets import make_buckets, named_by_chunk
+    from pipezero.stage import plan_of
 
     run_ranks(_traced_zero2, 2, str(text_dir), str(tmp_path), timeout=300)
     trace = json.loads((tmp_path / "case0" / "trace.json").read_text())
@@ -122,13 +119,9 @@ def test_collective_waits_are_named_by_the_program_instructions_that_started_the
 
     cfg = build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "x"), 1, 2, ScheduleKind.ONE_F_ONE_B, 2,
                                             **{"parallel.zero": 2, "parallel.grad_reduce": "microbatch"}))
-    spec = spec_of(cfg.model)
-    (bounds,) = partition(spec, 1, cfg.parallel.partition, cfg.data.seq_len, cfg.parallel.stage_layers)
-    named = named_by_chunk({0: build_chunk(spec, *bounds, cfg.run.seed, torch.device("cpu"))})
-    sizes = tuple(b.padded for b in make_buckets(named[0], cfg.parallel.bucket_mb, 2, 0))
-    schedule = build_schedule(ScheduleKind.ONE_F_ONE_B, 1, 2, 1)
-    program = lower(schedule, 2, 2, cfg.parallel.grad_reduce, BucketPlan(2, (sizes,)))
-    expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in program.ranks[0]
+    plan, _ = plan_of(cfg, spec_of(cfg.model))
+    program, sizes = plan.program, plan.buckets.buckets(0)
+    expected = [f"REDUCE_GRAD({i.chunk}.{i.bucket})" for i in flat(program.ranks[0])  # those inside BW too
                 if isinstance(i, DataParallel) and i.kind is Kind.REDUCE_GRAD]
     assert len(sizes) > 2 and len(expected) == 2 * len(sizes)  # two backwards, each reducing every bucket
     assert [w.split(":")[0] for w in waits if w.startswith("REDUCE_GRAD")] == expected

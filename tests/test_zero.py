@@ -11,8 +11,16 @@ from ranks import run_ranks
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.config import ScheduleKind as K
 from pipezero.zero.adamw import ShardedAdamW
-from pipezero.zero.buckets import make_buckets
+from pipezero.schedules.bucket_plan import group_tensors
+from pipezero.schedules.model_shapes import TensorShape
+from pipezero.zero.buckets import build_buckets
 from training import assert_same_training, layouts, train_cases
+
+
+def make_buckets(named: list, bucket_mb: float, dp: int, dp_rank: int) -> list:
+    """Buckets as a run makes them: the plan groups the tensors, zero/buckets.py builds them."""
+    layouts = group_tensors([TensorShape(n, tuple(q.shape)) for n, q in named], bucket_mb)
+    return build_buckets(layouts, named, dp, dp_rank)
 
 
 def test_sharded_adamw_equals_torch_adamw():

@@ -67,7 +67,7 @@ def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **ext
 
 def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
     """Train each case (keyword arguments of tiny_overrides) in this process group, in order. Every
-    run is also held to its program: the collectives its last step started are those the lowered
+    run is also held to its program: the collectives its last step started are those the compiled
     program lists, in its order (`played`), so every layout test checks that too."""
     from pipezero.engine import train
 
@@ -111,15 +111,14 @@ def watch_program() -> dict:
 
 def played(seen: dict) -> tuple[list[str], list[str]]:
     """(started, listed) of the run `watch_program` saw last: what the runtime started and what the
-    program lists; both empty where the program does not list them (layer-by-layer ZeRO-3 gathers
-    inside the compute) or no step ran."""
+    program lists (layer-by-layer ZeRO-3's gathers inside the compute included); both empty where no
+    step ran."""
     from pipezero.schedules.program import started_collectives
-    from pipezero.stage import built_buckets
 
     stage = seen.get("stage")
-    if stage is None or "started" not in seen or stage.zero.layerwise:
+    if stage is None or "started" not in seen:
         return [], []
-    return seen["started"], started_collectives(stage.program, built_buckets(stage.zero, stage.schedule.n_chunks))
+    return seen["started"], started_collectives(stage.program, stage.plan.buckets)
 
 
 def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
+from pipezero.schedules.model_shapes import LayerTensors, ModelShapes, TensorShape, cut
 
 # Trainable presets use the 4096-token BPE vocabulary of the built-in corpus; the large shapes use
 # Llama's 32000 (70B: 128256, as Llama 3) and exist for planning and simulation.
@@ -75,6 +76,38 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     emb = cfg.vocab_size * cfg.dim
     head = cfg.dim + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim)
     return [emb] + [block_params(cfg)] * cfg.n_layers + [head]
+
+
+def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
+    """Every layer's tensors by name and shape, as models/llama.py builds them (a tied head still
+    lists its projection: schedules/model_shapes.cut lists a weight tied inside one chunk once), so
+    the plan groups the built-in decoder's buckets tensor by tensor without building it;
+    tests/test_model.py holds it against the built model."""
+    hd = cfg.head_dim or cfg.dim // cfg.n_heads
+    q, kv, d, hidden = cfg.n_heads * hd, (cfg.n_kv_heads or cfg.n_heads) * hd, cfg.dim, ffn_dim(cfg)
+
+    def linear(name: str, n_in: int, n_out: int, bias: bool) -> list[tuple[str, tuple[int, ...]]]:
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if bias else [])
+
+    block = [("attn_norm.weight", (d,)), *linear("attn.wq", d, q, cfg.qkv_bias),
+             *linear("attn.wk", d, kv, cfg.qkv_bias), *linear("attn.wv", d, kv, cfg.qkv_bias),
+             *linear("attn.wo", q, d, cfg.out_bias),
+             ("mlp_norm.weight", (d,)), *linear("mlp.w1", d, hidden, cfg.mlp_bias),
+             *linear("mlp.w3", d, hidden, cfg.mlp_bias), *linear("mlp.w2", hidden, d, cfg.mlp_bias)]
+    head = [("norm.weight", (d,)), ("proj.weight", (cfg.vocab_size, d))]
+    layers = [[("weight", (cfg.vocab_size, d))]] + [block] * cfg.n_layers + [head]
+    return [LayerTensors(i, tuple(TensorShape(f"layers.{i}.{n}", s) for n, s in named))
+            for i, named in enumerate(layers)]
+
+
+def tied_pair(cfg: ModelConfig) -> tuple[str, str] | None:
+    """The built-in decoder's tied weight (models/llama_spec.py `tied_names`), without building it."""
+    return ("layers.0.weight", f"layers.{cfg.n_layers + 1}.proj.weight") if cfg.tie_embeddings else None
+
+
+def decoder_shapes(cfg: ModelConfig, bounds: list[tuple[int, int]]) -> ModelShapes:
+    """The built-in decoder cut into chunks [start, stop), as the plan sees it (every tensor trains)."""
+    return cut(layer_tensors(cfg), bounds, tied_pair(cfg))
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:

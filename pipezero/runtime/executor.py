@@ -3,7 +3,9 @@
 The program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts (in
 the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD); the executor
 runs compute itself, posts transfers through runtime/p2p.py and hands each collective to the
-data-parallel layer, which starts, waits for or releases exactly what the instruction names. The
+data-parallel layer, which starts, waits for or releases exactly what the instruction names.
+Layer-by-layer ZeRO-3's collectives sit inside the compute instruction: the executor arms them
+before the action and checks after it that every one fired (zero/sharded.py `begin_compute`). The
 program ends at OPTIM_STEP, which the engine plays (it needs the step's learning rate and loss):
 ZeroDP.step drains, clips, updates and, at ZeRO-1/2, starts the gathers of updated weights.
 
@@ -35,19 +37,24 @@ from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint, reducing_backwards
+from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint
 from pipezero.telemetry.trace import Tracer
 
 
 class DataParallelLayer(Protocol):
-    """What ZeRO (zero/sharded.py) does for the executor: the program's collectives, and the moments
-    around compute that no instruction marks (gradient buffers, autograd's reduction hooks)."""
+    """What ZeRO (zero/sharded.py) does for the executor: the program's collectives (those inside a
+    compute instruction fired at their moments), and the moments around compute that no instruction
+    marks (gradient buffers)."""
 
     def play(self, instr: DataParallel) -> None: ...
 
+    def begin_compute(self, instr: Compute) -> None: ...  # arms the collectives inside the action
+
+    def end_compute(self, instr: Compute) -> None: ...  # every one of them fired, or an error
+
     def before_forward(self, chunk: int) -> None: ...  # evaluation only: outside any program
 
-    def before_backward(self, chunk: int, reduces: bool) -> None: ...
+    def before_backward(self, chunk: int) -> None: ...
 
     def after_backward(self, chunk: int) -> None: ...
 
@@ -133,7 +140,6 @@ class Executor:
         self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
         loss = torch.zeros((), device=self.device)
         peak = 0
-        reducing = reducing_backwards(program)
         split = {ins.action.chunk for ins in program if isinstance(ins, Compute) and ins.action.op is Op.B}
         if unsplit := {c: self._unsplit.pop(c) for c in sorted(split & self._unsplit.keys())}:
             warnings.warn(f"rank {self.p2p.rank}: split backward keeps the autograd graph from B to W for chunks "
@@ -153,38 +159,46 @@ class Executor:
                 continue
             if isinstance(ins, OptimStep):
                 break
-            self._play(ins.action, live, microbatches, ins.action.chunk in split, i in reducing, denom, loss)
+            self._play(ins, live, microbatches, ins.action.chunk in split, denom, loss)
             peak = max(peak, len(live))
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
         return StepStats(loss, peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
 
-    def _play(self, a: Action, live: dict[tuple[int, int], _Live], microbatches: Sequence[MicroBatch], split: bool,
-              reduces: bool, denom: float, loss: torch.Tensor) -> None:
-        """One compute action (the last chunk's F adds its loss into `loss`). A method of its own so
-        that nothing it binds outlives it: a local of the step's loop held a finished micro-batch
-        (its input, its received gradient, a split chunk's recorded weight-op tensors, W's stash)
-        alive until the next action rebound the name, up to most of a chunk's activations."""
+    def _play(self, ins: Compute, live: dict[tuple[int, int], _Live], microbatches: Sequence[MicroBatch],
+              split: bool, denom: float, loss: torch.Tensor) -> None:
+        """One compute action (the last chunk's F adds its loss into `loss`), the collectives inside
+        it armed for its moments. A method of its own so that nothing it binds outlives it: a local
+        of the step's loop held a finished micro-batch (its input, its received gradient, a split
+        chunk's recorded weight-op tensors, W's stash) alive until the next action rebound the name,
+        up to most of a chunk's activations."""
+        a = ins.action
         if a.op is Op.F:
             x = microbatches[a.mb][0] if a.chunk == 0 else \
                 self.p2p.recv(Payload.ACT, a.chunk, a.mb).requires_grad_(True)
             with self._timed(a):
+                self.hooks.begin_compute(ins)
                 live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), split)
+                self.hooks.end_compute(ins)
                 if a.chunk == self.last:
                     st.out = self.chunks[a.chunk].spec.loss(st.out, microbatches[a.mb][1], denom)
                     loss.add_(st.out.detach())
             return
         if a.op is not Op.B:
-            self.hooks.before_backward(a.chunk, reduces)
+            self.hooks.before_backward(a.chunk)
         if a.op is Op.W:
             with self._timed(a):
+                self.hooks.begin_compute(ins)
                 self._run_w(a, live.pop((a.chunk, a.mb)))
+                self.hooks.end_compute(ins)
         else:
             grad = None if a.chunk == self.last else self.p2p.recv(Payload.GRAD, a.chunk, a.mb)
             st = live.pop((a.chunk, a.mb)) if a.op is Op.BW else live[(a.chunk, a.mb)]
             with self._timed(a):
+                self.hooks.begin_compute(ins)
                 self._run_b(a, st, grad)
+                self.hooks.end_compute(ins)
         if a.op is Op.B:
             self.hooks.after_input_grad(a.chunk)
         else:

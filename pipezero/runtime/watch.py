@@ -142,20 +142,13 @@ class Watch:
 
 
 def plan_facts(cfg: Any, stage: Any) -> dict[str, Any]:
-    """What the doctor needs to lower every rank's program in one process (doctor.programs): the
-    layout, and each chunk's bucket sizes, this rank's own as ZeRO built them, the others' by the
-    planner's rule from the model's layer sizes (a record of a rank holding them overrides these)."""
-    from pipezero.schedules.bucket_plan import plan_buckets
-
+    """What the doctor needs to compile every rank's program in one process (doctor.programs): the
+    layout and the model's shapes the run compiled its plan from (schedules/compile.py)."""
     p = cfg.parallel
-    counts = stage.spec.layer_param_counts()
-    planned = plan_buckets([counts[a:b] for a, b in stage.bounds], p.bucket_mb, p.dp, layerwise=stage.zero.layerwise)
-    own = sorted(stage.chunks)
-    sizes = [[b.padded for b in stage.zero.buckets[c]] if c in own else list(planned.buckets(c))
-             for c in range(stage.schedule.n_chunks)]
     return {"schedule": p.schedule.value, "pp": p.pp, "dp": p.dp, "microbatches": p.microbatches,
             "virtual_stages": p.virtual_stages, "zero": p.zero, "grad_reduce": p.grad_reduce.value,
-            "layerwise": stage.zero.layerwise, "placement": p.placement.value, "buckets": sizes, "own_chunks": own}
+            "bucket_mb": p.bucket_mb, "zero3_keep_gathered": p.zero3_keep_gathered, "recompute": p.recompute,
+            "placement": p.placement.value, "model": stage.plan.model.to_json()}
 
 
 def start_watch(cfg: Any, stage: Any) -> Watch:

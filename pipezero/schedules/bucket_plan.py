@@ -1,23 +1,58 @@
-"""How many gradient buckets each stage chunk has, and how big, computed from parameter counts alone.
+"""Which trainable tensors share a gradient bucket, in what order: decided here, once, from names
+and shapes alone (no torch).
+
+A bucket is a chunk's tensors laid end to end in one flat buffer, padded to a multiple of D so each
+data-parallel rank owns an equal shard; one collective moves a whole bucket. The rule: walk the
+chunk's tensors in reverse model order (the order backward produces their gradients), add each to
+the open bucket, and close the bucket once it holds at least `bucket_mb` MiB of fp32; so bucket 0
+holds the chunk's last tensors and its gradients are complete first. Layer-by-layer ZeRO-3 instead
+makes one bucket a layer (its gathers follow the layers), last layer first. Inside a bucket the
+tensors lie in the same reverse order.
 
 The lowering (schedules/program.py) places one REDUCE_GRAD a bucket and sizes every collective from
-this plan, so it must group parameters the way `zero/buckets.make_buckets` does at run time: walk
-the chunk's parameters in reverse model order (the order backward produces their gradients), add
-each to the open bucket, and close the bucket once it holds at least `bucket_mb` MiB of fp32.
-Every bucket is padded to a multiple of D, so each data-parallel rank owns an equal shard.
-
-`make_buckets` builds torch tensors, so it cannot be called here (plans import no torch); this is
-the same grouping rule over plain counts. It is given per-layer counts (models/presets.py knows
-layers, not tensors), so a layer is never split: where one layer is larger than the bucket, the
-runtime closes the bucket at a tensor boundary inside it and this plan closes it after the layer.
-Layer-by-layer ZeRO-3 uses one bucket a layer at run time (`zero/layerwise.layer_buckets`); `layerwise`
-gives that plan.
+this plan; the runtime lays its flat buffers out from the same `BucketLayout`s (zero/buckets.py
+`build_buckets`), so a bucket's offsets, and with them every shard and every summation over one,
+are the plan's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from pipezero.schedules.model_shapes import ChunkShapes, ModelShapes, TensorShape
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: its tensors in the flat buffer's order."""
+
+    tensors: tuple[TensorShape, ...]
+
+    @cached_property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for t in self.tensors:
+            out.append(acc)
+            acc += t.numel
+        return tuple(out)
+
+    def padded(self, dp: int) -> int:
+        return _padded(self.numel, dp)
+
+
+@dataclass(frozen=True)
+class LayerUse:
+    """A layer as layer-by-layer ZeRO-3 sees it: the bucket it owns and the buckets it borrows."""
+
+    index: int  # model-wide layer index: the trigger of its gathers names it
+    bucket: int | None  # its own bucket (one a layer); None: nothing of its own trains
+    borrows: tuple[int, ...] = ()  # buckets of earlier layers of the chunk it computes with (a tied head)
 
 
 @dataclass(frozen=True)
@@ -31,6 +66,14 @@ class BucketPlan:
     # reduced in the step after the copies' gradients are summed (TIED_SUM), and its elements.
     held: frozenset[tuple[int, int]] = frozenset()
     tied_numel: int = 0
+    layouts: tuple[tuple[BucketLayout, ...], ...] = ()  # per chunk, its buckets' tensors (empty: sizes only)
+    uses: tuple[tuple[LayerUse, ...], ...] = ()  # per chunk, model order: the layers (one bucket a layer)
+    splits: tuple[bool, ...] = ()  # per chunk: split backward's W reads no weights (empty: every chunk)
+    # (chunk, bucket) of buckets holding a tensor two layers of the chunk use: it accumulates twice,
+    # so autograd's hooks cannot say when it is complete; reduced after the backward
+    shared: frozenset[tuple[int, int]] = frozenset()
+    # per chunk: whether its last layer computes with a bucket (recomputation stops inside it)
+    last_owned: tuple[bool, ...] = ()
 
     def buckets(self, chunk: int) -> tuple[int, ...]:
         return self.numels[chunk]
@@ -38,45 +81,100 @@ class BucketPlan:
     def chunk_numel(self, chunk: int) -> int:
         return sum(self.numels[chunk])
 
+    def layers(self, chunk: int) -> tuple[LayerUse, ...]:
+        """The chunk's layers, one bucket each (layer-by-layer ZeRO-3's plans only)."""
+        if not self.uses:
+            raise ValueError("this bucket plan has no layers: plan it with layerwise=True")
+        return self.uses[chunk]
+
+    def hooked(self, chunk: int) -> list[int]:
+        """Buckets of `chunk` whose reduction a fused backward starts as soon as autograd has
+        accumulated all their gradients (neither a tied copy held for TIED_SUM nor shared)."""
+        return [k for k in range(len(self.numels[chunk])) if (chunk, k) not in self.held | self.shared]
+
+    def ends_with_owner(self, chunk: int) -> bool:
+        """Whether the chunk's last layer is one of `layers(chunk)` (--recompute's forward in a
+        backward stops inside the chunk's last layer that saves anything for backward)."""
+        return not self.last_owned or self.last_owned[chunk]
+
+    def stashes_w(self, chunk: int) -> bool:
+        """Whether a split W of `chunk` runs from B's stash, touching no weight (runtime/executor.py:
+        never on the first chunk, which has no input gradient to compute)."""
+        return chunk > 0 and (not self.splits or self.splits[chunk])
+
+    def for_dp(self, dp: int) -> BucketPlan:
+        """The same buckets padded for D = `dp` (the grouping does not depend on D)."""
+        if not self.layouts:
+            raise ValueError("this bucket plan has sizes only: plan it from the model's tensors")
+        return replace(self, dp=dp, numels=tuple(tuple(b.padded(dp) for b in bs) for bs in self.layouts))
+
 
 def _padded(numel: int, dp: int) -> int:
     return -(-numel // dp) * dp
 
 
-def group_layers(layer_params: Sequence[int], bucket_mb: float) -> list[int]:
-    """Element counts of the buckets one chunk's layers fall into (unpadded, backward order), by
-    `make_buckets`' rule: close a bucket once it reaches the limit; empty layers add nothing."""
-    limit = bucket_mb * 2**20 / 4  # fp32 elements; inf: one bucket a chunk
-    out: list[int] = []
+def group_tensors(tensors: Sequence[TensorShape], bucket_mb: float,
+                  layerwise: bool = False) -> tuple[BucketLayout, ...]:
+    """The buckets one chunk's trainable tensors (model order) fall into, bucket 0 first: close a
+    bucket once it reaches `bucket_mb` MiB of fp32 (inf: one bucket a chunk); `layerwise`: one a layer."""
+    if layerwise:
+        layers: dict[int, list[TensorShape]] = {}
+        for t in tensors:
+            layers.setdefault(t.layer, []).append(t)
+        return tuple(BucketLayout(tuple(reversed(layers[i]))) for i in sorted(layers, reverse=True))
+    limit = bucket_mb * 2**20 / 4  # fp32 elements; may be inf
+    out: list[BucketLayout] = []
+    current: list[TensorShape] = []
     size = 0
-    for n in reversed(layer_params):
-        if n <= 0:
-            continue
-        size += n
+    for t in reversed(tensors):
+        current.append(t)
+        size += t.numel
         if size >= limit:
-            out.append(size)
-            size = 0
-    if size:
-        out.append(size)
-    return out
+            out.append(BucketLayout(tuple(current)))
+            current, size = [], 0
+    if current:
+        out.append(BucketLayout(tuple(current)))
+    return tuple(out)
 
 
-def plan_buckets(chunk_layers: Sequence[Sequence[int]], bucket_mb: float, dp: int,
-                 layerwise: bool = False, tied_numel: int = 0) -> BucketPlan:
-    """`chunk_layers[c]`: parameter counts of chunk c's layers in model order. `layerwise`: one
-    bucket a layer, as layer-by-layer ZeRO-3 builds them. `tied_numel`: the embedding (the first
-    layer) is tied to the head (the last) and has that many elements; with more than one chunk its
-    copies sit in chunk 0's last bucket and the last chunk's first (buckets run in backward order)."""
+def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool = False) -> BucketPlan:
+    """Every chunk's buckets for D = `dp`; with a weight tied across chunks, the buckets holding its
+    two copies are `held` for the step (their REDUCE_GRADs follow the TIED_SUM)."""
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    grouped = [[n for n in reversed(layers) if n > 0] if layerwise else group_layers(layers, bucket_mb)
-               for layers in chunk_layers]
-    numels = tuple(tuple(_padded(n, dp) for n in g) for g in grouped)
-    n = len(numels)
-    held = frozenset({(0, len(numels[0]) - 1), (n - 1, 0)}) if tied_numel and n > 1 else frozenset()
-    return BucketPlan(dp, numels, held, tied_numel if held else 0)
+    layouts = tuple(group_tensors(c.tensors, bucket_mb, layerwise) for c in model.chunks)
+    numels = tuple(tuple(b.padded(dp) for b in bs) for bs in layouts)
+    where = {t.name: (c, k) for c, bs in enumerate(layouts) for k, b in enumerate(bs) for t in b.tensors}
+    held: frozenset[tuple[int, int]] = frozenset()
+    if model.tied is not None:
+        first, second = model.tied
+        last = len(model.chunks) - 1
+        held = frozenset({where[first], where[second]})
+        if where[first][0] != 0 or where[second][0] != last:
+            raise ValueError(f"tied weight {model.tied}: its copies must sit in the first and last chunk")
+    uses = tuple(_uses(c, bs) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
+    shared = frozenset(where[n] for chunk in model.chunks for layer in chunk.layers for n in layer.borrows
+                       if n in where)
+    last = tuple(bool(c.layers) and (c.stop < 0 or c.layers[-1].index == c.stop - 1) for c in model.chunks)
+    return BucketPlan(dp, numels, held, model.tied_numel if held else 0, layouts, uses,
+                      tuple(c.splits for c in model.chunks), shared, last)
+
+
+def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...]) -> tuple[LayerUse, ...]:
+    of_layer = {b.tensors[0].layer: k for k, b in enumerate(buckets)}
+    of_name = {t.name: k for k, b in enumerate(buckets) for t in b.tensors}
+    out = []
+    for layer in chunk.layers:
+        own = of_layer.get(layer.index)
+        borrowed = tuple(dict.fromkeys(of_name[n] for n in layer.borrows if n in of_name and of_name[n] != own))
+        if own is not None or borrowed:
+            out.append(LayerUse(layer.index, own, borrowed))
+    return tuple(out)
 
 
 def uniform_plan(n_chunks: int, buckets_per_chunk: int, numel: int, dp: int) -> BucketPlan:
-    """Every chunk `buckets_per_chunk` buckets of `numel` elements: for tests and quick what-ifs."""
-    return BucketPlan(dp, tuple((_padded(numel, dp),) * buckets_per_chunk for _ in range(n_chunks)))
+    """Every chunk `buckets_per_chunk` buckets of `numel` elements, each one layer's (so
+    layer-by-layer ZeRO-3 lowers over it too): for tests and quick what-ifs."""
+    n = buckets_per_chunk
+    uses = tuple(tuple(LayerUse(c * n + j, n - 1 - j) for j in range(n)) for c in range(n_chunks))
+    return BucketPlan(dp, tuple((_padded(numel, dp),) * n for _ in range(n_chunks)), uses=uses)

@@ -1,11 +1,12 @@
 """One program per rank: the schedule's compute, its transfers in the global posting order, and ZeRO's
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
-The same program runs: stage.py lowers each rank's over the buckets ZeRO built, the executor
-(runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD and REDUCE_GRAD
-to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the checker proves it. What an
-instruction cannot place is said below: autograd's hooks start a REDUCE_GRAD early, inside the
-backward before it, and layer-by-layer ZeRO-3 gathers inside each action.
+The same program runs: schedules/compile.py compiles every rank's (the only place one is made),
+the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD,
+TIED_SUM and REDUCE_GRAD to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the
+checker proves it. What happens inside an action sits inside its compute instruction (`during`),
+each with the moment that fires it (schedules/layer_plan.py): a fused backward's reductions and
+layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the moments.
 
 Placement rules (D = data-parallel ranks):
 - SEND / RECV: exactly where `posting.plans` posts them (before the action whose boundary they
@@ -13,9 +14,10 @@ Placement rules (D = data-parallel ranks):
 - REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
   (`last_weight_grad`); with `microbatch` at ZeRO >= 2 after every W or BW of the chunk (B
-  produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). The runtime
-  launches BW's buckets as autograd fills them, during the backward; here they start when it ends
-  (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
+  produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). In a
+  BW each bucket's sits inside it, at the moment autograd completes the bucket (`grads k`), but
+  for a bucket holding a tensor used twice (reduced after it); the simulator starts them when the
+  BW ends (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
   earlier collective) after each backward in `microbatch` mode, after the chunk's final backward
   at ZeRO-3, otherwise at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is
   a memory rule of the runtime (zero/sharded.py), not modelled here.
@@ -24,19 +26,20 @@ Placement rules (D = data-parallel ranks):
   backward, once its reductions are drained. `prefetch`
   is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
   not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
-- ZeRO-3 layer by layer: per-layer gathers with a one-layer prefetch happen inside each action
-  (zero/layerwise.py hooks), which one instruction cannot place; each F, B and BW (and W of chunk
-  0, which has no (x, dy) stash and runs autograd through the weights again) is wrapped in one
-  UNSHARD and one RESHARD of the whole chunk with `layerwise=True`, timed as if the gather ran
-  before the action (the runtime overlaps all but the first layer's).
+- ZeRO-3 layer by layer: one bucket a layer, each gathered, waited for and released at moments
+  inside the actions that use it (a layer's forward about to run, its backward beginning, ...):
+  those DataParallel instructions sit in the Compute instruction they belong to (`during`), each
+  with its `Trigger`, in the order they happen (schedules/layer_plan.py says which and where); the
+  runtime's module hooks fire them at those moments (zero/layerwise.py). The simulator times them
+  as if they ran before the action (the runtime overlaps all but the first layer's).
 - OPTIM_STEP: drains every reduction, then one all-reduce of (norm^2, loss) over the world, then
   the sharded AdamW; at ZeRO 1 and 2 it is followed by one blocking fp32 all-gather (UNSHARD) per
   bucket of every chunk of the rank, in chunk order. (The runtime only starts them there, in
   forward order, and each layer waits for its own in the next step's forward, zero/updates.py; a
   one-step program places that wait at the step's end, the conservative bound.)
-Tied embeddings across ranks: their buckets' REDUCE_GRADs are placed as any other's, but the
-runtime holds them back to OPTIM_STEP, where the copies are summed between the first and last
-rank first (zero/tied.py); every replica does so in the same order, so the dp groups still agree.
+Tied embeddings across ranks: their buckets' REDUCE_GRADs come just before OPTIM_STEP, after a
+TIED_SUM has summed the copies between the first and last rank (zero/tied.py); every replica does
+so in the same order, so the dp groups still agree.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
+from pipezero.schedules.layer_plan import Moment, Trigger, moments, steps, traverses
 from pipezero.schedules.posting import Post, Transfer, plans
 from pipezero.schedules.zero_rules import RULES, Rules
 
@@ -76,6 +80,9 @@ class Collective(str, enum.Enum):
 @dataclass(frozen=True)
 class Compute:
     action: Action
+    # layer-by-layer ZeRO-3: the gathers and releases fired inside this action, in order, each at
+    # its trigger (schedules/layer_plan.py)
+    during: tuple[DataParallel, ...] = ()
 
     @property
     def kind(self) -> Kind:
@@ -83,6 +90,10 @@ class Compute:
 
     def __str__(self) -> str:
         return str(self.action)
+
+    def describe(self) -> str:
+        """The action with the collectives inside it, as `--listing` prints it."""
+        return f"{self.action}[{' '.join(map(str, self.during))}]" if self.during else str(self.action)
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,7 @@ class DataParallel:
     collective: Collective
     nbytes: int  # the full bucket(s) as they travel (ring traffic is a multiple of this)
     blocking: bool = False  # the rank waits for this and every earlier collective before going on
-    layerwise: bool = False  # ZeRO-3 layer by layer: gathers inside the action, one layer ahead
+    at: Trigger | None = None  # inside a Compute's `during`: the moment of the action that fires it
 
     def signature(self) -> tuple:
         """What every rank of a dp group must agree on, position by position."""
@@ -119,7 +130,8 @@ class DataParallel:
 
     def __str__(self) -> str:
         where = f"{self.chunk}" if self.bucket is None else f"{self.chunk}.{self.bucket}"
-        return f"{self.kind.value}({where}{', layerwise' if self.layerwise else ''}{', wait' if self.blocking else ''})"
+        at = f"@{self.at}" if self.at is not None else ""
+        return f"{self.kind.value}({where}{', wait' if self.blocking else ''}){at}"
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,8 @@ class Program:
     grad_reduce: GradReduce
     buckets: BucketPlan
     ranks: tuple[tuple[Instr, ...], ...]
+    layerwise: bool = False  # ZeRO-3 gathers layer by layer inside the actions (else a chunk kept gathered)
+    recompute: bool = False  # backwards run the forward again (layer by layer: they gather the whole chunk)
 
     @property
     def rules(self) -> Rules:
@@ -164,21 +178,45 @@ class Program:
         return divmod(rank, self.dp)
 
     def listing(self, rank: int) -> str:
-        return " ".join(str(i) for i in self.ranks[rank])
+        return " ".join(i.describe() if isinstance(i, Compute) else str(i) for i in self.ranks[rank])
+
+
+def flat(instrs: Sequence[Instr]) -> list[Instr]:
+    """The instructions in the order they happen, a Compute's own collectives right after it."""
+    out: list[Instr] = []
+    for i in instrs:
+        out.append(i)
+        if isinstance(i, Compute):
+            out.extend(i.during)
+    return out
+
+
+def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
+    """The `hoisted` instructions with, layer by layer, each action that gathers written as one
+    UNSHARD of its chunk before it and one RESHARD after it, its own gathers dropped: for walks that
+    price a chunk's gathered layers as a whole (sim/memory.py)."""
+    out: list[Instr] = []
+    for i in hoisted(instrs):
+        if not isinstance(i, Compute) or not i.during:
+            out.append(i)
+        elif any(d.kind is Kind.UNSHARD for d in i.during):
+            c = i.action.chunk
+            out += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER, 0, True), Compute(i.action),
+                    DataParallel(Kind.RESHARD, c, None, Collective.LOCAL, 0)]
+        else:
+            out.append(Compute(i.action) if isinstance(i, Compute) else i)
+    return out
 
 
 def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
     """The collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
     `REDUCE_GRAD(c.k)`) and a tied embedding's `TIED_SUM(c)`: what the runtime must start, in the
-    same order (zero/coordinator.py's `issued`). A kept-gathered chunk's UNSHARD gathers its buckets in their order. A layer-by-layer
-    UNSHARD stands for per-layer gathers the runtime places inside the compute (zero/layerwise.py),
-    which this program does not list: refused here rather than matched loosely."""
+    same order (zero/coordinator.py's `issued`). A kept-gathered chunk's UNSHARD gathers its buckets
+    in their order; layer by layer, each UNSHARD inside a compute instruction is one layer's."""
     out: list[str] = []
-    for i in instrs:
+    for i in flat(instrs):
         if not isinstance(i, DataParallel) or i.kind is Kind.RESHARD:
             continue
-        if i.layerwise:
-            raise ValueError(f"{i}: a layer-by-layer gather is placed by the runtime, not listed by the program")
         if i.kind is Kind.TIED_SUM:
             out.append(f"TIED_SUM({i.chunk})")
             continue
@@ -194,85 +232,155 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
-          keep_gathered: bool = True, prefetch: bool = False, wire_bytes: float = 4,
+          keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
-          posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None) -> Program:
-    """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program.
+          posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
+          replicas: Collection[int] | None = None) -> Program:
+    """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program
+    (schedules/compile.py `compile_plan` is the way in: it plans the buckets and proves the schedule).
 
     `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
     gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
-    `prefetch`: ZeRO-3 keep-gathered gathers a chunk one action ahead. `pp_ranks`: lower only these
-    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py)."""
+    `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
+    `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: backwards run
+    the forward again (layer by layer they gather the whole chunk). `pp_ranks`: lower only these
+    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
+    `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
+    it names: `simulate` counts one before it lowers all)."""
     if zero not in RULES:
         raise ValueError(f"ZeRO stage must be 0-3, got {zero}")
     if buckets.dp != dp or len(buckets.numels) != s.n_chunks:
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
+    layerwise = RULES[zero].sharded_params and not keep_gathered
     posts = plans(s) if posts is None else posts
-    ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, keep_gathered, prefetch, wire_bytes,
-                           wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, posts[p])
-             if pp_ranks is None or p in pp_ranks else () for p in range(s.pp) for d in range(dp)]
-    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks))
+    wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes)
+    ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
+                           posts[p])
+             if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
+             for p in range(s.pp) for d in range(dp)]
+    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute)
+
+
+@dataclass(frozen=True)
+class _Wires:
+    wire: float  # bytes an element of reductions and ZeRO-3 gathers
+    grad: float  # of gradient reductions
+    gather: float | None  # of parameter gathers, when quantized
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
-                  keep: bool, prefetch: bool, wire: float, grad: float, gather: float | None,
-                  posts: list) -> tuple[Instr, ...]:
+                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
-    layerwise = rules.sharded_params and not keep
+    kept = rules.sharded_params and not layerwise
     out: list[Instr] = []
 
     def p2p(boundary: list) -> None:
         out.extend(PointToPoint(q.send, q.transfer, q.peer * dp + d) for q in boundary)
 
     def whole(kind: Kind, chunk: int, coll: Collective, blocking: bool) -> DataParallel:
-        width = gather if gather is not None and coll is Collective.ALL_GATHER else wire
-        return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking, layerwise)
+        width = w.gather if w.gather is not None and coll is Collective.ALL_GATHER else w.wire
+        return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking)
 
     gathered: set[int] = set()
+    inside_of: dict[tuple, tuple[tuple[DataParallel, ...], list[DataParallel]]] = {}  # alike for alike actions
     for i, a in enumerate(acts):
         p2p(posts[i])
-        uses_weights = a.op is not Op.W or a.chunk == 0
-        if layerwise and uses_weights:
-            out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
-        elif rules.sharded_params and not layerwise and a.chunk not in gathered:
+        if kept and a.chunk not in gathered:
             gathered.add(a.chunk)
             out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
         ahead = acts[i + 1].chunk if i + 1 < len(acts) else None
-        if prefetch and rules.sharded_params and not layerwise and ahead not in gathered and first.get(ahead) == i + 1:
+        if prefetch and kept and ahead not in gathered and first.get(ahead) == i + 1:
             gathered.add(ahead)  # the next action's chunk, gathered while this one computes
             out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
-        out.append(Compute(a))
-        if layerwise and uses_weights:
-            out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
         is_final = final.get(a.chunk) == i
         per_mb = rules.reduces_every_backward(mode)
-        if a.op in (Op.W, Op.BW) and (is_final or per_mb):
-            out.extend(_reductions(a.chunk, bp, rules, grad, drain=per_mb or (rules.sharded_params and is_final)))
-        if rules.sharded_params and not layerwise and is_final:
+        reduces = a.op in (Op.W, Op.BW) and (is_final or per_mb)
+        drain = per_mb or (rules.sharded_params and is_final)
+        key = (a.op, a.chunk, reduces, drain)
+        if key not in inside_of:
+            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire) \
+                if layerwise else ()
+            inside_of[key] = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute, drain) \
+                if reduces else (inside, [])
+        inside, after = inside_of[key]
+        out.append(Compute(a, inside))
+        out.extend(after)
+        if kept and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
-    out.extend(_tied(sorted(s.chunks(p)), bp, rules, grad))
+    out.extend(_tied(sorted(s.chunks(p)), bp, rules, w.grad))
     out.append(OptimStep())
     if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
         for c in sorted(s.chunks(p)):
             sizes = bp.buckets(c)
-            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(sizes[k] * (gather or 4)), True)
+            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(sizes[k] * (w.gather or 4)), True)
                        for k in reversed(range(len(sizes))))
     return tuple(out)
 
 
-def _reductions(chunk: int, bp: BucketPlan, rules: Rules, wire: float, drain: bool) -> list[DataParallel]:
-    """One REDUCE_GRAD a bucket of `chunk` in backward order, but for the buckets of a tied
-    embedding's copies (reduced in the step: `_tied`); with `drain` the last one blocks."""
+def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: float,
+                      chunk: int | None = None) -> tuple[DataParallel, ...]:
+    """Layer-by-layer ZeRO-3: the gathers and releases inside action `a` (None: a forward of
+    `chunk` outside any program, an evaluation or the text sample), each at its trigger
+    (schedules/layer_plan.py); `width`: bytes an element of a gather."""
+    c = a.chunk if a is not None else chunk
+    assert c is not None
+    op = a.op if a is not None else None
+    through = op is not None and traverses(op, c, bp.stashes_w(c) and not recompute)
+    sizes = bp.buckets(c)
+    return tuple(DataParallel(Kind.UNSHARD, c, st.bucket, Collective.ALL_GATHER, round(sizes[st.bucket] * width),
+                              st.wait, st.at) if st.gather else
+                 DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
+                              st.at)
+                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c)))
+
+
+def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, wire: float,
+                     layerwise: bool, recompute: bool,
+                     drain: bool) -> tuple[tuple[DataParallel, ...], list[DataParallel]]:
+    """One REDUCE_GRAD a bucket of `a`'s chunk, in bucket order, but for a tied embedding's copies
+    (reduced in the step: `_tied`). In a fused backward, each bucket's autograd can report complete
+    goes inside it at that moment (`grads k`, schedules/layer_plan.py), merged with the action's own
+    collectives in the order of the moments; the rest follow the action. With `drain` the last one
+    started blocks. Returns (the action's collectives, those after it)."""
+    c = a.chunk
     coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
-    ks = [k for k in range(len(bp.buckets(chunk))) if (chunk, k) not in bp.held]
-    return [DataParallel(Kind.REDUCE_GRAD, chunk, k, coll, round(bp.buckets(chunk)[k] * wire), drain and k == ks[-1])
-            for k in ks]
+    ks = [k for k in range(len(bp.buckets(c))) if (c, k) not in bp.held]
+    hooked = set(bp.hooked(c)) if a.op is Op.BW else set()
+    early = [k for k in ks if k in hooked]
+    late = [k for k in ks if k not in hooked]
+    last = (late or early or [None])[-1]
+
+    def reduce(k: int, at: Trigger | None) -> DataParallel:
+        return DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * wire), drain and k == last, at)
+
+    if not early:
+        return inside, [reduce(k, None) for k in late]
+    order = {t: n for n, t in enumerate(moments(a.op, bp.layers(c) if layerwise else (), True, early, recompute,
+                                                bp.ends_with_owner(c)))}
+    merged = sorted([*inside, *(reduce(k, Trigger(Moment.GRADS, k)) for k in early)],
+                    key=lambda d: order[d.at])  # type: ignore[index]
+    return tuple(merged), [reduce(k, None) for k in late]
+
+
+def hoisted(instrs: Sequence[Instr]) -> list[Instr]:
+    """The instructions with the reductions inside each fused backward moved right after it, in
+    order: how the simulator and the memory walk price them (as if they started when the backward
+    ends, a conservative bound), and where the placement checks look for them."""
+    out: list[Instr] = []
+    for i in instrs:
+        if isinstance(i, Compute) and any(d.kind is Kind.REDUCE_GRAD for d in i.during):
+            out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD)))
+            out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking)
+                       for d in i.during if d.kind is Kind.REDUCE_GRAD)
+        else:
+            out.append(i)
+    return out
 
 
 def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[DataParallel]:
@@ -290,8 +398,8 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[
 
 def reducing_backwards(program: tuple[Instr, ...] | list[Instr]) -> set[int]:
     """Positions of the W and BW instructions whose chunk's gradients are reduced right after them
-    (a REDUCE_GRAD of that chunk before the next compute): autograd's hooks start those reductions
-    during the backward itself, bucket by bucket, as soon as each bucket is complete."""
+    (a REDUCE_GRAD of that chunk before the next compute), in a `hoisted` program: the memory walk
+    prices a fused backward's reductions inside it."""
     out: set[int] = set()
     last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
     for i, ins in enumerate(program):

@@ -10,7 +10,10 @@ Four claims, each with an error that names the ranks and the position:
    reducing bucket 1 where its peer reduces bucket 0 sums the wrong tensors or hangs.
 3. ZeRO's placement: each rank runs OPTIM_STEP (the world's norm all-reduce) exactly once, last but
    for the gathers after it; no gradient is produced after its bucket's last reduction; at ZeRO-3
-   every compute runs on gathered weights (between an UNSHARD and a RESHARD of its chunk).
+   every compute runs on gathered weights: between an UNSHARD and a RESHARD of its chunk, or, layer
+   by layer, with every layer's buckets gathered (or their gathers in flight) by the moment it
+   computes, every collective at a moment the action passes, in order, and nothing left gathered
+   after it (schedules/layer_plan.py).
 4. Transfers and collectives together: `program_sim.simulate_program` plays all P x D ranks with
    each collective a rendezvous of its group; it raises if they can wait on each other in a cycle.
    Programs are fixed sequences of waits on events that, once they happen, stay happened, so how
@@ -24,8 +27,10 @@ from __future__ import annotations
 from collections import Counter
 
 from pipezero.schedules.check import ScheduleError, simulate
+from pipezero.schedules.actions import Op
+from pipezero.schedules.layer_plan import Moment, moments, needs, traverses
 from pipezero.schedules.posting import Post, plans, verify
-from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
+from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, flat, hoisted
 from pipezero.schedules.program_sim import simulate_program
 
 
@@ -75,9 +80,9 @@ def _boundaries(prog: Program, rank: int) -> list[list[Post]]:
 
 
 def collectives(prog: Program, rank: int) -> list[DataParallel | OptimStep]:
-    """The rank's instructions that involve other ranks of its dp group or the world (RESHARD is
-    local and not among them)."""
-    return [i for i in prog.ranks[rank]
+    """The rank's instructions that involve other ranks of its dp group or the world, those inside
+    compute instructions included (RESHARD is local and not among them)."""
+    return [i for i in flat(prog.ranks[rank])
             if isinstance(i, OptimStep) or (isinstance(i, DataParallel) and i.kind is not Kind.RESHARD)]
 
 
@@ -102,8 +107,12 @@ def _describe(cs: list[DataParallel | OptimStep], k: int) -> str:
 
 def check_placement(prog: Program, rank: int) -> None:
     """OPTIM_STEP once and after all compute and reductions; gradients complete before their last
-    reduction; ZeRO-3 compute on gathered weights."""
-    instrs = prog.ranks[rank]
+    reduction (a fused backward's own reductions counted as after it); ZeRO-3 compute on gathered
+    weights; what sits inside an action at moments the action passes, in order."""
+    for k, i in enumerate(prog.ranks[rank]):
+        if isinstance(i, Compute) and i.during:
+            _check_moments(prog, rank, k, i)
+    instrs = hoisted(prog.ranks[rank])
     steps = [k for k, i in enumerate(instrs) if isinstance(i, OptimStep)]
     if len(steps) != 1:
         raise ScheduleError(f"rank {rank}: OPTIM_STEP appears {len(steps)} times (want once a step)")
@@ -120,9 +129,10 @@ def check_placement(prog: Program, rank: int) -> None:
         unreduced = [b for b in range(len(prog.buckets.buckets(c))) if (c, b) not in last_reduce]
         if unreduced:
             raise ScheduleError(f"rank {rank}: chunk {c}'s bucket {unreduced[0]} is never reduced")
-    layerwise = any(isinstance(i, DataParallel) and i.layerwise for i in instrs)
     gathered: set[int] = set()
     for k, i in enumerate(instrs):
+        if isinstance(i, DataParallel) and i.at is not None:
+            raise ScheduleError(f"rank {rank}: {i} (#{k}) names a moment inside an action but stands outside one")
         if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD:
             gathered.add(i.chunk)
         elif isinstance(i, DataParallel) and i.kind is Kind.RESHARD:
@@ -130,11 +140,57 @@ def check_placement(prog: Program, rank: int) -> None:
         if not isinstance(i, Compute):
             continue
         c = i.action.chunk
-        stashed = layerwise and i.kind is Kind.W and c > 0  # W from B's (x, dy) stash needs no weights
-        if prog.rules.sharded_params and c not in gathered and not stashed:
+        if prog.rules.sharded_params and not prog.layerwise and c not in gathered:
             raise ScheduleError(f"rank {rank}: {i} (#{k}) runs on chunk {c}'s shard: no UNSHARD before it")
         if i.kind in (Kind.W, Kind.BW):
             stale = [b for (ch, b), at in last_reduce.items() if ch == c and at < k]
             if stale:
                 raise ScheduleError(f"rank {rank}: {i} (#{k}) produces gradients after chunk {c}'s last "
                                     f"REDUCE_GRAD of bucket {stale[0]}: they would never be reduced")
+
+
+def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
+    """Play the moments action `ins` passes (schedules/layer_plan.py) against the collectives it
+    lists: each at a moment the action reaches, in order; layer by layer, every layer's buckets
+    gathered (or their gathers in flight) by the moment it computes and nothing gathered after it;
+    a reduction only at its own bucket's `grads`, in a fused backward."""
+    a, bp = ins.action, prog.buckets
+    layers = bp.layers(a.chunk) if prog.layerwise else ()
+    through = traverses(a.op, a.chunk, bp.stashes_w(a.chunk) and not prog.recompute)
+    grads = bp.hooked(a.chunk) if a.op is Op.BW else []
+    need = needs(layers)
+    present: set[int] = set()
+    flying: set[int] = set()
+    todo = list(ins.during)
+
+    def fail(why: str) -> ScheduleError:
+        return ScheduleError(f"rank {rank}: {ins.describe()} (#{k}): {why}")
+
+    for t in moments(a.op, layers, through, grads, prog.recompute, bp.ends_with_owner(a.chunk)):
+        while todo and todo[0].at == t:
+            d = todo.pop(0)
+            if d.chunk != a.chunk or d.bucket is None:
+                raise fail(f"{d} is not one bucket of chunk {a.chunk}")
+            if d.kind is Kind.REDUCE_GRAD:
+                if t.moment is not Moment.GRADS or t.index != d.bucket:
+                    raise fail(f"{d} starts before bucket {d.bucket}'s gradients are complete")
+            elif not prog.layerwise or d.kind not in (Kind.UNSHARD, Kind.RESHARD):
+                raise fail(f"{d} inside an action: only reductions, and layer by layer gathers and releases")
+            elif d.kind is Kind.UNSHARD:
+                if d.bucket in present | flying:
+                    raise fail(f"{d} gathers bucket {d.bucket} again while it is gathered")
+                (present if d.blocking else flying).add(d.bucket)
+            else:
+                if d.bucket not in present | flying:
+                    raise fail(f"{d} releases bucket {d.bucket}, which is not gathered")
+                present.discard(d.bucket)
+                flying.discard(d.bucket)
+        for b in need.get(t, ()):
+            if b not in present | flying:
+                raise fail(f"at {t} the layer computes with bucket {b}, which is not gathered")
+            flying.discard(b)
+            present.add(b)
+    if todo:
+        raise fail(f"{todo[0]} is placed at {todo[0].at}, a moment this action never reaches in that order")
+    if present | flying:
+        raise fail(f"buckets {sorted(present | flying)} stay gathered after it")

@@ -8,9 +8,13 @@ program takes exactly the schedule's time: the collectives add only what they co
   ranks holding a tied embedding's copies): it starts when every member
   has issued it and each member's communication lane is free (one stream a group, in order), and
   takes `CommCost.time` (bytes over bandwidth, times the ring's traffic factor);
+- a fused backward's reductions start when it ends (the runtime starts each as autograd completes
+  its bucket, inside the backward: a conservative bound);
 - issuing costs the compute lane nothing; a `blocking` collective holds the rank until it (and so
   everything before it on the lane) has finished, and compute on a ZeRO-3 chunk waits for its
-  latest UNSHARD;
+  latest UNSHARD; layer by layer, an action's own gathers are issued as it becomes the rank's next
+  instruction and it waits for all of them (the runtime waits only for the first layer's and
+  overlaps the others with the layers before them: a conservative bound);
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
   all-reduce, then computes for `CommCost.optim`.
 All P x D ranks are played, so a cycle of waits between transfers and collectives raises
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from pipezero.schedules.actions import Op
 # check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
 from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
-from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, OptimStep, Program
+from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, OptimStep, Program, hoisted
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ GroupKey = tuple[str, int, int]
 @dataclass
 class _Play:
     prog: Program
+    ranks: list[list[Instr]]  # the program's, a fused backward's reductions after it (`hoisted`)
     cost: CostModel
     comm: CommCost
     pc: list[int]
@@ -87,6 +92,7 @@ class _Play:
     waiting: dict[int, GroupKey] = field(default_factory=dict)  # rank -> the collective it issued here
     last: dict[int, GroupKey] = field(default_factory=dict)  # rank -> its newest collective
     gate: dict[tuple[int, int], GroupKey] = field(default_factory=dict)  # (rank, chunk) -> latest UNSHARD
+    inside: set[int] = field(default_factory=set)  # ranks whose next compute has issued its own gathers
     done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
     timeline: list[Span] = field(default_factory=list)
 
@@ -122,7 +128,7 @@ class _Play:
     def step(self, r: int) -> bool:
         """Advance rank `r` by one instruction, or issue the collective it must wait for; False when
         it can do neither until another rank moves."""
-        instr = self.prog.ranks[r][self.pc[r]]
+        instr = self.ranks[r][self.pc[r]]
         if r in self.waiting:  # issued here earlier; blocked until it ends
             end = self.ends.get(self.waiting[r])
             if end is None:
@@ -133,9 +139,15 @@ class _Play:
                 self.busy[r] += self.comm.optim
                 self.timeline.append(Span(r, "compute", "OPTIM_STEP", Kind.OPTIM_STEP, -1, end, end + self.comm.optim))
         elif isinstance(instr, Compute):
+            if instr.during and r not in self.inside:
+                self.inside.add(r)
+                for d in instr.during:
+                    if d.kind is Kind.UNSHARD:
+                        self.gate[(r, d.chunk)] = self.issue(r, "dp", self.free[r], d)
             start = self.compute_start(r, instr)
             if start is None:
                 return False
+            self.inside.discard(r)
             a = instr.action
             end = start + self.cost.cost(a, self.prog.schedule.virtual)
             self.busy[r] += end - start
@@ -180,17 +192,19 @@ class _Play:
 def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCost | None = None) -> ProgramResult:
     """Play every rank's program; raise ScheduleError if transfers and collectives deadlock."""
     n = len(prog.ranks)
-    play = _Play(prog, cost or CostModel(), comm or CommCost(), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    ranks = [hoisted(r) for r in prog.ranks]
+    play = _Play(prog, ranks, cost or CostModel(), comm or CommCost(), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+                 [0.0] * n)
     moved = True
     while moved:
         moved = False
         for r in range(n):
-            while play.pc[r] < len(prog.ranks[r]) and play.step(r):
+            while play.pc[r] < len(ranks[r]) and play.step(r):
                 moved = True
-    stuck = [r for r in range(n) if play.pc[r] < len(prog.ranks[r])]
+    stuck = [r for r in range(n) if play.pc[r] < len(ranks[r])]
     if stuck:
         lines = [f"  rank {r} (pp {prog.coords(r)[0]}, dp {prog.coords(r)[1]}): waits at #{play.pc[r]} "
-                 f"{prog.ranks[r][play.pc[r]]}" for r in stuck]
+                 f"{ranks[r][play.pc[r]]}" for r in stuck]
         raise ScheduleError("program deadlocks: transfers and collectives wait on each other\n" + "\n".join(lines))
     step = max(play.free, default=0.0)
     bubble = sum(step - b for b in play.busy) / (n * step) if step else 0.0

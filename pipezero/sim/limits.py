@@ -19,7 +19,8 @@ DP = Range(1, 1024)
 PLAY_LIMIT = 16384
 ZERO_PLAY_LIMIT = 4096
 # and the lowered program's instructions (every schedule's, every rank's): each costs 10-40 us to
-# prove and play twice, so buckets a chunk count too (70b at ZeRO-3 layer by layer: 80 a chunk)
+# prove and play twice, so buckets a chunk count too (70b at ZeRO-3 layer by layer: 80 a chunk, and
+# each action of a chunk lists a gather and a release of each, inside it)
 INSTRUCTION_LIMIT = 80_000
 # --png draws one bar an action: matplotlib takes about 1.3 ms a bar
 DRAW_LIMIT = 512

@@ -41,12 +41,12 @@ from typing import TYPE_CHECKING
 
 from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
                              ScheduleKind, TrainConfig)
-from pipezero.models.presets import ffn_dim, layer_costs, layer_param_counts
+from pipezero.models.presets import decoder_shapes, ffn_dim, layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
-from pipezero.schedules.actions import Op, Schedule
-from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
-from pipezero.schedules.proven import proven_layout
-from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, lower,
+from pipezero.schedules.actions import Op
+from pipezero.schedules.bucket_plan import BucketPlan
+from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, chunk_markers,
                                         reducing_backwards)
 from pipezero.schedules.zero_rules import RULES
 
@@ -208,57 +208,23 @@ class RankMemory:
 
 
 def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> MemoryPlan:
-    """The layout of `cfg` lowered as the run lowers it (stage.py): schedule, partition, buckets.
-    `cuda`: whether ranks run on GPUs (None: as run.device says, `auto` counted as CPU);
-    `pp_ranks`: lower only these pipeline ranks (None: all)."""
+    """The layout of `cfg` compiled as the run compiles it (schedules/compile.py), one replica's
+    programs: schedule, partition, buckets. `cuda`: whether ranks run on GPUs (None: as run.device
+    says, `auto` counted as CPU); `pp_ranks`: lower only these pipeline ranks (None: all)."""
     p, m = cfg.parallel, cfg.model
     counts = layer_param_counts(m)
     bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
                  p.stage_layers)
-    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
-    layerwise = RULES[p.zero].sharded_params and not keep
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
-    owned = _owned_params(per_chunk, bounds, m)
-    buckets = plan_buckets(owned, p.bucket_mb, p.dp, layerwise=layerwise)
+    compiled = compile_plan(replace(p, dp=1), decoder_shapes(m, bounds), pp_ranks=pp_ranks)  # D alike: one replica
+    buckets, layerwise, program = compiled.buckets.for_dp(p.dp), compiled.layerwise, compiled.program
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
-    program = lowered(p.schedule, p.pp, p.microbatches, p.virtual_stages, p.zero, p.grad_reduce, layerwise,
-                      tuple(len(b) for b in buckets.numels), pp_ranks)
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
     batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
     shapes = Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype)
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       p.buckets_in_flight, batch, wire, not cuda)
-
-
-@lru_cache(maxsize=4096)
-def lowered(kind: ScheduleKind, pp: int, m: int, v: int, zero: int, mode: GradReduce, layerwise: bool,
-            buckets: tuple[int, ...], pp_ranks: tuple[int, ...] | None = None) -> Program:
-    """One replica's (D = 1) programs with `buckets[c]` buckets in chunk c (of `pp_ranks` only, if
-    given): which instructions a rank plays depends on neither D nor the buckets' sizes, so the
-    planner's candidates share them."""
-    schedule, posts = played(kind, pp, m, v)
-    plan = BucketPlan(1, tuple((1,) * n for n in buckets))
-    return lower(schedule, 1, zero, mode, plan, keep_gathered=not layerwise, posts=posts, pp_ranks=pp_ranks)
-
-
-@lru_cache(maxsize=1024)
-def played(kind: ScheduleKind, pp: int, m: int, v: int) -> tuple[Schedule, list]:
-    """The schedule and its proven posting order (schedules/proven.py), as the run lowers it."""
-    proven = proven_layout(kind, pp, m, v)
-    return proven.schedule, proven.posts
-
-
-def _owned_params(per_chunk: tuple[tuple[int, ...], ...], bounds: list[tuple[int, int]],
-                  m: ModelConfig) -> list[list[int]]:
-    """Per chunk, the layers' trainable parameters as buckets see them: a tied head whose embedding
-    sits in the same chunk owns only its norm (the table is listed once, under the embedding)."""
-    out = [list(c) for c in per_chunk]
-    last = len(bounds) - 1
-    # layer_param_counts counts a tied head as its norm alone; apart, the head keeps its own table
-    if m.tie_embeddings and bounds[last][0] != 0 and out[last]:
-        out[last][-1] += m.vocab_size * m.dim
-    return out
 
 
 def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
@@ -447,11 +413,12 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
     # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
     # not with recompute)
-    splits = set() if plan.recompute else {ins.action.chunk for ins in prog.ranks[rank] if isinstance(ins, Compute)
+    instrs = chunk_markers(prog.ranks[rank])  # layer by layer: each action's gathers priced as its chunk's
+    splits = set() if plan.recompute else {ins.action.chunk for ins in instrs if isinstance(ins, Compute)
                                            and ins.action.op is Op.B and ins.action.chunk > 0}
-    reducing_at = reducing_backwards(prog.ranks[rank])
+    reducing_at = reducing_backwards(instrs)
     note("start")
-    for i, ins in enumerate(prog.ranks[rank]):
+    for i, ins in enumerate(instrs):
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
             if ins.send and not grad and (chunk - 1, mb) in held:

@@ -34,7 +34,8 @@ from pipezero.config import (DataConfig, DType, ModelConfig, Packing, ParallelCo
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
-from pipezero.sim.memory import RankMemory, build_plan, played, walk
+from pipezero.schedules.compile import proven_of
+from pipezero.sim.memory import RankMemory, build_plan, walk
 
 if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
@@ -94,7 +95,7 @@ def search(cfg: TrainConfig, cuda: bool | None = None) -> Balanced:
     """`balance` uncached (the bench times it). A run asks `balance`, whose cache answers its start,
     its fit check and its summary with one search."""
     p = cfg.parallel
-    schedule = played(p.schedule, p.pp, p.microbatches, p.virtual_stages)[0]
+    schedule = proven_of(p.schedule, p.pp, p.microbatches, p.virtual_stages).schedule
     n_chunks = schedule.n_chunks
     params = layer_param_counts(cfg.model)
     n_layers = len(params)
@@ -253,7 +254,7 @@ def balanced_layout(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool,
     chosen = balance(cfg, cuda)
     top = max(range(lay.pp), key=lambda r: chosen.peaks[r])
     plan = build_plan(resolve(cfg, cuda), cuda, (top,))
-    schedule = played(lay.schedule, lay.pp, lay.microbatches, lay.virtual)[0]
+    schedule = proven_of(lay.schedule, lay.pp, lay.microbatches, lay.virtual).schedule
     params = layer_param_counts(model)
     starts = [sum(chosen.counts[:c]) for c in range(len(chosen.counts) + 1)]
     held = [[i for c in schedule.chunks(r) for i in range(starts[c], starts[c + 1])] for r in range(lay.pp)]

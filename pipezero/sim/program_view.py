@@ -1,9 +1,10 @@
-"""`pipezero simulate --zero`: lower a schedule with ZeRO's collectives for a model preset, prove the
+"""`pipezero simulate --zero`: compile a schedule with ZeRO's collectives for a model preset, prove the
 program, and time it twice, with and without its data-parallel traffic, so the table shows what the
 gathers and reductions add to the step and to the bubble.
 
-The model only sizes the buckets: parameters per layer (models/presets.py), cut into chunks the
-way `train` cuts them by default (uniform), grouped by the same rule as zero/buckets.py. Time stays
+The model only sizes the buckets: the preset's tensors (models/presets.py), cut into chunks the way
+`train` cuts them by default (uniform), grouped as a run groups them (the one compile step,
+schedules/compile.py). Time stays
 in the simulator's unit (F of one stage = 1): `--dp-comm` says how long one rank's link takes to
 carry one average stage's parameters, which fixes the bandwidth in bytes per unit.
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pipezero.config import GradReduce, ModelConfig, Partition
+from pipezero.config import GradReduce, ModelConfig, ParallelConfig, Partition, ScheduleKind
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.bucket_plan import BucketPlan, plan_buckets
+from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import CostModel
-from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, lower
+from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.model_shapes import ModelShapes
+from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, flat
 from pipezero.schedules.program_check import check_program
-from pipezero.schedules.proven import prove
 from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
 from pipezero.schedules.zero_rules import RULES
 
@@ -61,14 +63,13 @@ class ZeroOptions:
                    grad, gather)
 
 
-def chunk_layers(preset: str, n_chunks: int, seq_len: int = 1024) -> list[list[int]]:
-    """Parameter counts of each chunk's layers, for `preset` cut uniformly into `n_chunks`."""
-    from pipezero.models.presets import apply_preset, layer_param_counts
+def preset_model(preset: str, n_chunks: int, seq_len: int = 1024) -> tuple[ModelShapes, int]:
+    """`preset`'s tensors cut uniformly into `n_chunks` chunks, and its parameter count."""
+    from pipezero.models.presets import apply_preset, decoder_shapes, param_count
     from pipezero.parallel.partition import partition
 
     cfg = apply_preset(ModelConfig(), preset)
-    counts = layer_param_counts(cfg)
-    return [counts[a:b] for a, b in partition(cfg, n_chunks, Partition.UNIFORM, seq_len)]
+    return decoder_shapes(cfg, partition(cfg, n_chunks, Partition.UNIFORM, seq_len)), param_count(cfg)
 
 
 def traffic(prog: Program, rank: int) -> int:
@@ -76,7 +77,7 @@ def traffic(prog: Program, rank: int) -> int:
     for quantized traffic; gloo's own reduce-scatter sends twice its share)."""
     d = prog.dp
     total = 0.0
-    for i in prog.ranks[rank]:
+    for i in flat(prog.ranks[rank]):
         if isinstance(i, DataParallel) and i.collective is not Collective.LOCAL:
             total += i.nbytes * (2 if i.collective is Collective.ALL_REDUCE else 1) * (d - 1) / d
     return int(total)
@@ -93,16 +94,19 @@ class Lowered:
 
     @property
     def instructions(self) -> int:
-        return sum(len(r) for r in self.prog.ranks)
+        return sum(len(flat(r)) for r in self.prog.ranks)
 
 
-def lower_zero(s: Schedule, opt: ZeroOptions) -> Lowered:
-    layers = chunk_layers(opt.preset, s.n_chunks)
-    buckets = plan_buckets(layers, opt.bucket_mb, opt.dp, layerwise=opt.zero3_layerwise)
-    prog = lower(s, opt.dp, opt.zero, opt.grad_reduce, buckets, keep_gathered=not opt.layerwise,
-                 prefetch=opt.prefetch, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes,
-                 gather_bytes=opt.gather_bytes, posts=prove(s).posts)
-    return Lowered(prog, buckets, sum(map(sum, layers)) / s.pp * opt.wire_bytes)
+def lower_zero(s: Schedule, opt: ZeroOptions, replicas: tuple[int, ...] | None = None) -> Lowered:
+    """Schedule `s` compiled with `opt`'s ZeRO over the preset's tensors (schedules/compile.py);
+    `replicas`: only these data-parallel ranks' programs."""
+    model, params = preset_model(opt.preset, s.n_chunks)
+    p = ParallelConfig(pp=s.pp, dp=opt.dp, zero=opt.zero, schedule=ScheduleKind(s.name), microbatches=s.microbatches,
+                       virtual_stages=s.virtual, grad_reduce=opt.grad_reduce, bucket_mb=opt.bucket_mb,
+                       zero3_keep_gathered=not opt.layerwise)
+    plan = compile_plan(p, model, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes, gather_bytes=opt.gather_bytes,
+                        prefetch=opt.prefetch, replicas=replicas, schedule=s)
+    return Lowered(plan.program, plan.buckets, params / s.pp * opt.wire_bytes)
 
 
 def run_program(low: Lowered, cost: CostModel, opt: ZeroOptions) -> tuple[ProgramResult, dict]:
@@ -112,7 +116,7 @@ def run_program(low: Lowered, cost: CostModel, opt: ZeroOptions) -> tuple[Progra
     bandwidth = low.stage_bytes / opt.dp_comm if opt.dp_comm > 0 else float("inf")
     res = simulate_program(prog, cost, CommCost(bandwidth=bandwidth, optim=opt.optim))
     free = simulate_program(prog, cost, CommCost(optim=opt.optim))
-    counts = {k.value: sum(1 for i in prog.ranks[0] if i.kind is k)
+    counts = {k.value: sum(1 for i in flat(prog.ranks[0]) if i.kind is k)
               for k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)}
     counts[Kind.OPTIM_STEP.value] = sum(1 for i in prog.ranks[0] if isinstance(i, OptimStep))
     figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,

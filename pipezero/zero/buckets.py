@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipezero.schedules.bucket_plan import BucketLayout
+
 
 @dataclass
 class Reduction:
@@ -63,9 +65,7 @@ class Bucket:
     reduction: Reduction | None = None
     gathering: Gathering | None = None
     tied: bool = False  # holds a tied embedding copy: reduced in the step, after the copies are summed
-    arrived: set[int] | None = None  # positions whose gradient is complete, during a reducing backward
-    launched: bool = False  # reduced during the current backward
-    expect: set[int] | None = None  # ZeRO-3 layer by layer: positions whose gradient is still to come
+    arrived: set[int] | None = None  # positions whose gradient is complete, during a backward
     secondary: torch.Tensor | None = None  # --secondary-shard: (padded / N,) this rank's share in its node
     secondary_of: int = -1  # the coordinator's generation (masters' version) `secondary` was cut from
     label: str = ""  # "chunk.k", as the program names it: REDUCE_GRAD(1.0) is chunk 1's first bucket
@@ -175,33 +175,28 @@ def in_order(buckets: dict[int, list[Bucket]]) -> list[Bucket]:
     return [b for c in sorted(buckets) for b in buckets[c]]
 
 
-def make_buckets(named: Sequence[tuple[str, nn.Parameter]], bucket_mb: float, dp: int, dp_rank: int,
-                 source: FlatSource | None = None) -> list[Bucket]:
-    """Group parameters into buckets of about `bucket_mb` in reverse model order, the order in which
-    backward produces their gradients, so the first bucket is ready first. `source`: ZeRO-3 reads
-    each bucket's master shard from it (Bucket)."""
-    limit = bucket_mb * 2**20 / 4  # elements; may be inf (one bucket)
-    out: list[Bucket] = []
-    current: list[tuple[str, nn.Parameter]] = []
-    size = 0
-
-    def close() -> None:
-        nonlocal current, size
-        if current:
-            offsets, acc = [], 0
-            for _, p in current:
-                offsets.append(acc)
-                acc += p.numel()
-            out.append(Bucket([n for n, _ in current], [p for _, p in current], offsets, acc, dp, dp_rank,
-                              source=source))
-        current, size = [], 0
-
-    for name, p in reversed([(n, p) for n, p in named if p.requires_grad]):
-        current.append((name, p))
-        size += p.numel()
-        if size >= limit:
-            close()
-    close()
+def build_buckets(layouts: Sequence[BucketLayout], named: Sequence[tuple[str, nn.Parameter]], dp: int, dp_rank: int,
+                  source: FlatSource | None = None) -> list[Bucket]:
+    """The plan's buckets of one chunk (schedules/bucket_plan.py decides which tensor goes where, and
+    at which offset), made of this chunk's trainable parameters `named`. A tensor the plan lists
+    that the chunk lacks (or has in another shape), or a trainable one it leaves out, is an error:
+    the plan and the model must be the same model. `source`: ZeRO-3 reads each bucket's master
+    shard from it (Bucket)."""
+    params = dict(named)
+    planned = {t.name for b in layouts for t in b.tensors}
+    if missing := [n for n, q in named if q.requires_grad and n not in planned]:
+        raise ValueError(f"trainable parameters {missing[:3]} are in no bucket of the plan")
+    out = []
+    for layout in layouts:
+        got = []
+        for t in layout.tensors:
+            q = params.get(t.name)
+            if q is None or tuple(q.shape) != t.shape:
+                raise ValueError(f"the plan puts {t.name} {list(t.shape)} in a bucket; the model has "
+                                 f"{list(q.shape) if q is not None else 'no such trainable parameter'}")
+            got.append(q)
+        out.append(Bucket([t.name for t in layout.tensors], got, list(layout.offsets), layout.numel, dp, dp_rank,
+                          source=source))
     return out
 
 

@@ -2,16 +2,15 @@
 
 Kept gathered (the default when P > 1): a chunk's buckets are all-gathered before its first forward
 of the step and kept for its micro-batches (memory for traffic), then released after its last
-backward. Layer by layer: buckets are whole layers, gathered and released around each use with the
-next one prefetched (zero/layerwise.py places those calls). A released bucket keeps its tensor
-objects at zero bytes, so autograd's saved views are valid again after the next gather.
+backward. Layer by layer: buckets are whole layers, gathered, waited for and released at the
+moments of each action the program names (schedules/layer_plan.py; zero/layerwise.py's hooks fire
+those instructions). A released bucket keeps its tensor objects at zero bytes, so autograd's saved
+views are valid again after the next gather.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch import nn
 
 from pipezero.zero.buckets import Bucket, in_order
 from pipezero.zero.coordinator import Coordinator
@@ -24,7 +23,7 @@ class ShardedParams:
     layerwise: bool
     peak: int = 0  # most parameter bytes gathered at once (see gathered_bytes)
     gathered: set[int] = field(default_factory=set)  # kept gathered: chunks whose parameters are present
-    holding: bool = False  # between gather_all and release_all: layer hooks neither gather nor release
+    holding: bool = False  # between gather_all and release_all: the whole model is present
 
     def __post_init__(self) -> None:
         for bs in self.buckets.values():
@@ -50,47 +49,38 @@ class ShardedParams:
             b.release()
         self.gathered.discard(chunk)
 
-    # --- layer by layer (the Gatherer protocol of zero/layerwise.py) ---------------------------
+    # --- one bucket, as the program's layer-by-layer instructions say ---------------------------
     def gather(self, b: Bucket) -> None:
+        """Gather `b` and wait for it (a gather in flight is waited for)."""
         if b.gathering is not None:
             self.comm.finish_gather(b)
         elif not b.present:
             self.comm.gather(b, b.master, low_precision=True)  # type: ignore[arg-type]
         self._note()
 
-    def prefetch(self, b: Bucket) -> None:
+    def start(self, b: Bucket) -> None:
+        """Start gathering `b`; the layer that needs it waits for it (`need`)."""
         if b.gathering is None and not b.present:
             self.comm.start_gather(b, b.master, low_precision=True)  # type: ignore[arg-type]
         self._note()
 
+    def need(self, b: Bucket, what: str) -> None:
+        """A layer computes with `b` now: wait for its gather in flight; released is an error (the
+        program placed no gather before this use)."""
+        if b.gathering is not None:
+            self.comm.finish_gather(b)
+        elif not b.present and not self.holding:
+            raise RuntimeError(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
+                               f"which its program never gathered")
+
     def release(self, b: Bucket) -> None:
-        if self.layerwise and not self.holding and b.gathering is None:
-            b.release()
+        if self.holding:
+            return
+        self.comm.finish_gather(b)  # a gather still writes into the storage: let it land first
+        b.release()
 
     def all_buckets(self) -> list[Bucket]:
         return in_order(self.buckets)
-
-    def expect_grads(self, b: Bucket) -> None:
-        b.expect = set(range(len(b.params)))
-
-    def grad_arrived(self, b: Bucket, q: nn.Parameter) -> None:
-        """Layer by layer, during a fused backward: once every gradient of the layer has arrived
-        the backward is done with its weights."""
-        if b.expect is not None:
-            b.expect.discard(b.position[q])
-            if not b.expect:
-                b.expect = None
-                b.release()
-
-    def release_layers(self, chunk: int) -> None:
-        """Layer by layer: nothing of `chunk` stays gathered after its backward work (B, W or BW);
-        autograd.grad (B, W) never fires the post-accumulate hooks that release during a BW."""
-        if self.holding:
-            return
-        for b in self.buckets.get(chunk, []):
-            self.comm.finish_gather(b)  # a prefetch still writes into the storage: let it land first
-            b.expect = None
-            b.release()
 
     # --- whole model -------------------------------------------------------------------------
     def gather_all(self) -> None:

@@ -7,21 +7,33 @@ also says when a backward starts (and whether reductions follow it) and ends. Wh
 and moves is schedules/zero_rules.py, the collectives themselves zero/coordinator.py, ZeRO-3's parameters
 zero/gathering.py, the update zero/update.py; the state lives on the buckets (zero/buckets.py).
 
-- Reductions: in a backward that the program follows with REDUCE_GRADs (a chunk's last of the step,
-  or every one with grad-reduce `microbatch` at stages 2-3) a bucket is reduced as soon as autograd
-  has produced all of its gradients (a post-accumulate hook counts them), overlapping the rest of
-  that backward: its REDUCE_GRAD then finds it started. Buckets holding a parameter used twice are
-  started by their REDUCE_GRAD, after the backward; those of a tied embedding's copies by the
-  REDUCE_GRADs the program places before the step, after its TIED_SUM has summed the copies. At stages 2-3 gradient buckets are
+- Reductions: in a fused backward that reduces (a chunk's last of the step, or every one with
+  grad-reduce `microbatch` at stages 2-3) the program places each bucket's REDUCE_GRAD at the
+  moment autograd has produced all of its gradients (`grads k`); a post-accumulate hook counts them
+  and reports that moment, which plays the instruction, overlapping the rest of that backward.
+  Buckets holding a parameter used twice are reduced by the REDUCE_GRADs after the backward; those
+  of a tied embedding's copies by the REDUCE_GRADs the program places before the step, after its
+  TIED_SUM has summed the copies. At stages 2-3 gradient buckets are
   allocated when their first gradient appears and at most `in_flight` full buckets (and the one
   being filled) wait on a reduce-scatter at once, so the full gradient never exists all at once.
+- Every collective inside an action is armed by the executor (`begin_compute`) and fired at its
+  moment (`moment`); one left over when the action ends is an error, never a collective skipped.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
-  (`keep_gathered`, default when P > 1) or layer by layer.
+  (`keep_gathered`, default when P > 1) or layer by layer. Layer by layer, the program's gathers
+  and releases sit inside each compute instruction with the moment that fires them: the executor
+  arms them for the action (`begin_compute`), zero/layerwise.py's hooks report the moments
+  (`moment`), and this object plays what the program placed there, in order; an instruction left
+  over when the action ends is an error, not a gather skipped.
+
+The buckets themselves are the plan's (schedules/bucket_plan.py via the compiled plan's layouts):
+which tensor lies in which bucket at which offset is decided there, once; zero/buckets.py only
+builds them.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,15 +43,16 @@ from torch import nn
 from pipezero.config import GradReduce, OptimConfig
 from pipezero.nonfinite import StepOutcome
 from pipezero.parallel.hierarchical import Hierarchy
-from pipezero.schedules.program import DataParallel, Kind
+from pipezero.schedules.bucket_plan import BucketLayout
+from pipezero.schedules.layer_plan import END, START, Moment, Trigger
+from pipezero.schedules.program import Compute, DataParallel, Kind
+from pipezero.schedules.zero_rules import RULES, Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
-from pipezero.zero.buckets import Bucket, FlatSource, in_order, make_buckets
+from pipezero.zero.buckets import Bucket, FlatSource, build_buckets, in_order
 from pipezero.zero.compressed import Wire
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
-from pipezero.zero.layerwise import layer_buckets
-from pipezero.schedules.zero_rules import RULES, Rules
 from pipezero.zero.tied import TiedCopies
 from pipezero.zero.update import clip_and_update
 
@@ -53,8 +66,8 @@ class ZeroDP:
     dp_rank: int
     dp_group: Any  # None when dp == 1
     optim: OptimConfig
+    layouts: dict[int, tuple[BucketLayout, ...]]  # the plan's buckets of each chunk (compiled plan `layouts`)
     grad_reduce: GradReduce = GradReduce.STEP
-    bucket_mb: float = 25.0
     timeout_s: float = 300.0
     rank: int = 0
     keep_gathered: bool = True  # stage 3: a chunk stays gathered for its step (else layer by layer)
@@ -69,11 +82,18 @@ class ZeroDP:
     weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
     node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
+    # layer by layer: the gathers and releases of a chunk's forward outside the program (the compiled
+    # plan's `forward_only`: an evaluation, the text sample)
+    forward_only: Callable[[int], tuple[DataParallel, ...]] = lambda chunk: ()
     buckets: dict[int, list[Bucket]] = field(init=False)
+    index: dict[Bucket, int] = field(init=False)  # a bucket's place in its chunk (buckets hash by identity)
     rules: Rules = field(init=False)
     comm: Coordinator = field(init=False)
     opt: ShardedAdamW = field(init=False)
     sharded: ShardedParams | None = field(init=False)  # stage 3's parameters
+    armed: list[DataParallel] | None = field(init=False, default=None)  # layer by layer: the action's, still to fire
+    armed_for: str = field(init=False, default="")  # the action (or outside forward) they belong to
+    outside: int | None = field(init=False, default=None)  # the chunk of a forward outside the program
 
     @property
     def layerwise(self) -> bool:
@@ -88,10 +108,10 @@ class ZeroDP:
         self.rules = RULES[self.stage]
         if self.source is not None and not self.rules.sharded_params:
             raise ValueError(f"ZeRO-{self.stage} keeps full parameters: only ZeRO-3 reads its shards from a source")
-        self.buckets = {c: layer_buckets(named, self.dp, self.dp_rank, self.source) if self.layerwise
-                        else make_buckets(named, self.bucket_mb, self.dp, self.dp_rank, self.source)
+        self.buckets = {c: build_buckets(self.layouts[c], named, self.dp, self.dp_rank, self.source)
                         for c, named in self.chunk_params.items()}
         on_gpu = self.device.type == "cuda" or any(b.device.type == "cuda" for b in self.all_buckets())
+        self.index = {b: k for bs in self.buckets.values() for k, b in enumerate(bs)}
         self.comm = Coordinator(self.rules, self.dp, self.dp_group, self.timeout_s, self.rank, self.tracer,
                                 self.comm_dtype, on_gpu, self.hierarchy, self.weights, self.grads,
                                 self.node)
@@ -136,42 +156,32 @@ class ZeroDP:
         if self.sharded is not None:
             self.sharded.before_use(chunk)
 
-    def before_backward(self, chunk: int, reduces: bool) -> None:
-        """A W or BW of `chunk` starts; `reduces`: the program reduces its buckets right after it."""
+    def before_backward(self, chunk: int) -> None:
+        """A W or BW of `chunk` starts."""
         self.before_forward(chunk)  # stage 3: backward needs the full weights (the program gathered them)
         for b in self.buckets.get(chunk, []):
             if not self.rules.sharded_grads:
                 b.attach_grads()  # stages 0-1 keep full gradients: one buffer for the whole step
-            b.arrived, b.launched = (set() if reduces else None), False
+            b.arrived = set()
 
     def _grad_ready(self, b: Bucket, q: nn.Parameter) -> None:
-        """Autograd finished accumulating `q`'s gradient: reduce its bucket once all have arrived."""
+        """Autograd finished accumulating `q`'s gradient; once all of its bucket's have arrived,
+        that is the moment `grads k`: play what the program placed there (the bucket's reduction in
+        a reducing backward)."""
         if self.rules.sharded_grads:
             b.adopt(q)
-        if self.sharded is not None:
-            self.sharded.grad_arrived(b, q)
-        if b.arrived is None or b.launched:
+        if b.arrived is None:
             return
         b.arrived.add(b.position[q])
         if len(b.arrived) == len(b.params):
-            self._reduce(b)
-            if self.rules.sharded_grads:
-                self.comm.drain(keep_last=self.in_flight)  # bound the full-gradient buckets alive at once
-
-    def _reduce(self, b: Bucket) -> None:
-        b.launched = True
-        self.comm.reduce(b)
+            b.arrived = None
+            self.moment(Trigger(Moment.GRADS, self.index[b]), [], f"bucket {b.label}'s gradients")
 
     def after_input_grad(self, chunk: int) -> None:
-        """A B ran, its weight gradients deferred to W. Layer by layer, ZeRO-3 releases the layers B
-        gathered, as a fused backward does once their gradients arrive: W needs no weights when B
-        stashed (x, dy) (runtime/weight_grad.py), and otherwise its backward hooks gather again."""
-        if self.sharded is not None and self.layerwise:
-            self.sharded.release_layers(chunk)
+        """A B ran, its weight gradients deferred to W (what it gathered, layer by layer, the program
+        released at the moments it placed)."""
 
     def after_backward(self, chunk: int) -> None:
-        if self.sharded is not None and self.layerwise:
-            self.sharded.release_layers(chunk)
         if self.rules.sharded_grads:
             for b in self.buckets.get(chunk, []):
                 for q in b.params:  # gradients written by W, outside autograd's accumulation
@@ -183,25 +193,68 @@ class ZeroDP:
         if instr.kind is Kind.TIED_SUM:
             self._sum_tied(instr.chunk)
         elif instr.kind is Kind.REDUCE_GRAD:
-            b = self.buckets[instr.chunk][instr.bucket]  # type: ignore[index]
-            if not b.launched:  # else started by autograd's hooks during the backward
-                self._reduce(b)
-                if self.rules.sharded_grads and not instr.blocking:
-                    # the bound the hooks keep (`_grad_ready`): without it every bucket a split W
-                    # or a shared parameter leaves to its REDUCE_GRAD stayed full, with its
-                    # reduction's buffers, until the step drained them all
-                    self.comm.drain(keep_last=self.in_flight)
+            self.comm.reduce(self.buckets[instr.chunk][instr.bucket])  # type: ignore[index]
+            if self.rules.sharded_grads and not instr.blocking:
+                # at most `in_flight` full gradient buckets wait on a reduce-scatter: without this bound
+                # every bucket a split W or a shared parameter reduces stayed full, with its
+                # reduction's buffers, until the step drained them all
+                self.comm.drain(keep_last=self.in_flight)
             if instr.blocking:
                 self.comm.drain()
         elif self.sharded is None:
             raise ValueError(f"rank {self.rank}: {instr} in a ZeRO-{self.stage} program")
+        elif instr.bucket is not None:  # layer by layer: one layer's bucket, at its moment
+            b = self.buckets[instr.chunk][instr.bucket]
+            if instr.kind is Kind.RESHARD:
+                self.sharded.release(b)
+            elif instr.blocking:
+                self.sharded.gather(b)
+            else:
+                self.sharded.start(b)
         elif instr.kind is Kind.UNSHARD:
-            if not instr.layerwise:  # layer by layer, each layer gathers as it runs (zero/layerwise.py)
-                self.sharded.before_use(instr.chunk)
-        elif instr.layerwise:
-            self.sharded.release_layers(instr.chunk)
+            self.sharded.before_use(instr.chunk)
         else:
             self.sharded.after_final_backward(instr.chunk)
+
+    # --- layer by layer: the collectives inside an action, fired at its moments ----------------
+    def begin_compute(self, ins: Compute) -> None:
+        """The executor starts compute instruction `ins`: arm the collectives it lists."""
+        self._arm(list(ins.during), str(ins))
+
+    def end_compute(self, ins: Compute) -> None:
+        self._disarm()
+
+    def begin_outside(self, chunk: int) -> None:
+        """A chunk's forward starts with no action under way (an evaluation, the text sample)."""
+        if self.armed is None and (self.sharded is None or not self.sharded.holding):
+            self.outside = chunk
+            self._arm(list(self.forward_only(chunk)), f"forward of chunk {chunk} outside the program")
+
+    def end_outside(self, chunk: int) -> None:
+        if self.outside == chunk:
+            self.outside = None
+            self._disarm()
+
+    def moment(self, at: Trigger, uses: list[Bucket], what: str) -> None:
+        """Moment `at` of the action under way: play what the program placed here, then wait for the
+        gathers of the buckets the layer computes with (`uses`)."""
+        todo = self.armed
+        while todo and todo[0].at == at:
+            self.play(todo.pop(0))
+        if self.sharded is not None:
+            for b in uses:
+                self.sharded.need(b, f"{self.armed_for}, {what}")
+
+    def _arm(self, todo: list[DataParallel], what: str) -> None:
+        self.armed, self.armed_for = todo, what
+        self.moment(START, [], "")
+
+    def _disarm(self) -> None:
+        self.moment(END, [], "")
+        left, self.armed = self.armed, None
+        if left:
+            raise RuntimeError(f"rank {self.rank}: {self.armed_for}: the program placed {left[0]} at {left[0].at}, "
+                               f"a moment this action never reached in that order")
 
     def _sum_tied(self, chunk: int) -> None:
         """TIED_SUM: add the tied embedding's copies' gradients (the program reduces their buckets,

@@ -1,0 +1,115 @@
+"""The plan, compiled once: from the layout, the model's trainable tensors and the bucket size, every
+rank's whole program for one optimizer step. No torch.
+
+`compile_plan` is the only place a program is made. It proves the schedule (schedules/proven.py:
+complete, deadlock-free, its posting order free of cycles), groups each chunk's tensors into
+buckets (schedules/bucket_plan.py: which tensor in which bucket, at which offset), and lowers the
+schedule over them (schedules/program.py): compute, every transfer, every ZeRO collective with the
+moment that fires it, the tied embedding's sum and the optimizer step. `train` builds its ZeRO
+buffers from the plan's bucket layouts and plays its rank's program; `verify`, `simulate`,
+`plan`, the memory model, the tracer's labels and the hang doctor read the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from functools import lru_cache
+
+from pipezero.config import GradReduce, ParallelConfig, ScheduleKind
+from pipezero.schedules.actions import Schedule
+from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, plan_buckets
+from pipezero.schedules.check import SimResult
+from pipezero.schedules.model_shapes import ModelShapes
+from pipezero.schedules.program import DataParallel, Program, layer_collectives, lower
+from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
+from pipezero.schedules.zero_rules import RULES
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    proven: ProvenSchedule
+    program: Program  # every global rank's instructions (`ranks[pp_rank * dp + dp_rank]`), its buckets
+    model: ModelShapes
+    recompute: bool
+    gather_width: float  # bytes an element of a layer-by-layer gather
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.proven.schedule
+
+    @property
+    def predicted(self) -> SimResult:
+        return self.proven.predicted
+
+    @property
+    def buckets(self) -> BucketPlan:
+        return self.program.buckets
+
+    @property
+    def layerwise(self) -> bool:
+        return self.program.layerwise
+
+    def layouts(self, chunk: int) -> tuple[BucketLayout, ...]:
+        """Chunk `chunk`'s buckets, bucket 0 first: the tensors zero/buckets.py lays out in each."""
+        return self.buckets.layouts[chunk]
+
+    def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
+        """Layer by layer, a forward of `chunk` outside the program (an evaluation, the text sample):
+        the gathers and releases an F would fire."""
+        if not self.layerwise:
+            return ()
+        return layer_collectives(None, self.buckets, self.recompute, self.gather_width, chunk=chunk)
+
+
+def layerwise(p: ParallelConfig) -> bool:
+    """ZeRO-3 gathers layer by layer: asked for, or by default with one pipeline rank (a stage then
+    runs its micro-batches one after another and nothing hides a whole chunk's gather)."""
+    keep = p.zero3_keep_gathered if p.zero3_keep_gathered is not None else p.pp > 1
+    return RULES[p.zero].sharded_params and not keep
+
+
+def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4, grad_bytes: float | None = None,
+                 gather_bytes: float | None = None, prefetch: bool = False, pp_ranks: Collection[int] | None = None,
+                 replicas: Collection[int] | None = None, schedule: Schedule | None = None) -> CompiledPlan:
+    """Every rank's program for layout `p` over `model`'s tensors (one ChunkShapes a chunk of the
+    layout). `wire_bytes`, `grad_bytes`, `gather_bytes`: bytes an element of collectives as they
+    travel (program.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead;
+    `pp_ranks`, `replicas`: only these pipeline and data-parallel ranks' programs (the memory
+    model walks a few; simulate counts one replica's instructions before it compiles them all);
+    `schedule`: a schedule built by the caller (simulate builds each kind it compares), proven
+    here; else the layout's, proven once a process. ScheduleError says why a schedule is refused."""
+    key = (p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    proven = prove(schedule) if schedule is not None else proven_of(*key)
+    if len(model.chunks) != proven.schedule.n_chunks:
+        raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
+    lw = layerwise(p)
+    buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw)
+    # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
+    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, wire_bytes, grad_bytes,
+           gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
+           tuple(sorted(replicas)) if replicas is not None else None)
+    program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
+    width = gather_bytes if gather_bytes is not None else wire_bytes
+    return CompiledPlan(proven, program, model, p.recompute, width)
+
+
+@lru_cache(maxsize=1024)
+def proven_of(kind: ScheduleKind, pp: int, m: int, v: int) -> ProvenSchedule:
+    """A layout's proven schedule (schedules/proven.py), made once a process: the planner and the
+    memory partition compile many candidates sharing one."""
+    return proven_layout(kind, pp, m, v)
+
+
+@lru_cache(maxsize=4096)
+def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
+    """The lowering of a layout's proven schedule, cached: the planner's candidates share programs."""
+    return _lower(proven_of(*key), *how)  # type: ignore[arg-type]
+
+
+def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
+           prefetch: bool, recompute: bool, wire: float, grad: float | None, gather: float | None,
+           pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
+    return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
+                 wire_bytes=wire, grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
+                 replicas=replicas)

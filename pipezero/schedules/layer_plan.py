@@ -1,0 +1,181 @@
+"""The moments inside one action and what the program places at them: layer-by-layer ZeRO-3's gathers
+and releases, and the gradient reductions autograd's hooks start. Decided here from the plan alone.
+
+Reductions first, for every ZeRO stage: in a fused backward (BW) that the program follows with
+reductions, a bucket's REDUCE_GRAD is placed at the moment its last gradient arrives (`grads k`:
+autograd has accumulated every tensor of bucket k), so the reduction overlaps the rest of the
+backward; buckets are complete in bucket order (their tensors run in reverse model order). A bucket
+holding a tensor two layers use (a head tied to the embedding in one chunk) accumulates twice and a
+tied embedding's copies wait for TIED_SUM: theirs follow the action. Split backward's W writes its
+gradients itself, outside autograd's accumulation: its reductions follow it too.
+
+Layer by layer, a chunk's parameters are one bucket a layer (schedules/bucket_plan.py), present only
+around their use. An action cannot gather them all before it starts (that would be the kept-gathered
+chunk), so each of its collectives is tied to a moment inside it, a `Trigger`: a layer's forward
+about to run (`fwd`), just returned (`fwd-end`), the gradient of its output complete so its backward
+begins (`bwd`), or the action's `start` and `end`. The runtime's module hooks report those moments
+(zero/layerwise.py) and fire the instructions the program placed there, in order; they decide none.
+
+The moments an action passes (`moments`): a forward passes every layer's `fwd` and `fwd-end`, in
+model order. A backward that runs autograd through the chunk passes every layer's `bwd`, last layer
+first: a fused BW; a B, which differentiates with respect to the chunk's input (never on the first
+chunk, which has none: its B computes nothing); a W that runs autograd again (the first chunk, a
+chunk whose weighted modules W cannot compute from B's stash, or any chunk with --recompute). A W
+from B's stash reads no weight and passes nothing (runtime/weight_grad.py).
+
+What happens at them (`steps`), one layer ahead as before: at a layer's `fwd` its bucket (and any
+bucket it borrows, a head tied to the embedding in the same chunk) is gathered, waited for if its
+prefetch is still in flight, and the next layer's gather started; at `fwd-end` the layer's (and the
+borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
+own bucket gathered and the layer before it prefetched. Whatever is still gathered at `end` is
+released, so nothing of the chunk outlives the action.
+
+With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
+checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
+chunk's last layer, right after that layer's `bwd` (or before any `bwd` when the last layer trains
+nothing and so has no hooks). The forward runs until the last tensor the first forward saved is
+saved again (torch's early stop), which is inside the last layer: every layer passes its `fwd` and
+`fwd-end` there but the last, which passes only its `fwd` (when the last layer has no hooks, every
+hooked layer passes both). The same rules gather and release at those moments as in a forward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipezero.schedules.actions import Op
+from pipezero.schedules.bucket_plan import LayerUse
+
+
+class Moment(str, enum.Enum):
+    START = "start"  # the action begins
+    FORWARD = "fwd"  # a layer's forward is about to run
+    FORWARD_END = "fwd-end"  # a layer's forward has returned
+    BACKWARD = "bwd"  # the gradient of a layer's output is complete: its backward begins
+    GRADS = "grads"  # every gradient of a bucket has arrived (a fused backward)
+    END = "end"  # the action is over
+
+
+@dataclass(frozen=True)
+class Trigger:
+    moment: Moment
+    index: int = -1  # model-wide layer index; the chunk's bucket for `grads`; -1 for start and end
+
+    def __str__(self) -> str:
+        return self.moment.value if self.index < 0 else f"{self.moment.value} {self.index}"
+
+
+START, END = Trigger(Moment.START), Trigger(Moment.END)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective of a layer-by-layer action: a gather (started, or started and waited for) or
+    a release of bucket `bucket` of the action's chunk, at `at`."""
+
+    gather: bool
+    bucket: int
+    at: Trigger
+    wait: bool = False  # a gather the layer needs now: started and waited for at once
+
+
+def traverses(op: Op, chunk: int, stashed: bool) -> bool:
+    """Whether a backward `op` of `chunk` runs autograd through the chunk's layers (module docstring);
+    `stashed`: its W runs from B's stash."""
+    if op is Op.B:
+        return chunk > 0
+    if op is Op.W:
+        return not stashed
+    return op is Op.BW
+
+
+def moments(op: Op | None, layers: Sequence[LayerUse], through: bool, grads: Sequence[int] = (),
+            recompute: bool = False, ends_with_owner: bool = True) -> list[Trigger]:
+    """The moments an action passes, in order; `op` None is a forward outside any program (an
+    evaluation, the text sample); `through`: a backward that runs autograd through the chunk;
+    `layers`: its layers layer by layer (else none); `grads`: a fused backward's buckets whose
+    completion autograd reports (bucket order; layer by layer each right after its layer's `bwd`);
+    `recompute`: a backward runs the forward again (module docstring), `ends_with_owner`: inside
+    the last of `layers`, the chunk's last layer."""
+    out = [START]
+    if op in (None, Op.F):
+        for u in layers:
+            out += [Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index)]
+    elif through:
+        again = [t for u in layers for t in (Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index))]
+        if recompute and ends_with_owner:
+            again = again[:-1]  # stopped inside the last layer, before it returns
+        if recompute and not ends_with_owner:
+            out += again
+        done = set()
+        for j, u in enumerate(reversed(layers)):
+            out.append(Trigger(Moment.BACKWARD, u.index))
+            if j == 0 and recompute and ends_with_owner:
+                out += again
+            if u.bucket is not None and u.bucket in grads:
+                out.append(Trigger(Moment.GRADS, u.bucket))
+                done.add(u.bucket)
+        out += [Trigger(Moment.GRADS, k) for k in grads if k not in done]
+    return out + [END]
+
+
+def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
+    """The buckets a layer computes with, by the moment its computation starts (`fwd`, `bwd`): they
+    must be gathered, or their gathers in flight (the runtime waits for them there)."""
+    out: dict[Trigger, tuple[int, ...]] = {}
+    for u in layers:
+        mine = ((u.bucket,) if u.bucket is not None else ()) + u.borrows
+        out[Trigger(Moment.FORWARD, u.index)] = out[Trigger(Moment.BACKWARD, u.index)] = mine
+    return out
+
+
+def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
+          ends_with_owner: bool = True) -> list[Step]:
+    """The action's gathers and releases, in the order they happen (module docstring)."""
+    owners = [u for u in layers if u.bucket is not None]
+    present: set[int] = set()
+    flying: set[int] = set()
+    out: list[Step] = []
+
+    def gather(k: int, at: Trigger) -> None:
+        if k in flying:  # prefetched: waited for where the layer needs it
+            flying.discard(k)
+            present.add(k)
+        elif k not in present:
+            out.append(Step(True, k, at, wait=True))
+            present.add(k)
+
+    def prefetch(k: int, at: Trigger) -> None:
+        if k not in flying and k not in present:
+            out.append(Step(True, k, at))
+            flying.add(k)
+
+    def release(k: int, at: Trigger) -> None:
+        if k in present:
+            out.append(Step(False, k, at))
+            present.discard(k)
+
+    position = {u.index: j for j, u in enumerate(owners)}
+    for t in moments(op, layers, through, (), recompute, ends_with_owner)[1:-1]:
+        u = next(x for x in layers if x.index == t.index)
+        j = position.get(u.index)
+        if t.moment is Moment.FORWARD:
+            for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
+                gather(k, t)
+            if j is not None and j + 1 < len(owners):
+                prefetch(owners[j + 1].bucket, t)  # type: ignore[arg-type]
+        elif t.moment is Moment.FORWARD_END:
+            for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
+                release(k, t)
+        else:  # backward: the layer after this one is done with
+            if j is not None and j + 1 < len(owners):
+                release(owners[j + 1].bucket, t)  # type: ignore[arg-type]
+            for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
+                gather(k, t)
+            if j is not None and j > 0:
+                prefetch(owners[j - 1].bucket, t)  # type: ignore[arg-type]
+    for k in sorted(present | flying):
+        out.append(Step(False, k, END))
+    return out

@@ -1,0 +1,150 @@
+"""The one compile step (schedules/compile.py) and the runtime that plays what it placed, in one process.
+
+The plan's view of the built-in decoder (models/presets.py `layer_tensors`, what simulate, plan and
+the memory model compile from) is the model a run builds (stage.model_shapes, on the meta
+device), so every command groups the same buckets; ZeRO lays its buffers out from the plan's
+layouts and refuses a model that differs; layer by layer, the hooks fire only what the program
+placed, and a program that places a gather at a moment the action never reaches fails loudly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipezero.config import ModelConfig, OptimConfig, ParallelConfig
+from pipezero.config import ScheduleKind as K
+from pipezero.models import apply_preset, build_chunk, spec_of
+from pipezero.models.presets import decoder_shapes
+from pipezero.schedules.actions import Action, Op
+from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.layer_plan import Moment, Trigger
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind
+from pipezero.stage import model_shapes
+from pipezero.zero.buckets import build_buckets, named_by_chunk
+
+
+def tiny(**kw) -> ModelConfig:
+    return dataclasses.replace(apply_preset(ModelConfig(), "tiny"), **{"n_layers": 3, "dim": 32, "n_heads": 4,
+                                                                       "vocab_size": 64, **kw})
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"n_kv_heads": 2},
+                                {"qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True}])
+@pytest.mark.parametrize("bounds", [[(0, 5)], [(0, 2), (2, 5)], [(0, 1), (1, 3), (3, 4), (4, 5)]])
+def test_the_plans_decoder_is_the_model_a_run_builds(kw, bounds):
+    cfg = tiny(**kw)
+    assert decoder_shapes(cfg, bounds) == model_shapes(spec_of(cfg), bounds, None)
+
+
+def test_a_head_tied_in_one_chunk_borrows_the_embedding_and_apart_holds_a_copy():
+    cfg = tiny(tie_embeddings=True)
+    one = decoder_shapes(cfg, [(0, 5)])
+    head = one.chunks[0].layers[-1]
+    assert head.borrows == ("layers.0.weight",) and [t.name for t in head.tensors] == ["layers.4.norm.weight"]
+    assert one.tied is None
+    apart = decoder_shapes(cfg, [(0, 2), (2, 5)])
+    assert apart.tied == ("layers.0.weight", "layers.4.proj.weight") and not apart.chunks[1].layers[-1].borrows
+    frozen = model_shapes(spec_of(cfg), [(0, 2), (2, 5)], r"layers\.0\.")  # a tied pair freezes together
+    assert frozen.tied is None and all(t.name != "layers.4.proj.weight" for t in frozen.chunks[1].tensors)
+
+
+def test_zero_builds_the_plans_buckets_and_refuses_another_model():
+    cfg = tiny()
+    chunk = build_chunk(cfg, 0, 5, seed=0)
+    named = named_by_chunk({0: chunk})[0]
+    p = ParallelConfig(pp=1, dp=2, zero=2, microbatches=2, bucket_mb=0.01)
+    plan = compile_plan(p, decoder_shapes(cfg, [(0, 5)]))
+    buckets = build_buckets(plan.layouts(0), named, 2, 0)
+    assert [b.padded for b in buckets] == list(plan.buckets.buckets(0)) and len(buckets) > 2
+    assert [b.names for b in buckets] == [[t.name for t in lay.tensors] for lay in plan.layouts(0)]
+    assert buckets[0].names[0] == "layers.4.proj.weight"  # reverse model order: the head's last tensor first
+    with pytest.raises(ValueError, match=r"trainable parameters \['layers\.0\.weight', .*\] are in no bucket"):
+        build_buckets(plan.layouts(0)[:-1], named, 2, 0)
+    wider = compile_plan(p, decoder_shapes(tiny(dim=64), [(0, 5)]))
+    with pytest.raises(ValueError, match=r"the plan puts layers\.4\.proj\.weight \[64, 64\] in a bucket; the model "
+                                         r"has \[64, 32\]"):
+        build_buckets(wider.layouts(0), named, 2, 0)
+
+
+def layer_by_layer(cfg: ModelConfig):
+    """One process, one chunk, ZeRO-3 layer by layer on one data-parallel rank, as stage.py builds it."""
+    from pipezero.zero import layerwise
+    from pipezero.zero.buckets import shared_params
+    from pipezero.zero.sharded import ZeroDP
+
+    plan = compile_plan(ParallelConfig(pp=1, dp=1, zero=3, microbatches=1), decoder_shapes(cfg, [(0, 5)]))
+    assert plan.layerwise
+    chunks = {0: build_chunk(cfg, 0, 5, seed=0)}
+    zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), 3, 1, 0, None, OptimConfig(), {0: plan.layouts(0)},
+                  keep_gathered=False, forward_only=plan.forward_only)
+    layerwise.install(zero, chunks)
+    return plan, chunks[0], zero
+
+
+def test_layer_by_layer_hooks_fire_what_the_program_placed_and_decide_nothing():
+    cfg = tiny(tie_embeddings=True)
+    plan, chunk, zero = layer_by_layer(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    f = next(i for i in plan.program.ranks[0] if isinstance(i, Compute) and i.kind is Kind.F)
+    zero.comm.new_step()
+    zero.begin_compute(f)
+    out = chunk(tokens)
+    zero.end_compute(f)
+    listed = [f"UNSHARD(0.{d.bucket})" for d in f.during if d.kind is Kind.UNSHARD]
+    assert zero.comm.issued == listed and len(listed) == 6  # five layers, the embedding again for the tied head
+    assert zero.sharded.gathered_bytes() == 0  # nothing outlives the action
+    # outside the program (an evaluation) the chunk's hook arms what an F would fire
+    zero.comm.new_step()
+    with torch.no_grad():
+        assert torch.equal(chunk(tokens), out.detach())
+    assert zero.comm.issued == listed
+    # a program that places nothing: the first layer computes on its shard, and says so
+    zero.begin_compute(Compute(f.action))
+    with pytest.raises(RuntimeError, match=r"0F0, layer 0 computes with bucket 0\.4 .*never gathered"):
+        chunk(tokens)
+    zero.armed = None
+
+
+def test_a_collective_placed_at_a_moment_the_action_never_reaches_is_an_error():
+    cfg = tiny()
+    plan, chunk, zero = layer_by_layer(cfg)
+    f = next(i for i in plan.program.ranks[0] if isinstance(i, Compute) and i.kind is Kind.F)
+    stray = DataParallel(Kind.RESHARD, 0, 0, Collective.LOCAL, 0, at=Trigger(Moment.BACKWARD, 4))
+    bad = Compute(f.action, (*f.during, stray))
+    zero.begin_compute(bad)
+    chunk(torch.randint(0, cfg.vocab_size, (2, 8)))
+    with pytest.raises(RuntimeError, match=r"0F0: the program placed RESHARD\(0\.0\)@bwd 4 at bwd 4, a moment this "
+                                           r"action never reached"):
+        zero.end_compute(bad)
+
+
+def test_layer_by_layer_lists_each_actions_gathers_where_its_layers_run():
+    """zb-h1 at P=2: F gathers forward, one layer ahead; BW and the first chunk's W (autograd again)
+    gather backward with each bucket's reduction inside; a later chunk's W (from B's stash) and the
+    first chunk's B (no input gradient) read no weights."""
+    p = ParallelConfig(pp=2, dp=2, zero=3, schedule=K.ZB_H1, microbatches=2, zero3_keep_gathered=False)
+    plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
+    listed = {str(i.action): i.describe() for i in plan.program.ranks[0] if isinstance(i, Compute)}
+    assert listed["0F0"] == ("0F0[UNSHARD(0.2, wait)@fwd 0 UNSHARD(0.1)@fwd 0 RESHARD(0.2)@fwd-end 0 "
+                             "UNSHARD(0.0)@fwd 1 RESHARD(0.1)@fwd-end 1 RESHARD(0.0)@fwd-end 2]")
+    assert listed["0B0"] == "0B0"
+    assert listed["0W1"].startswith("0W1[UNSHARD(0.0, wait)@bwd 2 UNSHARD(0.1)@bwd 2 RESHARD(0.0)@bwd 1")
+    later = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
+    assert later["1W1"] == "1W1" and later["1B0"].startswith("1B0[UNSHARD(1.0, wait)@bwd 4")
+    assert Action(1, Op.W, 1) in plan.schedule.actions[1]
+
+
+def test_with_recompute_a_backward_gathers_the_layers_its_forward_runs_again():
+    """--recompute runs the chunk's forward again inside the backward, right after the last layer's
+    `bwd` (the first saved tensor it needs), up to inside that last layer (torch's early stop): the
+    block recomputed first uses the bucket prefetched at `bwd 4`, then is released at its `fwd-end`
+    and gathered again for its own backward."""
+    p = ParallelConfig(pp=2, dp=2, zero=3, schedule=K.ZB_H1, microbatches=2, zero3_keep_gathered=False,
+                       recompute=True)
+    plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
+    listed = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
+    assert listed["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.1)@fwd-end 3 "
+                             "RESHARD(1.0)@bwd 3 UNSHARD(1.1, wait)@bwd 3 RESHARD(1.1)@end]")
+    assert listed["1W0"] == listed["1B0"].replace("1B0", "1W0")  # no stash with recompute: W runs autograd again
