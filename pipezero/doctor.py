@@ -411,8 +411,8 @@ def cmd_doctor(args: Any) -> int:
         print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
               f"folder (its --out)", file=sys.stderr)
         return 2
-    try:
-        summary = json.loads((out / "summary.json").read_text())
+    try:  # a file only: a pipe's read waits for a writer for ever
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
     except (OSError, ValueError, RecursionError):
         summary = None
     summary = summary if isinstance(summary, dict) else None

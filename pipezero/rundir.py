@@ -129,6 +129,15 @@ class Claim:
         self.release()
 
 
+def _holds_steps(folder: Path) -> bool:
+    """Whether `folder` holds a checkpoint's folder (`step-N`, or one being saved): the mark of a run
+    that lost its .run-id. A `checkpoints` folder of nothing else is no run: any folder may be named so."""
+    try:
+        return any(p.name.startswith(("step-", ".tmp-step-")) for p in folder.iterdir())
+    except OSError:  # none there, or not a folder
+        return False
+
+
 def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -169,6 +178,9 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
     if path.is_dir() and (wrong := wrong_kind(path)):  # before the lock: a refusal leaves the folder as found
         raise ConfigError(f"--out {out!r}: {wrong}")
+    if (path / LOCK).is_symlink():  # the lock is opened and its pid written through the link: the target's bytes
+        raise ConfigError(f"--out {out!r}: {LOCK} is a symlink (to {os.readlink(path / LOCK)}), and the run writes "
+                          f"its pid there, over that file: remove the link, or choose another --out")
     made: list[Path] = []
     try:
         made = make_folders(path)
@@ -189,7 +201,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
         foreign = sorted(set(held.found.entries) & RUN_FILES)
-        if resume and not force and previous is None and foreign and "checkpoints" not in held.found.entries:
+        if resume and not force and previous is None and foreign and not _holds_steps(path / "checkpoints"):
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
                               f"no checkpoints), and --resume would write over them: choose another --out, or pass "
                               f"--force to train there anyway")
@@ -211,9 +223,10 @@ def claim_here(out: str, resume: bool, force: bool,
     """Claim `out` if this process is the one that should: a launcher or a lone process, or rank 0
     under an outside torchrun (after an elastic restart it continues its own run, so the folder may
     hold it). Ranks our launcher started, and other ranks, claim nothing."""
-    if os.environ.get(HELD_BY_LAUNCHER):
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if os.environ.get(HELD_BY_LAUNCHER) and under_torchrun:  # set by hand in a lone process, it holds nothing
         return contextlib.nullcontext()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if under_torchrun:
         if os.environ["RANK"] != "0":
             return contextlib.nullcontext()
         resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

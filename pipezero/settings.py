@@ -158,6 +158,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     flat: dict[str, Any] = {}
     for section, table in data.items():
+        if section in SECTIONS and isinstance(table, list):  # [[model]]: "unknown table [model]" contradicted itself
+            raise ConfigError(f"{p}: [[{section}]] is an array of tables: write [{section}], once")
+        if section in SECTIONS and not isinstance(table, dict):
+            raise ConfigError(f"{p}: {section} = {table!r} is a value, not a table: write [{section}] on a line of "
+                              f"its own, its keys under it")
         if section not in SECTIONS or not isinstance(table, dict):
             raise ConfigError(f"{p}: unknown table [{section}]; use one of {', '.join(SECTIONS)}")
         for name, value in table.items():

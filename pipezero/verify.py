@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +47,15 @@ if TYPE_CHECKING:
 # Test-only: "RANK:PARAM" adds noise to that rank's final copy of PARAM before it is written, so the
 # tests can show that verify catches one drifted replica. Never set outside tests.
 TEST_PERTURB_ENV = "PIPEZERO_TEST_PERTURB"
+
+
+def check_perturb_env() -> None:
+    """The tests' hook (RANK:PARAMETER, one rank's weights nudged to show verify catches it), set by
+    hand in another form, was a ValueError in every rank: refused here, before any starts."""
+    spec = os.environ.get(TEST_PERTURB_ENV)
+    if spec and not re.fullmatch(r"\d+:\S+", spec):
+        raise ConfigError(f"{TEST_PERTURB_ENV}={spec[:80]!r} is the tests' variable (RANK:PARAMETER, to make verify "
+                          f"fail on purpose): unset it")
 
 
 @dataclass(frozen=True)

@@ -202,15 +202,22 @@ def run_of(path: Path) -> str | None:
 
 def own_checkpoints(root: Path, run: str | None) -> list[Path]:
     """Committed checkpoints of run `run`, oldest first: the only ones its pruning may delete. One
-    whose manifest cannot be read is nobody's, and is kept."""
+    whose manifest cannot be read is nobody's, and is kept; so is a link (to a folder elsewhere)
+    and a folder that holds a file its save did not write."""
     mine = []
     for _, path in committed(root):
         try:
-            if run_of(path) == run:
+            if not path.is_symlink() and run_of(path) == run and _only_its_files(path):
                 mine.append(path)
-        except CheckpointError:
+        except (CheckpointError, OSError):
             continue
     return mine
+
+
+def _only_its_files(path: Path) -> bool:
+    """Whether checkpoint `path` holds only what its save wrote: a file its manifest does not list
+    was put there by someone, and deleting the folder would delete it."""
+    return {p.name for p in path.iterdir()} <= {MANIFEST, *read_manifest(path)["files"]}
 
 
 def prunable(root: Path, run: str | None, step: int) -> list[Path]:
@@ -251,9 +258,16 @@ def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
             return f"file name {name!r} is not a plain name inside the checkpoint"
         if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and isinstance(meta.get("sha256"), str)):
             return f"file {name!r} lacks an integer size and a sha256"
-    for key, kind in (("config", dict), ("world", int), ("adam_steps", int), ("bad_in_a_row", int)):
-        if key in m and not isinstance(m[key], kind):
-            return f"{key} is not a {kind.__name__}"
+    if "config" in m and not isinstance(m["config"], dict):
+        return "config is not a dict"
+    if "data" in m and not isinstance(m["data"], dict):
+        return "data is not a dict"
+    counts = {key: m[key] for key in ("world", "adam_steps", "bad_in_a_row") if key in m}
+    if isinstance(m.get("data"), dict) and "samples" in m["data"]:  # read as numbers on resume: a str, a traceback
+        counts["data.samples"] = m["data"]["samples"]
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:  # adam_steps < 0: NaN weights
+            return f"{key} {value!r} is not a count"
     return None
 
 

@@ -205,6 +205,18 @@ def open_split(folder: Path, name: str) -> DocTokens:
     return DocTokens(tokens, offsets)
 
 
+def past_vocab(folder: Path, vocab: int) -> str | None:
+    """An id the tokenizer cannot have made, in entry `folder` that `problem` found whole: its token
+    files are only sized (they are the bulk), so bytes edited in place pass that check, and the
+    embedding's IndexError ended the run in a traceback. One pass over the memory-mapped tokens,
+    as a token file given as --data gets."""
+    for name in SPLITS:
+        tokens = open_split(folder, name).tokens
+        if len(tokens) and (top := int(tokens.max())) >= vocab:
+            return f"{name}.tokens holds id {top}, past the tokenizer's {vocab}"
+    return None
+
+
 def discard(folder: Path) -> None:
     """Remove the damaged entry `folder`: renamed aside first, so no reader finds half of it."""
     aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".damaged"))
@@ -218,9 +230,12 @@ def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
     longer matches its meta.json) and memory-mapped after."""
     folder = cache_dir() / f"docs-{key}"
 
+    def damage() -> str | None:
+        return problem(folder) or past_vocab(folder, tok.vocab_size)
+
     def make() -> None:
         if folder.exists():
-            print(f"pipezero: warning: the token cache entry {folder} is damaged ({problem(folder)}); rebuilding it",
+            print(f"pipezero: warning: the token cache entry {folder} is damaged ({damage()}); rebuilding it",
                   file=sys.stderr, flush=True)
             discard(folder)
         build(folder, files, reader, tok, heldout_every)
@@ -230,7 +245,7 @@ def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
         if reader.records.summary():
             print(f"pipezero: {reader.records.summary()}", flush=True)
 
-    build_once(folder.name, lambda: problem(folder) is None, make)
+    build_once(folder.name, lambda: damage() is None, make)
     train, heldout = (open_split(folder, s) for s in SPLITS)
     if train.n_docs == 0:
         raise ConfigError(f"--data holds no document of two tokens or more ({len(files)} files); give more text")
