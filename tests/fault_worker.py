@@ -20,10 +20,10 @@ if int(os.environ["RANK"]) == int(rank) and os.environ.get("TORCHELASTIC_RESTART
     if kind == "kill":
         clean_backward = ZeroDP.before_backward
 
-        def before_backward(self, chunk, final):
+        def before_backward(self, *args, **kwargs):
             if self.step_no == int(at):
                 os.kill(os.getpid(), signal.SIGKILL)
-            clean_backward(self, chunk, final)
+            clean_backward(self, *args, **kwargs)
 
         ZeroDP.before_backward = before_backward
     elif kind == "silent":
