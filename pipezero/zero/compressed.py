@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipezero.parallel.hierarchical import HierarchicalWork, Hierarchy, start_on
+from pipezero.parallel.hierarchical import ExchangeWork, HierarchicalWork, Hierarchy, start_on
 from pipezero.zero.quantize import Bits, decode_many, encode, message_bytes
 
 
@@ -107,35 +107,25 @@ def start_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, wire: Wire,
     return GatherWork(dist.all_gather_into_tensor(got, msg, group=group, async_op=True), got, out, parts, wire, keep)
 
 
-class QuantizedExchange:
-    """A started quantized reduce-scatter (flat): `wait` decodes the D received messages and sums
-    them into `out` in fp32, once."""
-
-    def __init__(self, work: Any, got: torch.Tensor, out: torch.Tensor, parts: int, wire: Wire) -> None:
-        self._work, self._got, self._out, self._parts, self._wire = work, got, out, parts, wire
-        self._summed = False
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        ok = self._work.wait() if timeout is None else self._work.wait(timeout=timeout)
-        if not self._summed:
-            torch.sum(self._wire.decode_parts(self._got, self._parts, self._out.numel()), 0, out=self._out)
-            self._summed = True
-        return ok
-
-
-def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str) -> QuantizedExchange:
-    """Start summing `full` (D x S) over `group`, this rank keeping slice `rank` in `out` (S,) fp32."""
+def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str) -> ExchangeWork:
+    """Start summing `full` (D x S) over `group`, this rank keeping slice `rank` in `out` (S,) fp32:
+    the messages travel by one all-to-all; the wait decodes the D received and sums them in fp32,
+    once (hierarchical.ExchangeWork, as the unquantized exchange)."""
     parts = dist.get_world_size(group)
     msgs = wire.encode_parts(full, parts, what, nonfinite_ok=True)
     got = torch.empty_like(msgs)
-    return QuantizedExchange(dist.all_to_all_single(got, msgs, group=group, async_op=True), got, out, parts, wire)
+
+    def finish() -> None:
+        torch.sum(wire.decode_parts(got, parts, out.numel()), 0, out=out)
+
+    return ExchangeWork([dist.all_to_all_single(got, msgs, group=group, async_op=True)], finish)
 
 
 class AllReduceWork:
     """A quantized all-reduce over a flat group: its reduce-scatter is in flight; `wait` sums it,
     then encodes this rank's slice, all-gathers the messages and decodes them all into `t`."""
 
-    def __init__(self, first: QuantizedExchange, slice_: torch.Tensor, t: torch.Tensor, group: Any, wire: Wire,
+    def __init__(self, first: ExchangeWork, slice_: torch.Tensor, t: torch.Tensor, group: Any, wire: Wire,
                  what: str) -> None:
         self._first, self._slice, self._t, self._group, self._wire, self._what = first, slice_, t, group, wire, what
         self._done = False
