@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
@@ -176,6 +177,17 @@ class Program:
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_rank, dp_rank) of a global rank."""
         return divmod(rank, self.dp)
+
+    def markers(self, rank: int) -> tuple[tuple[Instr, ...], frozenset[int]]:
+        """Rank `rank`'s program as the memory walk reads it: `chunk_markers` of it and the positions
+        there of `reducing_backwards`. Made once a program (a plan is immutable): the planner's
+        candidates with and without recomputation share one, and each is walked several times."""
+        return self._markers[rank]
+
+    @cached_property
+    def _markers(self) -> tuple[tuple[tuple[Instr, ...], frozenset[int]], ...]:
+        marked = [tuple(chunk_markers(r)) for r in self.ranks]
+        return tuple((m, frozenset(reducing_backwards(m))) for m in marked)
 
     def listing(self, rank: int) -> str:
         return " ".join(i.describe() if isinstance(i, Compute) else str(i) for i in self.ranks[rank])

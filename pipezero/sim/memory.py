@@ -34,9 +34,11 @@ fp32 q and k. Other models (own specs) are estimated with the block formula of t
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
@@ -46,8 +48,7 @@ from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
-from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, chunk_markers,
-                                        reducing_backwards)
+from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
 
 if TYPE_CHECKING:
@@ -342,6 +343,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     prog, dp = plan.program, plan.dp
     rank = pp_rank
     rules = RULES[prog.zero]
+    sharded = rules.sharded_grads
     chunks = prog.schedule.chunks(pp_rank)
     bp = plan.buckets
     s = plan.shapes
@@ -349,7 +351,12 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     cb = {c: chunk_bytes(plan, c) for c in chunks}
     whole = {c: bp.chunk_numel(c) * F32 for c in chunks}
     shard = {c: whole[c] // dp for c in chunks}
-    live: dict[str, int] = defaultdict(int)
+    # each bucket's bytes, by chunk: the full fp32 bucket, this rank's fp32 shard of it, and what its
+    # reduction holds while in flight (nothing with one replica)
+    full_b = {c: [n * F32 for n in bp.buckets(c)] for c in chunks}
+    shard_b = {c: [n // dp * F32 for n in bp.buckets(c)] for c in chunks}
+    flight = {c: [reduction_bytes(plan, n, sharded) if dp > 1 else 0 for n in bp.buckets(c)] for c in chunks}
+    live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
     live["batch"] = plan.batch_bytes
@@ -357,7 +364,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
     full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
     shard_grads: set[tuple[int, int]] = set()
-    reducing: list[tuple[int, int]] = []  # reductions in flight, oldest first
+    reducing: deque[tuple[int, int]] = deque()  # reductions in flight, oldest first
+    in_flight: set[tuple[int, int]] = set()  # the same, to look up
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
 
@@ -369,7 +377,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             total += sum(extra.values())
         if total <= res.peak_bytes and not keep_timeline:
             return
-        now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
+        now = {c: live[c] + (extra or {}).get(c, 0) for c in CATEGORIES}
         if total > res.peak_bytes:
             res.peak_bytes, res.at, res.categories = total, str(where), now
         if keep_timeline:
@@ -378,32 +386,75 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
 
     def grad_bucket(c: int, k: int) -> None:
         if (c, k) not in full_grads:
-            full_grads[(c, k)] = bp.buckets(c)[k] * F32
-            live["grads"] += full_grads[(c, k)]
+            full_grads[(c, k)] = full_b[c][k]
+            live["grads"] += full_b[c][k]
 
-    def drain(keep_last: int = 0) -> None:
-        nonlocal reducing
-        done, reducing = (reducing[:-keep_last], reducing[-keep_last:]) if keep_last else (reducing, [])
-        for c, k in done:
-            n = bp.buckets(c)[k]
-            if dp > 1:
-                live["collectives"] -= reduction_bytes(plan, n, rules.sharded_grads)
-            if rules.sharded_grads:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
-                if (c, k) not in shard_grads:
-                    shard_grads.add((c, k))
-                    live["grads"] += n // dp * F32
-                live["grads"] -= full_grads.pop((c, k), 0)
+    def all_grad_buckets(c: int) -> None:
+        for k, n in enumerate(full_b[c]):
+            if (c, k) not in full_grads:
+                full_grads[(c, k)] = n
+                live["grads"] += n
 
-    def reduce(c: int, k: int) -> None:
-        n = bp.buckets(c)[k]
-        if rules.sharded_grads:
-            grad_bucket(c, k)  # zeros where no gradient reached it
-        if dp == 1:
-            if rules.sharded_grads:
-                reducing.append((c, k))
-            return
-        reducing.append((c, k))
-        live["collectives"] += reduction_bytes(plan, n, rules.sharded_grads)
+    def drain() -> None:
+        """Every reduction in flight completes (blocking: the rank waits for all of them)."""
+        g, co = live["grads"], live["collectives"]
+        while reducing:
+            key = reducing.popleft()
+            in_flight.discard(key)
+            c, k = key
+            co -= flight[c][k]
+            if sharded:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
+                if key not in shard_grads:
+                    shard_grads.add(key)
+                    g += shard_b[c][k]
+                g -= full_grads.pop(key, 0)
+        live["grads"], live["collectives"] = g, co
+
+    def reductions(i: int) -> int:
+        """The run of REDUCE_GRADs from position `i` (a backward's buckets, one an instruction):
+        they change only gradients and collectives, so they are played here in one loop, the peak
+        taken where the run's total is first largest; returns the position after the run."""
+        g, co = live["grads"], live["collectives"]
+        rest = sum(live.values()) - g - co
+        best, best_at, best_g, best_co = res.peak_bytes, -1, 0, 0
+        while i < len(instrs):
+            ins = instrs[i]
+            if ins.__class__ is not DataParallel or ins.kind is not Kind.REDUCE_GRAD:
+                break
+            key = c, k = ins.chunk, ins.bucket
+            if key not in in_flight:  # the reduction starts
+                if sharded and key not in full_grads:  # zeros where no gradient reached it
+                    full_grads[key] = full_b[c][k]  # type: ignore[index]
+                    g += full_b[c][k]  # type: ignore[index]
+                if dp > 1 or sharded:
+                    reducing.append(key)  # type: ignore[arg-type]
+                    in_flight.add(key)  # type: ignore[arg-type]
+                    co += flight[c][k]  # type: ignore[index]
+            if ins.blocking or sharded:
+                # blocking: every one completes; else zero/sharded.py bounds the full buckets in flight
+                keep = 0 if ins.blocking else plan.in_flight
+                while len(reducing) > keep:
+                    done = reducing.popleft()
+                    in_flight.discard(done)
+                    oc, ok = done
+                    co -= flight[oc][ok]
+                    if sharded:
+                        if done not in shard_grads:
+                            shard_grads.add(done)
+                            g += shard_b[oc][ok]
+                        g -= full_grads.pop(done, 0)
+            total = rest + g + co
+            if total > best:
+                best, best_at, best_g, best_co = total, i, g, co
+            if keep_timeline:
+                res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
+                res.totals.append((str(ins), total))
+            i += 1
+        if best_at >= 0:
+            res.peak_bytes, res.at = best, str(instrs[best_at])
+            res.categories = {**live, "grads": best_g, "collectives": best_co}
+        live["grads"], live["collectives"] = g, co
+        return i
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -413,14 +464,17 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             live["gathered"] -= gathered.pop(c)
 
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
+    # layer by layer: each action's gathers priced as its chunk's; and the backwards whose chunk's
+    # reductions follow them
+    instrs, reducing_at = prog.markers(rank)
     # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
     # not with recompute)
-    instrs = chunk_markers(prog.ranks[rank])  # layer by layer: each action's gathers priced as its chunk's
     splits = set() if plan.recompute else {ins.action.chunk for ins in instrs if isinstance(ins, Compute)
                                            and ins.action.op is Op.B and ins.action.chunk > 0}
-    reducing_at = reducing_backwards(instrs)
     note("start")
-    for i, ins in enumerate(instrs):
+    i = 0
+    while i < len(instrs):
+        ins = instrs[i]
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
             if ins.send and not grad and (chunk - 1, mb) in held:
@@ -436,6 +490,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                 recvs[ins.transfer] = mb_act
                 live["p2p"] += mb_act
             note(ins)
+            i += 1
             continue
         if isinstance(ins, OptimStep):
             live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
@@ -443,20 +498,18 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
             norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
             note(ins, {"optimizer": norm})
+            i += 1
             continue
         if isinstance(ins, DataParallel):
+            if ins.kind is Kind.REDUCE_GRAD:
+                i = reductions(i)
+                continue
             if ins.kind is Kind.UNSHARD and prog.rules.sharded_params:
                 gather(ins.chunk, True)
             elif ins.kind is Kind.RESHARD:
                 gather(ins.chunk, False)
-            elif ins.kind is Kind.REDUCE_GRAD:
-                if (ins.chunk, ins.bucket) not in reducing:
-                    reduce(ins.chunk, ins.bucket)  # type: ignore[arg-type]
-                if ins.blocking:
-                    drain()
-                elif rules.sharded_grads:
-                    drain(keep_last=plan.in_flight)  # zero/sharded.py bounds the full buckets in flight
             note(ins)
+            i += 1
             continue
         assert isinstance(ins, Compute)
         a = ins.action
@@ -476,11 +529,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             held[key] = keep
             live["activations"] += keep
             note(ins)
+            i += 1
             continue
         # a backward: B, W or BW
-        if a.op in (Op.BW, Op.W) and not rules.sharded_grads:
-            for k in range(len(bp.buckets(c))):
-                grad_bucket(c, k)  # stages 0-1: one buffer for the whole step, from the first W or BW
+        if a.op in (Op.BW, Op.W) and not sharded:
+            all_grad_buckets(c)  # stages 0-1: one buffer for the whole step, from the first W or BW
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
@@ -491,13 +544,13 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             extra = b.recompute_b if a.op is Op.B else b.recompute_backward
         if a.op is Op.W and split_done.get(key):
             extra = b.w_peak
-        if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
+        if a.op is Op.W and key in held and not split_done.get(key) and not sharded:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
         filling = 0
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
-        if a.op in (Op.BW, Op.W) and rules.sharded_grads:
+        if a.op in (Op.BW, Op.W) and sharded:
             if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W)
                 fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
                 if split_done.get(key):
@@ -512,19 +565,19 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
                     note(ins, {"activations": extra})
                     extra = 0
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
-        if a.op is Op.BW and rules.sharded_grads:
+        if a.op is Op.BW and sharded:
             # the backward's course: each bucket appears with its first gradient, and in a
             # backward the program follows with REDUCE_GRADs leaves reduced as it completes
-            for extras in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
-                note(ins, extras)
+            now = sum(live.values())
+            for act, grads, coll in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
+                if keep_timeline or now + act + grads + coll > res.peak_bytes:
+                    note(ins, {"activations": act, "grads": grads, "collectives": coll})
             if i not in reducing_at:
-                for k in range(len(bp.buckets(c))):
-                    grad_bucket(c, k)
+                all_grad_buckets(c)
         else:
             note(ins, {"activations": extra, "grads": filling})
-        if stashed_w and rules.sharded_grads:
-            for k in range(len(bp.buckets(c))):
-                grad_bucket(c, k)
+        if stashed_w and sharded:
+            all_grad_buckets(c)
         live["p2p"] -= grad_in
         if split:  # the graph is freed; W needs only the stash
             split_done[key] = True
@@ -536,34 +589,42 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             held[key] += grad_in
             live["activations"] += grad_in
         note(ins)
+        i += 1
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
 
 
 def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],
-                     shards: set[tuple[int, int]], reducing: bool) -> list[dict[str, int]]:
-    """The extra bytes at each moment of a full backward of chunk `c` at ZeRO-2/3 (see
-    `backward_moments`): gradients land in a bucket allocated with its first gradient (`adopt`,
-    zero/buckets.py) while the layers behind free their activations; with `reducing`, autograd's
-    hooks start a bucket's reduce-scatter as soon as it is complete and then wait for all but the
-    newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it and the `in_flight`
-    before it are in flight with their buffers, and the older ones are reduced to their shard."""
+                     shards: set[tuple[int, int]], reducing: bool) -> list[tuple[int, int, int]]:
+    """The extra (activations, grads, collectives) bytes at each moment of a full backward of chunk
+    `c` at ZeRO-2/3 (see `backward_moments`): gradients land in a bucket allocated with its first
+    gradient (`adopt`, zero/buckets.py) while the layers behind free their activations; with
+    `reducing`, autograd's hooks start a bucket's reduce-scatter as soon as it is complete and then
+    wait for all but the newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it
+    and the `in_flight` before it are in flight with their buffers, and the older ones are reduced
+    to their shard. Buckets fill in order, so the started and the complete ones are each a first
+    few: sums over them are read off running totals."""
     sizes = plan.buckets.buckets(c)
-    ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+    ends = list(accumulate(sizes))
     dp, k_alive = plan.dp, plan.in_flight + 1
+    # running totals over the buckets: new full buckets (those not already alive), the bytes a
+    # reduced bucket gives back (the full bucket, less its shard where the shard is new), and the
+    # buffers of reductions in flight
+    new = [0, *accumulate(0 if (c, k) in full else n * F32 for k, n in enumerate(sizes))]
+    if reducing:
+        back = [0, *accumulate(n * F32 - (0 if (c, k) in shards else n // dp * F32) for k, n in enumerate(sizes))]
+        flying = [0, *accumulate(reduction_bytes(plan, n, True) for n in sizes)]
     out = []
     for done, act in (b.recompute_moments if plan.recompute else b.moments):
-        grads = coll = 0
-        complete = [k for k, e in enumerate(ends) if e <= done] if reducing else []
-        for k, n in enumerate(sizes):
-            started = k == 0 or ends[k - 1] < done
-            if started and (c, k) not in full:
-                grads += n * F32
-        for k in complete[:-k_alive]:  # reduced: the full bucket gives way to its shard
-            grads -= sizes[k] * F32 - (0 if (c, k) in shards else sizes[k] // dp * F32)
-        for k in complete[-k_alive:]:
-            coll += reduction_bytes(plan, sizes[k], True)
-        out.append({"activations": act, "grads": grads, "collectives": coll})
+        # bucket 0 has started by the first moment; bucket k once bucket k - 1 ends before `done`
+        grads = new[min(len(sizes), bisect_left(ends, done) + 1)]
+        coll = 0
+        if reducing:
+            complete = bisect_right(ends, done)
+            older = max(0, complete - k_alive)  # complete, reduced: the rest are in flight
+            grads -= back[older]
+            coll = flying[complete] - flying[older]
+        out.append((act, grads, coll))
     return out
 
 
