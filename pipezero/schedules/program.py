@@ -178,16 +178,32 @@ class Program:
         """(pp_rank, dp_rank) of a global rank."""
         return divmod(rank, self.dp)
 
-    def markers(self, rank: int) -> tuple[tuple[Instr, ...], frozenset[int]]:
-        """Rank `rank`'s program as the memory walk reads it: `chunk_markers` of it and the positions
-        there of `reducing_backwards`. Made once a program (a plan is immutable): the planner's
-        candidates with and without recomputation share one, and each is walked several times."""
+    def markers(self, rank: int) -> tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]]:
+        """Rank `rank`'s program as the memory walk reads it: `chunk_markers` of it, the positions
+        there of `reducing_backwards`, and each run of consecutive REDUCE_GRADs by where it starts:
+        (where it ends, an id alike runs share). Made once a program (a plan is immutable): the
+        planner's candidates with and without recomputation share one, and each is walked several
+        times."""
         return self._markers[rank]
 
     @cached_property
-    def _markers(self) -> tuple[tuple[tuple[Instr, ...], frozenset[int]], ...]:
-        marked = [tuple(chunk_markers(r)) for r in self.ranks]
-        return tuple((m, frozenset(reducing_backwards(m))) for m in marked)
+    def _markers(self) -> tuple[tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]], ...]:
+        out = []
+        for r in self.ranks:
+            marked = tuple(chunk_markers(r))
+            runs: dict[int, tuple[int, int]] = {}
+            ids: dict[tuple, int] = {}
+            i = 0
+            while i < len(marked):
+                j = i
+                while j < len(marked) and isinstance(marked[j], DataParallel) and marked[j].kind is Kind.REDUCE_GRAD:
+                    j += 1
+                if j > i:
+                    alike = tuple((d.chunk, d.bucket, d.blocking) for d in marked[i:j])  # type: ignore[union-attr]
+                    runs[i] = (j, ids.setdefault(alike, len(ids)))
+                i = max(j, i + 1)
+            out.append((marked, frozenset(reducing_backwards(marked)), runs))
+        return tuple(out)
 
     def listing(self, rank: int) -> str:
         return " ".join(i.describe() if isinstance(i, Compute) else str(i) for i in self.ranks[rank])

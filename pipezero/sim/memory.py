@@ -48,6 +48,7 @@ from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
 
@@ -217,7 +218,8 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
-    compiled = compile_plan(replace(p, dp=1), decoder_shapes(m, bounds), pp_ranks=pp_ranks)  # D alike: one replica
+    # D alike: one replica
+    compiled = compile_plan(replace(p, dp=1), _decoder_shapes(_Shape(m), tuple(bounds)), pp_ranks=pp_ranks)
     buckets, layerwise, program = compiled.buckets.for_dp(p.dp), compiled.layerwise, compiled.program
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
@@ -336,10 +338,11 @@ def every_rank(plan: MemoryPlan, keep_timeline: bool = False) -> list[RankMemory
     return [replace(stages[r // plan.dp], rank=r) for r in range(len(stages) * plan.dp)]
 
 
-def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
+def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above: float | None = None) -> RankMemory:
     """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
     rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
-    the step `train --memory-profile` measures."""
+    the step `train --memory-profile` measures. `stop_above`: stop as soon as the peak passes it (a
+    planner's candidate that cannot fit needs no more): a peak above it is then only a lower bound."""
     prog, dp = plan.program, plan.dp
     rank = pp_rank
     rules = RULES[prog.zero]
@@ -362,10 +365,16 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     live["batch"] = plan.batch_bytes
     res = RankMemory(pp_rank * dp)
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
-    full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
-    shard_grads: set[tuple[int, int]] = set()
+    # by chunk, a bit a bucket: its full fp32 gradient bucket is alive; its fp32 shard is
+    full = dict.fromkeys(chunks, 0)
+    shards = dict.fromkeys(chunks, 0)
+    every = {c: (1 << len(full_b[c])) - 1 for c in chunks}
     reducing: deque[tuple[int, int]] = deque()  # reductions in flight, oldest first
     in_flight: set[tuple[int, int]] = set()  # the same, to look up
+    # a run of reductions (alike runs share an id) from alike state has the same effect: it is
+    # played once (keyed by its id, the reductions in flight and the buckets' bits)
+    runs: dict[tuple, tuple] = {}
+    backwards: dict[tuple[int, int, int, bool], tuple[tuple[int, int, int], ...]] = {}
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
 
@@ -384,16 +393,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             res.timeline.append((len(res.timeline), now))
             res.totals.append((str(where), total))
 
-    def grad_bucket(c: int, k: int) -> None:
-        if (c, k) not in full_grads:
-            full_grads[(c, k)] = full_b[c][k]
-            live["grads"] += full_b[c][k]
+    def missing(c: int) -> list[int]:
+        """Sizes of chunk `c`'s buckets with no full gradient bucket alive."""
+        return [n for k, n in enumerate(bp.buckets(c)) if not full[c] >> k & 1]
 
     def all_grad_buckets(c: int) -> None:
-        for k, n in enumerate(full_b[c]):
-            if (c, k) not in full_grads:
-                full_grads[(c, k)] = n
-                live["grads"] += n
+        if full[c] != every[c]:
+            live["grads"] += sum(missing(c)) * F32
+            full[c] = every[c]
 
     def drain() -> None:
         """Every reduction in flight completes (blocking: the rank waits for all of them)."""
@@ -404,57 +411,88 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             c, k = key
             co -= flight[c][k]
             if sharded:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
-                if key not in shard_grads:
-                    shard_grads.add(key)
+                if not shards[c] >> k & 1:
+                    shards[c] |= 1 << k
                     g += shard_b[c][k]
-                g -= full_grads.pop(key, 0)
+                if full[c] >> k & 1:
+                    full[c] ^= 1 << k
+                    g -= full_b[c][k]
         live["grads"], live["collectives"] = g, co
 
     def reductions(i: int) -> int:
         """The run of REDUCE_GRADs from position `i` (a backward's buckets, one an instruction):
         they change only gradients and collectives, so they are played here in one loop, the peak
-        taken where the run's total is first largest; returns the position after the run."""
+        taken where the run's total is first largest; returns the position after the run. At
+        ZeRO-2/3 each micro-batch's backward ends in such a run, most of them alike (and from alike
+        state): those are played once."""
+        end, run = run_at[i]
+        key = (run, tuple(reducing), tuple(full.values()), tuple(shards.values())) if sharded else None
+        if key is None or keep_timeline or key not in runs:
+            effect = play(i, end)
+            if key is None or keep_timeline:
+                return end
+            runs[key] = effect + (tuple(reducing), tuple(full.values()), tuple(shards.values()))
+            return end
+        d_g, d_co, top, top_at, top_g, top_co, after, full_after, shards_after = runs[key]
         g, co = live["grads"], live["collectives"]
+        if sum(live.values()) + top > res.peak_bytes:
+            res.peak_bytes, res.at = sum(live.values()) + top, str(instrs[i + top_at])
+            res.categories = {**live, "grads": g + top_g, "collectives": co + top_co}
+        live["grads"], live["collectives"] = g + d_g, co + d_co
+        reducing.clear()
+        reducing.extend(after)
+        in_flight.clear()
+        in_flight.update(after)
+        full.update(zip(full, full_after))
+        shards.update(zip(shards, shards_after))
+        return end
+
+    def play(i: int, end: int) -> tuple[int, int, int, int, int, int]:
+        """Reductions `i` to `end` one by one; returns the change in gradient and collective bytes
+        and where (relative to `i`) the total first reached its largest, by how much, with what."""
+        g0, co0 = g, co = live["grads"], live["collectives"]
         rest = sum(live.values()) - g - co
         best, best_at, best_g, best_co = res.peak_bytes, -1, 0, 0
-        while i < len(instrs):
-            ins = instrs[i]
-            if ins.__class__ is not DataParallel or ins.kind is not Kind.REDUCE_GRAD:
-                break
-            key = c, k = ins.chunk, ins.bucket
+        top, top_at, top_g, top_co = -1 << 62, 0, 0, 0
+        for j in range(i, end):
+            ins = instrs[j]
+            key = c, k = ins.chunk, ins.bucket  # type: ignore[union-attr]
             if key not in in_flight:  # the reduction starts
-                if sharded and key not in full_grads:  # zeros where no gradient reached it
-                    full_grads[key] = full_b[c][k]  # type: ignore[index]
-                    g += full_b[c][k]  # type: ignore[index]
+                if sharded and not full[c] >> k & 1:  # zeros where no gradient reached it
+                    full[c] |= 1 << k
+                    g += full_b[c][k]
                 if dp > 1 or sharded:
-                    reducing.append(key)  # type: ignore[arg-type]
-                    in_flight.add(key)  # type: ignore[arg-type]
-                    co += flight[c][k]  # type: ignore[index]
-            if ins.blocking or sharded:
+                    reducing.append(key)
+                    in_flight.add(key)
+                    co += flight[c][k]
+            if ins.blocking or sharded:  # type: ignore[union-attr]
                 # blocking: every one completes; else zero/sharded.py bounds the full buckets in flight
-                keep = 0 if ins.blocking else plan.in_flight
+                keep = 0 if ins.blocking else plan.in_flight  # type: ignore[union-attr]
                 while len(reducing) > keep:
                     done = reducing.popleft()
                     in_flight.discard(done)
                     oc, ok = done
                     co -= flight[oc][ok]
                     if sharded:
-                        if done not in shard_grads:
-                            shard_grads.add(done)
+                        if not shards[oc] >> ok & 1:
+                            shards[oc] |= 1 << ok
                             g += shard_b[oc][ok]
-                        g -= full_grads.pop(done, 0)
+                        if full[oc] >> ok & 1:
+                            full[oc] ^= 1 << ok
+                            g -= full_b[oc][ok]
             total = rest + g + co
             if total > best:
-                best, best_at, best_g, best_co = total, i, g, co
+                best, best_at, best_g, best_co = total, j, g, co
+            if g + co - g0 - co0 > top:
+                top, top_at, top_g, top_co = g + co - g0 - co0, j - i, g - g0, co - co0
             if keep_timeline:
                 res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
                 res.totals.append((str(ins), total))
-            i += 1
         if best_at >= 0:
             res.peak_bytes, res.at = best, str(instrs[best_at])
             res.categories = {**live, "grads": best_g, "collectives": best_co}
         live["grads"], live["collectives"] = g, co
-        return i
+        return g - g0, co - co0, top, top_at, top_g, top_co
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -466,14 +504,15 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
     # layer by layer: each action's gathers priced as its chunk's; and the backwards whose chunk's
     # reductions follow them
-    instrs, reducing_at = prog.markers(rank)
+    instrs, reducing_at, run_at = prog.markers(rank)
     # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
     # not with recompute)
     splits = set() if plan.recompute else {ins.action.chunk for ins in instrs if isinstance(ins, Compute)
                                            and ins.action.op is Op.B and ins.action.chunk > 0}
     note("start")
     i = 0
-    while i < len(instrs):
+    stop = float("inf") if stop_above is None else stop_above
+    while i < len(instrs) and res.peak_bytes <= stop:
         ins = instrs[i]
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
@@ -552,7 +591,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
         if a.op in (Op.BW, Op.W) and sharded:
             if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W)
-                fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
+                fresh = missing(c)
                 if split_done.get(key):
                     # W from B's stash makes one weight's gradient at a time (runtime/weight_grad.py):
                     # added at once into a bucket that exists (the parameter's .grad is its view),
@@ -569,7 +608,10 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             # the backward's course: each bucket appears with its first gradient, and in a
             # backward the program follows with REDUCE_GRADs leaves reduced as it completes
             now = sum(live.values())
-            for act, grads, coll in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
+            course = (c, full[c], shards[c], i in reducing_at and dp > 1)
+            if course not in backwards:  # alike from alike state (most micro-batches')
+                backwards[course] = sharded_backward(plan, c, b, *course[1:])
+            for act, grads, coll in backwards[course]:
                 if keep_timeline or now + act + grads + coll > res.peak_bytes:
                     note(ins, {"activations": act, "grads": grads, "collectives": coll})
             if i not in reducing_at:
@@ -594,8 +636,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     return res
 
 
-def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],
-                     shards: set[tuple[int, int]], reducing: bool) -> list[tuple[int, int, int]]:
+def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards: int,
+                     reducing: bool) -> tuple[tuple[int, int, int], ...]:
     """The extra (activations, grads, collectives) bytes at each moment of a full backward of chunk
     `c` at ZeRO-2/3 (see `backward_moments`): gradients land in a bucket allocated with its first
     gradient (`adopt`, zero/buckets.py) while the layers behind free their activations; with
@@ -610,9 +652,9 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[i
     # running totals over the buckets: new full buckets (those not already alive), the bytes a
     # reduced bucket gives back (the full bucket, less its shard where the shard is new), and the
     # buffers of reductions in flight
-    new = [0, *accumulate(0 if (c, k) in full else n * F32 for k, n in enumerate(sizes))]
+    new = [0, *accumulate(0 if full >> k & 1 else n * F32 for k, n in enumerate(sizes))]
     if reducing:
-        back = [0, *accumulate(n * F32 - (0 if (c, k) in shards else n // dp * F32) for k, n in enumerate(sizes))]
+        back = [0, *accumulate(n * F32 - (0 if shards >> k & 1 else n // dp * F32) for k, n in enumerate(sizes))]
         flying = [0, *accumulate(reduction_bytes(plan, n, True) for n in sizes)]
     out = []
     for done, act in (b.recompute_moments if plan.recompute else b.moments):
@@ -625,7 +667,7 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[i
             grads -= back[older]
             coll = flying[complete] - flying[older]
         out.append((act, grads, coll))
-    return out
+    return tuple(out)
 
 
 def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
@@ -660,7 +702,7 @@ def describe(r: RankMemory) -> str:
 
 
 def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
-                  bucket_mb: float) -> RankMemory:
+                  bucket_mb: float, stop_above: float | None = None) -> RankMemory:
     """The planner's figure for one candidate layout: the heaviest of its first, second and last
     pipeline ranks. The first holds the most micro-batches in flight and the embedding, the last
     the head, but under an even cut the second can outweigh both, holding a whole stage of blocks
@@ -669,9 +711,11 @@ def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, c
     layouts the fit check refuses. Past the second, ranks hold as many blocks and fewer micro-batches
     (in a V, the same chunks mirrored): on 108 layouts (small and 7b, six schedules, P 4 and 8,
     ZeRO 0/2/3, recompute on and off) no rank outweighed these three. Candidates that differ only
-    in where ranks sit (placement, two-level reductions) share one walk."""
+    in where ranks sit (placement, two-level reductions) share one walk. `stop_above`: bytes past
+    which the candidate cannot fit; the walks stop there (a peak above it is a lower bound)."""
     return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
-                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb)
+                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb,
+                          stop_above)
 
 
 @dataclass(frozen=True, eq=False)
@@ -687,10 +731,17 @@ class _Shape:
         return isinstance(other, _Shape) and repr(other.model) == repr(self.model)
 
 
+@lru_cache(maxsize=1024)
+def _decoder_shapes(shape: _Shape, bounds: tuple[tuple[int, int], ...]) -> ModelShapes:
+    """The model's tensors cut at `bounds`, made once (the planner compiles many layouts over a few
+    cuts: one object, so the compiled plans' caches find it by a hash taken once)."""
+    return decoder_shapes(shape.model, list(bounds))
+
+
 @lru_cache(maxsize=4096)
 def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
                    micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
-                   bucket_mb: float) -> RankMemory:
+                   bucket_mb: float, stop_above: float | None) -> RankMemory:
     par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
                          micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
                          grad_reduce=mode, bucket_mb=bucket_mb)
@@ -698,4 +749,12 @@ def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kin
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
     ranks = tuple(sorted({0, min(1, pp - 1), pp - 1}))
     plan = build_plan(cfg, cuda, ranks)
-    return max((walk(plan, r) for r in ranks), key=lambda r: r.peak_bytes)
+    heaviest = None
+    for r in ranks:  # the first heaviest; none after one over `stop_above`
+        res = walk(plan, r, stop_above=stop_above)
+        if heaviest is None or res.peak_bytes > heaviest.peak_bytes:
+            heaviest = res
+        if stop_above is not None and res.peak_bytes > stop_above:
+            break
+    assert heaviest is not None
+    return heaviest
