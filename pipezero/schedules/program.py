@@ -179,31 +179,14 @@ class Program:
         return divmod(rank, self.dp)
 
     def markers(self, rank: int) -> tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]]:
-        """Rank `rank`'s program as the memory walk reads it: `chunk_markers` of it, the positions
-        there of `reducing_backwards`, and each run of consecutive REDUCE_GRADs by where it starts:
-        (where it ends, an id alike runs share). Made once a program (a plan is immutable): the
-        planner's candidates with and without recomputation share one, and each is walked several
-        times."""
+        """Rank `rank`'s program as the memory walk reads it (`walk_view`), made once a program (a
+        plan is immutable): the planner's candidates with and without recomputation share one, and
+        each is walked several times."""
         return self._markers[rank]
 
     @cached_property
     def _markers(self) -> tuple[tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]], ...]:
-        out = []
-        for r in self.ranks:
-            marked = tuple(chunk_markers(r))
-            runs: dict[int, tuple[int, int]] = {}
-            ids: dict[tuple, int] = {}
-            i = 0
-            while i < len(marked):
-                j = i
-                while j < len(marked) and isinstance(marked[j], DataParallel) and marked[j].kind is Kind.REDUCE_GRAD:
-                    j += 1
-                if j > i:
-                    alike = tuple((d.chunk, d.bucket, d.blocking) for d in marked[i:j])  # type: ignore[union-attr]
-                    runs[i] = (j, ids.setdefault(alike, len(ids)))
-                i = max(j, i + 1)
-            out.append((marked, frozenset(reducing_backwards(marked)), runs))
-        return tuple(out)
+        return tuple(walk_view(r) for r in self.ranks)
 
     def listing(self, rank: int) -> str:
         return " ".join(i.describe() if isinstance(i, Compute) else str(i) for i in self.ranks[rank])
@@ -234,6 +217,61 @@ def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
         else:
             out.append(Compute(i.action) if isinstance(i, Compute) else i)
     return out
+
+
+def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]]:
+    """`chunk_markers` of `instrs` in one pass, with what the memory walk needs of it: the positions
+    of `reducing_backwards` there, and each run of consecutive REDUCE_GRADs by where it starts, as
+    (where it ends, an id that alike runs share). Made without new instructions but the markers (one
+    pair a chunk): a compute instruction stands for itself (its `during` unread), and a reduction
+    hoisted out of a fused backward keeps its moment `at` (`hoisted` drops it: the walk names it so)."""
+    out: list[Instr] = []
+    reducing: set[int] = set()
+    runs: dict[int, tuple[int, int]] = {}
+    ids: dict[tuple, int] = {}
+    pair: dict[int, tuple[DataParallel, DataParallel]] = {}
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    run: list[tuple[int, int | None, bool]] = []  # the open run of reductions
+
+    def close() -> None:
+        alike = tuple(run)
+        runs[len(out) - len(run)] = (len(out), ids.setdefault(alike, len(ids)))
+        run.clear()
+
+    def reduction(d: DataParallel) -> None:
+        if last is not None and last[1] == d.chunk:
+            reducing.add(last[0])
+        run.append((d.chunk, d.bucket, d.blocking))
+        out.append(d)
+
+    for ins in instrs:
+        if ins.__class__ is DataParallel and ins.kind is Kind.REDUCE_GRAD:  # type: ignore[union-attr]
+            reduction(ins)  # type: ignore[arg-type]
+            continue
+        if run:
+            close()
+        if ins.__class__ is not Compute:
+            out.append(ins)
+            continue
+        a = ins.action  # type: ignore[union-attr]
+        during = ins.during  # type: ignore[union-attr]
+        if during and any(d.kind is Kind.UNSHARD for d in during):
+            if a.chunk not in pair:
+                pair[a.chunk] = (DataParallel(Kind.UNSHARD, a.chunk, None, Collective.ALL_GATHER, 0, True),
+                                 DataParallel(Kind.RESHARD, a.chunk, None, Collective.LOCAL, 0))
+            out += [pair[a.chunk][0], ins, pair[a.chunk][1]]
+            last = (len(out) - 2, a.chunk) if a.op in (Op.W, Op.BW) else None
+        else:
+            out.append(ins)
+            last = (len(out) - 1, a.chunk) if a.op in (Op.W, Op.BW) else None
+        for d in during:
+            if d.kind is Kind.REDUCE_GRAD:
+                reduction(d)
+        if run:
+            close()
+    if run:
+        close()
+    return tuple(out), frozenset(reducing), runs
 
 
 def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:

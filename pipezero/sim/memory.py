@@ -436,7 +436,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
         d_g, d_co, top, top_at, top_g, top_co, after, full_after, shards_after = runs[key]
         g, co = live["grads"], live["collectives"]
         if sum(live.values()) + top > res.peak_bytes:
-            res.peak_bytes, res.at = sum(live.values()) + top, str(instrs[i + top_at])
+            res.peak_bytes, res.at = sum(live.values()) + top, _name(instrs[i + top_at])
             res.categories = {**live, "grads": g + top_g, "collectives": co + top_co}
         live["grads"], live["collectives"] = g + d_g, co + d_co
         reducing.clear()
@@ -487,9 +487,9 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
                 top, top_at, top_g, top_co = g + co - g0 - co0, j - i, g - g0, co - co0
             if keep_timeline:
                 res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
-                res.totals.append((str(ins), total))
+                res.totals.append((_name(ins), total))
         if best_at >= 0:
-            res.peak_bytes, res.at = best, str(instrs[best_at])
+            res.peak_bytes, res.at = best, _name(instrs[best_at])
             res.categories = {**live, "grads": best_g, "collectives": best_co}
         live["grads"], live["collectives"] = g, co
         return g - g0, co - co0, top, top_at, top_g, top_co
@@ -634,6 +634,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
         i += 1
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
     return res
+
+
+def _name(ins: object) -> str:
+    """An instruction as the walk names it: a reduction hoisted out of a fused backward without the
+    moment inside it that fired it (schedules/program.hoisted)."""
+    if isinstance(ins, DataParallel) and ins.at is not None:
+        return str(replace(ins, at=None))
+    return str(ins)
 
 
 def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards: int,
