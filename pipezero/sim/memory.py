@@ -378,17 +378,22 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
 
+    peak: list[object] = [""]  # the instruction at which the peak is reached, named at the end
+
     def note(where: object, extra: dict[str, int] | None = None) -> None:
-        """`where`: an instruction, named only when it sets a peak or the timeline is kept (naming
-        every one cost a planner request seconds)."""
+        """`where`: an instruction, named only where the timeline is kept, or once the walk is done
+        if it set the peak (naming every one, then every new peak, cost a planner request seconds)."""
         total = sum(live.values())
         if extra:
             total += sum(extra.values())
         if total <= res.peak_bytes and not keep_timeline:
             return
-        now = {c: live[c] + (extra or {}).get(c, 0) for c in CATEGORIES}
+        now = live.copy()
+        for c, n in (extra or {}).items():
+            now[c] += n
         if total > res.peak_bytes:
-            res.peak_bytes, res.at, res.categories = total, str(where), now
+            res.peak_bytes, res.categories = total, now
+            peak[0] = where
         if keep_timeline:
             res.timeline.append((len(res.timeline), now))
             res.totals.append((str(where), total))
@@ -436,7 +441,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
         d_g, d_co, top, top_at, top_g, top_co, after, full_after, shards_after = runs[key]
         g, co = live["grads"], live["collectives"]
         if sum(live.values()) + top > res.peak_bytes:
-            res.peak_bytes, res.at = sum(live.values()) + top, _name(instrs[i + top_at])
+            res.peak_bytes, peak[0] = sum(live.values()) + top, instrs[i + top_at]
             res.categories = {**live, "grads": g + top_g, "collectives": co + top_co}
         live["grads"], live["collectives"] = g + d_g, co + d_co
         reducing.clear()
@@ -489,7 +494,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
                 res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
                 res.totals.append((_name(ins), total))
         if best_at >= 0:
-            res.peak_bytes, res.at = best, _name(instrs[best_at])
+            res.peak_bytes, peak[0] = best, instrs[best_at]
             res.categories = {**live, "grads": best_g, "collectives": best_co}
         live["grads"], live["collectives"] = g, co
         return g - g0, co - co0, top, top_at, top_g, top_co
@@ -633,6 +638,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, stop_above
         note(ins)
         i += 1
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
+    res.at = _name(peak[0])
     return res
 
 
