@@ -238,15 +238,12 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
         runs[len(out) - len(run)] = (len(out), ids.setdefault(alike, len(ids)))
         run.clear()
 
-    def reduction(d: DataParallel) -> None:
-        if last is not None and last[1] == d.chunk:
-            reducing.add(last[0])
-        run.append((d.chunk, d.bucket, d.blocking))
-        out.append(d)
-
     for ins in instrs:
         if ins.__class__ is DataParallel and ins.kind is Kind.REDUCE_GRAD:  # type: ignore[union-attr]
-            reduction(ins)  # type: ignore[arg-type]
+            if last is not None and last[1] == ins.chunk:  # type: ignore[union-attr]
+                reducing.add(last[0])
+            run.append((ins.chunk, ins.bucket, ins.blocking))  # type: ignore[union-attr]
+            out.append(ins)
             continue
         if run:
             close()
@@ -266,7 +263,10 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
             last = (len(out) - 1, a.chunk) if a.op in (Op.W, Op.BW) else None
         for d in during:
             if d.kind is Kind.REDUCE_GRAD:
-                reduction(d)
+                if last is not None and last[1] == d.chunk:
+                    reducing.add(last[0])
+                run.append((d.chunk, d.bucket, d.blocking))
+                out.append(d)
         if run:
             close()
     if run:

@@ -761,11 +761,9 @@ def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kin
                          grad_reduce=mode, bucket_mb=bucket_mb)
     cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
-    ranks = tuple(sorted({0, min(1, pp - 1), pp - 1}))
-    plan = build_plan(cfg, cuda, ranks)
     heaviest = None
-    for r in ranks:  # the first heaviest; none after one over `stop_above`
-        res = walk(plan, r, stop_above=stop_above)
+    for r in sorted({0, min(1, pp - 1), pp - 1}):  # the first heaviest; none after one over `stop_above`
+        res = walk(build_plan(cfg, cuda, (r,)), r, stop_above=stop_above)  # each lowered only if walked
         if heaviest is None or res.peak_bytes > heaviest.peak_bytes:
             heaviest = res
         if stop_above is not None and res.peak_bytes > stop_above:
