@@ -33,7 +33,7 @@ from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
+from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_bytes  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
@@ -97,8 +97,7 @@ def main() -> None:
             cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
                                               row["zero"], row["recompute"], str(Path(__file__).parent), "-"))
             for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
-                r.update(predicted_peak_bytes=pred.peak_bytes, ratio=pred.peak_bytes / r["measured_peak_bytes"],
-                         at=pred.at)
+                r.update(rank_figures(pred, r.get("measured_phases") or {"train": r["measured_peak_bytes"]}))
             show(row)
         report(rows, args.out)
         return
@@ -115,15 +114,21 @@ def main() -> None:
                                                 c["recompute"], data, f"{tmp}/run{i}"))
                     for i, c in enumerate(group)]
             t0 = time.perf_counter()
-            measured = run_ranks(first_step_peaks, world, cfgs, timeout=3600)
+            measured = run_ranks(phase_peaks, world, cfgs, timeout=3600)
             print(f"# {len(group)} cases on {world} ranks in {time.perf_counter() - t0:.0f} s", flush=True)
             for i, (c, cfg) in enumerate(zip(group, cfgs)):
                 pred = predict(cfg, cuda=False)
-                ranks = [{"rank": r, "predicted_peak_bytes": pred[r].peak_bytes, "measured_peak_bytes": measured[r][i],
-                          "ratio": pred[r].peak_bytes / measured[r][i], "at": pred[r].at} for r in range(world)]
+                ranks = [{"rank": r, **rank_figures(pred[r], measured[r][i])} for r in range(world)]
                 rows.append({**c, "ranks": ranks})
                 show(rows[-1])
     report(rows, args.out)
+
+
+def rank_figures(pred, measured: dict[str, int]) -> dict:
+    """One rank's predicted and measured peaks (the most over phases) and each phase's."""
+    peak = max(measured.values())
+    return {"predicted_peak_bytes": pred.peak_bytes, "measured_peak_bytes": peak, "ratio": pred.peak_bytes / peak,
+            "at": pred.at, "measured_phases": measured, "predicted_phases": dict(getattr(pred, "phases", {}))}
 
 
 def show(row: dict) -> None:

@@ -104,7 +104,8 @@ class RunResult:
     peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
     peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
-    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak of the first step
+    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak over the phases measured
+    measured_phases: dict[str, int] = field(default_factory=dict)  # --memory-profile: each phase's peak
 
 
 def peak_rss_bytes() -> int:
@@ -157,6 +158,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run},
             "measured_peak_bytes": result.measured_peak_bytes,
+            "measured_phase_bytes": result.measured_phases or None,
             "waits_s": stage.executor.flight.waits(),  # blocked on each peer and in collectives
             "work": own_work(cfg, stage)}  # who is slow: the straggler
     if stage.peaks.phases:
