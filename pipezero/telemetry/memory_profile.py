@@ -76,11 +76,7 @@ class PeakMeter(AbstractContextManager):
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             self._prof.__exit__(None, None, None)
-            start = self._live
             peak, self._live = peak_of_events(self._prof, self._live)
-            import os, sys
-            if os.environ.get("PZ_MEMDEBUG"):
-                print(f"MEMDEBUG {os.environ.get('RANK')} {phase} start {start} peak {peak} end {self._live}", file=sys.stderr)
             self._prof = None
         self.phases[phase] = max(peak, self.phases.get(phase, 0))
 
