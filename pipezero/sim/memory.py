@@ -140,9 +140,9 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
                           forward_live=2 * n * d * a + logits + upcast + logsm,
                           w_extra=max(2 * n * d * F32, linear_params * (F32 + (a if a != F32 else 0))),
                           b_freed=held - n * d * a,  # all but the norm's output (the projection's x)
-                          # without autograd the normed input is gone once projected: the logits
-                          # beside it, then beside the loss's log-softmax
-                          nograd_live=max(n * d * a + logits, logits + upcast + logsm))
+                          # without autograd: the normed input and the logits (the loss is the chunk's
+                          # caller's: ChunkBytes.eval_loss)
+                          nograd_live=n * d * a + logits)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
@@ -192,6 +192,7 @@ class ChunkBytes:
     moments: tuple[tuple[int, int], ...] = ()
     recompute_moments: tuple[tuple[int, int], ...] = ()
     eval_forward: int = 0  # extra inside a forward without autograd (the most one layer holds at once)
+    eval_loss: int = 0  # the last chunk's, after its forward: the logits (upcast) beside log-softmax
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,8 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
                       sum(x.recorded for x in layers),
                       max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
                       backward_moments(layers, params, boundary), rec,
-                      max((x.nograd_live or x.forward_live for x in layers), default=0))
+                      max((x.nograd_live or x.forward_live for x in layers), default=0),
+                      s.tokens * s.vocab * (s.act + (F32 if s.act != F32 else 0) + F32) if loss else 0)
 
 
 def backward_moments(layers: list[LayerBytes], params: list[int], boundary: int) -> tuple[tuple[int, int], ...]:
@@ -597,8 +599,8 @@ def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
     (`after`): (bytes, categories, where). Every micro-batch passes alike, so the peak is in the
     last, when the sends of all before it are still held: inside one of its chunks' forward (the
     input, received or handed over, the most one layer's forward holds at once with nothing saved:
-    `eval_forward`, and on the last chunk's rank the previous logits) or at the end, every
-    send held. The step's token batch is alive
+    `eval_forward`, and on the last chunk's rank the previous logits; then the loss) or at the
+    end, every send held. The step's token batch is alive
     (the evaluation runs inside the step's call)."""
     if not plan.eval_microbatches:
         return None
@@ -614,11 +616,13 @@ def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
     best = (sum(base.values()) + sent + len(sends) * mb_act,
             {**base, "p2p": sent + len(sends) * mb_act}, "eval: sends held")
     # the executor's `y` keeps a chunk's output until the next forward returns: the previous
-    # micro-batch's logits while the rank's first chunk computes (its other outputs are sent, held anyway)
+    # micro-batch's logits while the rank's first chunk computes (its other outputs are sent, held
+    # anyway); the loss comes after, the old logits gone
     logits = s.tokens * s.vocab * s.act if last in chunks and plan.eval_microbatches > 1 else 0
     for c in chunks:
         prev = logits if c == chunks[0] else 0
-        now = {**base, "activations": (mb_act if c > 0 else 0) + cb[c].eval_forward + prev, "p2p": sent}
+        now = {**base, "activations": (mb_act if c > 0 else 0) + max(cb[c].eval_forward + prev, cb[c].eval_loss),
+               "p2p": sent}
         if sharded and plan.layerwise:
             now["gathered"] = _layerwise_gathered(plan, c, 2)
         if sum(now.values()) > best[0]:
