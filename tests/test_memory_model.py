@@ -80,6 +80,22 @@ def test_head_bytes_are_what_autograd_saves():
     assert predicted.held == sum(saved.values())
 
 
+def test_bf16_autocast_bytes_are_what_autograd_saves():
+    """Under bf16 autocast (the residual stream in bf16): the norms run in fp32 (their input upcast
+    and their output kept), every linear keeps its input cast back and its weight's bf16 copy."""
+    from pipezero.runtime.autocast import autocast
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    b, t = 2, 48
+    shapes = Shapes.of(cfg, b, t, DType.BF16)
+    with autocast(DType.BF16, "cpu"):
+        saved, _, y = saved_by(Block(cfg), torch.randn(b, t, cfg.dim).to(torch.bfloat16).requires_grad_())
+        assert layer_bytes(shapes, 1, cfg.n_layers, block_params(cfg) - 2 * cfg.dim).held == \
+            sum(saved.values()) + y.untyped_storage().nbytes()
+        saved, _, _ = saved_by(Head(cfg), torch.randn(b, t, cfg.dim).to(torch.bfloat16).requires_grad_(), loss=True)
+    assert layer_bytes(shapes, cfg.n_layers + 1, cfg.n_layers, cfg.vocab_size * cfg.dim).held == sum(saved.values())
+
+
 @pytest.mark.parametrize("head", [False, True])
 def test_split_backward_keeps_and_frees_what_the_model_says(head):
     """Split backward: B frees the saved tensors no weight op's record holds (`b_freed`), keeps a dy

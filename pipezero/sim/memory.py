@@ -41,8 +41,9 @@ a block saves its RMSNorm outputs, q, k, v before and after rotation, attention'
 contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·kv + 4·hidden
 elements, plus fp32 statistics); the head its two normed tensors, log-softmax (vocab elements,
 fp32) and the targets.
-Under bf16 autocast linears keep bf16 copies of their weights per micro-batch and rotation keeps
-fp32 q and k. Other models (own specs) are estimated with the block formula of their dims.
+Under bf16 autocast (a bf16 residual stream) linears keep bf16 copies of their weights per
+micro-batch and the norms run in fp32, keeping their input upcast and their output; under autocast
+an evaluation's forward also keeps the chunk's weight copies until it returns. Other models (own specs) are estimated with the block formula of their dims.
 """
 
 from __future__ import annotations
@@ -131,6 +132,9 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         # the norm's normalised input (for its weight's gradient) and its output (the projection's
         # input), rms statistics, log-softmax, the targets (int64) and the loss's total weight
         held = 2 * n * d * a + n * F32 + logsm + weights + n * 8 + F32
+        if a != F32:  # autocast runs the norm in fp32: it keeps its input upcast and its output in
+            # fp32, the projection its input cast back, and the norm's weight rounded to the input's
+            held = 2 * n * d * F32 + n * F32 + d * a + n * d * a + logsm + weights + n * 8 + F32
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
         # W's x: the head's input (the layer before's output) and the norm's output
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
@@ -147,8 +151,13 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
     held += n * a * d  # the MLP's linears keep their input flattened to (B·T, dim) as well
-    if a != F32:
-        held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
+    if a != F32:  # counted on autograd's saved tensors of a block under bf16 autocast
+        # each norm runs in fp32 (its input upcast, its output, the statistics) and the linear
+        # after it keeps the output cast back; q, k, v and attention's output (rotation keeps no
+        # fp32 copy: it multiplies by the constant tables), attention's output copied for wo,
+        # SwiGLU's gate, up, silu(gate) and product, the output, the weights' bf16 copies
+        held = (2 * (2 * n * d * F32 + n * F32) + n * a * (3 * d + 3 * s.q + 2 * s.kv + 4 * s.hidden)
+                + n * F32 * s.heads + linear_params * 2 + 2 * d * a)
     # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
     # input (the layer before's output, kept past B by the stash), its two normed tensors,
     # attention's output, the residual sum and SwiGLU's product; every dy is new
@@ -191,7 +200,9 @@ class ChunkBytes:
     # then, bytes beyond what the chunk held before it), without and with recompute
     moments: tuple[tuple[int, int], ...] = ()
     recompute_moments: tuple[tuple[int, int], ...] = ()
-    eval_forward: int = 0  # extra inside a forward without autograd (the most one layer holds at once)
+    # extra inside a forward without autograd: the most one layer holds at once, and under bf16
+    # autocast the chunk's bf16 weight copies (cached for the forward whatever the grad mode)
+    eval_forward: int = 0
     eval_loss: int = 0  # the last chunk's, after its forward: the logits (upcast) beside log-softmax
 
 
@@ -283,7 +294,9 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
                       sum(x.recorded for x in layers),
                       max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
                       backward_moments(layers, params, boundary), rec,
-                      max((x.nograd_live or x.forward_live for x in layers), default=0),
+                      max((x.nograd_live or x.forward_live for x in layers), default=0) + (
+                          2 * sum(_linear_params(s, n, i, n_layers) for i, n in zip(range(lo, hi), params))
+                          if s.act != F32 else 0),
                       s.tokens * s.vocab * (s.act + (F32 if s.act != F32 else 0) + F32) if loss else 0)
 
 
