@@ -240,3 +240,14 @@ def test_the_text_sample_is_a_phase_without_a_pipeline():
     assert long[1].phases["sample"] < long[0].phases["sample"] and not long[1].at.startswith("sample")
     together = ranks(2000, zero=3)
     assert together[1].phases["sample"] == together[0].phases["sample"]
+
+
+def test_fit_check_names_a_phase_outside_the_step():
+    """A layout whose peak is its text sample is refused naming the sample and what lowers it."""
+    from pipezero.errors import ConfigError
+
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": "16", "parallel.micro_batch_size": "1",
+                              "parallel.recompute": True, "run.sample_tokens": "1000", "run.device": "cpu"})
+    limit = predict(cfg, cuda=False)[0].phases["train"] / 2**30 * 1.05  # the step fits, the sample does not
+    with pytest.raises(ConfigError, match=r"in the end-of-run text sample \(fewer --sample-tokens"):
+        check_fit(cfg, limit, cuda=False)
