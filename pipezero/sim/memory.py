@@ -43,7 +43,8 @@ elements, plus fp32 statistics); the head its two normed tensors, log-softmax (v
 fp32) and the targets.
 Under bf16 autocast (a bf16 residual stream) linears keep bf16 copies of their weights per
 micro-batch and the norms run in fp32, keeping their input upcast and their output; under autocast
-an evaluation's forward also keeps the chunk's weight copies until it returns. Other models (own specs) are estimated with the block formula of their dims.
+an evaluation's forward also keeps the chunk's weight copies until it returns. Other models (own
+specs) are estimated with the block formula of their dims.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ class MemoryPlan:
     eval_microbatches: int = 0  # an evaluation's micro-batches on a rank (eval_batches x M; 0: none)
     eval_bytes: int = 0  # the held-out windows, alive the whole run
     sample_len: int = 0  # the text sample's longest window (0: no sample)
+    seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
 
 
 @dataclass
@@ -268,7 +270,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
         if r.sample_tokens and p.pp == 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       p.buckets_in_flight, cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
-                      r.eval_batches * cfg.global_batch * row, sample)
+                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len)
 
 
 def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
@@ -613,8 +615,8 @@ def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
     last, when the sends of all before it are still held: inside one of its chunks' forward (the
     input, received or handed over, the most one layer's forward holds at once with nothing saved:
     `eval_forward`, and on the last chunk's rank the previous logits; then the loss) or at the
-    end, every send held. The step's token batch is alive
-    (the evaluation runs inside the step's call)."""
+    end, every send held. The step's token batch is alive (the evaluation runs inside the step's
+    call)."""
     if not plan.eval_microbatches:
         return None
     s, sched = plan.shapes, plan.program.schedule
@@ -670,7 +672,7 @@ def sample_phase(plan: MemoryPlan, after: dict[str, int], computes: bool = True)
                 lin = _linear_params(s, plan.chunk_params[c][i - lo], i, n_layers)
                 inner = max(inner, x + layer_bytes(s, i, n_layers, lin).forward_live)
     hd = s.q // max(1, s.heads)
-    tables = n_layers * max(0, s.tokens - plan.shapes.tokens) * hd * F32 if plan.shapes.tokens else 0
+    tables = n_layers * max(0, s.tokens - plan.seq_len) * hd * F32  # cos and sin, (length, hd / 2) each
     gathered = 0
     if sharded:
         gathered = _layerwise_gathered(plan, 0, 2) if plan.layerwise else plan.buckets.chunk_numel(0) * F32
