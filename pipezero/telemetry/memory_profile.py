@@ -57,6 +57,10 @@ class PeakMeter(AbstractContextManager):
         return self.resume()
 
     def resume(self) -> "PeakMeter":
+        """Open the next window (a window still open goes on: a run resumed at its last step
+        evaluates before any step closed the first)."""
+        if self._open:
+            return self
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
