@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +96,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
     "--threads": ("run.threads", "torch threads per rank"),
     "--sample-tokens": ("run.sample_tokens", "length of the text sample at the end (0: none)"),
-    "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none)"),
+    "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none, unless the folder holds the run's metrics.jsonl, summary.json or trace: refused, never replaced)"),
     "--trace": ("run.trace", "write trace.json and trace.png"),
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
@@ -133,7 +134,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
-    t.add_argument("--force", action="store_true", help="train in an --out that holds another run (without --resume)")
+    t.add_argument("--force", action="store_true", help="train a new run in an --out that holds a run pipezero started (its .run-id or checkpoints), "
+                        "replacing its metrics.jsonl, summary.json and trace; a folder of files pipezero did not "
+                        "write (no .run-id, no checkpoints) is refused, never replaced")
     t.set_defaults(func=cmd_train)
 
 
@@ -478,9 +481,26 @@ def output_failed(e: OutputFailed, stream: Any) -> int:
     return 2
 
 
+NEGATIVE = re.compile(r"-\.?[0-9]")  # a value that starts as a negative number does: -1, -0.5, -1:1:1
+
+
+def negative_values(argv: Sequence[str]) -> list[str]:
+    """`--flag -1,2` as `--flag=-1,2`: argparse reads a value starting with '-' that is not a plain
+    number (`--cost -1:1:1`) as the next option and answered "expected one argument", which hides
+    the mistake; given to the flag, its own check names it."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if NEGATIVE.match(arg) and prev.startswith("--") and "=" not in prev and prev != "--":
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = negative_values(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
     stream = sys.stdout

@@ -201,10 +201,11 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
         foreign = sorted(set(held.found.entries) & RUN_FILES)
-        if resume and not force and previous is None and foreign and not _holds_steps(path / "checkpoints"):
+        if (resume or force) and previous is None and foreign and not _holds_steps(path / "checkpoints"):
+            flag = "--resume" if resume and not force else "--force"
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
-                              f"no checkpoints), and --resume would write over them: choose another --out, or pass "
-                              f"--force to train there anyway")
+                              f"no checkpoints), and {flag} would write over them: they are not pipezero's to "
+                              f"replace; move them away, or choose another --out")
         clash = clashes() if held.found.entries and force and not resume and clashes else None
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")

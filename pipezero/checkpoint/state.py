@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, read_manifest, write,
-                                       written_by)
+from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
+                                       metadata_problem, read_manifest, write, written_by)
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -215,10 +215,34 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
                 f"wrote them) and train from step 0: write that id back, printf '{theirs}\\n' > "
                 f"{Path(cfg.run.out) / '.run-id'}, or train in another --out")
     mine = [(p, m) for p, m in manifests if m.get("run") in (None, run)]
+    if not mine and run is not None and (kept := run_records(Path(cfg.run.out))):  # no .run-id: the claim says it
+        return (f"it holds no checkpoint of this run to continue from, but holds {', '.join(kept)}, which a "
+                f"resume from step 0 would replace: move them away (or pass --force, without --resume, to start "
+                f"a new run there that replaces them), or choose another --out")
+    if mine and local_problem(mine[0][0]) is None and (short := metadata_problem(mine[0][0])):
+        return (f"its newest checkpoint {mine[0][0]} is damaged: {short}; the ranks would fail reading it. Move "
+                f"that step folder away to resume from the one before, or restore the file")
     if mine and (diff := model_diff((mine[0][1].get("config") or {}).get("model"), cfg.to_dict()["model"])):
         return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
                 f"(--preset, --model, [model]), or start a new --out")
     return None
+
+
+# what a run writes at the top of --out that holds its results: a start from step 0 replaces them
+RECORDS = ("metrics.jsonl", "summary.json", "trace.json", "trace.png")
+
+
+def run_records(out: Path) -> list[str]:
+    """Which of a run's records `out` holds with something in them (an empty metrics.jsonl is what a
+    run that failed at its start leaves: nothing to lose)."""
+    kept = []
+    for name in RECORDS:
+        try:
+            if (out / name).stat().st_size > 0:
+                kept.append(name)
+        except OSError:
+            continue
+    return kept
 
 
 def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
