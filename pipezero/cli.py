@@ -281,6 +281,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("the source is empty: pass a run directory or one of its checkpoints/step-N")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
+    if args.model_spec is not None and not args.model_spec.strip():  # "" read as none given: exported anyway
+        raise ConfigError("--model-spec is empty: name the run's spec, MODULE:NAME, or leave --model-spec out")
     if args.format == "hf" and args.model_spec:
         raise ConfigError("--format hf writes the Hugging Face families (llama, mistral, qwen2), never a --model-spec "
                           "model: drop --model-spec, or --format hf to export it as model.safetensors")

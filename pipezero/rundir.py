@@ -138,6 +138,20 @@ def _holds_steps(folder: Path) -> bool:
         return False
 
 
+def checkpoints_above(path: Path) -> Path | None:
+    """The checkpoints folder of a run that `path` is (or is inside), or None. `--force` there wrote a
+    whole run into another's `checkpoints/step-N` (its metrics, its own checkpoints beside the
+    saved shards); a folder is a run's checkpoints when named so beside a `.run-id`, or holding steps."""
+    try:
+        here = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the claim's own checks name it
+        return None
+    for folder in (here, *here.parents):
+        if folder.name == "checkpoints" and ((folder.parent / RUN_ID).is_file() or _holds_steps(folder)):
+            return folder
+    return None
+
+
 def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
@@ -176,6 +190,9 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         raise ConfigError("--out is empty: name a folder for the run")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
+    if (inside := checkpoints_above(path)) is not None:
+        raise ConfigError(f"--out {out!r} is inside {inside}, a run's checkpoints folder, which that run's saves, "
+                          f"pruning and resume manage: choose a folder outside it")
     if path.is_dir() and (wrong := wrong_kind(path)):  # before the lock: a refusal leaves the folder as found
         raise ConfigError(f"--out {out!r}: {wrong}")
     if (path / LOCK).is_symlink():  # the lock is opened and its pid written through the link: the target's bytes

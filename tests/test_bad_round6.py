@@ -85,7 +85,7 @@ def test_resume_with_a_forged_run_id_and_no_checkpoint_keeps_the_records(tmp_pat
     (mine / "trace.json").write_text("{}")
     before = files(mine)
     assert_one_line(*run_main([*TRAIN, "--out", str(mine), "--resume"], capsys),
-                    "holds no checkpoint of this run to continue from, but holds metrics.jsonl, trace.json")
+                    "holds no checkpoint of this run to continue from, but it holds metrics.jsonl, trace.json")
     assert files(mine) == before
 
 
@@ -175,3 +175,97 @@ def test_a_negative_cost_reaches_its_own_check(cost, capsys):
 
 def test_a_negative_number_still_reaches_a_numeric_flag(capsys):
     assert_one_line(*run_main(["simulate", "--comm", "-1"], capsys), "--comm = -1.0: expected a number >= 0")
+
+
+# --- Part B: a fresh review (round six) -------------------------------------------------------------
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/step-00000001", "checkpoints/step-00000001/deeper"])
+def test_out_inside_a_runs_checkpoints_is_refused(inside, trained, tmp_path, capsys):
+    """`--out RUN/checkpoints/step-N --force` wrote a whole run (metrics, its own checkpoints) into
+    another run's checkpoint, beside the shards that run's saves and pruning manage."""
+    run = copy_run(trained, tmp_path / "run")
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN, *data_of(trained), "--out", str(run / inside), "--force"], capsys),
+                    "a run's checkpoints folder, which that run's saves, pruning and resume manage")
+    assert files(run) == before and not (run / "checkpoints" / "step-00000001" / "deeper").exists()
+
+
+def test_a_folder_named_checkpoints_of_no_run_is_a_run_folder(tmp_path):
+    from pipezero.rundir import claim
+
+    with claim(str(tmp_path / "checkpoints"), resume=False, force=False):
+        pass
+
+
+def test_resume_past_max_steps_is_refused_not_a_silent_no_op(trained, tmp_path, capsys):
+    """`--resume --max-steps 1` over a checkpoint of step 1 is fine (nothing left: exit 0); over step 2
+    it said "resumed" and exited 0 having trained nothing."""
+    run = copy_run(trained, tmp_path / "run")
+    step = run / "checkpoints" / "step-00000001"
+    step.rename(run / "checkpoints" / "step-00000002")
+    manifest = json.loads((run / "checkpoints" / "step-00000002" / "manifest.json").read_text())
+    (run / "checkpoints" / "step-00000002" / "manifest.json").write_text(json.dumps({**manifest, "step": 2}))
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN, *data_of(trained), "--out", str(run), "--resume"], capsys),
+                    "its newest checkpoint is of step 2, past --max-steps 1, so nothing would train")
+    assert files(run) == before
+
+
+def test_resume_with_every_checkpoint_cut_short_keeps_the_records(trained, tmp_path, capsys):
+    """Every checkpoint of the run of the wrong size: the ranks skipped them all, started at step 0
+    and replaced metrics.jsonl and summary.json."""
+    run = copy_run(trained, tmp_path / "run")
+    shard = next((run / "checkpoints" / "step-00000001").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN, *data_of(trained), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
+                    "every checkpoint of this run is damaged (newest step-00000001: files of the wrong size")
+    assert files(run) == before
+
+
+def test_resume_with_every_checkpoint_failing_its_checksum_keeps_the_records(trained, tmp_path, capsys):
+    """Bytes changed in place (sizes right) show only to the ranks' checksums: they skipped every
+    checkpoint and started at step 0 over the run's records. Now the rank stops in one line, exit 1."""
+    run = copy_run(trained, tmp_path / "run")
+    shard = next((run / "checkpoints" / "step-00000001").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    records = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "summary.json")}
+    code, err = run_main([*TRAIN, *data_of(trained), "--max-steps", "2", "--out", str(run), "--resume"], capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert "every checkpoint of this run under" in err and "would replace metrics.jsonl, summary.json" in err, err
+    assert {n: (run / n).read_bytes() for n in records} == records
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--config", "", "--out", "{tmp}/o"], "--config is empty: name a .toml file"),  # trained the defaults
+    (["simulate", "--png", ""], "--png is empty"),  # simulated, drew nothing, exit 0
+    (["simulate", "--from-trace", ""], "--from-trace is empty"),  # simulated the defaults instead
+    (["simulate", "--memory", "--config", " "], "--config is empty"),
+    (["export", "{run}", "--out", "{tmp}/e", "--model-spec", ""], "--model-spec is empty"),  # exported anyway
+    (["doctor", ""], "the run folder is empty"),  # read the working directory, exit 1
+])
+def test_an_empty_value_is_refused_not_read_as_absent(argv, needle, trained, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(trained)) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+
+
+def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Saved by an editor that writes a BOM: "not valid TOML: Invalid statement (at line 1, column 1)"."""
+    from pipezero.settings import build_config
+
+    (tmp_path / "c.toml").write_text("\ufeff[run]\nseed = 7\n", encoding="utf-8")
+    assert build_config(str(tmp_path / "c.toml")).run.seed == 7
+
+
+def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, monkeypatch):
+    """`plan --preset 7b --gpus 8 --gpu-memory 0.001` simulated every layout (minutes on a busy host)
+    to say none fits: the weights' share of one GPU says it at once."""
+    def never(*args, **kwargs):
+        raise AssertionError("the planner ran")
+
+    monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
+    assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
+                    "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
