@@ -239,12 +239,15 @@ def descendants(pid: int) -> list[int]:
 
 
 def leftovers(tag: str) -> list[str]:
-    """Namespaces and links whose names start with `tag` (what a closed cluster must not leave)."""
+    """Namespaces and links of the cluster tagged `tag` (what a closed cluster must not leave): its
+    bridge, namespaces and host-side ends exactly, not another cluster's whose tag merely starts
+    alike (pz123 and pz1234 may be built at once by two test workers)."""
     names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     found = [line.split(":")[1].strip().split("@")[0] for line in names.splitlines()]
     found += [line.split()[0] for line in spaces.splitlines() if line.strip()]
-    return [n for n in found if n.startswith(tag)]
+    mine = re.compile(re.escape(tag) + r"[bnv]\d*")
+    return [n for n in found if mine.fullmatch(n)]
 
 
 def launcher_restarts(argv: Sequence[str]) -> tuple[int, list[str]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,20 +42,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from pipezero.summary import RunResult
-
-# Test-only: "RANK:PARAM" adds noise to that rank's final copy of PARAM before it is written, so the
-# tests can show that verify catches one drifted replica. Never set outside tests.
-TEST_PERTURB_ENV = "PIPEZERO_TEST_PERTURB"
-
-
-def check_perturb_env() -> None:
-    """The tests' hook (RANK:PARAMETER, one rank's weights nudged to show verify catches it), set by
-    hand in another form, was a ValueError in every rank: refused here, before any starts."""
-    spec = os.environ.get(TEST_PERTURB_ENV)
-    if spec and not re.fullmatch(r"\d+:\S+", spec):
-        raise ConfigError(f"{TEST_PERTURB_ENV}={spec[:80]!r} is the tests' variable (RANK:PARAMETER, to make verify "
-                          f"fail on purpose): unset it")
-
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -216,14 +201,6 @@ def within_rounding(failed: list[Check], floor: list[Check], factor: float = ROU
     return bool(failed) and all(c.error <= factor * same.get((c.what, c.step, c.name), 0.0) for c in failed)
 
 
-def _perturb(rank: int, params: dict[str, torch.Tensor]) -> None:
-    spec = os.environ.get(TEST_PERTURB_ENV)
-    if spec and int(spec.split(":", 1)[0]) == rank:
-        name = spec.split(":", 1)[1]
-        noise = torch.randn(params[name].shape, generator=torch.Generator().manual_seed(0))
-        params[name] += 1e-3 * params[name].norm() / params[name].numel() ** 0.5 * noise
-
-
 def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
     """Train the layout on this rank (one of the job) and write what it holds to `out`."""
     from pipezero.engine import train
@@ -232,7 +209,6 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
     res = train(cfg, snapshot=True)
     rank = int(os.environ.get("RANK", "0"))
     mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank, cfg.parallel.placement)
-    _perturb(rank, res.params)
     result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(vars(result), out / f"rank{rank}.pt")  # asdict would deep-copy every tensor

@@ -6,14 +6,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
-from pipezero.verify import ROUNDING_FACTOR, TEST_PERTURB_ENV, TOLERANCES, Check, recut, verdict, within_rounding
+from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
 
+DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
 SMALL = ["--tokenizer", "bytes", "--seq-len", "32", "--no-progress"]
 
 
@@ -54,9 +56,12 @@ def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
 
 @pytest.mark.distributed
 def test_one_drifted_replica_fails_verify_and_is_named(text_dir, tmp_path):
-    """ZeRO-3 over two replicas; the test-only hook nudges replica 1's copy of one weight by 1e-3."""
+    """ZeRO-3 over two replicas; tests/drift/sitecustomize.py nudges replica 1's copy of one weight
+    by 1e-3 before verify writes it (a hook kept out of the package)."""
+    hook = {"PIPEZERO_TEST_DRIFT": "1:layers.1.attn.wq.weight",
+            "PYTHONPATH": os.pathsep.join([str(DRIFT), os.environ.get("PYTHONPATH", "")])}
     code, log, report = verify(text_dir, tmp_path / "v", "--nproc", "2", "--dp", "2", "--zero", "3",
-                               "--microbatches", "2", env={TEST_PERTURB_ENV: "1:layers.1.attn.wq.weight"})
+                               "--microbatches", "2", env=hook)
     assert code == 1, log[-3000:]
     assert report["failed"] == [report["failed"][0]] and "rank 1 (stage 0, replica 1) layers.1.attn.wq.weight" \
         in report["failed"][0]
