@@ -175,6 +175,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
                           f"model's files there at each start, which would write over that folder's: remove the "
                           f"link (the run keeps its own copy)")
+    if cfg.run.resume and not under_torchrun():  # another run's folder is named busy first: its steps are moving
+        from pipezero.rundir import in_use
+
+        in_use(cfg.run.out)
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
         from pipezero.checkpoint.state import resume_clashes, resume_problem
 

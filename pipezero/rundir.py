@@ -159,6 +159,25 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
+def in_use(out: str) -> None:
+    """Refuse `out` if another run holds its lock, without taking it: said first, before the checks
+    of what a resume would find there (the other run's checkpoints are changing under it)."""
+    try:
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none, a link, not readable: the claim says what is wrong with it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        raise ConfigError(f"--out {out!r} is in use by another run (pid {holder}); wait for it to end or choose "
+                          f"another --out") from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+
+
 def _lock(path: Path) -> int:
     while True:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)

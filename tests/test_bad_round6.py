@@ -269,3 +269,37 @@ def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, mon
     monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
     assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
                     "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
+
+
+def test_a_folder_in_use_is_said_before_what_a_resume_would_find_there(trained, tmp_path, capsys):
+    """The resume's checks read the other run's checkpoints as they change (a step past --max-steps,
+    one being pruned): "in use by another run" is the one answer."""
+    from pipezero.rundir import claim
+
+    run = copy_run(trained, tmp_path / "run")
+    with claim(str(run), resume=True, force=False):
+        assert_one_line(*run_main([*TRAIN, *data_of(trained), "--out", str(run), "--resume", "--max-steps", "1",
+                                   "--preset", "small"], capsys), "is in use by another run")
+
+
+def test_force_into_a_hugging_face_model_folder_keeps_the_model(tmp_path, capsys):
+    """`train --force --out MODEL` replaced the model's config.json with the run's (found in review)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = files(model)
+    assert_one_line(*run_main([*TRAIN, "--out", str(model), "--force"], capsys),
+                    "holds config.json but no run pipezero started")
+    assert files(model) == before
+
+
+def test_resume_under_another_runs_id_keeps_the_records(trained, tmp_path, capsys):
+    """A .run-id that is not the checkpoints' (edited, or copied from another run) took none of them
+    and started at step 0 over metrics.jsonl (found in review)."""
+    run = copy_run(trained, tmp_path / "run")
+    (run / ".run-id").write_text("ffffffffffffffff\n")
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN, *data_of(trained), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
+                    "holds no checkpoint of this run to continue from, but it holds metrics.jsonl, summary.json")
+    assert files(run) == before
