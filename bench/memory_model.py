@@ -5,6 +5,10 @@ on two models: `activations` (long sequences, few parameters) and `states` (many
 tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
+        [--schedules 1f1b,zb-v] [--zero 0,3] [--dtype bf16] [--eval-batches N] [--sample-tokens N]
+
+A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
+sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
 
 Prints one line a case (the worst rank's ratio), then the summary: cases and ranks, how many ranks
 within 10%, the median error, the worst over- and under-prediction (with and without recompute), and
@@ -33,7 +37,7 @@ from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_runs import first_step_peaks  # noqa: E402
+from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_bytes  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
@@ -48,16 +52,19 @@ MODELS = {
 
 
 def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recompute: bool, data: str,
-             out: str) -> dict:
+             out: str, dtype: str = "fp32", eval_batches: int = 1, sample_tokens: int = 0) -> dict:
     return {**MODELS[model], "model.preset": "tiny", "data.path": data, "data.tokenizer": "bytes",
+            "run.dtype": dtype,
             "data.packing": "concat", "parallel.pp": pp, "parallel.dp": dp, "parallel.zero": zero,
             "parallel.schedule": kind.value, "parallel.microbatches": 2 * pp,
             "parallel.virtual_stages": default_virtual(kind, None) if pp > 1 else 1, "parallel.recompute": recompute,
             "parallel.timeout_s": 120.0, "run.max_steps": 1, "run.out": out, "run.progress": False,
-            "run.sample_tokens": 0, "run.eval_every": 0, "run.eval_batches": 1, "run.threads": 1}
+            "run.sample_tokens": sample_tokens, "run.eval_every": 0, "run.eval_batches": eval_batches,
+            "run.threads": 1}
 
 
-def cases(models: list[str], pps: list[int], dps: list[int], max_ranks: int) -> list[dict]:
+def cases(models: list[str], pps: list[int], dps: list[int], max_ranks: int, kinds: list[ScheduleKind] | None = None,
+          zeros: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
     out = []
     for model in models:
         for pp in pps:
@@ -65,11 +72,13 @@ def cases(models: list[str], pps: list[int], dps: list[int], max_ranks: int) -> 
                 if pp * dp > max_ranks:
                     continue
                 for kind in SCHEDULES if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
+                    if kinds is not None and kind not in kinds:
+                        continue
                     try:
                         check_layout(kind, pp, 2 * pp, default_virtual(kind, None))
                     except ValueError:
                         continue
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                    for zero in [z for z in zeros if dp > 1 or z == 0]:
                         for recompute in (False, True):
                             out.append({"model": model, "schedule": kind.value, "pp": pp, "dp": dp, "zero": zero,
                                         "recompute": recompute})
@@ -82,6 +91,11 @@ def main() -> None:
     ap.add_argument("--pp", default="1,2,4")
     ap.add_argument("--dp", default="1,2")
     ap.add_argument("--max-ranks", type=int, default=4)
+    ap.add_argument("--schedules", help="only these schedules (comma-separated; default: every one)")
+    ap.add_argument("--zero", default="0,1,2,3", help="ZeRO stages (D > 1; D = 1 runs stage 0)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--eval-batches", type=int, default=1, help="global batches the evaluation after the step reads")
+    ap.add_argument("--sample-tokens", type=int, default=0, help="the text sample's length (P = 1 only)")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
@@ -95,15 +109,19 @@ def main() -> None:
         rows = json.loads(Path(args.repredict).read_text())["rows"]
         for row in rows:
             cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
-                                              row["zero"], row["recompute"], str(Path(__file__).parent), "-"))
+                                              row["zero"], row["recompute"], str(Path(__file__).parent), "-",
+                                              row.get("dtype", "fp32"), row.get("eval_batches", 1),
+                                              row.get("sample_tokens", 0)))
             for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
-                r.update(predicted_peak_bytes=pred.peak_bytes, ratio=pred.peak_bytes / r["measured_peak_bytes"],
-                         at=pred.at)
+                r.update(rank_figures(pred, r.get("measured_phases") or {"train": r["measured_peak_bytes"]}))
             show(row)
         report(rows, args.out)
         return
-    todo = cases(args.models.split(","), [int(x) for x in args.pp.split(",")], [int(x) for x in args.dp.split(",")],
-                 args.max_ranks)
+    kinds = [ScheduleKind(k) for k in args.schedules.split(",")] if args.schedules else None
+    todo = [{**c, "dtype": args.dtype, "eval_batches": args.eval_batches, "sample_tokens": args.sample_tokens}
+            for c in cases(args.models.split(","), [int(x) for x in args.pp.split(",")],
+                           [int(x) for x in args.dp.split(",")], args.max_ranks, kinds,
+                           tuple(int(z) for z in args.zero.split(",")))]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data or str(write_stdlib_sample(Path(tmp) / "corpus"))
@@ -112,18 +130,25 @@ def main() -> None:
             by_world.setdefault(c["pp"] * c["dp"], []).append(c)
         for world, group in sorted(by_world.items()):
             cfgs = [build_config(None, settings(c["model"], ScheduleKind(c["schedule"]), c["pp"], c["dp"], c["zero"],
-                                                c["recompute"], data, f"{tmp}/run{i}"))
+                                                c["recompute"], data, f"{tmp}/run{i}", c["dtype"], c["eval_batches"],
+                                                c["sample_tokens"]))
                     for i, c in enumerate(group)]
             t0 = time.perf_counter()
-            measured = run_ranks(first_step_peaks, world, cfgs, timeout=3600)
+            measured = run_ranks(phase_peaks, world, cfgs, timeout=3600)
             print(f"# {len(group)} cases on {world} ranks in {time.perf_counter() - t0:.0f} s", flush=True)
             for i, (c, cfg) in enumerate(zip(group, cfgs)):
                 pred = predict(cfg, cuda=False)
-                ranks = [{"rank": r, "predicted_peak_bytes": pred[r].peak_bytes, "measured_peak_bytes": measured[r][i],
-                          "ratio": pred[r].peak_bytes / measured[r][i], "at": pred[r].at} for r in range(world)]
+                ranks = [{"rank": r, **rank_figures(pred[r], measured[r][i])} for r in range(world)]
                 rows.append({**c, "ranks": ranks})
                 show(rows[-1])
     report(rows, args.out)
+
+
+def rank_figures(pred, measured: dict[str, int]) -> dict:
+    """One rank's predicted and measured peaks (the most over phases) and each phase's."""
+    peak = max(measured.values())
+    return {"predicted_peak_bytes": pred.peak_bytes, "measured_peak_bytes": peak, "ratio": pred.peak_bytes / peak,
+            "at": pred.at, "measured_phases": measured, "predicted_phases": dict(getattr(pred, "phases", {}))}
 
 
 def show(row: dict) -> None:

@@ -101,8 +101,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
     "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
-    "--memory-profile": ("run.memory_profile", "measure each rank's peak memory of the first step and write it "
-                                               "beside the memory model's prediction in summary.json"),
+    "--memory-profile": ("run.memory_profile", "measure each rank's peak memory of the first step, the first "
+                                               "evaluation and the text sample and write them beside the memory "
+                                               "model's prediction in summary.json"),
     "--gpu-memory": ("run.gpu_memory_gib", "GiB a rank may use: a layout whose predicted peak exceeds it is refused "
                                            "before any rank starts (default on CUDA: the device's memory; CPU: off)"),
 }

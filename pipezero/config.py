@@ -322,9 +322,10 @@ class RunConfig:
     progress: bool = True
     """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: no per-step lines."""
     memory_profile: bool = False
-    """Measure each rank's peak memory of the first step (CUDA: the caching allocator's peak; CPU: live
-    tensor bytes from the profiler's memory events) and write it beside the memory model's prediction
-    in summary.json. Off: nothing is measured, nothing is paid."""
+    """Measure each rank's peak memory of the first step, the first evaluation and the text sample
+    (CUDA: the caching allocator's peak; CPU: live tensor bytes from the profiler's memory events) and
+    write them beside the memory model's prediction in summary.json. Off: nothing is measured, nothing
+    is paid."""
     gpu_memory_gib: float | None = None
     """Refuse, before any rank starts, a layout whose predicted peak on some rank exceeds this many GiB
     (sim/memory.py). None: on CUDA the device's memory, on CPU no check."""

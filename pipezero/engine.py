@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
 from pipezero.stage import Stage, build_stage
 from pipezero.summary import RunResult, finish_run, peak_rss_bytes
+
+T = TypeVar("T")
 
 
 def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
@@ -90,7 +93,9 @@ class Trainer:
     peak_live: int = 0
     peak_gathered_run: int = 0
     bubbles: list[float] = field(default_factory=list)  # per steady step: share spent blocked on peers
-    meter: PeakMeter | None = None  # --memory-profile: open from before the model is built to the first step's end
+    # --memory-profile: open from before the model is built to the first step's end, then again
+    # around the first evaluation and the text sample (telemetry/memory_profile.py)
+    meter: PeakMeter | None = None
     # Writes the rank's flight record for the hang doctor when a wait stalls or fails (a thread of
     # its own: a rank blocked in a wait cannot speak); stopped by `finish`, or by `train` on failure.
     watch: Watch | None = None
@@ -175,10 +180,10 @@ class Trainer:
         stats = stage.executor.run(stage.program, mbs, max(1, counted))
         self.peak_live = max(self.peak_live, stats.peak_live)
         outcome = stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, stats.loss)
-        if self.meter is not None:  # the first step's peak, as the memory model predicts it
+        if self.meter is not None and "train" not in self.meter.phases:  # the first step's peak
             stage.zero.settle()
-            self.meter.__exit__(None, None, None)
-            result.measured_peak_bytes, self.meter = self.meter.peak_bytes, None
+            self.meter.pause("train")
+            self.measured()
         stage.executor.flight.outside("after OPTIM_STEP")
         self.bad_in_a_row = 0 if outcome.applied else 1 + self.bad_in_a_row
         if not outcome.applied:
@@ -220,7 +225,29 @@ class Trainer:
         return record
 
     def evaluate(self) -> float:
-        return evaluate(self.stage, self.eval_set, self.eval_tokens)
+        """The held-out loss; its peak memory is the phase `eval` (the meter read before the
+        device's phase peaks reset)."""
+        loss = self.metered("eval", lambda: evaluate(self.stage, self.eval_set, self.eval_tokens))
+        self.stage.peaks.mark("eval")
+        return loss
+
+    def metered(self, phase: str, fn: Callable[[], T]) -> T:
+        """`fn()`, its peak memory measured as `phase`'s the first time (--memory-profile: every
+        evaluation is alike, so the first stands for all and the others run unprofiled)."""
+        if self.meter is None or phase in self.meter.phases:
+            return fn()
+        self.meter.resume()
+        try:
+            return fn()
+        finally:
+            self.meter.pause(phase)
+            self.measured()
+
+    def measured(self) -> None:
+        """The result's measured peak: the most of every phase measured so far, and each phase's."""
+        assert self.meter is not None
+        self.result.measured_peak_bytes = self.meter.peak_bytes
+        self.result.measured_phases = dict(self.meter.phases)
 
     def stop_watch(self, finished: bool = True) -> None:
         if self.watch is not None:
@@ -239,7 +266,9 @@ class Trainer:
             result.heldout[cfg.run.max_steps] = self.evaluate()
         result.peak_live = self.peak_live
         result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
-        result.sample_text = end_sample(cfg, stage, self.corpus)
+        if will_sample(cfg, self.corpus):
+            result.sample_text = self.metered("sample", lambda: end_sample(cfg, stage, self.corpus))
+            stage.peaks.mark("sample")
         result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
         finish_run(cfg, stage, self.corpus, result, progress, self.board, own_model=self.spec is not None)
         self.stop_watch()
@@ -279,7 +308,6 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
                     f"rank {p2p.rank}, step {stage.tracer.step}: held-out evaluation: all-reduce of the loss across "
                     f"{stage.mesh.world_size} ranks")[0]
     stage.zero.release_all()
-    stage.peaks.mark("eval")
     return total / eval_tokens
 
 

@@ -53,8 +53,10 @@ SUMMARY_FIELDS: dict[str, str] = {
                    "each rank's measured held bytes a parameter",
     "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
               "freezing saved over every rank",
-    "memory": "ranks: each rank's predicted_peak_bytes and its categories (sim/memory.py; null for a model of "
-              "one's own), and with --memory-profile its measured_peak_bytes of the first step (else null)",
+    "memory": "ranks: each rank's predicted_peak_bytes, the most of its phases (predicted_phase_bytes: train, "
+              "eval, sample), and the categories at it (sim/memory.py; null for a model of one's own), and with "
+              "--memory-profile its measured_peak_bytes and measured_phase_bytes: the first step, the first "
+              "evaluation and the text sample (else null)",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
@@ -80,10 +82,12 @@ RANK_FIELDS: dict[str, str] = {
             "`steps` training steps (those after the first when there are more); planned: the plan's cost of one "
             "step of them (layer costs); for the straggler",
     "zero3_gathered_peak_bytes": "ZeRO-3: most parameter bytes gathered at once, in training and over the run",
-    "measured_peak_bytes": "with --memory-profile: this rank's peak memory of the first step (CUDA: allocator peak; "
-                           "CPU: live tensor bytes); else null",
-    "peak_device_bytes": "on GPUs only: allocated and reserved peaks of the training steps after the first, and "
-                         "of evaluation",
+    "measured_peak_bytes": "with --memory-profile: this rank's peak memory over the first step, the first "
+                           "evaluation and the text sample (CUDA: allocator peak; CPU: live tensor bytes); else null",
+    "measured_phase_bytes": "with --memory-profile: the peak of each phase measured (train: the first step, eval: the "
+                            "first evaluation, sample: the text sample); else null",
+    "peak_device_bytes": "on GPUs only: allocated and reserved peaks of the training steps after the first, of "
+                         "evaluation and of the text sample",
 }
 
 
@@ -104,7 +108,8 @@ class RunResult:
     peak_gathered_training: int = 0  # most ZeRO-3 parameter bytes gathered at once during training
     peak_rss_training: int = 0  # bytes, ru_maxrss at the end of the last training step
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
-    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak of the first step
+    measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak over the phases measured
+    measured_phases: dict[str, int] = field(default_factory=dict)  # --memory-profile: each phase's peak
 
 
 def peak_rss_bytes() -> int:
@@ -121,6 +126,8 @@ def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list
     predicted = None if own_model or cfg.model.spec is not None else predict(resolve(cfg, cuda), cuda)
     return {"ranks": [{"rank": r, "measured_peak_bytes": x["measured_peak_bytes"],
                        "predicted_peak_bytes": predicted[r].peak_bytes if predicted else None,
+                       "measured_phase_bytes": x.get("measured_phase_bytes"),
+                       "predicted_phase_bytes": predicted[r].phases if predicted else None,
                        "categories": predicted[r].categories if predicted else None}
                       for r, x in enumerate(per_rank)]}
 
@@ -157,6 +164,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "peak_rss_bytes_training": result.peak_rss_training,
             "zero3_gathered_peak_bytes": {"training": result.peak_gathered_training, "run": result.peak_gathered_run},
             "measured_peak_bytes": result.measured_peak_bytes,
+            "measured_phase_bytes": result.measured_phases or None,
             "waits_s": stage.executor.flight.waits(),  # blocked on each peer and in collectives
             "work": own_work(cfg, stage)}  # who is slow: the straggler
     if stage.peaks.phases:

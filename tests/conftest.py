@@ -44,3 +44,35 @@ def _processes_only_when_distributed(request: pytest.FixtureRequest, monkeypatch
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2`), the tests that start ranks go first: they are the long ones
+    (up to half a minute each), and one of them left for the end would keep one worker busy while
+    the other has nothing to do. Without workers the order is the files' own."""
+    if getattr(config.option, "numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("distributed") is None)  # stable: file order kept
+
+
+@pytest.fixture(autouse=True)
+def _timed_tests_run_alone(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Under pytest-xdist, a test marked `alone` (it asserts a measured time: a bubble, a straggler's
+    share) runs while no other worker runs any test; the others run side by side. A reader-writer
+    lock on two files shared by the session's workers: `turn` is taken by everyone on the way in,
+    and held by an `alone` test until it has the room to itself, so the other worker's next test
+    waits behind it instead of starving it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    alone = request.node.get_closest_marker("alone") is not None
+    base = tmp_path_factory.getbasetemp().parent / "pipezero-tests"  # the session's, above each worker's
+    with open(f"{base}.turn", "a") as turn, open(f"{base}.room", "a") as room:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)

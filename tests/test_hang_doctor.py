@@ -287,6 +287,7 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
 
 
 @pytest.mark.distributed
+@pytest.mark.alone  # a measured time against the plan: no other test's ranks beside it
 def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
     """Rank 1's compute takes half as long again (and 0.3 s more a chunk a step); the run finishes,
     summary.json names it as the straggler (not its pipeline neighbour, rank 3, which the slowness

@@ -80,6 +80,22 @@ def test_head_bytes_are_what_autograd_saves():
     assert predicted.held == sum(saved.values())
 
 
+def test_bf16_autocast_bytes_are_what_autograd_saves():
+    """Under bf16 autocast (the residual stream in bf16): the norms run in fp32 (their input upcast
+    and their output kept), every linear keeps its input cast back and its weight's bf16 copy."""
+    from pipezero.runtime.autocast import autocast
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, vocab_size=256)
+    b, t = 2, 48
+    shapes = Shapes.of(cfg, b, t, DType.BF16)
+    with autocast(DType.BF16, "cpu"):
+        saved, _, y = saved_by(Block(cfg), torch.randn(b, t, cfg.dim).to(torch.bfloat16).requires_grad_())
+        assert layer_bytes(shapes, 1, cfg.n_layers, block_params(cfg) - 2 * cfg.dim).held == \
+            sum(saved.values()) + y.untyped_storage().nbytes()
+        saved, _, _ = saved_by(Head(cfg), torch.randn(b, t, cfg.dim).to(torch.bfloat16).requires_grad_(), loss=True)
+    assert layer_bytes(shapes, cfg.n_layers + 1, cfg.n_layers, cfg.vocab_size * cfg.dim).held == sum(saved.values())
+
+
 @pytest.mark.parametrize("head", [False, True])
 def test_split_backward_keeps_and_frees_what_the_model_says(head):
     """Split backward: B frees the saved tensors no weight op's record holds (`b_freed`), keeps a dy
@@ -133,6 +149,7 @@ def test_simulate_memory_json_names_every_rank(capsys):
     assert [r["rank"] for r in out["ranks"]] == [0, 1, 2, 3]
     for r in out["ranks"]:
         assert r["peak_bytes"] == sum(r["categories"].values()) > 0
+        assert r["peak_bytes"] == max(r["phases"].values()) and set(r["phases"]) == {"train", "eval"}
         assert r["categories"]["gathered"] > 0  # ZeRO-3 keeps its chunk gathered through the step
 
 
@@ -183,3 +200,54 @@ def test_the_planner_reads_the_heaviest_rank_not_only_the_ends():
     assert peaks[1] > max(peaks[0], peaks[3])
     lay = Layout(4, 1, 0, K.ONE_F_ONE_B, 1, 4, 8, False)
     assert layout_memory(model, 1024, lay, False, False, par.bucket_mb).peak_bytes == max(peaks)
+
+
+def test_an_evaluation_holds_every_send_to_its_end():
+    """The evaluation phase: a rank that sends on holds each evaluation micro-batch's output until
+    the evaluation's end, so its eval peak grows by M boundary activations a further batch read
+    (and by the held-out windows, alive the whole run, as every phase does); the last stage sends
+    nothing. With recompute and many batches the evaluation is the first rank's peak."""
+    def ranks(batches: int, recompute: bool = False) -> list:
+        return predict(build_config(None, layout(**{"parallel.pp": 2, "parallel.microbatches": 4,
+                                                    "parallel.recompute": recompute, "parallel.bucket_mb": 4,
+                                                    "run.eval_batches": batches})))
+
+    one, nine = ranks(1), ranks(9)
+    rows = 4 * 2 * 64 * 16  # one global batch of held-out windows: int64 tokens and targets
+    send = 2 * 64 * 320 * 4  # B x T x dim, fp32
+    assert nine[0].phases["eval"] - one[0].phases["eval"] == 8 * (4 * send + rows)
+    assert nine[1].phases["eval"] - one[1].phases["eval"] == 8 * rows
+    assert nine[0].phases["train"] - one[0].phases["train"] == 8 * rows
+    heavy = ranks(64, recompute=True)[0]
+    assert heavy.at.startswith("eval") and heavy.peak_bytes == heavy.phases["eval"] > heavy.phases["train"]
+    assert heavy.categories["p2p"] >= 64 * 4 * send - 2 * send  # all but the last micro-batch's
+
+
+def test_the_text_sample_is_a_phase_without_a_pipeline():
+    """The end-of-run sample (P = 1 only): a forward over the window grown to the prompt and the
+    sampled tokens, cut at the model's max_seq_len; rank 0 samples alone below ZeRO-3 (the others
+    wait), every rank samples at ZeRO-3 layer by layer."""
+    def ranks(tokens: int, zero: int = 0, pp: int = 1) -> list:
+        return predict(build_config(None, layout(**{"parallel.pp": pp, "parallel.dp": 2, "parallel.zero": zero,
+                                                    "parallel.microbatches": 2, "parallel.micro_batch_size": 1,
+                                                    "parallel.recompute": True, "parallel.bucket_mb": 4,
+                                                    "run.sample_tokens": tokens})))
+
+    assert "sample" not in ranks(0)[0].phases and "sample" not in ranks(2000, pp=2)[0].phases
+    short, long, longer = ranks(100), ranks(2000), ranks(3000)
+    assert short[0].phases["sample"] < long[0].phases["sample"] == longer[0].phases["sample"]  # max_seq_len 1024
+    assert long[0].at.startswith("sample") and long[0].peak_bytes == long[0].phases["sample"]
+    assert long[1].phases["sample"] < long[0].phases["sample"] and not long[1].at.startswith("sample")
+    together = ranks(2000, zero=3)
+    assert together[1].phases["sample"] == together[0].phases["sample"]
+
+
+def test_fit_check_names_a_phase_outside_the_step():
+    """A layout whose peak is its text sample is refused naming the sample and what lowers it."""
+    from pipezero.errors import ConfigError
+
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": "16", "parallel.micro_batch_size": "1",
+                              "parallel.recompute": True, "run.sample_tokens": "1000", "run.device": "cpu"})
+    limit = predict(cfg, cuda=False)[0].phases["train"] / 2**30 * 1.05  # the step fits, the sample does not
+    with pytest.raises(ConfigError, match=r"in the end-of-run text sample \(fewer --sample-tokens"):
+        check_fit(cfg, limit, cuda=False)

@@ -1,6 +1,12 @@
 """The memory model against measured runs: each rank's predicted peak (sim/memory.py) within 10% of
-its measured peak of the first step (train --memory-profile: the profiler's live tensor bytes),
-for 1F1B and ZB-H1 at ZeRO 0 and 3 on P=2 x D=2, one spawn of four ranks. The whole table (every
+its measured peak (train --memory-profile: the profiler's live tensor bytes of the first step, the
+first evaluation and the text sample), one spawn of four ranks:
+- 1F1B and ZB-H1 at ZeRO 0 and 3 on P=2 x D=2 (the training step's peak);
+- an evaluation-heavy layout: 1F1B, P=2 x D=2, recompute, long sequences and 32 evaluation
+  batches, whose evaluation holds every micro-batch's send until its end (more than the step);
+- a long text sample at P=1 x D=4, ZeRO 0 (rank 0 samples alone) and ZeRO-3 layer by layer (every
+  rank samples), a 16384-wide vocabulary over a window grown to 203 tokens (more than the step).
+In the last two, the heavier phase is held to its own prediction too. The whole table (every
 schedule, stage, P, D, recompute, two models) is bench/memory_model.py."""
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import pytest
 from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
 from pipezero.sim.memory import predict
-from pipezero.sim.memory_runs import first_step_peaks
+from pipezero.sim.memory_runs import phase_peaks
 from ranks import run_ranks
 from training import tiny_overrides
 
@@ -20,19 +26,40 @@ pytestmark = pytest.mark.distributed
 MODEL = {"model.n_layers": 4, "model.dim": 128, "model.n_heads": 4, "model.vocab_size": 256,
          "data.seq_len": 32, "data.packing": "concat", "parallel.micro_batch_size": 2, "parallel.bucket_mb": 0.5,
          "run.max_steps": 1, "run.threads": 1}
-CASES = [(kind, zero) for kind in (K.ONE_F_ONE_B, K.ZB_H1) for zero in (0, 3)]
+# (name, pipeline ranks, data-parallel ranks, schedule, settings beside MODEL, the phase that must be
+# heaviest and on which ranks)
+CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None, ())
+         for kind in (K.ONE_F_ONE_B, K.ZB_H1) for zero in (0, 3)] + [
+    # the first stage sends 32 x 4 micro-batches of 512 x 64 fp32
+    ("eval-heavy", 2, 2, K.ONE_F_ONE_B, {"model.dim": 64, "data.seq_len": 512, "parallel.micro_batch_size": 1,
+                                         "parallel.recompute": True, "run.eval_batches": 32}, "eval", (0, 1)),
+    # logits of 203 x 16384 fp32 beside the whole model's state (width 32: its embedding and head are small)
+    *[(f"long sample ZeRO-{zero}", 1, 4, K.ONE_F_ONE_B,
+       {"model.vocab_size": 16384, "model.dim": 32, "data.seq_len": 16, "parallel.micro_batch_size": 1, "parallel.recompute": True,
+        "parallel.zero": zero, "run.sample_tokens": 200}, "sample", (0, 1, 2, 3) if zero == 3 else (0,))
+      for zero in (0, 3)]]
 
 
 def test_predicted_peaks_within_a_tenth_of_measured(text_dir, tmp_path):
-    cfgs = [build_config(None, tiny_overrides(str(text_dir), f"{tmp_path}/{kind.value}-z{zero}", 2, 2, kind, 4,
-                                              **MODEL, **{"parallel.zero": zero}))
-            for kind, zero in CASES]
-    measured = run_ranks(first_step_peaks, 4, cfgs, timeout=240)
+    cfgs = [build_config(None, tiny_overrides(str(text_dir), f"{tmp_path}/case{i}", pp, dp, kind, 2 * pp,
+                                              **{**MODEL, **extra}))
+            for i, (_, pp, dp, kind, extra, _, _) in enumerate(CASES)]
+    measured = run_ranks(phase_peaks, 4, cfgs, timeout=300)
     off = []
-    for i, ((kind, zero), cfg) in enumerate(zip(CASES, cfgs)):
+    for i, ((name, _, _, _, _, heavy, where), cfg) in enumerate(zip(CASES, cfgs)):
         for r, pred in enumerate(predict(cfg, cuda=False)):
-            ratio = pred.peak_bytes / measured[r][i]
+            phases = measured[r][i]
+            peak = max(phases.values())
+            ratio = pred.peak_bytes / peak
             if not 0.9 <= ratio <= 1.1:
-                off.append(f"{kind.value} ZeRO-{zero} rank {r}: predicted {pred.peak_bytes / 2**20:.2f} MiB, "
-                           f"measured {measured[r][i] / 2**20:.2f} MiB ({ratio:.3f})")
+                off.append(f"{name} rank {r}: predicted {pred.peak_bytes / 2**20:.2f} MiB, measured "
+                           f"{peak / 2**20:.2f} MiB ({ratio:.3f}; phases {phases})")
+            if r not in where:
+                continue
+            if phases.get(heavy, 0) <= phases["train"]:
+                off.append(f"{name} rank {r}: the {heavy} phase ({phases.get(heavy, 0)} bytes) is not above the "
+                           f"step's ({phases['train']}): the case does not test what it says")
+            if not 0.9 <= pred.phases.get(heavy, 0) / phases[heavy] <= 1.1 or not pred.at.startswith(heavy):
+                off.append(f"{name} rank {r}: {heavy} predicted {pred.phases.get(heavy, 0)} bytes (peak at "
+                           f"{pred.at!r}), measured {phases[heavy]}")
     assert not off, "; ".join(off)

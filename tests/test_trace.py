@@ -14,6 +14,7 @@ from pipezero.config import ScheduleKind
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.alone  # a measured time against the plan: no other test's ranks beside it
 def test_trace_of_4_rank_1f1b_and_calibrated_bubble(text_dir, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "4", "--pp", "4", "--dp", "1",

@@ -43,8 +43,11 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
         return ranks
     worst = max(over, key=lambda r: r.peak_bytes)
     parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in worst.biggest())
+    # a peak outside the training step names its phase and what lowers it
+    phase = {"eval": " in the held-out evaluation (fewer run.eval_batches lower it)",
+             "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
     raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
-                      f"{worst.peak_bytes / GIB:.2f} GiB ({parts} GiB; {len(over)} of {len(ranks)} ranks over); "
+                      f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over); "
                       f"{alternatives(cfg, limit_gib, cuda)}")
 
 

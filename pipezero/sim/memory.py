@@ -21,15 +21,30 @@ Categories (bytes on one rank):
   `activations` when it is sent);
 - collectives: a reduction's buffers while in flight: the low-precision wire copy, the
   reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received;
-- batch: the step's token batch (every rank holds the global batch's share of its replica).
+- batch: the step's token batch and the held-out windows (every rank holds both whole: its share is
+  a view of them).
+
+Phases (each rank's peak is the most of them; `RankMemory.phases`):
+- train: the first training step, walked instruction by instruction (above);
+- eval: the held-out evaluation after a step (engine.evaluate -> runtime/executor.evaluate), from
+  the state the step leaves: forward only, no gradient, micro-batch by micro-batch through the
+  rank's chunks in model order; each chunk's output sent on is held by its send until the
+  evaluation's end waits for them all (`eval_batches` x M micro-batches of them), ZeRO-3 gathers
+  what the forward needs (kept gathered: every chunk of the rank, released after the evaluation);
+- sample: the end-of-run text sample (engine.end_sample; only without a pipeline): one forward of
+  the whole model over the window, batch 1, fp32 (outside autocast), its length growing to the
+  prompt and the sampled tokens, on rank 0 (ZeRO-3 layer by layer: every rank, gathering as it
+  goes; kept gathered: every rank gathers the whole model, rank 0 computes).
 
 Per-layer bytes count what the built-in Llama's autograd keeps (models/llama.py), per token:
 a block saves its RMSNorm outputs, q, k, v before and after rotation, attention's output and its
 contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·kv + 4·hidden
 elements, plus fp32 statistics); the head its two normed tensors, log-softmax (vocab elements,
 fp32) and the targets.
-Under bf16 autocast linears keep bf16 copies of their weights per micro-batch and rotation keeps
-fp32 q and k. Other models (own specs) are estimated with the block formula of their dims.
+Under bf16 autocast (a bf16 residual stream) linears keep bf16 copies of their weights per
+micro-batch and the norms run in fp32, keeping their input upcast and their output; under autocast
+an evaluation's forward also keeps the chunk's weight copies until it returns. Other models (own
+specs) are estimated with the block formula of their dims.
 """
 
 from __future__ import annotations
@@ -54,7 +69,9 @@ if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "p2p", "collectives", "batch")
+PHASES = ("train", "eval", "sample")
 F32 = 4
+SAMPLE_PROMPT = "def "  # engine.end_sample's prompt
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,8 @@ class LayerBytes:
     # what split backward's B frees as it goes: the tensors autograd saved that no weight op's
     # record (x, y) also holds; the recorded ones live until B returns
     b_freed: int = 0
+    # a forward without autograd (an evaluation) where it holds less than `forward_live` (0: the same)
+    nograd_live: int = 0
 
 
 def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> LayerBytes:
@@ -114,6 +133,9 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         # the norm's normalised input (for its weight's gradient) and its output (the projection's
         # input), rms statistics, log-softmax, the targets (int64) and the loss's total weight
         held = 2 * n * d * a + n * F32 + logsm + weights + n * 8 + F32
+        if a != F32:  # autocast runs the norm in fp32: it keeps its input upcast and its output in
+            # fp32, the projection its input cast back, and the norm's weight rounded to the input's
+            held = 2 * n * d * F32 + n * F32 + d * a + n * d * a + logsm + weights + n * 8 + F32
         new = n * d * a + logits  # dy of the norm and of the projection (vocab wide)
         # W's x: the head's input (the layer before's output) and the norm's output
         # backward: log-softmax's gradient and the logits' at once; then the logits' gradient and
@@ -122,13 +144,21 @@ def layer_bytes(s: Shapes, index: int, n_layers: int, linear_params: int) -> Lay
         return LayerBytes(held, 2 * n * d * a + new, logits + upcast, backward, new, logits,
                           forward_live=2 * n * d * a + logits + upcast + logsm,
                           w_extra=max(2 * n * d * F32, linear_params * (F32 + (a if a != F32 else 0))),
-                          b_freed=held - n * d * a)  # all but the norm's output (the projection's x)
+                          b_freed=held - n * d * a,  # all but the norm's output (the projection's x)
+                          # without autograd: the normed input and the logits (the loss is the chunk's
+                          # caller's: ChunkBytes.eval_loss)
+                          nograd_live=n * d * a + logits)
     rot = F32 if a != F32 else a  # rotation computes in fp32
     held = n * a * (6 * d + 2 * s.kv + 4 * s.hidden) + n * rot * (s.q + s.kv) + n * F32 * (2 + s.heads)
     held += n * a * (s.q - d)  # q-width tensors (wide heads) beside dim-width ones
     held += n * a * d  # the MLP's linears keep their input flattened to (B·T, dim) as well
-    if a != F32:
-        held += linear_params * 2  # autocast's bf16 weight copies, saved by every linear
+    if a != F32:  # counted on autograd's saved tensors of a block under bf16 autocast
+        # each norm runs in fp32 (its input upcast, its output, the statistics) and the linear
+        # after it keeps the output cast back; q, k, v and attention's output (rotation keeps no
+        # fp32 copy: it multiplies by the constant tables), attention's output copied for wo,
+        # SwiGLU's gate, up, silu(gate) and product, the output, the weights' bf16 copies
+        held = (2 * (2 * n * d * F32 + n * F32) + n * a * (3 * d + 3 * s.q + 2 * s.kv + 4 * s.hidden)
+                + n * F32 * s.heads + linear_params * 2 + 2 * d * a)
     # W's (x, dy) of the two norms, four attention and three MLP linears: the x are the block's
     # input (the layer before's output, kept past B by the stash), its two normed tensors,
     # attention's output, the residual sum and SwiGLU's product; every dy is new
@@ -171,6 +201,10 @@ class ChunkBytes:
     # then, bytes beyond what the chunk held before it), without and with recompute
     moments: tuple[tuple[int, int], ...] = ()
     recompute_moments: tuple[tuple[int, int], ...] = ()
+    # extra inside a forward without autograd: the most one layer holds at once, and under bf16
+    # autocast the chunk's bf16 weight copies (cached for the forward whatever the grad mode)
+    eval_forward: int = 0
+    eval_loss: int = 0  # the last chunk's, after its forward: the logits (upcast) beside log-softmax
 
 
 @dataclass(frozen=True)
@@ -189,6 +223,10 @@ class MemoryPlan:
     batch_bytes: int  # the step's tokens on one rank
     wire: int  # bytes an element of gradient reductions and ZeRO-3 gathers
     gloo: bool  # CPU ranks: gloo's reduce-scatter reduces a full copy of the bucket, then keeps a shard
+    eval_microbatches: int = 0  # an evaluation's micro-batches on a rank (eval_batches x M; 0: none)
+    eval_bytes: int = 0  # the held-out windows, alive the whole run
+    sample_len: int = 0  # the text sample's longest window (0: no sample)
+    seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
 
 
 @dataclass
@@ -199,12 +237,14 @@ class RankMemory:
     at: str = ""  # the instruction at which the peak is reached
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (instruction, live) after each
     totals: list[tuple[str, int]] = field(default_factory=list)  # with the timeline: (instruction, total) each
+    phases: dict[str, int] = field(default_factory=dict)  # train, eval, sample: each phase's peak
 
     def biggest(self, k: int = 3) -> list[tuple[str, int]]:
         return sorted(((c, b) for c, b in self.categories.items() if b), key=lambda x: -x[1])[:k]
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at}
+        return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at,
+                "phases": self.phases}
 
 
 def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> MemoryPlan:
@@ -221,10 +261,16 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
     docs = 1 if cfg.data.packing is not None and cfg.data.packing.value == "doc-masked" else 0
-    batch = cfg.global_batch // p.dp * cfg.data.seq_len * 8 * (2 + docs)  # int64 tokens, targets (, documents)
+    # int64 tokens, targets (, documents) of the whole global batch: a rank's micro-batches are views of it
+    row = cfg.data.seq_len * 8 * (2 + docs)
     shapes = Shapes.of(m, p.micro_batch_size, cfg.data.seq_len, cfg.run.dtype)
+    r = cfg.run
+    # the prompt ("def ", four tokens or fewer) and every sampled token but the last, cut to the window
+    sample = min(len(SAMPLE_PROMPT) + r.sample_tokens - 1, m.max_seq_len or cfg.data.seq_len) \
+        if r.sample_tokens and p.pp == 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
-                      p.buckets_in_flight, batch, wire, not cuda)
+                      p.buckets_in_flight, cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
+                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len)
 
 
 def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
@@ -249,7 +295,11 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
                       max((m for _, m in recompute_moments(layers, params, out, loss, boundary, True)), default=0),
                       sum(x.recorded for x in layers),
                       max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
-                      backward_moments(layers, params, boundary), rec)
+                      backward_moments(layers, params, boundary), rec,
+                      max((x.nograd_live or x.forward_live for x in layers), default=0) + (
+                          2 * sum(_linear_params(s, n, i, n_layers) for i, n in zip(range(lo, hi), params))
+                          if s.act != F32 else 0),
+                      s.tokens * s.vocab * (s.act + (F32 if s.act != F32 else 0) + F32) if loss else 0)
 
 
 def backward_moments(layers: list[LayerBytes], params: list[int], boundary: int) -> tuple[tuple[int, int], ...]:
@@ -332,13 +382,19 @@ def predict(cfg: TrainConfig, cuda: bool | None = None) -> list[RankMemory]:
 def every_rank(plan: MemoryPlan, keep_timeline: bool = False) -> list[RankMemory]:
     """`walk` of each pipeline rank, repeated for its D data-parallel ranks (global ranks in order)."""
     stages = [walk(plan, s, keep_timeline) for s in range(len(plan.program.ranks))]
-    return [replace(stages[r // plan.dp], rank=r) for r in range(len(stages) * plan.dp)]
+    # without a pipeline rank 0 samples alone (ZeRO-3 layer by layer: every rank, gathering together);
+    # the others wait, at most with the whole model gathered (below the step's peak)
+    waits = walk(plan, 0, keep_timeline, samples=False) if plan.sample_len and not plan.layerwise and \
+        plan.dp > 1 and len(stages) == 1 else stages[0]
+    return [replace(stages[r // plan.dp] if r >= plan.dp or r == 0 else waits, rank=r)
+            for r in range(len(stages) * plan.dp)]
 
 
-def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMemory:
+def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: bool = True) -> RankMemory:
     """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
     rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
-    the step `train --memory-profile` measures."""
+    the step `train --memory-profile` measures, then the evaluation and (`samples`: this rank
+    computes it) the text sample from the state the step leaves."""
     prog, dp = plan.program, plan.dp
     rank = pp_rank
     rules = RULES[prog.zero]
@@ -352,7 +408,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
     live: dict[str, int] = defaultdict(int)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
-    live["batch"] = plan.batch_bytes
+    live["batch"] = plan.batch_bytes + plan.eval_bytes
     res = RankMemory(pp_rank * dp)
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
     full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
@@ -537,7 +593,92 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False) -> RankMem
             live["activations"] += grad_in
         note(ins)
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
+    res.phases = {"train": res.peak_bytes}
+    after = {c: live.get(c, 0) for c in CATEGORIES}  # what a step leaves
+    for phase, found in (("eval", eval_phase(plan, pp_rank, after, cb)),
+                         ("sample", sample_phase(plan, after, samples))):
+        if found is None:
+            continue
+        (total, now, where), res.phases[phase] = found, found[0]
+        if keep_timeline:
+            res.timeline.append((len(res.timeline), now))
+            res.totals.append((where, total))
+        if total > res.peak_bytes:
+            res.peak_bytes, res.at, res.categories = total, where, now
     return res
+
+
+def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
+               cb: dict[int, ChunkBytes]) -> tuple[int, dict[str, int], str] | None:
+    """A held-out evaluation's peak on pipeline rank `pp_rank` from the state a step leaves
+    (`after`): (bytes, categories, where). Every micro-batch passes alike, so the peak is in the
+    last, when the sends of all before it are still held: inside one of its chunks' forward (the
+    input, received or handed over, the most one layer's forward holds at once with nothing saved:
+    `eval_forward`, and on the last chunk's rank the previous logits; then the loss) or at the
+    end, every send held. The step's token batch is alive (the evaluation runs inside the step's
+    call)."""
+    if not plan.eval_microbatches:
+        return None
+    s, sched = plan.shapes, plan.program.schedule
+    mb_act = s.tokens * s.dim * s.act
+    owner, last = sched.rank_of_chunk, sched.n_chunks - 1
+    chunks = sorted(sched.chunks(pp_rank))
+    sends = [c for c in chunks if c != last and owner[c + 1] != pp_rank]
+    sharded = RULES[plan.program.zero].sharded_params
+    kept = sum(plan.buckets.chunk_numel(c) for c in chunks) * F32 if sharded and not plan.layerwise else 0
+    base = {**after, "activations": 0, "p2p": 0, "collectives": 0, "gathered": kept}
+    sent = (plan.eval_microbatches - 1) * len(sends) * mb_act
+    best = (sum(base.values()) + sent + len(sends) * mb_act,
+            {**base, "p2p": sent + len(sends) * mb_act}, "eval: sends held")
+    # the executor's `y` keeps a chunk's output until the next forward returns: the previous
+    # micro-batch's logits while the rank's first chunk computes (its other outputs are sent, held
+    # anyway); the loss comes after, the old logits gone
+    logits = s.tokens * s.vocab * s.act if last in chunks and plan.eval_microbatches > 1 else 0
+    for c in chunks:
+        prev = logits if c == chunks[0] else 0
+        now = {**base, "activations": (mb_act if c > 0 else 0) + max(cb[c].eval_forward + prev, cb[c].eval_loss),
+               "p2p": sent}
+        if sharded and plan.layerwise:
+            now["gathered"] = _layerwise_gathered(plan, c, 2)
+        if sum(now.values()) > best[0]:
+            best = (sum(now.values()), now, f"eval: {c}F{plan.eval_microbatches - 1}")
+        sent += mb_act if c in sends else 0
+    return best
+
+
+def sample_phase(plan: MemoryPlan, after: dict[str, int], computes: bool = True) -> tuple[int, dict[str, int],
+                                                                                        str] | None:
+    """The text sample's peak on the sampling rank (one pipeline rank, every chunk its own): the
+    forward over the longest window, batch 1, fp32, nothing saved; each layer's input beside the
+    most its forward holds at once (the head: its normed input and the logits, no log-softmax),
+    and each block's rotary tables grown to the window. The step's batch is freed by then.
+    Not `computes`: a rank waiting while rank 0 samples (kept-gathered ZeRO-3: the model gathered)."""
+    if not plan.sample_len or len(plan.program.ranks) != 1:
+        return None
+    sharded = RULES[plan.program.zero].sharded_params
+    if not computes:
+        now = {**after, "activations": 0, "p2p": 0, "collectives": 0, "batch": plan.eval_bytes,
+               "gathered": plan.buckets.chunk_numel(0) * F32 if sharded else 0}
+        return sum(now.values()), now, "sample: waiting for rank 0"
+    s = replace(plan.shapes, tokens=plan.sample_len, act=F32)
+    n_layers = plan.layer_bounds[-1][1] - 2
+    x = s.tokens * s.dim * F32
+    inner = 0
+    for c, (lo, hi) in enumerate(plan.layer_bounds):
+        for i in range(lo, hi):
+            if i == n_layers + 1:
+                inner = max(inner, x + s.tokens * (s.dim + 1) * F32 + s.tokens * s.vocab * F32)
+            elif i > 0:
+                lin = _linear_params(s, plan.chunk_params[c][i - lo], i, n_layers)
+                inner = max(inner, x + layer_bytes(s, i, n_layers, lin).forward_live)
+    hd = s.q // max(1, s.heads)
+    tables = n_layers * max(0, s.tokens - plan.seq_len) * hd * F32  # cos and sin, (length, hd / 2) each
+    gathered = 0
+    if sharded:
+        gathered = _layerwise_gathered(plan, 0, 2) if plan.layerwise else plan.buckets.chunk_numel(0) * F32
+    now = {**after, "activations": inner + tables, "p2p": 0, "collectives": 0, "gathered": gathered,
+           "batch": plan.eval_bytes}
+    return sum(now.values()), now, f"sample: {s.tokens} tokens"
 
 
 def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],

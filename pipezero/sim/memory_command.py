@@ -12,7 +12,7 @@ from rich.table import Table
 
 from pipezero.config import Partition, ScheduleKind, TrainConfig
 from pipezero.schedules.registry import default_virtual
-from pipezero.sim.memory import CATEGORIES, RankMemory, build_plan, every_rank
+from pipezero.sim.memory import CATEGORIES, PHASES, RankMemory, build_plan, every_rank
 from pipezero.sim.memory_partition import resolve
 
 MIB = 2**20
@@ -22,7 +22,8 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "virtual_stages": "parallel.virtual_stages", "micro_batch_size": "parallel.micro_batch_size",
                           "seq_len": "data.seq_len", "recompute": "parallel.recompute", "dtype": "run.dtype",
                           "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce",
-                          "partition": "parallel.partition"}
+                          "partition": "parallel.partition", "eval_batches": "run.eval_batches",
+                          "sample_tokens": "run.sample_tokens"}
 
 
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
@@ -32,6 +33,10 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
     m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
     m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
+    m.add_argument("--eval-batches", type=int, default=None,
+                   help="global batches an evaluation reads (its phase: sends held to its end; default 4)")
+    m.add_argument("--sample-tokens", type=int, default=None,
+                   help="the end-of-run text sample's length (its phase, without a pipeline; default 64)")
     m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
                    help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
                         "largest predicted peak is least)")
@@ -71,18 +76,20 @@ def cmd_simulate_memory(args: argparse.Namespace, changed: list[str]) -> int:
                         f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}; layers a chunk "
                         f"{','.join(map(str, cuts))} ({'explicit' if p.stage_layers else p.partition.value})")
     shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
-    for col in ("rank", "peak", *shown, "at"):
+    # each phase's own peak (the training step, the evaluation, the text sample): the peak is the most
+    phases = [ph for ph in PHASES if any(ph in r.phases for r in ranks)]
+    for col in ("rank", "peak", *shown, *(f"{ph} peak" for ph in phases), "at"):
         table.add_column(col, justify="left" if col == "at" else "right")
     for r in ranks:
         table.add_row(str(r.rank), f"{r.peak_bytes / MIB:,.1f}", *(f"{r.categories[c] / MIB:,.1f}" for c in shown),
-                      r.at)
+                      *(f"{r.phases[ph] / MIB:,.1f}" if ph in r.phases else "-" for ph in phases), r.at)
     Console(width=160, emoji=False).print(table)
     return 0
 
 
 def draw_memory(ranks: list[RankMemory], cfg: TrainConfig, path: str) -> None:
     """One panel a pipeline rank (data-parallel rank 0): live bytes by category, instruction by
-    instruction."""
+    instruction, then the evaluation's and the text sample's peaks (the last points)."""
     import matplotlib
 
     matplotlib.use("Agg")
