@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +96,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
     "--threads": ("run.threads", "torch threads per rank"),
     "--sample-tokens": ("run.sample_tokens", "length of the text sample at the end (0: none)"),
-    "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none)"),
+    "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none, unless the folder holds the run's metrics.jsonl, summary.json or trace: refused, never replaced)"),
     "--trace": ("run.trace", "write trace.json and trace.png"),
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
@@ -134,7 +135,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
-    t.add_argument("--force", action="store_true", help="train in an --out that holds another run (without --resume)")
+    t.add_argument("--force", action="store_true", help="train a new run in an --out that holds a run pipezero started (its .run-id or checkpoints), "
+                        "replacing its metrics.jsonl, summary.json and trace; a folder of files pipezero did not "
+                        "write (no .run-id, no checkpoints) is refused, never replaced")
     t.set_defaults(func=cmd_train)
 
 
@@ -173,6 +176,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
                           f"model's files there at each start, which would write over that folder's: remove the "
                           f"link (the run keeps its own copy)")
+    if cfg.run.resume and not under_torchrun():  # another run's folder is named busy first: its steps are moving
+        from pipezero.rundir import in_use
+
+        in_use(cfg.run.out)
     if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
         from pipezero.checkpoint.state import resume_clashes, resume_problem
 
@@ -279,6 +286,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise ConfigError("the source is empty: pass a run directory or one of its checkpoints/step-N")
     if not source.is_dir():
         raise ConfigError(f"{source} is not a folder: pass a run directory or one of its checkpoints/step-N")
+    if args.model_spec is not None and not args.model_spec.strip():  # "" read as none given: exported anyway
+        raise ConfigError("--model-spec is empty: name the run's spec, MODULE:NAME, or leave --model-spec out")
     if args.format == "hf" and args.model_spec:
         raise ConfigError("--format hf writes the Hugging Face families (llama, mistral, qwen2), never a --model-spec "
                           "model: drop --model-spec, or --format hf to export it as model.safetensors")
@@ -478,9 +487,26 @@ def output_failed(e: OutputFailed, stream: Any) -> int:
     return 2
 
 
+NEGATIVE = re.compile(r"-\.?[0-9]")  # a value that starts as a negative number does: -1, -0.5, -1:1:1
+
+
+def negative_values(argv: Sequence[str]) -> list[str]:
+    """`--flag -1,2` as `--flag=-1,2`: argparse reads a value starting with '-' that is not a plain
+    number (`--cost -1:1:1`) as the next option and answered "expected one argument", which hides
+    the mistake; given to the flag, its own check names it."""
+    out: list[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        if NEGATIVE.match(arg) and prev.startswith("--") and "=" not in prev and prev != "--":
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = negative_values(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
     stream = sys.stdout

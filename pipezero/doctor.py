@@ -407,6 +407,9 @@ def cmd_doctor(args: Any) -> int:
     import sys
 
     out = Path(args.run)
+    if not str(args.run).strip():  # Path("") is the working directory: "no flight records under doctor", exit 1
+        print("pipezero doctor: the run folder is empty: pass the run's folder (its --out)", file=sys.stderr)
+        return 2
     if not out.is_dir():  # was "no flight records under FILE/doctor", exit 1
         print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
               f"folder (its --out)", file=sys.stderr)

@@ -138,11 +138,44 @@ def _holds_steps(folder: Path) -> bool:
         return False
 
 
+def checkpoints_above(path: Path) -> Path | None:
+    """The checkpoints folder of a run that `path` is (or is inside), or None. `--force` there wrote a
+    whole run into another's `checkpoints/step-N` (its metrics, its own checkpoints beside the
+    saved shards); a folder is a run's checkpoints when named so beside a `.run-id`, or holding steps."""
+    try:
+        here = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the claim's own checks name it
+        return None
+    for folder in (here, *here.parents):
+        if folder.name == "checkpoints" and ((folder.parent / RUN_ID).is_file() or _holds_steps(folder)):
+            return folder
+    return None
+
+
 def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
     except FileNotFoundError:
         return None
+
+
+def in_use(out: str) -> None:
+    """Refuse `out` if another run holds its lock, without taking it: said first, before the checks
+    of what a resume would find there (the other run's checkpoints are changing under it)."""
+    try:
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # none, a link, not readable: the claim says what is wrong with it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        raise ConfigError(f"--out {out!r} is in use by another run (pid {holder}); wait for it to end or choose "
+                          f"another --out") from None
+    except OSError:
+        return
+    finally:
+        os.close(fd)  # closing drops the probe's lock
 
 
 def _lock(path: Path) -> int:
@@ -176,6 +209,9 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         raise ConfigError("--out is empty: name a folder for the run")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"--out {out!r} is a file, not a folder: name a folder for the run")
+    if (inside := checkpoints_above(path)) is not None:
+        raise ConfigError(f"--out {out!r} is inside {inside}, a run's checkpoints folder, which that run's saves, "
+                          f"pruning and resume manage: choose a folder outside it")
     if path.is_dir() and (wrong := wrong_kind(path)):  # before the lock: a refusal leaves the folder as found
         raise ConfigError(f"--out {out!r}: {wrong}")
     if (path / LOCK).is_symlink():  # the lock is opened and its pid written through the link: the target's bytes
@@ -201,10 +237,11 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
             raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
                               f"--force to train there anyway, or choose another --out")
         foreign = sorted(set(held.found.entries) & RUN_FILES)
-        if resume and not force and previous is None and foreign and not _holds_steps(path / "checkpoints"):
+        if (resume or force) and previous is None and foreign and not _holds_steps(path / "checkpoints"):
+            flag = "--resume" if resume and not force else "--force"
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
-                              f"no checkpoints), and --resume would write over them: choose another --out, or pass "
-                              f"--force to train there anyway")
+                              f"no checkpoints), and {flag} would write over them: they are not pipezero's to "
+                              f"replace; move them away, or choose another --out")
         clash = clashes() if held.found.entries and force and not resume and clashes else None
         if clash:
             raise ConfigError(f"--out {out!r}: {clash}")

@@ -153,7 +153,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():  # a folder or a pipe is named as such: "does not exist" would send the user looking
         raise ConfigError(f"config file {str(p)!r} {kind_of(p)}; name a .toml file")
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        data = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) is no statement
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
     flat: dict[str, Any] = {}
@@ -177,6 +177,8 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
     is a tenth of the peak rate."""
     names = names or {}
+    if toml_path is not None and not str(toml_path).strip():  # "" read as no file: the defaults trained, exit 0
+        raise ConfigError("--config is empty: name a .toml file, or leave --config out")
     flat = {k: coerce_setting(k, v) for k, v in (load_toml(toml_path) if toml_path else {}).items()}
     flat.update({k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in (overrides or {}).items()})
     if any(k.startswith("launch.") for k in flat):

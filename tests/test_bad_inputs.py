@@ -225,8 +225,11 @@ def test_resume_in_a_folder_no_run_claimed_leaves_its_files_alone(tmp_path, caps
 
     with claim(str(notes), resume=True, force=False):
         pass
-    with claim(str(mine), resume=True, force=True):  # --force: train there anyway
-        pass
+    from pipezero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--force would write over them"):  # round 6: --force replaces only a run's
+        claim(str(mine), resume=True, force=True)
+    assert (mine / "metrics.jsonl").read_text() == "my notes"
 
 
 def test_a_forced_run_that_would_save_over_the_other_runs_checkpoints_is_refused(tmp_path, capsys):

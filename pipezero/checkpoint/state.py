@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, read_manifest, write,
-                                       written_by)
+from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
+                                       metadata_problem, read_manifest, write, written_by)
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -215,10 +215,41 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
                 f"wrote them) and train from step 0: write that id back, printf '{theirs}\\n' > "
                 f"{Path(cfg.run.out) / '.run-id'}, or train in another --out")
     mine = [(p, m) for p, m in manifests if m.get("run") in (None, run)]
+    usable = [(p, m) for p, m in mine if local_problem(p) is None]  # sizes and names: cheap, as the ranks see them
+    if not usable and run is not None and (kept := run_records(Path(cfg.run.out))):  # no .run-id: the claim says it
+        what = (f"every checkpoint of this run is damaged (newest {mine[0][0].name}: {local_problem(mine[0][0])})"
+                if mine else "it holds no checkpoint of this run to continue from")
+        return (f"{what}, but it holds {', '.join(kept)}, which a resume from step 0 would replace: restore the "
+                f"checkpoint, move them away (or pass --force, without --resume, to start a new run there that "
+                f"replaces them), or choose another --out")
+    if usable and (short := metadata_problem(usable[0][0])):
+        return (f"its newest checkpoint {usable[0][0]} is damaged: {short}; the ranks would fail reading it. Move "
+                f"that step folder away to resume from the one before, or restore the file")
+    if usable and usable[0][1]["step"] > cfg.run.max_steps:  # was "resumed", nothing trained, exit 0
+        return (f"its newest checkpoint is of step {usable[0][1]['step']}, past --max-steps {cfg.run.max_steps}, so "
+                f"nothing would train: raise --max-steps above {usable[0][1]['step']} to train on, or export that "
+                f"checkpoint")
     if mine and (diff := model_diff((mine[0][1].get("config") or {}).get("model"), cfg.to_dict()["model"])):
         return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
                 f"(--preset, --model, [model]), or start a new --out")
     return None
+
+
+# what a run writes at the top of --out that holds its results: a start from step 0 replaces them
+RECORDS = ("metrics.jsonl", "summary.json", "trace.json", "trace.png")
+
+
+def run_records(out: Path) -> list[str]:
+    """Which of a run's records `out` holds with something in them (an empty metrics.jsonl is what a
+    run that failed at its start leaves: nothing to lose)."""
+    kept = []
+    for name in RECORDS:
+        try:
+            if (out / name).stat().st_size > 0:
+                kept.append(name)
+        except OSError:
+            continue
+    return kept
 
 
 def load(found: Found, cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
@@ -282,7 +313,13 @@ def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parame
     if not (cfg.run.resume or restarted()):
         return None
     team = Team.current(0)
-    found = latest(checkpoint_root(cfg), team, run_id(cfg.run.out))
+    run = run_id(cfg.run.out)
+    found = latest(checkpoint_root(cfg), team, run)
+    if found is None and (kept := run_records(Path(cfg.run.out))) and any(
+            written_by(p, run) for _, p in committed(checkpoint_root(cfg))):  # all damaged (a checksum, ...)
+        raise CheckpointError(f"every checkpoint of this run under {checkpoint_root(cfg)} is damaged (each named "
+                              f"above), and a start from step 0 would replace {', '.join(kept)}: restore one, or move "
+                              f"them away and --resume again")
     if found is None:
         if team.rank == 0:
             print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",

@@ -271,7 +271,7 @@ def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
     return None
 
 
-def _local_problem(path: Path) -> str | None:
+def local_problem(path: Path) -> str | None:
     """What this rank alone can see wrong with checkpoint `path`: its manifest, missing files, sizes."""
     try:
         manifest = read_manifest(path)
@@ -308,11 +308,7 @@ def _agreed(path: Path, mine: str | None, team: Team) -> str | None:
 def problems(path: Path, team: Team) -> str | None:
     """Why checkpoint `path` must not be loaded, or None when every file matches its manifest; the
     same answer on every rank (collective), or a CheckpointError when ranks see different folders."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from pipezero.checkpoint.safe_reader import SafeReader
-
-    reason = _agreed(path, _local_problem(path), team)
+    reason = _agreed(path, local_problem(path), team)
     if reason is not None:
         return reason
     expected: dict[str, dict[str, Any]] = read_manifest(path)["files"]
@@ -321,12 +317,36 @@ def problems(path: Path, team: Team) -> str | None:
     bad = [n for n in names if actual[n]["sha256"] != expected[n]["sha256"]]
     if bad:
         return f"checksum mismatch in {bad}"
-    try:  # the files are the ones saved; is their metadata loadable, and only metadata?
-        SafeReader(path).read_metadata()
-        unreadable = None
+    return _agreed(path, metadata_problem(path), team)
+
+
+def metadata_problem(path: Path) -> str | None:
+    """Whether checkpoint `path`'s metadata loads (and only metadata), and places every tensor
+    inside a file its manifest lists: a shard cut short whose manifest was edited to match passed
+    the checksums, and the read ended in an EOFError in every rank. Reads `.metadata` and sizes
+    only (no tensor data): cheap enough for a preflight."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.safe_reader import SafeReader
+
+    try:
+        meta = SafeReader(path).read_metadata()
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable metadata: use another
-        unreadable = f"unreadable checkpoint metadata: {cause(e)}"
-    return _agreed(path, unreadable, team)
+        return f"unreadable checkpoint metadata: {cause(e)}"
+    listed = read_manifest(path)["files"]
+    ends: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if name not in listed or not all(isinstance(x, int) and x >= 0 for x in (offset, length)):
+            return f"its metadata places a tensor in {name!r}, not a file its {MANIFEST} lists"
+        ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        size = (path / name).stat().st_size
+        if size < end:
+            return (f"shard {name} is cut short (it holds {size} bytes, its tensors reach byte {end}; the manifest "
+                    f"was edited to match)")
+    return None
 
 
 @dataclass

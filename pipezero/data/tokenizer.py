@@ -180,15 +180,32 @@ def cached_tokenizer(kind: str, bpe_vocab: int, key: str, texts: Callable[[], It
     if kind != "bpe":
         return BPETokenizer.from_file(kind)
     path = cache_dir() / f"bpe-{bpe_vocab}{'-eos' if eos else ''}-{key}.json"
+    mark = path.with_name(path.name + ".sha256")  # the digest of what was built: a file swapped in is not it
 
     def train() -> None:
-        if path.exists():  # not a readable tokenizer: the user never gave this file, so it is not theirs to fix
-            print(f"pipezero: warning: the cached tokenizer {path} is damaged ({_unreadable(path)}); rebuilding it",
-                  file=sys.stderr, flush=True)
-        atomic_write_bytes(path, BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode())
+        if path.exists():  # the user never gave this file, so it is not theirs to fix
+            print(f"pipezero: warning: the cached tokenizer {path} is damaged ({_not_built(path, mark)}); "
+                  f"rebuilding it", file=sys.stderr, flush=True)
+        text = BPETokenizer.train(texts(), bpe_vocab, eos).hf.to_str().encode()
+        atomic_write_bytes(path, text)
+        atomic_write_bytes(mark, f"{hashlib.sha256(text).hexdigest()}\n".encode())
 
-    build_once(path.name, lambda: _unreadable(path) is None, train)
+    build_once(path.name, lambda: _not_built(path, mark) is None, train)
     return BPETokenizer.from_file(path)
+
+
+def _not_built(path: Path, mark: Path) -> str | None:
+    """Why the cached tokenizer `path` is not the one pipezero built there (its digest in `mark`):
+    unreadable, or another valid tokenizer put in its place (it was used silently, tokenizing every
+    document differently); None when it is."""
+    if (why := _unreadable(path)) is not None:
+        return why
+    try:
+        want = mark.read_text().strip()
+        have = hashlib.sha256(path.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError):
+        return "its checksum file is missing or unreadable"
+    return None if have == want else "its content is not what pipezero built there (checksum mismatch)"
 
 
 def _unreadable(path: Path) -> str | None:

@@ -67,6 +67,10 @@ def changed_flags(args: argparse.Namespace) -> list[str]:
 
 def check_combination(args: argparse.Namespace) -> None:
     """Refuse flags the request would ignore: it used to exit 0 as if they had been applied."""
+    for dest in ("png", "from_trace", "config"):  # "" read as not given: the request ran without it, exit 0
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{flag(dest)} is empty: name its file, or leave {flag(dest)} out")
     given = changed_flags(args)
     if args.from_trace:
         extra = [d for d in given if d not in ("from_trace", "json")]

@@ -141,6 +141,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len {model.max_seq_len} "
                           f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
+    floor = 4 * param_count(model) / cluster.gpus / 2**30  # fp32 master weights, spread over every GPU at best
+    if floor > args.gpu_memory:  # every layout was simulated first to say so: minutes (7b on 8 x 0.001 GiB)
+        raise ConfigError(f"no layout fits {param_count(model) / 1e9:.1f}B parameters in {cluster.gpus} x "
+                          f"{args.gpu_memory:g} GiB: their fp32 weights alone, spread over every GPU, take "
+                          f"{floor:.3g} GiB a GPU; add GPUs or memory")
     t0 = time.perf_counter()
     bits = {"none": 0, "int8": 8, "int4": 4}
     result = plan_within(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
