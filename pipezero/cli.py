@@ -94,7 +94,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints of this run (default 3)"),
     "--max-bad-steps": ("run.max_bad_steps", "stop after N non-finite steps in a row (default 3)"),
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
-    "--threads": ("run.threads", "torch threads per rank"),
+    "--threads": ("run.threads", "torch threads per rank (default: OMP_NUM_THREADS, else cores / ranks on the node)"),
     "--sample-tokens": ("run.sample_tokens", "length of the text sample at the end (0: none)"),
     "--resume": ("run.resume", "continue from the newest good checkpoint under --out (a fresh start if none, unless the folder holds the run's metrics.jsonl, summary.json or trace: refused, never replaced)"),
     "--trace": ("run.trace", "write trace.json and trace.png"),

@@ -316,7 +316,7 @@ class RunConfig:
     trace_steps: int = 3
     """With trace: events of the newest N steps are kept and written (bounded memory)."""
     threads: int | None = None
-    """Torch intra-op threads per rank; None = cores / local ranks."""
+    """Torch intra-op threads per rank; None = OMP_NUM_THREADS where set, else cores / local ranks."""
     compile: bool = False
     """torch.compile each transformer block (not with split-backward schedules)."""
     progress: bool = True

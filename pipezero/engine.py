@@ -54,7 +54,18 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
         )
 
 
-def default_threads(local_world: int) -> int:
+MAX_THREADS = 1024  # --threads' own bound (settings.py): OpenMP could not start 100000
+
+
+def default_threads(local_world: int, env: dict[str, str] | None = None) -> int:
+    """Torch threads a rank takes when --threads is not given: OMP_NUM_THREADS where it is a whole
+    number (what a launcher or the user set for every OpenMP program: `pipezero train --nproc N`
+    sets cores / N), else the cores shared by the node's ranks. A process that took every core
+    while another busy process shared them waited at each operator's thread barrier: a tiny
+    model's linear went from 18 us to over 1 ms (2 cores, 2 threads, other processes busy)."""
+    text = (os.environ if env is None else env).get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and 0 < int(text) <= MAX_THREADS:  # another value: OpenMP's own to refuse or clamp
+        return int(text)
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 

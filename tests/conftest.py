@@ -3,6 +3,11 @@ from pathlib import Path
 
 import pytest
 
+# One torch thread a process unless told otherwise: the tests' models are tiny, and a process taking
+# both cores while another (a second worker, a rank) is busy waits at every operator's thread
+# barrier (a linear of the tests' model: 18 us on one thread, over 1 ms on two beside other work)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Bytecode for the package and the tests, written once: every rank, launcher and command a test

@@ -113,3 +113,17 @@ def test_device_choice_and_backend_without_a_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
     with pytest.raises(ConfigError, match=f"local rank {torch.cuda.device_count()} needs GPU"):
         rank_device("cuda")
+
+
+def test_a_rank_takes_omp_num_threads_where_set_else_its_share_of_the_cores():
+    """Without --threads a rank takes OMP_NUM_THREADS (the launcher sets cores / ranks; the tests
+    set 1 so that two workers never spin against each other), else its share of the cores."""
+    import os
+
+    from pipezero.engine import default_threads
+
+    cores = os.cpu_count() or 1
+    assert default_threads(1, {"OMP_NUM_THREADS": "3"}) == 3
+    assert default_threads(4, {}) == max(1, cores // 4) and default_threads(1, {}) == cores
+    for ignored in ("0", "-2", "two", "", "100000"):  # OpenMP's own to refuse; ours the cores' share
+        assert default_threads(1, {"OMP_NUM_THREADS": ignored}) == cores
