@@ -152,3 +152,14 @@ def remove_made(made: list[Path]) -> None:
             continue  # never made: a deeper one failed first
         except OSError:
             return
+
+
+def unexpanded_home(flag: str, path: str) -> str | None:
+    """Why `path` would be a trap, or None. A shell expands a leading '~' only in a bare word:
+    a TOML value, a quoted argument or --out=~/x reach us as is, and the run was written to a new
+    folder named '~' in the working directory, which a later `rm -r ~` would take for the home."""
+    first = Path(path).parts[0] if path.startswith("~") else None
+    if first is None or Path(first).exists():  # a real folder of that name is the user's choice
+        return None
+    return (f"{flag} {path!r} starts with '~', which only a shell expands: it would make a folder named {first!r} "
+            f"in the working directory; write the full path, {os.path.expanduser(path)!r}")
