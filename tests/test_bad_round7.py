@@ -69,3 +69,49 @@ def test_a_real_folder_named_tilde_is_the_users_choice(tmp_path, monkeypatch):
     (tmp_path / "~").mkdir()
     assert unexpanded_home("--out", "~/x") is None
     assert unexpanded_home("--out", "runs/~x") is None
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_link_at_a_checkpoint_scratch_name_is_cleared_not_followed(scratch, tmp_path):
+    """A link at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N (a prune's) ended
+    the save in a traceback (rmtree refuses a link; the mkdir or rename after it failed): the link
+    goes, what it points to stays."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).symlink_to(mine)
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, prunes 1
+    assert [p.name for _, p in committed(root)] == ["step-00000002"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not (root / scratch).is_symlink()
+
+
+def test_an_out_through_a_symlink_loop_is_one_line(tmp_path, monkeypatch, capsys):
+    """A link on --out's path that loops: a RuntimeError traceback from Path.resolve (train,
+    verify: the data-overlap check; export: the inside-a-run check)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for argv in ([*TRAIN, "--out", "loop/x"], ["export", "nowhere", "--out", "loop/e"], [*VERIFY, "--out", "loop/v"]):
+        code, err = run_main(argv, capsys)
+        assert_one_line(code, err, "cannot be followed")
+
+
+@pytest.mark.parametrize("how", ["png", "cache"])
+def test_a_tilde_in_png_or_cache_is_refused(how, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if how == "png":
+        argv = ["simulate", "--png", "~/pz-r7.png"]
+    else:
+        monkeypatch.setenv("PIPEZERO_CACHE", "~/pz-cache")
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "a.txt").write_text("hello " * 200)
+        argv = [*TRAIN, "--data", "docs", "--out", "o"]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, "starts with '~', which only a shell expands")
+    assert not (tmp_path / "~").exists()
