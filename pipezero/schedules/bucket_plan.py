@@ -18,8 +18,8 @@ are the plan's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass, fields, replace
+from functools import cached_property, lru_cache
 
 from pipezero.schedules.model_shapes import ChunkShapes, ModelShapes, TensorShape
 
@@ -75,6 +75,13 @@ class BucketPlan:
     # per chunk: whether its last layer computes with a bucket (recomputation stops inside it)
     last_owned: tuple[bool, ...] = ()
 
+    def __hash__(self) -> int:  # hashed once: the lowering caches programs by their bucket plan
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
     def buckets(self, chunk: int) -> tuple[int, ...]:
         return self.numels[chunk]
 
@@ -106,7 +113,13 @@ class BucketPlan:
         """The same buckets padded for D = `dp` (the grouping does not depend on D)."""
         if not self.layouts:
             raise ValueError("this bucket plan has sizes only: plan it from the model's tensors")
-        return replace(self, dp=dp, numels=tuple(tuple(b.padded(dp) for b in bs) for bs in self.layouts))
+        return _for_dp(self, dp)
+
+
+@lru_cache(maxsize=1024)
+def _for_dp(plan: BucketPlan, dp: int) -> BucketPlan:
+    """`BucketPlan.for_dp`, made once a plan and D (the planner pads one plan for many layouts)."""
+    return replace(plan, dp=dp, numels=tuple(tuple(b.padded(dp) for b in bs) for bs in plan.layouts))
 
 
 def _padded(numel: int, dp: int) -> int:
@@ -137,9 +150,12 @@ def group_tensors(tensors: Sequence[TensorShape], bucket_mb: float,
     return tuple(out)
 
 
+@lru_cache(maxsize=1024)
 def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool = False) -> BucketPlan:
     """Every chunk's buckets for D = `dp`; with a weight tied across chunks, the buckets holding its
-    two copies are `held` for the step (their REDUCE_GRADs follow the TIED_SUM)."""
+    two copies are `held` for the step (their REDUCE_GRADs follow the TIED_SUM). Made once for
+    alike arguments (a pure function of immutable ones: the planner compiles many layouts over
+    one model's shapes)."""
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
     layouts = tuple(group_tensors(c.tensors, bucket_mb, layerwise) for c in model.chunks)

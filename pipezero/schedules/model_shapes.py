@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 
@@ -33,7 +34,7 @@ class TensorShape:
     name: str  # layers.<index>.<the layer's own name>
     shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -69,6 +70,13 @@ class ModelShapes:
     # (first name, second name) of a weight tied across chunks: each end holds a trainable copy, and
     # the copies' gradients are summed before their buckets are reduced (TIED_SUM); None otherwise
     tied: tuple[str, str] | None = None
+
+    def __hash__(self) -> int:  # hashed once: compiled plans are cached by the shapes they are made of
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     @property
     def tied_numel(self) -> int:

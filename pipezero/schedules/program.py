@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
@@ -177,6 +178,16 @@ class Program:
         """(pp_rank, dp_rank) of a global rank."""
         return divmod(rank, self.dp)
 
+    def markers(self, rank: int) -> tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]]:
+        """Rank `rank`'s program as the memory walk reads it (`walk_view`), made once a program (a
+        plan is immutable): the planner's candidates with and without recomputation share one, and
+        each is walked several times."""
+        return self._markers[rank]
+
+    @cached_property
+    def _markers(self) -> tuple[tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]], ...]:
+        return tuple(walk_view(r) for r in self.ranks)
+
     def listing(self, rank: int) -> str:
         return " ".join(i.describe() if isinstance(i, Compute) else str(i) for i in self.ranks[rank])
 
@@ -206,6 +217,61 @@ def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
         else:
             out.append(Compute(i.action) if isinstance(i, Compute) else i)
     return out
+
+
+def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int], dict[int, tuple[int, int]]]:
+    """`chunk_markers` of `instrs` in one pass, with what the memory walk needs of it: the positions
+    of `reducing_backwards` there, and each run of consecutive REDUCE_GRADs by where it starts, as
+    (where it ends, an id that alike runs share). Made without new instructions but the markers (one
+    pair a chunk): a compute instruction stands for itself (its `during` unread), and a reduction
+    hoisted out of a fused backward keeps its moment `at` (`hoisted` drops it: the walk names it so)."""
+    out: list[Instr] = []
+    reducing: set[int] = set()
+    runs: dict[int, tuple[int, int]] = {}
+    ids: dict[tuple, int] = {}
+    pair: dict[int, tuple[DataParallel, DataParallel]] = {}
+    last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
+    run: list[tuple[int, int | None, bool]] = []  # the open run of reductions
+
+    def close() -> None:
+        alike = tuple(run)
+        runs[len(out) - len(run)] = (len(out), ids.setdefault(alike, len(ids)))
+        run.clear()
+
+    for ins in instrs:
+        if ins.__class__ is DataParallel and ins.kind is Kind.REDUCE_GRAD:  # type: ignore[union-attr]
+            if last is not None and last[1] == ins.chunk:  # type: ignore[union-attr]
+                reducing.add(last[0])
+            run.append((ins.chunk, ins.bucket, ins.blocking))  # type: ignore[union-attr]
+            out.append(ins)
+            continue
+        if run:
+            close()
+        if ins.__class__ is not Compute:
+            out.append(ins)
+            continue
+        a = ins.action  # type: ignore[union-attr]
+        during = ins.during  # type: ignore[union-attr]
+        if during and any(d.kind is Kind.UNSHARD for d in during):
+            if a.chunk not in pair:
+                pair[a.chunk] = (DataParallel(Kind.UNSHARD, a.chunk, None, Collective.ALL_GATHER, 0, True),
+                                 DataParallel(Kind.RESHARD, a.chunk, None, Collective.LOCAL, 0))
+            out += [pair[a.chunk][0], ins, pair[a.chunk][1]]
+            last = (len(out) - 2, a.chunk) if a.op in (Op.W, Op.BW) else None
+        else:
+            out.append(ins)
+            last = (len(out) - 1, a.chunk) if a.op in (Op.W, Op.BW) else None
+        for d in during:
+            if d.kind is Kind.REDUCE_GRAD:
+                if last is not None and last[1] == d.chunk:
+                    reducing.add(last[0])
+                run.append((d.chunk, d.bucket, d.blocking))
+                out.append(d)
+        if run:
+            close()
+    if run:
+        close()
+    return tuple(out), frozenset(reducing), runs
 
 
 def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:

@@ -49,9 +49,11 @@ specs) are estimated with the block formula of their dims.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from bisect import bisect_left, bisect_right
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
@@ -61,8 +63,8 @@ from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
-from pipezero.schedules.program import (Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, chunk_markers,
-                                        reducing_backwards)
+from pipezero.schedules.model_shapes import ModelShapes
+from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
 
 if TYPE_CHECKING:
@@ -256,7 +258,8 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
-    compiled = compile_plan(replace(p, dp=1), decoder_shapes(m, bounds), pp_ranks=pp_ranks)  # D alike: one replica
+    # D alike: one replica
+    compiled = compile_plan(replace(p, dp=1), _decoder_shapes(_Shape(m), tuple(bounds)), pp_ranks=pp_ranks)
     buckets, layerwise, program = compiled.buckets.for_dp(p.dp), compiled.layerwise, compiled.program
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
@@ -390,14 +393,18 @@ def every_rank(plan: MemoryPlan, keep_timeline: bool = False) -> list[RankMemory
             for r in range(len(stages) * plan.dp)]
 
 
-def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: bool = True) -> RankMemory:
+def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: bool = True,
+         stop_above: float | None = None) -> RankMemory:
     """Play pipeline rank `pp_rank`'s program over byte counts (its data-parallel rank 0, global
     rank pp_rank x D); the first step of a run (gradient buffers are created inside it), which is
     the step `train --memory-profile` measures, then the evaluation and (`samples`: this rank
-    computes it) the text sample from the state the step leaves."""
+    computes it) the text sample from the state the step leaves. `stop_above`: stop as soon as the
+    peak passes it (a planner's candidate that cannot fit needs no more): a peak above it is then
+    only a lower bound."""
     prog, dp = plan.program, plan.dp
     rank = pp_rank
     rules = RULES[prog.zero]
+    sharded = rules.sharded_grads
     chunks = prog.schedule.chunks(pp_rank)
     bp = plan.buckets
     s = plan.shapes
@@ -405,61 +412,150 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     cb = {c: chunk_bytes(plan, c) for c in chunks}
     whole = {c: bp.chunk_numel(c) * F32 for c in chunks}
     shard = {c: whole[c] // dp for c in chunks}
-    live: dict[str, int] = defaultdict(int)
+    # each bucket's bytes, by chunk: the full fp32 bucket, this rank's fp32 shard of it, and what its
+    # reduction holds while in flight (nothing with one replica)
+    full_b = {c: [n * F32 for n in bp.buckets(c)] for c in chunks}
+    shard_b = {c: [n // dp * F32 for n in bp.buckets(c)] for c in chunks}
+    flight = {c: [reduction_bytes(plan, n, sharded) if dp > 1 else 0 for n in bp.buckets(c)] for c in chunks}
+    live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
     live["batch"] = plan.batch_bytes + plan.eval_bytes
     res = RankMemory(pp_rank * dp)
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
-    full_grads: dict[tuple[int, int], int] = {}  # (chunk, bucket) -> a full fp32 gradient bucket alive
-    shard_grads: set[tuple[int, int]] = set()
-    reducing: list[tuple[int, int]] = []  # reductions in flight, oldest first
+    # by chunk, a bit a bucket: its full fp32 gradient bucket is alive; its fp32 shard is
+    full = dict.fromkeys(chunks, 0)
+    shards = dict.fromkeys(chunks, 0)
+    every = {c: (1 << len(full_b[c])) - 1 for c in chunks}
+    reducing: deque[tuple[int, int]] = deque()  # reductions in flight, oldest first
+    in_flight: set[tuple[int, int]] = set()  # the same, to look up
+    # a run of reductions (alike runs share an id) from alike state has the same effect: it is
+    # played once (keyed by its id, the reductions in flight and the buckets' bits)
+    runs: dict[tuple, tuple] = {}
+    backwards: dict[tuple[int, int, int, bool], tuple[tuple[int, int, int], ...]] = {}
     recvs: dict[tuple[int, bool, int], int] = {}
     gathered: dict[int, int] = {}
 
+    peak: list[object] = [""]  # the instruction at which the peak is reached, named at the end
+
     def note(where: object, extra: dict[str, int] | None = None) -> None:
-        """`where`: an instruction, named only when it sets a peak or the timeline is kept (naming
-        every one cost a planner request seconds)."""
+        """`where`: an instruction, named only where the timeline is kept, or once the walk is done
+        if it set the peak (naming every one, then every new peak, cost a planner request seconds)."""
         total = sum(live.values())
         if extra:
             total += sum(extra.values())
         if total <= res.peak_bytes and not keep_timeline:
             return
-        now = {c: live.get(c, 0) + (extra or {}).get(c, 0) for c in CATEGORIES}
+        now = live.copy()
+        for c, n in (extra or {}).items():
+            now[c] += n
         if total > res.peak_bytes:
-            res.peak_bytes, res.at, res.categories = total, str(where), now
+            res.peak_bytes, res.categories = total, now
+            peak[0] = where
         if keep_timeline:
             res.timeline.append((len(res.timeline), now))
             res.totals.append((str(where), total))
 
-    def grad_bucket(c: int, k: int) -> None:
-        if (c, k) not in full_grads:
-            full_grads[(c, k)] = bp.buckets(c)[k] * F32
-            live["grads"] += full_grads[(c, k)]
+    def missing(c: int) -> list[int]:
+        """Sizes of chunk `c`'s buckets with no full gradient bucket alive."""
+        return [n for k, n in enumerate(bp.buckets(c)) if not full[c] >> k & 1]
 
-    def drain(keep_last: int = 0) -> None:
-        nonlocal reducing
-        done, reducing = (reducing[:-keep_last], reducing[-keep_last:]) if keep_last else (reducing, [])
-        for c, k in done:
-            n = bp.buckets(c)[k]
-            if dp > 1:
-                live["collectives"] -= reduction_bytes(plan, n, rules.sharded_grads)
-            if rules.sharded_grads:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
-                if (c, k) not in shard_grads:
-                    shard_grads.add((c, k))
-                    live["grads"] += n // dp * F32
-                live["grads"] -= full_grads.pop((c, k), 0)
+    def all_grad_buckets(c: int) -> None:
+        if full[c] != every[c]:
+            live["grads"] += sum(missing(c)) * F32
+            full[c] = every[c]
 
-    def reduce(c: int, k: int) -> None:
-        n = bp.buckets(c)[k]
-        if rules.sharded_grads:
-            grad_bucket(c, k)  # zeros where no gradient reached it
-        if dp == 1:
-            if rules.sharded_grads:
-                reducing.append((c, k))
-            return
-        reducing.append((c, k))
-        live["collectives"] += reduction_bytes(plan, n, rules.sharded_grads)
+    def drain() -> None:
+        """Every reduction in flight completes (blocking: the rank waits for all of them)."""
+        g, co = live["grads"], live["collectives"]
+        while reducing:
+            key = reducing.popleft()
+            in_flight.discard(key)
+            c, k = key
+            co -= flight[c][k]
+            if sharded:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
+                if not shards[c] >> k & 1:
+                    shards[c] |= 1 << k
+                    g += shard_b[c][k]
+                if full[c] >> k & 1:
+                    full[c] ^= 1 << k
+                    g -= full_b[c][k]
+        live["grads"], live["collectives"] = g, co
+
+    def reductions(i: int) -> int:
+        """The run of REDUCE_GRADs from position `i` (a backward's buckets, one an instruction):
+        they change only gradients and collectives, so they are played here in one loop, the peak
+        taken where the run's total is first largest; returns the position after the run. At
+        ZeRO-2/3 each micro-batch's backward ends in such a run, most of them alike (and from alike
+        state): those are played once."""
+        end, run = run_at[i]
+        key = (run, tuple(reducing), tuple(full.values()), tuple(shards.values())) if sharded else None
+        if key is None or keep_timeline or key not in runs:
+            effect = play(i, end)
+            if key is None or keep_timeline:
+                return end
+            runs[key] = effect + (tuple(reducing), tuple(full.values()), tuple(shards.values()))
+            return end
+        d_g, d_co, top, top_at, top_g, top_co, after, full_after, shards_after = runs[key]
+        g, co = live["grads"], live["collectives"]
+        if sum(live.values()) + top > res.peak_bytes:
+            res.peak_bytes, peak[0] = sum(live.values()) + top, instrs[i + top_at]
+            res.categories = {**live, "grads": g + top_g, "collectives": co + top_co}
+        live["grads"], live["collectives"] = g + d_g, co + d_co
+        reducing.clear()
+        reducing.extend(after)
+        in_flight.clear()
+        in_flight.update(after)
+        full.update(zip(full, full_after))
+        shards.update(zip(shards, shards_after))
+        return end
+
+    def play(i: int, end: int) -> tuple[int, int, int, int, int, int]:
+        """Reductions `i` to `end` one by one; returns the change in gradient and collective bytes
+        and where (relative to `i`) the total first reached its largest, by how much, with what."""
+        g0, co0 = g, co = live["grads"], live["collectives"]
+        rest = sum(live.values()) - g - co
+        best, best_at, best_g, best_co = res.peak_bytes, -1, 0, 0
+        top, top_at, top_g, top_co = -1 << 62, 0, 0, 0
+        for j in range(i, end):
+            ins = instrs[j]
+            key = c, k = ins.chunk, ins.bucket  # type: ignore[union-attr]
+            if key not in in_flight:  # the reduction starts
+                if sharded and not full[c] >> k & 1:  # zeros where no gradient reached it
+                    full[c] |= 1 << k
+                    g += full_b[c][k]
+                if dp > 1 or sharded:
+                    reducing.append(key)
+                    in_flight.add(key)
+                    co += flight[c][k]
+            if ins.blocking or sharded:  # type: ignore[union-attr]
+                # blocking: every one completes; else zero/sharded.py bounds the full buckets in flight
+                keep = 0 if ins.blocking else plan.in_flight  # type: ignore[union-attr]
+                while len(reducing) > keep:
+                    done = reducing.popleft()
+                    in_flight.discard(done)
+                    oc, ok = done
+                    co -= flight[oc][ok]
+                    if sharded:
+                        if not shards[oc] >> ok & 1:
+                            shards[oc] |= 1 << ok
+                            g += shard_b[oc][ok]
+                        if full[oc] >> ok & 1:
+                            full[oc] ^= 1 << ok
+                            g -= full_b[oc][ok]
+            total = rest + g + co
+            if total > best:
+                best, best_at, best_g, best_co = total, j, g, co
+            if g + co - g0 - co0 > top:
+                top, top_at, top_g, top_co = g + co - g0 - co0, j - i, g - g0, co - co0
+            if keep_timeline:
+                res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
+                res.totals.append((_name(ins), total))
+        if best_at >= 0:
+            res.peak_bytes, peak[0] = best, instrs[best_at]
+            res.categories = {**live, "grads": best_g, "collectives": best_co}
+        live["grads"], live["collectives"] = g, co
+        return g - g0, co - co0, top, top_at, top_g, top_co
 
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
@@ -469,14 +565,18 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             live["gathered"] -= gathered.pop(c)
 
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
+    # layer by layer: each action's gathers priced as its chunk's; and the backwards whose chunk's
+    # reductions follow them
+    instrs, reducing_at, run_at = prog.markers(rank)
     # chunks whose forward records for a split backward (runtime/executor.py: not the first chunk,
     # not with recompute)
-    instrs = chunk_markers(prog.ranks[rank])  # layer by layer: each action's gathers priced as its chunk's
     splits = set() if plan.recompute else {ins.action.chunk for ins in instrs if isinstance(ins, Compute)
                                            and ins.action.op is Op.B and ins.action.chunk > 0}
-    reducing_at = reducing_backwards(instrs)
     note("start")
-    for i, ins in enumerate(instrs):
+    i = 0
+    stop = float("inf") if stop_above is None else stop_above
+    while i < len(instrs) and res.peak_bytes <= stop:
+        ins = instrs[i]
         if isinstance(ins, PointToPoint):
             chunk, grad, mb = ins.transfer
             if ins.send and not grad and (chunk - 1, mb) in held:
@@ -492,6 +592,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                 recvs[ins.transfer] = mb_act
                 live["p2p"] += mb_act
             note(ins)
+            i += 1
             continue
         if isinstance(ins, OptimStep):
             live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
@@ -499,20 +600,18 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
             norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
             note(ins, {"optimizer": norm})
+            i += 1
             continue
         if isinstance(ins, DataParallel):
+            if ins.kind is Kind.REDUCE_GRAD:
+                i = reductions(i)
+                continue
             if ins.kind is Kind.UNSHARD and prog.rules.sharded_params:
                 gather(ins.chunk, True)
             elif ins.kind is Kind.RESHARD:
                 gather(ins.chunk, False)
-            elif ins.kind is Kind.REDUCE_GRAD:
-                if (ins.chunk, ins.bucket) not in reducing:
-                    reduce(ins.chunk, ins.bucket)  # type: ignore[arg-type]
-                if ins.blocking:
-                    drain()
-                elif rules.sharded_grads:
-                    drain(keep_last=plan.in_flight)  # zero/sharded.py bounds the full buckets in flight
             note(ins)
+            i += 1
             continue
         assert isinstance(ins, Compute)
         a = ins.action
@@ -532,11 +631,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             held[key] = keep
             live["activations"] += keep
             note(ins)
+            i += 1
             continue
         # a backward: B, W or BW
-        if a.op in (Op.BW, Op.W) and not rules.sharded_grads:
-            for k in range(len(bp.buckets(c))):
-                grad_bucket(c, k)  # stages 0-1: one buffer for the whole step, from the first W or BW
+        if a.op in (Op.BW, Op.W) and not sharded:
+            all_grad_buckets(c)  # stages 0-1: one buffer for the whole step, from the first W or BW
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
         # recompute the chunk's forward again
@@ -547,15 +646,15 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             extra = b.recompute_b if a.op is Op.B else b.recompute_backward
         if a.op is Op.W and split_done.get(key):
             extra = b.w_peak
-        if a.op is Op.W and key in held and not split_done.get(key) and not rules.sharded_grads:
+        if a.op is Op.W and key in held and not split_done.get(key) and not sharded:
             # autograd.grad returns every weight gradient of the chunk at once, by which time it
             # has freed the activations it went through
             extra = max(extra, whole[c] - held[key])
         filling = 0
         stashed_w = a.op is Op.W  # W makes every weight gradient apart (from the stash, or autograd's)
-        if a.op in (Op.BW, Op.W) and rules.sharded_grads:
+        if a.op in (Op.BW, Op.W) and sharded:
             if stashed_w:  # ZeRO-2/3 then move them into the buckets (`adopt`, after W)
-                fresh = [n for k, n in enumerate(bp.buckets(c)) if (c, k) not in full_grads]
+                fresh = missing(c)
                 if split_done.get(key):
                     # W from B's stash makes one weight's gradient at a time (runtime/weight_grad.py):
                     # added at once into a bucket that exists (the parameter's .grad is its view),
@@ -568,19 +667,22 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     note(ins, {"activations": extra})
                     extra = 0
         grad_in = recvs.pop(recv_key, 0) if a.op is not Op.W else 0
-        if a.op is Op.BW and rules.sharded_grads:
+        if a.op is Op.BW and sharded:
             # the backward's course: each bucket appears with its first gradient, and in a
             # backward the program follows with REDUCE_GRADs leaves reduced as it completes
-            for extras in sharded_backward(plan, c, b, full_grads, shard_grads, i in reducing_at and dp > 1):
-                note(ins, extras)
+            now = sum(live.values())
+            course = (c, full[c], shards[c], i in reducing_at and dp > 1)
+            if course not in backwards:  # alike from alike state (most micro-batches')
+                backwards[course] = sharded_backward(plan, c, b, *course[1:])
+            for act, grads, coll in backwards[course]:
+                if keep_timeline or now + act + grads + coll > res.peak_bytes:
+                    note(ins, {"activations": act, "grads": grads, "collectives": coll})
             if i not in reducing_at:
-                for k in range(len(bp.buckets(c))):
-                    grad_bucket(c, k)
+                all_grad_buckets(c)
         else:
             note(ins, {"activations": extra, "grads": filling})
-        if stashed_w and rules.sharded_grads:
-            for k in range(len(bp.buckets(c))):
-                grad_bucket(c, k)
+        if stashed_w and sharded:
+            all_grad_buckets(c)
         live["p2p"] -= grad_in
         if split:  # the graph is freed; W needs only the stash
             split_done[key] = True
@@ -592,7 +694,9 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             held[key] += grad_in
             live["activations"] += grad_in
         note(ins)
+        i += 1
     res.categories = {c: res.categories.get(c, 0) for c in CATEGORIES}
+    res.at = _name(peak[0])
     res.phases = {"train": res.peak_bytes}
     after = {c: live.get(c, 0) for c in CATEGORIES}  # what a step leaves
     for phase, found in (("eval", eval_phase(plan, pp_rank, after, cb)),
@@ -681,31 +785,46 @@ def sample_phase(plan: MemoryPlan, after: dict[str, int], computes: bool = True)
     return sum(now.values()), now, f"sample: {s.tokens} tokens"
 
 
-def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: dict[tuple[int, int], int],
-                     shards: set[tuple[int, int]], reducing: bool) -> list[dict[str, int]]:
-    """The extra bytes at each moment of a full backward of chunk `c` at ZeRO-2/3 (see
-    `backward_moments`): gradients land in a bucket allocated with its first gradient (`adopt`,
-    zero/buckets.py) while the layers behind free their activations; with `reducing`, autograd's
-    hooks start a bucket's reduce-scatter as soon as it is complete and then wait for all but the
-    newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it and the `in_flight`
-    before it are in flight with their buffers, and the older ones are reduced to their shard."""
+def _name(ins: object) -> str:
+    """An instruction as the walk names it: a reduction hoisted out of a fused backward without the
+    moment inside it that fired it (schedules/program.hoisted)."""
+    if isinstance(ins, DataParallel) and ins.at is not None:
+        return str(replace(ins, at=None))
+    return str(ins)
+
+
+def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards: int,
+                     reducing: bool) -> tuple[tuple[int, int, int], ...]:
+    """The extra (activations, grads, collectives) bytes at each moment of a full backward of chunk
+    `c` at ZeRO-2/3 (see `backward_moments`): gradients land in a bucket allocated with its first
+    gradient (`adopt`, zero/buckets.py) while the layers behind free their activations; with
+    `reducing`, autograd's hooks start a bucket's reduce-scatter as soon as it is complete and then
+    wait for all but the newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it
+    and the `in_flight` before it are in flight with their buffers, and the older ones are reduced
+    to their shard. Buckets fill in order, so the started and the complete ones are each a first
+    few: sums over them are read off running totals."""
     sizes = plan.buckets.buckets(c)
-    ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+    ends = list(accumulate(sizes))
     dp, k_alive = plan.dp, plan.in_flight + 1
+    # running totals over the buckets: new full buckets (those not already alive), the bytes a
+    # reduced bucket gives back (the full bucket, less its shard where the shard is new), and the
+    # buffers of reductions in flight
+    new = [0, *accumulate(0 if full >> k & 1 else n * F32 for k, n in enumerate(sizes))]
+    if reducing:
+        back = [0, *accumulate(n * F32 - (0 if shards >> k & 1 else n // dp * F32) for k, n in enumerate(sizes))]
+        flying = [0, *accumulate(reduction_bytes(plan, n, True) for n in sizes)]
     out = []
     for done, act in (b.recompute_moments if plan.recompute else b.moments):
-        grads = coll = 0
-        complete = [k for k, e in enumerate(ends) if e <= done] if reducing else []
-        for k, n in enumerate(sizes):
-            started = k == 0 or ends[k - 1] < done
-            if started and (c, k) not in full:
-                grads += n * F32
-        for k in complete[:-k_alive]:  # reduced: the full bucket gives way to its shard
-            grads -= sizes[k] * F32 - (0 if (c, k) in shards else sizes[k] // dp * F32)
-        for k in complete[-k_alive:]:
-            coll += reduction_bytes(plan, sizes[k], True)
-        out.append({"activations": act, "grads": grads, "collectives": coll})
-    return out
+        # bucket 0 has started by the first moment; bucket k once bucket k - 1 ends before `done`
+        grads = new[min(len(sizes), bisect_left(ends, done) + 1)]
+        coll = 0
+        if reducing:
+            complete = bisect_right(ends, done)
+            older = max(0, complete - k_alive)  # complete, reduced: the rest are in flight
+            grads -= back[older]
+            coll = flying[complete] - flying[older]
+        out.append((act, grads, coll))
+    return tuple(out)
 
 
 def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
@@ -740,7 +859,7 @@ def describe(r: RankMemory) -> str:
 
 
 def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
-                  bucket_mb: float) -> RankMemory:
+                  bucket_mb: float, stop_above: float | None = None) -> RankMemory:
     """The planner's figure for one candidate layout: the heaviest of its first, second and last
     pipeline ranks. The first holds the most micro-batches in flight and the embedding, the last
     the head, but under an even cut the second can outweigh both, holding a whole stage of blocks
@@ -749,9 +868,11 @@ def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, c
     layouts the fit check refuses. Past the second, ranks hold as many blocks and fewer micro-batches
     (in a V, the same chunks mirrored): on 108 layouts (small and 7b, six schedules, P 4 and 8,
     ZeRO 0/2/3, recompute on and off) no rank outweighed these three. Candidates that differ only
-    in where ranks sit (placement, two-level reductions) share one walk."""
+    in where ranks sit (placement, two-level reductions) share one walk. `stop_above`: bytes past
+    which the candidate cannot fit; the walks stop there (a peak above it is a lower bound)."""
     return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
-                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb)
+                          lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb,
+                          stop_above)
 
 
 @dataclass(frozen=True, eq=False)
@@ -767,15 +888,28 @@ class _Shape:
         return isinstance(other, _Shape) and repr(other.model) == repr(self.model)
 
 
+@lru_cache(maxsize=1024)
+def _decoder_shapes(shape: _Shape, bounds: tuple[tuple[int, int], ...]) -> ModelShapes:
+    """The model's tensors cut at `bounds`, made once (the planner compiles many layouts over a few
+    cuts: one object, so the compiled plans' caches find it by a hash taken once)."""
+    return decoder_shapes(shape.model, list(bounds))
+
+
 @lru_cache(maxsize=4096)
 def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
                    micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
-                   bucket_mb: float) -> RankMemory:
+                   bucket_mb: float, stop_above: float | None) -> RankMemory:
     par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
                          micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
                          grad_reduce=mode, bucket_mb=bucket_mb)
     cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
-    ranks = tuple(sorted({0, min(1, pp - 1), pp - 1}))
-    plan = build_plan(cfg, cuda, ranks)
-    return max((walk(plan, r) for r in ranks), key=lambda r: r.peak_bytes)
+    heaviest = None
+    for r in sorted({0, min(1, pp - 1), pp - 1}):  # the first heaviest; none after one over `stop_above`
+        res = walk(build_plan(cfg, cuda, (r,)), r, stop_above=stop_above)  # each lowered only if walked
+        if heaviest is None or res.peak_bytes > heaviest.peak_bytes:
+            heaviest = res
+        if stop_above is not None and res.peak_bytes > stop_above:
+            break
+    assert heaviest is not None
+    return heaviest

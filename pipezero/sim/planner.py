@@ -31,6 +31,7 @@ from functools import lru_cache
 from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
 from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
+from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
 from pipezero.sim import limits
 from pipezero.sim.layouts import Cluster, Layout
@@ -70,13 +71,18 @@ def model_from_params(n: float) -> ModelConfig:
 def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
          per_action: float) -> tuple[float, float, float]:
     """(step time in stage-forward units, bubble, peak in-flight activation memory in stages), each
-    action costing `per_action` units more (rounded by the caller, so that layouts share the cache)."""
-    res = simulate(build_schedule(kind, pp, m, v), CostModel(1.0, 2.0 if recompute else 1.0, 1.0,
-                                                             per_action=per_action))
+    action costing `per_action` units more (rounded by the caller, so that layouts share the cache).
+    At F=B=W=1 with no fixed cost it is the play that proved the schedule, made once already."""
+    cost = CostModel(1.0, 2.0 if recompute else 1.0, 1.0, per_action=per_action)
+    res = proven_of(kind, pp, m, v).predicted if cost == CostModel() else simulate(build_schedule(kind, pp, m, v), cost)
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
-def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout) -> Estimate:
+def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout,
+             limit_gib: float | None = None) -> Estimate | None:
+    """`lay`'s memory and step time on `cluster`. `limit_gib`: None instead where its memory is over
+    this many GiB, found by memory walks that stop there (most of a request's candidates do not fit,
+    and a walk is most of an estimate's time)."""
     layers = layer_param_counts(model)
     per_stage_layers = math.ceil(model.n_layers / lay.pp)
     # Heaviest stage: its share of blocks plus the embedding or the head (with tied embeddings the
@@ -86,14 +92,20 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     psi = per_stage_layers * block_params(model) + ends
     # memory: the heaviest rank's peak from the memory model (sim/memory.py), split into model
     # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     if lay.partition is Partition.MEMORY:  # every rank walked; the rank with most blocks sets the pace
         cut = balanced_layout(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
         peak, per_stage_layers, psi = cut.peak, max(1, cut.blocks), cut.params
     else:
-        peak = layout_memory(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
+        # the walks may stop where the peak and hpZ's copy (below) pass the limit; the margin covers
+        # the rounding of the sum in GiB
+        stop = (None if limit_gib is None else
+                limit_gib * GIB * (1 + 1e-9) - (4 * psi / split[0] if lay.secondary and split else 0))
+        peak = layout_memory(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb, stop)
+        if stop is not None and peak.peak_bytes > stop:
+            return None
     states = sum(peak.categories[c] for c in ("params", "gathered", "grads", "optimizer"))
     acts = peak.peak_bytes - states
-    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
         states += 4 * psi / split[0]
     # the bubble without fixed costs (the same cached simulation as below when there are none)
@@ -227,10 +239,13 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
                for lay in candidate_layouts(model, cluster, global_batch)]
     # a fixed cost an action makes a second simulation of each schedule (estimate)
     chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, 2 if cluster.overhead_s else 1)
-    fits, misses = [], []
-    for lay in chosen:
-        est = estimate(model, seq_len, global_batch, cluster, lay)
-        (fits if est.memory_gib <= cluster.gpu_memory_gib * cluster.headroom else misses).append(est)
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    tried = [estimate(model, seq_len, global_batch, cluster, lay, limit) for lay in chosen]  # None: over the limit
+    fits = [e for e in tried if e is not None and e.memory_gib <= limit]
+    misses = []
+    if len(fits) < limits.MEMORY_CUT_RANK:  # memory cuts try the misses nearest to fitting: their whole figures
+        misses = [e if e is not None else estimate(model, seq_len, global_batch, cluster, lay)
+                  for lay, e in zip(chosen, tried) if e is None or e.memory_gib > limit]
     fits += cut_by_memory(model, cluster, seq_len, global_batch, fits, misses)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
     return Plan(fits, len(chosen), len(layouts) - len(chosen), spent)
