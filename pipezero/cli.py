@@ -282,6 +282,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not args.out.strip():
         raise ConfigError("--out is empty: name a new folder for the export")
+    from pipezero.util import unexpanded_home, unfollowable
+
+    if problem := unexpanded_home("--out", args.out) or unfollowable("--out", args.out):
+        raise ConfigError(problem)
     if not args.source.strip():  # Path("") is the working directory
         raise ConfigError("the source is empty: pass a run directory or one of its checkpoints/step-N")
     if not source.is_dir():

@@ -417,6 +417,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"whole nodes")
     check_quantization(p)
     check_secondary_shard(p)
+    from pipezero.util import unexpanded_home, unfollowable
+
+    _check((home := unexpanded_home("--out", r.out)) is None, home or "")
+    _check((loop := unfollowable("--out", r.out)) is None, loop or "")
     if d.path is not None:
         _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
                              "out for the built-in corpus")  # an empty list was the built-in corpus, silently

@@ -35,6 +35,8 @@ def cache_dir() -> Path:
     made here, not probed for writing: a read-only cache whose entries are complete is still read
     (writes fail in one line where an entry is built: `cache_lock`)."""
     path, source = _cache_root()
+    if source == "PIPEZERO_CACHE" and (home := unexpanded_home("PIPEZERO_CACHE", str(path))):
+        raise ConfigError(home)  # set quoted, or in a unit or compose file: no shell expanded it
     if path.exists() and not path.is_dir():
         raise ConfigError(f"the cache folder {path} ({source}) is a file, not a folder; point PIPEZERO_CACHE at a "
                           f"folder you can write")
@@ -152,3 +154,24 @@ def remove_made(made: list[Path]) -> None:
             continue  # never made: a deeper one failed first
         except OSError:
             return
+
+
+def unexpanded_home(flag: str, path: str) -> str | None:
+    """Why `path` would be a trap, or None. A shell expands a leading '~' only in a bare word:
+    a TOML value, a quoted argument or --out=~/x reach us as is, and the run was written to a new
+    folder named '~' in the working directory, which a later `rm -r ~` would take for the home."""
+    first = Path(path).parts[0] if path.startswith("~") else None
+    if first is None or Path(first).exists():  # a real folder of that name is the user's choice
+        return None
+    return (f"{flag} {path!r} starts with '~', which only a shell expands: it would make a folder named {first!r} "
+            f"in the working directory; write the full path, {os.path.expanduser(path)!r}")
+
+
+def unfollowable(flag: str, path: str) -> str | None:
+    """Why `path` cannot be followed to a place (a link on it loops), or None: Path.resolve raised
+    out of the checks that compare an output folder with the run's and the data's."""
+    try:
+        Path(path).resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError up to Python 3.12, OSError after
+        return f"{flag} {path!r} cannot be followed ({e}): a link on its path loops; fix the link or choose another {flag}"
+    return None

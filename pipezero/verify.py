@@ -26,6 +26,7 @@ losses, norms and parameters to `OUT/ranks/rankR.pt`, so verify runs on one mach
 from __future__ import annotations
 
 import copy
+import re
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -238,6 +239,7 @@ def describe(cfg: TrainConfig) -> str:
 
 # what verify writes into --out: its runs' folders, the layout's ranks' results, the report, and the
 # hang doctor's requests (runtime/watch.py)
+RANK_FILE = re.compile(r"rank[0-9]+\.pt")  # what a rank of verify writes in OUT/ranks
 OWN = {"layout": True, "reference": True, "floor": True, "ranks": True, "doctor": True, "verify.json": False}
 
 
@@ -253,6 +255,11 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out} holds {foreign[0]!r}{more}, which verify did not write; verify writes "
                           f"layout/, reference/, floor/, ranks/ and verify.json into a folder of its own: give a new "
                           f"or empty folder")
+    ranks = out / "ranks"
+    strays = sorted(p.name for p in ranks.iterdir() if not RANK_FILE.fullmatch(p.name)) if ranks.is_dir() else []
+    if strays and not ranks.is_symlink():  # its stale rank files are deleted before the layout runs
+        raise ConfigError(f"--out {out}: ranks/ holds {strays[0]!r}, which verify did not write (it writes rankR.pt "
+                          f"there and deletes the earlier ones): give a new or empty folder")
     for name, folder in OWN.items():
         entry = out / name
         if entry.is_symlink() or (entry.exists() and entry.is_dir() != folder):
@@ -294,7 +301,8 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     if world > 1:
         device = preflight(cfg, world)  # data, tokenizer and the ranks' device, checked once here
         for old in (out / "ranks").glob("rank*.pt"):
-            old.unlink()
+            if RANK_FILE.fullmatch(old.name):  # an earlier verify's; check_out refused anything else there
+                old.unlink()
         code = launch_local(world, [*argv, "--device", device.value], str(out))
         if code:
             console.print(f"[red]the layout's ranks failed (exit {code})[/red]")

@@ -150,11 +150,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _clear(path: Path) -> None:
+    """Remove the debris at one of our scratch names (.tmp-step-N, .deleting-step-N). A link there
+    goes, never what it points to: rmtree refuses a link, which stayed to fail the mkdir or rename
+    after it in a traceback."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _discard(path: Path) -> None:
     """Remove a folder so that no half-deleted copy can ever look complete: rename, then delete."""
     if path.exists():
         doomed = path.with_name(f".deleting-{path.name}")
-        shutil.rmtree(doomed, ignore_errors=True)
+        _clear(doomed)
         path.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
 
@@ -170,7 +180,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
         raise CheckpointError(f"rank {team.rank}, step {step}: {final} is not a checkpoint this run wrote, and a "
                               f"save replaces the folder of its step: move it out of {root}, then --resume")
     if team.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier attempt at this step
+        _clear(tmp)  # debris of an earlier attempt at this step
         tmp.mkdir(parents=True)
     team.barrier(f"start of step-{step:08d}")
     try:

@@ -97,6 +97,8 @@ def check_out_of_reach(paths: list[str], out: str) -> None:
     would change under it. Refused rather than left out of the corpus: then `--data docs` would
     mean other documents in each command, and a run folder among the documents is a mistake to
     say before anything is written, not to work around."""
+    if not out.strip():  # Path('') is the working directory, which holds the data: the command says 'empty'
+        return
     run = Path(out).resolve()
     for arg in paths:
         path = Path(arg)
