@@ -80,6 +80,8 @@ def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.alone  # each rank must reach its own 8 s timeout: beside another test's ranks the waits
+# of one node's two ranks start far enough apart that its agent stopped the later one first (seen once)
 def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, text_dir, tmp_path):
     import time
 
@@ -102,7 +104,8 @@ def test_a_cut_link_ends_every_rank_in_bounded_time_naming_the_peer(cluster_ok, 
     assert all(a.returncode != 0 for a in agents)
     assert took < 120, took
     said = "\n".join(errs)
-    assert all(f"pipezero: error: rank {r}, step" in said for r in range(4)), said[-3000:]  # every rank, one line
+    told = "\n---\n".join(e[-2500:] for e in errs)  # each node's agent's tail: one can bury the other's
+    assert all(f"pipezero: error: rank {r}, step" in said for r in range(4)), told  # every rank, one line
     # node 0's ranks name what they waited for and the unreachable peer on node 1; a cut that lands
     # in the step's norm and loss all-reduce (every rank waits in it, seen under load) has no single
     # peer to name, and says the whole group instead
