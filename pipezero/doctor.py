@@ -429,6 +429,13 @@ def cmd_doctor(args: Any) -> int:
               file=sys.stderr)
         return 2
     if text is None:
+        unread = sorted(p.name for p in (out / FOLDER).glob("rank-*.json"))
+        if unread:  # files by a record's name, none of them one a rank wrote: damaged or another tool's
+            shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+            print(f"pipezero doctor: {shown} under {out / FOLDER} are not flight records as pipezero writes "
+                  f"them (damaged, or written by something else): remove them and reproduce the hang to write "
+                  f"fresh ones", file=sys.stderr)
+            return 2
         print(f"pipezero doctor: no flight records under {out / FOLDER}{tail}", file=sys.stderr)
         return 1
     print(text)

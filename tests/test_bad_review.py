@@ -163,12 +163,13 @@ def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tm
     assert_one_line(*run_main(argv, capsys), needle)
 
 
-# (what is under RUN, the status, what stderr says): records no rank wrote are skipped, and a record
-# or summary.json of the wrong shape is one line
+# (what is under RUN, the status, what stderr says): files by a record's name that no rank wrote are
+# named as such (round seven: they were "no flight records", exit 1, as if none had been written), and
+# a record or summary.json of the wrong shape is one line
 DOCTOR_CASES = [
-    ("deep", 1, "no flight records under"),  # RecursionError traceback
-    ("pipe", 1, "no flight records under"),  # the read waited forever
-    ("shapes", 1, "no flight records under"),  # [] / rank "x" / {}: KeyError, ValueError
+    ("deep", 2, "rank-00000.json under"),  # RecursionError traceback
+    ("pipe", 2, "are not flight records as pipezero writes them"),  # the read waited forever
+    ("shapes", 2, "rank-00000.json, rank-00001.json, rank-00002.json under"),  # [] / rank "x" / {}: KeyError
     ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
     ("straggler", 2, "(KeyError: 's_per_step')"),
 ]

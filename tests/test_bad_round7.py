@@ -115,3 +115,23 @@ def test_a_tilde_in_png_or_cache_is_refused(how, tmp_path, monkeypatch, capsys):
     code, err = run_main(argv, capsys)
     assert_one_line(code, err, "starts with '~', which only a shell expands")
     assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("text", [b"\x00\xff binary", b"[1, 2]", b'{"rank": "0", "written": 1}'])
+def test_a_damaged_flight_record_is_named_not_taken_for_none(text, tmp_path, capsys):
+    """`doctor RUN` over rank-*.json files that are garbage, binary or of the wrong types said "no
+    flight records" (exit 1), as if no rank had written one (found in review)."""
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    (tmp_path / FOLDER / "rank-00000.json").write_bytes(text)
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys),
+                    "rank-00000.json under " + str(tmp_path / FOLDER) + " are not flight records as pipezero writes")
+
+
+def test_an_empty_record_folder_is_still_no_records(tmp_path, capsys):
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    code, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert code == 1 and "no flight records under" in err
