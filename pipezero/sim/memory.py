@@ -465,10 +465,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             live["grads"] += sum(missing(c)) * F32
             full[c] = every[c]
 
-    def drain() -> None:
-        """Every reduction in flight completes (blocking: the rank waits for all of them)."""
-        g, co = live["grads"], live["collectives"]
-        while reducing:
+    def complete(keep: int, g: int, co: int) -> tuple[int, int]:
+        """The oldest reductions in flight complete until `keep` are left; the gradient and
+        collective bytes `g`, `co` after them (a blocking wait keeps none; zero/sharded.py bounds
+        the full buckets in flight)."""
+        while len(reducing) > keep:
             key = reducing.popleft()
             in_flight.discard(key)
             c, k = key
@@ -480,7 +481,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                 if full[c] >> k & 1:
                     full[c] ^= 1 << k
                     g -= full_b[c][k]
-        live["grads"], live["collectives"] = g, co
+        return g, co
+
+    def drain() -> None:
+        """Every reduction in flight completes (blocking: the rank waits for all of them)."""
+        live["grads"], live["collectives"] = complete(0, live["grads"], live["collectives"])
 
     def reductions(i: int) -> int:
         """The run of REDUCE_GRADs from position `i` (a backward's buckets, one an instruction):
@@ -529,20 +534,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     in_flight.add(key)
                     co += flight[c][k]
             if ins.blocking or sharded:  # type: ignore[union-attr]
-                # blocking: every one completes; else zero/sharded.py bounds the full buckets in flight
-                keep = 0 if ins.blocking else plan.in_flight  # type: ignore[union-attr]
-                while len(reducing) > keep:
-                    done = reducing.popleft()
-                    in_flight.discard(done)
-                    oc, ok = done
-                    co -= flight[oc][ok]
-                    if sharded:
-                        if not shards[oc] >> ok & 1:
-                            shards[oc] |= 1 << ok
-                            g += shard_b[oc][ok]
-                        if full[oc] >> ok & 1:
-                            full[oc] ^= 1 << ok
-                            g -= full_b[oc][ok]
+                g, co = complete(0 if ins.blocking else plan.in_flight, g, co)  # type: ignore[union-attr]
             total = rest + g + co
             if total > best:
                 best, best_at, best_g, best_co = total, j, g, co
