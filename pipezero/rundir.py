@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ def wrong_kind(path: Path) -> str | None:
     """A name the run writes that holds the other kind (a folder where a file goes, a file or a
     pipe where a folder goes) failed as a traceback only when written, after the training: said
     here instead, or None."""
-    for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID}):
+    for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID, LOCK}):
         entry = path / name
         if name in RUN_FOLDERS and entry.exists() and not entry.is_dir():
             return f"{name} is a file, where the run writes a folder: move it away, or choose another --out"
@@ -58,9 +59,13 @@ def wrong_kind(path: Path) -> str | None:
 
 
 def run_id(out: str | Path) -> str | None:
-    """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs)."""
+    """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs). A
+    pipe at .run-id (no run writes one) is no id: reading it would wait for a writer for ever."""
+    path = Path(out) / RUN_ID
+    if not path.is_file():
+        return None
     try:
-        return (Path(out) / RUN_ID).read_text().strip() or None
+        return path.read_text().strip() or None
     except (OSError, UnicodeDecodeError):  # a damaged id claims nothing: the run is not ours to resume
         return None
 
@@ -162,11 +167,13 @@ def _read(path: Path) -> bytes | None:
 def in_use(out: str) -> None:
     """Refuse `out` if another run holds its lock, without taking it: said first, before the checks
     of what a resume would find there (the other run's checkpoints are changing under it)."""
-    try:
-        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # not blocking: opening a pipe at .lock to read would wait for a writer for ever
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:  # none, a link, not readable: the claim says what is wrong with it
         return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return  # a pipe or a device: the claim names it (wrong_kind)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
