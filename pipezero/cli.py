@@ -236,11 +236,20 @@ def train_here(cfg: Any) -> int:
     from pipezero.launch import under_torchrun
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
+    from pipezero.util import refused_write
 
     try:
         train(cfg)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+        if under_torchrun():
+            os._exit(1)  # peers may be gone: no teardown collective
+        return 1
+    except OSError as e:  # metrics, summary, tensorboard: a full disk, a read-only or immutable file
+        if (refused := refused_write(e)) is None:
+            raise
+        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the "
+              f"newest complete checkpoint", file=sys.stderr, flush=True)
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
@@ -532,6 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         import errno
 
+        from pipezero.util import refused_write
+
+        if (refused := refused_write(e)) is not None:  # a full disk, a read-only or immutable file or folder
+            print(f"pipezero: error: {refused}", file=sys.stderr)
+            return 1
         if e.errno != errno.ENAMETOOLONG:  # any other is no input of the user's: its traceback
             raise
         name = str(e.filename or "")

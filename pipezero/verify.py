@@ -26,6 +26,7 @@ losses, norms and parameters to `OUT/ranks/rankR.pt`, so verify runs on one mach
 from __future__ import annotations
 
 import copy
+import io
 import re
 import os
 from dataclasses import asdict, dataclass
@@ -37,7 +38,7 @@ import torch
 from pipezero.config import DType, ScheduleKind, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
-from pipezero.util import atomic_write_json
+from pipezero.util import atomic_write_bytes, atomic_write_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -212,7 +213,9 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
     mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank, cfg.parallel.placement)
     result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(vars(result), out / f"rank{rank}.pt")  # asdict would deep-copy every tensor
+    data = io.BytesIO()  # torch.save's own writer says 'unexpected pos 704 vs 598' for a full disk: written here
+    torch.save(vars(result), data)  # asdict would deep-copy every tensor
+    atomic_write_bytes(out / f"rank{rank}.pt", data.getvalue())
     return result
 
 

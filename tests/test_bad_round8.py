@@ -35,6 +35,12 @@ def within(seconds: int, fn):
         signal.signal(signal.SIGALRM, old)
 
 
+def docs(folder: Path) -> None:
+    (folder / "docs").mkdir()
+    for i in range(12):
+        (folder / "docs" / f"{i}.txt").write_text(f"document {i}: hello there, general kenobi " * 8)
+
+
 def fake_run(folder: Path) -> Path:
     """A run folder as a run leaves it (its id, a lock, metrics), without training one."""
     (folder / "checkpoints").mkdir(parents=True)
@@ -66,3 +72,150 @@ def test_run_id_of_a_pipe_is_none_at_once(tmp_path):
 
     os.mkfifo(tmp_path / ".run-id")
     assert within(5, lambda: run_id(tmp_path)) is None
+
+
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10  # linux/fs.h, as chattr +i
+
+
+def _immutable(path: Path, on: bool) -> bool:
+    import array
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags, True)
+        flags[0] = flags[0] | FS_IMMUTABLE_FL if on else flags[0] & ~FS_IMMUTABLE_FL
+        fcntl.ioctl(fd, FS_IOC_SETFLAGS, flags, True)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_only(path: Path) -> None:
+    """Make `path` refuse writes: immutable (chattr +i) as root, who ignores modes; else chmod."""
+    if os.geteuid() != 0:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    elif not _immutable(path, True):
+        pytest.skip("this filesystem has no immutable flag (chattr +i)")
+
+
+def writable(path: Path) -> None:
+    if os.geteuid() != 0:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    else:
+        _immutable(path, False)
+
+
+def one_line_exit_1(code: int, err: str, needle: str) -> None:
+    assert code == 1, (code, err)
+    assert "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("pipezero: warning", "pipezero: resumed"))]
+    assert len(lines) == 1 and lines[0].startswith("pipezero: error") and needle in lines[0], err
+
+
+def test_a_checkpoints_folder_that_refuses_the_save_is_one_line_and_keeps_the_last(tmp_path):
+    """An immutable (or read-only) OUT/checkpoints: the save's mkdir ended the run in a
+    PermissionError traceback. Now a CheckpointError naming the folder and the fix, every rank
+    alike; the checkpoint already there is untouched."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    before = {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()}
+    read_only(root)
+    try:
+        with pytest.raises(CheckpointError, match=r"step 2: checkpoint .*\.tmp-step-00000002 cannot be made: .*"
+                                                  r"writable.*--resume"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    finally:
+        writable(root)
+    assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    assert {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()} == before
+
+
+def test_an_old_checkpoint_that_cannot_be_pruned_is_kept_with_a_warning(tmp_path, capsys):
+    """--keep-checkpoints 1 with an immutable old step: the prune's rename ended the run in a
+    traceback after the new checkpoint was committed. The old one stays, said in a warning."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    read_only(root / "step-00000001")
+    try:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+    finally:
+        writable(root / "step-00000001")
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    err = capsys.readouterr().err
+    assert "step-00000001 was kept, past --keep-checkpoints 1" in err, err
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_run_file_that_refuses_a_write_is_one_line(name, tmp_path, monkeypatch, capsys):
+    """An immutable OUT/metrics.jsonl or OUT/summary.json on --resume: an OSError traceback from
+    util.atomic_write_bytes. Now one line naming the file and the fix, exit 1; the file as it was."""
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    base = [*TRAIN, "--data", "docs", "--out", "run"]
+    assert run_main(base, capsys)[0] == 0
+    mine = (tmp_path / "run" / name).read_bytes()
+    read_only(tmp_path / "run" / name)
+    try:
+        code, err = run_main([*base, "--max-steps", "2", "--resume"], capsys)
+    finally:
+        writable(tmp_path / "run" / name)
+    one_line_exit_1(code, err, f"{name} cannot be written")
+    assert (tmp_path / "run" / name).read_bytes() == mine
+
+
+def test_a_writer_that_reports_an_os_error_in_its_own_words_names_the_file(tmp_path):
+    """safetensors' save_file raises SafetensorError('... No space left on device (os error 28)'):
+    export to a full disk ended in that traceback. atomic_write_with gives it as the OSError it is,
+    naming the file, and leaves no half-written file."""
+    import errno
+
+    from pipezero.util import atomic_write_with, refused_write
+
+    def full(tmp: str) -> None:
+        Path(tmp).write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as caught:
+        atomic_write_with(tmp_path / "model.safetensors", full)
+    assert caught.value.errno == errno.ENOSPC
+    assert refused_write(caught.value) == (f"{tmp_path / 'model.safetensors'} cannot be written (No space left on "
+                                           f"device): free space there, or choose a folder on another disk")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="a bug"):  # an error that is no OSError stays itself
+        atomic_write_with(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("a bug")))
+
+
+def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    """export (either format) to a disk that takes no more: a SafetensorError traceback. Now one
+    line naming the file, exit 1, and nothing half-written left. The full disk is a file-size limit
+    (RLIMIT_FSIZE: writes past 60 KiB fail, EFBIG), in this process and no mount."""
+    import resource
+
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    try:
+        for fmt in ("pipezero", "hf"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (60 << 10, hard))
+            try:
+                code, err = run_main(["export", "run", "--format", fmt, "--out", f"e-{fmt}"], capsys)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            one_line_exit_1(code, err, f"e-{fmt}/model.safetensors cannot be written (File too large)")
+            assert not any(p.is_file() for p in (tmp_path / f"e-{fmt}").rglob("*"))
+    finally:
+        signal.signal(signal.SIGXFSZ, old)
