@@ -219,3 +219,71 @@ def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
             assert not any(p.is_file() for p in (tmp_path / f"e-{fmt}").rglob("*"))
     finally:
         signal.signal(signal.SIGXFSZ, old)
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_users_folder_at_a_scratch_name_is_kept(scratch, tmp_path):
+    """A folder of the user's at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N
+    (a prune's): the save or prune cleared it as a crash's debris, the user's notes with it. Now it
+    stays, and the save stops with a CheckpointError naming it (the prune warns and keeps the step)."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).mkdir()
+    (root / scratch / "notes.txt").write_text("mine")
+    assert users_scratch(root) == [root / scratch]
+    if scratch.startswith(".tmp"):
+        with pytest.raises(CheckpointError, match=f"{scratch} holds notes.txt, which no checkpoint save writes"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+        assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    else:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, keeps 1
+        assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert (root / scratch / "notes.txt").read_text() == "mine"
+
+
+def test_a_crashs_debris_at_a_scratch_name_is_still_cleared(tmp_path):
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    shutil.copytree(root / "step-00000001", root / ".tmp-step-00000002")  # a save killed before its rename
+    (root / ".tmp-step-00000002" / ".manifest.json.a1b2.tmp").write_text("{")
+    assert users_scratch(root) == []
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert not (root / ".tmp-step-00000002").exists()
+
+
+def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    mine = tmp_path / "run" / "checkpoints" / ".tmp-step-00000002" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("mine")
+    code, err = run_main([*TRAIN, "--data", "docs", "--out", "run", "--resume", "--max-steps", "2"], capsys)
+    assert_one_line(code, err, ".tmp-step-00000002 holds files no checkpoint save writes")
+    assert mine.read_text() == "mine"
+
+
+def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypatch, capsys):
+    """--tensorboard with an immutable OUT/tensorboard: torch's event writer thread printed its
+    PermissionError traceback beside pipezero's line."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    (tmp_path / "run" / "tensorboard").mkdir()
+    read_only(tmp_path / "run" / "tensorboard")
+    try:
+        code, err = run_main([*TRAIN, "--data", "docs", "--out", "run", "--resume", "--max-steps", "2",
+                              "--tensorboard"], capsys)
+    finally:
+        writable(tmp_path / "run" / "tensorboard")
+    one_line_exit_1(code, err, "run/tensorboard cannot be written (")

@@ -31,6 +31,7 @@ from pipezero.util import atomic_write_json
 FORMAT = "pipezero-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d{8})$")
+_SCRATCH = re.compile(r"^\.(tmp|deleting)-step-\d{8}$")
 
 
 class CheckpointError(RuntimeError):
@@ -150,13 +151,45 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# What a save writes into a checkpoint's folder: DCP's shards and metadata, our manifest and its
+# temporary file (util.atomic_write_with). Debris of a crash holds these only.
+_SAVE_FILES = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|manifest\.json|\.manifest\.json\.[^/]*\.tmp)$")
+
+
+class NotOurs(OSError):
+    """A folder at one of a save's scratch names holds files no save writes: the user's, kept."""
+
+
+def _strangers(path: Path) -> list[str]:
+    """The entries of folder `path` that no save writes (a folder, a link, another name)."""
+    try:
+        return sorted(p.name for p in path.iterdir()
+                      if not (_SAVE_FILES.match(p.name) and p.is_file() and not p.is_symlink()))
+    except OSError:
+        return []
+
+
+def users_scratch(root: Path) -> list[Path]:
+    """Folders at a save's scratch names under `root` (.tmp-step-N, .deleting-step-N) that hold
+    files no save writes: a save or a prune would stop at them (NotOurs); said before training."""
+    try:
+        found = sorted(p for p in root.iterdir() if _SCRATCH.match(p.name))
+    except OSError:
+        return []
+    return [p for p in found if p.is_dir() and not p.is_symlink() and _strangers(p)]
+
+
 def _clear(path: Path) -> None:
     """Remove the debris at one of our scratch names (.tmp-step-N, .deleting-step-N). A link there
     goes, never what it points to: rmtree refuses a link, which stayed to fail the mkdir or rename
-    after it in a traceback."""
+    after it in a traceback. A folder there that holds anything a save does not write is the user's
+    (rmtree deleted it, notes and all): NotOurs, and it stays."""
     if path.is_symlink() or path.is_file():
         path.unlink()
-    else:
+    elif path.is_dir():
+        if strangers := _strangers(path):
+            shown = ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else "")
+            raise NotOurs(f"{path} holds {shown}, which no checkpoint save writes: move it out of {path.parent}")
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -223,6 +256,8 @@ def _refused(e: OSError, root: Path) -> str:
     """A filesystem's refusal of a checkpoint write as the fix; anything else is a bug: re-raised."""
     from pipezero.util import refused_write
 
+    if isinstance(e, NotOurs):
+        return f"{e}, then --resume"
     if (said := refused_write(e)) is None:
         raise e
     return f"{said}; then --resume continues from the newest complete checkpoint under {root}"
