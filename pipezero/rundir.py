@@ -206,11 +206,11 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
-    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
-    with `--force`, what of the run already there this run would write over (its checkpoints of the
-    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing.
-    A refusal leaves the folder as it was."""
+def refuse_folder(out: str, resume: bool | None = None, force: bool = False) -> None:
+    """The claim's checks of `out` that need no lock (its kind, where it lies, the kinds of the
+    names a run writes there): a ConfigError, or nothing. `pipezero cluster` runs them before it
+    builds the cluster, whose rank 0 takes the claim: refused there, it was every node's torchrun
+    report instead of one line."""
     path = Path(out)
     if not out.strip():
         raise ConfigError("--out is empty: name a folder for the run")
@@ -224,6 +224,23 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     if (path / LOCK).is_symlink():  # the lock is opened and its pid written through the link: the target's bytes
         raise ConfigError(f"--out {out!r}: {LOCK} is a symlink (to {os.readlink(path / LOCK)}), and the run writes "
                           f"its pid there, over that file: remove the link, or choose another --out")
+    if resume is not None and not (resume or force) and path.is_dir() and (names := sorted(_entries(path))):
+        raise ConfigError(_holds_a_run(out, names))  # the claim says it again under its lock
+
+
+def _holds_a_run(out: str, names: list[str]) -> str:
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, --force to train there "
+            f"anyway, or choose another --out")
+
+
+def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
+    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
+    with `--force`, what of the run already there this run would write over (its checkpoints of the
+    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing.
+    A refusal leaves the folder as it was."""
+    path = Path(out)
+    refuse_folder(out)
     made: list[Path] = []
     try:
         made = make_folders(path)
@@ -239,10 +256,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     held = Claim(path, fd, "", AsFound(made, had_lock, previous, _entries(path)))
     try:
         if held.found.entries and not (resume or force):
-            names = sorted(held.found.entries)
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
-                              f"--force to train there anyway, or choose another --out")
+            raise ConfigError(_holds_a_run(out, sorted(held.found.entries)))
         foreign = sorted(set(held.found.entries) & RUN_FILES)
         if (resume or force) and previous is None and foreign and not _holds_steps(path / "checkpoints"):
             flag = "--resume" if resume and not force else "--force"

@@ -287,3 +287,48 @@ def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypat
     finally:
         writable(tmp_path / "run" / "tensorboard")
     one_line_exit_1(code, err, "run/tensorboard cannot be written (")
+
+
+@pytest.fixture
+def cluster_never_built(monkeypatch):
+    """`pipezero cluster` on any host, whose cluster must not be built: each case is refused before."""
+    import pipezero.cluster
+
+    def built(*a, **kw):  # noqa: ANN002, ANN003
+        raise AssertionError("a cluster was built for a refused command")
+
+    monkeypatch.setattr(pipezero.cluster, "require_root", lambda: None)
+    monkeypatch.setattr(pipezero.cluster, "run_on_cluster", built)
+    monkeypatch.setattr(pipezero.cluster.EmulatedCluster, "__enter__", built)
+
+
+@pytest.mark.parametrize("out, needle", [("pipe", "--out 'pipe' is a file, not a folder"),
+                                         ("run", "--out 'run' already holds a run (checkpoints, metrics.jsonl)"),
+                                         ("run/checkpoints/x", "is inside")])
+def test_a_cluster_run_folder_is_checked_before_the_cluster_is_built(out, needle, cluster_never_built, tmp_path,
+                                                                      monkeypatch, capsys):
+    """`pipezero cluster ... train --out P` with P a pipe, or a run without --resume: node 0's rank 0
+    refused it, after the cluster was built, in 60 lines of every node's torchrun report."""
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    fake_run(tmp_path / "run")
+    code, err = run_main(["cluster", "--nodes", "2", *TRAIN, "--dp", "2", "--data", "docs", "--out", out], capsys)
+    assert_one_line(code, err, needle)
+
+
+@pytest.mark.parametrize("link", [f"{2**70}gbit", "20tbit", "1e3gbit"])
+def test_a_cluster_link_past_any_real_one_is_refused_before_building(link, cluster_never_built, capsys):
+    """--link 1180591620717411303424gbit passed the check, and tc failed 40 s later, mid-build."""
+    code, err = run_main(["cluster", "--nodes", "2", "--link", link, *TRAIN, "--dp", "2"], capsys)
+    assert_one_line(code, err, f"--link {link!r}: a tc rate such as 200mbit")
+
+
+def test_cluster_rates_read_as_tc_reads_them():
+    from pipezero.cluster import rate_bits
+
+    assert rate_bits("200mbit") == 200e6
+    assert rate_bits("1gibit") == 2**30
+    assert rate_bits("10mbps") == 80e6
+    assert rate_bits("10tbit") == 10e12
+    assert rate_bits("fast") is None
