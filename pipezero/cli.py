@@ -164,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if limit is None and not cuda and not under_torchrun():
         check_host_memory(cfg)
-    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
+    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

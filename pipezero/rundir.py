@@ -27,7 +27,7 @@ import fcntl
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -204,6 +204,19 @@ def _lock(path: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """An exclusive hold on folder `path` (made if missing) for a command that is not a run, as long
+    as the block lasts: two `pipezero verify` at one --out deleted and read each other's rank files,
+    and one said the layout trains another model. The second is refused, naming the first's pid."""
+    make_folders(path)
+    fd = _lock(path)
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock; the .lock file stays, as a run's does
 
 
 def refuse_folder(out: str, resume: bool | None = None, force: bool = False) -> None:

@@ -332,3 +332,29 @@ def test_cluster_rates_read_as_tc_reads_them():
     assert rate_bits("10mbps") == 80e6
     assert rate_bits("10tbit") == 10e12
     assert rate_bits("fast") is None
+
+
+def test_a_second_verify_at_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `pipezero verify` at one --out (say --pp 2 and --dp 2): each deleted and read the other's
+    ranks/rankR.pt, and one printed 'the layout trains another model', exit 1, for a layout that is
+    right. verify now holds OUT/.lock while it runs; a second one is refused in one line."""
+    from pipezero.rundir import held
+
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    with held(tmp_path / "v"):  # the first verify, running
+        code, err = run_main(["verify", "--preset", "tiny", "--steps", "1", "--seq-len", "16", "--tokenizer", "bytes",
+                              "--data", "docs", "--out", "v"], capsys)
+    assert_one_line(code, err, "--out 'v' is in use by another run (pid")
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == [".lock"]
+
+
+def test_verify_takes_a_folder_an_earlier_verify_left(tmp_path):
+    """Its own .lock, left by the earlier verify, is verify's: no refusal."""
+    from pipezero.rundir import held
+    from pipezero.verify import check_out
+
+    with held(tmp_path):
+        pass
+    assert (tmp_path / ".lock").is_file()
+    check_out(tmp_path)
