@@ -41,6 +41,31 @@ def docs(folder: Path) -> None:
         (folder / "docs" / f"{i}.txt").write_text(f"document {i}: hello there, general kenobi " * 8)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """One tiny run of one step (docs/ and run/), trained once for the tests that need a real one."""
+    import contextlib
+    import io
+
+    from pipezero.cli import main
+
+    where = tmp_path_factory.mktemp("trained")
+    docs(where)
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            assert main([*TRAIN, "--data", "docs", "--out", "run"]) == 0
+    finally:
+        os.chdir(cwd)
+    return where
+
+
+def copy_run(trained: Path, to: Path) -> None:
+    """The trained run beside docs/ in `to` (docs made by the test), as if trained there."""
+    shutil.copytree(trained / "run", to / "run")
+
+
 def fake_run(folder: Path) -> Path:
     """A run folder as a run leaves it (its id, a lock, metrics), without training one."""
     (folder / "checkpoints").mkdir(parents=True)
@@ -158,13 +183,13 @@ def test_an_old_checkpoint_that_cannot_be_pruned_is_kept_with_a_warning(tmp_path
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
-def test_a_run_file_that_refuses_a_write_is_one_line(name, tmp_path, monkeypatch, capsys):
+def test_a_run_file_that_refuses_a_write_is_one_line(name, tmp_path, monkeypatch, capsys, trained):
     """An immutable OUT/metrics.jsonl or OUT/summary.json on --resume: an OSError traceback from
     util.atomic_write_bytes. Now one line naming the file and the fix, exit 1; the file as it was."""
     monkeypatch.chdir(tmp_path)
     docs(tmp_path)
     base = [*TRAIN, "--data", "docs", "--out", "run"]
-    assert run_main(base, capsys)[0] == 0
+    copy_run(trained, tmp_path)
     mine = (tmp_path / "run" / name).read_bytes()
     read_only(tmp_path / "run" / name)
     try:
@@ -197,7 +222,7 @@ def test_a_writer_that_reports_an_os_error_in_its_own_words_names_the_file(tmp_p
         atomic_write_with(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("a bug")))
 
 
-def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, trained):
     """export (either format) to a disk that takes no more: a SafetensorError traceback. Now one
     line naming the file, exit 1, and nothing half-written left. The full disk is a file-size limit
     (RLIMIT_FSIZE: writes past 60 KiB fail, EFBIG), in this process and no mount."""
@@ -205,7 +230,7 @@ def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     docs(tmp_path)
-    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    copy_run(trained, tmp_path)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
     try:
@@ -260,10 +285,10 @@ def test_a_crashs_debris_at_a_scratch_name_is_still_cleared(tmp_path):
     assert not (root / ".tmp-step-00000002").exists()
 
 
-def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_path, monkeypatch, capsys):
+def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_path, monkeypatch, capsys, trained):
     monkeypatch.chdir(tmp_path)
     docs(tmp_path)
-    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    copy_run(trained, tmp_path)
     mine = tmp_path / "run" / "checkpoints" / ".tmp-step-00000002" / "notes.txt"
     mine.parent.mkdir()
     mine.write_text("mine")
@@ -272,13 +297,13 @@ def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_pat
     assert mine.read_text() == "mine"
 
 
-def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypatch, capsys):
+def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypatch, capsys, trained):
     """--tensorboard with an immutable OUT/tensorboard: torch's event writer thread printed its
     PermissionError traceback beside pipezero's line."""
     pytest.importorskip("tensorboard")
     monkeypatch.chdir(tmp_path)
     docs(tmp_path)
-    assert run_main([*TRAIN, "--data", "docs", "--out", "run"], capsys)[0] == 0
+    copy_run(trained, tmp_path)
     (tmp_path / "run" / "tensorboard").mkdir()
     read_only(tmp_path / "run" / "tensorboard")
     try:
