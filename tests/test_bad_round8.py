@@ -383,3 +383,26 @@ def test_verify_takes_a_folder_an_earlier_verify_left(tmp_path):
         pass
     assert (tmp_path / ".lock").is_file()
     check_out(tmp_path)
+
+
+def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left(tmp_path, monkeypatch):
+    """DCP's write to a full disk fails in torch's words ('unexpected pos 704 vs 598'): the one line
+    now adds the free space of the checkpoints folder when it is short, so the fix is named."""
+    import torch
+
+    import pipezero.checkpoint.store as store
+
+    class Full:
+        f_bavail, f_frsize = 25, 4096  # 100 KiB
+
+    monkeypatch.setattr(store.os, "statvfs", lambda path: Full())
+
+    def torn(*a, **kw):  # noqa: ANN002, ANN003
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", torn)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(store.CheckpointError, match=r"unexpected pos .* \(.*checkpoints has 0\.1 MiB free: a full disk\? "
+                                                    r"free space there, then --resume\)"):
+        store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
+    assert list(root.iterdir()) == []  # the failed save left nothing
