@@ -406,3 +406,14 @@ def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left
                                                     r"free space there, then --resume\)"):
         store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
     assert list(root.iterdir()) == []  # the failed save left nothing
+
+
+@pytest.mark.parametrize("steps", [str(2**63), "100000000000000000000"])
+def test_a_step_count_past_any_run_is_refused(steps, tmp_path, monkeypatch, capsys):
+    """Round eight's leftover (and round six's 10^20 in a TOML): such a run trained on as if the count
+    were reachable; the counter a checkpoint keeps is int64."""
+    monkeypatch.chdir(tmp_path)
+    docs(tmp_path)
+    code, err = run_main([*TRAIN[:3], *TRAIN[5:], "--max-steps", steps, "--data", "docs", "--out", "run"], capsys)
+    assert_one_line(code, err, "--max-steps")
+    assert not (tmp_path / "run").exists()
