@@ -545,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
     try:
         code = int(args.func(args) or 0)
-        sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
+        if sys.stdout is not None:  # closed (>&-) for a command that prints nothing it needs (round nine)
+            sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
         return code
     except OutputFailed as e:
         return output_failed(e, stream)

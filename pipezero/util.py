@@ -132,13 +132,20 @@ def as_os_error(e: BaseException, path: str | Path, tmp: str = "") -> OSError | 
     return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
 
 
+def physical(folder: str | Path) -> str:
+    """`folder` as the filesystem walks it, for tempfile: mkstemp and mkdtemp make their folder
+    absolute by text (os.path.abspath), so 'link/../run' became './run' there, not the folder the
+    link's target's parent holds that mkdir made (round nine: --out lnk/../o was a traceback)."""
+    return os.path.realpath(folder)
+
+
 def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
     """`write(tmp)` fills a temporary file beside `path` (a unique name: writers may race); it is
     fsynced, then renamed over `path`: readers see the old file or the new one, never half of one.
     A write the filesystem refuses raises an OSError naming `path` (refused_write says it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=physical(path.parent), prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)

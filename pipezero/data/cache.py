@@ -31,7 +31,7 @@ import numpy as np
 from pipezero.errors import ConfigError
 from pipezero.data.sources import Reader
 from pipezero.data.tokenizer import Tokenizer, id_bound
-from pipezero.util import build_once, cache_dir
+from pipezero.util import build_once, cache_dir, physical
 
 BATCH_DOCS = 1024  # documents a tokenizer call: enough to keep every core busy
 BATCH_CHARS = 8 << 20  # ... or this much text, whichever comes first, so memory stays bounded
@@ -118,7 +118,7 @@ def _move_last(src: _SplitWriter, dst: _SplitWriter, src_path: Path) -> None:
 def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout_every: int) -> None:
     """Tokenize every document of `files` into the cache folder `dest` (atomically)."""
     dtype = token_dtype(id_bound(tok))  # EOS included: a model's config.json may name one past the vocabulary
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+    tmp = Path(tempfile.mkdtemp(dir=physical(dest.parent), prefix=f".{dest.name}.", suffix=".tmp"))
     try:
         with BuildProgress(files) as progress, \
                 (tmp / "train.tokens").open("wb") as ft, (tmp / "heldout.tokens").open("wb") as fh:
@@ -219,7 +219,7 @@ def past_vocab(folder: Path, vocab: int) -> str | None:
 
 def discard(folder: Path) -> None:
     """Remove the damaged entry `folder`: renamed aside first, so no reader finds half of it."""
-    aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".damaged"))
+    aside = Path(tempfile.mkdtemp(dir=physical(folder.parent), prefix=f".{folder.name}.", suffix=".damaged"))
     os.replace(folder, aside / folder.name)
     shutil.rmtree(aside, ignore_errors=True)
 

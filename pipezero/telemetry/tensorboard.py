@@ -37,9 +37,11 @@ def probe_writable(folder: Path) -> None:
     import os
     import tempfile
 
+    from pipezero.util import physical
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        fd, probe = tempfile.mkstemp(dir=physical(folder), prefix=".probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

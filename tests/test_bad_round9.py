@@ -1,0 +1,50 @@
+"""A ninth review of bad inputs (issue 33), as a careless or hostile user: what it found. An --out
+(or any folder pipezero writes a file into) spelled through a symlink and then '..' was a traceback,
+and a closed standard output ended a finished training run in one."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipezero import cli
+from pipezero.rundir import claim
+from pipezero.util import atomic_write_bytes
+
+
+def link_then_up(root: Path) -> str:
+    """root/lnk -> deep/x, so 'lnk/../o' is deep/o to the filesystem but ./o to os.path.abspath."""
+    (root / "deep" / "x").mkdir(parents=True)
+    (root / "lnk").symlink_to("deep/x")
+    return "lnk/../o"
+
+
+def test_a_file_written_through_a_link_then_dotdot_lands_where_the_filesystem_puts_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = link_then_up(tmp_path)
+    atomic_write_bytes(Path(out) / "f.json", b"{}")  # was FileNotFoundError: ./o/.f.json.XXXX.tmp
+    assert (tmp_path / "deep" / "o" / "f.json").read_bytes() == b"{}"
+    assert not (tmp_path / "o").exists()
+    assert [p.name for p in (tmp_path / "deep" / "o").iterdir()] == ["f.json"]  # no temporary file left
+
+
+def test_a_run_folder_through_a_link_then_dotdot_is_claimed(tmp_path, monkeypatch):
+    """`train --out lnk/../o` made deep/o, locked it, then failed writing its .run-id (a traceback)."""
+    monkeypatch.chdir(tmp_path)
+    held = claim(link_then_up(tmp_path), False, False)
+    try:
+        assert len((tmp_path / "deep" / "o" / ".run-id").read_text().strip()) == 16
+    finally:
+        held.release()
+
+
+def test_a_closed_stdout_is_no_traceback_after_a_command_that_prints_nothing_it_needs(monkeypatch, capsys):
+    """`pipezero train ... >&-` trained, then main's flush of sys.stdout (None) was an AttributeError, exit 1."""
+    monkeypatch.setattr(cli, "cmd_train", lambda args: 0)  # the parser binds it when main builds it
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["train"]) == 0
+    assert sys.stdout is None  # put back as it was
+    assert "Traceback" not in capsys.readouterr().err
