@@ -48,3 +48,24 @@ def test_a_closed_stdout_is_no_traceback_after_a_command_that_prints_nothing_it_
     assert cli.main(["train"]) == 0
     assert sys.stdout is None  # put back as it was
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_inside_a_checkpoint_write_stays_an_interrupt():
+    """Ctrl-C while DCP wrote a checkpoint said 'checkpoint write of ... failed: rank 0:
+    KeyboardInterrupt', exit 1, not the interrupt's line ('--resume continues ...') and 130."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    def interrupted():
+        raise CheckpointException("save", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+
+    def refused():
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+
+    with pytest.raises(KeyboardInterrupt):
+        Team().run("write of x", interrupted)
+    with pytest.raises(CheckpointError, match="rank 0, step 0: checkpoint write of x failed: rank 0: OSError"):
+        Team().run("write of x", refused)

@@ -74,6 +74,9 @@ class Team:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 return fn()
         except (Exception, CheckpointException) as e:  # timeouts, dead peers, DCP's own (a BaseException)
+            if isinstance(e, CheckpointException) and any(isinstance(exc, KeyboardInterrupt)
+                                                          for exc, _ in e.failures.values()):
+                raise KeyboardInterrupt from e  # Ctrl-C in DCP's writer: the interrupt's line and 130, no failed save
             raise CheckpointError(f"rank {self.rank}, step {self.step}: checkpoint {what} failed: {cause(e)}") from e
 
     def barrier(self, what: str) -> None:
