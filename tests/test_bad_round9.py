@@ -69,3 +69,21 @@ def test_ctrl_c_inside_a_checkpoint_write_stays_an_interrupt():
         Team().run("write of x", interrupted)
     with pytest.raises(CheckpointError, match="rank 0, step 0: checkpoint write of x failed: rank 0: OSError"):
         Team().run("write of x", refused)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    pass\n", "S gives no integer >= 1 as n_layers, dim, vocab_size"),
+    ("    n_layers, dim, vocab_size = 2, '64', 256\n", "S gives no integer >= 1 as dim"),
+    ("    n_layers, dim, vocab_size = 2, 64, 256\n    def build_layer(self, i):\n        return None\n",
+     "S does not define init_layer, layer_param_counts, flops_per_token"),
+])
+def test_a_spec_subclass_missing_what_modelspec_asks_is_one_line(body, needle, tmp_path, monkeypatch, capsys):
+    """`class S(ModelSpec): pass` was an AttributeError traceback ('S' object has no attribute 'n_layers')."""
+    from one_line import assert_one_line, run_main
+
+    name = f"spec_{abs(hash(body))}"  # a module name of its own: one imported stays in sys.modules
+    (tmp_path / f"{name}.py").write_text(f"from pipezero.models import ModelSpec\nclass S(ModelSpec):\n{body}")
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--max-steps", "1"],
+                              capsys), f"--model-spec '{name}:S': {needle}")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [f"{name}.py"]

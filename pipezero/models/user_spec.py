@@ -79,7 +79,27 @@ def load_spec(ref: str) -> ModelSpec:
         raise ConfigError(f"--model-spec {ref!r} gives a {type(obj).__name__}, not a pipezero.models.ModelSpec; "
                           f"subclass ModelSpec (examples/own_model.py) and name the class, an instance, or a "
                           f"function returning one")
+    if problem := incomplete(obj):
+        raise ConfigError(f"--model-spec {ref!r}: {type(obj).__name__} {problem}; see pipezero/models/spec.py's "
+                          f"ModelSpec and examples/own_model.py")
     return obj
+
+
+ABSTRACT = ("build_layer", "init_layer", "layer_param_counts", "flops_per_token")
+
+
+def incomplete(spec: ModelSpec) -> str | None:
+    """What `spec` lacks of what ModelSpec asks of a subclass (the sizes, the four abstract methods),
+    said as the end of a sentence; None when nothing. Unchecked, a subclass without n_layers was an
+    AttributeError traceback from pipezero's own code (round nine)."""
+    bad = [n for n in ("n_layers", "dim", "vocab_size")
+           if isinstance(v := getattr(spec, n, None), bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        return f"gives no integer >= 1 as {', '.join(bad)}"
+    missing = [n for n in ABSTRACT if getattr(type(spec), n) is getattr(ModelSpec, n)]
+    if missing:
+        return f"does not define {', '.join(missing)}"
+    return None
 
 
 def apply_spec(cfg: Any, given: set[str]) -> None:
