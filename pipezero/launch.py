@@ -105,8 +105,9 @@ def exit_rank(code: int) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - the run itself is complete; nothing left to save
             pass
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # closed (>&-) for the whole job: every rank inherits it (round nine)
+            stream.flush()
     os._exit(code)
 
 

@@ -87,3 +87,18 @@ def test_a_spec_subclass_missing_what_modelspec_asks_is_one_line(body, needle, t
     assert_one_line(*run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--max-steps", "1"],
                               capsys), f"--model-spec '{name}:S': {needle}")
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [f"{name}.py"]
+
+
+def test_a_rank_ends_without_a_traceback_under_a_closed_stdout(monkeypatch):
+    """`train --nproc 2 ... >&-`: every rank trained, then exit_rank's sys.stdout.flush() was an
+    AttributeError traceback on each, and torchrun's report of the failed job, exit 1."""
+    from pipezero import launch
+
+    def ended(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch.os, "_exit", ended)
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(SystemExit) as e:
+        launch.exit_rank(0)
+    assert e.value.code == 0
