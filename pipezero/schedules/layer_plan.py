@@ -23,12 +23,19 @@ chunk, which has none: its B computes nothing); a W that runs autograd again (th
 chunk whose weighted modules W cannot compute from B's stash, or any chunk with --recompute). A W
 from B's stash reads no weight and passes nothing (runtime/weight_grad.py).
 
-What happens at them (`steps`), one layer ahead as before: at a layer's `fwd` its bucket (and any
-bucket it borrows, a head tied to the embedding in the same chunk) is gathered, waited for if its
-prefetch is still in flight, and the next layer's gather started; at `fwd-end` the layer's (and the
+What happens at them (`steps`), `depth` layers ahead (--zero3-prefetch, 1 by default): at a
+layer's `fwd` its bucket (and any bucket it borrows, a head tied to the embedding in the same chunk)
+is gathered, waited for if its prefetch is still in flight, and the gathers of the next `depth`
+layers started (those not already gathered or in flight); at `fwd-end` the layer's (and the
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
-own bucket gathered and the layer before it prefetched. Whatever is still gathered at `end` is
-released, so nothing of the chunk outlives the action.
+own bucket gathered and the `depth` layers before it prefetched. So a layer's gather starts `depth`
+layers before its use, and at most `depth` + 1 layers are gathered or in flight at a `fwd` (one more
+in backward, the layer just done, until its `bwd`'s successor releases it: sim/memory.py). A deeper
+prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
+next one's gather and the link has idled (an embedding before a block, the link shared with a
+backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in
+flight at `end` is released, so nothing of the chunk outlives the action: the next action's first
+layers cannot be gathered ahead inside this one (at P = 1 they are this action's last, in use).
 
 With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
 checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
@@ -132,8 +139,11 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
 
 
 def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
-          ends_with_owner: bool = True) -> list[Step]:
-    """The action's gathers and releases, in the order they happen (module docstring)."""
+          ends_with_owner: bool = True, depth: int = 1) -> list[Step]:
+    """The action's gathers and releases, in the order they happen, each layer's gather started
+    `depth` layers ahead of its use (module docstring)."""
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be 1 or more layers, got {depth}")
     owners = [u for u in layers if u.bucket is not None]
     present: set[int] = set()
     flying: set[int] = set()
@@ -164,8 +174,9 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
         if t.moment is Moment.FORWARD:
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 gather(k, t)
-            if j is not None and j + 1 < len(owners):
-                prefetch(owners[j + 1].bucket, t)  # type: ignore[arg-type]
+            if j is not None:
+                for ahead in owners[j + 1:j + 1 + depth]:
+                    prefetch(ahead.bucket, t)  # type: ignore[arg-type]
         elif t.moment is Moment.FORWARD_END:
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 release(k, t)
@@ -174,8 +185,9 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
                 release(owners[j + 1].bucket, t)  # type: ignore[arg-type]
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 gather(k, t)
-            if j is not None and j > 0:
-                prefetch(owners[j - 1].bucket, t)  # type: ignore[arg-type]
+            if j is not None:
+                for behind in reversed(owners[max(0, j - depth):j]):
+                    prefetch(behind.bucket, t)  # type: ignore[arg-type]
     for k in sorted(present | flying):
         out.append(Step(False, k, END))
     return out

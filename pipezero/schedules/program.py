@@ -26,8 +26,9 @@ Placement rules (D = data-parallel ranks):
   backward, once its reductions are drained. `prefetch`
   is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
   not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
-- ZeRO-3 layer by layer: one bucket a layer, each gathered, waited for and released at moments
-  inside the actions that use it (a layer's forward about to run, its backward beginning, ...):
+- ZeRO-3 layer by layer: one bucket a layer, each gathered (started `depth` layers ahead of its
+  use, --zero3-prefetch), waited for and released at moments inside the actions that use it (a
+  layer's forward about to run, its backward beginning, ...):
   those DataParallel instructions sit in the Compute instruction they belong to (`during`), each
   with its `Trigger`, in the order they happen (schedules/layer_plan.py says which and where); the
   runtime's module hooks fire them at those moments (zero/layerwise.py). The simulator times them
@@ -166,6 +167,7 @@ class Program:
     ranks: tuple[tuple[Instr, ...], ...]
     layerwise: bool = False  # ZeRO-3 gathers layer by layer inside the actions (else a chunk kept gathered)
     recompute: bool = False  # backwards run the forward again (layer by layer: they gather the whole chunk)
+    depth: int = 1  # layer by layer: a layer's gather starts this many layers before its use
 
     @property
     def rules(self) -> Rules:
@@ -298,7 +300,8 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
-          keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, wire_bytes: float = 4,
+          keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
+          wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -311,7 +314,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
     `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
     `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: backwards run
-    the forward again (layer by layer they gather the whole chunk). `pp_ranks`: lower only these
+    the forward again (layer by layer they gather the whole chunk); `depth`: layer by layer, how many
+    layers ahead of its use a layer's gather starts (schedules/layer_plan.py). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -324,10 +328,10 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans(s) if posts is None else posts
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p])
+                           posts[p], depth)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
-    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute)
+    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
 
 
 @dataclass(frozen=True)
@@ -338,7 +342,8 @@ class _Wires:
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
-                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list) -> tuple[Instr, ...]:
+                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
+                  depth: int = 1) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -369,8 +374,8 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         drain = per_mb or (rules.sharded_params and is_final)
         key = (a.op, a.chunk, reduces, drain)
         if key not in inside_of:
-            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire) \
-                if layerwise else ()
+            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire,
+                                       depth=depth) if layerwise else ()
             inside_of[key] = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute, drain) \
                 if reduces else (inside, [])
         inside, after = inside_of[key]
@@ -390,10 +395,11 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
 
 
 def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: float,
-                      chunk: int | None = None) -> tuple[DataParallel, ...]:
+                      chunk: int | None = None, depth: int = 1) -> tuple[DataParallel, ...]:
     """Layer-by-layer ZeRO-3: the gathers and releases inside action `a` (None: a forward of
     `chunk` outside any program, an evaluation or the text sample), each at its trigger
-    (schedules/layer_plan.py); `width`: bytes an element of a gather."""
+    (schedules/layer_plan.py), each layer's gather `depth` layers ahead; `width`: bytes an element of a
+    gather."""
     c = a.chunk if a is not None else chunk
     assert c is not None
     op = a.op if a is not None else None
@@ -403,7 +409,7 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
                               st.wait, st.at) if st.gather else
                  DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
                               st.at)
-                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c)))
+                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c), depth))
 
 
 def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, wire: float,
