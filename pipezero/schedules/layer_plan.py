@@ -34,8 +34,17 @@ in backward, the layer just done, until its `bwd`'s successor releases it: sim/m
 prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
 next one's gather and the link has idled (an embedding before a block, the link shared with a
 backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in
-flight at `end` is released, so nothing of the chunk outlives the action: the next action's first
-layers cannot be gathered ahead inside this one (at P = 1 they are this action's last, in use).
+flight at `end` is released, but for what the next action keeps (below).
+
+Across actions: where the rank's next action reads the same chunk's weights right after this one
+(P = 1: F then BW, BW then the next F; a pipeline's F and B of one chunk), its first layers are
+this action's last, which a release at `end` and a gather at the next `start` would move twice
+and, the first of them waited for at once, expose. With depth d >= 2 the next action's first d - 1
+layers (in its order: forward from the first, backward from the last) that this action uses are
+kept gathered (`keep`) and the next one begins with them (`held`); depth 1 keeps none, as before.
+Never across the optimizer step (the last action of a step keeps nothing: the weights change), nor
+into a forward outside the program (an evaluation, the sample), nor with --recompute. At most
+d - 1 layers cross, fewer than an action's d + 1 in flight.
 
 With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
 checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
@@ -49,7 +58,7 @@ hooked layer passes both). The same rules gather and release at those moments as
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipezero.schedules.actions import Op
@@ -139,13 +148,15 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
 
 
 def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
-          ends_with_owner: bool = True, depth: int = 1) -> list[Step]:
+          ends_with_owner: bool = True, depth: int = 1, held: Collection[int] = (),
+          keep: Collection[int] = ()) -> list[Step]:
     """The action's gathers and releases, in the order they happen, each layer's gather started
-    `depth` layers ahead of its use (module docstring)."""
+    `depth` layers ahead of its use; `held`: buckets the previous action left gathered for this one,
+    `keep`: buckets left gathered for the next (module docstring)."""
     if depth < 1:
         raise ValueError(f"prefetch depth must be 1 or more layers, got {depth}")
     owners = [u for u in layers if u.bucket is not None]
-    present: set[int] = set()
+    present: set[int] = set(held)
     flying: set[int] = set()
     out: list[Step] = []
 
@@ -163,7 +174,7 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             flying.add(k)
 
     def release(k: int, at: Trigger) -> None:
-        if k in present:
+        if k in present and k not in keep:
             out.append(Step(False, k, at))
             present.discard(k)
 
@@ -188,6 +199,24 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             if j is not None:
                 for behind in reversed(owners[max(0, j - depth):j]):
                     prefetch(behind.bucket, t)  # type: ignore[arg-type]
-    for k in sorted(present | flying):
+    for k in sorted((present | flying) - set(keep)):
         out.append(Step(False, k, END))
     return out
+
+
+def left_gathered(held: Collection[int], placed: Sequence[Step]) -> frozenset[int]:
+    """The buckets gathered (or in flight) after an action that began with `held` and placed `placed`."""
+    out = set(held)
+    for st in placed:
+        (out.add if st.gather else out.discard)(st.bucket)
+    return frozenset(out)
+
+
+def first_needed(op: Op, layers: Sequence[LayerUse], through: bool, n: int) -> list[int]:
+    """The first `n` buckets an action computes with, in the order it needs them (the next action's,
+    which this one keeps gathered)."""
+    out: list[int] = []
+    need = needs(layers)
+    for t in moments(op, layers, through):
+        out += [b for b in need.get(t, ()) if b not in out]
+    return out[:n]

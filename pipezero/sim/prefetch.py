@@ -8,9 +8,11 @@ issued. When the link is slower than compute everywhere, depth 1 already keeps i
 buys nothing; when small layers (the embedding, a vocabulary-256 head) sit beside blocks, or the
 reductions share the link in backward, the link idles and a deeper prefetch fills it. So the depth
 is measured, not guessed: `exposed` plays one forward and one reducing fused backward of a chunk
-moment by moment, with the program's own steps (schedules/layer_plan.py) at each depth, and
-`choose` takes the smallest depth past which the exposed time stops improving (by less than
-`TOLERANCE` of it), within a memory limit.
+moment by moment, with the program's own steps (schedules/layer_plan.py) at each depth (the
+forward keeping the backward's first depth - 1 layers gathered, as the program does), and
+`choose` takes the smallest depth past which the exposed time stops improving (no deeper one
+hides more than `TOLERANCE` of it, or `FLOOR_S`), within a memory limit. Keeping layers across
+actions saves their gathers outright, so on a slow link the deepest that fits often wins.
 
 The play is the planner's model, like sim/overlap.py's closed forms: compute and each collective
 take their FLOP and byte times; gathers and reductions share one link in issue order (one gloo or
@@ -30,12 +32,13 @@ from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.compile import layerwise
-from pipezero.schedules.layer_plan import Moment, moments, steps
+from pipezero.schedules.layer_plan import Moment, first_needed, moments, steps
 from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.traffic import collective_s, element_bytes
 
 TOLERANCE = 0.02  # a deeper prefetch that saves less than this share of the exposed time "stops improving"
+FLOOR_S = 1e-3  # nor less than this a micro-batch
 MAX_DEPTH = 8  # deeper than this hid nothing more in any play (a layer's gather behind 8 layers' compute)
 
 
@@ -70,10 +73,11 @@ def exposed(layers: Sequence[LayerCost], depth: int, backward_factor: float = 2.
         link = max(start, link) + seconds
         return link
 
+    kept = frozenset(first_needed(Op.BW, uses, True, depth - 1))  # the forward keeps them for the backward
     for op in (Op.F, Op.BW):
         through = op is Op.BW
         grads = [u.bucket for u in reversed(owners)] if through else []
-        placed = steps(op, uses, through, depth=depth)
+        placed = steps(op, uses, through, depth=depth, held=kept if through else (), keep=() if through else kept)
         for m in moments(op, uses, through, grads):
             for st in [s for s in placed if s.at == m]:
                 if st.gather:
@@ -95,22 +99,23 @@ def exposed(layers: Sequence[LayerCost], depth: int, backward_factor: float = 2.
 
 def choose(layers: Sequence[LayerCost], fits: Callable[[int], bool] = lambda d: True,
            backward_factor: float = 2.0, in_flight: int = 1) -> Choice:
-    """The smallest depth past which one more layer ahead hides less than `TOLERANCE` of the exposed
-    time, no deeper than memory allows (`fits(depth)`) nor than the chunk has layers to prefetch."""
+    """The smallest depth past which no deeper one hides more than `TOLERANCE` of the exposed time
+    at depth 1, among those memory allows (`fits(depth)`: tried from shallow to deep, up to the
+    first that does not fit) and the chunk has layers to prefetch."""
     deepest = max(1, min(MAX_DEPTH, sum(1 for c in layers if c.gather_s) - 1))
     times = [exposed(layers, 1, backward_factor, in_flight)]
-    depth = 1
-    while depth < deepest:
-        times.append(exposed(layers, depth + 1, backward_factor, in_flight))
-        if times[-2] - times[-1] <= TOLERANCE * times[0]:
-            why = f"depth {depth + 1} hides no more (exposed {_ms(times[depth - 1])} a micro-batch)"
-            return Choice(depth, why, tuple(times))
-        if not fits(depth + 1):
-            return Choice(depth, f"memory: depth {depth + 1} would not fit (exposed {_ms(times[depth - 1])}, "
-                                 f"{_ms(times[depth])} there)", tuple(times))
-        depth += 1
-    return Choice(depth, f"as deep as the chunk's layers allow (exposed {_ms(times[depth - 1])} a micro-batch)",
-                  tuple(times))
+    capped = False
+    for depth in range(2, deepest + 1):
+        if not fits(depth):
+            capped = True
+            break
+        times.append(exposed(layers, depth, backward_factor, in_flight))
+    best = min(times)
+    depth = next(d for d, t in enumerate(times, 1) if t <= best + max(TOLERANCE * times[0], FLOOR_S))
+    said = f"exposed {_ms(times[depth - 1])} a micro-batch, {_ms(times[0])} at depth 1"
+    if capped and depth == len(times):
+        return Choice(depth, f"memory: depth {depth + 1} would not fit ({said})", tuple(times))
+    return Choice(depth, f"deeper hides no more ({said})", tuple(times))
 
 
 def _ms(s: float) -> str:
