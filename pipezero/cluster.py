@@ -47,9 +47,12 @@ class ClusterError(RuntimeError):
 class ClusterSpec:
     nodes: int
     link: str = "200mbit"  # each node's uplink and downlink rate (tc units: kbit, mbit, gbit)
-    # tbf's bucket: large enough for one 64 KB segment burst at these rates, small enough that the
-    # rate holds over a millisecond; and how long a packet may queue before tbf drops it.
-    burst: str = "64kb"
+    # tbf's bucket: larger than one TCP segmentation-offload packet (64 KB of payload plus headers),
+    # which then crosses whole as a NIC's offload would send it; at 64kb tbf cut each such packet into
+    # MTU-sized ones in softirq (measured: 6-7 host CPU-seconds a GB crossing against about 1, the
+    # cost that stretched a rank's compute beside its traffic). Small enough that the rate holds
+    # over ~10 ms at 100mbit. And how long a packet may queue before tbf drops it.
+    burst: str = "128kb"
     queue_ms: int = 50
     # each node's processes on cores of its own, as on separate machines: without it the host's
     # scheduler lets one node's compute take another node's cores (measured: a rank whose backward

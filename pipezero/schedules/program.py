@@ -452,7 +452,7 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
     collectives in the order of the moments; the rest follow the action. With `drain` the last one
     started blocks. Returns (the action's collectives, those after it)."""
     c = a.chunk
-    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
+    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     ks = [k for k in range(len(bp.buckets(c))) if (c, k) not in bp.held]
     hooked = set(bp.hooked(c)) if a.op is Op.BW else set()
     early = [k for k in ks if k in hooked]
@@ -494,7 +494,7 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[
     held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
     if not held:
         return []
-    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
+    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
             *(DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * grad), False) for c, k in held)]
 

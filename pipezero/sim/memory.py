@@ -435,7 +435,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     # reduction holds while in flight (nothing with one replica)
     full_b = {c: [n * F32 for n in bp.buckets(c)] for c in chunks}
     shard_b = {c: [n // dp * F32 for n in bp.buckets(c)] for c in chunks}
-    flight = {c: [reduction_bytes(plan, n, sharded) if dp > 1 else 0 for n in bp.buckets(c)] for c in chunks}
+    flight = {c: [reduction_bytes(plan, n, rules.reduces_to_shard) if dp > 1 else 0 for n in bp.buckets(c)]
+              for c in chunks}
     live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
@@ -552,7 +553,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     reducing.append(key)
                     in_flight.add(key)
                     co += flight[c][k]
-            if ins.blocking or sharded:  # type: ignore[union-attr]
+            if ins.blocking or rules.reduces_to_shard:  # type: ignore[union-attr]
                 g, co = complete(0 if ins.blocking else plan.in_flight, g, co)  # type: ignore[union-attr]
             total = rest + g + co
             if total > best:
@@ -838,13 +839,13 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
     return tuple(out)
 
 
-def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
+def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
     """Bytes a gradient reduction of an `n`-element bucket holds besides the bucket while in flight
-    (zero/coordinator.py): the low-precision copy it travels as (bf16), and when gradients are
-    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer for the
-    other members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
+    (zero/coordinator.py): the low-precision copy it travels as (bf16), and for a reduce-scatter
+    (ZeRO-1 to 3) its output shard plus, on gloo, the exchange's receive buffer for the other
+    members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
     out = n * plan.wire if plan.wire != F32 else 0
-    if sharded:
+    if to_shard:
         shard = n // plan.dp * plan.wire
         out += shard + (shard * (plan.dp - 1) if plan.gloo and plan.dp > 2 else 0)
     return out
