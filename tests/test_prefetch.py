@@ -3,11 +3,14 @@ memory model counts for it, and the planner's choice for `auto` (sim/prefetch.py
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipezero.config import GradReduce, ScheduleKind
 from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Op
+from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.bucket_plan import uniform_plan
 from pipezero.schedules.layer_plan import Moment
 from pipezero.schedules.program import Compute, Kind, lower
@@ -138,3 +141,19 @@ def test_auto_in_a_run_needs_the_link_and_says_why():
     assert slow.depth > fast.depth == 1  # the slower link, deeper
     assert "hides no more" in slow.why and slow.exposed_s[slow.depth - 1] < slow.exposed_s[0]
     assert build_plan(config(**{"parallel.zero3_prefetch": "auto", "parallel.link_gbps": "10"})).depth == 1
+
+
+def test_the_checker_refuses_a_hand_over_the_next_action_does_not_begin_with():
+    prog = program(3)
+    ranks = [list(r) for r in prog.ranks]
+    for r in ranks:
+        k = next(i for i, ins in enumerate(r) if isinstance(ins, Compute) and ins.held)
+        r[k] = replace(r[k], held=frozenset())  # as if the previous action had released what it kept
+    with pytest.raises(ScheduleError, match="begins with buckets"):
+        check_program(replace(prog, ranks=tuple(tuple(r) for r in ranks)))
+    last = [list(r) for r in prog.ranks]
+    for r in last:
+        k = max(i for i, ins in enumerate(r) if isinstance(ins, Compute))
+        r[k] = replace(r[k], kept=frozenset({0}))  # a layer kept past the optimizer step
+    with pytest.raises(ScheduleError, match="past the\\s+optimizer step|stay gathered"):
+        check_program(replace(prog, ranks=tuple(tuple(r) for r in last)))
