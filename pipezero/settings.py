@@ -49,8 +49,10 @@ RANGES: dict[str, Range] = {
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
     "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
-    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps",
-                                          "trace_steps")},
+    **{f"run.{k}": POSITIVE_INT for k in ("eval_batches", "keep_checkpoints", "max_bad_steps", "trace_steps")},
+    # past int64 the step counter a checkpoint stores cannot hold it, and 2^63 steps "trained for ever";
+    # 10^12 steps is past any run (a step a microsecond for eleven days)
+    "run.max_steps": Range(1, 10**12),
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
