@@ -1,6 +1,7 @@
 """How much of ZeRO's traffic the step time hides, measured from outside the ranks.
 
     python bench/cluster_hiding.py [--zero 1,2,3] [--share 0.6] [--steps 12] [--repeat 2] [--pin]
+                                   [--bursts 128kb,64kb]
 
 (as root). Each ZeRO stage runs D=2 on 2 emulated nodes x 1 rank, so every byte of its collectives
 crosses a node's link. Nothing here asks pipezero what it sent or waited for:
@@ -17,7 +18,10 @@ Beside it `hidden by waits`, from rank 0's trace (1 - blocked on ZeRO's collecti
 which is what the trace claims. Steady steps are those after the first two; step times are medians
 (the minimum is in the JSON). Unpinned by default: the ranks share the host's cores with the
 kernel's network path as they would share a node's. Repeats run the stages in turn, each time
-measuring the unshaped step afresh. Writes bench/results/cluster_hiding.json.
+measuring the unshaped step afresh. `--bursts 128kb,64kb` measures each stage with each tbf bucket
+in turn (the cluster's default, 128kb, lets a 64 KB offloaded TCP packet cross whole; at 64kb tbf
+cuts every one into MTU-sized packets in the host's softirq, CPU the ranks' compute then lacks).
+Writes bench/results/cluster_hiding.json.
 """
 
 from __future__ import annotations
@@ -81,13 +85,13 @@ class LinkCounter:
         return [max(max(b[0] - a[0], b[1] - a[1]) for a, b in zip(x, y)) for x, y in zip(self.marks, self.marks[1:])]
 
 
-def run(zero: int, link: str, toml: Path, out: Path, steps: int, pin: bool) -> dict:
+def run(zero: int, link: str, toml: Path, out: Path, steps: int, pin: bool, burst: str) -> dict:
     """One run of D=2 at `zero` on 2 nodes x 1 rank: steady step times, link bytes a step, traced waits."""
     from pipezero.cluster import ClusterSpec, EmulatedCluster
 
     argv = ["-m", "pipezero.cli", "train", "--config", str(toml), "--pp", "1", "--dp", "2", "--zero", str(zero),
             "--max-steps", str(steps), "--out", str(out), "--no-save-final"]
-    with EmulatedCluster(ClusterSpec(nodes=2, link=link, pin=pin)) as cluster:
+    with EmulatedCluster(ClusterSpec(nodes=2, link=link, pin=pin, burst=burst)) as cluster:
         with LinkCounter(cluster, out / "metrics.jsonl") as counter:
             agents = [cluster.torchrun(i, 1, 29500, argv, stdout=-1, stderr=-1) for i in range(2)]
             said = [a.communicate(timeout=900) for a in agents]
@@ -104,17 +108,17 @@ def run(zero: int, link: str, toml: Path, out: Path, steps: int, pin: bool) -> d
             "losses": [r["loss"] for r in recs]}
 
 
-def measure(zero: int, args: argparse.Namespace, tmp: Path, toml: Path, k: int) -> dict:
-    fast = run(zero, args.fast, toml, tmp / f"z{zero}-{k}-fast", args.steps, args.pin)
+def measure(zero: int, args: argparse.Namespace, tmp: Path, toml: Path, k: int, burst: str) -> dict:
+    fast = run(zero, args.fast, toml, tmp / f"z{zero}-{k}-{burst}-fast", args.steps, args.pin, burst)
     rate = fast["link_bytes"] * 8 / (args.share * fast["step_s"])  # bits a second
     rate_mbit = max(1, round(rate / 1e6))
-    shaped = run(zero, f"{rate_mbit}mbit", toml, tmp / f"z{zero}-{k}-shaped", args.steps, args.pin)
+    shaped = run(zero, f"{rate_mbit}mbit", toml, tmp / f"z{zero}-{k}-{burst}-shaped", args.steps, args.pin, burst)
     transfer = shaped["link_bytes"] * 8 / (rate_mbit * 1e6)
     hidden = 1 - (shaped["step_s"] - fast["step_s"]) / transfer
     waits = shaped["waits_s"]
-    row = {"zero": zero, "repeat": k, "rate_mbit": rate_mbit, "transfer_s": transfer, "unshaped": fast, "shaped": shaped,
+    row = {"zero": zero, "repeat": k, "burst": burst, "rate_mbit": rate_mbit, "transfer_s": transfer, "unshaped": fast, "shaped": shaped,
            "hidden": hidden, "hidden_by_waits": None if waits is None else 1 - waits / transfer}
-    print(f"ZeRO-{zero} (run {k + 1}): {shaped['link_bytes'] / 1e6:.1f} MB a node a step on the link "
+    print(f"ZeRO-{zero} (run {k + 1}, burst {burst}): {shaped['link_bytes'] / 1e6:.1f} MB a node a step on the link "
           f"(pipezero counts {shaped['own_bytes'] / 1e6:.1f}), {rate_mbit} Mbit/s, "
           f"step {fast['step_s']:.3f} -> {shaped['step_s']:.3f} s, transfer {transfer:.3f} s: "
           f"hidden {hidden:.0%} by step time, {row['hidden_by_waits']:.0%} by traced waits", flush=True)
@@ -132,6 +136,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="sequences a rank a step (one micro-batch)")
     ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--bursts", default="128kb", help="tbf buckets to measure each stage with, in turn")
     ap.add_argument("--pin", action="store_true", help="each node on a core of its own (pipezero cluster --pin)")
     ap.add_argument("--name", default="cluster_hiding")
     args = ap.parse_args()
@@ -145,11 +150,12 @@ def main() -> None:
                                  micro_batch_size=args.batch, microbatches=1))
         for k in range(args.repeat):
             for zero in (int(z) for z in args.zero.split(",")):
-                rows.append(measure(zero, args, Path(tmp), toml, k))
-    print("\n| ZeRO | run | MB a node a step (link / own count) | Mbit/s | unshaped s | shaped s | transfer s | "
-          "hidden by step time | by traced waits |\n|---|---|---|---|---|---|---|---|---|")
+                for burst in args.bursts.split(","):
+                    rows.append(measure(zero, args, Path(tmp), toml, k, burst))
+    print("\n| ZeRO | run | tbf burst | MB a node a step (link / own count) | Mbit/s | unshaped s | shaped s | transfer s | "
+          "hidden by step time | by traced waits |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['zero']} | {r['repeat'] + 1} | {r['shaped']['link_bytes'] / 1e6:.1f} / "
+        print(f"| {r['zero']} | {r['repeat'] + 1} | {r['burst']} | {r['shaped']['link_bytes'] / 1e6:.1f} / "
               f"{r['shaped']['own_bytes'] / 1e6:.1f} | {r['rate_mbit']} | {r['unshaped']['step_s']:.3f} | "
               f"{r['shaped']['step_s']:.3f} | {r['transfer_s']:.3f} | {r['hidden']:.0%} | {r['hidden_by_waits']:.0%} |")
     RESULTS.mkdir(exist_ok=True)

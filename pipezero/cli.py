@@ -61,6 +61,13 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--secondary-shard": ("parallel.secondary_shard", "ZeRO-3 layer by layer: node keeps each bucket split over its "
                                                       "ranks after the step's first gather, so later gathers stay "
                                                       "inside the node (4/N bytes a parameter)"),
+    "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
+                                                    "starts (default 1), or auto: the planner's choice for "
+                                                    "--link-gbps"),
+    "--link-gbps": ("parallel.link_gbps", "GB/s a rank's data-parallel traffic gets between nodes (for "
+                                          "--zero3-prefetch auto)"),
+    "--tflops": ("parallel.tflops", "TFLOP/s a rank's compute achieves (for --zero3-prefetch auto; default 445 on "
+                                    "CUDA, 0.05 on CPU)"),
     "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),

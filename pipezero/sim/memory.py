@@ -66,6 +66,7 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
+from pipezero.sim.prefetch import Choice, run_choice
 
 if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
@@ -229,6 +230,7 @@ class MemoryPlan:
     eval_bytes: int = 0  # the held-out windows, alive the whole run
     sample_len: int = 0  # the text sample's longest window (0: no sample)
     seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
+    depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
 
 
 @dataclass
@@ -259,7 +261,9 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
     # D alike: one replica
-    compiled = compile_plan(replace(p, dp=1), _decoder_shapes(_Shape(m), tuple(bounds)), pp_ranks=pp_ranks)
+    depth = p.zero3_prefetch if isinstance(p.zero3_prefetch, int) else prefetch_choice(cfg, cuda).depth
+    compiled = compile_plan(replace(p, dp=1, zero3_prefetch=depth), _decoder_shapes(_Shape(m), tuple(bounds)),
+                            pp_ranks=pp_ranks)
     buckets, layerwise, program = compiled.buckets.for_dp(p.dp), compiled.layerwise, compiled.program
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
@@ -273,7 +277,22 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
         if r.sample_tokens and p.pp == 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       p.buckets_in_flight, cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
-                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len)
+                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth)
+
+
+def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
+    """ZeRO-3's prefetch depth for `cfg`: its `parallel.zero3_prefetch`, or for `auto` the planner's
+    choice (sim/prefetch.py) no deeper than fits `run.gpu_memory_gib` by this model's walk."""
+    p = cfg.parallel
+    if isinstance(p.zero3_prefetch, int):
+        return Choice(p.zero3_prefetch, "set", ())
+    limit = cfg.run.gpu_memory_gib
+
+    def fits(depth: int) -> bool:
+        deeper = replace(cfg, parallel=replace(p, zero3_prefetch=depth))
+        return limit is None or max(r.peak_bytes for r in every_rank(build_plan(deeper, cuda))) <= limit * 2**30
+
+    return run_choice(cfg, fits)
 
 
 def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
@@ -833,9 +852,11 @@ def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
 
 
 def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
-    """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers, the layer computing and
-    the next one prefetched (forward: 2), and in backward also the layer just done, released only
-    once autograd has accumulated all of its gradients (3)."""
+    """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers at a prefetch depth of
+    one, the layer computing and the next one prefetched (forward: 2), and in backward also the
+    layer just done, released only once autograd has accumulated all of its gradients (3); each layer
+    of depth past one adds a layer prefetched (`plan.depth` + 1 in a forward: schedules/layer_plan.py)."""
+    span += plan.depth - 1
     layers = [n for n in plan.chunk_params[chunk] if n > 0]
     return max((sum(layers[i:i + span]) for i in range(len(layers))), default=0) * F32
 
