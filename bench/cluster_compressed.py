@@ -285,11 +285,13 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
             f"{k}: ring {v['link_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s a node, {v['net_cpu_s_per_gb']:.1f} CPU-s a GB"
             for k, v in probes.items() if k != "intra_gbps"), flush=True)
     rows: list[dict] = []
-    for name in args.layouts.split(","):
+    pairs = ([tuple(x.split(":")) for x in args.rows.split(",")] if args.rows else
+             [(name, variant) for name in args.layouts.split(",") for variant in args.variants.split(",")])
+    for name in dict.fromkeys(name for name, _ in pairs):
         lay = LAYOUTS[name]
         print(f"{name}: data-parallel groups {groups_across(lay)}", flush=True)
         base_compute = None
-        for variant in args.variants.split(","):
+        for variant in [v for n, v in pairs if n == name]:
             argv = ["--config", str(toml), *flags(lay, variant)]
             row: dict = {"layout": name, **lay, "variant": variant, "flags": flags(lay, variant)[16:],
                          "groups": groups_across(lay)}
@@ -301,10 +303,13 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                 continue
             layout = planner_layout(lay, argv)
             if not args.no_cluster:
-                compute = cluster_run([*argv, "--max-steps", str(args.steps)], tmp / f"{name}-{variant}-c", 1,
-                                      NODES * PER_NODE, rates[0], args.pin)
+                # other jobs on the host only add time: the fastest of --repeat-compute runs
+                compute = min((cluster_run([*argv, "--max-steps", str(args.steps)], tmp / f"{name}-{variant}-c{k}", 1,
+                                           NODES * PER_NODE, rates[0], args.pin) for k in range(args.repeat_compute)),
+                              key=lambda c: c["step_s"])
                 base_compute = base_compute if variant != "none" else compute["step_s"]
                 row["compute_only_s"], row["compute_only_s_median"] = compute["step_s"], compute["step_s_median"]
+                row["compute_only_loadavg"] = os.getloadavg()  # the host's 1, 5 and 15 min load after the run
                 row["compute_only_losses"] = compute["losses"]
                 mfu = calibrated_mfu(layout, compute["step_s"], probes["intra_gbps"])
                 mfu_base = calibrated_mfu(layout, base_compute, probes["intra_gbps"]) if base_compute else None
@@ -319,7 +324,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                     pred, pred_bytes = predict(layout, mfu, probes["intra_gbps"], inter, p["net_cpu_s_per_gb"])
                     pred_base = (predict(layout, mfu_base, probes["intra_gbps"], inter, p["net_cpu_s_per_gb"])[0]
                                  if mfu_base else None)
-                    row["links"][link] = {**got, "bytes_across": across, "predicted_s": pred,
+                    row["links"][link] = {**got, "bytes_across": across, "predicted_s": pred, "loadavg": os.getloadavg(),
                                           "predicted_s_uncompressed_calibration": pred_base,
                                           "predicted_bytes_across": pred_bytes}
                     print(f"  {variant} {link}: step {got['step_s']:.3f} s (median {got['step_s_median']:.3f}), "
@@ -394,20 +399,54 @@ def merged(paths: list[Path]) -> dict:
         for r in got["rows"]:
             mine = rows.setdefault((r["layout"], r["variant"]), {})
             mine.update({k: v for k, v in r.items() if v is not None and (k != "links" or v)})
+            if r.get("links"):  # the probes its calibration and predictions used, from its own file
+                mine["probes"] = got["probes"]
     for r in rows.values():
         if "refused" in r or not r.get("links"):
             continue
-        layout = planner_layout(LAYOUTS[r["layout"]], r["flags"])
+        if r.get("loss_losses_first"):  # the loopback run's first losses against each cluster run's
+            r["first_losses_max_rel_diff"] = {
+                link: max(abs(a - b) / abs(b) for a, b in zip(x["losses"][:5], r["loss_losses_first"]))
+                for link, x in r["links"].items()}
+        layout, mine = planner_layout(LAYOUTS[r["layout"]], r["flags"]), r["probes"]
         for link, x in r["links"].items():
-            inter = probes[link]["link_bytes_per_s"] / PER_NODE / 1e9
-            x["predicted_s"], x["predicted_bytes_across"] = predict(layout, r["mfu"], probes["intra_gbps"], inter,
-                                                                    probes[link]["net_cpu_s_per_gb"])
+            inter = mine[link]["link_bytes_per_s"] / PER_NODE / 1e9
+            x["predicted_s"], x["predicted_bytes_across"] = predict(layout, r["mfu"], mine["intra_gbps"], inter,
+                                                                    mine[link]["net_cpu_s_per_gb"])
             if r.get("mfu_uncompressed"):
-                x["predicted_s_uncompressed_calibration"] = predict(layout, r["mfu_uncompressed"], probes["intra_gbps"],
-                                                                    inter, probes[link]["net_cpu_s_per_gb"])[0]
+                x["predicted_s_uncompressed_calibration"] = predict(layout, r["mfu_uncompressed"], mine["intra_gbps"],
+                                                                    inter, mine[link]["net_cpu_s_per_gb"])[0]
     order = {name: i for i, name in enumerate(LAYOUTS)}
     kinds = {name: i for i, name in enumerate(VARIANTS)}
     return {"probes": probes, "rows": sorted(rows.values(), key=lambda r: (order[r["layout"]], kinds[r["variant"]]))}
+
+
+OPTION_SETS = {"none": (0, 0, False), "w8 g8": (8, 8, False), "w8 g8 hpZ": (8, 8, True), "w8 g4 hpZ": (8, 4, True)}
+
+
+def plan_picks(mfu: float, probes: dict, link: str, top: int = 3) -> dict[str, list[dict]]:
+    """What `plan` (sim/planner.plan, the library call behind `pipezero plan`, which takes only a
+    preset's shape) ranks first on this cluster, the block-dominated model and 16 sequences a step,
+    compute calibrated as the bench's rows, without and with each set of options: the options are
+    the run's flags there, applied to every layout where they have traffic to change."""
+    from pipezero.config import ModelConfig
+    from pipezero.models import apply_preset
+    from pipezero.sim.planner import plan
+
+    model = apply_preset(ModelConfig(), "tiny")
+    for k, v in MODEL.items():
+        setattr(model, k, v)
+    cluster = cluster_of(PER_NODE, probes["intra_gbps"], probes[link]["link_bytes_per_s"] / PER_NODE / 1e9, mfu,
+                         probes[link]["net_cpu_s_per_gb"])
+    out = {}
+    for name, (w, g, hpz) in OPTION_SETS.items():
+        fits, _ = plan(model, cluster, 128, 16, w, g, 256, hpz)
+        out[name] = [{"layout": (f"P={e.layout.pp} D={e.layout.dp} ZeRO-{e.layout.zero} {e.layout.schedule.value} "
+                                 f"V={e.layout.virtual} B={e.layout.micro_batch} M={e.layout.microbatches} "
+                                 f"{e.layout.placement.value}" + (" two-level" if e.layout.hierarchical else "")
+                                 + (" hpZ" if e.layout.secondary else "") + (" rc" if e.layout.recompute else "")),
+                      "step_s": e.step_time_s, "crossing_mb": e.crossing_bytes / 1e6} for e in fits[:top]]
+    return out
 
 
 def main() -> None:
@@ -416,7 +455,10 @@ def main() -> None:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}; 'none' first "
                     "(the ratios and the uncompressed calibration read it)")
+    ap.add_argument("--rows", default="", help="instead of --layouts x --variants: layout:variant pairs, e.g. "
+                    "p1-z3:hpz,p2-zb-v-z3:w8")
     ap.add_argument("--steps", type=int, default=7, help="steps of each cluster run (>= 5: steps 3..n-1 are measured)")
+    ap.add_argument("--repeat-compute", type=int, default=2, help="compute-only runs of each row; the fastest counts")
     ap.add_argument("--loss-steps", type=int, default=300, help="steps of each held-out loss run (0: none)")
     ap.add_argument("--no-cluster", action="store_true", help="only the held-out loss runs (no root needed)")
     ap.add_argument("--no-pin", dest="pin", action="store_false")
@@ -428,13 +470,25 @@ def main() -> None:
         got = merged([Path(x) for x in args.table.split(",")])
         rates = [r for r in args.rates.split(",") if r]
         print(table(got["rows"], rates))
+        calib = next((r for r in got["rows"] if r["layout"] == "p2-1f1b-z3" and r["variant"] == "none"
+                      and r.get("mfu")), None)
+        if calib:
+            got["plan_picks"] = {link: plan_picks(calib["mfu"], calib["probes"], link) for link in rates}
+            for link, picks in got["plan_picks"].items():
+                for name, best in picks.items():
+                    print(f"plan at {link}, options {name}: " + "; ".join(
+                        f"{b['layout']} {b['step_s']:.3f} s, {b['crossing_mb']:.1f} MB across" for b in best))
         (RESULTS / f"{args.name}.json").write_text(json.dumps({"merged_from": args.table, **got}, indent=2))
         print(f"wrote {RESULTS / args.name}.json")
         return
+    pairs = [x.split(":") for x in args.rows.split(",") if x]
     unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS] + [
-        x for x in args.variants.split(",") if x not in VARIANTS]
+        x for x in args.variants.split(",") if x not in VARIANTS] + [
+        ":".join(p) for p in pairs if len(p) != 2 or p[0] not in LAYOUTS or p[1] not in VARIANTS]
     if unknown or args.steps < 5:
-        print(f"cluster_compressed: error: unknown {unknown} or --steps {args.steps} < 5", file=sys.stderr)
+        why = (f"unknown {', '.join(unknown)}: layouts are {', '.join(LAYOUTS)}, variants {', '.join(VARIANTS)}"
+               if unknown else f"--steps {args.steps}: at least 5 (steps 3 to n-1 are measured)")
+        print(f"cluster_compressed: error: {why}", file=sys.stderr)
         sys.exit(2)
     RESULTS.mkdir(exist_ok=True)
     started = time.monotonic()
