@@ -2,7 +2,8 @@
 links, step time and held-out loss, beside the uncompressed run and the planner's prediction.
 
     python bench/cluster_compressed.py [--rates 100mbit,200mbit] [--layouts p2-1f1b-z3,...] [--variants none,all4]
-                                       [--steps 7] [--loss-steps 300] [--no-cluster | --no-loss]
+                                       [--rows p1-z3:hpz,...] [--steps 7] [--loss-steps 300 | 0] [--no-cluster]
+    python bench/cluster_compressed.py --table A.json,B.json --name cluster_compressed   # merge, predict again
 
 (as root). 2 emulated nodes x 2 ranks, pinned (each node's ranks on a core of their own), the
 block-dominated model (`--model dim=256,n_layers=4,vocab_size=256`, seq 128), 16 sequences a step.
@@ -449,6 +450,35 @@ def plan_picks(mfu: float, probes: dict, link: str, top: int = 3) -> dict[str, l
     return out
 
 
+def compact_table(rows: list[dict], rates: list[str]) -> str:
+    """One line a layout and variant, both rates side by side (the docs' table): MB across a step
+    at the first rate and its ratio to `none`, each rate's fastest step, its speed-up over `none` and
+    the planner's error, and the held-out loss with its ratio."""
+    base = {(r["layout"], link): r["links"][link] for r in rows if r["variant"] == "none" for link in r.get("links", {})}
+    base_loss = {r["layout"]: r.get("heldout_loss") for r in rows if r["variant"] == "none"}
+    head = " | ".join(f"{link} step s (x none, planner)" for link in rates)
+    lines = [f"| layout | variant | MB across a step (x none) | {head} | held-out loss (x none) |",
+             "|---|---|---|" + "---|" * len(rates) + "---|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['layout']} | {r['variant']} | refused: {r['refused'].split(':')[1].strip()[:90]} |"
+                         + " |" * len(rates) + " |")
+            continue
+        links = r.get("links", {})
+        first = links.get(rates[0])
+        b0 = base.get((r["layout"], rates[0]))
+        across = "" if first is None else f"{first['bytes_across']['up'] / 1e6:.2f} ({first['bytes_across']['up'] / b0['bytes_across']['up']:.3f})"
+        cells = []
+        for link in rates:
+            x, b = links.get(link), base.get((r["layout"], link))
+            cells.append("" if x is None else f"{x['step_s']:.3f} ({b['step_s'] / x['step_s']:.2f}x, "
+                         f"{x['predicted_s'] / x['step_s'] - 1:+.0%})")
+        loss, b_loss = r.get("heldout_loss"), base_loss.get(r["layout"])
+        held = "" if loss is None else f"{loss:.4f}" + (f" ({loss / b_loss:.4f})" if b_loss else "")
+        lines.append(f"| {r['layout']} | {r['variant']} | {across} | {' | '.join(cells)} | {held} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="100mbit,200mbit")
@@ -470,6 +500,7 @@ def main() -> None:
         got = merged([Path(x) for x in args.table.split(",")])
         rates = [r for r in args.rates.split(",") if r]
         print(table(got["rows"], rates))
+        print(compact_table(got["rows"], rates))
         calib = next((r for r in got["rows"] if r["layout"] == "p2-1f1b-z3" and r["variant"] == "none"
                       and r.get("mfu")), None)
         if calib:
