@@ -47,7 +47,11 @@ LAYOUTS = {
     "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)]
     # the updated weights' all-gather waited for at the end of the step, as before zero/updates.py
     + [{"name": f"D=2 ZeRO-{z} gather at step end", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
-        "flags": ["--no-overlap-gather"]} for z in (1, 2)],
+        "flags": ["--no-overlap-gather"]} for z in (1, 2)]
+    # ZeRO-3 layer by layer with each layer's gather started 2, 3 or 5 layers ahead (--zero3-prefetch;
+    # the row above is depth 1, main's default)
+    + [{"name": f"D=2 ZeRO-3 prefetch {d}", "pp": 1, "dp": 2, "zero": 3, "schedule": "1f1b", "v": 1,
+        "flags": ["--zero3-prefetch", str(d)]} for d in (2, 3, 5)],
     # an experiment through bench/launch_times.py (only with --layouts dp-exchange): ZeRO-2/3's
     # gradient reduce-scatter as a direct exchange, half of gloo's bytes at D=2
     "dp-exchange": [{"name": f"D=2 ZeRO-{z} exchange RS", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,

@@ -6,6 +6,7 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
         [--schedules 1f1b,zb-v] [--zero 0,3] [--dtype bf16] [--eval-batches N] [--sample-tokens N]
+        [--zero3-prefetch D]
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
@@ -52,9 +53,9 @@ MODELS = {
 
 
 def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recompute: bool, data: str,
-             out: str, dtype: str = "fp32", eval_batches: int = 1, sample_tokens: int = 0) -> dict:
+             out: str, dtype: str = "fp32", eval_batches: int = 1, sample_tokens: int = 0, prefetch: int = 1) -> dict:
     return {**MODELS[model], "model.preset": "tiny", "data.path": data, "data.tokenizer": "bytes",
-            "run.dtype": dtype,
+            "run.dtype": dtype, "parallel.zero3_prefetch": prefetch,
             "data.packing": "concat", "parallel.pp": pp, "parallel.dp": dp, "parallel.zero": zero,
             "parallel.schedule": kind.value, "parallel.microbatches": 2 * pp,
             "parallel.virtual_stages": default_virtual(kind, None) if pp > 1 else 1, "parallel.recompute": recompute,
@@ -96,6 +97,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--eval-batches", type=int, default=1, help="global batches the evaluation after the step reads")
     ap.add_argument("--sample-tokens", type=int, default=0, help="the text sample's length (P = 1 only)")
+    ap.add_argument("--zero3-prefetch", type=int, default=1,
+                    help="ZeRO-3 layer by layer: layers a gather starts ahead (and d - 1 kept across actions)")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
@@ -111,14 +114,15 @@ def main() -> None:
             cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
                                               row["zero"], row["recompute"], str(Path(__file__).parent), "-",
                                               row.get("dtype", "fp32"), row.get("eval_batches", 1),
-                                              row.get("sample_tokens", 0)))
+                                              row.get("sample_tokens", 0), row.get("zero3_prefetch", 1)))
             for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
                 r.update(rank_figures(pred, r.get("measured_phases") or {"train": r["measured_peak_bytes"]}))
             show(row)
         report(rows, args.out)
         return
     kinds = [ScheduleKind(k) for k in args.schedules.split(",")] if args.schedules else None
-    todo = [{**c, "dtype": args.dtype, "eval_batches": args.eval_batches, "sample_tokens": args.sample_tokens}
+    todo = [{**c, "dtype": args.dtype, "eval_batches": args.eval_batches, "sample_tokens": args.sample_tokens,
+             "zero3_prefetch": args.zero3_prefetch}
             for c in cases(args.models.split(","), [int(x) for x in args.pp.split(",")],
                            [int(x) for x in args.dp.split(",")], args.max_ranks, kinds,
                            tuple(int(z) for z in args.zero.split(",")))]
@@ -131,7 +135,7 @@ def main() -> None:
         for world, group in sorted(by_world.items()):
             cfgs = [build_config(None, settings(c["model"], ScheduleKind(c["schedule"]), c["pp"], c["dp"], c["zero"],
                                                 c["recompute"], data, f"{tmp}/run{i}", c["dtype"], c["eval_batches"],
-                                                c["sample_tokens"]))
+                                                c["sample_tokens"], c["zero3_prefetch"]))
                     for i, c in enumerate(group)]
             t0 = time.perf_counter()
             measured = run_ranks(phase_peaks, world, cfgs, timeout=3600)

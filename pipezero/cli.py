@@ -61,6 +61,13 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--secondary-shard": ("parallel.secondary_shard", "ZeRO-3 layer by layer: node keeps each bucket split over its "
                                                       "ranks after the step's first gather, so later gathers stay "
                                                       "inside the node (4/N bytes a parameter)"),
+    "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
+                                                    "starts (default 1), or auto: the planner's choice for "
+                                                    "--link-gbps"),
+    "--link-gbps": ("parallel.link_gbps", "GB/s a rank's data-parallel traffic gets between nodes (for "
+                                          "--zero3-prefetch auto)"),
+    "--tflops": ("parallel.tflops", "TFLOP/s a rank's compute achieves (for --zero3-prefetch auto; default 445 on "
+                                    "CUDA, 0.05 on CPU)"),
     "--quant-block": ("parallel.quant_block", "elements sharing one fp32 scale when quantizing (default 256)"),
     "--timeout": ("parallel.timeout_s", "seconds any collective or p2p wait may take before the run fails "
                                         "naming the rank and operation (default 300)"),
@@ -164,29 +171,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if limit is None and not cuda and not under_torchrun():
         check_host_memory(cfg)
-    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here, run_id
+    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
                           f"unset it")
-    kept = Path(cfg.run.out) / "hf"
-    if cfg.model.pretrained is not None and kept.is_symlink():  # rewritten at each start, through the link
-        raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
-                          f"model's files there at each start, which would write over that folder's: remove the "
-                          f"link (the run keeps its own copy)")
-    if cfg.run.resume and not under_torchrun():  # another run's folder is named busy first: its steps are moving
-        from pipezero.rundir import in_use
-
-        in_use(cfg.run.out)
-    if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
-        from pipezero.checkpoint.state import resume_clashes, resume_problem
-
-        if clash := resume_clashes(cfg, run_id(cfg.run.out)):
-            raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
-        if not under_torchrun() and (problem := resume_problem(cfg, run_id(cfg.run.out))):
-            raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
+    check_out(cfg)
     if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
         from pipezero.models.hf_weights import check_finite
 
@@ -208,6 +200,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         exit_rank(code)
     return code
+
+
+def check_out(cfg: Any) -> None:
+    """What train refuses about --out before any rank starts (a resume's clashes and problems, a
+    link at OUT/hf); the claim checks the rest as it takes the folder."""
+    from pipezero.launch import under_torchrun
+    from pipezero.rundir import run_id
+
+    kept = Path(cfg.run.out) / "hf"
+    if cfg.model.pretrained is not None and kept.is_symlink():  # rewritten at each start, through the link
+        raise ConfigError(f"--out {cfg.run.out!r}: hf is a symlink (to {os.readlink(kept)}), and the run rewrites the "
+                          f"model's files there at each start, which would write over that folder's: remove the "
+                          f"link (the run keeps its own copy)")
+    if cfg.run.resume and not under_torchrun():  # another run's folder is named busy first: its steps are moving
+        from pipezero.rundir import in_use
+
+        in_use(cfg.run.out)
+    if cfg.run.resume:  # a save replaces what is at its step: refuse here what the run did not write
+        from pipezero.checkpoint.state import resume_clashes, resume_problem
+
+        if clash := resume_clashes(cfg, run_id(cfg.run.out)):
+            raise ConfigError(f"--out {cfg.run.out!r}: {clash}")
+        if not under_torchrun() and (problem := resume_problem(cfg, run_id(cfg.run.out))):
+            raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
 
 
 def check_host_memory(cfg: Any) -> None:
@@ -236,11 +252,20 @@ def train_here(cfg: Any) -> int:
     from pipezero.launch import under_torchrun
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
+    from pipezero.util import refused_write
 
     try:
         train(cfg)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+        if under_torchrun():
+            os._exit(1)  # peers may be gone: no teardown collective
+        return 1
+    except OSError as e:  # metrics, summary, tensorboard: a full disk, a read-only or immutable file
+        if (refused := refused_write(e)) is None:
+            raise
+        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the "
+              f"newest complete checkpoint", file=sys.stderr, flush=True)
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
@@ -338,16 +363,21 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.ranks_per_node < 1:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
     spec = ClusterSpec(args.nodes, args.link, pin=args.pin)
-    cfg = cluster_job(args.command, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node "
+    cfg, force = cluster_job(args.command, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node "
                       f"{args.ranks_per_node}")
     require_root()
+    from pipezero.rundir import refuse_folder
+
+    refuse_folder(cfg.run.out, cfg.run.resume, force)  # as node 0's rank 0 would: one line, not every node's report
+    check_out(cfg)
     preflight(cfg, args.nodes * args.ranks_per_node)  # data, tokenizer, vocabulary: once, not on every rank
     return run_on_cluster(spec, args.ranks_per_node, args.command)
 
 
-def cluster_job(argv: Sequence[str], world: int, shape: str) -> Any:
-    """The run every node's ranks would start, checked here as `train` checks it, before the
-    cluster is built: a bad command used to end in a traceback or in every rank's torchrun report."""
+def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]:
+    """The run every node's ranks would start (its config, and whether it has --force), checked
+    here as `train` checks it, before the cluster is built: a bad command used to end in a
+    traceback or in every rank's torchrun report."""
     from pipezero.settings import build_config, build_launch
 
     parser = build_parser()
@@ -363,7 +393,7 @@ def cluster_job(argv: Sequence[str], world: int, shape: str) -> Any:
     if cfg.parallel.world_size != world:
         raise ConfigError(f"train's pp x dp = {cfg.parallel.world_size} but the cluster runs {shape} = {world} "
                           f"ranks; make them equal")
-    return cfg
+    return cfg, bool(inner.force)
 
 
 def add_verify_parser(sub: argparse._SubParsersAction) -> None:
@@ -532,6 +562,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         import errno
 
+        from pipezero.util import refused_write
+
+        if (refused := refused_write(e)) is not None:  # a full disk, a read-only or immutable file or folder
+            print(f"pipezero: error: {refused}", file=sys.stderr)
+            return 1
         if e.errno != errno.ENAMETOOLONG:  # any other is no input of the user's: its traceback
             raise
         name = str(e.filename or "")

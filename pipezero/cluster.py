@@ -32,7 +32,16 @@ from pipezero.job import children
 
 
 # a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
-RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)(?:[kmgt]i?)?(?:bit|bps)")  # ASCII digits: tc reads no others
+RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kmgt]i?)?(bit|bps)")  # ASCII digits: tc reads no others
+MAX_RATE = 10e12  # bits a second: 10tbit, past any link there is to emulate; tc failed mid-build on 2**70gbit
+
+
+def rate_bits(link: str) -> float | None:
+    """A tc rate in bits a second, or None if `link` is not one."""
+    if not (m := RATE.fullmatch(link)):
+        return None
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    return float(m[1]) * scale[m[2] or ""] * (8 if m[3] == "bps" else 1)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -47,9 +56,12 @@ class ClusterError(RuntimeError):
 class ClusterSpec:
     nodes: int
     link: str = "200mbit"  # each node's uplink and downlink rate (tc units: kbit, mbit, gbit)
-    # tbf's bucket: large enough for one 64 KB segment burst at these rates, small enough that the
-    # rate holds over a millisecond; and how long a packet may queue before tbf drops it.
-    burst: str = "64kb"
+    # tbf's bucket: larger than one TCP segmentation-offload packet (64 KB of payload plus headers),
+    # which then crosses whole as a NIC's offload would send it; at 64kb tbf cut each such packet into
+    # MTU-sized ones in softirq (measured: 6-7 host CPU-seconds a GB crossing against about 1, the
+    # cost that stretched a rank's compute beside its traffic). Small enough that the rate holds
+    # over ~10 ms at 100mbit. And how long a packet may queue before tbf drops it.
+    burst: str = "128kb"
     queue_ms: int = 50
     # each node's processes on cores of its own, as on separate machines: without it the host's
     # scheduler lets one node's compute take another node's cores (measured: a rank whose backward
@@ -59,9 +71,10 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
             raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
-        if not RATE.fullmatch(self.link) or float(RATE.fullmatch(self.link)[1]) <= 0:  # tc would fail mid-build
+        bits = rate_bits(self.link)
+        if bits is None or not 0 < bits <= MAX_RATE:  # tc would fail mid-build, after the namespaces were made
             raise ConfigError(f"--link {self.link!r}: a tc rate such as 200mbit (a number > 0, then kbit, mbit, gbit "
-                              f"or bit; tc's bps units are bytes a second)")
+                              f"or bit; tc's bps units are bytes a second), at most 10tbit")
         if self.pin and self.nodes > len(os.sched_getaffinity(0)):
             raise ConfigError(f"--pin: {self.nodes} nodes need a core each and this host lends "
                               f"{len(os.sched_getaffinity(0))}; leave out --pin or use fewer nodes")

@@ -51,11 +51,20 @@ def _bound(x: float) -> str:
 
 
 def _plain(ftype: Any) -> tuple[Any, bool]:
-    """`X | None` -> (X, True); any other type -> (type, False)."""
+    """`X | None` -> (X, True); any other type -> (type, False). A union with literal words (`int |
+    Literal["auto"]`) is its first other type here; `_words` names the words."""
     if isinstance(ftype, types.UnionType) or typing.get_origin(ftype) is typing.Union:
-        args = [a for a in typing.get_args(ftype) if a is not type(None)]
-        return args[0], True
+        args = [a for a in typing.get_args(ftype) if a is not type(None) and typing.get_origin(a) is not typing.Literal]
+        return args[0], type(None) in typing.get_args(ftype)
     return ftype, False
+
+
+def _words(ftype: Any) -> tuple[str, ...]:
+    """The literal words a union field accepts besides its type (`int | Literal["auto"]`: auto)."""
+    if isinstance(ftype, types.UnionType) or typing.get_origin(ftype) is typing.Union:
+        return tuple(w for a in typing.get_args(ftype) if typing.get_origin(a) is typing.Literal
+                     for w in typing.get_args(a))
+    return ()
 
 
 def describe(ftype: Any, limits: Range | None = None) -> str:
@@ -67,7 +76,8 @@ def describe(ftype: Any, limits: Range | None = None) -> str:
         item = typing.get_args(base)[0]
         return f"a list of {'integers' if item is int else 'numbers' if item is float else 'strings'}"
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
-    return f"{words} {limits.describe()}" if limits else words
+    said = f"{words} {limits.describe()}" if limits else words
+    return ", or ".join([said, *_words(ftype)])
 
 
 def choices(ftype: Any) -> list[str] | None:
@@ -119,6 +129,8 @@ def coerce(name: str, ftype: Any, value: Any, from_text: bool, limits: Range | N
     raw = value
     if value is None and optional:
         return None
+    if isinstance(value, str) and value in _words(ftype):
+        return value
     if isinstance(base, type) and issubclass(base, enum.Enum):
         if isinstance(value, base):
             return value

@@ -18,7 +18,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Literal, Any
 
 
 
@@ -184,6 +184,17 @@ class ParallelConfig:
     zero3_keep_gathered: bool | None = None
     """ZeRO-3 keeps a chunk gathered over its micro-batches; None = yes when pp > 1 (a stage runs
     many micro-batches close together), else layer by layer."""
+    zero3_prefetch: int | Literal["auto"] = 1
+    """ZeRO-3 layer by layer: how many layers ahead of its use a layer's gather starts, in forward
+    and backward (d + 1 layers gathered or in flight at once); `auto`: the planner's choice
+    (sim/prefetch.py), the smallest depth deeper than which the simulated exposed gather time stops
+    improving, within `run.gpu_memory_gib`, for the link `link_gbps` and the compute `tflops`."""
+    link_gbps: float | None = None
+    """GB/s a rank's data-parallel traffic gets on the link between nodes; only `zero3_prefetch = auto`
+    reads it (required there)."""
+    tflops: float | None = None
+    """TFLOP/s one rank's compute achieves; only `zero3_prefetch = auto` reads it (default: 445 on
+    CUDA, an H100 at 45% of its bf16 peak; 0.05 on CPU, one thread of this project's test host)."""
     timeout_s: float = 300.0
     """Seconds any collective or p2p wait may take before the run fails naming the rank and what it
     waited for."""

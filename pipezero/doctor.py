@@ -80,10 +80,14 @@ def check_size(facts: dict[str, Any]) -> None:
 def programs(facts: dict[str, Any]) -> Program:
     """Every rank's program, compiled from the plan facts a record carries (runtime/watch.py)."""
     check_size(facts)
+    depth = facts.get("zero3_prefetch", 1)  # records written before the prefetch depth: 1
+    if type(depth) is not int or not 1 <= depth <= 64:
+        raise ValueError(f"zero3_prefetch {depth!r}: a whole number of layers from 1 to 64 only")
     p = ParallelConfig(pp=facts["pp"], dp=facts["dp"], zero=facts["zero"], schedule=ScheduleKind(facts["schedule"]),
                        microbatches=facts["microbatches"], virtual_stages=facts["virtual_stages"],
                        grad_reduce=GradReduce(facts["grad_reduce"]), bucket_mb=facts["bucket_mb"],
-                       zero3_keep_gathered=facts["zero3_keep_gathered"], recompute=facts["recompute"])
+                       zero3_keep_gathered=facts["zero3_keep_gathered"], recompute=facts["recompute"],
+                       zero3_prefetch=depth)
     return compile_plan(p, ModelShapes.from_json(facts["model"])).program
 
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,7 +48,7 @@ def wrong_kind(path: Path) -> str | None:
     """A name the run writes that holds the other kind (a folder where a file goes, a file or a
     pipe where a folder goes) failed as a traceback only when written, after the training: said
     here instead, or None."""
-    for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID}):
+    for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID, LOCK}):
         entry = path / name
         if name in RUN_FOLDERS and entry.exists() and not entry.is_dir():
             return f"{name} is a file, where the run writes a folder: move it away, or choose another --out"
@@ -58,9 +59,13 @@ def wrong_kind(path: Path) -> str | None:
 
 
 def run_id(out: str | Path) -> str | None:
-    """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs)."""
+    """The id of the run that claimed `out`; None for a folder never claimed (tests, old runs). A
+    pipe at .run-id (no run writes one) is no id: reading it would wait for a writer for ever."""
+    path = Path(out) / RUN_ID
+    if not path.is_file():
+        return None
     try:
-        return (Path(out) / RUN_ID).read_text().strip() or None
+        return path.read_text().strip() or None
     except (OSError, UnicodeDecodeError):  # a damaged id claims nothing: the run is not ours to resume
         return None
 
@@ -162,11 +167,13 @@ def _read(path: Path) -> bytes | None:
 def in_use(out: str) -> None:
     """Refuse `out` if another run holds its lock, without taking it: said first, before the checks
     of what a resume would find there (the other run's checkpoints are changing under it)."""
-    try:
-        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # not blocking: opening a pipe at .lock to read would wait for a writer for ever
+        fd = os.open(Path(out) / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:  # none, a link, not readable: the claim says what is wrong with it
         return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return  # a pipe or a device: the claim names it (wrong_kind)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
@@ -199,11 +206,24 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
-    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
-    with `--force`, what of the run already there this run would write over (its checkpoints of the
-    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing.
-    A refusal leaves the folder as it was."""
+@contextlib.contextmanager
+def held(path: Path) -> Iterator[None]:
+    """An exclusive hold on folder `path` (made if missing) for a command that is not a run, as long
+    as the block lasts: two `pipezero verify` at one --out deleted and read each other's rank files,
+    and one said the layout trains another model. The second is refused, naming the first's pid."""
+    make_folders(path)
+    fd = _lock(path)
+    try:
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock; the .lock file stays, as a run's does
+
+
+def refuse_folder(out: str, resume: bool | None = None, force: bool = False) -> None:
+    """The claim's checks of `out` that need no lock (its kind, where it lies, the kinds of the
+    names a run writes there): a ConfigError, or nothing. `pipezero cluster` runs them before it
+    builds the cluster, whose rank 0 takes the claim: refused there, it was every node's torchrun
+    report instead of one line."""
     path = Path(out)
     if not out.strip():
         raise ConfigError("--out is empty: name a folder for the run")
@@ -217,6 +237,23 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     if (path / LOCK).is_symlink():  # the lock is opened and its pid written through the link: the target's bytes
         raise ConfigError(f"--out {out!r}: {LOCK} is a symlink (to {os.readlink(path / LOCK)}), and the run writes "
                           f"its pid there, over that file: remove the link, or choose another --out")
+    if resume is not None and not (resume or force) and path.is_dir() and (names := sorted(_entries(path))):
+        raise ConfigError(_holds_a_run(out, names))  # the claim says it again under its lock
+
+
+def _holds_a_run(out: str, names: list[str]) -> str:
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, --force to train there "
+            f"anyway, or choose another --out")
+
+
+def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
+    """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
+    with `--force`, what of the run already there this run would write over (its checkpoints of the
+    steps this one saves: a save replaces a folder of its step), as the fix to print; None: nothing.
+    A refusal leaves the folder as it was."""
+    path = Path(out)
+    refuse_folder(out)
     made: list[Path] = []
     try:
         made = make_folders(path)
@@ -232,10 +269,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     held = Claim(path, fd, "", AsFound(made, had_lock, previous, _entries(path)))
     try:
         if held.found.entries and not (resume or force):
-            names = sorted(held.found.entries)
-            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise ConfigError(f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, "
-                              f"--force to train there anyway, or choose another --out")
+            raise ConfigError(_holds_a_run(out, sorted(held.found.entries)))
         foreign = sorted(set(held.found.entries) & RUN_FILES)
         if (resume or force) and previous is None and foreign and not _holds_steps(path / "checkpoints"):
             flag = "--resume" if resume and not force else "--force"

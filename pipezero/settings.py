@@ -40,6 +40,7 @@ RANGES: dict[str, Range] = {
     "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
+    "parallel.zero3_prefetch": Range(1, 64), "parallel.link_gbps": POSITIVE, "parallel.tflops": POSITIVE,
     # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
     "parallel.quant_block": Range(1, 1 << 20),
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
@@ -48,8 +49,10 @@ RANGES: dict[str, Range] = {
     "data.bpe_vocab": Range(257), "data.seq_len": POSITIVE_INT, "data.max_bytes": POSITIVE_INT,
     "data.max_document_mb": POSITIVE_INT,
     "data.heldout_fraction": Range(0, 0.5, open_low=True, open_high=True),
-    **{f"run.{k}": POSITIVE_INT for k in ("max_steps", "eval_batches", "keep_checkpoints", "max_bad_steps",
-                                          "trace_steps")},
+    **{f"run.{k}": POSITIVE_INT for k in ("eval_batches", "keep_checkpoints", "max_bad_steps", "trace_steps")},
+    # past int64 the step counter a checkpoint stores cannot hold it, and 2^63 steps "trained for ever";
+    # 10^12 steps is past any run (a step a microsecond for eleven days)
+    "run.max_steps": Range(1, 10**12),
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
@@ -339,6 +342,21 @@ def check_secondary_shard(p: ParallelConfig) -> None:
                       f"(--pp 1, or parallel.zero3_keep_gathered = false)")
 
 
+def check_prefetch(cfg: TrainConfig) -> None:
+    """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
+    choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
+    p = cfg.parallel
+    for flag, value in (("--link-gbps", p.link_gbps), ("--tflops", p.tflops)):
+        if value is not None:
+            _check(p.zero3_prefetch == "auto",
+                   f"{flag} {value:g} is read only by --zero3-prefetch auto (the planner's depth): add it, or drop "
+                   f"{flag}")
+    if p.zero3_prefetch == "auto":
+        from pipezero.sim.memory import prefetch_choice
+
+        prefetch_choice(cfg)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
@@ -417,6 +435,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"whole nodes")
     check_quantization(p)
     check_secondary_shard(p)
+    check_prefetch(cfg)
     from pipezero.util import unexpanded_home, unfollowable
 
     _check((home := unexpanded_home("--out", r.out)) is None, home or "")

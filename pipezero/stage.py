@@ -11,7 +11,7 @@ executor plays this rank's program. Process groups are created collectively.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -38,6 +38,7 @@ from pipezero.schedules.program import Instr
 from pipezero.schedules.program_check import check_placement
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
+from pipezero.sim.memory import prefetch_choice
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, updates
 from pipezero.zero.buckets import named_by_chunk, shared_params
@@ -133,6 +134,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.devi
     bounds = partition(spec, p.pp * p.virtual_stages, p.partition, cfg.data.seq_len, memory_cuts(cfg, spec, device))
     check_end_chunks([b - a for a, b in bounds])
     mine = {} if mesh is None else {"pp_ranks": (mesh.pp_rank,), "replicas": (mesh.dp_rank,)}
+    p = replace(p, zero3_prefetch=prefetch_choice(cfg, device.type == "cuda").depth)  # `auto`: the same on every rank
     return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze),
                         wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
 

@@ -57,6 +57,9 @@ SUMMARY_FIELDS: dict[str, str] = {
               "eval, sample), and the categories at it (sim/memory.py; null for a model of one's own), and with "
               "--memory-profile its measured_peak_bytes and measured_phase_bytes: the first step, the first "
               "evaluation and the text sample (else null)",
+    "zero3_prefetch": "ZeRO-3 layer by layer: the prefetch depth asked for (a number or auto), the depth the program "
+                      "placed, why (auto: the planner's phrase, sim/prefetch.py) and the simulated exposed seconds a "
+                      "micro-batch at depth 1, 2, ... as far as auto tried; null without layer-by-layer gathers",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
@@ -132,6 +135,18 @@ def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list
                       for r, x in enumerate(per_rank)]}
 
 
+def prefetch_figures(cfg: TrainConfig, stage: "Stage") -> dict | None:
+    """summary.json's `zero3_prefetch`: what was asked, the depth the plan placed and why."""
+    if not stage.plan.layerwise:
+        return None
+    from pipezero.sim.memory import prefetch_choice
+
+    asked = cfg.parallel.zero3_prefetch
+    choice = prefetch_choice(cfg, stage.zero.device.type == "cuda")
+    return {"asked": asked, "depth": stage.plan.depth, "why": choice.why if asked == "auto" else "set",
+            "exposed_s": list(choice.exposed_s)}
+
+
 def shared_cores(per_rank: list[dict]) -> dict | None:
     """The most crowded host when some host runs more CPU ranks than it has cores: their measured
     bubble then holds time spent waiting for a core, which the simulated bubble does not model."""
@@ -201,6 +216,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
                                                      for x in per_rank]},
         "frozen": summarize([x["frozen"] for x in per_rank], cfg.optim.freeze, one_replica),
         "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
+        "zero3_prefetch": prefetch_figures(cfg, stage),
         "straggler": stragglers([x["work"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value)),
     })
     if progress:

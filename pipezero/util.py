@@ -6,6 +6,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -103,9 +104,38 @@ def build_once(name: str, ready: Callable[[], bool], build: Callable[[], None]) 
                                   "free space there, or point PIPEZERO_CACHE at a folder with room") from None
 
 
+# A write the filesystem refused: no room (FULL), or no right (read-only files, folders, mounts;
+# chattr +i refuses even root). Not a bug of pipezero's: the user's to fix, named in one line.
+REFUSED = (*FULL, errno.EPERM, errno.EACCES)
+_OS_ERROR = re.compile(r"os error (\d+)")  # how Rust's std::io reports one (safetensors' save_file)
+
+
+def refused_write(e: BaseException) -> str | None:
+    """`e` as one line naming the file and the fix, if it is a write the filesystem refused; else
+    None (a bug's traceback stays a traceback)."""
+    if not isinstance(e, OSError) or e.errno not in REFUSED:
+        return None
+    where = os.fsdecode(e.filename) if e.filename else "a file"
+    fix = ("free space there, or choose a folder on another disk" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+           else "make it (or its folder) writable: chmod, chattr -i, a read-write mount; or choose another folder")
+    return f"{where} cannot be written ({e.strerror or os.strerror(e.errno)}): {fix}"
+
+
+def as_os_error(e: BaseException, path: str | Path, tmp: str = "") -> OSError | None:
+    """The OSError behind a writer's own exception (safetensors reports 'os error 28' in a
+    SafetensorError), naming `path` (not the temporary file `tmp` the user never named); None when
+    `e` carries no errno."""
+    if isinstance(e, OSError):
+        named = os.fsdecode(e.filename) if e.filename else ""
+        return e if named and named != tmp else OSError(e.errno, e.strerror, str(path))
+    found = _OS_ERROR.search(str(e))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1))), str(path)) if found else None
+
+
 def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
     """`write(tmp)` fills a temporary file beside `path` (a unique name: writers may race); it is
-    fsynced, then renamed over `path`: readers see the old file or the new one, never half of one."""
+    fsynced, then renamed over `path`: readers see the old file or the new one, never half of one.
+    A write the filesystem refuses raises an OSError naming `path` (refused_write says it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -115,8 +145,10 @@ def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, Exception) and (os_error := as_os_error(e, path, tmp)) is not None and os_error is not e:
+            raise os_error from e
         raise
 
 

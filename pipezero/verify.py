@@ -26,6 +26,7 @@ losses, norms and parameters to `OUT/ranks/rankR.pt`, so verify runs on one mach
 from __future__ import annotations
 
 import copy
+import io
 import re
 import os
 from dataclasses import asdict, dataclass
@@ -37,7 +38,7 @@ import torch
 from pipezero.config import DType, ScheduleKind, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
-from pipezero.util import atomic_write_json
+from pipezero.util import atomic_write_bytes, atomic_write_json
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -212,7 +213,9 @@ def run_rank(cfg: TrainConfig, out: Path) -> RankResult:
     mesh = Mesh(cfg.parallel.pp, cfg.parallel.dp, rank, cfg.parallel.placement)
     result = RankResult(rank, mesh.pp_rank, mesh.dp_rank, res.losses, res.grad_norms, res.params)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(vars(result), out / f"rank{rank}.pt")  # asdict would deep-copy every tensor
+    data = io.BytesIO()  # torch.save's own writer says 'unexpected pos 704 vs 598' for a full disk: written here
+    torch.save(vars(result), data)  # asdict would deep-copy every tensor
+    atomic_write_bytes(out / f"rank{rank}.pt", data.getvalue())
     return result
 
 
@@ -240,7 +243,8 @@ def describe(cfg: TrainConfig) -> str:
 # what verify writes into --out: its runs' folders, the layout's ranks' results, the report, and the
 # hang doctor's requests (runtime/watch.py)
 RANK_FILE = re.compile(r"rank[0-9]+\.pt")  # what a rank of verify writes in OUT/ranks
-OWN = {"layout": True, "reference": True, "floor": True, "ranks": True, "doctor": True, "verify.json": False}
+OWN = {"layout": True, "reference": True, "floor": True, "ranks": True, "doctor": True, "verify.json": False,
+       ".lock": False}
 
 
 def check_out(out: Path) -> None:
@@ -271,10 +275,7 @@ def check_out(out: Path) -> None:
 def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[str]) -> int:
     """The `pipezero verify` command: 0 when the layout matches one process within tolerance, else 1.
     Under torchrun (the ranks it launched) it trains this rank and leaves."""
-    from rich.console import Console
-
-    from pipezero.engine import train
-    from pipezero.launch import exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.launch import exit_rank, under_torchrun
 
     out = Path(cfg.run.out)
     run_cfg = layout_config(cfg, steps)
@@ -285,6 +286,20 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     if world > 1 and nproc != world:
         raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
     check_out(out)
+    from pipezero.rundir import held
+
+    with held(out):  # another verify at this --out is refused: each would read the other's rank files
+        return _verify(cfg, steps, argv, out, run_cfg)
+
+
+def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: TrainConfig) -> int:
+    """verify_layout's work, under its hold on `out`."""
+    from rich.console import Console
+
+    from pipezero.engine import train
+    from pipezero.launch import launch_local, preflight
+
+    world = cfg.parallel.world_size
     console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
     proof = transfer_proof(cfg)
     p = cfg.parallel

@@ -92,7 +92,7 @@ def test_microbatch_mode_reduces_every_bucket_after_every_backward(zero):
         assert sum(i.blocking for i in reds) == m  # drained after each backward
 
 
-@pytest.mark.parametrize("zero, coll", [(0, Collective.ALL_REDUCE), (1, Collective.ALL_REDUCE),
+@pytest.mark.parametrize("zero, coll", [(0, Collective.ALL_REDUCE), (1, Collective.REDUCE_SCATTER),
                                         (2, Collective.REDUCE_SCATTER), (3, Collective.REDUCE_SCATTER)])
 def test_step_mode_reduces_each_bucket_once_after_the_last_weight_gradient(zero, coll):
     prog = lowered(K.ONE_F_ONE_B, 4, 2, zero, GradReduce.STEP)

@@ -84,8 +84,8 @@ def test_placement_follows_the_bandwidths_and_plan_takes_nodes_and_two_link_clas
 
 
 def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
-    """P=1 holds the embedding and the head (16 bytes each at ZeRO-0); ZeRO-1 all-reduces and then
-    all-gathers (3 ring passes), ZeRO-2 reduce-scatters and all-gathers (2 on NCCL)."""
+    """P=1 holds the embedding and the head (16 bytes each at ZeRO-0); ZeRO-1 and ZeRO-2 both
+    reduce-scatter and all-gather (2 passes on NCCL, an all-reduce's), ZeRO-3 gathers twice."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
     from pipezero.sim.layouts import Layout
@@ -97,7 +97,7 @@ def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
     assert one.model_states_gib * GIB == pytest.approx(16 * param_count(model))
     comm = [estimate(model, 128, 16, slow, Layout(1, 4, z, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False)).dp_comm_s
             for z in range(4)]
-    assert comm[1] == pytest.approx(1.5 * comm[0]) and comm[2] == pytest.approx(comm[0])
+    assert comm[1] == pytest.approx(comm[0]) and comm[2] == pytest.approx(comm[0])
     assert comm[3] == pytest.approx(1.5 * comm[0])
 
 
@@ -279,7 +279,8 @@ def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
 
     def steps(*extra: str) -> dict[tuple, float]:
         assert main([*base, *extra]) == 0
-        return {tuple(v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "why")): r["step_time_s"]
+        return {tuple(v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "why", "zero3_prefetch",
+                                                                  "zero3_prefetch_why")): r["step_time_s"]
                 for r in json.loads(capsys.readouterr().out)["layouts"]}
 
     fast, slow = steps("--tflops", "1e-3"), steps("--tflops", "5e-4")

@@ -14,7 +14,8 @@ then the reductions of the buckets holding its copies, before the step). Layer-b
 held to the program like any other, under fused and split backward (W from B's stash, and W of the
 first chunk running autograd again), the V placement, --recompute (the forward run again inside each
 backward, its layers gathered again as the program lists them), a head tied to the embedding in
-one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers.
+one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers; and with each
+layer's gather started 2 or 3 layers ahead (--zero3-prefetch).
 """
 
 from __future__ import annotations
@@ -57,7 +58,20 @@ def cases() -> list[dict]:
             {"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.(1|4)\.", **lw, **tied}]
+    out += prefetch_cases()
     return out
+
+
+def prefetch_cases() -> list[dict]:
+    """ZeRO-3 layer by layer with each layer's gather started 2 or 3 layers ahead (--zero3-prefetch):
+    several gathers in flight at once, waited for where their layer computes, under fused and split
+    backward, --recompute and a tied head."""
+    lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
+    return [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, "parallel.zero3_prefetch": d} for d in (2, 3)] + [
+        {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw, "parallel.zero3_prefetch": 2},
+        {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "model.tie_embeddings": True, **lw,
+         "parallel.zero3_prefetch": 3},
+        {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, **lw, "parallel.zero3_prefetch": 2}]
 
 
 @pytest.mark.distributed

@@ -155,7 +155,8 @@ def test_the_traffic_model_prices_the_bytes_sent():
         got = dp_traffic(cpu, replace(lay, weight_bits=weights, grad_bits=grads), 1e6, 0.01)[2]
         assert got / base == pytest.approx(packed / plain), zero
     args = argparse.Namespace(zero=3, dp=2, grad_reduce="step", preset="tiny", bucket_mb=25.0, dp_comm=0.5,
-                              zero3_layerwise=False, zero3_prefetch=False, dtype="fp32", optim_cost=0.0,
+                              zero3_layerwise=False, zero3_prefetch_chunk=False, zero3_prefetch=None, dtype="fp32",
+                              optim_cost=0.0,
                               quantize_weights="none", quantize_grads="none", quant_block=256)
     s = build_schedule(ScheduleKind.ONE_F_ONE_B, 2, 4)
     sent = {}

@@ -100,11 +100,32 @@ def zero_cases(dp: int, pp: int) -> list[dict]:
     return cases
 
 
+def prefetch_cases(cases: list[dict]) -> list[tuple[int, dict]]:
+    """ZeRO-3 layer by layer with each gather started 2 and 3 layers ahead (--zero3-prefetch), each
+    beside the index of its depth-1 twin among `cases`: the same collectives in the same order on
+    the same bytes, started earlier, so training is the same bit for bit."""
+    out = []
+    for i, c in enumerate(cases):
+        if c.get("parallel.zero") == 3 and c.get("run.sample_tokens") and not c.get("parallel.zero3_keep_gathered"):
+            out += [(i, {**c, "parallel.zero3_prefetch": d}) for d in (2, 3)]
+    return out
+
+
 @pytest.mark.distributed
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     cases = zero_cases(2, 1)
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
+    deeper = prefetch_cases(cases)
+    assert len(deeper) == 4  # untied and tied, each at depth 2 and 3
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases + [c for _, c in deeper], timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
+    for k, (twin, case) in enumerate(deeper):
+        for rank in results:
+            got, want = rank[len(cases) + k], rank[twin]
+            assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"], case
+            assert got["params"].keys() == want["params"].keys()
+            assert all(torch.equal(got["params"][n], want["params"][n]) for n in want["params"]), case
+        summary = json.loads((tmp_path / f"case{len(cases) + k}" / "summary.json").read_text())
+        assert summary["zero3_prefetch"]["depth"] == case["parallel.zero3_prefetch"], summary["zero3_prefetch"]
     # ZeRO-3 layer by layer: the held-out evaluation and the end-of-run sample gather layer by layer
     # like training, so the run's most gathered bytes are the training steps' (never the whole model).
     i = next(i for i, c in enumerate(cases) if c.get("run.sample_tokens"))

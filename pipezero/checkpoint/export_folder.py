@@ -22,7 +22,7 @@ from pathlib import Path
 from pipezero.checkpoint.store import MANIFEST, CheckpointError
 from pipezero.errors import ConfigError
 from pipezero.rundir import RUN_ID
-from pipezero.util import make_folders, remove_made
+from pipezero.util import FULL, make_folders, remove_made
 
 
 def run_of_source(source: Path) -> Path | None:
@@ -94,8 +94,14 @@ def write_folder(out: Path, fill: Callable[[Path], None]) -> None:
             os.chmod(tmp, stat.S_IMODE(out.stat().st_mode))
         try:
             fill(tmp)
-        except OSError as e:
-            raise CheckpointError(f"writing the export to {out} failed: {e}") from None
+        except OSError as e:  # named as the user will look for it: in --out, not in our scratch folder
+            name = os.fsdecode(e.filename) if e.filename else ""
+            where = out / Path(name).relative_to(tmp) if name and Path(name).is_relative_to(tmp) else out
+            reason = e.strerror or str(e)
+            fix = ("free space there, or choose a folder on another disk" if e.errno in FULL
+                   else "make the folder writable, or choose another --out")
+            raise CheckpointError(f"writing the export to {out} failed: {where} cannot be written ({reason}): "
+                                  f"{fix}; nothing was left there") from None
         try:
             os.replace(tmp, out)  # onto nothing, or onto a folder still empty
         except OSError as e:

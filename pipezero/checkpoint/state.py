@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
-                                       metadata_problem, read_manifest, write, written_by)
+                                       metadata_problem, read_manifest, users_scratch, write, written_by)
 from pipezero.config import TrainConfig
 from pipezero.freeze import frozen_names
 from pipezero.models.llama_spec import spec_of
@@ -72,6 +72,8 @@ def clashes(cfg: TrainConfig) -> str | None:
     theirs = {p for _, p in committed(checkpoint_root(cfg))}
     if foreign := [p for p in there if p not in theirs]:
         return _not_written(cfg, foreign)
+    if held := _scratch_held(cfg):
+        return held
     if not there:
         return None
     shown = ", ".join(p.name for p in there[:3]) + (", ..." if len(there) > 3 else "")
@@ -85,7 +87,17 @@ def resume_clashes(cfg: TrainConfig, run: str | None) -> str | None:
     export put there, a user's file, another run's checkpoint), as one line naming the fix; None if
     nothing. A save refuses these too (store.write), but only after training up to it."""
     foreign = [p for p in saved_over(cfg) if not written_by(p, run)]
-    return _not_written(cfg, foreign) if foreign else None
+    return _not_written(cfg, foreign) if foreign else _scratch_held(cfg)
+
+
+def _scratch_held(cfg: TrainConfig) -> str | None:
+    """A folder of the user's at a save's scratch name (.tmp-step-N, .deleting-step-N): a save
+    cleared it as debris of a crash, the user's files with it. Now kept, and said before training."""
+    if not (held := users_scratch(checkpoint_root(cfg))):
+        return None
+    more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+    return (f"{held[0]}{more} holds files no checkpoint save writes, at the name a save or a prune of this run "
+            f"uses for its scratch: move it out of {held[0].parent}")
 
 
 def tied_aliases(tied: tuple[str, str] | None, held: dict[str, nn.Parameter],

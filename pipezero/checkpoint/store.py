@@ -31,6 +31,7 @@ from pipezero.util import atomic_write_json
 FORMAT = "pipezero-checkpoint/1"
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d{8})$")
+_SCRATCH = re.compile(r"^\.(tmp|deleting)-step-\d{8}$")
 
 
 class CheckpointError(RuntimeError):
@@ -150,13 +151,45 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# What a save writes into a checkpoint's folder: DCP's shards and metadata, our manifest and its
+# temporary file (util.atomic_write_with). Debris of a crash holds these only.
+_SAVE_FILES = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|manifest\.json|\.manifest\.json\.[^/]*\.tmp)$")
+
+
+class NotOurs(OSError):
+    """A folder at one of a save's scratch names holds files no save writes: the user's, kept."""
+
+
+def _strangers(path: Path) -> list[str]:
+    """The entries of folder `path` that no save writes (a folder, a link, another name)."""
+    try:
+        return sorted(p.name for p in path.iterdir()
+                      if not (_SAVE_FILES.match(p.name) and p.is_file() and not p.is_symlink()))
+    except OSError:
+        return []
+
+
+def users_scratch(root: Path) -> list[Path]:
+    """Folders at a save's scratch names under `root` (.tmp-step-N, .deleting-step-N) that hold
+    files no save writes: a save or a prune would stop at them (NotOurs); said before training."""
+    try:
+        found = sorted(p for p in root.iterdir() if _SCRATCH.match(p.name))
+    except OSError:
+        return []
+    return [p for p in found if p.is_dir() and not p.is_symlink() and _strangers(p)]
+
+
 def _clear(path: Path) -> None:
     """Remove the debris at one of our scratch names (.tmp-step-N, .deleting-step-N). A link there
     goes, never what it points to: rmtree refuses a link, which stayed to fail the mkdir or rename
-    after it in a traceback."""
+    after it in a traceback. A folder there that holds anything a save does not write is the user's
+    (rmtree deleted it, notes and all): NotOurs, and it stays."""
     if path.is_symlink() or path.is_file():
         path.unlink()
-    else:
+    elif path.is_dir():
+        if strangers := _strangers(path):
+            shown = ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else "")
+            raise NotOurs(f"{path} holds {shown}, which no checkpoint save writes: move it out of {path.parent}")
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -179,29 +212,66 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     if not team.share(mine, f"check of {final.name}"):  # every rank stops alike, before writing anything
         raise CheckpointError(f"rank {team.rank}, step {step}: {final} is not a checkpoint this run wrote, and a "
                               f"save replaces the folder of its step: move it out of {root}, then --resume")
+    refused = None
     if team.rank == 0:
-        _clear(tmp)  # debris of an earlier attempt at this step
-        tmp.mkdir(parents=True)
-    team.barrier(f"start of step-{step:08d}")
+        try:
+            _clear(tmp)  # debris of an earlier attempt at this step
+            tmp.mkdir(parents=True)
+        except OSError as e:  # a read-only or immutable folder, a full disk: every rank stops alike
+            refused = _refused(e, root)
+    if refused := team.share(refused, f"start of step-{step:08d}"):
+        raise CheckpointError(f"rank {team.rank}, step {step}: checkpoint {tmp} cannot be made: {refused}")
     try:
         team.run(f"write of {tmp}", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp),
                                                      no_dist=team.world == 1))
         team.barrier(f"write of {tmp}")
         files = _hash_share(tmp, sorted(p.name for p in tmp.iterdir()), team)
-    except CheckpointError:
+    except CheckpointError as e:
         if team.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
-        raise
+        raise CheckpointError(f"{e}{_room(root)}") from e
     if team.rank == 0:
-        atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
-        _fsync_dir(tmp)
-        _discard(final)  # this run's checkpoint of this step that failed its checksum earlier
-        tmp.rename(final)
-        _fsync_dir(root)
-        for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:
-            _discard(old)
-    team.barrier(f"commit of {final}")
+        try:
+            atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
+            _fsync_dir(tmp)
+            _discard(final)  # this run's checkpoint of this step that failed its checksum earlier
+            tmp.rename(final)
+            _fsync_dir(root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            refused = _refused(e, root)
+        else:
+            for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:
+                try:
+                    _discard(old)
+                except OSError as e:  # the new checkpoint is committed: an old one kept is no reason to stop
+                    print(f"pipezero: warning: {old} was kept, past --keep-checkpoints {keep} "
+                          f"({e.strerror or e}); remove it by hand", file=sys.stderr, flush=True)
+    if refused := team.share(refused, f"commit of {final}"):
+        raise CheckpointError(f"rank {team.rank}, step {step}: checkpoint {final} cannot be committed: {refused}")
     return final
+
+
+def _refused(e: OSError, root: Path) -> str:
+    """A filesystem's refusal of a checkpoint write as the fix; anything else is a bug: re-raised."""
+    from pipezero.util import refused_write
+
+    if isinstance(e, NotOurs):
+        return f"{e}, then --resume"
+    if (said := refused_write(e)) is None:
+        raise e
+    return f"{said}; then --resume continues from the newest complete checkpoint under {root}"
+
+
+def _room(root: Path) -> str:
+    """'; ROOT has N MiB free' when little is left: a full disk fails DCP's writes with torch's own
+    words ('unexpected pos 704 vs 598'), which do not say so."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" ({root} has {free / 2**20:.1f} MiB free: a full disk? free space there, then --resume)" if free < 2**30 else ""
 
 
 def run_of(path: Path) -> str | None:

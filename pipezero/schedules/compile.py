@@ -33,6 +33,7 @@ class CompiledPlan:
     model: ModelShapes
     recompute: bool
     gather_width: float  # bytes an element of a layer-by-layer gather
+    depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
 
     @property
     def schedule(self) -> Schedule:
@@ -59,7 +60,7 @@ class CompiledPlan:
         the gathers and releases an F would fire."""
         if not self.layerwise:
             return ()
-        return layer_collectives(None, self.buckets, self.recompute, self.gather_width, chunk=chunk)
+        return layer_collectives(None, self.buckets, self.recompute, self.gather_width, chunk=chunk, depth=self.depth)
 
 
 def layerwise(p: ParallelConfig) -> bool:
@@ -74,7 +75,8 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
                  replicas: Collection[int] | None = None, schedule: Schedule | None = None) -> CompiledPlan:
     """Every rank's program for layout `p` over `model`'s tensors (one ChunkShapes a chunk of the
     layout). `wire_bytes`, `grad_bytes`, `gather_bytes`: bytes an element of collectives as they
-    travel (program.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead;
+    travel (program.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
+    layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: sim/prefetch.py);
     `pp_ranks`, `replicas`: only these pipeline and data-parallel ranks' programs (the memory
     model walks a few; simulate counts one replica's instructions before it compiles them all);
     `schedule`: a schedule built by the caller (simulate builds each kind it compares), proven
@@ -84,14 +86,18 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     if len(model.chunks) != proven.schedule.n_chunks:
         raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
     lw = layerwise(p)
+    if not isinstance(p.zero3_prefetch, int):
+        raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (sim/prefetch.py "
+                         f"prefetch_depth)")
+    depth = p.zero3_prefetch if lw else 1
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw)
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
-    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, wire_bytes, grad_bytes,
+    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, wire_bytes, grad_bytes,
            gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
     width = gather_bytes if gather_bytes is not None else wire_bytes
-    return CompiledPlan(proven, program, model, p.recompute, width)
+    return CompiledPlan(proven, program, model, p.recompute, width, depth)
 
 
 @lru_cache(maxsize=1024)
@@ -108,8 +114,9 @@ def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
 
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
-           prefetch: bool, recompute: bool, wire: float, grad: float | None, gather: float | None,
+           prefetch: bool, recompute: bool, depth: int, wire: float, grad: float | None, gather: float | None,
            pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
     return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
+                 depth=depth,
                  wire_bytes=wire, grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
                  replicas=replicas)

@@ -23,12 +23,28 @@ chunk, which has none: its B computes nothing); a W that runs autograd again (th
 chunk whose weighted modules W cannot compute from B's stash, or any chunk with --recompute). A W
 from B's stash reads no weight and passes nothing (runtime/weight_grad.py).
 
-What happens at them (`steps`), one layer ahead as before: at a layer's `fwd` its bucket (and any
-bucket it borrows, a head tied to the embedding in the same chunk) is gathered, waited for if its
-prefetch is still in flight, and the next layer's gather started; at `fwd-end` the layer's (and the
+What happens at them (`steps`), `depth` layers ahead (--zero3-prefetch, 1 by default): at a
+layer's `fwd` its bucket (and any bucket it borrows, a head tied to the embedding in the same chunk)
+is gathered, waited for if its prefetch is still in flight, and the gathers of the next `depth`
+layers started (those not already gathered or in flight); at `fwd-end` the layer's (and the
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
-own bucket gathered and the layer before it prefetched. Whatever is still gathered at `end` is
-released, so nothing of the chunk outlives the action.
+own bucket gathered and the `depth` layers before it prefetched. So a layer's gather starts `depth`
+layers before its use, and at most `depth` + 1 layers are gathered or in flight at a `fwd` (one more
+in backward, the layer just done, until its `bwd`'s successor releases it: sim/memory.py). A deeper
+prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
+next one's gather and the link has idled (an embedding before a block, the link shared with a
+backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in
+flight at `end` is released, but for what the next action keeps (below).
+
+Across actions: where the rank's next action reads the same chunk's weights right after this one
+(P = 1: F then BW, BW then the next F; a pipeline's F and B of one chunk), its first layers are
+this action's last, which a release at `end` and a gather at the next `start` would move twice
+and, the first of them waited for at once, expose. With depth d >= 2 the next action's first d - 1
+layers (in its order: forward from the first, backward from the last) that this action uses are
+kept gathered (`keep`) and the next one begins with them (`held`); depth 1 keeps none, as before.
+Never across the optimizer step (the last action of a step keeps nothing: the weights change), nor
+into a forward outside the program (an evaluation, the sample), nor with --recompute. At most
+d - 1 layers cross, fewer than an action's d + 1 in flight.
 
 With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
 checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
@@ -42,7 +58,7 @@ hooked layer passes both). The same rules gather and release at those moments as
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from pipezero.schedules.actions import Op
@@ -132,10 +148,15 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
 
 
 def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
-          ends_with_owner: bool = True) -> list[Step]:
-    """The action's gathers and releases, in the order they happen (module docstring)."""
+          ends_with_owner: bool = True, depth: int = 1, held: Collection[int] = (),
+          keep: Collection[int] = ()) -> list[Step]:
+    """The action's gathers and releases, in the order they happen, each layer's gather started
+    `depth` layers ahead of its use; `held`: buckets the previous action left gathered for this one,
+    `keep`: buckets left gathered for the next (module docstring)."""
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be 1 or more layers, got {depth}")
     owners = [u for u in layers if u.bucket is not None]
-    present: set[int] = set()
+    present: set[int] = set(held)
     flying: set[int] = set()
     out: list[Step] = []
 
@@ -153,7 +174,7 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             flying.add(k)
 
     def release(k: int, at: Trigger) -> None:
-        if k in present:
+        if k in present and k not in keep:
             out.append(Step(False, k, at))
             present.discard(k)
 
@@ -164,8 +185,9 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
         if t.moment is Moment.FORWARD:
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 gather(k, t)
-            if j is not None and j + 1 < len(owners):
-                prefetch(owners[j + 1].bucket, t)  # type: ignore[arg-type]
+            if j is not None:
+                for ahead in owners[j + 1:j + 1 + depth]:
+                    prefetch(ahead.bucket, t)  # type: ignore[arg-type]
         elif t.moment is Moment.FORWARD_END:
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 release(k, t)
@@ -174,8 +196,27 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
                 release(owners[j + 1].bucket, t)  # type: ignore[arg-type]
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 gather(k, t)
-            if j is not None and j > 0:
-                prefetch(owners[j - 1].bucket, t)  # type: ignore[arg-type]
-    for k in sorted(present | flying):
+            if j is not None:
+                for behind in reversed(owners[max(0, j - depth):j]):
+                    prefetch(behind.bucket, t)  # type: ignore[arg-type]
+    for k in sorted((present | flying) - set(keep)):
         out.append(Step(False, k, END))
     return out
+
+
+def left_gathered(held: Collection[int], placed: Sequence[Step]) -> frozenset[int]:
+    """The buckets gathered (or in flight) after an action that began with `held` and placed `placed`."""
+    out = set(held)
+    for st in placed:
+        (out.add if st.gather else out.discard)(st.bucket)
+    return frozenset(out)
+
+
+def first_needed(op: Op, layers: Sequence[LayerUse], through: bool, n: int) -> list[int]:
+    """The first `n` buckets an action computes with, in the order it needs them (the next action's,
+    which this one keeps gathered)."""
+    out: list[int] = []
+    need = needs(layers)
+    for t in moments(op, layers, through):
+        out += [b for b in need.get(t, ()) if b not in out]
+    return out[:n]

@@ -26,8 +26,9 @@ Placement rules (D = data-parallel ranks):
   backward, once its reductions are drained. `prefetch`
   is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
   not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
-- ZeRO-3 layer by layer: one bucket a layer, each gathered, waited for and released at moments
-  inside the actions that use it (a layer's forward about to run, its backward beginning, ...):
+- ZeRO-3 layer by layer: one bucket a layer, each gathered (started `depth` layers ahead of its
+  use, --zero3-prefetch), waited for and released at moments inside the actions that use it (a
+  layer's forward about to run, its backward beginning, ...):
   those DataParallel instructions sit in the Compute instruction they belong to (`during`), each
   with its `Trigger`, in the order they happen (schedules/layer_plan.py says which and where); the
   runtime's module hooks fire them at those moments (zero/layerwise.py). The simulator times them
@@ -52,7 +53,8 @@ from functools import cached_property
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.layer_plan import Moment, Trigger, moments, steps, traverses
+from pipezero.schedules.layer_plan import (Moment, Step, Trigger, first_needed, left_gathered, moments, steps,
+                                          traverses)
 from pipezero.schedules.posting import Post, Transfer, plans
 from pipezero.schedules.zero_rules import RULES, Rules
 
@@ -84,6 +86,10 @@ class Compute:
     # layer-by-layer ZeRO-3: the gathers and releases fired inside this action, in order, each at
     # its trigger (schedules/layer_plan.py)
     during: tuple[DataParallel, ...] = ()
+    # layer by layer, depth >= 2: buckets the previous action left gathered for this one, and those
+    # this one leaves gathered for the next (schedules/layer_plan.py, across actions)
+    held: frozenset[int] = frozenset()
+    kept: frozenset[int] = frozenset()
 
     @property
     def kind(self) -> Kind:
@@ -94,7 +100,8 @@ class Compute:
 
     def describe(self) -> str:
         """The action with the collectives inside it, as `--listing` prints it."""
-        return f"{self.action}[{' '.join(map(str, self.during))}]" if self.during else str(self.action)
+        out = f"{self.action}[{' '.join(map(str, self.during))}]" if self.during else str(self.action)
+        return out + (f"(keeps {','.join(f'{self.action.chunk}.{k}' for k in sorted(self.kept))})" if self.kept else "")
 
 
 @dataclass(frozen=True)
@@ -166,6 +173,7 @@ class Program:
     ranks: tuple[tuple[Instr, ...], ...]
     layerwise: bool = False  # ZeRO-3 gathers layer by layer inside the actions (else a chunk kept gathered)
     recompute: bool = False  # backwards run the forward again (layer by layer: they gather the whole chunk)
+    depth: int = 1  # layer by layer: a layer's gather starts this many layers before its use
 
     @property
     def rules(self) -> Rules:
@@ -208,9 +216,9 @@ def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
     price a chunk's gathered layers as a whole (sim/memory.py)."""
     out: list[Instr] = []
     for i in hoisted(instrs):
-        if not isinstance(i, Compute) or not i.during:
+        if not isinstance(i, Compute) or not (i.during or i.held):
             out.append(i)
-        elif any(d.kind is Kind.UNSHARD for d in i.during):
+        elif i.held or any(d.kind is Kind.UNSHARD for d in i.during):  # gathers, or begins with layers kept
             c = i.action.chunk
             out += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER, 0, True), Compute(i.action),
                     DataParallel(Kind.RESHARD, c, None, Collective.LOCAL, 0)]
@@ -252,7 +260,7 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
             continue
         a = ins.action  # type: ignore[union-attr]
         during = ins.during  # type: ignore[union-attr]
-        if during and any(d.kind is Kind.UNSHARD for d in during):
+        if ins.held or (during and any(d.kind is Kind.UNSHARD for d in during)):  # type: ignore[union-attr]
             if a.chunk not in pair:
                 pair[a.chunk] = (DataParallel(Kind.UNSHARD, a.chunk, None, Collective.ALL_GATHER, 0, True),
                                  DataParallel(Kind.RESHARD, a.chunk, None, Collective.LOCAL, 0))
@@ -298,7 +306,8 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
-          keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, wire_bytes: float = 4,
+          keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
+          wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -311,7 +320,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
     `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
     `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: backwards run
-    the forward again (layer by layer they gather the whole chunk). `pp_ranks`: lower only these
+    the forward again (layer by layer they gather the whole chunk); `depth`: layer by layer, how many
+    layers ahead of its use a layer's gather starts (schedules/layer_plan.py). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -324,10 +334,10 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans(s) if posts is None else posts
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p])
+                           posts[p], depth)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
-    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute)
+    return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
 
 
 @dataclass(frozen=True)
@@ -338,7 +348,8 @@ class _Wires:
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
-                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list) -> tuple[Instr, ...]:
+                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
+                  depth: int = 1) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -354,6 +365,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
 
     gathered: set[int] = set()
     inside_of: dict[tuple, tuple[tuple[DataParallel, ...], list[DataParallel]]] = {}  # alike for alike actions
+    held: frozenset[int] = frozenset()  # layer by layer: what the previous action left gathered
     for i, a in enumerate(acts):
         p2p(posts[i])
         if kept and a.chunk not in gathered:
@@ -367,14 +379,18 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         per_mb = rules.reduces_every_backward(mode)
         reduces = a.op in (Op.W, Op.BW) and (is_final or per_mb)
         drain = per_mb or (rules.sharded_params and is_final)
-        key = (a.op, a.chunk, reduces, drain)
+        keep = handover(a, acts[i + 1] if i + 1 < len(acts) else None, bp, depth, recompute) if layerwise \
+            else frozenset()
+        key = (a.op, a.chunk, reduces, drain, held, keep)
         if key not in inside_of:
-            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire) \
-                if layerwise else ()
+            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire,
+                                       depth=depth, held=held, keep=keep) if layerwise else ()
             inside_of[key] = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute, drain) \
                 if reduces else (inside, [])
         inside, after = inside_of[key]
-        out.append(Compute(a, inside))
+        left = left_gathered(held, [_step_of(d) for d in inside if d.kind in (Kind.UNSHARD, Kind.RESHARD)])
+        out.append(Compute(a, inside, held, left))
+        held = left
         out.extend(after)
         if kept and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
@@ -389,11 +405,32 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
     return tuple(out)
 
 
+def handover(a: Action, nxt: Action | None, bp: BucketPlan, depth: int, recompute: bool) -> frozenset[int]:
+    """Layer by layer: the buckets action `a` keeps gathered for the rank's next action `nxt`, the
+    next one's first `depth` - 1 (schedules/layer_plan.py, across actions); none into another chunk,
+    past the step's last action, with --recompute, or where either reads no weights."""
+    if nxt is None or nxt.chunk != a.chunk or depth < 2 or recompute:
+        return frozenset()
+    layers, stashed = bp.layers(a.chunk), bp.stashes_w(a.chunk)
+    if a.op is not Op.F and not traverses(a.op, a.chunk, stashed):
+        return frozenset()  # reads no weights: nothing gathered to keep
+    through = traverses(nxt.op, nxt.chunk, stashed)
+    if nxt.op is not Op.F and not through:
+        return frozenset()
+    return frozenset(first_needed(nxt.op, layers, through, depth - 1))
+
+
+def _step_of(d: DataParallel) -> Step:
+    return Step(d.kind is Kind.UNSHARD, d.bucket, d.at)  # type: ignore[arg-type]
+
+
 def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: float,
-                      chunk: int | None = None) -> tuple[DataParallel, ...]:
+                      chunk: int | None = None, depth: int = 1, held: frozenset[int] = frozenset(),
+                      keep: frozenset[int] = frozenset()) -> tuple[DataParallel, ...]:
     """Layer-by-layer ZeRO-3: the gathers and releases inside action `a` (None: a forward of
     `chunk` outside any program, an evaluation or the text sample), each at its trigger
-    (schedules/layer_plan.py); `width`: bytes an element of a gather."""
+    (schedules/layer_plan.py), each layer's gather `depth` layers ahead; `width`: bytes an element of a
+    gather; `held` / `keep`: buckets the previous action left gathered, and those left for the next."""
     c = a.chunk if a is not None else chunk
     assert c is not None
     op = a.op if a is not None else None
@@ -403,7 +440,7 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
                               st.wait, st.at) if st.gather else
                  DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
                               st.at)
-                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c)))
+                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c), depth, held, keep))
 
 
 def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, wire: float,
@@ -415,7 +452,7 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
     collectives in the order of the moments; the rest follow the action. With `drain` the last one
     started blocks. Returns (the action's collectives, those after it)."""
     c = a.chunk
-    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
+    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     ks = [k for k in range(len(bp.buckets(c))) if (c, k) not in bp.held]
     hooked = set(bp.hooked(c)) if a.op is Op.BW else set()
     early = [k for k in ks if k in hooked]
@@ -441,7 +478,7 @@ def hoisted(instrs: Sequence[Instr]) -> list[Instr]:
     out: list[Instr] = []
     for i in instrs:
         if isinstance(i, Compute) and any(d.kind is Kind.REDUCE_GRAD for d in i.during):
-            out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD)))
+            out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD), i.held, i.kept))
             out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking)
                        for d in i.during if d.kind is Kind.REDUCE_GRAD)
         else:
@@ -457,7 +494,7 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[
     held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
     if not held:
         return []
-    coll = Collective.REDUCE_SCATTER if rules.sharded_grads else Collective.ALL_REDUCE
+    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
             *(DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * grad), False) for c, k in held)]
 

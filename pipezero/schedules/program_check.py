@@ -13,7 +13,8 @@ Four claims, each with an error that names the ranks and the position:
    every compute runs on gathered weights: between an UNSHARD and a RESHARD of its chunk, or, layer
    by layer, with every layer's buckets gathered (or their gathers in flight) by the moment it
    computes, every collective at a moment the action passes, in order, and nothing left gathered
-   after it (schedules/layer_plan.py).
+   after it but what it keeps for the rank's next action, which begins with exactly that (never
+   past the step's last action; schedules/layer_plan.py).
 4. Transfers and collectives together: `program_sim.simulate_program` plays all P x D ranks with
    each collective a rendezvous of its group; it raises if they can wait on each other in a cycle.
    Programs are fixed sequences of waits on events that, once they happen, stay happened, so how
@@ -109,9 +110,19 @@ def check_placement(prog: Program, rank: int) -> None:
     """OPTIM_STEP once and after all compute and reductions; gradients complete before their last
     reduction (a fused backward's own reductions counted as after it); ZeRO-3 compute on gathered
     weights; what sits inside an action at moments the action passes, in order."""
+    left: frozenset[int] = frozenset()  # what the previous action kept gathered
     for k, i in enumerate(prog.ranks[rank]):
-        if isinstance(i, Compute) and i.during:
+        if not isinstance(i, Compute):
+            continue
+        if i.held != left:
+            raise ScheduleError(f"rank {rank}: {i.describe()} (#{k}) begins with buckets {sorted(i.held)} gathered; "
+                                f"the action before it left {sorted(left)}")
+        if i.during or i.held or i.kept:
             _check_moments(prog, rank, k, i)
+        left = i.kept
+    if left:
+        raise ScheduleError(f"rank {rank}: the step's last action keeps buckets {sorted(left)} gathered past the "
+                            f"optimizer step")
     instrs = hoisted(prog.ranks[rank])
     steps = [k for k, i in enumerate(instrs) if isinstance(i, OptimStep)]
     if len(steps) != 1:
@@ -159,7 +170,7 @@ def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
     through = traverses(a.op, a.chunk, bp.stashes_w(a.chunk) and not prog.recompute)
     grads = bp.hooked(a.chunk) if a.op is Op.BW else []
     need = needs(layers)
-    present: set[int] = set()
+    present: set[int] = set(ins.held)
     flying: set[int] = set()
     todo = list(ins.during)
 
@@ -192,5 +203,6 @@ def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
             present.add(b)
     if todo:
         raise fail(f"{todo[0]} is placed at {todo[0].at}, a moment this action never reaches in that order")
-    if present | flying:
-        raise fail(f"buckets {sorted(present | flying)} stay gathered after it")
+    if present | flying != ins.kept:
+        raise fail(f"buckets {sorted(present | flying)} stay gathered after it; it keeps {sorted(ins.kept)} for the "
+                   f"next action")

@@ -7,8 +7,11 @@ Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets
 - stage 0: gradients accumulate in full buckets; after a chunk's last backward of the step each
   bucket is all-reduced (launched as soon as autograd has filled it, overlapping the rest of that
   backward); every rank updates every parameter and holds all of AdamW's state.
-- stage 1: the same all-reduce, but each rank updates only its 1/D shard (AdamW state for that
-  shard only), then the updated shards are all-gathered so every rank computes with full weights.
+- stage 1: each rank updates only its 1/D shard (AdamW state for that shard only), so it needs
+  only its shard of the summed gradient: each bucket is reduce-scattered (not all-reduced: the rest
+  of an all-reduce's sum was never read, and cost half again the step's bytes), the full gradient
+  buckets kept for the whole step; then the updated shards are all-gathered so every rank computes
+  with full weights. The same bytes as stage 2, as in the ZeRO paper; stage 2 saves the memory.
 - stage 2: gradients are reduce-scattered instead, so each rank keeps only its gradient shard; with
   grad-reduce `step` the full gradient still accumulates over the step's micro-batches (one
   reduce-scatter a bucket a step), with `microbatch` every backward reduce-scatters into the fp32
@@ -39,8 +42,14 @@ class Rules:
         return self.sharded_params or self.gathers_updates
 
     @property
+    def reduces_to_shard(self) -> bool:
+        """Whether a bucket's gradient is reduce-scattered (each rank receives the sum of its own
+        shard only): wherever a rank updates only its shard, whether or not it keeps only that shard."""
+        return not self.updates_whole
+
+    @property
     def reduction(self) -> str:
-        return "reduce-scatter of gradients" if self.sharded_grads else "all-reduce of gradients"
+        return "reduce-scatter of gradients" if self.reduces_to_shard else "all-reduce of gradients"
 
     def reduces_every_backward(self, mode: GradReduce) -> bool:
         """Whether a chunk's every backward reduces (else only its last of the step)."""

@@ -44,7 +44,8 @@ def parse_cost(text: str) -> tuple[float, float, float]:
 
 
 # flags only the ZeRO lowering reads: given without --zero they would change nothing
-ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch", "dtype",
+ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch",
+              "dtype",
               "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
@@ -215,8 +216,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"time, in F units, for one rank's link to carry one stage's parameters (0: free; "
                         f"{limits.TIME.describe()})")
     z.add_argument("--zero3-layerwise", action="store_true", help="ZeRO-3 layer by layer, not a chunk kept gathered")
-    z.add_argument("--zero3-prefetch", action="store_true",
-                   help="what if ZeRO-3 gathered each chunk one action ahead (the runtime gathers on demand)")
+    z.add_argument("--zero3-prefetch-chunk", action="store_true",
+                   help="what if ZeRO-3 kept gathered gathered each chunk one action ahead (the runtime gathers on "
+                        "demand)")
     z.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="bf16 halves reductions and ZeRO-3 gathers")
     z.add_argument("--quantize-weights", choices=("none", "int8"), default="none",
@@ -287,7 +289,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--png draws one schedule's timeline, not a --compare table: drop --compare and name "
                           "the schedule with --schedule")
     check_ranges(args, {"pp": (int, limits.PP), "microbatches": (int, POSITIVE_INT),
-                        "virtual_stages": (int, POSITIVE_INT), "comm": (float, limits.TIME)})
+                        "virtual_stages": (int, POSITIVE_INT), "comm": (float, limits.TIME),
+                        "zero3_prefetch": (int, RANGES["parallel.zero3_prefetch"])})
     if args.memory:
         check_ranges(args, {"dp": (int, limits.DP), "bucket_mb": (float, POSITIVE)})
         check_work(args)

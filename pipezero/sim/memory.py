@@ -66,6 +66,7 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
+from pipezero.sim.prefetch import Choice, run_choice
 
 if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
@@ -229,6 +230,7 @@ class MemoryPlan:
     eval_bytes: int = 0  # the held-out windows, alive the whole run
     sample_len: int = 0  # the text sample's longest window (0: no sample)
     seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
+    depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
 
 
 @dataclass
@@ -259,7 +261,9 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
     # D alike: one replica
-    compiled = compile_plan(replace(p, dp=1), _decoder_shapes(_Shape(m), tuple(bounds)), pp_ranks=pp_ranks)
+    depth = p.zero3_prefetch if isinstance(p.zero3_prefetch, int) else prefetch_choice(cfg, cuda).depth
+    compiled = compile_plan(replace(p, dp=1, zero3_prefetch=depth), _decoder_shapes(_Shape(m), tuple(bounds)),
+                            pp_ranks=pp_ranks)
     buckets, layerwise, program = compiled.buckets.for_dp(p.dp), compiled.layerwise, compiled.program
     wire = 2 if cfg.run.dtype is DType.BF16 else F32
     cuda = cfg.run.device is Device.CUDA if cuda is None else cuda
@@ -273,7 +277,22 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
         if r.sample_tokens and p.pp == 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       p.buckets_in_flight, cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
-                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len)
+                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth)
+
+
+def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
+    """ZeRO-3's prefetch depth for `cfg`: its `parallel.zero3_prefetch`, or for `auto` the planner's
+    choice (sim/prefetch.py) no deeper than fits `run.gpu_memory_gib` by this model's walk."""
+    p = cfg.parallel
+    if isinstance(p.zero3_prefetch, int):
+        return Choice(p.zero3_prefetch, "set", ())
+    limit = cfg.run.gpu_memory_gib
+
+    def fits(depth: int) -> bool:
+        deeper = replace(cfg, parallel=replace(p, zero3_prefetch=depth))
+        return limit is None or max(r.peak_bytes for r in every_rank(build_plan(deeper, cuda))) <= limit * 2**30
+
+    return run_choice(cfg, fits)
 
 
 def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
@@ -416,7 +435,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     # reduction holds while in flight (nothing with one replica)
     full_b = {c: [n * F32 for n in bp.buckets(c)] for c in chunks}
     shard_b = {c: [n // dp * F32 for n in bp.buckets(c)] for c in chunks}
-    flight = {c: [reduction_bytes(plan, n, sharded) if dp > 1 else 0 for n in bp.buckets(c)] for c in chunks}
+    flight = {c: [reduction_bytes(plan, n, rules.reduces_to_shard) if dp > 1 else 0 for n in bp.buckets(c)]
+              for c in chunks}
     live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
@@ -533,7 +553,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     reducing.append(key)
                     in_flight.add(key)
                     co += flight[c][k]
-            if ins.blocking or sharded:  # type: ignore[union-attr]
+            if ins.blocking or rules.reduces_to_shard:  # type: ignore[union-attr]
                 g, co = complete(0 if ins.blocking else plan.in_flight, g, co)  # type: ignore[union-attr]
             total = rest + g + co
             if total > best:
@@ -819,22 +839,24 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
     return tuple(out)
 
 
-def reduction_bytes(plan: MemoryPlan, n: int, sharded: bool) -> int:
+def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
     """Bytes a gradient reduction of an `n`-element bucket holds besides the bucket while in flight
-    (zero/coordinator.py): the low-precision copy it travels as (bf16), and when gradients are
-    sharded the reduce-scatter's output shard plus, on gloo, the exchange's receive buffer for the
-    other members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
+    (zero/coordinator.py): the low-precision copy it travels as (bf16), and for a reduce-scatter
+    (ZeRO-1 to 3) its output shard plus, on gloo, the exchange's receive buffer for the other
+    members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
     out = n * plan.wire if plan.wire != F32 else 0
-    if sharded:
+    if to_shard:
         shard = n // plan.dp * plan.wire
         out += shard + (shard * (plan.dp - 1) if plan.gloo and plan.dp > 2 else 0)
     return out
 
 
 def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
-    """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers, the layer computing and
-    the next one prefetched (forward: 2), and in backward also the layer just done, released only
-    once autograd has accumulated all of its gradients (3)."""
+    """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers at a prefetch depth of
+    one, the layer computing and the next one prefetched (forward: 2), and in backward also the
+    layer just done, released only once autograd has accumulated all of its gradients (3); each layer
+    of depth past one adds a layer prefetched (`plan.depth` + 1 in a forward: schedules/layer_plan.py)."""
+    span += plan.depth - 1
     layers = [n for n in plan.chunk_params[chunk] if n > 0]
     return max((sum(layers[i:i + span]) for i in range(len(layers))), default=0) * F32
 

@@ -23,6 +23,7 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "seq_len": "data.seq_len", "recompute": "parallel.recompute", "dtype": "run.dtype",
                           "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce",
                           "partition": "parallel.partition", "eval_batches": "run.eval_batches",
+                          "zero3_prefetch": "parallel.zero3_prefetch",
                           "sample_tokens": "run.sample_tokens"}
 
 
@@ -37,6 +38,10 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
                    help="global batches an evaluation reads (its phase: sends held to its end; default 4)")
     m.add_argument("--sample-tokens", type=int, default=None,
                    help="the end-of-run text sample's length (its phase, without a pipeline; default 64)")
+    m.add_argument("--zero3-prefetch", type=int, default=None,
+                   help="ZeRO-3 layer by layer: layers a gather starts ahead of its use (as train --zero3-prefetch; "
+                        "with --zero3-layerwise it also places the lowered program's gathers; auto is the planner's: "
+                        "pipezero plan, or train --link-gbps)")
     m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
                    help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
                         "largest predicted peak is least)")

@@ -123,6 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset, param_count
     from pipezero.sim.planner import model_from_params, plan_within, reason
+    from pipezero.sim.prefetch import plan_choice
 
     check_ranges(args, {"params": (float, limits.PARAMS), "gpus": (int, limits.GPUS),
                         "gpu_memory": (float, limits.GPU_MEMORY_GIB), "node_size": (int, limits.GPUS),
@@ -165,6 +166,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
                           f"{cluster.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
     best = fits[0]
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    depths = {id(e): plan_choice(model, seq_len, cluster, e.layout, (limit - e.memory_gib) * 2**30)
+              for e in fits[: args.top]}  # ZeRO-3 layer by layer: the prefetch depth (sim/prefetch.py)
     rows = [{"pp": e.layout.pp, "dp": e.layout.dp, "zero": e.layout.zero, "schedule": e.layout.schedule.value,
              "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,
@@ -175,7 +179,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "node_link_bytes": e.crossing_bytes,
              "memory_gib": round(e.memory_gib, 2), "model_states_gib": round(e.model_states_gib, 2),
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
-             "tokens_per_s": e.tokens_per_s, "bubble": e.bubble, "why": reason(best, e, cluster)}
+             "tokens_per_s": e.tokens_per_s, "bubble": e.bubble,
+             "zero3_prefetch": (c := depths[id(e)]) and c.depth, "zero3_prefetch_why": c and c.why,
+             "why": reason(best, e, cluster) + (f", ZeRO-3 prefetch {c.depth} layers: {c.why}" if c else "")}
             for e in fits[: args.top]]
     if args.json:
         print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,

@@ -40,6 +40,7 @@ class ZeroOptions:
     optim: float  # the optimizer update's compute time
     grad_bytes: float | None = None  # --quantize-grads: an element of every gradient reduction
     gather_bytes: float | None = None  # --quantize-weights: an element of every parameter gather
+    depth: int = 1  # ZeRO-3 layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
 
     @property
     def sharded_params(self) -> bool:
@@ -57,10 +58,11 @@ class ZeroOptions:
 
         bits = {"int8": 8, "int4": 4}
         grad = element_bytes(bits[args.quantize_grads], args.quant_block) if args.quantize_grads in bits else None
+        depth = args.zero3_prefetch if args.zero3_prefetch is not None else 1
         gather = element_bytes(8, args.quant_block) if args.quantize_weights == "int8" else None
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
-                   args.zero3_layerwise, args.zero3_prefetch, 2 if args.dtype == "bf16" else 4, args.optim_cost,
-                   grad, gather)
+                   args.zero3_layerwise, args.zero3_prefetch_chunk, 2 if args.dtype == "bf16" else 4,
+                   args.optim_cost, grad, gather, depth)
 
 
 def preset_model(preset: str, n_chunks: int, seq_len: int = 1024) -> tuple[ModelShapes, int]:
@@ -103,7 +105,7 @@ def lower_zero(s: Schedule, opt: ZeroOptions, replicas: tuple[int, ...] | None =
     model, params = preset_model(opt.preset, s.n_chunks)
     p = ParallelConfig(pp=s.pp, dp=opt.dp, zero=opt.zero, schedule=ScheduleKind(s.name), microbatches=s.microbatches,
                        virtual_stages=s.virtual, grad_reduce=opt.grad_reduce, bucket_mb=opt.bucket_mb,
-                       zero3_keep_gathered=not opt.layerwise)
+                       zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth)
     plan = compile_plan(p, model, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes, gather_bytes=opt.gather_bytes,
                         prefetch=opt.prefetch, replicas=replicas, schedule=s)
     return Lowered(plan.program, plan.buckets, params / s.pp * opt.wire_bytes)
@@ -120,7 +122,8 @@ def run_program(low: Lowered, cost: CostModel, opt: ZeroOptions) -> tuple[Progra
               for k in (Kind.UNSHARD, Kind.RESHARD, Kind.REDUCE_GRAD)}
     counts[Kind.OPTIM_STEP.value] = sum(1 for i in prog.ranks[0] if isinstance(i, OptimStep))
     figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,
-               "zero3_layerwise": opt.zero3_layerwise, "zero3_prefetch": opt.sharded_params and opt.prefetch,
+               "zero3_layerwise": opt.zero3_layerwise, "zero3_prefetch_chunk": opt.sharded_params and opt.prefetch,
+               "zero3_prefetch": opt.depth if opt.zero3_layerwise else None,
                "buckets_per_chunk":
                [len(b) for b in buckets.numels], "dp_comm": opt.dp_comm,
                "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,

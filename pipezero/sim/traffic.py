@@ -120,7 +120,7 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
     rules = RULES[lay.zero]
     every = rules.reduces_every_backward(lay.grad_reduce) and m > 1
     reductions = m if every else 1
-    if not rules.sharded_grads:
+    if not rules.reduces_to_shard:
         counts = {"all_reduce": 1, "all_gather": int(rules.gathers_updates)}
         last = reduce_during(took["all_reduce"], backward, k)
         exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if rules.gathers_updates else 0.0)

@@ -31,6 +31,21 @@ def require_tensorboard() -> None:
         raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
 
 
+def probe_writable(folder: Path) -> None:
+    """Raise the OSError (naming `folder`) of a folder that refuses files: torch's writer opens its
+    event file in a thread of its own, whose failure printed a traceback beside our one line."""
+    import os
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(folder)) from None
+
+
 class TensorBoardLog:
     """Writes each metrics record as scalars at its step (rank 0 only, like metrics.jsonl)."""
 
@@ -38,7 +53,9 @@ class TensorBoardLog:
         require_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        folder = out / "tensorboard"
+        probe_writable(folder)
+        self.writer = SummaryWriter(log_dir=str(folder))
 
     def write(self, record: dict[str, Any]) -> None:
         for key, tag in TAGS.items():

@@ -66,8 +66,10 @@ class Coordinator:
 
     # --- gradient reductions -----------------------------------------------------------------
     def reduce(self, b: Bucket) -> None:
-        """Start reducing `b`'s gradient (zeros when no gradient reached a sharded bucket)."""
-        sharded = self.rules.sharded_grads
+        """Start reducing `b`'s gradient (zeros when no gradient reached a sharded bucket): a
+        reduce-scatter wherever a rank updates only its shard (ZeRO-1 too, whose summed shard is then
+        copied into its full bucket), else an all-reduce."""
+        sharded, to_shard = self.rules.sharded_grads, self.rules.reduces_to_shard
         if b.grad is None:
             if not sharded:
                 return
@@ -86,7 +88,7 @@ class Coordinator:
         # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
         wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
         nbytes, h = b.padded * wire.element_size(), self.hierarchy
-        if sharded:
+        if to_shard:
             out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
             # gloo's reduce-scatter is an all-reduce and a copy (an all-reduce's bytes): on CPU ranks
             # each rank sends every other its slice instead, (D - 1) / D of the bucket, and sums what
@@ -102,11 +104,12 @@ class Coordinator:
 
     def _reduce_quantized(self, b: Bucket) -> None:
         """qgZ (zero/compressed.py): the fp32 gradient quantized blockwise, exchanged, summed in fp32;
-        without sharded gradients the summed slices are gathered back, quantized again."""
+        at ZeRO-0, where every rank updates whole buckets, the summed slices are gathered back,
+        quantized again."""
         w, h, grad = self.grads, self.hierarchy, b.grad
         assert w is not None and grad is not None
         what = f"rank {self.rank}: gradient bucket {b.label} ({b.names[0]}, ...)"
-        if self.rules.sharded_grads:
+        if self.rules.reduces_to_shard:
             out = torch.empty(b.shard_size, device=b.device)
             work = compressed.start_reduce_scatter_two_level(out, grad, h, w, what) if h \
                 else compressed.start_reduce_scatter(out, grad, self.group, w, what)
@@ -120,7 +123,8 @@ class Coordinator:
 
     def drain(self, keep_last: int = 0) -> None:
         """Wait for the reductions in flight, all but the newest `keep_last`; a sharded result is
-        added into the bucket's fp32 gradient shard and the full gradient dropped."""
+        added into the bucket's fp32 gradient shard and the full gradient dropped (ZeRO-1's lands in
+        its shard of the full bucket, kept for the step)."""
         done, self.reducing = (self.reducing[:-keep_last], self.reducing[-keep_last:]) if keep_last \
             else (self.reducing, [])
         for b in done:
@@ -130,7 +134,9 @@ class Coordinator:
                 self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
                 b.grad.copy_(r.back)  # type: ignore[union-attr]
-            if r.out is not None:
+            if r.out is not None and not self.rules.sharded_grads:  # ZeRO-1: its summed shard, in place
+                b.grad[b.shard].copy_(r.out)  # type: ignore[index]
+            elif r.out is not None:
                 if b.shard_grad is not None:
                     b.shard_grad.add_(r.out)
                 elif r.out.dtype != torch.float32:

@@ -194,10 +194,11 @@ class ZeroDP:
             self._sum_tied(instr.chunk)
         elif instr.kind is Kind.REDUCE_GRAD:
             self.comm.reduce(self.buckets[instr.chunk][instr.bucket])  # type: ignore[index]
-            if self.rules.sharded_grads and not instr.blocking:
+            if self.rules.reduces_to_shard and not instr.blocking:
                 # at most `in_flight` full gradient buckets wait on a reduce-scatter: without this bound
                 # every bucket a split W or a shared parameter reduces stayed full, with its
-                # reduction's buffers, until the step drained them all
+                # reduction's buffers, until the step drained them all (ZeRO-1 keeps its full buckets
+                # for the step anyway: there the bound holds its reductions' output shards)
                 self.comm.drain(keep_last=self.in_flight)
             if instr.blocking:
                 self.comm.drain()
