@@ -102,9 +102,9 @@ def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
 
 
 def test_cpu_clusters_price_gloo_and_offer_the_two_level_reduction_where_groups_cross_nodes(capsys):
-    """On CPU ranks a reduce-scatter is a direct exchange (half an all-reduce) and a node's ranks
-    share one link: at 2 nodes x 2 with a free inside path, the two-level reduce-scatter puts 1.5x
-    fewer seconds on the link than the flat one (parallel/hierarchical.py's arithmetic). GPU clusters
+    """On CPU ranks a reduce-scatter is a direct exchange and a node's ranks share one link: at 2
+    nodes x 2 with a free inside path, the two-level reduce-scatter puts 2x fewer seconds on the
+    link than the flat exchange, the two-level all-reduce 1.5x fewer than gloo's ring (parallel/hierarchical.py's arithmetic). GPU clusters
     never get --hierarchical."""
     from pipezero.config import Placement, ScheduleKind
     from pipezero.sim.layouts import Layout
@@ -117,8 +117,11 @@ def test_cpu_clusters_price_gloo_and_offer_the_two_level_reduction_where_groups_
     cpu = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=1e9, inter_gbps=0.01, cpu=True)
     flat, two = (collective_s(cpu, Layout(1, 4, 2, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False, hierarchical=h), 1e6)
                  for h in (False, True))
-    assert flat["reduce_scatter"] == pytest.approx(flat["all_reduce"] / 2)
-    assert flat["reduce_scatter"] / two["reduce_scatter"] == pytest.approx(1.5)
+    # the flat exchange puts g (D - g) / D = 1 buffer on a node's link, the ring's all-reduce 2 x 3/4
+    # over the node's 2 ranks, the two-level exchange across (n - 1) / n of a 1/g piece = 1/4 a rank
+    # (bench/cluster_hierarchical.uplink_share's arithmetic)
+    assert flat["reduce_scatter"] == pytest.approx(flat["all_reduce"] * 2 / 3)
+    assert flat["reduce_scatter"] / two["reduce_scatter"] == pytest.approx(2.0)
     assert flat["all_reduce"] / two["all_reduce"] == pytest.approx(1.5)
     args = ["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "2", "--intra-bw", "10", "--inter-bw",
             "0.02", "--gpu-memory", "8", "--global-batch", "16", "--seq-len", "128", "--json", "--top", "1000"]
@@ -288,3 +291,25 @@ def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
     for bad in (["--mfu", "0"], ["--mfu", "1.5"], ["--cores", "-1"], ["--net-cpu", "-2"], ["--tflops", "0"]):
         assert main([*base, *bad]) == 2
         assert bad[0] in capsys.readouterr().err
+
+
+def test_cpu_exchanges_cross_the_node_links_as_the_wire_counts():
+    """A CPU rank's reduce-scatters and unquantized gathers are direct exchanges: with g ranks of a
+    group on each node, (D - g) buffers a group cross the links, and a node's link carries g (D - g) / D
+    of one. On the emulated 2 x 2, P=1 D=4 ZeRO-3 (M=2: 4 gathers and a reduce-scatter) the links'
+    counters read 136.8 MB a step where the ring's arithmetic said 100.3 and this says 133.8
+    (bench/cluster_compressed.py); with one rank of each group a node the exchange is the ring."""
+    from pipezero.config import Placement, ScheduleKind
+    from pipezero.sim.layouts import Layout
+    from pipezero.sim.traffic import crossing_bytes, dp_traffic
+
+    cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)
+    psi = 1e6
+    _, link, crossing = dp_traffic(cpu, Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 2, 2, False), psi, 0.01)
+    assert crossing == pytest.approx(5 * 2 * 4 * psi)
+    assert link == pytest.approx(5 * 1 * 4 * psi / (2 * 0.0125e9))
+    pp2 = Layout(2, 2, 3, ScheduleKind.ONE_F_ONE_B, 1, 2, 4, False, placement=Placement.PP_INNER)
+    assert crossing_bytes(cpu, pp2, 1.0) == pytest.approx({"all_reduce": 4.0, "all_gather": 2.0, "reduce_scatter": 2.0})
+    gpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, wire_bytes=4)  # NCCL's rings: unchanged
+    assert dp_traffic(gpu, Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 2, 2, False), psi, 0.01)[2] == \
+        pytest.approx(5 * 1.5 * 4 * psi)

@@ -142,9 +142,13 @@ def test_the_traffic_model_prices_the_bytes_sent():
     int8, int4 = element_bytes(8, 256), element_bytes(4, 256)
     assert (int8, int4) == (1 + 4 / 256, 0.5 + 4 / 256)
     cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)  # D = 4 over 2 nodes
-    # in units of one fp32 buffer's ring pass: a reduce-scatter (a direct exchange on CPU ranks) 1
-    for zero, weights, grads, plain, packed in ((0, 0, 4, 2, 2 * int4 / 4), (1, 8, 8, 3, 3 * int8 / 4),
-                                                (2, 0, 8, 2, 1 + int8 / 4), (3, 8, 0, 3, 1 + 2 * int8 / 4)):
+    # in fp32 buffers crossing the node links (ZeRO-1 reduce-scatters, as ZeRO-2): gloo's ring
+    # (all-reduces, quantized gathers) crosses 2 of its 4 hops with 3/4 of the buffer, R = 1.5; a CPU
+    # rank's direct exchange (reduce-scatters, unquantized gathers) sends each of the 4 ranks' 2
+    # slices for the other node, X = 2
+    q4, q8, R, X = int4 / 4, int8 / 4, 1.5, 2.0
+    for zero, weights, grads, plain, packed in ((0, 0, 4, 2 * R, (X + R) * q4), (1, 8, 8, 2 * X, (X + R) * q8),
+                                                (2, 0, 8, 2 * X, X * q8 + X), (3, 8, 0, 3 * X, 2 * R * q8 + X)):
         lay = Layout(1, 4, zero, ScheduleKind.ONE_F_ONE_B, 1, 4, 2, False)
         if zero == 3:
             lay = replace(lay, microbatches=1)  # layer by layer: a forward and a backward gather (1 each)

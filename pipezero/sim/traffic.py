@@ -7,7 +7,9 @@ ahead of the next first forward (sim/overlap.py says how much of each hides).
 
 A ring all-reduce sends 2(D-1)/D of the bytes a rank, a reduce-scatter or all-gather (D-1)/D (on
 CPU ranks the reduce-scatter is a direct exchange of slices, zero/coordinator.py, because gloo's own
-sends an all-reduce's bytes); on CPU ranks a node's ranks share its one link
+sends an all-reduce's bytes, and so are the gathers but --quantize-weights' ones: a rank's (D-1)/D
+too, but with g ranks of a group on each node a node's link carries g(D-g)/D of the buffer, not a
+ring's (D-1)/D); on CPU ranks a node's ranks share its one link
 (a flat ring in node order crosses it once a group), and `--hierarchical` is a candidate: the
 two-level reduction of parallel/hierarchical.py, an exchange inside the node then across, (g-1)/g
 of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for g ranks of a group
@@ -75,6 +77,17 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
         bw = cluster.inter_gbps * split[0]
     ring = (d - 1) / d * nbytes / (bw * 1e9)
     took = {"all_reduce": 2 * ring, "all_gather": ring, "reduce_scatter": ring}
+    if cluster.cpu and split and split[1] > 1:
+        # direct exchanges (a CPU rank's reduce-scatters, and its gathers but quantized ones, which
+        # are gloo's ring): each of a node's g ranks sends its 1/D slice to the D - g ranks elsewhere,
+        # g (D - g) / D of the buffer on the node's link, 4/3 of a ring pass at 2 nodes x 2
+        g = split[0]
+        exchange = g * (d - g) / d * nbytes / (bw * 1e9)
+        took["reduce_scatter"] = exchange
+        if not lay.weight_bits:
+            took["all_gather"] = exchange
+        if lay.grad_bits:  # quantized all-reduce: the exchange, then gloo's gather of the coded sums
+            took["all_reduce"] = exchange + ring
     if lay.hierarchical and split:
         g, n = split
         inside = (g - 1) / g * nbytes / (cluster.intra_gbps * 1e9)
@@ -141,7 +154,9 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
 def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, float]:
     """Bytes one collective of each kind over `nbytes` sends across node links, all the job's
     data-parallel groups together: a flat ring in node order has n of its D hops crossing a link,
-    each carrying (D-1)/D of the buffer a pass; the two-level reduction's exchange across sends
+    each carrying (D-1)/D of the buffer a pass, a CPU rank's direct exchange (D - g) buffers a group
+    for g of its ranks a node (measured on the emulated 2 x 2: 136.8 MB a step crossing where the ring
+    said 100.3); the two-level reduction's exchange across sends
     (n-1)/n of each node's reduced buffer, n - 1 buffers a group. Groups that split unevenly count
     every hop as crossing."""
     d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
@@ -149,8 +164,16 @@ def crossing_bytes(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, fl
     if split is None:
         hops = d if link_gbps(cluster, lay)[1] == cluster.inter_gbps else 0
         return {c: lay.pp * hops * p * (d - 1) / d * nbytes for c, p in passes.items()}
-    _, n = split
+    g, n = split
     flat = {c: lay.pp * (n if n > 1 else 0) * p * (d - 1) / d * nbytes for c, p in passes.items()}
+    if cluster.cpu and n > 1:  # direct exchanges (collective_s): every rank's slices to the D - g ranks elsewhere
+        exchange = lay.pp * (d - g) * nbytes
+        ring = flat["all_gather"]
+        flat["reduce_scatter"] = exchange
+        if not lay.weight_bits:
+            flat["all_gather"] = exchange
+        if lay.grad_bits:
+            flat["all_reduce"] = exchange + ring
     if lay.hierarchical and n > 1:
         flat["reduce_scatter"] = lay.pp * (n - 1) * nbytes
         flat["all_reduce"] = 2 * flat["reduce_scatter"]
