@@ -313,3 +313,31 @@ def test_cpu_exchanges_cross_the_node_links_as_the_wire_counts():
     gpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, wire_bytes=4)  # NCCL's rings: unchanged
     assert dp_traffic(gpu, Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 2, 2, False), psi, 0.01)[2] == \
         pytest.approx(5 * 1.5 * 4 * psi)
+
+
+def test_plan_proposes_int8_traffic_only_where_it_wins(capsys):
+    """`plan --compress auto`: every weighed layout also with int8 gathers and reductions (hpZ where it
+    applies), kept where that is at least COMPRESS_GAIN faster: over a 0.0125 GB/s link between
+    one-rank nodes every data-parallel byte crosses and the int8 twin wins; over a fast one the
+    traffic hides and nothing is proposed. The same layouts are weighed either way."""
+    from dataclasses import replace
+
+    from pipezero.sim.planner import COMPRESS_GAIN, plan_within
+
+    model = apply_preset(ModelConfig(), "tiny")
+    slow = Cluster(gpus=4, gpu_memory_gib=16, node_size=1, inter_gbps=0.0125, cpu=True, wire_bytes=4, tflops=0.1)
+    plain, auto = (plan_within(model, slow, 128, 8, propose=p) for p in (False, True))
+    assert plain.considered == auto.considered and plain.skipped == auto.skipped
+    best = auto.fits[0]
+    assert best.layout.weight_bits == 8 and best.layout.grad_bits == 8
+    assert best.step_time_s <= plain.fits[0].step_time_s * (1 - COMPRESS_GAIN)
+    # each layout once, as it is or as its twin
+    keys = [(e.layout.pp, e.layout.dp, e.layout.zero, e.layout.schedule, e.layout.placement, e.layout.micro_batch,
+             e.layout.microbatches, e.layout.recompute, e.layout.grad_reduce, e.layout.hierarchical, e.layout.partition)
+            for e in auto.fits]
+    assert len(keys) == len(set(keys)) == len(plain.fits)
+    fast = replace(slow, inter_gbps=10, intra_gbps=10)
+    assert not any(e.layout.weight_bits or e.layout.grad_bits for e in plan_within(model, fast, 128, 8, propose=True).fits[:5])
+    code = main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory", "16", "--compress", "auto",
+                 "--quantize-grads", "int8"])
+    assert code == 2 and "--compress auto chooses the options itself" in capsys.readouterr().err

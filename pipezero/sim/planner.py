@@ -229,16 +229,47 @@ def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int
                    grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz)
 
 
+# `plan --compress auto` proposes int8 traffic only where it saves at least this share of a step: the
+# quantization costs held-out loss (0.1-0.3% at int8 on the cluster bench, more at int4, which is not proposed)
+COMPRESS_GAIN = 0.05
+
+
+def compressed(lay: Layout, cluster: Cluster, quant_block: int) -> Layout | None:
+    """`lay` with every option that has something to compress in it, at int8 (weight gathers,
+    gradient reductions, hpZ where it applies), or None where none has."""
+    out = with_options(lay, cluster, 8, 8, quant_block, True)
+    return None if (out.weight_bits, out.grad_bits, out.secondary) == (0, 0, False) else out
+
+
+def proposed(estimates: list[Estimate]) -> list[Estimate]:
+    """Of each layout and its compressed twin, the twin where it is at least `COMPRESS_GAIN` faster
+    (or where only the twin fits), else the layout as it is."""
+    groups: dict[Layout, list[Estimate]] = {}
+    for e in estimates:
+        groups.setdefault(replace(e.layout, weight_bits=0, grad_bits=0, secondary=False), []).append(e)
+    out = []
+    for plain, group in groups.items():
+        as_is = next((e for e in group if e.layout == plain), None)
+        twin = min((e for e in group if e.layout != plain), key=lambda e: e.step_time_s, default=None)
+        wins = twin is not None and (as_is is None or twin.step_time_s <= as_is.step_time_s * (1 - COMPRESS_GAIN))
+        out.append(twin if wins else as_is)  # type: ignore[arg-type]
+    return out
+
+
 def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
                 grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
-                budget: int | None = None) -> Plan:
+                budget: int | None = None, propose: bool = False) -> Plan:
     """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
     every layout with the given quantization of its traffic (bits 0: none) and secondary shard
-    where it has them."""
+    where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
+    (`compressed`), kept where that twin is `COMPRESS_GAIN` faster (`proposed`)."""
     layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
                for lay in candidate_layouts(model, cluster, global_batch)]
     # a fixed cost an action makes a second simulation of each schedule (estimate)
     chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, 2 if cluster.overhead_s else 1)
+    weighed = len(chosen)
+    if propose:  # each twin shares its layout's simulations: the same layouts are weighed, each twice at most
+        chosen += [c for lay in chosen if (c := compressed(lay, cluster, quant_block)) is not None]
     limit = cluster.gpu_memory_gib * cluster.headroom
     tried = [estimate(model, seq_len, global_batch, cluster, lay, limit) for lay in chosen]  # None: over the limit
     fits = [e for e in tried if e is not None and e.memory_gib <= limit]
@@ -247,8 +278,10 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
         misses = [e if e is not None else estimate(model, seq_len, global_batch, cluster, lay)
                   for lay, e in zip(chosen, tried) if e is None or e.memory_gib > limit]
     fits += cut_by_memory(model, cluster, seq_len, global_batch, fits, misses)
+    if propose:
+        fits = proposed(fits)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
-    return Plan(fits, len(chosen), len(layouts) - len(chosen), spent)
+    return Plan(fits, weighed, len(layouts) - weighed, spent)
 
 
 def cut_by_memory(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, fits: list[Estimate],
@@ -298,6 +331,10 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
         parts.append("recompute buys memory for ~1/3 more compute")
     if e.layout.hierarchical:
         parts.append("gradients reduced inside each node first")
+    quantized = [f"{what} int{bits}" for what, bits in (("weights", e.layout.weight_bits), ("gradients", e.layout.grad_bits))
+                 if bits]
+    if quantized:
+        parts.append(f"{' and '.join(quantized)} on the wire")
     if e.layout.secondary:
         parts.append("ZeRO-3's later gathers inside the node")
     if e.layout.partition is Partition.MEMORY:
