@@ -102,3 +102,25 @@ def test_a_rank_ends_without_a_traceback_under_a_closed_stdout(monkeypatch):
     with pytest.raises(SystemExit) as e:
         launch.exit_rank(0)
     assert e.value.code == 0
+
+
+@pytest.mark.parametrize("source, ref, needle", [
+    ("raise RuntimeError('boom at import')\n", "X", "importing {m} raised RuntimeError: boom at import at {f}:1"),
+    ("def f(:\n    pass\n", "X", "importing {m} raised SyntaxError"),
+    ("import not_a_package_anywhere_xyz\n", "X", "importing {m} raised ModuleNotFoundError"),
+    ("def make():\n    return 1 / 0\n", "make", "calling make() raised ZeroDivisionError: division by zero at {f}:2"),
+])
+def test_a_spec_module_that_raises_is_one_line_naming_where(source, ref, needle, tmp_path, monkeypatch, capsys):
+    """Round nine left these as the user's own traceback (a module that raises at import, will not
+    compile, imports a missing package, or a spec function that raises): now one line, exit 2, naming
+    the file and line and how to see the whole traceback, before anything is made."""
+    from one_line import assert_one_line, run_main
+
+    name = f"spec_raises_{abs(hash(source))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", f"{name}:{ref}", "--tokenizer", "bytes", "--max-steps", "1"], capsys)
+    assert_one_line(code, err, needle.format(m=name, f=path))
+    assert f"python -c 'import {name}'" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [path.name]

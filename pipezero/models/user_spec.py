@@ -18,6 +18,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from typing import Any
 
 from pipezero.errors import ConfigError
@@ -48,10 +49,29 @@ def _import(ref: str, module: str) -> Any:
                           f"`if __name__ == \"__main__\":`)") from None
     except ModuleNotFoundError as e:
         if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
-            raise  # the user's module imports something missing: their traceback says what
+            raise _raised_in_users_code(ref, f"importing {module}", module, e) from None
         raise ConfigError(f"--model-spec {ref!r}: no module named {e.name!r} in the working directory or on "
                           f"PYTHONPATH; run from the folder that holds it, add that folder to PYTHONPATH, or "
                           f"install its package") from None
+    except Exception as e:  # noqa: BLE001 - the user's module raised (or would not compile) while it was imported
+        raise _raised_in_users_code(ref, f"importing {module}", module, e) from None
+
+
+def _raised_in_users_code(ref: str, doing: str, module: str, e: BaseException) -> ConfigError:
+    """One line for an exception the user's own code raised while pipezero read the spec: where (the
+    innermost frame outside pipezero and Python's import machinery, or a SyntaxError's own place)
+    and what, and how to see the whole traceback. Settings are being checked: no rank has started."""
+    place = ""
+    if isinstance(e, SyntaxError) and e.filename:
+        place = f" at {e.filename}:{e.lineno}"
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if "importlib" not in f.filename and os.sep + "pipezero" + os.sep not in f.filename]
+        if frames:
+            place = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    said = str(e).splitlines()[0] if str(e) else ""
+    return ConfigError(f"--model-spec {ref!r}: {doing} raised {type(e).__name__}{': ' + said if said else ''}{place}; "
+                       f"fix it there (python -c 'import {module}' shows the whole traceback)")
 
 
 def load_spec(ref: str) -> ModelSpec:
@@ -74,7 +94,10 @@ def load_spec(ref: str) -> ModelSpec:
                               f"function that builds your spec with its settings)") from None
         except ValueError:  # no signature to inspect (a builtin): calling it says what it needs
             pass
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as e:  # noqa: BLE001 - the user's function or class raised while building the spec
+            raise _raised_in_users_code(ref, f"calling {name}()", module_name, e) from None
     if not isinstance(obj, ModelSpec):
         raise ConfigError(f"--model-spec {ref!r} gives a {type(obj).__name__}, not a pipezero.models.ModelSpec; "
                           f"subclass ModelSpec (examples/own_model.py) and name the class, an instance, or a "
