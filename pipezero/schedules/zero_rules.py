@@ -12,8 +12,8 @@ Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets
   of an all-reduce's sum was never read, and cost half again the step's bytes), the full gradient
   buckets kept for the whole step; then the updated shards are all-gathered so every rank computes
   with full weights. The same bytes as stage 2, as in the ZeRO paper; stage 2 saves the memory.
-- stage 2: gradients are reduce-scattered instead, so each rank keeps only its gradient shard; with
-  grad-reduce `step` the full gradient still accumulates over the step's micro-batches (one
+- stage 2: gradients are reduce-scattered as at stage 1, and each rank keeps only its gradient
+  shard; with grad-reduce `step` the full gradient still accumulates over the step's micro-batches (one
   reduce-scatter a bucket a step), with `microbatch` every backward reduce-scatters into the fp32
   shard and drops the full gradient. Updated shards are all-gathered as at stage 1.
 - stage 3: as stage 2, and parameters live only as shards between uses: gathered before a chunk
@@ -31,7 +31,7 @@ from pipezero.config import GradReduce
 @dataclass(frozen=True)
 class Rules:
     stage: int
-    sharded_grads: bool  # reduce-scatter, keeping only this rank's gradient shard (else all-reduce)
+    sharded_grads: bool  # keeps only this rank's gradient shard after the reduction (else the full buckets)
     sharded_params: bool  # parameters exist only as shards between uses
     updates_whole: bool  # every rank updates whole buckets (else only its shard)
     gathers_updates: bool  # the updated shards are all-gathered after the step
