@@ -105,7 +105,40 @@ def load_spec(ref: str) -> ModelSpec:
     if problem := incomplete(obj):
         raise ConfigError(f"--model-spec {ref!r}: {type(obj).__name__} {problem}; see pipezero/models/spec.py's "
                           f"ModelSpec and examples/own_model.py")
+    _probe_layers(obj, ref, module_name)
     return obj
+
+
+def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
+    """Every layer built on the meta device (allocating nothing, as the engine does for names and
+    shapes) and layer_param_counts() called, so a build_layer that raises or returns no module, or
+    counts that are not one integer >= 0 a layer, is one line now, before the run folder is made;
+    unchecked, each was a traceback from pipezero's own set-up, or the loss taken on another layer's
+    output (round ten)."""
+    import torch
+    from torch import nn
+
+    cls, n = type(spec).__name__, spec.n_layers + 2
+    for i in range(n):
+        try:
+            with torch.device("meta"):
+                layer = spec.build_layer(i)
+        except Exception as e:  # noqa: BLE001 - the user's build_layer raised
+            raise _raised_in_users_code(ref, f"{cls}.build_layer({i})", module, e) from None
+        if not isinstance(layer, nn.Module):
+            raise ConfigError(f"--model-spec {ref!r}: {cls}.build_layer({i}) gives a {type(layer).__name__}, not a "
+                              f"torch.nn.Module; return layer {i} of [embedding, block x n_layers, head]")
+    try:
+        counts = spec.layer_param_counts()
+    except Exception as e:  # noqa: BLE001 - the user's layer_param_counts raised
+        raise _raised_in_users_code(ref, f"{cls}.layer_param_counts()", module, e) from None
+    if not isinstance(counts, (list, tuple)) or len(counts) != n:
+        got = f"{len(counts)} counts" if isinstance(counts, (list, tuple)) else f"a {type(counts).__name__}"
+        raise ConfigError(f"--model-spec {ref!r}: {cls}.layer_param_counts() gives {got}; it must give one a layer, "
+                          f"n_layers + 2 = {n} (embedding, {spec.n_layers} blocks, head)")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        raise ConfigError(f"--model-spec {ref!r}: {cls}.layer_param_counts() gives {list(counts)}; it must give one "
+                          f"integer >= 0 a layer (its parameters' numel)")
 
 
 ABSTRACT = ("build_layer", "init_layer", "layer_param_counts", "flops_per_token")

@@ -1,0 +1,41 @@
+"""A tenth review of bad inputs (issue 33), as a careless or hostile user: what it found. A
+--model-spec whose build_layer raises, returns no module, or whose layer_param_counts is not one
+count a layer was a traceback from pipezero's own set-up (or a loss on the wrong layer's output)
+after the run folder was made; now one line, exit 2, before anything is made."""
+
+from __future__ import annotations
+
+import pytest
+
+OWN = ("import sys\nsys.path.insert(0, {examples!r})\nfrom own_model import GPTSpec\n"
+       "class S(GPTSpec):\n")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    def build_layer(self, i):\n        raise ValueError('no layer %d' % i)\n",
+     "raised ValueError: no layer 0 at {f}:6"),
+    ("    def build_layer(self, i):\n        return None\n",
+     "S.build_layer(0) gives a NoneType, not a torch.nn.Module"),
+    ("    def layer_param_counts(self):\n        return [1]\n",
+     "S.layer_param_counts() gives 1 counts; it must give one a layer, n_layers + 2 = 6"),
+    ("    def layer_param_counts(self):\n        return [1, 2, -3, 4, 5, 6]\n",
+     "S.layer_param_counts() gives [1, 2, -3, 4, 5, 6]; it must give one integer >= 0 a layer"),
+])
+def test_a_spec_whose_layers_cannot_be_built_is_one_line_before_anything_is_made(body, needle, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from pathlib import Path
+
+    from one_line import assert_one_line, run_main
+
+    examples = str(Path(__file__).resolve().parent.parent / "examples")
+    name = f"spec_layers_{abs(hash(body))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(OWN.format(examples=examples) + body)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some words to train on " * 20)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--packing", "concat",
+                          "--data", "docs", "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"],
+                         capsys)
+    assert_one_line(code, err, needle.format(f=path))
+    assert not (tmp_path / "o").exists()
