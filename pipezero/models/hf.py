@@ -118,7 +118,8 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None
     """(theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or the older
     `rope_theta` + `rope_scaling`. Both, differing, are refused: transformers 5 reads the older
     keys over rope_parameters, so reading rope_parameters alone trained another model than the
-    one transformers loads (a yarn scaling silently dropped)."""
+    one transformers loads (a yarn scaling silently dropped); so did a rope_scaling lacking keys that
+    rope_parameters has (transformers refuses a llama3 one without its freq factors)."""
     legacy = config.get("rope_scaling")
     if config.get("rope_parameters") and (legacy is not None or config.get("rope_theta") is not None):
         params, older = config["rope_parameters"], dict(legacy) if isinstance(legacy, dict) else {"": legacy}
@@ -127,6 +128,8 @@ def _rope(config: dict[str, Any], path: Path) -> tuple[float, list[float] | None
         if config.get("rope_theta") is not None:
             older["rope_theta"] = config["rope_theta"]
         differ = [k for k, v in older.items() if not isinstance(params, dict) or params.get(k) != v]
+        if isinstance(legacy, dict) and isinstance(params, dict):  # transformers takes rope_scaling whole:
+            differ += [k for k in params if k != "rope_theta" and k not in older]  # one it lacks is not read
         if differ:
             raise ConfigError(f"{path}: rope settings are given twice and differ, in rope_parameters and in "
                               f"{'rope_theta' if differ[0] == 'rope_theta' else 'rope_scaling'} ({differ[0] or 'rope_scaling'}); "
