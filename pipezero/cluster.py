@@ -202,8 +202,9 @@ class EmulatedCluster:
         """torchrun on node `node` for a job of every node: static rendezvous at node 0, so node
         i holds global ranks [i * ranks_per_node, (i + 1) * ranks_per_node). With `max_restarts`,
         each node's agent restarts its ranks when one fails (a cut link fails every rank within
-        --timeout, so all nodes restart, and meet again at node 0 once the link is back)."""
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.spec.nodes}",
+        --timeout, so all nodes restart, and meet again at node 0 once the link is back). Started as
+        pipezero.loopback, torchrun whose failed job ends in one line, not its traceback."""
+        cmd = [sys.executable, "-m", "pipezero.loopback", f"--nnodes={self.spec.nodes}",
                f"--nproc-per-node={ranks_per_node}", f"--node-rank={node}", f"--master-addr={self.address(0)}",
                f"--master-port={port}", f"--local-addr={self.address(node)}", f"--max-restarts={max_restarts}",
                *args]

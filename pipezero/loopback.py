@@ -5,7 +5,11 @@ whatever host it is given (seen with torch 2.13: `ss -ltn` shows `*:PORT` for bo
 stores), so anyone who can reach the machine could write into the rendezvous of a running job.
 TCPStore accepts an already listening socket instead (`master_listen_fd`); this module hands it
 one bound to 127.0.0.1 whenever a store server is asked for on a loopback host, then runs
-torchrun unchanged. Multi-node runs use torchrun directly and trust the cluster network.
+torchrun unchanged. Multi-node runs (`pipezero cluster`) start it too: there the store is on a
+node's address, which it leaves alone, trusting the cluster network.
+
+A job that ends on a failed rank ends here in one line: the rank already said why in its own, and
+torchrun's ChildFailedError traceback (its agent's, some 50 lines a node) said nothing more.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
@@ -41,7 +46,13 @@ class LoopbackTCPStore(dist.TCPStore):
 def main(argv: list[str]) -> None:
     dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # rendezvous and agent stores
     c10d_backend.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # imported by name there
-    torchrun_main(argv)
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(f"pipezero: rank {rank} ended with exit code {failure.exitcode}; its own lines above say why",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

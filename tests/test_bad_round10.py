@@ -55,3 +55,34 @@ def test_rope_scaling_that_lacks_keys_rope_parameters_has_is_refused(tmp_path):
         [8.0, 1.0, 4.0, 16.0]  # the same settings twice (rope_theta in rope_parameters only): fine
     with pytest.raises(ConfigError, match=r"in rope_scaling \(low_freq_factor\)"):
         _rope({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, tmp_path)
+
+
+def test_torchrun_ending_on_a_failed_rank_is_one_line_not_its_traceback(monkeypatch, capsys):
+    """A rank that failed (a collective timed out on a slow `pipezero cluster --link`, a spec's forward
+    raised) said why in its own line; then torchrun's agent added a ChildFailedError traceback of ~50
+    lines, one a node (round ten). Now one line naming the rank and its exit code, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipezero import loopback
+
+    def failing(argv):
+        raise ChildFailedError("pipezero.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file="")})
+
+    monkeypatch.setattr(loopback, "torchrun_main", failing)
+    with pytest.raises(SystemExit) as e:
+        loopback.main(["-m", "pipezero.cli"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["pipezero: rank 1 ended with exit code 1; its own lines above say why"]
+
+
+def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quietly():
+    from pipezero.cluster import ClusterSpec, EmulatedCluster
+
+    seen = []
+    cluster = EmulatedCluster.__new__(EmulatedCluster)
+    cluster.spec = ClusterSpec(nodes=2, link="100mbit")
+    cluster.address = lambda i: f"10.0.0.{i + 1}"
+    cluster.start = lambda node, cmd, env, **kw: seen.append(cmd)
+    cluster.torchrun(0, 1, 29500, ["-m", "pipezero.cli", "train"])
+    assert seen[0][1:3] == ["-m", "pipezero.loopback"]
