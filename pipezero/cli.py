@@ -538,8 +538,15 @@ def negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the newest complete one"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # imports torch: a second or more, when Ctrl-C lands soonest (round ten)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     argv = negative_values(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
@@ -576,8 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
-        print("pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the "
-              "newest complete one", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         return 130
     finally:
         if stream is not None:

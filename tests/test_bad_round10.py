@@ -86,3 +86,17 @@ def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quie
     cluster.start = lambda node, cmd, env, **kw: seen.append(cmd)
     cluster.torchrun(0, 1, 29500, ["-m", "pipezero.cli", "train"])
     assert seen[0][1:3] == ["-m", "pipezero.loopback"]
+
+
+def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkeypatch, capsys):
+    """Ctrl-C a second after `pipezero train` started (SIGINT at 1 s, under load) landed in the
+    import of torch that building the parser does, before main's handler: a KeyboardInterrupt
+    traceback of some 30 lines (round ten; round nine's x-sigint-1s-then-resume met it unseen)."""
+    from pipezero import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
