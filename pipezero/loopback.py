@@ -49,9 +49,9 @@ def main(argv: list[str]) -> None:
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(f"pipezero: rank {rank} ended with exit code {failure.exitcode}; its own lines above say why",
-              file=sys.stderr, flush=True)
+        failed = ", ".join(f"{rank} (exit code {f.exitcode})" for rank, f in sorted(e.failures.items()))
+        print(f"pipezero: rank {failed} ended the job; each rank's own lines above say why", file=sys.stderr,
+              flush=True)
         sys.exit(1)
 
 

@@ -66,14 +66,16 @@ def test_torchrun_ending_on_a_failed_rank_is_one_line_not_its_traceback(monkeypa
     from pipezero import loopback
 
     def failing(argv):
-        raise ChildFailedError("pipezero.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file="")})
+        raise ChildFailedError("pipezero.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=""),
+                                                0: ProcessFailure(local_rank=0, pid=4241, exitcode=-15, error_file="")})
 
     monkeypatch.setattr(loopback, "torchrun_main", failing)
     with pytest.raises(SystemExit) as e:
         loopback.main(["-m", "pipezero.cli"])
     assert e.value.code == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["pipezero: rank 1 ended with exit code 1; its own lines above say why"]
+    assert err.strip().splitlines() == [
+        "pipezero: rank 0 (exit code -15), 1 (exit code 1) ended the job; each rank's own lines above say why"]
 
 
 def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quietly():
