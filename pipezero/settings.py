@@ -219,6 +219,9 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         key, why = unused
         raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
                           f"drop it")
+    if "parallel.zero3_prefetch" in flat and cfg.parallel.zero != 3:  # accepted and unread, exit 0 (round ten)
+        raise ConfigError(f"{shown('parallel.zero3_prefetch')} {cfg.parallel.zero3_prefetch} is read only by ZeRO-3 "
+                          f"(how far ahead its layer-by-layer gathers start); add --zero 3, or drop it")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)

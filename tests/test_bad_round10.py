@@ -102,3 +102,15 @@ def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkey
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["train"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
+
+
+@pytest.mark.parametrize("extra", [["--zero", "2", "--zero3-prefetch", "2"], ["--zero3-prefetch", "3"]])
+def test_zero3_prefetch_without_zero3_is_one_line(extra, tmp_path, capsys):
+    """--zero3-prefetch 2 with --zero 2 trained, exit 0, the flag read by nothing and nothing said,
+    while an unread --link-gbps or --tflops is refused (round ten)."""
+    from one_line import assert_one_line, run_main
+
+    code, err = run_main(["train", "--preset", "tiny", "--tokenizer", "bytes", "--max-steps", "1", *extra,
+                          "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"--zero3-prefetch {extra[-1]} is read only by ZeRO-3")
+    assert not (tmp_path / "o").exists()
