@@ -71,3 +71,16 @@ def test_verify_reference_drops_what_only_data_parallel_traffic_has(tmp_path):
     assert (ref.parallel.dp, ref.parallel.zero, ref.parallel.secondary_shard, ref.parallel.hierarchical) == \
         (1, 0, SecondaryShard.NONE, False)
     assert layout.parallel.secondary_shard is SecondaryShard.NODE  # the layout itself untouched
+
+
+@pytest.mark.parametrize("extra", [["--zero3-layerwise"], ["--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])
+@pytest.mark.parametrize("zero", ["0", "1", "2"])
+def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
+    """simulate --zero 1 --zero3-prefetch-chunk played ZeRO-1 and exited 0, the flag unread (round eleven)."""
+    code, err = run_main(["simulate", "--zero", zero, "--dp", "2", *extra, "--json"], capsys)
+    assert_one_line(code, err, f"{extra[0]} is read only by ZeRO-3")
+
+
+def test_simulate_takes_zero3_flags_with_zero3(capsys):
+    assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
+                     "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0
