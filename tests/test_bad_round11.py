@@ -84,3 +84,25 @@ def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
 def test_simulate_takes_zero3_flags_with_zero3(capsys):
     assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
                      "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("cache", ["docs/cache", "docs", "docs/a/b"])
+def test_a_cache_folder_inside_the_data_is_refused(cache, tmp_path, monkeypatch, capsys):
+    """PIPEZERO_CACHE=docs/cache with --data docs: the first run trained, every later one read the
+    cached tokenizer's json as a document and stopped at its missing 'text' field (round eleven)."""
+    docs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", cache)
+    code, err = run_main(["train", *TINY, "--data", "docs", "--max-steps", "1", "--no-progress", "--out", "o"], capsys)
+    assert_one_line(code, err, f"the cache folder {cache} (PIPEZERO_CACHE) is inside --data 'docs'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_cache_folder_beside_the_data_or_holding_it_is_fine(tmp_path, monkeypatch):
+    from pipezero.data.sources import check_cache_out_of_reach
+
+    docs(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "docs-cache"))  # a prefix of the name, not a folder above
+    check_cache_out_of_reach([str(tmp_path / "docs"), str(tmp_path / "docs" / "0.txt")])
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path))  # the data inside the cache: the cache's files are not read
+    check_cache_out_of_reach([str(tmp_path / "docs")])
