@@ -106,3 +106,23 @@ def test_a_cache_folder_beside_the_data_or_holding_it_is_fine(tmp_path, monkeypa
     check_cache_out_of_reach([str(tmp_path / "docs"), str(tmp_path / "docs" / "0.txt")])
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path))  # the data inside the cache: the cache's files are not read
     check_cache_out_of_reach([str(tmp_path / "docs")])
+
+
+def test_the_loopback_store_leaves_no_python_socket_to_be_collected_unclosed():
+    """The listening socket was kept as a Python object beside the store that served its
+    descriptor: collected, it warned ResourceWarning ('Exception ignored' tracebacks from torchrun's
+    agent under PYTHONWARNINGS=error, exit 0; round eleven). The store owns the descriptor now."""
+    import gc
+    import warnings
+    from datetime import timedelta
+
+    from pipezero.loopback import LoopbackTCPStore
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        store = LoopbackTCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
