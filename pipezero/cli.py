@@ -171,7 +171,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if limit is None and not cuda and not under_torchrun():
         check_host_memory(cfg)
-    from pipezero.rundir import HELD_BY_LAUNCHER, claim_here
+    from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -192,11 +192,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         return beside(cfg)
 
-    with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes):
+    with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes) as held:
         if launching:
             return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
         code = train_here(cfg)
+        if code == 2 and isinstance(held, Claim):  # the user's spec raised: nothing of the run stays
+            held.drop_opening()
     if under_torchrun():
         exit_rank(code)
     return code
@@ -246,13 +248,13 @@ def check_host_memory(cfg: Any) -> None:
 
 
 def train_here(cfg: Any) -> int:
-    """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1."""
+    """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1
+    (exit 2: the user's own --model-spec code raised)."""
     from pipezero.checkpoint import CheckpointError
     from pipezero.engine import train
     from pipezero.launch import under_torchrun
     from pipezero.nonfinite import TrainingDiverged
     from pipezero.parallel.waits import PipelineTimeout
-    from pipezero.util import refused_write
 
     try:
         train(cfg)
@@ -261,26 +263,41 @@ def train_here(cfg: Any) -> int:
         if under_torchrun():
             os._exit(1)  # peers may be gone: no teardown collective
         return 1
-    except OSError as e:  # metrics, summary, tensorboard: a full disk, a read-only or immutable file
-        if (refused := refused_write(e)) is None:
+    except Exception as e:  # noqa: BLE001 - said in one line only when it is no bug of pipezero's (failure_line)
+        if (said := failure_line(cfg, e)) is None:
             raise
-        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the "
-              f"newest complete checkpoint", file=sys.stderr, flush=True)
+        code, line = said
+        print(f"pipezero: error: {line}", file=sys.stderr, flush=True)
         if under_torchrun():
-            os._exit(1)  # peers may be gone: no teardown collective
-        return 1
-    except RuntimeError as e:  # torch's DistNetworkError, DistStoreError: a MASTER_ADDR that resolves nowhere
-        if type(e).__name__ not in ("DistNetworkError", "DistStoreError"):  # by name: torch 2.5 has no such API
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"pipezero: error: rank {os.environ.get('RANK', 0)}: the process group's connection to "
-              f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed ({type(e).__name__}: "
-              f"{first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or let --nproc start them",
-              file=sys.stderr, flush=True)
-        if under_torchrun():
-            os._exit(1)  # peers may be gone: no teardown collective
-        return 1
+            os._exit(code)  # peers may be gone: no teardown collective
+        return code
     return 0
+
+
+def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
+    """(exit code, line) for a training failure the user can act on; None for any other (its traceback):
+    a write refused (a full disk, a read-only or immutable file), a process group whose connection
+    failed, the user's --model-spec code raising (exit 2: its own line, as a refusal's)."""
+    from pipezero.launch import under_torchrun
+    from pipezero.util import refused_write
+
+    if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
+        return 1, (f"rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the newest complete "
+                   f"checkpoint")
+    # torch's DistNetworkError, DistStoreError (by name: torch 2.5 has no such API): a MASTER_ADDR that
+    # resolves nowhere
+    if isinstance(e, RuntimeError) and type(e).__name__ in ("DistNetworkError", "DistStoreError"):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return 1, (f"rank {os.environ.get('RANK', 0)}: the process group's connection to "
+                   f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed "
+                   f"({type(e).__name__}: {first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or "
+                   f"let --nproc start them")
+    if cfg.model.spec is not None:
+        from pipezero.models.user_spec import users_fault
+
+        if (fault := users_fault(cfg.model.spec, e)) is not None:  # each failing rank says it, named
+            return 2, f"rank {os.environ.get('RANK', 0)}: {fault}" if under_torchrun() else str(fault)
+    return None
 
 
 SHARD_SIZE = "5GB"  # export --format hf's default, as transformers' save_pretrained

@@ -41,7 +41,8 @@ HELD_BY_LAUNCHER = "PIPEZERO_RUN_CLAIMED"  # set for the ranks a launcher starte
 # what a run writes at the top of its folder (engine.py, summary.py, telemetry/): in a folder no run
 # claimed, --resume would replace them
 RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "trace.json", "trace.png", "tensorboard", "hf"}
-RUN_FOLDERS = {"checkpoints", "tensorboard", "hf"}  # of RUN_FILES and the checkpoints, those that are folders
+RUN_FOLDERS = {"checkpoints", "tensorboard", "hf"}
+OPENING = {"config.json", "metrics.jsonl"}  # what a run writes before its first step (engine.Trainer.set_up)  # of RUN_FILES and the checkpoints, those that are folders
 
 
 def wrong_kind(path: Path) -> str | None:
@@ -116,6 +117,26 @@ class Claim:
                 pass  # the folder went away or cannot be read: nothing to put back
             os.close(self.fd)  # closing drops the flock
             self.fd = -1
+
+    def drop_opening(self) -> None:
+        """Forget a run refused at its first step (its --model-spec code raised: exit 2): the opening
+        files it wrote (config.json, an empty metrics.jsonl) removed where this run made them, so
+        `release` leaves the folder as it found it, as a refusal before the claim would. A run that
+        wrote anything else (a metrics line, a checkpoint, tensorboard), or over files it found,
+        keeps everything."""
+        if self.fd < 0:
+            return
+        try:
+            now = _entries(self.path)
+            made = set(now) - set(self.found.entries)
+            if not made <= OPENING or any(now.get(k) != v for k, v in self.found.entries.items()):
+                return
+            if "metrics.jsonl" in made and now["metrics.jsonl"][2]:
+                return
+            for name in made:
+                (self.path / name).unlink()
+        except OSError:
+            pass  # then release keeps what is there: nothing of the user's is at stake
 
     def _put_back(self) -> None:
         run_file = self.path / RUN_ID

@@ -66,10 +66,24 @@ def check_out(out: Path, source: Path) -> None:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} already holds files; an export never writes over them: give a new folder, "
                           f"or remove that one first")
+    if out.is_dir() and (held := _in_place(out)):
+        raise ConfigError(f"--out {out} is {held}, which an export cannot replace (it writes its folder beside --out, "
+                          f"then renames it into place): give a new folder inside it, e.g. --out {out / 'export'}")
     reason = _inside_a_run(out, source)
     if reason:
         raise ConfigError(f"--out {out} {reason}: export beside the run instead, e.g. --out {out.name}-export "
                           f"next to it")
+
+
+def _in_place(out: Path) -> str | None:
+    """Why the existing (empty) folder `out` cannot be renamed onto: the working folder (the rename
+    said "Device or resource busy" for `--out .`, round ten; where it works, the shell sits in a
+    removed folder) or a mount point; None when it can."""
+    if out.resolve() == Path.cwd().resolve():
+        return "the working folder"
+    if os.path.ismount(out):
+        return "a mount point"
+    return None
 
 
 def _cannot_make(out: Path, e: OSError) -> ConfigError:

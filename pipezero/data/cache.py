@@ -143,7 +143,7 @@ def build(dest: Path, files: list[Path], reader: Reader, tok: Tokenizer, heldout
         for name, w in zip(SPLITS, writers):
             np.save(tmp / f"{name}.offsets.npy", w.offsets(), allow_pickle=False)
         seal(tmp, {"dtype": dtype.name, "documents": seen, "skipped": reader.records.skipped,
-                   "short": reader.records.short, "tokenizer": tok.name})
+                   "first_skipped": reader.records.first, "short": reader.records.short, "tokenizer": tok.name})
         try:
             os.rename(tmp, dest)
         except OSError:  # another process finished the same cache first: keep theirs
@@ -248,8 +248,20 @@ def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
     build_once(folder.name, lambda: damage() is None, make)
     train, heldout = (open_split(folder, s) for s in SPLITS)
     if train.n_docs == 0:
-        raise ConfigError(f"--data holds no document of two tokens or more ({len(files)} files); give more text")
+        raise ConfigError(nothing_kept(json.loads((folder / META).read_text()), len(files)))
     return train, heldout
+
+
+def nothing_kept(meta: dict, n_files: int) -> str:
+    """Why an entry (its meta.json) holds no document: with --on-bad-record skip, every record may have
+    been skipped as bad, where "give more text" sent the user the wrong way (round ten)."""
+    skipped, short = meta.get("skipped", 0), meta.get("short", 0)
+    if not skipped:
+        return f"--data holds no document of two tokens or more ({n_files} files); give more text"
+    first = f" (first: {meta['first_skipped']})" if meta.get("first_skipped") else ""
+    said = (f"{skipped:,} records were skipped as bad{first} and {short:,} documents are shorter than two tokens"
+            if short else f"all {skipped:,} records were skipped as bad{first}")
+    return f"--data holds no document: {said}; fix them (--on-bad-record fail stops at the first)"
 
 
 class BuildProgress:

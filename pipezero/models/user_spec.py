@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
 import os
 import sys
-import traceback
+import sysconfig
+import typing
+from types import TracebackType
 from typing import Any
 
 from pipezero.errors import ConfigError
@@ -57,21 +61,64 @@ def _import(ref: str, module: str) -> Any:
         raise _raised_in_users_code(ref, f"importing {module}", module, e) from None
 
 
-def _raised_in_users_code(ref: str, doing: str, module: str, e: BaseException) -> ConfigError:
-    """One line for an exception the user's own code raised while pipezero read the spec: where (the
-    innermost frame outside pipezero and Python's import machinery, or a SyntaxError's own place)
-    and what, and how to see the whole traceback. Settings are being checked: no rank has started."""
+PIPEZERO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+LIBRARY_DIRS = tuple({os.path.join(p, "") for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                      if (p := sysconfig.get_paths().get(k))})
+
+
+def _whose(filename: str) -> str:
+    """"pipezero", "library" (Python's own, installed packages such as torch: called by pipezero or
+    by the user, so never the one at fault) or "user" for the file of a traceback's frame."""
+    if filename.startswith(PIPEZERO_DIR):
+        return "pipezero"
+    if filename.startswith("<") or filename.startswith(LIBRARY_DIRS):  # <frozen importlib._bootstrap>, <string>
+        return "library"
+    return "user"
+
+
+def _frames(tb: TracebackType | None) -> list[tuple[str, int, str, str]]:
+    """(file, line, qualified function name, whose) of every frame of a traceback, outermost first,
+    library frames left out."""
+    out = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if (whose := _whose(code.co_filename)) != "library":
+            out.append((code.co_filename, tb.tb_lineno, code.co_qualname, whose))
+        tb = tb.tb_next
+    return out
+
+
+def _raised_in_users_code(ref: str, doing: str, module: str, e: BaseException, hint: str | None = None) -> ConfigError:
+    """One line for an exception the user's own code raised while pipezero read or ran the spec: where
+    (the innermost frame in the user's files, skipping pipezero's and the libraries' it called into,
+    or a SyntaxError's own place) and what, and how to see the whole traceback (`hint`; by default,
+    importing the module shows it)."""
     place = ""
     if isinstance(e, SyntaxError) and e.filename:
         place = f" at {e.filename}:{e.lineno}"
-    else:
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if "importlib" not in f.filename and os.sep + "pipezero" + os.sep not in f.filename]
-        if frames:
-            place = f" at {frames[-1].filename}:{frames[-1].lineno}"
+    elif users := [f for f in _frames(e.__traceback__) if f[3] == "user"]:
+        place = f" at {users[-1][0]}:{users[-1][1]}"
     said = str(e).splitlines()[0] if str(e) else ""
+    hint = hint or f"python -c 'import {module}' shows the whole traceback"
     return ConfigError(f"--model-spec {ref!r}: {doing} raised {type(e).__name__}{': ' + said if said else ''}{place}; "
-                       f"fix it there (python -c 'import {module}' shows the whole traceback)")
+                       f"fix it there ({hint})")
+
+
+def users_fault(ref: str, e: BaseException) -> ConfigError | None:
+    """The one line for an exception the spec's own code raised while the run trained (a layer's
+    forward or backward, init_layer, loss): the innermost frame of pipezero's or the user's is the
+    user's. None when it is pipezero's (a bug of ours: its traceback is the report) or memory ran
+    out (no mistake in the code). Named by the spec function pipezero called, and the line that raised."""
+    import torch
+
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return None
+    frames = _frames(e.__traceback__)
+    if not frames or frames[-1][3] != "user":
+        return None
+    called = frames[1 + max((i for i, f in enumerate(frames) if f[3] == "pipezero"), default=-1)]
+    return _raised_in_users_code(ref, called[2], ref.partition(":")[0], e,
+                                 hint="it raises the same when called in Python, with its whole traceback")
 
 
 def load_spec(ref: str) -> ModelSpec:
@@ -87,6 +134,13 @@ def load_spec(ref: str) -> ModelSpec:
                               f"subclass or instance, or a function returning one, defined there")
         obj = getattr(obj, part)
     if callable(obj) and not isinstance(obj, ModelSpec):
+        if (gives := _declared(obj)) is not None:  # never called: pipezero.cli:main ran pipezero in itself
+            said = "" if gives is obj else f" ({name}'s declared return type)"
+            raise ConfigError(f"--model-spec {ref!r} gives a {gives.__name__}{said}, not a pipezero.models.ModelSpec; "
+                              f"{FIX}")
+        if _loading(ref, sys._getframe(1)):
+            raise ConfigError(f"--model-spec {ref!r} is loaded again while it is being loaded (its {name}() "
+                              f"calls pipezero with it): it would never end; name a function that builds the spec")
         try:
             inspect.signature(obj).bind()
         except TypeError:
@@ -99,14 +153,56 @@ def load_spec(ref: str) -> ModelSpec:
         except Exception as e:  # noqa: BLE001 - the user's function or class raised while building the spec
             raise _raised_in_users_code(ref, f"calling {name}()", module_name, e) from None
     if not isinstance(obj, ModelSpec):
-        raise ConfigError(f"--model-spec {ref!r} gives a {type(obj).__name__}, not a pipezero.models.ModelSpec; "
-                          f"subclass ModelSpec (examples/own_model.py) and name the class, an instance, or a "
-                          f"function returning one")
+        raise ConfigError(f"--model-spec {ref!r} gives a {type(obj).__name__}, not a pipezero.models.ModelSpec; {FIX}")
     if problem := incomplete(obj):
         raise ConfigError(f"--model-spec {ref!r}: {type(obj).__name__} {problem}; see pipezero/models/spec.py's "
                           f"ModelSpec and examples/own_model.py")
     _probe_layers(obj, ref, module_name)
+    _check_flops(obj, ref, module_name)
     return obj
+
+
+FIX = ("subclass ModelSpec (examples/own_model.py) and name the class, an instance, or a function returning "
+       "one")
+
+
+def _declared(obj: Any) -> type | None:
+    """The class `obj` says it makes, when that is no ModelSpec: a class that is none, or a function
+    whose return annotation is a class that is none (`-> int`); None when it may give one (no
+    annotation, one not resolvable, Any, a ModelSpec) and only calling it tells."""
+    if inspect.isclass(obj):
+        return None if issubclass(obj, ModelSpec) else obj
+    try:
+        returns = inspect.signature(obj, eval_str=True).return_annotation
+    except Exception:  # noqa: BLE001 - no signature (a builtin), an annotation that does not evaluate
+        return None
+    if not inspect.isclass(returns) or returns in (inspect.Signature.empty, typing.Any, object) or issubclass(returns, ModelSpec):
+        return None
+    return returns
+
+
+def _loading(ref: str, frame: Any) -> bool:
+    """Whether load_spec(ref) is already under way further up the stack: a factory that loads its own
+    reference (or runs pipezero's CLI with it) would call itself for ever, each level a line."""
+    while frame is not None:
+        if frame.f_code is load_spec.__code__ and frame.f_locals.get("ref") == ref:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _check_flops(spec: ModelSpec, ref: str, module: str) -> None:
+    """flops_per_token a number >= 0: it sets --zero3-prefetch auto's depth and the metrics' MFU,
+    where a nan or a negative count was used as it was (round ten). Asked at the spec's longest
+    sequence, or 2048 (the run's own --seq-len is not known here)."""
+    cls, seq_len = type(spec).__name__, min(spec.max_seq_len or 2048, 2048)
+    try:
+        flops = spec.flops_per_token(seq_len)
+    except Exception as e:  # noqa: BLE001 - the user's flops_per_token raised
+        raise _raised_in_users_code(ref, f"{cls}.flops_per_token({seq_len})", module, e) from None
+    if isinstance(flops, bool) or not isinstance(flops, numbers.Real) or not 0 <= flops < math.inf:
+        raise ConfigError(f"--model-spec {ref!r}: {cls}.flops_per_token({seq_len}) gives {flops!r}; it must give "
+                          f"a number >= 0 (the FLOPs of training one token: forward and backward)")
 
 
 def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
@@ -119,6 +215,7 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
     from torch import nn
 
     cls, n = type(spec).__name__, spec.n_layers + 2
+    layers = []
     for i in range(n):
         try:
             with torch.device("meta"):
@@ -128,6 +225,7 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
         if not isinstance(layer, nn.Module):
             raise ConfigError(f"--model-spec {ref!r}: {cls}.build_layer({i}) gives a {type(layer).__name__}, not a "
                               f"torch.nn.Module; return layer {i} of [embedding, block x n_layers, head]")
+        layers.append(layer)
     try:
         counts = spec.layer_param_counts()
     except Exception as e:  # noqa: BLE001 - the user's layer_param_counts raised
@@ -139,6 +237,39 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
     if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
         raise ConfigError(f"--model-spec {ref!r}: {cls}.layer_param_counts() gives {list(counts)}; it must give one "
                           f"integer >= 0 a layer (its parameters' numel)")
+    if not spec.deferred_init:  # a pretrained model's layers are filled by its loader, never initialised
+        for i, layer in enumerate(layers):
+            _probe_init(spec, ref, module, layer, i, counts[i])
+
+
+PROBE_REAL = 1 << 22  # parameters: a layer this small is built and initialised for real in ~10 ms
+
+
+def _probe_init(spec: ModelSpec, ref: str, module: str, layer: Any, i: int, count: int) -> None:
+    """init_layer run on layer `i` built on the meta device: an init_layer that raises was the user's
+    traceback from pipezero's set-up, after the run folder was made (round ten). On meta tensors
+    some valid code fails (`.item()` has no value there): what fails so is tried once more on the
+    layer built for real, when it is small; if it raises there too, in the user's code, it is one
+    line now; otherwise (a large layer) the run says it when it meets it (cli.train_here)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            spec.init_layer(layer, i, 0)
+        return
+    except Exception:  # noqa: BLE001 - maybe no fault of the spec's: told below
+        pass
+    if count > PROBE_REAL:
+        return
+    try:
+        with torch.device("cpu"):
+            spec.init_layer(spec.build_layer(i), i, 0)
+    except Exception as e:  # noqa: BLE001 - the user's init_layer raised on a real layer too
+        if users_fault(ref, e) is None:
+            raise
+        raise _raised_in_users_code(ref, f"{type(spec).__name__}.init_layer(layer {i})", module, e,
+                                    hint="it raises the same when called in Python, with its whole "
+                                         "traceback") from None
 
 
 ABSTRACT = ("build_layer", "init_layer", "layer_param_counts", "flops_per_token")
