@@ -74,9 +74,10 @@ def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def preflight(cfg: TrainConfig, nproc: int) -> Device:
+def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Device:
     """Refuse here, once, what every rank would refuse after torchrun started it (each printing
-    the same line and torchrun adding its own report): data, tokenizer, vocabulary, devices; and
+    the same line and torchrun adding its own report): data, tokenizer, vocabulary, devices, the
+    split of the dp groups over nodes of `per_node` ranks (default: all `nproc` on this one); and
     decide the ranks' device (parallel/device.py `local_device`). The corpus is tokenized and
     cached here too, so the ranks only read the cache."""
     import torch
@@ -85,7 +86,10 @@ def preflight(cfg: TrainConfig, nproc: int) -> Device:
     from pipezero.engine import check_corpus
     from pipezero.models import spec_of
     from pipezero.parallel.device import local_device
+    from pipezero.stage import secondary_split_problem
 
+    if problem := secondary_split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
+        raise ConfigError(problem)
     check_corpus(cfg, load_corpus(cfg.data), spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:

@@ -36,9 +36,11 @@ class LoopbackTCPStore(dist.TCPStore):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
             sock.listen(512)
-            self._listen_socket = sock  # kept open for as long as the store lives
             host_name, port = "127.0.0.1", sock.getsockname()[1]
-            kwargs["master_listen_fd"] = sock.fileno()
+            # the store owns the descriptor from here: a Python socket object kept for it was closed
+            # unclosed when collected (a ResourceWarning; under PYTHONWARNINGS=error, 'Exception ignored'
+            # tracebacks from the agent, round eleven), closing a descriptor the store still held
+            kwargs["master_listen_fd"] = sock.detach()
             kwargs["use_libuv"] = True  # the backend that serves a listening socket it is given
         super().__init__(host_name, port, *args, **kwargs)
 

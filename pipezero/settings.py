@@ -452,9 +452,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
             _check(not Path(arg).exists() or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
-        from pipezero.data.sources import check_out_of_reach
+        from pipezero.data.sources import check_cache_out_of_reach, check_out_of_reach
 
         check_out_of_reach(d.path, r.out)
+        check_cache_out_of_reach(d.path)
     if d.tokenizer.endswith(".json"):
         _check(Path(d.tokenizer).is_file(), f"tokenizer file {d.tokenizer!r} {kind_of(Path(d.tokenizer))}; name a "
                                             f"tokenizer.json, or use bpe or bytes")

@@ -233,12 +233,28 @@ def secondary_node(cfg: TrainConfig, mesh: Mesh) -> Hierarchy | None:
     if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
         return None
     per_node = ranks_per_node(p)
-    split = {(len(m), len(ms)) for g in mesh.dp_groups() for ms in [split_by_node(g, per_node)] for m in ms}
-    if len(split) != 1 or min(next(iter(split))) < 2:
-        raise ConfigError(f"--secondary-shard node with {per_node} ranks a node: each stage's replicas must sit on 2 "
-                          f"or more nodes with the same number (2 or more) on each, found (ranks a node, nodes) "
-                          f"{sorted(split)}; choose --placement or --dp so they do, or drop it")
+    if problem := secondary_split_problem(p, per_node):
+        raise ConfigError(problem)
     return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
+
+
+def secondary_split_problem(p: ParallelConfig, per_node: int) -> str | None:
+    """Why --secondary-shard node cannot split this layout's dp groups over nodes of `per_node`
+    ranks, or None. Pure (no process group), so a launcher says it once before any rank starts:
+    found only by the ranks, `--nproc 2` on one node printed it twice under torchrun's report, exit 1."""
+    if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
+        return None
+    groups = Mesh(p.pp, p.dp, 0, p.placement).dp_groups()
+    split = {(len(m), len(ms)) for g in groups for ms in [split_by_node(g, per_node)] for m in ms}
+    if split == {(p.dp, 1)}:
+        return (f"--secondary-shard node with every replica of a stage on one node ({per_node} ranks a node): it "
+                f"keeps a node's copy split over its ranks, so it needs a stage's replicas on 2 or more nodes "
+                f"(pipezero cluster --nodes 2 or more, or torchrun across nodes); drop it on one node")
+    if len(split) != 1 or min(next(iter(split))) < 2:
+        return (f"--secondary-shard node with {per_node} ranks a node: each stage's replicas must sit on 2 or more "
+                f"nodes with the same number (2 or more) on each, found (ranks a node, nodes) {sorted(split)}; "
+                f"choose --placement or --dp so they do, or drop it")
+    return None
 
 
 def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:

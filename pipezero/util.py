@@ -16,7 +16,7 @@ from typing import Any
 from pipezero.errors import ConfigError
 
 
-def _cache_root() -> tuple[Path, str]:
+def cache_root() -> tuple[Path, str]:
     """The cache folder and what chose it (the variable a user would change)."""
     if os.environ.get("PIPEZERO_CACHE"):
         return Path(os.environ["PIPEZERO_CACHE"]), "PIPEZERO_CACHE"
@@ -35,7 +35,7 @@ def cache_dir() -> Path:
     Created private (0700): what is cached is read back as trusted tokens and tokenizers. Only
     made here, not probed for writing: a read-only cache whose entries are complete is still read
     (writes fail in one line where an entry is built: `cache_lock`)."""
-    path, source = _cache_root()
+    path, source = cache_root()
     if source == "PIPEZERO_CACHE" and (home := unexpanded_home("PIPEZERO_CACHE", str(path))):
         raise ConfigError(home)  # set quoted, or in a unit or compose file: no shell expanded it
     if path.exists() and not path.is_dir():
@@ -60,7 +60,7 @@ def cache_lock(name: str) -> Iterator[None]:
     try:
         f = open(path, "a")  # noqa: SIM115 - closed by the `with` below
     except OSError as e:  # the first write of any build
-        raise cache_error(path.parent, _cache_root()[1], "cannot be written", e) from None
+        raise cache_error(path.parent, cache_root()[1], "cannot be written", e) from None
     with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -99,7 +99,7 @@ def build_once(name: str, ready: Callable[[], bool], build: Callable[[], None]) 
             except OSError as e:
                 if e.errno not in FULL:
                     raise
-                path, source = _cache_root()
+                path, source = cache_root()
                 raise cache_error(path, source, f"could not hold {name}", e,
                                   "free space there, or point PIPEZERO_CACHE at a folder with room") from None
 

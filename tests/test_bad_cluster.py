@@ -84,7 +84,7 @@ def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
         raise cluster.ClusterError("`tc qdisc add dev eth0 root tbf rate 99999999999gbit` failed: rate too large")
 
     monkeypatch.setattr(cluster, "require_root", lambda: None)
-    monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world: None)  # the data is not the case here
+    monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world, per_node=None: None)  # the data is not the case here
     monkeypatch.setattr(cluster.EmulatedCluster, "_build", refused)
     code, err = run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys)
     assert made and code == 1 and "Traceback" not in err

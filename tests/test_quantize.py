@@ -188,7 +188,7 @@ def test_secondary_shard_needs_two_nodes_of_two_ranks_before_any_group():
     from pipezero.settings import build_config
     from pipezero.stage import secondary_node
 
-    for per_node, found in ((1, r"\(1, 4\)"), (4, r"\(4, 1\)")):  # one rank a node; one node
+    for per_node, found in ((1, r"\(1, 4\)"), (4, r"on one node \(4 ranks a node\)")):  # one rank a node; one node
         cfg = build_config(None, {"parallel.dp": "4", "parallel.zero": "3", "parallel.secondary_shard": "node",
                                   "parallel.ranks_per_node": str(per_node)})
         with pytest.raises(ConfigError, match=found):

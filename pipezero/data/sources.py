@@ -111,6 +111,22 @@ def check_out_of_reach(paths: list[str], out: str) -> None:
                               f"documents when it resumes; put --out outside the data")
 
 
+def check_cache_out_of_reach(paths: list[str]) -> None:
+    """Refuse a cache folder inside a data folder: its tokenizers (.json) and token files are read as
+    documents by the next run (round eleven: PIPEZERO_CACHE=docs/cache trained once, then every
+    later run stopped at 'docs/cache/bpe-....json:1: no field text'), and the corpus changes as the
+    cache fills."""
+    from pipezero.util import cache_root
+
+    cache, source = cache_root()
+    where = cache.resolve()
+    for arg in paths:
+        path = Path(arg)
+        if path.is_dir() and (where == path.resolve() or path.resolve() in where.parents):
+            raise ConfigError(f"the cache folder {cache} ({source}) is inside --data {arg!r}: its tokenizers and token "
+                              f"files would be read as documents; point PIPEZERO_CACHE outside the data")
+
+
 def fingerprint(files: list[Path], *extra: object) -> str:
     """A key for what these inputs hold: each path, size, modification and change time, plus
     `extra` settings that change the documents read. The modification time alone can stay the same

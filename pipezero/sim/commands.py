@@ -49,6 +49,8 @@ ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_laye
               "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
+ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch")  # of those, what only ZeRO-3 reads
+
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
 MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition")  # add_memory_flags' own: no timing run reads them
@@ -90,6 +92,9 @@ def check_combination(args: argparse.Namespace) -> None:
         if extra:
             raise ConfigError(f"{flag(extra[0])} applies with --zero (the lowered program's ZeRO traffic): add "
                               f"--zero 0, 1, 2 or 3, or drop {flag(extra[0])}")
+    elif args.zero != 3 and (unread := [d for d in given if d in ZERO3_FLAGS]):  # exit 0, unread (round eleven)
+        raise ConfigError(f"{flag(unread[0])} is read only by ZeRO-3 (its parameter gathers); with --zero {args.zero} "
+                          f"it changes nothing: add --zero 3, or drop {flag(unread[0])}")
 
 
 def played(args: argparse.Namespace) -> tuple[int, int]:
