@@ -233,8 +233,10 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
     model = apply_preset(ModelConfig(), args.preset)
     for k, v in args.model_fields.items():
         setattr(model, k, v)
+    flags = lay.get("flags", [])
+    depth = int(flags[flags.index("--zero3-prefetch") + 1]) if "--zero3-prefetch" in flags else 1
     layout = Layout(lay["pp"], lay["dp"], lay["zero"], ScheduleKind(lay["schedule"]), lay["v"], lay["mbs"],
-                    lay["microbatches"], False)
+                    lay["microbatches"], False, prefetch=depth)
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
 
     def at(gbps: float, mfu: float, cpu_s_per_gb: float) -> float:

@@ -57,3 +57,6 @@ class Layout:
     quant_block: int = 256  # elements a scale (--quant-block)
     secondary: bool = False  # --secondary-shard node: ZeRO-3 layer by layer gathers again inside the node
     partition: Partition = Partition.UNIFORM  # memory: cut so that the largest per-rank peak is least
+    # --zero3-prefetch: ZeRO-3 layer by layer (P = 1, no recompute) keeps the next action's first
+    # prefetch - 1 layers gathered across an action's end, so their gathers are not sent again
+    prefetch: int = 1

@@ -78,6 +78,18 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
+def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
+    """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
+    hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
+    keeps its last N - 1 layers for its backward, a backward its first N - 1 for the next
+    micro-batch's forward (none across the optimizer step, none with recompute)."""
+    keep = min(lay.prefetch - 1, len(layers))
+    if lay.zero != 3 or lay.pp != 1 or lay.recompute or keep <= 0:
+        return 0.0, 0.0
+    total = sum(layers)
+    return sum(layers[:keep]) / total, sum(layers[-keep:]) / total
+
+
 def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout,
              limit_gib: float | None = None) -> Estimate | None:
     """`lay`'s memory and step time on `cluster`. `limit_gib`: None instead where its memory is over
@@ -134,7 +146,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     hop = hop_bytes / (pp_bw * 1e9)
     # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
     compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
-    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f)
+    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(layers, lay))
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
     if cluster.net_cpu_s_per_gb:
         # the network's CPU work runs while its bytes move: what moves behind compute takes cores from

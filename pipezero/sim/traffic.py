@@ -97,14 +97,17 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
     return took
 
 
-def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[float, float, float]:
+def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
+               kept: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
     """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
     data-parallel collectives, placed as the runtime places them (schedules/zero_rules.py): gradients
     reduced during a chunk's last backward of the step (every backward with grad-reduce
     `microbatch`), ZeRO-1/2's updated weights gathered ahead of the next step's first forward,
     ZeRO-3's parameters gathered once a step and kept when P > 1, layer by layer for every forward
     and backward when P = 1. Stage 0's first forward and last backward set the pace (sim/overlap.py
-    plays them bucket by bucket); the other stages have the pipeline's fill and drain to spare."""
+    plays them bucket by bucket); the other stages have the pipeline's fill and drain to spare.
+    `kept` (front, tail): the shares of the parameters --zero3-prefetch keeps gathered from a
+    backward into the next forward and from a forward into its backward (planner.kept_shares)."""
     if lay.dp == 1:
         return 0.0, 0.0, 0.0
     m = lay.microbatches
@@ -134,17 +137,20 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float) -> tuple[f
         elif lay.pp > 1:  # a chunk gathered before its first forward (stage 0 waits for all of it), kept
             counts = {"reduce_scatter": reductions, "all_gather": 1}
             exposed = took["all_gather"] + early + reduce_during(took["reduce_scatter"], backward, k, bound).exposed_s
-        else:  # layer by layer: every forward and backward gathers again; the last also reduces
-            counts = {"reduce_scatter": reductions, "all_gather": 2 * m}
+        else:  # layer by layer: every forward and backward gathers again (but what --zero3-prefetch
+            # keeps gathered across an action's end); the last also reduces
+            front, tail = kept
+            counts = {"reduce_scatter": reductions, "all_gather": 2 * m - m * tail - (m - 1) * front}
             ag, rs = took["all_gather"], took["reduce_scatter"]
             later = ag
             if lay.secondary and split:  # hpZ: after the first, from the node's fp32 shares (zero/coordinator.py)
                 g = split[0]
                 later = took["node_gather"] = (g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
-                counts.update(all_gather=1, node_gather=2 * m - 1)
-            exposed = gather_before(ag, forward, k) + (m - 1) * gather_before(later, forward, k) + (m - 1) * (
-                reduce_during(later + rs, backward, k, bound).stall_s if every else gather_before(later, backward, k))
-            exposed += reduce_during(later + rs, backward, k, bound).exposed_s
+                counts.update(all_gather=1, node_gather=2 * m - 1 - m * tail - (m - 1) * front)
+            fwd, bwd = later * (1 - front), later * (1 - tail)  # a later forward's, a backward's gathers
+            exposed = gather_before(ag, forward, k) + (m - 1) * gather_before(fwd, forward, k) + (m - 1) * (
+                reduce_during(bwd + rs, backward, k, bound).stall_s if every else gather_before(bwd, backward, k))
+            exposed += reduce_during(bwd + rs, backward, k, bound).exposed_s
     counts.pop("node_gather", None)  # inside the node: neither on the link nor crossing it
     link = sum(took[c] * n for c, n in counts.items())
     crossing = sum(crossing_bytes(cluster, lay, payload[c])[c] * n for c, n in counts.items())
