@@ -95,6 +95,9 @@ def check_combination(args: argparse.Namespace) -> None:
     elif args.zero != 3 and (unread := [d for d in given if d in ZERO3_FLAGS]):  # exit 0, unread (round eleven)
         raise ConfigError(f"{flag(unread[0])} is read only by ZeRO-3 (its parameter gathers); with --zero {args.zero} "
                           f"it changes nothing: add --zero 3, or drop {flag(unread[0])}")
+    elif args.zero == 0 and args.quantize_weights != "none":  # exit 0, ZeRO-0 played unquantized (round twelve)
+        raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
+                          f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")
 
 
 def played(args: argparse.Namespace) -> tuple[int, int]:

@@ -1,0 +1,24 @@
+"""A twelfth review of bad inputs (issue 33), as a careless or hostile user: what it found.
+simulate --zero 0 --quantize-weights int8 played ZeRO-0 unquantized and exited 0 (train refuses the
+same layout: ZeRO-0 gathers no weights)."""
+
+from __future__ import annotations
+
+import pytest
+
+from one_line import assert_one_line, run_main
+
+
+def test_simulate_refuses_quantized_weights_under_zero0(capsys):
+    """round twelve: exit 0, the flag unread (ZeRO-0 has no parameter gather to quantize)."""
+    code, err = run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)
+    assert_one_line(code, err, "--quantize-weights int8 with --zero 0: ZeRO-0 gathers no weights")
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_simulate_takes_quantized_weights_where_weights_are_gathered(zero, capsys):
+    assert run_main(["simulate", "--zero", zero, "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)[0] == 0
+
+
+def test_simulate_takes_quantized_grads_under_zero0(capsys):
+    assert run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-grads", "int8", "--json"], capsys)[0] == 0
