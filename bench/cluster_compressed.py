@@ -72,6 +72,7 @@ LAYOUTS = {  # 16 sequences a step each (B x M x D)
 }
 W8, G8, G4, HPZ = (["--quantize-weights", "int8"], ["--quantize-grads", "int8"], ["--quantize-grads", "int4"],
                    ["--secondary-shard", "node"])
+DEFAULT_SEED = 1234  # train's (config.py RunConfig.seed)
 VARIANTS = {"none": [], "w8": W8, "g8": G8, "g4": G4, "hpz": HPZ, "all8": W8 + G8 + HPZ, "all4": W8 + G4 + HPZ}
 
 
@@ -375,7 +376,9 @@ def held_out(r: dict, base: dict | None) -> tuple[str, str]:
     if len(paired) > 1:
         return (f"{loss:.4f} ({len(mine)} seeds)",
                 f"{statistics.fmean(paired):.4f} [{min(paired):.4f}-{max(paired):.4f}]")
-    b_loss = (base or {}).get("heldout_loss")
+    # one run: at the default seed (older files, or --seeds left as it is), so against that seed's
+    # uncompressed run where the base has several
+    b_loss = theirs.get(str(mine and next(iter(mine)) or DEFAULT_SEED), (base or {}).get("heldout_loss"))
     return f"{loss:.4f}", "" if not b_loss else f"{loss / b_loss:.4f}"
 
 
@@ -514,7 +517,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7, help="steps of each cluster run (>= 5: steps 3..n-1 are measured)")
     ap.add_argument("--repeat-compute", type=int, default=2, help="compute-only runs of each row; the fastest counts")
     ap.add_argument("--loss-steps", type=int, default=300, help="steps of each held-out loss run (0: none)")
-    ap.add_argument("--seeds", type=lambda x: [int(v) for v in x.split(",")], default=[1234],
+    ap.add_argument("--seeds", type=lambda x: [int(v) for v in x.split(",")], default=[DEFAULT_SEED],
                     help="held-out loss runs at each of these seeds (weights and data order), compared seed by seed")
     ap.add_argument("--no-cluster", action="store_true", help="only the held-out loss runs (no root needed)")
     ap.add_argument("--no-pin", dest="pin", action="store_false")
