@@ -65,9 +65,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1) -> int:
+def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, after_stop: str | None = None) -> int:
     """Run torchrun command `cmd` of `world` ranks; its exit status, or 128 + the signal that
-    stopped it. SIGUSR1 asks every rank for its flight record; the hang doctor's report (doctor.py)
+    stopped it, said with `after_stop` (default: a training run's checkpoints and --resume). SIGUSR1 asks every rank for its flight record; the hang doctor's report (doctor.py)
     is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
     from pipezero.runtime.watch import Desk, ask
 
@@ -90,6 +90,6 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1) -
         for s, handler in previous.items():
             signal.signal(s, handler)
     name = signal.Signals(received[0]).name
-    print(f"pipezero: stopped by {name}; every rank ended, the newest complete checkpoint under {out} is intact: "
-          f"continue with --resume", file=sys.stderr, flush=True)
+    after_stop = after_stop or f"the newest complete checkpoint under {out} is intact: continue with --resume"
+    print(f"pipezero: stopped by {name}; every rank ended, {after_stop}", file=sys.stderr, flush=True)
     return 128 + received[0]

@@ -116,7 +116,7 @@ def exit_rank(code: int) -> None:
 
 
 def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 0,
-                 extra_env: dict[str, str] | None = None) -> int:
+                 extra_env: dict[str, str] | None = None, after_stop: str | None = None) -> int:
     """Run `pipezero <argv>` on `nproc` ranks through torchrun, and return the job's exit code.
     The rendezvous is on 127.0.0.1 at a free port (runs never collide, and nothing listens beyond
     this machine: see loopback.py). With `max_restarts`, torchrun's elastic agent restarts every
@@ -133,4 +133,4 @@ def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
     # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return run_job(cmd, env, out, nproc)
+    return run_job(cmd, env, out, nproc, after_stop)

@@ -337,10 +337,14 @@ def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: T
         for old in (out / "ranks").glob("rank*.pt"):
             if RANK_FILE.fullmatch(old.name):  # an earlier verify's; check_out refused anything else there
                 old.unlink()
-        code = launch_local(world, [*argv, "--device", device.value], str(out))
+        # verify writes no checkpoint and takes no --resume (round twelve: Ctrl-C said both)
+        code = launch_local(world, [*argv, "--device", device.value], str(out),
+                            after_stop="verify stopped before it compared anything: run the same command again")
         if code:
-            console.print(f"[red]the layout's ranks failed (exit {code})[/red]")
             atomic_write_json(out / "verify.json", {**report, "ok": False, "problems": [f"ranks exited {code}"]})
+            if code > 128:  # stopped by a signal: the launcher said so; exit as an interrupted command
+                return code
+            console.print(f"[red]the layout's ranks failed (exit {code})[/red]")
             return 1
         ranks = [RankResult(**torch.load(out / "ranks" / f"rank{r}.pt", weights_only=True)) for r in range(world)]
     else:

@@ -22,3 +22,20 @@ def test_simulate_takes_quantized_weights_where_weights_are_gathered(zero, capsy
 
 def test_simulate_takes_quantized_grads_under_zero0(capsys):
     assert run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-grads", "int8", "--json"], capsys)[0] == 0
+
+
+@pytest.mark.distributed
+def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
+    """Ctrl-C under `verify --nproc 2` said "the newest complete checkpoint ... continue with --resume",
+    train's line: verify writes no checkpoint and refuses --resume (round twelve). The launcher's
+    stop line takes the command's own words; train's stay the default."""
+    import signal
+    import sys
+
+    from pipezero.job import run_job
+
+    cmd = [sys.executable, "-c", "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(30)"]
+    assert run_job(cmd, {}, str(tmp_path), after_stop="verify stopped: run it again") == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().endswith("every rank ended, verify stopped: run it again")
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
+    assert "continue with --resume" in capsys.readouterr().err
