@@ -67,8 +67,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, after_stop: str | None = None) -> int:
     """Run torchrun command `cmd` of `world` ranks; its exit status, or 128 + the signal that
-    stopped it, said with `after_stop` (default: a training run's checkpoints and --resume). SIGUSR1 asks every rank for its flight record; the hang doctor's report (doctor.py)
-    is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
+    stopped it, said with `after_stop` (what the command leaves: by default a training run's
+    checkpoints and --resume). SIGUSR1 asks every rank for its flight record; the hang doctor's
+    report (doctor.py) is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
     from pipezero.runtime.watch import Desk, ask
 
     received: list[int] = []
