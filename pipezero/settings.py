@@ -219,7 +219,7 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         key, why = unused
         raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
                           f"drop it")
-    if "parallel.zero3_prefetch" in flat and cfg.parallel.zero != 3:  # accepted and unread, exit 0 (round ten)
+    if "parallel.zero3_prefetch" in flat and not RULES[cfg.parallel.zero].sharded_params:  # accepted and unread, exit 0 (round ten)
         raise ConfigError(f"{shown('parallel.zero3_prefetch')} {cfg.parallel.zero3_prefetch} is read only by ZeRO-3 "
                           f"(how far ahead its layer-by-layer gathers start); add --zero 3, or drop it")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key

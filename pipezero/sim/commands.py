@@ -19,6 +19,7 @@ from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual, help_text
+from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.memory_command import LAYOUT, add_memory_flags, cmd_simulate_memory
 
 
@@ -92,10 +93,11 @@ def check_combination(args: argparse.Namespace) -> None:
         if extra:
             raise ConfigError(f"{flag(extra[0])} applies with --zero (the lowered program's ZeRO traffic): add "
                               f"--zero 0, 1, 2 or 3, or drop {flag(extra[0])}")
-    elif args.zero != 3 and (unread := [d for d in given if d in ZERO3_FLAGS]):  # exit 0, unread (round eleven)
+    # each of the next two exited 0 with the flag unread (rounds eleven and twelve)
+    elif not RULES[args.zero].sharded_params and (unread := [d for d in given if d in ZERO3_FLAGS]):
         raise ConfigError(f"{flag(unread[0])} is read only by ZeRO-3 (its parameter gathers); with --zero {args.zero} "
                           f"it changes nothing: add --zero 3, or drop {flag(unread[0])}")
-    elif args.zero == 0 and args.quantize_weights != "none":  # exit 0, ZeRO-0 played unquantized (round twelve)
+    elif not RULES[args.zero].gathers_weights and args.quantize_weights != "none":
         raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
                           f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")
 

@@ -33,12 +33,12 @@ from pipezero.models.presets import block_params, layer_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
+from pipezero.schedules.zero_rules import RULES
 from pipezero.sim import limits
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.memory import layout_memory
 from pipezero.sim.memory_partition import balanced_layout
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
-from pipezero.schedules.zero_rules import RULES
 
 GIB = 2**30
 
@@ -84,7 +84,7 @@ def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
     keeps its last N - 1 layers for its backward, a backward its first N - 1 for the next
     micro-batch's forward (none across the optimizer step, none with recompute)."""
     keep = min(lay.prefetch - 1, len(layers))
-    if lay.zero != 3 or lay.pp != 1 or lay.recompute or keep <= 0:
+    if not RULES[lay.zero].sharded_params or lay.pp != 1 or lay.recompute or keep <= 0:
         return 0.0, 0.0
     total = sum(layers)
     return sum(layers[:keep]) / total, sum(layers[-keep:]) / total
