@@ -378,7 +378,7 @@ def held_out(r: dict, base: dict | None) -> tuple[str, str]:
                 f"{statistics.fmean(paired):.4f} [{min(paired):.4f}-{max(paired):.4f}]")
     # one run: at the default seed (older files, or --seeds left as it is), so against that seed's
     # uncompressed run where the base has several
-    b_loss = theirs.get(str(mine and next(iter(mine)) or DEFAULT_SEED), (base or {}).get("heldout_loss"))
+    b_loss = theirs.get(next(iter(mine), str(DEFAULT_SEED)), (base or {}).get("heldout_loss"))
     return f"{loss:.4f}", "" if not b_loss else f"{loss / b_loss:.4f}"
 
 

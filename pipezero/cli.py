@@ -387,7 +387,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
     refuse_folder(cfg.run.out, cfg.run.resume, force)  # as node 0's rank 0 would: one line, not every node's report
     check_out(cfg)
-    preflight(cfg, args.nodes * args.ranks_per_node, args.ranks_per_node)  # data, tokenizer, vocabulary: once, not on every rank
+    # data, tokenizer, vocabulary, the split over nodes: once, not on every rank
+    preflight(cfg, args.nodes * args.ranks_per_node, args.ranks_per_node)
     return run_on_cluster(spec, args.ranks_per_node, args.command)
 
 

@@ -41,8 +41,8 @@ HELD_BY_LAUNCHER = "PIPEZERO_RUN_CLAIMED"  # set for the ranks a launcher starte
 # what a run writes at the top of its folder (engine.py, summary.py, telemetry/): in a folder no run
 # claimed, --resume would replace them
 RUN_FILES = {"config.json", "metrics.jsonl", "summary.json", "trace.json", "trace.png", "tensorboard", "hf"}
-RUN_FOLDERS = {"checkpoints", "tensorboard", "hf"}
-OPENING = {"config.json", "metrics.jsonl"}  # what a run writes before its first step (engine.Trainer.set_up)  # of RUN_FILES and the checkpoints, those that are folders
+RUN_FOLDERS = {"checkpoints", "tensorboard", "hf"}  # of RUN_FILES and the checkpoints, those that are folders
+OPENING = {"config.json", "metrics.jsonl"}  # what a run writes before its first step (engine.Trainer.set_up)
 
 
 def wrong_kind(path: Path) -> str | None:

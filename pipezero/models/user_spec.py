@@ -104,6 +104,9 @@ def _raised_in_users_code(ref: str, doing: str, module: str, e: BaseException, h
                        f"fix it there ({hint})")
 
 
+CALL_IT = "it raises the same when called in Python, with its whole traceback"  # a spec run's error's hint
+
+
 def users_fault(ref: str, e: BaseException) -> ConfigError | None:
     """The one line for an exception the spec's own code raised while the run trained (a layer's
     forward or backward, init_layer, loss): the innermost frame of pipezero's or the user's is the
@@ -118,7 +121,7 @@ def users_fault(ref: str, e: BaseException) -> ConfigError | None:
         return None
     called = frames[1 + max((i for i, f in enumerate(frames) if f[3] == "pipezero"), default=-1)]
     return _raised_in_users_code(ref, called[2], ref.partition(":")[0], e,
-                                 hint="it raises the same when called in Python, with its whole traceback")
+                                 hint=CALL_IT)
 
 
 def load_spec(ref: str) -> ModelSpec:
@@ -268,8 +271,7 @@ def _probe_init(spec: ModelSpec, ref: str, module: str, layer: Any, i: int, coun
         if users_fault(ref, e) is None:
             raise
         raise _raised_in_users_code(ref, f"{type(spec).__name__}.init_layer(layer {i})", module, e,
-                                    hint="it raises the same when called in Python, with its whole "
-                                         "traceback") from None
+                                    hint=CALL_IT) from None
 
 
 ABSTRACT = ("build_layer", "init_layer", "layer_param_counts", "flops_per_token")
