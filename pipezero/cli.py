@@ -64,6 +64,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
                                                     "starts (default 1), or auto: the planner's choice for "
                                                     "--link-gbps"),
+    "--zero3-unit": ("parallel.zero3_unit", "ZeRO-3 layer by layer: what one gather and reduction covers: layer "
+                                            "(default) or sublayer (a block's attention and MLP apart)"),
     "--link-gbps": ("parallel.link_gbps", "GB/s a rank's data-parallel traffic gets between nodes (for "
                                           "--zero3-prefetch auto)"),
     "--tflops": ("parallel.tflops", "TFLOP/s a rank's compute achieves (for --zero3-prefetch auto; default 445 on "

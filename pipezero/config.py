@@ -66,6 +66,11 @@ class SecondaryShard(str, enum.Enum):
     NODE = "node"  # ZeRO-3: a copy of the parameters split over each node's ranks (ZeRO++'s hpZ)
 
 
+class Zero3Unit(str, enum.Enum):
+    LAYER = "layer"  # a layer's parameters are gathered, released and reduced together
+    SUBLAYER = "sublayer"  # each part of a layer that names parts apart (a block's attention, its MLP)
+
+
 class Placement(str, enum.Enum):
     """Which neighbouring global ranks (those of one node) share: a stage or a pipeline."""
 
@@ -189,6 +194,11 @@ class ParallelConfig:
     and backward (d + 1 layers gathered or in flight at once); `auto`: the planner's choice
     (sim/prefetch.py), the smallest depth deeper than which the simulated exposed gather time stops
     improving, within `run.gpu_memory_gib`, for the link `link_gbps` and the compute `tflops`."""
+    zero3_unit: Zero3Unit = Zero3Unit.LAYER
+    """ZeRO-3 layer by layer: what one gather, release and gradient reduction covers; `sublayer`: a
+    block's attention (with its norm) and its MLP (with its norm) apart, so the step's first gather
+    and last reduction, which no compute can hide, move a part of a block, and a part's gather hides
+    behind the other part's compute (one more bucket a block; not with --compile)."""
     link_gbps: float | None = None
     """GB/s a rank's data-parallel traffic gets on the link between nodes; only `zero3_prefetch = auto`
     reads it (required there)."""

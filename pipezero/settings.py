@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
+from pipezero.config import (LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
+                             Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
@@ -345,6 +346,24 @@ def check_secondary_shard(p: ParallelConfig) -> None:
                       f"(--pp 1, or parallel.zero3_keep_gathered = false)")
 
 
+def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
+    """--zero3-unit sublayer cuts layer-by-layer ZeRO-3's units inside a block; nothing else reads it.
+    `spec`: a --model-spec's loaded spec, whose layers must name parts (models/spec.py `layer_parts`)."""
+    p = cfg.parallel
+    if p.zero3_unit is Zero3Unit.LAYER:
+        return
+    _check(layerwise(p), f"--zero3-unit {p.zero3_unit.value} with --zero {p.zero} --pp {p.pp}: only ZeRO-3 layer by "
+                         f"layer gathers a unit at a time (--zero 3 with --pp 1, or parallel.zero3_keep_gathered = "
+                         f"false); drop it")
+    _check(not cfg.run.compile, f"--zero3-unit {p.zero3_unit.value} with --compile: a compiled block runs its attention "
+                                f"and MLP as one graph, so no hook can gather one while the other computes; drop one")
+    if spec is not None:
+        parts = getattr(spec, "layer_parts")
+        _check(any(parts(i) for i in range(spec.n_layers + 2)),  # type: ignore[attr-defined]
+               f"--zero3-unit {p.zero3_unit.value} with --model-spec {cfg.model.spec}: its layers name no parts "
+               f"(layer_parts), so every unit would be a whole layer; define layer_parts in the spec, or drop it")
+
+
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
     choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
@@ -438,6 +457,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
            f"whole nodes")
     check_quantization(p)
     check_secondary_shard(p)
+    check_zero3_unit(cfg, spec)
     check_prefetch(cfg)
     from pipezero.util import unexpanded_home, unfollowable
 

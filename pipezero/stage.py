@@ -114,7 +114,7 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
             borrows = tuple(dict.fromkeys(name_of[q] for q in module.parameters()
                                           if q in name_of and layer_of(name_of[q]) != i))
             if own or borrows:
-                layers.append(LayerTensors(i, own, borrows))
+                layers.append(LayerTensors(i, own, borrows, () if borrows else parts_of(spec, module, i, own)))
         splits = c > 0 and all(splittable(m) for m in chunk.modules()
                                if next(m.parameters(recurse=False), None) is not None)
         out.append(ChunkShapes(tuple(layers), splits, bounds[c][1]))
@@ -122,6 +122,27 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     trainable = {n for ps in named.values() for n, _ in ps}
     tied = names if names and len(bounds) > 1 and set(names) <= trainable else None
     return ModelShapes(tuple(out), tied)
+
+
+def parts_of(spec: ModelSpec, layer: torch.nn.Module, index: int,
+             tensors: tuple[TensorShape, ...]) -> tuple[tuple[str, ...], ...]:
+    """The spec's parts of layer `index` (models/spec.py `layer_parts`), held to the layer it built:
+    each part names sub-modules the layer has, and every trainable tensor lies in one."""
+    parts = tuple(tuple(g) for g in spec.layer_parts(index))
+    where = f"{type(spec).__name__}.layer_parts({index}) = {parts}"
+    for group in parts:
+        missing = [n for n in group if not isinstance(getattr(layer, n, None), torch.nn.Module)]
+        if not group or missing:
+            raise ConfigError(f"{where}: {missing or 'an empty part'} is no sub-module of layer {index} "
+                              f"({type(layer).__name__}); name its sub-modules, in forward order")
+    shapes = LayerTensors(index, tensors, parts=parts)
+    for t in tensors:
+        try:
+            shapes.part_of(t.name)
+        except ValueError:
+            raise ConfigError(f"{where}: {t.name} lies in none of them; every trainable tensor of the layer must "
+                              f"lie in one part") from None
+    return parts
 
 
 def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.device("cpu"),
@@ -183,7 +204,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   in_flight=p.buckets_in_flight, node=node, forward_only=plan.forward_only, **wires(p))
     zero.comm.flight = flight
     if zero.layerwise:
-        layerwise.install(zero, chunks)
+        layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})
     elif zero.defers_gathers:
         updates.install(zero, chunks)  # each layer waits for its own updated weights
     program = rank_program(plan, mesh, zero)

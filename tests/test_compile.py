@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipezero.config import ModelConfig, OptimConfig, ParallelConfig
+from pipezero.config import ModelConfig, OptimConfig, ParallelConfig, Zero3Unit
 from pipezero.config import ScheduleKind as K
 from pipezero.models import apply_preset, build_chunk, spec_of
 from pipezero.models.presets import decoder_shapes
@@ -68,18 +68,19 @@ def test_zero_builds_the_plans_buckets_and_refuses_another_model():
         build_buckets(wider.layouts(0), named, 2, 0)
 
 
-def layer_by_layer(cfg: ModelConfig):
+def layer_by_layer(cfg: ModelConfig, unit: Zero3Unit = Zero3Unit.LAYER):
     """One process, one chunk, ZeRO-3 layer by layer on one data-parallel rank, as stage.py builds it."""
     from pipezero.zero import layerwise
     from pipezero.zero.buckets import shared_params
     from pipezero.zero.sharded import ZeroDP
 
-    plan = compile_plan(ParallelConfig(pp=1, dp=1, zero=3, microbatches=1), decoder_shapes(cfg, [(0, 5)]))
+    plan = compile_plan(ParallelConfig(pp=1, dp=1, zero=3, microbatches=1, zero3_unit=unit),
+                        decoder_shapes(cfg, [(0, 5)]))
     assert plan.layerwise
     chunks = {0: build_chunk(cfg, 0, 5, seed=0)}
     zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), 3, 1, 0, None, OptimConfig(), {0: plan.layouts(0)},
                   keep_gathered=False, forward_only=plan.forward_only)
-    layerwise.install(zero, chunks)
+    layerwise.install(zero, chunks, {0: plan.units(0)})
     return plan, chunks[0], zero
 
 
@@ -105,6 +106,46 @@ def test_layer_by_layer_hooks_fire_what_the_program_placed_and_decide_nothing():
     with pytest.raises(RuntimeError, match=r"0F0, layer 0 computes with bucket 0\.4 .*never gathered"):
         chunk(tokens)
     zero.armed = None
+
+
+def test_sublayer_units_gather_and_reduce_a_blocks_attention_and_mlp_apart():
+    """--zero3-unit sublayer: a bucket a block's part (its attention with its norm, its MLP with its
+    norm); the hooks fire exactly what the program placed in a forward and a reducing backward, at
+    most two parts' weights are present at a block's part, and the loss and gradients are those of
+    whole-layer units."""
+    cfg = tiny()
+    whole, wchunk, wzero = layer_by_layer(cfg)
+    plan, chunk, zero = layer_by_layer(cfg, Zero3Unit.SUBLAYER)
+    layouts = plan.layouts(0)
+    assert len(layouts) == len(whole.layouts(0)) + cfg.n_layers
+    modules = [{t.name.split(".")[2] for t in lay.tensors} for lay in layouts]
+    assert modules[:3] == [{"norm", "proj"}, {"mlp_norm", "mlp"}, {"attn_norm", "attn"}]  # last unit first
+    assert [(u.index, u.part) for u, _ in plan.units(0)][:4] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+    assert plan.units(0)[1][1] == ("attn_norm", "attn") and plan.units(0)[0][1] == ()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    grads, losses = [], []
+    for p, ch, z in ((whole, wchunk, wzero), (plan, chunk, zero)):
+        f, bw = (next(i for i in p.program.ranks[0] if isinstance(i, Compute) and i.kind is k) for k in (Kind.F, Kind.BW))
+        z.begin_step()
+        for ins in (f, bw):
+            z.begin_compute(ins)
+            if ins is f:
+                losses.append(ch(tokens).float().square().mean())
+            else:
+                z.before_backward(0)
+                losses[-1].backward()
+            z.end_compute(ins)
+            placed = [f"{d.kind.name}(0.{d.bucket})" for d in ins.during if d.kind in (Kind.UNSHARD, Kind.REDUCE_GRAD)]
+            assert [x for x in z.comm.issued if x.startswith(("UNSHARD", "REDUCE_GRAD"))] == placed
+            z.comm.issued.clear()
+        z.comm.drain()
+        grads.append({n: b.shard_grad[o:o + q.numel()] for b in z.all_buckets()
+                      for n, o, q in zip(b.names, b.offsets, b.params)})
+    assert torch.equal(losses[0], losses[1]) and grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    block = sum(lay.numel for lay in whole.layouts(0)[1:2])
+    assert zero.sharded.peak < wzero.sharded.peak and zero.sharded.peak <= 4 * block  # fp32 bytes: one block + a part
+    assert sum(int(d.kind is Kind.UNSHARD) for d in f.during) == 2 + 2 * cfg.n_layers
 
 
 def test_a_collective_placed_at_a_moment_the_action_never_reaches_is_an_error():

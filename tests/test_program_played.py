@@ -15,7 +15,8 @@ held to the program like any other, under fused and split backward (W from B's s
 first chunk running autograd again), the V placement, --recompute (the forward run again inside each
 backward, its layers gathered again as the program lists them), a head tied to the embedding in
 one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers; and with each
-layer's gather started 2 or 3 layers ahead (--zero3-prefetch).
+layer's gather started 2 or 3 layers ahead (--zero3-prefetch); and with a block's attention and MLP
+gathered and reduced apart (--zero3-unit sublayer).
 """
 
 from __future__ import annotations
@@ -71,7 +72,18 @@ def prefetch_cases() -> list[dict]:
         {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw, "parallel.zero3_prefetch": 2},
         {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "model.tie_embeddings": True, **lw,
          "parallel.zero3_prefetch": 3},
-        {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, **lw, "parallel.zero3_prefetch": 2}]
+        {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, **lw, "parallel.zero3_prefetch": 2}] + sublayer_cases()
+
+
+def sublayer_cases() -> list[dict]:
+    """A block's attention and MLP gathered, released and reduced apart (--zero3-unit sublayer):
+    under fused backward with --recompute, split backward (B through the parts, W from B's stash
+    and the first chunk's W by autograd again) and with frozen parts."""
+    lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False, "parallel.zero3_unit": "sublayer"}
+    return [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
+            {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, **lw, "parallel.zero3_prefetch": 2},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.2\.mlp|layers\.3\.attn",
+             **lw, "parallel.zero3_prefetch": 3}]
 
 
 @pytest.mark.distributed

@@ -111,13 +111,32 @@ def prefetch_cases(cases: list[dict]) -> list[tuple[int, dict]]:
     return out
 
 
+def sublayer_cases(cases: list[dict]) -> list[tuple[int, dict]]:
+    """ZeRO-3 layer by layer with a block's attention and MLP gathered and reduced apart
+    (--zero3-unit sublayer), each beside the index of its whole-layer twin: at depth 1, and with the
+    head tied to the embedding at depth 2 (a borrowed bucket, units kept across the actions' end)."""
+    out = []
+    for i, c in enumerate(cases):
+        if c.get("parallel.zero") == 3 and c.get("run.sample_tokens") and not c.get("parallel.zero3_keep_gathered"):
+            depth = 2 if c.get("model.tie_embeddings") else 1
+            out.append((i, {**c, "parallel.zero3_unit": "sublayer", "parallel.zero3_prefetch": depth}))
+    return out
+
+
 @pytest.mark.distributed
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     cases = zero_cases(2, 1)
     deeper = prefetch_cases(cases)
     assert len(deeper) == 4  # untied and tied, each at depth 2 and 3
-    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases + [c for _, c in deeper], timeout=600)
+    parts = sublayer_cases(cases)
+    assert len(parts) == 2
+    results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path),
+                        cases + [c for _, c in deeper] + [c for _, c in parts], timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
+    for k, (twin, case) in enumerate(parts):  # a part's weights gathered at once, not a block's
+        for rank in results:
+            got, want = rank[len(cases) + len(deeper) + k], rank[twin]
+            assert 0 < got["peak_gathered"] < want["peak_gathered"], (case, got["peak_gathered"], want["peak_gathered"])
     for k, (twin, case) in enumerate(deeper):
         for rank in results:
             got, want = rank[len(cases) + k], rank[twin]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipezero.config import ModelConfig
-from pipezero.models.presets import flops_per_token, layer_costs, layer_param_counts
+from pipezero.models.presets import BLOCK_PARTS, flops_per_token, layer_costs, layer_param_counts
 from pipezero.models.llama import DocMask
 from pipezero.models.llama import build_layer as llama_layer
 from pipezero.models.llama import init_layer as llama_init
@@ -35,6 +35,9 @@ class LlamaSpec(ModelSpec):
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.cfg, seq_len)
+
+    def layer_parts(self, index: int) -> tuple[tuple[str, ...], ...]:
+        return BLOCK_PARTS if 0 < index <= self.n_layers else ()
 
     def tied_names(self) -> tuple[str, str] | None:
         return ("layers.0.weight", f"layers.{self.n_layers + 1}.proj.weight") if self.cfg.tie_embeddings else None

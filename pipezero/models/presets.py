@@ -78,6 +78,11 @@ def layer_param_counts(cfg: ModelConfig) -> list[int]:
     return [emb] + [block_params(cfg)] * cfg.n_layers + [head]
 
 
+# the block's parts for ZeRO-3 `--zero3-unit sublayer` (models/spec.py `layer_parts`): its forward
+# (models/llama.py Block) runs them in this order, joined by residual sums only
+BLOCK_PARTS = (("attn_norm", "attn"), ("mlp_norm", "mlp"))
+
+
 def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
     """Every layer's tensors by name and shape, as models/llama.py builds them (a tied head still
     lists its projection: schedules/model_shapes.cut lists a weight tied inside one chunk once), so
@@ -96,7 +101,8 @@ def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
              *linear("mlp.w3", d, hidden, cfg.mlp_bias), *linear("mlp.w2", hidden, d, cfg.mlp_bias)]
     head = [("norm.weight", (d,)), ("proj.weight", (cfg.vocab_size, d))]
     layers = [[("weight", (cfg.vocab_size, d))]] + [block] * cfg.n_layers + [head]
-    return [LayerTensors(i, tuple(TensorShape(f"layers.{i}.{n}", s) for n, s in named))
+    return [LayerTensors(i, tuple(TensorShape(f"layers.{i}.{n}", s) for n, s in named),
+                         parts=BLOCK_PARTS if 0 < i <= cfg.n_layers else ())
             for i, named in enumerate(layers)]
 
 

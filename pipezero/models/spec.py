@@ -77,6 +77,13 @@ class ModelSpec:
         lookup being cheaper than a matmul."""
         return [6.0 * n for n in self.layer_param_counts()]
 
+    def layer_parts(self, index: int) -> tuple[tuple[str, ...], ...]:
+        """Layer `index`'s sub-modules (attribute names) grouped into parts that layer-by-layer
+        ZeRO-3 may gather and reduce apart (`--zero3-unit sublayer`), in forward order: each part's
+        modules run one after another, its first starts it and its last's output ends it (what
+        comes between parts, a residual sum, holds no weight). By default () : the layer is one."""
+        return ()
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, denom: float) -> torch.Tensor:
         return lm_loss(logits, targets, denom)
 

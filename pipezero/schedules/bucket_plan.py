@@ -6,8 +6,10 @@ data-parallel rank owns an equal shard; one collective moves a whole bucket. The
 chunk's tensors in reverse model order (the order backward produces their gradients), add each to
 the open bucket, and close the bucket once it holds at least `bucket_mb` MiB of fp32; so bucket 0
 holds the chunk's last tensors and its gradients are complete first. Layer-by-layer ZeRO-3 instead
-makes one bucket a layer (its gathers follow the layers), last layer first. Inside a bucket the
-tensors lie in the same reverse order.
+makes one bucket a layer (its gathers follow the layers), last layer first, or with `sublayer` one a
+part of a layer that names its parts (schedules/model_shapes.py: a block's attention and its MLP),
+so a step's first gather and last reduction, which nothing can hide, are a part's, not a block's.
+Inside a bucket the tensors lie in the same reverse order.
 
 The lowering (schedules/program.py) places one REDUCE_GRAD a bucket and sizes every collective from
 this plan; the runtime lays its flat buffers out from the same `BucketLayout`s (zero/buckets.py
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, lru_cache
 
-from pipezero.schedules.model_shapes import ChunkShapes, ModelShapes, TensorShape
+from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,13 @@ class BucketLayout:
 
 @dataclass(frozen=True)
 class LayerUse:
-    """A layer as layer-by-layer ZeRO-3 sees it: the bucket it owns and the buckets it borrows."""
+    """A layer, or a part of one, as layer-by-layer ZeRO-3 sees it: the bucket it owns and the
+    buckets it borrows. The triggers of its gathers name it by (index, part)."""
 
-    index: int  # model-wide layer index: the trigger of its gathers names it
-    bucket: int | None  # its own bucket (one a layer); None: nothing of its own trains
+    index: int  # model-wide layer index
+    bucket: int | None  # its own bucket (one a layer or part); None: nothing of its own trains
     borrows: tuple[int, ...] = ()  # buckets of earlier layers of the chunk it computes with (a tied head)
+    part: int = 0  # which part of the layer (`--zero3-unit sublayer`); 0 for a whole layer
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,14 @@ class BucketPlan:
     held: frozenset[tuple[int, int]] = frozenset()
     tied_numel: int = 0
     layouts: tuple[tuple[BucketLayout, ...], ...] = ()  # per chunk, its buckets' tensors (empty: sizes only)
-    uses: tuple[tuple[LayerUse, ...], ...] = ()  # per chunk, model order: the layers (one bucket a layer)
+    uses: tuple[tuple[LayerUse, ...], ...] = ()  # per chunk, model order: the layers or parts (one bucket each)
     splits: tuple[bool, ...] = ()  # per chunk: split backward's W reads no weights (empty: every chunk)
     # (chunk, bucket) of buckets holding a tensor two layers of the chunk use: it accumulates twice,
     # so autograd's hooks cannot say when it is complete; reduced after the backward
     shared: frozenset[tuple[int, int]] = frozenset()
     # per chunk: whether its last layer computes with a bucket (recomputation stops inside it)
     last_owned: tuple[bool, ...] = ()
+    sublayer: bool = False  # layer by layer: layers that name parts are a unit a part (LayerUse.part)
 
     def __hash__(self) -> int:  # hashed once: the lowering caches programs by their bucket plan
         return self._hash
@@ -151,14 +156,17 @@ def group_tensors(tensors: Sequence[TensorShape], bucket_mb: float,
 
 
 @lru_cache(maxsize=1024)
-def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool = False) -> BucketPlan:
+def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool = False,
+                 sublayer: bool = False) -> BucketPlan:
     """Every chunk's buckets for D = `dp`; with a weight tied across chunks, the buckets holding its
-    two copies are `held` for the step (their REDUCE_GRADs follow the TIED_SUM). Made once for
-    alike arguments (a pure function of immutable ones: the planner compiles many layouts over
-    one model's shapes)."""
+    two copies are `held` for the step (their REDUCE_GRADs follow the TIED_SUM); `sublayer` (layer
+    by layer only): one bucket a part of the layers that name parts. Made once for alike arguments
+    (a pure function of immutable ones: the planner compiles many layouts over one model's shapes)."""
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got {dp}")
-    layouts = tuple(group_tensors(c.tensors, bucket_mb, layerwise) for c in model.chunks)
+    split = layerwise and sublayer
+    layouts = tuple(_unit_buckets(c, split) if split else group_tensors(c.tensors, bucket_mb, layerwise)
+                    for c in model.chunks)
     numels = tuple(tuple(b.padded(dp) for b in bs) for bs in layouts)
     where = {t.name: (c, k) for c, bs in enumerate(layouts) for k, b in enumerate(bs) for t in b.tensors}
     held: frozenset[tuple[int, int]] = frozenset()
@@ -168,23 +176,36 @@ def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool 
         held = frozenset({where[first], where[second]})
         if where[first][0] != 0 or where[second][0] != last:
             raise ValueError(f"tied weight {model.tied}: its copies must sit in the first and last chunk")
-    uses = tuple(_uses(c, bs) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
+    uses = tuple(_uses(c, bs, split) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
     shared = frozenset(where[n] for chunk in model.chunks for layer in chunk.layers for n in layer.borrows
                        if n in where)
-    last = tuple(bool(c.layers) and (c.stop < 0 or c.layers[-1].index == c.stop - 1) for c in model.chunks)
+    last = tuple(bool(c.layers) and (c.stop < 0 or c.layers[-1].index == c.stop - 1) and _ends_whole(c.layers[-1], split)
+                 for c in model.chunks)
     return BucketPlan(dp, numels, held, model.tied_numel if held else 0, layouts, uses,
-                      tuple(c.splits for c in model.chunks), shared, last)
+                      tuple(c.splits for c in model.chunks), shared, last, split)
 
 
-def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...]) -> tuple[LayerUse, ...]:
-    of_layer = {b.tensors[0].layer: k for k, b in enumerate(buckets)}
+def _unit_buckets(chunk: ChunkShapes, split: bool) -> tuple[BucketLayout, ...]:
+    """One bucket a layer, or a part of one where `split` (last first, tensors in reverse order)."""
+    units = [ts for layer in chunk.layers for _, ts in layer.units(split) if ts]
+    return tuple(BucketLayout(tuple(reversed(ts))) for ts in reversed(units))
+
+
+def _ends_whole(layer: LayerTensors, split: bool) -> bool:
+    """Whether the layer's last part, where it ends, is one of its units (a frozen last part is not:
+    a recomputed forward then stops inside a part no hook reports)."""
+    return not (split and layer.parts) or layer.units(split)[-1][0] == len(layer.parts) - 1
+
+
+def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...], split: bool = False) -> tuple[LayerUse, ...]:
     of_name = {t.name: k for k, b in enumerate(buckets) for t in b.tensors}
     out = []
     for layer in chunk.layers:
-        own = of_layer.get(layer.index)
-        borrowed = tuple(dict.fromkeys(of_name[n] for n in layer.borrows if n in of_name and of_name[n] != own))
-        if own is not None or borrowed:
-            out.append(LayerUse(layer.index, own, borrowed))
+        for part, tensors in layer.units(split):
+            own = of_name[tensors[0].name] if tensors else None
+            borrowed = tuple(dict.fromkeys(of_name[n] for n in layer.borrows if n in of_name and of_name[n] != own))
+            if own is not None or borrowed:
+                out.append(LayerUse(layer.index, own, borrowed, part))
     return tuple(out)
 
 

@@ -16,9 +16,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipezero.config import GradReduce, ParallelConfig, ScheduleKind
+from pipezero.config import GradReduce, ParallelConfig, ScheduleKind, Zero3Unit
 from pipezero.schedules.actions import Schedule
-from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, plan_buckets
+from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, LayerUse, plan_buckets
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import DataParallel, Program, layer_collectives, lower
@@ -55,6 +55,14 @@ class CompiledPlan:
         """Chunk `chunk`'s buckets, bucket 0 first: the tensors zero/buckets.py lays out in each."""
         return self.buckets.layouts[chunk]
 
+    def units(self, chunk: int) -> tuple[tuple[LayerUse, tuple[str, ...]], ...]:
+        """Layer by layer: the chunk's units in model order (bucket plan `layers`), each with the
+        sub-modules of its part, first to last (() : the whole layer), where the runtime's hooks
+        report its moments (zero/layerwise.py)."""
+        parts = {x.index: x.parts for x in self.model.chunks[chunk].layers}
+        return tuple((u, parts[u.index][u.part] if self.buckets.sublayer and parts[u.index] else ())
+                     for u in self.buckets.layers(chunk))
+
     def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
         """Layer by layer, a forward of `chunk` outside the program (an evaluation, the text sample):
         the gathers and releases an F would fire."""
@@ -90,7 +98,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
         raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (sim/prefetch.py "
                          f"prefetch_depth)")
     depth = p.zero3_prefetch if lw else 1
-    buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw)
+    buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw, sublayer=p.zero3_unit is Zero3Unit.SUBLAYER)
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
     how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, wire_bytes, grad_bytes,
            gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,

@@ -78,9 +78,12 @@ class Moment(str, enum.Enum):
 class Trigger:
     moment: Moment
     index: int = -1  # model-wide layer index; the chunk's bucket for `grads`; -1 for start and end
+    part: int = 0  # the layer's part (LayerUse.part): 0 for a whole layer
 
     def __str__(self) -> str:
-        return self.moment.value if self.index < 0 else f"{self.moment.value} {self.index}"
+        if self.index < 0:
+            return self.moment.value
+        return f"{self.moment.value} {self.index}" + (f".{self.part}" if self.part else "")
 
 
 START, END = Trigger(Moment.START), Trigger(Moment.END)
@@ -118,16 +121,17 @@ def moments(op: Op | None, layers: Sequence[LayerUse], through: bool, grads: Seq
     out = [START]
     if op in (None, Op.F):
         for u in layers:
-            out += [Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index)]
+            out += [Trigger(Moment.FORWARD, u.index, u.part), Trigger(Moment.FORWARD_END, u.index, u.part)]
     elif through:
-        again = [t for u in layers for t in (Trigger(Moment.FORWARD, u.index), Trigger(Moment.FORWARD_END, u.index))]
+        again = [t for u in layers
+                 for t in (Trigger(Moment.FORWARD, u.index, u.part), Trigger(Moment.FORWARD_END, u.index, u.part))]
         if recompute and ends_with_owner:
             again = again[:-1]  # stopped inside the last layer, before it returns
         if recompute and not ends_with_owner:
             out += again
         done = set()
         for j, u in enumerate(reversed(layers)):
-            out.append(Trigger(Moment.BACKWARD, u.index))
+            out.append(Trigger(Moment.BACKWARD, u.index, u.part))
             if j == 0 and recompute and ends_with_owner:
                 out += again
             if u.bucket is not None and u.bucket in grads:
@@ -143,7 +147,7 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
     out: dict[Trigger, tuple[int, ...]] = {}
     for u in layers:
         mine = ((u.bucket,) if u.bucket is not None else ()) + u.borrows
-        out[Trigger(Moment.FORWARD, u.index)] = out[Trigger(Moment.BACKWARD, u.index)] = mine
+        out[Trigger(Moment.FORWARD, u.index, u.part)] = out[Trigger(Moment.BACKWARD, u.index, u.part)] = mine
     return out
 
 
@@ -178,10 +182,11 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             out.append(Step(False, k, at))
             present.discard(k)
 
-    position = {u.index: j for j, u in enumerate(owners)}
+    position = {(u.index, u.part): j for j, u in enumerate(owners)}
+    of = {(u.index, u.part): u for u in layers}
     for t in moments(op, layers, through, (), recompute, ends_with_owner)[1:-1]:
-        u = next(x for x in layers if x.index == t.index)
-        j = position.get(u.index)
+        u = of[t.index, t.part]
+        j = position.get((u.index, u.part))
         if t.moment is Moment.FORWARD:
             for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
                 gather(k, t)

@@ -6,6 +6,10 @@ on the meta device (stage.py `model_shapes`), `simulate`, `plan` and the memory 
 built-in decoder's shapes (models/presets.py `layer_tensors`), the hang doctor from the facts a
 rank's record carries (`to_json`). Plain data: no torch.
 
+A layer may name its parts (`parts`: groups of its sub-modules, in forward order; the built-in
+block's attention with its norm, then its MLP with its norm): layer-by-layer ZeRO-3 with
+`--zero3-unit sublayer` gathers, releases and reduces each part on its own (`units`).
+
 A tensor two layers of one chunk compute with (the embedding tied to the head when both sit in one
 chunk) is listed once, under the first layer, and the other layer `borrows` it by name: layer by
 layer, ZeRO-3 gathers the first layer's bucket for the borrower too. Frozen tensors are not listed
@@ -48,6 +52,27 @@ class LayerTensors:
     index: int  # model-wide layer index
     tensors: tuple[TensorShape, ...] = ()  # its trainable tensors, in the layer's own order
     borrows: tuple[str, ...] = ()  # trainable tensors listed under an earlier layer of the chunk that it uses
+    # its sub-modules (names inside the layer) grouped into parts, forward order; () : one part, the
+    # layer. Each group's first module starts the part's forward, its last ends it.
+    parts: tuple[tuple[str, ...], ...] = ()
+
+    def part_of(self, name: str) -> int:
+        """The part a tensor of this layer (`layers.7.attn.wq.weight`) lies in: 0 for an undivided layer."""
+        if not self.parts:
+            return 0
+        module = name.split(".")[2] if name.count(".") >= 2 else ""
+        for j, group in enumerate(self.parts):
+            if module in group:
+                return j
+        raise ValueError(f"{name}: in none of layer {self.index}'s parts {self.parts}")
+
+    def units(self, split: bool) -> list[tuple[int, tuple[TensorShape, ...]]]:
+        """(part, its tensors) in forward order: one unit, the whole layer, unless `split` and it has
+        parts (a part with nothing trainable left out)."""
+        if not (split and self.parts):
+            return [(0, self.tensors)]
+        out = [(j, tuple(t for t in self.tensors if self.part_of(t.name) == j)) for j in range(len(self.parts))]
+        return [(j, ts) for j, ts in out if ts]
 
 
 @dataclass(frozen=True)
@@ -86,15 +111,17 @@ class ModelShapes:
 
     def to_json(self) -> dict[str, Any]:
         def layer(x: LayerTensors) -> list:
-            return [x.index, [[t.name, list(t.shape)] for t in x.tensors], list(x.borrows)]
+            return [x.index, [[t.name, list(t.shape)] for t in x.tensors], list(x.borrows), [list(g) for g in x.parts]]
         return {"tied": list(self.tied) if self.tied else None,
                 "chunks": [{"splits": c.splits, "stop": c.stop, "layers": [layer(x) for x in c.layers]}
                            for c in self.chunks]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ModelShapes:
-        chunks = tuple(ChunkShapes(tuple(LayerTensors(i, tuple(TensorShape(n, tuple(s)) for n, s in ts), tuple(b))
-                                         for i, ts, b in c["layers"]), c["splits"], c["stop"]) for c in d["chunks"])
+        def layer(i: int, ts: list, b: list, parts: list | None = None) -> LayerTensors:
+            return LayerTensors(i, tuple(TensorShape(n, tuple(s)) for n, s in ts), tuple(b),
+                                tuple(tuple(g) for g in parts or ()))
+        chunks = tuple(ChunkShapes(tuple(layer(*x) for x in c["layers"]), c["splits"], c["stop"]) for c in d["chunks"])
         return cls(chunks, tuple(d["tied"]) if d.get("tied") else None)
 
     @classmethod
@@ -126,12 +153,12 @@ def cut(layers: Sequence[LayerTensors], bounds: Sequence[tuple[int, int]], tied:
         out = []
         for layer in layers[a:b]:
             own = tuple(t for t in layer.tensors if t.name not in frozen)
-            borrows = layer.borrows
+            borrows, parts = layer.borrows, layer.parts
             if tied and tied[1] in {t.name for t in own} and a <= layer_of(tied[0]) < b:
                 own = tuple(t for t in own if t.name != tied[1])  # one tensor here: listed under the first name
                 borrows += (tied[0],)
             if own or borrows:
-                out.append(LayerTensors(layer.index, own, borrows))
+                out.append(LayerTensors(layer.index, own, borrows, () if borrows else parts))
         chunks.append(ChunkShapes(tuple(out), c > 0 if splits is None else splits[c], b))
     apart = tied is not None and len(bounds) > 1
     return ModelShapes(tuple(chunks), tied if apart else None)

@@ -855,9 +855,13 @@ def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:
     """ZeRO-3 layer by layer: the most bytes of `span` neighbouring layers at a prefetch depth of
     one, the layer computing and the next one prefetched (forward: 2), and in backward also the
     layer just done, released only once autograd has accumulated all of its gradients (3); each layer
-    of depth past one adds a layer prefetched (`plan.depth` + 1 in a forward: schedules/layer_plan.py)."""
+    of depth past one adds a layer prefetched (`plan.depth` + 1 in a forward: schedules/layer_plan.py).
+    With --zero3-unit sublayer the units are the plan's buckets, a block's attention and MLP apart."""
     span += plan.depth - 1
-    layers = [n for n in plan.chunk_params[chunk] if n > 0]
+    if plan.buckets.sublayer:
+        layers = [lay.numel for lay in reversed(plan.buckets.layouts[chunk])]
+    else:
+        layers = [n for n in plan.chunk_params[chunk] if n > 0]
     return max((sum(layers[i:i + span]) for i in range(len(layers))), default=0) * F32
 
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipezero.config import Device, DType, ModelConfig, TrainConfig, WeightQuant
+from pipezero.config import Device, DType, ModelConfig, TrainConfig, WeightQuant, Zero3Unit
 from pipezero.errors import ConfigError
-from pipezero.models.presets import block_params, layer_param_counts
+from pipezero.models.presets import block_params, layer_param_counts, layer_tensors
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.compile import layerwise
@@ -123,17 +123,25 @@ def _ms(s: float) -> str:
 
 
 def layer_costs(model: ModelConfig, micro_batch: int, seq_len: int, tflops: float,
-                link_s: Callable[[float, str], float]) -> list[LayerCost]:
+                link_s: Callable[[float, str], float], sublayer: bool = False) -> list[LayerCost]:
     """Each layer of `model` (embedding, blocks, head) for a micro-batch of `micro_batch` sequences of
     `seq_len` tokens: its forward at
     `tflops` achieved TFLOP/s (a block's matmuls and attention, the head's projection; the
     embedding's lookup none), counted as the planner counts them (sim/planner.py), and its gather
-    and reduction: `link_s(parameters, "all_gather" | "reduce_scatter")` seconds."""
+    and reduction: `link_s(parameters, "all_gather" | "reduce_scatter")` seconds. `sublayer`: a
+    block is two units, its attention (the scores' FLOPs with it) and its MLP, each with its norm."""
     tokens = micro_batch * seq_len
-    block = 2.0 * (block_params(model) - 2 * model.dim) * tokens + 4.0 * seq_len * tokens * model.dim
+    scores = 4.0 * seq_len * tokens * model.dim
+    block = 2.0 * (block_params(model) - 2 * model.dim) * tokens + scores
     flops = [0.0] + [block] * model.n_layers + [2.0 * model.vocab_size * model.dim * tokens]
+    counts = layer_param_counts(model)
+    if sublayer:
+        parts = [sum(t.numel for t in ts) for _, ts in layer_tensors(model)[1].units(True)]  # attention, MLP
+        split = [2.0 * (parts[0] - model.dim) * tokens + scores, 2.0 * (parts[1] - model.dim) * tokens]
+        flops = flops[:1] + split * model.n_layers + flops[-1:]
+        counts = counts[:1] + parts * model.n_layers + counts[-1:]
     return [LayerCost(f / (tflops * 1e12), link_s(n, "all_gather"), link_s(n, "reduce_scatter"))
-            for f, n in zip(flops, layer_param_counts(model))]
+            for f, n in zip(flops, counts)]
 
 
 def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -> Choice:
@@ -153,7 +161,8 @@ def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -
     grads = element_bytes(int(p.quantize_grads.value[3:]), p.quant_block) if p.quantize_grads.value != "none" else wire
     share = (p.dp - 1) / p.dp / (p.link_gbps * 1e9)
     layers = layer_costs(m, p.micro_batch_size, cfg.data.seq_len, tflops,
-                         lambda n, kind: n * (width if kind == "all_gather" else grads) * share)
+                         lambda n, kind: n * (width if kind == "all_gather" else grads) * share,
+                         p.zero3_unit is Zero3Unit.SUBLAYER)
     return choose(layers, fits, 3.0 if p.recompute else 2.0, p.buckets_in_flight)
 
 

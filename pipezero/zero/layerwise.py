@@ -1,11 +1,14 @@
 """ZeRO-3 one layer at a time: module hooks that report the moments of an action to the program.
 
-Layer by layer, the program places every gather and release of a layer's bucket at a moment inside
-an action (schedules/layer_plan.py): a layer's forward about to run (`fwd`), returned (`fwd-end`), or
-its backward beginning (`bwd`: the gradient of its output is complete). These hooks only say that a
-moment has come, and which buckets the layer computes with; ZeroDP fires the instructions the
-program placed there, in order, and waits for the layer's gathers still in flight (`Moments`).
-They decide nothing: a moment the program placed nothing at passes without a collective.
+Layer by layer, the program places every gather and release of a unit's bucket (a layer's, or with
+`--zero3-unit sublayer` a part's: a block's attention, its MLP) at a moment inside an action
+(schedules/layer_plan.py): a unit's forward about to run (`fwd`), returned (`fwd-end`), or its
+backward beginning (`bwd`: the gradient of its output is complete). These hooks only say that a
+moment has come, and which buckets the unit computes with; ZeroDP fires the instructions the
+program placed there, in order, and waits for the gathers still in flight (`Moments`). They decide
+nothing: a moment the program placed nothing at passes without a collective. A whole layer's
+moments are its module's; a part's are its first sub-module's forward and its last one's output
+(the parts of a block run one after another, joined by residual sums that hold no weight).
 
 A forward outside the program (an evaluation, the end-of-run text sample) is one too: a hook on
 the chunk arms the gathers and releases an F would fire (the compiled plan's `forward_only`) when no
@@ -15,58 +18,58 @@ views autograd saved in forward are valid again after the re-gather.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.layer_plan import Moment, Trigger
-from pipezero.schedules.model_shapes import layer_of
 from pipezero.zero.buckets import Bucket
+
+Units = Sequence[tuple[LayerUse, tuple[str, ...]]]  # a chunk's units, each with its part's sub-modules
 
 
 class Moments(Protocol):
     """What the hooks tell ZeRO-3 (zero/sharded.py ZeroDP)."""
 
-    def all_buckets(self) -> Iterable[Bucket]: ...
+    buckets: dict[int, list[Bucket]]
+
     def moment(self, at: Trigger, uses: list[Bucket], what: str) -> None: ...
     def begin_outside(self, chunk: int) -> None: ...
     def end_outside(self, chunk: int) -> None: ...
 
 
-def install(zero: Moments, chunks: dict[int, nn.Module]) -> None:
-    """Hook every layer of every chunk that computes with a bucket (its own, or another layer's: a
-    head tied to the embedding in the same chunk uses the embedding's), and every chunk."""
-    buckets = list(zero.all_buckets())
-    by_param = {q: b for b in buckets for q in b.params}  # tensors hash by identity
-    own = {layer_of(b.names[0]): b for b in buckets}
+def install(zero: Moments, chunks: dict[int, nn.Module], units: dict[int, Units]) -> None:
+    """Hook every unit of every chunk as the plan lists it (compiled plan `units`: its own bucket
+    and those it borrows, a head tied to the embedding in the same chunk), and every chunk."""
     for c, chunk in chunks.items():
-        for k, module in chunk.layers.items():
-            index = int(k)
-            mine = [own[index]] if index in own else []
-            uses = list(dict.fromkeys(mine + [b for q in module.parameters() if (b := by_param.get(q)) is not None]))
-            if uses:
-                _hook_layer(zero, module, index, uses)
+        for u, modules in units[c]:
+            layer = chunk.layers[str(u.index)]
+            uses = [zero.buckets[c][k] for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows]
+            first, last = (layer.get_submodule(modules[0]), layer.get_submodule(modules[-1])) if modules \
+                else (layer, layer)
+            _hook_unit(zero, first, last, u, uses)
         chunk.register_forward_pre_hook(lambda _m, _a, c=c: zero.begin_outside(c))
         chunk.register_forward_hook(lambda _m, _a, _o, c=c: zero.end_outside(c))
 
 
-def _hook_layer(zero: Moments, module: nn.Module, index: int, uses: list[Bucket]) -> None:
-    what = f"layer {index}"
+def _hook_unit(zero: Moments, first: nn.Module, last: nn.Module, u: LayerUse, uses: list[Bucket]) -> None:
+    what = f"layer {u.index}" + (f" part {u.part}" if first is not last else "")
 
     def pre_forward(_m: nn.Module, _args: tuple) -> None:
-        zero.moment(Trigger(Moment.FORWARD, index), uses, what)
+        zero.moment(Trigger(Moment.FORWARD, u.index, u.part), uses, what)
 
     def post_forward(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(pre_backward)
-        zero.moment(Trigger(Moment.FORWARD_END, index), [], what)
+        zero.moment(Trigger(Moment.FORWARD_END, u.index, u.part), [], what)
 
     def pre_backward(grad: torch.Tensor) -> torch.Tensor:
-        # the gradient of this layer's output is complete, so the next layer's backward is done
-        zero.moment(Trigger(Moment.BACKWARD, index), uses, what)
+        # the gradient of this unit's output is complete, so the next unit's backward is done
+        zero.moment(Trigger(Moment.BACKWARD, u.index, u.part), uses, what)
         return grad
 
-    module.register_forward_pre_hook(pre_forward)
-    module.register_forward_hook(post_forward)
+    first.register_forward_pre_hook(pre_forward)
+    last.register_forward_hook(post_forward)

@@ -1,0 +1,104 @@
+"""ZeRO-3 layer by layer with a block's attention and MLP as units of their own (--zero3-unit
+sublayer): where it is refused, the parts a spec names held to its layers, the memory model's
+gathered bytes and the planner's costs of the parts. Pure data and one process; the runs that train
+with it are in tests/test_zero.py (equal to one process) and tests/test_program_played.py (the
+runtime plays the program's collectives)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from one_line import assert_one_line, run_main
+from pipezero.errors import ConfigError
+from pipezero.models.presets import layer_param_counts
+from pipezero.settings import build_config
+from pipezero.sim.memory import _layerwise_gathered, build_plan, prefetch_choice
+from pipezero.sim.prefetch import layer_costs
+
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+
+
+def config(**extra: str):
+    return build_config(None, {"model.preset": "tiny", "model.n_layers": "4", "parallel.dp": "2",
+                               "parallel.zero": "3", "parallel.microbatches": "2", **extra})
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--zero", "2"], "--zero3-unit sublayer with --zero 2 --pp 1: only ZeRO-3 layer by layer gathers a unit"),
+    (["--zero", "3", "--pp", "2"], "--zero3-unit sublayer with --zero 3 --pp 2: only ZeRO-3 layer by layer"),
+    (["--zero", "3", "--compile"], "--zero3-unit sublayer with --compile: a compiled block runs its attention"),
+])
+def test_sublayer_is_refused_where_nothing_gathers_a_unit(args, needle, tmp_path, capsys):
+    code, err = run_main(["train", "--zero3-unit", "sublayer", "--max-steps", "1", "--out", str(tmp_path / "o"),
+                          *args], capsys)
+    assert_one_line(code, err, needle)
+    assert not (tmp_path / "o").exists()
+
+
+def gpt_spec(parts: str):
+    """examples/own_model.py's GPTSpec, its blocks' parts as `parts` says (a Python expression)."""
+    sys.path.insert(0, EXAMPLES)
+    try:
+        from own_model import GPTSpec
+    finally:
+        sys.path.remove(EXAMPLES)
+
+    class Parted(GPTSpec):
+        def layer_parts(self, index: int):
+            return eval(parts) if 0 < index <= self.n_layers else ()  # noqa: S307 (the test's own literal)
+    return Parted()
+
+
+def test_a_specs_parts_are_held_to_the_layers_it_builds():
+    from pipezero.stage import model_shapes
+
+    good = gpt_spec("(('ln1', 'q', 'k', 'v', 'out'), ('ln2', 'fc', 'proj'))")
+    shapes = model_shapes(good, [(0, good.n_layers + 2)], None)
+    block = shapes.chunks[0].layers[1]
+    units = block.units(True)
+    assert [j for j, _ in units] == [0, 1] and {t.name.split(".")[2] for t in units[1][1]} == {"ln2", "fc", "proj"}
+    assert sum(len(ts) for _, ts in units) == len(block.tensors)
+    with pytest.raises(ConfigError, match=r"\['attn'\] is no sub-module of layer 1 \(Block\)"):
+        model_shapes(gpt_spec("(('ln1', 'attn'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None)
+    with pytest.raises(ConfigError, match=r"layers\.1\.q\.weight lies in none of them"):
+        model_shapes(gpt_spec("(('ln1', 'out'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None)
+
+
+def test_a_spec_without_parts_is_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "plain.py").write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nfrom own_model import GPTSpec\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", "plain:GPTSpec", "--tokenizer", "bytes", "--zero", "3",
+                          "--zero3-unit", "sublayer", "--max-steps", "1", "--out", "o"], capsys)
+    assert_one_line(code, err, "--zero3-unit sublayer with --model-spec plain:GPTSpec: its layers name no parts")
+
+
+def test_the_memory_model_gathers_a_part_not_a_block():
+    whole, parts = (build_plan(config(**{"parallel.zero3_unit": u})) for u in ("layer", "sublayer"))
+    assert len(parts.buckets.layouts[0]) == len(whole.buckets.layouts[0]) + 4
+    units = [lay.numel for lay in reversed(parts.buckets.layouts[0])]
+    assert sum(units) == sum(lay.numel for lay in whole.buckets.layouts[0])
+    for span in (2, 3):
+        assert _layerwise_gathered(parts, 0, span) == 4 * max(sum(units[i:i + span]) for i in range(len(units)))
+        assert _layerwise_gathered(parts, 0, span) < _layerwise_gathered(whole, 0, span)
+
+
+def test_the_planners_parts_cost_what_their_block_costs():
+    m = config().model
+    link = lambda n, kind: n * 4 / 1e8  # noqa: E731
+    whole, parts = layer_costs(m, 4, 64, 0.05, link), layer_costs(m, 4, 64, 0.05, link, sublayer=True)
+    assert len(parts) == len(whole) + m.n_layers
+    for field in ("forward_s", "gather_s", "reduce_s"):
+        assert sum(getattr(c, field) for c in parts) == pytest.approx(sum(getattr(c, field) for c in whole))
+    attention, mlp = parts[1], parts[2]
+    assert attention.gather_s + mlp.gather_s == pytest.approx(whole[1].gather_s)
+    assert attention.gather_s < mlp.gather_s  # SwiGLU's three matrices outweigh four square ones
+    assert layer_param_counts(m)[1] * 4 / 1e8 == pytest.approx(whole[1].gather_s)
+    # where the link keeps up with the blocks, a step's first gather and last reduction are what is
+    # exposed, and a part's are smaller; where it does not, the bytes are the same and so is the wait
+    auto = {"parallel.zero3_prefetch": "auto", "parallel.link_gbps": "0.5"}
+    best = {u: min(prefetch_choice(config(**auto, **{"parallel.zero3_unit": u})).exposed_s) for u in ("layer", "sublayer")}
+    assert best["sublayer"] < 0.9 * best["layer"], best
