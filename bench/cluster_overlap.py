@@ -51,7 +51,14 @@ LAYOUTS = {
     # ZeRO-3 layer by layer with each layer's gather started 2, 3 or 5 layers ahead (--zero3-prefetch;
     # the row above is depth 1, main's default)
     + [{"name": f"D=2 ZeRO-3 prefetch {d}", "pp": 1, "dp": 2, "zero": 3, "schedule": "1f1b", "v": 1,
-        "flags": ["--zero3-prefetch", str(d)]} for d in (2, 3, 5)],
+        "flags": ["--zero3-prefetch", str(d)]} for d in (2, 3, 5)]
+    # and with a block's attention and MLP as units of their own (--zero3-unit sublayer)
+    + [{"name": f"D=2 ZeRO-3 sublayer prefetch {d}", "pp": 1, "dp": 2, "zero": 3, "schedule": "1f1b", "v": 1,
+        "flags": ["--zero3-prefetch", str(d), "--zero3-unit", "sublayer"]} for d in (1, 2, 3, 5)]
+    # the same with int8 gathers and reductions: a quarter of the bytes (what 200 Mbit needs to hide them)
+    + [{"name": f"D=2 ZeRO-3 sublayer prefetch {d} int8", "pp": 1, "dp": 2, "zero": 3, "schedule": "1f1b", "v": 1,
+        "flags": ["--zero3-prefetch", str(d), "--zero3-unit", "sublayer", "--quantize-weights", "int8",
+                  "--quantize-grads", "int8"]} for d in (2, 3)],
     # an experiment through bench/launch_times.py (only with --layouts dp-exchange): ZeRO-2/3's
     # gradient reduce-scatter as a direct exchange, half of gloo's bytes at D=2
     "dp-exchange": [{"name": f"D=2 ZeRO-{z} exchange RS", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
@@ -235,8 +242,10 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
         setattr(model, k, v)
     flags = lay.get("flags", [])
     depth = int(flags[flags.index("--zero3-prefetch") + 1]) if "--zero3-prefetch" in flags else 1
+    bits = {f: int(flags[flags.index(f) + 1][3:]) if f in flags else 0 for f in ("--quantize-weights", "--quantize-grads")}
     layout = Layout(lay["pp"], lay["dp"], lay["zero"], ScheduleKind(lay["schedule"]), lay["v"], lay["mbs"],
-                    lay["microbatches"], False, prefetch=depth)
+                    lay["microbatches"], False, prefetch=depth, weight_bits=bits["--quantize-weights"],
+                    grad_bits=bits["--quantize-grads"])
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
 
     def at(gbps: float, mfu: float, cpu_s_per_gb: float) -> float:
