@@ -5,7 +5,9 @@ first evaluation and the text sample), one spawn of four ranks:
 - an evaluation-heavy layout: 1F1B, P=2 x D=2, recompute, long sequences and 32 evaluation
   batches, whose evaluation holds every micro-batch's send until its end (more than the step);
 - a long text sample at P=1 x D=4, ZeRO 0 (rank 0 samples alone) and ZeRO-3 layer by layer (every
-  rank samples), a 16384-wide vocabulary over a window grown to 203 tokens (more than the step).
+  rank samples), a 16384-wide vocabulary over a window grown to 203 tokens (more than the step);
+- ZeRO-3 layer by layer with a block's attention and MLP gathered apart (--zero3-unit sublayer) on
+  a model whose weights outweigh its activations.
 In the last two, the heavier phase is held to its own prediction too. The whole table (every
 schedule, stage, P, D, recompute, two models) is bench/memory_model.py."""
 
@@ -37,7 +39,12 @@ CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None
     *[(f"long sample ZeRO-{zero}", 1, 4, K.ONE_F_ONE_B,
        {"model.vocab_size": 16384, "model.dim": 32, "data.seq_len": 16, "parallel.micro_batch_size": 1, "parallel.recompute": True,
         "parallel.zero": zero, "run.sample_tokens": 200}, "sample", (0, 1, 2, 3) if zero == 3 else (0,))
-      for zero in (0, 3)]]
+      for zero in (0, 3)],
+    # weights outweigh activations (width 256 over 16 tokens): ZeRO-3 layer by layer gathering a block's
+    # attention and MLP apart (--zero3-unit sublayer), a part and the next one's prefetch at a time
+    ("ZeRO-3 sublayer", 1, 4, K.ONE_F_ONE_B, {"model.dim": 256, "data.seq_len": 16, "parallel.micro_batch_size": 1,
+                                             "parallel.zero": 3, "parallel.zero3_unit": "sublayer",
+                                             "parallel.zero3_prefetch": 2}, None, ())]
 
 
 def test_predicted_peaks_within_a_tenth_of_measured(text_dir, tmp_path):

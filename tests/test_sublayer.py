@@ -102,3 +102,28 @@ def test_the_planners_parts_cost_what_their_block_costs():
     auto = {"parallel.zero3_prefetch": "auto", "parallel.link_gbps": "0.5"}
     best = {u: min(prefetch_choice(config(**auto, **{"parallel.zero3_unit": u})).exposed_s) for u in ("layer", "sublayer")}
     assert best["sublayer"] < 0.9 * best["layer"], best
+
+
+def test_plan_proposes_parts_where_the_link_keeps_up_and_whole_layers_where_it_does_not():
+    """The cluster bench's model and rates (bench/cluster_overlap.py, D=2, 2 nodes): at 500 Mbit a
+    step's first gather and last reduction are what is left exposed, and a part's are smaller (measured:
+    sublayer at depth 3 stepped 0.402 s where whole layers took 0.424 s); at 200 Mbit the link is
+    busy throughout and looking further ahead wins (whole layers at depth 5 0.659 s, parts 0.741 s)."""
+    from pipezero.config import ModelConfig, ScheduleKind, Zero3Unit
+    from pipezero.models import apply_preset
+    from pipezero.sim.layouts import Cluster, Layout
+    from pipezero.sim.prefetch import plan_choice
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.dim, model.n_layers, model.vocab_size = 256, 4, 256
+    lay = Layout(1, 2, 3, ScheduleKind.ONE_F_ONE_B, 1, 16, 1, False)
+
+    def choice(mbit: int, spare: float = 2**30):
+        cluster = Cluster(2, 2, node_size=1, intra_gbps=1e3, inter_gbps=mbit / 8e3, tflops=0.114, mfu=1.0,
+                          wire_bytes=4, cpu=True, bucket_mb=1)
+        return plan_choice(model, 128, cluster, lay, spare)
+
+    fast, slow = choice(500), choice(200)
+    assert fast.unit is Zero3Unit.SUBLAYER and fast.depth >= 2 and "whole layers" in fast.why
+    assert slow.unit is Zero3Unit.LAYER and slow.depth >= 3
+    assert min(fast.exposed_s) < min(choice(500).exposed_s[:1])

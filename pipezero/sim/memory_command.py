@@ -10,7 +10,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from pipezero.config import Partition, ScheduleKind, TrainConfig
+from pipezero.config import Partition, ScheduleKind, TrainConfig, Zero3Unit
 from pipezero.schedules.registry import default_virtual
 from pipezero.sim.memory import CATEGORIES, PHASES, RankMemory, build_plan, every_rank
 from pipezero.sim.memory_partition import resolve
@@ -23,7 +23,7 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "seq_len": "data.seq_len", "recompute": "parallel.recompute", "dtype": "run.dtype",
                           "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce",
                           "partition": "parallel.partition", "eval_batches": "run.eval_batches",
-                          "zero3_prefetch": "parallel.zero3_prefetch",
+                          "zero3_prefetch": "parallel.zero3_prefetch", "zero3_unit": "parallel.zero3_unit",
                           "sample_tokens": "run.sample_tokens"}
 
 
@@ -42,6 +42,9 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
                    help="ZeRO-3 layer by layer: layers a gather starts ahead of its use (as train --zero3-prefetch; "
                         "with --zero3-layerwise it also places the lowered program's gathers; auto is the planner's: "
                         "pipezero plan, or train --link-gbps)")
+    m.add_argument("--zero3-unit", choices=[x.value for x in Zero3Unit], default=None,
+                   help="ZeRO-3 layer by layer: what one gather covers (as train --zero3-unit: layer, or sublayer, "
+                        "a block's attention and MLP apart)")
     m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
                    help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
                         "largest predicted peak is least)")

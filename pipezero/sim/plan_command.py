@@ -6,17 +6,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from pipezero.coerce import Range
-from pipezero.config import ParallelConfig
+from pipezero.config import ParallelConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
 from pipezero.sim.commands import check_ranges
 from pipezero.sim.layouts import Cluster
+
+if TYPE_CHECKING:
+    from pipezero.sim.prefetch import Choice
 
 
 def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
@@ -121,6 +125,11 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
                    cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb)
 
 
+def unit_words(c: Choice) -> str:
+    """What a prefetch depth counts, as `plan` says it (and the flag that asks for parts)."""
+    return "layers" if c.unit is Zero3Unit.LAYER else "units, --zero3-unit sublayer"
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import time
 
@@ -191,7 +200,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "activations_gib": round(e.activations_gib, 2), "step_time_s": e.step_time_s,
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble,
              "zero3_prefetch": (c := depths[id(e)]) and c.depth, "zero3_prefetch_why": c and c.why,
-             "why": reason(best, e, cluster) + (f", ZeRO-3 prefetch {c.depth} layers: {c.why}" if c else "")}
+             "zero3_unit": c and c.unit.value,
+             "why": reason(best, e, cluster) + (f", ZeRO-3 prefetch {c.depth} {unit_words(c)}: {c.why}" if c else "")}
             for e in fits[: args.top]]
     if args.json:
         print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,

@@ -24,7 +24,7 @@ it; the last backward waits for its reductions at the end.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipezero.config import Device, DType, ModelConfig, TrainConfig, WeightQuant, Zero3Unit
 from pipezero.errors import ConfigError
@@ -39,6 +39,7 @@ from pipezero.sim.traffic import collective_s, element_bytes
 
 TOLERANCE = 0.02  # a deeper prefetch that saves less than this share of the exposed time "stops improving"
 FLOOR_S = 1e-3  # nor less than this a micro-batch
+UNIT_GAIN = 0.1  # `plan` proposes --zero3-unit sublayer where it exposes at least this share less (plan_choice)
 MAX_DEPTH = 8  # deeper than this hid nothing more in any play (a layer's gather behind 8 layers' compute)
 
 
@@ -57,6 +58,7 @@ class Choice:
     depth: int
     why: str  # one short phrase, for `plan` and summary.json
     exposed_s: tuple[float, ...]  # the play's exposed seconds at depth 1, 2, ... (as far as tried)
+    unit: Zero3Unit = Zero3Unit.LAYER  # what the depth counts (`plan` weighs both: plan_choice)
 
 
 def exposed(layers: Sequence[LayerCost], depth: int, backward_factor: float = 2.0, in_flight: int = 1) -> float:
@@ -134,12 +136,11 @@ def layer_costs(model: ModelConfig, micro_batch: int, seq_len: int, tflops: floa
     scores = 4.0 * seq_len * tokens * model.dim
     block = 2.0 * (block_params(model) - 2 * model.dim) * tokens + scores
     flops = [0.0] + [block] * model.n_layers + [2.0 * model.vocab_size * model.dim * tokens]
-    counts = layer_param_counts(model)
+    counts = unit_param_counts(model, sublayer)
     if sublayer:
-        parts = [sum(t.numel for t in ts) for _, ts in layer_tensors(model)[1].units(True)]  # attention, MLP
-        split = [2.0 * (parts[0] - model.dim) * tokens + scores, 2.0 * (parts[1] - model.dim) * tokens]
+        attention, mlp = counts[1:3]  # each with its norm's dim weights, which do no matmul
+        split = [2.0 * (attention - model.dim) * tokens + scores, 2.0 * (mlp - model.dim) * tokens]
         flops = flops[:1] + split * model.n_layers + flops[-1:]
-        counts = counts[:1] + parts * model.n_layers + counts[-1:]
     return [LayerCost(f / (tflops * 1e12), link_s(n, "all_gather"), link_s(n, "reduce_scatter"))
             for f, n in zip(flops, counts)]
 
@@ -167,16 +168,37 @@ def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -
 
 
 def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout, spare_bytes: float) -> Choice | None:
-    """`pipezero plan`'s depth for a layout that gathers ZeRO-3 layer by layer (P = 1), None for any
-    other: compute at the cluster's achieved FLOP/s (shared cores slow it as in sim/planner.py), the
-    collectives as sim/traffic.py prices them, each layer deeper holding one more of the largest
-    layers in fp32, within `spare_bytes` of the memory limit."""
+    """`pipezero plan`'s unit and depth for a layout that gathers ZeRO-3 layer by layer (P = 1), None
+    for any other: compute at the cluster's achieved FLOP/s (shared cores slow it as in
+    sim/planner.py), the collectives as sim/traffic.py prices them, each unit deeper holding one
+    more of the largest units in fp32, within `spare_bytes` of the memory limit. A block's attention
+    and MLP apart (`sublayer`) where that exposes at least `UNIT_GAIN` less than whole layers: where
+    the link keeps up with the blocks, what is left exposed is the step's first gather and last
+    reduction, and a part's are smaller; where it does not, a unit deep looks half as far ahead."""
     if not RULES[lay.zero].sharded_params or lay.pp > 1 or lay.dp == 1:
         return None
     share = max(1.0, cluster.gpus / cluster.cores) if cluster.cores else 1.0
     width = element_bytes(lay.weight_bits, lay.quant_block) if lay.weight_bits else cluster.wire_bytes
     grads = element_bytes(lay.grad_bits, lay.quant_block) if lay.grad_bits else cluster.wire_bytes
-    layers = layer_costs(model, lay.micro_batch, seq_len, cluster.tflops * cluster.mfu / share,
-                         lambda n, kind: collective_s(cluster, lay, n * (width if kind == "all_gather" else grads))[kind])
-    largest = sorted(layer_param_counts(model), reverse=True)
-    return choose(layers, lambda d: 4 * sum(largest[:d - 1]) <= spare_bytes, 3.0 if lay.recompute else 2.0)
+    choices = []
+    for unit in Zero3Unit:
+        split = unit is Zero3Unit.SUBLAYER
+        layers = layer_costs(model, lay.micro_batch, seq_len, cluster.tflops * cluster.mfu / share,
+                             lambda n, kind: collective_s(cluster, lay, n * (width if kind == "all_gather" else grads))[kind],
+                             split)
+        largest = sorted(unit_param_counts(model, split), reverse=True)
+        c = choose(layers, lambda d: 4 * sum(largest[:d - 1]) <= spare_bytes, 3.0 if lay.recompute else 2.0)
+        choices.append(replace(c, unit=unit))
+    whole, parts = choices
+    if min(parts.exposed_s) <= min(whole.exposed_s) * (1 - UNIT_GAIN) - FLOOR_S:
+        return replace(parts, why=f"{parts.why}; whole layers {_ms(min(whole.exposed_s))}")
+    return whole
+
+
+def unit_param_counts(model: ModelConfig, sublayer: bool) -> list[int]:
+    """Each unit's parameters: a layer's, or with `sublayer` a block's attention and MLP apart."""
+    counts = layer_param_counts(model)
+    if not sublayer:
+        return counts
+    parts = [sum(t.numel for t in ts) for _, ts in layer_tensors(model)[1].units(True)]
+    return counts[:1] + parts * model.n_layers + counts[-1:]
