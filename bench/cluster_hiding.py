@@ -2,7 +2,7 @@
 
     python bench/cluster_hiding.py [--zero 1,2,3] [--share 0.6] [--steps 12] [--repeat 2] [--pin]
                                    [--bursts 128kb,64kb] [--zero3-prefetch 1,2] [--zero3-unit layer,sublayer]
-                                   [--microbatches 1,4]
+                                   [--microbatches 1,4] [--bucket-mb 1,0.25]
 
 (as root). Each ZeRO stage runs D=2 on 2 emulated nodes x 1 rank, so every byte of its collectives
 crosses a node's link. Nothing here asks pipezero what it sent or waited for:
@@ -20,7 +20,9 @@ which is what the trace claims, and the same net of the unshaped run's waits (wh
 them: the unshaped run already waits for the peer rank when the two ranks' compute drifts apart on
 shared cores). Each row also says where rank 0 waited, by collective (`UNSHARD(0.4)`, ...), in ms a
 step. `--zero3-prefetch 1,2` measures ZeRO-3 at each prefetch depth, `--zero3-unit layer,sublayer`
-with each unit (a block whole, or its attention and MLP apart); `--microbatches 1,4` cuts the
+with each unit (a block whole, or its attention and MLP apart), `--bucket-mb 1,0.25` ZeRO-1/2 with
+each gradient bucket size (the step's last reduction and first gather move the model's first
+bucket, which nothing hides: a smaller one exposes less); `--microbatches 1,4` cuts the
 same --batch into that many micro-batches (a step's first gather and last reduction, which nothing
 in the step can hide, are then paid once for M micro-batches' compute). Steady steps are those after the first two; step times are medians
 (the minimum is in the JSON). Unpinned by default: the ranks share the host's cores with the
@@ -133,10 +135,10 @@ def run(zero: int, link: str, toml: Path, out: Path, steps: int, pin: bool, burs
 
 
 def measure(zero: int, args: argparse.Namespace, tmp: Path, toml: Path, k: int, burst: str,
-            prefetch: int = 1, microbatches: int = 1, unit: str = "layer") -> dict:
-    flags = ("--micro-batch-size", str(args.batch // microbatches), "--microbatches", str(microbatches)) \
-        + (("--zero3-prefetch", str(prefetch), "--zero3-unit", unit) if zero == 3 else ())
-    tag = f"z{zero}-p{prefetch}-{unit}-m{microbatches}-{k}-{burst}"
+            prefetch: int = 1, microbatches: int = 1, unit: str = "layer", bucket_mb: float = 1.0) -> dict:
+    flags = ("--micro-batch-size", str(args.batch // microbatches), "--microbatches", str(microbatches),
+             "--bucket-mb", str(bucket_mb)) + (("--zero3-prefetch", str(prefetch), "--zero3-unit", unit) if zero == 3 else ())
+    tag = f"z{zero}-p{prefetch}-{unit}-b{bucket_mb}-m{microbatches}-{k}-{burst}"
     fast = run(zero, args.fast, toml, tmp / f"{tag}-fast", args.steps, args.pin, burst, flags)
     rate = fast["link_bytes"] * 8 / (args.share * fast["step_s"])  # bits a second
     rate_mbit = max(1, round(rate / 1e6))
@@ -145,12 +147,12 @@ def measure(zero: int, args: argparse.Namespace, tmp: Path, toml: Path, k: int, 
     hidden = 1 - (shaped["step_s"] - fast["step_s"]) / transfer
     waits = shaped["waits_s"]
     row = {"zero": zero, "prefetch": prefetch if zero == 3 else None, "unit": unit if zero == 3 else None,
-           "microbatches": microbatches, "repeat": k,
+           "bucket_mb": bucket_mb, "microbatches": microbatches, "repeat": k,
            "burst": burst, "rate_mbit": rate_mbit, "transfer_s": transfer, "unshaped": fast, "shaped": shaped,
            "hidden": hidden, "hidden_by_waits": 1 - waits / transfer,
            "hidden_by_waits_net": 1 - (waits - fast["waits_s"]) / transfer}
     where = ", ".join(f"{op} {t * 1e3:.0f}" for op, t in list(shaped["waits_by_op"].items())[:4])
-    print(f"ZeRO-{zero}{f' prefetch {prefetch} {unit}' if zero == 3 else ''} M={microbatches} (run {k + 1}, burst {burst}): "
+    print(f"ZeRO-{zero}{f' prefetch {prefetch} {unit}' if zero == 3 else f' buckets {bucket_mb:g} MB'} M={microbatches} (run {k + 1}, burst {burst}): "
           f"{shaped['link_bytes'] / 1e6:.1f} MB a node a step on the link "
           f"(pipezero counts {shaped['own_bytes'] / 1e6:.1f}), {rate_mbit} Mbit/s, "
           f"step {fast['step_s']:.3f} -> {shaped['step_s']:.3f} s, transfer {transfer:.3f} s: "
@@ -170,7 +172,8 @@ def main() -> None:
     ap.add_argument("--fast", default="20gbit", help="the 'unshaped' link rate")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="sequences a rank a step (one micro-batch)")
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--bucket-mb", default="1", help="gradient bucket sizes in MB to measure ZeRO-1/2 with, in turn "
+                    "(ZeRO-3 layer by layer has a bucket a unit)")
     ap.add_argument("--bursts", default="128kb", help="tbf buckets to measure each stage with, in turn")
     ap.add_argument("--zero3-prefetch", default="1", help="ZeRO-3's prefetch depths to measure, in turn")
     ap.add_argument("--zero3-unit", default="layer", help="ZeRO-3's units to measure, in turn (layer,sublayer)")
@@ -184,7 +187,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / "run.toml"
-        toml.write_text(run_toml("tiny", args.seq_len, args.bucket_mb, trace=True, model=MODEL,
+        toml.write_text(run_toml("tiny", args.seq_len, 1.0, trace=True, model=MODEL,
                                  micro_batch_size=args.batch, microbatches=1))
         depths = [int(d) for d in args.zero3_prefetch.split(",")]
         units = args.zero3_unit.split(",")
@@ -193,13 +196,15 @@ def main() -> None:
                 if args.batch % m:
                     raise SystemExit(f"--microbatches {m} does not divide --batch {args.batch}")
                 for zero in (int(z) for z in args.zero.split(",")):
-                    for depth, unit in [(d, u) for d in depths for u in units] if zero == 3 else [(1, "layer")]:
+                    for depth, unit, mb in ([(d, u, 1.0) for d in depths for u in units] if zero == 3 else
+                                            [(1, "layer", float(b)) for b in args.bucket_mb.split(",")]):
                         for burst in args.bursts.split(","):
-                            rows.append(measure(zero, args, Path(tmp), toml, k, burst, depth, m, unit))
+                            rows.append(measure(zero, args, Path(tmp), toml, k, burst, depth, m, unit, mb))
     print("\n| ZeRO | M | run | tbf burst | MB a node a step (link / own count) | Mbit/s | unshaped s | shaped s | "
           "transfer s | hidden by step time | by traced waits (net of unshaped) |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        name = f"{r['zero']}" + (f", prefetch {r['prefetch']}, {r['unit']}" if r["zero"] == 3 else "")
+        name = f"{r['zero']}" + (f", prefetch {r['prefetch']}, {r['unit']}" if r["zero"] == 3 else
+                                 f", buckets {r['bucket_mb']:g} MB")
         print(f"| {name} | {r['microbatches']} | {r['repeat'] + 1} | {r['burst']} | {r['shaped']['link_bytes'] / 1e6:.1f} / "
               f"{r['shaped']['own_bytes'] / 1e6:.1f} | {r['rate_mbit']} | {r['unshaped']['step_s']:.3f} | "
               f"{r['shaped']['step_s']:.3f} | {r['transfer_s']:.3f} | {r['hidden']:.0%} | "

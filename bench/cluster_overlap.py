@@ -245,7 +245,7 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
     bits = {f: int(flags[flags.index(f) + 1][3:]) if f in flags else 0 for f in ("--quantize-weights", "--quantize-grads")}
     layout = Layout(lay["pp"], lay["dp"], lay["zero"], ScheduleKind(lay["schedule"]), lay["v"], lay["mbs"],
                     lay["microbatches"], False, prefetch=depth, weight_bits=bits["--quantize-weights"],
-                    grad_bits=bits["--quantize-grads"])
+                    grad_bits=bits["--quantize-grads"], sublayer="sublayer" in flags)
     batch = lay["mbs"] * lay["microbatches"] * lay["dp"]
 
     def at(gbps: float, mfu: float, cpu_s_per_gb: float) -> float:

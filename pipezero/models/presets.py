@@ -106,6 +106,16 @@ def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
             for i, named in enumerate(layers)]
 
 
+def unit_param_counts(cfg: ModelConfig, sublayer: bool) -> list[int]:
+    """Each ZeRO-3 unit's parameters in model order: a layer's (layer_param_counts), or with
+    `sublayer` a block's attention and its MLP apart (each with its norm)."""
+    counts = layer_param_counts(cfg)
+    if not sublayer:
+        return counts
+    parts = [sum(t.numel for t in ts) for _, ts in layer_tensors(cfg)[1].units(True)]
+    return counts[:1] + parts * cfg.n_layers + counts[-1:]
+
+
 def tied_pair(cfg: ModelConfig) -> tuple[str, str] | None:
     """The built-in decoder's tied weight (models/llama_spec.py `tied_names`), without building it."""
     return ("layers.0.weight", f"layers.{cfg.n_layers + 1}.proj.weight") if cfg.tie_embeddings else None

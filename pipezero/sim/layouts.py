@@ -60,3 +60,4 @@ class Layout:
     # --zero3-prefetch: ZeRO-3 layer by layer (P = 1, no recompute) keeps the next action's first
     # prefetch - 1 layers gathered across an action's end, so their gathers are not sent again
     prefetch: int = 1
+    sublayer: bool = False  # --zero3-unit sublayer: the prefetch depth counts a block's attention and MLP apart

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
-from pipezero.models.presets import block_params, layer_param_counts
+from pipezero.models.presets import block_params, layer_param_counts, unit_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
@@ -81,8 +81,9 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
 def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
     """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
     hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
-    keeps its last N - 1 layers for its backward, a backward its first N - 1 for the next
-    micro-batch's forward (none across the optimizer step, none with recompute)."""
+    keeps its last N - 1 units for its backward, a backward its first N - 1 for the next
+    micro-batch's forward (none across the optimizer step, none with recompute). `layers`: each
+    unit's parameters (a layer's, or with --zero3-unit sublayer a block's part's)."""
     keep = min(lay.prefetch - 1, len(layers))
     if not RULES[lay.zero].sharded_params or lay.pp != 1 or lay.recompute or keep <= 0:
         return 0.0, 0.0
@@ -146,7 +147,8 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     hop = hop_bytes / (pp_bw * 1e9)
     # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
     compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
-    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(layers, lay))
+    units = unit_param_counts(model, lay.sublayer) if lay.sublayer else layers
+    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(units, lay))
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
     if cluster.net_cpu_s_per_gb:
         # the network's CPU work runs while its bytes move: what moves behind compute takes cores from

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from pipezero.config import Device, DType, ModelConfig, TrainConfig, WeightQuant, Zero3Unit
 from pipezero.errors import ConfigError
-from pipezero.models.presets import block_params, layer_param_counts, layer_tensors
+from pipezero.models.presets import block_params, unit_param_counts
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.compile import layerwise
@@ -193,12 +193,3 @@ def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout,
     if min(parts.exposed_s) <= min(whole.exposed_s) * (1 - UNIT_GAIN) - FLOOR_S:
         return replace(parts, why=f"{parts.why}; whole layers {_ms(min(whole.exposed_s))}")
     return whole
-
-
-def unit_param_counts(model: ModelConfig, sublayer: bool) -> list[int]:
-    """Each unit's parameters: a layer's, or with `sublayer` a block's attention and MLP apart."""
-    counts = layer_param_counts(model)
-    if not sublayer:
-        return counts
-    parts = [sum(t.numel for t in ts) for _, ts in layer_tensors(model)[1].units(True)]
-    return counts[:1] + parts * model.n_layers + counts[-1:]
