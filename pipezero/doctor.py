@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind
+from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind, Zero3Unit
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program
@@ -83,11 +83,14 @@ def programs(facts: dict[str, Any]) -> Program:
     depth = facts.get("zero3_prefetch", 1)  # records written before the prefetch depth: 1
     if type(depth) is not int or not 1 <= depth <= 64:
         raise ValueError(f"zero3_prefetch {depth!r}: a whole number of layers from 1 to 64 only")
+    unit = facts.get("zero3_unit", Zero3Unit.LAYER.value)  # records written before the unit: whole layers
+    if unit not in {u.value for u in Zero3Unit}:
+        raise ValueError(f"zero3_unit {unit!r}: one of {', '.join(u.value for u in Zero3Unit)} only")
     p = ParallelConfig(pp=facts["pp"], dp=facts["dp"], zero=facts["zero"], schedule=ScheduleKind(facts["schedule"]),
                        microbatches=facts["microbatches"], virtual_stages=facts["virtual_stages"],
                        grad_reduce=GradReduce(facts["grad_reduce"]), bucket_mb=facts["bucket_mb"],
                        zero3_keep_gathered=facts["zero3_keep_gathered"], recompute=facts["recompute"],
-                       zero3_prefetch=depth)
+                       zero3_prefetch=depth, zero3_unit=Zero3Unit(unit))
     return compile_plan(p, ModelShapes.from_json(facts["model"])).program
 
 

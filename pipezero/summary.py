@@ -59,7 +59,8 @@ SUMMARY_FIELDS: dict[str, str] = {
               "evaluation and the text sample (else null)",
     "zero3_prefetch": "ZeRO-3 layer by layer: the prefetch depth asked for (a number or auto), the depth the program "
                       "placed, why (auto: the planner's phrase, sim/prefetch.py) and the simulated exposed seconds a "
-                      "micro-batch at depth 1, 2, ... as far as auto tried; null without layer-by-layer gathers",
+                      "micro-batch at depth 1, 2, ... as far as auto tried, and the unit the depth counts (layer, or "
+                      "sublayer: a block's attention and MLP apart); null without layer-by-layer gathers",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
@@ -136,7 +137,7 @@ def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list
 
 
 def prefetch_figures(cfg: TrainConfig, stage: "Stage") -> dict | None:
-    """summary.json's `zero3_prefetch`: what was asked, the depth the plan placed and why."""
+    """summary.json's `zero3_prefetch`: what was asked, the depth the plan placed, why, and its unit."""
     if not stage.plan.layerwise:
         return None
     from pipezero.sim.memory import prefetch_choice
@@ -144,7 +145,7 @@ def prefetch_figures(cfg: TrainConfig, stage: "Stage") -> dict | None:
     asked = cfg.parallel.zero3_prefetch
     choice = prefetch_choice(cfg, stage.zero.device.type == "cuda")
     return {"asked": asked, "depth": stage.plan.depth, "why": choice.why if asked == "auto" else "set",
-            "exposed_s": list(choice.exposed_s)}
+            "exposed_s": list(choice.exposed_s), "unit": "sublayer" if stage.plan.buckets.sublayer else "layer"}
 
 
 def shared_cores(per_rank: list[dict]) -> dict | None:

@@ -103,6 +103,24 @@ def test_a_reduction_started_inside_a_backward_is_the_peers_same_backward():
     assert v.culprit == 1 and v.instruction == "0BW3 (REDUCE_GRAD(0.0, wait)@grads 0)" and v.index == j and v.step == 2
 
 
+def test_a_sublayer_record_compiles_the_runs_parts():
+    """A record of --zero3-unit sublayer carries it: the doctor's program has the run's buckets (a
+    block's attention and MLP apart), not a bucket a layer, so the bucket a rank waits on names the
+    same tensors; an old record (no unit) is whole layers; a unit no run writes is refused."""
+    from pipezero.config import ModelConfig
+    from pipezero.models.presets import decoder_shapes
+
+    model = decoder_shapes(ModelConfig(preset="tiny", n_layers=2, dim=32, n_heads=2, vocab_size=64), [(0, 4)])
+    one = {**FACTS, "pp": 1, "zero": 3, "microbatches": 2, "model": model.to_json()}
+    parts, whole = programs({**one, "zero3_unit": "sublayer"}), programs(one)
+    assert parts.buckets.sublayer and not whole.buckets.sublayer
+    assert len(parts.buckets.numels[0]) == len(whole.buckets.numels[0]) + 2
+    f = next(str(i) for i in parts.ranks[0] if str(i).startswith("0F0"))
+    assert "@fwd 1.1" in next(i for i in parts.ranks[0] if str(i) == f).describe()
+    with pytest.raises(ValueError, match="zero3_unit 'half': one of layer, sublayer only"):
+        programs({**one, "zero3_unit": "half"})
+
+
 def test_placement_maps_global_ranks_to_program_slots():
     pp_inner = Ranks(2, 2, "pp-inner")  # rank = replica * P + stage
     assert [pp_inner.coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]

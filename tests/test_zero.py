@@ -137,6 +137,8 @@ def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
         for rank in results:
             got, want = rank[len(cases) + len(deeper) + k], rank[twin]
             assert 0 < got["peak_gathered"] < want["peak_gathered"], (case, got["peak_gathered"], want["peak_gathered"])
+        summary = json.loads((tmp_path / f"case{len(cases) + len(deeper) + k}" / "summary.json").read_text())
+        assert summary["zero3_prefetch"]["unit"] == "sublayer", summary["zero3_prefetch"]
     for k, (twin, case) in enumerate(deeper):
         for rank in results:
             got, want = rank[len(cases) + k], rank[twin]

@@ -148,7 +148,7 @@ def plan_facts(cfg: Any, stage: Any) -> dict[str, Any]:
     return {"schedule": p.schedule.value, "pp": p.pp, "dp": p.dp, "microbatches": p.microbatches,
             "virtual_stages": p.virtual_stages, "zero": p.zero, "grad_reduce": p.grad_reduce.value,
             "bucket_mb": p.bucket_mb, "zero3_keep_gathered": p.zero3_keep_gathered, "recompute": p.recompute,
-            "zero3_prefetch": stage.plan.depth,
+            "zero3_prefetch": stage.plan.depth, "zero3_unit": p.zero3_unit.value,
             "placement": p.placement.value, "model": stage.plan.model.to_json()}
 
 
