@@ -81,6 +81,8 @@ def sublayer_cases() -> list[dict]:
     and the first chunk's W by autograd again) and with frozen parts."""
     lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False, "parallel.zero3_unit": "sublayer"}
     return [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
+            # the first chunk ends inside a block: recomputation stops inside its MLP part
+            {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.recompute": True, **lw},
             {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, **lw, "parallel.zero3_prefetch": 2},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.2\.mlp|layers\.3\.attn",
              **lw, "parallel.zero3_prefetch": 3}]
