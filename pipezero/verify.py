@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipezero.config import DType, ScheduleKind, SecondaryShard, TrainConfig
+from pipezero.config import DType, ScheduleKind, SecondaryShard, TrainConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
 from pipezero.util import atomic_write_bytes, atomic_write_json
@@ -178,6 +178,7 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     # what only data-parallel traffic has: one process has none to split by node or reduce in two
     # levels (both exact); kept, --secondary-shard was refused for --dp 1 after the layout had run
     p.secondary_shard, p.hierarchical = SecondaryShard.NONE, False
+    p.zero3_unit = Zero3Unit.LAYER  # how ZeRO-3 cuts its gathers: one process gathers nothing
     ref.run.out = str(out / "reference")
     return validate(ref)
 

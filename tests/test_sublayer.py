@@ -127,3 +127,15 @@ def test_plan_proposes_parts_where_the_link_keeps_up_and_whole_layers_where_it_d
     assert fast.unit is Zero3Unit.SUBLAYER and fast.depth >= 2 and "whole layers" in fast.why
     assert slow.unit is Zero3Unit.LAYER and slow.depth >= 3
     assert min(fast.exposed_s) < min(choice(500).exposed_s[:1])
+
+
+def test_verify_compares_a_sublayer_layout_with_one_process(tmp_path):
+    """verify's one-process reference gathers nothing: it drops the unit (kept, its validation
+    refused --zero3-unit sublayer with ZeRO-0 after the layout had trained)."""
+    from pipezero.config import ParallelConfig, TrainConfig, Zero3Unit
+    from pipezero.verify import reference_config
+
+    layout = TrainConfig(parallel=ParallelConfig(dp=2, zero=3, zero3_unit=Zero3Unit.SUBLAYER))
+    ref = reference_config(layout, tmp_path)
+    assert (ref.parallel.zero, ref.parallel.zero3_unit) == (0, Zero3Unit.LAYER)
+    assert layout.parallel.zero3_unit is Zero3Unit.SUBLAYER
