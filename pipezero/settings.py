@@ -358,10 +358,14 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
     _check(not cfg.run.compile, f"--zero3-unit {p.zero3_unit.value} with --compile: a compiled block runs its attention "
                                 f"and MLP as one graph, so no hook can gather one while the other computes; drop one")
     if spec is not None:
-        parts = getattr(spec, "layer_parts")
-        _check(any(parts(i) for i in range(spec.n_layers + 2)),  # type: ignore[attr-defined]
-               f"--zero3-unit {p.zero3_unit.value} with --model-spec {cfg.model.spec}: its layers name no parts "
-               f"(layer_parts), so every unit would be a whole layer; define layer_parts in the spec, or drop it")
+        from pipezero.models.user_spec import users_fault
+
+        try:
+            named = any(spec.layer_parts(i) for i in range(spec.n_layers + 2))  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - the spec's own layer_parts raised: one line naming it
+            raise users_fault(str(cfg.model.spec), e) or e from None
+        _check(named, f"--zero3-unit {p.zero3_unit.value} with --model-spec {cfg.model.spec}: its layers name no parts "
+                      f"(layer_parts), so every unit would be a whole layer; define layer_parts in the spec, or drop it")
 
 
 def check_prefetch(cfg: TrainConfig) -> None:

@@ -16,7 +16,8 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import DType, GradQuant, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant
+from pipezero.config import (DType, GradQuant, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
+                             Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
@@ -95,11 +96,13 @@ def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list
     return resolve(cfg, device.type == "cuda").parallel.stage_layers
 
 
-def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | None) -> ModelShapes:
+def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | None,
+                 parts: bool = False) -> ModelShapes:
     """What the plan needs of the model (schedules/model_shapes.py): every chunk built on the meta
     device (no memory), frozen as the run freezes it, its trainable tensors listed as ZeRO lists
     them (zero/buckets.py `named_by_chunk`: a weight tied inside a chunk once), the tensors each
-    layer borrows from another, and whether split backward's W can run from B's stash."""
+    layer borrows from another, whether split backward's W can run from B's stash, and with
+    `parts` (--zero3-unit sublayer) the parts the spec names (only then is its layer_parts read)."""
     with torch.device("meta"):
         chunks = {c: StageChunk(spec, a, b, 0, init=False) for c, (a, b) in enumerate(bounds)}
     apply_freeze(chunks, spec, freeze)
@@ -114,7 +117,8 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
             borrows = tuple(dict.fromkeys(name_of[q] for q in module.parameters()
                                           if q in name_of and layer_of(name_of[q]) != i))
             if own or borrows:
-                layers.append(LayerTensors(i, own, borrows, () if borrows else parts_of(spec, module, i, own)))
+                named_parts = parts_of(spec, module, i, own) if parts and not borrows else ()
+                layers.append(LayerTensors(i, own, borrows, named_parts))
         splits = c > 0 and all(splittable(m) for m in chunk.modules()
                                if next(m.parameters(recurse=False), None) is not None)
         out.append(ChunkShapes(tuple(layers), splits, bounds[c][1]))
@@ -156,7 +160,8 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.devi
     check_end_chunks([b - a for a, b in bounds])
     mine = {} if mesh is None else {"pp_ranks": (mesh.pp_rank,), "replicas": (mesh.dp_rank,)}
     p = replace(p, zero3_prefetch=prefetch_choice(cfg, device.type == "cuda").depth)  # `auto`: the same on every rank
-    return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze),
+    split = p.zero3_unit is Zero3Unit.SUBLAYER  # validated: only where ZeRO-3 gathers layer by layer
+    return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze, split),
                         wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
 
 

@@ -34,8 +34,12 @@ def tiny(**kw) -> ModelConfig:
                                 {"qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True}])
 @pytest.mark.parametrize("bounds", [[(0, 5)], [(0, 2), (2, 5)], [(0, 1), (1, 3), (3, 4), (4, 5)]])
 def test_the_plans_decoder_is_the_model_a_run_builds(kw, bounds):
+    """The planner's decoder names its blocks' parts; a run reads them only for --zero3-unit sublayer."""
     cfg = tiny(**kw)
-    assert decoder_shapes(cfg, bounds) == model_shapes(spec_of(cfg), bounds, None)
+    planned = decoder_shapes(cfg, bounds)
+    assert planned == model_shapes(spec_of(cfg), bounds, None, parts=True)
+    whole = [[dataclasses.replace(x, parts=()) for x in c.layers] for c in planned.chunks]
+    assert whole == [list(c.layers) for c in model_shapes(spec_of(cfg), bounds, None).chunks]
 
 
 def test_a_head_tied_in_one_chunk_borrows_the_embedding_and_apart_holds_a_copy():

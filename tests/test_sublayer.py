@@ -56,24 +56,33 @@ def test_a_specs_parts_are_held_to_the_layers_it_builds():
     from pipezero.stage import model_shapes
 
     good = gpt_spec("(('ln1', 'q', 'k', 'v', 'out'), ('ln2', 'fc', 'proj'))")
-    shapes = model_shapes(good, [(0, good.n_layers + 2)], None)
+    assert not any(x.parts for x in model_shapes(good, [(0, good.n_layers + 2)], None).chunks[0].layers)  # unasked
+    shapes = model_shapes(good, [(0, good.n_layers + 2)], None, parts=True)
     block = shapes.chunks[0].layers[1]
     units = block.units(True)
     assert [j for j, _ in units] == [0, 1] and {t.name.split(".")[2] for t in units[1][1]} == {"ln2", "fc", "proj"}
     assert sum(len(ts) for _, ts in units) == len(block.tensors)
     with pytest.raises(ConfigError, match=r"\['attn'\] is no sub-module of layer 1 \(Block\)"):
-        model_shapes(gpt_spec("(('ln1', 'attn'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None)
+        model_shapes(gpt_spec("(('ln1', 'attn'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None, True)
     with pytest.raises(ConfigError, match=r"layers\.1\.q\.weight lies in none of them"):
-        model_shapes(gpt_spec("(('ln1', 'out'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None)
+        model_shapes(gpt_spec("(('ln1', 'out'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None, True)
 
 
-def test_a_spec_without_parts_is_refused(tmp_path, monkeypatch, capsys):
-    (tmp_path / "plain.py").write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nfrom own_model import GPTSpec\n")
+@pytest.mark.parametrize("body, needle", [
+    ("", "--zero3-unit sublayer with --model-spec {name}:S: its layers name no parts"),
+    ("    def layer_parts(self, index):\n        raise KeyError('parts')\n",
+     "--model-spec '{name}:S': S.layer_parts raised KeyError: 'parts' at"),
+])
+def test_a_spec_without_parts_or_whose_parts_raise_is_one_line(body, needle, tmp_path, monkeypatch, capsys):
+    name = f"parts_{abs(hash(body)):x}"
+    (tmp_path / f"{name}.py").write_text(f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nfrom own_model import GPTSpec\n"
+                                         f"class S(GPTSpec):\n    pass\n{body}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    code, err = run_main(["train", "--model-spec", "plain:GPTSpec", "--tokenizer", "bytes", "--zero", "3",
+    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--zero", "3",
                           "--zero3-unit", "sublayer", "--max-steps", "1", "--out", "o"], capsys)
-    assert_one_line(code, err, "--zero3-unit sublayer with --model-spec plain:GPTSpec: its layers name no parts")
+    assert_one_line(code, err, needle.format(name=name))
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_memory_model_gathers_a_part_not_a_block():
