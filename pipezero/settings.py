@@ -452,6 +452,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
+    # accepted and unread before (round twelve)
+    _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
+                                            "by node; raise --dp or drop it")
     if p.stall_report_s is not None:
         _check(p.stall_report_s < p.timeout_s,
                f"--stall-report {p.stall_report_s:g} is not below --timeout {p.timeout_s:g}: a wait fails at the "

@@ -75,6 +75,19 @@ def _by_file(names: list[str], cfg: ModelConfig, files: dict[str, Path]) -> dict
     return groups
 
 
+def unread_blocks(cfg: ModelConfig) -> str | None:
+    """Where the weights hold more blocks than config.json's num_hidden_layers, what a run does with
+    them: trains the first ones and leaves the rest (as transformers does, with a warning too)."""
+    if cfg.pretrained is None:
+        return None
+    held = {int(m.group(1)) for name in weight_files(Path(cfg.pretrained)) if (m := HF_BLOCK_NAME.match(name))}
+    if len(held) <= cfg.n_layers:
+        return None
+    return (f"{Path(cfg.pretrained) / 'config.json'}: num_hidden_layers = {cfg.n_layers}, but the weights hold "
+            f"{len(held)} blocks: the run trains blocks 0-{cfg.n_layers - 1} and leaves the other "
+            f"{len(held) - cfg.n_layers} unread (export writes {cfg.n_layers})")
+
+
 def check_weights(cfg: ModelConfig) -> None:
     """Refuse a folder whose weights disagree with its config.json, from the headers alone."""
     assert cfg.pretrained is not None
