@@ -6,6 +6,7 @@ runtime plays the program's collectives)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -148,3 +149,23 @@ def test_verify_compares_a_sublayer_layout_with_one_process(tmp_path):
     ref = reference_config(layout, tmp_path)
     assert (ref.parallel.zero, ref.parallel.zero3_unit) == (0, Zero3Unit.LAYER)
     assert layout.parallel.zero3_unit is Zero3Unit.SUBLAYER
+
+
+def test_plan_says_which_unit_in_its_json_and_why(capsys):
+    """`plan` reports the unit beside the depth (JSON `zero3_unit`, the `why` naming the flag)."""
+    from pipezero.cli import main
+
+    argv = ["plan", "--preset", "tiny", "--nodes", "2", "--gpus-per-node", "1", "--gpu-memory", "8",
+            "--global-batch", "32", "--seq-len", "128", "--device", "cpu", "--tflops", "0.114", "--mfu", "1",
+            "--top", "400", "--json"]
+    units = {}
+    for bw in ("0.1", "0.2"):
+        assert main([*argv, "--inter-bw", bw]) == 0
+        rows = [r for r in json.loads(capsys.readouterr().out)["layouts"] if r["zero"] == 3 and r["pp"] == 1]
+        units[bw] = {r["zero3_unit"] for r in rows}
+        for r in rows:
+            assert (r["zero3_unit"] == "sublayer") == ("--zero3-unit sublayer" in r["why"])
+    assert units["0.1"] == {"layer"} and "sublayer" in units["0.2"]
+    others = [r for r in json.loads((main([*argv, "--inter-bw", "0.2"]), capsys.readouterr().out)[1])["layouts"]
+              if r["zero"] != 3 or r["pp"] > 1]
+    assert others and all(r["zero3_unit"] is None for r in others)
