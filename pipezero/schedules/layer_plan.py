@@ -10,7 +10,8 @@ tied embedding's copies wait for TIED_SUM: theirs follow the action. Split backw
 gradients itself, outside autograd's accumulation: its reductions follow it too.
 
 Layer by layer, a chunk's parameters are one bucket a layer (schedules/bucket_plan.py), present only
-around their use. An action cannot gather them all before it starts (that would be the kept-gathered
+around their use; with --zero3-unit sublayer a layer that names parts is a unit a part (a block's
+attention, then its MLP), its moments named `fwd 3.1`, and all below that says layer says unit. An action cannot gather them all before it starts (that would be the kept-gathered
 chunk), so each of its collectives is tied to a moment inside it, a `Trigger`: a layer's forward
 about to run (`fwd`), just returned (`fwd-end`), the gradient of its output complete so its backward
 begins (`bwd`), or the action's `start` and `end`. The runtime's module hooks report those moments
