@@ -160,6 +160,8 @@ CASES = [
     {**LAYERWISE, "parallel.secondary_shard": "node"},
     {**LAYERWISE, **Q, "parallel.secondary_shard": "node", "parallel.quantize_weights": "int8",
      "parallel.quantize_grads": "int8", "parallel.hierarchical": True},  # all three, two-level
+    # hpZ with a block's attention and MLP as units (--zero3-unit sublayer): a secondary share a part
+    {**LAYERWISE, "parallel.secondary_shard": "node", "parallel.zero3_unit": "sublayer"},
 ]
 
 
@@ -170,11 +172,12 @@ def test_quantized_traffic_trains_within_tolerance(text_dir, tmp_path):
     results = per_rank[0][1]
     ref = results[0]["losses"]
     assert len(ref) == STEPS
-    plain, secondary, together = results[5:]
+    plain, secondary, together, parts = results[5:]
     # the secondary shares hold exactly what the step's first gather brought: the same training
     assert secondary["losses"] == plain["losses"]
     assert plain["losses"] == pytest.approx(ref, rel=1e-4)  # P = 1 D = 4 against P = 2 D = 2: float order
-    for case, res in zip(CASES[1:5] + CASES[7:], results[1:5] + results[7:]):
+    assert parts["losses"] == pytest.approx(secondary["losses"], rel=1e-5)  # the same sums, other buckets
+    for case, res in zip(CASES[1:5] + CASES[7:8], results[1:5] + results[7:8]):
         got = res["losses"]
         mean_gap = abs(sum(got) - sum(ref)) / sum(ref)
         step_gap = max(abs(a - b) / b for a, b in zip(got, ref))
@@ -189,6 +192,9 @@ def test_quantized_traffic_trains_within_tolerance(text_dir, tmp_path):
     for r in summaries[6]["ranks"]:
         assert r["held_bytes"]["secondary"] == pytest.approx(2 * r["params"], rel=0.01)
     assert all(r["held_bytes"]["secondary"] == 0 for r in summaries[5]["ranks"])
+    for r in summaries[8]["ranks"]:  # parts: the same share of the same parameters, the same bytes sent
+        assert r["held_bytes"]["secondary"] == pytest.approx(2 * r["params"], rel=0.01)
+    assert sent[8] == pytest.approx(sent[6], rel=0.01)
     sent = sent[:5]
     # In units of a stage's fp32 parameters, each term (D - 1) / D of it: the reference ZeRO-1 sends
     # a reduce-scatter (1) and a gather (1); ZeRO-0's all-reduce is 2; int8 sends 1/4 of fp32's bytes and a 4-byte scale a block,
