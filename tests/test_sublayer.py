@@ -169,3 +169,27 @@ def test_plan_says_which_unit_in_its_json_and_why(capsys):
     others = [r for r in json.loads((main([*argv, "--inter-bw", "0.2"]), capsys.readouterr().out)[1])["layouts"]
               if r["zero"] != 3 or r["pp"] > 1]
     assert others and all(r["zero3_unit"] is None for r in others)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--zero", "3", "--dp", "2"], "--zero3-unit sublayer applies with --zero3-layerwise"),
+    (["--zero", "2", "--dp", "2", "--zero3-layerwise"], "--zero3-layerwise is read only by ZeRO-3"),
+    (["--zero", "1", "--dp", "2"], "--zero3-unit is read only by ZeRO-3"),
+    ([], "--zero3-unit applies with --zero"),
+])
+def test_simulate_refuses_the_unit_where_it_would_read_none(args, needle, capsys):
+    """simulate's timing run lowers its program with the unit; where no gather is a unit's, one line."""
+    assert_one_line(*run_main(["simulate", "--zero3-unit", "sublayer", *args, "--json"], capsys), needle)
+
+
+def test_simulate_lowers_a_bucket_a_part(capsys):
+    from pipezero.cli import main
+
+    base = ["simulate", "--zero", "3", "--dp", "2", "--pp", "2", "--microbatches", "4", "--zero3-layerwise", "--json"]
+    got = {}
+    for unit in ("layer", "sublayer"):
+        assert main([*base, "--zero3-unit", unit]) == 0
+        got[unit] = json.loads(capsys.readouterr().out)
+    assert got["sublayer"]["zero3_unit"] == "sublayer" and got["layer"]["zero3_unit"] == "layer"
+    blocks = [n - 1 for n in got["layer"]["buckets_per_chunk"]]  # each chunk: its blocks and an end layer
+    assert got["sublayer"]["buckets_per_chunk"] == [n + b for n, b in zip(got["layer"]["buckets_per_chunk"], blocks)]

@@ -46,11 +46,11 @@ def parse_cost(text: str) -> tuple[float, float, float]:
 
 # flags only the ZeRO lowering reads: given without --zero they would change nothing
 ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch",
-              "dtype",
+              "zero3_unit", "dtype",
               "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
 
 
-ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch")  # of those, what only ZeRO-3 reads
+ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zero3_unit")  # of those, what only ZeRO-3 reads
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
@@ -97,6 +97,9 @@ def check_combination(args: argparse.Namespace) -> None:
     elif not RULES[args.zero].sharded_params and (unread := [d for d in given if d in ZERO3_FLAGS]):
         raise ConfigError(f"{flag(unread[0])} is read only by ZeRO-3 (its parameter gathers); with --zero {args.zero} "
                           f"it changes nothing: add --zero 3, or drop {flag(unread[0])}")
+    elif args.zero3_unit not in (None, "layer") and not args.zero3_layerwise:  # read only layer by layer
+        raise ConfigError(f"--zero3-unit {args.zero3_unit} applies with --zero3-layerwise (a chunk kept gathered has "
+                          f"one gather a step, not a unit's): add --zero3-layerwise, or drop it")
     elif not RULES[args.zero].gathers_weights and args.quantize_weights != "none":
         raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
                           f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")

@@ -43,8 +43,8 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
                         "with --zero3-layerwise it also places the lowered program's gathers; auto is the planner's: "
                         "pipezero plan, or train --link-gbps)")
     m.add_argument("--zero3-unit", choices=[x.value for x in Zero3Unit], default=None,
-                   help="ZeRO-3 layer by layer: what one gather covers (as train --zero3-unit: layer, or sublayer, "
-                        "a block's attention and MLP apart)")
+                   help="ZeRO-3 layer by layer (--memory, or --zero3-layerwise): what one gather covers (as train "
+                        "--zero3-unit: layer, or sublayer, a block's attention and MLP apart)")
     m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
                    help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
                         "largest predicted peak is least)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pipezero.config import GradReduce, ModelConfig, ParallelConfig, Partition, ScheduleKind
+from pipezero.config import GradReduce, ModelConfig, ParallelConfig, Partition, ScheduleKind, Zero3Unit
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import CostModel
@@ -41,6 +41,7 @@ class ZeroOptions:
     grad_bytes: float | None = None  # --quantize-grads: an element of every gradient reduction
     gather_bytes: float | None = None  # --quantize-weights: an element of every parameter gather
     depth: int = 1  # ZeRO-3 layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
+    unit: Zero3Unit = Zero3Unit.LAYER  # ZeRO-3 layer by layer: a layer, or a block's part (--zero3-unit)
 
     @property
     def sharded_params(self) -> bool:
@@ -62,7 +63,7 @@ class ZeroOptions:
         gather = element_bytes(8, args.quant_block) if args.quantize_weights == "int8" else None
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
                    args.zero3_layerwise, args.zero3_prefetch_chunk, 2 if args.dtype == "bf16" else 4,
-                   args.optim_cost, grad, gather, depth)
+                   args.optim_cost, grad, gather, depth, Zero3Unit(getattr(args, "zero3_unit", None) or "layer"))
 
 
 def preset_model(preset: str, n_chunks: int, seq_len: int = 1024) -> tuple[ModelShapes, int]:
@@ -105,7 +106,7 @@ def lower_zero(s: Schedule, opt: ZeroOptions, replicas: tuple[int, ...] | None =
     model, params = preset_model(opt.preset, s.n_chunks)
     p = ParallelConfig(pp=s.pp, dp=opt.dp, zero=opt.zero, schedule=ScheduleKind(s.name), microbatches=s.microbatches,
                        virtual_stages=s.virtual, grad_reduce=opt.grad_reduce, bucket_mb=opt.bucket_mb,
-                       zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth)
+                       zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth, zero3_unit=opt.unit)
     plan = compile_plan(p, model, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes, gather_bytes=opt.gather_bytes,
                         prefetch=opt.prefetch, replicas=replicas, schedule=s)
     return Lowered(plan.program, plan.buckets, params / s.pp * opt.wire_bytes)
@@ -124,6 +125,7 @@ def run_program(low: Lowered, cost: CostModel, opt: ZeroOptions) -> tuple[Progra
     figures = {"zero": opt.zero, "dp": opt.dp, "grad_reduce": opt.grad_reduce.value, "preset": opt.preset,
                "zero3_layerwise": opt.zero3_layerwise, "zero3_prefetch_chunk": opt.sharded_params and opt.prefetch,
                "zero3_prefetch": opt.depth if opt.zero3_layerwise else None,
+               "zero3_unit": opt.unit.value if opt.zero3_layerwise else None,
                "buckets_per_chunk":
                [len(b) for b in buckets.numels], "dp_comm": opt.dp_comm,
                "step_time_no_zero_traffic": free.step_time, "bubble_no_zero_traffic": free.bubble,
