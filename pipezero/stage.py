@@ -146,7 +146,49 @@ def parts_of(spec: ModelSpec, layer: torch.nn.Module, index: int,
         except ValueError:
             raise ConfigError(f"{where}: {t.name} lies in none of them; every trainable tensor of the layer must "
                               f"lie in one part") from None
+    ran = forward_order(layer, parts, spec.dim)
+    if ran is not None and not runs_in_parts(ran, parts):
+        entered = [what.split()[0] for _, what in ran if what.endswith("entered")]
+        raise ConfigError(f"{where}: a forward of layer {index} enters its modules in the order {entered}; list the "
+                          f"parts in the order they run, each part's modules one after another, its first module "
+                          f"first and its last last")
     return parts
+
+
+def forward_order(layer: torch.nn.Module, parts: tuple[tuple[str, ...], ...],
+                  dim: int) -> list[tuple[int, str]] | None:
+    """(part, `name` entered or `name` returned) for each of the parts' modules in the order a forward
+    of `layer` on the meta device runs them, or None where the layer cannot run there (then the
+    runtime's own check, a unit computing with weights its program never gathered, is what stands)."""
+    ran: list[tuple[int, str]] = []
+    handles = []
+    for j, group in enumerate(parts):
+        for name in group:
+            module = layer.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(lambda *_, j=j, n=name: ran.append((j, f"{n} entered"))))
+            handles.append(module.register_forward_hook(lambda *_, j=j, n=name: ran.append((j, f"{n} returned"))))
+    try:
+        with torch.no_grad():
+            layer(torch.empty(1, 8, dim, device="meta"))
+    except Exception:  # noqa: BLE001 - the spec's layer does not run on meta tensors: nothing to say here
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return ran
+
+
+def runs_in_parts(ran: list[tuple[int, str]], parts: tuple[tuple[str, ...], ...]) -> bool:
+    """Whether the parts ran in their order, one after another, each entered by its first module and
+    left by its last (what the hooks that report a part's moments assume: zero/layerwise.py)."""
+    order = [j for j, _ in ran]
+    if order != sorted(order) or set(order) != set(range(len(parts))):
+        return False
+    for j, group in enumerate(parts):
+        mine = [what for k, what in ran if k == j]
+        if mine[0] != f"{group[0]} entered" or mine[-1] != f"{group[-1]} returned":
+            return False
+    return True
 
 
 def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.device("cpu"),
