@@ -132,8 +132,13 @@ def parts_of(spec: ModelSpec, layer: torch.nn.Module, index: int,
              tensors: tuple[TensorShape, ...]) -> tuple[tuple[str, ...], ...]:
     """The spec's parts of layer `index` (models/spec.py `layer_parts`), held to the layer it built:
     each part names sub-modules the layer has, and every trainable tensor lies in one."""
-    parts = tuple(tuple(g) for g in spec.layer_parts(index))
-    where = f"{type(spec).__name__}.layer_parts({index}) = {parts}"
+    said = spec.layer_parts(index)
+    where = f"{type(spec).__name__}.layer_parts({index}) = {said!r}"
+    if not isinstance(said, (tuple, list)) or not all(isinstance(g, (tuple, list)) and
+                                                      all(isinstance(n, str) for n in g) for g in said):
+        raise ConfigError(f"{where}: expected groups of sub-module names, like (('attn_norm', 'attn'), "
+                          f"('mlp_norm', 'mlp'))")
+    parts = tuple(tuple(g) for g in said)
     for group in parts:
         missing = [n for n in group if not isinstance(getattr(layer, n, None), torch.nn.Module)]
         if not group or missing:

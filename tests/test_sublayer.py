@@ -67,6 +67,9 @@ def test_a_specs_parts_are_held_to_the_layers_it_builds():
         model_shapes(gpt_spec("(('ln1', 'attn'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None, True)
     with pytest.raises(ConfigError, match=r"layers\.1\.q\.weight lies in none of them"):
         model_shapes(gpt_spec("(('ln1', 'out'), ('ln2', 'fc', 'proj'))"), [(0, good.n_layers + 2)], None, True)
+    for said in ("('attn', 'mlp')", "'ln1'", "((1, 2),)", "None"):
+        with pytest.raises(ConfigError, match=r"expected groups of sub-module names"):
+            model_shapes(gpt_spec(said), [(0, good.n_layers + 2)], None, True)
     # held to the order a forward runs them (on the meta device): parts swapped, or a part's last
     # module not the last it runs (the part's end would release weights its next module reads)
     ran = r"enters its modules in the order \['ln1', 'q', 'k', 'v', 'out', 'ln2', 'fc', 'proj'\]"
