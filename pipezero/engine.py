@@ -27,7 +27,6 @@ from pipezero.data.packing import IGNORE
 from pipezero.freeze import frozen_params
 from pipezero.generate import sample
 from pipezero.models import ModelSpec, spec_of
-from pipezero.models.hf_weights import unread_blocks
 from pipezero.optim import lr_at, short_of_peak
 from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
@@ -301,8 +300,11 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's."""
     trainer = Trainer.set_up(cfg, spec)
     show = trainer.shows_progress
-    if trainer.stage.mesh.rank == 0 and (note := unread_blocks(cfg.model)):
-        print(f"pipezero: warning: {note}", file=sys.stderr, flush=True)
+    if trainer.stage.mesh.rank == 0 and cfg.model.pretrained is not None:
+        from pipezero.models.hf_weights import unread_blocks  # a pretrained folder's reader: only for one
+
+        if note := unread_blocks(cfg.model):
+            print(f"pipezero: warning: {note}", file=sys.stderr, flush=True)
     try:
         with StepProgress(cfg.run.max_steps, trainer.start, show) as progress:
             if show:
