@@ -366,6 +366,9 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
             raise users_fault(str(cfg.model.spec), e) or e from None
         _check(named, f"--zero3-unit {p.zero3_unit.value} with --model-spec {cfg.model.spec}: its layers name no parts "
                       f"(layer_parts), so every unit would be a whole layer; define layer_parts in the spec, or drop it")
+        from pipezero.models.parts import check_spec_parts
+
+        check_spec_parts(spec)  # type: ignore[arg-type]  # here, not on every rank once they have started
 
 
 def check_prefetch(cfg: TrainConfig) -> None:

@@ -22,6 +22,7 @@ from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import StageChunk, place_hollow
+from pipezero.models.parts import checked_parts
 from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
@@ -117,7 +118,7 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
             borrows = tuple(dict.fromkeys(name_of[q] for q in module.parameters()
                                           if q in name_of and layer_of(name_of[q]) != i))
             if own or borrows:
-                named_parts = parts_of(spec, module, i, own) if parts and not borrows else ()
+                named_parts = checked_parts(spec, module, i, own) if parts and not borrows else ()
                 layers.append(LayerTensors(i, own, borrows, named_parts))
         splits = c > 0 and all(splittable(m) for m in chunk.modules()
                                if next(m.parameters(recurse=False), None) is not None)
@@ -126,74 +127,6 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     trainable = {n for ps in named.values() for n, _ in ps}
     tied = names if names and len(bounds) > 1 and set(names) <= trainable else None
     return ModelShapes(tuple(out), tied)
-
-
-def parts_of(spec: ModelSpec, layer: torch.nn.Module, index: int,
-             tensors: tuple[TensorShape, ...]) -> tuple[tuple[str, ...], ...]:
-    """The spec's parts of layer `index` (models/spec.py `layer_parts`), held to the layer it built:
-    each part names sub-modules the layer has, and every trainable tensor lies in one."""
-    said = spec.layer_parts(index)
-    where = f"{type(spec).__name__}.layer_parts({index}) = {said!r}"
-    if not isinstance(said, (tuple, list)) or not all(isinstance(g, (tuple, list)) and
-                                                      all(isinstance(n, str) for n in g) for g in said):
-        raise ConfigError(f"{where}: expected groups of sub-module names, like (('attn_norm', 'attn'), "
-                          f"('mlp_norm', 'mlp'))")
-    parts = tuple(tuple(g) for g in said)
-    for group in parts:
-        missing = [n for n in group if not isinstance(getattr(layer, n, None), torch.nn.Module)]
-        if not group or missing:
-            raise ConfigError(f"{where}: {missing or 'an empty part'} is no sub-module of layer {index} "
-                              f"({type(layer).__name__}); name its sub-modules, in forward order")
-    shapes = LayerTensors(index, tensors, parts=parts)
-    for t in tensors:
-        try:
-            shapes.part_of(t.name)
-        except ValueError:
-            raise ConfigError(f"{where}: {t.name} lies in none of them; every trainable tensor of the layer must "
-                              f"lie in one part") from None
-    ran = forward_order(layer, parts, spec.dim)
-    if ran is not None and not runs_in_parts(ran, parts):
-        entered = [what.split()[0] for _, what in ran if what.endswith("entered")]
-        raise ConfigError(f"{where}: a forward of layer {index} enters its modules in the order {entered}; list the "
-                          f"parts in the order they run, each part's modules one after another, its first module "
-                          f"first and its last last")
-    return parts
-
-
-def forward_order(layer: torch.nn.Module, parts: tuple[tuple[str, ...], ...],
-                  dim: int) -> list[tuple[int, str]] | None:
-    """(part, `name` entered or `name` returned) for each of the parts' modules in the order a forward
-    of `layer` on the meta device runs them, or None where the layer cannot run there (then the
-    runtime's own check, a unit computing with weights its program never gathered, is what stands)."""
-    ran: list[tuple[int, str]] = []
-    handles = []
-    for j, group in enumerate(parts):
-        for name in group:
-            module = layer.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(lambda *_, j=j, n=name: ran.append((j, f"{n} entered"))))
-            handles.append(module.register_forward_hook(lambda *_, j=j, n=name: ran.append((j, f"{n} returned"))))
-    try:
-        with torch.no_grad():
-            layer(torch.empty(1, 8, dim, device="meta"))
-    except Exception:  # noqa: BLE001 - the spec's layer does not run on meta tensors: nothing to say here
-        return None
-    finally:
-        for h in handles:
-            h.remove()
-    return ran
-
-
-def runs_in_parts(ran: list[tuple[int, str]], parts: tuple[tuple[str, ...], ...]) -> bool:
-    """Whether the parts ran in their order, one after another, each entered by its first module and
-    left by its last (what the hooks that report a part's moments assume: zero/layerwise.py)."""
-    order = [j for j, _ in ran]
-    if order != sorted(order) or set(order) != set(range(len(parts))):
-        return False
-    for j, group in enumerate(parts):
-        mine = [what for k, what in ran if k == j]
-        if mine[0] != f"{group[0]} entered" or mine[-1] != f"{group[-1]} returned":
-            return False
-    return True
 
 
 def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.device("cpu"),

@@ -83,6 +83,10 @@ def test_a_specs_parts_are_held_to_the_layers_it_builds():
     ("", "--zero3-unit sublayer with --model-spec {name}:S: its layers name no parts"),
     ("    def layer_parts(self, index):\n        raise KeyError('parts')\n",
      "--model-spec '{name}:S': S.layer_parts raised KeyError: 'parts' at"),
+    # checked with the settings, so under --nproc too it is one line before any rank starts
+    ("    def layer_parts(self, index):\n        return (('ln2', 'fc', 'proj'), ('ln1', 'q', 'k', 'v', 'out')) "
+     "if 0 < index <= self.n_layers else ()\n", "S.layer_parts(1) = (('ln2', 'fc', 'proj'), ('ln1', 'q', 'k', 'v', "
+     "'out')): a forward of layer 1 enters its modules in the order"),
 ])
 def test_a_spec_without_parts_or_whose_parts_raise_is_one_line(body, needle, tmp_path, monkeypatch, capsys):
     name = f"parts_{abs(hash(body)):x}"
@@ -90,8 +94,8 @@ def test_a_spec_without_parts_or_whose_parts_raise_is_one_line(body, needle, tmp
                                          f"class S(GPTSpec):\n    pass\n{body}")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--zero", "3",
-                          "--zero3-unit", "sublayer", "--max-steps", "1", "--out", "o"], capsys)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--zero", "3", "--nproc", "2",
+                          "--dp", "2", "--zero3-unit", "sublayer", "--max-steps", "1", "--out", "o"], capsys)
     assert_one_line(code, err, needle.format(name=name))
     assert not (tmp_path / "o").exists()
 
