@@ -81,8 +81,7 @@ def time_zero(args: argparse.Namespace, rank: int, zero: int) -> dict:
         stage.tracer.step = step
         stage.zero.begin_step()
         t0 = time.perf_counter()
-        stage.executor.run(stage.program, mbs, denom)
-        stage.zero.step(1e-4, 1.0, stage.groups.world)
+        stage.executor.run(stage.program, mbs, denom, lambda loss: stage.zero.step(1e-4, 1.0, stage.groups.world))
         times.append(time.perf_counter() - t0)
         exposed.append(sum(e[4] - e[3] for e in stage.tracer.events if e[5] == step and e[2] == "collectives"))
     # The same collectives alone: every bucket reduced (and gathered back) with nothing else running.

@@ -189,9 +189,11 @@ class Trainer:
         stage.zero.begin_step()
         # the mean over the global batch's targets; packing ignores those across a document boundary
         counted = int((batch[1] != IGNORE).sum())
-        stats = stage.executor.run(stage.program, mbs, max(1, counted))
+        stats = stage.executor.run(stage.program, mbs, max(1, counted),
+                                   lambda loss: stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, loss))
         self.peak_live = max(self.peak_live, stats.peak_live)
-        outcome = stage.zero.step(lr, cfg.optim.grad_clip, stage.groups.world, stats.loss)
+        outcome = stats.outcome
+        assert outcome is not None  # every program ends its step with OPTIM_STEP (the executor checks)
         if self.meter is not None and "train" not in self.meter.phases:  # the first step's peak
             stage.zero.settle()
             self.meter.pause("train")

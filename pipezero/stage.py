@@ -36,7 +36,7 @@ from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.compile import CompiledPlan, compile_plan
 from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape, layer_of
-from pipezero.schedules.program import Instr
+from pipezero.schedules.program import Instr, defers_update_waits
 from pipezero.schedules.program_check import check_placement
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
@@ -185,14 +185,14 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   {c: plan.layouts(c) for c in chunks}, p.grad_reduce, p.timeout_s, rank,
                   keep_gathered=not plan.layerwise, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
-                  overlap_gather=p.overlap_gather, source=source, hierarchy=hierarchy,
-                  in_flight=p.buckets_in_flight, node=node, forward_only=plan.forward_only, **wires(p))
+                  source=source, hierarchy=hierarchy,
+                  node=node, forward_only=plan.forward_only, **wires(p))
     zero.comm.flight = flight
     if zero.layerwise:
         layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})
-    elif zero.defers_gathers:
-        updates.install(zero, chunks)  # each layer waits for its own updated weights
     program = rank_program(plan, mesh, zero)
+    if defers_update_waits(program):
+        updates.install(zero, chunks)  # each layer waits for its own updated weights
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  plan, program)

@@ -18,6 +18,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     root = Path(__file__).resolve().parent.parent
     for folder in ("pipezero", "tests"):
         compileall.compile_dir(root / folder, quiet=2)  # a read-only checkout only loses the head start
+    try:  # matplotlib lists the system's fonts (a process, fc-list) once a machine: here, not in a test
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -305,3 +305,40 @@ def test_a_tied_embedding_is_summed_then_reduced_before_the_step(kind):
         broken[last] = tuple(i for i in broken[last] if i.kind is not Kind.TIED_SUM)
         with pytest.raises(ScheduleError, match="deadlocks"):
             simulate_program(replace(prog, ranks=tuple(broken)))
+
+
+@pytest.mark.parametrize("zero", range(4))
+def test_the_in_flight_bound_is_an_instruction_the_lowering_places(zero):
+    """Where a reduction lands in a shard (ZeRO 1-3) every REDUCE_GRAD that does not block carries the
+    bound on reductions left in flight (--buckets-in-flight); a blocking one, and ZeRO-0's
+    all-reduces, carry none. The runtime, the memory walk and the simulator read it there."""
+    s = schedule(K.ZB_H1, 2)
+    for in_flight in (1, 3):
+        prog = lower(s, 2, zero, GradReduce.MICROBATCH, uniform_plan(s.n_chunks, BUCKETS, 1000, 2),
+                     in_flight=in_flight)
+        reductions = [i for r in prog.ranks for i in flat(r) if i.kind is Kind.REDUCE_GRAD]
+        assert reductions
+        for i in reductions:
+            assert i.bound == (in_flight if zero and not i.blocking else None), i
+    with pytest.raises(ValueError, match="in_flight"):
+        lower(s, 2, 2, GradReduce.STEP, uniform_plan(s.n_chunks, BUCKETS, 1000, 2), in_flight=0)
+
+
+def test_the_simulator_and_the_memory_walk_read_the_bound_from_the_program():
+    """A tighter bound than the program's stalls the simulated backward where the link is slow, and a
+    looser one lets the memory walk keep more full gradient buckets alive: both follow the number the
+    program carries, not a rule of their own."""
+    from pipezero.settings import build_config
+    from pipezero.sim.memory import predict
+
+    s = schedule(K.INTERLEAVED_1F1B, 2)  # a chunk's reductions start while the other chunk's backwards run
+    link = CommCost(bandwidth=1e5)  # a bucket's reduction about a tenth of a forward
+    times = [simulate_program(lower(s, 2, 2, GradReduce.STEP, uniform_plan(s.n_chunks, 8, 10_000, 2),
+                                    in_flight=n), comm=link).step_time for n in (1, 8)]
+    assert times[0] > times[1] * 1.05
+    base = {"model.preset": "small", "data.seq_len": "64", "parallel.micro_batch_size": "2", "run.device": "cpu",
+            "parallel.pp": "2", "parallel.dp": "2", "parallel.zero": "2", "parallel.microbatches": "2",
+            "parallel.bucket_mb": "0.05", "parallel.grad_reduce": "microbatch"}
+    peaks = [predict(build_config(None, {**base, "parallel.buckets_in_flight": str(n)}))[0] for n in (1, 4)]
+    assert peaks[1].categories["grads"] > peaks[0].categories["grads"]
+    assert peaks[1].categories["collectives"] > peaks[0].categories["collectives"]

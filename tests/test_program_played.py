@@ -1,9 +1,10 @@
-"""The runtime starts the data-parallel collectives its lowered program lists, in the program's order.
+"""The runtime plays the data-parallel collectives its lowered program lists, as the program says.
 
-Each rank records the collectives it starts (zero/coordinator.py `issued`: one name a bucket, as
-the program names it) and holds them against `started_collectives` of its own program
-(tests/training.py `train_cases` does so for every run of every layout test; this test runs the
-layouts below for one step each and checks that the records are not empty). Point-to-point
+Each rank records what it plays (zero/coordinator.py `played`: each start of a bucket's collective
+with its bytes, wire type and group, and each wait for a reduction, named as the program names
+them) and tests/training.py `train_cases` holds every step's record against `expected` of the
+rank's program (schedules/played.py) for every run of every layout test; this test runs the
+layouts below for one step each and checks that the records are not empty. Point-to-point
 transfers need no such record: the executor posts them by playing the program's SEND and RECV
 instructions in order (runtime/executor.py `run`).
 
@@ -37,7 +38,11 @@ def cases() -> list[dict]:
             for z in (2, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
             for z in (1, 3)]
-    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": True}]
+    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": o}
+            for o in (True, False)]
+    # the in-flight bound is the program's: two reductions left in flight, split and fused backward
+    out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": 2, "parallel.buckets_in_flight": 2,
+             "parallel.bucket_mb": 0.02} for kind in (K.ZB_H1, K.ONE_F_ONE_B)]
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
     out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
     out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, "parallel.zero3_keep_gathered": True}
@@ -96,8 +101,11 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**c, **one_step} for c in todo],
                         timeout=600)  # train_cases raises where a rank started other than its program lists
     first = [r["started"] for r in results[0]]  # rank 0's, case by case
-    # the comparison had something to compare: reductions everywhere, gathers at ZeRO-1-3 with D > 1
+    # the comparison had something to compare: reductions everywhere, each waited for, gathers at
+    # ZeRO-1-3 with D > 1
     assert all(any(s.startswith("REDUCE_GRAD") for s in started) for started in first)
+    assert all(sorted(r["waited"]) == sorted(s for s in r["started"] if s.startswith("REDUCE_GRAD"))
+               for r in results[0])
     assert all(any(s.startswith("UNSHARD") for s in started) for c, started in zip(todo, first)
                if c["parallel.zero"] and c["dp"] > 1)
     assert all(any(s.startswith("TIED_SUM") for s in started) for c, started in zip(todo, first)

@@ -67,8 +67,8 @@ def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **ext
 
 def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
     """Train each case (keyword arguments of tiny_overrides) in this process group, in order. Every
-    run is also held to its program: the collectives its last step started are those the compiled
-    program lists, in its order (`played`), so every layout test checks that too."""
+    run is also held to its program: what each step played of ZeRO's collectives is what the
+    compiled program says (`record_departure`), so every layout test checks that too."""
     from pipezero.engine import train
 
     seen = watch_program()
@@ -77,48 +77,68 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
         cfg = build_config(None, tiny_overrides(data, f"{out}/case{i}", **case))
         seen.clear()
         res = train(cfg, snapshot=True)
-        started, listed = played(seen)
-        if started != listed:
-            raise AssertionError(f"rank {rank}, {case}: the runtime started {started}, the program lists {listed}")
+        if problem := record_departure(seen):
+            raise AssertionError(f"rank {rank}, {case}: {problem}")
+        started = seen.get("started", [])
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
                         "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started,
+                        "waited": [p.name for p in seen["steps"][-1][0] if p.event.value == "wait"] if seen.get("steps")
+                        else [],
                         "bounds": seen["stage"].bounds})
     return results
 
 
 def watch_program() -> dict:
-    """From now on in this rank process, every run leaves in the returned dict its stage and the
-    collectives its last step started (zero/coordinator.py `issued`, copied right after the
-    optimizer step, before an evaluation gathers anything)."""
+    """From now on in this rank process, every run leaves in the returned dict its stage, the
+    collectives its last step started (zero/coordinator.py `issued`) and every step's record
+    (`played`, and whether the step was applied), copied when the executor has played the step's
+    program, before an evaluation gathers anything."""
     import pipezero.engine as engine
-    from pipezero.zero.sharded import ZeroDP
+    from pipezero.runtime.executor import Executor
 
     if not hasattr(engine, "_watched"):
-        build, step, seen = engine.build_stage, ZeroDP.step, {}
+        build, run, seen = engine.build_stage, Executor.run, {}
 
         def keep_stage(*args, **kwargs):
             seen["stage"] = stage = build(*args, **kwargs)
             return stage
 
         def keep_started(self, *args, **kwargs):
-            outcome = step(self, *args, **kwargs)
-            seen["started"] = list(self.comm.issued)
-            return outcome
+            stats = run(self, *args, **kwargs)
+            comm = seen["stage"].zero.comm
+            seen["started"] = list(comm.issued)
+            seen.setdefault("steps", []).append((list(comm.played), stats.outcome.applied))
+            return stats
 
-        engine.build_stage, ZeroDP.step, engine._watched = keep_stage, keep_started, seen
+        engine.build_stage, Executor.run, engine._watched = keep_stage, keep_started, seen
     return engine._watched
 
 
-def played(seen: dict) -> tuple[list[str], list[str]]:
-    """(started, listed) of the run `watch_program` saw last: what the runtime started and what the
-    program lists (layer-by-layer ZeRO-3's gathers inside the compute included); both empty where no
-    step ran."""
-    from pipezero.schedules.program import started_collectives
+def record_departure(seen: dict) -> str:
+    """Where the run `watch_program` saw last played other than its program says, on any step:
+    every start of a collective (name, bytes as the program prices them, group) and every wait for a
+    reduction, in order (schedules/played.py `expected`); "" where none. Bytes are compared where the
+    wire carries floats (quantized messages add their scales, which the program prices as a rate);
+    hpZ's gathers from the node's shares are the runtime's choice of group."""
+    from pipezero.schedules.played import expected
 
     stage = seen.get("stage")
-    if stage is None or "started" not in seen:
-        return [], []
-    return seen["started"], started_collectives(stage.program, stage.plan.buckets)
+    if stage is None:
+        return ""
+    hpz = stage.zero.node is not None
+    for n, (record, applied) in enumerate(seen.get("steps", []), 1):
+        want = expected(stage.program, stage.plan.buckets, applied)
+        got = [(p.event.value, p.name) for p in record]
+        if got != [(e.event, e.name) for e in want]:
+            return f"step {n}: played {got}, the program says {[(e.event, e.name) for e in want]}"
+        for p, e in zip(record, want):
+            if p.step != record[0].step:
+                return f"step {n}: {p} recorded under another step"
+            if p.event.value == "start" and p.wire in ("fp32", "bf16") and p.nbytes != e.nbytes:
+                return f"step {n}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
+            if p.event.value == "start" and p.group != e.group and not (hpz and p.group == "node"):
+                return f"step {n}: {p.name} in group {p.group}, the program's is {e.group}"
+    return ""
 
 
 def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:

@@ -5,9 +5,10 @@ the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRA
 runs compute itself, posts transfers through runtime/p2p.py and hands each collective to the
 data-parallel layer, which starts, waits for or releases exactly what the instruction names.
 Layer-by-layer ZeRO-3's collectives sit inside the compute instruction: the executor arms them
-before the action and checks after it that every one fired (zero/sharded.py `begin_compute`). The
-program ends at OPTIM_STEP, which the engine plays (it needs the step's learning rate and loss):
-ZeroDP.step drains, clips, updates and, at ZeRO-1/2, starts the gathers of updated weights.
+before the action and checks after it that every one fired (zero/sharded.py `begin_compute`).
+OPTIM_STEP is played here too, through the optimizer step the caller binds to the step's learning
+rate (ZeroDP.step: drain, clip, update); the UNSHARDs after it (ZeRO-1/2's gathers of the updated
+weights) are played like any other, where the step was applied.
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipezero.config import DType
 from pipezero.models import StageChunk
+from pipezero.nonfinite import StepOutcome
 from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.flight import FlightRecord
@@ -73,8 +75,14 @@ class StepStats:
     loss: torch.Tensor  # this rank's share of the global mean loss (non-zero only on the last chunk),
     # on the device: read with the gradient norm, in the step's one synchronisation
     peak_live: int  # most chunk activations held at once (F done, B or W not yet)
-    elapsed_s: float = 0.0  # wall time of the schedule on this rank
+    elapsed_s: float = 0.0  # wall time of the schedule on this rank (to its OPTIM_STEP)
     wait_s: float = 0.0  # of which blocked on peers: the rank's measured bubble
+    outcome: StepOutcome | None = None  # the optimizer step's, where the run played it
+
+
+# OPTIM_STEP, played: drain, clip and update with the step's learning rate (zero/sharded.py `step`),
+# given this rank's share of the loss
+OptimizerStep = Callable[[torch.Tensor], StepOutcome]
 
 
 @dataclass
@@ -131,10 +139,13 @@ class Executor:
         else:
             self._outbox[(consumer, kind is Payload.GRAD, mb)] = tensor
 
-    def run(self, program: Sequence[Instr], microbatches: Sequence[MicroBatch], denom: float) -> StepStats:
-        """Play this rank's `program` up to its OPTIM_STEP on `microbatches` (every rank holds them
-        all: the first chunk reads the tokens, the last the targets, every chunk the document ids
-        of packed documents)."""
+    def run(self, program: Sequence[Instr], microbatches: Sequence[MicroBatch], denom: float,
+            optimizer_step: OptimizerStep | None = None) -> StepStats:
+        """Play this rank's `program` on `microbatches` (every rank holds them all: the first chunk
+        reads the tokens, the last the targets, every chunk the document ids of packed documents).
+        OPTIM_STEP is played by `optimizer_step` (None: the run ends there, the schedule alone, as
+        the benchmarks time it); what follows it (the gathers of updated weights) only where the
+        step was applied: a step skipped for a non-finite gradient changed no weight."""
         live: dict[tuple[int, int], _Live] = {}
         microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
         self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
@@ -149,18 +160,28 @@ class Executor:
         if not any(isinstance(ins, OptimStep) for ins in program):
             raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
+        stats: StepStats | None = None
         for i, ins in enumerate(program):
             self.flight.begin(i, ins)
             if isinstance(ins, PointToPoint):
                 self._post(ins)
-                continue
-            if isinstance(ins, DataParallel):
+            elif isinstance(ins, DataParallel):
                 self.hooks.play(ins)
-                continue
-            if isinstance(ins, OptimStep):
-                break
-            self._play(ins, live, microbatches, ins.action.chunk in split, denom, loss)
-            peak = max(peak, len(live))
+            elif isinstance(ins, OptimStep):
+                stats = self._finish_step(live, loss, peak, t0, waited0)
+                if optimizer_step is None:
+                    return stats
+                stats.outcome = optimizer_step(loss)
+                if not stats.outcome.applied:
+                    return stats
+            else:
+                self._play(ins, live, microbatches, ins.action.chunk in split, denom, loss)
+                peak = max(peak, len(live))
+        assert stats is not None
+        return stats
+
+    def _finish_step(self, live: dict, loss: torch.Tensor, peak: int, t0: float, waited0: float) -> StepStats:
+        """The schedule's end, at OPTIM_STEP: every send waited for, every activation released."""
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")

@@ -100,7 +100,8 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     depth = p.zero3_prefetch if lw else 1
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw, sublayer=p.zero3_unit is Zero3Unit.SUBLAYER)
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
-    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, wire_bytes, grad_bytes,
+    how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, p.buckets_in_flight,
+           p.overlap_gather, wire_bytes, grad_bytes,
            gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
@@ -122,9 +123,11 @@ def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
 
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
-           prefetch: bool, recompute: bool, depth: int, wire: float, grad: float | None, gather: float | None,
+           prefetch: bool, recompute: bool, depth: int, in_flight: int, overlap_gather: bool, wire: float,
+           grad: float | None,
+           gather: float | None,
            pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
     return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
-                 depth=depth,
-                 wire_bytes=wire, grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
+                 depth=depth, in_flight=in_flight, overlap_gather=overlap_gather, wire_bytes=wire,
+                 grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
                  replicas=replicas)

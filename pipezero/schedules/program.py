@@ -19,8 +19,11 @@ Placement rules (D = data-parallel ranks):
   for a bucket holding a tensor used twice (reduced after it); the simulator starts them when the
   BW ends (a conservative bound). They run async; the rank blocks (`blocking`: waits for this and every
   earlier collective) after each backward in `microbatch` mode, after the chunk's final backward
-  at ZeRO-3, otherwise at OPTIM_STEP. ZeRO-2's cap of two buckets in flight during a backward is
-  a memory rule of the runtime (zero/sharded.py), not modelled here.
+  at ZeRO-3, otherwise at OPTIM_STEP. Where the reduction lands in a shard (ZeRO 1-3) one that
+  does not block carries `bound` (--buckets-in-flight): once it has started, the rank waits for
+  the oldest reductions until at most `bound` are still in flight, so only that many full gradient
+  buckets (and the one being filled) are alive at once. The memory walk, the simulator and the
+  runtime all read the bound here.
 - ZeRO-3, a chunk kept gathered (the default when P > 1): UNSHARD (all-gather of every bucket of
   the chunk, blocking) right before its first F of the step, RESHARD right after its final
   backward, once its reductions are drained. `prefetch`
@@ -34,10 +37,11 @@ Placement rules (D = data-parallel ranks):
   runtime's module hooks fire them at those moments (zero/layerwise.py). The simulator times them
   as if they ran before the action (the runtime overlaps all but the first layer's).
 - OPTIM_STEP: drains every reduction, then one all-reduce of (norm^2, loss) over the world, then
-  the sharded AdamW; at ZeRO 1 and 2 it is followed by one blocking fp32 all-gather (UNSHARD) per
-  bucket of every chunk of the rank, in chunk order. (The runtime only starts them there, in
-  forward order, and each layer waits for its own in the next step's forward, zero/updates.py; a
-  one-step program places that wait at the step's end, the conservative bound.)
+  the sharded AdamW; at ZeRO 1 and 2 it is followed by one fp32 all-gather (UNSHARD) per bucket of
+  every chunk of the rank, in forward order, played only where the step was applied (a step
+  skipped for a non-finite gradient changed no weight). The last one blocks (the rank waits for
+  them all at the step's end), or with `overlap_gather` none does and the next step's first
+  forward through each layer waits for that layer's bucket (zero/updates.py).
 Tied embeddings across ranks: their buckets' REDUCE_GRADs come just before OPTIM_STEP, after a
 TIED_SUM has summed the copies between the first and last rank (zero/tied.py); every replica does
 so in the same order, so the dp groups still agree.
@@ -131,6 +135,9 @@ class DataParallel:
     nbytes: int  # the full bucket(s) as they travel (ring traffic is a multiple of this)
     blocking: bool = False  # the rank waits for this and every earlier collective before going on
     at: Trigger | None = None  # inside a Compute's `during`: the moment of the action that fires it
+    # REDUCE_GRAD that does not block: once started, the rank waits for the oldest reductions in flight
+    # until at most `bound` are left (ZeRO-1-3's bound on full gradient buckets alive; None: no wait)
+    bound: int | None = None
 
     def signature(self) -> tuple:
         """What every rank of a dp group must agree on, position by position."""
@@ -144,6 +151,10 @@ class DataParallel:
 
 @dataclass(frozen=True)
 class OptimStep:
+    """The step's end: every send of the step waited for and its buffer dropped, every reduction
+    drained, the (norm^2, loss) all-reduce over the world, the update. What follows it in a program
+    (ZeRO-1/2's gathers of updated weights) is played only where the update was applied."""
+
     nbytes: int = 16  # the (norm^2, loss) pair in fp64, all-reduced over the world
 
     @property
@@ -239,7 +250,7 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
     ids: dict[tuple, int] = {}
     pair: dict[int, tuple[DataParallel, DataParallel]] = {}
     last: tuple[int, int] | None = None  # (position, chunk) of the latest W or BW
-    run: list[tuple[int, int | None, bool]] = []  # the open run of reductions
+    run: list[tuple[int, int | None, bool, int | None]] = []  # the open run of reductions
 
     def close() -> None:
         alike = tuple(run)
@@ -250,7 +261,7 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
         if ins.__class__ is DataParallel and ins.kind is Kind.REDUCE_GRAD:  # type: ignore[union-attr]
             if last is not None and last[1] == ins.chunk:  # type: ignore[union-attr]
                 reducing.add(last[0])
-            run.append((ins.chunk, ins.bucket, ins.blocking))  # type: ignore[union-attr]
+            run.append((ins.chunk, ins.bucket, ins.blocking, ins.bound))  # type: ignore[union-attr]
             out.append(ins)
             continue
         if run:
@@ -273,30 +284,13 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
             if d.kind is Kind.REDUCE_GRAD:
                 if last is not None and last[1] == d.chunk:
                     reducing.add(last[0])
-                run.append((d.chunk, d.bucket, d.blocking))
+                run.append((d.chunk, d.bucket, d.blocking, d.bound))
                 out.append(d)
         if run:
             close()
     if run:
         close()
     return tuple(out), frozenset(reducing), runs
-
-
-def started_collectives(instrs: Sequence[Instr], bp: BucketPlan) -> list[str]:
-    """The collectives a rank's program starts, in order, one a bucket (`UNSHARD(c.k)`,
-    `REDUCE_GRAD(c.k)`) and a tied embedding's `TIED_SUM(c)`: what the runtime must start, in the
-    same order (zero/coordinator.py's `issued`). A kept-gathered chunk's UNSHARD gathers its buckets
-    in their order; layer by layer, each UNSHARD inside a compute instruction is one layer's."""
-    out: list[str] = []
-    for i in flat(instrs):
-        if not isinstance(i, DataParallel) or i.kind is Kind.RESHARD:
-            continue
-        if i.kind is Kind.TIED_SUM:
-            out.append(f"TIED_SUM({i.chunk})")
-            continue
-        ks = range(len(bp.buckets(i.chunk))) if i.bucket is None else [i.bucket]
-        out.extend(f"{i.kind.value}({i.chunk}.{k})" for k in ks)
-    return out
 
 
 def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
@@ -307,7 +301,7 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
-          wire_bytes: float = 4,
+          in_flight: int = 1, overlap_gather: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -321,7 +315,10 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
     `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: backwards run
     the forward again (layer by layer they gather the whole chunk); `depth`: layer by layer, how many
-    layers ahead of its use a layer's gather starts (schedules/layer_plan.py). `pp_ranks`: lower only these
+    layers ahead of its use a layer's gather starts (schedules/layer_plan.py); `in_flight`: the
+    reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
+    ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
+    wait for each, layer by layer). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -332,9 +329,11 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
                          f"the layout has dp={dp} and {s.n_chunks}")
     layerwise = RULES[zero].sharded_params and not keep_gathered
     posts = plans(s) if posts is None else posts
-    wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes)
+    if in_flight < 1:
+        raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+    wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p], depth)
+                           posts[p], depth, overlap_gather)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
@@ -345,11 +344,12 @@ class _Wires:
     wire: float  # bytes an element of reductions and ZeRO-3 gathers
     grad: float  # of gradient reductions
     gather: float | None  # of parameter gathers, when quantized
+    in_flight: int = 1  # reductions a non-blocking REDUCE_GRAD leaves in flight (ZeRO 1-3)
 
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
                   layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
-                  depth: int = 1) -> tuple[Instr, ...]:
+                  depth: int = 1, overlap_gather: bool = False) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -385,7 +385,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if key not in inside_of:
             inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire,
                                        depth=depth, held=held, keep=keep) if layerwise else ()
-            inside_of[key] = _with_reductions(a, inside, bp, rules, w.grad, layerwise, recompute, drain) \
+            inside_of[key] = _with_reductions(a, inside, bp, rules, w, layerwise, recompute, drain) \
                 if reduces else (inside, [])
         inside, after = inside_of[key]
         left = left_gathered(held, [_step_of(d) for d in inside if d.kind in (Kind.UNSHARD, Kind.RESHARD)])
@@ -395,14 +395,21 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if kept and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
-    out.extend(_tied(sorted(s.chunks(p)), bp, rules, w.grad))
+    out.extend(_tied(sorted(s.chunks(p)), bp, rules, w))
     out.append(OptimStep())
     if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
-        for c in sorted(s.chunks(p)):
-            sizes = bp.buckets(c)
-            out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(sizes[k] * (w.gather or 4)), True)
-                       for k in reversed(range(len(sizes))))
+        gathers = [(c, k, n) for c in sorted(s.chunks(p)) for k, n in reversed(list(enumerate(bp.buckets(c))))]
+        out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(n * (w.gather or 4)),
+                                not overlap_gather and j == len(gathers) - 1) for j, (c, k, n) in enumerate(gathers))
     return tuple(out)
+
+
+def defers_update_waits(instrs: Sequence[Instr]) -> bool:
+    """Whether the gathers of updated weights after the step (ZeRO-1/2) are left for the next step's
+    forwards to wait for, each layer its own (none of them blocks: --overlap-gather)."""
+    after = list(instrs)[next((k for k, i in enumerate(instrs) if isinstance(i, OptimStep)), len(instrs)):]
+    gathers = [i for i in after if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD]
+    return bool(gathers) and not any(i.blocking for i in gathers)
 
 
 def handover(a: Action, nxt: Action | None, bp: BucketPlan, depth: int, recompute: bool) -> frozenset[int]:
@@ -443,16 +450,16 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
                  for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c), depth, held, keep))
 
 
-def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, wire: float,
+def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, w: _Wires,
                      layerwise: bool, recompute: bool,
                      drain: bool) -> tuple[tuple[DataParallel, ...], list[DataParallel]]:
     """One REDUCE_GRAD a bucket of `a`'s chunk, in bucket order, but for a tied embedding's copies
     (reduced in the step: `_tied`). In a fused backward, each bucket's autograd can report complete
     goes inside it at that moment (`grads k`, schedules/layer_plan.py), merged with the action's own
     collectives in the order of the moments; the rest follow the action. With `drain` the last one
-    started blocks. Returns (the action's collectives, those after it)."""
+    started blocks, and each other one carries the in-flight bound (`_reduction`). Returns (the action's
+    collectives, those after it)."""
     c = a.chunk
-    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     ks = [k for k in range(len(bp.buckets(c))) if (c, k) not in bp.held]
     hooked = set(bp.hooked(c)) if a.op is Op.BW else set()
     early = [k for k in ks if k in hooked]
@@ -460,7 +467,7 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
     last = (late or early or [None])[-1]
 
     def reduce(k: int, at: Trigger | None) -> DataParallel:
-        return DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * wire), drain and k == last, at)
+        return _reduction(c, k, bp, rules, w, drain and k == last, at)
 
     if not early:
         return inside, [reduce(k, None) for k in late]
@@ -479,14 +486,24 @@ def hoisted(instrs: Sequence[Instr]) -> list[Instr]:
     for i in instrs:
         if isinstance(i, Compute) and any(d.kind is Kind.REDUCE_GRAD for d in i.during):
             out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD), i.held, i.kept))
-            out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking)
+            out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking, None, d.bound)
                        for d in i.during if d.kind is Kind.REDUCE_GRAD)
         else:
             out.append(i)
     return out
 
 
-def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[DataParallel]:
+def _reduction(c: int, k: int, bp: BucketPlan, rules: Rules, w: _Wires, blocking: bool,
+               at: Trigger | None = None) -> DataParallel:
+    """Bucket `k` of chunk `c`'s REDUCE_GRAD: a reduce-scatter where the sum lands in a shard, else an
+    all-reduce; one that does not block waits, once started, until at most `w.in_flight` reductions
+    are left in flight where the sum lands in a shard (ZeRO 1-3: the full buckets it frees)."""
+    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
+    bound = w.in_flight if rules.reduces_to_shard and not blocking else None
+    return DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * w.grad), blocking, at, bound)
+
+
+def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, w: _Wires) -> list[DataParallel]:
     """Before the step, on a rank holding a copy of a tied embedding: the copies' gradients summed
     (an all-reduce between the first and last pipeline rank of the replica, or a local sum when one
     rank holds both; the fp32 gradients, 4 bytes an element), then the buckets holding them reduced
@@ -494,9 +511,18 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, grad: float) -> list[
     held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
     if not held:
         return []
-    coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
     return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
-            *(DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * grad), False) for c, k in held)]
+            *(_reduction(c, k, bp, rules, w, False) for c, k in held)]
+
+
+def in_flight_of(program: Program) -> int:
+    """The reductions a non-blocking REDUCE_GRAD of `program` leaves in flight (every one carries the
+    same bound; 1 where none carries one)."""
+    for rank in program.ranks:
+        for i in flat(rank):
+            if isinstance(i, DataParallel) and i.bound is not None:
+                return i.bound
+    return 1
 
 
 def reducing_backwards(program: tuple[Instr, ...] | list[Instr]) -> set[int]:

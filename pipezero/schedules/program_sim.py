@@ -12,7 +12,8 @@ program takes exactly the schedule's time: the collectives add only what they co
   its bucket, inside the backward: a conservative bound);
 - issuing costs the compute lane nothing; a `blocking` collective holds the rank until it (and so
   everything before it on the lane) has finished, and compute on a ZeRO-3 chunk waits for its
-  latest UNSHARD; layer by layer, an action's own gathers are issued as it becomes the rank's next
+  latest UNSHARD; a REDUCE_GRAD with a `bound` holds the rank until the reduction that many
+  places back has finished (the program's in-flight bound); layer by layer, an action's own gathers are issued as it becomes the rank's next
   instruction and it waits for all of them (the runtime waits only for the first layer's and
   overlaps the others with the layers before them: a conservative bound);
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
@@ -92,6 +93,7 @@ class _Play:
     waiting: dict[int, GroupKey] = field(default_factory=dict)  # rank -> the collective it issued here
     last: dict[int, GroupKey] = field(default_factory=dict)  # rank -> its newest collective
     gate: dict[tuple[int, int], GroupKey] = field(default_factory=dict)  # (rank, chunk) -> latest UNSHARD
+    reducing: dict[int, list[GroupKey]] = field(default_factory=dict)  # rank -> its reductions, oldest first
     inside: set[int] = field(default_factory=set)  # ranks whose next compute has issued its own gathers
     done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
     timeline: list[Span] = field(default_factory=list)
@@ -163,6 +165,13 @@ class _Play:
             if instr.blocking:
                 self.waiting[r] = key
                 return True
+            if instr.kind is Kind.REDUCE_GRAD:
+                started = self.reducing.setdefault(r, [])
+                started.append(key)
+                if instr.bound is not None and len(started) > instr.bound:
+                    # the program's in-flight bound: on until the reduction `bound` places back ends
+                    self.waiting[r] = started[-1 - instr.bound]
+                    return True
         elif isinstance(instr, OptimStep):
             drained = self.ends.get(self.last[r], None) if r in self.last else self.free[r]
             if drained is None:
@@ -206,6 +215,9 @@ def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCos
         lines = [f"  rank {r} (pp {prog.coords(r)[0]}, dp {prog.coords(r)[1]}): waits at #{play.pc[r]} "
                  f"{ranks[r][play.pc[r]]}" for r in stuck]
         raise ScheduleError("program deadlocks: transfers and collectives wait on each other\n" + "\n".join(lines))
-    step = max(play.free, default=0.0)
+    # a collective no instruction waits for (ZeRO-1/2's gathers of updated weights under
+    # --overlap-gather, waited for by the next step's forwards) still ends inside the step: the
+    # conservative bound of a one-step program
+    step = max(*play.free, *play.comm_free, 0.0)
     bubble = sum(step - b for b in play.busy) / (n * step) if step else 0.0
     return ProgramResult(step, bubble, play.busy, play.comm_busy, play.timeline)

@@ -64,7 +64,7 @@ from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
+from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, in_flight_of
 from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.prefetch import Choice, run_choice
 
@@ -222,7 +222,7 @@ class MemoryPlan:
     shapes: Shapes
     recompute: bool
     layerwise: bool
-    in_flight: int
+    in_flight: int  # the program's REDUCE_GRADs' bound on reductions in flight (program.py `in_flight_of`)
     batch_bytes: int  # the step's tokens on one rank
     wire: int  # bytes an element of gradient reductions and ZeRO-3 gathers
     gloo: bool  # CPU ranks: gloo's reduce-scatter reduces a full copy of the bucket, then keeps a shard
@@ -276,7 +276,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     sample = min(len(SAMPLE_PROMPT) + r.sample_tokens - 1, m.max_seq_len or cfg.data.seq_len) \
         if r.sample_tokens and p.pp == 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
-                      p.buckets_in_flight, cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
+                      in_flight_of(program), cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
                       r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth)
 
 
@@ -487,8 +487,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
 
     def complete(keep: int, g: int, co: int) -> tuple[int, int]:
         """The oldest reductions in flight complete until `keep` are left; the gradient and
-        collective bytes `g`, `co` after them (a blocking wait keeps none; zero/sharded.py bounds
-        the full buckets in flight)."""
+        collective bytes `g`, `co` after them (a blocking wait keeps none; a REDUCE_GRAD's `bound`
+        the program's number)."""
         while len(reducing) > keep:
             key = reducing.popleft()
             in_flight.discard(key)
@@ -553,8 +553,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     reducing.append(key)
                     in_flight.add(key)
                     co += flight[c][k]
-            if ins.blocking or rules.reduces_to_shard:  # type: ignore[union-attr]
-                g, co = complete(0 if ins.blocking else plan.in_flight, g, co)  # type: ignore[union-attr]
+            if ins.blocking or ins.bound is not None:  # type: ignore[union-attr]
+                g, co = complete(0 if ins.blocking else ins.bound, g, co)  # type: ignore[union-attr]
             total = rest + g + co
             if total > best:
                 best, best_at, best_g, best_co = total, j, g, co
@@ -811,7 +811,7 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
     `c` at ZeRO-2/3 (see `backward_moments`): gradients land in a bucket allocated with its first
     gradient (`adopt`, zero/buckets.py) while the layers behind free their activations; with
     `reducing`, autograd's hooks start a bucket's reduce-scatter as soon as it is complete and then
-    wait for all but the newest `in_flight` (zero/sharded.py): at the moment a bucket completes, it
+    wait for all but the newest `in_flight` (the program's bound): at the moment a bucket completes, it
     and the `in_flight` before it are in flight with their buffers, and the older ones are reduced
     to their shard. Buckets fill in order, so the started and the complete ones are each a first
     few: sums over them are read off running totals."""

@@ -12,6 +12,7 @@ decides nothing about *when*; zero/sharded.py (the executor's hooks) and the opt
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,13 +50,21 @@ class Coordinator:
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
     flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
-    # The collectives started since the step began, named as the program names them (`REDUCE_GRAD(1.0)`,
-    # `UNSHARD(0.2)`), in the order they were started: what tests/test_program_played.py holds against
-    # the lowered program. One string a bucket a step, cleared by `new_step`.
-    issued: list[str] = field(default_factory=list)
+    # What this rank played of its program's collectives since the step began, in order: each start
+    # and each wait for a reduction, one a bucket, named as the program names it. Cleared by `new_step`;
+    # tests/training.py holds every step's against the program (schedules/played.py `expected`).
+    played: list[Played] = field(default_factory=list)
 
     def new_step(self) -> None:
-        self.issued.clear()
+        self.played.clear()
+
+    @property
+    def issued(self) -> list[str]:
+        """The collectives started since the step began, by name, in order."""
+        return [p.name for p in self.played if p.event is Event.START]
+
+    def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
+        self.played.append(Played(self.tracer.step, Event.START, name, nbytes, wire, group))
 
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
@@ -71,12 +80,15 @@ class Coordinator:
         copied into its full bucket), else an all-reduce."""
         sharded, to_shard = self.rules.sharded_grads, self.rules.reduces_to_shard
         if b.grad is None:
-            if not sharded:
-                return
+            if not sharded:  # stages 0-1 attach a whole-step gradient buffer before any backward
+                raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: REDUCE_GRAD({b.label}) before any "
+                                   f"backward of its chunk: the program reduces a bucket that holds no gradient")
             b.grad = torch.zeros(b.padded, device=b.device)
         if b.reduction is not None:
             raise RuntimeError(f"rank {self.rank}: bucket {b.names[0]}... reduced twice in one backward")
-        self.issued.append(f"REDUCE_GRAD({b.label})")
+        w = self.grads
+        self.note_start(f"REDUCE_GRAD({b.label})", w.bytes(b.padded) if w else b.padded * _size(self.comm_dtype),
+                        f"int{int(w.bits)}" if w else _name(self.comm_dtype))
         self.reducing.append(b)
         if self.group is None:
             b.reduction = Reduction(None, b.grad[b.shard] if sharded else None)
@@ -130,6 +142,7 @@ class Coordinator:
         for b in done:
             r, b.reduction = b.reduction, None
             assert r is not None
+            self.played.append(Played(self.tracer.step, Event.WAIT, f"REDUCE_GRAD({b.label})"))
             if r.work is not None:
                 self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
@@ -155,7 +168,13 @@ class Coordinator:
         shard stays exact. `keep_own` (ZeRO-1/2's updated weights, whose own shard of `flat` is the
         master) quantizes with --quantize-weights but leaves this rank's own shard exact."""
         b.restore()
-        self.issued.append(f"UNSHARD({b.label})")
+        quantized = self.weights is not None and (low_precision or keep_own)
+        wire = self.comm_dtype if low_precision else torch.float32
+        from_node = low_precision and self.node is not None and b.secondary_of == self.generation
+        self.note_start(f"UNSHARD({b.label})",
+                        self.weights.bytes(b.padded) if quantized else b.padded * _size(wire),  # type: ignore[union-attr]
+                        f"int{int(self.weights.bits)}" if quantized else _name(wire),  # type: ignore[union-attr]
+                        "node" if from_node else "dp")
         if self.group is None:
             b.flat.copy_(shard)
             return
@@ -235,6 +254,31 @@ class Coordinator:
             self.finish_gather(first)
             if first is b:
                 return
+
+
+class Event(str, enum.Enum):
+    START = "start"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class Played:
+    """One event of a rank's collectives as it played them."""
+
+    step: int
+    event: Event
+    name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0)
+    nbytes: int = 0  # a start: the whole bucket as it travels (codes and scales when quantized)
+    wire: str = ""  # a start: the elements on the wire (fp32, bf16, int8, int4)
+    group: str = ""  # a start: dp (the stage's replicas), node (hpZ: inside the node), tie
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def awaited_of(op: str) -> dict[str, object]:

@@ -14,8 +14,9 @@ zero/gathering.py, the update zero/update.py; the state lives on the buckets (ze
   Buckets holding a parameter used twice are reduced by the REDUCE_GRADs after the backward; those
   of a tied embedding's copies by the REDUCE_GRADs the program places before the step, after its
   TIED_SUM has summed the copies. At stages 2-3 gradient buckets are
-  allocated when their first gradient appears and at most `in_flight` full buckets (and the one
-  being filled) wait on a reduce-scatter at once, so the full gradient never exists all at once.
+  allocated when their first gradient appears and at most the program's `bound` of full buckets
+  (and the one being filled) wait on a reduce-scatter at once, so the full gradient never exists
+  all at once.
 - Every collective inside an action is armed by the executor (`begin_compute`) and fired at its
   moment (`moment`); one left over when the action ends is an error, never a collective skipped.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
@@ -75,9 +76,7 @@ class ZeroDP:
     tracer: Tracer = field(default_factory=Tracer)
     comm_dtype: torch.dtype = torch.float32  # bf16 halves gradient and ZeRO-3 parameter traffic
     device: torch.device = torch.device("cpu")  # where a rank with nothing to train still reduces the norm
-    overlap_gather: bool = False  # stages 1-2: each layer waits for its own updated weights (zero/updates.py)
     hierarchy: Hierarchy | None = None  # --hierarchical: two-level gradient reductions
-    in_flight: int = 1  # stages 2-3: reduce-scatters still running while the backward goes on
     source: FlatSource | None = None  # stage 3 from a pretrained folder: master shards read from here
     weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
@@ -99,10 +98,6 @@ class ZeroDP:
     def layerwise(self) -> bool:
         return self.rules.sharded_params and not self.keep_gathered
 
-    @property
-    def defers_gathers(self) -> bool:
-        """Whether the updated weights' all-gather is waited for layer by layer in the next forward."""
-        return self.rules.gathers_updates and self.overlap_gather
 
     def __post_init__(self) -> None:
         self.rules = RULES[self.stage]
@@ -157,8 +152,13 @@ class ZeroDP:
             self.sharded.before_use(chunk)
 
     def before_backward(self, chunk: int) -> None:
-        """A W or BW of `chunk` starts."""
-        self.before_forward(chunk)  # stage 3: backward needs the full weights (the program gathered them)
+        """A W or BW of `chunk` starts. Kept gathered at stage 3, the program's UNSHARD before the
+        chunk's first forward gathered it for the step: a chunk not gathered here is an error, never
+        a gather the program does not list."""
+        if self.sharded is not None and not self.layerwise and chunk not in self.sharded.gathered \
+                and not self.sharded.holding:
+            raise RuntimeError(f"rank {self.rank}, step {self.step_no}: a backward of chunk {chunk} computes with "
+                               f"parameters its program never gathered (no UNSHARD({chunk}) before it)")
         for b in self.buckets.get(chunk, []):
             if not self.rules.sharded_grads:
                 b.attach_grads()  # stages 0-1 keep full gradients: one buffer for the whole step
@@ -194,14 +194,16 @@ class ZeroDP:
             self._sum_tied(instr.chunk)
         elif instr.kind is Kind.REDUCE_GRAD:
             self.comm.reduce(self.buckets[instr.chunk][instr.bucket])  # type: ignore[index]
-            if self.rules.reduces_to_shard and not instr.blocking:
-                # at most `in_flight` full gradient buckets wait on a reduce-scatter: without this bound
-                # every bucket a split W or a shared parameter reduces stayed full, with its
-                # reduction's buffers, until the step drained them all (ZeRO-1 keeps its full buckets
-                # for the step anyway: there the bound holds its reductions' output shards)
-                self.comm.drain(keep_last=self.in_flight)
+            if instr.bound is not None:
+                # the program's bound on reductions in flight: without one every bucket a split W or
+                # a shared parameter reduces stayed full, with its reduction's buffers, until the
+                # step drained them all (ZeRO-1 keeps its full buckets for the step anyway: there
+                # the bound holds its reductions' output shards)
+                self.comm.drain(keep_last=instr.bound)
             if instr.blocking:
                 self.comm.drain()
+        elif self.rules.gathers_updates and instr.kind is Kind.UNSHARD and instr.bucket is not None:
+            self._gather_update(instr)
         elif self.sharded is None:
             raise ValueError(f"rank {self.rank}: {instr} in a ZeRO-{self.stage} program")
         elif instr.bucket is not None:  # layer by layer: one layer's bucket, at its moment
@@ -262,7 +264,7 @@ class ZeroDP:
         held back from the backward, right after)."""
         if self.tied is None:
             raise ValueError(f"rank {self.rank}: TIED_SUM({chunk}) on a rank holding no tied copy")
-        self.comm.issued.append(f"TIED_SUM({chunk})")
+        self.comm.note_start(f"TIED_SUM({chunk})", self.tied.nbytes, "fp32", "tie")
         self.tied.sum_grads(self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: TIED_SUM({chunk}): sum of "
                                             f"tied embedding gradients between the first and last pipeline rank")
         if self.rules.sharded_grads:  # the sum is the copies' gradient: into the flat buckets
@@ -293,20 +295,21 @@ class ZeroDP:
 
     # --- the optimizer step ------------------------------------------------------------------
     def step(self, lr: float, max_norm: float, norm_group: Any, loss: torch.Tensor | float = 0.0) -> StepOutcome:
-        """Finish the reductions, clip and update this rank's shards (zero/update.py), and start
-        making full parameters available again (stages 1 and 2)."""
+        """OPTIM_STEP: finish the reductions, clip and update this rank's shards (zero/update.py).
+        At stages 1-2 the program's UNSHARDs after it gather the updated weights (`_gather_update`)."""
         self.comm.drain()
         self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
-        outcome = clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,
-                                  self.tied.head if self.tied else None, self.device)
-        if outcome.applied and self.rules.gathers_updates:
-            # Waited for by the first forward that reads each bucket (settle): the gathers overlap
-            # the next step's first layers. Issued in forward order (buckets are in backward order
-            # within a chunk), so the first layers' weights come first.
-            self.comm.start_updates([b for c in sorted(self.buckets) for b in reversed(self.buckets[c])])
-            if not self.defers_gathers:
-                self.settle()
-        return outcome
+        return clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,
+                               self.tied.head if self.tied else None, self.device)
+
+    def _gather_update(self, instr: DataParallel) -> None:
+        """Stages 1-2, after an applied step: start gathering one bucket's updated shards, in place (the
+        program lists them in forward order, so the first layers' weights come first). Its wait is
+        the program's: a blocking one waits for every gather started so far; with --overlap-gather
+        none blocks and the first forward that reads a bucket waits for it (zero/updates.py)."""
+        self.comm.start_updates([self.buckets[instr.chunk][instr.bucket]])  # type: ignore[index]
+        if instr.blocking:
+            self.settle()
 
     def settle(self, b: Bucket | None = None) -> None:
         """Wait for the updated parameters (stages 1-2) of bucket `b` and those gathered before it,

@@ -26,6 +26,11 @@ class TiedCopies:
     head: nn.Parameter | None  # the copy left out of the gradient norm, if held here
     group: Any  # the first and last pipeline rank of this replica; None when one rank holds both
 
+    @property
+    def nbytes(self) -> int:
+        """The fp32 gradient of one copy: what the sum moves between the ends."""
+        return self.local[0].numel() * 4 if self.local else 0
+
     def sum_grads(self, timeout_s: float, what: str) -> None:
         if not self.local:
             return
