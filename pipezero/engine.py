@@ -323,10 +323,10 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     """Mean held-out token loss over every replica's share (collective over all ranks: each
     replica's last stage holds its share's summed loss, every other rank zero)."""
     p2p = stage.executor.p2p
-    total = all_sum([stage.executor.evaluate(eval_set)], stage.groups.world, p2p.timeout_s,
-                    f"rank {p2p.rank}, step {stage.tracer.step}: held-out evaluation: all-reduce of the loss across "
-                    f"{stage.mesh.world_size} ranks")[0]
-    stage.zero.release_all()
+    what = (f"rank {p2p.rank}, step {stage.tracer.step}: held-out evaluation: all-reduce of the loss across "
+            f"{stage.mesh.world_size} ranks")
+    total = stage.executor.evaluate(stage.evaluation(len(eval_set)), eval_set,
+                                    lambda local: all_sum([float(local)], stage.groups.world, p2p.timeout_s, what)[0])
     return total / eval_tokens
 
 

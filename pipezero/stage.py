@@ -35,6 +35,7 @@ from pipezero.runtime.weight_grad import splittable
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.compile import CompiledPlan, compile_plan
+from pipezero.schedules.forward_only import EvalInstr
 from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape, layer_of
 from pipezero.schedules.program import Instr, defers_update_waits
 from pipezero.schedules.program_check import check_placement
@@ -67,6 +68,10 @@ class Stage:
     spec: ModelSpec  # the model the chunks are slices of
     plan: CompiledPlan  # every rank's program and the buckets, compiled once (schedules/compile.py)
     program: tuple[Instr, ...]  # this rank's program for one step (schedules/program.py)
+
+    def evaluation(self, microbatches: int) -> tuple[EvalInstr, ...]:
+        """This rank's held-out evaluation program (schedules/forward_only.py)."""
+        return self.plan.evaluation(microbatches)[self.plan.program.global_rank(self.mesh.pp_rank, self.mesh.dp_rank)]
 
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,

@@ -12,7 +12,8 @@ from pipezero.config import ScheduleKind as K
 from pipezero.schedules.bucket_plan import group_tensors, plan_buckets, uniform_plan
 from pipezero.schedules.model_shapes import ModelShapes, TensorShape
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, Program, flat, hoisted, lower
+from pipezero.schedules.program import (Collective, Compute, DataParallel, Kind, PointToPoint, Program, flat, hoisted,
+                                        lower)
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import SCHEDULES, build_schedule
@@ -342,3 +343,58 @@ def test_the_simulator_and_the_memory_walk_read_the_bound_from_the_program():
     peaks = [predict(build_config(None, {**base, "parallel.buckets_in_flight": str(n)}))[0] for n in (1, 4)]
     assert peaks[1].categories["grads"] > peaks[0].categories["grads"]
     assert peaks[1].categories["collectives"] > peaks[0].categories["collectives"]
+
+
+def test_hpz_takes_a_buckets_later_gathers_from_the_node_where_the_lowering_says():
+    """hpZ, layer by layer: each bucket's first gather of the step crosses the nodes (the group of the
+    stage's replicas, priced at the gather's width); every later one is the program's `node` gather
+    of the fp32 shares the first one left (4 bytes an element). Without hpZ every gather is `dp`."""
+    from pipezero.schedules.program import Group
+
+    s = schedule(K.ONE_F_ONE_B, 1, 2)
+    plan = uniform_plan(s.n_chunks, BUCKETS, 1000, 4)
+    for node in (False, True):
+        prog = lower(s, 4, 3, GradReduce.STEP, plan, keep_gathered=False, node_shares=node, gather_bytes=1.02)
+        gathers = [i for i in flat(prog.ranks[0]) if i.kind is Kind.UNSHARD]
+        first = {}
+        for i in gathers:
+            first.setdefault(i.bucket, i)
+        assert all(i.group is Group.DP for i in first.values())
+        later = [i for i in gathers if first[i.bucket] is not i]
+        assert later  # the backward gathers each layer again
+        assert all(i.group is (Group.NODE if node else Group.DP) for i in later)
+        assert all(i.nbytes == (plan.buckets(0)[i.bucket] * 4 if node else round(plan.buckets(0)[i.bucket] * 1.02))
+                   for i in later)
+        assert (", node)" in prog.listing(0)) is node
+
+
+@pytest.mark.parametrize("kind, p, v", [(K.ONE_F_ONE_B, 2, 1), (K.ZB_V, 2, 2), (K.INTERLEAVED_1F1B, 2, 2)])
+def test_the_evaluation_is_a_program_every_pair_of_ranks_agrees_on(kind, p, v):
+    """Forward only, micro-batch by micro-batch through each rank's chunks in model order: every
+    chunk runs each micro-batch once; each SEND has its RECV on the peer, in the same order between
+    each pair of ranks (no tags travel); kept-gathered ZeRO-3 gathers each chunk once and releases it
+    at the end; layer by layer each F carries its own gathers; every program ends in LOSS_SUM."""
+    from pipezero.schedules.forward_only import LossSum, lower_evaluation
+
+    s = build_schedule(kind, p, 2 * p, v)
+    d, m = 2, 3
+    plan = uniform_plan(s.n_chunks, BUCKETS, 1000, d)
+    for sharded, layerwise in ((False, False), (True, False), (True, True)):
+        progs = lower_evaluation(s, d, plan, m, sharded_params=sharded, layerwise=layerwise, gather_width=4)
+        assert len(progs) == p * d and all(isinstance(r[-1], LossSum) for r in progs)
+        forwards = sorted((i.action.chunk, i.action.mb) for r in progs[::d] for i in r if isinstance(i, Compute))
+        assert forwards == sorted((c, mb) for c in range(s.n_chunks) for mb in range(m))
+        for a in range(p * d):
+            for b in range(p * d):
+                sends = [i.transfer for i in progs[a] if isinstance(i, PointToPoint) and i.send and i.peer == b]
+                recvs = [i.transfer for i in progs[b] if isinstance(i, PointToPoint) and not i.send and i.peer == a]
+                assert sends == recvs, (a, b)
+        gathers = [i for r in progs for i in flat([x for x in r if not isinstance(x, LossSum)])
+                   if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD]
+        if not sharded:
+            assert not gathers
+        elif not layerwise:
+            assert all(i.bucket is None and i.blocking for i in gathers)
+            assert len(gathers) == p * d * v  # each chunk of each rank once
+        else:
+            assert gathers and all(i.bucket is not None for i in gathers)

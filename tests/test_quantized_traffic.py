@@ -119,18 +119,23 @@ def collectives(rank: int, world: int) -> list[str]:
                 assert c.bytes_sent == 6 * w.bytes(256)
         checked.append(name)
     # hpZ: the first gather after the masters change crosses the group and refreshes the node share;
-    # the next stays inside the node ((N - 1) shares of 256) and brings the same values
+    # the next, which the program places inside the node, moves (N - 1) shares of 256 and brings the
+    # same values; a node gather before any crossing gather of the current masters is refused
     node = build_hierarchy([[0, 1, 2, 3]], 2)
     c = Coordinator(RULES[3], d, dist.group.WORLD, 60.0, rank, Tracer(), torch.float32, False, node=node)
     b = bucket()
     for version in range(2):  # the masters of two steps
         full = everyone(torch.randn(numel // d, generator=torch.Generator().manual_seed(rank + 10 * version))).view(-1)
         sent = c.bytes_sent
-        for _ in range(2):
+        b.release()
+        with pytest.raises(RuntimeError, match="node"):
+            c.gather(b, full[b.shard].clone(), low_precision=True, from_node=True)
+        for k in range(2):
             b.release()
-            c.gather(b, full[b.shard].clone(), low_precision=True)
+            c.gather(b, full[b.shard].clone(), low_precision=True, from_node=k == 1)
             assert torch.equal(b.flat, full), version
         assert c.bytes_sent - sent == 3 * numel + 2 * numel, "the second gather left the node"
+        assert [p.group for p in c.played[-2:]] == ["dp", "node"]
         c.generation += 1  # the optimizer step
     checked.append("hpZ")
     h.close()

@@ -110,34 +110,46 @@ def watch_program() -> dict:
             seen.setdefault("steps", []).append((list(comm.played), stats.outcome.applied))
             return stats
 
+        def keep_evaluated(self, program, *args, **kwargs):
+            comm = seen["stage"].zero.comm
+            before = len(comm.played)
+            total = evaluate(self, program, *args, **kwargs)
+            seen.setdefault("evaluations", []).append((list(comm.played[before:]), tuple(program)))
+            return total
+
+        evaluate = Executor.evaluate
+        Executor.evaluate = keep_evaluated
         engine.build_stage, Executor.run, engine._watched = keep_stage, keep_started, seen
     return engine._watched
 
 
 def record_departure(seen: dict) -> str:
-    """Where the run `watch_program` saw last played other than its program says, on any step:
+    """Where the run `watch_program` saw last played other than its program says, on any step or
+    held-out evaluation (its own forward-only program):
     every start of a collective (name, bytes as the program prices them, group) and every wait for a
     reduction, in order (schedules/played.py `expected`); "" where none. Bytes are compared where the
-    wire carries floats (quantized messages add their scales, which the program prices as a rate);
-    hpZ's gathers from the node's shares are the runtime's choice of group."""
+    wire carries floats (quantized messages add their scales, which the program prices as a rate)."""
     from pipezero.schedules.played import expected
 
     stage = seen.get("stage")
     if stage is None:
         return ""
-    hpz = stage.zero.node is not None
-    for n, (record, applied) in enumerate(seen.get("steps", []), 1):
-        want = expected(stage.program, stage.plan.buckets, applied)
+    runs = [(f"step {n}", record, stage.program, applied)
+            for n, (record, applied) in enumerate(seen.get("steps", []), 1)]
+    runs += [(f"evaluation {n}", record, program, True)
+             for n, (record, program) in enumerate(seen.get("evaluations", []), 1)]
+    for n, record, program, applied in runs:
+        want = expected(program, stage.plan.buckets, applied)
         got = [(p.event.value, p.name) for p in record]
         if got != [(e.event, e.name) for e in want]:
-            return f"step {n}: played {got}, the program says {[(e.event, e.name) for e in want]}"
+            return f"{n}: played {got}, the program says {[(e.event, e.name) for e in want]}"
         for p, e in zip(record, want):
             if p.step != record[0].step:
-                return f"step {n}: {p} recorded under another step"
+                return f"{n}: {p} recorded under another step"
             if p.event.value == "start" and p.wire in ("fp32", "bf16") and p.nbytes != e.nbytes:
-                return f"step {n}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
-            if p.event.value == "start" and p.group != e.group and not (hpz and p.group == "node"):
-                return f"step {n}: {p.name} in group {p.group}, the program's is {e.group}"
+                return f"{n}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
+            if p.event.value == "start" and p.group != e.group:
+                return f"{n}: {p.name} in group {p.group}, the program's is {e.group}"
     return ""
 
 

@@ -38,6 +38,7 @@ from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
+from pipezero.schedules.forward_only import EvalInstr, LossSum
 from pipezero.schedules.posting import Transfer
 from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint
 from pipezero.telemetry.trace import Tracer
@@ -53,8 +54,6 @@ class DataParallelLayer(Protocol):
     def begin_compute(self, instr: Compute) -> None: ...  # arms the collectives inside the action
 
     def end_compute(self, instr: Compute) -> None: ...  # every one of them fired, or an error
-
-    def before_forward(self, chunk: int) -> None: ...  # evaluation only: outside any program
 
     def before_backward(self, chunk: int) -> None: ...
 
@@ -124,9 +123,10 @@ class Executor:
                 return checkpoint(chunk, x, docs, use_reentrant=False)
             return chunk(x, docs)
 
-    def _post(self, p: PointToPoint) -> None:
+    def _post(self, p: PointToPoint, forward_only: Payload | None = None) -> None:
+        """Post a SEND or RECV; `forward_only`: an evaluation's (Payload.EVAL)."""
         chunk, grad, mb = p.transfer
-        kind = Payload.GRAD if grad else Payload.ACT
+        kind = forward_only or (Payload.GRAD if grad else Payload.ACT)
         if p.send:
             self.p2p.send(kind, chunk, mb, self._outbox.pop(p.transfer))
         else:
@@ -273,20 +273,30 @@ class Executor:
                     p.grad = g if p.grad is None else p.grad.add_(g)
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[MicroBatch]) -> float:
-        """Forward only, micro-batch by micro-batch through this rank's chunks in model order; the
-        summed token loss is non-zero on the rank holding the last chunk."""
+    def evaluate(self, program: Sequence[EvalInstr], batches: Sequence[MicroBatch],
+                 sum_loss: Callable[[torch.Tensor], float]) -> float:
+        """Play this rank's evaluation program (schedules/forward_only.py) on `batches`: forward only,
+        the last chunk summing its token loss; at LOSS_SUM every send is waited for and `sum_loss`
+        all-reduces the sum over the world (zero on ranks without the last chunk)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        batches = [tuple(t.to(self.device) for t in batch) for batch in batches]
         self.p2p.lengths = [batch[0].shape[1] for batch in batches]
-        for mb, batch in enumerate(batches):
-            tokens, targets, *rest = (t.to(self.device) for t in batch)
-            for c in sorted(self.chunks):
-                self.hooks.before_forward(c)
-                x = tokens if c == 0 else self.p2p.recv(Payload.EVAL, c, mb)
-                y = self._forward(self.chunks[c], x, rest[0] if rest else None)
-                if c == self.last:
-                    total += self.chunks[c].spec.loss(y, targets, 1.0).double()
+        for ins in program:
+            if isinstance(ins, PointToPoint):
+                self._post(ins, Payload.EVAL)
+            elif isinstance(ins, DataParallel):
+                self.hooks.play(ins)
+            elif isinstance(ins, LossSum):
+                self.p2p.finish()
+                return sum_loss(total)
+            else:
+                a, batch = ins.action, batches[ins.action.mb]
+                x = batch[0] if a.chunk == 0 else self.p2p.recv(Payload.EVAL, a.chunk, a.mb)
+                self.hooks.begin_compute(ins)
+                y = self._forward(self.chunks[a.chunk], x, docs_of(batch))
+                self.hooks.end_compute(ins)
+                if a.chunk == self.last:
+                    total += self.chunks[a.chunk].spec.loss(y, batch[1], 1.0).double()
                 else:
-                    self.p2p.send(Payload.EVAL, c + 1, mb, y)
-        self.p2p.finish()
-        return float(total)
+                    self._emit(Payload.EVAL, a.chunk + 1, a.mb, y)
+        raise ValueError(f"rank {self.p2p.rank}: an evaluation program without LOSS_SUM")

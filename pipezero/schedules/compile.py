@@ -16,10 +16,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipezero.config import GradReduce, ParallelConfig, ScheduleKind, Zero3Unit
+from pipezero.config import GradReduce, ParallelConfig, ScheduleKind, SecondaryShard, Zero3Unit
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, LayerUse, plan_buckets
 from pipezero.schedules.check import SimResult
+from pipezero.schedules.forward_only import EvalInstr, lower_evaluation
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import DataParallel, Program, layer_collectives, lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
@@ -63,9 +64,16 @@ class CompiledPlan:
         return tuple((u, parts[u.index][u.part] if self.buckets.sublayer and parts[u.index] else ())
                      for u in self.buckets.layers(chunk))
 
+    def evaluation(self, microbatches: int) -> tuple[tuple[EvalInstr, ...], ...]:
+        """Every rank's held-out evaluation program over `microbatches` micro-batches a replica
+        (schedules/forward_only.py)."""
+        return lower_evaluation(self.schedule, self.program.dp, self.buckets, microbatches,
+                                sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
+                                gather_width=self.gather_width, depth=self.depth)
+
     def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
-        """Layer by layer, a forward of `chunk` outside the program (an evaluation, the text sample):
-        the gathers and releases an F would fire."""
+        """Layer by layer, a forward of `chunk` outside any program (the text sample): the gathers
+        and releases an F would fire."""
         if not self.layerwise:
             return ()
         return layer_collectives(None, self.buckets, self.recompute, self.gather_width, chunk=chunk, depth=self.depth)
@@ -100,8 +108,9 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     depth = p.zero3_prefetch if lw else 1
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw, sublayer=p.zero3_unit is Zero3Unit.SUBLAYER)
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
+    node_shares = p.secondary_shard is SecondaryShard.NODE and p.dp > 1 and RULES[p.zero].sharded_params
     how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, p.buckets_in_flight,
-           p.overlap_gather, wire_bytes, grad_bytes,
+           p.overlap_gather, node_shares, wire_bytes, grad_bytes,
            gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
@@ -123,11 +132,13 @@ def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
 
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
-           prefetch: bool, recompute: bool, depth: int, in_flight: int, overlap_gather: bool, wire: float,
+           prefetch: bool, recompute: bool, depth: int, in_flight: int, overlap_gather: bool, node_shares: bool,
+           wire: float,
            grad: float | None,
            gather: float | None,
            pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
     return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
-                 depth=depth, in_flight=in_flight, overlap_gather=overlap_gather, wire_bytes=wire,
+                 depth=depth, in_flight=in_flight, overlap_gather=overlap_gather, node_shares=node_shares,
+                 wire_bytes=wire,
                  grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
                  replicas=replicas)

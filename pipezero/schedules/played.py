@@ -23,7 +23,7 @@ class Expected:
     event: str  # "start" or "wait" (zero/coordinator.py `Event`)
     name: str  # REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0)
     nbytes: int = 0  # a start: the bucket as the program prices it on the wire
-    group: str = ""  # a start: dp, tie
+    group: str = ""  # a start: dp, node, tie (program.py `Group`)
 
 
 def expected(instrs: Sequence[Instr], bp: BucketPlan, applied: bool = True) -> list[Expected]:
@@ -48,13 +48,13 @@ def expected(instrs: Sequence[Instr], bp: BucketPlan, applied: bool = True) -> l
         if stepped and not applied:
             break
         if i.kind is Kind.TIED_SUM:
-            out.append(Expected("start", f"TIED_SUM({i.chunk})", i.nbytes, "tie"))
+            out.append(Expected("start", f"TIED_SUM({i.chunk})", i.nbytes, i.group.value))
             continue
         sizes = bp.buckets(i.chunk)
         whole = sum(sizes)
         for k in range(len(sizes)) if i.bucket is None else [i.bucket]:
             nbytes = i.nbytes if i.bucket is not None else round(i.nbytes * sizes[k] / whole)
-            out.append(Expected("start", f"{i.kind.value}({i.chunk}.{k})", nbytes, "dp"))
+            out.append(Expected("start", f"{i.kind.value}({i.chunk}.{k})", nbytes, i.group.value))
             if i.kind is Kind.REDUCE_GRAD:
                 reducing.append(f"REDUCE_GRAD({i.chunk}.{k})")
         if i.kind is Kind.REDUCE_GRAD and i.blocking:

@@ -77,6 +77,14 @@ class Kind(str, enum.Enum):
     OPTIM_STEP = "OPTIM_STEP"  # drain, norm and loss all-reduce over the world, update
 
 
+class Group(str, enum.Enum):
+    """Whom a collective runs across."""
+
+    DP = "dp"  # the stage's data-parallel replicas
+    NODE = "node"  # hpZ: the replicas in this rank's node, from their fp32 shares of the step's first gather
+    TIE = "tie"  # the first and last pipeline rank of a replica (a tied embedding's copies)
+
+
 class Collective(str, enum.Enum):
     ALL_REDUCE = "all-reduce"
     REDUCE_SCATTER = "reduce-scatter"
@@ -138,6 +146,7 @@ class DataParallel:
     # REDUCE_GRAD that does not block: once started, the rank waits for the oldest reductions in flight
     # until at most `bound` are left (ZeRO-1-3's bound on full gradient buckets alive; None: no wait)
     bound: int | None = None
+    group: Group = Group.DP
 
     def signature(self) -> tuple:
         """What every rank of a dp group must agree on, position by position."""
@@ -146,7 +155,8 @@ class DataParallel:
     def __str__(self) -> str:
         where = f"{self.chunk}" if self.bucket is None else f"{self.chunk}.{self.bucket}"
         at = f"@{self.at}" if self.at is not None else ""
-        return f"{self.kind.value}({where}{', wait' if self.blocking else ''}){at}"
+        node = ", node" if self.group is Group.NODE else ""
+        return f"{self.kind.value}({where}{', wait' if self.blocking else ''}{node}){at}"
 
 
 @dataclass(frozen=True)
@@ -301,7 +311,7 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
-          in_flight: int = 1, overlap_gather: bool = False, wire_bytes: float = 4,
+          in_flight: int = 1, overlap_gather: bool = False, node_shares: bool = False, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -318,7 +328,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     layers ahead of its use a layer's gather starts (schedules/layer_plan.py); `in_flight`: the
     reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
     ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
-    wait for each, layer by layer). `pp_ranks`: lower only these
+    wait for each, layer by layer); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
+    after its first of the step come from the fp32 shares its node kept (`Group.NODE`). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -333,7 +344,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p], depth, overlap_gather)
+                           posts[p], depth, overlap_gather, node_shares)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
@@ -349,7 +360,7 @@ class _Wires:
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
                   layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
-                  depth: int = 1, overlap_gather: bool = False) -> tuple[Instr, ...]:
+                  depth: int = 1, overlap_gather: bool = False, node_shares: bool = False) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -364,6 +375,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking)
 
     gathered: set[int] = set()
+    gathered_once: set[tuple[int, int]] = set()  # hpZ: buckets whose first gather of the step is placed
     inside_of: dict[tuple, tuple[tuple[DataParallel, ...], list[DataParallel]]] = {}  # alike for alike actions
     held: frozenset[int] = frozenset()  # layer by layer: what the previous action left gathered
     for i, a in enumerate(acts):
@@ -388,6 +400,8 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
             inside_of[key] = _with_reductions(a, inside, bp, rules, w, layerwise, recompute, drain) \
                 if reduces else (inside, [])
         inside, after = inside_of[key]
+        if node_shares and layerwise:
+            inside = _from_node_shares(inside, gathered_once, bp)
         left = left_gathered(held, [_step_of(d) for d in inside if d.kind in (Kind.UNSHARD, Kind.RESHARD)])
         out.append(Compute(a, inside, held, left))
         held = left
@@ -410,6 +424,22 @@ def defers_update_waits(instrs: Sequence[Instr]) -> bool:
     after = list(instrs)[next((k for k, i in enumerate(instrs) if isinstance(i, OptimStep)), len(instrs)):]
     gathers = [i for i in after if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD]
     return bool(gathers) and not any(i.blocking for i in gathers)
+
+
+def _from_node_shares(inside: tuple[DataParallel, ...], seen: set[tuple[int, int]],
+                      bp: BucketPlan) -> tuple[DataParallel, ...]:
+    """hpZ: a bucket's first gather of the step crosses the nodes (and leaves each rank its node's
+    fp32 share); each later one gathers those shares inside the node, fp32 on the wire. `seen`: the
+    buckets gathered earlier in the step, updated."""
+    out = []
+    for d in inside:
+        if d.kind is Kind.UNSHARD and d.bucket is not None:
+            if (d.chunk, d.bucket) in seen:
+                d = DataParallel(d.kind, d.chunk, d.bucket, d.collective, bp.buckets(d.chunk)[d.bucket] * 4, d.blocking,
+                                 d.at, d.bound, Group.NODE)
+            seen.add((d.chunk, d.bucket))
+        out.append(d)
+    return tuple(out)
 
 
 def handover(a: Action, nxt: Action | None, bp: BucketPlan, depth: int, recompute: bool) -> frozenset[int]:
@@ -511,7 +541,7 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, w: _Wires) -> list[Da
     held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
     if not held:
         return []
-    return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True),
+    return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True, group=Group.TIE),
             *(_reduction(c, k, bp, rules, w, False) for c, k in held)]
 
 

@@ -160,32 +160,35 @@ class Coordinator:
                 b.detach_grads()
 
     # --- parameter gathers -------------------------------------------------------------------
-    def start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False, keep_own: bool = False) -> None:
+    def start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False, keep_own: bool = False,
+                     from_node: bool = False) -> None:
         """Give the bucket its storage back and start filling it from the shards (`b.gathering`);
         without a group the shard is the whole bucket and is copied at once. `low_precision`
         gathers in `comm_dtype`, or quantized with --quantize-weights: only for ZeRO-3's compute
         copies, whose every element (this rank's too) is then rounded alike, while the fp32 master
         shard stays exact. `keep_own` (ZeRO-1/2's updated weights, whose own shard of `flat` is the
-        master) quantizes with --quantize-weights but leaves this rank's own shard exact."""
+        master) quantizes with --quantize-weights but leaves this rank's own shard exact. `from_node`
+        (hpZ, where the program says so): from the fp32 shares this rank's node kept of the bucket's
+        first gather of the step, nothing across nodes."""
         b.restore()
+        if from_node:
+            if self.node is None or b.secondary_of != self.generation:
+                raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: UNSHARD({b.label}, node) before any "
+                                   f"gather across the nodes left this node its shares of the current weights")
+            self.note_start(f"UNSHARD({b.label})", b.padded * 4, "fp32", "node")
+            self._start_node_gather(b)
+            return
         quantized = self.weights is not None and (low_precision or keep_own)
         wire = self.comm_dtype if low_precision else torch.float32
-        from_node = low_precision and self.node is not None and b.secondary_of == self.generation
         self.note_start(f"UNSHARD({b.label})",
                         self.weights.bytes(b.padded) if quantized else b.padded * _size(wire),  # type: ignore[union-attr]
-                        f"int{int(self.weights.bits)}" if quantized else _name(wire),  # type: ignore[union-attr]
-                        "node" if from_node else "dp")
+                        f"int{int(self.weights.bits)}" if quantized else _name(wire))  # type: ignore[union-attr]
         if self.group is None:
             b.flat.copy_(shard)
             return
-        if low_precision and self.node is not None:  # ZeRO-3 with a secondary share in each node
-            if b.secondary_of == self.generation:
-                self._start_node_gather(b)
-                return
-            self._start_gather(b, shard, low_precision, keep_own)
-            b.gathering.refresh = self.generation  # type: ignore[union-attr]
-            return
         self._start_gather(b, shard, low_precision, keep_own)
+        if low_precision and self.node is not None:  # hpZ: keep this node's share of what lands
+            b.gathering.refresh = self.generation  # type: ignore[union-attr]
 
     def _start_gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool, keep_own: bool) -> None:
         if self.weights is not None and (low_precision or keep_own):
@@ -229,8 +232,8 @@ class Coordinator:
             b.secondary.copy_(b.flat[h.local * part:(h.local + 1) * part])
             b.secondary_of = g.refresh  # the masters it was gathered from, even if a step came since
 
-    def gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False) -> None:
-        self.start_gather(b, shard, low_precision)
+    def gather(self, b: Bucket, shard: torch.Tensor, low_precision: bool = False, from_node: bool = False) -> None:
+        self.start_gather(b, shard, low_precision, from_node=from_node)
         self.finish_gather(b)
 
     def start_updates(self, buckets: list[Bucket]) -> None:

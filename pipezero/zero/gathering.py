@@ -50,18 +50,19 @@ class ShardedParams:
         self.gathered.discard(chunk)
 
     # --- one bucket, as the program's layer-by-layer instructions say ---------------------------
-    def gather(self, b: Bucket) -> None:
-        """Gather `b` and wait for it (a gather in flight is waited for)."""
+    def gather(self, b: Bucket, from_node: bool = False) -> None:
+        """Gather `b` and wait for it (a gather in flight is waited for); `from_node`: from the fp32
+        shares this rank's node kept of the step's first gather (hpZ, as the program says)."""
         if b.gathering is not None:
             self.comm.finish_gather(b)
         elif not b.present:
-            self.comm.gather(b, b.master, low_precision=True)  # type: ignore[arg-type]
+            self.comm.gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
 
-    def start(self, b: Bucket) -> None:
+    def start(self, b: Bucket, from_node: bool = False) -> None:
         """Start gathering `b`; the layer that needs it waits for it (`need`)."""
         if b.gathering is None and not b.present:
-            self.comm.start_gather(b, b.master, low_precision=True)  # type: ignore[arg-type]
+            self.comm.start_gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
 
     def need(self, b: Bucket, what: str) -> None:

@@ -10,9 +10,10 @@ nothing: a moment the program placed nothing at passes without a collective. A w
 moments are its module's; a part's are its first sub-module's forward and its last one's output
 (the parts of a block run one after another, joined by residual sums that hold no weight).
 
-A forward outside the program (an evaluation, the end-of-run text sample) is one too: a hook on
-the chunk arms the gathers and releases an F would fire (the compiled plan's `forward_only`) when no
-action is under way. Released storage keeps its tensor objects (resized to zero bytes), so the
+An evaluation's forwards are compute instructions of its own program (schedules/forward_only.py),
+armed like a step's. A forward outside any program (the end-of-run text sample) is one too: a hook
+on the chunk arms the gathers and releases an F would fire (the compiled plan's `forward_only`) when
+no action is under way. Released storage keeps its tensor objects (resized to zero bytes), so the
 views autograd saved in forward are valid again after the re-gather.
 """
 

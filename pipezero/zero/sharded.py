@@ -46,7 +46,7 @@ from pipezero.nonfinite import StepOutcome
 from pipezero.parallel.hierarchical import Hierarchy
 from pipezero.schedules.bucket_plan import BucketLayout
 from pipezero.schedules.layer_plan import END, START, Moment, Trigger
-from pipezero.schedules.program import Compute, DataParallel, Kind
+from pipezero.schedules.program import Compute, DataParallel, Group, Kind
 from pipezero.schedules.zero_rules import RULES, Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
@@ -81,8 +81,8 @@ class ZeroDP:
     weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
     node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
-    # layer by layer: the gathers and releases of a chunk's forward outside the program (the compiled
-    # plan's `forward_only`: an evaluation, the text sample)
+    # layer by layer: the gathers and releases of a chunk's forward outside any program (the compiled
+    # plan's `forward_only`: the text sample)
     forward_only: Callable[[int], tuple[DataParallel, ...]] = lambda chunk: ()
     buckets: dict[int, list[Bucket]] = field(init=False)
     index: dict[Bucket, int] = field(init=False)  # a bucket's place in its chunk (buckets hash by identity)
@@ -147,10 +147,6 @@ class ZeroDP:
                 b.grad.zero_()
             b.shard_grad = None  # allocated at the first reduction: not held through the step
 
-    def before_forward(self, chunk: int) -> None:
-        if self.sharded is not None:
-            self.sharded.before_use(chunk)
-
     def before_backward(self, chunk: int) -> None:
         """A W or BW of `chunk` starts. Kept gathered at stage 3, the program's UNSHARD before the
         chunk's first forward gathered it for the step: a chunk not gathered here is an error, never
@@ -211,9 +207,9 @@ class ZeroDP:
             if instr.kind is Kind.RESHARD:
                 self.sharded.release(b)
             elif instr.blocking:
-                self.sharded.gather(b)
+                self.sharded.gather(b, instr.group is Group.NODE)
             else:
-                self.sharded.start(b)
+                self.sharded.start(b, instr.group is Group.NODE)
         elif instr.kind is Kind.UNSHARD:
             self.sharded.before_use(instr.chunk)
         else:
@@ -228,7 +224,7 @@ class ZeroDP:
         self._disarm()
 
     def begin_outside(self, chunk: int) -> None:
-        """A chunk's forward starts with no action under way (an evaluation, the text sample)."""
+        """A chunk's forward starts with no action under way (the text sample)."""
         if self.armed is None and (self.sharded is None or not self.sharded.holding):
             self.outside = chunk
             self._arm(list(self.forward_only(chunk)), f"forward of chunk {chunk} outside the program")
