@@ -90,3 +90,14 @@ def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
     assert made and code == 1 and "Traceback" not in err
     assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
                                         "tbf rate 99999999999gbit` failed: rate too large"]
+
+
+def test_a_link_rate_in_other_digits_is_refused_before_anything_is_built():
+    """tc reads ASCII digits only: '٣mbit' (an Arabic-Indic 3) must be refused here, before the
+    namespaces are made, not by tc in the middle of the build."""
+    from pipezero.cluster import ClusterSpec
+    from pipezero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--link '٣mbit': a tc rate such as 200mbit"):
+        ClusterSpec(nodes=2, link="٣mbit")
+    ClusterSpec(nodes=2, link="2.5gbit")

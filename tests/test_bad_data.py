@@ -9,6 +9,7 @@ Everything runs in this process (`pipezero.cli.main`); model folders are written
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from one_line import assert_one_line, run_main
+from tiny_runs import TRAIN_TINY
 from pipezero.config import OnBadRecord
 from pipezero.errors import ConfigError
 
@@ -613,3 +615,19 @@ def test_data_that_is_a_pipe_is_one_line(tmp_path, capsys):
     os.mkfifo(tmp_path / "pipe.txt")
     assert_one_line(*run_main(train_argv(None, tmp_path / "pipe.txt", tmp_path / "out"), capsys),
                     f"--data '{tmp_path / 'pipe.txt'}' is a pipe (FIFO), not a file")
+
+
+def test_a_file_name_that_is_not_utf8_is_hashed_as_its_bytes(tmp_path):
+    """A file name is bytes to the filesystem: one no UTF-8 can hold is hashed as those bytes."""
+    from pipezero.data.sources import fingerprint
+
+    odd = tmp_path / os.fsdecode(b"x\xff.txt")
+    odd.write_text("hello")
+    assert len(fingerprint([odd])) == 16
+
+
+def test_a_text_field_with_no_records_to_read_it_from_is_one_line(tmp_path, capsys):
+    """Text files are read whole: a --text-field there would be read by nothing."""
+    (tmp_path / "a.txt").write_text("hello there " * 50)
+    argv = [*TRAIN_TINY, "--data", str(tmp_path / "a.txt"), "--text-field", "body", "--out", str(tmp_path / "o")]
+    assert_one_line(*run_main(argv, capsys), "--text-field 'body' names a field of .jsonl/.json/.parquet records")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from one_line import assert_one_line, run_main
+from one_line import DEEP, assert_one_line, run_main
+from tiny_runs import TRAIN_TINY
 
 
 def toml(tmp_path: Path, text: str) -> str:
@@ -388,3 +389,46 @@ def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys)
         (tmp_path / name).write_text(text)
     argv = [str(tmp_path / a[1:-1]) if a[1:-1] in files else a for a in argv]
     assert_one_line(*run_main(argv, capsys), needle)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--data", ""], "--data '' is empty: name document files"),  # not "--out is inside --data ''"
+    ([*TRAIN_TINY, "--model", ""], "--model is empty: name a local Hugging Face model folder"),
+    (["export", "", "--out", "e"], "the source is empty: pass a run directory"),
+    ([*TRAIN_TINY, "--quant-block", "7"], "--quant-block 7 applies with --quantize-weights or --quantize-grads"),  # else unread
+    ([*TRAIN_TINY, "--timeout", "0.5"], "--timeout 0.5: expected a number >= 1 and <= 604800"),
+    ([*TRAIN_TINY, "--timeout", "1e-300"], "--timeout 1e-300: expected a number >= 1"),  # 0 ms: every connect would fail
+])
+def test_an_empty_or_ignored_or_unusable_value_is_one_line(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_json_nested_too_deep_is_one_line_wherever_it_is_read(tmp_path, capsys):
+    from pipezero.checkpoint import CheckpointError
+    from pipezero.checkpoint.store import read_manifest
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import read_json
+    from pipezero.telemetry.metrics import _records
+
+    (tmp_path / "config.json").write_text(DEEP)
+    with pytest.raises(ConfigError, match="config.json is not readable json: maximum recursion depth"):
+        read_json(tmp_path / "config.json")
+    (tmp_path / "manifest.json").write_text(DEEP)
+    with pytest.raises(CheckpointError, match="unreadable manifest.json: maximum recursion depth"):
+        read_manifest(tmp_path)
+    assert _records(f'{DEEP}\n{{"step": 1}}\n') == [{"step": 1}]  # a resume skips the line
+    (tmp_path / "trace.json").write_text(DEEP)
+    assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys),
+                    "is not a pipezero trace.json (RecursionError")
+
+
+def test_a_stall_report_at_or_past_the_timeout_is_refused():
+    """The watchdog reports a wait that passed --stall-report; past --timeout the wait has already
+    failed, so such a setting would silently never report: refused in one line."""
+    from pipezero.errors import ConfigError
+    from pipezero.settings import build_config
+
+    with pytest.raises(ConfigError, match="--stall-report 60 is not below --timeout 30"):
+        build_config(overrides={"parallel.stall_report_s": 60.0, "parallel.timeout_s": 30.0})
+    assert build_config(overrides={"parallel.stall_report_s": 5.0, "parallel.timeout_s": 30.0})

@@ -178,3 +178,24 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     assert time.monotonic() - t0 < 5
     (tmp_path / "trace.json").write_text(json.dumps(_trace(LAYOUT)))  # the same run as written: compared
     assert run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # without --memory nothing reads the file's pp = 2
+    (["simulate", "--config", "{toml}"], "--config applies with --memory: add --memory, or drop --config"),
+    (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
+    (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
+    (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
+    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+])
+def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")
+    argv = [a.replace("{toml}", str(tmp_path / "run.toml")) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_plan_refuses_a_quant_block_it_would_not_use(capsys):
+    """As train does: without a --quantize-* flag the block size changes nothing in the plan."""
+    argv = ["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--global-batch", "4", "--seq-len", "64"]
+    assert_one_line(*run_main([*argv, "--quant-block", "64"], capsys), "--quant-block 64 prices quantized traffic")
+    assert run_main([*argv, "--quant-block", "64", "--quantize-grads", "int8"], capsys)[0] == 0

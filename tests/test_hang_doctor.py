@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from one_line import DEEP, run_main
 from pipezero.doctor import Ranks, load_records, planned_work, programs, report, stragglers, table, verdict
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
@@ -341,3 +342,37 @@ def test_waits_that_just_began_are_no_hang():
     assert verdict(records, PROG, RANKS).culprit is None
     records[3]["state"] = "failed"  # a failed wait counts however short (a peer gone)
     assert verdict(records, PROG, RANKS).culprit == 1
+
+
+# (what is under RUN, the status, what stderr says): files by a record's name that no rank wrote are
+# named as such (not "no flight records", exit 1, as if none had been written), and a record or
+# summary.json of the wrong shape is one line
+DOCTOR_CASES = [
+    ("deep", 2, "rank-00000.json under"),  # past json's recursion limit
+    ("pipe", 2, "are not flight records as pipezero writes them"),  # read without waiting for a writer
+    ("shapes", 2, "rank-00000.json, rank-00001.json, rank-00002.json under"),  # [] / rank "x" / {}
+    ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
+    ("straggler", 2, "(KeyError: 's_per_step')"),
+]
+
+
+@pytest.mark.parametrize("case, code, needle", DOCTOR_CASES)
+def test_doctor_reads_records_as_data(case, code, needle, tmp_path, capsys):
+    records = tmp_path / "doctor"
+    records.mkdir()
+    if case == "deep":
+        (records / "rank-00000.json").write_text(DEEP)
+        (tmp_path / "summary.json").write_text(DEEP)
+    elif case == "pipe":
+        os.mkfifo(records / "rank-00000.json")
+    elif case == "shapes":
+        (records / "rank-00000.json").write_text("[]")
+        (records / "rank-00001.json").write_text('{"rank": "x", "written": 1}')
+        (records / "rank-00002.json").write_text("{}")
+        (tmp_path / "summary.json").write_text("[1]")
+    elif case == "minimal":
+        (records / "rank-00000.json").write_text('{"rank": 0, "written": 1}')
+    else:
+        (tmp_path / "summary.json").write_text('{"straggler": {"rank": 1}}')
+    got, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert got == code and "Traceback" not in err and len(err.strip().splitlines()) == 1 and needle in err, err

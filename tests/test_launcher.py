@@ -73,3 +73,19 @@ def test_a_launcher_killed_by_a_signal_exits_128_plus_that_signal(tmp_path):
     cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     assert run_job(cmd, dict(os.environ), str(tmp_path)) == 128 + signal.SIGKILL
     assert run_job([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), str(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a rank number"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not a rank number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a rank number"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 is not a rank of WORLD_SIZE=1"),
+])
+def test_torchrun_variables_set_by_hand_are_checked(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    check_rank_variables({"WORLD_SIZE": "abc"})  # without RANK nothing reads them

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from one_line import assert_one_line, run_main
 from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
@@ -114,3 +115,12 @@ def test_a_train_flag_verify_would_ignore_is_refused(flags, tmp_path, capsys):
     code, err = run_main(["verify", "--out", str(tmp_path / "v"), *SMALL, *flags], capsys)
     assert_one_line(code, err, f"it takes no {flags[0]}: drop it")
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("out, needle", [("a-file", "--out 'a-file' is a file: name a folder for verify's runs"),
+                                         ("", "--out '' is empty: name a folder for verify's runs")])
+def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("mine")
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--steps", "1", "--out", out], capsys), needle)
+    assert (tmp_path / "a-file").read_text() == "mine"
