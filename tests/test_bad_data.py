@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -631,3 +632,84 @@ def test_a_text_field_with_no_records_to_read_it_from_is_one_line(tmp_path, caps
     (tmp_path / "a.txt").write_text("hello there " * 50)
     argv = [*TRAIN_TINY, "--data", str(tmp_path / "a.txt"), "--text-field", "body", "--out", str(tmp_path / "o")]
     assert_one_line(*run_main(argv, capsys), "--text-field 'body' names a field of .jsonl/.json/.parquet records")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--data", "{fifo}.npy"], "--data '{fifo}.npy' is a pipe (FIFO), not a file"),  # np.load would block
+    ([*TRAIN_TINY, "--data", "{fifo}"], "--data '{fifo}' is a pipe (FIFO), not a file"),
+    ([*TRAIN_TINY, "--data", "/dev/zero"], "--data '/dev/zero' is a device, not a file"),
+    ([*TRAIN_TINY, "--tokenizer", "{fifo}.json"], "tokenizer file '{fifo}.json' is a pipe (FIFO), not a file"),
+    ([*TRAIN_TINY, "--tokenizer", "{tmp}"], "is a folder; name a tokenizer.json"),
+    (["simulate", "--from-trace", "{fifo}"], "--from-trace '{fifo}' is a pipe (FIFO), not a file"),
+    (["train", "--model", "{model}"], "config.json is a pipe (FIFO), not a file"),
+])
+def test_a_pipe_or_device_is_named_as_what_it_is(argv, needle, tmp_path, capsys):
+    """A pipe or device given as a data or model path is named as what it is, never read (it
+    would wait for ever) nor reported as missing."""
+    fifo = tmp_path / "fifo"
+    for name in ("fifo", "fifo.npy", "fifo.json"):
+        os.mkfifo(tmp_path / name)
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    subst = {"fifo": str(fifo), "model": str(model), "tmp": str(tmp_path / "tok.json")}
+    (tmp_path / "tok.json").mkdir()
+    argv = [a.format(**subst) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle.format(**subst))
+
+
+@pytest.mark.parametrize("flags, toml, needle", [
+    (["--data", "{npy}", "--on-bad-record", "skip"], "", "--on-bad-record skip applies to documents; --data {npy} is "
+                                                         "a token file"),
+    (["--data", "{npy}", "--tokenizer", "bytes"], "", "--tokenizer bytes tokenizes nothing: --data {npy} holds token "
+                                                      "ids already"),
+    (["--data", "{npy}", "--text-field", "body"], "", "--text-field body applies to documents"),
+    (["--data", "{npy}", "--max-document-mb", "2"], "", "--max-document-mb 2 applies to documents"),
+    (["--on-bad-record", "skip"], "", "--on-bad-record skip applies to --data documents; the built-in corpus"),
+    (["--data", "{npy}"], "[data]\nbpe_vocab = 300\n", "data.bpe_vocab (in {toml}) 300 sizes the BPE"),
+    (["--tokenizer", "bytes"], "[data]\nbpe_vocab = 300\n", "the tokenizer is bytes"),
+    (["--data", "{npy}"], "[data]\nmax_bytes = 3000\n", "data.max_bytes (in {toml}) 3000 cuts the built-in corpus"),
+])
+def test_a_data_setting_the_source_does_not_read_is_one_line(flags, toml, needle, tmp_path, capsys):
+    """Each setting is read by no part of this source: accepted, it would change nothing."""
+    npy = tmp_path / "tokens.npy"
+    np.save(npy, np.arange(1000, dtype=np.uint16))
+    (tmp_path / "run.toml").write_text(toml)
+    subst = {"npy": str(npy), "toml": str(tmp_path / "run.toml")}
+    argv = [*TRAIN_TINY, "--out", str(tmp_path / "out"), *(f.format(**subst) for f in flags)]
+    assert_one_line(*run_main([*argv, "--config", subst["toml"]] if toml else argv, capsys), needle.format(**subst))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tiny_heldout_fraction_holds_out_nothing_instead_of_overflowing():
+    """--heldout-fraction 1e-320: 1 / x is inf, which round() cannot take; every k-th past 2**62 is none."""
+    from pipezero.data.corpus import every_kth, split_documents
+
+    assert every_kth(0.25) == 4 and every_kth(1e-320) == 2**62
+    train, held = split_documents(["a\n" * 50] * 3, 1e-320)
+    assert train and held  # fewer documents than k: the tail of the text is held out
+
+
+def test_an_empty_data_path_list_is_refused_not_the_built_in_corpus(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[data]\npath = []\n")
+    assert_one_line(*run_main([*TRAIN_TINY, "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "o")], capsys),
+                    "data.path = []: name document files")
+    assert not (tmp_path / "o").exists()
+
+
+def test_rope_settings_given_twice_that_differ_are_refused(tmp_path):
+    """transformers 5 reads rope_scaling and rope_theta over rope_parameters: a yarn scaling added
+    beside rope_parameters, read from rope_parameters alone, would train another model than the one
+    transformers loads."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import _rope
+
+    base = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert _rope(base, tmp_path) == (500000.0, None)
+    assert _rope({**base, "rope_theta": 500000.0}, tmp_path) == (500000.0, None)  # the same, twice: fine
+    for extra, needle in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "in rope_scaling (rope_type)"),
+                          ({"rope_scaling": {"type": "yarn"}}, "in rope_scaling (rope_type)"),
+                          ({"rope_theta": "big"}, "in rope_theta (rope_theta)"),
+                          ({"rope_theta": 10000.0}, "in rope_theta")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            _rope({**base, **extra}, tmp_path)

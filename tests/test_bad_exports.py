@@ -20,18 +20,12 @@ import torch
 from hf_models import make_model
 from pipezero.cli import main
 from test_bad_inputs import assert_one_line, run_main
+from user_files import tree
 
 pytest.importorskip("transformers")
 
 SMALL = ["--seq-len", "16", "--no-progress", "--sample-tokens", "0", "--microbatches", "1",
          "--micro-batch-size", "1"]
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int, int]]:
-    """Every entry under `folder` (hidden ones too) with size, inode and modification time: to
-    prove nothing was written, replaced or removed there."""
-    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_ino, p.lstat().st_mtime_ns)
-            for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")

@@ -432,3 +432,50 @@ def test_a_stall_report_at_or_past_the_timeout_is_refused():
     with pytest.raises(ConfigError, match="--stall-report 60 is not below --timeout 30"):
         build_config(overrides={"parallel.stall_report_s": 60.0, "parallel.timeout_s": 30.0})
     assert build_config(overrides={"parallel.stall_report_s": 5.0, "parallel.timeout_s": 30.0})
+
+
+def test_a_model_setting_beside_model_or_model_spec_is_named_as_the_user_set_it(tmp_path, capsys):
+    """The fix names the flag the user typed (drop --preset), the TOML key only for a TOML setting."""
+    (tmp_path / "m").mkdir()
+    assert_one_line(*run_main(["train", "--model", str(tmp_path / "m"), "--preset", "tiny"], capsys),
+                    f"--model {tmp_path / 'm'} fixes the model's shape; drop --preset")
+    assert_one_line(*run_main(["train", "--model-spec", "x:y", "--preset", "tiny"], capsys),
+                    "--model-spec x:y is the whole model; drop --preset")
+    (tmp_path / "p.toml").write_text('[model]\npreset = "tiny"\n')
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "p.toml"), "--model", str(tmp_path / "m")], capsys),
+                    f"drop model.preset (in {tmp_path / 'p.toml'})")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--microbatches", "1000000000"], "--pp 1 x --microbatches 1000000000 x --virtual-stages 1 = 1000000000 stage "
+                                       "micro-batches a step; the limit is 65536"),  # proving 10^9 would never end
+    (["--pp", "2", "--microbatches", "40000"], "= 80000 stage micro-batches a step"),
+    (["--micro-batch-size", "1000000000"], "= 1000000000 sequences of --seq-len 16 = 16000000000 tokens a step; "
+                                           "the limit is 268435456"),  # a 119 GiB allocation otherwise
+])
+def test_a_step_past_what_a_rank_can_build_or_hold_is_one_line(flags, needle, tmp_path, capsys):
+    argv = ["train", "--preset", "tiny", "--max-steps", "1", "--seq-len", "16", "--microbatches", "1",
+            "--out", str(tmp_path / "o"), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [[*TRAIN_TINY, "--out", "{long}"], [*TRAIN_TINY, "--data", "{long}.txt"],
+                                  ["simulate", "--png", "{long}.png"], ["export", "{long}", "--out", "e"]])
+def test_a_name_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """Path.exists raises OSError (File name too long) for such a name: checked before any other use."""
+    monkeypatch.chdir(tmp_path)
+    long = "x" * 300
+    code, err = run_main([a.format(long=long) for a in argv], capsys)
+    assert_one_line(code, err, "characters)' is too long for this filesystem (File name too long)")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--tokenizer", "gpt2"], "--tokenizer (data.tokenizer) 'gpt2': use 'bpe', 'bytes' or a tokenizer.json"),
+    (["train", "--config", "{toml}"], "model.spec (in {toml}) x:y is the whole model; drop model.pretrained (in {toml})"),
+])
+def test_a_setting_is_named_as_the_user_gave_it(argv, needle, tmp_path, capsys):
+    """--tokenizer by its flag (and key); a spec the TOML file named by its key and file."""
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nspec = "x:y"\npretrained = "m"\n')
+    assert_one_line(*run_main([a.format(toml=toml) for a in argv], capsys), needle.format(toml=toml))

@@ -4,17 +4,20 @@ skipping non-finite steps."""
 from __future__ import annotations
 
 import json
+import numpy as np
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from one_line import run_main
 from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
 from pipezero.checkpoint.store import Team, committed, latest, problems, write
 from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
 from ranks import run_ranks
+from tiny_runs import TRAIN_TINY
 from training import tiny_overrides
 
 
@@ -350,3 +353,39 @@ def test_the_last_step_is_saved_unless_told_not_to():
     assert saved(checkpoint_every=4) == [4, 8, 10]
     assert saved(checkpoint_every=4, save_final=False) == [4, 8, 10]
     assert saved(checkpoint_every=5) == [5, 10]
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_before_anything_is_written(tmp_path):
+    """--lr 1e308 leaves every weight NaN after one update: such a state is no checkpoint to save."""
+    import torch
+
+    from pipezero.checkpoint.pieces import Piece
+    from pipezero.checkpoint.state import check_finite, nonfinite_entries
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    shard = torch.zeros(8)
+    state = {"model.a": Piece(16, 0, shard[:4]), "model.b": Piece(16, 4, shard[4:]), "step": torch.zeros(2, dtype=torch.long)}
+    check_finite(state, Team(step=3), 1e-3)  # finite: nothing said
+    shard[5] = float("nan")
+    state["optim.exp_avg_sq.c"] = torch.tensor([float("inf")])
+    assert nonfinite_entries(state) == ["model.b", "optim.exp_avg_sq.c"]
+    with pytest.raises(CheckpointError, match=r"^step 3: checkpoint not saved: model.b, optim.exp_avg_sq.c hold NaN "
+                                              r"or inf .*lower --lr \(now 1e\+308\)"):
+        check_finite(state, Team(step=3), 1e308)
+
+
+@pytest.mark.distributed  # trains twice in this process (~5 s)
+def test_a_diverged_run_saves_no_checkpoint_and_keeps_the_earlier_ones(tmp_path, capsys):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 4000, 4000).astype(np.uint16))
+    run = tmp_path / "run"
+    base = [*TRAIN_TINY, "--data", str(tokens), "--out", str(run), "--checkpoint-every", "1", "--sample-tokens", "0",
+            "--microbatches", "1", "--micro-batch-size", "1"]
+    assert run_main(base, capsys)[0] == 0
+    good = run / "checkpoints" / "step-00000001"
+    kept = sorted((p.name, p.read_bytes()) for p in good.iterdir())
+    code, err = run_main([*base, "--resume", "--max-steps", "3", "--lr", "1e308"], capsys)
+    assert code == 1 and err.count("pipezero: error:") == 1, err
+    assert "step 2: checkpoint not saved:" in err and "hold NaN or inf" in err, err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+    assert sorted((p.name, p.read_bytes()) for p in good.iterdir()) == kept

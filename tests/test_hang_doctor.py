@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from one_line import DEEP, run_main
+from one_line import DEEP, assert_one_line, run_main
 from pipezero.doctor import Ranks, load_records, planned_work, programs, report, stragglers, table, verdict
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
@@ -376,3 +376,30 @@ def test_doctor_reads_records_as_data(case, code, needle, tmp_path, capsys):
         (tmp_path / "summary.json").write_text('{"straggler": {"rank": 1}}')
     got, err = run_main(["doctor", str(tmp_path)], capsys)
     assert got == code and "Traceback" not in err and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_doctor_of_a_folder_that_is_not_there_or_a_file_is_one_line(tmp_path, capsys):
+    """A run folder that is not there is no run without records: the fix is another path, not a
+    search for records."""
+    (tmp_path / "f").write_text("x")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "nowhere")], capsys), "nowhere does not exist: pass the run's")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "f")], capsys), "f is not a folder: pass the run's folder")
+
+
+@pytest.mark.parametrize("sizes, needle", [
+    ({"pp": 1_000_000_000}, "past what train runs"),  # lowering would never end
+    ({"microbatches": 1_000_000_000}, "past what train runs"),
+    ({"dp": 0}, "positive integers only"),
+    ({"pp": "2"}, "positive integers only"),
+])
+def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsys):
+    import json
+
+    plan = {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "dp": 1, "zero": 0,
+            "grad_reduce": "step", "bucket_mb": 25.0, "zero3_keep_gathered": None, "recompute": False,
+            "model": {"tied": None, "chunks": [{"splits": c > 0, "stop": c + 1, "layers": []} for c in range(2)]}, **sizes}
+    record = {"rank": 0, "written": 1.0, "run": "x", "step": 1, "index": 0, "instr": "F", "state": "waiting",
+              "stage": 0, "waited_s": 1.0, "plan": plan}
+    (tmp_path / "doctor").mkdir()
+    (tmp_path / "doctor" / "rank-00000.json").write_text(json.dumps(record))
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)

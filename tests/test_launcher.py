@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 from pipezero.checkpoint.store import Team, latest
+from one_line import assert_one_line, run_main
 from pipezero.cli import main
+from tiny_runs import TRAIN_TINY
 
 
 def pids_with(marker: str) -> list[int]:
@@ -89,3 +91,44 @@ def test_torchrun_variables_set_by_hand_are_checked(env, needle):
         check_rank_variables(env)
     check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
     check_rank_variables({"WORLD_SIZE": "abc"})  # without RANK nothing reads them
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR='' MASTER_PORT='' name no rendezvous"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' name no"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' name no"),
+])
+def test_rank_variables_by_hand_need_a_rendezvous(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "0", "WORLD_SIZE": "1"})  # one rank: no rendezvous to name
+    check_rank_variables({**env, "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+
+
+def test_a_leftover_torchelastic_restart_count_is_one_line(tmp_path, capsys, monkeypatch):
+    """Read as an integer by the claim and the resume: 'x' is named, not taken for a count."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    assert_one_line(*run_main([*TRAIN_TINY, "--out", str(tmp_path / "o")], capsys),
+                    "TORCHELASTIC_RESTART_COUNT='x' is not a count")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
+    """A MASTER_ADDR that resolves nowhere: torch's DistNetworkError after --timeout, said in one line."""
+    import torch.distributed as dist
+
+    from pipezero import engine
+    from pipezero.cli import train_here
+
+    def unreachable(cfg):
+        raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect to (x, 1).")
+
+    monkeypatch.setattr(engine, "train", unreachable)
+    monkeypatch.setenv("MASTER_ADDR", "no.such.host")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert train_here(None) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "connection to no.such.host:29999 failed (DistNetworkError: The client" in err

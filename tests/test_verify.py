@@ -15,6 +15,7 @@ from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
 from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
+from user_files import tree
 
 DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
 SMALL = ["--tokenizer", "bytes", "--seq-len", "32", "--no-progress"]
@@ -124,3 +125,33 @@ def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, c
     (tmp_path / "a-file").write_text("mine")
     assert_one_line(*run_main(["verify", "--preset", "tiny", "--steps", "1", "--out", out], capsys), needle)
     assert (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda out: (out / "metrics.jsonl").write_text("{}\n"), "holds 'metrics.jsonl', which verify did not write"),
+    (lambda out: (out / "notes.txt").write_text("mine"), "holds 'notes.txt', which verify did not write"),
+    (lambda out: (out / "layout").write_text("mine"), "layout is a file, where verify writes a folder"),
+    (lambda out: (out / "verify.json").mkdir(), "verify.json is a folder, where verify writes a file"),
+])
+def test_verify_writes_only_into_a_folder_of_its_own(make, needle, tmp_path, capsys):
+    """verify makes layout/, reference/, floor/ in --out: never beside files it did not write."""
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out)
+    before = tree(out)
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--seq-len", "16", "--out", str(out)], capsys), needle)
+    assert tree(out) == before
+
+
+@pytest.mark.parametrize("steps, needle", [("100000000000", "--steps = 100000000000: expected an integer >= 1 and <= 1000"),
+                                           ("0", "--steps = 0: expected an integer >= 1")])
+def test_verify_steps_are_bounded(steps, needle, tmp_path, capsys):
+    assert_one_line(*run_main(["verify", "--steps", steps, "--out", str(tmp_path / "v")], capsys), needle)
+    assert not (tmp_path / "v").exists()
+
+
+def test_verify_nproc_that_is_not_the_layout_is_one_line(tmp_path, capsys):
+    """--nproc must be the layout's rank count: a one-rank layout would otherwise ignore the flag."""
+    assert_one_line(*run_main(["verify", "--nproc", "2", "--preset", "tiny", "--out", str(tmp_path / "v")], capsys),
+                    "--nproc 2 but pp x dp = 1; make them equal")
+    assert not (tmp_path / "v").exists()
