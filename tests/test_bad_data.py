@@ -713,3 +713,26 @@ def test_rope_settings_given_twice_that_differ_are_refused(tmp_path):
                           ({"rope_theta": 10000.0}, "in rope_theta")):
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             _rope({**base, **extra}, tmp_path)
+
+
+def test_a_cache_entry_edited_to_hold_an_id_past_the_vocabulary_is_rebuilt(tmp_path, capsys, monkeypatch):
+    """Token files are only sized at each open (they are the bulk): bytes edited in place to an id
+    past the tokenizer's vocabulary would pass that, and end the run in the embedding's IndexError.
+    The ids are checked: the entry is rebuilt, with a warning."""
+    import numpy as np
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    before = _arrays(load_corpus(cfg))
+    [entry] = cache_dir().glob("docs-*")
+    capsys.readouterr()
+    tokens = entry / "train.tokens"
+    tokens.write_bytes(b"\xff\xff" + tokens.read_bytes()[2:])
+    after = _arrays(load_corpus(cfg))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    err = capsys.readouterr().err
+    assert f"the token cache entry {entry} is damaged (train.tokens holds id 65535" in err, err
+    assert err.count("\n") == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY
+from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES
 
 
 @pytest.mark.parametrize("name, make, needle", [
@@ -39,3 +39,29 @@ def test_a_run_id_that_is_not_text_claims_nothing(tmp_path):
 
     (tmp_path / RUN_ID).write_bytes(b"\xff\xfe")
     assert run_id(tmp_path) is None
+
+
+def test_a_lock_that_is_a_symlink_is_refused_not_written_through(tmp_path, capsys):
+    """`OUT/.lock -> ../mine.txt`: opening the lock through the link would truncate the user's file
+    to write the pid there."""
+    mine = tmp_path / "mine.txt"
+    mine.write_text("mine")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".lock").symlink_to(mine)
+    assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--out", str(out)], capsys), ".lock is a symlink")
+    assert mine.read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_the_launchers_variable_set_by_hand_claims_nothing(tmp_path, capsys, monkeypatch):
+    """PIPEZERO_RUN_CLAIMED=1 tells a rank our launcher started that the folder is claimed; in a lone
+    process it claims nothing, so the run already in --out is refused without --force."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("the other run's")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIPEZERO_RUN_CLAIMED", "1")
+    assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--out", str(out)], capsys), "already holds a run (metrics.jsonl)")
+    assert (out / "metrics.jsonl").read_text() == "the other run's"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from one_line import assert_one_line, run_main
+from tiny_runs import TRAIN_TINY_BYTES
 
 
 def test_a_config_file_that_is_a_folder_or_not_text_is_one_line(tmp_path, capsys):
@@ -22,3 +23,15 @@ def test_quant_block_from_toml_alone_is_named_by_its_key(tmp_path, capsys):
     (tmp_path / "run.toml").write_text("[parallel]\nquant_block = 64\n")
     assert_one_line(*run_main(["train", "--config", str(tmp_path / "run.toml")], capsys),
                     "parallel.quant_block 64 applies with --quantize-weights or --quantize-grads")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model = 1\n", "model = 1 is a value, not a table: write [model] on a line of its own, its keys under it"),
+    ("[[model]]\ndim = 3\n", "[[model]] is an array of tables: write [model], once"),
+    ("foo = 1\n", "unknown table [foo]; use one of model"),
+])
+def test_a_section_that_is_not_a_table_is_named_as_what_it_is(text, needle, tmp_path, capsys):
+    """`model = 1` is named as a value where a table belongs, not as an unknown table."""
+    (tmp_path / "c.toml").write_text(text)
+    assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")], capsys),
+                    needle)

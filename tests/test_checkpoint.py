@@ -389,3 +389,50 @@ def test_a_diverged_run_saves_no_checkpoint_and_keeps_the_earlier_ones(tmp_path,
     assert "step 2: checkpoint not saved:" in err and "hold NaN or inf" in err, err
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
     assert sorted((p.name, p.read_bytes()) for p in good.iterdir()) == kept
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"data": {"samples": "x"}}, "data.samples 'x' is not a count"),  # the resume would fail on it
+    ({"data": {"samples": -3}}, "data.samples -3 is not a count"),
+    ({"data": [1]}, "data is not a dict"),
+    ({"adam_steps": -5}, "adam_steps -5 is not a count"),  # NaN weights after the resumed step
+    ({"bad_in_a_row": -1}, "bad_in_a_row -1 is not a count"),
+    ({"world": True}, "world True is not a count"),
+])
+def test_a_manifest_edited_by_hand_is_a_bad_checkpoint(edit, needle, tmp_path):
+    from pipezero.checkpoint.store import FORMAT, MANIFEST, CheckpointError, read_manifest
+
+    import json
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    manifest = {"format": FORMAT, "step": 1, "files": {"a": {"bytes": 1, "sha256": "0" * 64}}, "config": {},
+                "world": 1, "adam_steps": 1, "bad_in_a_row": 0, "data": {"samples": 1}}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    read_manifest(step)  # as saved: fine
+    (step / MANIFEST).write_text(json.dumps({**manifest, **edit}))
+    with pytest.raises(CheckpointError, match="bad manifest.json: " + needle):
+        read_manifest(step)
+
+
+def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_file(tmp_path):
+    """--keep-checkpoints removes old `step-N` folders whole: one holding a file its manifest does
+    not list (a user's notes.txt), or a link to elsewhere, is kept instead."""
+    import json
+
+    from pipezero.checkpoint.store import FORMAT, MANIFEST, prunable
+
+    def checkpoint(step: int) -> Path:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        (folder / "a").write_text("x")
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "run": "r",
+                                                   "files": {"a": {"bytes": 1, "sha256": "0" * 64}}}))
+        return folder
+
+    first, second, third = checkpoint(1), checkpoint(2), checkpoint(3)
+    assert prunable(tmp_path, "r", 3) == [first, second, third]
+    (first / "notes.txt").write_text("mine")
+    third.rename(tmp_path / "real-3")
+    third.symlink_to(tmp_path / "real-3")
+    assert prunable(tmp_path, "r", 3) == [second]

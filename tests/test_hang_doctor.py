@@ -403,3 +403,16 @@ def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsy
     (tmp_path / "doctor").mkdir()
     (tmp_path / "doctor" / "rank-00000.json").write_text(json.dumps(record))
     assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
+
+
+def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
+    """`doctor RUN` where RUN/summary.json is a named pipe: opened to read, it would wait for a writer."""
+    import os
+
+    from pipezero.doctor import cmd_doctor
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "summary.json")
+    assert cmd_doctor(type("Args", (), {"run": str(run)})()) == 1  # no records: the usual answer, at once
+    assert "no flight records" in capsys.readouterr().err
