@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -736,3 +737,31 @@ def test_a_cache_entry_edited_to_hold_an_id_past_the_vocabulary_is_rebuilt(tmp_p
     err = capsys.readouterr().err
     assert f"the token cache entry {entry} is damaged (train.tokens holds id 65535" in err, err
     assert err.count("\n") == 1
+
+
+def test_a_cached_tokenizer_swapped_for_another_is_rebuilt(tmp_path, capsys, monkeypatch):
+    """A cached bpe-*.json is checked against what pipezero built there: another tokenizer, valid or
+    not, is rebuilt with a warning, never used."""
+    import numpy as np
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    cfg.tokenizer, cfg.bpe_vocab = "bpe", 300
+    tokens = np.asarray(load_corpus(cfg).train).copy()
+    [path] = cache_dir().glob("bpe-300-*.json")
+    built = path.read_bytes()
+    other = json.loads(built)
+    vocab = other["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[260:262]  # two learned tokens' ids swapped: still a valid tokenizer
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(other))
+    for name in cache_dir().glob("docs-*"):
+        shutil.rmtree(name)  # token arrays are keyed by the tokenizer's content: make the swap matter
+    capsys.readouterr()
+    assert np.array_equal(load_corpus(cfg).train, tokens)
+    err = capsys.readouterr().err
+    assert f"the cached tokenizer {path} is damaged (its content is not what pipezero built there" in err, err
+    assert path.read_bytes() == built

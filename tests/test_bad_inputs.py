@@ -479,3 +479,17 @@ def test_a_setting_is_named_as_the_user_gave_it(argv, needle, tmp_path, capsys):
     toml = tmp_path / "c.toml"
     toml.write_text('[model]\nspec = "x:y"\npretrained = "m"\n')
     assert_one_line(*run_main([a.format(toml=toml) for a in argv], capsys), needle.format(toml=toml))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--config", "", "--out", "{tmp}/o"], "--config is empty: name a .toml file"),  # not "no file": the defaults
+    (["simulate", "--png", ""], "--png is empty"),  # else nothing is drawn
+    (["simulate", "--from-trace", ""], "--from-trace is empty"),  # not the defaults instead
+    (["simulate", "--memory", "--config", " "], "--config is empty"),
+    (["export", "{run}", "--out", "{tmp}/e", "--model-spec", ""], "--model-spec is empty"),  # not "no spec given"
+    (["doctor", ""], "the run folder is empty"),  # not the working directory
+])
+def test_an_empty_value_is_refused_not_read_as_absent(argv, needle, trained_run, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(trained_run)) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()

@@ -199,3 +199,27 @@ def test_plan_refuses_a_quant_block_it_would_not_use(capsys):
     argv = ["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--global-batch", "4", "--seq-len", "64"]
     assert_one_line(*run_main([*argv, "--quant-block", "64"], capsys), "--quant-block 64 prices quantized traffic")
     assert run_main([*argv, "--quant-block", "64", "--quantize-grads", "int8"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("cost", ["-1,1,1", "-1:1:1", "-0.5:1:1"])
+def test_a_negative_cost_reaches_its_own_check(cost, capsys):
+    """argparse takes `--cost -1,1,1` for an option ("expected one argument"): the value must reach
+    the check that names what is wrong with it."""
+    code, err = run_main(["simulate", "--cost", cost], capsys)
+    assert_one_line(code, err, f"--cost")
+    assert "expected one argument" not in err and cost in err
+
+
+def test_a_negative_number_still_reaches_a_numeric_flag(capsys):
+    assert_one_line(*run_main(["simulate", "--comm", "-1"], capsys), "--comm = -1.0: expected a number >= 0")
+
+
+def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, monkeypatch):
+    """`plan --preset 7b --gpus 8 --gpu-memory 0.001`: simulating every layout would take minutes on a
+    busy host to say none fits; the weights' share of one GPU says it at once."""
+    def never(*args, **kwargs):
+        raise AssertionError("the planner ran")
+
+    monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
+    assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
+                    "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES
+from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, copy_trained_run, data_of
+from user_files import files
 
 
 @pytest.mark.parametrize("name, make, needle", [
@@ -65,3 +66,56 @@ def test_the_launchers_variable_set_by_hand_claims_nothing(tmp_path, capsys, mon
     monkeypatch.setenv("PIPEZERO_RUN_CLAIMED", "1")
     assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--out", str(out)], capsys), "already holds a run (metrics.jsonl)")
     assert (out / "metrics.jsonl").read_text() == "the other run's"
+
+
+def test_force_never_replaces_a_users_files_in_a_folder_no_run_claimed(tmp_path, capsys):
+    """`train --force` over a folder holding the user's metrics.jsonl (no .run-id, no checkpoints):
+    --force trains beside a run pipezero started, never over files it did not write."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.jsonl").write_text("my notes")
+    (mine / "trace.png").write_bytes(b"my picture")
+    before = files(mine)
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, "--out", str(mine), "--force"], capsys),
+                    "holds metrics.jsonl, trace.png but no run pipezero started (no .run-id, no checkpoints), "
+                    "and --force would write over them")
+    assert files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["metrics.jsonl", "trace.png"]
+
+
+def test_force_beside_a_run_pipezero_started_still_trains(trained_run, tmp_path):
+    """What --force is for stays: a folder a run claimed (its .run-id) takes a new run beside it."""
+    from pipezero.rundir import claim
+
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    with claim(str(run), resume=False, force=True) as held:
+        assert held.id != (trained_run / ".run-id").read_text().strip()
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "checkpoints/step-00000001", "checkpoints/step-00000001/deeper"])
+def test_out_inside_a_runs_checkpoints_is_refused(inside, trained_run, tmp_path, capsys):
+    """`--out RUN/checkpoints/step-N --force` would write a whole run (metrics, its own checkpoints)
+    into another run's checkpoint, beside the shards that run's saves and pruning manage."""
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run / inside), "--force"], capsys),
+                    "a run's checkpoints folder, which that run's saves, pruning and resume manage")
+    assert files(run) == before and not (run / "checkpoints" / "step-00000001" / "deeper").exists()
+
+
+def test_a_folder_named_checkpoints_of_no_run_is_a_run_folder(tmp_path):
+    from pipezero.rundir import claim
+
+    with claim(str(tmp_path / "checkpoints"), resume=False, force=False):
+        pass
+
+
+def test_force_into_a_hugging_face_model_folder_keeps_the_model(tmp_path, capsys):
+    """`train --force --out MODEL` would replace the model's config.json with the run's."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    before = files(model)
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, "--out", str(model), "--force"], capsys),
+                    "holds config.json but no run pipezero started")
+    assert files(model) == before

@@ -35,3 +35,12 @@ def test_a_section_that_is_not_a_table_is_named_as_what_it_is(text, needle, tmp_
     (tmp_path / "c.toml").write_text(text)
     assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "o")], capsys),
                     needle)
+
+
+def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Saved by an editor that writes a BOM, which tomllib refuses ("Invalid statement (at line 1,
+    column 1)"): the mark is no setting, so it is skipped."""
+    from pipezero.settings import build_config
+
+    (tmp_path / "c.toml").write_text("\ufeff[run]\nseed = 7\n", encoding="utf-8")
+    assert build_config(str(tmp_path / "c.toml")).run.seed == 7
