@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, copy_trained_run, data_of
+from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_run, data_of
 from user_files import files
 
 
@@ -119,3 +119,63 @@ def test_force_into_a_hugging_face_model_folder_keeps_the_model(tmp_path, capsys
     assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, "--out", str(model), "--force"], capsys),
                     "holds config.json but no run pipezero started")
     assert files(model) == before
+
+
+def test_an_empty_out_beside_the_data_is_named_empty(tmp_path, monkeypatch, capsys):
+    """--out '' in the folder holding --data is named empty: the working directory is not the empty
+    name, so '--out holds --data docs: put --out outside the data' would be a fix that does not apply."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello " * 200)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main([*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", ""], capsys)
+    assert_one_line(code, err, "--out is empty")
+
+
+@pytest.mark.parametrize("how", ["flag", "toml", "export"])
+def test_a_tilde_no_shell_expanded_is_refused_not_made_a_folder(how, tmp_path, monkeypatch, capsys):
+    """A quoted '~/runs/a', --out=~/x or a TOML value reach pipezero unexpanded: the run (or export)
+    would go to a new folder named '~' in the working directory, which `rm -r ~` later takes for home."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.toml").write_text('[run]\nout = "~/pz-runs/a"\n')
+    argv = {"flag": [*TRAIN_TINY_SMALLEST, "--out", "~/pz-runs/a"],
+            "toml": ["train", "--config", "c.toml", *TRAIN_TINY_SMALLEST[1:]],
+            "export": ["export", "nowhere", "--out", "~/pz-runs/e"]}[how]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, "starts with '~', which only a shell expands")
+    assert str(Path.home() / "pz-runs") in err
+    assert not (tmp_path / "~").exists()
+
+
+def test_a_real_folder_named_tilde_is_the_users_choice(tmp_path, monkeypatch):
+    from pipezero.util import unexpanded_home
+
+    monkeypatch.chdir(tmp_path)
+    assert unexpanded_home("--out", "~/x") is not None
+    (tmp_path / "~").mkdir()
+    assert unexpanded_home("--out", "~/x") is None
+    assert unexpanded_home("--out", "runs/~x") is None
+
+
+def test_an_out_through_a_symlink_loop_is_one_line(tmp_path, monkeypatch, capsys):
+    """A link on --out's path that loops: Path.resolve raises RuntimeError in each command's checks
+    (train, verify: the data-overlap check; export: the inside-a-run check), said in one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for argv in ([*TRAIN_TINY_SMALLEST, "--out", "loop/x"], ["export", "nowhere", "--out", "loop/e"], [*VERIFY_TINY, "--out", "loop/v"]):
+        code, err = run_main(argv, capsys)
+        assert_one_line(code, err, "cannot be followed")
+
+
+@pytest.mark.parametrize("how", ["png", "cache"])
+def test_a_tilde_in_png_or_cache_is_refused(how, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if how == "png":
+        argv = ["simulate", "--png", "~/pz-r7.png"]
+    else:
+        monkeypatch.setenv("PIPEZERO_CACHE", "~/pz-cache")
+        (tmp_path / "docs").mkdir()
+        (tmp_path / "docs" / "a.txt").write_text("hello " * 200)
+        argv = [*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "o"]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, "starts with '~', which only a shell expands")
+    assert not (tmp_path / "~").exists()

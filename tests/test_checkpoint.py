@@ -436,3 +436,24 @@ def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_file(tmp_path):
     third.rename(tmp_path / "real-3")
     third.symlink_to(tmp_path / "real-3")
     assert prunable(tmp_path, "r", 3) == [second]
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_link_at_a_checkpoint_scratch_name_is_cleared_not_followed(scratch, tmp_path):
+    """A link at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N (a prune's) is
+    unlinked, not removed as a folder (rmtree refuses a link, and would follow none): the link goes,
+    what it points to stays."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).symlink_to(mine)
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, prunes 1
+    assert [p.name for _, p in committed(root)] == ["step-00000002"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not (root / scratch).is_symlink()

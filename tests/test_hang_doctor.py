@@ -416,3 +416,23 @@ def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
     os.mkfifo(run / "summary.json")
     assert cmd_doctor(type("Args", (), {"run": str(run)})()) == 1  # no records: the usual answer, at once
     assert "no flight records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", [b"\x00\xff binary", b"[1, 2]", b'{"rank": "0", "written": 1}'])
+def test_a_damaged_flight_record_is_named_not_taken_for_none(text, tmp_path, capsys):
+    """`doctor RUN` over rank-*.json files that are garbage, binary or of the wrong types names them:
+    "no flight records" (exit 1) would say no rank had written one."""
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    (tmp_path / FOLDER / "rank-00000.json").write_bytes(text)
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys),
+                    "rank-00000.json under " + str(tmp_path / FOLDER) + " are not flight records as pipezero writes")
+
+
+def test_an_empty_record_folder_is_still_no_records(tmp_path, capsys):
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    code, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert code == 1 and "no flight records under" in err

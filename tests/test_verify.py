@@ -15,6 +15,7 @@ from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
 from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
+from tiny_runs import VERIFY_TINY
 from user_files import tree
 
 DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
@@ -155,3 +156,23 @@ def test_verify_nproc_that_is_not_the_layout_is_one_line(tmp_path, capsys):
     assert_one_line(*run_main(["verify", "--nproc", "2", "--preset", "tiny", "--out", str(tmp_path / "v")], capsys),
                     "--nproc 2 but pp x dp = 1; make them equal")
     assert not (tmp_path / "v").exists()
+
+
+def test_verify_keeps_a_file_of_the_users_in_its_ranks_folder(tmp_path, capsys):
+    """verify clears OUT/ranks before the layout runs: only the rankR.pt files its ranks write are its
+    own, so a user's rank-notes.pt there is refused, not deleted."""
+    mine = tmp_path / "v" / "ranks" / "rank-notes.pt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    code, err = run_main([*VERIFY_TINY, "--pp", "2", "--nproc", "2", "--out", str(tmp_path / "v")], capsys)
+    assert_one_line(code, err, "ranks/ holds 'rank-notes.pt', which verify did not write")
+    assert mine.read_text() == "mine"
+
+
+def test_verify_still_takes_its_own_earlier_rank_files(tmp_path):
+    """An earlier verify's ranks/rank3.pt (a larger layout) is verify's own: no refusal."""
+    from pipezero.verify import check_out
+
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "rank3.pt").write_bytes(b"")
+    check_out(tmp_path)
