@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_models import make_model
+from one_line import assert_one_line_exit_1
 from pipezero.cli import main
 from test_bad_inputs import assert_one_line, run_main
+from tiny_runs import copy_trained_folder, write_docs
 from user_files import tree
 
 pytest.importorskip("transformers")
@@ -392,3 +395,49 @@ def test_a_run_whose_hf_folder_is_a_symlink_is_refused_before_it_writes_through_
     before = tree(tmp_path)
     assert_one_line(*run_main(resume_argv(trained, run), capsys), f"hf is a symlink (to {mine})")
     assert tree(tmp_path) == before
+
+
+def test_a_writer_that_reports_an_os_error_in_its_own_words_names_the_file(tmp_path):
+    """safetensors' save_file raises SafetensorError('... No space left on device (os error 28)') on
+    a full disk: atomic_write_with gives it as the OSError it is, naming the file, and leaves no
+    half-written file."""
+    import errno
+
+    from pipezero.util import atomic_write_with, refused_write
+
+    def full(tmp: str) -> None:
+        Path(tmp).write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as caught:
+        atomic_write_with(tmp_path / "model.safetensors", full)
+    assert caught.value.errno == errno.ENOSPC
+    assert refused_write(caught.value) == (f"{tmp_path / 'model.safetensors'} cannot be written (No space left on "
+                                           f"device): free space there, or choose a folder on another disk")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="a bug"):  # an error that is no OSError stays itself
+        atomic_write_with(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("a bug")))
+
+
+def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, trained_folder):
+    """export (either format) to a disk that takes no more: one line naming the file, exit 1, and
+    nothing half-written left. The full disk is a file-size limit (RLIMIT_FSIZE: writes past 60 KiB
+    fail, EFBIG), in this process and no mount."""
+    import resource
+
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    copy_trained_folder(trained_folder, tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    try:
+        for fmt in ("pipezero", "hf"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (60 << 10, hard))
+            try:
+                code, err = run_main(["export", "run", "--format", fmt, "--out", f"e-{fmt}"], capsys)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            assert_one_line_exit_1(code, err, f"e-{fmt}/model.safetensors cannot be written (File too large)")
+            assert not any(p.is_file() for p in (tmp_path / f"e-{fmt}").rglob("*"))
+    finally:
+        signal.signal(signal.SIGXFSZ, old)

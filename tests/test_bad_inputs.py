@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from one_line import DEEP, assert_one_line, run_main
-from tiny_runs import TRAIN_TINY
+from tiny_runs import TRAIN_TINY, TRAIN_TINY_SMALLEST, write_docs
 
 
 def toml(tmp_path: Path, text: str) -> str:
@@ -493,3 +493,14 @@ def test_an_empty_value_is_refused_not_read_as_absent(argv, needle, trained_run,
     argv = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(trained_run)) for a in argv]
     assert_one_line(*run_main(argv, capsys), needle)
     assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("steps", [str(2**63), "100000000000000000000"])
+def test_a_step_count_past_any_run_is_refused(steps, tmp_path, monkeypatch, capsys):
+    """The step counter a checkpoint keeps is int64: a count past it (from a flag, or 10^20 in a
+    TOML) would train on as if reachable."""
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    code, err = run_main([*TRAIN_TINY_SMALLEST[:3], *TRAIN_TINY_SMALLEST[5:], "--max-steps", steps, "--data", "docs", "--out", "run"], capsys)
+    assert_one_line(code, err, "--max-steps")
+    assert not (tmp_path / "run").exists()

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, copy_trained_run, data_of
-from user_files import files
+from tiny_runs import (TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, copy_trained_folder, copy_trained_run, data_of, fake_run,
+                       write_docs)
+from user_files import files, within
 
 
 def test_an_empty_checkpoints_folder_is_no_run_to_resume(tmp_path, capsys):
@@ -165,3 +167,32 @@ def test_resume_under_another_runs_id_keeps_the_records(trained_run, tmp_path, c
     assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
                     "holds no checkpoint of this run to continue from, but it holds metrics.jsonl, summary.json")
     assert files(run) == before
+
+
+@pytest.mark.parametrize("name", [".run-id", ".lock"])
+def test_a_pipe_at_the_runs_id_or_lock_is_named_not_waited_on(name, tmp_path, monkeypatch, capsys):
+    """A pipe (FIFO) at OUT/.run-id or OUT/.lock: opened to read, it would wait for a writer for
+    ever (no message, no exit); it is named instead."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello there " * 100)
+    run = fake_run(tmp_path / "run")
+    (run / name).unlink()
+    os.mkfifo(run / name)
+    code, err = within(20, lambda: run_main([*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "run", "--resume"], capsys))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    if name == ".run-id":
+        assert ".run-id is not a regular file" in err, err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_path, monkeypatch, capsys, trained_folder):
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    copy_trained_folder(trained_folder, tmp_path)
+    mine = tmp_path / "run" / "checkpoints" / ".tmp-step-00000002" / "notes.txt"
+    mine.parent.mkdir()
+    mine.write_text("mine")
+    code, err = run_main([*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "run", "--resume", "--max-steps", "2"], capsys)
+    assert_one_line(code, err, ".tmp-step-00000002 holds files no checkpoint save writes")
+    assert mine.read_text() == "mine"

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_run, data_of
-from user_files import files
+from one_line import assert_one_line, assert_one_line_exit_1, run_main
+from tiny_runs import (TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_folder,
+                       copy_trained_run, data_of, write_docs)
+from user_files import files, read_only, within, writable
 
 
 @pytest.mark.parametrize("name, make, needle", [
@@ -179,3 +180,45 @@ def test_a_tilde_in_png_or_cache_is_refused(how, tmp_path, monkeypatch, capsys):
     code, err = run_main(argv, capsys)
     assert_one_line(code, err, "starts with '~', which only a shell expands")
     assert not (tmp_path / "~").exists()
+
+
+def test_run_id_of_a_pipe_is_none_at_once(tmp_path):
+    from pipezero.rundir import run_id
+
+    os.mkfifo(tmp_path / ".run-id")
+    assert within(5, lambda: run_id(tmp_path)) is None
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
+def test_a_run_file_that_refuses_a_write_is_one_line(name, tmp_path, monkeypatch, capsys, trained_folder):
+    """An immutable OUT/metrics.jsonl or OUT/summary.json on --resume: util.atomic_write_bytes's
+    OSError is one line naming the file and the fix, exit 1; the file as it was."""
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    base = [*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "run"]
+    copy_trained_folder(trained_folder, tmp_path)
+    mine = (tmp_path / "run" / name).read_bytes()
+    read_only(tmp_path / "run" / name)
+    try:
+        code, err = run_main([*base, "--max-steps", "2", "--resume"], capsys)
+    finally:
+        writable(tmp_path / "run" / name)
+    assert_one_line_exit_1(code, err, f"{name} cannot be written")
+    assert (tmp_path / "run" / name).read_bytes() == mine
+
+
+def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypatch, capsys, trained_folder):
+    """--tensorboard with an immutable OUT/tensorboard: checked before torch's event writer thread,
+    whose PermissionError would print beside pipezero's line."""
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    copy_trained_folder(trained_folder, tmp_path)
+    (tmp_path / "run" / "tensorboard").mkdir()
+    read_only(tmp_path / "run" / "tensorboard")
+    try:
+        code, err = run_main([*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "run", "--resume", "--max-steps", "2",
+                              "--tensorboard"], capsys)
+    finally:
+        writable(tmp_path / "run" / "tensorboard")
+    assert_one_line_exit_1(code, err, "run/tensorboard cannot be written (")

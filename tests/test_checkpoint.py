@@ -18,6 +18,7 @@ from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
 from ranks import run_ranks
 from tiny_runs import TRAIN_TINY
+from user_files import read_only, writable
 from training import tiny_overrides
 
 
@@ -457,3 +458,106 @@ def test_a_link_at_a_checkpoint_scratch_name_is_cleared_not_followed(scratch, tm
     assert [p.name for _, p in committed(root)] == ["step-00000002"]
     assert (mine / "notes.txt").read_text() == "mine"
     assert not (root / scratch).is_symlink()
+
+
+def test_a_checkpoints_folder_that_refuses_the_save_is_one_line_and_keeps_the_last(tmp_path):
+    """An immutable (or read-only) OUT/checkpoints refuses the save's mkdir: a CheckpointError naming
+    the folder and the fix, every rank alike, not torch's PermissionError; the checkpoint already
+    there is untouched."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    before = {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()}
+    read_only(root)
+    try:
+        with pytest.raises(CheckpointError, match=r"step 2: checkpoint .*\.tmp-step-00000002 cannot be made: .*"
+                                                  r"writable.*--resume"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    finally:
+        writable(root)
+    assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    assert {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()} == before
+
+
+def test_an_old_checkpoint_that_cannot_be_pruned_is_kept_with_a_warning(tmp_path, capsys):
+    """--keep-checkpoints 1 with an immutable old step: the prune's rename fails after the new
+    checkpoint is committed, which is no reason to end the run. The old one stays, said in a warning."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    read_only(root / "step-00000001")
+    try:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+    finally:
+        writable(root / "step-00000001")
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    err = capsys.readouterr().err
+    assert "step-00000001 was kept, past --keep-checkpoints 1" in err, err
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_users_folder_at_a_scratch_name_is_kept(scratch, tmp_path):
+    """A folder of the user's at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N
+    (a prune's) is no crash's debris to clear: it stays, and the save stops with a CheckpointError
+    naming it (the prune warns and keeps the step)."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).mkdir()
+    (root / scratch / "notes.txt").write_text("mine")
+    assert users_scratch(root) == [root / scratch]
+    if scratch.startswith(".tmp"):
+        with pytest.raises(CheckpointError, match=f"{scratch} holds notes.txt, which no checkpoint save writes"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+        assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    else:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, keeps 1
+        assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert (root / scratch / "notes.txt").read_text() == "mine"
+
+
+def test_a_crashs_debris_at_a_scratch_name_is_still_cleared(tmp_path):
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    shutil.copytree(root / "step-00000001", root / ".tmp-step-00000002")  # a save killed before its rename
+    (root / ".tmp-step-00000002" / ".manifest.json.a1b2.tmp").write_text("{")
+    assert users_scratch(root) == []
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert not (root / ".tmp-step-00000002").exists()
+
+
+def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left(tmp_path, monkeypatch):
+    """DCP's write to a full disk fails in torch's words ('unexpected pos 704 vs 598'): the one line
+    adds the free space of the checkpoints folder when it is short, so the fix is named."""
+    import torch
+
+    import pipezero.checkpoint.store as store
+
+    class Full:
+        f_bavail, f_frsize = 25, 4096  # 100 KiB
+
+    monkeypatch.setattr(store.os, "statvfs", lambda path: Full())
+
+    def torn(*a, **kw):  # noqa: ANN002, ANN003
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", torn)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(store.CheckpointError, match=r"unexpected pos .* \(.*checkpoints has 0\.1 MiB free: a full disk\? "
+                                                    r"free space there, then --resume\)"):
+        store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
+    assert list(root.iterdir()) == []  # the failed save left nothing

@@ -15,7 +15,7 @@ from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
 from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
-from tiny_runs import VERIFY_TINY
+from tiny_runs import VERIFY_TINY, write_docs
 from user_files import tree
 
 DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
@@ -175,4 +175,30 @@ def test_verify_still_takes_its_own_earlier_rank_files(tmp_path):
 
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank3.pt").write_bytes(b"")
+    check_out(tmp_path)
+
+
+def test_a_second_verify_at_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `pipezero verify` at one --out (say --pp 2 and --dp 2) would delete and read each other's
+    ranks/rankR.pt, and call a right layout wrong. verify holds OUT/.lock while it runs; a second
+    one is refused in one line."""
+    from pipezero.rundir import held
+
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    with held(tmp_path / "v"):  # the first verify, running
+        code, err = run_main(["verify", "--preset", "tiny", "--steps", "1", "--seq-len", "16", "--tokenizer", "bytes",
+                              "--data", "docs", "--out", "v"], capsys)
+    assert_one_line(code, err, "--out 'v' is in use by another run (pid")
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == [".lock"]
+
+
+def test_verify_takes_a_folder_an_earlier_verify_left(tmp_path):
+    """Its own .lock, left by the earlier verify, is verify's: no refusal."""
+    from pipezero.rundir import held
+    from pipezero.verify import check_out
+
+    with held(tmp_path):
+        pass
+    assert (tmp_path / ".lock").is_file()
     check_out(tmp_path)
