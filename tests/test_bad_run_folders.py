@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, assert_one_line_exit_1, run_main
+from pipezero.rundir import claim
+from pipezero.util import atomic_write_bytes
 from tiny_runs import (TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_folder,
                        copy_trained_run, data_of, write_docs)
 from user_files import files, read_only, within, writable
@@ -222,3 +224,30 @@ def test_a_tensorboard_folder_that_refuses_files_is_one_line(tmp_path, monkeypat
     finally:
         writable(tmp_path / "run" / "tensorboard")
     assert_one_line_exit_1(code, err, "run/tensorboard cannot be written (")
+
+
+def link_then_up(root: Path) -> str:
+    """root/lnk -> deep/x, so 'lnk/../o' is deep/o to the filesystem but ./o to os.path.abspath."""
+    (root / "deep" / "x").mkdir(parents=True)
+    (root / "lnk").symlink_to("deep/x")
+    return "lnk/../o"
+
+
+def test_a_file_written_through_a_link_then_dotdot_lands_where_the_filesystem_puts_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = link_then_up(tmp_path)
+    atomic_write_bytes(Path(out) / "f.json", b"{}")  # its temporary file beside f.json, not in ./o
+    assert (tmp_path / "deep" / "o" / "f.json").read_bytes() == b"{}"
+    assert not (tmp_path / "o").exists()
+    assert [p.name for p in (tmp_path / "deep" / "o").iterdir()] == ["f.json"]  # no temporary file left
+
+
+def test_a_run_folder_through_a_link_then_dotdot_is_claimed(tmp_path, monkeypatch):
+    """`train --out lnk/../o` makes and locks deep/o, as the filesystem reads the path: its .run-id
+    must go there too."""
+    monkeypatch.chdir(tmp_path)
+    held = claim(link_then_up(tmp_path), False, False)
+    try:
+        assert len((tmp_path / "deep" / "o" / ".run-id").read_text().strip()) == 16
+    finally:
+        held.release()

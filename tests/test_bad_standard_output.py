@@ -8,10 +8,12 @@ from __future__ import annotations
 import errno
 import io
 import os
+import sys
 
 import pytest
 
 from one_line import assert_one_line, run_main
+from pipezero import cli
 
 
 class FailingStream(io.StringIO):
@@ -58,3 +60,28 @@ def test_a_full_disk_under_a_commands_own_files_is_not_taken_for_standard_output
     monkeypatch.setattr(plot, "draw_timeline", full)
     assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "t.png")], capsys),
                     "t.png cannot be written: No space left on device")
+
+
+def test_a_closed_stdout_is_no_traceback_after_a_command_that_prints_nothing_it_needs(monkeypatch, capsys):
+    """`pipezero train ... >&-`: sys.stdout is None, and main's flush of it must not turn a finished
+    run into an error."""
+    monkeypatch.setattr(cli, "cmd_train", lambda args: 0)  # the parser binds it when main builds it
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["train"]) == 0
+    assert sys.stdout is None  # put back as it was
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_rank_ends_without_a_traceback_under_a_closed_stdout(monkeypatch):
+    """`train --nproc 2 ... >&-`: exit_rank's flush of sys.stdout (None) must not fail each rank that
+    trained, nor make torchrun report a failed job."""
+    from pipezero import launch
+
+    def ended(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch.os, "_exit", ended)
+    monkeypatch.setattr(sys, "stdout", None)
+    with pytest.raises(SystemExit) as e:
+        launch.exit_rank(0)
+    assert e.value.code == 0

@@ -561,3 +561,24 @@ def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left
                                                     r"free space there, then --resume\)"):
         store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
     assert list(root.iterdir()) == []  # the failed save left nothing
+
+
+def test_ctrl_c_inside_a_checkpoint_write_stays_an_interrupt():
+    """Ctrl-C while DCP writes a checkpoint reaches us wrapped in a CheckpointException: it stays the
+    interrupt (its line, '--resume continues ...', and 130), not 'checkpoint write of ... failed'."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    def interrupted():
+        raise CheckpointException("save", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+
+    def refused():
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+
+    with pytest.raises(KeyboardInterrupt):
+        Team().run("write of x", interrupted)
+    with pytest.raises(CheckpointError, match="rank 0, step 0: checkpoint write of x failed: rank 0: OSError"):
+        Team().run("write of x", refused)
