@@ -765,3 +765,19 @@ def test_a_cached_tokenizer_swapped_for_another_is_rebuilt(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert f"the cached tokenizer {path} is damaged (its content is not what pipezero built there" in err, err
     assert path.read_bytes() == built
+
+
+def test_rope_scaling_that_lacks_keys_rope_parameters_has_is_refused(tmp_path):
+    """transformers 5 reads rope_scaling over rope_parameters: one naming llama3 with only its factor,
+    beside a complete rope_parameters, is a config transformers refuses (low/high_freq_factor missing),
+    so pipezero must not train it from rope_parameters alone."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import _rope
+
+    full = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    base = {"rope_parameters": full}
+    assert _rope({**base, "rope_scaling": {k: v for k, v in full.items() if k != "rope_theta"}}, tmp_path)[1] == \
+        [8.0, 1.0, 4.0, 16.0]  # the same settings twice (rope_theta in rope_parameters only): fine
+    with pytest.raises(ConfigError, match=r"in rope_scaling \(low_freq_factor\)"):
+        _rope({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, tmp_path)

@@ -504,3 +504,15 @@ def test_a_step_count_past_any_run_is_refused(steps, tmp_path, monkeypatch, caps
     code, err = run_main([*TRAIN_TINY_SMALLEST[:3], *TRAIN_TINY_SMALLEST[5:], "--max-steps", steps, "--data", "docs", "--out", "run"], capsys)
     assert_one_line(code, err, "--max-steps")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra", [["--zero", "2", "--zero3-prefetch", "2"], ["--zero3-prefetch", "3"]])
+def test_zero3_prefetch_without_zero3_is_one_line(extra, tmp_path, capsys):
+    """Under another stage nothing reads --zero3-prefetch: refused, as an unread --link-gbps or
+    --tflops is."""
+    from one_line import assert_one_line, run_main
+
+    code, err = run_main(["train", "--preset", "tiny", "--tokenizer", "bytes", "--max-steps", "1", *extra,
+                          "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"--zero3-prefetch {extra[-1]} is read only by ZeRO-3")
+    assert not (tmp_path / "o").exists()

@@ -6,10 +6,15 @@ raises while the run trains is named by file and line; pipezero's own bugs keep 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from one_line import assert_one_line, run_main
+
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+# a module of a spec S: a subclass of examples/own_model.py's GPTSpec, whose body the test appends
+HEAD = f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nfrom own_model import GPTSpec\nclass S(GPTSpec):\n"
 
 
 def test_a_spec_module_that_exits_on_import_is_one_line(tmp_path, capsys, monkeypatch):
@@ -60,3 +65,28 @@ def test_a_spec_module_that_raises_is_one_line_naming_where(source, ref, needle,
     assert_one_line(code, err, needle.format(m=name, f=path))
     assert f"python -c 'import {name}'" in err
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [path.name]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    def build_layer(self, i):\n        raise ValueError('no layer %d' % i)\n",
+     "raised ValueError: no layer 0 at {f}:6"),
+    ("    def build_layer(self, i):\n        return None\n",
+     "S.build_layer(0) gives a NoneType, not a torch.nn.Module"),
+    ("    def layer_param_counts(self):\n        return [1]\n",
+     "S.layer_param_counts() gives 1 counts; it must give one a layer, n_layers + 2 = 6"),
+    ("    def layer_param_counts(self):\n        return [1, 2, -3, 4, 5, 6]\n",
+     "S.layer_param_counts() gives [1, 2, -3, 4, 5, 6]; it must give one integer >= 0 a layer"),
+])
+def test_a_spec_whose_layers_cannot_be_built_is_one_line_before_anything_is_made(body, needle, tmp_path, monkeypatch,
+                                                                                  capsys):
+    name = f"spec_layers_{abs(hash(body))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEAD + body)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some words to train on " * 20)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--packing", "concat",
+                          "--data", "docs", "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"],
+                         capsys)
+    assert_one_line(code, err, needle.format(f=path))
+    assert not (tmp_path / "o").exists()

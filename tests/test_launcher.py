@@ -132,3 +132,38 @@ def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
     assert train_here(None) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "connection to no.such.host:29999 failed (DistNetworkError: The client" in err
+
+
+def test_torchrun_ending_on_a_failed_rank_is_one_line_not_its_traceback(monkeypatch, capsys):
+    """A rank that failed (a collective timed out on a slow `pipezero cluster --link`, a spec's forward
+    raised) says why in its own line; torchrun's agent's ChildFailedError (~50 lines a node) would
+    only repeat it, so it becomes one line naming the rank and its exit code, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipezero import loopback
+
+    def failing(argv):
+        raise ChildFailedError("pipezero.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=""),
+                                                0: ProcessFailure(local_rank=0, pid=4241, exitcode=-15, error_file="")})
+
+    monkeypatch.setattr(loopback, "torchrun_main", failing)
+    with pytest.raises(SystemExit) as e:
+        loopback.main(["-m", "pipezero.cli"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "pipezero: rank 0 (exit code -15), 1 (exit code 1) ended the job; each rank's own lines above say why"]
+
+
+def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkeypatch, capsys):
+    """Ctrl-C a second after `pipezero train` starts (SIGINT at 1 s, under load) can land in the
+    import of torch that building the parser does: main's handler must cover that too, so the
+    interrupt is its one line, not a KeyboardInterrupt traceback."""
+    from pipezero import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
