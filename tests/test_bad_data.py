@@ -781,3 +781,20 @@ def test_rope_scaling_that_lacks_keys_rope_parameters_has_is_refused(tmp_path):
         [8.0, 1.0, 4.0, 16.0]  # the same settings twice (rope_theta in rope_parameters only): fine
     with pytest.raises(ConfigError, match=r"in rope_scaling \(low_freq_factor\)"):
         _rope({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, tmp_path)
+
+
+def test_a_jsonl_whose_every_record_is_bad_says_so(tmp_path, monkeypatch, capsys):
+    """With --on-bad-record skip, every record skipped leaves no document: said so, with the first
+    record's fault, since "give more text" would send the user the wrong way. The same line again
+    when the token cache already holds the (empty) result."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"x": 1}\n' * 20)
+    argv = ["train", "--preset", "tiny", "--tokenizer", "bytes", "--data", "d.jsonl", "--on-bad-record", "skip",
+            "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"]
+    needle = ("--data holds no document: all 20 records were skipped as bad (first: d.jsonl:1: no field 'text' "
+              "(pass --text-field NAME))")
+    for _ in range(2):
+        code, err = run_main(argv, capsys)
+        err = "\n".join(line for line in err.splitlines() if not line.startswith("pipezero: skipped"))
+        assert_one_line(code, err, needle)
+        assert not (tmp_path / "o").exists()

@@ -441,3 +441,19 @@ def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, tra
             assert not any(p.is_file() for p in (tmp_path / f"e-{fmt}").rglob("*"))
     finally:
         signal.signal(signal.SIGXFSZ, old)
+
+
+def test_export_out_the_empty_working_folder_is_one_line(tmp_path, monkeypatch):
+    """An export is made beside --out and renamed onto it; the working folder cannot be renamed onto
+    (Device or resource busy), and its shell would sit in a removed folder if it could."""
+    from pipezero.checkpoint.export_folder import check_out
+    from pipezero.errors import ConfigError
+
+    here = tmp_path / "ex"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for out in (".", str(here), "./"):
+        with pytest.raises(ConfigError, match=r"is the working folder, which an export cannot replace .*: give a "
+                                              r"new folder inside it, e\.g\. --out "):
+            check_out(Path(out), tmp_path / "run")
+    check_out(Path("sub"), tmp_path / "run")  # a new folder inside it: fine

@@ -251,3 +251,26 @@ def test_a_run_folder_through_a_link_then_dotdot_is_claimed(tmp_path, monkeypatc
         assert len((tmp_path / "deep" / "o" / ".run-id").read_text().strip()) == 16
     finally:
         held.release()
+
+
+def test_a_refused_first_step_drops_only_the_opening_files_the_run_made(tmp_path):
+    """drop_opening removes config.json and an empty metrics.jsonl that this run made, so the claim
+    puts the folder back; a metrics line (a step trained), or files found there, are kept."""
+    from pipezero.rundir import LOCK, RUN_ID, claim
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's")
+    held = claim(str(out), resume=False, force=True)
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    held.drop_opening()
+    held.release()
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+    held = claim(str(out), resume=False, force=True)
+    (out / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    held.drop_opening()
+    held.release()
+    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK, RUN_ID, "config.json", "metrics.jsonl", "notes.txt"])
