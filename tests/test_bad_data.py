@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from one_line import assert_one_line, run_main
-from tiny_runs import TRAIN_TINY
+from tiny_runs import TINY_FLAGS, TRAIN_TINY, write_docs
 from pipezero.config import OnBadRecord
 from pipezero.errors import ConfigError
 
@@ -798,3 +798,25 @@ def test_a_jsonl_whose_every_record_is_bad_says_so(tmp_path, monkeypatch, capsys
         err = "\n".join(line for line in err.splitlines() if not line.startswith("pipezero: skipped"))
         assert_one_line(code, err, needle)
         assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cache", ["docs/cache", "docs", "docs/a/b"])
+def test_a_cache_folder_inside_the_data_is_refused(cache, tmp_path, monkeypatch, capsys):
+    """PIPEZERO_CACHE=docs/cache with --data docs: the first run would train, and every later one read
+    the cached tokenizer's json as a document and stop at its missing 'text' field."""
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", cache)
+    code, err = run_main(["train", *TINY_FLAGS, "--data", "docs", "--max-steps", "1", "--no-progress", "--out", "o"], capsys)
+    assert_one_line(code, err, f"the cache folder {cache} (PIPEZERO_CACHE) is inside --data 'docs'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_cache_folder_beside_the_data_or_holding_it_is_fine(tmp_path, monkeypatch):
+    from pipezero.data.sources import check_cache_out_of_reach
+
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "docs-cache"))  # a prefix of the name, not a folder above
+    check_cache_out_of_reach([str(tmp_path / "docs"), str(tmp_path / "docs" / "0.txt")])
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path))  # the data inside the cache: the cache's files are not read
+    check_cache_out_of_reach([str(tmp_path / "docs")])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from one_line import DEEP, assert_one_line, run_main
-from tiny_runs import TRAIN_TINY, TRAIN_TINY_SMALLEST, write_docs
+from tiny_runs import TINY_FLAGS, TRAIN_TINY, TRAIN_TINY_SMALLEST, no_launch, write_docs
 
 
 def toml(tmp_path: Path, text: str) -> str:
@@ -515,4 +515,29 @@ def test_zero3_prefetch_without_zero3_is_one_line(extra, tmp_path, capsys):
     code, err = run_main(["train", "--preset", "tiny", "--tokenizer", "bytes", "--max-steps", "1", *extra,
                           "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, f"--zero3-prefetch {extra[-1]} is read only by ZeRO-3")
+    assert not (tmp_path / "o").exists()
+
+
+def test_secondary_split_problem_names_one_node_and_uneven_nodes():
+    from pipezero.config import ParallelConfig, SecondaryShard
+    from pipezero.stage import secondary_split_problem
+
+    node = SecondaryShard.NODE
+    one_node = secondary_split_problem(ParallelConfig(dp=2, zero=3, secondary_shard=node), 2)
+    assert one_node is not None and "on one node" in one_node and "drop it on one node" in one_node
+    assert "ranks a node (" not in one_node
+    lone = secondary_split_problem(ParallelConfig(dp=4, zero=3, secondary_shard=node), 1)  # a rank a node
+    assert lone is not None and "(ranks a node, nodes) [(1, 4)]" in lone
+    assert secondary_split_problem(ParallelConfig(dp=4, zero=3, secondary_shard=node), 2) is None
+    assert secondary_split_problem(ParallelConfig(dp=2, zero=3), 2) is None
+
+
+def test_secondary_shard_on_one_node_is_refused_before_torchrun(tmp_path, monkeypatch, capsys):
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
+    code, err = run_main(["train", *TINY_FLAGS, "--data", "docs", "--max-steps", "1", "--no-progress", "--out", "o",
+                          "--zero", "3", "--dp", "2", "--nproc", "2", "--secondary-shard", "node"], capsys)
+    assert_one_line(code, err, "--secondary-shard node with every replica of a stage on one node")
     assert not (tmp_path / "o").exists()

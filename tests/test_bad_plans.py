@@ -223,3 +223,16 @@ def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, mon
     monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
     assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
                     "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
+
+
+@pytest.mark.parametrize("extra", [["--zero3-layerwise"], ["--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])
+@pytest.mark.parametrize("zero", ["0", "1", "2"])
+def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
+    """simulate --zero 1 --zero3-prefetch-chunk would play ZeRO-1 with the flag unread: refused, as train does."""
+    code, err = run_main(["simulate", "--zero", zero, "--dp", "2", *extra, "--json"], capsys)
+    assert_one_line(code, err, f"{extra[0]} is read only by ZeRO-3")
+
+
+def test_simulate_takes_zero3_flags_with_zero3(capsys):
+    assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
+                     "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0

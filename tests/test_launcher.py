@@ -167,3 +167,23 @@ def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkey
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["train"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
+
+
+def test_the_loopback_store_leaves_no_python_socket_to_be_collected_unclosed():
+    """The store owns the listening socket's descriptor: a Python socket object kept beside it would,
+    when collected, warn ResourceWarning ('Exception ignored' tracebacks from torchrun's agent under
+    PYTHONWARNINGS=error)."""
+    import gc
+    import warnings
+    from datetime import timedelta
+
+    from pipezero.loopback import LoopbackTCPStore
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        store = LoopbackTCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]

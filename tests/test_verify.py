@@ -15,7 +15,7 @@ from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
 from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
-from tiny_runs import VERIFY_TINY, write_docs
+from tiny_runs import TINY_FLAGS, VERIFY_TINY, no_launch, write_docs
 from user_files import tree
 
 DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
@@ -202,3 +202,27 @@ def test_verify_takes_a_folder_an_earlier_verify_left(tmp_path):
         pass
     assert (tmp_path / ".lock").is_file()
     check_out(tmp_path)
+
+
+@pytest.mark.parametrize("flag, value", [("--quantize-grads", "int8"), ("--quantize-weights", "int8")])
+def test_verify_of_a_quantized_layout_is_refused_before_the_layout_runs(flag, value, tmp_path, monkeypatch, capsys):
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
+    code, err = run_main(["verify", *TINY_FLAGS, "--data", "docs", "--steps", "1", "--out", "v", "--zero", "3", "--dp", "2",
+                          "--nproc", "2", flag, value], capsys)
+    assert_one_line(code, err, f"{flag} {value} changes every step's numbers by design")
+    assert not (tmp_path / "v").exists()
+
+
+def test_verify_reference_drops_what_only_data_parallel_traffic_has(tmp_path):
+    """--secondary-shard node and --hierarchical are exact: the one-process reference leaves them out
+    (kept, its validation would refuse --secondary-shard with --dp 1, after the layout had run)."""
+    from pipezero.config import ParallelConfig, SecondaryShard, TrainConfig
+    from pipezero.verify import reference_config
+
+    layout = TrainConfig(parallel=ParallelConfig(dp=2, zero=3, secondary_shard=SecondaryShard.NODE, hierarchical=True))
+    ref = reference_config(layout, tmp_path)
+    assert (ref.parallel.dp, ref.parallel.zero, ref.parallel.secondary_shard, ref.parallel.hierarchical) == \
+        (1, 0, SecondaryShard.NONE, False)
+    assert layout.parallel.secondary_shard is SecondaryShard.NODE  # the layout itself untouched

@@ -17,6 +17,8 @@ TRAIN_TINY_BYTES = [*TRAIN_TINY, "--tokenizer", "bytes"]
 # one sequence a step, no sample at the end: the least a step can do
 TRAIN_TINY_SMALLEST = [*TRAIN_TINY_BYTES, "--sample-tokens", "0", "--microbatches", "1", "--micro-batch-size", "1"]
 VERIFY_TINY = ["verify", "--preset", "tiny", "--steps", "1", "--seq-len", "16", "--tokenizer", "bytes"]
+# the model and the step of the smallest runs, for commands of any name
+TINY_FLAGS = ["--preset", "tiny", "--tokenizer", "bytes", "--seq-len", "16", "--microbatches", "1", "--micro-batch-size", "1"]
 
 
 def write_docs(folder: Path, count: int = 12, line: str = "document {i}: hello there, general kenobi ",
@@ -27,6 +29,11 @@ def write_docs(folder: Path, count: int = 12, line: str = "document {i}: hello t
     for i in range(count):
         (docs / f"{i}.txt").write_text(line.format(i=i) * times)
     return docs
+
+
+def no_launch(*args, **kwargs):
+    """Stands in for pipezero.launch.launch_local where a command must be refused before any rank starts."""
+    raise AssertionError("a rank was started")
 
 
 def fake_run(folder: Path) -> Path:
