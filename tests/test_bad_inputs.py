@@ -541,3 +541,9 @@ def test_secondary_shard_on_one_node_is_refused_before_torchrun(tmp_path, monkey
                           "--zero", "3", "--dp", "2", "--nproc", "2", "--secondary-shard", "node"], capsys)
     assert_one_line(code, err, "--secondary-shard node with every replica of a stage on one node")
     assert not (tmp_path / "o").exists()
+
+
+def test_hierarchical_with_one_replica_is_refused(tmp_path, capsys):
+    code, err = run_main(["train", "--hierarchical", "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "--hierarchical with --dp 1: there are no data-parallel reductions to split by node")
+    assert not (tmp_path / "o").exists()

@@ -236,3 +236,18 @@ def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
 def test_simulate_takes_zero3_flags_with_zero3(capsys):
     assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
                      "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0
+
+
+def test_simulate_refuses_quantized_weights_under_zero0(capsys):
+    """ZeRO-0 has no parameter gather to quantize: the flag would be unread, so it is refused, as train does."""
+    code, err = run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)
+    assert_one_line(code, err, "--quantize-weights int8 with --zero 0: ZeRO-0 gathers no weights")
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_simulate_takes_quantized_weights_where_weights_are_gathered(zero, capsys):
+    assert run_main(["simulate", "--zero", zero, "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)[0] == 0
+
+
+def test_simulate_takes_quantized_grads_under_zero0(capsys):
+    assert run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-grads", "int8", "--json"], capsys)[0] == 0

@@ -187,3 +187,20 @@ def test_the_loopback_store_leaves_no_python_socket_to_be_collected_unclosed():
         del store
         gc.collect()
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
+
+
+@pytest.mark.distributed
+def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
+    """verify writes no checkpoint and refuses --resume, so Ctrl-C under `verify --nproc 2` must not
+    say train's "the newest complete checkpoint ... continue with --resume". The launcher's stop line
+    takes the command's own words; train's stay the default."""
+    import signal
+    import sys
+
+    from pipezero.job import run_job
+
+    cmd = [sys.executable, "-c", "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(30)"]
+    assert run_job(cmd, {}, str(tmp_path), after_stop="verify stopped: run it again") == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().endswith("every rank ended, verify stopped: run it again")
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
+    assert "continue with --resume" in capsys.readouterr().err
