@@ -300,7 +300,7 @@ def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, cap
     assert not (tmp_path / "e").exists()
 
 
-# 7. round four: what the run kept of its model, and a damaged checkpoint
+# 7. what the run kept of its model, and a damaged checkpoint
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])

@@ -228,7 +228,7 @@ def test_resume_in_a_folder_no_run_claimed_leaves_its_files_alone(tmp_path, caps
         pass
     from pipezero.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--force would write over them"):  # round 6: --force replaces only a run's
+    with pytest.raises(ConfigError, match="--force would write over them"):  # --force replaces only a run's
         claim(str(mine), resume=True, force=True)
     assert (mine / "metrics.jsonl").read_text() == "my notes"
 
