@@ -117,7 +117,8 @@ def test_a_cluster_run_folder_is_checked_before_the_cluster_is_built(out, needle
     write_docs(tmp_path)
     os.mkfifo(tmp_path / "pipe")
     fake_run(tmp_path / "run")
-    code, err = run_main(["cluster", "--nodes", "2", *TRAIN_TINY_SMALLEST, "--dp", "2", "--data", "docs", "--out", out], capsys)
+    code, err = run_main(["cluster", "--nodes", "2", *TRAIN_TINY_SMALLEST, "--dp", "2", "--data", "docs", "--out", out],
+                         capsys)
     assert_one_line(code, err, needle)
 
 

@@ -395,7 +395,7 @@ def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys)
     ([*TRAIN_TINY, "--data", ""], "--data '' is empty: name document files"),  # not "--out is inside --data ''"
     ([*TRAIN_TINY, "--model", ""], "--model is empty: name a local Hugging Face model folder"),
     (["export", "", "--out", "e"], "the source is empty: pass a run directory"),
-    ([*TRAIN_TINY, "--quant-block", "7"], "--quant-block 7 applies with --quantize-weights or --quantize-grads"),  # else unread
+    ([*TRAIN_TINY, "--quant-block", "7"], "--quant-block 7 applies with --quantize-weights or --quantize-grads"),
     ([*TRAIN_TINY, "--timeout", "0.5"], "--timeout 0.5: expected a number >= 1 and <= 604800"),
     ([*TRAIN_TINY, "--timeout", "1e-300"], "--timeout 1e-300: expected a number >= 1"),  # 0 ms: every connect would fail
 ])
@@ -501,7 +501,8 @@ def test_a_step_count_past_any_run_is_refused(steps, tmp_path, monkeypatch, caps
     TOML) would train on as if reachable."""
     monkeypatch.chdir(tmp_path)
     write_docs(tmp_path)
-    code, err = run_main([*TRAIN_TINY_SMALLEST[:3], *TRAIN_TINY_SMALLEST[5:], "--max-steps", steps, "--data", "docs", "--out", "run"], capsys)
+    code, err = run_main([*TRAIN_TINY_SMALLEST[:3], *TRAIN_TINY_SMALLEST[5:], "--max-steps", steps, "--data", "docs",
+                          "--out", "run"], capsys)
     assert_one_line(code, err, "--max-steps")
     assert not (tmp_path / "run").exists()
 

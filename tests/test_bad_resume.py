@@ -64,7 +64,8 @@ def test_resume_of_a_run_that_saved_nothing_keeps_its_records(trained_run, tmp_p
     run = copy_trained_run(trained_run, tmp_path / "run")
     shutil.rmtree(run / "checkpoints")
     before = files(run)
-    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume"], capsys), "holds no checkpoint of this run")
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume"], capsys),
+                    "holds no checkpoint of this run")
     assert files(run) == before
 
 
@@ -86,7 +87,8 @@ def test_a_shard_cut_short_with_its_manifest_edited_is_named_before_any_rank(tra
     step = run / "checkpoints" / "step-00000001"
     name = cut_short(step)
     before = files(run)
-    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"],
+                              capsys),
                     f"its newest checkpoint {step} is damaged: shard {name} is cut short")
     assert files(run) == before
     for source in (step, run):
@@ -127,7 +129,8 @@ def test_resume_with_every_checkpoint_cut_short_keeps_the_records(trained_run, t
     shard = next((run / "checkpoints" / "step-00000001").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     before = files(run)
-    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"],
+                              capsys),
                     "every checkpoint of this run is damaged (newest step-00000001: files of the wrong size")
     assert files(run) == before
 
@@ -141,7 +144,8 @@ def test_resume_with_every_checkpoint_failing_its_checksum_keeps_the_records(tra
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     records = {n: (run / n).read_bytes() for n in ("metrics.jsonl", "summary.json")}
-    code, err = run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"], capsys)
+    code, err = run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"],
+                         capsys)
     assert code == 1 and "Traceback" not in err, err
     assert "every checkpoint of this run under" in err and "would replace metrics.jsonl, summary.json" in err, err
     assert {n: (run / n).read_bytes() for n in records} == records
@@ -154,8 +158,8 @@ def test_a_folder_in_use_is_said_before_what_a_resume_would_find_there(trained_r
 
     run = copy_trained_run(trained_run, tmp_path / "run")
     with claim(str(run), resume=True, force=False):
-        assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume", "--max-steps", "1",
-                                   "--preset", "small"], capsys), "is in use by another run")
+        assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume",
+                                   "--max-steps", "1", "--preset", "small"], capsys), "is in use by another run")
 
 
 def test_resume_under_another_runs_id_keeps_the_records(trained_run, tmp_path, capsys):
@@ -164,7 +168,8 @@ def test_resume_under_another_runs_id_keeps_the_records(trained_run, tmp_path, c
     run = copy_trained_run(trained_run, tmp_path / "run")
     (run / ".run-id").write_text("ffffffffffffffff\n")
     before = files(run)
-    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"], capsys),
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume"],
+                              capsys),
                     "holds no checkpoint of this run to continue from, but it holds metrics.jsonl, summary.json")
     assert files(run) == before
 

@@ -164,7 +164,8 @@ def test_an_out_through_a_symlink_loop_is_one_line(tmp_path, monkeypatch, capsys
     (train, verify: the data-overlap check; export: the inside-a-run check), said in one line."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    for argv in ([*TRAIN_TINY_SMALLEST, "--out", "loop/x"], ["export", "nowhere", "--out", "loop/e"], [*VERIFY_TINY, "--out", "loop/v"]):
+    for argv in ([*TRAIN_TINY_SMALLEST, "--out", "loop/x"], ["export", "nowhere", "--out", "loop/e"],
+                 [*VERIFY_TINY, "--out", "loop/v"]):
         code, err = run_main(argv, capsys)
         assert_one_line(code, err, "cannot be followed")
 

@@ -18,7 +18,8 @@ TRAIN_TINY_BYTES = [*TRAIN_TINY, "--tokenizer", "bytes"]
 TRAIN_TINY_SMALLEST = [*TRAIN_TINY_BYTES, "--sample-tokens", "0", "--microbatches", "1", "--micro-batch-size", "1"]
 VERIFY_TINY = ["verify", "--preset", "tiny", "--steps", "1", "--seq-len", "16", "--tokenizer", "bytes"]
 # the model and the step of the smallest runs, for commands of any name
-TINY_FLAGS = ["--preset", "tiny", "--tokenizer", "bytes", "--seq-len", "16", "--microbatches", "1", "--micro-batch-size", "1"]
+TINY_FLAGS = ["--preset", "tiny", "--tokenizer", "bytes", "--seq-len", "16", "--microbatches", "1",
+              "--micro-batch-size", "1"]
 
 
 def write_docs(folder: Path, count: int = 12, line: str = "document {i}: hello there, general kenobi ",
