@@ -563,7 +563,7 @@ INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so -
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        parser = build_parser()  # imports torch: a second or more, when Ctrl-C lands soonest (round ten)
+        parser = build_parser()  # imports torch: a second or more, the likeliest place for an early Ctrl-C
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)
         return 130
@@ -579,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
     try:
         code = int(args.func(args) or 0)
-        if sys.stdout is not None:  # closed (>&-) for a command that prints nothing it needs (round nine)
+        if sys.stdout is not None:  # closed (>&-): fine for a command that prints nothing it needs
             sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
         return code
     except OutputFailed as e:

@@ -110,7 +110,7 @@ def exit_rank(code: int) -> None:
         except Exception:  # noqa: BLE001 - the run itself is complete; nothing left to save
             pass
     for stream in (sys.stdout, sys.stderr):
-        if stream is not None:  # closed (>&-) for the whole job: every rank inherits it (round nine)
+        if stream is not None:  # closed (>&-) for the whole job: every rank inherits it
             stream.flush()
     os._exit(code)
 

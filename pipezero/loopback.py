@@ -37,9 +37,9 @@ class LoopbackTCPStore(dist.TCPStore):
             sock.bind(("127.0.0.1", port))
             sock.listen(512)
             host_name, port = "127.0.0.1", sock.getsockname()[1]
-            # the store owns the descriptor from here: a Python socket object kept for it was closed
-            # unclosed when collected (a ResourceWarning; under PYTHONWARNINGS=error, 'Exception ignored'
-            # tracebacks from the agent, round eleven), closing a descriptor the store still held
+            # the store owns the descriptor from here: a Python socket object kept for it would be
+            # closed unclosed when collected (a ResourceWarning; under PYTHONWARNINGS=error, 'Exception
+            # ignored' tracebacks from the agent), closing a descriptor the store still held
             kwargs["master_listen_fd"] = sock.detach()
             kwargs["use_libuv"] = True  # the backend that serves a listening socket it is given
         super().__init__(host_name, port, *args, **kwargs)

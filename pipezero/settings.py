@@ -220,7 +220,7 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         key, why = unused
         raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
                           f"drop it")
-    if "parallel.zero3_prefetch" in flat and not RULES[cfg.parallel.zero].sharded_params:  # accepted and unread, exit 0 (round ten)
+    if "parallel.zero3_prefetch" in flat and not RULES[cfg.parallel.zero].sharded_params:  # else set and never read
         raise ConfigError(f"{shown('parallel.zero3_prefetch')} {cfg.parallel.zero3_prefetch} is read only by ZeRO-3 "
                           f"(how far ahead its layer-by-layer gathers start); add --zero 3, or drop it")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
@@ -455,7 +455,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
-    # accepted and unread before (round twelve)
+    # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")
     if p.stall_report_s is not None:

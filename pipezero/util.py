@@ -134,8 +134,8 @@ def as_os_error(e: BaseException, path: str | Path, tmp: str = "") -> OSError | 
 
 def physical(folder: str | Path) -> str:
     """`folder` as the filesystem walks it, for tempfile: mkstemp and mkdtemp make their folder
-    absolute by text (os.path.abspath), so 'link/../run' became './run' there, not the folder the
-    link's target's parent holds that mkdir made (round nine: --out lnk/../o was a traceback)."""
+    absolute by text (os.path.abspath), so 'link/../run' would become './run' there, not the folder
+    the link's target's parent holds that mkdir made (`--out lnk/../o`)."""
     return os.path.realpath(folder)
 
 

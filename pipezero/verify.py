@@ -278,8 +278,8 @@ def check_out(out: Path) -> None:
 
 def lossy_traffic(cfg: TrainConfig) -> str | None:
     """Why the layout cannot match one process by design, or None. Quantized traffic changes each
-    step's numbers (~1e-3 relative) where one process has no traffic to quantize: verify ran the
-    layout, then refused the reference's --dp 1 with the layout's --quantize-* (round eleven)."""
+    step's numbers (~1e-3 relative) where one process has no traffic to quantize: asked before the
+    layout runs, since the reference (--dp 1) cannot take the layout's --quantize-* flags."""
     p = cfg.parallel
     for flag, value in (("--quantize-weights", p.quantize_weights.value), ("--quantize-grads", p.quantize_grads.value)):
         if value != "none":
@@ -338,7 +338,7 @@ def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: T
         for old in (out / "ranks").glob("rank*.pt"):
             if RANK_FILE.fullmatch(old.name):  # an earlier verify's; check_out refused anything else there
                 old.unlink()
-        # verify writes no checkpoint and takes no --resume (round twelve: Ctrl-C said both)
+        # verify writes no checkpoint and takes no --resume: its stop line must not offer either
         code = launch_local(world, [*argv, "--device", device.value], str(out),
                             after_stop="verify stopped before it compared anything: run the same command again")
         if code:

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_runs import trained_folder, trained_run  # noqa: F401  (shared: each trained once a session)
+
 # One torch thread a process unless told otherwise: the tests' models are tiny, and a process taking
 # both cores while another (a second worker, a rank) is busy waits at every operator's thread
 # barrier (a linear of the tests' model: 18 us on one thread, over 1 ms on two beside other work)
@@ -85,3 +87,4 @@ def _timed_tests_run_alone(request: pytest.FixtureRequest, tmp_path_factory: pyt
             yield
         finally:
             fcntl.flock(room, fcntl.LOCK_UN)
+

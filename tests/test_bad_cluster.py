@@ -4,9 +4,12 @@ the ranks could not read, a host whose root cannot build namespaces."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from one_line import assert_one_line, run_main
+from tiny_runs import TRAIN_TINY_SMALLEST, fake_run, write_docs
 
 
 @pytest.fixture
@@ -90,3 +93,47 @@ def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
     assert made and code == 1 and "Traceback" not in err
     assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
                                         "tbf rate 99999999999gbit` failed: rate too large"]
+
+
+def test_a_link_rate_in_other_digits_is_refused_before_anything_is_built():
+    """tc reads ASCII digits only: '٣mbit' (an Arabic-Indic 3) must be refused here, before the
+    namespaces are made, not by tc in the middle of the build."""
+    from pipezero.cluster import ClusterSpec
+    from pipezero.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--link '٣mbit': a tc rate such as 200mbit"):
+        ClusterSpec(nodes=2, link="٣mbit")
+    ClusterSpec(nodes=2, link="2.5gbit")
+
+
+@pytest.mark.parametrize("out, needle", [("pipe", "--out 'pipe' is a file, not a folder"),
+                                         ("run", "--out 'run' already holds a run (checkpoints, metrics.jsonl)"),
+                                         ("run/checkpoints/x", "is inside")])
+def test_a_cluster_run_folder_is_checked_before_the_cluster_is_built(out, needle, nothing_built, host_ok, tmp_path,
+                                                                      monkeypatch, capsys):
+    """`pipezero cluster ... train --out P` with P a pipe, or a run without --resume: refused here,
+    not by node 0's rank 0 after the cluster is built, amid every node's torchrun report."""
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    os.mkfifo(tmp_path / "pipe")
+    fake_run(tmp_path / "run")
+    code, err = run_main(["cluster", "--nodes", "2", *TRAIN_TINY_SMALLEST, "--dp", "2", "--data", "docs", "--out", out],
+                         capsys)
+    assert_one_line(code, err, needle)
+
+
+@pytest.mark.parametrize("link", [f"{2**70}gbit", "20tbit", "1e3gbit"])
+def test_a_cluster_link_past_any_real_one_is_refused_before_building(link, nothing_built, host_ok, capsys):
+    """A rate past any real link (--link 1180591620717411303424gbit) would fail in tc, mid-build."""
+    code, err = run_main(["cluster", "--nodes", "2", "--link", link, *TRAIN_TINY_SMALLEST, "--dp", "2"], capsys)
+    assert_one_line(code, err, f"--link {link!r}: a tc rate such as 200mbit")
+
+
+def test_cluster_rates_read_as_tc_reads_them():
+    from pipezero.cluster import rate_bits
+
+    assert rate_bits("200mbit") == 200e6
+    assert rate_bits("1gibit") == 2**30
+    assert rate_bits("10mbps") == 80e6
+    assert rate_bits("10tbit") == 10e12
+    assert rate_bits("fast") is None

@@ -9,13 +9,17 @@ Everything runs in this process (`pipezero.cli.main`); model folders are written
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from one_line import assert_one_line, run_main
+from tiny_runs import TINY_FLAGS, TRAIN_TINY, write_docs
 from pipezero.config import OnBadRecord
 from pipezero.errors import ConfigError
 
@@ -613,3 +617,206 @@ def test_data_that_is_a_pipe_is_one_line(tmp_path, capsys):
     os.mkfifo(tmp_path / "pipe.txt")
     assert_one_line(*run_main(train_argv(None, tmp_path / "pipe.txt", tmp_path / "out"), capsys),
                     f"--data '{tmp_path / 'pipe.txt'}' is a pipe (FIFO), not a file")
+
+
+def test_a_file_name_that_is_not_utf8_is_hashed_as_its_bytes(tmp_path):
+    """A file name is bytes to the filesystem: one no UTF-8 can hold is hashed as those bytes."""
+    from pipezero.data.sources import fingerprint
+
+    odd = tmp_path / os.fsdecode(b"x\xff.txt")
+    odd.write_text("hello")
+    assert len(fingerprint([odd])) == 16
+
+
+def test_a_text_field_with_no_records_to_read_it_from_is_one_line(tmp_path, capsys):
+    """Text files are read whole: a --text-field there would be read by nothing."""
+    (tmp_path / "a.txt").write_text("hello there " * 50)
+    argv = [*TRAIN_TINY, "--data", str(tmp_path / "a.txt"), "--text-field", "body", "--out", str(tmp_path / "o")]
+    assert_one_line(*run_main(argv, capsys), "--text-field 'body' names a field of .jsonl/.json/.parquet records")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--data", "{fifo}.npy"], "--data '{fifo}.npy' is a pipe (FIFO), not a file"),  # np.load would block
+    ([*TRAIN_TINY, "--data", "{fifo}"], "--data '{fifo}' is a pipe (FIFO), not a file"),
+    ([*TRAIN_TINY, "--data", "/dev/zero"], "--data '/dev/zero' is a device, not a file"),
+    ([*TRAIN_TINY, "--tokenizer", "{fifo}.json"], "tokenizer file '{fifo}.json' is a pipe (FIFO), not a file"),
+    ([*TRAIN_TINY, "--tokenizer", "{tmp}"], "is a folder; name a tokenizer.json"),
+    (["simulate", "--from-trace", "{fifo}"], "--from-trace '{fifo}' is a pipe (FIFO), not a file"),
+    (["train", "--model", "{model}"], "config.json is a pipe (FIFO), not a file"),
+])
+def test_a_pipe_or_device_is_named_as_what_it_is(argv, needle, tmp_path, capsys):
+    """A pipe or device given as a data or model path is named as what it is, never read (it
+    would wait for ever) nor reported as missing."""
+    fifo = tmp_path / "fifo"
+    for name in ("fifo", "fifo.npy", "fifo.json"):
+        os.mkfifo(tmp_path / name)
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    subst = {"fifo": str(fifo), "model": str(model), "tmp": str(tmp_path / "tok.json")}
+    (tmp_path / "tok.json").mkdir()
+    argv = [a.format(**subst) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle.format(**subst))
+
+
+@pytest.mark.parametrize("flags, toml, needle", [
+    (["--data", "{npy}", "--on-bad-record", "skip"], "", "--on-bad-record skip applies to documents; --data {npy} is "
+                                                         "a token file"),
+    (["--data", "{npy}", "--tokenizer", "bytes"], "", "--tokenizer bytes tokenizes nothing: --data {npy} holds token "
+                                                      "ids already"),
+    (["--data", "{npy}", "--text-field", "body"], "", "--text-field body applies to documents"),
+    (["--data", "{npy}", "--max-document-mb", "2"], "", "--max-document-mb 2 applies to documents"),
+    (["--on-bad-record", "skip"], "", "--on-bad-record skip applies to --data documents; the built-in corpus"),
+    (["--data", "{npy}"], "[data]\nbpe_vocab = 300\n", "data.bpe_vocab (in {toml}) 300 sizes the BPE"),
+    (["--tokenizer", "bytes"], "[data]\nbpe_vocab = 300\n", "the tokenizer is bytes"),
+    (["--data", "{npy}"], "[data]\nmax_bytes = 3000\n", "data.max_bytes (in {toml}) 3000 cuts the built-in corpus"),
+])
+def test_a_data_setting_the_source_does_not_read_is_one_line(flags, toml, needle, tmp_path, capsys):
+    """Each setting is read by no part of this source: accepted, it would change nothing."""
+    npy = tmp_path / "tokens.npy"
+    np.save(npy, np.arange(1000, dtype=np.uint16))
+    (tmp_path / "run.toml").write_text(toml)
+    subst = {"npy": str(npy), "toml": str(tmp_path / "run.toml")}
+    argv = [*TRAIN_TINY, "--out", str(tmp_path / "out"), *(f.format(**subst) for f in flags)]
+    assert_one_line(*run_main([*argv, "--config", subst["toml"]] if toml else argv, capsys), needle.format(**subst))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tiny_heldout_fraction_holds_out_nothing_instead_of_overflowing():
+    """--heldout-fraction 1e-320: 1 / x is inf, which round() cannot take; every k-th past 2**62 is none."""
+    from pipezero.data.corpus import every_kth, split_documents
+
+    assert every_kth(0.25) == 4 and every_kth(1e-320) == 2**62
+    train, held = split_documents(["a\n" * 50] * 3, 1e-320)
+    assert train and held  # fewer documents than k: the tail of the text is held out
+
+
+def test_an_empty_data_path_list_is_refused_not_the_built_in_corpus(tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[data]\npath = []\n")
+    assert_one_line(*run_main([*TRAIN_TINY, "--config", str(tmp_path / "run.toml"), "--out", str(tmp_path / "o")], capsys),
+                    "data.path = []: name document files")
+    assert not (tmp_path / "o").exists()
+
+
+def test_rope_settings_given_twice_that_differ_are_refused(tmp_path):
+    """transformers 5 reads rope_scaling and rope_theta over rope_parameters: a yarn scaling added
+    beside rope_parameters, read from rope_parameters alone, would train another model than the one
+    transformers loads."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import _rope
+
+    base = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert _rope(base, tmp_path) == (500000.0, None)
+    assert _rope({**base, "rope_theta": 500000.0}, tmp_path) == (500000.0, None)  # the same, twice: fine
+    for extra, needle in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "in rope_scaling (rope_type)"),
+                          ({"rope_scaling": {"type": "yarn"}}, "in rope_scaling (rope_type)"),
+                          ({"rope_theta": "big"}, "in rope_theta (rope_theta)"),
+                          ({"rope_theta": 10000.0}, "in rope_theta")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            _rope({**base, **extra}, tmp_path)
+
+
+def test_a_cache_entry_edited_to_hold_an_id_past_the_vocabulary_is_rebuilt(tmp_path, capsys, monkeypatch):
+    """Token files are only sized at each open (they are the bulk): bytes edited in place to an id
+    past the tokenizer's vocabulary would pass that, and end the run in the embedding's IndexError.
+    The ids are checked: the entry is rebuilt, with a warning."""
+    import numpy as np
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    before = _arrays(load_corpus(cfg))
+    [entry] = cache_dir().glob("docs-*")
+    capsys.readouterr()
+    tokens = entry / "train.tokens"
+    tokens.write_bytes(b"\xff\xff" + tokens.read_bytes()[2:])
+    after = _arrays(load_corpus(cfg))
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    err = capsys.readouterr().err
+    assert f"the token cache entry {entry} is damaged (train.tokens holds id 65535" in err, err
+    assert err.count("\n") == 1
+
+
+def test_a_cached_tokenizer_swapped_for_another_is_rebuilt(tmp_path, capsys, monkeypatch):
+    """A cached bpe-*.json is checked against what pipezero built there: another tokenizer, valid or
+    not, is rebuilt with a warning, never used."""
+    import numpy as np
+
+    from pipezero.data import load_corpus
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = _documents(tmp_path)
+    cfg.tokenizer, cfg.bpe_vocab = "bpe", 300
+    tokens = np.asarray(load_corpus(cfg).train).copy()
+    [path] = cache_dir().glob("bpe-300-*.json")
+    built = path.read_bytes()
+    other = json.loads(built)
+    vocab = other["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[260:262]  # two learned tokens' ids swapped: still a valid tokenizer
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(other))
+    for name in cache_dir().glob("docs-*"):
+        shutil.rmtree(name)  # token arrays are keyed by the tokenizer's content: make the swap matter
+    capsys.readouterr()
+    assert np.array_equal(load_corpus(cfg).train, tokens)
+    err = capsys.readouterr().err
+    assert f"the cached tokenizer {path} is damaged (its content is not what pipezero built there" in err, err
+    assert path.read_bytes() == built
+
+
+def test_rope_scaling_that_lacks_keys_rope_parameters_has_is_refused(tmp_path):
+    """transformers 5 reads rope_scaling over rope_parameters: one naming llama3 with only its factor,
+    beside a complete rope_parameters, is a config transformers refuses (low/high_freq_factor missing),
+    so pipezero must not train it from rope_parameters alone."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import _rope
+
+    full = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    base = {"rope_parameters": full}
+    assert _rope({**base, "rope_scaling": {k: v for k, v in full.items() if k != "rope_theta"}}, tmp_path)[1] == \
+        [8.0, 1.0, 4.0, 16.0]  # the same settings twice (rope_theta in rope_parameters only): fine
+    with pytest.raises(ConfigError, match=r"in rope_scaling \(low_freq_factor\)"):
+        _rope({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, tmp_path)
+
+
+def test_a_jsonl_whose_every_record_is_bad_says_so(tmp_path, monkeypatch, capsys):
+    """With --on-bad-record skip, every record skipped leaves no document: said so, with the first
+    record's fault, since "give more text" would send the user the wrong way. The same line again
+    when the token cache already holds the (empty) result."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text('{"x": 1}\n' * 20)
+    argv = ["train", "--preset", "tiny", "--tokenizer", "bytes", "--data", "d.jsonl", "--on-bad-record", "skip",
+            "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"]
+    needle = ("--data holds no document: all 20 records were skipped as bad (first: d.jsonl:1: no field 'text' "
+              "(pass --text-field NAME))")
+    for _ in range(2):
+        code, err = run_main(argv, capsys)
+        err = "\n".join(line for line in err.splitlines() if not line.startswith("pipezero: skipped"))
+        assert_one_line(code, err, needle)
+        assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cache", ["docs/cache", "docs", "docs/a/b"])
+def test_a_cache_folder_inside_the_data_is_refused(cache, tmp_path, monkeypatch, capsys):
+    """PIPEZERO_CACHE=docs/cache with --data docs: the first run would train, and every later one read
+    the cached tokenizer's json as a document and stop at its missing 'text' field."""
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", cache)
+    code, err = run_main(["train", *TINY_FLAGS, "--data", "docs", "--max-steps", "1", "--no-progress", "--out", "o"], capsys)
+    assert_one_line(code, err, f"the cache folder {cache} (PIPEZERO_CACHE) is inside --data 'docs'")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_cache_folder_beside_the_data_or_holding_it_is_fine(tmp_path, monkeypatch):
+    from pipezero.data.sources import check_cache_out_of_reach
+
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "docs-cache"))  # a prefix of the name, not a folder above
+    check_cache_out_of_reach([str(tmp_path / "docs"), str(tmp_path / "docs" / "0.txt")])
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path))  # the data inside the cache: the cache's files are not read
+    check_cache_out_of_reach([str(tmp_path / "docs")])

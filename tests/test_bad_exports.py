@@ -12,26 +12,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_models import make_model
+from one_line import assert_one_line_exit_1
 from pipezero.cli import main
 from test_bad_inputs import assert_one_line, run_main
+from tiny_runs import copy_trained_folder, write_docs
+from user_files import tree
 
 pytest.importorskip("transformers")
 
 SMALL = ["--seq-len", "16", "--no-progress", "--sample-tokens", "0", "--microbatches", "1",
          "--micro-batch-size", "1"]
-
-
-def tree(folder: Path) -> dict[str, tuple[int, int, int]]:
-    """Every entry under `folder` (hidden ones too) with size, inode and modification time: to
-    prove nothing was written, replaced or removed there."""
-    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_ino, p.lstat().st_mtime_ns)
-            for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +300,7 @@ def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, cap
     assert not (tmp_path / "e").exists()
 
 
-# 7. round four: what the run kept of its model, and a damaged checkpoint
+# 7. what the run kept of its model, and a damaged checkpoint
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json"])
@@ -398,3 +395,65 @@ def test_a_run_whose_hf_folder_is_a_symlink_is_refused_before_it_writes_through_
     before = tree(tmp_path)
     assert_one_line(*run_main(resume_argv(trained, run), capsys), f"hf is a symlink (to {mine})")
     assert tree(tmp_path) == before
+
+
+def test_a_writer_that_reports_an_os_error_in_its_own_words_names_the_file(tmp_path):
+    """safetensors' save_file raises SafetensorError('... No space left on device (os error 28)') on
+    a full disk: atomic_write_with gives it as the OSError it is, naming the file, and leaves no
+    half-written file."""
+    import errno
+
+    from pipezero.util import atomic_write_with, refused_write
+
+    def full(tmp: str) -> None:
+        Path(tmp).write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as caught:
+        atomic_write_with(tmp_path / "model.safetensors", full)
+    assert caught.value.errno == errno.ENOSPC
+    assert refused_write(caught.value) == (f"{tmp_path / 'model.safetensors'} cannot be written (No space left on "
+                                           f"device): free space there, or choose a folder on another disk")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="a bug"):  # an error that is no OSError stays itself
+        atomic_write_with(tmp_path / "x", lambda tmp: (_ for _ in ()).throw(ValueError("a bug")))
+
+
+def test_an_export_to_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys, trained_folder):
+    """export (either format) to a disk that takes no more: one line naming the file, exit 1, and
+    nothing half-written left. The full disk is a file-size limit (RLIMIT_FSIZE: writes past 60 KiB
+    fail, EFBIG), in this process and no mount."""
+    import resource
+
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    copy_trained_folder(trained_folder, tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us
+    try:
+        for fmt in ("pipezero", "hf"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (60 << 10, hard))
+            try:
+                code, err = run_main(["export", "run", "--format", fmt, "--out", f"e-{fmt}"], capsys)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            assert_one_line_exit_1(code, err, f"e-{fmt}/model.safetensors cannot be written (File too large)")
+            assert not any(p.is_file() for p in (tmp_path / f"e-{fmt}").rglob("*"))
+    finally:
+        signal.signal(signal.SIGXFSZ, old)
+
+
+def test_export_out_the_empty_working_folder_is_one_line(tmp_path, monkeypatch):
+    """An export is made beside --out and renamed onto it; the working folder cannot be renamed onto
+    (Device or resource busy), and its shell would sit in a removed folder if it could."""
+    from pipezero.checkpoint.export_folder import check_out
+    from pipezero.errors import ConfigError
+
+    here = tmp_path / "ex"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for out in (".", str(here), "./"):
+        with pytest.raises(ConfigError, match=r"is the working folder, which an export cannot replace .*: give a "
+                                              r"new folder inside it, e\.g\. --out "):
+            check_out(Path(out), tmp_path / "run")
+    check_out(Path("sub"), tmp_path / "run")  # a new folder inside it: fine

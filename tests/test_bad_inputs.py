@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from one_line import assert_one_line, run_main
+from one_line import DEEP, assert_one_line, run_main
+from tiny_runs import TINY_FLAGS, TRAIN_TINY, TRAIN_TINY_SMALLEST, no_launch, write_docs
 
 
 def toml(tmp_path: Path, text: str) -> str:
@@ -227,7 +228,7 @@ def test_resume_in_a_folder_no_run_claimed_leaves_its_files_alone(tmp_path, caps
         pass
     from pipezero.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--force would write over them"):  # round 6: --force replaces only a run's
+    with pytest.raises(ConfigError, match="--force would write over them"):  # --force replaces only a run's
         claim(str(mine), resume=True, force=True)
     assert (mine / "metrics.jsonl").read_text() == "my notes"
 
@@ -388,3 +389,162 @@ def test_bad_simulate_and_plan_input_is_one_line(argv, needle, tmp_path, capsys)
         (tmp_path / name).write_text(text)
     argv = [str(tmp_path / a[1:-1]) if a[1:-1] in files else a for a in argv]
     assert_one_line(*run_main(argv, capsys), needle)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--data", ""], "--data '' is empty: name document files"),  # not "--out is inside --data ''"
+    ([*TRAIN_TINY, "--model", ""], "--model is empty: name a local Hugging Face model folder"),
+    (["export", "", "--out", "e"], "the source is empty: pass a run directory"),
+    ([*TRAIN_TINY, "--quant-block", "7"], "--quant-block 7 applies with --quantize-weights or --quantize-grads"),
+    ([*TRAIN_TINY, "--timeout", "0.5"], "--timeout 0.5: expected a number >= 1 and <= 604800"),
+    ([*TRAIN_TINY, "--timeout", "1e-300"], "--timeout 1e-300: expected a number >= 1"),  # 0 ms: every connect would fail
+])
+def test_an_empty_or_ignored_or_unusable_value_is_one_line(argv, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_json_nested_too_deep_is_one_line_wherever_it_is_read(tmp_path, capsys):
+    from pipezero.checkpoint import CheckpointError
+    from pipezero.checkpoint.store import read_manifest
+    from pipezero.errors import ConfigError
+    from pipezero.models.hf import read_json
+    from pipezero.telemetry.metrics import _records
+
+    (tmp_path / "config.json").write_text(DEEP)
+    with pytest.raises(ConfigError, match="config.json is not readable json: maximum recursion depth"):
+        read_json(tmp_path / "config.json")
+    (tmp_path / "manifest.json").write_text(DEEP)
+    with pytest.raises(CheckpointError, match="unreadable manifest.json: maximum recursion depth"):
+        read_manifest(tmp_path)
+    assert _records(f'{DEEP}\n{{"step": 1}}\n') == [{"step": 1}]  # a resume skips the line
+    (tmp_path / "trace.json").write_text(DEEP)
+    assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys),
+                    "is not a pipezero trace.json (RecursionError")
+
+
+def test_a_stall_report_at_or_past_the_timeout_is_refused():
+    """The watchdog reports a wait that passed --stall-report; past --timeout the wait has already
+    failed, so such a setting would silently never report: refused in one line."""
+    from pipezero.errors import ConfigError
+    from pipezero.settings import build_config
+
+    with pytest.raises(ConfigError, match="--stall-report 60 is not below --timeout 30"):
+        build_config(overrides={"parallel.stall_report_s": 60.0, "parallel.timeout_s": 30.0})
+    assert build_config(overrides={"parallel.stall_report_s": 5.0, "parallel.timeout_s": 30.0})
+
+
+def test_a_model_setting_beside_model_or_model_spec_is_named_as_the_user_set_it(tmp_path, capsys):
+    """The fix names the flag the user typed (drop --preset), the TOML key only for a TOML setting."""
+    (tmp_path / "m").mkdir()
+    assert_one_line(*run_main(["train", "--model", str(tmp_path / "m"), "--preset", "tiny"], capsys),
+                    f"--model {tmp_path / 'm'} fixes the model's shape; drop --preset")
+    assert_one_line(*run_main(["train", "--model-spec", "x:y", "--preset", "tiny"], capsys),
+                    "--model-spec x:y is the whole model; drop --preset")
+    (tmp_path / "p.toml").write_text('[model]\npreset = "tiny"\n')
+    assert_one_line(*run_main(["train", "--config", str(tmp_path / "p.toml"), "--model", str(tmp_path / "m")], capsys),
+                    f"drop model.preset (in {tmp_path / 'p.toml'})")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--microbatches", "1000000000"], "--pp 1 x --microbatches 1000000000 x --virtual-stages 1 = 1000000000 stage "
+                                       "micro-batches a step; the limit is 65536"),  # proving 10^9 would never end
+    (["--pp", "2", "--microbatches", "40000"], "= 80000 stage micro-batches a step"),
+    (["--micro-batch-size", "1000000000"], "= 1000000000 sequences of --seq-len 16 = 16000000000 tokens a step; "
+                                           "the limit is 268435456"),  # a 119 GiB allocation otherwise
+])
+def test_a_step_past_what_a_rank_can_build_or_hold_is_one_line(flags, needle, tmp_path, capsys):
+    argv = ["train", "--preset", "tiny", "--max-steps", "1", "--seq-len", "16", "--microbatches", "1",
+            "--out", str(tmp_path / "o"), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [[*TRAIN_TINY, "--out", "{long}"], [*TRAIN_TINY, "--data", "{long}.txt"],
+                                  ["simulate", "--png", "{long}.png"], ["export", "{long}", "--out", "e"]])
+def test_a_name_too_long_for_the_filesystem_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """Path.exists raises OSError (File name too long) for such a name: checked before any other use."""
+    monkeypatch.chdir(tmp_path)
+    long = "x" * 300
+    code, err = run_main([a.format(long=long) for a in argv], capsys)
+    assert_one_line(code, err, "characters)' is too long for this filesystem (File name too long)")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([*TRAIN_TINY, "--tokenizer", "gpt2"], "--tokenizer (data.tokenizer) 'gpt2': use 'bpe', 'bytes' or a tokenizer.json"),
+    (["train", "--config", "{toml}"], "model.spec (in {toml}) x:y is the whole model; drop model.pretrained (in {toml})"),
+])
+def test_a_setting_is_named_as_the_user_gave_it(argv, needle, tmp_path, capsys):
+    """--tokenizer by its flag (and key); a spec the TOML file named by its key and file."""
+    toml = tmp_path / "c.toml"
+    toml.write_text('[model]\nspec = "x:y"\npretrained = "m"\n')
+    assert_one_line(*run_main([a.format(toml=toml) for a in argv], capsys), needle.format(toml=toml))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--config", "", "--out", "{tmp}/o"], "--config is empty: name a .toml file"),  # not "no file": the defaults
+    (["simulate", "--png", ""], "--png is empty"),  # else nothing is drawn
+    (["simulate", "--from-trace", ""], "--from-trace is empty"),  # not the defaults instead
+    (["simulate", "--memory", "--config", " "], "--config is empty"),
+    (["export", "{run}", "--out", "{tmp}/e", "--model-spec", ""], "--model-spec is empty"),  # not "no spec given"
+    (["doctor", ""], "the run folder is empty"),  # not the working directory
+])
+def test_an_empty_value_is_refused_not_read_as_absent(argv, needle, trained_run, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(trained_run)) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("steps", [str(2**63), "100000000000000000000"])
+def test_a_step_count_past_any_run_is_refused(steps, tmp_path, monkeypatch, capsys):
+    """The step counter a checkpoint keeps is int64: a count past it (from a flag, or 10^20 in a
+    TOML) would train on as if reachable."""
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    code, err = run_main([*TRAIN_TINY_SMALLEST[:3], *TRAIN_TINY_SMALLEST[5:], "--max-steps", steps, "--data", "docs",
+                          "--out", "run"], capsys)
+    assert_one_line(code, err, "--max-steps")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra", [["--zero", "2", "--zero3-prefetch", "2"], ["--zero3-prefetch", "3"]])
+def test_zero3_prefetch_without_zero3_is_one_line(extra, tmp_path, capsys):
+    """Under another stage nothing reads --zero3-prefetch: refused, as an unread --link-gbps or
+    --tflops is."""
+    from one_line import assert_one_line, run_main
+
+    code, err = run_main(["train", "--preset", "tiny", "--tokenizer", "bytes", "--max-steps", "1", *extra,
+                          "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"--zero3-prefetch {extra[-1]} is read only by ZeRO-3")
+    assert not (tmp_path / "o").exists()
+
+
+def test_secondary_split_problem_names_one_node_and_uneven_nodes():
+    from pipezero.config import ParallelConfig, SecondaryShard
+    from pipezero.stage import secondary_split_problem
+
+    node = SecondaryShard.NODE
+    one_node = secondary_split_problem(ParallelConfig(dp=2, zero=3, secondary_shard=node), 2)
+    assert one_node is not None and "on one node" in one_node and "drop it on one node" in one_node
+    assert "ranks a node (" not in one_node
+    lone = secondary_split_problem(ParallelConfig(dp=4, zero=3, secondary_shard=node), 1)  # a rank a node
+    assert lone is not None and "(ranks a node, nodes) [(1, 4)]" in lone
+    assert secondary_split_problem(ParallelConfig(dp=4, zero=3, secondary_shard=node), 2) is None
+    assert secondary_split_problem(ParallelConfig(dp=2, zero=3), 2) is None
+
+
+def test_secondary_shard_on_one_node_is_refused_before_torchrun(tmp_path, monkeypatch, capsys):
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
+    code, err = run_main(["train", *TINY_FLAGS, "--data", "docs", "--max-steps", "1", "--no-progress", "--out", "o",
+                          "--zero", "3", "--dp", "2", "--nproc", "2", "--secondary-shard", "node"], capsys)
+    assert_one_line(code, err, "--secondary-shard node with every replica of a stage on one node")
+    assert not (tmp_path / "o").exists()
+
+
+def test_hierarchical_with_one_replica_is_refused(tmp_path, capsys):
+    code, err = run_main(["train", "--hierarchical", "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "--hierarchical with --dp 1: there are no data-parallel reductions to split by node")
+    assert not (tmp_path / "o").exists()

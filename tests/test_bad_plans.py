@@ -178,3 +178,76 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     assert time.monotonic() - t0 < 5
     (tmp_path / "trace.json").write_text(json.dumps(_trace(LAYOUT)))  # the same run as written: compared
     assert run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # without --memory nothing reads the file's pp = 2
+    (["simulate", "--config", "{toml}"], "--config applies with --memory: add --memory, or drop --config"),
+    (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
+    (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
+    (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
+    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+])
+def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
+    (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")
+    argv = [a.replace("{toml}", str(tmp_path / "run.toml")) for a in argv]
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_plan_refuses_a_quant_block_it_would_not_use(capsys):
+    """As train does: without a --quantize-* flag the block size changes nothing in the plan."""
+    argv = ["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--global-batch", "4", "--seq-len", "64"]
+    assert_one_line(*run_main([*argv, "--quant-block", "64"], capsys), "--quant-block 64 prices quantized traffic")
+    assert run_main([*argv, "--quant-block", "64", "--quantize-grads", "int8"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("cost", ["-1,1,1", "-1:1:1", "-0.5:1:1"])
+def test_a_negative_cost_reaches_its_own_check(cost, capsys):
+    """argparse takes `--cost -1,1,1` for an option ("expected one argument"): the value must reach
+    the check that names what is wrong with it."""
+    code, err = run_main(["simulate", "--cost", cost], capsys)
+    assert_one_line(code, err, f"--cost")
+    assert "expected one argument" not in err and cost in err
+
+
+def test_a_negative_number_still_reaches_a_numeric_flag(capsys):
+    assert_one_line(*run_main(["simulate", "--comm", "-1"], capsys), "--comm = -1.0: expected a number >= 0")
+
+
+def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, monkeypatch):
+    """`plan --preset 7b --gpus 8 --gpu-memory 0.001`: simulating every layout would take minutes on a
+    busy host to say none fits; the weights' share of one GPU says it at once."""
+    def never(*args, **kwargs):
+        raise AssertionError("the planner ran")
+
+    monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
+    assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
+                    "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
+
+
+@pytest.mark.parametrize("extra", [["--zero3-layerwise"], ["--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])
+@pytest.mark.parametrize("zero", ["0", "1", "2"])
+def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
+    """simulate --zero 1 --zero3-prefetch-chunk would play ZeRO-1 with the flag unread: refused, as train does."""
+    code, err = run_main(["simulate", "--zero", zero, "--dp", "2", *extra, "--json"], capsys)
+    assert_one_line(code, err, f"{extra[0]} is read only by ZeRO-3")
+
+
+def test_simulate_takes_zero3_flags_with_zero3(capsys):
+    assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
+                     "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0
+
+
+def test_simulate_refuses_quantized_weights_under_zero0(capsys):
+    """ZeRO-0 has no parameter gather to quantize: the flag would be unread, so it is refused, as train does."""
+    code, err = run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)
+    assert_one_line(code, err, "--quantize-weights int8 with --zero 0: ZeRO-0 gathers no weights")
+
+
+@pytest.mark.parametrize("zero", ["1", "2", "3"])
+def test_simulate_takes_quantized_weights_where_weights_are_gathered(zero, capsys):
+    assert run_main(["simulate", "--zero", zero, "--dp", "2", "--quantize-weights", "int8", "--json"], capsys)[0] == 0
+
+
+def test_simulate_takes_quantized_grads_under_zero0(capsys):
+    assert run_main(["simulate", "--zero", "0", "--dp", "2", "--quantize-grads", "int8", "--json"], capsys)[0] == 0

@@ -4,17 +4,21 @@ skipping non-finite steps."""
 from __future__ import annotations
 
 import json
+import numpy as np
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from one_line import run_main
 from pipezero.checkpoint.pieces import Owned, Piece, owned_ranges
 from pipezero.checkpoint.store import Team, committed, latest, problems, write
 from pipezero.config import ScheduleKind as K
 from pipezero.settings import build_config
 from ranks import run_ranks
+from tiny_runs import TRAIN_TINY
+from user_files import read_only, writable
 from training import tiny_overrides
 
 
@@ -350,3 +354,231 @@ def test_the_last_step_is_saved_unless_told_not_to():
     assert saved(checkpoint_every=4) == [4, 8, 10]
     assert saved(checkpoint_every=4, save_final=False) == [4, 8, 10]
     assert saved(checkpoint_every=5) == [5, 10]
+
+
+def test_a_checkpoint_of_non_finite_weights_is_refused_before_anything_is_written(tmp_path):
+    """--lr 1e308 leaves every weight NaN after one update: such a state is no checkpoint to save."""
+    import torch
+
+    from pipezero.checkpoint.pieces import Piece
+    from pipezero.checkpoint.state import check_finite, nonfinite_entries
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    shard = torch.zeros(8)
+    state = {"model.a": Piece(16, 0, shard[:4]), "model.b": Piece(16, 4, shard[4:]), "step": torch.zeros(2, dtype=torch.long)}
+    check_finite(state, Team(step=3), 1e-3)  # finite: nothing said
+    shard[5] = float("nan")
+    state["optim.exp_avg_sq.c"] = torch.tensor([float("inf")])
+    assert nonfinite_entries(state) == ["model.b", "optim.exp_avg_sq.c"]
+    with pytest.raises(CheckpointError, match=r"^step 3: checkpoint not saved: model.b, optim.exp_avg_sq.c hold NaN "
+                                              r"or inf .*lower --lr \(now 1e\+308\)"):
+        check_finite(state, Team(step=3), 1e308)
+
+
+@pytest.mark.distributed  # trains twice in this process (~5 s)
+def test_a_diverged_run_saves_no_checkpoint_and_keeps_the_earlier_ones(tmp_path, capsys):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 4000, 4000).astype(np.uint16))
+    run = tmp_path / "run"
+    base = [*TRAIN_TINY, "--data", str(tokens), "--out", str(run), "--checkpoint-every", "1", "--sample-tokens", "0",
+            "--microbatches", "1", "--micro-batch-size", "1"]
+    assert run_main(base, capsys)[0] == 0
+    good = run / "checkpoints" / "step-00000001"
+    kept = sorted((p.name, p.read_bytes()) for p in good.iterdir())
+    code, err = run_main([*base, "--resume", "--max-steps", "3", "--lr", "1e308"], capsys)
+    assert code == 1 and err.count("pipezero: error:") == 1, err
+    assert "step 2: checkpoint not saved:" in err and "hold NaN or inf" in err, err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+    assert sorted((p.name, p.read_bytes()) for p in good.iterdir()) == kept
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"data": {"samples": "x"}}, "data.samples 'x' is not a count"),  # the resume would fail on it
+    ({"data": {"samples": -3}}, "data.samples -3 is not a count"),
+    ({"data": [1]}, "data is not a dict"),
+    ({"adam_steps": -5}, "adam_steps -5 is not a count"),  # NaN weights after the resumed step
+    ({"bad_in_a_row": -1}, "bad_in_a_row -1 is not a count"),
+    ({"world": True}, "world True is not a count"),
+])
+def test_a_manifest_edited_by_hand_is_a_bad_checkpoint(edit, needle, tmp_path):
+    from pipezero.checkpoint.store import FORMAT, MANIFEST, CheckpointError, read_manifest
+
+    import json
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    manifest = {"format": FORMAT, "step": 1, "files": {"a": {"bytes": 1, "sha256": "0" * 64}}, "config": {},
+                "world": 1, "adam_steps": 1, "bad_in_a_row": 0, "data": {"samples": 1}}
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    read_manifest(step)  # as saved: fine
+    (step / MANIFEST).write_text(json.dumps({**manifest, **edit}))
+    with pytest.raises(CheckpointError, match="bad manifest.json: " + needle):
+        read_manifest(step)
+
+
+def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_file(tmp_path):
+    """--keep-checkpoints removes old `step-N` folders whole: one holding a file its manifest does
+    not list (a user's notes.txt), or a link to elsewhere, is kept instead."""
+    import json
+
+    from pipezero.checkpoint.store import FORMAT, MANIFEST, prunable
+
+    def checkpoint(step: int) -> Path:
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        (folder / "a").write_text("x")
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "run": "r",
+                                                   "files": {"a": {"bytes": 1, "sha256": "0" * 64}}}))
+        return folder
+
+    first, second, third = checkpoint(1), checkpoint(2), checkpoint(3)
+    assert prunable(tmp_path, "r", 3) == [first, second, third]
+    (first / "notes.txt").write_text("mine")
+    third.rename(tmp_path / "real-3")
+    third.symlink_to(tmp_path / "real-3")
+    assert prunable(tmp_path, "r", 3) == [second]
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_link_at_a_checkpoint_scratch_name_is_cleared_not_followed(scratch, tmp_path):
+    """A link at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N (a prune's) is
+    unlinked, not removed as a folder (rmtree refuses a link, and would follow none): the link goes,
+    what it points to stays."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).symlink_to(mine)
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, prunes 1
+    assert [p.name for _, p in committed(root)] == ["step-00000002"]
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not (root / scratch).is_symlink()
+
+
+def test_a_checkpoints_folder_that_refuses_the_save_is_one_line_and_keeps_the_last(tmp_path):
+    """An immutable (or read-only) OUT/checkpoints refuses the save's mkdir: a CheckpointError naming
+    the folder and the fix, every rank alike, not torch's PermissionError; the checkpoint already
+    there is untouched."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    before = {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()}
+    read_only(root)
+    try:
+        with pytest.raises(CheckpointError, match=r"step 2: checkpoint .*\.tmp-step-00000002 cannot be made: .*"
+                                                  r"writable.*--resume"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    finally:
+        writable(root)
+    assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    assert {p.name: p.read_bytes() for p in (root / "step-00000001").iterdir()} == before
+
+
+def test_an_old_checkpoint_that_cannot_be_pruned_is_kept_with_a_warning(tmp_path, capsys):
+    """--keep-checkpoints 1 with an immutable old step: the prune's rename fails after the new
+    checkpoint is committed, which is no reason to end the run. The old one stays, said in a warning."""
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    read_only(root / "step-00000001")
+    try:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+    finally:
+        writable(root / "step-00000001")
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    err = capsys.readouterr().err
+    assert "step-00000001 was kept, past --keep-checkpoints 1" in err, err
+
+
+@pytest.mark.parametrize("scratch", [".tmp-step-00000002", ".deleting-step-00000001"])
+def test_a_users_folder_at_a_scratch_name_is_kept(scratch, tmp_path):
+    """A folder of the user's at checkpoints/.tmp-step-N (a save's scratch) or .deleting-step-N
+    (a prune's) is no crash's debris to clear: it stays, and the save stops with a CheckpointError
+    naming it (the prune warns and keeps the step)."""
+    import torch
+
+    from pipezero.checkpoint.store import CheckpointError, Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    (root / scratch).mkdir()
+    (root / scratch / "notes.txt").write_text("mine")
+    assert users_scratch(root) == [root / scratch]
+    if scratch.startswith(".tmp"):
+        with pytest.raises(CheckpointError, match=f"{scratch} holds notes.txt, which no checkpoint save writes"):
+            write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())
+        assert [p.name for _, p in committed(root)] == ["step-00000001"]
+    else:
+        write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=1, team=Team())  # saves 2, keeps 1
+        assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert (root / scratch / "notes.txt").read_text() == "mine"
+
+
+def test_a_crashs_debris_at_a_scratch_name_is_still_cleared(tmp_path):
+    import torch
+
+    from pipezero.checkpoint.store import Team, committed, users_scratch, write
+
+    root = tmp_path / "checkpoints"
+    write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=Team())
+    shutil.copytree(root / "step-00000001", root / ".tmp-step-00000002")  # a save killed before its rename
+    (root / ".tmp-step-00000002" / ".manifest.json.a1b2.tmp").write_text("{")
+    assert users_scratch(root) == []
+    write(root, 2, {"x": torch.ones(4)}, {"run": "this"}, keep=5, team=Team())
+    assert [p.name for _, p in committed(root)] == ["step-00000001", "step-00000002"]
+    assert not (root / ".tmp-step-00000002").exists()
+
+
+def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left(tmp_path, monkeypatch):
+    """DCP's write to a full disk fails in torch's words ('unexpected pos 704 vs 598'): the one line
+    adds the free space of the checkpoints folder when it is short, so the fix is named."""
+    import torch
+
+    import pipezero.checkpoint.store as store
+
+    class Full:
+        f_bavail, f_frsize = 25, 4096  # 100 KiB
+
+    monkeypatch.setattr(store.os, "statvfs", lambda path: Full())
+
+    def torn(*a, **kw):  # noqa: ANN002, ANN003
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr("torch.distributed.checkpoint.save", torn)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(store.CheckpointError, match=r"unexpected pos .* \(.*checkpoints has 0\.1 MiB free: a full disk\? "
+                                                    r"free space there, then --resume\)"):
+        store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
+    assert list(root.iterdir()) == []  # the failed save left nothing
+
+
+def test_ctrl_c_inside_a_checkpoint_write_stays_an_interrupt():
+    """Ctrl-C while DCP writes a checkpoint reaches us wrapped in a CheckpointException: it stays the
+    interrupt (its line, '--resume continues ...', and 130), not 'checkpoint write of ... failed'."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from pipezero.checkpoint.store import CheckpointError, Team
+
+    def interrupted():
+        raise CheckpointException("save", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+
+    def refused():
+        raise CheckpointException("save", {0: (OSError(28, "No space left on device"), traceback.StackSummary())})
+
+    with pytest.raises(KeyboardInterrupt):
+        Team().run("write of x", interrupted)
+    with pytest.raises(CheckpointError, match="rank 0, step 0: checkpoint write of x failed: rank 0: OSError"):
+        Team().run("write of x", refused)

@@ -232,3 +232,15 @@ def test_a_script_holding_a_cluster_and_terminated_leaves_nothing(cluster_ok):
     assert leftovers(tag) == []
     with pytest.raises(ProcessLookupError):  # the node's process is gone too
         os.kill(int(pid), 0)
+
+
+def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quietly():
+    from pipezero.cluster import ClusterSpec, EmulatedCluster
+
+    seen = []
+    cluster = EmulatedCluster.__new__(EmulatedCluster)
+    cluster.spec = ClusterSpec(nodes=2, link="100mbit")
+    cluster.address = lambda i: f"10.0.0.{i + 1}"
+    cluster.start = lambda node, cmd, env, **kw: seen.append(cmd)
+    cluster.torchrun(0, 1, 29500, ["-m", "pipezero.cli", "train"])
+    assert seen[0][1:3] == ["-m", "pipezero.loopback"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from one_line import DEEP, assert_one_line, run_main
 from pipezero.doctor import Ranks, load_records, planned_work, programs, report, stragglers, table, verdict
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
@@ -341,3 +342,97 @@ def test_waits_that_just_began_are_no_hang():
     assert verdict(records, PROG, RANKS).culprit is None
     records[3]["state"] = "failed"  # a failed wait counts however short (a peer gone)
     assert verdict(records, PROG, RANKS).culprit == 1
+
+
+# (what is under RUN, the status, what stderr says): files by a record's name that no rank wrote are
+# named as such (not "no flight records", exit 1, as if none had been written), and a record or
+# summary.json of the wrong shape is one line
+DOCTOR_CASES = [
+    ("deep", 2, "rank-00000.json under"),  # past json's recursion limit
+    ("pipe", 2, "are not flight records as pipezero writes them"),  # read without waiting for a writer
+    ("shapes", 2, "rank-00000.json, rank-00001.json, rank-00002.json under"),  # [] / rank "x" / {}
+    ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
+    ("straggler", 2, "(KeyError: 's_per_step')"),
+]
+
+
+@pytest.mark.parametrize("case, code, needle", DOCTOR_CASES)
+def test_doctor_reads_records_as_data(case, code, needle, tmp_path, capsys):
+    records = tmp_path / "doctor"
+    records.mkdir()
+    if case == "deep":
+        (records / "rank-00000.json").write_text(DEEP)
+        (tmp_path / "summary.json").write_text(DEEP)
+    elif case == "pipe":
+        os.mkfifo(records / "rank-00000.json")
+    elif case == "shapes":
+        (records / "rank-00000.json").write_text("[]")
+        (records / "rank-00001.json").write_text('{"rank": "x", "written": 1}')
+        (records / "rank-00002.json").write_text("{}")
+        (tmp_path / "summary.json").write_text("[1]")
+    elif case == "minimal":
+        (records / "rank-00000.json").write_text('{"rank": 0, "written": 1}')
+    else:
+        (tmp_path / "summary.json").write_text('{"straggler": {"rank": 1}}')
+    got, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert got == code and "Traceback" not in err and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_doctor_of_a_folder_that_is_not_there_or_a_file_is_one_line(tmp_path, capsys):
+    """A run folder that is not there is no run without records: the fix is another path, not a
+    search for records."""
+    (tmp_path / "f").write_text("x")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "nowhere")], capsys), "nowhere does not exist: pass the run's")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "f")], capsys), "f is not a folder: pass the run's folder")
+
+
+@pytest.mark.parametrize("sizes, needle", [
+    ({"pp": 1_000_000_000}, "past what train runs"),  # lowering would never end
+    ({"microbatches": 1_000_000_000}, "past what train runs"),
+    ({"dp": 0}, "positive integers only"),
+    ({"pp": "2"}, "positive integers only"),
+])
+def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsys):
+    import json
+
+    plan = {"schedule": "1f1b", "pp": 2, "microbatches": 4, "virtual_stages": 1, "dp": 1, "zero": 0,
+            "grad_reduce": "step", "bucket_mb": 25.0, "zero3_keep_gathered": None, "recompute": False,
+            "model": {"tied": None, "chunks": [{"splits": c > 0, "stop": c + 1, "layers": []} for c in range(2)]}, **sizes}
+    record = {"rank": 0, "written": 1.0, "run": "x", "step": 1, "index": 0, "instr": "F", "state": "waiting",
+              "stage": 0, "waited_s": 1.0, "plan": plan}
+    (tmp_path / "doctor").mkdir()
+    (tmp_path / "doctor" / "rank-00000.json").write_text(json.dumps(record))
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
+
+
+def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
+    """`doctor RUN` where RUN/summary.json is a named pipe: opened to read, it would wait for a writer."""
+    import os
+
+    from pipezero.doctor import cmd_doctor
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "summary.json")
+    assert cmd_doctor(type("Args", (), {"run": str(run)})()) == 1  # no records: the usual answer, at once
+    assert "no flight records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", [b"\x00\xff binary", b"[1, 2]", b'{"rank": "0", "written": 1}'])
+def test_a_damaged_flight_record_is_named_not_taken_for_none(text, tmp_path, capsys):
+    """`doctor RUN` over rank-*.json files that are garbage, binary or of the wrong types names them:
+    "no flight records" (exit 1) would say no rank had written one."""
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    (tmp_path / FOLDER / "rank-00000.json").write_bytes(text)
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys),
+                    "rank-00000.json under " + str(tmp_path / FOLDER) + " are not flight records as pipezero writes")
+
+
+def test_an_empty_record_folder_is_still_no_records(tmp_path, capsys):
+    from pipezero.doctor import FOLDER
+
+    (tmp_path / FOLDER).mkdir()
+    code, err = run_main(["doctor", str(tmp_path)], capsys)
+    assert code == 1 and "no flight records under" in err

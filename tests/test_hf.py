@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_models import FAMILIES, hf_logits, hf_overrides, make_model, pipezero_logits, tokenizer_folder, tokenizer_json
+from one_line import run_main
 from pipezero.cli import main
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
@@ -465,3 +466,23 @@ def test_a_manifest_tokenizer_path_copies_only_a_tokenizer(tmp_path: Path) -> No
     other.write_text('{"token": "not a tokenizer"}')
     assert is_tokenizer(real)
     assert not is_tokenizer(other) and not is_tokenizer(tmp_path / "missing.json") and not is_tokenizer(tmp_path)
+
+
+def test_weights_with_more_blocks_than_config_json_train_the_first_with_a_warning(tmp_path, capsys):
+    """transformers warns of the weights it leaves unread; pipezero says so too."""
+    import json
+
+    from hf_models import make_model
+
+    folder = make_model(tmp_path / "m", "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    held = cfg["num_hidden_layers"]
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": held - 1}))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"{i}.txt").write_text(f"some words to train on, {i} " * 20)
+    code, err = run_main(["train", "--model", str(folder), "--data", str(docs), "--seq-len", "16", "--max-steps", "1",
+                          "--no-progress", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert f"num_hidden_layers = {held - 1}, but the weights hold {held} blocks: the run trains blocks 0-{held - 2}" in err

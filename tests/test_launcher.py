@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 from pipezero.checkpoint.store import Team, latest
+from one_line import assert_one_line, run_main
 from pipezero.cli import main
+from tiny_runs import TRAIN_TINY
 
 
 def pids_with(marker: str) -> list[int]:
@@ -73,3 +75,132 @@ def test_a_launcher_killed_by_a_signal_exits_128_plus_that_signal(tmp_path):
     cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     assert run_job(cmd, dict(os.environ), str(tmp_path)) == 128 + signal.SIGKILL
     assert run_job([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), str(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a rank number"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1' is not a rank number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a rank number"),
+    ({"RANK": "1", "WORLD_SIZE": "1"}, "RANK=1 is not a rank of WORLD_SIZE=1"),
+])
+def test_torchrun_variables_set_by_hand_are_checked(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+    check_rank_variables({"WORLD_SIZE": "abc"})  # without RANK nothing reads them
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR='' MASTER_PORT='' name no rendezvous"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' name no"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' name no"),
+])
+def test_rank_variables_by_hand_need_a_rendezvous(env, needle):
+    from pipezero.errors import ConfigError
+    from pipezero.launch import check_rank_variables
+
+    with pytest.raises(ConfigError, match=needle):
+        check_rank_variables(env)
+    check_rank_variables({"RANK": "0", "WORLD_SIZE": "1"})  # one rank: no rendezvous to name
+    check_rank_variables({**env, "MASTER_ADDR": "h", "MASTER_PORT": "29500"})
+
+
+def test_a_leftover_torchelastic_restart_count_is_one_line(tmp_path, capsys, monkeypatch):
+    """Read as an integer by the claim and the resume: 'x' is named, not taken for a count."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    assert_one_line(*run_main([*TRAIN_TINY, "--out", str(tmp_path / "o")], capsys),
+                    "TORCHELASTIC_RESTART_COUNT='x' is not a count")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
+    """A MASTER_ADDR that resolves nowhere: torch's DistNetworkError after --timeout, said in one line."""
+    import torch.distributed as dist
+
+    from pipezero import engine
+    from pipezero.cli import train_here
+
+    def unreachable(cfg):
+        raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect to (x, 1).")
+
+    monkeypatch.setattr(engine, "train", unreachable)
+    monkeypatch.setenv("MASTER_ADDR", "no.such.host")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert train_here(None) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "connection to no.such.host:29999 failed (DistNetworkError: The client" in err
+
+
+def test_torchrun_ending_on_a_failed_rank_is_one_line_not_its_traceback(monkeypatch, capsys):
+    """A rank that failed (a collective timed out on a slow `pipezero cluster --link`, a spec's forward
+    raised) says why in its own line; torchrun's agent's ChildFailedError (~50 lines a node) would
+    only repeat it, so it becomes one line naming the rank and its exit code, exit 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from pipezero import loopback
+
+    def failing(argv):
+        raise ChildFailedError("pipezero.cli", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=""),
+                                                0: ProcessFailure(local_rank=0, pid=4241, exitcode=-15, error_file="")})
+
+    monkeypatch.setattr(loopback, "torchrun_main", failing)
+    with pytest.raises(SystemExit) as e:
+        loopback.main(["-m", "pipezero.cli"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "pipezero: rank 0 (exit code -15), 1 (exit code 1) ended the job; each rank's own lines above say why"]
+
+
+def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkeypatch, capsys):
+    """Ctrl-C a second after `pipezero train` starts (SIGINT at 1 s, under load) can land in the
+    import of torch that building the parser does: main's handler must cover that too, so the
+    interrupt is its one line, not a KeyboardInterrupt traceback."""
+    from pipezero import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
+
+
+def test_the_loopback_store_leaves_no_python_socket_to_be_collected_unclosed():
+    """The store owns the listening socket's descriptor: a Python socket object kept beside it would,
+    when collected, warn ResourceWarning ('Exception ignored' tracebacks from torchrun's agent under
+    PYTHONWARNINGS=error)."""
+    import gc
+    import warnings
+    from datetime import timedelta
+
+    from pipezero.loopback import LoopbackTCPStore
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        store = LoopbackTCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        del store
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
+
+
+@pytest.mark.distributed
+def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
+    """verify writes no checkpoint and refuses --resume, so Ctrl-C under `verify --nproc 2` must not
+    say train's "the newest complete checkpoint ... continue with --resume". The launcher's stop line
+    takes the command's own words; train's stay the default."""
+    import signal
+    import sys
+
+    from pipezero.job import run_job
+
+    cmd = [sys.executable, "-c", "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(30)"]
+    assert run_job(cmd, {}, str(tmp_path), after_stop="verify stopped: run it again") == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().endswith("every rank ended, verify stopped: run it again")
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
+    assert "continue with --resume" in capsys.readouterr().err

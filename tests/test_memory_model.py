@@ -6,6 +6,7 @@ tests/test_memory_model_run.py (and bench/memory_model.py for the whole table)."
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -251,3 +252,19 @@ def test_fit_check_names_a_phase_outside_the_step():
     limit = predict(cfg, cuda=False)[0].phases["train"] / 2**30 * 1.05  # the step fits, the sample does not
     with pytest.raises(ConfigError, match=r"in the end-of-run text sample \(fewer --sample-tokens"):
         check_fit(cfg, limit, cuda=False)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--preset", "7b", "--seq-len", "16"], "GiB (1 CPU rank's predicted peak: weights, gradients, AdamW "
+                                                     "state, activations), more than this host's"),
+    (["train", "--preset", "70b", "--seq-len", "16", "--pp", "4", "--nproc", "4"], "(4 CPU ranks' predicted peaks"),
+])
+def test_a_model_past_the_hosts_memory_is_refused_before_it_is_built(argv, needle, tmp_path, capsys, monkeypatch):
+    """--preset 7b on a CPU host of 24 GiB would be built for minutes, until the kernel killed it. The
+    host here is made 16 GiB, as a laptop's, so the test does not depend on this machine's size."""
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 4 << 20 if name == "SC_PHYS_PAGES" else real(name))
+    code, err = run_main([*argv, "--max-steps", "1", "--device", "cpu", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, needle)
+    assert f"this host's {(4 << 20) * real('SC_PAGE_SIZE') / 2**30:.1f} GiB" in err
+    assert not (tmp_path / "o").exists()

@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from pipezero.config import ModelConfig
 from pipezero.models import PRESETS, apply_preset, build_chunk, flops_per_token, layer_param_counts, param_count
@@ -97,3 +98,19 @@ def test_split_backward_knows_linear_and_norm_and_names_what_it_cannot_split():
     x, dy = torch.randn(3, 5, 8), torch.randn(3, 5, 8)
     norm(x).backward(dy)
     torch.testing.assert_close(weight_grad(norm, x, dy), norm.weight.grad)  # the model's norm: nn.RMSNorm's rule
+
+
+def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
+    """--lr 1e308 leaves every weight NaN after one step: torch.multinomial refuses such
+    probabilities, so the end sample stops with the prompt instead."""
+    from pipezero.generate import sample
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.full((8,), float("nan")))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.w.expand(*ids.shape, 8)
+
+    assert sample(Broken(), [1, 2], 5, 16, 0) == [1, 2]

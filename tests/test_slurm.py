@@ -385,3 +385,15 @@ def test_huge_host_lists_and_layouts_are_read_without_expanding_them():
         rank_variables({**env, "SLURM_NODEID": "1000000000"})
     with pytest.raises(ConfigError, match="an empty host name"):  # a bad part after a huge one is still seen
         rank_variables(step_env(SLURM_STEP_NODELIST="n[1-1000000000],,x"))
+
+
+@pytest.mark.parametrize("missing", ["SLURM_LOCALID", "SLURM_NTASKS"])
+def test_a_slurm_step_variable_missing_is_one_line(missing):
+    """A hand-made srun environment lacking one of srun's variables: named, with what says it is a step."""
+    from pipezero.errors import ConfigError
+    from pipezero.slurm import rank_variables
+
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "5"}
+    del env[missing]
+    with pytest.raises(ConfigError, match=f"{missing} is not set, but SLURM_STEP_ID and SLURM_PROCID say"):
+        rank_variables(env)

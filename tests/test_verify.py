@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from one_line import assert_one_line, run_main
 from pipezero.cli import main
 from pipezero.settings import build_config
 from pipezero.config import DType
 from pipezero.verify import ROUNDING_FACTOR, TOLERANCES, Check, recut, verdict, within_rounding
+from tiny_runs import TINY_FLAGS, VERIFY_TINY, no_launch, write_docs
+from user_files import tree
 
 DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges one rank's weights
 SMALL = ["--tokenizer", "bytes", "--seq-len", "32", "--no-progress"]
@@ -114,3 +117,112 @@ def test_a_train_flag_verify_would_ignore_is_refused(flags, tmp_path, capsys):
     code, err = run_main(["verify", "--out", str(tmp_path / "v"), *SMALL, *flags], capsys)
     assert_one_line(code, err, f"it takes no {flags[0]}: drop it")
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("out, needle", [("a-file", "--out 'a-file' is a file: name a folder for verify's runs"),
+                                         ("", "--out '' is empty: name a folder for verify's runs")])
+def test_verify_out_that_is_a_file_or_empty_is_one_line(out, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("mine")
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--steps", "1", "--out", out], capsys), needle)
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda out: (out / "metrics.jsonl").write_text("{}\n"), "holds 'metrics.jsonl', which verify did not write"),
+    (lambda out: (out / "notes.txt").write_text("mine"), "holds 'notes.txt', which verify did not write"),
+    (lambda out: (out / "layout").write_text("mine"), "layout is a file, where verify writes a folder"),
+    (lambda out: (out / "verify.json").mkdir(), "verify.json is a folder, where verify writes a file"),
+])
+def test_verify_writes_only_into_a_folder_of_its_own(make, needle, tmp_path, capsys):
+    """verify makes layout/, reference/, floor/ in --out: never beside files it did not write."""
+    out = tmp_path / "out"
+    out.mkdir()
+    make(out)
+    before = tree(out)
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--seq-len", "16", "--out", str(out)], capsys), needle)
+    assert tree(out) == before
+
+
+@pytest.mark.parametrize("steps, needle", [("100000000000", "--steps = 100000000000: expected an integer >= 1 and <= 1000"),
+                                           ("0", "--steps = 0: expected an integer >= 1")])
+def test_verify_steps_are_bounded(steps, needle, tmp_path, capsys):
+    assert_one_line(*run_main(["verify", "--steps", steps, "--out", str(tmp_path / "v")], capsys), needle)
+    assert not (tmp_path / "v").exists()
+
+
+def test_verify_nproc_that_is_not_the_layout_is_one_line(tmp_path, capsys):
+    """--nproc must be the layout's rank count: a one-rank layout would otherwise ignore the flag."""
+    assert_one_line(*run_main(["verify", "--nproc", "2", "--preset", "tiny", "--out", str(tmp_path / "v")], capsys),
+                    "--nproc 2 but pp x dp = 1; make them equal")
+    assert not (tmp_path / "v").exists()
+
+
+def test_verify_keeps_a_file_of_the_users_in_its_ranks_folder(tmp_path, capsys):
+    """verify clears OUT/ranks before the layout runs: only the rankR.pt files its ranks write are its
+    own, so a user's rank-notes.pt there is refused, not deleted."""
+    mine = tmp_path / "v" / "ranks" / "rank-notes.pt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    code, err = run_main([*VERIFY_TINY, "--pp", "2", "--nproc", "2", "--out", str(tmp_path / "v")], capsys)
+    assert_one_line(code, err, "ranks/ holds 'rank-notes.pt', which verify did not write")
+    assert mine.read_text() == "mine"
+
+
+def test_verify_still_takes_its_own_earlier_rank_files(tmp_path):
+    """An earlier verify's ranks/rank3.pt (a larger layout) is verify's own: no refusal."""
+    from pipezero.verify import check_out
+
+    (tmp_path / "ranks").mkdir()
+    (tmp_path / "ranks" / "rank3.pt").write_bytes(b"")
+    check_out(tmp_path)
+
+
+def test_a_second_verify_at_the_same_out_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `pipezero verify` at one --out (say --pp 2 and --dp 2) would delete and read each other's
+    ranks/rankR.pt, and call a right layout wrong. verify holds OUT/.lock while it runs; a second
+    one is refused in one line."""
+    from pipezero.rundir import held
+
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    with held(tmp_path / "v"):  # the first verify, running
+        code, err = run_main(["verify", "--preset", "tiny", "--steps", "1", "--seq-len", "16", "--tokenizer", "bytes",
+                              "--data", "docs", "--out", "v"], capsys)
+    assert_one_line(code, err, "--out 'v' is in use by another run (pid")
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == [".lock"]
+
+
+def test_verify_takes_a_folder_an_earlier_verify_left(tmp_path):
+    """Its own .lock, left by the earlier verify, is verify's: no refusal."""
+    from pipezero.rundir import held
+    from pipezero.verify import check_out
+
+    with held(tmp_path):
+        pass
+    assert (tmp_path / ".lock").is_file()
+    check_out(tmp_path)
+
+
+@pytest.mark.parametrize("flag, value", [("--quantize-grads", "int8"), ("--quantize-weights", "int8")])
+def test_verify_of_a_quantized_layout_is_refused_before_the_layout_runs(flag, value, tmp_path, monkeypatch, capsys):
+    write_docs(tmp_path, 8, "some words to train on, file {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
+    code, err = run_main(["verify", *TINY_FLAGS, "--data", "docs", "--steps", "1", "--out", "v", "--zero", "3", "--dp", "2",
+                          "--nproc", "2", flag, value], capsys)
+    assert_one_line(code, err, f"{flag} {value} changes every step's numbers by design")
+    assert not (tmp_path / "v").exists()
+
+
+def test_verify_reference_drops_what_only_data_parallel_traffic_has(tmp_path):
+    """--secondary-shard node and --hierarchical are exact: the one-process reference leaves them out
+    (kept, its validation would refuse --secondary-shard with --dp 1, after the layout had run)."""
+    from pipezero.config import ParallelConfig, SecondaryShard, TrainConfig
+    from pipezero.verify import reference_config
+
+    layout = TrainConfig(parallel=ParallelConfig(dp=2, zero=3, secondary_shard=SecondaryShard.NODE, hierarchical=True))
+    ref = reference_config(layout, tmp_path)
+    assert (ref.parallel.dp, ref.parallel.zero, ref.parallel.secondary_shard, ref.parallel.hierarchical) == \
+        (1, 0, SecondaryShard.NONE, False)
+    assert layout.parallel.secondary_shard is SecondaryShard.NODE  # the layout itself untouched

@@ -77,8 +77,8 @@ def check_out(out: Path, source: Path) -> None:
 
 def _in_place(out: Path) -> str | None:
     """Why the existing (empty) folder `out` cannot be renamed onto: the working folder (the rename
-    said "Device or resource busy" for `--out .`, round ten; where it works, the shell sits in a
-    removed folder) or a mount point; None when it can."""
+    fails with "Device or resource busy" for `--out .`; where it works, the shell sits in a removed
+    folder) or a mount point; None when it can."""
     if out.resolve() == Path.cwd().resolve():
         return "the working folder"
     if os.path.ismount(out):

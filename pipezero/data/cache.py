@@ -254,7 +254,7 @@ def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,
 
 def nothing_kept(meta: dict, n_files: int) -> str:
     """Why an entry (its meta.json) holds no document: with --on-bad-record skip, every record may have
-    been skipped as bad, where "give more text" sent the user the wrong way (round ten)."""
+    been skipped as bad, where "give more text" would send the user the wrong way."""
     skipped, short = meta.get("skipped", 0), meta.get("short", 0)
     if not skipped:
         return f"--data holds no document of two tokens or more ({n_files} files); give more text"

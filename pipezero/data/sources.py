@@ -113,9 +113,9 @@ def check_out_of_reach(paths: list[str], out: str) -> None:
 
 def check_cache_out_of_reach(paths: list[str]) -> None:
     """Refuse a cache folder inside a data folder: its tokenizers (.json) and token files are read as
-    documents by the next run (round eleven: PIPEZERO_CACHE=docs/cache trained once, then every
-    later run stopped at 'docs/cache/bpe-....json:1: no field text'), and the corpus changes as the
-    cache fills."""
+    documents by the next run (with PIPEZERO_CACHE=docs/cache the first run trains, then every later
+    one stops at 'docs/cache/bpe-....json:1: no field text'), and the corpus changes as the cache
+    fills."""
     from pipezero.util import cache_root
 
     cache, source = cache_root()

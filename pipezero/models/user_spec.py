@@ -196,7 +196,7 @@ def _loading(ref: str, frame: Any) -> bool:
 
 def _check_flops(spec: ModelSpec, ref: str, module: str) -> None:
     """flops_per_token a number >= 0: it sets --zero3-prefetch auto's depth and the metrics' MFU,
-    where a nan or a negative count was used as it was (round ten). Asked at the spec's longest
+    where a nan or a negative count would be used as it is. Asked at the spec's longest
     sequence, or 2048 (the run's own --seq-len is not known here)."""
     cls, seq_len = type(spec).__name__, min(spec.max_seq_len or 2048, 2048)
     try:
@@ -212,8 +212,8 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
     """Every layer built on the meta device (allocating nothing, as the engine does for names and
     shapes) and layer_param_counts() called, so a build_layer that raises or returns no module, or
     counts that are not one integer >= 0 a layer, is one line now, before the run folder is made;
-    unchecked, each was a traceback from pipezero's own set-up, or the loss taken on another layer's
-    output (round ten)."""
+    unchecked, each would be a traceback from pipezero's own set-up, or the loss taken on another
+    layer's output."""
     import torch
     from torch import nn
 
@@ -249,8 +249,8 @@ PROBE_REAL = 1 << 22  # parameters: a layer this small is built and initialised 
 
 
 def _probe_init(spec: ModelSpec, ref: str, module: str, layer: Any, i: int, count: int) -> None:
-    """init_layer run on layer `i` built on the meta device: an init_layer that raises was the user's
-    traceback from pipezero's set-up, after the run folder was made (round ten). On meta tensors
+    """init_layer run on layer `i` built on the meta device: an init_layer that raises would otherwise
+    be the user's traceback from pipezero's set-up, after the run folder was made. On meta tensors
     some valid code fails (`.item()` has no value there): what fails so is tried once more on the
     layer built for real, when it is small; if it raises there too, in the user's code, it is one
     line now; otherwise (a large layer) the run says it when it meets it (cli.train_here)."""
@@ -279,8 +279,8 @@ ABSTRACT = ("build_layer", "init_layer", "layer_param_counts", "flops_per_token"
 
 def incomplete(spec: ModelSpec) -> str | None:
     """What `spec` lacks of what ModelSpec asks of a subclass (the sizes, the four abstract methods),
-    said as the end of a sentence; None when nothing. Unchecked, a subclass without n_layers was an
-    AttributeError traceback from pipezero's own code (round nine)."""
+    said as the end of a sentence; None when nothing. Unchecked, a subclass without n_layers would be
+    an AttributeError traceback from pipezero's own code."""
     bad = [n for n in ("n_layers", "dim", "vocab_size")
            if isinstance(v := getattr(spec, n, None), bool) or not isinstance(v, int) or v < 1]
     if bad:

@@ -93,7 +93,7 @@ def check_combination(args: argparse.Namespace) -> None:
         if extra:
             raise ConfigError(f"{flag(extra[0])} applies with --zero (the lowered program's ZeRO traffic): add "
                               f"--zero 0, 1, 2 or 3, or drop {flag(extra[0])}")
-    # each of the next two exited 0 with the flag unread (rounds eleven and twelve)
+    # each of the next two flags would be unread by the stage asked for: refused, as train refuses them
     elif not RULES[args.zero].sharded_params and (unread := [d for d in given if d in ZERO3_FLAGS]):
         raise ConfigError(f"{flag(unread[0])} is read only by ZeRO-3 (its parameter gathers); with --zero {args.zero} "
                           f"it changes nothing: add --zero 3, or drop {flag(unread[0])}")

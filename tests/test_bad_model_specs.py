@@ -1,36 +1,109 @@
-"""The cases round ten's review of bad inputs (issue 33) left undecided, decided: a --model-spec whose
-own code raises while the run trains (init_layer, a layer's forward) was that code's traceback inside
-pipezero's, exit 1, after --out was made; a spec's flops_per_token negative or nan was taken as it
-was; `--model-spec pipezero.cli:main` ran pipezero inside itself ~195 times deep; a jsonl whose every
-record was bad said "give more text"; `export --out .` in an empty folder said "Device or resource
-busy". Each is one line, exit 2, now."""
+"""A --model-spec of the user's own that pipezero cannot use is one line, exit 2, before anything is
+made: a reference that imports nothing usable, a module that exits or raises, a ModelSpec missing what
+the protocol asks, layers that cannot be built, counts that are no counts. Code of the user's that
+raises while the run trains is named by file and line; pipezero's own bugs keep their traceback."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from one_line import assert_one_line, run_main
+from tiny_runs import write_docs
 
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+# a module of a spec S: a subclass of examples/own_model.py's GPTSpec, whose body the test appends
 HEAD = f"import sys\nsys.path.insert(0, {EXAMPLES!r})\nfrom own_model import GPTSpec\nclass S(GPTSpec):\n"
-TRAIN = ["--tokenizer", "bytes", "--packing", "concat", "--data", "docs", "--seq-len", "16",
-         "--max-steps", "1", "--no-progress", "--sample-tokens", "0", "--microbatches", "1",
-         "--micro-batch-size", "1", "--out", "o"]
+# what follows `train --model-spec M:S`: one step of one sequence on docs/, into o/
+SPEC_RUN = ["--tokenizer", "bytes", "--packing", "concat", "--data", "docs", "--seq-len", "16",
+            "--max-steps", "1", "--no-progress", "--sample-tokens", "0", "--microbatches", "1",
+            "--micro-batch-size", "1", "--out", "o"]
+
+
+def test_a_spec_module_that_exits_on_import_is_one_line(tmp_path, capsys, monkeypatch):
+    """Its sys.exit must not end pipezero with the module's status (0, nothing trained, nothing said)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
+    assert_one_line(*run_main(["train", "--model-spec", "exits_on_import:X", "--max-steps", "1"], capsys),
+                    "--model-spec 'exits_on_import:X': importing exits_on_import called sys.exit(0)")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    pass\n", "S gives no integer >= 1 as n_layers, dim, vocab_size"),
+    ("    n_layers, dim, vocab_size = 2, '64', 256\n", "S gives no integer >= 1 as dim"),
+    ("    n_layers, dim, vocab_size = 2, 64, 256\n    def build_layer(self, i):\n        return None\n",
+     "S does not define init_layer, layer_param_counts, flops_per_token"),
+])
+def test_a_spec_subclass_missing_what_modelspec_asks_is_one_line(body, needle, tmp_path, monkeypatch, capsys):
+    """`class S(ModelSpec): pass` is named by what it lacks, not met later as an AttributeError
+    ('S' object has no attribute 'n_layers')."""
+    from one_line import assert_one_line, run_main
+
+    name = f"spec_{abs(hash(body))}"  # a module name of its own: one imported stays in sys.modules
+    (tmp_path / f"{name}.py").write_text(f"from pipezero.models import ModelSpec\nclass S(ModelSpec):\n{body}")
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--max-steps", "1"],
+                              capsys), f"--model-spec '{name}:S': {needle}")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [f"{name}.py"]
+
+
+@pytest.mark.parametrize("source, ref, needle", [
+    ("raise RuntimeError('boom at import')\n", "X", "importing {m} raised RuntimeError: boom at import at {f}:1"),
+    ("def f(:\n    pass\n", "X", "importing {m} raised SyntaxError"),
+    ("import not_a_package_anywhere_xyz\n", "X", "importing {m} raised ModuleNotFoundError"),
+    ("def make():\n    return 1 / 0\n", "make", "calling make() raised ZeroDivisionError: division by zero at {f}:2"),
+])
+def test_a_spec_module_that_raises_is_one_line_naming_where(source, ref, needle, tmp_path, monkeypatch, capsys):
+    """A module that raises at import, will not compile, imports a missing package, or a spec function
+    that raises: one line, exit 2, naming the file and line and how to see the whole traceback,
+    before anything is made."""
+    from one_line import assert_one_line, run_main
+
+    name = f"spec_raises_{abs(hash(source))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", f"{name}:{ref}", "--tokenizer", "bytes", "--max-steps", "1"], capsys)
+    assert_one_line(code, err, needle.format(m=name, f=path))
+    assert f"python -c 'import {name}'" in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".pyc" and p.name != "__pycache__") == [path.name]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("    def build_layer(self, i):\n        raise ValueError('no layer %d' % i)\n",
+     "raised ValueError: no layer 0 at {f}:6"),
+    ("    def build_layer(self, i):\n        return None\n",
+     "S.build_layer(0) gives a NoneType, not a torch.nn.Module"),
+    ("    def layer_param_counts(self):\n        return [1]\n",
+     "S.layer_param_counts() gives 1 counts; it must give one a layer, n_layers + 2 = 6"),
+    ("    def layer_param_counts(self):\n        return [1, 2, -3, 4, 5, 6]\n",
+     "S.layer_param_counts() gives [1, 2, -3, 4, 5, 6]; it must give one integer >= 0 a layer"),
+])
+def test_a_spec_whose_layers_cannot_be_built_is_one_line_before_anything_is_made(body, needle, tmp_path, monkeypatch,
+                                                                                  capsys):
+    name = f"spec_layers_{abs(hash(body))}"
+    path = tmp_path / f"{name}.py"
+    path.write_text(HEAD + body)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some words to train on " * 20)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", "--tokenizer", "bytes", "--packing", "concat",
+                          "--data", "docs", "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"],
+                         capsys)
+    assert_one_line(code, err, needle.format(f=path))
+    assert not (tmp_path / "o").exists()
 
 
 def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> tuple[str, Path]:
     """A module of a GPTSpec subclass S with `body` in a fresh working folder beside docs/: its
     name (unique: every test imports its own) and path."""
-    name = f"spec10x_{abs(hash(body)):x}"
+    name = f"spec_own_{abs(hash(body)):x}"
     path = tmp_path / f"{name}.py"
     path.write_text(HEAD + body)
-    (tmp_path / "docs").mkdir()
-    for i in range(12):
-        (tmp_path / "docs" / f"{i}.txt").write_text(f"some words to train on, {i} " * 20)
+    write_docs(tmp_path, 12, "some words to train on, {i} ", 20)
     monkeypatch.chdir(tmp_path)
     return name, path
 
@@ -40,7 +113,7 @@ def test_an_init_layer_that_raises_is_one_line_before_anything_is_made(tmp_path,
     named by method, layer, file:line and what it said."""
     name, path = spec_module(tmp_path, monkeypatch, "    def init_layer(self, layer, i, seed):\n"
                                                     "        raise KeyError('init ' + str(i))\n")
-    code, err = run_main(["train", "--model-spec", f"{name}:S", *TRAIN], capsys)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", *SPEC_RUN], capsys)
     assert_one_line(code, err, f"S.init_layer(layer 0) raised KeyError: 'init 0' at {path}:6")
     assert not (tmp_path / "o").exists()
 
@@ -67,7 +140,7 @@ def test_a_forward_that_raises_in_training_is_one_line_and_the_folder_is_put_bac
                                                     "                raise RuntimeError('forward boom')\n"
                                                     "            m.forward = bad\n"
                                                     "        return m\n")
-    code, err = run_main(["train", "--model-spec", f"{name}:S", *TRAIN], capsys)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", *SPEC_RUN], capsys)
     assert_one_line(code, err, f"S.build_layer.<locals>.bad raised RuntimeError: forward boom at {path}:9")
     assert not (tmp_path / "o").exists(), sorted(p.name for p in (tmp_path / "o").iterdir())
 
@@ -81,12 +154,12 @@ def test_pipezeros_own_bug_in_a_spec_run_keeps_its_traceback(tmp_path, monkeypat
     name, _ = spec_module(tmp_path, monkeypatch, "    pass\n")
     monkeypatch.setattr(pipezero.engine, "lr_at", pipezero.engine.check_corpus)  # raises inside pipezero
     with pytest.raises(AttributeError, match="check_batch"):
-        main(["train", "--model-spec", f"{name}:S", *TRAIN])
+        main(["train", "--model-spec", f"{name}:S", *SPEC_RUN])
 
 
 def _raise_in(tmp_path: Path, source: str):
     """The exception `go()` of a user module holding `source` raises, with its traceback."""
-    mod = tmp_path / f"user10x_{abs(hash(source)):x}.py"
+    mod = tmp_path / f"user_code_{abs(hash(source)):x}.py"
     mod.write_text(source)
     sys.path.insert(0, str(tmp_path))
     try:
@@ -116,27 +189,28 @@ def test_only_an_exception_the_users_code_raised_is_the_users(tmp_path):
 
 @pytest.mark.parametrize("value", ["-5.0", "float('nan')", "float('inf')", "'many'"])
 def test_a_spec_whose_flops_per_token_is_no_count_is_refused(value, tmp_path, monkeypatch, capsys):
-    """It sets --zero3-prefetch auto's depth and the metrics' MFU: nan or negative was used as it was."""
+    """It sets --zero3-prefetch auto's depth and the metrics' MFU: nan or negative would be used as is."""
     name, _ = spec_module(tmp_path, monkeypatch, f"    def flops_per_token(self, n):\n        return {value}\n")
-    code, err = run_main(["train", "--model-spec", f"{name}:S", *TRAIN], capsys)
+    code, err = run_main(["train", "--model-spec", f"{name}:S", *SPEC_RUN], capsys)
     assert_one_line(code, err, f"S.flops_per_token(")
     assert f"gives {eval(value)!r}" in err and "a number >= 0" in err
     assert not (tmp_path / "o").exists()
 
 
 def test_a_spec_reference_to_pipezeros_own_main_is_one_line_never_run(tmp_path, monkeypatch, capsys):
-    """pipezero.cli:main, called, read sys.argv again: pipezero inside itself ~195 deep, a line each."""
+    """pipezero.cli:main, if called, would read sys.argv again and run pipezero inside itself ~195
+    deep: its declared return type says it makes no spec, so it is never called."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("some words " * 20)
     monkeypatch.chdir(tmp_path)
-    code, err = run_main(["train", "--model-spec", "pipezero.cli:main", *TRAIN], capsys)
+    code, err = run_main(["train", "--model-spec", "pipezero.cli:main", *SPEC_RUN], capsys)
     assert_one_line(code, err, "--model-spec 'pipezero.cli:main' gives a int (main's declared return type), "
                                "not a pipezero.models.ModelSpec")
     assert not (tmp_path / "o").exists()
 
 
 def test_a_spec_factory_that_loads_its_own_reference_again_does_not_recurse(tmp_path, monkeypatch, capsys):
-    name = "spec10x_loop"
+    name = "spec_loop"
     (tmp_path / f"{name}.py").write_text("from pipezero.models.user_spec import load_spec\n"
                                          f"def make():\n    return load_spec('{name}:make')\n")
     monkeypatch.chdir(tmp_path)
@@ -146,58 +220,3 @@ def test_a_spec_factory_that_loads_its_own_reference_again_does_not_recurse(tmp_
     with pytest.raises(ConfigError, match=rf"calling make\(\) raised ConfigError: --model-spec '{name}:make' is "
                                           r"loaded again while it is being loaded"):
         load_spec(f"{name}:make")
-
-
-def test_a_jsonl_whose_every_record_is_bad_says_so(tmp_path, monkeypatch, capsys):
-    """With --on-bad-record skip, every record skipped left no document: "give more text" sent the user
-    the wrong way. The same line again when the token cache already holds the (empty) result."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "d.jsonl").write_text('{"x": 1}\n' * 20)
-    argv = ["train", "--preset", "tiny", "--tokenizer", "bytes", "--data", "d.jsonl", "--on-bad-record", "skip",
-            "--seq-len", "16", "--max-steps", "1", "--no-progress", "--out", "o"]
-    needle = ("--data holds no document: all 20 records were skipped as bad (first: d.jsonl:1: no field 'text' "
-              "(pass --text-field NAME))")
-    for _ in range(2):
-        code, err = run_main(argv, capsys)
-        err = "\n".join(line for line in err.splitlines() if not line.startswith("pipezero: skipped"))
-        assert_one_line(code, err, needle)
-        assert not (tmp_path / "o").exists()
-
-
-def test_export_out_the_empty_working_folder_is_one_line(tmp_path, monkeypatch):
-    """An export is made beside --out and renamed onto it; the working folder cannot be renamed onto
-    (Device or resource busy), and its shell would sit in a removed folder if it could."""
-    from pipezero.checkpoint.export_folder import check_out
-    from pipezero.errors import ConfigError
-
-    here = tmp_path / "ex"
-    here.mkdir()
-    monkeypatch.chdir(here)
-    for out in (".", str(here), "./"):
-        with pytest.raises(ConfigError, match=r"is the working folder, which an export cannot replace .*: give a "
-                                              r"new folder inside it, e\.g\. --out "):
-            check_out(Path(out), tmp_path / "run")
-    check_out(Path("sub"), tmp_path / "run")  # a new folder inside it: fine
-
-
-def test_a_refused_first_step_drops_only_the_opening_files_the_run_made(tmp_path):
-    """drop_opening removes config.json and an empty metrics.jsonl that this run made, so the claim
-    puts the folder back; a metrics line (a step trained), or files found there, are kept."""
-    from pipezero.rundir import LOCK, RUN_ID, claim
-
-    out = tmp_path / "o"
-    out.mkdir()
-    (out / "notes.txt").write_text("the user's")
-    held = claim(str(out), resume=False, force=True)
-    (out / "config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text("")
-    held.drop_opening()
-    held.release()
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
-
-    held = claim(str(out), resume=False, force=True)
-    (out / "config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    held.drop_opening()
-    held.release()
-    assert sorted(p.name for p in out.iterdir()) == sorted([LOCK, RUN_ID, "config.json", "metrics.jsonl", "notes.txt"])
