@@ -226,7 +226,7 @@ class ParallelConfig:
     quantize_grads: GradQuant = GradQuant.NONE
     """Gradient reductions travel blockwise-quantized (int8 or int4) and are summed in fp32 on arrival:
     a reduce-scatter becomes an exchange of quantized slices (two-level with `hierarchical`), an
-    all-reduce (ZeRO-0/1) that exchange followed by a quantized gather of the sums."""
+    all-reduce (ZeRO-0) that exchange followed by a quantized gather of the sums."""
     secondary_shard: SecondaryShard = SecondaryShard.NONE
     """ZeRO-3 layer by layer: after a step's first gather of a bucket each rank keeps its 1/N share
     of it (N ranks of its group on its node), so the step's later gathers of that bucket stay

@@ -84,10 +84,10 @@ def short_waits_from_step_2(timeout_s: float) -> None:
 
     clean_run = Executor.run
 
-    def run(self, program, microbatches, denom):
+    def run(self, *args, **kwargs):
         if self.tracer.step >= 2:
             self.p2p.timeout_s = self.hooks.comm.timeout_s = timeout_s
-        return clean_run(self, program, microbatches, denom)
+        return clean_run(self, *args, **kwargs)
 
     Executor.run = run
 

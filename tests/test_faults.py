@@ -106,11 +106,13 @@ def stall_in_evaluation(rank: int, world: int, data: str, out: str) -> tuple[str
     if rank == 1:
         clean = Executor.evaluate
 
-        def evaluate(self, batches):
-            total = clean(self, batches)
-            time.sleep(8)  # stalls past the timeout (3 s), short of the process group's own (120 s)
-            back["at"] = time.monotonic()  # the clock all processes of this machine share
-            return total
+        def evaluate(self, program, batches, sum_loss):
+            def stalled(local):
+                time.sleep(8)  # stalls past the timeout (3 s), short of the process group's own (120 s)
+                back["at"] = time.monotonic()  # the clock all processes of this machine share
+                return sum_loss(local)
+
+            return clean(self, program, batches, stalled)
 
         Executor.evaluate = evaluate
     overrides = tiny_overrides(data, out, 2, 1, K.ONE_F_ONE_B, 2, **{"parallel.timeout_s": 3.0, "run.max_steps": 1})

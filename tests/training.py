@@ -82,8 +82,7 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
         started = seen.get("started", [])
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
                         "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started,
-                        "waited": [p.name for p in seen["steps"][-1][0] if p.event.value == "wait"] if seen.get("steps")
-                        else [],
+                        "waited": [p.name for p in last_step(seen) if p.event.value == "wait"],
                         "bounds": seen["stage"].bounds})
     return results
 
@@ -107,14 +106,15 @@ def watch_program() -> dict:
             stats = run(self, *args, **kwargs)
             comm = seen["stage"].zero.comm
             seen["started"] = list(comm.issued)
-            seen.setdefault("steps", []).append((list(comm.played), stats.outcome.applied))
+            seen.setdefault("records", []).append(("step", list(comm.played), seen["stage"].program,
+                                                   stats.outcome.applied))
             return stats
 
         def keep_evaluated(self, program, *args, **kwargs):
             comm = seen["stage"].zero.comm
             before = len(comm.played)
             total = evaluate(self, program, *args, **kwargs)
-            seen.setdefault("evaluations", []).append((list(comm.played[before:]), tuple(program)))
+            seen.setdefault("records", []).append(("evaluation", list(comm.played[before:]), tuple(program), True))
             return total
 
         evaluate = Executor.evaluate
@@ -123,33 +123,41 @@ def watch_program() -> dict:
     return engine._watched
 
 
+def last_step(seen: dict) -> list:
+    """The record of the last step `watch_program` saw (empty where none)."""
+    steps = [record for what, record, _, _ in seen.get("records", []) if what == "step"]
+    return steps[-1] if steps else []
+
+
 def record_departure(seen: dict) -> str:
     """Where the run `watch_program` saw last played other than its program says, on any step or
-    held-out evaluation (its own forward-only program):
-    every start of a collective (name, bytes as the program prices them, group) and every wait for a
-    reduction, in order (schedules/played.py `expected`); "" where none. Bytes are compared where the
-    wire carries floats (quantized messages add their scales, which the program prices as a rate)."""
-    from pipezero.schedules.played import expected
+    held-out evaluation (its own forward-only program), "" where nowhere: every start of a
+    collective (name, bytes as the program prices them, group), every wait for a reduction or a
+    gather and every release, in order (schedules/played.py `expected` and `departure`). Bytes are
+    compared where the wire carries floats (quantized messages add their scales, which the program
+    prices as a rate)."""
+    from pipezero.schedules.played import departure, expected
 
     stage = seen.get("stage")
     if stage is None:
         return ""
-    runs = [(f"step {n}", record, stage.program, applied)
-            for n, (record, applied) in enumerate(seen.get("steps", []), 1)]
-    runs += [(f"evaluation {n}", record, program, True)
-             for n, (record, program) in enumerate(seen.get("evaluations", []), 1)]
-    for n, record, program, applied in runs:
+    carried: frozenset[str] = frozenset()
+    counts = {"step": 0, "evaluation": 0}
+    for what, record, program, applied in seen.get("records", []):
+        counts[what] += 1
+        where = f"{what} {counts[what]}"
         want = expected(program, stage.plan.buckets, applied)
-        got = [(p.event.value, p.name) for p in record]
-        if got != [(e.event, e.name) for e in want]:
-            return f"{n}: played {got}, the program says {[(e.event, e.name) for e in want]}"
-        for p, e in zip(record, want):
-            if p.step != record[0].step:
-                return f"{n}: {p} recorded under another step"
-            if p.event.value == "start" and p.wire in ("fp32", "bf16") and p.nbytes != e.nbytes:
-                return f"{n}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
-            if p.event.value == "start" and p.group != e.group:
-                return f"{n}: {p.name} in group {p.group}, the program's is {e.group}"
+        problem, carried = departure([(p.event.value, p.name) for p in record], want, carried)
+        if problem:
+            return f"{where}: {problem}; played {[(p.event.value, p.name) for p in record]}"
+        if any(p.step != record[0].step for p in record):
+            return f"{where}: events recorded under other steps"
+        starts = [e for e in want if e.event == "start"]
+        for p, e in zip((p for p in record if p.event.value == "start"), starts):
+            if p.wire in ("fp32", "bf16") and p.nbytes != e.nbytes:
+                return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
+            if p.group != e.group:
+                return f"{where}: {p.name} in group {p.group}, the program's is {e.group}"
     return ""
 
 

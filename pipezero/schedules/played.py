@@ -1,12 +1,20 @@
 """What a rank must play of its program's collectives, event by event, on every step.
 
 The runtime keeps a record of what it played (zero/coordinator.py `played`: each start of a
-bucket's collective with its bytes, wire type and group, each wait for a reduction); the tests hold
-it against `expected` of the rank's program on every step of every layout they train, so a
-collective the runtime starts, skips, reorders or waits for on its own is a failure, not a
-departure nobody sees. The rules below read only the program: where a reduction is waited for is
-its REDUCE_GRAD's `blocking` (every reduction in flight) or `bound` (all but the newest `bound`),
-and OPTIM_STEP waits for the rest before it updates.
+bucket's collective with its bytes, wire type and group, each wait for a reduction or a gather,
+each release of gathered weights); the tests hold it against `expected` of the rank's program (a
+step's, or an evaluation's forward-only one) with `departure`, so a collective the runtime starts,
+skips, reorders, waits for or releases on its own is a failure, not a departure nobody sees. The
+rules below read only the program:
+- a reduction is waited for where its REDUCE_GRAD says: `blocking`, every reduction in flight;
+  `bound`, all but the newest `bound`; OPTIM_STEP waits for the rest before it updates;
+- a gather that blocks is waited for right after it starts (a kept chunk's UNSHARD: bucket by
+  bucket); one that does not is waited for where its layer first needs it, which the program
+  places by the moments of its action, not by an instruction: the record may wait for it anywhere
+  after its start and before its bucket's release (ZeRO-1/2's gathers of updated weights under
+  --overlap-gather: before the next step's forward reads them, so the wait may come in the next
+  record); the blocking one among the gathers after the step waits for every one started;
+- RESHARD releases its bucket (a kept chunk: each of its buckets).
 """
 
 from __future__ import annotations
@@ -20,30 +28,32 @@ from pipezero.schedules.program import DataParallel, Instr, Kind, OptimStep, fla
 
 @dataclass(frozen=True)
 class Expected:
-    event: str  # "start" or "wait" (zero/coordinator.py `Event`)
-    name: str  # REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0)
+    event: str  # "start", "wait" or "release" (zero/coordinator.py `Event`)
+    name: str  # REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
     nbytes: int = 0  # a start: the bucket as the program prices it on the wire
     group: str = ""  # a start: dp, node, tie (program.py `Group`)
+    floating: bool = False  # a gather's start whose wait the program leaves to its layer's first use
 
 
-def expected(instrs: Sequence[Instr], bp: BucketPlan, applied: bool = True) -> list[Expected]:
-    """The events of one step of a rank's program `instrs`, in order. `applied`: the optimizer step
-    updated the weights (a non-finite step changes nothing, so the gathers of updated weights after
-    it are not played)."""
+def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Expected]:
+    """The events of one run of a rank's program `instrs`, in order, but for the waits of gathers
+    that do not block (`floating` starts). `applied`: the optimizer step updated the weights (a
+    non-finite step changes nothing, so the gathers of updated weights after it are not played)."""
     out: list[Expected] = []
     reducing: list[str] = []  # reductions in flight, oldest first
+    updating: list[str] = []  # ZeRO-1/2: gathers of updated weights not yet waited for
 
     def wait(keep: int) -> None:
         while len(reducing) > keep:
             out.append(Expected("wait", reducing.pop(0)))
 
     stepped = False
-    for i in flat(instrs):
+    for i in flat(instrs):  # type: ignore[arg-type]
         if isinstance(i, OptimStep):
             wait(0)
             stepped = True
             continue
-        if not isinstance(i, DataParallel) or i.kind is Kind.RESHARD:
+        if not isinstance(i, DataParallel):
             continue
         if stepped and not applied:
             break
@@ -53,12 +63,50 @@ def expected(instrs: Sequence[Instr], bp: BucketPlan, applied: bool = True) -> l
         sizes = bp.buckets(i.chunk)
         whole = sum(sizes)
         for k in range(len(sizes)) if i.bucket is None else [i.bucket]:
+            name = f"{i.kind.value}({i.chunk}.{k})"
+            if i.kind is Kind.RESHARD:
+                out.append(Expected("release", name))
+                continue
             nbytes = i.nbytes if i.bucket is not None else round(i.nbytes * sizes[k] / whole)
-            out.append(Expected("start", f"{i.kind.value}({i.chunk}.{k})", nbytes, i.group.value))
+            kept = i.kind is Kind.UNSHARD and i.bucket is None  # a chunk gathered bucket by bucket
+            floating = i.kind is Kind.UNSHARD and (stepped or not (i.blocking or kept))
+            out.append(Expected("start", name, nbytes, i.group.value, floating))
             if i.kind is Kind.REDUCE_GRAD:
-                reducing.append(f"REDUCE_GRAD({i.chunk}.{k})")
+                reducing.append(name)
+            elif stepped:
+                updating.append(name)
+            elif not floating:
+                out.append(Expected("wait", name))
         if i.kind is Kind.REDUCE_GRAD and i.blocking:
             wait(0)
         elif i.kind is Kind.REDUCE_GRAD and i.bound is not None:
             wait(i.bound)
+        elif i.kind is Kind.UNSHARD and stepped and i.blocking:
+            out += [Expected("wait", n) for n in updating]
+            updating.clear()
     return out
+
+
+def departure(record: Sequence[tuple[str, str]], want: Sequence[Expected],
+              carried: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
+    """Where `record` ((event, name) pairs, as played) departs from `want` (`expected`), "" where it
+    does not; and the gathers still unwaited at its end (ZeRO-1/2's updated weights under
+    --overlap-gather), to pass as `carried` to the next record. A floating gather's wait may come
+    anywhere after its start and before its bucket is released; every other event in order."""
+    unwaited = set(carried)
+    j = 0
+    for n, (event, name) in enumerate(record):
+        if j < len(want) and (event, name) == (want[j].event, want[j].name):
+            if want[j].floating:
+                unwaited.add(name)
+            elif event == "release" and f"UNSHARD{name[len('RESHARD'):]}" in unwaited:
+                return f"event {n}: {name} before its gather was waited for", frozenset()
+            j += 1
+        elif event == "wait" and name in unwaited:
+            unwaited.discard(name)
+        else:
+            said = f"{want[j].event} {want[j].name}" if j < len(want) else "nothing more"
+            return f"event {n}: played {event} {name} where the program says {said}", frozenset()
+    if j < len(want):
+        return f"the program's {want[j].event} {want[j].name} was never played", frozenset()
+    return "", frozenset(unwaited)

@@ -11,7 +11,8 @@ layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the mom
 Placement rules (D = data-parallel ranks):
 - SEND / RECV: exactly where `posting.plans` posts them (before the action whose boundary they
   belong to; final sends after the last action), peers as global ranks of the same replica.
-- REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0 and 1, reduce-scatter at 2 and 3. With
+- REDUCE_GRAD, one a bucket: all-reduce at ZeRO 0, reduce-scatter at 1-3 (ZeRO-1's sum lands in its
+  shard of the full bucket it keeps). With
   grad-reduce `step` (and always at ZeRO 0/1) after the chunk's last W or BW of the step
   (`last_weight_grad`); with `microbatch` at ZeRO >= 2 after every W or BW of the chunk (B
   produces no weight gradient; `Rules.reduces_every_backward` in schedules/zero_rules.py). In a

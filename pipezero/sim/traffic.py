@@ -1,6 +1,6 @@
 """What a layout's data-parallel collectives cost on a cluster, as the code moves them
-(schedules/zero_rules.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 an all-reduce and an all-gather of
-the updated weights, ZeRO-2 a reduce-scatter and that all-gather, ZeRO-3 gathers of the parameters
+(schedules/zero_rules.py): ZeRO-0 one all-reduce of the gradient, ZeRO-1 and ZeRO-2 a reduce-scatter and an
+all-gather of the updated weights (ZeRO-2 may reduce after every backward), ZeRO-3 gathers of the parameters
 (once a step when P > 1, for every forward and backward when P = 1) and a reduce-scatter.
 Reductions run during the last backward of the step, bucket by bucket; the updated weights' gathers
 ahead of the next first forward (sim/overlap.py says how much of each hides).

@@ -12,7 +12,7 @@ a collective moves bytes, never fp32:
   worth of fp32. Two-level (`Hierarchy`): the same exchange inside the node over N pieces of K x S/W,
   then across nodes over K pieces of S/W, each level decoded and summed in fp32 before the next is
   encoded (ZeRO++'s order: the slow link carries one message a node's sum, not one a rank).
-- all-reduce (ZeRO-0/1 with quantized gradients): the reduce-scatter, then each rank encodes its
+- all-reduce (ZeRO-0 with quantized gradients): the reduce-scatter, then each rank encodes its
   summed slice and the messages are all-gathered; every rank decodes the same bytes, so replicas keep
   identical gradients. Two quantizations: each slice's error is its summands' plus one more bound.
 

@@ -50,8 +50,8 @@ class Coordinator:
     reducing: list[Bucket] = field(default_factory=list)  # reductions in flight, oldest first
     updating: list[Bucket] = field(default_factory=list)  # stages 1-2: the step's gathers, forward order
     flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
-    # What this rank played of its program's collectives since the step began, in order: each start
-    # and each wait for a reduction, one a bucket, named as the program names it. Cleared by `new_step`;
+    # What this rank played of its program's collectives since the step began, in order: each start,
+    # each wait (a reduction's, a gather's) and each release, one a bucket, named as the program names it. Cleared by `new_step`;
     # tests/training.py holds every step's against the program (schedules/played.py `expected`).
     played: list[Played] = field(default_factory=list)
 
@@ -65,6 +65,9 @@ class Coordinator:
 
     def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
         self.played.append(Played(self.tracer.step, Event.START, name, nbytes, wire, group))
+
+    def note_release(self, b: Bucket) -> None:
+        self.played.append(Played(self.tracer.step, Event.RELEASE, f"RESHARD({b.label})"))
 
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
@@ -185,6 +188,7 @@ class Coordinator:
                         f"int{int(self.weights.bits)}" if quantized else _name(wire))  # type: ignore[union-attr]
         if self.group is None:
             b.flat.copy_(shard)
+            b.gathering = Gathering(None, None)  # nothing to wait for, but a wait the program places
             return
         self._start_gather(b, shard, low_precision, keep_own)
         if low_precision and self.node is not None:  # hpZ: keep this node's share of what lands
@@ -220,7 +224,9 @@ class Coordinator:
         g, b.gathering = b.gathering, None
         if g is None:
             return
-        self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
+        self.played.append(Played(self.tracer.step, Event.WAIT, f"UNSHARD({b.label})"))
+        if g.work is not None:
+            self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
             b.flat.copy_(g.wire)
         if g.refresh >= 0:  # hpZ: keep this rank's share of its node's copy for the step's later gathers
@@ -262,6 +268,7 @@ class Coordinator:
 class Event(str, enum.Enum):
     START = "start"
     WAIT = "wait"
+    RELEASE = "release"  # a gathered bucket's storage dropped (RESHARD)
 
 
 @dataclass(frozen=True)

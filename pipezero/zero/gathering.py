@@ -44,8 +44,9 @@ class ShardedParams:
             self.gathered.add(chunk)
 
     def after_final_backward(self, chunk: int) -> None:
-        """The chunk's last backward of the step is done and its reductions drained."""
+        """RESHARD of a kept chunk: its last backward of the step (or an evaluation) is done."""
         for b in self.buckets.get(chunk, []):
+            self.comm.note_release(b)
             b.release()
         self.gathered.discard(chunk)
 
@@ -78,6 +79,7 @@ class ShardedParams:
         if self.holding:
             return
         self.comm.finish_gather(b)  # a gather still writes into the storage: let it land first
+        self.comm.note_release(b)
         b.release()
 
     def all_buckets(self) -> list[Bucket]:
