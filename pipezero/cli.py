@@ -197,7 +197,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes) as held:
         if launching:
             return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
-                                launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
+                                launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
+                                lock_fd=held.fd if isinstance(held, Claim) else None)
         code = train_here(cfg)
         if code == 2 and isinstance(held, Claim):  # the user's spec raised: nothing of the run stays
             held.drop_opening()
@@ -562,6 +563,9 @@ INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pipezero.lifeline import die_with_parent
+
+    die_with_parent()  # a rank of pipezero's launcher: never outlive its torchrun agent
     try:
         parser = build_parser()  # imports torch: a second or more, when Ctrl-C lands soonest (round ten)
     except KeyboardInterrupt:

@@ -228,14 +228,15 @@ def _lock(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def held(path: Path) -> Iterator[None]:
+def held(path: Path) -> Iterator[int]:
     """An exclusive hold on folder `path` (made if missing) for a command that is not a run, as long
     as the block lasts: two `pipezero verify` at one --out deleted and read each other's rank files,
-    and one said the layout trains another model. The second is refused, naming the first's pid."""
+    and one said the layout trains another model. The second is refused, naming the first's pid.
+    Yields the lock's descriptor, for the ranks to hold too (lifeline.py)."""
     make_folders(path)
     fd = _lock(path)
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)  # closing drops the flock; the .lock file stays, as a run's does
 

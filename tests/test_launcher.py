@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import json
 import os
 import shutil
 import signal
@@ -73,3 +74,59 @@ def test_a_launcher_killed_by_a_signal_exits_128_plus_that_signal(tmp_path):
     cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
     assert run_job(cmd, dict(os.environ), str(tmp_path)) == 128 + signal.SIGKILL
     assert run_job([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), str(tmp_path)) == 3
+
+
+def holds_file(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open (Linux /proc)."""
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            if Path(os.readlink(fd)) == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.distributed
+def test_ranks_die_with_a_killed_launcher_and_hold_the_folder_until_then(text_dir, tmp_path, capsys):
+    """`kill -9` of the launcher runs none of its code: its torchrun agent and every rank must still
+    end within seconds, and hold the run folder's lock while they live, so a `--resume` is refused
+    until they are gone and then continues the run without two jobs writing one folder."""
+    out = tmp_path / "sigkill-run-marker"
+    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", "--microbatches", "2",
+           "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "32", "--max-steps", "2000",
+           "--checkpoint-every", "2", "--sample-tokens", "0", "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not list((out / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.2)
+        job = [p for p in pids_with(str(out)) if p != proc.pid]
+        assert len(job) >= 3, job  # torchrun's agent, two ranks
+        assert all(holds_file(p, out / ".lock") for p in job), job  # the lock lives while any of them does
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while pids_with(str(out)) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert pids_with(str(out)) == [] and took < 5, took  # no orphan trains on
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    lines = (out / "metrics.jsonl").read_text()
+    time.sleep(1.0)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == saved
+    assert (out / "metrics.jsonl").read_text() == lines  # nothing writes there any more
+    newest = latest(out / "checkpoints", Team())
+    assert newest is not None
+    step = int(newest.path.name.split("-")[1])
+    resume = cmd[3:]  # in this process, one rank: the checkpoint reshards, and no job starts again
+    resume[resume.index("--max-steps") + 1] = str(step + 1)
+    del resume[resume.index("--nproc"):resume.index("--nproc") + 4]  # --nproc 2 --pp 2
+    capsys.readouterr()
+    assert main([*resume, "--resume"]) == 0, capsys.readouterr().err[-2000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 2)), steps  # one run's steps, each once
