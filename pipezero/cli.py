@@ -518,6 +518,7 @@ class GuardedOutput:
 
 # commands whose result is what they print: with standard output closed, it would go nowhere, exit 0
 PRINTS_ITS_RESULT = ("plan", "simulate", "doctor")
+TRAINS = ("train", "verify")  # commands whose processes are ranks (or start them): SIGUSR1 is asked of them
 
 
 def output_failed(e: OutputFailed, stream: Any) -> int:
@@ -581,8 +582,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if stream is not None:
         sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
+    from pipezero.runtime.watch import early_requests
+
     try:
-        code = int(args.func(args) or 0)
+        with early_requests(args.command in TRAINS):
+            code = int(args.func(args) or 0)
         if sys.stdout is not None:  # closed (>&-) for a command that prints nothing it needs (round nine)
             sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
         return code
