@@ -97,9 +97,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--dtype": ("run.dtype", "compute and communication dtype"),
     "--device": ("run.device", "cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU"),
     "--out": ("run.out", "run directory (metrics.jsonl, summary.json, checkpoints)"),
-    "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps and at the end"),
+    "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps (and at the end, unless --no-save-final)"),
     "--no-save-final": ("run.save_final", "save no checkpoint after the last step (saved by default, so "
-                                          "`pipezero export` and --resume find the trained weights)"),
+                                          "`pipezero export` and --resume find the trained weights), only "
+                                          "--checkpoint-every's multiples"),
     "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints of this run (default 3)"),
     "--max-bad-steps": ("run.max_bad_steps", "stop after N non-finite steps in a row (default 3)"),
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),

@@ -258,6 +258,32 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
 
+
+def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir, tmp_path, capsys):
+    """After a `--force` run B beside run A, `export RUN` exported A's highest step while `.run-id`,
+    metrics and summary were B's: it takes B's newest, and refuses (naming A's, and what is true of B)
+    when B saved none."""
+    from one_line import assert_one_line, run_main
+    from pipezero.checkpoint.export import resolve
+    from pipezero.cli import main
+
+    run = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "16",
+              "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens", "0", "--eval-every", "0",
+              "--no-progress", "--out", str(run)]
+    assert main([*common, "--max-steps", "3"]) == 0  # A: step 3
+    assert main([*common, "--max-steps", "2", "--force"]) == 0  # B, beside it: step 2
+    assert resolve(run).name == "step-00000002"
+    assert main([*common, "--max-steps", "1", "--force", "--no-save-final"]) == 0  # C: no checkpoint
+    capsys.readouterr()
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "the run there now saved no checkpoint: it trained with --no-save-final and no "
+                    "--checkpoint-every")
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "step-00000003 and step-00000002 are of earlier runs")
+    assert not (tmp_path / "e").exists()
+    assert main(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(tmp_path / "e")]) == 0
+
 def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
     """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
     when the user names that spec too, or `pipezero export` would import and call whatever code a
@@ -337,7 +363,8 @@ def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, t
 
 def test_the_last_step_is_saved_unless_told_not_to():
     """A run keeps what it trained: the last step is saved without --checkpoint-every, and
-    --no-save-final alone turns that off (a --checkpoint-every run still saves its end)."""
+    --no-save-final turns that off: with --checkpoint-every only its own multiples are saved (the last
+    step too when it is one), so a user who asked for no final save gets none."""
     from pipezero.checkpoint import saves_after
     from pipezero.settings import build_config
 
@@ -348,5 +375,6 @@ def test_the_last_step_is_saved_unless_told_not_to():
     assert saved() == [10]
     assert saved(save_final=False) == []
     assert saved(checkpoint_every=4) == [4, 8, 10]
-    assert saved(checkpoint_every=4, save_final=False) == [4, 8, 10]
+    assert saved(checkpoint_every=4, save_final=False) == [4, 8]
     assert saved(checkpoint_every=5) == [5, 10]
+    assert saved(checkpoint_every=5, save_final=False) == [5, 10]
