@@ -69,6 +69,35 @@ def test_checkpoints_commit_atomically_keep_newest_and_skip_corrupt(tmp_path, ca
     assert latest(root, Team()).path.name == "step-00000004"
 
 
+
+def test_a_disk_that_fills_during_a_save_is_named_with_advice_that_works(tmp_path, monkeypatch):
+    """DCP reports a full disk in torch's words ("unexpected pos 704 vs 598"): the line names the
+    full disk first, and says --resume only where the run has an earlier checkpoint to resume (the
+    only save, the final one, failing: --resume is refused there, so the advice is to train again)."""
+    import torch.distributed.checkpoint as dcp
+
+    from pipezero.checkpoint import store
+    from pipezero.checkpoint.store import CheckpointError
+
+    root = tmp_path / "checkpoints"
+    write(root, 2, {"w": torch.zeros(8)}, {"run": "r"}, 3, Team(step=2))
+
+    def full(*args, **kwargs):
+        raise RuntimeError("unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp, "save", full)
+    monkeypatch.setattr(store, "free_bytes", lambda folder: 300 * 1024)
+    for run, advice in (("r", "then --resume continues from step-00000002"),
+                        ("other", "this run has no earlier checkpoint to --resume from: free space, then train it "
+                                  "again")):
+        with pytest.raises(CheckpointError) as failed:
+            write(root, 3, {"w": torch.zeros(8)}, {"run": run}, 3, Team(step=3))
+        line = str(failed.value)
+        assert f"the disk under {root} is full (0.3 MiB free" in line and advice in line, line
+        assert line.index("is full") < line.index("unexpected pos"), line  # torch's words after the cause
+        assert "then --resume" not in line or run == "r", line
+        assert not (root / ".tmp-step-00000003").exists()
+
 def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(tmp_path, capsys):
     """A resume past a corrupt newest checkpoint writes older steps again; pruning must not count the
     corrupt newer one among the newest N and delete the good one it just wrote."""
