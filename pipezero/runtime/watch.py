@@ -135,8 +135,8 @@ def _heard(signum: int, frame: object) -> None:
 
 
 def _too_early(signum: int, frame: object) -> None:
-    print("pipezero: SIGUSR1 (the hang doctor's request) before training started: no rank has a record yet; "
-          "ask again once it trains", file=sys.stderr, flush=True)
+    print("pipezero: SIGUSR1 (the hang doctor's request) while this process trains no step (starting up or "
+          "finishing): nothing to report; ask again while it trains", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
