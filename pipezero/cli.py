@@ -286,8 +286,10 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
     from pipezero.util import refused_write
 
     if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
-        return 1, (f"rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the newest complete "
-                   f"checkpoint")
+        from pipezero.checkpoint.store import after_fixing
+        from pipezero.rundir import run_id
+
+        return 1, f"rank {os.environ.get('RANK', 0)}: {refused}; {after_fixing(Path(cfg.run.out) / 'checkpoints', run_id(cfg.run.out))}"
     # torch's DistNetworkError, DistStoreError (by name: torch 2.5 has no such API): a MASTER_ADDR that
     # resolves nowhere
     if isinstance(e, RuntimeError) and type(e).__name__ in ("DistNetworkError", "DistStoreError"):

@@ -98,6 +98,25 @@ def test_a_disk_that_fills_during_a_save_is_named_with_advice_that_works(tmp_pat
         assert "then --resume" not in line or run == "r", line
         assert not (root / ".tmp-step-00000003").exists()
 
+
+def test_a_full_disk_under_the_runs_records_advises_resume_only_where_it_works(tmp_path):
+    """metrics.jsonl (or summary, tensorboard) refused by a full disk: "--resume" is the advice only
+    when the run has a checkpoint of its own; a run without one is refused by --resume (its records
+    would be replaced by a start from step 0)."""
+    import errno
+
+    from pipezero.cli import failure_line
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".run-id").write_text("r\n")
+    cfg = build_config(overrides={"run.out": str(out)})
+    full = OSError(errno.ENOSPC, "No space left on device", str(out / "metrics.jsonl"))
+    code, line = failure_line(cfg, full)
+    assert code == 1 and "free space there" in line and "then --resume" not in line and "train it again" in line
+    write(out / "checkpoints", 4, {"w": torch.zeros(8)}, {"run": "r"}, 3, Team(step=4))
+    assert "then --resume continues from step-00000004" in failure_line(cfg, full)[1]
+
 def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(tmp_path, capsys):
     """A resume past a corrupt newest checkpoint writes older steps again; pruning must not count the
     corrupt newer one among the newest N and delete the good one it just wrote."""

@@ -263,10 +263,10 @@ def _refused(e: OSError, root: Path, run: str | None) -> str:
         return f"{e}, then --resume"
     if (said := refused_write(e)) is None:
         raise e
-    return f"{said}; {_then(root, run)}"
+    return f"{said}; {after_fixing(root, run)}"
 
 
-def _then(root: Path, run: str | None) -> str:
+def after_fixing(root: Path, run: str | None) -> str:
     """What to do once the cause of a failed save is fixed: --resume only where this run has a
     checkpoint to continue from (after its only save failed, the final one, --resume is refused:
     its records would be replaced by a start from step 0)."""
@@ -299,7 +299,7 @@ def _failed_write(e: CheckpointError, root: Path, run: str | None) -> str:
         return text
     shown = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
     where, _, said = text.partition(": checkpoint ")
-    return f"{where}: checkpoint not saved: the disk under {root} is full{shown} (checkpoint {said}); {_then(root, run)}"
+    return f"{where}: checkpoint not saved: the disk under {root} is full{shown} (checkpoint {said}); {after_fixing(root, run)}"
 
 
 def run_of(path: Path) -> str | None:
