@@ -63,7 +63,6 @@ def bind_workers() -> None:
 
 
 def main(argv: list[str]) -> None:
-    bind_workers()
     dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # rendezvous and agent stores
     c10d_backend.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # imported by name there
     try:
@@ -76,4 +75,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    bind_workers()  # the agent's process only: it changes this process's environment and torchrun's Popen
     main(sys.argv[1:])
