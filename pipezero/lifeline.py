@@ -20,7 +20,6 @@ Where `PR_SET_PDEATHSIG` is missing (not Linux) only the inherited lock remains.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -50,7 +49,7 @@ def die_with_parent(env: MutableMapping[str, str] = os.environ) -> None:
     if not text.isdigit():
         return
     if sys.platform == "linux":
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's prctl among them (find_library runs ldconfig)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             return  # refused (a sandbox): the inherited lock still keeps the folder claimed
     if os.getppid() != int(text):  # the parent died before the setting took: adopted by init already
