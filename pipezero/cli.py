@@ -395,7 +395,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     check_out(cfg)
     # data, tokenizer, vocabulary, the split over nodes: once, not on every rank
     preflight(cfg, args.nodes * args.ranks_per_node, args.ranks_per_node)
-    return run_on_cluster(spec, args.ranks_per_node, args.command)
+    from pipezero.runtime.watch import relaying_requests
+
+    with relaying_requests(cfg.run.out):  # node 0's rank 0 prints the report
+        return run_on_cluster(spec, args.ranks_per_node, args.command)
 
 
 def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]:

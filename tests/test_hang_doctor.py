@@ -269,6 +269,19 @@ def test_sigusr1_before_the_watchdog_runs_is_one_line(capsys):
     assert "while this process trains no step (starting up or finishing)" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGUSR1) == before
 
+
+def test_sigusr1_to_the_cluster_process_asks_every_rank(tmp_path):
+    """`pipezero cluster` starts its ranks in other namespaces: SIGUSR1 to it asks them (node 0's rank
+    0 prints the report), where by default it ended the process and skipped its teardown."""
+    import signal
+
+    from pipezero.runtime.watch import asked, relaying_requests
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with relaying_requests(tmp_path):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert asked(tmp_path) > 0 and signal.getsignal(signal.SIGUSR1) == before
+
 @pytest.mark.distributed
 def test_a_lone_process_answers_sigusr1_and_trains_on(text_dir, tmp_path):
     """One process without --nproc (as each srun task or outside torchrun worker is) gets SIGUSR1: it

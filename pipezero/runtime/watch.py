@@ -154,6 +154,21 @@ def early_requests(active: bool = True) -> Iterator[None]:
         signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def relaying_requests(out: str | Path) -> Iterator[None]:
+    """For a process that starts ranks elsewhere (`pipezero cluster`'s nodes): SIGUSR1 asks every rank
+    of the run in `out` for its record, as the `--nproc` launcher's does (job.py), instead of ending
+    the process, and with it the teardown of what it started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, lambda *_: ask(out))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
+
+
 class Watch:
     """The watchdog thread of one rank (`start`, then `stop` at the end of the run)."""
 
