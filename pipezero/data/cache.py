@@ -159,7 +159,8 @@ META = "meta.json"
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    with path.open("rb") as f:  # streamed: a whole token file is never held in memory to hash it
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _checksum(meta: dict) -> str:
