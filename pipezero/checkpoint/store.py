@@ -214,7 +214,8 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     mine = team.rank != 0 or not (final.exists() or final.is_symlink()) or written_by(final, info.get("run"))
     if not team.share(mine, f"check of {final.name}"):  # every rank stops alike, before writing anything
         raise CheckpointError(f"rank {team.rank}, step {step}: {final} is not a checkpoint this run wrote, and a "
-                              f"save replaces the folder of its step: move it out of {root}, then --resume")
+                              f"save replaces the folder of its step: move it out of {root}; "
+                              f"{after_fixing(root, info.get('run'), 'move it')}")
     refused = None
     if team.rank == 0:
         try:
@@ -260,21 +261,21 @@ def _refused(e: OSError, root: Path, run: str | None) -> str:
     from pipezero.util import refused_write
 
     if isinstance(e, NotOurs):
-        return f"{e}, then --resume"
+        return f"{e}; {after_fixing(root, run, 'move it')}"
     if (said := refused_write(e)) is None:
         raise e
     return f"{said}; {after_fixing(root, run)}"
 
 
-def after_fixing(root: Path, run: str | None) -> str:
-    """What to do once the cause of a failed save is fixed: --resume only where this run has a
-    checkpoint to continue from (after its only save failed, the final one, --resume is refused:
-    its records would be replaced by a start from step 0)."""
+def after_fixing(root: Path, run: str | None, fix: str = "free space") -> str:
+    """What to do once the cause of a failed save is fixed (`fix`, said when there is no checkpoint):
+    --resume only where this run has a checkpoint to continue from (after its only save failed, the
+    final one, --resume is refused: its records would be replaced by a start from step 0)."""
     own = own_checkpoints(root, run)
     if own:
         return f"then --resume continues from {own[-1].name}"
-    return ("this run has no earlier checkpoint to --resume from: free space, then train it again (--force in "
-            "this folder, or another --out)")
+    return (f"this run has no earlier checkpoint to --resume from: {fix}, then train it again (--force in "
+            f"this folder, or another --out)")
 
 
 def free_bytes(folder: Path) -> int | None:
