@@ -1,5 +1,6 @@
 """The `--nproc` launcher as a user meets it: one job, listening on loopback only, holding its run
-folder, and stopped as a whole by SIGTERM. One training job serves every check."""
+folder, stopped as a whole by SIGTERM, and ended as a whole by `kill -9` of the launcher, its ranks
+holding the folder until they are gone."""
 
 from __future__ import annotations
 
@@ -130,3 +131,16 @@ def test_ranks_die_with_a_killed_launcher_and_hold_the_folder_until_then(text_di
     assert main([*resume, "--resume"]) == 0, capsys.readouterr().err[-2000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, step + 2)), steps  # one run's steps, each once
+
+
+def test_a_folder_held_by_the_ranks_of_a_gone_launcher_names_them(tmp_path):
+    """The launcher's pid is in `.lock`, but its ranks hold the lock too: while they outlive it (the
+    moment after `kill -9`), a second run is refused naming them, not a pid that no longer exists."""
+    from pipezero.errors import ConfigError
+    from pipezero.rundir import claim, in_use
+
+    gone = next(p for p in range(4_000_000, 3_000_000, -1) if not Path(f"/proc/{p}").exists())
+    with claim(str(tmp_path), resume=False, force=False) as held:
+        os.pwrite(held.fd, f"{gone}\n".encode(), 0)
+        with pytest.raises(ConfigError, match=f"in use by another run \\(the ranks of pid {gone}, which is gone"):
+            in_use(str(tmp_path))
