@@ -97,9 +97,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--dtype": ("run.dtype", "compute and communication dtype"),
     "--device": ("run.device", "cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU"),
     "--out": ("run.out", "run directory (metrics.jsonl, summary.json, checkpoints)"),
-    "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps and at the end"),
+    "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps (and at the end, unless --no-save-final)"),
     "--no-save-final": ("run.save_final", "save no checkpoint after the last step (saved by default, so "
-                                          "`pipezero export` and --resume find the trained weights)"),
+                                          "`pipezero export` and --resume find the trained weights), only "
+                                          "--checkpoint-every's multiples"),
     "--keep-checkpoints": ("run.keep_checkpoints", "keep the newest N checkpoints of this run (default 3)"),
     "--max-bad-steps": ("run.max_bad_steps", "stop after N non-finite steps in a row (default 3)"),
     "--eval-every": ("run.eval_every", "held-out loss every K steps (0: at the end only)"),
@@ -197,7 +198,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes) as held:
         if launching:
             return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
-                                launch.max_restarts, {HELD_BY_LAUNCHER: "1"})
+                                launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
+                                lock_fd=held.fd if isinstance(held, Claim) else None)
         code = train_here(cfg)
         if code == 2 and isinstance(held, Claim):  # the user's spec raised: nothing of the run stays
             held.drop_opening()
@@ -284,8 +286,10 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
     from pipezero.util import refused_write
 
     if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
-        return 1, (f"rank {os.environ.get('RANK', 0)}: {refused}; then --resume continues from the newest complete "
-                   f"checkpoint")
+        from pipezero.checkpoint.store import after_fixing
+        from pipezero.rundir import run_id
+
+        return 1, f"rank {os.environ.get('RANK', 0)}: {refused}; {after_fixing(Path(cfg.run.out) / 'checkpoints', run_id(cfg.run.out))}"
     # torch's DistNetworkError, DistStoreError (by name: torch 2.5 has no such API): a MASTER_ADDR that
     # resolves nowhere
     if isinstance(e, RuntimeError) and type(e).__name__ in ("DistNetworkError", "DistStoreError"):
@@ -391,7 +395,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     check_out(cfg)
     # data, tokenizer, vocabulary, the split over nodes: once, not on every rank
     preflight(cfg, args.nodes * args.ranks_per_node, args.ranks_per_node)
-    return run_on_cluster(spec, args.ranks_per_node, args.command)
+    from pipezero.runtime.watch import relaying_requests
+
+    with relaying_requests(cfg.run.out):  # node 0's rank 0 prints the report
+        return run_on_cluster(spec, args.ranks_per_node, args.command)
 
 
 def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]:
@@ -517,6 +524,7 @@ class GuardedOutput:
 
 # commands whose result is what they print: with standard output closed, it would go nowhere, exit 0
 PRINTS_ITS_RESULT = ("plan", "simulate", "doctor")
+TRAINS = ("train", "verify")  # commands whose processes are ranks (or start them): SIGUSR1 is asked of them
 
 
 def output_failed(e: OutputFailed, stream: Any) -> int:
@@ -562,6 +570,9 @@ INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pipezero.lifeline import die_with_parent
+
+    die_with_parent()  # a rank of pipezero's launcher: never outlive its torchrun agent
     try:
         parser = build_parser()  # imports torch: a second or more, the likeliest place for an early Ctrl-C
     except KeyboardInterrupt:
@@ -577,8 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if stream is not None:
         sys.stdout = GuardedOutput(stream)  # type: ignore[assignment]
+    from pipezero.runtime.watch import early_requests
+
     try:
-        code = int(args.func(args) or 0)
+        with early_requests(args.command in TRAINS):
+            code = int(args.func(args) or 0)
         if sys.stdout is not None:  # closed (>&-): fine for a command that prints nothing it needs
             sys.stdout.flush()  # a full disk under the output shows here, not at the interpreter's exit
         return code

@@ -321,9 +321,10 @@ class RunConfig:
     sample_tokens: int = 64
     """Length of the text sample printed at the end; 0 = none."""
     checkpoint_every: int = 0
-    """Save a sharded checkpoint every K steps and at the end; 0 = only at the end (see save_final)."""
+    """Save a sharded checkpoint every K steps (and at the end unless save_final is off); 0 = only at the end."""
     save_final: bool = True
-    """Save a checkpoint after the last step, so a run keeps what it trained (--no-save-final: none)."""
+    """Save a checkpoint after the last step, so a run keeps what it trained (--no-save-final: none, also
+    with checkpoint_every, unless the last step is one of its multiples)."""
     keep_checkpoints: int = 3
     """The newest N complete checkpoints of this run are kept, older ones deleted."""
     resume: bool = False

@@ -65,11 +65,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, after_stop: str | None = None) -> int:
+def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, after_stop: str | None = None,
+            lock_fd: int | None = None) -> int:
     """Run torchrun command `cmd` of `world` ranks; its exit status, or 128 + the signal that
     stopped it, said with `after_stop` (what the command leaves: by default a training run's
-    checkpoints and --resume). SIGUSR1 asks every rank for its flight record; the hang doctor's
+    checkpoints and --resume). torchrun and its ranks die with this process, and keep the run
+    folder's lock `lock_fd` open while they live (lifeline.py), so a launcher killed outright
+    leaves neither orphans nor a folder open to a second run. SIGUSR1 asks every rank for its flight record; the hang doctor's
     report (doctor.py) is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
+    from pipezero.lifeline import bind_child
     from pipezero.runtime.watch import Desk, ask
 
     received: list[int] = []
@@ -77,7 +81,8 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, a
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: ask(out))
     desk = Desk(out, world)
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        env = dict(env)
+        proc = subprocess.Popen(cmd, env=env, pass_fds=bind_child(env, lock_fd))
         while proc.poll() is None and not received:
             time.sleep(0.1)
             if text := desk.poll():

@@ -116,12 +116,14 @@ def exit_rank(code: int) -> None:
 
 
 def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 0,
-                 extra_env: dict[str, str] | None = None, after_stop: str | None = None) -> int:
+                 extra_env: dict[str, str] | None = None, after_stop: str | None = None,
+                 lock_fd: int | None = None) -> int:
     """Run `pipezero <argv>` on `nproc` ranks through torchrun, and return the job's exit code.
     The rendezvous is on 127.0.0.1 at a free port (runs never collide, and nothing listens beyond
     this machine: see loopback.py). With `max_restarts`, torchrun's elastic agent restarts every
     rank after one fails; they resume from the newest checkpoint (engine: a restarted worker
-    always resumes). SIGINT/SIGTERM stop the whole job (job.py)."""
+    always resumes). SIGINT/SIGTERM stop the whole job (job.py). `lock_fd`: the run folder's lock,
+    held by every process of the job while it lives (lifeline.py)."""
     cmd = [sys.executable, "-m", "pipezero.loopback", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
            f"--rdzv-id={uuid.uuid4().hex}", "--nnodes=1", "--local-addr=127.0.0.1", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
@@ -133,4 +135,4 @@ def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 
     # layers, reduced gradient buckets) stay in the heap and never leave the process; a fixed
     # threshold hands large blocks back to the OS, so sharding lowers resident memory on CPU too.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    return run_job(cmd, env, out, nproc, after_stop)
+    return run_job(cmd, env, out, nproc, after_stop, lock_fd)

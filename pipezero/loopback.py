@@ -14,7 +14,10 @@ torchrun's ChildFailedError traceback (its agent's, some 50 lines a node) said n
 
 from __future__ import annotations
 
+import functools
+import os
 import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -22,6 +25,8 @@ import torch.distributed as dist
 import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main as torchrun_main
+
+from pipezero.lifeline import bind_child, die_with_parent, inherited_lock
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost"}
 
@@ -45,6 +50,18 @@ class LoopbackTCPStore(dist.TCPStore):
         super().__init__(host_name, port, *args, **kwargs)
 
 
+def bind_workers() -> None:
+    """This agent dies with its launcher, and its workers with it, each keeping the run folder's lock
+    open (lifeline.py). torchrun starts them through `Popen` by name in its handler module, closing
+    every other descriptor: the lock's is passed by name there too."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    die_with_parent()
+    fds = inherited_lock()
+    bind_child(os.environ, fds[0] if fds else None)  # torchrun copies os.environ into each worker's
+    subprocess_handler.Popen = functools.partial(subprocess.Popen, pass_fds=fds)  # type: ignore[attr-defined]
+
+
 def main(argv: list[str]) -> None:
     dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # rendezvous and agent stores
     c10d_backend.TCPStore = LoopbackTCPStore  # type: ignore[misc]  # imported by name there
@@ -58,4 +75,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    bind_workers()  # the agent's process only: it changes this process's environment and torchrun's Popen
     main(sys.argv[1:])

@@ -197,13 +197,27 @@ def in_use(out: str) -> None:
             return  # a pipe or a device: the claim names it (wrong_kind)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        raise ConfigError(f"--out {out!r} is in use by another run (pid {holder}); wait for it to end or choose "
+        raise ConfigError(f"--out {out!r} is in use by another run ({_holder(fd)}); wait for it to end or choose "
                           f"another --out") from None
     except OSError:
         return
     finally:
         os.close(fd)  # closing drops the probe's lock
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock open at `fd`, as the message says it: the pid its taker wrote, or, when that
+    process is gone, the ranks it started, which keep the lock while they live (lifeline.py)."""
+    text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    if not text.isdigit():
+        return "pid ?"
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return f"the ranks of pid {text}, which is gone; they end within seconds"
+    except OSError:  # another user's process: alive
+        pass
+    return f"pid {text}"
 
 
 def _lock(path: Path) -> int:
@@ -212,9 +226,9 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            holder = _holder(fd)
             os.close(fd)
-            raise ConfigError(f"--out {str(path)!r} is in use by another run (pid {holder}); wait for it to end "
+            raise ConfigError(f"--out {str(path)!r} is in use by another run ({holder}); wait for it to end "
                               f"or choose another --out") from None
         try:
             if os.stat(path / LOCK).st_ino == os.fstat(fd).st_ino:
@@ -228,14 +242,15 @@ def _lock(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def held(path: Path) -> Iterator[None]:
+def held(path: Path) -> Iterator[int]:
     """An exclusive hold on folder `path` (made if missing) for a command that is not a run, as long
     as the block lasts: two `pipezero verify` at one --out deleted and read each other's rank files,
-    and one said the layout trains another model. The second is refused, naming the first's pid."""
+    and one said the layout trains another model. The second is refused, naming the first's pid.
+    Yields the lock's descriptor, for the ranks to hold too (lifeline.py)."""
     make_folders(path)
     fd = _lock(path)
     try:
-        yield
+        yield fd
     finally:
         os.close(fd)  # closing drops the flock; the .lock file stays, as a run's does
 

@@ -308,11 +308,11 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     check_out(out)
     from pipezero.rundir import held
 
-    with held(out):  # another verify at this --out is refused: each would read the other's rank files
-        return _verify(cfg, steps, argv, out, run_cfg)
+    with held(out) as lock_fd:  # another verify at this --out is refused: each would read the other's rank files
+        return _verify(cfg, steps, argv, out, run_cfg, lock_fd)
 
 
-def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: TrainConfig) -> int:
+def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: TrainConfig, lock_fd: int) -> int:
     """verify_layout's work, under its hold on `out`."""
     from rich.console import Console
 
@@ -340,7 +340,8 @@ def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: T
                 old.unlink()
         # verify writes no checkpoint and takes no --resume: its stop line must not offer either
         code = launch_local(world, [*argv, "--device", device.value], str(out),
-                            after_stop="verify stopped before it compared anything: run the same command again")
+                            after_stop="verify stopped before it compared anything: run the same command again",
+                            lock_fd=lock_fd)
         if code:
             atomic_write_json(out / "verify.json", {**report, "ok": False, "problems": [f"ranks exited {code}"]})
             if code > 128:  # stopped by a signal: the launcher said so; exit as an interrupted command

@@ -398,12 +398,12 @@ def test_damaged_stdlib_and_tokenizer_caches_are_rebuilt(tmp_path, capsys, monke
     stdlib = DataConfig(tokenizer="bytes", max_bytes=100_000, seq_len=32)
     first = load_corpus(stdlib)
     train, held = np.asarray(first.train).copy(), np.asarray(first.heldout).copy()
-    [path] = cache_dir().glob("tokens-*.train.npy")
+    [path] = cache_dir().glob("tokens-*/train.npy")
     with path.open("r+b") as f:
         f.truncate(path.stat().st_size - 2)
     again = load_corpus(stdlib)
     assert np.array_equal(again.train, train) and np.array_equal(again.heldout, held)
-    assert f"the token cache file {path} is damaged" in capsys.readouterr().err
+    assert f"the token cache entry {path.parent} is damaged" in capsys.readouterr().err
 
     bpe = _documents(tmp_path)
     bpe.tokenizer, bpe.bpe_vocab = "bpe", 300

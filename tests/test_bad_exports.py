@@ -281,8 +281,8 @@ def test_export_of_a_run_that_saved_no_checkpoint_is_one_line(trained, tmp_path,
     manifest.json`; a folder that is no run nor checkpoint (the documents, the model) likewise."""
     run = copy_run(trained, tmp_path / "run", checkpoints=False)
     assert_one_line(*run_main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
-                    f"{run} saved no checkpoint (it trained without --checkpoint-every): train with "
-                    f"--checkpoint-every")
+                    f"{run} saved no checkpoint: its checkpoints are gone (removed, or it stopped before its first "
+                    f"save)")
     for folder in (trained["docs"], trained["model"]):
         assert_one_line(*run_main(["export", str(folder), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
                         f"{folder} is neither a run folder nor a checkpoint")

@@ -73,6 +73,54 @@ def test_checkpoints_commit_atomically_keep_newest_and_skip_corrupt(tmp_path, ca
     assert latest(root, Team()).path.name == "step-00000004"
 
 
+
+def test_a_disk_that_fills_during_a_save_is_named_with_advice_that_works(tmp_path, monkeypatch):
+    """DCP reports a full disk in torch's words ("unexpected pos 704 vs 598"): the line names the
+    full disk first, and says --resume only where the run has an earlier checkpoint to resume (the
+    only save, the final one, failing: --resume is refused there, so the advice is to train again)."""
+    import torch.distributed.checkpoint as dcp
+
+    from pipezero.checkpoint import store
+    from pipezero.checkpoint.store import CheckpointError
+
+    root = tmp_path / "checkpoints"
+    write(root, 2, {"w": torch.zeros(8)}, {"run": "r"}, 3, Team(step=2))
+
+    def full(*args, **kwargs):
+        raise RuntimeError("unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(dcp, "save", full)
+    monkeypatch.setattr(store, "free_bytes", lambda folder: 300 * 1024)
+    for run, advice in (("r", "then --resume continues from step-00000002"),
+                        ("other", "this run has no earlier checkpoint to --resume from: free space, then train it "
+                                  "again")):
+        with pytest.raises(CheckpointError) as failed:
+            write(root, 3, {"w": torch.zeros(8)}, {"run": run}, 3, Team(step=3))
+        line = str(failed.value)
+        assert f"the disk under {root} is full (0.3 MiB free" in line and advice in line, line
+        assert line.index("is full") < line.index("unexpected pos"), line  # torch's words after the cause
+        assert "then --resume" not in line or run == "r", line
+        assert not (root / ".tmp-step-00000003").exists()
+
+
+def test_a_full_disk_under_the_runs_records_advises_resume_only_where_it_works(tmp_path):
+    """metrics.jsonl (or summary, tensorboard) refused by a full disk: "--resume" is the advice only
+    when the run has a checkpoint of its own; a run without one is refused by --resume (its records
+    would be replaced by a start from step 0)."""
+    import errno
+
+    from pipezero.cli import failure_line
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".run-id").write_text("r\n")
+    cfg = build_config(overrides={"run.out": str(out)})
+    full = OSError(errno.ENOSPC, "No space left on device", str(out / "metrics.jsonl"))
+    code, line = failure_line(cfg, full)
+    assert code == 1 and "free space there" in line and "then --resume" not in line and "train it again" in line
+    write(out / "checkpoints", 4, {"w": torch.zeros(8)}, {"run": "r"}, 3, Team(step=4))
+    assert "then --resume continues from step-00000004" in failure_line(cfg, full)[1]
+
 def test_pruning_keeps_the_checkpoint_just_written_when_newer_ones_are_corrupt(tmp_path, capsys):
     """A resume past a corrupt newest checkpoint writes older steps again; pruning must not count the
     corrupt newer one among the newest N and delete the good one it just wrote."""
@@ -262,6 +310,32 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
 
+
+def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir, tmp_path, capsys):
+    """After a `--force` run B beside run A, `export RUN` exported A's highest step while `.run-id`,
+    metrics and summary were B's: it takes B's newest, and refuses (naming A's, and what is true of B)
+    when B saved none."""
+    from one_line import assert_one_line, run_main
+    from pipezero.checkpoint.export import resolve
+    from pipezero.cli import main
+
+    run = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "16",
+              "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens", "0", "--eval-every", "0",
+              "--no-progress", "--out", str(run)]
+    assert main([*common, "--max-steps", "3"]) == 0  # A: step 3
+    assert main([*common, "--max-steps", "2", "--force"]) == 0  # B, beside it: step 2
+    assert resolve(run).name == "step-00000002"
+    assert main([*common, "--max-steps", "1", "--force", "--no-save-final"]) == 0  # C: no checkpoint
+    capsys.readouterr()
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "the run there now saved no checkpoint: it trained with --no-save-final and no "
+                    "--checkpoint-every")
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "step-00000003 and step-00000002 are of earlier runs")
+    assert not (tmp_path / "e").exists()
+    assert main(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(tmp_path / "e")]) == 0
+
 def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
     """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
     when the user names that spec too, or `pipezero export` would import and call whatever code a
@@ -341,7 +415,8 @@ def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, t
 
 def test_the_last_step_is_saved_unless_told_not_to():
     """A run keeps what it trained: the last step is saved without --checkpoint-every, and
-    --no-save-final alone turns that off (a --checkpoint-every run still saves its end)."""
+    --no-save-final turns that off: with --checkpoint-every only its own multiples are saved (the last
+    step too when it is one), so a user who asked for no final save gets none."""
     from pipezero.checkpoint import saves_after
     from pipezero.settings import build_config
 
@@ -352,8 +427,9 @@ def test_the_last_step_is_saved_unless_told_not_to():
     assert saved() == [10]
     assert saved(save_final=False) == []
     assert saved(checkpoint_every=4) == [4, 8, 10]
-    assert saved(checkpoint_every=4, save_final=False) == [4, 8, 10]
+    assert saved(checkpoint_every=4, save_final=False) == [4, 8]
     assert saved(checkpoint_every=5) == [5, 10]
+    assert saved(checkpoint_every=5, save_final=False) == [5, 10]
 
 
 def test_a_checkpoint_of_non_finite_weights_is_refused_before_anything_is_written(tmp_path):
@@ -557,8 +633,8 @@ def test_a_checkpoint_write_that_fails_on_a_full_disk_says_how_much_room_is_left
 
     monkeypatch.setattr("torch.distributed.checkpoint.save", torn)
     root = tmp_path / "checkpoints"
-    with pytest.raises(store.CheckpointError, match=r"unexpected pos .* \(.*checkpoints has 0\.1 MiB free: a full disk\? "
-                                                    r"free space there, then --resume\)"):
+    with pytest.raises(store.CheckpointError, match=r"the disk under .*checkpoints is full \(0\.1 MiB free\) \(.*unexpected "
+                                                    r"pos .*\); this run has no earlier checkpoint to --resume from"):
         store.write(root, 1, {"x": torch.zeros(4)}, {"run": "this"}, keep=5, team=store.Team())
     assert list(root.iterdir()) == []  # the failed save left nothing
 

@@ -136,3 +136,28 @@ def test_ranks_opening_a_new_corpus_at_once_build_it_once(tmp_path, monkeypatch)
     assert builds == ["bpe", "cache"], log.read_text()  # one tokenizer and one cache for three ranks
     assert len(set(results)) == 1  # every rank reads the same tokens
     assert not list((tmp_path / "cache").glob(".*.lock"))  # the builders took their lock files away
+
+
+@pytest.mark.parametrize("damage", ["half, as a valid .npy", "same size, other ids"])
+def test_a_damaged_builtin_corpus_cache_entry_is_rebuilt_not_read(tmp_path, monkeypatch, capsys, damage):
+    """The built-in corpus's cache entry carries its files' sizes and checksums (as the document
+    caches' do): a token file cut to half with a header that says so (numpy maps it without a word),
+    or ids changed in place, is rebuilt instead of training on what is left."""
+    from pipezero.util import cache_dir
+
+    monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
+    cfg = DataConfig(tokenizer="bytes", max_bytes=100_000, seq_len=32)
+    first = load_corpus(cfg)
+    train, held = np.asarray(first.train).copy(), np.asarray(first.heldout).copy()
+    [path] = [p for p in cache_dir().rglob("*.npy") if "train" in p.name]
+    if damage.startswith("half"):
+        np.save(path, train[:len(train) // 2])
+    else:
+        ids = np.load(path, mmap_mode="r+")
+        ids[len(ids) // 2:len(ids) // 2 + 100] = 7
+        ids.flush()
+        del ids
+    capsys.readouterr()
+    again = load_corpus(cfg)
+    assert np.array_equal(again.train, train) and np.array_equal(again.heldout, held)
+    assert "is damaged" in capsys.readouterr().err

@@ -236,6 +236,86 @@ def test_the_watchdog_writes_a_stalled_wait_asks_the_others_and_says_when_it_res
     assert "rank 1 (stage 0) never did" not in (report(tmp_path) or "")  # a straggler is no culprit
 
 
+
+def test_sigusr1_rings_the_watchdog_and_ends_no_rank(tmp_path):
+    """SIGUSR1, the doctor's "where is everyone", must reach a rank's watchdog thread (the main thread
+    may be blocked in a wait, where Python runs no handler) and never end the rank, however the rank
+    was started (alone, srun, an outside torchrun): by default it ended the process, exit 138."""
+    import signal
+
+    from pipezero.runtime.watch import Watch, asked
+
+    before = signal.getsignal(signal.SIGUSR1)
+    w = Watch(FlightRecord(0, 1), tmp_path, stall_s=60, plan=FACTS, run="r")  # not started: the test ticks it
+    w.bell.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end this test's process here
+        w.check()
+        assert asked(tmp_path) > 0 and load_records(tmp_path)[0]["state"] == "asked"
+    finally:
+        w.bell.remove()
+    assert signal.getsignal(signal.SIGUSR1) == before and signal.set_wakeup_fd(-1) == -1
+
+
+
+def test_sigusr1_before_the_watchdog_runs_is_one_line(capsys):
+    """Asked while a rank still starts (imports, the corpus, the process group): a line, not exit 138."""
+    import signal
+
+    from pipezero.runtime.watch import early_requests
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with early_requests():
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert "while this process trains no step (starting up or finishing)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_sigusr1_to_the_cluster_process_asks_every_rank(tmp_path):
+    """`pipezero cluster` starts its ranks in other namespaces: SIGUSR1 to it asks them (node 0's rank
+    0 prints the report), where by default it ended the process and skipped its teardown."""
+    import signal
+
+    from pipezero.runtime.watch import asked, relaying_requests
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with relaying_requests(tmp_path):
+        os.kill(os.getpid(), signal.SIGUSR1)
+    assert asked(tmp_path) > 0 and signal.getsignal(signal.SIGUSR1) == before
+
+@pytest.mark.distributed
+def test_a_lone_process_answers_sigusr1_and_trains_on(text_dir, tmp_path):
+    """One process without --nproc (as each srun task or outside torchrun worker is) gets SIGUSR1: it
+    writes its record, prints the report, and trains on."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    proc = subprocess.Popen([sys.executable, "-m", "pipezero.cli", "train", "--preset", "tiny", "--data",
+                             str(text_dir), "--tokenizer", "bytes", "--seq-len", "32", "--microbatches", "1",
+                             "--micro-batch-size", "1", "--max-steps", "100000", "--sample-tokens", "0",
+                             "--eval-every", "0", "--no-progress", "--no-save-final", "--out", str(out)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not steps():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)
+        while not load_records(out) or steps() < load_records(out)[0]["step"] + 2:  # answered, then trained on
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:]
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+    assert load_records(out)[0]["state"] == "asked"
+    assert "hang doctor: 1 of 1 ranks answered" in proc.stderr.read()
+
 # --- injected faults, P=2 D=2 (tests/hang_faults.py) ------------------------------------------------
 MATRIX = os.environ.get("PIPEZERO_HANG_MATRIX") == "1"  # every fault on every case (about 2 minutes here)
 HANGS = [(f, c) for f in ("stop", "kill", "skip") for c in ("1f1b", "zb-v", "zero3")] if MATRIX else \

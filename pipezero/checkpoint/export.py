@@ -20,11 +20,11 @@ from torch import nn
 
 from pipezero.checkpoint.safe_reader import SafeReader
 from pipezero.checkpoint.export_folder import check_out, write_folder
-from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, committed, problems, read_manifest
+from pipezero.checkpoint.store import MANIFEST, CheckpointError, Team, committed, problems, read_manifest, written_by
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
 from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
-from pipezero.rundir import RUN_ID
+from pipezero.rundir import RUN_ID, run_id
 from pipezero.util import atomic_write_json, atomic_write_with
 
 
@@ -84,15 +84,48 @@ def read_model(path: Path, spec: ModelSpec | None = None, model_spec: str | None
     return model
 
 
+def why_unsaved(run: Path) -> str:
+    """What is true of run folder `run` that saved no checkpoint, from its config.json, and the fix."""
+    try:
+        settings = json.loads((run / "config.json").read_text())["run"]
+        final, every, last = bool(settings["save_final"]), int(settings["checkpoint_every"]), int(settings["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):  # no config, or not as a run writes it
+        return "train with the last step saved (the default), then export"
+    if not final and not every:
+        return ("it trained with --no-save-final and no --checkpoint-every: train it without --no-save-final "
+                "(or with --checkpoint-every K), then export")
+    if not final and every > last:
+        return (f"it trained with --no-save-final and --checkpoint-every {every}, past its --max-steps {last}: "
+                f"train it without --no-save-final, then export")
+    return ("its checkpoints are gone (removed, or it stopped before its first save): train it again, then "
+            "export")
+
+
+def newest_of_run(run: Path) -> Path:
+    """Run folder `run`'s newest good checkpoint of the run that holds it now (its .run-id): after a
+    `--force` run beside another, the other's checkpoints are not this run's weights."""
+    root, current = run / "checkpoints", run_id(run)
+    every = committed(root)
+    ours = every if current is None else [(n, p) for n, p in every if written_by(p, current)]
+    if ours:
+        return newest_good(root, ours)
+    if not every:
+        raise ConfigError(f"{run} saved no checkpoint: {why_unsaved(run)}")
+    names = [p.name for _, p in reversed(every)]
+    shown = " and ".join(names[:2]) + (f" (and {len(names) - 2} more)" if len(names) > 2 else "")
+    raise ConfigError(f"{run}: the run there now saved no checkpoint: {why_unsaved(run)}; {shown} "
+                      f"{'are' if len(names) > 1 else 'is'} of earlier runs in that folder (--force), whose "
+                      f"weights are not this run's: to export one, name it, {root / names[0]}")
+
+
 def resolve(source: Path) -> Path:
     """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
-    directory's newest good checkpoint."""
+    directory's newest good checkpoint of its current run."""
     if (source / "checkpoints").is_dir():
-        return newest_good(source / "checkpoints")
+        return newest_of_run(source)
     if not (source / MANIFEST).is_file():
         if (source / RUN_ID).is_file() or (source / "metrics.jsonl").is_file():
-            raise ConfigError(f"{source} saved no checkpoint (it trained without --checkpoint-every): train with "
-                              f"--checkpoint-every K (a checkpoint every K steps and at the end), then export")
+            raise ConfigError(f"{source} saved no checkpoint: {why_unsaved(source)}")
         raise ConfigError(f"{source} is neither a run folder nor a checkpoint (it holds no checkpoints/ and no "
                           f"{MANIFEST}): pass a run directory or one of its checkpoints/step-N")
     reason = problems(source, Team())
@@ -102,11 +135,12 @@ def resolve(source: Path) -> Path:
     return source
 
 
-def newest_good(root: Path) -> Path:
-    """The newest checkpoint under `root` whose files match their manifest (as `latest` finds one
-    to resume), a warning for each newer one skipped; none good is one line naming why."""
+def newest_good(root: Path, candidates: list[tuple[int, Path]] | None = None) -> Path:
+    """The newest checkpoint under `root` (of `candidates`, default all) whose files match their
+    manifest (as `latest` finds one to resume), a warning for each newer one skipped; none good is one
+    line naming why."""
     skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(committed(root)):
+    for _, path in reversed(committed(root) if candidates is None else candidates):
         reason = problems(path, Team())
         if reason is None:
             for bad, why in skipped:
@@ -119,8 +153,8 @@ def newest_good(root: Path) -> Path:
         older = f" (and {len(skipped) - 1} older, likewise)" if len(skipped) > 1 else ""
         raise ConfigError(f"{root} holds no complete checkpoint to export: {bad.name} {why}{older}; resume the run "
                           f"to save a good one, or restore the files")
-    raise ConfigError(f"{root} holds no complete checkpoint to export: train with --checkpoint-every K (a "
-                      f"checkpoint every K steps and at the end), then export")
+    raise ConfigError(f"{root} holds no complete checkpoint to export: train with the last step saved (the "
+                      f"default), then export")
 
 
 def export(source: Path, out: Path, model_spec: str | None = None) -> Path:

@@ -45,11 +45,12 @@ def checkpoint_root(cfg: TrainConfig) -> Path:
 
 def saves_after(cfg: TrainConfig, step: int) -> bool:
     """Whether a run of `cfg` saves a checkpoint after step `step` (1-based): every
-    --checkpoint-every steps, and after the last unless --no-save-final and no --checkpoint-every."""
+    --checkpoint-every steps, and after the last unless --no-save-final (then the last only when it
+    is a multiple of --checkpoint-every: the user asked for no final save)."""
     every, last = cfg.run.checkpoint_every, cfg.run.max_steps
-    if step == last:
-        return bool(every) or cfg.run.save_final
-    return bool(every) and step < last and step % every == 0
+    if step == last and cfg.run.save_final:
+        return True
+    return bool(every) and step <= last and step % every == 0
 
 
 def saved_over(cfg: TrainConfig) -> list[Path]:

@@ -214,14 +214,15 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     mine = team.rank != 0 or not (final.exists() or final.is_symlink()) or written_by(final, info.get("run"))
     if not team.share(mine, f"check of {final.name}"):  # every rank stops alike, before writing anything
         raise CheckpointError(f"rank {team.rank}, step {step}: {final} is not a checkpoint this run wrote, and a "
-                              f"save replaces the folder of its step: move it out of {root}, then --resume")
+                              f"save replaces the folder of its step: move it out of {root}; "
+                              f"{after_fixing(root, info.get('run'), 'move it')}")
     refused = None
     if team.rank == 0:
         try:
             _clear(tmp)  # debris of an earlier attempt at this step
             tmp.mkdir(parents=True)
         except OSError as e:  # a read-only or immutable folder, a full disk: every rank stops alike
-            refused = _refused(e, root)
+            refused = _refused(e, root, info.get("run"))
     if refused := team.share(refused, f"start of step-{step:08d}"):
         raise CheckpointError(f"rank {team.rank}, step {step}: checkpoint {tmp} cannot be made: {refused}")
     try:
@@ -232,7 +233,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     except CheckpointError as e:
         if team.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves nothing behind
-        raise CheckpointError(f"{e}{_room(root)}") from e
+        raise CheckpointError(_failed_write(e, root, info.get("run"))) from e
     if team.rank == 0:
         try:
             atomic_write_json(tmp / MANIFEST, {**info, "format": FORMAT, "step": step, "files": files})
@@ -242,7 +243,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
             _fsync_dir(root)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            refused = _refused(e, root)
+            refused = _refused(e, root, info.get("run"))
         else:
             for old in prunable(root, info.get("run"), step)[:-keep] if keep > 0 else []:
                 try:
@@ -255,26 +256,51 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
     return final
 
 
-def _refused(e: OSError, root: Path) -> str:
+def _refused(e: OSError, root: Path, run: str | None) -> str:
     """A filesystem's refusal of a checkpoint write as the fix; anything else is a bug: re-raised."""
     from pipezero.util import refused_write
 
     if isinstance(e, NotOurs):
-        return f"{e}, then --resume"
+        return f"{e}; {after_fixing(root, run, 'move it')}"
     if (said := refused_write(e)) is None:
         raise e
-    return f"{said}; then --resume continues from the newest complete checkpoint under {root}"
+    return f"{said}; {after_fixing(root, run)}"
 
 
-def _room(root: Path) -> str:
-    """'; ROOT has N MiB free' when little is left: a full disk fails DCP's writes with torch's own
-    words ('unexpected pos 704 vs 598'), which do not say so."""
+def after_fixing(root: Path, run: str | None, fix: str = "free space") -> str:
+    """What to do once the cause of a failed save is fixed (`fix`, said when there is no checkpoint):
+    --resume only where this run has a checkpoint to continue from (after its only save failed, the
+    final one, --resume is refused: its records would be replaced by a start from step 0)."""
+    own = own_checkpoints(root, run)
+    if own:
+        return f"then --resume continues from {own[-1].name}"
+    return (f"this run has no earlier checkpoint to --resume from: {fix}, then train it again (--force in "
+            f"this folder, or another --out)")
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes free to an unprivileged writer on the disk under `folder`; None when it cannot be asked."""
     try:
-        st = os.statvfs(root)
+        st = os.statvfs(folder)
     except OSError:
-        return ""
-    free = st.f_bavail * st.f_frsize
-    return f" ({root} has {free / 2**20:.1f} MiB free: a full disk? free space there, then --resume)" if free < 2**30 else ""
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+FULL_BELOW = 2**30  # a save that fails with less free than this is taken for a full disk
+
+
+def _failed_write(e: CheckpointError, root: Path, run: str | None) -> str:
+    """A failed DCP write as one line. A full disk fails it in torch's own words ('unexpected pos 704
+    vs 598', from its zip writer, which drops the errno): said first as the full disk it is, with
+    advice that works for this run; torch's words follow, for the record."""
+    free = free_bytes(root)
+    text = str(e)
+    if "No space left" not in text and (free is None or free >= FULL_BELOW):
+        return text
+    shown = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
+    where, _, said = text.partition(": checkpoint ")
+    return f"{where}: checkpoint not saved: the disk under {root} is full{shown} (checkpoint {said}); {after_fixing(root, run)}"
 
 
 def run_of(path: Path) -> str | None:

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -159,18 +159,21 @@ META = "meta.json"
 
 
 def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    with path.open("rb") as f:  # streamed: a whole token file is never held in memory to hash it
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _checksum(meta: dict) -> str:
     return hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()).hexdigest()
 
 
-def seal(folder: Path, meta: dict) -> None:
-    """Write meta.json: `meta`, every file's size, the offsets' digests (8 bytes a document: cheap to
-    hash at each open; the token files are only sized, being the bulk), and a checksum of it all."""
+def seal(folder: Path, meta: dict, digested: Iterable[str] | None = None) -> None:
+    """Write meta.json: `meta`, every file's size, the digests of the files named `digested` (by
+    default the offsets: 8 bytes a document, cheap to hash at each open; a corpus's token files are
+    only sized, being the bulk), and a checksum of it all."""
+    names = [f"{s}.offsets.npy" for s in SPLITS] if digested is None else list(digested)
     meta = {**meta, "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir())},
-            "sha256": {f"{s}.offsets.npy": _digest(folder / f"{s}.offsets.npy") for s in SPLITS}}
+            "sha256": {name: _digest(folder / name) for name in names}}
     (folder / META).write_text(json.dumps({**meta, "checksum": _checksum(meta)}))
 
 
@@ -222,6 +225,29 @@ def discard(folder: Path) -> None:
     aside = Path(tempfile.mkdtemp(dir=physical(folder.parent), prefix=f".{folder.name}.", suffix=".damaged"))
     os.replace(folder, aside / folder.name)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def build_arrays(dest: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    """A cache entry of whole arrays (`NAME.npy` each) at folder `dest`: built beside it, sealed with
+    every file's size and digest (a bounded corpus: hashing it at each open is cheap), then renamed
+    into place, as `build`'s entries are."""
+    tmp = Path(tempfile.mkdtemp(dir=physical(dest.parent), prefix=f".{dest.name}.", suffix=".tmp"))
+    try:
+        for name, arr in arrays.items():
+            with (tmp / f"{name}.npy").open("wb") as f:
+                np.save(f, arr, allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+        seal(tmp, meta, [f"{name}.npy" for name in arrays])
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished the same entry first: keep theirs
+            if not (dest / META).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_or_build(key: str, files: list[Path], reader: Reader, tok: Tokenizer,

@@ -9,7 +9,6 @@ with nothing downloaded. The last `heldout_fraction` of its bytes (cut at a line
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import os
 import sys
@@ -23,16 +22,16 @@ import numpy as np
 from pipezero.config import DataConfig, Packing
 from pipezero.errors import ConfigError
 from pipezero.data.batches import global_batch, heldout_batches, microbatches_for_rank
-from pipezero.data.cache import load_or_build
+from pipezero.data.cache import SPLITS, build_arrays, discard, load_or_build, problem
 from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
 from pipezero.data.sources import RECORD_SUFFIXES, TABLE_SUFFIXES, BadRecords, Reader, expand, fingerprint
 from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_tokenizer, texts_digest
-from pipezero.util import atomic_write_bytes, build_once, cache_dir
+from pipezero.util import build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
-CACHE_VERSION = 4  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,
+CACHE_VERSION = 5  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,
 # 3: a UTF-8 byte order mark is no longer read as part of a file's first record, 4: meta.json records sizes,
-# digests and its checksum)
+# digests and its checksum, 5: the built-in corpus's entry is a sealed folder too)
 
 
 @dataclass
@@ -138,24 +137,6 @@ def _encode(tok: Tokenizer, docs: list[str]) -> np.ndarray:
     return np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=sum(len(d) for d in ids))
 
 
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    buf = io.BytesIO()
-    np.save(buf, arr)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def npy_problem(path: Path) -> str | None:
-    """Why the cached .npy `path` cannot be read as it is (missing, or a header or size that does not
-    hold: numpy maps only what its header says, and refuses a file shorter than that); None when it can."""
-    if not path.is_file():
-        return "missing"
-    try:
-        np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError) as e:
-        return str(e).splitlines()[0] or type(e).__name__
-    return None
-
-
 def read_tokens(path: Path) -> np.ndarray:
     """The ids of a token file, memory-mapped: a `.npy` of unsigned or signed integers (never
     unpickled: a file cannot run code), or a raw `.bin` of uint16 (uint32 when the name says u32)."""
@@ -256,22 +237,18 @@ def load_stdlib(cfg: DataConfig) -> Corpus:
     train_docs, held_docs = split_documents(docs, cfg.heldout_fraction)
     tok = load_tokenizer(cfg.tokenizer, train_docs, cfg.bpe_vocab)
     key = f"tokens-v{CACHE_VERSION}-{texts_digest(train_docs)}-{texts_digest(held_docs)}-{tok.name}"
-    paths = cache_dir() / f"{key}.train.npy", cache_dir() / f"{key}.heldout.npy"
+    folder = cache_dir() / key
 
     def make() -> None:
-        for path, docs in zip(paths, (train_docs, held_docs)):
-            _save_npy(path, _encode(tok, docs))
+        if folder.exists():
+            print(f"pipezero: warning: the token cache entry {folder} is damaged ({problem(folder)}); rebuilding it",
+                  file=sys.stderr, flush=True)
+            discard(folder)
+        build_arrays(folder, {s: _encode(tok, docs) for s, docs in zip(SPLITS, (train_docs, held_docs))},
+                     {"tokenizer": tok.name})
 
-    def make_checked() -> None:
-        for path in paths:
-            if path.exists():
-                print(f"pipezero: warning: the token cache file {path} is damaged ({npy_problem(path)}); rebuilding it",
-                      file=sys.stderr, flush=True)
-                break
-        make()
-
-    build_once(key, lambda: not any(npy_problem(p) for p in paths), make_checked)
-    train, heldout = (np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+    build_once(key, lambda: problem(folder) is None, make)
+    train, heldout = (np.load(folder / f"{s}.npy", mmap_mode="r", allow_pickle=False) for s in SPLITS)
     need = cfg.seq_len + 2
     if len(train) < need or len(heldout) < need:
         raise ConfigError(

@@ -8,16 +8,20 @@ rank's flight record a few times a second and writes it, by temp file and rename
 - a wait failed (a timeout, a peer gone: written at once from the failing thread, then it asks),
 - a stalled wait ended after all (a straggler: the record says `resumed`),
 - a report was asked for: `RUN/doctor/request` holds a newer time than the last answered (written by
-  a stalled rank, a failing rank, or the launcher on SIGUSR1).
+  a stalled rank, a failing rank, the launcher on SIGUSR1, or any rank on SIGUSR1: see `Bell`).
 Rank 0 under an outside launcher (torchrun, srun) also gathers the records and prints the doctor's
 report (doctor.py); under pipezero's own launcher the launcher does (job.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,101 @@ class Desk:
         return report(self.out)
 
 
+class Bell:
+    """SIGUSR1 ("where is everyone") heard by the watchdog thread, whatever the main thread does.
+
+    By default SIGUSR1 ends a process (exit 138): every rank that pipezero's launcher did not start
+    (one process, srun's tasks, an outside torchrun's workers) died of the question. A Python handler
+    alone runs only between bytecodes of the main thread, so a rank blocked in a wait (the very rank
+    the question is for) would answer only after it; the interpreter's wakeup descriptor is written by
+    the C-level handler at once, from any thread, and the watchdog reads it on its next tick. Installed
+    from the main thread only (where Python allows it), for as long as the watchdog runs."""
+
+    def __init__(self) -> None:
+        self._pipe: tuple[int, int] | None = None
+        self._saved: tuple[int, Callable[..., object] | int | None] | None = None
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # a rank run inside a thread (tests): signals are its host's business
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(r), os.close(w)
+            return
+        if old_fd != -1:  # the host process listens there itself (an event loop): leave it to it
+            signal.set_wakeup_fd(old_fd)
+            os.close(r), os.close(w)
+            return
+        self._pipe = (r, w)
+        self._saved = (old_fd, signal.signal(signal.SIGUSR1, _heard))
+
+    def rang(self) -> bool:
+        """Whether SIGUSR1 arrived since the last look (other signals' bytes are dropped: nothing
+        else reads this descriptor)."""
+        if self._pipe is None:
+            return False
+        heard = b""
+        try:
+            while chunk := os.read(self._pipe[0], 512):
+                heard += chunk
+        except BlockingIOError:
+            pass
+        return signal.SIGUSR1 in heard
+
+    def remove(self) -> None:
+        if self._pipe is None or self._saved is None:
+            return
+        old_fd, handler = self._saved
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGUSR1, handler if handler is not None else signal.SIG_DFL)
+        for fd in self._pipe:
+            os.close(fd)
+        self._pipe = self._saved = None
+
+
+def _heard(signum: int, frame: object) -> None:
+    """SIGUSR1's Python handler: nothing to do in the main thread, the watchdog answers (`Bell`)."""
+
+
+def _too_early(signum: int, frame: object) -> None:
+    print("pipezero: SIGUSR1 (the hang doctor's request) while this process trains no step (starting up or "
+          "finishing): nothing to report; ask again while it trains", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def early_requests(active: bool = True) -> Iterator[None]:
+    """SIGUSR1 before a rank's watchdog runs (its imports, the corpus, the process group), or to a
+    launcher before its job starts, is answered with a line instead of ending the process; the
+    watchdog's `Bell` and the launcher's own handler take over while they run."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, _too_early)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def relaying_requests(out: str | Path) -> Iterator[None]:
+    """For a process that starts ranks elsewhere (`pipezero cluster`'s nodes): SIGUSR1 asks every rank
+    of the run in `out` for its record, as the `--nproc` launcher's does (job.py), instead of ending
+    the process, and with it the teardown of what it started."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, lambda *_: ask(out))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
+
+
 class Watch:
     """The watchdog thread of one rank (`start`, then `stop` at the end of the run)."""
 
@@ -86,9 +185,11 @@ class Watch:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"pipezero-watch-{flight.rank}", daemon=True)
+        self.bell = Bell()
         flight.on_failure = self._failed
 
     def start(self) -> Watch:
+        self.bell.install()
         self._thread.start()
         return self
 
@@ -97,6 +198,7 @@ class Watch:
         is then not a stale wait, and `pipezero doctor` on the finished run finds no hang)."""
         self._stop.set()
         self._thread.join()
+        self.bell.remove()
         self.flight.on_failure = None
         if finished and self._wrote and not self._failed_at:
             self.write("finished")
@@ -126,6 +228,8 @@ class Watch:
         elif self._stalled and self._stalled != self._resumed and since != self._stalled:
             self._resumed = self._stalled  # the stalled wait ended: a straggler, not a hang
             self.write("resumed")
+        if self.bell.rang():  # asked of this rank: every rank of the run answers, as the launcher's asking
+            ask(self.out)
         req = asked(self.out)
         if req > self._answered:
             self._answered = req
@@ -154,12 +258,10 @@ def plan_facts(cfg: Any, stage: Any) -> dict[str, Any]:
 
 def start_watch(cfg: Any, stage: Any) -> Watch:
     """The rank's watchdog, started; rank 0 also prints reports unless pipezero's launcher does."""
-    import os
-
     from pipezero.rundir import HELD_BY_LAUNCHER, run_id
 
     p, out = cfg.parallel, cfg.run.out
     stall = p.stall_report_s if p.stall_report_s is not None else p.timeout_s / 4
-    lead = stage.mesh.rank == 0 and p.world_size > 1 and not os.environ.get(HELD_BY_LAUNCHER)
+    lead = stage.mesh.rank == 0 and not os.environ.get(HELD_BY_LAUNCHER)
     return Watch(stage.executor.flight, out, stall, plan_facts(cfg, stage), run_id(out),
                  Desk(out, p.world_size) if lead else None).start()
