@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipezero.doctor import Ranks, load_records, planned_work, programs, report, stragglers, table, verdict
+from pipezero.doctor import (Programs, Ranks, load_records, planned_work, programs, report, stragglers, table,
+                             verdict)
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import PointToPoint
@@ -19,16 +20,17 @@ FACTS = {"schedule": "1f1b", "pp": 2, "dp": 2, "microbatches": 4, "virtual_stage
          "grad_reduce": "step", "bucket_mb": 25.0, "zero3_keep_gathered": None, "recompute": False,
          "placement": "dp-inner", "model": ModelShapes.of_counts([[64], [64]]).to_json()}
 PROG, RANKS = programs(FACTS), Ranks.of(FACTS)
+EVERY = [Programs(PROG, RANKS).of(r) for r in range(RANKS.world)]  # each rank's program, peers its own
 
 
 def at(rank: int, text: str) -> int:
     """Index of the instruction printed as `text` in `rank`'s program."""
-    return [str(i) for i in PROG.ranks[rank]].index(text)
+    return [str(i) for i in EVERY[rank]].index(text)
 
 
 def rec(rank: int, index: int, awaited: dict | None = None, step: int = 2, **extra) -> dict:
     return {"rank": rank, "stage": RANKS.coords(rank)[0], "state": "stalled", "step": step, "written": 100.0,
-            "index": index, "instr": str(PROG.ranks[rank][index]) if index >= 0 else "end of run", "nbytes": 0,
+            "index": index, "instr": str(EVERY[rank][index]) if index >= 0 else "end of run", "nbytes": 0,
             "awaited": awaited, "waited_s": 2.0 if awaited else 0.0, "unposted": -1, "plan": FACTS, "run": "r",
             **extra}
 
@@ -125,7 +127,7 @@ def test_placement_maps_global_ranks_to_program_slots():
     pp_inner = Ranks(2, 2, "pp-inner")  # rank = replica * P + stage
     assert [pp_inner.coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert all(pp_inner.rank(pp_inner.slot(r)) == r for r in range(4))
-    assert all(isinstance(i, PointToPoint) is False or i.peer in range(4) for i in PROG.ranks[0])
+    assert all(isinstance(i, PointToPoint) is False or i.peer in range(4) for r in EVERY for i in r)
 
 
 def work(own: list[float], planned: list[float], steps: int = 2) -> list[dict]:
@@ -172,13 +174,13 @@ def test_half_of_a_stage_may_be_slow_and_the_slowest_rank_is_named():
 
 
 def test_planned_work_weighs_each_compute_action_by_its_chunk():
-    assert [planned_work(PROG.ranks[r], [3.0, 6.0]) for r in range(4)] == pytest.approx([12.0, 12.0, 24.0, 24.0])
+    assert [planned_work(EVERY[r], [3.0, 6.0]) for r in range(4)] == pytest.approx([12.0, 12.0, 24.0, 24.0])
     # zb-v: a rank of stage 0 holds chunks 0 and 3, of stage 1 chunks 1 and 2; F, B and W are a
     # third each of a micro-batch's chunk cost, 4 micro-batches
     zbv = programs({**FACTS, "schedule": "zb-v", "virtual_stages": 2,
                     "model": ModelShapes.of_counts([[64]] * 4).to_json()})
     costs = [1.0, 2.0, 4.0, 8.0]
-    assert [planned_work(zbv.ranks[r], costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
+    assert [planned_work(Programs(zbv, RANKS).of(r), costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
 
 
 def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
@@ -186,7 +188,7 @@ def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
         step = 1
 
     f = FlightRecord(1, 0, step_of=Clock())
-    compute, send = PROG.ranks[1][at(1, "0F0")], PROG.ranks[1][at(1, "SEND(act 1:0 to 3)")]
+    compute, send = EVERY[1][at(1, "0F0")], EVERY[1][at(1, "SEND(act 1:0 to 3)")]
     for step in (1, 2, 3):
         Clock.step = step
         f.begin(0, compute)
@@ -204,7 +206,7 @@ def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
 
 def test_the_flight_record_keeps_a_fixed_ring_and_notices_an_unposted_send():
     f = FlightRecord(1, 0, keep=4)
-    prog = PROG.ranks[1]
+    prog = EVERY[1]
     for step in (1, 2):
         for i, ins in enumerate(prog):
             f.begin(i, ins)
@@ -252,7 +254,7 @@ def expected(fault: str, out: Path) -> tuple[int, str | tuple[str, ...], int]:
     struck = json.loads((out / "fault.json").read_text())
     if fault == "kill":  # its program prints it as REDUCE_GRAD(c.k) or REDUCE_GRAD(c.k, wait): one a step
         facts = next(iter(load_records(out).values()))["plan"]
-        mine = programs(facts).ranks[Ranks.of(facts).slot(FAULTY)]  # a fused backward holds its reductions
+        mine = Programs(programs(facts), Ranks.of(facts)).of(FAULTY)  # a fused backward holds its reductions
 
         def names(ins) -> list[str]:
             texts = map(str, [ins, *getattr(ins, "during", ())])
@@ -341,3 +343,26 @@ def test_waits_that_just_began_are_no_hang():
     assert verdict(records, PROG, RANKS).culprit is None
     records[3]["state"] = "failed"  # a failed wait counts however short (a peer gone)
     assert verdict(records, PROG, RANKS).culprit == 1
+
+
+def test_a_wide_layout_compiles_one_replica_and_maps_its_peers(tmp_path):
+    """Ranks of a stage play one program but for the peers their transfers name: the doctor lowers
+    one replica's programs (P of them, not P x D: at 256 x 256 that took minutes) and reads every
+    rank's from them, a far replica's peers included."""
+    wide = {**FACTS, "pp": 4, "dp": 16384, "microbatches": 8, "zero": 3,
+            "model": ModelShapes.of_counts([[64]] * 4).to_json()}
+    prog, ranks = programs(wide), Ranks.of(wide)
+    assert sum(1 for r in prog.ranks if r) == 4
+    d = 12345  # stage 0 of replica d never sent its activation 1:0; stage 1 of d waits for it
+    waiter, culprit = ranks.rank(1 * ranks.dp + d), ranks.rank(d)
+    records = {waiter: {**rec(0, 0), "rank": waiter, "stage": 1, "index": 3, "instr": "1F0", "plan": wide,
+                        "awaited": {"op": "RECV", "peer": culprit, "transfer": [1, False, 0]}, "waited_s": 2.0}}
+    for q in (ranks.rank(e) for e in (0, 7, ranks.dp - 1)):  # other replicas' stage 0, at work
+        records[q] = {**records[waiter], "rank": q, "stage": 0, "awaited": None, "waited_s": 0.0}
+    v = verdict(records, prog, ranks)
+    assert v.culprit == culprit and v.instruction == f"SEND(act 1:0 to {waiter})" and v.step == 2, v.text
+    folder = tmp_path / "doctor"
+    folder.mkdir()
+    for r, x in records.items():
+        (folder / f"rank-{r:05d}.json").write_text(json.dumps(x))
+    assert f"rank {culprit} (stage 0) never did instruction" in report(tmp_path)
