@@ -27,39 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind, Zero3Unit
+from pipezero.flight_files import FOLDER, MAX_BYTES, Record, RecordError, load_records, read_json, read_run, record_path
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program
 
-FOLDER = "doctor"  # under the run folder
 REQUEST = "request"  # its content: the time a report was asked for
-Record = dict[str, Any]
 Position = tuple[int, int]  # (step, instruction index)
 PAST = 1 << 30  # index of a rank outside its program after a step: past every instruction of it
-
-
-def record_path(out: str | Path, rank: int) -> Path:
-    return Path(out) / FOLDER / f"rank-{rank:05d}.json"
-
-
-def load_records(out: str | Path) -> dict[int, Record]:
-    """The newest record of every rank of the newest run that wrote any, by rank."""
-    found: dict[int, Record] = {}
-    for path in sorted((Path(out) / FOLDER).glob("rank-*.json")):
-        if not path.is_file():  # a pipe's read would wait forever; a folder is no record
-            continue
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):
-            continue  # a record being replaced: the rename makes this rare, never a torn read
-        stamped = isinstance(rec, dict) and isinstance(rec.get("written"), int | float)
-        if not stamped or type(rec.get("rank")) is not int:
-            continue  # not a record a rank wrote
-        found[rec["rank"]] = rec
-    if not found:
-        return {}
-    newest = max(found.values(), key=lambda r: r["written"])
-    return {r: rec for r, rec in found.items() if rec.get("run") == newest.get("run")}
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -443,17 +418,13 @@ def table(records: dict[int, Record], ranks: Ranks, now: float | None = None) ->
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def merged_facts(records: dict[int, Record]) -> dict[str, Any]:
-    """The newest record's plan facts (every rank compiled the same plan, from the whole model's shapes)."""
-    return dict(max(records.values(), key=lambda r: r["written"])["plan"])
-
-
 def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None:
-    """The doctor's table and verdict from the records under run folder `out`; None without any."""
-    records = load_records(out)
-    if not records:
+    """The doctor's table and verdict from the records under run folder `out`; None without any.
+    RecordError names a file under RUN/doctor that is not a rank's record."""
+    run = read_run(out)
+    if run is None:
         return None
-    facts = merged_facts(records)
+    records, facts = run.records, run.plan
     ranks, prog = Ranks.of(facts), programs(facts)
     v = verdict(records, prog, ranks)
     lines = [f"hang doctor: {len(records)} of {ranks.world} ranks answered ({Path(out) / FOLDER})",
@@ -524,9 +495,22 @@ def add_doctor_parser(sub: Any) -> None:
     d = sub.add_parser("doctor", help="say where every rank of a run stopped and which one holds the others up",
                        description="Read RUN/doctor/ (the flight records ranks write when a wait stalls or fails, "
                                    "or when the launcher gets SIGUSR1) and print one line a rank and the verdict; "
-                                   "exit 0 when records were found, 1 when none. See docs/how-to/hang-doctor.md.")
+                                   "exit 0 when records were found, 1 when none, 2 when a file there is not a "
+                                   "record as a rank writes it (named, with why). Bounds: it reads records of "
+                                   f"at most {MAX_BYTES >> 20} MiB, follows no link, and compiles one replica's "
+                                   "programs of layouts train runs (P x D up to 65536 ranks, P x M x V up to 65536 "
+                                   "stage micro-batches). See docs/how-to/hang-doctor.md.")
     d.add_argument("run", help="the run folder (--out of the run)")
     d.set_defaults(func=cmd_doctor)
+
+
+def _summary(out: Path) -> dict[str, Any] | None:
+    """The run's summary.json for its straggler line, if there is a readable one (read as records are)."""
+    try:
+        summary = read_json(out / "summary.json")
+    except RecordError:
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def cmd_doctor(args: Any) -> int:
@@ -540,28 +524,20 @@ def cmd_doctor(args: Any) -> int:
         print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
               f"folder (its --out)", file=sys.stderr)
         return 2
-    try:  # a file only: a pipe's read waits for a writer for ever
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
-    except (OSError, ValueError, RecursionError):
-        summary = None
-    summary = summary if isinstance(summary, dict) else None
+    summary = _summary(out)
     try:  # the records are data on disk: one a user edited or another tool wrote is one line, not a traceback
         text = report(out, summary)
         s = (summary or {}).get("straggler") if text is None else None
         tail = f"; straggler (summary.json): rank {s['rank']}, {s['s_per_step']:.3f}s a step" if s else ""
+    except RecordError as e:
+        print(f"pipezero doctor: {e}", file=sys.stderr)
+        return 2
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         print(f"pipezero doctor: {out}'s flight records or summary.json are not as pipezero writes them "
               f"({type(e).__name__}: {e}); remove {out / FOLDER} and reproduce the hang to write fresh ones",
               file=sys.stderr)
         return 2
     if text is None:
-        unread = sorted(p.name for p in (out / FOLDER).glob("rank-*.json"))
-        if unread:  # files by a record's name, none of them one a rank wrote: damaged or another tool's
-            shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
-            print(f"pipezero doctor: {shown} under {out / FOLDER} are not flight records as pipezero writes "
-                  f"them (damaged, or written by something else): remove them and reproduce the hang to write "
-                  f"fresh ones", file=sys.stderr)
-            return 2
         print(f"pipezero doctor: no flight records under {out / FOLDER}{tail}", file=sys.stderr)
         return 1
     print(text)

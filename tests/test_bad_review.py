@@ -170,7 +170,7 @@ DOCTOR_CASES = [
     ("deep", 2, "rank-00000.json under"),  # RecursionError traceback
     ("pipe", 2, "are not flight records as pipezero writes them"),  # the read waited forever
     ("shapes", 2, "rank-00000.json, rank-00001.json, rank-00002.json under"),  # [] / rank "x" / {}: KeyError
-    ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
+    ("minimal", 2, 'rank-00000.json misses "step"'),
     ("straggler", 2, "(KeyError: 's_per_step')"),
 ]
 

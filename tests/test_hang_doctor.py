@@ -12,6 +12,7 @@ import pytest
 
 from pipezero.doctor import (Programs, Ranks, load_records, planned_work, programs, report, stragglers, table,
                              verdict)
+from pipezero.flight_files import read_run
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import PointToPoint
@@ -253,7 +254,7 @@ def expected(fault: str, out: Path) -> tuple[int, str | tuple[str, ...], int]:
 
     struck = json.loads((out / "fault.json").read_text())
     if fault == "kill":  # its program prints it as REDUCE_GRAD(c.k) or REDUCE_GRAD(c.k, wait): one a step
-        facts = next(iter(load_records(out).values()))["plan"]
+        facts = read_run(out).plan
         mine = Programs(programs(facts), Ranks.of(facts)).of(FAULTY)  # a fused backward holds its reductions
 
         def names(ins) -> list[str]:
@@ -366,3 +367,69 @@ def test_a_wide_layout_compiles_one_replica_and_maps_its_peers(tmp_path):
     for r, x in records.items():
         (folder / f"rank-{r:05d}.json").write_text(json.dumps(x))
     assert f"rank {culprit} (stage 0) never did instruction" in report(tmp_path)
+
+
+# --- records read as data on disk ------------------------------------------------------------------
+def lay_records(run: Path, files: dict[str, bytes]) -> Path:
+    """RUN/doctor/ holding rank 0's real record (a wait on rank 1) and `files` beside it."""
+    folder = run / "doctor"
+    folder.mkdir(parents=True)
+    real = rec(0, optim(0), {"op": "REDUCE_GRAD", "chunk": 0, "bucket": 0})
+    (folder / "rank-00000.json").write_text(json.dumps(real))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def deep_json() -> bytes:
+    return b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("files, needle", [
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "rank": 0, "written": 200.0}).encode()},
+     "rank-00001.json says it is rank 0"),  # it replaced rank 0's real record
+    ({"rank-00001.json": b'{"rank": 1, "written'}, "rank-00001.json is not JSON"),
+    ({"rank-00001.json": deep_json()}, "rank-00001.json is nested deeper than"),
+    ({"rank-00001.json": b"[]"}, "rank-00001.json holds no record"),
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "step": "2"}).encode()}, 'rank-00001.json\'s "step" is'),
+    ({"rank-0000x.json": json.dumps(rec(1, 0)).encode()}, "rank-0000x.json is not named for a rank"),
+    ({"rank-00001.json": json.dumps(rec(1, 0, {"op": "RECV", "peer": [3], "transfer": [0, 0, 0]})).encode()},
+     'rank-00001.json\'s "awaited" RECV wants a whole-number "peer"'),
+    ({"rank-99999.json": json.dumps({**rec(1, 0), "rank": 99999}).encode()}, "rank-99999.json names rank 99999"),
+])
+def test_a_record_the_doctor_cannot_trust_is_named_with_why(files, needle, tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    lay_records(tmp_path, files)
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
+
+
+def test_the_doctor_follows_no_link_and_caps_what_it_reads(tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    folder = lay_records(tmp_path / "run", {})
+    (folder / "rank-00001.json").symlink_to("/etc/passwd")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys), "rank-00001.json is a link")
+    (folder / "rank-00001.json").unlink()
+    with open(folder / "rank-00001.json", "wb") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte that takes no disk
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys),
+                    "rank-00001.json is 1 TiB, past the 64 MiB a record may be")
+    elsewhere = lay_records(tmp_path / "other", {}).parent
+    (folder / "rank-00001.json").unlink()
+    (tmp_path / "run" / "doctor").rename(tmp_path / "moved")
+    (tmp_path / "run" / "doctor").symlink_to(elsewhere / "doctor")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys), "doctor is a link out of the run folder")
+
+
+def test_records_carry_no_plan_the_run_writes_it_once(tmp_path):
+    """Every rank of a 65,536-rank run writes a record: the plan (the model's shapes, tens of KB)
+    once for the run, not in each, keeps reading them all a matter of seconds."""
+    from pipezero.runtime.watch import Watch
+
+    for rank in (1, 3):
+        f = FlightRecord(rank, RANKS.coords(rank)[0])
+        Watch(f, tmp_path, stall_s=0.05, plan=FACTS, run="r").write("asked")
+    assert not any("plan" in json.loads(p.read_text()) for p in (tmp_path / "doctor").glob("rank-*.json"))
+    assert sorted(p.name for p in (tmp_path / "doctor").glob("plan-*.json")) == ["plan-r.json"]
+    assert "2 of 4 ranks answered" in report(tmp_path)
