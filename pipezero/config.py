@@ -341,7 +341,11 @@ class RunConfig:
     compile: bool = False
     """torch.compile each transformer block (not with split-backward schedules)."""
     progress: bool = True
-    """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: no per-step lines."""
+    """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: a plain
+    line every step (step, loss, tokens/s)."""
+    quiet: bool = False
+    """Print none of the run's own lines (opening, per step, closing): `verify` runs a layout and
+    reports it itself. Errors and warnings are still said."""
     memory_profile: bool = False
     """Measure each rank's peak memory of the first step, the first evaluation and the text sample
     (CUDA: the caching allocator's peak; CPU: live tensor bytes from the profiler's memory events) and
