@@ -96,6 +96,9 @@ class Partition(str, enum.Enum):
     MEMORY = "memory"  # the least largest predicted per-rank peak (sim/memory_partition.py)
 
 
+MAX_LAYERS = 4096  # transformer blocks a model may have (model.n_layers, a --model-spec's n_layers): settings.py
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-style decoder. `preset` fills the shape; explicit fields override it."""

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
-from pipezero.config import (LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
-                             Zero3Unit)
+from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard,
+                             TrainConfig, WeightQuant, Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
@@ -26,7 +26,6 @@ from pipezero.schedules.zero_rules import RULES
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
 
 POSITIVE_INT, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, open_low=True)
-MAX_LAYERS = 4096  # transformer blocks a model may have (model.n_layers, a --model-spec's n_layers)
 # The accepted values of every numeric setting; settings not listed accept any value of their type.
 RANGES: dict[str, Range] = {
     **{f"model.{k}": POSITIVE_INT for k in ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim",
