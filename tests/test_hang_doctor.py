@@ -288,8 +288,8 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
     took = time.monotonic() - t0
     assert all(s is None or s.startswith("PipelineTimeout") for s in seen), (seen, report(tmp_path))  # named
     rank, instruction, index = expected(fault, tmp_path)
-    records = load_records(tmp_path)
-    facts = next(iter(records.values()))["plan"]
+    run = read_run(tmp_path)
+    records, facts = run.records, run.plan
     v = verdict(records, programs(facts), Ranks.of(facts))
     named = instruction if isinstance(instruction, tuple) else (instruction,)  # possibly inside a compute instruction
     assert v.culprit == rank and any(x in v.instruction for x in named) and v.step == 2, (v, report(tmp_path))
