@@ -393,6 +393,12 @@ def check_prefetch(cfg: TrainConfig) -> None:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
+    if m.pretrained is not None and type(m.n_layers) is int and m.n_layers > MAX_LAYERS:  # config.json's, not [model]'s
+        from pipezero.models.hf_weights import check_weights
+
+        check_weights(m)  # a count the weights do not hold is said as such, from the headers alone
+        raise ConfigError(f"{Path(m.pretrained) / 'config.json'}: num_hidden_layers = {m.n_layers}: at most "
+                          f"{MAX_LAYERS} blocks (model.n_layers' range)")
     for section in _sections(False):  # a configuration built in code passes the same checks as a file
         for f in dataclasses.fields(getattr(cfg, section)):
             coerce_setting(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))

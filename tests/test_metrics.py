@@ -75,11 +75,12 @@ def test_a_host_with_more_ranks_than_cores_is_named_beside_the_bubble():
 
 def test_no_progress_prints_a_plain_line_a_step(tmp_path, capsys):
     """--no-progress promises plain log lines instead of a bar: one a step (loss, tokens/s) beside
-    the run's opening and closing lines, where it printed nothing at all."""
+    the run's opening and closing lines, on stdout (a log), where it printed nothing at all; stderr
+    stays for what went wrong."""
     args = ["--data", str(short_documents(tmp_path)), "--tokenizer", "bytes", "--seq-len", "16", "--max-steps", "3",
             "--sample-tokens", "0", "--out", str(tmp_path / "run"), "--no-progress"]
     assert main(["train", *args]) == 0
-    err = capsys.readouterr().err
-    steps = [x for x in err.splitlines() if x.startswith("step ")]
+    out, err = capsys.readouterr()
+    steps = [x for x in out.splitlines() if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"] and all(" loss " in x and "tok/s" in x for x in steps)
-    assert "layout pp=1" in err and "held-out loss" in err, err
+    assert "layout pp=1" in out and "held-out loss" in out and "step " not in err, (out, err)

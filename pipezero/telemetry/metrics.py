@@ -79,11 +79,12 @@ class MetricsLog:
 
 
 class StepProgress:
-    """A rich progress bar with loss and tokens/s on a terminal, a plain line every 10% elsewhere;
-    without the bar (`bar` False: --no-progress), a plain line every step, for a log to read or grep."""
+    """A rich progress bar with loss and tokens/s on a terminal, a plain line every 10% elsewhere,
+    on stderr; without the bar (`bar` False: --no-progress) the run's lines go to stdout as a log, a
+    plain line every step (`train --no-progress > run.log`), and stderr holds only what went wrong."""
 
     def __init__(self, total: int, start: int, enabled: bool, bar: bool = True) -> None:
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=bar, highlight=bar, soft_wrap=not bar)  # a log line is never wrapped
         self.enabled = enabled
         self.total = total
         self._every = max(1, total // 10) if bar else 1
