@@ -433,3 +433,19 @@ def test_records_carry_no_plan_the_run_writes_it_once(tmp_path):
     assert not any("plan" in json.loads(p.read_text()) for p in (tmp_path / "doctor").glob("rank-*.json"))
     assert sorted(p.name for p in (tmp_path / "doctor").glob("plan-*.json")) == ["plan-r.json"]
     assert "2 of 4 ranks answered" in report(tmp_path)
+
+
+def test_a_request_that_is_not_a_plain_file_asks_nothing(tmp_path):
+    """The launcher and every rank's watchdog read RUN/doctor/request each tick: a pipe there would
+    block them for ever, a link would be followed out of the run folder."""
+    from pipezero.runtime.watch import ask, asked
+
+    (tmp_path / "doctor").mkdir()
+    os.mkfifo(tmp_path / "doctor" / "request")
+    assert asked(tmp_path) == 0.0  # at once: no writer is waited for
+    (tmp_path / "doctor" / "request").unlink()
+    (tmp_path / "elsewhere").write_text("12345.0\n")
+    (tmp_path / "doctor" / "request").symlink_to(tmp_path / "elsewhere")
+    assert asked(tmp_path) == 0.0
+    (tmp_path / "doctor" / "request").unlink()
+    assert asked(tmp_path) == 0.0 and ask(tmp_path) == asked(tmp_path) > 0

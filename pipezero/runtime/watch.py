@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.doctor import FOLDER, REQUEST, report
-from pipezero.flight_files import RecordError, load_records, plan_path, record_path
+from pipezero.flight_files import RecordError, load_records, plan_path, read_json, record_path
 from pipezero.runtime.flight import FlightRecord
 from pipezero.util import atomic_write_bytes, atomic_write_json
 
@@ -37,10 +37,13 @@ def ask(out: str | Path) -> float:
 
 
 def asked(out: str | Path) -> float:
+    """When a report was last asked for; 0 when never, or when the request is not a plain file of
+    a number (read without waiting on a pipe or following a link: every tick reads it)."""
     try:
-        return float((Path(out) / FOLDER / REQUEST).read_text())
-    except (OSError, ValueError):
+        when = read_json(Path(out) / FOLDER / REQUEST, max_bytes=64)
+    except RecordError:
         return 0.0
+    return float(when) if type(when) in (int, float) else 0.0
 
 
 class Desk:
