@@ -110,7 +110,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--trace": ("run.trace", "write trace.json and trace.png"),
     "--tensorboard": ("run.tensorboard", "also write metrics.jsonl's records to OUT/tensorboard (needs tensorboard)"),
     "--compile": ("run.compile", "torch.compile each transformer block (1f1b, gpipe, interleaved-1f1b, looped-bfs)"),
-    "--no-progress": ("run.progress", "plain log lines instead of a progress bar"),
+    "--no-progress": ("run.progress", "a plain log line every step (step, loss, tokens/s) instead of a progress bar"),
     "--memory-profile": ("run.memory_profile", "measure each rank's peak memory of the first step, the first "
                                                "evaluation and the text sample and write them beside the memory "
                                                "model's prediction in summary.json"),

@@ -96,6 +96,9 @@ class Partition(str, enum.Enum):
     MEMORY = "memory"  # the least largest predicted per-rank peak (sim/memory_partition.py)
 
 
+MAX_LAYERS = 4096  # transformer blocks a model may have (model.n_layers, a --model-spec's n_layers): settings.py
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-style decoder. `preset` fills the shape; explicit fields override it."""
@@ -342,7 +345,11 @@ class RunConfig:
     compile: bool = False
     """torch.compile each transformer block (not with split-backward schedules)."""
     progress: bool = True
-    """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: no per-step lines."""
+    """A progress bar on a terminal (a plain line every tenth of the run otherwise); False: a plain
+    line every step (step, loss, tokens/s)."""
+    quiet: bool = False
+    """Print none of the run's own lines (opening, per step, closing): `verify` runs a layout and
+    reports it itself. Errors and warnings are still said."""
     memory_profile: bool = False
     """Measure each rank's peak memory of the first step, the first evaluation and the text sample
     (CUDA: the caching allocator's peak; CPU: live tensor bytes from the profiler's memory events) and

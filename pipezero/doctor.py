@@ -22,44 +22,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind, Zero3Unit
+from pipezero.flight_files import FOLDER, MAX_BYTES, Record, RecordError, load_records, read_json, read_run, record_path
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program
 
-FOLDER = "doctor"  # under the run folder
 REQUEST = "request"  # its content: the time a report was asked for
-Record = dict[str, Any]
 Position = tuple[int, int]  # (step, instruction index)
 PAST = 1 << 30  # index of a rank outside its program after a step: past every instruction of it
-
-
-def record_path(out: str | Path, rank: int) -> Path:
-    return Path(out) / FOLDER / f"rank-{rank:05d}.json"
-
-
-def load_records(out: str | Path) -> dict[int, Record]:
-    """The newest record of every rank of the newest run that wrote any, by rank."""
-    found: dict[int, Record] = {}
-    for path in sorted((Path(out) / FOLDER).glob("rank-*.json")):
-        if not path.is_file():  # a pipe's read would wait forever; a folder is no record
-            continue
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):
-            continue  # a record being replaced: the rename makes this rare, never a torn read
-        stamped = isinstance(rec, dict) and isinstance(rec.get("written"), int | float)
-        if not stamped or type(rec.get("rank")) is not int:
-            continue  # not a record a rank wrote
-        found[rec["rank"]] = rec
-    if not found:
-        return {}
-    newest = max(found.values(), key=lambda r: r["written"])
-    return {r: rec for r, rec in found.items() if rec.get("run") == newest.get("run")}
 
 
 # --- the plan -------------------------------------------------------------------------------------
@@ -78,7 +53,9 @@ def check_size(facts: dict[str, Any]) -> None:
 
 
 def programs(facts: dict[str, Any]) -> Program:
-    """Every rank's program, compiled from the plan facts a record carries (runtime/watch.py)."""
+    """The programs of one data-parallel replica (replica 0) of every stage, compiled from the plan
+    facts a record carries (runtime/watch.py): every other rank's is its stage's but for the peers
+    it names (`Programs`), so the doctor lowers P programs, not P x D."""
     check_size(facts)
     depth = facts.get("zero3_prefetch", 1)  # records written before the prefetch depth: 1
     if type(depth) is not int or not 1 <= depth <= 64:
@@ -91,7 +68,7 @@ def programs(facts: dict[str, Any]) -> Program:
                        grad_reduce=GradReduce(facts["grad_reduce"]), bucket_mb=facts["bucket_mb"],
                        zero3_keep_gathered=facts["zero3_keep_gathered"], recompute=facts["recompute"],
                        zero3_prefetch=depth, zero3_unit=Zero3Unit(unit))
-    return compile_plan(p, ModelShapes.from_json(facts["model"])).program
+    return compile_plan(p, ModelShapes.from_json(facts["model"]), replicas=(0,)).program
 
 
 @dataclass(frozen=True)
@@ -156,44 +133,166 @@ def _matches_one(ins: Instr, aw: dict[str, Any]) -> bool:
     return ins.chunk == aw.get("chunk") and (bucket is None or aw.get("bucket") is None or bucket == aw["bucket"])
 
 
-def needed(rec: Record, prog: Program, ranks: Ranks) -> list[tuple[int, Position]]:
-    """What the wait in `rec` needs to end: (peer, the position in the peer's program it must reach)."""
-    aw, me = rec.get("awaited"), rec["rank"]
-    if not aw or rec["index"] < 0 and aw["op"] in ("RECV", "SEND"):
-        return []  # no wait, or a transfer outside the program (evaluation)
+Holder = tuple[int, Position]  # a peer, and the position in its program it must reach
+Need = tuple[int, int, int, tuple[Any, Any, Any]]  # a collective: (stage or -1: the world, step, nth, what)
+
+
+class Programs:
+    """Every rank's program, read from its stage's replica-0 program (`programs`): a rank of
+    replica d plays that program with each transfer's peer moved to replica d. What a wait looks
+    up in them (the peer's matching SEND or RECV, the group's turns at a collective) is indexed
+    once a stage: a 65,536-rank run's records each look one up, and a scan of a program for each
+    made the doctor's time grow as records times ranks."""
+
+    def __init__(self, program: Program, ranks: Ranks) -> None:
+        self.program, self.ranks = program, ranks
+        self._transfers: dict[int, dict[tuple[Kind, Any, int], int]] = {}
+        self._hits: dict[tuple[int, Any, Any, Any], tuple[int, ...]] = {}
+
+    def coords(self, rank: Any) -> tuple[int, int]:
+        """(stage, replica) of a rank a record names; a number outside the run is the record's error."""
+        if type(rank) is not int or not 0 <= rank < self.ranks.world:
+            raise ValueError(f"rank {rank!r} named in a record: not a rank of this {self.ranks.world}-rank run")
+        return self.ranks.coords(rank)
+
+    def _stage_program(self, stage: int) -> tuple[Instr, ...]:
+        return self.program.ranks[stage * self.ranks.dp]
+
+    def instr(self, rank: int, j: int) -> Instr:
+        """Instruction `j` of `rank`'s program."""
+        stage, d = self.coords(rank)
+        ins = self._stage_program(stage)[j]
+        return replace(ins, peer=ins.peer + d) if d and isinstance(ins, PointToPoint) else ins
+
+    def of(self, rank: int) -> list[Instr]:
+        """`rank`'s whole program."""
+        return [self.instr(rank, j) for j in range(len(self._stage_program(self.coords(rank)[0])))]
+
+    def transfer(self, rank: int, kind: Kind, transfer: Any, peer: int) -> int | None:
+        """Index of `rank`'s first `kind` (SEND or RECV) of `transfer` with `peer`, if it has one."""
+        (stage, d), (peer_stage, peer_d) = self.coords(rank), self.coords(peer)
+        if d != peer_d:  # transfers stay within a replica
+            return None
+        if stage not in self._transfers:
+            found: dict[tuple[Kind, Any, int], int] = {}
+            for j, ins in enumerate(self._stage_program(stage)):
+                if isinstance(ins, PointToPoint):  # replica 0's peer slot is its stage times D
+                    found.setdefault((ins.kind, ins.transfer, ins.peer // self.ranks.dp), j)
+            self._transfers[stage] = found
+        return self._transfers[stage].get((kind, transfer, peer_stage))
+
+    def hits(self, rank: int, aw: dict[str, Any]) -> tuple[int, ...]:
+        """Where in `rank`'s program the collective `aw` names happens, an index each time."""
+        stage = self.coords(rank)[0]
+        key = (stage, aw["op"], aw.get("chunk"), aw.get("bucket"))
+        if key not in self._hits:
+            self._hits[key] = tuple(j for j, ins in enumerate(self._stage_program(stage))
+                                    for _ in range(_matches(ins, aw)))
+        return self._hits[key]
+
+
+def transfer_need(rec: Record, plans: Programs) -> list[Holder]:
+    """What a wait on a transfer needs to end: the peer's matching SEND (of a RECV) or RECV (of a SEND)."""
+    aw, me = rec["awaited"], rec["rank"]
+    if rec["index"] < 0:
+        return []  # a transfer outside the program (evaluation)
+    want = Kind.SEND if aw["op"] == "RECV" else Kind.RECV
+    j = plans.transfer(aw["peer"], want, tuple(aw["transfer"]), me)
+    return [] if j is None else [(aw["peer"], (rec["step"], j))]
+
+
+def collective_need(rec: Record, plans: Programs) -> Need | None:
+    """Which turn at which collective a wait is: every rank of its group must reach the same turn."""
+    aw = rec["awaited"]
     op = aw["op"]
-    if op in ("RECV", "SEND"):
-        peer, want = aw["peer"], Kind.SEND if op == "RECV" else Kind.RECV
-        transfer = tuple(aw["transfer"])
-        for j, ins in enumerate(prog.ranks[ranks.slot(peer)]):
-            if isinstance(ins, PointToPoint) and ins.kind is want and ins.transfer == transfer \
-                    and ranks.rank(ins.peer) == me:
-                return [(peer, (rec["step"], j))]
-        return []
-    if op not in (Kind.REDUCE_GRAD.value, Kind.UNSHARD.value, Kind.OPTIM_STEP.value):
-        return []
-    mine = prog.ranks[ranks.slot(me)]
-    hits = [j for j, ins in enumerate(mine) for _ in range(_matches(ins, aw))]
+    hits = plans.hits(rec["rank"], aw)
     step, upto = position(rec)
-    done = [j for j in hits if j <= upto]
-    later = [j for j in hits if j > upto]
+    done = sum(1 for j in hits if j <= upto)
     if done:  # the newest one started (older ones are waited for first)
-        nth = len(done) - 1
-    elif later and op == Kind.REDUCE_GRAD.value:  # started by autograd's hooks inside the backward before it
+        nth = done - 1
+    elif hits and op == Kind.REDUCE_GRAD.value:  # started by autograd's hooks inside the backward before it
         nth = 0
     elif hits:  # started in the previous step's tail (ZeRO-1/2's gathers of updated weights)
         step, nth = step - 1, len(hits) - 1
     else:
-        return []
-    pp = ranks.coords(me)[0]
-    group = range(ranks.world) if op == Kind.OPTIM_STEP.value else \
-        [ranks.rank(pp * ranks.dp + d) for d in range(ranks.dp)]
-    out = []
-    for q in group:
-        theirs = [j for j, ins in enumerate(prog.ranks[ranks.slot(q)]) for _ in range(_matches(ins, aw))]
-        if q != me and nth < len(theirs):
-            out.append((q, (step, theirs[nth])))
-    return out
+        return None
+    group = -1 if op == Kind.OPTIM_STEP.value else plans.coords(rec["rank"])[0]
+    return group, step, nth, (op, aw.get("chunk"), aw.get("bucket"))
+
+
+def group_turns(need: Need, aw: dict[str, Any], plans: Programs) -> list[Holder]:
+    """Every rank of a collective's group, at its position of the turn `need` names."""
+    group, step, nth, _ = need
+    ranks = plans.ranks
+    members = range(ranks.world) if group < 0 else [ranks.rank(group * ranks.dp + d) for d in range(ranks.dp)]
+    turns = []
+    for q in members:
+        theirs = plans.hits(q, aw)
+        if nth < len(theirs):
+            turns.append((q, (step, theirs[nth])))
+    return turns
+
+
+def blocked(records: dict[int, Record], plans: Programs, min_wait_s: float
+            ) -> tuple[dict[int, Sequence[Holder]], list[tuple[int, int, Position]]]:
+    """Who holds each stuck rank up (waiter -> the peers that have not reached what it needs), and
+    the transfers whose sender passed its SEND while the receiver still waits (sender, receiver,
+    where). The ranks of a group that lag one turn of a collective are found once for all its
+    waiters: with every rank of a large run waiting in the step's all-reduce, one list."""
+    holds: dict[int, Sequence[Holder]] = {}
+    links: list[tuple[int, int, Position]] = []
+    lagging: dict[Need, tuple[tuple[Holder, ...], frozenset[int]]] = {}
+    for r, rec in records.items():
+        if not stuck(rec, min_wait_s):
+            continue
+        op = rec["awaited"]["op"]
+        if op in ("RECV", "SEND"):
+            for q, at in transfer_need(rec, plans):
+                if q not in records or not reached(records[q], at):
+                    holds.setdefault(r, []).append((q, at))  # type: ignore[attr-defined]
+                elif op == "RECV":
+                    links.append((q, r, at))
+            continue
+        if op not in (Kind.REDUCE_GRAD.value, Kind.UNSHARD.value, Kind.OPTIM_STEP.value):
+            continue
+        need = collective_need(rec, plans)
+        if need is None:
+            continue
+        if need not in lagging:
+            lag = tuple((q, at) for q, at in group_turns(need, rec["awaited"], plans)
+                        if q not in records or not reached(records[q], at))
+            lagging[need] = lag, frozenset(q for q, _ in lag)
+        lag, behind = lagging[need]
+        mine = tuple(h for h in lag if h[0] != r) if r in behind else lag
+        if mine:
+            holds[r] = mine
+    return holds, links
+
+
+def chain_ends(holds: dict[int, Sequence[Holder]]) -> tuple[dict[int, int], list[int]]:
+    """Follow who-holds-up-whom from every waiter, the peer furthest behind first: the rank each
+    chain ends at (waiter -> end), or the first cycle met. Each rank is walked once."""
+    nearest: dict[int, int] = {}  # id of a holder list (shared by a group's waiters) -> its furthest behind
+    nxt = {}
+    for w, h in holds.items():
+        if id(h) not in nearest:
+            nearest[id(h)] = min(h, key=lambda x: x[1])[0]
+        nxt[w] = nearest[id(h)]
+    end: dict[int, int] = {}
+    for start in holds:
+        path: list[int] = []
+        on: dict[int, int] = {}
+        r = start
+        while r in holds and r not in end:
+            if r in on:
+                return end, path[on[r]:] + [r]
+            on[r] = len(path)
+            path.append(r)
+            r = nxt[r]
+        root = end.get(r, r)
+        for w in path:
+            end[w] = root
+    return end, []
 
 
 def reached(rec: Record, at: Position) -> bool:
@@ -231,10 +330,10 @@ def _awaited_text(rec: Record) -> str:
     return str(aw.get("what", "")).split(": ", 1)[-1] if aw else ""
 
 
-def _lost_transfer(link: tuple[int, int, Position], records: dict[int, Record], prog: Program, ranks: Ranks,
+def _lost_transfer(link: tuple[int, int, Position], records: dict[int, Record], plans: Programs,
                    waiters: list[int]) -> Verdict:
     q, r, (step, j) = link
-    ins = str(prog.ranks[ranks.slot(q)][j])
+    ins = str(plans.instr(q, j))
     return Verdict(None, (q, r), ins, j, step, {w: _awaited_text(records[w]) for w in waiters},
                    f"link {q} -> {r}: rank {q} posted instruction {j} {ins} of step {step}, rank {r} never got it; "
                    f"{len(waiters)} rank(s) wait because of it")
@@ -247,47 +346,42 @@ def stuck(rec: Record, min_wait_s: float) -> bool:
 
 
 def verdict(records: dict[int, Record], prog: Program, ranks: Ranks, min_wait_s: float = 0.5) -> Verdict:
-    """Who holds everyone up, from the records of the ranks that answered and every rank's program;
-    waits shorter than `min_wait_s` (unless they failed) are no sign of a hang."""
+    """Who holds everyone up, from the records of the ranks that answered and the programs
+    (`programs`: one replica's suffices); waits shorter than `min_wait_s` (unless they failed) are
+    no sign of a hang."""
+    plans = Programs(prog, ranks)
     for r, rec in sorted(records.items()):  # a SEND passed without posting: everything after follows from it
         j = rec.get("unposted", -1)
         if j >= 0:
-            ins = str(prog.ranks[ranks.slot(r)][j])
+            ins = str(plans.instr(r, j))
             waiting = {q: _awaited_text(x) for q, x in records.items() if x.get("awaited") and q != r}
             return Verdict(r, None, ins, j, rec["step"], waiting,
                            f"rank {r} (stage {rec['stage']}) passed instruction {j} {ins} of step {rec['step']} without "
                            f"posting it: its peer's receives (matched in posting order) never get that transfer")
-    holds: dict[int, list[tuple[int, Position]]] = {}  # waiter -> peers behind it, with where they must get to
-    links: list[tuple[int, int, Position]] = []
-    for r, rec in records.items():
-        for q, at in needed(rec, prog, ranks) if stuck(rec, min_wait_s) else []:
-            if q not in records or not reached(records[q], at):
-                holds.setdefault(r, []).append((q, at))
-            elif rec["awaited"]["op"] == "RECV":
-                links.append((q, r, at))
+    holds, links = blocked(records, plans, min_wait_s)
     if not holds and links:
-        return _lost_transfer(links[0], records, prog, ranks, [links[0][1]])
+        return _lost_transfer(links[0], records, plans, [links[0][1]])
     if not holds:
         return Verdict(None, text="no rank is held up by another: no hang in these records")
-    roots: dict[int, list[tuple[int, Position]]] = {}  # culprit -> (waiter, position awaited) chains end at
-    for start in holds:
-        seen, r = [start], start
-        while r in holds:
-            nxt = min(holds[r], key=lambda h: h[1])[0]  # the peer furthest behind first
-            if nxt in seen:
-                cycle = " -> ".join(map(str, seen[seen.index(nxt):] + [nxt]))
-                return Verdict(None, waiting={w: _awaited_text(records[w]) for w in holds},
-                               text=f"a cycle of waits {cycle}: each rank waits for the next, which waits in turn; "
-                                    f"the ranks broke the plan's global order")
-            seen.append(nxt)
-            r = nxt
-        roots.setdefault(r, []).extend((w, at) for w in seen[:-1] for q, at in holds[w] if q == r)
+    end, cycle = chain_ends(holds)
+    if cycle:
+        return Verdict(None, waiting={w: _awaited_text(records[w]) for w in holds},
+                       text=f"a cycle of waits {' -> '.join(map(str, cycle))}: each rank waits for the next, which "
+                            f"waits in turn; the ranks broke the plan's global order")
+    roots: dict[int, list[tuple[int, Position]]] = {}  # culprit -> (waiter, position awaited) of its direct waiters
+    by_peer: dict[int, dict[int, list[Position]]] = {}  # id of a holder list -> peer -> positions
+    for w, h in holds.items():
+        if id(h) not in by_peer:
+            by_peer[id(h)] = {}
+            for q, at in h:
+                by_peer[id(h)].setdefault(q, []).append(at)
+        roots.setdefault(end[w], []).extend((w, at) for at in by_peer[id(h)].get(end[w], ()))
     culprit = min(roots, key=lambda q: (-len({w for w, _ in roots[q]}), q))
     lost = [(q, r, at) for q, r, at in links if r == culprit]
     if lost:  # the rank everyone waits for waits itself for a transfer its peer did post
-        return _lost_transfer(lost[0], records, prog, ranks, [culprit, *holds])
+        return _lost_transfer(lost[0], records, plans, [culprit, *holds])
     step, j = min(at for _, at in roots[culprit])
-    ins = _shown(prog.ranks[ranks.slot(culprit)][j], [records[w]["awaited"] for w, _ in roots[culprit]])
+    ins = _shown(plans.instr(culprit, j), [records[w]["awaited"] for w, _ in roots[culprit]])
     waiting = {w: _awaited_text(records[w]) for w in records if w in holds}
     stage = ranks.coords(culprit)[0]
     began = min(records[w]["written"] - records[w]["waited_s"] for w in holds)  # the first of these waits
@@ -324,17 +418,13 @@ def table(records: dict[int, Record], ranks: Ranks, now: float | None = None) ->
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def merged_facts(records: dict[int, Record]) -> dict[str, Any]:
-    """The newest record's plan facts (every rank compiled the same plan, from the whole model's shapes)."""
-    return dict(max(records.values(), key=lambda r: r["written"])["plan"])
-
-
 def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None:
-    """The doctor's table and verdict from the records under run folder `out`; None without any."""
-    records = load_records(out)
-    if not records:
+    """The doctor's table and verdict from the records under run folder `out`; None without any.
+    RecordError names a file under RUN/doctor that is not a rank's record."""
+    run = read_run(out)
+    if run is None:
         return None
-    facts = merged_facts(records)
+    records, facts = run.records, run.plan
     ranks, prog = Ranks.of(facts), programs(facts)
     v = verdict(records, prog, ranks)
     lines = [f"hang doctor: {len(records)} of {ranks.world} ranks answered ({Path(out) / FOLDER})",
@@ -405,9 +495,22 @@ def add_doctor_parser(sub: Any) -> None:
     d = sub.add_parser("doctor", help="say where every rank of a run stopped and which one holds the others up",
                        description="Read RUN/doctor/ (the flight records ranks write when a wait stalls or fails, "
                                    "or when the launcher gets SIGUSR1) and print one line a rank and the verdict; "
-                                   "exit 0 when records were found, 1 when none. See docs/how-to/hang-doctor.md.")
+                                   "exit 0 when records were found, 1 when none, 2 when a file there is not a "
+                                   "record as a rank writes it (named, with why). Bounds: it reads records of "
+                                   f"at most {MAX_BYTES >> 20} MiB, follows no link, and compiles one replica's "
+                                   "programs of layouts train runs (P x D up to 65536 ranks, P x M x V up to 65536 "
+                                   "stage micro-batches). See docs/how-to/hang-doctor.md.")
     d.add_argument("run", help="the run folder (--out of the run)")
     d.set_defaults(func=cmd_doctor)
+
+
+def _summary(out: Path) -> dict[str, Any] | None:
+    """The run's summary.json for its straggler line, if there is a readable one (read as records are)."""
+    try:
+        summary = read_json(out / "summary.json")
+    except RecordError:
+        return None
+    return summary if isinstance(summary, dict) else None
 
 
 def cmd_doctor(args: Any) -> int:
@@ -421,28 +524,20 @@ def cmd_doctor(args: Any) -> int:
         print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
               f"folder (its --out)", file=sys.stderr)
         return 2
-    try:  # a file only: a pipe's read waits for a writer for ever
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else None
-    except (OSError, ValueError, RecursionError):
-        summary = None
-    summary = summary if isinstance(summary, dict) else None
+    summary = _summary(out)
     try:  # the records are data on disk: one a user edited or another tool wrote is one line, not a traceback
         text = report(out, summary)
         s = (summary or {}).get("straggler") if text is None else None
         tail = f"; straggler (summary.json): rank {s['rank']}, {s['s_per_step']:.3f}s a step" if s else ""
+    except RecordError as e:
+        print(f"pipezero doctor: {e}", file=sys.stderr)
+        return 2
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         print(f"pipezero doctor: {out}'s flight records or summary.json are not as pipezero writes them "
               f"({type(e).__name__}: {e}); remove {out / FOLDER} and reproduce the hang to write fresh ones",
               file=sys.stderr)
         return 2
     if text is None:
-        unread = sorted(p.name for p in (out / FOLDER).glob("rank-*.json"))
-        if unread:  # files by a record's name, none of them one a rank wrote: damaged or another tool's
-            shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
-            print(f"pipezero doctor: {shown} under {out / FOLDER} are not flight records as pipezero writes "
-                  f"them (damaged, or written by something else): remove them and reproduce the hang to write "
-                  f"fresh ones", file=sys.stderr)
-            return 2
         print(f"pipezero doctor: no flight records under {out / FOLDER}{tail}", file=sys.stderr)
         return 1
     print(text)

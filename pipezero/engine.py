@@ -158,7 +158,7 @@ class Trainer:
 
     @property
     def shows_progress(self) -> bool:
-        return self.cfg.run.progress and self.stage.mesh.rank == 0
+        return not self.cfg.run.quiet and self.stage.mesh.rank == 0
 
     def announce(self, progress: StepProgress) -> None:
         """The run's opening lines: model, corpus, layout, a learning-rate warning."""
@@ -308,7 +308,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
         if note := unread_blocks(cfg.model):
             print(f"pipezero: warning: {note}", file=sys.stderr, flush=True)
     try:
-        with StepProgress(cfg.run.max_steps, trainer.start, show) as progress:
+        with StepProgress(cfg.run.max_steps, trainer.start, show, bar=cfg.run.progress) as progress:
             if show:
                 trainer.announce(progress)
             for step in range(trainer.start, cfg.run.max_steps):

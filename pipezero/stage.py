@@ -116,10 +116,13 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     out = []
     for c, chunk in chunks.items():
         name_of = {q: n for n, q in named[c]}  # tensors hash by identity
+        by_layer: dict[int, list[TensorShape]] = {}  # grouped once: a scan a layer was layers x tensors
+        for n, q in named[c]:
+            by_layer.setdefault(layer_of(n), []).append(TensorShape(n, tuple(q.shape)))
         layers = []
         for k, module in chunk.layers.items():
             i = int(k)
-            own = tuple(TensorShape(n, tuple(q.shape)) for n, q in named[c] if layer_of(n) == i)
+            own = tuple(by_layer.get(i, ()))
             borrows = tuple(dict.fromkeys(name_of[q] for q in module.parameters()
                                           if q in name_of and layer_of(name_of[q]) != i))
             if own or borrows:

@@ -163,7 +163,7 @@ def layout_config(cfg: TrainConfig, steps: int) -> TrainConfig:
     """The user's layout for `steps` steps under OUT/layout: no checkpoints, resume or text sample."""
     run = copy.deepcopy(cfg)
     r = run.run
-    r.max_steps, r.sample_tokens, r.checkpoint_every, r.resume, r.eval_every, r.progress = steps, 0, 0, False, 0, False
+    r.max_steps, r.sample_tokens, r.checkpoint_every, r.resume, r.eval_every, r.quiet = steps, 0, 0, False, 0, True
     r.save_final = False
     r.out = str(Path(cfg.run.out) / "layout")
     return validate(run)

@@ -339,7 +339,7 @@ def edit_manifest(step: Path, change) -> None:
 @pytest.mark.parametrize("change, needle", [
     (lambda m: m["config"]["model"].update(bogus=1), "('bogus' is no model setting)"),
     (lambda m: m["config"]["model"].update(dim="64"), '(model.dim = "64": expected an integer >= 1)'),
-    (lambda m: m["config"]["model"].update(n_layers=None), "(model.n_layers = null: expected an integer >= 1)"),
+    (lambda m: m["config"]["model"].update(n_layers=None), "(model.n_layers = null: expected an integer >= 1 and <= 4096)"),
     (lambda m: m["config"].update(model=[1]), "('(not a table)' is no model setting)"),
 ])
 def test_export_of_an_edited_manifest_model_is_one_line(trained, tmp_path, capsys, fmt, change, needle):

@@ -127,3 +127,24 @@ def test_a_rank_takes_omp_num_threads_where_set_else_its_share_of_the_cores():
     assert default_threads(4, {}) == max(1, cores // 4) and default_threads(1, {}) == cores
     for ignored in ("0", "-2", "two", "", "100000"):  # OpenMP's own to refuse; ours the cores' share
         assert default_threads(1, {"OMP_NUM_THREADS": ignored}) == cores
+
+
+@pytest.mark.parametrize("argv", [["train", "--max-steps", "1"], ["simulate", "--memory"], ["verify"]])
+def test_a_model_deeper_than_the_limit_is_refused_at_once(argv, tmp_path, capsys):
+    """n_layers = 200000: simulate --memory ran past 120 s and train was refused only after 66 s
+    (the memory model walks every layer). The bound is model.n_layers' range, on the configuration
+    reference page, said before any work."""
+    import time
+
+    from one_line import assert_one_line
+
+    toml = tmp_path / "deep.toml"
+    toml.write_text('[model]\npreset = "tiny"\nn_layers = 200000\n')
+    t0 = time.perf_counter()
+    try:
+        code = main([*argv, "--config", str(toml), "--out", str(tmp_path / "o")] if argv[0] != "simulate"
+                    else [*argv, "--config", str(toml)])
+    except SystemExit as e:
+        code = e.code
+    assert_one_line(code, capsys.readouterr().err, "model.n_layers = 200000: expected an integer >= 1 and <= 4096")
+    assert time.perf_counter() - t0 < 10

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from one_line import DEEP, assert_one_line, run_main
-from pipezero.doctor import Ranks, load_records, planned_work, programs, report, stragglers, table, verdict
+from pipezero.doctor import (Programs, Ranks, load_records, planned_work, programs, report, stragglers, table,
+                             verdict)
+from pipezero.flight_files import read_run
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import PointToPoint
@@ -20,16 +22,17 @@ FACTS = {"schedule": "1f1b", "pp": 2, "dp": 2, "microbatches": 4, "virtual_stage
          "grad_reduce": "step", "bucket_mb": 25.0, "zero3_keep_gathered": None, "recompute": False,
          "placement": "dp-inner", "model": ModelShapes.of_counts([[64], [64]]).to_json()}
 PROG, RANKS = programs(FACTS), Ranks.of(FACTS)
+EVERY = [Programs(PROG, RANKS).of(r) for r in range(RANKS.world)]  # each rank's program, peers its own
 
 
 def at(rank: int, text: str) -> int:
     """Index of the instruction printed as `text` in `rank`'s program."""
-    return [str(i) for i in PROG.ranks[rank]].index(text)
+    return [str(i) for i in EVERY[rank]].index(text)
 
 
 def rec(rank: int, index: int, awaited: dict | None = None, step: int = 2, **extra) -> dict:
     return {"rank": rank, "stage": RANKS.coords(rank)[0], "state": "stalled", "step": step, "written": 100.0,
-            "index": index, "instr": str(PROG.ranks[rank][index]) if index >= 0 else "end of run", "nbytes": 0,
+            "index": index, "instr": str(EVERY[rank][index]) if index >= 0 else "end of run", "nbytes": 0,
             "awaited": awaited, "waited_s": 2.0 if awaited else 0.0, "unposted": -1, "plan": FACTS, "run": "r",
             **extra}
 
@@ -126,7 +129,7 @@ def test_placement_maps_global_ranks_to_program_slots():
     pp_inner = Ranks(2, 2, "pp-inner")  # rank = replica * P + stage
     assert [pp_inner.coords(r) for r in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert all(pp_inner.rank(pp_inner.slot(r)) == r for r in range(4))
-    assert all(isinstance(i, PointToPoint) is False or i.peer in range(4) for i in PROG.ranks[0])
+    assert all(isinstance(i, PointToPoint) is False or i.peer in range(4) for r in EVERY for i in r)
 
 
 def work(own: list[float], planned: list[float], steps: int = 2) -> list[dict]:
@@ -173,13 +176,13 @@ def test_half_of_a_stage_may_be_slow_and_the_slowest_rank_is_named():
 
 
 def test_planned_work_weighs_each_compute_action_by_its_chunk():
-    assert [planned_work(PROG.ranks[r], [3.0, 6.0]) for r in range(4)] == pytest.approx([12.0, 12.0, 24.0, 24.0])
+    assert [planned_work(EVERY[r], [3.0, 6.0]) for r in range(4)] == pytest.approx([12.0, 12.0, 24.0, 24.0])
     # zb-v: a rank of stage 0 holds chunks 0 and 3, of stage 1 chunks 1 and 2; F, B and W are a
     # third each of a micro-batch's chunk cost, 4 micro-batches
     zbv = programs({**FACTS, "schedule": "zb-v", "virtual_stages": 2,
                     "model": ModelShapes.of_counts([[64]] * 4).to_json()})
     costs = [1.0, 2.0, 4.0, 8.0]
-    assert [planned_work(zbv.ranks[r], costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
+    assert [planned_work(Programs(zbv, RANKS).of(r), costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
 
 
 def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
@@ -187,7 +190,7 @@ def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
         step = 1
 
     f = FlightRecord(1, 0, step_of=Clock())
-    compute, send = PROG.ranks[1][at(1, "0F0")], PROG.ranks[1][at(1, "SEND(act 1:0 to 3)")]
+    compute, send = EVERY[1][at(1, "0F0")], EVERY[1][at(1, "SEND(act 1:0 to 3)")]
     for step in (1, 2, 3):
         Clock.step = step
         f.begin(0, compute)
@@ -205,7 +208,7 @@ def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
 
 def test_the_flight_record_keeps_a_fixed_ring_and_notices_an_unposted_send():
     f = FlightRecord(1, 0, keep=4)
-    prog = PROG.ranks[1]
+    prog = EVERY[1]
     for step in (1, 2):
         for i, ins in enumerate(prog):
             f.begin(i, ins)
@@ -332,8 +335,8 @@ def expected(fault: str, out: Path) -> tuple[int, str | tuple[str, ...], int]:
 
     struck = json.loads((out / "fault.json").read_text())
     if fault == "kill":  # its program prints it as REDUCE_GRAD(c.k) or REDUCE_GRAD(c.k, wait): one a step
-        facts = next(iter(load_records(out).values()))["plan"]
-        mine = programs(facts).ranks[Ranks.of(facts).slot(FAULTY)]  # a fused backward holds its reductions
+        facts = read_run(out).plan
+        mine = Programs(programs(facts), Ranks.of(facts)).of(FAULTY)  # a fused backward holds its reductions
 
         def names(ins) -> list[str]:
             texts = map(str, [ins, *getattr(ins, "during", ())])
@@ -366,8 +369,8 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
     took = time.monotonic() - t0
     assert all(s is None or s.startswith("PipelineTimeout") for s in seen), (seen, report(tmp_path))  # named
     rank, instruction, index = expected(fault, tmp_path)
-    records = load_records(tmp_path)
-    facts = next(iter(records.values()))["plan"]
+    run = read_run(tmp_path)
+    records, facts = run.records, run.plan
     v = verdict(records, programs(facts), Ranks.of(facts))
     named = instruction if isinstance(instruction, tuple) else (instruction,)  # possibly inside a compute instruction
     assert v.culprit == rank and any(x in v.instruction for x in named) and v.step == 2, (v, report(tmp_path))
@@ -431,7 +434,7 @@ DOCTOR_CASES = [
     ("deep", 2, "rank-00000.json under"),  # past json's recursion limit
     ("pipe", 2, "are not flight records as pipezero writes them"),  # read without waiting for a writer
     ("shapes", 2, "rank-00000.json, rank-00001.json, rank-00002.json under"),  # [] / rank "x" / {}
-    ("minimal", 2, "flight records or summary.json are not as pipezero writes them (KeyError: 'plan')"),
+    ("minimal", 2, 'rank-00000.json misses "step"'),
     ("straggler", 2, "(KeyError: 's_per_step')"),
 ]
 
@@ -516,3 +519,108 @@ def test_an_empty_record_folder_is_still_no_records(tmp_path, capsys):
     (tmp_path / FOLDER).mkdir()
     code, err = run_main(["doctor", str(tmp_path)], capsys)
     assert code == 1 and "no flight records under" in err
+
+
+def test_a_wide_layout_compiles_one_replica_and_maps_its_peers(tmp_path):
+    """Ranks of a stage play one program but for the peers their transfers name: the doctor lowers
+    one replica's programs (P of them, not P x D: at 256 x 256 that took minutes) and reads every
+    rank's from them, a far replica's peers included."""
+    wide = {**FACTS, "pp": 4, "dp": 16384, "microbatches": 8, "zero": 3,
+            "model": ModelShapes.of_counts([[64]] * 4).to_json()}
+    prog, ranks = programs(wide), Ranks.of(wide)
+    assert sum(1 for r in prog.ranks if r) == 4
+    d = 12345  # stage 0 of replica d never sent its activation 1:0; stage 1 of d waits for it
+    waiter, culprit = ranks.rank(1 * ranks.dp + d), ranks.rank(d)
+    records = {waiter: {**rec(0, 0), "rank": waiter, "stage": 1, "index": 3, "instr": "1F0", "plan": wide,
+                        "awaited": {"op": "RECV", "peer": culprit, "transfer": [1, False, 0]}, "waited_s": 2.0}}
+    for q in (ranks.rank(e) for e in (0, 7, ranks.dp - 1)):  # other replicas' stage 0, at work
+        records[q] = {**records[waiter], "rank": q, "stage": 0, "awaited": None, "waited_s": 0.0}
+    v = verdict(records, prog, ranks)
+    assert v.culprit == culprit and v.instruction == f"SEND(act 1:0 to {waiter})" and v.step == 2, v.text
+    folder = tmp_path / "doctor"
+    folder.mkdir()
+    for r, x in records.items():
+        (folder / f"rank-{r:05d}.json").write_text(json.dumps(x))
+    assert f"rank {culprit} (stage 0) never did instruction" in report(tmp_path)
+
+
+# --- records read as data on disk ------------------------------------------------------------------
+def lay_records(run: Path, files: dict[str, bytes]) -> Path:
+    """RUN/doctor/ holding rank 0's real record (a wait on rank 1) and `files` beside it."""
+    folder = run / "doctor"
+    folder.mkdir(parents=True)
+    real = rec(0, optim(0), {"op": "REDUCE_GRAD", "chunk": 0, "bucket": 0})
+    (folder / "rank-00000.json").write_text(json.dumps(real))
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+def deep_json() -> bytes:
+    return b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("files, needle", [
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "rank": 0, "written": 200.0}).encode()},
+     "rank-00001.json says it is rank 0"),  # it replaced rank 0's real record
+    ({"rank-00001.json": b'{"rank": 1, "written'}, "rank-00001.json is not JSON"),
+    ({"rank-00001.json": deep_json()}, "rank-00001.json is nested deeper than"),
+    ({"rank-00001.json": b"[]"}, "rank-00001.json holds no record"),
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "step": "2"}).encode()}, 'rank-00001.json\'s "step" is'),
+    ({"rank-0000x.json": json.dumps(rec(1, 0)).encode()}, "rank-0000x.json is not named for a rank"),
+    ({"rank-00001.json": json.dumps(rec(1, 0, {"op": "RECV", "peer": [3], "transfer": [0, 0, 0]})).encode()},
+     'rank-00001.json\'s "awaited" RECV wants a whole-number "peer"'),
+    ({"rank-99999.json": json.dumps({**rec(1, 0), "rank": 99999}).encode()}, "rank-99999.json names rank 99999"),
+])
+def test_a_record_the_doctor_cannot_trust_is_named_with_why(files, needle, tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    lay_records(tmp_path, files)
+    assert_one_line(*run_main(["doctor", str(tmp_path)], capsys), needle)
+
+
+def test_the_doctor_follows_no_link_and_caps_what_it_reads(tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    folder = lay_records(tmp_path / "run", {})
+    (folder / "rank-00001.json").symlink_to("/etc/passwd")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys), "rank-00001.json is a link")
+    (folder / "rank-00001.json").unlink()
+    with open(folder / "rank-00001.json", "wb") as f:
+        f.truncate(1 << 40)  # sparse: a terabyte that takes no disk
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys),
+                    "rank-00001.json is 1 TiB, past the 64 MiB a record may be")
+    elsewhere = lay_records(tmp_path / "other", {}).parent
+    (folder / "rank-00001.json").unlink()
+    (tmp_path / "run" / "doctor").rename(tmp_path / "moved")
+    (tmp_path / "run" / "doctor").symlink_to(elsewhere / "doctor")
+    assert_one_line(*run_main(["doctor", str(tmp_path / "run")], capsys), "doctor is a link out of the run folder")
+
+
+def test_records_carry_no_plan_the_run_writes_it_once(tmp_path):
+    """Every rank of a 65,536-rank run writes a record: the plan (the model's shapes, tens of KB)
+    once for the run, not in each, keeps reading them all a matter of seconds."""
+    from pipezero.runtime.watch import Watch
+
+    for rank in (1, 3):
+        f = FlightRecord(rank, RANKS.coords(rank)[0])
+        Watch(f, tmp_path, stall_s=0.05, plan=FACTS, run="r").write("asked")
+    assert not any("plan" in json.loads(p.read_text()) for p in (tmp_path / "doctor").glob("rank-*.json"))
+    assert sorted(p.name for p in (tmp_path / "doctor").glob("plan-*.json")) == ["plan-r.json"]
+    assert "2 of 4 ranks answered" in report(tmp_path)
+
+
+def test_a_request_that_is_not_a_plain_file_asks_nothing(tmp_path):
+    """The launcher and every rank's watchdog read RUN/doctor/request each tick: a pipe there would
+    block them for ever, a link would be followed out of the run folder."""
+    from pipezero.runtime.watch import ask, asked
+
+    (tmp_path / "doctor").mkdir()
+    os.mkfifo(tmp_path / "doctor" / "request")
+    assert asked(tmp_path) == 0.0  # at once: no writer is waited for
+    (tmp_path / "doctor" / "request").unlink()
+    (tmp_path / "elsewhere").write_text("12345.0\n")
+    (tmp_path / "doctor" / "request").symlink_to(tmp_path / "elsewhere")
+    assert asked(tmp_path) == 0.0
+    (tmp_path / "doctor" / "request").unlink()
+    assert asked(tmp_path) == 0.0 and ask(tmp_path) == asked(tmp_path) > 0

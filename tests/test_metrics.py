@@ -71,3 +71,16 @@ def test_a_host_with_more_ranks_than_cores_is_named_beside_the_bubble():
     two_hosts = [{"host": "a", "cores": 2}] * 4 + [{"host": "b", "cores": 8}] * 2
     assert shared_cores(two_hosts) == {"host": "a", "ranks": 4, "cores": 2}
     assert shared_cores([{"host": "a", "cores": 4}] * 4) is None  # one core a rank: nothing to say
+
+
+def test_no_progress_prints_a_plain_line_a_step(tmp_path, capsys):
+    """--no-progress promises plain log lines instead of a bar: one a step (loss, tokens/s) beside
+    the run's opening and closing lines, on stdout (a log), where it printed nothing at all; stderr
+    stays for what went wrong."""
+    args = ["--data", str(short_documents(tmp_path)), "--tokenizer", "bytes", "--seq-len", "16", "--max-steps", "3",
+            "--sample-tokens", "0", "--out", str(tmp_path / "run"), "--no-progress"]
+    assert main(["train", *args]) == 0
+    out, err = capsys.readouterr()
+    steps = [x for x in out.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"] and all(" loss " in x and "tok/s" in x for x in steps)
+    assert "layout pp=1" in out and "held-out loss" in out and "step " not in err, (out, err)

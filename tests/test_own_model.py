@@ -189,3 +189,17 @@ def test_model_spec_mistakes_are_one_line(text_dir, tmp_path, monkeypatch, capsy
         argv = ["train", *(fill.get(f, f) for f in flags), "--out", str(tmp_path / "out")]
         assert_one_line(*run_main(argv, capsys), needle)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_spec_deeper_than_the_limit_is_refused_before_its_layers_are_built(monkeypatch):
+    """A spec of 5000 blocks had each built and probed (minutes) before model.n_layers' range
+    refused it; its depth is said first, no layer built."""
+    from pipezero.errors import ConfigError
+    from pipezero.models.user_spec import load_spec
+
+    built: list[int] = []
+    monkeypatch.setattr(own_model.GPTSpec, "build_layer", lambda self, i: built.append(i))
+    monkeypatch.setattr(own_model, "deep", lambda: own_model.GPTSpec(own_model.GPTShape(n_layers=5000)), raising=False)
+    with pytest.raises(ConfigError, match="has n_layers = 5000: at most 4096 blocks"):
+        load_spec("own_model:deep")
+    assert built == []

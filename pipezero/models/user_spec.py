@@ -25,6 +25,7 @@ import typing
 from types import TracebackType
 from typing import Any
 
+from pipezero.config import MAX_LAYERS
 from pipezero.errors import ConfigError
 from pipezero.models.spec import ModelSpec
 
@@ -285,6 +286,8 @@ def incomplete(spec: ModelSpec) -> str | None:
            if isinstance(v := getattr(spec, n, None), bool) or not isinstance(v, int) or v < 1]
     if bad:
         return f"gives no integer >= 1 as {', '.join(bad)}"
+    if spec.n_layers > MAX_LAYERS:  # said before its layers are built and probed, one by one
+        return f"has n_layers = {spec.n_layers}: at most {MAX_LAYERS} blocks (model.n_layers' range)"
     missing = [n for n in ABSTRACT if getattr(type(spec), n) is getattr(ModelSpec, n)]
     if missing:
         return f"does not define {', '.join(missing)}"

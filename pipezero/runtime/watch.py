@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipezero.doctor import FOLDER, REQUEST, load_records, record_path, report
+from pipezero.doctor import FOLDER, REQUEST, report
+from pipezero.flight_files import RecordError, load_records, plan_path, read_json, record_path
 from pipezero.runtime.flight import FlightRecord
 from pipezero.util import atomic_write_bytes, atomic_write_json
 
@@ -40,10 +41,13 @@ def ask(out: str | Path) -> float:
 
 
 def asked(out: str | Path) -> float:
+    """When a report was last asked for; 0 when never, or when the request is not a plain file of
+    a number (read without waiting on a pipe or following a link: every tick reads it)."""
     try:
-        return float((Path(out) / FOLDER / REQUEST).read_text())
-    except (OSError, ValueError):
+        when = read_json(Path(out) / FOLDER / REQUEST, max_bytes=64)
+    except RecordError:
         return 0.0
+    return float(when) if type(when) in (int, float) else 0.0
 
 
 class Desk:
@@ -58,20 +62,34 @@ class Desk:
         req = asked(self.out)
         if req <= self.printed:
             return None
-        answered = [r for r in load_records(self.out).values() if r["written"] >= req - SETTLE_S]
+        try:
+            answered = [r for r in load_records(self.out).values() if r["written"] >= req - SETTLE_S]
+        except RecordError:  # said once, by the report below, when the request settles
+            answered = []
         if len(answered) < self.world and time.time() - req < SETTLE_S:
             return None
         self.printed = req
-        return report(self.out)
+        return self._report()
+
+    def _report(self) -> str | None:
+        """The report, or the line naming a file under RUN/doctor that is not a rank's record (one
+        planted or damaged there must not stop the launcher that watches the ranks)."""
+        try:
+            return report(self.out)
+        except RecordError as e:
+            return f"pipezero doctor: {e}"
 
     def final(self) -> str | None:
         """At the job's end: the report of records newer than the last printed (a failed job whose
         ranks wrote their records, and died before a request could settle)."""
-        records = load_records(self.out)
+        try:
+            records = load_records(self.out)
+        except RecordError as e:
+            return f"pipezero doctor: {e}"
         if not records or max(r["written"] for r in records.values()) <= self.printed:
             return None
         self.printed = time.time()
-        return report(self.out)
+        return self._report()
 
 
 class Bell:
@@ -205,8 +223,12 @@ class Watch:
 
     def write(self, state: str) -> None:
         rec = self.flight.snapshot(state)
-        rec.update(run=self.run, plan=self.plan)
+        rec.update(run=self.run)
         with self._lock:
+            if not self._wrote:  # the plan once a run, before any record that needs it (flight_files.py)
+                plan = plan_path(self.out, self.run)
+                if not plan.is_file():  # ranks that race write the same plan: either rename wins
+                    atomic_write_json(plan, self.plan)
             atomic_write_json(record_path(self.out, self.flight.rank), rec)
             self._wrote = True
 

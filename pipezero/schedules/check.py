@@ -11,6 +11,7 @@ pair's transfers in posting order) is schedules/posting.py's business; it builds
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -130,7 +131,9 @@ def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
     timeline: list[Event] = []
 
     waiters: dict[tuple[int, Op, int], set[int]] = {}  # missing dependency -> ranks stalled on it
-    ready: list[float | None] = [None] * p
+    # (start, rank) of each rank whose next action can start: a heap, so picking the earliest (ties to
+    # the lower rank) costs log P an action, not P (at P = 256 the scan was most of a proof)
+    ready: list[tuple[float, int]] = []
     dirty = set(range(p))  # ranks whose next action's readiness must be recomputed
 
     def ready_time(r: int) -> float | None:
@@ -147,13 +150,14 @@ def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
         return t
 
     while True:
-        for r in dirty:
-            ready[r] = ready_time(r)
+        for r in dirty:  # a dirty rank has no entry: it just ran, or its next action was waiting
+            t = ready_time(r)
+            if t is not None:
+                heapq.heappush(ready, (t, r))
         dirty.clear()
-        candidates = [(t, r) for r, t in enumerate(ready) if t is not None]
-        if not candidates:
+        if not ready:
             break
-        start, r = min(candidates)
+        start, r = heapq.heappop(ready)
         a = s.actions[r][pc[r]]
         end = start + cost.cost(a, s.virtual)
         timeline.append(Event(r, a, start, end))

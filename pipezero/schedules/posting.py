@@ -76,7 +76,10 @@ def plans(s: Schedule, sim: SimResult | None = None) -> list[list[list[Post]]]:
         t = transfer_out(e.action, s.n_chunks)
         if t is not None:
             produced[t] = e.end
-    return [_plan(s, r, produced, [e.start for e in timeline if e.rank == r]) for r in range(s.pp)]
+    starts: list[list[float]] = [[] for _ in range(s.pp)]
+    for e in timeline:
+        starts[e.rank].append(e.start)
+    return [_plan(s, r, produced, starts[r]) for r in range(s.pp)]
 
 
 def _plan(s: Schedule, rank: int, produced: Mapping[Transfer, float], starts: Sequence[float]) -> list[list[Post]]:

@@ -79,15 +79,17 @@ class MetricsLog:
 
 
 class StepProgress:
-    """A rich progress bar with loss and tokens/s; a plain line every 10% when not interactive."""
+    """A rich progress bar with loss and tokens/s on a terminal, a plain line every 10% elsewhere,
+    on stderr; without the bar (`bar` False: --no-progress) the run's lines go to stdout as a log, a
+    plain line every step (`train --no-progress > run.log`), and stderr holds only what went wrong."""
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        self.console = Console(stderr=True)
+    def __init__(self, total: int, start: int, enabled: bool, bar: bool = True) -> None:
+        self.console = Console(stderr=bar, highlight=bar, soft_wrap=not bar)  # a log line is never wrapped
         self.enabled = enabled
         self.total = total
-        self._every = max(1, total // 10)
+        self._every = max(1, total // 10) if bar else 1
         self._progress: Progress | None = None
-        if enabled and self.console.is_terminal:
+        if enabled and bar and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:,.0f} tok/s"),
