@@ -289,6 +289,9 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
         ("run.sample_tokens", p.pp == 1 or r.sample_tokens == 0,
          f"by a run with --pp 1 (the end-of-run text sample is made only without a pipeline); with --pp {p.pp} no "
          f"sample is made: drop it"),
+        ("run.gpu_memory_gib", cfg.model.spec is None,
+         f"by the fit check, whose memory model knows the built-in decoder's layers, not --model-spec "
+         f"{cfg.model.spec}'s: drop it"),
         ("run.keep_checkpoints", r.save_final or r.checkpoint_every > 0,
          "where checkpoints are saved (--checkpoint-every, or the final save --no-save-final turns off): add "
          "--checkpoint-every, or drop it"),

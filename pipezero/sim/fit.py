@@ -10,15 +10,11 @@ from dataclasses import replace
 
 from pipezero.config import Device, DType, TrainConfig
 from pipezero.errors import ConfigError
+from pipezero.sim.limits import FIT_MARGIN
 from pipezero.sim.memory import RankMemory, predict
 from pipezero.sim.memory_partition import resolve
 
 GIB = 2**30
-# The share of the limit a rank's predicted peak may not pass: the model's worst under-prediction
-# over bench/memory_model.py's measured cases is 0.951 (ZeRO-1 with int8 gradients: the walk plays a
-# backward's reductions after it, where they start inside it) and 0.973 without quantized traffic,
-# so with 5% to spare no measured case whose peak passes the limit is admitted.
-MARGIN = 0.05
 
 
 def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
@@ -38,12 +34,12 @@ def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
 
 def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
     """Raise ConfigError when some rank's predicted peak exceeds `limit_gib` less the model's
-    `MARGIN`; the prediction otherwise (None without a limit, or for a model of one's own, whose
+    `FIT_MARGIN`; the prediction otherwise (None without a limit, or for a model of one's own, whose
     layers the model does not know)."""
     if limit_gib is None or cfg.model.spec is not None:
         return None
     ranks = predict(resolve(cfg, cuda), cuda)
-    admitted = limit_gib * (1 - MARGIN)
+    admitted = limit_gib * (1 - FIT_MARGIN)
     over = [r for r in ranks if r.peak_bytes > admitted * GIB]
     if not over:
         return ranks
@@ -54,7 +50,7 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
              "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
     raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
                       f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over "
-                      f"{admitted:.3g} GiB, the limit less the model's {MARGIN:.0%} margin); "
+                      f"{admitted:.3g} GiB, the limit less the model's {FIT_MARGIN:.0%} margin); "
                       f"{alternatives(cfg, admitted, cuda)}")
 
 

@@ -57,3 +57,9 @@ TRAIN_PLAY_LIMIT = 65536
 # and holds a step's global batch (M x B x D sequences of T + 1 token ids) in memory on every rank:
 # --micro-batch-size 10^9 was a 119 GiB allocation's traceback
 BATCH_TOKENS = 1 << 28
+
+# The fit check's share of a rank's limit its predicted peak may not pass (sim/fit.py): the memory
+# model's worst under-prediction over bench/memory_model.py's measured cases is 0.951 (ZeRO-1 with
+# int8 gradients: the walk plays a backward's reductions after it, where they start inside it) and
+# 0.973 without quantized traffic, so with 5% to spare no measured case over its limit is admitted.
+FIT_MARGIN = 0.05

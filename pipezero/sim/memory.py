@@ -68,6 +68,7 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program
 from pipezero.schedules.zero_rules import RULES
+from pipezero.sim.limits import FIT_MARGIN
 from pipezero.sim.prefetch import Choice, run_choice
 from pipezero.sim.quantized_memory import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
 
@@ -301,12 +302,10 @@ def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
         return Choice(p.zero3_prefetch, "set", ())
     limit = cfg.run.gpu_memory_gib
 
-    from pipezero.sim.fit import MARGIN  # the fit check's: a depth chosen here passes it
-
     def fits(depth: int) -> bool:
         deeper = replace(cfg, parallel=replace(p, zero3_prefetch=depth))
         return limit is None or max(r.peak_bytes for r in every_rank(build_plan(deeper, cuda))) <= \
-            limit * (1 - MARGIN) * 2**30
+            limit * (1 - FIT_MARGIN) * 2**30  # the fit check's share: a depth chosen here passes it
 
     return run_choice(cfg, fits)
 
