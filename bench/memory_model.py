@@ -7,6 +7,7 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
         [--schedules 1f1b,zb-v] [--zero 0,3] [--dtype bf16] [--eval-batches N] [--sample-tokens N]
         [--zero3-prefetch D] [--quantize-grads int8] [--quantize-weights int8] [--hierarchical]
+        [--secondary-shard]
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
@@ -72,14 +73,14 @@ def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recomp
 
 # a case's quantized traffic, as its row keeps it, and the setting each becomes
 QUANT_KEYS = {"quantize_grads": "parallel.quantize_grads", "quantize_weights": "parallel.quantize_weights",
-              "hierarchical": "parallel.hierarchical"}
+              "hierarchical": "parallel.hierarchical", "secondary_shard": "parallel.secondary_shard"}
 
 
 def quant_settings(quant: dict, dp: int) -> dict:
-    """A row's quantized traffic as settings; two-level reductions split the D replicas into two
-    nodes of D / 2 (the emulated nodes of one host)."""
+    """A row's quantized traffic as settings; two-level reductions and hpZ split the D replicas into
+    two nodes of D / 2 (the emulated nodes of one host)."""
     out = {QUANT_KEYS[k]: v for k, v in quant.items() if v and v != "none"}
-    if out.get("parallel.hierarchical"):
+    if out.get("parallel.hierarchical") or out.get("parallel.secondary_shard"):
         out["parallel.ranks_per_node"] = max(1, dp // 2)
     return out
 
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--quantize-weights", default="none", choices=["none", "int8", "int4"],
                     help="weight gathers travel quantized (ZeRO 1-3 cases only)")
     ap.add_argument("--hierarchical", action="store_true", help="two-level reductions, D / 2 ranks a node")
+    ap.add_argument("--secondary-shard", action="store_true",
+                    help="hpZ: ZeRO-3 layer by layer keeps a node's share, D / 2 ranks a node (P = 1, D > 2 cases only)")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
@@ -179,8 +182,9 @@ def main() -> None:
 
 
 def quant_of(args: argparse.Namespace, case: dict) -> dict:
-    """The quantized traffic --quantize-grads/--quantize-weights/--hierarchical ask of `case`, where
-    the layout has it to quantize (gradients: D > 1; weights: ZeRO 1-3; two levels: D > 2)."""
+    """The quantized traffic --quantize-grads/--quantize-weights/--hierarchical/--secondary-shard ask
+    of `case`, where the layout has it (gradients: D > 1; weights: ZeRO 1-3; two levels: D > 2; hpZ:
+    ZeRO-3 layer by layer, D > 2)."""
     out: dict = {}
     if case["dp"] > 1 and args.quantize_grads != "none":
         out["quantize_grads"] = args.quantize_grads
@@ -188,6 +192,8 @@ def quant_of(args: argparse.Namespace, case: dict) -> dict:
         out["quantize_weights"] = args.quantize_weights
     if case["dp"] > 2 and args.hierarchical:
         out["hierarchical"] = True
+    if case["dp"] > 2 and case["zero"] == 3 and case["pp"] == 1 and args.secondary_shard:
+        out["secondary_shard"] = "node"
     return out
 
 

@@ -603,8 +603,9 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
             gathered[c] = whole[c] if not plan.layerwise else _layerwise_gathered(plan, c, 3 if backward else 2)
-            if plan.weight_quant is not None and plan.layerwise:  # the layers prefetched travel as messages,
-                # and the one waited for is decoded (sim/quantized_memory.py)
+            if plan.weight_quant is not None and plan.layerwise and not (plan.secondary and backward):
+                # the layers prefetched travel as messages, and the one waited for is decoded
+                # (sim/quantized_memory.py); with hpZ a backward's gathers are the node's fp32 shares
                 largest = max(bp.buckets(c), default=0)
                 gathered[c] += decoded(largest) + plan.depth * gather_flight(plan.weight_quant, largest, dp)
             live["gathered"] += gathered[c]
@@ -889,7 +890,8 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
     reduced = 0  # buckets reduced by the moment before
     # a rank waits for one collective at a time: layer by layer with quantized weights, `gathered`
     # already holds a layer's decode (walk's `gather`), which a reduction's decode does not add to
-    decoding = decoded(max(sizes, default=0)) if plan.weight_quant is not None and plan.layerwise else 0
+    decoding = decoded(max(sizes, default=0)) if plan.weight_quant is not None and plan.layerwise and \
+        not plan.secondary else 0
     for done, act in (b.recompute_moments if plan.recompute else b.moments):
         # bucket 0 has started by the first moment; bucket k once bucket k - 1 ends before `done`
         grads = new[min(len(sizes), bisect_left(ends, done) + 1)]
