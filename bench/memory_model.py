@@ -67,7 +67,8 @@ def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recomp
             "parallel.schedule": kind.value, "parallel.microbatches": 2 * pp,
             "parallel.virtual_stages": default_virtual(kind, None) if pp > 1 else 1, "parallel.recompute": recompute,
             "parallel.timeout_s": 120.0, "run.max_steps": 1, "run.out": out, "run.progress": False,
-            "run.sample_tokens": sample_tokens, "run.eval_every": 0, "run.eval_batches": eval_batches,
+            "run.sample_tokens": sample_tokens if pp == 1 else 0,  # no sample with a pipeline
+            "run.eval_every": 0, "run.eval_batches": eval_batches,
             "run.threads": 1}
 
 
