@@ -289,6 +289,8 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
         ("run.sample_tokens", p.pp == 1 or r.sample_tokens == 0,
          f"by a run with --pp 1 (the end-of-run text sample is made only without a pipeline); with --pp {p.pp} no "
          f"sample is made: drop it"),
+        ("model.window_layers", cfg.model.sliding_window is not None,
+         "with model.sliding_window (the blocks its window applies to); set the window, or drop it"),
         ("run.gpu_memory_gib", cfg.model.spec is None,
          f"by the fit check, whose memory model knows the built-in decoder's layers, not --model-spec "
          f"{cfg.model.spec}'s: drop it"),

@@ -150,6 +150,7 @@ UNREAD = [
      "the end-of-run text sample is made only without a pipeline"),
     (["--no-save-final", "--keep-checkpoints", "2"], "[run]\nsave_final = false\nkeep_checkpoints = 2\n",
      "where checkpoints are saved"),
+    (None, "[model]\nwindow_layers = [0]\n", "is read only with model.sliding_window"),
 ]
 
 
@@ -177,6 +178,7 @@ def test_a_setting_read_only_by_another_option_is_refused_without_it(argv, toml,
     {"run.trace": True, "run.trace_steps": "2"},
     {"run.sample_tokens": "20"}, {"parallel.pp": "2", "run.sample_tokens": "0"},
     {"run.checkpoint_every": "2", "run.save_final": False, "run.keep_checkpoints": "2"},
+    {"model.sliding_window": "8", "model.window_layers": "0"},
 ])
 def test_the_same_settings_with_the_option_that_reads_them_pass(settings):
     build_config(None, settings)
