@@ -88,7 +88,14 @@ def flags(lay: dict, variant: str) -> list[str]:
             extra.append("--hierarchical")
     return ["--pp", str(lay["pp"]), "--dp", str(lay["dp"]), "--zero", str(lay["zero"]), "--schedule",
             lay["schedule"], "--virtual-stages", str(lay["v"]), "--micro-batch-size", str(lay["mbs"]),
-            "--microbatches", str(lay["microbatches"]), "--placement", lay["placement"], *extra]
+            "--microbatches", str(lay["microbatches"]),
+            # train reads --placement only with P > 1 and D > 1 (elsewhere it refuses it as unread)
+            *(["--placement", lay["placement"]] if lay["pp"] > 1 and lay["dp"] > 1 else []), *extra]
+
+
+def config_for(argv: list[str], plain: Path, by_node: Path) -> Path:
+    """The TOML a run's `argv` takes: ranks a node only where --hierarchical or hpZ reads them."""
+    return by_node if "--hierarchical" in argv or "--secondary-shard" in argv else plain
 
 
 def groups_across(lay: dict) -> str:
@@ -100,10 +107,11 @@ def groups_across(lay: dict) -> str:
     return "; ".join("{" + ", ".join(f"r{r}@n{r // PER_NODE}" for r in g) + "}" for g in groups)
 
 
-def toml_text(eval_batches: int = 1) -> str:
-    """The benches' run settings, the block-dominated model, and 2 ranks a node for --hierarchical and
-    hpZ wherever the run is (on one node too: the same two-level cut, so the same computation)."""
-    text = run_toml("tiny", 128, 1.0, model=MODEL, ranks_per_node=PER_NODE)
+def toml_text(eval_batches: int = 1, by_node: bool = False) -> str:
+    """The benches' run settings, the block-dominated model, and with `by_node` (the flags hold
+    --hierarchical or hpZ, which alone read it) 2 ranks a node wherever the run is (on one node too:
+    the same two-level cut, so the same computation)."""
+    text = run_toml("tiny", 128, 1.0, model=MODEL, **({"ranks_per_node": PER_NODE} if by_node else {}))
     return text.replace("eval_batches = 1", f"eval_batches = {eval_batches}")
 
 
@@ -274,8 +282,9 @@ def link_rate(link: str) -> float:
 
 def measure(args: argparse.Namespace, tmp: Path) -> dict:
     rates = [r for r in args.rates.split(",") if r]
-    toml = tmp / "run.toml"
+    toml, toml_nodes = tmp / "run.toml", tmp / "run-nodes.toml"
     toml.write_text(toml_text())
+    toml_nodes.write_text(toml_text(by_node=True))
     piece = 2**20
     probes = {}
     if not args.no_cluster:
@@ -296,8 +305,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
         print(f"{name}: data-parallel groups {groups_across(lay)}", flush=True)
         base_compute = None
         for variant in [v for n, v in pairs if n == name]:
-            argv = ["--config", str(toml), *flags(lay, variant)]
-            row: dict = {"layout": name, **lay, "variant": variant, "flags": flags(lay, variant)[16:],
+            argv = ["--config", str(config_for(flags(lay, variant), toml, toml_nodes)), *flags(lay, variant)]
+            row: dict = {"layout": name, **lay, "variant": variant, "flags": flags(lay, variant)[len(flags(lay, "none")):],
                          "groups": groups_across(lay)}
             refused = refusal(argv)
             if refused:
@@ -340,7 +349,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
                     (RESULTS / f"{args.name}.partial.json").write_text(json.dumps({"rows": rows + [row]}, indent=2))
             if args.loss_steps:
                 loss_toml = tmp / "loss.toml"
-                loss_toml.write_text(toml_text(eval_batches=4))
+                loss_toml.write_text(toml_text(eval_batches=4, by_node=config_for(flags(lay, variant), toml,
+                                                                                   toml_nodes) == toml_nodes))
                 by_seed: dict[str, float] = {}
                 for i, seed in enumerate(args.seeds):
                     got = loopback_run(["--config", str(loss_toml), *flags(lay, variant), "--max-steps",

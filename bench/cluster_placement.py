@@ -45,8 +45,9 @@ def flags(lay) -> list[str]:
     """`pipezero train` flags of planner layout `lay`."""
     out = ["--pp", str(lay.pp), "--dp", str(lay.dp), "--zero", str(lay.zero), "--schedule", lay.schedule.value,
            "--virtual-stages", str(lay.virtual), "--micro-batch-size", str(lay.micro_batch),
-           "--microbatches", str(lay.microbatches), "--grad-reduce", lay.grad_reduce.value,
-           "--placement", lay.placement.value]
+           "--microbatches", str(lay.microbatches), "--grad-reduce", lay.grad_reduce.value]
+    if lay.pp > 1 and lay.dp > 1:  # train reads --placement only there (elsewhere it refuses it as unread)
+        out += ["--placement", lay.placement.value]
     return out + (["--recompute"] if lay.recompute else []) + (["--hierarchical"] if lay.hierarchical else [])
 
 

@@ -6,7 +6,8 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
         [--schedules 1f1b,zb-v] [--zero 0,3] [--dtype bf16] [--eval-batches N] [--sample-tokens N]
-        [--zero3-prefetch D]
+        [--zero3-prefetch D] [--quantize-grads int8] [--quantize-weights int8] [--hierarchical]
+        [--secondary-shard]
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
@@ -53,15 +54,40 @@ MODELS = {
 
 
 def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recompute: bool, data: str,
-             out: str, dtype: str = "fp32", eval_batches: int = 1, sample_tokens: int = 0, prefetch: int = 1) -> dict:
-    return {**MODELS[model], "model.preset": "tiny", "data.path": data, "data.tokenizer": "bytes",
-            "run.dtype": dtype, "parallel.zero3_prefetch": prefetch,
+             out: str, dtype: str = "fp32", eval_batches: int = 1, sample_tokens: int = 0, prefetch: int = 1,
+             quant: dict | None = None) -> dict:
+    """One case's settings; `quant`: its quantized traffic (`quantize_grads`, `quantize_weights`,
+    `hierarchical`, as QUANT_KEYS), none by default."""
+    return {**MODELS[model], **quant_settings(quant or {}, dp), "model.preset": "tiny", "data.path": data,
+            "data.tokenizer": "bytes",
+            "run.dtype": dtype,
+            # read only by ZeRO-3 layer by layer (P = 1 here): elsewhere the setting is refused as unread
+            **({"parallel.zero3_prefetch": prefetch} if zero == 3 and pp == 1 else {}),
             "data.packing": "concat", "parallel.pp": pp, "parallel.dp": dp, "parallel.zero": zero,
             "parallel.schedule": kind.value, "parallel.microbatches": 2 * pp,
             "parallel.virtual_stages": default_virtual(kind, None) if pp > 1 else 1, "parallel.recompute": recompute,
             "parallel.timeout_s": 120.0, "run.max_steps": 1, "run.out": out, "run.progress": False,
-            "run.sample_tokens": sample_tokens, "run.eval_every": 0, "run.eval_batches": eval_batches,
+            "run.sample_tokens": sample_tokens if pp == 1 else 0,  # no sample with a pipeline
+            "run.eval_every": 0, "run.eval_batches": eval_batches,
             "run.threads": 1}
+
+
+# a case's quantized traffic, as its row keeps it, and the setting each becomes
+QUANT_KEYS = {"quantize_grads": "parallel.quantize_grads", "quantize_weights": "parallel.quantize_weights",
+              "hierarchical": "parallel.hierarchical", "secondary_shard": "parallel.secondary_shard"}
+
+
+def quant_settings(quant: dict, dp: int) -> dict:
+    """A row's quantized traffic as settings; two-level reductions and hpZ split the D replicas into
+    two nodes of D / 2 (the emulated nodes of one host)."""
+    out = {QUANT_KEYS[k]: v for k, v in quant.items() if v and v != "none"}
+    if out.get("parallel.hierarchical") or out.get("parallel.secondary_shard"):
+        out["parallel.ranks_per_node"] = max(1, dp // 2)
+    return out
+
+
+def row_quant(row: dict) -> dict:
+    return {k: row[k] for k in QUANT_KEYS if row.get(k) not in (None, "none", False)}
 
 
 def cases(models: list[str], pps: list[int], dps: list[int], max_ranks: int, kinds: list[ScheduleKind] | None = None,
@@ -99,6 +125,13 @@ def main() -> None:
     ap.add_argument("--sample-tokens", type=int, default=0, help="the text sample's length (P = 1 only)")
     ap.add_argument("--zero3-prefetch", type=int, default=1,
                     help="ZeRO-3 layer by layer: layers a gather starts ahead (and d - 1 kept across actions)")
+    ap.add_argument("--quantize-grads", default="none", choices=["none", "int8", "int4"],
+                    help="gradient reductions travel quantized (D > 1 cases only)")
+    ap.add_argument("--quantize-weights", default="none", choices=["none", "int8", "int4"],
+                    help="weight gathers travel quantized (ZeRO 1-3 cases only)")
+    ap.add_argument("--hierarchical", action="store_true", help="two-level reductions, D / 2 ranks a node")
+    ap.add_argument("--secondary-shard", action="store_true",
+                    help="hpZ: ZeRO-3 layer by layer keeps a node's share, D / 2 ranks a node (P = 1, D > 2 cases only)")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
@@ -114,7 +147,8 @@ def main() -> None:
             cfg = build_config(None, settings(row["model"], ScheduleKind(row["schedule"]), row["pp"], row["dp"],
                                               row["zero"], row["recompute"], str(Path(__file__).parent), "-",
                                               row.get("dtype", "fp32"), row.get("eval_batches", 1),
-                                              row.get("sample_tokens", 0), row.get("zero3_prefetch", 1)))
+                                              row.get("sample_tokens", 0), row.get("zero3_prefetch", 1),
+                                              row_quant(row)))
             for r, pred in zip(row["ranks"], predict(cfg, cuda=False)):
                 r.update(rank_figures(pred, r.get("measured_phases") or {"train": r["measured_peak_bytes"]}))
             show(row)
@@ -122,7 +156,7 @@ def main() -> None:
         return
     kinds = [ScheduleKind(k) for k in args.schedules.split(",")] if args.schedules else None
     todo = [{**c, "dtype": args.dtype, "eval_batches": args.eval_batches, "sample_tokens": args.sample_tokens,
-             "zero3_prefetch": args.zero3_prefetch}
+             "zero3_prefetch": args.zero3_prefetch, **quant_of(args, c)}
             for c in cases(args.models.split(","), [int(x) for x in args.pp.split(",")],
                            [int(x) for x in args.dp.split(",")], args.max_ranks, kinds,
                            tuple(int(z) for z in args.zero.split(",")))]
@@ -135,7 +169,7 @@ def main() -> None:
         for world, group in sorted(by_world.items()):
             cfgs = [build_config(None, settings(c["model"], ScheduleKind(c["schedule"]), c["pp"], c["dp"], c["zero"],
                                                 c["recompute"], data, f"{tmp}/run{i}", c["dtype"], c["eval_batches"],
-                                                c["sample_tokens"], c["zero3_prefetch"]))
+                                                c["sample_tokens"], c["zero3_prefetch"], row_quant(c)))
                     for i, c in enumerate(group)]
             t0 = time.perf_counter()
             measured = run_ranks(phase_peaks, world, cfgs, timeout=3600)
@@ -148,6 +182,22 @@ def main() -> None:
     report(rows, args.out)
 
 
+def quant_of(args: argparse.Namespace, case: dict) -> dict:
+    """The quantized traffic --quantize-grads/--quantize-weights/--hierarchical/--secondary-shard ask
+    of `case`, where the layout has it (gradients: D > 1; weights: ZeRO 1-3; two levels: D > 2; hpZ:
+    ZeRO-3 layer by layer, D > 2)."""
+    out: dict = {}
+    if case["dp"] > 1 and args.quantize_grads != "none":
+        out["quantize_grads"] = args.quantize_grads
+    if case["dp"] > 1 and case["zero"] > 0 and args.quantize_weights != "none":
+        out["quantize_weights"] = args.quantize_weights
+    if case["dp"] > 2 and args.hierarchical:
+        out["hierarchical"] = True
+    if case["dp"] > 2 and case["zero"] == 3 and case["pp"] == 1 and args.secondary_shard:
+        out["secondary_shard"] = "node"
+    return out
+
+
 def rank_figures(pred, measured: dict[str, int]) -> dict:
     """One rank's predicted and measured peaks (the most over phases) and each phase's."""
     peak = max(measured.values())
@@ -158,7 +208,7 @@ def rank_figures(pred, measured: dict[str, int]) -> dict:
 def show(row: dict) -> None:
     worst = max(row["ranks"], key=lambda x: abs(x["ratio"] - 1))
     print(f"{row['model']:<11} {row['schedule']:<16} P={row['pp']} D={row['dp']} Z{row['zero']} "
-          f"recompute={int(row['recompute'])}  worst rank {worst['rank']}: predicted "
+          f"recompute={int(row['recompute'])}{''.join(f' {k}={v}' for k, v in row_quant(row).items())}  worst rank {worst['rank']}: predicted "
           f"{worst['predicted_peak_bytes'] / 2**20:7.2f} MiB, measured "
           f"{worst['measured_peak_bytes'] / 2**20:7.2f} MiB, ratio {worst['ratio']:.3f} (at {worst['at']})", flush=True)
 
@@ -179,8 +229,9 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def case_name(row: dict, rank: int) -> str:
+    quant = "".join(f" {k}={v}" for k, v in row_quant(row).items())
     return (f"{row['model']} {row['schedule']} P={row['pp']} D={row['dp']} Z{row['zero']}"
-            f"{' recompute' if row['recompute'] else ''} rank {rank}")
+            f"{' recompute' if row['recompute'] else ''}{quant} rank {rank}")
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
@@ -209,12 +260,16 @@ def markdown(results: dict) -> str:
     """Predicted / measured per rank, grouped by model, schedule and recompute: cases, ranks, the
     lowest, median and highest ratio."""
     groups: dict[tuple, list[float]] = {}
-    for row in results["rows"]:
-        groups.setdefault((row["model"], row["schedule"], row["recompute"]), []).extend(
-            r["ratio"] for r in row["ranks"])
-    lines = ["| model | schedule | recompute | ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
-    for (model, kind, rec), ratios in sorted(groups.items()):
-        lines.append(f"| {model} | {kind} | {'yes' if rec else 'no'} | {len(ratios)} | {min(ratios):.3f} | "
+    quantized = any(row_quant(row) for row in results["rows"])
+    for row in results["rows"]:  # with quantized traffic, by what is quantized and the ZeRO stage instead
+        key = (", ".join(f"{k} {v}" for k, v in row_quant(row).items()) + f" ({row.get('dtype', 'fp32')})",
+               row["zero"], row["model"]) if quantized else (row["model"], row["schedule"], row["recompute"])
+        groups.setdefault(key, []).extend(r["ratio"] for r in row["ranks"])
+    head = "| quantized | ZeRO | model |" if quantized else "| model | schedule | recompute |"
+    lines = [f"{head} ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
+    for (a, b, c), ratios in sorted(groups.items()):
+        c = c if quantized else "yes" if c else "no"
+        lines.append(f"| {a} | {b} | {c} | {len(ratios)} | {min(ratios):.3f} | "
                      f"{statistics.median(ratios):.3f} | {max(ratios):.3f} |")
     lines.append("")
     lines += [line + "." for line in summary_lines(results["rows"])]

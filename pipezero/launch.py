@@ -86,10 +86,11 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
     from pipezero.engine import check_corpus
     from pipezero.models import spec_of
     from pipezero.parallel.device import local_device
-    from pipezero.stage import secondary_split_problem
+    from pipezero.stage import hierarchical_split_problem, secondary_split_problem
 
-    if problem := secondary_split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
-        raise ConfigError(problem)
+    for split_problem in (secondary_split_problem, hierarchical_split_problem):
+        if problem := split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
+            raise ConfigError(problem)
     check_corpus(cfg, load_corpus(cfg.data), spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:

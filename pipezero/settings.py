@@ -224,9 +224,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
         key, why = unused
         raise ConfigError(f"{shown(key)} {flat[key].value if hasattr(flat[key], 'value') else flat[key]} {why}: "
                           f"drop it")
-    if "parallel.zero3_prefetch" in flat and not RULES[cfg.parallel.zero].sharded_params:  # else set and never read
-        raise ConfigError(f"{shown('parallel.zero3_prefetch')} {cfg.parallel.zero3_prefetch} is read only by ZeRO-3 "
-                          f"(how far ahead its layer-by-layer gathers start); add --zero 3, or drop it")
+    if unread := unread_setting(cfg, set(flat)):
+        key, reader = unread
+        value = flat[key].value if hasattr(flat[key], "value") else flat[key]
+        raise ConfigError(f"{shown(key)} {value} is read only {reader}")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
@@ -257,6 +258,53 @@ def unused_data_setting(d: Any, given: set[str]) -> tuple[str, str] | None:
                                   (f"--data {tokens} is a token file" if tokens else f"the tokenizer is {d.tokenizer}"))
     if "data.max_bytes" in given and d.path is not None:
         return "data.max_bytes", "cuts the built-in corpus only (--data is read whole)"
+    return None
+
+
+def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
+    """A setting the user set (`given`) that only another option reads, with that option unset
+    (each was accepted and changed nothing, exit 0): (its key, "by <the option that reads it>...;
+    <the fix>"). None when every one given is read."""
+    p, r = cfg.parallel, cfg.run
+    rules = RULES[p.zero]
+    stage3 = "by ZeRO-3 (its parameter gathers); add --zero 3, or drop it"
+    kept = (f"by ZeRO-3 layer by layer; with --pp {p.pp} ZeRO-3 keeps each chunk gathered for its step (one "
+            f"gather a chunk, none a layer): use --pp 1 or parallel.zero3_keep_gathered = false, or drop it")
+    checks = (
+        ("parallel.zero3_prefetch", rules.sharded_params,
+         "by ZeRO-3 (how far ahead its layer-by-layer gathers start); add --zero 3, or drop it"),
+        ("parallel.zero3_prefetch", layerwise(p), kept),
+        ("parallel.zero3_keep_gathered", rules.sharded_params, stage3),
+        ("parallel.overlap_gather", rules.gathers_updates,
+         f"by ZeRO-1 and -2 (when a layer waits for its updated weights); with --zero {p.zero} it changes nothing: "
+         f"use --zero 1 or 2, or drop it"),
+        ("parallel.buckets_in_flight", rules.reduces_to_shard,
+         "by ZeRO-1 to 3 (reduce-scatters left running during the backward); ZeRO-0 all-reduces: use --zero 1, 2 "
+         "or 3, or drop it"),
+        ("parallel.ranks_per_node", p.hierarchical or p.secondary_shard is not SecondaryShard.NONE,
+         "by --hierarchical and --secondary-shard node (the nodes a stage's replicas are split over): add one, "
+         "or drop it"),
+        ("parallel.placement", p.pp > 1 and p.dp > 1,
+         f"with --pp > 1 and --dp > 1 (which of a stage's replicas and a pipeline's stages are neighbours); at "
+         f"--pp {p.pp} --dp {p.dp} every placement is the same ranks: drop it"),
+        ("parallel.partition", p.stage_layers is None,
+         "without --stage-layers, which gives every chunk's layers itself: drop one of them"),
+        ("run.trace_steps", r.trace, "by --trace (the newest steps the trace keeps); add --trace, or drop it"),
+        ("run.sample_tokens", p.pp == 1 or r.sample_tokens == 0,
+         f"by a run with --pp 1 (the end-of-run text sample is made only without a pipeline); with --pp {p.pp} no "
+         f"sample is made: drop it"),
+        ("model.window_layers", cfg.model.sliding_window is not None,
+         "with model.sliding_window (the blocks its window applies to); set the window, or drop it"),
+        ("run.gpu_memory_gib", cfg.model.spec is None,
+         f"by the fit check, whose memory model knows the built-in decoder's layers, not --model-spec "
+         f"{cfg.model.spec}'s: drop it"),
+        ("run.keep_checkpoints", r.save_final or r.checkpoint_every > 0,
+         "where checkpoints are saved (--checkpoint-every, or the final save --no-save-final turns off): add "
+         "--checkpoint-every, or drop it"),
+    )
+    for key, read, reader in checks:
+        if key in given and not read:
+            return key, reader
     return None
 
 

@@ -271,6 +271,27 @@ def secondary_split_problem(p: ParallelConfig, per_node: int) -> str | None:
     return None
 
 
+def hierarchical_split_problem(p: ParallelConfig, per_node: int) -> str | None:
+    """Why --hierarchical cannot split this layout's dp groups over nodes of `per_node` ranks, or
+    None. Pure, like `secondary_split_problem`: a launcher says it once before any rank starts.
+    With every replica of a stage on one node the first level (inside the node) is the whole
+    reduction and there is no second: the flag would change nothing but the thread it runs on."""
+    if not p.hierarchical or p.dp == 1:
+        return None
+    groups = Mesh(p.pp, p.dp, 0, p.placement).dp_groups()
+    split = {(len(m), len(ms)) for g in groups for ms in [split_by_node(g, per_node)] for m in ms}
+    if split == {(p.dp, 1)}:
+        return (f"--hierarchical with every replica of a stage on one node ({per_node} ranks a node): its reductions "
+                f"inside the node are then the whole reduction, with nothing left to send across nodes, so it "
+                f"changes nothing; it needs a stage's replicas on 2 or more nodes (pipezero cluster --nodes 2 or "
+                f"more, torchrun across nodes, or parallel.ranks_per_node); drop it on one node")
+    if len({n for n, _ in split}) != 1:
+        return (f"--hierarchical with {per_node} ranks a node: each stage's replicas must sit on their nodes in equal "
+                f"numbers, found (ranks a node, nodes) {sorted(split)}; choose --placement or --dp so they do, or "
+                f"drop it")
+    return None
+
+
 def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy | None:
     """With --hierarchical, this rank's dp group split by node for two-level gradient reductions
     (every rank creates every subgroup; a layout whose groups do not split evenly is refused on
@@ -281,6 +302,8 @@ def two_level(cfg: TrainConfig, mesh: Mesh, device: torch.device) -> Hierarchy |
         return None
     check_hierarchical(p.hierarchical, device.type)
     per_node = ranks_per_node(p)
+    if problem := hierarchical_split_problem(p, per_node):
+        raise ConfigError(problem)
     try:
         return build_hierarchy(mesh.dp_groups(), per_node, timedelta(seconds=p.timeout_s))
     except ValueError as e:

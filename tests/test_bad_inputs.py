@@ -43,7 +43,7 @@ CONFIG_CASES = [
     ("[parallel]\nstage_layers = [0, 2, 2]\npp = 3\n", [], "the first chunk must hold the embedding"),
     (None, ["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
     (None, ["--hierarchical", "--device", "cuda"], "--hierarchical is for gloo (CPU ranks)"),
-    ("[parallel]\nranks_per_node = 3\ndp = 4\n", [], "ranks_per_node = 3 does not divide the 4 ranks"),
+    ("[parallel]\nranks_per_node = 3\ndp = 4\nhierarchical = true\n", [], "ranks_per_node = 3 does not divide the 4 ranks"),
     (None, ["--schedule", "1f2b"], "--schedule 1f2b: expected one of gpipe"),
     (None, ["--max-steps", "2.5"], "--max-steps 2.5: expected an integer >= 1"),
     (None, ["--seq-len", "64.0"], "--seq-len 64.0: expected an integer >= 1"),

@@ -233,9 +233,10 @@ def test_simulate_refuses_zero3_flags_under_another_stage(zero, extra, capsys):
     assert_one_line(code, err, f"{extra[0]} is read only by ZeRO-3")
 
 
-def test_simulate_takes_zero3_flags_with_zero3(capsys):
-    assert run_main(["simulate", "--zero", "3", "--dp", "2", "--zero3-layerwise", "--zero3-prefetch", "2",
-                     "--zero3-prefetch-chunk", "--json"], capsys)[0] == 0
+@pytest.mark.parametrize("flags", [["--zero3-layerwise", "--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])
+def test_simulate_takes_zero3_flags_with_zero3(flags, capsys):
+    """Each where its layout reads it: the depth layer by layer, the chunk what-if kept gathered."""
+    assert run_main(["simulate", "--zero", "3", "--dp", "2", *flags, "--json"], capsys)[0] == 0
 
 
 def test_simulate_refuses_quantized_weights_under_zero0(capsys):

@@ -148,3 +148,58 @@ def test_a_model_deeper_than_the_limit_is_refused_at_once(argv, tmp_path, capsys
         code = e.code
     assert_one_line(code, capsys.readouterr().err, "model.n_layers = 200000: expected an integer >= 1 and <= 4096")
     assert time.perf_counter() - t0 < 10
+
+
+# A setting only another option reads, given without it: accepted, it changed nothing (exit 0). Each
+# is refused in one line naming the option that would read it, as a flag and as a TOML key.
+UNREAD = [
+    (["--pp", "2", "--dp", "2", "--zero", "3", "--zero3-prefetch", "4"], "[parallel]\npp = 2\ndp = 2\nzero = 3\n"
+     "zero3_prefetch = 4\n", "is read only by ZeRO-3 layer by layer; with --pp 2 ZeRO-3 keeps each chunk gathered"),
+    (None, "[parallel]\ndp = 2\nzero = 2\nzero3_keep_gathered = false\n",
+     "is read only by ZeRO-3 (its parameter gathers)"),
+    (["--dp", "2", "--zero", "3", "--no-overlap-gather"], "[parallel]\ndp = 2\nzero = 3\noverlap_gather = false\n",
+     "is read only by ZeRO-1 and -2"),
+    (["--dp", "2", "--buckets-in-flight", "3"], "[parallel]\ndp = 2\nbuckets_in_flight = 3\n",
+     "is read only by ZeRO-1 to 3"),
+    (None, "[parallel]\ndp = 2\nranks_per_node = 1\n", "is read only by --hierarchical and --secondary-shard node"),
+    (["--dp", "2", "--placement", "pp-inner"], "[parallel]\ndp = 2\nplacement = \"pp-inner\"\n",
+     "at --pp 1 --dp 2 every placement is the same ranks"),
+    (["--pp", "2", "--stage-layers", "3,3", "--partition", "cost"],
+     "[parallel]\npp = 2\nstage_layers = [3, 3]\npartition = \"cost\"\n", "without --stage-layers"),
+    (None, "[run]\ntrace_steps = 2\n", "is read only by --trace"),
+    (["--pp", "2", "--sample-tokens", "20"], "[parallel]\npp = 2\n[run]\nsample_tokens = 20\n",
+     "the end-of-run text sample is made only without a pipeline"),
+    (["--no-save-final", "--keep-checkpoints", "2"], "[run]\nsave_final = false\nkeep_checkpoints = 2\n",
+     "where checkpoints are saved"),
+    (None, "[model]\nwindow_layers = [0]\n", "is read only with model.sliding_window"),
+]
+
+
+@pytest.mark.parametrize("argv,toml,needle", UNREAD)
+def test_a_setting_read_only_by_another_option_is_refused_without_it(argv, toml, needle, tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    if argv is not None:  # the flag, as typed
+        code, err = run_main(["train", *argv, "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
+        assert_one_line(code, err, needle)
+        assert not (tmp_path / "o").exists()
+    path = tmp_path / "run.toml"  # the TOML key, named as the file spells it
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match="in " + str(path).replace(".", r"\.")) as e:
+        build_config(str(path))
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("settings", [
+    {"parallel.zero": "3", "parallel.dp": "2", "parallel.zero3_prefetch": "4"},  # P = 1: layer by layer
+    {"parallel.pp": "2", "parallel.zero": "3", "parallel.zero3_keep_gathered": False, "parallel.zero3_prefetch": "2"},
+    {"parallel.dp": "2", "parallel.zero": "1", "parallel.overlap_gather": False, "parallel.buckets_in_flight": "2"},
+    {"parallel.dp": "4", "parallel.hierarchical": True, "parallel.ranks_per_node": "2"},
+    {"parallel.pp": "2", "parallel.dp": "2", "parallel.placement": "pp-inner"},
+    {"run.trace": True, "run.trace_steps": "2"},
+    {"run.sample_tokens": "20"}, {"parallel.pp": "2", "run.sample_tokens": "0"},
+    {"run.checkpoint_every": "2", "run.save_final": False, "run.keep_checkpoints": "2"},
+    {"model.sliding_window": "8", "model.window_layers": "0"},
+])
+def test_the_same_settings_with_the_option_that_reads_them_pass(settings):
+    build_config(None, settings)

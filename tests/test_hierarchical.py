@@ -103,3 +103,34 @@ def test_unequal_nodes_are_refused_before_any_group_is_made():
 
     with pytest.raises(ValueError, match="unequal members a node"):  # checked before any process group
         build_hierarchy([[0, 1, 2]], 2)
+
+
+def test_hierarchical_split_problem_names_one_node_and_uneven_nodes():
+    """With every replica of a stage on one node, the two-level reduction is the node's alone: the
+    flag changed nothing (as --secondary-shard node, refused there). Uneven nodes were refused by
+    every rank after the launch (build_hierarchy's ValueError); both are said before it."""
+    from pipezero.config import ParallelConfig
+    from pipezero.stage import hierarchical_split_problem
+
+    one_node = hierarchical_split_problem(ParallelConfig(dp=2, hierarchical=True), 2)
+    assert one_node is not None and "every replica of a stage on one node (2 ranks a node)" in one_node
+    assert "drop it on one node" in one_node
+    uneven = hierarchical_split_problem(ParallelConfig(dp=4, hierarchical=True), 3)
+    assert uneven is not None and "(ranks a node, nodes) [(1, 2), (3, 2)]" in uneven
+    assert hierarchical_split_problem(ParallelConfig(dp=4, hierarchical=True), 2) is None  # 2 nodes x 2
+    assert hierarchical_split_problem(ParallelConfig(dp=4, hierarchical=True), 1) is None  # 4 nodes x 1
+    assert hierarchical_split_problem(ParallelConfig(dp=2), 2) is None  # not asked for
+
+
+def test_hierarchical_on_one_node_is_refused_before_torchrun(tmp_path, monkeypatch, capsys):
+    from one_line import assert_one_line, run_main
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
+    code, err = run_main(["train", "--preset", "tiny", "--tokenizer", "bytes", "--seq-len", "16", "--max-steps", "1",
+                          "--no-progress", "--out", "o", "--dp", "2", "--nproc", "2", "--hierarchical"], capsys)
+    assert_one_line(code, err, "--hierarchical with every replica of a stage on one node (2 ranks a node)")
+    assert not (tmp_path / "o").exists()

@@ -17,6 +17,7 @@ from pipezero.models.llama import Block, Head
 from pipezero.models.spec import lm_loss
 from pipezero.runtime.weight_grad import WeightGradCapture
 from pipezero.models.presets import apply_preset, block_params
+from pipezero.errors import ConfigError
 from pipezero.settings import build_config
 from pipezero.sim.fit import check_fit
 from pipezero.sim.memory import Shapes, layer_bytes, predict
@@ -229,10 +230,12 @@ def test_the_text_sample_is_a_phase_without_a_pipeline():
     sampled tokens, cut at the model's max_seq_len; rank 0 samples alone below ZeRO-3 (the others
     wait), every rank samples at ZeRO-3 layer by layer."""
     def ranks(tokens: int, zero: int = 0, pp: int = 1) -> list:
-        return predict(build_config(None, layout(**{"parallel.pp": pp, "parallel.dp": 2, "parallel.zero": zero,
-                                                    "parallel.microbatches": 2, "parallel.micro_batch_size": 1,
-                                                    "parallel.recompute": True, "parallel.bucket_mb": 4,
-                                                    "run.sample_tokens": tokens})))
+        cfg = build_config(None, layout(**{"parallel.pp": pp, "parallel.dp": 2, "parallel.zero": zero,
+                                           "parallel.microbatches": 2, "parallel.micro_batch_size": 1,
+                                           "parallel.recompute": True, "parallel.bucket_mb": 4,
+                                           "run.sample_tokens": tokens if pp == 1 else 0}))
+        cfg.run.sample_tokens = tokens  # at P > 1 train refuses it (nothing samples); the model ignores it too
+        return predict(cfg)
 
     assert "sample" not in ranks(0)[0].phases and "sample" not in ranks(2000, pp=2)[0].phases
     short, long, longer = ranks(100), ranks(2000), ranks(3000)
@@ -268,3 +271,95 @@ def test_a_model_past_the_hosts_memory_is_refused_before_it_is_built(argv, needl
     assert_one_line(code, err, needle)
     assert f"this host's {(4 << 20) * real('SC_PAGE_SIZE') / 2**30:.1f} GiB" in err
     assert not (tmp_path / "o").exists()
+
+
+# model state outweighs activations (eight blocks of width 128 over 16 tokens): quantized traffic's
+# buffers, a bucket's worth of messages and decodes, are a visible share of a rank's peak
+STATES = {"model.preset": "tiny", "model.n_layers": 8, "model.dim": 128, "model.n_heads": 4, "model.vocab_size": 256,
+          "data.seq_len": 16, "data.packing": "concat", "parallel.micro_batch_size": 1, "parallel.microbatches": 2,
+          "parallel.bucket_mb": 0.5, "parallel.dp": 2, "run.device": "cpu"}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_message_is_sized_as_the_wire_sends_it(bits):
+    """The torch-free sizes the model counts (sim/quantized_memory.py) are zero/quantize.py's."""
+    from pipezero.sim.quantized_memory import QuantWire
+    from pipezero.zero.quantize import Bits, encode
+
+    for numel, block in ((1, 256), (255, 256), (257, 256), (65601, 32), (131200, 256)):
+        assert QuantWire(bits, block).message(numel) == encode(torch.randn(numel), Bits(bits), block).numel()
+
+
+def test_quantized_gradients_at_zero0_hold_every_reductions_messages_to_the_step():
+    """ZeRO-0's quantized all-reduce of a bucket holds its D messages sent and received and its fp32
+    piece from the backward that starts it to the step that waits for it, then decodes (2 x n fp32)
+    at the wait: every bucket's at once. Counted as the plain all-reduce's nothing, the prediction
+    was 0.82 of the measured peak and the fit check admitted a layout 17% over its limit."""
+    from pipezero.sim.memory import build_plan
+    from pipezero.sim.quantized_memory import QuantWire, reduction_flight
+
+    plain = build_config(None, STATES)
+    quant = build_config(None, {**STATES, "parallel.quantize_grads": "int8"})
+    before, after = predict(plain, cuda=False)[0], predict(quant, cuda=False)[0]
+    sizes = [n for c in range(1) for n in build_plan(quant, False).buckets.buckets(c)]
+    flying = sum(reduction_flight(QuantWire(8, 256), n, 2) for n in sizes)
+    assert after.at == "OPTIM_STEP" and after.categories["collectives"] >= flying
+    state = sum(after.categories[c] for c in ("params", "grads", "optimizer"))
+    assert state == sum(before.categories[c] for c in ("params", "grads", "optimizer"))
+    assert after.peak_bytes >= state + flying > before.peak_bytes  # measured: 35.06 MiB against 28.71 unquantized
+    from pipezero.sim.limits import FIT_MARGIN
+
+    # a limit whose admitted share lies between the two: the plain layout fits, the quantized does not
+    limit = (before.peak_bytes + after.peak_bytes) / 2 / 2**30 / (1 - FIT_MARGIN)
+    assert check_fit(plain, limit, False) is not None
+    with pytest.raises(ConfigError, match="does not fit --gpu-memory"):
+        check_fit(quant, limit, False)
+
+
+@pytest.mark.parametrize("zero, what, flag", [(1, "updated weights", "parallel.quantize_weights"),
+                                              (3, "layer by layer", "parallel.quantize_weights"),
+                                              (2, "reduce-scatter", "parallel.quantize_grads"),
+                                              (3, "secondary shares", "parallel.secondary_shard")])
+def test_quantized_traffic_and_node_shares_raise_the_prediction(zero, what, flag):
+    """ZeRO-1/2 gather every bucket's updated weights at the step's end, each holding its messages
+    until a forward waits for it (then a decode); ZeRO-3's layers in flight and the one decoded;
+    a reduce-scatter's messages and decode; hpZ's share of each bucket a node keeps."""
+    value = "node" if flag == "parallel.secondary_shard" else "int8"
+    extra = {"parallel.ranks_per_node": "2"} if value == "node" else {}
+    plain = predict(build_config(None, {**STATES, "parallel.dp": 4, "parallel.zero": zero, **extra,
+                                        **({"parallel.hierarchical": True} if extra else {})}), cuda=False)[0]
+    quant = predict(build_config(None, {**STATES, "parallel.dp": 4, "parallel.zero": zero, flag: value, **extra,
+                                        **({"parallel.hierarchical": True} if extra else {})}), cuda=False)[0]
+    assert quant.peak_bytes > plain.peak_bytes * 1.02, what
+
+
+def test_simulate_memory_takes_trains_defaults_for_flags_left_out(capsys, tmp_path):
+    """`simulate --memory --dp 2` predicted P=4 x D=2 (simulate's timing default --pp 4, M 8, small)
+    where `train --dp 2` runs P=1 x D=2: a user held the prediction against another layout. A flag
+    left out now takes train's default, and the JSON names the layout predicted."""
+    assert main(["simulate", "--memory", "--preset", "tiny", "--dp", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    train = build_config(None, {"model.preset": "tiny", "parallel.dp": "2"})
+    assert (out["layout"]["pp"], out["layout"]["dp"], out["layout"]["microbatches"]) == (1, 2, 4)
+    assert [r["peak_bytes"] for r in out["ranks"]] == [r.peak_bytes for r in predict(train)]
+    # a flag typed wins over --config even where it equals simulate's own default (--pp 4 was dropped)
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\npreset = "tiny"\n[parallel]\npp = 2\nmicrobatches = 8\n')
+    assert main(["simulate", "--memory", "--config", str(toml), "--pp", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["pp"] == 4
+    assert main(["simulate", "--memory", "--config", str(toml), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["pp"] == 2
+
+
+def test_simulate_memory_counts_quantized_traffic(capsys):
+    """--quantize-grads and --quantize-weights change the prediction (sim/quantized_memory.py), so
+    `simulate --memory` takes them as train does (it refused them as flags it would ignore)."""
+    argv = ["simulate", "--memory", "--preset", "tiny", "--dp", "2", "--zero", "1", "--seq-len", "16",
+            "--micro-batch-size", "1", "--json"]  # model state, not activations, at the peak
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["ranks"][0]["peak_bytes"]
+    assert main([*argv, "--quantize-grads", "int8", "--quantize-weights", "int8"]) == 0
+    quant = json.loads(capsys.readouterr().out)
+    assert quant["layout"]["quantize_grads"] == "int8" and quant["ranks"][0]["peak_bytes"] > plain
+    assert_one_line(*run_main(["simulate", "--memory", "--dp", "2", "--quantize-weights", "int8"], capsys),
+                    "--quantize-weights int8 with --zero 0")

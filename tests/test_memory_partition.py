@@ -86,8 +86,11 @@ def test_resolve_writes_the_cuts_and_leaves_other_policies_alone():
     done = resolve(cfg)
     assert done.parallel.stage_layers == list(balance(cfg).counts) and cfg.parallel.stage_layers is None
     assert sum(done.parallel.stage_layers) == cfg.model.n_layers + 2
-    for other in (small(), small(**{"parallel.partition": "params"}),
-                  small(**{"parallel.partition": "memory", "parallel.stage_layers": "3,3,2,2"})):
+    # cuts given beside the policy (train refuses the pair as settings: the cuts leave the policy
+    # unread; a configuration made in code may hold both)
+    given = small(**{"parallel.stage_layers": "3,3,2,2"})
+    given.parallel.partition = Partition.MEMORY
+    for other in (small(), small(**{"parallel.partition": "params"}), given):
         assert resolve(other) is other
     with pytest.raises(ValueError, match="memory partition is chosen from the whole run"):
         predict(cfg)  # unresolved: the memory model cannot cut it by per-layer counts alone

@@ -169,6 +169,8 @@ SPEC_MISTAKES = [  # (flags, what the one line says)
     (["--model-spec", "my_decoder:two_blocks", "--pp", "5"], "only 4 layers (embedding + 2 blocks + head)"),
     (["--model-spec", SPEC, "--data", "DATA", "--packing", "concat", "--tokenizer", "TOKENIZER", "--nproc", "2",
       "--pp", "2"], "tokens but the model only 256 rows"),  # the launcher's check, before torchrun
+    # the fit check has no prediction for a spec's layers: the limit was accepted and read by nothing
+    (["--model-spec", SPEC, "--gpu-memory", "1"], "--gpu-memory 1.0 is read only by the fit check"),
 ]
 
 

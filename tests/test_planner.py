@@ -341,3 +341,12 @@ def test_plan_proposes_int8_traffic_only_where_it_wins(capsys):
     code = main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory", "16", "--compress", "auto",
                  "--quantize-grads", "int8"])
     assert code == 2 and "--compress auto chooses the options itself" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_bandwidth_both_link_flags_override(capsys):
+    """--intra-bw and --inter-bw each replace one half of --bandwidth: with both, it was read by nothing."""
+    from one_line import assert_one_line, run_main
+
+    argv = ["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory", "8", "--intra-bw", "10", "--inter-bw", "1"]
+    assert_one_line(*run_main([*argv, "--bandwidth", "100,5"], capsys), "--bandwidth 100,5 is overridden by --intra-bw")
+    assert run_main([*argv, "--json"], capsys)[0] == 0

@@ -190,3 +190,15 @@ def test_the_planner_counts_the_gathers_a_deeper_prefetch_keeps():
                     recompute).crossing_bytes == pytest.approx(
         estimate(cfg.model, cfg.data.seq_len, 2 * p.micro_batch_size * p.microbatches, cluster,
                  replace(recompute, prefetch=1)).crossing_bytes)  # with recompute nothing is kept
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--zero3-prefetch", "2"], "--zero3-prefetch 2 applies with --zero3-layerwise"),
+    (["--zero3-layerwise", "--zero3-prefetch-chunk"], "--zero3-prefetch-chunk prefetches a chunk kept gathered"),
+])
+def test_simulate_refuses_a_prefetch_flag_its_layout_does_not_read(argv, needle, capsys):
+    """simulate's timing: the depth is read only layer by layer, the chunk what-if only kept
+    gathered; each exited 0 unread. (train refuses --zero3-prefetch where ZeRO-3 keeps chunks gathered.)"""
+    from one_line import assert_one_line, run_main
+
+    assert_one_line(*run_main(["simulate", "--zero", "3", "--dp", "2", *argv, "--json"], capsys), needle)

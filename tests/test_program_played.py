@@ -45,8 +45,8 @@ def cases() -> list[dict]:
              "parallel.bucket_mb": 0.02} for kind in (K.ZB_H1, K.ONE_F_ONE_B)]
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
     out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
-    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, "parallel.zero3_keep_gathered": True}
-            for z in (0, 3)]
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 0},  # (keep_gathered: ZeRO-3's only)
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "parallel.zero3_keep_gathered": True}]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
     out += [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)]
     # a tied embedding: summed between the ends (or on the V's turn rank), then its buckets reduced

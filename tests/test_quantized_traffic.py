@@ -161,7 +161,7 @@ CASES = [
     {**BASE, **Q, "parallel.zero": 3, "kind": K.ZB_V, "parallel.quantize_weights": "int8", "parallel.quantize_grads": "int4",
      "parallel.hierarchical": True, "parallel.ranks_per_node": 1},  # two-level: each group on 2 nodes
     # hpZ (--secondary-shard node): ZeRO-3 layer by layer (P = 1) over 2 nodes x 2, the same global batch
-    {**LAYERWISE},
+    {k: v for k, v in LAYERWISE.items() if k != "parallel.ranks_per_node"},  # read only by hpZ and two levels
     {**LAYERWISE, "parallel.secondary_shard": "node"},
     {**LAYERWISE, **Q, "parallel.secondary_shard": "node", "parallel.quantize_weights": "int8",
      "parallel.quantize_grads": "int8", "parallel.hierarchical": True},  # all three, two-level

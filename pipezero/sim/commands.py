@@ -69,6 +69,22 @@ def changed_flags(args: argparse.Namespace) -> list[str]:
     return [dest for dest, value in bare.items() if dest != "func" and getattr(args, dest, value) != value]
 
 
+def typed_flags(args: argparse.Namespace) -> set[str]:
+    """The dests of the flags on the command line (`args.argv`, as cli.main keeps it), whatever
+    their value: `--pp 4` typed is given even where it equals simulate's default. Without argv (a
+    namespace made in code) the flags whose value differs from a bare simulate's."""
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        return set(changed_flags(args))
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    sub = parser._subparsers._group_actions[0].choices["simulate"]  # type: ignore[union-attr]
+    for action in sub._actions:
+        action.default = argparse.SUPPRESS
+    argv = list(argv)
+    return set(vars(parser.parse_args(argv[argv.index("simulate"):]))) - {"func"}
+
+
 def check_combination(args: argparse.Namespace) -> None:
     """Refuse flags the request would ignore: it used to exit 0 as if they had been applied."""
     for dest in ("png", "from_trace", "config"):  # "" read as not given: the request ran without it, exit 0
@@ -100,6 +116,12 @@ def check_combination(args: argparse.Namespace) -> None:
     elif args.zero3_unit not in (None, "layer") and not args.zero3_layerwise:  # read only layer by layer
         raise ConfigError(f"--zero3-unit {args.zero3_unit} applies with --zero3-layerwise (a chunk kept gathered has "
                           f"one gather a step, not a unit's): add --zero3-layerwise, or drop it")
+    elif args.zero3_prefetch is not None and not args.zero3_layerwise:  # the depth of layer-by-layer gathers
+        raise ConfigError(f"--zero3-prefetch {args.zero3_prefetch} applies with --zero3-layerwise (a chunk kept "
+                          f"gathered has one gather a step, no layer to prefetch): add --zero3-layerwise, or drop it")
+    elif args.zero3_prefetch_chunk and args.zero3_layerwise:  # the kept-gathered chunk's what-if only
+        raise ConfigError("--zero3-prefetch-chunk prefetches a chunk kept gathered; with --zero3-layerwise there is "
+                          "none (--zero3-prefetch N sets how far layers are prefetched): drop one of them")
     elif not RULES[args.zero].gathers_weights and args.quantize_weights != "none":
         raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
                           f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")
@@ -206,8 +228,10 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                                    f"at most {limits.ZERO_PLAY_LIMIT} (that x --dp) and "
                                    f"{limits.INSTRUCTION_LIMIT} instructions of the lowered program.")
     s.add_argument("--schedule", choices=[k.value for k in SCHEDULES], default="1f1b", help=help_text())
-    s.add_argument("--pp", type=int, default=4, help=f"pipeline ranks (P, {limits.PP.describe()})")
-    s.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (M)")
+    s.add_argument("--pp", type=int, default=4, help=f"pipeline ranks (P, {limits.PP.describe()}; default 4, with "
+                                                    f"--memory train's 1)")
+    s.add_argument("--microbatches", type=int, default=8, help="micro-batches a step (M; default 8, with --memory "
+                                                               "train's 4)")
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
     s.add_argument("--cost", default="1:1:1", help=f"relative F:B:W cost of one stage (each {limits.COST.describe()})")
     s.add_argument("--comm", type=float, default=0.0, help=f"time of one hop between ranks, in F units ({limits.TIME.describe()})")
@@ -223,7 +247,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"data-parallel ranks a stage (with --zero; {limits.DP.describe()})")
     z.add_argument("--grad-reduce", choices=[g.value for g in GradReduce], default=GradReduce.STEP.value,
                    help="reduce gradients once a step or every micro-batch (as train --grad-reduce)")
-    z.add_argument("--preset", default="small", help="model preset that sizes the buckets (default small)")
+    z.add_argument("--preset", default="small", help="model preset that sizes the buckets (default small; with --memory "
+                   "train's tiny: a flag left out takes train's default there)")
     z.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MB (as train --bucket-mb)")
     z.add_argument("--dp-comm", type=float, default=0.5,
                    help=f"time, in F units, for one rank's link to carry one stage's parameters (0: free; "
@@ -309,7 +334,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         check_work(args)
         if args.png:
             check_png(args.png, args.pp * args.microbatches * default_virtual(ScheduleKind(args.schedule), args.virtual_stages))
-        return cmd_simulate_memory(args, changed_flags(args))
+        return cmd_simulate_memory(args, typed_flags(args))
     f, b, w = parse_cost(args.cost)
     cost = CostModel(f, b, w, args.comm)
     if args.zero is not None:

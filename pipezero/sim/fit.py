@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from pipezero.config import Device, DType, TrainConfig
 from pipezero.errors import ConfigError
+from pipezero.sim.limits import FIT_MARGIN
 from pipezero.sim.memory import RankMemory, predict
 from pipezero.sim.memory_partition import resolve
 
@@ -32,13 +33,14 @@ def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
 
 
 def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
-    """Raise ConfigError when some rank's predicted peak exceeds `limit_gib`; the prediction
-    otherwise (None without a limit, or for a model of one's own, whose layers the model does not
-    know)."""
+    """Raise ConfigError when some rank's predicted peak exceeds `limit_gib` less the model's
+    `FIT_MARGIN`; the prediction otherwise (None without a limit, or for a model of one's own, whose
+    layers the model does not know)."""
     if limit_gib is None or cfg.model.spec is not None:
         return None
     ranks = predict(resolve(cfg, cuda), cuda)
-    over = [r for r in ranks if r.peak_bytes > limit_gib * GIB]
+    admitted = limit_gib * (1 - FIT_MARGIN)
+    over = [r for r in ranks if r.peak_bytes > admitted * GIB]
     if not over:
         return ranks
     worst = max(over, key=lambda r: r.peak_bytes)
@@ -47,8 +49,9 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
     phase = {"eval": " in the held-out evaluation (fewer run.eval_batches lower it)",
              "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
     raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
-                      f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over); "
-                      f"{alternatives(cfg, limit_gib, cuda)}")
+                      f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over "
+                      f"{admitted:.3g} GiB, the limit less the model's {FIT_MARGIN:.0%} margin); "
+                      f"{alternatives(cfg, admitted, cuda)}")
 
 
 def alternatives(cfg: TrainConfig, limit_gib: float, cuda: bool, top: int = 3) -> str:

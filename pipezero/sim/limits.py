@@ -57,3 +57,11 @@ TRAIN_PLAY_LIMIT = 65536
 # and holds a step's global batch (M x B x D sequences of T + 1 token ids) in memory on every rank:
 # --micro-batch-size 10^9 was a 119 GiB allocation's traceback
 BATCH_TOKENS = 1 << 28
+
+# The fit check's share of a rank's limit its predicted peak may not pass (sim/fit.py): the memory
+# model's worst under-prediction over bench/memory_model.py's measured cases (bench/results/
+# memory_model*.json) is 0.941 (bf16, zb-v's split backward, whose bf16 transients are not recounted),
+# 0.951 with quantized traffic (ZeRO-1 int8 gradients: the walk plays a backward's reductions after
+# it, where they start inside it), 0.973 in the fp32 table; with 6% to spare no measured case whose
+# peak passes its limit is admitted.
+FIT_MARGIN = 0.06

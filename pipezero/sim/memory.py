@@ -20,7 +20,9 @@ Categories (bytes on one rank):
   end waits for them (an activation's send is the chunk's output itself, moved here from
   `activations` when it is sent);
 - collectives: a reduction's buffers while in flight: the low-precision wire copy, the
-  reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received;
+  reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received; with
+  quantized traffic (sim/quantized_memory.py) a reduction's or a gather's messages sent and
+  received until it is waited for, and its wait's fp32 decode;
 - batch: the step's token batch and the held-out windows (every rank holds both whole: its share is
   a view of them).
 
@@ -66,7 +68,9 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, in_flight_of
 from pipezero.schedules.zero_rules import RULES
+from pipezero.sim.limits import FIT_MARGIN
 from pipezero.sim.prefetch import Choice, run_choice
+from pipezero.sim.quantized_memory import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
 
 if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
@@ -231,6 +235,11 @@ class MemoryPlan:
     sample_len: int = 0  # the text sample's longest window (0: no sample)
     seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
+    grad_quant: QuantWire | None = None  # --quantize-grads: reductions travel as messages (D > 1)
+    weight_quant: QuantWire | None = None  # --quantize-weights: gathers travel as messages (D > 1)
+    # --secondary-shard node: ranks a node whose share of each bucket a rank keeps (0: none); where
+    # the node's size is not set (torchrun's, known only to the ranks) 2, the least it can be
+    secondary: int = 0
 
 
 @dataclass
@@ -275,9 +284,14 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     # the prompt ("def ", four tokens or fewer) and every sampled token but the last, cut to the window
     sample = min(len(SAMPLE_PROMPT) + r.sample_tokens - 1, m.max_seq_len or cfg.data.seq_len) \
         if r.sample_tokens and p.pp == 1 else 0
+    bits = {"int8": 8, "int4": 4}
+    grad_q, weight_q = (QuantWire(bits[q.value], p.quant_block) if q.value in bits and p.dp > 1 else None
+                        for q in (p.quantize_grads, p.quantize_weights))
+    secondary = (p.ranks_per_node or 2) if p.secondary_shard.value != "none" and p.dp > 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       in_flight_of(program), cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
-                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth)
+                      r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth, grad_q, weight_q,
+                      secondary)
 
 
 def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
@@ -290,7 +304,8 @@ def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
 
     def fits(depth: int) -> bool:
         deeper = replace(cfg, parallel=replace(p, zero3_prefetch=depth))
-        return limit is None or max(r.peak_bytes for r in every_rank(build_plan(deeper, cuda))) <= limit * 2**30
+        return limit is None or max(r.peak_bytes for r in every_rank(build_plan(deeper, cuda))) <= \
+            limit * (1 - FIT_MARGIN) * 2**30  # the fit check's share: a depth chosen here passes it
 
     return run_choice(cfg, fits)
 
@@ -437,8 +452,17 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     shard_b = {c: [n // dp * F32 for n in bp.buckets(c)] for c in chunks}
     flight = {c: [reduction_bytes(plan, n, rules.reduces_to_shard) if dp > 1 else 0 for n in bp.buckets(c)]
               for c in chunks}
+    # what a reduction's wait holds beyond its flight (quantized traffic's decode; 0 otherwise)
+    settling = {c: [wait_bytes(plan, n, rules.reduces_to_shard) if dp > 1 else 0 for n in bp.buckets(c)]
+                for c in chunks}
+    q = plan.weight_quant if rules.gathers_updates else None  # ZeRO-1/2's quantized gathers after the step
+    updates = {c: [gather_flight(q, n, dp) for n in bp.buckets(c)] for c in chunks} if q is not None else {}
+    updating: set[tuple[int, int]] = set()  # those started and not yet waited for
+    stepped = [False, False]  # the step's OPTIM_STEP is past; its gathers of updated weights have started
     live: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
+    if plan.secondary:  # hpZ: each bucket's node share, kept from its first gather (counted from the start)
+        live["params"] += sum(n // plan.secondary * F32 for c in chunks for n in bp.buckets(c))
     live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
     live["batch"] = plan.batch_bytes + plan.eval_bytes
     res = RankMemory(pp_rank * dp)
@@ -485,14 +509,18 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             live["grads"] += sum(missing(c)) * F32
             full[c] = every[c]
 
-    def complete(keep: int, g: int, co: int) -> tuple[int, int]:
+    def complete(keep: int, g: int, co: int) -> tuple[int, int, int]:
         """The oldest reductions in flight complete until `keep` are left; the gradient and
         collective bytes `g`, `co` after them (a blocking wait keeps none; a REDUCE_GRAD's `bound`
-        the program's number)."""
+        the program's number), and the most of the two at once while they were waited for (a wait's
+        own bytes, `settling`, beside what is still in flight; 0: none completed)."""
+        top = 0
         while len(reducing) > keep:
             key = reducing.popleft()
             in_flight.discard(key)
             c, k = key
+            if settling[c][k]:
+                top = max(top, g + co + settling[c][k])
             co -= flight[c][k]
             if sharded:  # the reduce-scatter's output becomes (or is added into) the fp32 shard
                 if not shards[c] >> k & 1:
@@ -501,11 +529,13 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                 if full[c] >> k & 1:
                     full[c] ^= 1 << k
                     g -= full_b[c][k]
-        return g, co
+        return g, co, top
 
-    def drain() -> None:
+    def drain(where: object) -> None:
         """Every reduction in flight completes (blocking: the rank waits for all of them)."""
-        live["grads"], live["collectives"] = complete(0, live["grads"], live["collectives"])
+        live["grads"], live["collectives"], top = complete(0, live["grads"], live["collectives"])
+        if top > live["grads"] + live["collectives"]:  # a wait's decode beside what was still in flight
+            note(where, {"collectives": top - live["grads"] - live["collectives"]})
 
     def reductions(i: int) -> int:
         """The run of REDUCE_GRADs from position `i` (a backward's buckets, one an instruction):
@@ -553,13 +583,14 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     reducing.append(key)
                     in_flight.add(key)
                     co += flight[c][k]
+            waited = 0
             if ins.blocking or ins.bound is not None:  # type: ignore[union-attr]
-                g, co = complete(0 if ins.blocking else ins.bound, g, co)  # type: ignore[union-attr]
-            total = rest + g + co
+                g, co, waited = complete(0 if ins.blocking else ins.bound, g, co)  # type: ignore[union-attr]
+            total = rest + max(g + co, waited)
             if total > best:
-                best, best_at, best_g, best_co = total, j, g, co
-            if g + co - g0 - co0 > top:
-                top, top_at, top_g, top_co = g + co - g0 - co0, j - i, g - g0, co - co0
+                best, best_at, best_g, best_co = total, j, g, total - rest - g
+            if max(g + co, waited) - g0 - co0 > top:
+                top, top_at, top_g, top_co = max(g + co, waited) - g0 - co0, j - i, g - g0, max(g + co, waited) - g - co0
             if keep_timeline:
                 res.timeline.append((len(res.timeline), {**live, "grads": g, "collectives": co}))
                 res.totals.append((_name(ins), total))
@@ -572,9 +603,31 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     def gather(c: int, on: bool, backward: bool = False) -> None:
         if on and c not in gathered:
             gathered[c] = whole[c] if not plan.layerwise else _layerwise_gathered(plan, c, 3 if backward else 2)
+            if plan.weight_quant is not None and plan.layerwise and not (plan.secondary and backward):
+                # the layers prefetched travel as messages, and the one waited for is decoded
+                # (sim/quantized_memory.py); with hpZ a backward's gathers are the node's fp32 shares
+                largest = max(bp.buckets(c), default=0)
+                gathered[c] += decoded(largest) + plan.depth * gather_flight(plan.weight_quant, largest, dp)
             live["gathered"] += gathered[c]
         elif not on and c in gathered:
             live["gathered"] -= gathered.pop(c)
+
+    def update_gathers(ins: DataParallel) -> None:
+        """ZeRO-1/2 with quantized weights: the step starts every bucket's gather of its updated
+        weights at once (zero/coordinator.start_updates), each holding its messages until a
+        forward waits for it, bucket by bucket, decoding it (the first UNSHARD after the step
+        stands for the start)."""
+        if not stepped[1]:
+            stepped[1] = True
+            for c in chunks:
+                updating.update((c, k) for k in range(len(updates[c])))
+                live["collectives"] += sum(updates[c])
+        c = ins.chunk
+        for k in range(len(updates[c])) if ins.bucket is None else [ins.bucket]:
+            if (c, k) in updating:
+                note(ins, {"collectives": decoded(bp.buckets(c)[k])})
+                updating.discard((c, k))
+                live["collectives"] -= updates[c][k]
 
     split_done: dict[tuple[int, int], bool] = {}  # B left a stash: W needs no autograd graph
     # layer by layer: each action's gathers priced as its chunk's; and the backwards whose chunk's
@@ -608,7 +661,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             continue
         if isinstance(ins, OptimStep):
             live["p2p"] = 0  # the step's sends are waited for, their buffers dropped
-            drain()
+            drain(ins)
+            stepped[0] = True
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
             norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
             note(ins, {"optimizer": norm})
@@ -620,8 +674,15 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                 continue
             if ins.kind is Kind.UNSHARD and prog.rules.sharded_params:
                 gather(ins.chunk, True)
+                if plan.weight_quant is not None and not plan.layerwise:  # kept gathered: the chunk's
+                    # buckets' messages at once, and the decode of the largest as it is waited for
+                    sizes = bp.buckets(ins.chunk)
+                    note(ins, {"collectives": sum(gather_flight(plan.weight_quant, n, dp) for n in sizes)
+                               + decoded(max(sizes, default=0))})
             elif ins.kind is Kind.RESHARD:
                 gather(ins.chunk, False)
+            elif ins.kind is Kind.UNSHARD and updates and stepped[0]:
+                update_gathers(ins)
             note(ins)
             i += 1
             continue
@@ -826,6 +887,11 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
         back = [0, *accumulate(n * F32 - (0 if shards >> k & 1 else n // dp * F32) for k, n in enumerate(sizes))]
         flying = [0, *accumulate(reduction_bytes(plan, n, True) for n in sizes)]
     out = []
+    reduced = 0  # buckets reduced by the moment before
+    # a rank waits for one collective at a time: layer by layer with quantized weights, `gathered`
+    # already holds a layer's decode (walk's `gather`), which a reduction's decode does not add to
+    decoding = decoded(max(sizes, default=0)) if plan.weight_quant is not None and plan.layerwise and \
+        not plan.secondary else 0
     for done, act in (b.recompute_moments if plan.recompute else b.moments):
         # bucket 0 has started by the first moment; bucket k once bucket k - 1 ends before `done`
         grads = new[min(len(sizes), bisect_left(ends, done) + 1)]
@@ -835,6 +901,9 @@ def sharded_backward(plan: MemoryPlan, c: int, b: ChunkBytes, full: int, shards:
             older = max(0, complete - k_alive)  # complete, reduced: the rest are in flight
             grads -= back[older]
             coll = flying[complete] - flying[older]
+            # the buckets reduced since the moment before were waited for here: the largest wait
+            coll += max(0, max((wait_bytes(plan, n, True) for n in sizes[reduced:older]), default=0) - decoding)
+            reduced = older
         out.append((act, grads, coll))
     return tuple(out)
 
@@ -844,11 +913,20 @@ def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
     (zero/coordinator.py): the low-precision copy it travels as (bf16), and for a reduce-scatter
     (ZeRO-1 to 3) its output shard plus, on gloo, the exchange's receive buffer for the other
     members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
+    if plan.grad_quant is not None:  # messages, not a wire copy (sim/quantized_memory.py)
+        return reduction_flight(plan.grad_quant, n, plan.dp)
     out = n * plan.wire if plan.wire != F32 else 0
     if to_shard:
         shard = n // plan.dp * plan.wire
         out += shard + (shard * (plan.dp - 1) if plan.gloo and plan.dp > 2 else 0)
     return out
+
+
+def wait_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
+    """Bytes a gradient reduction of an `n`-element bucket holds beyond `reduction_bytes` while it
+    is waited for: a quantized one's decode (sim/quantized_memory.py); nothing otherwise (the sum
+    lands in the buffers counted)."""
+    return 0 if plan.grad_quant is None else reduction_wait(plan.grad_quant, n, plan.dp, to_shard)
 
 
 def _layerwise_gathered(plan: MemoryPlan, chunk: int, span: int) -> int:

@@ -1,6 +1,11 @@
 """`pipezero simulate --memory`: each rank's predicted peak memory by category (sim/memory.py) for a
 layout given with train's layout flags, as a table, JSON, or a picture of every rank's memory over
-the step (--png)."""
+the step (--png).
+
+A flag left out takes train's default, not simulate's (whose --pp 4, --microbatches 8 and --preset
+small suit a timeline): `simulate --memory --dp 2` predicts the P=1 x D=2 that `train --dp 2` runs,
+so a prediction is never held against a run of another layout. The table's title and the JSON's
+`layout` name the layout predicted."""
 
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "bucket_mb": "parallel.bucket_mb", "grad_reduce": "parallel.grad_reduce",
                           "partition": "parallel.partition", "eval_batches": "run.eval_batches",
                           "zero3_prefetch": "parallel.zero3_prefetch", "zero3_unit": "parallel.zero3_unit",
-                          "sample_tokens": "run.sample_tokens"}
+                          "sample_tokens": "run.sample_tokens", "quantize_weights": "parallel.quantize_weights",
+                          "quantize_grads": "parallel.quantize_grads", "quant_block": "parallel.quant_block"}
 
 
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
@@ -50,38 +56,49 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
                         "largest predicted peak is least)")
 
 
-def memory_config(args: argparse.Namespace, changed: list[str]) -> TrainConfig:
-    """The run settings the flags describe; with --config, only the flags `changed` from a bare
-    simulate's override the file."""
+def memory_config(args: argparse.Namespace, typed: set[str]) -> TrainConfig:
+    """The run settings the flags describe: the flags `typed` on the command line (dests) over the
+    --config file over train's defaults, as `train` would take them."""
     from pipezero.settings import build_config
 
     given = {}
     for dest, key in LAYOUT.items():
         value = getattr(args, dest, None)
-        if value is None or (args.config and dest not in changed):
+        if value is None or dest not in typed:
             continue
         given[key] = value if isinstance(value, (bool, str)) else str(value)
-    if args.virtual_stages is None and not args.config:
+    if "schedule" in typed and "virtual_stages" not in typed:  # as simulate's timing: V = 2 where it needs V > 1
         given["parallel.virtual_stages"] = str(default_virtual(ScheduleKind(args.schedule)))
-    if args.zero is None and not args.config:
-        given["parallel.zero"] = "0"
     return build_config(args.config, given, {key: f"--{dest.replace('_', '-')}" for dest, key in LAYOUT.items()})
 
 
-def cmd_simulate_memory(args: argparse.Namespace, changed: list[str]) -> int:
-    cfg = memory_config(args, changed)
+def layout_of(cfg: TrainConfig) -> dict:
+    """The layout a prediction is of, as train's settings name it."""
+    p = cfg.parallel
+    return {"preset": cfg.model.preset, "pp": p.pp, "dp": p.dp, "zero": p.zero, "schedule": p.schedule.value,
+            "microbatches": p.microbatches, "micro_batch_size": p.micro_batch_size,
+            "virtual_stages": p.virtual_stages, "seq_len": cfg.data.seq_len, "dtype": cfg.run.dtype.value,
+            "recompute": p.recompute, "quantize_weights": p.quantize_weights.value,
+            "quantize_grads": p.quantize_grads.value}
+
+
+def cmd_simulate_memory(args: argparse.Namespace, typed: set[str]) -> int:
+    cfg = memory_config(args, typed)
     plan = build_plan(resolve(cfg))
     ranks = every_rank(plan, keep_timeline=bool(args.png))
     cuts = [b - a for a, b in plan.layer_bounds]  # layers a stage chunk, as the policy cut them
     if args.png:
         draw_memory(ranks, cfg, args.png)
     if args.json:
-        print(json.dumps({"ranks": [r.to_json() for r in ranks], "stage_layers": cuts}, indent=2))
+        print(json.dumps({"layout": layout_of(cfg), "ranks": [r.to_json() for r in ranks], "stage_layers": cuts},
+                         indent=2))
         return 0
     p = cfg.parallel
     table = Table(title=f"peak memory a rank (MiB): {cfg.model.preset} P={p.pp} D={p.dp} ZeRO-{p.zero} "
                         f"{p.schedule.value} M={p.microbatches} B={p.micro_batch_size} T={cfg.data.seq_len} "
-                        f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}; layers a chunk "
+                        f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}"
+                        f"{''.join(f' {k} {v}' for k, v in (('weights', p.quantize_weights.value), ('grads', p.quantize_grads.value)) if v != 'none')}"
+                        f"; layers a chunk "
                         f"{','.join(map(str, cuts))} ({'explicit' if p.stage_layers else p.partition.value})")
     shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
     # each phase's own peak (the training step, the evaluation, the text sample): the peak is the most

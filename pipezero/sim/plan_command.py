@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from pipezero.sim.prefetch import Choice
 
 
+BANDWIDTH = "300,25"  # --bandwidth's default: intra,inter-node GB/s a GPU
+
 def _nearby_gpus(layers: int, global_batch: int, gpus: int) -> str:
     """GPU counts nearest `gpus` that split into some pp x dp (pp at most `layers`, dp dividing the
     global batch, within limits.GPUS), for the error message; empty when there are none. Taken from
@@ -52,7 +54,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
     s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8,
                    help=f"GPUs a node ({limits.GPUS.describe()})")
-    s.add_argument("--bandwidth", default="300,25", help=f"intra,inter-node GB/s per GPU (each, as --intra-bw and --inter-bw, "
+    s.add_argument("--bandwidth", default=BANDWIDTH, help=f"intra,inter-node GB/s per GPU (each, as --intra-bw and --inter-bw, "
                                                          f"{limits.GBPS.describe()})")
     s.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node (overrides --bandwidth's first)")
     s.add_argument("--inter-bw", type=float, help="GB/s of a node's link to the others, shared by its GPUs "
@@ -117,6 +119,8 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if not all(math.isfinite(x) and x in limits.GBPS for x in (intra, inter)):
         raise ConfigError(f"--bandwidth {args.bandwidth}: expected two numbers > 0 (from {limits.GBPS.low:g} to "
                           f"{limits.GBPS.high:g}: intra,inter-node GB/s)")
+    if args.intra_bw is not None and args.inter_bw is not None and args.bandwidth != BANDWIDTH:  # neither part read
+        raise ConfigError(f"--bandwidth {args.bandwidth} is overridden by --intra-bw and --inter-bw: drop one of them")
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
     wire = args.wire_bytes or (4 if args.device == "cpu" else 2)
