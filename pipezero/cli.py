@@ -237,10 +237,11 @@ def check_host_memory(cfg: Any) -> None:
     if cfg.model.spec is not None:
         return
     from pipezero.sim.memory import predict
+    from pipezero.sim.memory_partition import resolve
 
     gib = 2**30
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    ranks = predict(cfg, False)
+    ranks = predict(resolve(cfg, False), False)  # cut as the ranks will cut it (--partition memory)
     need = sum(r.peak_bytes for r in ranks)
     if need > host:
         whose = "1 CPU rank's predicted peak" if len(ranks) == 1 else f"{len(ranks)} CPU ranks' predicted peaks"
