@@ -295,12 +295,27 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed "
                    f"({type(e).__name__}: {first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or "
                    f"let --nproc start them")
+    if cfg.model.spec is not None and (line := parts_out_of_order(cfg, e)) is not None:
+        return 2, line
     if cfg.model.spec is not None:
         from pipezero.models.user_spec import users_fault
 
         if (fault := users_fault(cfg.model.spec, e)) is not None:  # each failing rank says it, named
             return 2, f"rank {os.environ.get('RANK', 0)}: {fault}" if under_torchrun() else str(fault)
     return None
+
+
+def parts_out_of_order(cfg: Any, e: Exception) -> str | None:
+    """The line for a spec's parts the runtime found in another order than its forward runs them
+    (a layer the start-up check could not run: models/parts.py `forward_order`); None for any other
+    failure. With the built-in model's parts the same error is a bug of ours (its traceback)."""
+    from pipezero.config import Zero3Unit
+    from pipezero.zero.gathering import UngatheredUse
+
+    if not isinstance(e, UngatheredUse) or cfg.parallel.zero3_unit is not Zero3Unit.SUBLAYER:
+        return None
+    return (f"{e}: --model-spec {cfg.model.spec}'s layer_parts lists a layer's parts in another order than its "
+            f"forward runs them; list the parts in the order they run, each part's modules one after another")
 
 
 SHARD_SIZE = "5GB"  # export --format hf's default, as transformers' save_pretrained
