@@ -20,6 +20,7 @@ Two choices, both visible in summary.json and the README:
 from __future__ import annotations
 
 import re
+import shlex  # a pattern in a message is quoted as a shell takes it back (its repr doubles backslashes)
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -69,15 +70,15 @@ def check_pattern(model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ConfigError(f"--freeze {pattern!r} is not a valid regular expression ({e}); write a Python regex "
+        raise ConfigError(f"--freeze {shlex.quote(pattern)} is not a valid regular expression ({e}); write a Python regex "
                           f"over parameter names, e.g. --freeze '{EXAMPLE}'") from None
     names = param_names(model)
     frozen = frozen_names(model, pattern)
     if not frozen:
-        raise ConfigError(f"--freeze {pattern!r} matches no parameter; names look like {names[0]}, {names[1]}, "
+        raise ConfigError(f"--freeze {shlex.quote(pattern)} matches no parameter; names look like {names[0]}, {names[1]}, "
                           f"..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
     if frozen >= set(names):
-        raise ConfigError(f"--freeze {pattern!r} matches every parameter, so nothing would train; narrow it, "
+        raise ConfigError(f"--freeze {shlex.quote(pattern)} matches every parameter, so nothing would train; narrow it, "
                           f"e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
 
 

@@ -179,6 +179,7 @@ def test_the_host_memory_check_cuts_as_the_policy_says(pp):
     check_host_memory(small(**{"parallel.partition": "memory", "parallel.pp": pp}))
 
 
+@pytest.mark.distributed  # full lane: seconds of one-process training
 def test_plain_train_with_the_memory_policy_trains_one_stage(text_dir, tmp_path, capsys):
     """The plainest `pipezero train --partition memory` (one process, --pp 1) trains."""
     code, err = run_main(["train", "--partition", "memory", "--preset", "tiny", "--tokenizer", "bytes", "--data",
