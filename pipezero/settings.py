@@ -338,9 +338,13 @@ def check_secondary_shard(p: ParallelConfig) -> None:
     """--secondary-shard node saves gathers only where ZeRO-3 gathers a bucket more than once a step."""
     if p.secondary_shard is SecondaryShard.NONE:
         return
-    _check(RULES[p.zero].sharded_params and p.dp > 1,
-           f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp > 1 gathers parameters "
-           f"over a group; use --zero 3 or drop it")
+    sharded, replicas = RULES[p.zero].sharded_params, p.dp > 1
+    _check(sharded or replicas, f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp 2 or "
+                                f"more gathers parameters over a group; use --zero 3 and raise --dp, or drop it")
+    _check(sharded, f"--secondary-shard node with --zero {p.zero}: only ZeRO-3 gathers parameters over a group; use "
+                    f"--zero 3 or drop it")
+    _check(replicas, f"--secondary-shard node with --dp {p.dp}: it splits each bucket over the data-parallel replicas, "
+                     f"and one has nothing to split; raise --dp to 2 or more, or drop it")
     _check(layerwise(p), f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
                       f"(one gather a step), so no later gather would stay inside the node; use it layer by layer "
                       f"(--pp 1, or parallel.zero3_keep_gathered = false)")
