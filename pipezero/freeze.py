@@ -20,7 +20,6 @@ Two choices, both visible in summary.json and the README:
 from __future__ import annotations
 
 import re
-import shlex  # a pattern in a message is quoted as a shell takes it back (its repr doubles backslashes)
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,13 @@ if TYPE_CHECKING:  # settings.validate imports this module
     from pipezero.models.spec import ModelSpec
 
 EXAMPLE = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks
+
+
+def shell_quoted(pattern: str) -> str:
+    """`pattern` in single quotes as a shell reads it back (a quote inside closed and escaped), for
+    a message whose fix is pasted: its Python repr doubles each backslash, and the pattern so
+    written (`'layers\\\\.0\\\\.'`) matches nothing."""
+    return "'" + pattern.replace("'", "'\\''") + "'"
 
 
 def param_names(model: ModelConfig | ModelSpec) -> list[str]:
@@ -70,15 +76,15 @@ def check_pattern(model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ConfigError(f"--freeze {shlex.quote(pattern)} is not a valid regular expression ({e}); write a Python regex "
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} is not a valid regular expression ({e}); write a Python regex "
                           f"over parameter names, e.g. --freeze '{EXAMPLE}'") from None
     names = param_names(model)
     frozen = frozen_names(model, pattern)
     if not frozen:
-        raise ConfigError(f"--freeze {shlex.quote(pattern)} matches no parameter; names look like {names[0]}, {names[1]}, "
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches no parameter; names look like {names[0]}, {names[1]}, "
                           f"..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
     if frozen >= set(names):
-        raise ConfigError(f"--freeze {shlex.quote(pattern)} matches every parameter, so nothing would train; narrow it, "
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches every parameter, so nothing would train; narrow it, "
                           f"e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
 
 

@@ -138,8 +138,8 @@ def kind_of(path: Path) -> str:
 
     try:
         mode = path.stat().st_mode
-    except OSError:
-        return "is a broken symlink" if path.is_symlink() else "does not exist"
+    except OSError as e:
+        return unreachable(path, e)
     if stat.S_ISDIR(mode):
         return "is a folder"
     if stat.S_ISFIFO(mode):
@@ -149,6 +149,32 @@ def kind_of(path: Path) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "is a device, not a file"
     return "is a file" if stat.S_ISREG(mode) else "is not a regular file"
+
+
+def unreachable(path: Path, e: OSError) -> str:
+    """Why stat of `path` failed, for a message: a link that loops or leads nowhere named as one
+    (glob lists such a link as a match, and the reader then found no files in it)."""
+    import errno
+    import os
+
+    if e.errno == errno.ELOOP:
+        return "is a symlink loop (a link on its path leads back to itself)"
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        try:
+            return f"is a broken symlink (to {os.readlink(path)})" if path.is_symlink() else "does not exist"
+        except OSError:  # a folder on the way is itself a broken link
+            return "does not exist"
+    return f"cannot be read ({e.strerror or e})"
+
+
+def present(path: Path) -> bool:
+    """Whether `path` is something to read (followed through links); False, not a traceback,
+    where a folder on the way may not be searched (Path.exists raises that one)."""
+    try:
+        path.stat()
+    except OSError:
+        return False
+    return True
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -480,14 +506,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if d.path is not None:
         _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
                              "out for the built-in corpus")  # an empty list was the built-in corpus, silently
+        from pipezero.data.sources import MAGIC, check_cache_out_of_reach, check_out_of_reach
+
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
-            _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
+            # glob of a name without wildcards lists a link whatever it leads to: a loop passed here
+            pattern = bool(MAGIC.search(arg)) and bool(glob.glob(arg, recursive=True))
+            _check(present(Path(arg)) or pattern,
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
-            _check(not Path(arg).exists() or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
+            _check(not present(Path(arg)) or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
-        from pipezero.data.sources import check_cache_out_of_reach, check_out_of_reach
-
         check_out_of_reach(d.path, r.out)
         check_cache_out_of_reach(d.path)
     if d.tokenizer.endswith(".json"):

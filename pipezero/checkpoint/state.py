@@ -31,7 +31,7 @@ from torch import nn
 from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
                                        metadata_problem, read_manifest, users_scratch, write, written_by)
 from pipezero.config import TrainConfig
-from pipezero.freeze import frozen_names
+from pipezero.freeze import frozen_names, shell_quoted
 from pipezero.models.llama_spec import spec_of
 from pipezero.models.spec import ModelSpec
 from pipezero.rundir import run_id
@@ -154,11 +154,8 @@ def check_frozen(found: Found, cfg: TrainConfig, spec: ModelSpec | None = None) 
 
 
 def thawed_problem(manifest: dict[str, Any], cfg: TrainConfig, spec: ModelSpec | None = None) -> str | None:
-    """Why resuming the checkpoint of `manifest` would train a tensor it froze, or None. The
-    pattern is quoted for a shell, so the fix can be pasted (its repr doubles each backslash,
-    and `--freeze 'layers\\.0\\.'` matches nothing)."""
-    import shlex
-
+    """Why resuming the checkpoint of `manifest` would train a tensor it froze, or None; the pattern
+    quoted for a shell (freeze.shell_quoted), so the fix can be pasted as it is."""
     saved = (manifest.get("config") or {}).get("optim", {}).get("freeze")
     if not isinstance(saved, str):
         return None
@@ -166,9 +163,9 @@ def thawed_problem(manifest: dict[str, Any], cfg: TrainConfig, spec: ModelSpec |
     thawed = sorted(frozen_names(model, saved) - frozen_names(model, cfg.optim.freeze))
     if not thawed:
         return None
-    return (f"was trained with --freeze {shlex.quote(saved)}; this run trains {len(thawed)} of those tensors "
+    return (f"was trained with --freeze {shell_quoted(saved)}; this run trains {len(thawed)} of those tensors "
             f"({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}), which have no optimizer state there: "
-            f"resume with --freeze {shlex.quote(saved)} (or one freezing more), or start a new --out")
+            f"resume with --freeze {shell_quoted(saved)} (or one freezing more), or start a new --out")
 
 
 def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None,
