@@ -169,13 +169,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     limit, cuda = rank_limit_gib(cfg)
     check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
-    from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
+                                 preflight, under_torchrun)
 
     if limit is None and not cuda and not under_torchrun():
         check_host_memory(cfg)
     from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
+    check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
+    check_rendezvous_host(os.environ)
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
@@ -282,6 +285,7 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
     a write refused (a full disk, a read-only or immutable file), a process group whose connection
     failed, the user's --model-spec code raising (exit 2: its own line, as a refusal's)."""
     from pipezero.launch import under_torchrun
+    from pipezero.slurm import rendezvous_advice
     from pipezero.util import refused_write
 
     if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
@@ -293,8 +297,7 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return 1, (f"rank {os.environ.get('RANK', 0)}: the process group's connection to "
                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed "
-                   f"({type(e).__name__}: {first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or "
-                   f"let --nproc start them")
+                   f"({type(e).__name__}: {first}); {rendezvous_advice(os.environ)}")
     if cfg.model.spec is not None and (line := parts_out_of_order(cfg, e)) is not None:
         return 2, line
     if cfg.model.spec is not None:

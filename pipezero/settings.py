@@ -71,6 +71,15 @@ def check_launch(launch: LaunchConfig, world_size: int) -> LaunchConfig:
     if launch.nproc is not None and launch.nproc != world_size:
         raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {world_size}; make them equal")
     if launch.max_restarts and (launch.nproc or 1) < 2:
+        import os
+
+        from pipezero.slurm import in_srun_step
+
+        if in_srun_step(os.environ) and "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun there to pass it to
+            raise ConfigError(f"--max-restarts {launch.max_restarts}: inside an srun step no local launcher restarts "
+                              f"ranks; Slurm restarts the job: submit it with `sbatch --requeue` and train with "
+                              f"--resume --checkpoint-every K (each start resumes from the newest checkpoint), and "
+                              f"drop --max-restarts")
         raise ConfigError(f"--max-restarts {launch.max_restarts} needs --nproc > 1 (the local launcher restarts "
                           f"ranks); under an outside torchrun, pass --max-restarts to torchrun")
     return launch
