@@ -528,3 +528,15 @@ def test_max_restarts_under_srun_names_slurms_requeue(monkeypatch, tmp_path, cap
     code, err = run_main([*TRAIN, "--max-restarts", "2", "--out", str(tmp_path / "run")], capsys)
     assert_one_line(code, err, "--max-restarts 2")
     assert "requeue" in err and "torchrun" not in err, err
+
+
+@pytest.mark.parametrize("extra", [[], ["--nproc", "4"]])
+def test_verify_in_a_step_of_several_tasks_names_a_step_of_one(extra, monkeypatch, tmp_path, capsys):
+    """verify starts its ranks itself: in a step of 4 tasks each said 'pass --nproc 4', and with it
+    each task would start its own 4 ranks."""
+    from one_line import assert_one_line, run_main
+
+    in_step(monkeypatch)
+    verify = ["verify", *TRAIN[1:TRAIN.index("--max-steps")], "--steps", "1", *extra, "--out", str(tmp_path / "v")]
+    assert_one_line(*run_main(verify, capsys), "`srun --ntasks 1 pipezero verify --nproc 4 ...`")
+    assert not (tmp_path / "v").exists()
