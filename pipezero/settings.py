@@ -178,10 +178,15 @@ def unreachable(path: Path, e: OSError) -> str:
 
 def present(path: Path) -> bool:
     """Whether `path` is something to read (followed through links); False, not a traceback,
-    where a folder on the way may not be searched (Path.exists raises that one)."""
+    where a folder on the way may not be searched (Path.exists raises that one). A name too long
+    for the filesystem is left to the command's own line for it (cli.main)."""
+    import errno
+
     try:
         path.stat()
-    except OSError:
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise
         return False
     return True
 
