@@ -76,16 +76,16 @@ def check_pattern(model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ConfigError(f"--freeze {shell_quoted(pattern)} is not a valid regular expression ({e}); write a Python regex "
-                          f"over parameter names, e.g. --freeze '{EXAMPLE}'") from None
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} is not a valid regular expression ({e}); write a Python "
+                          f"regex over parameter names, e.g. --freeze '{EXAMPLE}'") from None
     names = param_names(model)
     frozen = frozen_names(model, pattern)
     if not frozen:
-        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches no parameter; names look like {names[0]}, {names[1]}, "
-                          f"..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches no parameter; names look like {names[0]}, "
+                          f"{names[1]}, ..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
     if frozen >= set(names):
-        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches every parameter, so nothing would train; narrow it, "
-                          f"e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches every parameter, so nothing would train; narrow "
+                          f"it, e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
 
 
 def apply_freeze(chunks: dict[int, nn.Module], model: ModelConfig | ModelSpec, pattern: str | None) -> None:

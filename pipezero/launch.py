@@ -73,22 +73,22 @@ def _ascii_count(text: str) -> bool:
 def check_world_size(env: Mapping[str, str], pp: int, dp: int) -> None:
     """The ranks started (WORLD_SIZE, an srun step's tasks) against the layout, before anything is
     claimed or joined; said with the fix for the launcher in use (inside a step --nproc is refused,
-    and the step's task count is the fix). Each rank found it at the process group before."""
+    and the step's task count is the fix)."""
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return
     world = int(env["WORLD_SIZE"])  # check_rank_variables read it as a count
     if world == pp * dp:
         return
-    started = (f"this srun step has {world} tasks (SLURM_NTASKS)" if in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env
-               else f"{world} were started (WORLD_SIZE)")
+    srun = in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env
+    started = f"this srun step has {world} tasks (SLURM_NTASKS)" if srun else f"{world} were started (WORLD_SIZE)"
     raise ConfigError(f"--pp {pp} x --dp {dp} = {pp * dp} ranks, but {started}: {start_ranks_advice(env, pp * dp)}, "
                       f"or change --pp/--dp")
 
 
 def check_rendezvous_host(env: Mapping[str, str]) -> None:
-    """Resolve MASTER_ADDR before any rank waits on it: a host that does not resolve was each
-    rank's forty lines of C++ frames after the whole --timeout, blamed on a timeout. Under
-    torchrun's agent the rendezvous already happened (the agent resolved it)."""
+    """Resolve MASTER_ADDR before any rank waits on it: the env:// rendezvous retries a host that
+    does not resolve until --timeout, then reports a timeout, not the name. Under torchrun's agent
+    the rendezvous already happened (the agent resolved it)."""
     import socket
 
     if "TORCHELASTIC_RUN_ID" in env or "RANK" not in env or "WORLD_SIZE" not in env or not env.get("MASTER_ADDR"):
@@ -103,8 +103,8 @@ def check_rendezvous_host(env: Mapping[str, str]) -> None:
         slurms = master_from(env) is not None
         fix = ("make the step's node names resolve on every node (DNS or /etc/hosts), or set MASTER_ADDR to "
                "rank 0's address" if slurms else "set it to rank 0's address (an IP or a name this node resolves)")
-        raise ConfigError(f"{master_named(env)}{',' if slurms else ''} does not resolve on this node ({why}): the ranks would wait for "
-                          f"it until --timeout; {fix}") from None
+        raise ConfigError(f"{master_named(env)}{',' if slurms else ''} does not resolve on this node ({why}): the "
+                          f"ranks would wait for it until --timeout; {fix}") from None
 
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them

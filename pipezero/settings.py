@@ -78,8 +78,8 @@ def check_launch(launch: LaunchConfig, world_size: int) -> LaunchConfig:
         if in_srun_step(os.environ) and "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun there to pass it to
             raise ConfigError(f"--max-restarts {launch.max_restarts}: inside an srun step no local launcher restarts "
                               f"ranks; Slurm restarts the job: submit it with `sbatch --requeue` and train with "
-                              f"--resume --checkpoint-every K (each start resumes from the newest checkpoint), and "
-                              f"drop --max-restarts")
+                              f"--resume --checkpoint-every K (each start resumes from the newest checkpoint; "
+                              f"examples/slurm/*.sbatch do), and drop --max-restarts")
         raise ConfigError(f"--max-restarts {launch.max_restarts} needs --nproc > 1 (the local launcher restarts "
                           f"ranks); under an outside torchrun, pass --max-restarts to torchrun")
     return launch
@@ -524,7 +524,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
-            # glob of a name without wildcards lists a link whatever it leads to: a loop passed here
+            # a plain name is checked itself: glob lists a link by its name, whatever it leads to
             pattern = bool(MAGIC.search(arg)) and bool(glob.glob(arg, recursive=True))
             _check(present(Path(arg)) or pattern,
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")

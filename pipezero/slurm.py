@@ -225,7 +225,7 @@ def rank_variables(env: Mapping[str, str]) -> dict[str, str]:
         raise ConfigError(f"MASTER_PORT={env['MASTER_PORT'][:80]!r} is not a port (1 to 65535): set a free port, or "
                           f"unset it (the job's port then follows SLURM_JOB_ID)")
     nodes = _first(env, NODELISTS)
-    if not env.get("MASTER_ADDR") and not nodes:  # an empty one was looked up as the variable None: a TypeError
+    if not env.get("MASTER_ADDR") and not nodes:  # env:// needs a host: an empty MASTER_ADDR names none
         said = "is empty" if "MASTER_ADDR" in env else "is not set"
         raise ConfigError(f"MASTER_ADDR {said} and no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST names the step's "
                           f"nodes: set MASTER_ADDR to the host of rank 0")

@@ -213,8 +213,8 @@ def test_resuming_without_the_checkpoints_freeze_is_refused_before_any_rank_star
 
     from one_line import assert_one_line, run_main
 
-    small = ["--preset", "tiny", "--tokenizer", "bytes", "--data", str(text_dir), "--seq-len", "16", "--microbatches", "1", "--sample-tokens", "0",
-             "--eval-every", "0", "--out", str(tmp_path / "run")]
+    small = ["--preset", "tiny", "--tokenizer", "bytes", "--data", str(text_dir), "--seq-len", "16",
+             "--microbatches", "1", "--sample-tokens", "0", "--eval-every", "0", "--out", str(tmp_path / "run")]
     code, err = run_main(["train", *small, "--freeze", THAWED, "--max-steps", "1", "--checkpoint-every", "1"], capsys)
     assert code == 0, err
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()

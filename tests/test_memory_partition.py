@@ -184,7 +184,7 @@ def test_plain_train_with_the_memory_policy_trains_one_stage(text_dir, tmp_path,
     """The plainest `pipezero train --partition memory` (one process, --pp 1) trains."""
     code, err = run_main(["train", "--partition", "memory", "--preset", "tiny", "--tokenizer", "bytes", "--data",
                           str(text_dir), "--max-steps", "1", "--seq-len", "16", "--microbatches", "1",
-                          "--sample-tokens", "0", "--eval-every", "0", "--no-save-final", "--out", str(tmp_path / "run")],
-                         capsys)
+                          "--sample-tokens", "0", "--eval-every", "0", "--no-save-final",
+                          "--out", str(tmp_path / "run")], capsys)
     assert code == 0, err
     assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]

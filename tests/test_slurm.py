@@ -162,7 +162,7 @@ def in_step(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID"):
         # set, then removed: monkeypatch then removes at the end what adopt_slurm writes into the process's
-        # environment (a delenv of an unset name is not recorded, and later tests ran as rank 2 of 4)
+        # environment (a delenv of an unset name is not recorded, and later tests would run as rank 2 of 4)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     env = step_env(**{"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
