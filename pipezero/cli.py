@@ -172,13 +172,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
                                  preflight, under_torchrun)
 
-    if limit is None and not cuda and not under_torchrun():
-        check_host_memory(cfg)
-    from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
-
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
     check_rendezvous_host(os.environ)
+    if limit is None and not cuda and not under_torchrun():  # a rank of a job (srun's, torchrun's) holds only its own
+        check_host_memory(cfg)
+    from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
+
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "

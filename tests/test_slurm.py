@@ -543,3 +543,18 @@ def test_verify_in_a_step_of_several_tasks_names_a_step_of_one(extra, monkeypatc
     verify = ["verify", *TRAIN[1:TRAIN.index("--max-steps")], "--steps", "1", *extra, "--out", str(tmp_path / "v")]
     assert_one_line(*run_main(verify, capsys), "`srun --ntasks 1 pipezero verify --nproc 4 ...`")
     assert not (tmp_path / "v").exists()
+
+
+def test_a_task_does_not_hold_the_whole_steps_memory_to_its_own_host(monkeypatch, tmp_path, capsys):
+    """The host-memory check adds up every CPU rank this command starts on this host: an srun task
+    starts one (its step's others are on their own nodes), so it is not held to the step's sum. With
+    a host of 4 KiB here, the next check (the step's task count) is what speaks."""
+    import socket
+
+    from one_line import assert_one_line, run_main
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(socket.AF_INET, 1, 6, "", ("10.0.0.7", 0))])
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 if name == "SC_PHYS_PAGES" else 4096)
+    in_step(monkeypatch, SLURM_NTASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_TASKS_PER_NODE="2,1")
+    assert_one_line(*run_main([*TRAIN, "--device", "cpu", "--out", str(tmp_path / "run")], capsys),
+                    "but this srun step has 3 tasks (SLURM_NTASKS)")
