@@ -277,6 +277,7 @@ def ranks_per_node_advice(env: Mapping[str, str], most: int) -> str:
 def rendezvous_advice(env: Mapping[str, str]) -> str:
     """What to check when the ranks' rendezvous failed, said for the launcher in use."""
     if in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env:
-        return (f"if the ranks never met, check that {master_named(env)} is reachable from every node of the step "
-                f"and its port free, or set MASTER_ADDR and MASTER_PORT")
+        named = master_named(env) + ("," if master_from(env) else "")
+        return (f"if the ranks never met, check that {named} is reachable from every node of the step and its port "
+                f"free, or set MASTER_ADDR and MASTER_PORT")
     return "if the ranks never met, check MASTER_ADDR and MASTER_PORT, or let --nproc start them"
