@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 
-from ranks import run_ranks  # noqa: E402
+from rank_spawner import run_ranks  # noqa: E402
 
 
 def measure(rank: int, world: int, preset: str, root: str) -> list[dict]:

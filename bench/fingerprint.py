@@ -3,8 +3,9 @@ hashed, so a refactor can show it changed nothing (bit for bit) and a numerical 
 
     python bench/fingerprint.py [--json bench/results/fingerprint.json]
 
-Four gloo ranks train the tiny model three steps on each layout (tests/training.py's settings: the
-standard library corpus, fp32, lr 1e-3); each layout's line is a sha256 over its losses, norms and
+Four gloo ranks train the tiny model three steps on each layout (the settings of tests/training.py's
+tiny model, written out here so the bench needs nothing of tests/: the standard library corpus,
+fp32, lr 1e-3); each layout's line is a sha256 over its losses, norms and
 parameters in rank order. Run it on two commits and compare the lines.
 """
 
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # rank_spawner.py
 
 from pipezero.config import ScheduleKind as K  # noqa: E402
 
@@ -32,18 +33,35 @@ LAYOUTS = [
 ] + [{"pp": 4, "dp": 1, "kind": k, "m": 8} for k in (K.ONE_F_ONE_B, K.ZB_H1, K.DUALPIPE_V, K.GPIPE)]
 
 
+def tiny_settings(data: str, out: str, pp: int, dp: int, kind: K, m: int, **extra: object) -> dict:
+    """One layout's settings: the tests' tiny model and run (tests/training.py tiny_overrides), so a
+    fingerprint is comparable with one taken when this bench read them from there."""
+    from pipezero.schedules.registry import default_virtual
+
+    return {
+        "model.preset": "tiny", "model.n_layers": 6, "model.dim": 64, "model.n_heads": 4, "model.vocab_size": 256,
+        "data.path": data, "data.tokenizer": "bytes", "data.seq_len": 32,
+        "parallel.pp": pp, "parallel.dp": dp, "parallel.schedule": kind.value, "parallel.microbatches": m,
+        "parallel.micro_batch_size": 2, "parallel.virtual_stages": default_virtual(kind) if pp > 1 else 1,
+        "parallel.timeout_s": 60.0, "parallel.bucket_mb": 0.05,
+        "run.max_steps": 3, "run.out": out, "run.progress": False, "run.sample_tokens": 0, "run.eval_every": 0,
+        "run.save_final": False, "run.eval_batches": 1, "optim.warmup_steps": 2, "optim.lr": 1e-3, **extra,
+    }
+
+
 def fingerprint(rank: int, world: int, data: str, out: str) -> list[str]:
     import torch
 
-    from training import train_cases
+    from pipezero.engine import train
+    from pipezero.settings import build_config
 
-    cases = [{**c, "run.max_steps": 3} for c in LAYOUTS]
     digests = []
-    for res in train_cases(rank, world, data, out, cases):
-        h = hashlib.sha256(json.dumps([res["losses"], res["grad_norms"]]).encode())
-        for name in sorted(res["params"]):
+    for i, case in enumerate(LAYOUTS):
+        res = train(build_config(None, tiny_settings(data, f"{out}/case{i}", **case)), snapshot=True)
+        h = hashlib.sha256(json.dumps([res.losses, res.grad_norms]).encode())
+        for name in sorted(res.params):
             h.update(name.encode())
-            h.update(res["params"][name].to(torch.float32).contiguous().numpy().tobytes())
+            h.update(res.params[name].to(torch.float32).contiguous().numpy().tobytes())
         digests.append(h.hexdigest())
     return digests
 
@@ -53,7 +71,7 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     from pipezero.data import stdlib_files
-    from ranks import run_ranks  # before 2026-12-06 (703e589 and older): pipezero.parallel.spawn
+    from rank_spawner import run_ranks  # before 2026-12-06 (703e589 and older): pipezero.parallel.spawn
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus, total = Path(tmp) / "corpus", 0

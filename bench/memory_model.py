@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 
 from pipezero.config import ScheduleKind  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
@@ -41,7 +41,7 @@ from pipezero.settings import build_config  # noqa: E402
 from pipezero.sim.memory import predict  # noqa: E402
 from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_bytes  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from rank_spawner import run_ranks  # noqa: E402
 
 MODELS = {
     # activations dominate: 6 blocks of width 64 over 2 x 512 tokens a micro-batch

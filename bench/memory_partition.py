@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 
 from pipezero.config import Partition  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
@@ -31,7 +31,7 @@ from pipezero.sim.memory import predict  # noqa: E402
 from pipezero.sim.memory_partition import resolve, search  # noqa: E402
 from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_json  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from rank_spawner import run_ranks  # noqa: E402
 
 MIB = 2**20
 MEASURED = (Partition.UNIFORM, Partition.MEMORY)  # trained; params and cost are predicted only

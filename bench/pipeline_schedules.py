@@ -25,11 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # ranks.py: the rank spawner
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 
 from pipezero.config import ScheduleKind as K  # noqa: E402
 from pipezero.schedules.registry import default_virtual  # noqa: E402
-from ranks import run_ranks  # noqa: E402
+from rank_spawner import run_ranks  # noqa: E402
 
 TORCH_NAMES = {K.GPIPE: "ScheduleGPipe", K.ONE_F_ONE_B: "Schedule1F1B", K.INTERLEAVED_1F1B: "ScheduleInterleaved1F1B",
                K.LOOPED_BFS: "ScheduleLoopedBFS", K.ZB_H1: "ScheduleInterleavedZeroBubble",
@@ -50,6 +50,18 @@ def config(args: argparse.Namespace, kind: K, pp: int):
     })
 
 
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Most bytes of CPU tensors alive at once while `fn` runs, counting only what it allocated
+    (the profiler's memory events, as a run's --memory-profile counts them)."""
+    import torch
+
+    from pipezero.telemetry.memory_profile import PeakMeter
+
+    with PeakMeter(torch.device("cpu")) as meter:
+        fn()
+    return meter.peak_bytes
+
+
 def pipezero_step(cfg, rank: int):
     """One training step of pipezero's runtime as a function of the step's micro-batches."""
     from pipezero.stage import build_stage
@@ -59,7 +71,7 @@ def pipezero_step(cfg, rank: int):
 
     def step(mbs: list, measure: Callable | None = None) -> tuple[float, float, int, int | None]:
         """(seconds, measured bubble, peak live chunk activations, and with `measure` (such as
-        peak_live_bytes) its figure for the schedule alone, the optimizer step left out)."""
+        cpu_peak_bytes) its figure for the schedule alone, the optimizer step left out)."""
         stage.zero.begin_step()
         t0 = time.perf_counter()
         ran: list = []
@@ -112,7 +124,6 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> 
     import torch.distributed as dist
 
     from pipezero.data import global_batch, load_corpus, microbatches_for_rank
-    from test_zero_memory import peak_live_bytes
 
     players: dict = {}  # kind -> [ours, theirs or None, torch's error or None]
     for kind in kinds:
@@ -141,7 +152,7 @@ def bench_rank(rank: int, world: int, args: argparse.Namespace, kinds: list) -> 
                     player[1], row["torch"], player[2] = None, [], f"{type(e).__name__}: {str(e)[:200]}"
     for kind, (ours_step, _, err) in players.items():
         dist.barrier()
-        _, _, live, step_bytes = ours_step(batches[-1], peak_live_bytes)  # untimed: the profiler slows it
+        _, _, live, step_bytes = ours_step(batches[-1], cpu_peak_bytes)  # untimed: the profiler slows it
         row = out[kind.value]
         out[kind.value] = {"ours": row["ours"][1:], "bubble": row["bubble"][1:],
                            "torch": row["torch"][1:] if row["torch"] else None, "torch_error": err,

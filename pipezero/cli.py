@@ -170,13 +170,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     limit, cuda = rank_limit_gib(cfg)
     check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
-    from pipezero.launch import adopt_slurm, exit_rank, launch_local, preflight, under_torchrun
+    from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
+                                 preflight, under_torchrun)
 
-    if limit is None and not cuda and not under_torchrun():
+    adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
+    check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
+    check_rendezvous_host(os.environ)
+    if limit is None and not cuda and not under_torchrun():  # a rank of a job (srun's, torchrun's) holds only its own
         check_host_memory(cfg)
     from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
 
-    adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
@@ -239,10 +242,11 @@ def check_host_memory(cfg: Any) -> None:
     if cfg.model.spec is not None:
         return
     from pipezero.sim.memory import predict
+    from pipezero.sim.memory_partition import resolve
 
     gib = 2**30
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    ranks = predict(cfg, False)
+    ranks = predict(resolve(cfg, False), False)  # cut as the ranks will cut it (--partition memory)
     need = sum(r.peak_bytes for r in ranks)
     if need > host:
         whose = "1 CPU rank's predicted peak" if len(ranks) == 1 else f"{len(ranks)} CPU ranks' predicted peaks"
@@ -283,6 +287,7 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
     a write refused (a full disk, a read-only or immutable file), a process group whose connection
     failed, the user's --model-spec code raising (exit 2: its own line, as a refusal's)."""
     from pipezero.launch import under_torchrun
+    from pipezero.slurm import rendezvous_advice
     from pipezero.util import refused_write
 
     if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
@@ -296,14 +301,28 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return 1, (f"rank {os.environ.get('RANK', 0)}: the process group's connection to "
                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')} failed "
-                   f"({type(e).__name__}: {first}); if the ranks never met, check MASTER_ADDR and MASTER_PORT, or "
-                   f"let --nproc start them")
+                   f"({type(e).__name__}: {first}); {rendezvous_advice(os.environ)}")
+    if cfg.model.spec is not None and (line := parts_out_of_order(cfg, e)) is not None:
+        return 2, line
     if cfg.model.spec is not None:
         from pipezero.models.user_spec import users_fault
 
         if (fault := users_fault(cfg.model.spec, e)) is not None:  # each failing rank says it, named
             return 2, f"rank {os.environ.get('RANK', 0)}: {fault}" if under_torchrun() else str(fault)
     return None
+
+
+def parts_out_of_order(cfg: Any, e: Exception) -> str | None:
+    """The line for a spec's parts the runtime found in another order than its forward runs them
+    (a layer the start-up check could not run: models/parts.py `forward_order`); None for any other
+    failure. With the built-in model's parts the same error is a bug of ours (its traceback)."""
+    from pipezero.config import Zero3Unit
+    from pipezero.zero.gathering import UngatheredUse
+
+    if not isinstance(e, UngatheredUse) or cfg.parallel.zero3_unit is not Zero3Unit.SUBLAYER:
+        return None
+    return (f"{e}: --model-spec {cfg.model.spec}'s layer_parts lists a layer's parts in another order than its "
+            f"forward runs them; list the parts in the order they run, each part's modules one after another")
 
 
 SHARD_SIZE = "5GB"  # export --format hf's default, as transformers' save_pretrained

@@ -34,6 +34,13 @@ if TYPE_CHECKING:  # settings.validate imports this module
 EXAMPLE = r"layers\.0\.|layers\.[1-2]\."  # the embedding and the first two blocks
 
 
+def shell_quoted(pattern: str) -> str:
+    """`pattern` in single quotes as a shell reads it back (a quote inside closed and escaped), for
+    a message whose fix is pasted: its Python repr doubles each backslash, and the pattern so
+    written (`'layers\\\\.0\\\\.'`) matches nothing."""
+    return "'" + pattern.replace("'", "'\\''") + "'"
+
+
 def param_names(model: ModelConfig | ModelSpec) -> list[str]:
     """Every parameter name of the whole model, in model order, both names of a tied weight
     included, as the model's spec lists them (on the meta device: a 70B shape costs nothing)."""
@@ -69,16 +76,16 @@ def check_pattern(model: ModelConfig | ModelSpec, pattern: str | None) -> None:
     try:
         re.compile(pattern)
     except re.error as e:
-        raise ConfigError(f"--freeze {pattern!r} is not a valid regular expression ({e}); write a Python regex "
-                          f"over parameter names, e.g. --freeze '{EXAMPLE}'") from None
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} is not a valid regular expression ({e}); write a Python "
+                          f"regex over parameter names, e.g. --freeze '{EXAMPLE}'") from None
     names = param_names(model)
     frozen = frozen_names(model, pattern)
     if not frozen:
-        raise ConfigError(f"--freeze {pattern!r} matches no parameter; names look like {names[0]}, {names[1]}, "
-                          f"..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches no parameter; names look like {names[0]}, "
+                          f"{names[1]}, ..., {names[-1]} (re.search), e.g. --freeze '{EXAMPLE}'")
     if frozen >= set(names):
-        raise ConfigError(f"--freeze {pattern!r} matches every parameter, so nothing would train; narrow it, "
-                          f"e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
+        raise ConfigError(f"--freeze {shell_quoted(pattern)} matches every parameter, so nothing would train; narrow "
+                          f"it, e.g. --freeze '{EXAMPLE}' (the embedding and the first two blocks)")
 
 
 def apply_freeze(chunks: dict[int, nn.Module], model: ModelConfig | ModelSpec, pattern: str | None) -> None:

@@ -15,7 +15,8 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from pipezero.config import Device, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.job import run_job
-from pipezero.slurm import in_srun_step, rank_variables
+from pipezero.slurm import (as_count, in_srun_step, master_from, master_named, rank_variables, start_ranks_advice,
+                            step_tasks)
 
 
 def under_torchrun() -> bool:
@@ -27,10 +28,11 @@ def adopt_slurm(nproc: int | None, env: MutableMapping[str, str] = os.environ) -
     the run folder's claim, the process group (env://), the device by LOCAL_RANK. Written into the
     process's environment because torch's env:// rendezvous reads it there. A `--nproc` launcher
     must be the step's only task, or every task would start its own copy of the job."""
-    tasks = env.get("SLURM_NTASKS", "1")
-    if nproc is not None and nproc > 1 and in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env and tasks != "1":
-        raise ConfigError(f"--nproc {nproc} inside an srun step of SLURM_NTASKS={tasks} tasks would start "
-                          f"{tasks} jobs: drop --nproc (srun starts one task a rank) or run `srun --ntasks 1`")
+    if nproc is not None and nproc > 1 and in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env:
+        tasks = step_tasks(env)
+        if tasks != 1:
+            raise ConfigError(f"--nproc {nproc} inside an srun step of SLURM_NTASKS={tasks} tasks would start "
+                              f"{tasks} jobs: drop --nproc (srun starts one task a rank) or run `srun --ntasks 1`")
     env.update(rank_variables(env))
     check_rank_variables(env)
 
@@ -44,7 +46,7 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
     values = {}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         text = env.get(name)
-        if text is not None and not text.isdigit():
+        if text is not None and not _ascii_count(text):
             raise ConfigError(f"{name}={text[:80]!r} is not a rank number; these are torchrun's variables: "
                               f"unset them, or set them to integers (RANK < WORLD_SIZE)")
         values[name] = None if text is None else int(text)
@@ -52,11 +54,57 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
         raise ConfigError(f"RANK={values['RANK']} is not a rank of WORLD_SIZE={values['WORLD_SIZE']}; these are "
                           f"torchrun's variables: unset them, or set RANK below WORLD_SIZE")
     port = env.get("MASTER_PORT", "")
-    if values["WORLD_SIZE"] > 1 and not (env.get("MASTER_ADDR") and port.isdigit() and 1 <= int(port) <= 65535):
+    if values["WORLD_SIZE"] > 1 and not (env.get("MASTER_ADDR") and _ascii_count(port) and 1 <= int(port) <= 65535):
         # the env:// rendezvous read them: a ValueError traceback (unset) or a wait on no port
         raise ConfigError(f"RANK and WORLD_SIZE={values['WORLD_SIZE']} are set by hand, but MASTER_ADDR={env.get('MASTER_ADDR', '')[:80]!r} "
                           f"MASTER_PORT={port[:80]!r} name no rendezvous: set both (a host and a port), or unset "
                           f"RANK and WORLD_SIZE and pass --nproc")
+
+
+def _ascii_count(text: str) -> bool:
+    """Digits 0-9 only: str.isdigit takes other scripts' digits too, which int() then reads."""
+    try:
+        as_count(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_world_size(env: Mapping[str, str], pp: int, dp: int) -> None:
+    """The ranks started (WORLD_SIZE, an srun step's tasks) against the layout, before anything is
+    claimed or joined; said with the fix for the launcher in use (inside a step --nproc is refused,
+    and the step's task count is the fix)."""
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return
+    world = int(env["WORLD_SIZE"])  # check_rank_variables read it as a count
+    if world == pp * dp:
+        return
+    srun = in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env
+    started = f"this srun step has {world} tasks (SLURM_NTASKS)" if srun else f"{world} were started (WORLD_SIZE)"
+    raise ConfigError(f"--pp {pp} x --dp {dp} = {pp * dp} ranks, but {started}: {start_ranks_advice(env, pp * dp)}, "
+                      f"or change --pp/--dp")
+
+
+def check_rendezvous_host(env: Mapping[str, str]) -> None:
+    """Resolve MASTER_ADDR before any rank waits on it: the env:// rendezvous retries a host that
+    does not resolve until --timeout, then reports a timeout, not the name. Under torchrun's agent
+    the rendezvous already happened (the agent resolved it)."""
+    import socket
+
+    if "TORCHELASTIC_RUN_ID" in env or "RANK" not in env or "WORLD_SIZE" not in env or not env.get("MASTER_ADDR"):
+        return  # no env:// rendezvous of ours (check_rank_variables read RANK and WORLD_SIZE as counts)
+    if int(env["WORLD_SIZE"]) < 2:
+        return
+    host = env["MASTER_ADDR"]
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError, ValueError) as e:  # gaierror; a label over 63 characters is a UnicodeError
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        slurms = master_from(env) is not None
+        fix = ("make the step's node names resolve on every node (DNS or /etc/hosts), or set MASTER_ADDR to "
+               "rank 0's address" if slurms else "set it to rank 0's address (an IP or a name this node resolves)")
+        raise ConfigError(f"{master_named(env)}{',' if slurms else ''} does not resolve on this node ({why}): the "
+                          f"ranks would wait for it until --timeout; {fix}") from None
 
 
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them

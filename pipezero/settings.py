@@ -75,6 +75,15 @@ def check_launch(launch: LaunchConfig, world_size: int) -> LaunchConfig:
     if launch.nproc is not None and launch.nproc != world_size:
         raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {world_size}; make them equal")
     if launch.max_restarts and (launch.nproc or 1) < 2:
+        import os
+
+        from pipezero.slurm import in_srun_step
+
+        if in_srun_step(os.environ) and "TORCHELASTIC_RUN_ID" not in os.environ:  # no torchrun there to pass it to
+            raise ConfigError(f"--max-restarts {launch.max_restarts}: inside an srun step no local launcher restarts "
+                              f"ranks; Slurm restarts the job: submit it with `sbatch --requeue` and train with "
+                              f"--resume --checkpoint-every K (each start resumes from the newest checkpoint; "
+                              f"examples/slurm/*.sbatch do), and drop --max-restarts")
         raise ConfigError(f"--max-restarts {launch.max_restarts} needs --nproc > 1 (the local launcher restarts "
                           f"ranks); under an outside torchrun, pass --max-restarts to torchrun")
     return launch
@@ -142,8 +151,8 @@ def kind_of(path: Path) -> str:
 
     try:
         mode = path.stat().st_mode
-    except OSError:
-        return "is a broken symlink" if path.is_symlink() else "does not exist"
+    except OSError as e:
+        return unreachable(path, e)
     if stat.S_ISDIR(mode):
         return "is a folder"
     if stat.S_ISFIFO(mode):
@@ -153,6 +162,37 @@ def kind_of(path: Path) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "is a device, not a file"
     return "is a file" if stat.S_ISREG(mode) else "is not a regular file"
+
+
+def unreachable(path: Path, e: OSError) -> str:
+    """Why stat of `path` failed, for a message: a link that loops or leads nowhere named as one
+    (glob lists such a link as a match, and the reader then found no files in it)."""
+    import errno
+    import os
+
+    if e.errno == errno.ELOOP:
+        return "is a symlink loop (a link on its path leads back to itself)"
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        try:
+            return f"is a broken symlink (to {os.readlink(path)})" if path.is_symlink() else "does not exist"
+        except OSError:  # a folder on the way is itself a broken link
+            return "does not exist"
+    return f"cannot be read ({e.strerror or e})"
+
+
+def present(path: Path) -> bool:
+    """Whether `path` is something to read (followed through links); False, not a traceback,
+    where a folder on the way may not be searched (Path.exists raises that one). A name too long
+    for the filesystem is left to the command's own line for it (cli.main)."""
+    import errno
+
+    try:
+        path.stat()
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise
+        return False
+    return True
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -390,9 +430,13 @@ def check_secondary_shard(p: ParallelConfig) -> None:
     """--secondary-shard node saves gathers only where ZeRO-3 gathers a bucket more than once a step."""
     if p.secondary_shard is SecondaryShard.NONE:
         return
-    _check(RULES[p.zero].sharded_params and p.dp > 1,
-           f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp > 1 gathers parameters "
-           f"over a group; use --zero 3 or drop it")
+    sharded, replicas = RULES[p.zero].sharded_params, p.dp > 1
+    _check(sharded or replicas, f"--secondary-shard node with --zero {p.zero} --dp {p.dp}: only ZeRO-3 with --dp 2 or "
+                                f"more gathers parameters over a group; use --zero 3 and raise --dp, or drop it")
+    _check(sharded, f"--secondary-shard node with --zero {p.zero}: only ZeRO-3 gathers parameters over a group; use "
+                    f"--zero 3 or drop it")
+    _check(replicas, f"--secondary-shard node with --dp {p.dp}: it splits each bucket over the data-parallel replicas, "
+                     f"and one has nothing to split; raise --dp to 2 or more, or drop it")
     _check(layerwise(p), f"--secondary-shard node with --pp {p.pp}: ZeRO-3 keeps each chunk gathered for its step "
                       f"(one gather a step), so no later gather would stay inside the node; use it layer by layer "
                       f"(--pp 1, or parallel.zero3_keep_gathered = false)")
@@ -534,14 +578,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if d.path is not None:
         _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
                              "out for the built-in corpus")  # an empty list was the built-in corpus, silently
+        from pipezero.data.sources import MAGIC, check_cache_out_of_reach, check_out_of_reach
+
         for arg in d.path:
             _check(arg != "", "--data '' is empty: name document files, folders, globs or a token file")
-            _check(Path(arg).exists() or bool(glob.glob(arg, recursive=True)),
+            # a plain name is checked itself: glob lists a link by its name, whatever it leads to
+            pattern = bool(MAGIC.search(arg)) and bool(glob.glob(arg, recursive=True))
+            _check(present(Path(arg)) or pattern,
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
-            _check(not Path(arg).exists() or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
+            _check(not present(Path(arg)) or Path(arg).is_file() or Path(arg).is_dir(),  # a pipe blocked its reader
                    f"--data {arg!r} {kind_of(Path(arg))}; pass document files, folders, globs or a token file")
-        from pipezero.data.sources import check_cache_out_of_reach, check_out_of_reach
-
         check_out_of_reach(d.path, r.out)
         check_cache_out_of_reach(d.path)
     if d.tokenizer.endswith(".json"):

@@ -25,7 +25,18 @@ PORT_SPAN = 10000
 
 T = TypeVar("T")
 
-_REPEAT = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+# ASCII digits only: `\d`, str.isdigit and int() also take other scripts' digits, and int() a sign,
+# spaces and underscores (`int(' 0_2')` is 2), none of which Slurm writes
+_DIGITS = re.compile(r"[0-9]+")
+_REPEAT = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def as_count(text: str) -> int:
+    """A number as Slurm writes it (ASCII digits, nothing else), else a ValueError."""
+    if not _DIGITS.fullmatch(text):
+        raise ValueError("Slurm writes a number in the digits 0-9 only")
+    return int(text)
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -55,7 +66,7 @@ def _bracket_ranges(body: str) -> list[tuple[int, int, int]]:
     ranges = []
     for item in body.split(","):
         lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not _DIGITS.fullmatch(lo) or (sep and not _DIGITS.fullmatch(hi)):
             raise ValueError(f"[{body}] holds {item!r}, not a number or a range N-M")
         last = int(hi) if sep else int(lo)
         if last < int(lo):
@@ -128,7 +139,7 @@ def tasks_on_node(text: str, node: int) -> int | None:
 def job_port(job_id: str) -> int:
     """The rendezvous port every task of one job computes alike, without talking to each other;
     consecutive jobs on one node get different ports."""
-    return PORT_BASE + int(job_id) % PORT_SPAN
+    return PORT_BASE + as_count(job_id) % PORT_SPAN
 
 
 def _read(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> T:
@@ -153,15 +164,15 @@ def _local_world_size(env: Mapping[str, str]) -> tuple[int, str]:
     else --ntasks-per-node, else all tasks on one node."""
     layout = _first(env, ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
     if layout:
-        node = _read(env, "SLURM_NODEID", int) if "SLURM_NODEID" in env else 0
+        node = _read(env, "SLURM_NODEID", as_count) if "SLURM_NODEID" in env else 0
         count = _read(env, layout, lambda text: tasks_on_node(text, node))
         if count is None:
             nodes = sum(n for _, n in _task_runs(env[layout]))
             raise ConfigError(f"SLURM_NODEID={node} but {layout}={env[layout]!r} lists {nodes} nodes")
         return count, layout
     if env.get("SLURM_NTASKS_PER_NODE"):
-        return _read(env, "SLURM_NTASKS_PER_NODE", int), "SLURM_NTASKS_PER_NODE"
-    return _read(env, "SLURM_NTASKS", int), "SLURM_NTASKS"
+        return _read(env, "SLURM_NTASKS_PER_NODE", as_count), "SLURM_NTASKS_PER_NODE"
+    return _read(env, "SLURM_NTASKS", as_count), "SLURM_NTASKS"
 
 
 def _refuse_disagreement(env: Mapping[str, str], ours: dict[str, str], sources: dict[str, str]) -> None:
@@ -185,6 +196,11 @@ def _check_numbers(ours: dict[str, str], sources: dict[str, str]) -> None:
                               f"); these are Slurm's variables: run under srun, or unset them")
 
 
+def step_tasks(env: Mapping[str, str]) -> int:
+    """The step's task count (SLURM_NTASKS), read as Slurm writes it."""
+    return _read(env, "SLURM_NTASKS", as_count)
+
+
 def in_srun_step(env: Mapping[str, str]) -> bool:
     """A task of an srun step (the batch script itself has SLURM_PROCID too, but no step)."""
     return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env
@@ -197,22 +213,71 @@ def rank_variables(env: Mapping[str, str]) -> dict[str, str]:
     if "TORCHELASTIC_RUN_ID" in env or not in_srun_step(env):
         return {}
     local_world, layout = _local_world_size(env)
-    ours = {"RANK": str(_read(env, "SLURM_PROCID", int)), "WORLD_SIZE": str(_read(env, "SLURM_NTASKS", int)),
-            "LOCAL_RANK": str(_read(env, "SLURM_LOCALID", int)), "LOCAL_WORLD_SIZE": str(local_world)}
+    ours = {"RANK": str(_read(env, "SLURM_PROCID", as_count)), "WORLD_SIZE": str(_read(env, "SLURM_NTASKS", as_count)),
+            "LOCAL_RANK": str(_read(env, "SLURM_LOCALID", as_count)), "LOCAL_WORLD_SIZE": str(local_world)}
     sources = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID",
                "LOCAL_WORLD_SIZE": f"the tasks per node ({layout})"}
     _check_numbers(ours, sources)
     _refuse_disagreement(env, ours, sources)
     if ours["WORLD_SIZE"] == "1":
         return {}
-    if "MASTER_PORT" in env and not (env["MASTER_PORT"].isdigit() and 1 <= int(env["MASTER_PORT"]) <= 65535):
+    if "MASTER_PORT" in env and not (_DIGITS.fullmatch(env["MASTER_PORT"]) and 1 <= int(env["MASTER_PORT"]) <= 65535):
         raise ConfigError(f"MASTER_PORT={env['MASTER_PORT'][:80]!r} is not a port (1 to 65535): set a free port, or "
                           f"unset it (the job's port then follows SLURM_JOB_ID)")
-    nodes = _first(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
-    if "MASTER_ADDR" not in env and not nodes:
-        raise ConfigError("an srun task without SLURM_JOB_NODELIST: set MASTER_ADDR to the host of rank 0")
+    nodes = _first(env, NODELISTS)
+    if not env.get("MASTER_ADDR") and not nodes:  # env:// needs a host: an empty MASTER_ADDR names none
+        said = "is empty" if "MASTER_ADDR" in env else "is not set"
+        raise ConfigError(f"MASTER_ADDR {said} and no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST names the step's "
+                          f"nodes: set MASTER_ADDR to the host of rank 0")
     if "MASTER_PORT" not in env and not env.get("SLURM_JOB_ID"):
         raise ConfigError("an srun task without SLURM_JOB_ID: set MASTER_PORT for the rendezvous")
     return {**ours,
             "MASTER_ADDR": env.get("MASTER_ADDR") or _read(env, nodes, lambda text: next(hosts(text))),
             "MASTER_PORT": env.get("MASTER_PORT") or str(_read(env, "SLURM_JOB_ID", job_port))}
+
+
+def master_from(env: Mapping[str, str]) -> str | None:
+    """The node-list variable whose first node MASTER_ADDR is (rank_variables took it from there),
+    or None where the user set MASTER_ADDR: a message then names what the user can change."""
+    nodes = _first(env, NODELISTS)
+    if not (in_srun_step(env) and nodes):
+        return None
+    try:
+        first = next(hosts(env[nodes]))
+    except (ValueError, StopIteration):
+        return None
+    return nodes if first == env.get("MASTER_ADDR") else None
+
+
+def master_named(env: Mapping[str, str]) -> str:
+    """MASTER_ADDR as a message names it: `gpu07, the first node of SLURM_STEP_NODELIST`, or
+    `MASTER_ADDR='10.0.0.5'`."""
+    addr = env.get("MASTER_ADDR", "")
+    nodes = master_from(env)
+    return f"{addr}, the first node of {nodes}" if nodes else f"MASTER_ADDR={addr[:80]!r}"
+
+
+def start_ranks_advice(env: Mapping[str, str], ranks: int) -> str:
+    """How to start `ranks` ranks where this process was started: srun's task count inside a step
+    (--nproc is refused there), torchrun's options under torchrun, else --nproc."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"start {ranks} ranks with torchrun (--nnodes x --nproc-per-node = {ranks})"
+    if in_srun_step(env):
+        return f"run the step with `srun --ntasks {ranks}` (one task a rank)"
+    return f"use --nproc {ranks}"
+
+
+def ranks_per_node_advice(env: Mapping[str, str], most: int) -> str:
+    """How to put at most `most` ranks on a machine, said for the launcher in use."""
+    if in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env:
+        return f"run the step with at most `srun --ntasks-per-node {most}`"
+    return f"start at most {most} ranks a machine (--nproc / torchrun --nproc-per-node)"
+
+
+def rendezvous_advice(env: Mapping[str, str]) -> str:
+    """What to check when the ranks' rendezvous failed, said for the launcher in use."""
+    if in_srun_step(env) and "TORCHELASTIC_RUN_ID" not in env:
+        named = master_named(env) + ("," if master_from(env) else "")
+        return (f"if the ranks never met, check that {named} is reachable from every node of the step and its port "
+                f"free, or set MASTER_ADDR and MASTER_PORT")
+    return "if the ranks never met, check MASTER_ADDR and MASTER_PORT, or let --nproc start them"

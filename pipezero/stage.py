@@ -263,7 +263,7 @@ def secondary_split_problem(p: ParallelConfig, per_node: int) -> str | None:
     if split == {(p.dp, 1)}:
         return (f"--secondary-shard node with every replica of a stage on one node ({per_node} ranks a node): it "
                 f"keeps a node's copy split over its ranks, so it needs a stage's replicas on 2 or more nodes "
-                f"(pipezero cluster --nodes 2 or more, or torchrun across nodes); drop it on one node")
+                f"(pipezero cluster --nodes 2 or more, torchrun or srun across nodes); drop it on one node")
     if len(split) != 1 or min(next(iter(split))) < 2:
         return (f"--secondary-shard node with {per_node} ranks a node: each stage's replicas must sit on 2 or more "
                 f"nodes with the same number (2 or more) on each, found (ranks a node, nodes) {sorted(split)}; "

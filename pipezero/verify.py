@@ -294,6 +294,7 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
     """The `pipezero verify` command: 0 when the layout matches one process within tolerance, else 1.
     Under torchrun (the ranks it launched) it trains this rank and leaves."""
     from pipezero.launch import exit_rank, under_torchrun
+    from pipezero.slurm import in_srun_step, step_tasks
 
     if (lossy := lossy_traffic(cfg)) is not None:
         raise ConfigError(lossy)
@@ -303,6 +304,10 @@ def verify_layout(cfg: TrainConfig, steps: int, nproc: int | None, argv: list[st
         run_rank(run_cfg, out / "ranks")
         exit_rank(0)
     world = cfg.parallel.world_size
+    if in_srun_step(os.environ) and step_tasks(os.environ) > 1:  # each task would start the whole layout
+        raise ConfigError(f"pipezero verify starts the layout's ranks itself, but this srun step has "
+                          f"{step_tasks(os.environ)} tasks (SLURM_NTASKS), each of which would: run it in a step of "
+                          f"one task, `srun --ntasks 1 pipezero verify --nproc {world} ...`")
     if world > 1 and nproc != world:
         raise ConfigError(f"pipezero verify starts the layout's ranks itself: pass --nproc {world}")
     check_out(out)

@@ -38,3 +38,29 @@ def test_every_name_a_bench_imports_from_pipezero_exists():
                     missing.append(f"{script.name}:{line}: {module}.{name}")
     assert seen > 20  # the benches do import pipezero: the walk found them
     assert not missing, "\n".join(missing)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level names a script imports, anywhere in it (a function's own imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names
+
+
+def test_no_bench_needs_pytest_or_the_tests_folder():
+    """A bench runs in the venv of the README's first command (`pip install torch==... -e .`, no
+    test extras): it cannot import pytest, nor anything of tests/ (whose helpers may import it)."""
+    tests = {p.stem for p in (BENCH.parent / "tests").glob("*.py")} - {p.stem for p in BENCH.glob("*.py")}
+    found = []
+    for script in sorted(BENCH.glob("*.py")):
+        text = script.read_text()
+        wrong = sorted(imported_modules(script) & (tests | {"pytest", "_pytest", "tests"}))
+        if wrong:
+            found.append(f"{script.name} imports {', '.join(wrong)}")
+        if '/ "tests"' in text or "'tests'" in text or '"tests")' in text:
+            found.append(f"{script.name} puts tests/ on its path")
+    assert not found, "\n".join(found)

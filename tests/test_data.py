@@ -161,3 +161,43 @@ def test_a_damaged_builtin_corpus_cache_entry_is_rebuilt_not_read(tmp_path, monk
     again = load_corpus(cfg)
     assert np.array_equal(again.train, train) and np.array_equal(again.heldout, held)
     assert "is damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: (d / "loop").symlink_to("loop"), "is a symlink loop"),
+    (lambda d: ((d / "a").symlink_to("b"), (d / "b").symlink_to("a")), "is a symlink loop"),
+    (lambda d: (d / "loop").symlink_to("gone.txt"), "is a broken symlink (to gone.txt)"),
+])
+def test_data_that_is_a_link_going_nowhere_is_named_as_such(make, needle, tmp_path, monkeypatch, capsys):
+    """A link that loops or leads nowhere is said to be one, not 'matches no files (.c, .csv, ...)'
+    (glob takes a name it can list for a match, whatever the link leads to)."""
+    from one_line import assert_one_line, run_main
+
+    monkeypatch.chdir(tmp_path)
+    make(tmp_path)
+    name = "loop" if (tmp_path / "loop").is_symlink() else "a"
+    assert_one_line(*run_main(["train", "--data", name, "--max-steps", "1", "--out", "o"], capsys),
+                    f"--data {name!r} {needle}")
+
+
+def test_data_that_cannot_be_read_is_named_as_such(tmp_path, monkeypatch):
+    """A path whose folder the user may not search: its stat fails with EACCES (run as root here, so
+    the refusal is simulated), said as such rather than a traceback or 'does not exist'."""
+    import errno
+    from pathlib import Path
+
+    from pipezero.errors import ConfigError
+    from pipezero.settings import build_config
+
+    locked = tmp_path / "locked" / "docs.txt"
+    real_stat = Path.stat
+
+    def stat(self, *args, **kwargs):
+        if self == locked:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", stat)
+    with pytest.raises(ConfigError, match=r"cannot be read \(Permission denied\)") as e:
+        build_config(None, {"data.path": [str(locked)]})
+    assert "\n" not in str(e.value)

@@ -202,3 +202,42 @@ def test_zero3_layer_by_layer_tied_head_with_its_norm_frozen(text_dir, tmp_path)
               "optim.freeze": r"layers\.7\.norm"}]
     results = run_ranks(train_cases, 2, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
+
+
+@pytest.mark.distributed  # full lane: seconds of one-process training
+def test_resuming_without_the_checkpoints_freeze_is_refused_before_any_rank_starts(text_dir, tmp_path, capsys):
+    """A checkpoint of `--freeze 'layers\\.0\\.'` resumed without --freeze (the embedding would train
+    with no AdamW state): one line from the launcher (no rank starts: --nproc 2 here), naming the
+    pattern as a shell takes it back (it was the Python repr, each backslash doubled, matching nothing)."""
+    import shlex
+
+    from one_line import assert_one_line, run_main
+
+    small = ["--preset", "tiny", "--tokenizer", "bytes", "--data", str(text_dir), "--seq-len", "16",
+             "--microbatches", "1", "--sample-tokens", "0", "--eval-every", "0", "--out", str(tmp_path / "run")]
+    code, err = run_main(["train", *small, "--freeze", THAWED, "--max-steps", "1", "--checkpoint-every", "1"], capsys)
+    assert code == 0, err
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    code, err = run_main(["train", *small, "--resume", "--max-steps", "2", "--nproc", "2", "--dp", "2"], capsys)
+    assert_one_line(code, err, f"resume with --freeze {shlex.quote(THAWED)} (or one freezing more)")
+    assert err.startswith("pipezero: error: --resume in "), err  # the launcher's check, before torchrun
+    assert shlex.split(err.split("resume with --freeze ")[1].split(" (or")[0]) == [THAWED]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+@pytest.mark.parametrize("pattern, needle", [
+    (r"layers\.(", "is not a valid regular expression"),
+    (r"nothing\.here", "matches no parameter"),
+    (r".*", "matches every parameter"),
+])
+def test_a_refused_pattern_is_named_as_a_shell_takes_it(pattern, needle):
+    """The pattern in a refusal is the one the user typed, quoted for a shell (not Python's repr,
+    which doubles each backslash)."""
+    import shlex
+
+    from pipezero.errors import ConfigError
+    from pipezero.freeze import check_pattern
+
+    with pytest.raises(ConfigError, match=needle) as e:
+        check_pattern(ModelConfig(preset="tiny"), pattern)
+    assert f"--freeze {shlex.quote(pattern)} " in str(e.value), str(e.value)

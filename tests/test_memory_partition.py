@@ -162,3 +162,32 @@ def test_plan_tries_memory_cuts_only_where_few_layouts_fit():
     assert rescued.step_time_s > uniform.step_time_s  # the last rank holds 4 blocks, uniform's at most 2
     assert flags(rescued.layout).endswith("--partition memory")
     assert cut_by_memory(model, cluster, 1024, 32, [uniform] * 10, [uniform]) == []
+
+
+def test_one_stage_has_nothing_to_cut_whatever_the_policy():
+    """At --pp 1 the memory policy has no cut to choose: the whole model is the one stage, for the
+    memory model, the runtime and verify's one-process reference alike."""
+    assert cut([1] * 8, lambda: [1.0] * 8, 1, Partition.MEMORY) == [(0, 8)]
+    one = tiny(1, K.ONE_F_ONE_B, **{"parallel.partition": "memory"})
+    assert [r.peak_bytes for r in predict(one)] == peaks(one, Partition.UNIFORM)
+    assert [r.peak_bytes for r in predict(resolve(one))] == peaks(one, Partition.UNIFORM)
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+def test_the_host_memory_check_cuts_as_the_policy_says(pp):
+    """train and verify on CPU add up the ranks' predicted peaks before any rank starts: under
+    --partition memory that prediction is of the policy's cuts."""
+    from pipezero.cli import check_host_memory
+
+    check_host_memory(small(**{"parallel.partition": "memory", "parallel.pp": pp}))
+
+
+@pytest.mark.distributed  # full lane: seconds of one-process training
+def test_plain_train_with_the_memory_policy_trains_one_stage(text_dir, tmp_path, capsys):
+    """The plainest `pipezero train --partition memory` (one process, --pp 1) trains."""
+    code, err = run_main(["train", "--partition", "memory", "--preset", "tiny", "--tokenizer", "bytes", "--data",
+                          str(text_dir), "--max-steps", "1", "--seq-len", "16", "--microbatches", "1",
+                          "--sample-tokens", "0", "--eval-every", "0", "--no-save-final",
+                          "--out", str(tmp_path / "run")], capsys)
+    assert code == 0, err
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -171,12 +171,17 @@ def test_the_traffic_model_prices_the_bytes_sent():
 
 @pytest.mark.parametrize("argv, needle", [
     (["--pp", "2", "--dp", "2", "--zero", "3"], "ZeRO-3 keeps each chunk gathered for its step"),
-    (["--dp", "2", "--zero", "2"], "only ZeRO-3 with --dp > 1"),
+    (["--dp", "2", "--zero", "2"], "--secondary-shard node with --zero 2: only ZeRO-3 gathers parameters over a "
+                                   "group; use --zero 3 or drop it"),
+    # at --dp 1 the true fix is replicas, not a ZeRO stage (it said "use --zero 3" at --zero 3 too)
+    (["--dp", "1", "--zero", "3"], "--secondary-shard node with --dp 1: it splits each bucket over the data-parallel "
+                                   "replicas, and one has nothing to split; raise --dp to 2 or more, or drop it"),
+    (["--dp", "1", "--zero", "0"], "--secondary-shard node with --zero 0 --dp 1: only ZeRO-3 with --dp 2 or more"),
 ])
 def test_secondary_shard_refused_where_it_saves_nothing(argv, needle, capsys, tmp_path):
     from one_line import assert_one_line, run_main
 
-    nproc = str(2 * (2 if "--pp" in argv else 1))
+    nproc = str(int(argv[argv.index("--dp") + 1]) * (2 if "--pp" in argv else 1))
     argv = ["train", "--nproc", nproc, "--out", str(tmp_path / "run"), "--secondary-shard", "node", *argv]
     assert_one_line(*run_main(argv, capsys), needle)
 

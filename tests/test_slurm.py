@@ -19,6 +19,7 @@ from local_slurm import LocalSlurm, pids_marked
 
 from pipezero.cluster import require_root
 from pipezero.errors import ConfigError
+from pipezero.settings import build_config
 from pipezero.slurm import expand_hostlist, job_port, rank_variables, tasks_per_node
 
 REPO = Path(__file__).resolve().parent.parent
@@ -160,9 +161,12 @@ TRAIN = ["train", "--pp", "2", "--dp", "2", "--microbatches", "2", "--tokenizer"
 def in_step(monkeypatch: pytest.MonkeyPatch, **extra: str) -> None:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    env = step_env(SLURM_NTASKS="4", SLURM_PROCID="2", SLURM_LOCALID="0", SLURM_STEP_TASKS_PER_NODE="2(x2)",
-                   SLURM_TASKS_PER_NODE="2(x2)", **extra)
+        # set, then removed: monkeypatch then removes at the end what adopt_slurm writes into the process's
+        # environment (a delenv of an unset name is not recorded, and later tests would run as rank 2 of 4)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    env = step_env(**{"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+                      "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_TASKS_PER_NODE": "2(x2)", **extra})
     for name, value in env.items():
         monkeypatch.setenv(name, value)
 
@@ -357,7 +361,7 @@ def test_a_requeued_job_resumes_and_ends_on_the_losses_of_one_process(local_slur
 @pytest.mark.parametrize("extra, needle", [
     # a task numbered past the step waited at the rendezvous for peers that never came
     ({"SLURM_PROCID": "6"}, "SLURM_PROCID=6 is not a task of 6 (SLURM_NTASKS)"),
-    ({"SLURM_PROCID": "-1"}, "SLURM_PROCID=-1 is not a task of 6"),
+    ({"SLURM_PROCID": "-1"}, "SLURM_PROCID='-1' is not what Slurm sets"),
     ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0: a step has at least one task"),
     ({"SLURM_LOCALID": "3"}, "SLURM_LOCALID=3 is not a task of 3 (the tasks per node"),
     ({"SLURM_STEP_TASKS_PER_NODE": "3(x0)"}, "'3(x0)' is not N or N(xK) with N, K >= 1"),
@@ -397,3 +401,172 @@ def test_a_slurm_step_variable_missing_is_one_line(missing):
     del env[missing]
     with pytest.raises(ConfigError, match=f"{missing} is not set, but SLURM_STEP_ID and SLURM_PROCID say"):
         rank_variables(env)
+
+
+# --- Slurm's numbers are digits: anything int() would also take is refused, naming the variable -------
+
+@pytest.mark.parametrize("name, value", [
+    ("SLURM_NTASKS", " 0_2"), ("SLURM_NTASKS", "+6"), ("SLURM_NTASKS", "6 "), ("SLURM_NTASKS", "\u0666"),
+    ("SLURM_PROCID", " 4"), ("SLURM_PROCID", "0_4"), ("SLURM_LOCALID", "+1"), ("SLURM_NODEID", "\u0661"),
+    ("SLURM_JOB_ID", " 4242"), ("SLURM_JOB_ID", "42_42"), ("SLURM_STEP_TASKS_PER_NODE", "\u0663(x2)"),
+    ("SLURM_STEP_NODELIST", "gpu[\u0660\u0667-08]"),
+])
+def test_a_slurm_number_int_would_read_but_slurm_never_writes_is_refused(name, value):
+    """`int(' 0_2')` is 2 (whitespace, underscores, a sign and any script's digits pass): a step of 3
+    tasks read as 2 waited at the rendezvous until --timeout. Slurm writes ASCII digits only."""
+    with pytest.raises(ConfigError, match=f"^{re.escape(name)}=") as e:
+        rank_variables(step_env(**{name: value}))
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_ntasks_per_node_is_read_strictly_too():
+    env = step_env(SLURM_NTASKS_PER_NODE=" 3")
+    del env["SLURM_STEP_TASKS_PER_NODE"], env["SLURM_TASKS_PER_NODE"]
+    with pytest.raises(ConfigError, match="^SLURM_NTASKS_PER_NODE=' 3' is not what Slurm sets"):
+        rank_variables(env)
+
+
+def test_nproc_in_a_step_reads_its_task_count_strictly():
+    from pipezero.launch import adopt_slurm
+
+    with pytest.raises(ConfigError, match="^SLURM_NTASKS=' 1' is not what Slurm sets"):
+        adopt_slurm(4, step_env(SLURM_NTASKS=" 1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0"))
+
+
+# --- the rendezvous host: named, and resolved before any rank waits on it -------------------------------
+
+def test_an_empty_master_addr_without_a_node_list_is_one_line(monkeypatch, tmp_path, capsys):
+    """MASTER_ADDR='' and no node list: a TypeError traceback (os.environ asked for the variable None)."""
+    from one_line import assert_one_line, run_main
+
+    in_step(monkeypatch, MASTER_ADDR="")
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    assert_one_line(*run_main([*TRAIN, "--out", str(tmp_path / "run")], capsys),
+                    "MASTER_ADDR is empty and no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST names the step's nodes")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("extra, source", [
+    ({}, "gpu07, the first node of SLURM_STEP_NODELIST,"),
+    ({"MASTER_ADDR": "rank0.example"}, "MASTER_ADDR='rank0.example'"),
+])
+def test_a_rendezvous_host_that_does_not_resolve_is_one_line(extra, source, monkeypatch, tmp_path, capsys):
+    """A first node that does not resolve: 40 lines of C++ frames from every rank, then the whole
+    --timeout, blamed on a timeout. Resolved before anything else, and said."""
+    import socket
+
+    from one_line import assert_one_line, run_main
+
+    asked = []
+
+    def resolve(host, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    in_step(monkeypatch, **extra)
+    assert_one_line(*run_main([*TRAIN, "--out", str(tmp_path / "run")], capsys),
+                    f"{source} does not resolve on this node (Name or service not known)")
+    assert asked == [extra.get("MASTER_ADDR", "gpu07")]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rendezvous_host_that_resolves_is_let_through(monkeypatch):
+    import socket
+
+    from pipezero.launch import check_rendezvous_host
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(socket.AF_INET, 1, 6, "", ("10.0.0.7", 0))])
+    env = {**step_env(), "RANK": "4", "WORLD_SIZE": "6", "MASTER_ADDR": "gpu07", "MASTER_PORT": "19242"}
+    check_rendezvous_host(env)
+    check_rendezvous_host({"RANK": "0", "WORLD_SIZE": "1"})  # one process: no rendezvous to check
+
+
+# --- advice that fits where the user is: srun's own options inside a step -------------------------------
+
+def test_a_step_whose_task_count_is_not_the_layout_names_srun(monkeypatch, tmp_path, capsys):
+    """--pp 2 x --dp 2 in a step of 3 tasks: each rank said 'use --nproc 4', which is refused
+    inside a step; the fix is the step's task count."""
+    import socket
+
+    from one_line import assert_one_line, run_main
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(socket.AF_INET, 1, 6, "", ("10.0.0.7", 0))])
+    in_step(monkeypatch, SLURM_NTASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_TASKS_PER_NODE="2,1")
+    code, err = run_main([*TRAIN, "--out", str(tmp_path / "run")], capsys)
+    assert_one_line(code, err, "--pp 2 x --dp 2 = 4 ranks, but this srun step has 3 tasks (SLURM_NTASKS)")
+    assert "srun --ntasks 4" in err and "--nproc" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env, want, not_want", [
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "srun --ntasks 4", "--nproc"),
+    ({"TORCHELASTIC_RUN_ID": "x"}, "torchrun", "--nproc 4"),
+    ({}, "--nproc 4", "srun"),
+])
+def test_how_to_start_n_ranks_is_said_for_the_launcher_in_use(env, want, not_want):
+    from pipezero.slurm import start_ranks_advice
+
+    said = start_ranks_advice(env, 4)
+    assert want in said and not_want not in said, said
+
+
+@pytest.mark.parametrize("env, want, not_want", [
+    ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "srun --ntasks-per-node 2", "torchrun"),
+    ({}, "--nproc / torchrun --nproc-per-node", "srun"),
+])
+def test_ranks_a_machine_is_said_for_the_launcher_in_use(env, want, not_want):
+    from pipezero.slurm import ranks_per_node_advice
+
+    said = ranks_per_node_advice(env, 2)
+    assert want in said and not_want not in said, said
+
+
+def test_a_failed_rendezvous_under_srun_names_the_steps_node_not_nproc(monkeypatch):
+    from pipezero.cli import failure_line
+
+    class DistNetworkError(RuntimeError):
+        pass
+
+    cfg = build_config(None, {"parallel.dp": "2"})
+    for name, value in {**step_env(), "RANK": "4", "MASTER_ADDR": "gpu07", "MASTER_PORT": "19242"}.items():
+        monkeypatch.setenv(name, value)
+    code, line = failure_line(cfg, DistNetworkError("connect() timed out"))
+    assert "gpu07:19242" in line and "SLURM_STEP_NODELIST" in line and "--nproc" not in line, line
+
+
+def test_max_restarts_under_srun_names_slurms_requeue(monkeypatch, tmp_path, capsys):
+    from one_line import assert_one_line, run_main
+
+    in_step(monkeypatch)
+    code, err = run_main([*TRAIN, "--max-restarts", "2", "--out", str(tmp_path / "run")], capsys)
+    assert_one_line(code, err, "--max-restarts 2")
+    assert "requeue" in err and "torchrun" not in err, err
+
+
+@pytest.mark.parametrize("extra", [[], ["--nproc", "4"]])
+def test_verify_in_a_step_of_several_tasks_names_a_step_of_one(extra, monkeypatch, tmp_path, capsys):
+    """verify starts its ranks itself: in a step of 4 tasks each said 'pass --nproc 4', and with it
+    each task would start its own 4 ranks."""
+    from one_line import assert_one_line, run_main
+
+    in_step(monkeypatch)
+    verify = ["verify", *TRAIN[1:TRAIN.index("--max-steps")], "--steps", "1", *extra, "--out", str(tmp_path / "v")]
+    assert_one_line(*run_main(verify, capsys), "`srun --ntasks 1 pipezero verify --nproc 4 ...`")
+    assert not (tmp_path / "v").exists()
+
+
+def test_a_task_does_not_hold_the_whole_steps_memory_to_its_own_host(monkeypatch, tmp_path, capsys):
+    """The host-memory check adds up every CPU rank this command starts on this host: an srun task
+    starts one (its step's others are on their own nodes), so it is not held to the step's sum. With
+    a host of 4 KiB here, the next check (the step's task count) is what speaks."""
+    import socket
+
+    from one_line import assert_one_line, run_main
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [(socket.AF_INET, 1, 6, "", ("10.0.0.7", 0))])
+    monkeypatch.setattr(os, "sysconf", lambda name: 1 if name == "SC_PHYS_PAGES" else 4096)
+    in_step(monkeypatch, SLURM_NTASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_TASKS_PER_NODE="2,1")
+    assert_one_line(*run_main([*TRAIN, "--device", "cpu", "--out", str(tmp_path / "run")], capsys),
+                    "but this srun step has 3 tasks (SLURM_NTASKS)")

@@ -31,7 +31,7 @@ from torch import nn
 from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
                                        metadata_problem, read_manifest, users_scratch, write, written_by)
 from pipezero.config import TrainConfig
-from pipezero.freeze import frozen_names
+from pipezero.freeze import frozen_names, shell_quoted
 from pipezero.models.llama_spec import spec_of
 from pipezero.models.spec import ModelSpec
 from pipezero.rundir import run_id
@@ -150,14 +150,23 @@ def frozen_state(zero: ZeroDP, tied: tuple[str, str] | None, saving: bool,
 
 def check_frozen(found: Found, cfg: TrainConfig, spec: ModelSpec | None = None) -> None:
     """Refuse to train a tensor the checkpoint froze: it has no AdamW state to resume."""
-    saved = found.manifest["config"].get("optim", {}).get("freeze")
+    if problem := thawed_problem(found.manifest, cfg, spec):
+        raise CheckpointError(f"{found.path} {problem}")
+
+
+def thawed_problem(manifest: dict[str, Any], cfg: TrainConfig, spec: ModelSpec | None = None) -> str | None:
+    """Why resuming the checkpoint of `manifest` would train a tensor it froze, or None; the pattern
+    quoted for a shell (freeze.shell_quoted), so the fix can be pasted as it is."""
+    saved = (manifest.get("config") or {}).get("optim", {}).get("freeze")
+    if not isinstance(saved, str):
+        return None
     model = spec or cfg.model
     thawed = sorted(frozen_names(model, saved) - frozen_names(model, cfg.optim.freeze))
-    if thawed:
-        raise CheckpointError(f"{found.path} was trained with --freeze {saved!r}; this run trains {len(thawed)} of "
-                              f"those tensors ({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}), which "
-                              f"have no optimizer state there: resume with --freeze {saved!r} (or one freezing "
-                              f"more), or start a new --out")
+    if not thawed:
+        return None
+    return (f"was trained with --freeze {shell_quoted(saved)}; this run trains {len(thawed)} of those tensors "
+            f"({', '.join(thawed[:3])}{', ...' if len(thawed) > 3 else ''}), which have no optimizer state there: "
+            f"resume with --freeze {shell_quoted(saved)} (or one freezing more), or start a new --out")
 
 
 def save(cfg: TrainConfig, zero: ZeroDP, step: int, bad_in_a_row: int, data: dict[str, Any] | None = None,
@@ -245,6 +254,8 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
     if mine and (diff := model_diff((mine[0][1].get("config") or {}).get("model"), cfg.to_dict()["model"])):
         return (f"{mine[0][0]} holds a different model (saved vs now: {diff}); resume with the same model settings "
                 f"(--preset, --model, [model]), or start a new --out")
+    if usable and (thawed := thawed_problem(usable[0][1], cfg)):  # the checkpoint the ranks would load
+        return f"{usable[0][0]} {thawed}"
     return None
 
 

@@ -8,6 +8,8 @@ settings are validated (a --model-spec, before any rank starts) and where the pl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,10 +18,12 @@ from pipezero.models.spec import ModelSpec
 from pipezero.schedules.model_shapes import LayerTensors, TensorShape
 
 
-def checked_parts(spec: ModelSpec, layer: nn.Module, index: int,
-                  tensors: tuple[TensorShape, ...]) -> tuple[tuple[str, ...], ...]:
+def checked_parts(spec: ModelSpec, layer: nn.Module, index: int, tensors: tuple[TensorShape, ...],
+                  rebuild: Callable[[], nn.Module] | None = None) -> tuple[tuple[str, ...], ...]:
     """The spec's parts of layer `index` (models/spec.py `layer_parts`), held to the layer it built:
-    each part names sub-modules the layer has, and every trainable tensor lies in one."""
+    each part names sub-modules the layer has, every trainable tensor lies in one, and a forward
+    runs them in order (`forward_order`; `rebuild` makes a CPU copy of the layer where it cannot
+    run on meta)."""
     said = spec.layer_parts(index)
     where = f"{type(spec).__name__}.layer_parts({index}) = {said!r}"
     if not isinstance(said, (tuple, list)) or not all(isinstance(g, (tuple, list)) and
@@ -39,7 +43,7 @@ def checked_parts(spec: ModelSpec, layer: nn.Module, index: int,
         except ValueError:
             raise ConfigError(f"{where}: {t.name} lies in none of them; every trainable tensor of the layer must "
                               f"lie in one part") from None
-    ran = forward_order(layer, parts, spec.dim)
+    ran = forward_order(layer, parts, spec.dim, rebuild)
     if ran is not None and not runs_in_parts(ran, parts):
         entered = [what.split()[0] for _, what in ran if what.endswith("entered")]
         raise ConfigError(f"{where}: a forward of layer {index} enters its modules in the order {entered}; list the "
@@ -48,11 +52,26 @@ def checked_parts(spec: ModelSpec, layer: nn.Module, index: int,
     return parts
 
 
-def forward_order(layer: nn.Module, parts: tuple[tuple[str, ...], ...],
-                  dim: int) -> list[tuple[int, str]] | None:
+CPU_TRY_PARAMS = 1 << 24  # a layer that cannot run on meta runs on CPU if it holds at most this many (64 MiB fp32)
+
+
+def forward_order(layer: nn.Module, parts: tuple[tuple[str, ...], ...], dim: int,
+                  rebuild: Callable[[], nn.Module] | None = None) -> list[tuple[int, str]] | None:
     """(part, `name` entered or `name` returned) for each of the parts' modules in the order a forward
-    of `layer` on the meta device runs them, or None where the layer cannot run there (then the
-    runtime's own check, a unit computing with weights its program never gathered, is what stands)."""
+    of `layer` runs them: on the meta device, or where the layer cannot run there (its forward reads
+    its input's values) on a CPU copy from `rebuild`, if the layer is small enough
+    (CPU_TRY_PARAMS). None where neither runs: then the runtime's own check, a unit computing with
+    weights its program never gathered, is what stands (said in one line: cli.failure_line)."""
+    ran = _run_hooked(layer, parts, torch.empty(1, 8, dim, device="meta"))
+    if ran is None and rebuild is not None and sum(q.numel() for q in layer.parameters()) <= CPU_TRY_PARAMS:
+        with torch.device("cpu"):
+            ran = _run_hooked(rebuild(), parts, torch.zeros(1, 8, dim))
+    return ran
+
+
+def _run_hooked(layer: nn.Module, parts: tuple[tuple[str, ...], ...],
+                x: torch.Tensor) -> list[tuple[int, str]] | None:
+    """One forward of `layer` on `x`, the parts' modules reporting as they run; None if it raises."""
     ran: list[tuple[int, str]] = []
     handles = []
     for j, group in enumerate(parts):
@@ -62,8 +81,8 @@ def forward_order(layer: nn.Module, parts: tuple[tuple[str, ...], ...],
             handles.append(module.register_forward_hook(lambda *_, j=j, n=name: ran.append((j, f"{n} returned"))))
     try:
         with torch.no_grad():
-            layer(torch.empty(1, 8, dim, device="meta"))
-    except Exception:  # noqa: BLE001 - the spec's layer does not run on meta tensors: nothing to say here
+            layer(x)
+    except Exception:  # noqa: BLE001 - the spec's layer does not run on this device: nothing to say here
         return None
     finally:
         for h in handles:
@@ -88,9 +107,11 @@ def check_spec_parts(spec: ModelSpec) -> None:
     """Every layer of `spec` that names parts, built on the meta device and held to them (`checked_parts`),
     each of its tensors counted as trainable (--freeze is applied later, by the plan)."""
     for i in range(spec.n_layers + 2):
-        if spec.layer_parts(i):
-            with torch.device("meta"):
-                layer = spec.build_layer(i)
-            tensors = tuple(TensorShape(f"layers.{i}.{n}", tuple(q.shape)) for n, q in layer.named_parameters()
-                            if q.requires_grad)
-            checked_parts(spec, layer, i, tensors)
+        said = spec.layer_parts(i)
+        if isinstance(said, (tuple, list)) and not said:  # a whole layer a unit; anything else is held to the layer
+            continue
+        with torch.device("meta"):
+            layer = spec.build_layer(i)
+        tensors = tuple(TensorShape(f"layers.{i}.{n}", tuple(q.shape)) for n, q in layer.named_parameters()
+                        if q.requires_grad)
+        checked_parts(spec, layer, i, tensors, lambda i=i: spec.build_layer(i))

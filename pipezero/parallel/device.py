@@ -16,6 +16,7 @@ import torch
 
 from pipezero.config import Device
 from pipezero.errors import ConfigError
+from pipezero.slurm import ranks_per_node_advice
 
 
 def device_kind(setting: Device) -> str:
@@ -54,8 +55,8 @@ def rank_device(kind: str) -> torch.device:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if local >= count:
-        raise ConfigError(f"local rank {local} needs GPU {local}, but this machine shows {count}: start at most "
-                          f"{count} ranks a machine (--nproc / torchrun --nproc-per-node)")
+        raise ConfigError(f"local rank {local} needs GPU {local}, but this machine shows {count}: "
+                          f"{ranks_per_node_advice(os.environ, count)}")
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
 

@@ -67,6 +67,8 @@ def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, poli
     n_layers = len(params)
     if explicit is not None:
         counts = list(explicit)
+    elif n_chunks == 1:  # one stage holds the whole model: no policy has a cut to choose
+        counts = [n_layers]
     elif policy is Partition.MEMORY:
         raise ValueError("the memory partition is chosen from the whole run configuration: pass the cuts of "
                          "sim/memory_partition.resolve(cfg) as explicit counts")

@@ -13,6 +13,7 @@ from pipezero.config import Device, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.parallel.agreement import check_same_settings
 from pipezero.parallel.device import backend, device_kind, rank_device
+from pipezero.slurm import start_ranks_advice
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
@@ -30,7 +31,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world != p.world_size:
         raise ConfigError(f"--pp {p.pp} x --dp {p.dp} = {p.world_size} ranks, but {world} were started: "
-                          f"use --nproc {p.world_size} (or change --pp/--dp)")
+                          f"{start_ranks_advice(os.environ, p.world_size)} (or change --pp/--dp)")
     if world > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=p.timeout_s)
         # With device_id NCCL binds its communicator to this rank's GPU at once; the timeout arms

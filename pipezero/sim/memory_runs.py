@@ -11,7 +11,7 @@ from pipezero.config import TrainConfig
 
 
 def phase_peaks(rank: int, world: int, configs: list[TrainConfig]) -> list[dict[str, int]]:
-    """One rank of a `world`-rank job (tests/ranks.py run_ranks): this rank's measured peak of
+    """One rank of a `world`-rank job (bench/rank_spawner.py run_ranks): this rank's measured peak of
     each phase for each of `configs`, in order (the rank's peak is the most of them)."""
     from pipezero.engine import train
 

@@ -16,6 +16,11 @@ from pipezero.zero.buckets import Bucket, in_order
 from pipezero.zero.coordinator import Coordinator
 
 
+class UngatheredUse(RuntimeError):
+    """A layer computed with a bucket its program never gathered: with a spec's own parts
+    (--zero3-unit sublayer), a forward that runs them in another order than listed."""
+
+
 @dataclass
 class ShardedParams:
     buckets: dict[int, list[Bucket]]
@@ -72,7 +77,7 @@ class ShardedParams:
         if b.gathering is not None:
             self.comm.finish_gather(b)
         elif not b.present and not self.holding:
-            raise RuntimeError(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
+            raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
                                f"which its program never gathered")
 
     def release(self, b: Bucket) -> None:
