@@ -176,19 +176,18 @@ def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
               for z in (1, 3)]
     # --hierarchical, the 4 ranks as 2 nodes of 2: D=4 reduces inside each node, then across (all-reduce
-    # at ZeRO-0/1, reduce-scatter at 2/3); pp-inner puts a stage's 2 replicas on different nodes (one
-    # a node: the exchange across only), dp-inner on one node (the exchange inside only)
+    # at ZeRO-0, reduce-scatter at 1-3); pp-inner puts a stage's 2 replicas on different nodes (one a
+    # node: the exchange across only; dp-inner, both on one node, is refused: nothing would cross)
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
     cases += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
     cases += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
                "parallel.grad_reduce": "microbatch", **two}]
-    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.placement": place, **two}
-              for place in ("pp-inner", "dp-inner")]
+    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
     for i, case in enumerate(cases):  # the two-level reductions ran, split as the placement puts the nodes
         want = None if not case.get("parallel.hierarchical") else \
-            [2, 2] if case["dp"] == 4 else [2, 1] if case.get("parallel.placement") == "pp-inner" else [1, 2]
+            [2, 2] if case["dp"] == 4 else [2, 1]
         summary = json.loads((tmp_path / f"case{i}" / "summary.json").read_text())
         assert [r["two_level"] for r in summary["ranks"]] == [want] * 4, (case, summary["ranks"][0]["two_level"])
 
