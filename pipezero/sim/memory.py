@@ -28,11 +28,10 @@ Categories (bytes on one rank):
 
 Phases (each rank's peak is the most of them; `RankMemory.phases`):
 - train: the first training step, walked instruction by instruction (above);
-- eval: the held-out evaluation after a step (engine.evaluate -> runtime/executor.evaluate), from
-  the state the step leaves: forward only, no gradient, micro-batch by micro-batch through the
-  rank's chunks in model order; each chunk's output sent on is held by its send until the
-  evaluation's end waits for them all (`eval_batches` x M micro-batches of them), ZeRO-3 gathers
-  what the forward needs (kept gathered: every chunk of the rank, released after the evaluation);
+- eval: the held-out evaluation after a step, from the state the step leaves: its own forward-only
+  program (schedules/forward_only.py, played by runtime/executor.evaluate); each chunk's output
+  sent on is held by its send until LOSS_SUM waits for them all (`eval_batches` x M micro-batches
+  of them), ZeRO-3 gathers what the program gathers;
 - sample: the end-of-run text sample (engine.end_sample; only without a pipeline): one forward of
   the whole model over the window, batch 1, fp32 (outside autocast), its length growing to the
   prompt and the sampled tokens, on rank 0 (ZeRO-3 layer by layer: every rank, gathering as it
@@ -65,6 +64,7 @@ from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.forward_only import lower_evaluation
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, in_flight_of
 from pipezero.schedules.zero_rules import RULES
@@ -788,7 +788,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
 def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
                cb: dict[int, ChunkBytes]) -> tuple[int, dict[str, int], str] | None:
     """A held-out evaluation's peak on pipeline rank `pp_rank` from the state a step leaves
-    (`after`): (bytes, categories, where). Every micro-batch passes alike, so the peak is in the
+    (`after`): (bytes, categories, where), its order, transfers and gathers read off the evaluation's
+    program (schedules/forward_only.py). Every micro-batch passes alike, so the peak is in the
     last, when the sends of all before it are still held: inside one of its chunks' forward (the
     input, received or handed over, the most one layer's forward holds at once with nothing saved:
     `eval_forward`, and on the last chunk's rank the previous logits; then the loss) or at the
@@ -798,11 +799,15 @@ def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
         return None
     s, sched = plan.shapes, plan.program.schedule
     mb_act = s.tokens * s.dim * s.act
-    owner, last = sched.rank_of_chunk, sched.n_chunks - 1
-    chunks = sorted(sched.chunks(pp_rank))
-    sends = [c for c in chunks if c != last and owner[c + 1] != pp_rank]
+    last = sched.n_chunks - 1
     sharded = RULES[plan.program.zero].sharded_params
-    kept = sum(plan.buckets.chunk_numel(c) for c in chunks) * F32 if sharded and not plan.layerwise else 0
+    # one micro-batch of the rank's evaluation program: every micro-batch runs alike
+    program = lower_evaluation(sched, 1, plan.buckets, 1, sharded_params=sharded, layerwise=plan.layerwise,
+                               gather_width=F32)[pp_rank]
+    chunks = [i.action.chunk for i in program if isinstance(i, Compute)]
+    sends = [i.transfer[0] - 1 for i in program if isinstance(i, PointToPoint) and i.send]
+    kept = sum(plan.buckets.chunk_numel(i.chunk) for i in program
+               if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD and i.bucket is None) * F32
     base = {**after, "activations": 0, "p2p": 0, "collectives": 0, "gathered": kept}
     sent = (plan.eval_microbatches - 1) * len(sends) * mb_act
     best = (sum(base.values()) + sent + len(sends) * mb_act,
