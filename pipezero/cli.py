@@ -184,6 +184,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not restarts.isdigit():  # torchrun's, read as an integer by the claim and the resume: a traceback
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restarts[:80]!r} is not a count; it is torchrun's variable: "
                           f"unset it")
+    if args.force and cfg.run.resume:  # resume won, and --force was read by nothing
+        raise ConfigError("--force and --resume ask for opposite things (--force: a new run beside the one in --out; "
+                          "--resume: continue that one): choose one")
     check_out(cfg)
     if cfg.model.pretrained is not None and not under_torchrun():  # once, not in every rank
         from pipezero.models.hf_weights import check_finite

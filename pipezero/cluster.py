@@ -28,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
+from pipezero.launch import SAFE_PATH
 from pipezero.job import children
 
 
@@ -204,13 +205,13 @@ class EmulatedCluster:
         each node's agent restarts its ranks when one fails (a cut link fails every rank within
         --timeout, so all nodes restart, and meet again at node 0 once the link is back). Started as
         pipezero.loopback, torchrun whose failed job ends in one line, not its traceback."""
-        cmd = [sys.executable, "-m", "pipezero.loopback", f"--nnodes={self.spec.nodes}",
+        cmd = [sys.executable, "-P", "-m", "pipezero.loopback", f"--nnodes={self.spec.nodes}",
                f"--nproc-per-node={ranks_per_node}", f"--node-rank={node}", f"--master-addr={self.address(0)}",
                f"--master-port={port}", f"--local-addr={self.address(node)}", f"--max-restarts={max_restarts}",
                *args]
         # gloo picks its interface by name: eth0 is this node's address (traffic between two ranks
         # of one node to that address stays inside the namespace, unshaped).
-        env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
+        env = {**SAFE_PATH, "GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0",
                "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // (ranks_per_node * self.spec.nodes)))}
         return self.start(node, cmd, env, **popen)
 

@@ -164,6 +164,12 @@ def exit_rank(code: int) -> None:
     os._exit(code)
 
 
+# The agent and every rank start with no working folder on their import path: `python -m` would put it
+# first, so a file there named like a module pipezero imports (rich.py, a corpus of .py documents) ran
+# in every rank. Only --model-spec imports from the working folder, by its own choice (models/user_spec.py).
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+
+
 def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 0,
                  extra_env: dict[str, str] | None = None, after_stop: str | None = None,
                  lock_fd: int | None = None) -> int:
@@ -173,10 +179,10 @@ def launch_local(nproc: int, argv: Sequence[str], out: str, max_restarts: int = 
     rank after one fails; they resume from the newest checkpoint (engine: a restarted worker
     always resumes). SIGINT/SIGTERM stop the whole job (job.py). `lock_fd`: the run folder's lock,
     held by every process of the job while it lives (lifeline.py)."""
-    cmd = [sys.executable, "-m", "pipezero.loopback", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+    cmd = [sys.executable, "-P", "-m", "pipezero.loopback", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
            f"--rdzv-id={uuid.uuid4().hex}", "--nnodes=1", "--local-addr=127.0.0.1", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "pipezero.cli", *strip_launcher_flags(argv)]
-    env = {**os.environ, **(extra_env or {})}
+    env = {**os.environ, **(extra_env or {}), **SAFE_PATH}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets on loopback too, whatever the hostname

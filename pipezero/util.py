@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -149,6 +150,7 @@ def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, mode_for(path))  # mkstemp's file is the owner's alone
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -157,6 +159,30 @@ def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
         if isinstance(e, Exception) and (os_error := as_os_error(e, path, tmp)) is not None and os_error is not e:
             raise os_error from e
         raise
+
+
+def mode_for(path: Path) -> int:
+    """The permissions a file written at `path` gets: those of the file it replaces, else what the
+    user's umask gives a new file (0644 under the usual 022), as open() would: a teammate reading a
+    run's summary or a checkpoint's manifest reads them as they read the shards beside them."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return 0o666 & ~umask()
+
+
+def umask() -> int:
+    """This process's umask, read without setting it (Linux says it in /proc); elsewhere set and
+    restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

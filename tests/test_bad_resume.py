@@ -201,3 +201,36 @@ def test_a_resume_over_a_users_scratch_folder_is_refused_before_training(tmp_pat
     code, err = run_main([*TRAIN_TINY_SMALLEST, "--data", "docs", "--out", "run", "--resume", "--max-steps", "2"], capsys)
     assert_one_line(code, err, ".tmp-step-00000002 holds files no checkpoint save writes")
     assert mine.read_text() == "mine"
+
+
+def test_resume_of_a_finished_run_at_its_last_step_is_refused_and_writes_nothing(trained_run, tmp_path, capsys):
+    """A run whose summary.json came after its last step's checkpoint is complete: a --resume with the
+    same --max-steps trained nothing and rewrote its summary (final loss null, zero steps). One that
+    saved its last step but died before its summary is not finished: resuming writes the summary."""
+    import time
+
+    from pipezero.checkpoint.state import finished
+
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume"], capsys),
+                    "the run is complete: its newest checkpoint is of its last step, 1, and its summary.json is "
+                    "written")
+    assert files(run) == before
+    step = run / "checkpoints" / "step-00000001"
+    assert finished(run, step)
+    later = time.time() + 60  # the summary of an earlier run (--force), older than the newest save
+    os.utime(step, (later, later))
+    assert not finished(run, step)
+    (run / "summary.json").unlink()
+    assert not finished(run, step)
+
+
+def test_force_with_resume_is_refused(trained_run, tmp_path, capsys):
+    """--resume continues the run in --out, --force starts a new one beside it: given both, one was
+    read by nothing."""
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    before = files(run)
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume", "--force"],
+                              capsys), "--force and --resume ask for opposite things")
+    assert files(run) == before

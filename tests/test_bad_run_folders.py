@@ -275,3 +275,26 @@ def test_a_refused_first_step_drops_only_the_opening_files_the_run_made(tmp_path
     held.drop_opening()
     held.release()
     assert sorted(p.name for p in out.iterdir()) == sorted([LOCK, RUN_ID, "config.json", "metrics.jsonl", "notes.txt"])
+
+
+def test_files_a_run_writes_take_the_umask_or_the_mode_they_replace(tmp_path):
+    """Written through a temporary file, renamed into place: mkstemp makes it the owner's alone
+    (0600), so a run's summary, metrics and manifests were unreadable to a teammate beside shards
+    that were 0644."""
+    import stat
+
+    from pipezero.util import atomic_write_bytes
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "new.json", b"{}")
+        assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+        (tmp_path / "kept.json").write_bytes(b"x")
+        os.chmod(tmp_path / "kept.json", 0o640)
+        atomic_write_bytes(tmp_path / "kept.json", b"{}")
+        assert stat.S_IMODE((tmp_path / "kept.json").stat().st_mode) == 0o640
+        os.umask(0o077)
+        atomic_write_bytes(tmp_path / "private.json", b"{}")
+        assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600
+    finally:
+        os.umask(old)

@@ -243,4 +243,4 @@ def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quie
     cluster.address = lambda i: f"10.0.0.{i + 1}"
     cluster.start = lambda node, cmd, env, **kw: seen.append(cmd)
     cluster.torchrun(0, 1, 29500, ["-m", "pipezero.cli", "train"])
-    assert seen[0][1:3] == ["-m", "pipezero.loopback"]
+    assert seen[0][1:4] == ["-P", "-m", "pipezero.loopback"]  # no working folder on the ranks' import path

@@ -275,3 +275,16 @@ def test_a_folder_held_by_the_ranks_of_a_gone_launcher_names_them(tmp_path):
         os.pwrite(held.fd, f"{gone}\n".encode(), 0)
         with pytest.raises(ConfigError, match=f"in use by another run \\(the ranks of pid {gone}, which is gone"):
             in_use(str(tmp_path))
+
+
+def test_ranks_start_without_the_working_folder_on_their_import_path(monkeypatch, tmp_path):
+    """`python -m` puts the working folder first on sys.path: a rich.py or torch.py there (a corpus of
+    .py documents) would run in every rank. The launcher starts torchrun's agent with -P and its
+    ranks with PYTHONSAFEPATH; only --model-spec imports from the working folder, by its own choice."""
+    import pipezero.launch as launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "run_job", lambda cmd, env, *a, **k: seen.update(cmd=cmd, env=env) or 0)
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    assert launch.launch_local(2, ["train", "--preset", "tiny"], str(tmp_path / "o")) == 0
+    assert seen["cmd"][1:3] == ["-P", "-m"] and seen["env"]["PYTHONSAFEPATH"] == "1"

@@ -219,6 +219,17 @@ def model_diff(saved: Any, now: dict[str, Any]) -> dict[str, Any]:
     return {k: (saved.get(k), now.get(k)) for k in sorted(keys) if saved.get(k) != now.get(k)}
 
 
+def finished(out: Path, newest: Path) -> bool:
+    """Whether the run in `out` wrote its summary.json (its end) after its newest checkpoint `newest`:
+    a resume at that step would train nothing and rewrite its records. A run that saved its last
+    step but died before its summary is not finished: resuming it evaluates and writes the summary
+    (an older summary.json beside it is an earlier run's, before --force)."""
+    try:
+        return (out / "summary.json").stat().st_mtime >= newest.stat().st_mtime
+    except OSError:
+        return False
+
+
 def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
     """Why `--resume` in `cfg.run.out` (claimed by run `run`) would not continue its checkpoints,
     from their manifests alone, before any rank starts; None when it would (or there are none).
@@ -247,6 +258,10 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
     if usable and (short := metadata_problem(usable[0][0])):
         return (f"its newest checkpoint {usable[0][0]} is damaged: {short}; the ranks would fail reading it. Move "
                 f"that step folder away to resume from the one before, or restore the file")
+    if usable and usable[0][1]["step"] == cfg.run.max_steps and finished(Path(cfg.run.out), usable[0][0]):
+        return (f"the run is complete: its newest checkpoint is of its last step, {cfg.run.max_steps}, and its "
+                f"summary.json is written, so nothing would train and its records would be rewritten: raise "
+                f"--max-steps above {cfg.run.max_steps} to train on, or export that checkpoint")
     if usable and usable[0][1]["step"] > cfg.run.max_steps:  # was "resumed", nothing trained, exit 0
         return (f"its newest checkpoint is of step {usable[0][1]['step']}, past --max-steps {cfg.run.max_steps}, so "
                 f"nothing would train: raise --max-steps above {usable[0][1]['step']} to train on, or export that "
