@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import DataParallel, Instr, Kind, OptimStep, flat
+from pipezero.schedules.program import DataParallel, Kind, OptimStep, flat
 
 
 @dataclass(frozen=True)
