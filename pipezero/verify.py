@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import re
 import os
 from dataclasses import asdict, dataclass
@@ -263,6 +264,15 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out} holds {foreign[0]!r}{more}, which verify did not write; verify writes "
                           f"layout/, reference/, floor/, ranks/ and verify.json into a folder of its own: give a new "
                           f"or empty folder")
+    report = out / "verify.json"
+    if report.is_file() and not report.is_symlink() and not verify_report(report):  # a link, a folder: below
+        raise ConfigError(f"--out {out}: verify.json is not a report verify wrote, and verify would replace it: give a "
+                          f"new or empty folder")
+    runs = [name for name in ("layout", "reference", "floor") if (out / name).is_dir() and any((out / name).iterdir())]
+    if runs and not verify_report(report):  # an earlier verify writes its report last, beside its runs
+        raise ConfigError(f"--out {out}: {runs[0]}/ holds files but no verify report (verify.json) is beside it, so it "
+                          f"is no earlier verify's (a training run of yours, or a verify stopped before its end); "
+                          f"verify would write its runs over it: give a new or empty folder")
     ranks = out / "ranks"
     strays = sorted(p.name for p in ranks.iterdir() if not RANK_FILE.fullmatch(p.name)) if ranks.is_dir() else []
     if strays and not ranks.is_symlink():  # its stale rank files are deleted before the layout runs
@@ -274,6 +284,17 @@ def check_out(out: Path) -> None:
             kind = "a symlink" if entry.is_symlink() else "a folder" if entry.is_dir() else "a file"
             raise ConfigError(f"--out {out}: {name} is {kind}, where verify writes a {'folder' if folder else 'file'}: "
                               f"give a new or empty folder")
+
+
+def verify_report(path: Path) -> bool:
+    """Whether `path` is a report verify wrote (verify.json: its layout, steps and verdict)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and {"layout", "steps", "ok"} <= report.keys()
 
 
 def lossy_traffic(cfg: TrainConfig) -> str | None:

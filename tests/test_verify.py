@@ -226,3 +226,22 @@ def test_verify_reference_drops_what_only_data_parallel_traffic_has(tmp_path):
     assert (ref.parallel.dp, ref.parallel.zero, ref.parallel.secondary_shard, ref.parallel.hierarchical) == \
         (1, 0, SecondaryShard.NONE, False)
     assert layout.parallel.secondary_shard is SecondaryShard.NODE  # the layout itself untouched
+
+
+def test_verify_never_writes_over_a_run_or_a_report_it_did_not_write(tmp_path):
+    """verify's runs go to OUT/layout, reference and floor: a training run of the user's at one of those
+    names (no verify report beside it) had its metrics, summary and config replaced, and a user's own
+    verify.json was overwritten. An earlier verify's folder (its report beside its runs) is verify's own."""
+    from pipezero.errors import ConfigError
+    from pipezero.verify import check_out
+
+    out = tmp_path / "exp"
+    (out / "layout" / "checkpoints").mkdir(parents=True)
+    (out / "layout" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="layout/ holds files but no verify report"):
+        check_out(out)
+    (out / "verify.json").write_text('{"mine": 1}')
+    with pytest.raises(ConfigError, match="verify.json is not a report verify wrote"):
+        check_out(out)
+    (out / "verify.json").write_text('{"layout": "pp=2 dp=2", "steps": 2, "ok": true}')
+    check_out(out)  # an earlier verify's: written again
