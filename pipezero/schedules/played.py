@@ -28,7 +28,7 @@ from pipezero.schedules.program import DataParallel, Kind, OptimStep, flat
 
 @dataclass(frozen=True)
 class Expected:
-    event: str  # "start", "wait" or "release" (zero/coordinator.py `Event`)
+    event: str  # "start", "wait" or "release" (zero/coordinator.py `PlayEvent`)
     name: str  # REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
     nbytes: int = 0  # a start: the bucket as the program prices it on the wire
     group: str = ""  # a start: dp, node, tie (program.py `Group`)

@@ -61,13 +61,13 @@ class Coordinator:
     @property
     def issued(self) -> list[str]:
         """The collectives started since the step began, by name, in order."""
-        return [p.name for p in self.played if p.event is Event.START]
+        return [p.name for p in self.played if p.event is PlayEvent.START]
 
     def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
-        self.played.append(Played(self.tracer.step, Event.START, name, nbytes, wire, group))
+        self.played.append(Played(self.tracer.step, PlayEvent.START, name, nbytes, wire, group))
 
     def note_release(self, b: Bucket) -> None:
-        self.played.append(Played(self.tracer.step, Event.RELEASE, f"RESHARD({b.label})"))
+        self.played.append(Played(self.tracer.step, PlayEvent.RELEASE, f"RESHARD({b.label})"))
 
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
@@ -90,7 +90,7 @@ class Coordinator:
         if b.reduction is not None:
             raise RuntimeError(f"rank {self.rank}: bucket {b.names[0]}... reduced twice in one backward")
         w = self.grads
-        self.note_start(f"REDUCE_GRAD({b.label})", w.bytes(b.padded) if w else b.padded * _size(self.comm_dtype),
+        self.note_start(f"REDUCE_GRAD({b.label})", w.bytes(b.padded) if w else b.padded * self.comm_dtype.itemsize,
                         f"int{int(w.bits)}" if w else _name(self.comm_dtype))
         self.reducing.append(b)
         if self.group is None:
@@ -145,7 +145,7 @@ class Coordinator:
         for b in done:
             r, b.reduction = b.reduction, None
             assert r is not None
-            self.played.append(Played(self.tracer.step, Event.WAIT, f"REDUCE_GRAD({b.label})"))
+            self.played.append(Played(self.tracer.step, PlayEvent.WAIT, f"REDUCE_GRAD({b.label})"))
             if r.work is not None:
                 self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
@@ -184,7 +184,7 @@ class Coordinator:
         quantized = self.weights is not None and (low_precision or keep_own)
         wire = self.comm_dtype if low_precision else torch.float32
         self.note_start(f"UNSHARD({b.label})",
-                        self.weights.bytes(b.padded) if quantized else b.padded * _size(wire),  # type: ignore[union-attr]
+                        self.weights.bytes(b.padded) if quantized else b.padded * wire.itemsize,  # type: ignore[union-attr]
                         f"int{int(self.weights.bits)}" if quantized else _name(wire))  # type: ignore[union-attr]
         if self.group is None:
             b.flat.copy_(shard)
@@ -224,7 +224,7 @@ class Coordinator:
         g, b.gathering = b.gathering, None
         if g is None:
             return
-        self.played.append(Played(self.tracer.step, Event.WAIT, f"UNSHARD({b.label})"))
+        self.played.append(Played(self.tracer.step, PlayEvent.WAIT, f"UNSHARD({b.label})"))
         if g.work is not None:
             self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
@@ -265,7 +265,7 @@ class Coordinator:
                 return
 
 
-class Event(str, enum.Enum):
+class PlayEvent(str, enum.Enum):
     START = "start"
     WAIT = "wait"
     RELEASE = "release"  # a gathered bucket's storage dropped (RESHARD)
@@ -276,15 +276,11 @@ class Played:
     """One event of a rank's collectives as it played them."""
 
     step: int
-    event: Event
+    event: PlayEvent
     name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0)
     nbytes: int = 0  # a start: the whole bucket as it travels (codes and scales when quantized)
     wire: str = ""  # a start: the elements on the wire (fp32, bf16, int8, int4)
     group: str = ""  # a start: dp (the stage's replicas), node (hpZ: inside the node), tie
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _name(dtype: torch.dtype) -> str:
