@@ -61,6 +61,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--secondary-shard": ("parallel.secondary_shard", "ZeRO-3 layer by layer: node keeps each bucket split over its "
                                                       "ranks after the step's first gather, so later gathers stay "
                                                       "inside the node (4/N bytes a parameter)"),
+    "--offload": ("parallel.offload", "optimizer: fp32 master shards and AdamW state in host memory, the AdamW "
+                                      "step on the CPU (the device keeps the weights it computes with; AdamW's "
+                                      "8 bytes a parameter leave it)"),
     "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
                                                     "starts (default 1), or auto: the planner's choice for "
                                                     "--link-gbps"),

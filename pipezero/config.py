@@ -71,6 +71,11 @@ class Zero3Unit(str, enum.Enum):
     SUBLAYER = "sublayer"  # each part of a layer that names parts apart (a block's attention, its MLP)
 
 
+class Offload(str, enum.Enum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"  # fp32 master shards and AdamW moments in host memory, the step on the CPU
+
+
 class Placement(str, enum.Enum):
     """Which neighbouring global ranks (those of one node) share: a stage or a pipeline."""
 
@@ -237,6 +242,12 @@ class ParallelConfig:
     quant_block: int = 256
     """Elements sharing one fp32 scale in `quantize_weights` and `quantize_grads`: smaller blocks
     keep more precision next to a large value and send 4 bytes more a block."""
+
+    offload: Offload = Offload.NONE
+    """`optimizer`: each rank's fp32 master shards and AdamW moments live in host memory (pinned on
+    CUDA) and AdamW steps there, a bucket at a time: each reduced gradient shard is copied to the
+    host once its reduction lands, each updated shard back before the next forward reads it. The
+    device keeps the compute copy of the weights; host memory and the copies pay for it."""
 
     @property
     def world_size(self) -> int:
