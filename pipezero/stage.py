@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-from pipezero.config import (DType, GradQuant, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
+from pipezero.config import (DType, GradQuant, Offload, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
                              Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
@@ -194,7 +194,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   keep_gathered=not plan.layerwise, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   source=source, hierarchy=hierarchy,
-                  node=node, forward_only=plan.forward_only, **wires(p))
+                  node=node, forward_only=plan.forward_only, offload=p.offload is Offload.OPTIMIZER, **wires(p))
     zero.comm.flight = flight
     if zero.layerwise:
         layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})

@@ -228,10 +228,12 @@ def scenarios(rank: int, world: int, data: str, out: str) -> dict:
     # same layout, resumed from step 4
     copy_checkpoints(f"{out}/a", f"{out}/b", [4])
     res["b"] = run(data, f"{out}/b", **LAYOUT_A, **{"run.resume": True})
-    # reshard: (P=2, D=2, ZeRO-1) step 2 -> (P=4, D=1, ZeRO-0) steps 3-4 -> (P=1, D=4, ZeRO-3) steps 5-6
+    # reshard: (P=2, D=2, ZeRO-1) step 2 -> (P=4, D=1, ZeRO-0, AdamW offloaded to the host) steps 3-4
+    # -> (P=1, D=4, ZeRO-3, on the device again) steps 5-6
     copy_checkpoints(f"{out}/a", f"{out}/c", [2])
     res["c"] = run(data, f"{out}/c", pp=4, dp=1, kind=K.INTERLEAVED_1F1B, m=8,
-                   **{"parallel.virtual_stages": 2, "parallel.zero": 0, "run.resume": True, "run.checkpoint_every": 2})
+                   **{"parallel.virtual_stages": 2, "parallel.zero": 0, "run.resume": True, "run.checkpoint_every": 2,
+                      "parallel.offload": "optimizer"})
     copy_checkpoints(f"{out}/c", f"{out}/d", [4])
     res["d"] = run(data, f"{out}/d", pp=1, dp=4, kind=K.ONE_F_ONE_B, m=2,
                    **{"parallel.zero": 3, "run.resume": True})
@@ -241,9 +243,11 @@ def scenarios(rank: int, world: int, data: str, out: str) -> dict:
         victim = sorted((Path(out) / "e/checkpoints/step-00000006").glob("*.distcp"))[-1]
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     res["e"] = run(data, f"{out}/e", **LAYOUT_A, **{"run.resume": True})
-    # a NaN loss at step 3 is skipped; NaN from step 3 on stops the run after max_bad_steps in a row
+    # a NaN loss at step 3 is skipped (offloaded: no host step is played); NaN from step 3 on stops the
+    # run after max_bad_steps in a row
     poison({3})
-    res["f"] = run(data, f"{out}/f", **LAYOUT_A, **{"run.checkpoint_every": 1, "run.max_steps": 4})
+    res["f"] = run(data, f"{out}/f", **LAYOUT_A, **{"run.checkpoint_every": 1, "run.max_steps": 4,
+                                                     "parallel.offload": "optimizer"})
     poison({3, 4, 5})
     try:
         run(data, f"{out}/g", **LAYOUT_A, **{"run.max_bad_steps": 2})

@@ -14,7 +14,10 @@ rules below read only the program:
   after its start and before its bucket's release (ZeRO-1/2's gathers of updated weights under
   --overlap-gather: before the next step's forward reads them, so the wait may come in the next
   record); the blocking one among the gathers after the step waits for every one started;
-- RESHARD releases its bucket (a kept chunk: each of its buckets).
+- RESHARD releases its bucket (a kept chunk: each of its buckets);
+- --offload optimizer: OFFLOAD_GRAD starts its bucket's copy to the host, after waiting for the
+  bucket's last reduction where that is still in flight; HOST_STEP starts its bucket's update on the
+  host (both "host", no other rank).
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             break
         if i.kind is Kind.TIED_SUM:
             out.append(Expected("start", f"TIED_SUM({i.chunk})", i.nbytes, i.group.value))
+            continue
+        if i.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
+            reduced = f"REDUCE_GRAD({i.chunk}.{i.bucket})"
+            if reduced in reducing:  # its last reduction still in flight: waited for first
+                wait(reducing[::-1].index(reduced))
+            out.append(Expected("start", f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value))
             continue
         sizes = bp.buckets(i.chunk)
         whole = sum(sizes)

@@ -76,6 +76,9 @@ class Kind(str, enum.Enum):
     REDUCE_GRAD = "REDUCE_GRAD"  # one bucket's all-reduce or reduce-scatter
     TIED_SUM = "TIED_SUM"  # a tied embedding's copies' gradients summed (first and last pipeline rank)
     OPTIM_STEP = "OPTIM_STEP"  # drain, norm and loss all-reduce over the world, update
+    # --offload optimizer: a bucket's reduced gradient (the part this rank updates) copied to host memory
+    OFFLOAD_GRAD = "OFFLOAD_GRAD"
+    HOST_STEP = "HOST_STEP"  # --offload optimizer: one bucket's AdamW on the host, its weights copied back
 
 
 class Group(str, enum.Enum):
@@ -84,6 +87,7 @@ class Group(str, enum.Enum):
     DP = "dp"  # the stage's data-parallel replicas
     NODE = "node"  # hpZ: the replicas in this rank's node, from their fp32 shares of the step's first gather
     TIE = "tie"  # the first and last pipeline rank of a replica (a tied embedding's copies)
+    HOST = "host"  # no other rank: a copy between this rank's device and its host memory (--offload)
 
 
 class Collective(str, enum.Enum):
@@ -91,6 +95,7 @@ class Collective(str, enum.Enum):
     REDUCE_SCATTER = "reduce-scatter"
     ALL_GATHER = "all-gather"
     LOCAL = "local"  # RESHARD: no communication
+    HOST = "host copy"  # OFFLOAD_GRAD, HOST_STEP: between this rank's device and its host memory, no network
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,8 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
-          in_flight: int = 1, overlap_gather: bool = False, node_shares: bool = False, wire_bytes: float = 4,
+          in_flight: int = 1, overlap_gather: bool = False, node_shares: bool = False, offload: bool = False,
+          wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -330,7 +336,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
     ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
     wait for each, layer by layer); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
-    after its first of the step come from the fp32 shares its node kept (`Group.NODE`). `pp_ranks`: lower only these
+    after its first of the step come from the fp32 shares its node kept (`Group.NODE`); `offload`:
+    --offload optimizer, the host copies and host steps placed (`_offloaded`). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -345,7 +352,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p], depth, overlap_gather, node_shares)
+                           posts[p], depth, overlap_gather, node_shares, offload)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
@@ -361,7 +368,8 @@ class _Wires:
 
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
                   layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
-                  depth: int = 1, overlap_gather: bool = False, node_shares: bool = False) -> tuple[Instr, ...]:
+                  depth: int = 1, overlap_gather: bool = False, node_shares: bool = False,
+                  offload: bool = False) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -411,12 +419,64 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
     out.extend(_tied(sorted(s.chunks(p)), bp, rules, w))
+    if offload:
+        out = _offloaded_grads(out, bp, rules, dp)
     out.append(OptimStep())
-    if rules.gathers_updates:  # forward order: the next step's first layers get their weights first
-        gathers = [(c, k, n) for c in sorted(s.chunks(p)) for k, n in reversed(list(enumerate(bp.buckets(c))))]
-        out.extend(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(n * (w.gather or 4)),
-                                not overlap_gather and j == len(gathers) - 1) for j, (c, k, n) in enumerate(gathers))
+    # forward order: the next step's first layers get their weights first
+    order = [(c, k, n) for c in sorted(s.chunks(p)) for k, n in reversed(list(enumerate(bp.buckets(c))))]
+    for j, (c, k, n) in enumerate(order):
+        if offload:
+            out.append(DataParallel(Kind.HOST_STEP, c, k, Collective.HOST, _updated(n, rules, dp) * 4,
+                                    group=Group.HOST))
+        if rules.gathers_updates:
+            out.append(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(n * (w.gather or 4)),
+                                    not overlap_gather and j == len(order) - 1))
     return tuple(out)
+
+
+def _updated(padded: int, rules: Rules, dp: int) -> int:
+    """Elements of a bucket this rank updates: all of it where every rank updates whole buckets, else
+    its shard."""
+    return padded if rules.updates_whole else padded // dp
+
+
+def _offloaded_grads(out: list[Instr], bp: BucketPlan, rules: Rules, dp: int) -> list[Instr]:
+    """--offload optimizer: each bucket's OFFLOAD_GRAD right after the instruction at which the
+    program has waited for the bucket's last reduction of the step (a blocking REDUCE_GRAD, or a
+    `bound` that leaves only newer ones in flight), so its copy to the host runs beside the rest of
+    the backward; those still in flight at the step's end go before OPTIM_STEP, oldest first (each
+    waits for its own reduction there)."""
+    reductions = [d for i in out for d in (i.during if isinstance(i, Compute) else (i,))
+                  if isinstance(d, DataParallel) and d.kind is Kind.REDUCE_GRAD]
+    left = {(d.chunk, d.bucket): 0 for d in reductions}
+    for d in reductions:
+        left[(d.chunk, d.bucket)] += 1
+
+    def offload(c: int, k: int) -> DataParallel:
+        return DataParallel(Kind.OFFLOAD_GRAD, c, k, Collective.HOST, _updated(bp.buckets(c)[k], rules, dp) * 4,
+                            group=Group.HOST)
+
+    flying: list[tuple[int, int]] = []  # reductions in flight, oldest first
+    placed: list[Instr] = []
+    for i in out:
+        placed.append(i)
+        landed: list[tuple[int, int]] = []
+        for d in i.during if isinstance(i, Compute) else (i,):
+            if not (isinstance(d, DataParallel) and d.kind is Kind.REDUCE_GRAD):
+                continue
+            flying.append((d.chunk, d.bucket))  # type: ignore[arg-type]
+            keep = 0 if d.blocking else d.bound
+            while keep is not None and len(flying) > keep:
+                landed.append(flying.pop(0))
+        for c, k in landed:
+            left[(c, k)] -= 1
+            if not left[(c, k)]:
+                placed.append(offload(c, k))
+    for c, k in flying:
+        left[(c, k)] -= 1
+        if not left[(c, k)]:
+            placed.append(offload(c, k))
+    return placed
 
 
 def defers_update_waits(instrs: Sequence[Instr]) -> bool:

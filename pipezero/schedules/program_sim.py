@@ -17,7 +17,11 @@ program takes exactly the schedule's time: the collectives add only what they co
   instruction and it waits for all of them (the runtime waits only for the first layer's and
   overlaps the others with the layers before them: a conservative bound);
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
-  all-reduce, then computes for `CommCost.optim`.
+  all-reduce, then computes for `CommCost.optim`;
+- --offload optimizer: OFFLOAD_GRAD holds the rank until its bucket's last reduction has ended (the
+  runtime waits there for it), then copies on the rank's host lane (`host_bandwidth`), beside
+  compute; HOST_STEP holds the rank for its bucket's copy to have ended, the host's AdamW
+  (`host_step` an element) and the copy back.
 All P x D ranks are played, so a cycle of waits between transfers and collectives raises
 ScheduleError like a deadlocked schedule does.
 """
@@ -40,6 +44,8 @@ class CommCost:
     bandwidth: float = math.inf  # bytes a time unit through one rank's link; inf: free
     latency: float = 0.0  # fixed cost of every collective between two or more ranks
     optim: float = 0.0  # the optimizer update itself, on the compute lane
+    host_bandwidth: float = math.inf  # --offload optimizer: bytes a time unit between device and host
+    host_step: float = 0.0  # --offload optimizer: AdamW on the host, time an updated element
 
     def time(self, coll: Collective, nbytes: int, group: int) -> float:
         """A ring moves (n-1)/n of the buffer through each link per phase; all-reduce has two phases."""
@@ -52,7 +58,7 @@ class CommCost:
 @dataclass(frozen=True)
 class Span:
     rank: int  # global rank
-    lane: str  # "compute" or "comm"
+    lane: str  # "compute", "comm" or "host"
     label: str  # the instruction as printed
     kind: Kind
     mb: int  # micro-batch of a compute action, else -1
@@ -95,6 +101,9 @@ class _Play:
     gate: dict[tuple[int, int], GroupKey] = field(default_factory=dict)  # (rank, chunk) -> latest UNSHARD
     reducing: dict[int, list[GroupKey]] = field(default_factory=dict)  # rank -> its reductions, oldest first
     inside: set[int] = field(default_factory=set)  # ranks whose next compute has issued its own gathers
+    reduced: dict[tuple[int, int, int | None], GroupKey] = field(default_factory=dict)  # (rank, chunk, bucket) -> latest
+    host_free: dict[int, float] = field(default_factory=dict)  # rank -> when its host lane is free
+    copied: dict[tuple[int, int, int | None], float] = field(default_factory=dict)  # a bucket's copy to the host ends
     done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
     timeline: list[Span] = field(default_factory=list)
 
@@ -158,6 +167,8 @@ class _Play:
             d = self.prog.coords(r)[1]
             for k in [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else []):
                 self.done[(d, *k)] = end
+        elif isinstance(instr, DataParallel) and instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
+            return self.host(r, instr)
         elif isinstance(instr, DataParallel) and instr.kind is not Kind.RESHARD:
             key = self.issue(r, "tie" if instr.kind is Kind.TIED_SUM else "dp", self.free[r], instr)
             if instr.kind is Kind.UNSHARD:
@@ -166,6 +177,7 @@ class _Play:
                 self.waiting[r] = key
                 return True
             if instr.kind is Kind.REDUCE_GRAD:
+                self.reduced[(r, instr.chunk, instr.bucket)] = key
                 started = self.reducing.setdefault(r, [])
                 started.append(key)
                 if instr.bound is not None and len(started) > instr.bound:
@@ -178,6 +190,26 @@ class _Play:
                 return False
             self.waiting[r] = self.issue(r, "world", max(self.free[r], drained), instr)
             return True
+        self.pc[r] += 1
+        return True
+
+    def host(self, r: int, instr: DataParallel) -> bool:
+        """OFFLOAD_GRAD or HOST_STEP on rank `r`; False while the reduction it waits for has not ended."""
+        bucket = (r, instr.chunk, instr.bucket)
+        copy = instr.nbytes / self.comm.host_bandwidth
+        if instr.kind is Kind.OFFLOAD_GRAD:
+            key = self.reduced.get(bucket)
+            end = self.ends.get(key) if key is not None else self.free[r]
+            if end is None:
+                return False
+            self.free[r] = max(self.free[r], end)
+            start = max(self.free[r], self.host_free.get(r, 0.0))
+            self.copied[bucket] = self.host_free[r] = start + copy
+            self.timeline.append(Span(r, "host", str(instr), instr.kind, -1, start, start + copy))
+        else:
+            start = max(self.free[r], self.copied.get(bucket, 0.0))
+            self.free[r] = start + instr.nbytes / 4 * self.comm.host_step + copy  # the device idles meanwhile
+            self.timeline.append(Span(r, "host", str(instr), instr.kind, -1, start, self.free[r]))
         self.pc[r] += 1
         return True
 
@@ -218,6 +250,6 @@ def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCos
     # a collective no instruction waits for (ZeRO-1/2's gathers of updated weights under
     # --overlap-gather, waited for by the next step's forwards) still ends inside the step: the
     # conservative bound of a one-step program
-    step = max(*play.free, *play.comm_free, 0.0)
+    step = max(*play.free, *play.comm_free, *play.host_free.values(), 0.0)
     bubble = sum(step - b for b in play.busy) / (n * step) if step else 0.0
     return ProgramResult(step, bubble, play.busy, play.comm_busy, play.timeline)

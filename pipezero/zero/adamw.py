@@ -37,11 +37,18 @@ class ShardedAdamW:
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor], lr: float) -> None:
         """Update each fp32 shard in place from its gradient shard (same order as add_shard)."""
-        c = self.cfg
         self.step_count += 1
+        self.apply(self.states, params, grads, lr)
+
+    def apply(self, states: list[ShardState], params: list[torch.Tensor], grads: list[torch.Tensor],
+              lr: float) -> None:
+        """This step's update (`step_count` already counts it) of the shards of `states`: with
+        --offload optimizer each bucket's runs on the host as its own HOST_STEP, the same kernel on
+        the same elements as the step that updates every shard at once."""
+        c = self.cfg
         for wd, ranges in ((c.weight_decay, "decay"), (0.0, "plain")):
             views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-            for p, g, st in zip(params, grads, self.states):
+            for p, g, st in zip(params, grads, states):
                 for a, b in getattr(st, ranges):
                     for out, t in zip(views, (p, g, st.exp_avg, st.exp_avg_sq)):
                         out.append(t[a:b])

@@ -36,11 +36,15 @@ def restore_replicas(zero: "ZeroDP", adam_steps: int) -> None:
     stage 3, AdamW moments at stage 0) from the shards of the other dp ranks."""
     zero.opt.step_count = adam_steps
     zero.comm.generation += 1  # new masters: any secondary share (--secondary-shard) is stale
-    if zero.rules.sharded_params:
-        return
-    for b, st in zip(zero.all_buckets(), zero.opt.states):
-        zero.comm.gather(b, b.flat[b.shard].clone())
-        if zero.rules.updates_whole and zero.dp_group is not None:
-            for full in (st.exp_avg, st.exp_avg_sq):
-                work = all_gather(full, full[b.shard].clone(), zero.dp_group)
-                zero.comm.wait(work, "all-gather of restored optimizer state")
+    if not zero.rules.sharded_params:
+        for b, st in zip(zero.all_buckets(), zero.opt.states):
+            zero.comm.gather(b, b.flat[b.shard].clone())
+            if zero.rules.updates_whole and zero.dp_group is not None:
+                for full in (st.exp_avg, st.exp_avg_sq):
+                    # gathered where the group's backend reads (--offload optimizer keeps them on the host)
+                    whole = full.to(b.device)
+                    work = all_gather(whole, whole[b.shard].clone(), zero.dp_group)
+                    zero.comm.wait(work, "all-gather of restored optimizer state")
+                    full.copy_(whole)
+    if zero.host is not None:
+        zero.host.refresh()  # the host's copies of the weights, from those just loaded

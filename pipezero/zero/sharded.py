@@ -55,7 +55,8 @@ from pipezero.zero.compressed import Wire
 from pipezero.zero.coordinator import Coordinator
 from pipezero.zero.gathering import ShardedParams
 from pipezero.zero.tied import TiedCopies
-from pipezero.zero.update import clip_and_update
+from pipezero.zero.offload import HostOptimizer
+from pipezero.zero.update import clip_and_update, global_norm
 
 
 @dataclass
@@ -81,6 +82,7 @@ class ZeroDP:
     weights: Wire | None = None  # --quantize-weights: parameter gathers travel quantized (zero/compressed.py)
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
     node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
+    offload: bool = False  # --offload optimizer: AdamW's state and step on the host (zero/offload.py)
     # layer by layer: the gathers and releases of a chunk's forward outside any program (the compiled
     # plan's `forward_only`: the text sample)
     forward_only: Callable[[int], tuple[DataParallel, ...]] = lambda chunk: ()
@@ -90,6 +92,7 @@ class ZeroDP:
     comm: Coordinator = field(init=False)
     opt: ShardedAdamW = field(init=False)
     sharded: ShardedParams | None = field(init=False)  # stage 3's parameters
+    host: HostOptimizer | None = field(init=False)  # --offload optimizer
     armed: list[DataParallel] | None = field(init=False, default=None)  # layer by layer: the action's, still to fire
     armed_for: str = field(init=False, default="")  # the action (or outside forward) they belong to
     outside: int | None = field(init=False, default=None)  # the chunk of a forward outside the program
@@ -123,10 +126,16 @@ class ZeroDP:
                     # after the stage is dropped (seen: +1.5 GB per rebuilt `base` stage).
                     q.register_post_accumulate_grad_hook(lambda q, b=b: me()._grad_ready(b, q))
         self.opt = ShardedAdamW(self.optim)
-        for b in self.all_buckets():
-            size = b.padded if self.rules.updates_whole else b.shard_size
-            self.opt.add_shard(size, b.decay_ranges(whole=self.rules.updates_whole), b.device)
+        sizes = [b.padded if self.rules.updates_whole else b.shard_size for b in self.all_buckets()]
+        decay = [b.decay_ranges(whole=self.rules.updates_whole) for b in self.all_buckets()]
         self.sharded = ShardedParams(self.buckets, self.comm, self.layerwise) if self.rules.sharded_params else None
+        # after the masters exist (ZeRO-3 cuts them from the full weights in ShardedParams)
+        self.host = HostOptimizer(self.all_buckets(), self.rules, self.opt, self.device) if self.offload else None
+        if self.host is not None:
+            self.host.states_on_host(sizes, decay)
+        else:
+            for b, size, ranges in zip(self.all_buckets(), sizes, decay):
+                self.opt.add_shard(size, ranges, b.device)
 
     def all_buckets(self) -> list[Bucket]:
         return in_order(self.buckets)
@@ -198,6 +207,8 @@ class ZeroDP:
                 self.comm.drain(keep_last=instr.bound)
             if instr.blocking:
                 self.comm.drain()
+        elif instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
+            self._host(instr)
         elif self.rules.gathers_updates and instr.kind is Kind.UNSHARD and instr.bucket is not None:
             self._gather_update(instr)
         elif self.sharded is None:
@@ -295,8 +306,29 @@ class ZeroDP:
         At stages 1-2 the program's UNSHARDs after it gather the updated weights (`_gather_update`)."""
         self.comm.drain()
         self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
+        if self.host is not None:  # the update itself is the program's HOST_STEPs after this
+            outcome, coef = global_norm(self.all_buckets(), self.rules, self.comm, max_norm, norm_group, loss,
+                                        self.tied.head if self.tied else None, self.device)
+            if outcome.applied:
+                self.host.begin(coef, lr)
+            return outcome
         return clip_and_update(self.all_buckets(), self.rules, self.opt, self.comm, lr, max_norm, norm_group, loss,
                                self.tied.head if self.tied else None, self.device)
+
+    def _host(self, instr: DataParallel) -> None:
+        """OFFLOAD_GRAD: once the bucket's reduction has landed (waited for here if the program left it in
+        flight), its gradient to the host; HOST_STEP: its AdamW there and its weights back."""
+        if self.host is None:
+            raise ValueError(f"rank {self.rank}: {instr} in a program without --offload optimizer")
+        b = self.buckets[instr.chunk][instr.bucket]  # type: ignore[index]
+        if instr.kind is Kind.OFFLOAD_GRAD and b in self.comm.reducing:  # its last reduction, and every older one
+            self.comm.drain(keep_last=self.comm.reducing[::-1].index(b))
+        self.comm.note_start(f"{instr.kind.value}({b.label})", instr.nbytes, "fp32", Group.HOST.value)
+        with self.tracer.span(f"{instr.kind.value}({b.label})", "optim" if instr.kind is Kind.HOST_STEP else "copy", "host"):
+            if instr.kind is Kind.HOST_STEP:
+                self.host.step(b)
+            else:
+                self.host.to_host(b)
 
     def _gather_update(self, instr: DataParallel) -> None:
         """Stages 1-2, after an applied step: start gathering one bucket's updated shards, in place (the

@@ -28,7 +28,7 @@ def shards(buckets: list[Bucket], rules: Rules, head: nn.Parameter | None) -> tu
     `head`: the tied head's copy of the embedding, which the norm leaves out (it counts once)."""
     params, grads, counted = [], [], []
     for b in buckets:
-        p, g, c = _slices(b, rules)
+        p, g, c = slices(b, rules)
         params.append(p)
         grads.append(g)
         if head is not None and b.holds(head):
@@ -41,7 +41,8 @@ def shards(buckets: list[Bucket], rules: Rules, head: nn.Parameter | None) -> tu
     return params, grads, counted
 
 
-def _slices(b: Bucket, rules: Rules) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def slices(b: Bucket, rules: Rules) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bucket `b`'s (parameter to update, its gradient, the part of it counted in the norm)."""
     if rules.updates_whole:
         g = b.grad if b.grad is not None else torch.zeros(b.padded, device=b.device)
         return b.flat, g, g[b.shard]
@@ -50,21 +51,46 @@ def _slices(b: Bucket, rules: Rules) -> tuple[torch.Tensor, torch.Tensor, torch.
         return b.flat[b.shard], g, g
     if b.shard_grad is None:  # no gradient reached it this step
         b.shard_grad = torch.zeros(b.shard_size, device=b.device)
-    return (b.master if rules.sharded_params else b.flat[b.shard]), b.shard_grad, b.shard_grad
+    return updated(b, rules), b.shard_grad, b.shard_grad
+
+
+def updated(b: Bucket, rules: Rules) -> torch.Tensor:
+    """The fp32 elements of bucket `b` this rank updates: the whole bucket where every rank updates
+    whole buckets, else its shard, which at ZeRO-3 is the master shard."""
+    if rules.updates_whole:
+        return b.flat
+    return b.master if rules.sharded_params else b.flat[b.shard]  # type: ignore[return-value]
 
 
 def clip_and_update(buckets: list[Bucket], rules: Rules, opt: ShardedAdamW, coord: Coordinator, lr: float,
                     max_norm: float, norm_group: Any, loss: torch.Tensor | float, head: nn.Parameter | None,
                     device: torch.device) -> StepOutcome:
     """Clip by the global norm over every shard of every stage and update this rank's shards, once
-    every reduction has landed.
+    every reduction has landed (`global_norm`)."""
+    outcome, coef = global_norm(buckets, rules, coord, max_norm, norm_group, loss, head, device)
+    if not outcome.applied:
+        return outcome
+    _, grads, _ = shards(buckets, rules, head)
+    if coef < 1.0 and grads:  # a rank whose chunks hold no parameters has none
+        torch._foreach_mul_(grads, coef)
+    params = [updated(b, rules) for b in buckets]
+    with coord.tracer.span("optimizer", "optim"):
+        opt.step(params, grads, lr)
+    return outcome
+
+
+def global_norm(buckets: list[Bucket], rules: Rules, coord: Coordinator, max_norm: float, norm_group: Any,
+                loss: torch.Tensor | float, head: nn.Parameter | None,
+                device: torch.device) -> tuple[StepOutcome, float]:
+    """The step's outcome and the factor that clips its gradients (1.0: none), from the global norm
+    over every shard of every stage.
 
     `loss` is this rank's share of the step's loss; it is summed with the norm in one all-reduce,
     so every rank sees the same loss and norm and skips a non-finite step together (no loss scaling
     in fp32/bf16 to absorb it): parameters and AdamW state stay as they were. Reading those two
     numbers is the step's one wait for the device."""
-    params, grads, counted = shards(buckets, rules, head)
-    device = params[0].device if params else device  # frozen or empty chunks: no parameters
+    _, _, counted = shards(buckets, rules, head)
+    device = buckets[0].device if buckets else device  # frozen or empty chunks: no parameters
     # Accumulated in fp64 (fp32 partial norms differ between layouts by enough that the clipped,
     # Adam-amplified updates drift apart by 1e-5), cast inside the reduction: no fp64 copy.
     local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]).pow(2).sum() if counted \
@@ -78,12 +104,5 @@ def clip_and_update(buckets: list[Bucket], rules: Rules, opt: ShardedAdamW, coor
     norm_sq, loss_sum, local_sq = torch.cat([total, local.view(1)]).tolist()  # one read from the device
     norm = math.sqrt(norm_sq)  # a sum of squares: never negative; nan and inf pass through
     outcome = StepOutcome(norm, loss_sum, math.isfinite(norm) and math.isfinite(loss_sum), math.isfinite(local_sq))
-    if not outcome.applied:
-        return outcome
-    if max_norm > 0:
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0 and grads:  # a rank whose chunks hold no parameters has none
-            torch._foreach_mul_(grads, coef)
-    with coord.tracer.span("optimizer", "optim"):
-        opt.step(params, grads, lr)
-    return outcome
+    coef = max_norm / (norm + 1e-6) if max_norm > 0 else 1.0
+    return outcome, min(coef, 1.0)
