@@ -64,6 +64,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--offload": ("parallel.offload", "optimizer: fp32 master shards and AdamW state in host memory, the AdamW "
                                       "step on the CPU (the device keeps the weights it computes with; AdamW's "
                                       "8 bytes a parameter leave it)"),
+    "--offload-activations": ("parallel.offload_activations", "on each pipeline rank, this many micro-batches' "
+                                                              "saved activations wait in host memory between "
+                                                              "their forward and backward (default 0)"),
     "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
                                                     "starts (default 1), or auto: the planner's choice for "
                                                     "--link-gbps"),

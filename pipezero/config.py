@@ -248,6 +248,11 @@ class ParallelConfig:
     CUDA) and AdamW steps there, a bucket at a time: each reduced gradient shard is copied to the
     host once its reduction lands, each updated shard back before the next forward reads it. The
     device keeps the compute copy of the weights; host memory and the copies pay for it."""
+    offload_activations: int = 0
+    """On each pipeline rank, this many micro-batches' saved activations leave the device between
+    their forward and backward (those it would hold across the most other actions: the warm-up's
+    first), copied to host memory after the forward and back one action before the backward, each
+    copy beside an action (schedules/program.py OFFLOAD_ACT, RELOAD_ACT). Not with `recompute`."""
 
     @property
     def world_size(self) -> int:

@@ -45,6 +45,7 @@ RANGES: dict[str, Range] = {
     "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
+    "parallel.offload_activations": Range(0, 1 << 20),
     "parallel.zero3_prefetch": Range(1, 64), "parallel.link_gbps": POSITIVE, "parallel.tflops": POSITIVE,
     # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
     "parallel.quant_block": Range(1, 1 << 20),
@@ -557,6 +558,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
+    _check(not (p.offload_activations and p.recompute),
+           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
+           f"between forward and backward to offload; drop one of them")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")

@@ -69,8 +69,10 @@ SUMMARY_FIELDS: dict[str, str] = {
 RANK_FIELDS: dict[str, str] = {
     "peak_live": "most chunk activations this rank held at once",
     "measured_bubble": "this rank's mean idle share of a step",
-    "held_bytes": "bytes held between steps for parameters, gradients and optimizer state, and ZeRO-3's "
-                  "secondary share of each bucket with --secondary-shard node",
+    "held_bytes": "bytes held on the device between steps for parameters, gradients and optimizer state, and "
+                  "ZeRO-3's secondary share of each bucket with --secondary-shard node",
+    "host_bytes": "with --offload optimizer: bytes held in host memory for the optimizer (fp32 copies of the "
+                  "updated weights, gradient buffers, AdamW's moments); else 0",
     "params": "parameters in this rank's ZeRO buckets",
     "p2p_bytes_sent": "activation and gradient bytes sent to other stages",
     "collective_bytes_sent": "bytes sent in data-parallel collectives (reductions, gathers)",
@@ -171,7 +173,9 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
     """Gather per-rank figures into summary.json (rank 0) and print the end-of-run sample."""
     p, r = cfg.parallel, cfg.run
     mine = {"peak_live": result.peak_live, "measured_bubble": result.measured_bubble,
-            "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules, stage.zero.opt.state_bytes()),
+            "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules,
+                                     0 if (host := stage.zero.host) else stage.zero.opt.state_bytes()),
+            "host_bytes": host.host_bytes() if host else 0,
             "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),

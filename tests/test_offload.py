@@ -78,7 +78,7 @@ def test_a_program_without_offload_has_no_host_instructions():
 def train_offloaded(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
     """Each case offloaded (and before it plain, where the case says `exact`: to compare bit for bit),
     in this process group; also where the offloaded run held AdamW's state."""
-    from training import watch_program
+    from training import last_step, watch_program
 
     results = []
     for i, case in enumerate(cases):
@@ -87,6 +87,8 @@ def train_offloaded(rank: int, world: int, data: str, out: str, cases: list[dict
         (off,) = train_cases(rank, world, data, f"{out}/off{i}", [{**case, "parallel.offload": "optimizer"}])
         stage = watch_program()["stage"]
         off["host_bytes"] = stage.zero.host.host_bytes()
+        off["activation_copies"] = [p.name for p in last_step(watch_program()) if p.group == "host"
+                                    and p.name.startswith(("OFFLOAD_ACT", "RELOAD_ACT"))]
         off["device_moments"] = sum(s.exp_avg.numel() for s in stage.zero.opt.states if s.exp_avg.device.type != "cpu")
         off["plain"] = plain and (plain["losses"], plain["params"])
         results.append(off)
@@ -95,12 +97,15 @@ def train_offloaded(rank: int, world: int, data: str, out: str, cases: list[dict
 
 @pytest.mark.distributed
 def test_offloaded_runs_equal_one_process_and_their_plain_runs_bit_for_bit(text_dir, tmp_path):
-    """Four ranks (P=2 x D=2): every schedule, ZeRO 0-3 spread over them, and the options that change
+    """Four ranks (P=2 x D=2): every schedule (and its activations offloaded), ZeRO 0-3 spread over
+    them, and the options that change
     what a bucket's gradient is when it goes to the host (per-micro-batch reduction, tied copies,
     layer-by-layer ZeRO-3), each equal to one process; and, bit for bit against the same layout
     without offload, runs whose numerics one process does not share (quantized and two-level
     reductions, bf16) and one of each ZeRO stage's."""
-    cases = [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": n % 4} for n, kind in enumerate(K)]
+    # every schedule also with two micro-batches' activations in host memory between forward and backward
+    cases = [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": n % 4, "parallel.offload_activations": 2}
+             for n, kind in enumerate(K)]
     cases += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 2, "parallel.grad_reduce": "microbatch"},
               {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 1, "model.tie_embeddings": True},
               {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3,
@@ -117,6 +122,13 @@ def test_offloaded_runs_equal_one_process_and_their_plain_runs_bit_for_bit(text_
         assert sum(r["plain"] is not None for r in per_rank) == 4 + len(exact_only)
         for r in per_rank:
             assert r["device_moments"] == 0 and r["host_bytes"] > 0, (rank, r["case"])
+            # each copy out has its copy back (train_cases held their places to the program)
+            out = [n for n in r["activation_copies"] if n.startswith("OFFLOAD_ACT")]
+            assert sorted(n.replace("OFFLOAD", "RELOAD") for n in out) == sorted(set(r["activation_copies"]) - set(out))
+            assert len(out) <= r["case"].get("parallel.offload_activations", 0)
+    for n, case in enumerate(cases):  # the first pipeline rank of every schedule holds a warm-up to offload
+        if case.get("parallel.offload_activations"):
+            assert results[0][n]["activation_copies"], case
             if r["plain"] is None:
                 continue
             losses, params = r["plain"]
@@ -146,3 +158,33 @@ def test_the_simulator_prices_the_host_copies_and_steps_and_nothing_else():
             label = sp.label.replace("HOST_STEP", "OFFLOAD_GRAD")
             (copy,) = [c for c in host if c.rank == sp.rank and c.label == label]
             assert copy.end <= sp.start
+
+
+@pytest.mark.parametrize("kind", list(K))
+def test_activation_copies_leave_after_their_forward_and_return_one_action_before_their_backward(kind):
+    from pipezero.schedules.actions import Op
+    from pipezero.schedules.program import ActivationCopy, Compute
+
+    v = V_OF.get(kind, 1)
+    model, _ = preset_model("tiny", 4 * v)
+    p = ParallelConfig(pp=4, dp=1, schedule=kind, microbatches=8, virtual_stages=v, offload_activations=3)
+    plan = compile_plan(p, model)
+    check_program(plan.program)
+    moved = 0
+    for rank, instrs in enumerate(plan.program.ranks):
+        computes = [i for i, x in enumerate(instrs) if isinstance(x, Compute)]
+        copies = [(i, x) for i, x in enumerate(instrs) if isinstance(x, ActivationCopy)]
+        assert len(copies) <= 2 * 3
+        for i, x in copies:
+            fwd = next(j for j in computes if instrs[j].action.op is Op.F and (instrs[j].action.chunk,
+                                                                               instrs[j].action.mb) == (x.chunk, x.mb))
+            back = next(j for j in computes if instrs[j].action.op in (Op.B, Op.BW)
+                        and (instrs[j].action.chunk, instrs[j].action.mb) == (x.chunk, x.mb))
+            between = [j for j in computes if fwd < j < back]
+            assert len(between) >= 2, (rank, x)
+            if x.to_host:  # right after its forward: nothing but copies between
+                assert all(isinstance(instrs[j], ActivationCopy) for j in range(fwd + 1, i)), (rank, x)
+            else:  # before the last action ahead of its backward, after the one before that
+                assert between[-2] < i < between[-1], (rank, x)
+        moved += len(copies) // 2
+    assert moved, plan.program.listing(0)

@@ -40,7 +40,8 @@ from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.forward_only import EvalInstr, LossSum
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import Compute, DataParallel, Instr, OptimStep, PointToPoint
+from pipezero.runtime.saved_activations import SavedActivations
+from pipezero.schedules.program import ActivationCopy, Compute, DataParallel, Instr, OptimStep, PointToPoint
 from pipezero.telemetry.trace import Tracer
 
 
@@ -60,6 +61,8 @@ class DataParallelLayer(Protocol):
     def after_backward(self, chunk: int) -> None: ...
 
     def after_input_grad(self, chunk: int) -> None: ...
+
+    def note_copy(self, name: str, nbytes: int) -> None: ...  # a host copy of activations, in the step's record
 
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
@@ -114,6 +117,10 @@ class Executor:
         # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
         captures = {} if recompute else {c: WeightGradCapture(m) for c, m in chunks.items() if c > 0}
         self.capture = {c: cap for c, cap in captures.items() if cap.supported}
+        # --offload-activations: micro-batches whose saved tensors the program moves, by (chunk, mb)
+        self.saved: dict[tuple[int, int], SavedActivations] = {}
+        self.offloading: set[tuple[int, int]] = set()
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # chunks whose W falls back to autograd (said once, when a split schedule first meets them)
         self._unsplit = {c: cap.unsupported for c, cap in captures.items() if not cap.supported}
 
@@ -161,10 +168,13 @@ class Executor:
             raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
         stats: StepStats | None = None
+        self.offloading = {(i.chunk, i.mb) for i in program if isinstance(i, ActivationCopy) and i.to_host}
         for i, ins in enumerate(program):
             self.flight.begin(i, ins)
             if isinstance(ins, PointToPoint):
                 self._post(ins)
+            elif isinstance(ins, ActivationCopy):
+                self._move_activations(ins)
             elif isinstance(ins, DataParallel):
                 self.hooks.play(ins)
             elif isinstance(ins, OptimStep):
@@ -180,11 +190,33 @@ class Executor:
         assert stats is not None
         return stats
 
+    def _move_activations(self, ins: ActivationCopy) -> None:
+        """OFFLOAD_ACT or RELOAD_ACT: a forward's saved tensors to the host, or back to the device (the
+        backward then reads them; the record keeps no more of them)."""
+        key = (ins.chunk, ins.mb)
+        saved = self.saved.get(key)
+        if saved is None:
+            raise RuntimeError(f"rank {self.p2p.rank}: {ins} before the forward of chunk {ins.chunk}, micro-batch "
+                               f"{ins.mb}")
+        with self.tracer.span(str(ins), "copy", "host"):
+            if ins.to_host:
+                saved.to_host()
+            else:
+                self.saved.pop(key).to_device()
+        self.hooks.note_copy(str(ins), saved.nbytes())
+
+    @property
+    def host_activation_bytes(self) -> int:
+        """Activation bytes this rank holds in host memory now (--offload-activations)."""
+        return sum(s.host_bytes() for s in self.saved.values())
+
     def _finish_step(self, live: dict, loss: torch.Tensor, peak: int, t0: float, waited0: float) -> StepStats:
         """The schedule's end, at OPTIM_STEP: every send waited for, every activation released."""
         self.p2p.finish()
         if live:
             raise RuntimeError(f"rank {self.p2p.rank}: activations never released: {sorted(live)}")
+        if self.saved:
+            raise RuntimeError(f"rank {self.p2p.rank}: activations offloaded and never reloaded: {sorted(self.saved)}")
         return StepStats(loss, peak, time.perf_counter() - t0, self.p2p.wait_s - waited0)
 
     def _play(self, ins: Compute, live: dict[tuple[int, int], _Live], microbatches: Sequence[MicroBatch],
@@ -198,7 +230,7 @@ class Executor:
         if a.op is Op.F:
             x = microbatches[a.mb][0] if a.chunk == 0 else \
                 self.p2p.recv(Payload.ACT, a.chunk, a.mb).requires_grad_(True)
-            with self._timed(a):
+            with self._timed(a), self._saving(a):
                 self.hooks.begin_compute(ins)
                 live[(a.chunk, a.mb)] = st = self._run_f(a, x, docs_of(microbatches[a.mb]), split)
                 self.hooks.end_compute(ins)
@@ -224,6 +256,18 @@ class Executor:
             self.hooks.after_input_grad(a.chunk)
         else:
             self.hooks.after_backward(a.chunk)
+
+    @contextmanager
+    def _saving(self, a: Action) -> Iterator[None]:
+        """A forward whose micro-batch the program offloads: what autograd saves is kept in a
+        SavedActivations the program's OFFLOAD_ACT and RELOAD_ACT move."""
+        if (a.chunk, a.mb) not in self.offloading:
+            yield
+            return
+        saved = self.saved[(a.chunk, a.mb)] = SavedActivations(
+            self.device, f"rank {self.p2p.rank}: chunk {a.chunk}, micro-batch {a.mb}", self.copy_stream)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            yield
 
     @contextmanager
     def _timed(self, a: Action) -> Iterator[None]:

@@ -110,7 +110,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
     node_shares = p.secondary_shard is SecondaryShard.NODE and p.dp > 1 and RULES[p.zero].sharded_params
     how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, p.buckets_in_flight,
-           p.overlap_gather, node_shares, p.offload is Offload.OPTIMIZER, wire_bytes, grad_bytes,
+           p.overlap_gather, node_shares, p.offload is Offload.OPTIMIZER, p.offload_activations, wire_bytes, grad_bytes,
            gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
@@ -133,12 +133,12 @@ def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
            prefetch: bool, recompute: bool, depth: int, in_flight: int, overlap_gather: bool, node_shares: bool,
-           offload: bool, wire: float,
+           offload: bool, offload_activations: int, wire: float,
            grad: float | None,
            gather: float | None,
            pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
     return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
                  depth=depth, in_flight=in_flight, overlap_gather=overlap_gather, node_shares=node_shares,
-                 offload=offload, wire_bytes=wire,
+                 offload=offload, offload_activations=offload_activations, wire_bytes=wire,
                  grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
                  replicas=replicas)

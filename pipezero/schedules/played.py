@@ -17,7 +17,8 @@ rules below read only the program:
 - RESHARD releases its bucket (a kept chunk: each of its buckets);
 - --offload optimizer: OFFLOAD_GRAD starts its bucket's copy to the host, after waiting for the
   bucket's last reduction where that is still in flight; HOST_STEP starts its bucket's update on the
-  host (both "host", no other rank).
+  host (both "host", no other rank); --offload-activations: OFFLOAD_ACT and RELOAD_ACT start their
+  micro-batch's copies where the program places them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import DataParallel, Kind, OptimStep, flat
+from pipezero.schedules.program import ActivationCopy, DataParallel, Kind, OptimStep, flat
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
         if isinstance(i, OptimStep):
             wait(0)
             stepped = True
+            continue
+        if isinstance(i, ActivationCopy):
+            out.append(Expected("start", str(i), 0, "host"))
             continue
         if not isinstance(i, DataParallel):
             continue

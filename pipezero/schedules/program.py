@@ -79,6 +79,8 @@ class Kind(str, enum.Enum):
     # --offload optimizer: a bucket's reduced gradient (the part this rank updates) copied to host memory
     OFFLOAD_GRAD = "OFFLOAD_GRAD"
     HOST_STEP = "HOST_STEP"  # --offload optimizer: one bucket's AdamW on the host, its weights copied back
+    OFFLOAD_ACT = "OFFLOAD_ACT"  # --offload-activations: a micro-batch's saved activations to host memory
+    RELOAD_ACT = "RELOAD_ACT"  # and back to the device ahead of its backward
 
 
 class Group(str, enum.Enum):
@@ -184,7 +186,25 @@ class OptimStep:
         return "OPTIM_STEP"
 
 
-Instr = Compute | PointToPoint | DataParallel | OptimStep
+@dataclass(frozen=True)
+class ActivationCopy:
+    """--offload-activations: the tensors autograd saved in the forward of micro-batch `mb` of `chunk`,
+    moved to host memory right after that forward (OFFLOAD_ACT) and back to the device one compute
+    action before its backward (RELOAD_ACT), so the copy back runs beside that action."""
+
+    to_host: bool
+    chunk: int
+    mb: int
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.OFFLOAD_ACT if self.to_host else Kind.RELOAD_ACT
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}({self.chunk}:{self.mb})"
+
+
+Instr = Compute | PointToPoint | DataParallel | OptimStep | ActivationCopy
 
 
 @dataclass(frozen=True)
@@ -318,7 +338,7 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
           in_flight: int = 1, overlap_gather: bool = False, node_shares: bool = False, offload: bool = False,
-          wire_bytes: float = 4,
+          offload_activations: int = 0, wire_bytes: float = 4,
           grad_bytes: float | None = None, gather_bytes: float | None = None,
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
@@ -337,7 +357,9 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
     wait for each, layer by layer); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
     after its first of the step come from the fp32 shares its node kept (`Group.NODE`); `offload`:
-    --offload optimizer, the host copies and host steps placed (`_offloaded`). `pp_ranks`: lower only these
+    --offload optimizer, the host copies and host steps placed (`_offloaded_grads`);
+    `offload_activations`: on each rank, that many micro-batches' saved activations leave the device
+    between their forward and backward (`_offloaded_activations`). `pp_ranks`: lower only these
     pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
@@ -352,7 +374,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p], depth, overlap_gather, node_shares, offload)
+                           posts[p], depth, overlap_gather, node_shares, offload, offload_activations)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
@@ -369,7 +391,7 @@ class _Wires:
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
                   layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
                   depth: int = 1, overlap_gather: bool = False, node_shares: bool = False,
-                  offload: bool = False) -> tuple[Instr, ...]:
+                  offload: bool = False, offload_activations: int = 0) -> tuple[Instr, ...]:
     acts = s.actions[p]
     final = last_weight_grad(acts)
     first = {a.chunk: i for i, a in reversed(list(enumerate(acts)))}  # each chunk's first action
@@ -418,6 +440,8 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if kept and is_final:
             out.append(whole(Kind.RESHARD, a.chunk, Collective.LOCAL, False))
     p2p(posts[-1])
+    if offload_activations:
+        out = _offloaded_activations(out, offload_activations)
     out.extend(_tied(sorted(s.chunks(p)), bp, rules, w))
     if offload:
         out = _offloaded_grads(out, bp, rules, dp)
@@ -438,6 +462,30 @@ def _updated(padded: int, rules: Rules, dp: int) -> int:
     """Elements of a bucket this rank updates: all of it where every rank updates whole buckets, else
     its shard."""
     return padded if rules.updates_whole else padded // dp
+
+
+def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
+    """--offload-activations `n`: the rank's `n` micro-batches whose activations it would hold across
+    the most other compute actions (a warm-up's first ones: P - p of them in 1F1B on pipeline rank p),
+    each with OFFLOAD_ACT right after its forward and RELOAD_ACT right before the action before its
+    backward; only those held across two or more actions, so each copy has an action to run beside."""
+    computes = [(i, x.action) for i, x in enumerate(out) if isinstance(x, Compute)]
+    forward = {(a.chunk, a.mb): (k, i) for k, (i, a) in enumerate(computes) if a.op is Op.F}
+    lifetimes = []
+    for k, (i, a) in enumerate(computes):
+        if a.op in (Op.B, Op.BW) and (a.chunk, a.mb) in forward:
+            kf, i_f = forward.pop((a.chunk, a.mb))
+            if k - kf - 1 >= 2:  # compute actions between its forward and its backward
+                lifetimes.append((-(k - kf), i_f, computes[k - 1][0], a.chunk, a.mb))
+    copies: dict[int, list[Instr]] = {}  # position -> copies placed before (reload) or after (offload) it
+    for _, i_f, i_before, c, mb in sorted(lifetimes)[:n]:
+        copies.setdefault(i_f, []).append(ActivationCopy(True, c, mb))
+        copies.setdefault(i_before, []).insert(0, ActivationCopy(False, c, mb))
+    placed: list[Instr] = []
+    for i, x in enumerate(out):
+        here = copies.get(i, [])
+        placed += [c for c in here if not c.to_host] + [x] + [c for c in here if c.to_host]
+    return placed
 
 
 def _offloaded_grads(out: list[Instr], bp: BucketPlan, rules: Rules, dp: int) -> list[Instr]:

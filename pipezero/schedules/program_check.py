@@ -31,7 +31,7 @@ from pipezero.schedules.check import ScheduleError, simulate
 from pipezero.schedules.actions import Op
 from pipezero.schedules.layer_plan import Moment, moments, needs, traverses
 from pipezero.schedules.posting import Post, plans, verify
-from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, flat, hoisted
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, flat, hoisted
 from pipezero.schedules.program_sim import simulate_program
 
 
@@ -82,9 +82,9 @@ def _boundaries(prog: Program, rank: int) -> list[list[Post]]:
 
 def collectives(prog: Program, rank: int) -> list[DataParallel | OptimStep]:
     """The rank's instructions that involve other ranks of its dp group or the world, those inside
-    compute instructions included (RESHARD is local and not among them)."""
-    return [i for i in flat(prog.ranks[rank])
-            if isinstance(i, OptimStep) or (isinstance(i, DataParallel) and i.kind is not Kind.RESHARD)]
+    compute instructions included (RESHARD and --offload's host copies are local: not among them)."""
+    return [i for i in flat(prog.ranks[rank]) if isinstance(i, OptimStep) or (
+        isinstance(i, DataParallel) and i.collective not in (Collective.LOCAL, Collective.HOST))]
 
 
 def check_dp_group(prog: Program, pp_rank: int) -> None:

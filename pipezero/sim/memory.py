@@ -66,7 +66,8 @@ from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.forward_only import lower_evaluation
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, in_flight_of
+from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, OptimStep, PointToPoint, Program,
+                                       in_flight_of)
 from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.limits import FIT_MARGIN
 from pipezero.sim.prefetch import Choice, run_choice
@@ -666,6 +667,15 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             # the gradient norm reads each bucket's shard as fp64 (zero/update.py), one at a time
             norm = max((n // dp * 8 for c in chunks for n in bp.buckets(c)), default=0)
             note(ins, {"optimizer": norm})
+            i += 1
+            continue
+        if isinstance(ins, ActivationCopy):
+            # --offload-activations: the forward's saved tensors leave the device and come back; the
+            # chunk's input stays, and a chunk that runs B keeps its weight ops' recorded inputs
+            # (runtime/weight_grad.py holds them), so there the device frees nothing
+            moved = 0 if ins.chunk in splits else cb[ins.chunk].held
+            live["activations"] += -moved if ins.to_host else moved
+            note(ins)
             i += 1
             continue
         if isinstance(ins, DataParallel):

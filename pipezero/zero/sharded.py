@@ -186,6 +186,10 @@ class ZeroDP:
         """A B ran, its weight gradients deferred to W (what it gathered, layer by layer, the program
         released at the moments it placed)."""
 
+    def note_copy(self, name: str, nbytes: int) -> None:
+        """The executor moved a micro-batch's activations (OFFLOAD_ACT, RELOAD_ACT): in the step's record."""
+        self.comm.note_start(name, nbytes, "act", Group.HOST.value)
+
     def after_backward(self, chunk: int) -> None:
         if self.rules.sharded_grads:
             for b in self.buckets.get(chunk, []):
