@@ -13,7 +13,7 @@ buffers from the plan's bucket layouts and plays its rank's program; `verify`, `
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from pipezero.config import GradReduce, Offload, ParallelConfig, ScheduleKind, SecondaryShard, Zero3Unit
@@ -35,6 +35,9 @@ class CompiledPlan:
     recompute: bool
     gather_width: float  # bytes an element of a layer-by-layer gather
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
+    # evaluation programs by micro-batch count, made once a plan as its step's program is
+    _evaluations: dict[int, tuple[tuple[EvalInstr, ...], ...]] = field(default_factory=dict, compare=False,
+                                                                        repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -67,9 +70,12 @@ class CompiledPlan:
     def evaluation(self, microbatches: int) -> tuple[tuple[EvalInstr, ...], ...]:
         """Every rank's held-out evaluation program over `microbatches` micro-batches a replica
         (schedules/forward_only.py)."""
-        return lower_evaluation(self.schedule, self.program.dp, self.buckets, microbatches,
-                                sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
-                                gather_width=self.gather_width, depth=self.depth)
+        if microbatches not in self._evaluations:
+            self._evaluations[microbatches] = lower_evaluation(
+                self.schedule, self.program.dp, self.buckets, microbatches,
+                sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
+                gather_width=self.gather_width, depth=self.depth)
+        return self._evaluations[microbatches]
 
     def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
         """Layer by layer, a forward of `chunk` outside any program (the text sample): the gathers

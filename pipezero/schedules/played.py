@@ -24,32 +24,44 @@ rules below read only the program:
 from __future__ import annotations
 
 from collections.abc import Sequence
+import enum
 from dataclasses import dataclass
 
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.program import ActivationCopy, DataParallel, Kind, OptimStep, flat
 
 
+class PlayEvent(str, enum.Enum):
+    START = "start"
+    WAIT = "wait"
+    RELEASE = "release"  # a gathered bucket's storage dropped (RESHARD)
+
+
 @dataclass(frozen=True)
-class Expected:
-    event: str  # "start", "wait" or "release" (zero/coordinator.py `PlayEvent`)
-    name: str  # REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
-    nbytes: int = 0  # a start: the bucket as the program prices it on the wire
-    group: str = ""  # a start: dp, node, tie (program.py `Group`)
-    floating: bool = False  # a gather's start whose wait the program leaves to its layer's first use
+class Played:
+    """One event of a rank's collectives (and host copies): as the runtime played it
+    (zero/coordinator.py `played`), or as the program says it must be played (`expected`)."""
+
+    event: PlayEvent
+    name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
+    nbytes: int = 0  # a start: the bucket as it travels (played: codes and scales when quantized)
+    group: str = ""  # a start: dp, node, tie, host (program.py `Group`)
+    wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations)
+    step: int = -1  # played: the step it belongs to
+    floating: bool = False  # expected: a gather's start whose wait the program leaves to its layer's first use
 
 
-def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Expected]:
+def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Played]:
     """The events of one run of a rank's program `instrs`, in order, but for the waits of gathers
     that do not block (`floating` starts). `applied`: the optimizer step updated the weights (a
     non-finite step changes nothing, so the gathers of updated weights after it are not played)."""
-    out: list[Expected] = []
+    out: list[Played] = []
     reducing: list[str] = []  # reductions in flight, oldest first
     updating: list[str] = []  # ZeRO-1/2: gathers of updated weights not yet waited for
 
     def wait(keep: int) -> None:
         while len(reducing) > keep:
-            out.append(Expected("wait", reducing.pop(0)))
+            out.append(Played(PlayEvent.WAIT, reducing.pop(0)))
 
     stepped = False
     for i in flat(instrs):  # type: ignore[arg-type]
@@ -58,49 +70,49 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             stepped = True
             continue
         if isinstance(i, ActivationCopy):
-            out.append(Expected("start", str(i), 0, "host"))
+            out.append(Played(PlayEvent.START, str(i), 0, "host"))
             continue
         if not isinstance(i, DataParallel):
             continue
         if stepped and not applied:
             break
         if i.kind is Kind.TIED_SUM:
-            out.append(Expected("start", f"TIED_SUM({i.chunk})", i.nbytes, i.group.value))
+            out.append(Played(PlayEvent.START, f"TIED_SUM({i.chunk})", i.nbytes, i.group.value))
             continue
         if i.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             reduced = f"REDUCE_GRAD({i.chunk}.{i.bucket})"
             if reduced in reducing:  # its last reduction still in flight: waited for first
                 wait(reducing[::-1].index(reduced))
-            out.append(Expected("start", f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value))
+            out.append(Played(PlayEvent.START, f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value))
             continue
         sizes = bp.buckets(i.chunk)
         whole = sum(sizes)
         for k in range(len(sizes)) if i.bucket is None else [i.bucket]:
             name = f"{i.kind.value}({i.chunk}.{k})"
             if i.kind is Kind.RESHARD:
-                out.append(Expected("release", name))
+                out.append(Played(PlayEvent.RELEASE, name))
                 continue
             nbytes = i.nbytes if i.bucket is not None else round(i.nbytes * sizes[k] / whole)
             kept = i.kind is Kind.UNSHARD and i.bucket is None  # a chunk gathered bucket by bucket
             floating = i.kind is Kind.UNSHARD and (stepped or not (i.blocking or kept))
-            out.append(Expected("start", name, nbytes, i.group.value, floating))
+            out.append(Played(PlayEvent.START, name, nbytes, i.group.value, floating=floating))
             if i.kind is Kind.REDUCE_GRAD:
                 reducing.append(name)
             elif stepped:
                 updating.append(name)
             elif not floating:
-                out.append(Expected("wait", name))
+                out.append(Played(PlayEvent.WAIT, name))
         if i.kind is Kind.REDUCE_GRAD and i.blocking:
             wait(0)
         elif i.kind is Kind.REDUCE_GRAD and i.bound is not None:
             wait(i.bound)
         elif i.kind is Kind.UNSHARD and stepped and i.blocking:
-            out += [Expected("wait", n) for n in updating]
+            out += [Played(PlayEvent.WAIT, n) for n in updating]
             updating.clear()
     return out
 
 
-def departure(record: Sequence[tuple[str, str]], want: Sequence[Expected],
+def departure(record: Sequence[tuple[str, str]], want: Sequence[Played],
               carried: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
     """Where `record` ((event, name) pairs, as played) departs from `want` (`expected`), "" where it
     does not; and the gathers still unwaited at its end (ZeRO-1/2's updated weights under

@@ -12,7 +12,6 @@ decides nothing about *when*; zero/sharded.py (the executor's hooks) and the opt
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ from pipezero.parallel.hierarchical import (Hierarchy, start_all_reduce, start_e
                                            start_reduce_scatter)
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.runtime.flight import FlightRecord
+from pipezero.schedules.played import PlayEvent, Played
 from pipezero.schedules.zero_rules import Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import compressed
@@ -64,10 +64,10 @@ class Coordinator:
         return [p.name for p in self.played if p.event is PlayEvent.START]
 
     def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
-        self.played.append(Played(self.tracer.step, PlayEvent.START, name, nbytes, wire, group))
+        self.played.append(Played(PlayEvent.START, name, nbytes, group, wire, self.tracer.step))
 
     def note_release(self, b: Bucket) -> None:
-        self.played.append(Played(self.tracer.step, PlayEvent.RELEASE, f"RESHARD({b.label})"))
+        self.played.append(Played(PlayEvent.RELEASE, f"RESHARD({b.label})", step=self.tracer.step))
 
     def wait(self, work: Any, op: str, across: str = "") -> None:
         """Wait for `work`; `across` names the ranks taking part (default: this stage's replicas)."""
@@ -145,7 +145,7 @@ class Coordinator:
         for b in done:
             r, b.reduction = b.reduction, None
             assert r is not None
-            self.played.append(Played(self.tracer.step, PlayEvent.WAIT, f"REDUCE_GRAD({b.label})"))
+            self.played.append(Played(PlayEvent.WAIT, f"REDUCE_GRAD({b.label})", step=self.tracer.step))
             if r.work is not None:
                 self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
@@ -224,7 +224,7 @@ class Coordinator:
         g, b.gathering = b.gathering, None
         if g is None:
             return
-        self.played.append(Played(self.tracer.step, PlayEvent.WAIT, f"UNSHARD({b.label})"))
+        self.played.append(Played(PlayEvent.WAIT, f"UNSHARD({b.label})", step=self.tracer.step))
         if g.work is not None:
             self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
@@ -263,24 +263,6 @@ class Coordinator:
             self.finish_gather(first)
             if first is b:
                 return
-
-
-class PlayEvent(str, enum.Enum):
-    START = "start"
-    WAIT = "wait"
-    RELEASE = "release"  # a gathered bucket's storage dropped (RESHARD)
-
-
-@dataclass(frozen=True)
-class Played:
-    """One event of a rank's collectives as it played them."""
-
-    step: int
-    event: PlayEvent
-    name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0)
-    nbytes: int = 0  # a start: the whole bucket as it travels (codes and scales when quantized)
-    wire: str = ""  # a start: the elements on the wire (fp32, bf16, int8, int4)
-    group: str = ""  # a start: dp (the stage's replicas), node (hpZ: inside the node), tie
 
 
 def _name(dtype: torch.dtype) -> str:
