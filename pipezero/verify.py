@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipezero.config import DType, ScheduleKind, SecondaryShard, TrainConfig, Zero3Unit
+from pipezero.config import DType, Offload, ScheduleKind, SecondaryShard, TrainConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
 from pipezero.util import atomic_write_bytes, atomic_write_json
@@ -180,6 +180,8 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     # levels (both exact); kept, --secondary-shard was refused for --dp 1 after the layout had run
     p.secondary_shard, p.hierarchical = SecondaryShard.NONE, False
     p.zero3_unit = Zero3Unit.LAYER  # how ZeRO-3 cuts its gathers: one process gathers nothing
+    # where bytes wait between uses: the reference keeps everything on its device
+    p.offload, p.offload_activations = Offload.NONE, 0
     ref.run.out = str(out / "reference")
     return validate(ref)
 

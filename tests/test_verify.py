@@ -44,17 +44,21 @@ def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
 
 @pytest.mark.distributed
 def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
-    """ZB-V with M < 2P and tied embeddings (both ends on rank 0): exit 0, every tensor compared."""
+    """ZB-V with M < 2P and tied embeddings (both ends on rank 0), AdamW and a micro-batch's activations
+    in host memory: exit 0, every tensor compared with one process that offloads nothing."""
     toml = tmp_path / "tied.toml"
     toml.write_text("[model]\ntie_embeddings = true\n")
     code, log, report = verify(text_dir, tmp_path / "v", "--config", str(toml), "--nproc", "2", "--pp", "2",
-                               "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "3")
+                               "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "3",
+                               "--offload", "optimizer", "--offload-activations", "1")
     assert code == 0, log[-3000:]
     assert "proven free of deadlock" in log and report["ok"] and not report["problems"]
     params = {(c["rank"], c["name"]) for c in report["checks"] if c["what"] == "param"}
     assert {(0, "layers.0.weight"), (0, "layers.3.proj.weight")} <= params  # both tied ends
     steps = [c for c in report["checks"] if c["what"] == "loss"]
     assert len(steps) == 2 * 3 and all(c["error"] <= 1e-5 for c in steps)  # every rank, every step
+    reference = json.loads((tmp_path / "v" / "reference" / "config.json").read_text())["parallel"]
+    assert (reference["offload"], reference["offload_activations"]) == ("none", 0)
 
 
 @pytest.mark.distributed
