@@ -10,7 +10,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -132,12 +132,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see --help\n")
 
 
-def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Register `train`'s flags on `parser` (any command that takes a run's settings reuses it)."""
+def add_train_flags(parser: argparse.ArgumentParser, keys: Collection[str] | None = None) -> None:
+    """Register `train`'s flags on `parser` (any command that takes a run's settings reuses it);
+    `keys`: only the flags of these settings (a command that reads no others takes no others)."""
     from pipezero.settings import accepts, choices_of, setting_type
 
     parser.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
     for flag, (key, text) in TRAIN_FLAGS.items():
+        if keys is not None and key not in keys:
+            continue
         if setting_type(key) is bool:  # a switch: --no-X turns a setting off, any other flag on
             parser.add_argument(flag, dest=key, action="store_const", const=not flag.startswith("--no-"), help=text)
         else:
@@ -514,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipezero.doctor import add_doctor_parser
 
     add_doctor_parser(sub)
+    from pipezero.probe_command import add_probe_parser
+
+    add_probe_parser(sub)
     return parser
 
 

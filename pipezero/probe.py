@@ -1,0 +1,147 @@
+"""This machine's costs, measured in seconds, for the planner to plan with instead of presets.
+
+The planner (sim/planner.py) prices a layout from a cluster's figures: the FLOP rate one rank
+achieves, a fixed cost every action pays beyond its FLOPs, the two link classes' bandwidth and, for
+offload, the host copies and the host's AdamW. Presets guess them; a probe measures them where the
+run will train, at the run's shapes and dtype, in seconds:
+
+- compute: one decoder block's forward, input gradient and weight gradient at the run's micro-batch
+  (B x T), timed over repetitions; the achieved FLOP rate is the block's FLOPs (models/presets.py
+  `layer_costs`) over that time, and the fixed cost an action pays is the same block's forward at
+  one row of eight tokens, where FLOPs are nothing;
+- links: an all-reduce at two sizes inside a node and across nodes, on the ranks this job has (a
+  latency and a bandwidth from the two), bus bandwidth as a ring sees it;
+- host: a bucket-sized copy from the device to host memory and back, and AdamW's step on the host
+  (zero/adamw.py, the kernel --offload optimizer runs there), in parameters a second.
+
+Every figure is a median over repetitions bounded in time (`budget_s` each): the probe answers in
+seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan --costs` reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from pipezero.config import OptimConfig, TrainConfig
+
+SIZES = (1 << 16, 1 << 22)  # bytes of the two all-reduces each link class is timed at: latency, bandwidth
+
+
+@dataclass
+class LinkCost:
+    latency_s: float
+    gbps: float  # GB/s of bus bandwidth: what a ring all-reduce moves through each rank's link
+
+
+@dataclass
+class Probe:
+    device: str  # "cpu" or the GPU's name
+    dtype: str
+    micro_batch: int
+    seq_len: int
+    block_s: dict[str, float]  # one block at the run's micro-batch: F, B (input gradient), W (weight gradient)
+    tflops: float  # achieved by the block's forward and backward at that shape
+    overhead_s: float  # a block's forward at one row of eight tokens: what an action costs beyond FLOPs
+    links: dict[str, LinkCost] = field(default_factory=dict)  # "node" (inside one), "across" (between nodes)
+    host_copy_gbps: float | None = None  # device -> host -> device, GB/s each way
+    host_adamw_params_s: float | None = None  # AdamW on the host, parameters a second
+    seconds: float = 0.0  # what the probe itself took
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Probe:
+        links = {k: LinkCost(**v) for k, v in d.get("links", {}).items()}
+        return cls(**{**d, "links": links})
+
+
+def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | None = None, least: int = 3) -> float:
+    """Median seconds of `fn` over repetitions within `budget_s` (at least `least`, after one warm-up)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, float], float, float]:
+    """(F, B, W seconds of one block at the run's micro-batch, achieved TFLOP/s, fixed seconds an action)."""
+    from pipezero.models import build_chunk
+    from pipezero.models.presets import layer_costs
+    from pipezero.runtime.autocast import autocast
+
+    m, b, t = cfg.model, cfg.parallel.micro_batch_size, cfg.data.seq_len
+    chunk = build_chunk(m, 1, 2, cfg.run.seed, device)  # layers [1, 2): the first block alone
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    def forward(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, length, m.dim, device=device, requires_grad=True)
+        with autocast(cfg.run.dtype, device.type):
+            return x, chunk(x, None)
+
+    x, y = forward(b, t)
+    dy = torch.randn_like(y)
+    f = timed(lambda: forward(b, t), budget_s, sync)
+    b_s = timed(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), budget_s, sync)
+    w_s = timed(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), budget_s, sync)
+    overhead = timed(lambda: forward(1, 8), budget_s / 2, sync)
+    flops = layer_costs(m, t)[1] * b * t  # the block's training FLOPs for this micro-batch (6 a weight a token)
+    return {"F": f, "B": b_s, "W": w_s}, flops / max(f + b_s + w_s - 3 * overhead, 1e-9) / 1e12, overhead
+
+
+def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
+    """An all-reduce over `group` at two sizes: latency from the small, bandwidth from the difference."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
+    t_small = timed(lambda: dist.all_reduce(small, group=group), budget_s, sync)
+    t_large = timed(lambda: dist.all_reduce(large, group=group), budget_s, sync)
+    moved = 2 * (n - 1) / n * (SIZES[1] - SIZES[0])  # a ring all-reduce's bytes through each link
+    return LinkCost(t_small, moved / max(t_large - t_small, 1e-9) / 1e9)
+
+
+def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 0.3) -> tuple[float, float]:
+    """(GB/s of a copy device -> host -> device each way, AdamW on the host in parameters a second)."""
+    from pipezero.zero.adamw import ShardedAdamW
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else None
+    on_device = torch.randn(elements, device=device)
+    host = torch.empty(elements, pin_memory=cuda)
+    copy = timed(lambda: (host.copy_(on_device), on_device.copy_(host)), budget_s, sync)
+    opt = ShardedAdamW(OptimConfig())
+    opt.add_shard(elements, [(0, elements // 2)])
+    master, grad = host.clone(), torch.randn(elements)
+    step = timed(lambda: opt.step([master], [grad], 1e-4), budget_s)
+    return 2 * elements * 4 / copy / 1e9, elements / step
+
+
+def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None = None,
+          budget_s: float = 0.5) -> Probe:
+    """Every figure this rank can measure; `groups`: "node" and "across" process groups to time
+    (collective calls: every rank of each group must call this alike)."""
+    t0 = time.perf_counter()
+    block, tflops, overhead = probe_block(cfg, device, budget_s)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = Probe(name, cfg.run.dtype.value, cfg.parallel.micro_batch_size, cfg.data.seq_len, block, tflops, overhead)
+    for kind, group in (groups or {}).items():
+        if group is not None:
+            out.links[kind] = probe_link(group, device, budget_s / 2)
+    out.host_copy_gbps, out.host_adamw_params_s = probe_host(device, budget_s=budget_s / 2)
+    out.seconds = time.perf_counter() - t0
+    return out

@@ -1,0 +1,31 @@
+"""`pipezero probe`: this machine's costs at a run's shapes, bounded in time, written for the planner."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from one_line import assert_one_line, run_main
+from pipezero.probe import Probe, probe
+from pipezero.settings import build_config
+
+
+def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_json():
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": 32, "parallel.micro_batch_size": 2})
+    found = probe(cfg, torch.device("cpu"), budget_s=0.02)
+    assert set(found.block_s) == {"F", "B", "W"} and all(t > 0 for t in found.block_s.values())
+    assert found.tflops > 0 and 0 < found.overhead_s < found.block_s["F"] + found.block_s["W"]
+    assert found.host_copy_gbps > 0 and found.host_adamw_params_s > 0
+    assert found.seconds < 10  # repetitions stop at the budget; a few warm-ups and the first ones past it
+    again = Probe.from_json(json.loads(json.dumps(found.to_json())))
+    assert again == found
+
+
+def test_the_probe_command_writes_a_new_file_only_and_reads_no_layout(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    code, _ = run_main(["probe", "--preset", "tiny", "--seq-len", "32", "--budget", "0.02", "--json", str(out)], capsys)
+    assert code == 0 and Probe.from_json(json.loads(out.read_text())).seq_len == 32
+    assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", str(out)], capsys), "name a new file")
+    assert_one_line(*run_main(["probe", "--budget", "60"], capsys), "--budget 60: expected seconds from")
+    assert_one_line(*run_main(["probe", "--pp", "2"], capsys), "unrecognized arguments: --pp 2")
