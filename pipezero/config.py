@@ -369,6 +369,10 @@ class RunConfig:
     gpu_memory_gib: float | None = None
     """Refuse, before any rank starts, a layout whose predicted peak on some rank exceeds this many GiB
     (sim/memory.py). None: on CUDA the device's memory, on CPU no check."""
+    host_memory_gib: float | None = None
+    """GiB of host memory a node has for its ranks: refuse, before any rank starts, a run whose
+    ranks on this node need more host bytes (sim/offload.py: --offload optimizer's buffers, and on
+    CPU ranks their whole predicted peak). None: this machine's memory."""
 
 
 @dataclass

@@ -43,6 +43,7 @@ RANGES: dict[str, Range] = {
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
     "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
     "parallel.zero3_prefetch": Range(1, 64), "parallel.link_gbps": POSITIVE, "parallel.tflops": POSITIVE,
@@ -219,11 +220,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None,
-                 names: dict[str, str] | None = None) -> TrainConfig:
+                 names: dict[str, str] | None = None, predicting: bool = False) -> TrainConfig:
     """Defaults, then the preset's model shape, learning rate and warm-up, then TOML, then overrides, then
     a pretrained folder's shape (models/hf.py); validated. Overrides may be typed values (from code) or strings (the command line), which are
     parsed; `names` says how errors call an override's key (its flag). Unless set, `optim.min_lr`
-    is a tenth of the peak rate."""
+    is a tenth of the peak rate. `predicting`: for a prediction (simulate), which accepts what the
+    runtime cannot run yet."""
     names = names or {}
     if toml_path is not None and not str(toml_path).strip():  # "" read as no file: the defaults trained, exit 0
         raise ConfigError("--config is empty: name a .toml file, or leave --config out")
@@ -271,7 +273,7 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
-    return validate(cfg)
+    return validate(cfg, predicting)
 
 
 # settings that only documents read (records, parquet, text files): a token file and the built-in
@@ -337,6 +339,9 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
          "with model.sliding_window (the blocks its window applies to); set the window, or drop it"),
         ("run.gpu_memory_gib", cfg.model.spec is None,
          f"by the fit check, whose memory model knows the built-in decoder's layers, not --model-spec "
+         f"{cfg.model.spec}'s: drop it"),
+        ("run.host_memory_gib", cfg.model.spec is None,
+         f"by the host check, whose memory model knows the built-in decoder's layers, not --model-spec "
          f"{cfg.model.spec}'s: drop it"),
         ("run.keep_checkpoints", r.save_final or r.checkpoint_every > 0,
          "where checkpoints are saved (--checkpoint-every, or the final save --no-save-final turns off): add "
@@ -482,8 +487,8 @@ def check_prefetch(cfg: TrainConfig) -> None:
         prefetch_choice(cfg)
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
+def validate(cfg: TrainConfig, predicting: bool = False) -> TrainConfig:
+    """`cfg` unchanged when it can run (`predicting`: be predicted), else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
     if m.pretrained is not None and type(m.n_layers) is int and m.n_layers > MAX_LAYERS:  # config.json's, not [model]'s
         from pipezero.models.hf_weights import check_weights
@@ -557,7 +562,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
-    _check(p.offload is Offload.NONE, f"--offload {p.offload.value}: the runtime does not offload yet; drop it")
+    _check(predicting or p.offload is Offload.NONE,
+           f"--offload {p.offload.value}: the runtime does not offload yet; drop it")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")
