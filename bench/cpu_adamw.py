@@ -10,7 +10,7 @@ no PCIe to time).
 The parameters are `--buckets` flat fp32 buckets of `--bucket-mb` MiB (train's default bucket);
 torch's AdamW gets the same elements as separate tensors of `--tensor-mib` each (a model's
 parameters: torch steps a list of them). Each measurement is the median over `--repeats` steps after
-one warm-up step, and the optimizers take turns step by step, so a machine shared with other work
+one warm-up step (the least is kept too), and the optimizers take turns step by step, so a machine shared with other work
 slows them alike. The planner's default CPU AdamW rate (sim/offload.py) is this bench's
 all-threads ShardedAdamW figure.
 """
@@ -73,8 +73,9 @@ def copy_step(numel: int) -> Callable[[], None]:
     return lambda: dst.copy_(src)
 
 
-def timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median seconds a call of each of `steps`, taking turns (one warm-up call each first)."""
+def timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, tuple[float, float]]:
+    """(median, least) seconds a call of each of `steps`, taking turns (one warm-up call each first):
+    on a machine others share, the least is the step with the fewest interruptions."""
     for f in steps.values():
         f()
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -83,7 +84,7 @@ def timed(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
 def measure(args: argparse.Namespace, threads: int) -> dict:
@@ -97,16 +98,18 @@ def measure(args: argparse.Namespace, threads: int) -> dict:
              "torch.optim.AdamW fused": torch_step(args.buckets, numel, tensor_numel, True),
              "torch.optim.AdamW foreach": torch_step(args.buckets, numel, tensor_numel, False)}
     secs = timed(steps, args.repeats)
-    rates = {k: total / s for k, s in secs.items()}
+    rates = {k: total / s[0] for k, s in secs.items()}  # from the median step
     ours = rates["pipezero ShardedAdamW (fused, flat shards)"]
-    copy_s = timed({"copy": copy_step(numel)}, args.repeats * 3)["copy"]
+    copy_s, copy_best = timed({"copy": copy_step(numel)}, args.repeats * 3)["copy"]
     return {"threads": threads, "params": total,
-            "adamw": {k: {"step_s": secs[k], "params_per_s": rates[k]} for k in steps},
+            "adamw": {k: {"step_s": secs[k][0], "params_per_s": rates[k], "best_step_s": secs[k][1],
+                          "best_params_per_s": total / secs[k][1]} for k in steps},
             "ratio_vs_torch_fused": ours / rates["torch.optim.AdamW fused"],
             "ratio_vs_torch_foreach": ours / rates["torch.optim.AdamW foreach"],
             # read and written: a copy moves 2 x 4 bytes an element through memory; quoted as the
             # bucket's bytes a second (what a copy to or from the device would carry)
-            "bucket_copy": {"bytes": numel * 4, "s": copy_s, "gb_per_s": numel * 4 / copy_s / 1e9}}
+            "bucket_copy": {"bytes": numel * 4, "s": copy_s, "gb_per_s": numel * 4 / copy_s / 1e9,
+                            "best_gb_per_s": numel * 4 / copy_best / 1e9}}
 
 
 def main() -> None:
@@ -124,11 +127,13 @@ def main() -> None:
     for r in rows:
         print(f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}, {r['params'] / 1e6:.1f}M params:")
         for k, v in r["adamw"].items():
-            print(f"  {k:44s} {v['params_per_s'] / 1e6:8.1f} M params/s  ({v['step_s'] * 1e3:.1f} ms a step)")
+            print(f"  {k:44s} {v['params_per_s'] / 1e6:8.1f} M params/s  ({v['step_s'] * 1e3:.1f} ms a step; "
+                  f"best {v['best_params_per_s'] / 1e6:.1f} M/s)")
         print(f"  ShardedAdamW / torch fused {r['ratio_vs_torch_fused']:.2f}x, / torch foreach "
               f"{r['ratio_vs_torch_foreach']:.2f}x")
         c = r["bucket_copy"]
-        print(f"  host->host copy of a {c['bytes'] / 2**20:.0f} MiB bucket: {c['gb_per_s']:.2f} GB/s ({c['s'] * 1e3:.1f} ms)")
+        print(f"  host->host copy of a {c['bytes'] / 2**20:.0f} MiB bucket: {c['gb_per_s']:.2f} GB/s ({c['s'] * 1e3:.1f} ms; "
+              f"best {c['best_gb_per_s']:.2f} GB/s)")
     from pipezero.util import atomic_write_with
 
     out = {"machine": {"cores": cores, "torch": torch.__version__}, "buckets": args.buckets,

@@ -16,10 +16,12 @@ CPU step with the device's remaining work, but the last bucket's are never hidde
 
 - `PCIE_GBPS`: 25 GB/s a GPU each way, a PCIe 4.0 x16 link's practical rate (32 GB/s raw; pinned
   copies reach 22-26 GB/s), about half of a PCIe 5.0 one's;
-- `CPU_ADAMW_PARAMS_S`: parameters a second one rank's share of its node's CPU updates:
-  bench/cpu_adamw.py's all-threads figure for pipezero's ShardedAdamW (torch's fused CPU kernel on
-  flat shards) on this project's 2-core machine (bench/results/cpu_adamw.json, docs/benchmarks/
-  cpu.md): a conservative default, since a GPU server gives each GPU several cores.
+- `CPU_ADAMW_PARAMS_S`: parameters a second one rank's share of its node's CPU updates: one core's
+  worth, bench/cpu_adamw.py's one-thread median for pipezero's ShardedAdamW (torch's fused CPU
+  kernel on flat shards) on this project's 2-core machine under load, 0.80e9 (2026-12-07;
+  bench/results/cpu_adamw.json, docs/benchmarks/cpu.md; its least step gave 1.36e9). All threads
+  measured slower there (other work shared the two cores), so one core is the figure kept: a GPU
+  server that gives each GPU several free cores steps faster (`plan --cpu-adamw`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ HOST_BYTES = 16  # an updated element on the host: master, exp_avg, exp_avg_sq, 
 DEVICE_SAVED = 8  # an updated element's AdamW moments, off the device
 PCIE_BYTES = 4  # an updated element's bytes each way a step: its fp32 gradient down, its fp32 weight up
 PCIE_GBPS = 25.0
-CPU_ADAMW_PARAMS_S = 2.8e8
+CPU_ADAMW_PARAMS_S = 8.0e8
 
 
 def host_bytes(updated: int, offload: bool) -> dict[str, int]:

@@ -63,7 +63,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         f"PCIe 4.0 x16; {limits.GBPS.describe()})")
     s.add_argument("--cpu-adamw", type=float, default=CPU_ADAMW_PARAMS_S,
                    help=f"parameters a second a rank's share of its node's CPU steps AdamW, for offload (default "
-                        f"{CPU_ADAMW_PARAMS_S:.3g}: bench/cpu_adamw.py's ShardedAdamW on a 2-core host; "
+                        f"{CPU_ADAMW_PARAMS_S:.3g}: bench/cpu_adamw.py's ShardedAdamW on one core; "
                         f"{limits.PARAMS_S.describe()})")
     s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
     s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8,
@@ -251,8 +251,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,
                           "fit": len(fits), "seconds": took, "layouts": rows}, indent=2))
         return 0
+    off = sum(e.layout.offload for e in fits)
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
-                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)",
+                        f"{len(fits)} of {considered} layouts fit"
+                        f"{f' ({off} only with --offload optimizer)' if off else ''} ({took:.1f} s)",
                   caption=f"{skipped} layouts of many micro-batches not simulated (the planner's time budget): "
                           f"lower --global-batch to weigh them" if skipped else None)
     for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "off", "GiB",
