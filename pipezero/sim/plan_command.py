@@ -152,10 +152,11 @@ def unit_words(c: Choice) -> str:
 def host_missing(e: "Estimate", cluster: Cluster) -> str:
     """What the hosts lack where an offloaded layout fits the GPUs but not `--host-memory`."""
     need = e.host_gib / cluster.headroom  # the planner admits its headroom's share of a node's memory
-    given = f"--host-memory {cluster.host_memory_gib:g} GiB a node" if cluster.host_memory_gib else "no --host-memory"
+    given = (f"--host-memory {cluster.host_memory_gib:g} GiB a node holds less" if cluster.host_memory_gib else
+             "no --host-memory was given")
     return (f"{flags(e.layout)} fits the GPUs ({e.memory_gib:.1f} GiB a GPU) but its ranks "
             f"keep {e.host_gib:.1f} GiB in a node's host memory (16 bytes an updated parameter: fp32 master, AdamW "
-            f"moments, gradient staging), and {given} holds less: plan with --host-memory {math.ceil(need)} or more")
+            f"moments, gradient staging), and {given}: plan with --host-memory {math.ceil(need)} or more")
 
 
 def device_missing(e: "Estimate", cluster: Cluster) -> str:
@@ -163,8 +164,8 @@ def device_missing(e: "Estimate", cluster: Cluster) -> str:
     limit = cluster.gpu_memory_gib * cluster.headroom
     return (f"even with --offload optimizer (AdamW's moments off the GPU) the nearest, {flags(e.layout)}, needs "
             f"{e.memory_gib:.1f} GiB a GPU ({e.model_states_gib:.1f} of fp32 weights and gradients, "
-            f"{e.activations_gib:.1f} of activations and buffers) where {limit:.1f} is usable: add GPUs or memory, or "
-            f"lower --seq-len or --global-batch")
+            f"{e.activations_gib:.1f} of activations and buffers) where {limit:.1f} is usable: add GPUs or GPU memory, "
+            f"or lower --seq-len")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
