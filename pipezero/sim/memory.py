@@ -10,7 +10,8 @@ Categories (bytes on one rank):
 - gathered: ZeRO-3's full parameters while a chunk (or a layer) is gathered;
 - grads: fp32 gradient buckets (ZeRO-0/1: whole, from the chunk's first backward on; ZeRO-2/3: a
   full bucket from its first gradient to its reduction, then this rank's shard);
-- optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0);
+- optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0; on the
+  host with --offload optimizer, below), and the step's fp64 norm of one bucket;
 - activations: what autograd saves in forward for each micro-batch in flight (recompute: the
   chunk's input, output and loss only), a split chunk's records of its weight ops for B, split
   backward's (x, dy) stash from B to W, and the transient inside an action, followed layer by

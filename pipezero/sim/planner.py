@@ -20,6 +20,10 @@ ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step
 gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
 `microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
 where more than one bucket is outstanding.
+Where few layouts fit, those that do not are tried with the optimizer offloaded (`offloaded`,
+sim/offload.py): a device peak 8 bytes an updated parameter lower, a node's host holding 16 (its
+ranks counted each as the one that offloads most), and the step longer by the host copies and the
+CPU's AdamW, priced as exposed.
 """
 
 from __future__ import annotations
