@@ -251,7 +251,10 @@ def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     24 GiB host). Counted from the memory model (sim/memory.py, sim/offload.py): each rank's host
     bytes (--offload optimizer's masters, moments and gradient staging) and, on CPU ranks, whose
     device is the host, their device peak too. A model of one's own is not predicted."""
-    if cfg.model.spec is not None or (cuda and cfg.parallel.offload.value == "none"):
+    from pipezero.config import Offload
+
+    offload = cfg.parallel.offload is not Offload.NONE
+    if cfg.model.spec is not None or (cuda and not offload):
         return  # nothing of pipezero's own on a GPU rank's host without offload
     from pipezero.sim.memory import predict
     from pipezero.sim.memory_partition import resolve
@@ -264,12 +267,11 @@ def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     need = node_host_need([r.host_peak_bytes for r in ranks], [r.peak_bytes for r in ranks], not cuda)
     if need <= host:
         return
-    offload = cfg.parallel.offload.value != "none"
     ranks_of = "1 rank's" if len(ranks) == 1 else f"{len(ranks)} ranks'"
     held = "host buffers of --offload optimizer: fp32 masters, AdamW moments, gradient staging"
     if cuda:
         whose = f"{ranks_of.replace('rank', 'GPU rank')} {held}"
-    else:  # the same words as before offload for a plain CPU run
+    else:  # a CPU rank's whole peak is on the host, and with offload its host buffers beside it
         whose = (f"{ranks_of.replace('rank', 'CPU rank')} predicted peak{'' if len(ranks) == 1 else 's'}: weights, "
                  f"gradients, AdamW state, activations" + (f"; and their {held}" if offload else ""))
     limit = f"--host-memory {given:g} GiB" if given is not None else f"this host's {host / gib:.1f} GiB"
