@@ -277,7 +277,8 @@ def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     limit = f"--host-memory {given:g} GiB" if given is not None else f"this host's {host / gib:.1f} GiB"
     fix = ("more host memory, ranks on more hosts, or with --dp > 1 --zero 1 or more (each rank offloads its shard, "
            "not every bucket)" if offload else "a smaller --preset or --model, or ranks on more hosts")
-    raise ConfigError(f"the run needs about {need / gib:.1f} GiB ({whose}), more than {limit}: {fix}")
+    size = f"{need / gib:.1f}" if need >= gib else f"{need / gib:.2g}"  # a small run's need is not "0.0"
+    raise ConfigError(f"the run needs about {size} GiB ({whose}), more than {limit}: {fix}")
 
 
 def train_here(cfg: Any) -> int:

@@ -478,4 +478,5 @@ def test_train_refuses_a_run_past_host_memory_before_it_starts(tmp_path, capsys)
     code, err = run_main(["train", "--preset", "tiny", "--seq-len", "16", "--max-steps", "1", "--device", "cpu",
                           "--host-memory", "0.001", "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, "more than --host-memory 0.001 GiB: a smaller --preset or --model")
+    assert "the run needs about 0.0 GiB" not in err  # a need below a GiB is said in its own digits
     assert not (tmp_path / "o").exists()
