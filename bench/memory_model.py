@@ -279,7 +279,8 @@ def markdown(results: dict) -> str:
         key = (", ".join(f"{k} {v}" for k, v in row_quant(row).items()) + f" ({row.get('dtype', 'fp32')})",
                row["zero"], row["model"]) if quantized else (row["model"], row["schedule"], row["recompute"])
         groups.setdefault(key, []).extend(r["ratio"] for r in row["ranks"])
-    head = "| quantized | ZeRO | model |" if quantized else "| model | schedule | recompute |"
+    label = "options" if any("offload" in row_quant(row) for row in results["rows"]) else "quantized"
+    head = f"| {label} | ZeRO | model |" if quantized else "| model | schedule | recompute |"
     lines = [f"{head} ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
     for (a, b, c), ratios in sorted(groups.items()):
         c = c if quantized else "yes" if c else "no"
