@@ -189,6 +189,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.quant_block is not None and args.quantize_weights == args.quantize_grads == args.compress == "none":
         raise ConfigError(f"--quant-block {args.quant_block} prices quantized traffic: add --quantize-weights, "
                           f"--quantize-grads or --compress auto, or drop it")
+    if args.host_memory and args.device == "cpu":  # CPU ranks' device is the host: nothing to offload to it
+        raise ConfigError(f"--host-memory {args.host_memory:g} prices --offload optimizer, which plan does not "
+                          f"propose for --device cpu (its ranks' device is the host already): drop it")
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
