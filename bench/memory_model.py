@@ -7,7 +7,11 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
     python bench/memory_model.py [--models activations,states] [--pp 1,2,4] [--dp 1,2] [--max-ranks 4]
         [--schedules 1f1b,zb-v] [--zero 0,3] [--dtype bf16] [--eval-batches N] [--sample-tokens N]
         [--zero3-prefetch D] [--quantize-grads int8] [--quantize-weights int8] [--hierarchical]
-        [--secondary-shard]
+        [--secondary-shard] [--offload]
+
+With --offload every case runs with --offload optimizer; on CPU ranks the host is the device, so a
+rank's measured peak holds its host buffers too and is held against the predicted device peak plus
+host bytes (sim/offload.py), phase by phase.
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
@@ -72,9 +76,11 @@ def settings(model: str, kind: ScheduleKind, pp: int, dp: int, zero: int, recomp
             "run.threads": 1}
 
 
-# a case's quantized traffic, as its row keeps it, and the setting each becomes
+# a case's options beyond its layout (quantized traffic, two levels, hpZ, offload), as its row keeps
+# them, and the setting each becomes
 QUANT_KEYS = {"quantize_grads": "parallel.quantize_grads", "quantize_weights": "parallel.quantize_weights",
-              "hierarchical": "parallel.hierarchical", "secondary_shard": "parallel.secondary_shard"}
+              "hierarchical": "parallel.hierarchical", "secondary_shard": "parallel.secondary_shard",
+              "offload": "parallel.offload"}
 
 
 def quant_settings(quant: dict, dp: int) -> dict:
@@ -132,6 +138,7 @@ def main() -> None:
     ap.add_argument("--hierarchical", action="store_true", help="two-level reductions, D / 2 ranks a node")
     ap.add_argument("--secondary-shard", action="store_true",
                     help="hpZ: ZeRO-3 layer by layer keeps a node's share, D / 2 ranks a node (P = 1, D > 2 cases only)")
+    ap.add_argument("--offload", action="store_true", help="every case with --offload optimizer")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
@@ -195,14 +202,21 @@ def quant_of(args: argparse.Namespace, case: dict) -> dict:
         out["hierarchical"] = True
     if case["dp"] > 2 and case["zero"] == 3 and case["pp"] == 1 and args.secondary_shard:
         out["secondary_shard"] = "node"
+    if getattr(args, "offload", False):
+        out["offload"] = "optimizer"
     return out
 
 
 def rank_figures(pred, measured: dict[str, int]) -> dict:
-    """One rank's predicted and measured peaks (the most over phases) and each phase's."""
+    """One rank's predicted and measured peaks (the most over phases) and each phase's. A CPU rank's
+    host is its device: its host bytes (--offload optimizer's buffers, alive the whole run) are in
+    every phase it measures, so they are added to each predicted one (and kept apart as well)."""
     peak = max(measured.values())
-    return {"predicted_peak_bytes": pred.peak_bytes, "measured_peak_bytes": peak, "ratio": pred.peak_bytes / peak,
-            "at": pred.at, "measured_phases": measured, "predicted_phases": dict(getattr(pred, "phases", {}))}
+    host = getattr(pred, "host_peak_bytes", 0)
+    return {"predicted_peak_bytes": pred.peak_bytes + host, "measured_peak_bytes": peak,
+            "ratio": (pred.peak_bytes + host) / peak, "at": pred.at, "measured_phases": measured,
+            "predicted_phases": {k: v + host for k, v in getattr(pred, "phases", {}).items()},
+            "predicted_device_bytes": pred.peak_bytes, "predicted_host_bytes": host}
 
 
 def show(row: dict) -> None:
@@ -265,7 +279,8 @@ def markdown(results: dict) -> str:
         key = (", ".join(f"{k} {v}" for k, v in row_quant(row).items()) + f" ({row.get('dtype', 'fp32')})",
                row["zero"], row["model"]) if quantized else (row["model"], row["schedule"], row["recompute"])
         groups.setdefault(key, []).extend(r["ratio"] for r in row["ranks"])
-    head = "| quantized | ZeRO | model |" if quantized else "| model | schedule | recompute |"
+    label = "options" if any("offload" in row_quant(row) for row in results["rows"]) else "quantized"
+    head = f"| {label} | ZeRO | model |" if quantized else "| model | schedule | recompute |"
     lines = [f"{head} ranks | lowest | median | highest |", "|---|---|---|---|---|---|---|"]
     for (a, b, c), ratios in sorted(groups.items()):
         c = c if quantized else "yes" if c else "no"

@@ -66,7 +66,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                       "8 bytes a parameter leave it)"),
     "--offload-activations": ("parallel.offload_activations", "on each pipeline rank, this many micro-batches' "
                                                               "saved activations wait in host memory between "
-                                                              "their forward and backward (default 0)"),
+                                                              "their forward and backward (default 0; at least "
+                                                              "M lowers a steady state's peak)"),
     "--zero3-prefetch": ("parallel.zero3_prefetch", "ZeRO-3 layer by layer: layers ahead of its use a layer's gather "
                                                     "starts (default 1), or auto: the planner's choice for "
                                                     "--link-gbps"),
@@ -122,6 +123,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                                "model's prediction in summary.json"),
     "--gpu-memory": ("run.gpu_memory_gib", "GiB a rank may use: a layout whose predicted peak exceeds it is refused "
                                            "before any rank starts (default on CUDA: the device's memory; CPU: off)"),
+    "--host-memory": ("run.host_memory_gib", "GiB of host memory this node has for its ranks: a run whose ranks here "
+                                             "need more (--offload optimizer's host buffers; CPU ranks: their whole "
+                                             "predicted peak) is refused before any rank starts (default: this "
+                                             "machine's memory)"),
 }
 
 
@@ -185,8 +190,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
     check_rendezvous_host(os.environ)
-    if limit is None and not cuda and not under_torchrun():  # a rank of a job (srun's, torchrun's) holds only its own
-        check_host_memory(cfg)
+    if not under_torchrun():  # a rank of a job (srun's, torchrun's) holds only its own
+        check_host_memory(cfg, cuda)
     from pipezero.rundir import HELD_BY_LAUNCHER, Claim, claim_here
 
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -247,24 +252,40 @@ def check_out(cfg: Any) -> None:
             raise ConfigError(f"--resume in {cfg.run.out!r}: {problem}")
 
 
-def check_host_memory(cfg: Any) -> None:
-    """CPU ranks started here share this host's memory: a model whose ranks' predicted peaks
-    (sim/memory.py) add up past it was built for minutes before the kernel killed it (--preset 7b
-    on a 24 GiB host). A model of one's own is not predicted."""
-    if cfg.model.spec is not None:
-        return
+def check_host_memory(cfg: Any, cuda: bool = False) -> None:
+    """The ranks started here share this host's memory (--host-memory, default this machine's): a
+    run whose ranks need more was built for minutes before the kernel killed it (--preset 7b on a
+    24 GiB host). Counted from the memory model (sim/memory.py, sim/offload.py): each rank's host
+    bytes (--offload optimizer's masters, moments and gradient staging) and, on CPU ranks, whose
+    device is the host, their device peak too. A model of one's own is not predicted."""
+    from pipezero.config import Offload
+
+    offload = cfg.parallel.offload is not Offload.NONE
+    if cfg.model.spec is not None or (cuda and not offload):
+        return  # nothing of pipezero's own on a GPU rank's host without offload
     from pipezero.sim.memory import predict
     from pipezero.sim.memory_partition import resolve
+    from pipezero.sim.offload import node_host_need
 
     gib = 2**30
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    ranks = predict(resolve(cfg, False), False)  # cut as the ranks will cut it (--partition memory)
-    need = sum(r.peak_bytes for r in ranks)
-    if need > host:
-        whose = "1 CPU rank's predicted peak" if len(ranks) == 1 else f"{len(ranks)} CPU ranks' predicted peaks"
-        raise ConfigError(f"the run needs about {need / gib:.1f} GiB ({whose}: weights, gradients, AdamW state, "
-                          f"activations), more than this host's {host / gib:.1f} GiB: a smaller --preset or --model, "
-                          f"or ranks on more hosts")
+    given = cfg.run.host_memory_gib
+    host = given * gib if given is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = predict(resolve(cfg, cuda), cuda)  # cut as the ranks will cut it (--partition memory)
+    need = node_host_need([r.host_peak_bytes for r in ranks], [r.peak_bytes for r in ranks], not cuda)
+    if need <= host:
+        return
+    ranks_of = "1 rank's" if len(ranks) == 1 else f"{len(ranks)} ranks'"
+    held = "host buffers of --offload optimizer: fp32 masters, AdamW moments, gradient staging"
+    if cuda:
+        whose = f"{ranks_of.replace('rank', 'GPU rank')} {held}"
+    else:  # a CPU rank's whole peak is on the host, and with offload its host buffers beside it
+        whose = (f"{ranks_of.replace('rank', 'CPU rank')} predicted peak{'' if len(ranks) == 1 else 's'}: weights, "
+                 f"gradients, AdamW state, activations" + (f"; and their {held}" if offload else ""))
+    limit = f"--host-memory {given:g} GiB" if given is not None else f"this host's {host / gib:.1f} GiB"
+    fix = ("more host memory, ranks on more hosts, or with --dp > 1 --zero 1 or more (each rank offloads its shard, "
+           "not every bucket)" if offload else "a smaller --preset or --model, or ranks on more hosts")
+    size = f"{need / gib:.1f}" if need >= gib else f"{need / gib:.2g}"  # a small run's need is not "0.0"
+    raise ConfigError(f"the run needs about {size} GiB ({whose}), more than {limit}: {fix}")
 
 
 def train_here(cfg: Any) -> int:
@@ -495,9 +516,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
-    limit, cuda = rank_limit_gib(cfg)
-    if limit is None and not cuda and not under_torchrun():
-        check_host_memory(cfg)  # --preset 7b: minutes of building before the kernel killed it
+    _, cuda = rank_limit_gib(cfg)
+    if not under_torchrun():
+        check_host_memory(cfg, cuda)  # --preset 7b: minutes of building before the kernel killed it
     return verify_layout(cfg, args.steps, launch.nproc, args.argv)
 
 

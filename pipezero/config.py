@@ -250,9 +250,10 @@ class ParallelConfig:
     device keeps the compute copy of the weights; host memory and the copies pay for it."""
     offload_activations: int = 0
     """On each pipeline rank, this many micro-batches' saved activations leave the device between
-    their forward and backward (those it would hold across the most other actions: the warm-up's
-    first), copied to host memory after the forward and back one action before the backward, each
-    copy beside an action (schedules/program.py OFFLOAD_ACT, RELOAD_ACT). Not with `recompute`."""
+    their forward and backward (the first ones held across two or more other actions: the warm-up's,
+    alive when the rank holds the most), copied to host memory after the forward and back one action
+    before the backward, each copy beside an action (schedules/program.py OFFLOAD_ACT, RELOAD_ACT).
+    Not with `recompute`."""
 
     @property
     def world_size(self) -> int:
@@ -374,6 +375,10 @@ class RunConfig:
     gpu_memory_gib: float | None = None
     """Refuse, before any rank starts, a layout whose predicted peak on some rank exceeds this many GiB
     (sim/memory.py). None: on CUDA the device's memory, on CPU no check."""
+    host_memory_gib: float | None = None
+    """GiB of host memory a node has for its ranks: refuse, before any rank starts, a run whose
+    ranks on this node need more host bytes (sim/offload.py: --offload optimizer's buffers, and on
+    CPU ranks their whole predicted peak). None: this machine's memory."""
 
 
 @dataclass

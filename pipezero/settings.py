@@ -43,6 +43,7 @@ RANGES: dict[str, Range] = {
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
     "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
     "parallel.offload_activations": Range(0, 1 << 20),
@@ -338,6 +339,9 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
          "with model.sliding_window (the blocks its window applies to); set the window, or drop it"),
         ("run.gpu_memory_gib", cfg.model.spec is None,
          f"by the fit check, whose memory model knows the built-in decoder's layers, not --model-spec "
+         f"{cfg.model.spec}'s: drop it"),
+        ("run.host_memory_gib", cfg.model.spec is None,
+         f"by the host check, whose memory model knows the built-in decoder's layers, not --model-spec "
          f"{cfg.model.spec}'s: drop it"),
         ("run.keep_checkpoints", r.save_final or r.checkpoint_every > 0,
          "where checkpoints are saved (--checkpoint-every, or the final save --no-save-final turns off): add "

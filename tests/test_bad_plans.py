@@ -187,6 +187,12 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
     (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
     (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+    (["train", "--host-memory", "0"], "--host-memory 0: expected a number > 0"),
+    # CPU ranks' device is the host: nothing is offloaded, so nothing reads a host limit
+    (["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--device", "cpu", "--host-memory", "64"],
+     "--host-memory 64 prices --offload optimizer, which plan does not propose for --device cpu"),
+    (["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--host-memory", "2.5e11"],
+     "--host-memory = 250000000000.0: expected a number >= 0 and <= 1048576"),
 ])
 def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
     (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")

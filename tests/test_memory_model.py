@@ -363,3 +363,120 @@ def test_simulate_memory_counts_quantized_traffic(capsys):
     assert quant["layout"]["quantize_grads"] == "int8" and quant["ranks"][0]["peak_bytes"] > plain
     assert_one_line(*run_main(["simulate", "--memory", "--dp", "2", "--quantize-weights", "int8"], capsys),
                     "--quantize-weights int8 with --zero 0")
+
+
+def offloaded(cfg_kw: dict, offload: bool) -> list:
+    """Every rank's prediction of `cfg_kw`'s layout, the optimizer offloaded or not (simulate's
+    settings: the runtime does not offload yet)."""
+    cfg = build_config(None, {**cfg_kw, "parallel.offload": "optimizer" if offload else "none"})
+    return predict(cfg, cuda=False)
+
+
+def updated_elements(cfg_kw: dict) -> list[int]:
+    """Each rank's updated elements, from the buckets the run pads: ZeRO-0 the whole buckets, ZeRO-1
+    to 3 a 1/D shard of each."""
+    from pipezero.schedules.zero_rules import RULES
+    from pipezero.sim.memory import build_plan
+
+    cfg = build_config(None, cfg_kw)
+    plan = build_plan(cfg, False)
+    dp = cfg.parallel.dp
+    whole = [sum(plan.buckets.chunk_numel(c) for c in plan.program.schedule.chunks(s))
+             for s in range(cfg.parallel.pp)]
+    return [whole[r // dp] // (1 if RULES[cfg.parallel.zero].updates_whole else dp) for r in range(len(whole) * dp)]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_offload_moves_adamw_from_the_device_to_the_host(zero):
+    """--offload optimizer takes AdamW's two fp32 moments (8 B an updated element) off each rank's
+    device peak, nothing else, and keeps 16 B an updated element on the host (master, moments,
+    gradient staging); ZeRO-0 updates whole padded buckets, ZeRO-1 to 3 a shard of each."""
+    kw = layout(**{"parallel.pp": 2, "parallel.dp": 2, "parallel.zero": zero, "parallel.microbatches": 4})
+    plain, off = offloaded(kw, False), offloaded(kw, True)
+    updated = updated_elements(kw)
+    assert len(set(updated)) > 1  # the stages differ: each rank's own buckets are counted
+    for p, o, n in zip(plain, off, updated):
+        assert p.host_peak_bytes == 0 and p.categories["optimizer"] >= 8 * n
+        assert p.peak_bytes - o.peak_bytes == 8 * n
+        assert o.host_categories == {"host_master": 4 * n, "host_optimizer": 8 * n, "host_grads": 4 * n}
+        assert o.host_peak_bytes == 16 * n
+        assert o.at == p.at  # a constant taken off: the peak is where it was, the rest unchanged
+        assert {c: b for c, b in o.categories.items() if c != "optimizer"} == \
+            {c: b for c, b in p.categories.items() if c != "optimizer"}
+
+
+def test_every_category_says_where_it_lives():
+    from pipezero.sim.memory import CATEGORIES, HOST_CATEGORIES, WHERE
+
+    assert set(WHERE) == set(CATEGORIES) | set(HOST_CATEGORIES)
+    assert {WHERE[c] for c in CATEGORIES} == {"device"} and {WHERE[c] for c in HOST_CATEGORIES} == {"host"}
+
+
+def test_simulate_memory_json_keeps_the_device_peak_and_adds_the_host(capsys):
+    argv = ["simulate", "--memory", "--json", "--preset", "tiny", "--dp", "2", "--zero", "1", "--seq-len", "16"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--offload", "optimizer"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["layout"]["offload"] == "optimizer" and plain["layout"]["offload"] == "none"
+    for p, o in zip(plain["ranks"], off["ranks"]):
+        assert p["host_peak_bytes"] == 0
+        assert o["peak_bytes"] == sum(o["categories"].values()) < p["peak_bytes"]
+        assert o["host_peak_bytes"] == sum(o["host_categories"].values()) == 2 * (p["peak_bytes"] - o["peak_bytes"])
+    assert main(argv[:2] + argv[3:] + ["--offload", "optimizer"]) == 0  # the table
+    table = capsys.readouterr().out
+    assert "offload optimizer" in table
+    for o in off["ranks"]:  # each rank's device and host peaks, in MiB
+        assert f"{o['peak_bytes'] / 2**20:,.1f}" in table and f"{o['host_peak_bytes'] / 2**20:,.1f}" in table
+
+
+def test_offload_applies_with_memory_only(capsys):
+    assert_one_line(*run_main(["simulate", "--offload", "optimizer"], capsys),
+                    "--offload applies with --memory: add --memory, or drop --offload")
+
+
+def test_the_fit_check_counts_device_bytes_only():
+    """A layout whose device peak fits only once AdamW's moments are on the host passes the fit check
+    offloaded (its host bytes are the host check's) and is refused as it is."""
+    from pipezero.sim.limits import FIT_MARGIN
+
+    kw = layout(**{"model.preset": "tiny", "data.seq_len": 16, "parallel.dp": 2, "parallel.zero": 0})
+    plain, off = offloaded(kw, False), offloaded(kw, True)
+    limit = max(r.peak_bytes for r in off) / (1 - FIT_MARGIN) / 2**30 * 1.001
+    assert max(r.peak_bytes + r.host_peak_bytes for r in off) > limit * (1 - FIT_MARGIN) * 2**30
+    cfg = build_config(None, {**kw, "parallel.offload": "optimizer"})
+    assert check_fit(cfg, limit, cuda=False) is not None
+    with pytest.raises(ConfigError, match="does not fit --gpu-memory"):
+        check_fit(build_config(None, kw), limit, cuda=False)
+
+
+def test_the_host_check_counts_host_bytes_and_a_cpu_ranks_device():
+    """train's host check (--host-memory, a node's): GPU ranks' offloaded buffers; CPU ranks' whole
+    peak besides, their device being the host; GPU ranks without offload hold nothing counted."""
+    from pipezero.cli import check_host_memory
+
+    kw = layout(**{"model.preset": "tiny", "data.seq_len": 16, "parallel.dp": 2, "parallel.zero": 1})
+    host = sum(r.host_peak_bytes for r in offloaded(kw, True)) / 2**30
+    device = sum(r.peak_bytes for r in offloaded(kw, True)) / 2**30
+
+    def cfg(gib: float, offload: bool = True):
+        return build_config(None, {**kw, "run.host_memory_gib": str(gib),
+                                   "parallel.offload": "optimizer" if offload else "none"})
+
+    check_host_memory(cfg(host * 1.01), cuda=True)
+    with pytest.raises(ConfigError, match=r"\(2 GPU ranks' host buffers of --offload optimizer: fp32 masters, AdamW "
+                                          r"moments, gradient staging\), more than --host-memory"):
+        check_host_memory(cfg(host * 0.99), cuda=True)
+    check_host_memory(cfg(host * 0.01, offload=False), cuda=True)
+    check_host_memory(cfg((host + device) * 1.01), cuda=False)
+    with pytest.raises(ConfigError, match="2 CPU ranks' predicted peaks: weights, gradients, AdamW state, "
+                                          "activations; and their host buffers"):
+        check_host_memory(cfg((host + device) * 0.99), cuda=False)
+
+
+def test_train_refuses_a_run_past_host_memory_before_it_starts(tmp_path, capsys):
+    code, err = run_main(["train", "--preset", "tiny", "--seq-len", "16", "--max-steps", "1", "--device", "cpu",
+                          "--host-memory", "0.001", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, "more than --host-memory 0.001 GiB: a smaller --preset or --model")
+    assert "the run needs about 0.0 GiB" not in err  # a need below a GiB is said in its own digits
+    assert not (tmp_path / "o").exists()

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 
@@ -8,6 +9,7 @@ from pipezero.models import apply_preset
 from pipezero.sim.layouts import Cluster
 from pipezero.sim.planner import plan
 from pipezero.zero.accounting import paper_bytes_per_param
+from one_line import assert_one_line, run_main
 
 
 def test_zero_paper_table_1_for_7_5b_at_dp_64():
@@ -350,3 +352,58 @@ def test_plan_refuses_a_bandwidth_both_link_flags_override(capsys):
     argv = ["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory", "8", "--intra-bw", "10", "--inter-bw", "1"]
     assert_one_line(*run_main([*argv, "--bandwidth", "100,5"], capsys), "--bandwidth 100,5 is overridden by --intra-bw")
     # both link flags without --bandwidth plan as before: test_placement_follows_the_bandwidths_and_plan_takes_...
+
+
+def test_plan_offloads_7b_on_one_gpu_where_the_host_holds_it(capsys):
+    """7b on one 80 GiB GPU fits only with AdamW's state on the host: plan proposes the offloaded
+    layouts, each saying why, within the host memory a node has."""
+    argv = ["plan", "--preset", "7b", "--gpus", "1", "--gpu-memory", "80", "--seq-len", "1024", "--global-batch", "8"]
+    assert main([*argv, "--host-memory", "256", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
+    assert rows and all(r["offload"] == "optimizer" for r in rows)
+    for r in rows:
+        assert r["memory_gib"] <= 80 * 0.9 < r["memory_gib"] + 8 * 6.7e9 / 2**30  # fits offloaded, not without
+        assert 16 * 6.7e9 / 2**30 < r["host_gib_per_node"] <= 256 * 0.9
+        assert "optimizer offloaded: without it" in r["why"] and "CPU AdamW add" in r["why"]
+    code, err = run_main([*argv, "--host-memory", "64"], capsys)
+    assert_one_line(code, err, "--offload optimizer fits the GPUs")
+    need = rows[0]["host_gib_per_node"] / 0.9
+    assert f"plan with --host-memory {math.ceil(need)} or more" in err and need > 64
+
+
+def test_plan_says_what_the_gpu_lacks_where_offload_is_not_enough(capsys):
+    """At 4096 tokens a sequence one 7b micro-batch's activations and the fp32 weights and gradients
+    pipezero keeps on the GPU pass 72 GiB with the optimizer offloaded too: plan says so."""
+    code, err = run_main(["plan", "--preset", "7b", "--gpus", "1", "--gpu-memory", "80", "--host-memory", "256",
+                          "--global-batch", "8"], capsys)
+    assert_one_line(code, err, "even with --offload optimizer (AdamW's moments off the GPU) the nearest")
+    assert "GiB a GPU" in err and "lower --seq-len" in err
+
+
+def test_offload_is_priced_by_its_host_copies_and_cpu_step():
+    """An offloaded layout's step pays its updated parameters' gradients down and weights up over
+    the host link (4 B each way) and their AdamW on the CPU, at the cluster's rates."""
+    from dataclasses import replace
+
+    from pipezero.models import param_count
+    from pipezero.sim.planner import candidate_layouts, estimate
+
+    model = apply_preset(ModelConfig(), "7b")
+    cluster = Cluster(gpus=1, gpu_memory_gib=80, host_memory_gib=256, pcie_gbps=20.0, adamw_params_s=1e9)
+    lay = candidate_layouts(model, cluster, 8)[0]
+    plain, off = (estimate(model, 1024, 8, cluster, replace(lay, offload=o)) for o in (False, True))
+    n = off.host_gib * 2**30 / 16  # updated elements: the whole padded model at D = 1
+    assert n == pytest.approx(param_count(model), rel=1e-3)
+    assert off.offload_s == pytest.approx(2 * 4 * n / 20e9 + n / 1e9)
+    assert off.step_time_s == pytest.approx(plain.step_time_s + off.offload_s)
+    assert plain.offload_s == plain.host_gib == 0
+    assert plain.memory_gib - off.memory_gib == pytest.approx(8 * n / 2**30)
+
+
+def test_plan_offers_no_offload_where_layouts_fit_without_it():
+    """Offload only adds to a step: where enough layouts fit as they are, none is offloaded."""
+    from pipezero.sim.planner import plan_within
+
+    model = apply_preset(ModelConfig(), "tiny")
+    fits = plan_within(model, Cluster(gpus=2, gpu_memory_gib=80, host_memory_gib=1024), 64, 8, offload=True).fits
+    assert len(fits) >= 10 and not any(e.layout.offload for e in fits)

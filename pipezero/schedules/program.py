@@ -465,10 +465,10 @@ def _updated(padded: int, rules: Rules, dp: int) -> int:
 
 
 def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
-    """--offload-activations `n`: the rank's `n` micro-batches whose activations it would hold across
-    the most other compute actions (a warm-up's first ones: P - p of them in 1F1B on pipeline rank p),
-    each with OFFLOAD_ACT right after its forward and RELOAD_ACT right before the action before its
-    backward; only those held across two or more actions, so each copy has an action to run beside."""
+    """--offload-activations `n`: the rank's first `n` micro-batches (in forward order) held across two
+    or more other compute actions, so each copy has an action to run beside: the warm-up's, which are
+    alive when the rank holds the most (P - p of them in 1F1B on pipeline rank p). Each gets
+    OFFLOAD_ACT right after its forward and RELOAD_ACT right before the action before its backward."""
     computes = [(i, x.action) for i, x in enumerate(out) if isinstance(x, Compute)]
     forward = {(a.chunk, a.mb): (k, i) for k, (i, a) in enumerate(computes) if a.op is Op.F}
     lifetimes = []
@@ -476,9 +476,9 @@ def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
         if a.op in (Op.B, Op.BW) and (a.chunk, a.mb) in forward:
             kf, i_f = forward.pop((a.chunk, a.mb))
             if k - kf - 1 >= 2:  # compute actions between its forward and its backward
-                lifetimes.append((-(k - kf), i_f, computes[k - 1][0], a.chunk, a.mb))
+                lifetimes.append((i_f, computes[k - 1][0], a.chunk, a.mb))
     copies: dict[int, list[Instr]] = {}  # position -> copies placed before (reload) or after (offload) it
-    for _, i_f, i_before, c, mb in sorted(lifetimes)[:n]:
+    for i_f, i_before, c, mb in sorted(lifetimes)[:n]:
         copies.setdefault(i_f, []).append(ActivationCopy(True, c, mb))
         copies.setdefault(i_before, []).insert(0, ActivationCopy(False, c, mb))
     placed: list[Instr] = []

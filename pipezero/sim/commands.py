@@ -54,7 +54,7 @@ ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zer
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
-MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition")  # add_memory_flags' own: no timing run reads them
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "offload", "offload_activations")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:

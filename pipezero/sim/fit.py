@@ -83,4 +83,6 @@ def flags(lay) -> str:  # a planner Layout as train's flags
         out += f" --grad-reduce {lay.grad_reduce.value}"
     if lay.partition.value != "uniform":
         out += f" --partition {lay.partition.value}"
+    if lay.offload:
+        out += " --offload optimizer"
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce, Partition, Placement, ScheduleKind
+from pipezero.sim.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class Cluster:
     # bench/link_probe.py's `cpu_s` measured 10-15 at 100 to 500mbit
     net_cpu_s_per_gb: float = 0.0
     bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
+    # --offload optimizer (sim/offload.py): GiB of host memory a node (0: none described, so no
+    # offloaded layout fits), its GPUs' host link each way and a rank's CPU AdamW rate
+    host_memory_gib: float = 0.0
+    pcie_gbps: float = PCIE_GBPS
+    adamw_params_s: float = CPU_ADAMW_PARAMS_S
 
 
 @dataclass(frozen=True)
@@ -61,3 +67,4 @@ class Layout:
     # prefetch - 1 layers gathered across an action's end, so their gathers are not sent again
     prefetch: int = 1
     sublayer: bool = False  # --zero3-unit sublayer: the prefetch depth counts a block's attention and MLP apart
+    offload: bool = False  # --offload optimizer: masters and AdamW in host memory, the step on the CPU

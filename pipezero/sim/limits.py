@@ -42,6 +42,8 @@ GPUS = Range(1, 65536)
 GLOBAL_BATCH = Range(1, 2**20)
 PARAMS = Range(1e6, 1e13)
 GPU_MEMORY_GIB = Range(0, 16384, open_low=True)  # a byte count (80e9) is refused, not planned for
+HOST_MEMORY_GIB = Range(0, 1 << 20)  # a node's (0: none for offload); a byte count (256e9) is refused
+PARAMS_S = Range(1e3, 1e13)  # a CPU's AdamW rate, parameters a second
 TFLOPS = Range(1e-6, 1e5)
 GBPS = Range(1e-6, 1e6)
 OVERHEAD_MS = Range(0, 1e6)

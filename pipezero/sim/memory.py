@@ -10,7 +10,8 @@ Categories (bytes on one rank):
 - gathered: ZeRO-3's full parameters while a chunk (or a layer) is gathered;
 - grads: fp32 gradient buckets (ZeRO-0/1: whole, from the chunk's first backward on; ZeRO-2/3: a
   full bucket from its first gradient to its reduction, then this rank's shard);
-- optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0);
+- optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0; on the
+  host with --offload optimizer, below), and the step's fp64 norm of one bucket;
 - activations: what autograd saves in forward for each micro-batch in flight (recompute: the
   chunk's input, output and loss only), a split chunk's records of its weight ops for B, split
   backward's (x, dy) stash from B to W, and the transient inside an action, followed layer by
@@ -25,6 +26,18 @@ Categories (bytes on one rank):
   received until it is waited for, and its wait's fp32 decode;
 - batch: the step's token batch and the held-out windows (every rank holds both whole: its share is
   a view of them).
+
+Where each byte lives (`WHERE`): the categories above are the device's (a CPU rank's device is the
+host itself). With --offload optimizer (sim/offload.py) the rank's update moves to the host: for
+every element it updates (ZeRO-0: its whole padded buckets; ZeRO-1 to 3: its shard of each) the
+host holds, from the run's start to its end, the fp32 master copy (`host_master`), AdamW's two
+moments (`host_optimizer`) and the staging buffer each reduced gradient is copied into
+(`host_grads`): 16 bytes an element; the device's `optimizer` keeps only the gradient norm's
+transient. With --offload-activations the micro-batches the program offloads hold their saved
+tensors on the host between OFFLOAD_ACT and RELOAD_ACT (`host_activations`: the most at once). A
+rank's `peak_bytes` is its device peak; `host_peak_bytes` the host bytes of pipezero's own buffers
+(those: nothing else pipezero allocates on the host is counted, nor the interpreter, torch, or the
+data loader).
 
 Phases (each rank's peak is the most of them; `RankMemory.phases`):
 - train: the first training step, walked instruction by instruction (above);
@@ -57,8 +70,8 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Packing, ParallelConfig, RunConfig,
-                             ScheduleKind, TrainConfig)
+from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Offload, Packing, ParallelConfig,
+                             RunConfig, ScheduleKind, TrainConfig)
 from pipezero.models.presets import decoder_shapes, ffn_dim, layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
 from pipezero.schedules.actions import Op
@@ -70,6 +83,7 @@ from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, K
                                        in_flight_of)
 from pipezero.schedules.zero_rules import RULES
 from pipezero.sim.limits import FIT_MARGIN
+from pipezero.sim.offload import host_bytes
 from pipezero.sim.prefetch import Choice, run_choice
 from pipezero.sim.quantized_memory import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
 
@@ -77,6 +91,10 @@ if TYPE_CHECKING:
     from pipezero.sim.layouts import Layout
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "p2p", "collectives", "batch")
+HOST_CATEGORIES = ("host_master", "host_optimizer", "host_grads",  # --offload optimizer's (sim/offload.py)
+                   "host_activations")  # --offload-activations: most micro-batches' saved tensors there at once
+DEVICE, HOST = "device", "host"
+WHERE: dict[str, str] = {**dict.fromkeys(CATEGORIES, DEVICE), **dict.fromkeys(HOST_CATEGORIES, HOST)}
 PHASES = ("train", "eval", "sample")
 F32 = 4
 SAMPLE_PROMPT = "def "  # engine.end_sample's prompt
@@ -241,6 +259,7 @@ class MemoryPlan:
     # --secondary-shard node: ranks a node whose share of each bucket a rank keeps (0: none); where
     # the node's size is not set (torchrun's, known only to the ranks) 2, the least it can be
     secondary: int = 0
+    offload: bool = False  # --offload optimizer: masters, moments and a gradient staging copy on the host
 
 
 @dataclass
@@ -252,13 +271,20 @@ class RankMemory:
     timeline: list[tuple[int, dict[str, int]]] = field(default_factory=list)  # (instruction, live) after each
     totals: list[tuple[str, int]] = field(default_factory=list)  # with the timeline: (instruction, total) each
     phases: dict[str, int] = field(default_factory=dict)  # train, eval, sample: each phase's peak
+    # host bytes of pipezero's own buffers (HOST_CATEGORIES), alive the whole run: their sum is the peak
+    host_categories: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return sum(self.host_categories.values())
 
     def biggest(self, k: int = 3) -> list[tuple[str, int]]:
         return sorted(((c, b) for c, b in self.categories.items() if b), key=lambda x: -x[1])[:k]
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "peak_bytes": self.peak_bytes, "categories": self.categories, "at": self.at,
-                "phases": self.phases}
+                "phases": self.phases, "host_peak_bytes": self.host_peak_bytes,
+                "host_categories": self.host_categories}
 
 
 def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, ...] | None = None) -> MemoryPlan:
@@ -292,7 +318,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       in_flight_of(program), cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
                       r.eval_batches * cfg.global_batch * row, sample, cfg.data.seq_len, depth, grad_q, weight_q,
-                      secondary)
+                      secondary, p.offload is Offload.OPTIMIZER)
 
 
 def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
@@ -464,9 +490,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
     live["params"] = sum(shard.values() if rules.sharded_params else whole.values())
     if plan.secondary:  # hpZ: each bucket's node share, kept from its first gather (counted from the start)
         live["params"] += sum(n // plan.secondary * F32 for c in chunks for n in bp.buckets(c))
-    live["optimizer"] = 2 * sum(whole.values() if rules.updates_whole else shard.values())
+    updated = sum(whole.values() if rules.updates_whole else shard.values())  # fp32 bytes this rank updates
+    live["optimizer"] = 0 if plan.offload else 2 * updated
     live["batch"] = plan.batch_bytes + plan.eval_bytes
-    res = RankMemory(pp_rank * dp)
+    res = RankMemory(pp_rank * dp, host_categories=host_bytes(updated // F32, plan.offload))
+    on_host = [0]  # --offload-activations: saved tensors in host memory now
     held: dict[tuple[int, int], int] = {}  # (chunk, mb) -> activation bytes kept
     # by chunk, a bit a bucket: its full fp32 gradient bucket is alive; its fp32 shard is
     full = dict.fromkeys(chunks, 0)
@@ -675,6 +703,8 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             # (runtime/weight_grad.py holds them), so there the device frees nothing
             moved = 0 if ins.chunk in splits else cb[ins.chunk].held
             live["activations"] += -moved if ins.to_host else moved
+            on_host[0] += cb[ins.chunk].held if ins.to_host else -cb[ins.chunk].held  # every saved tensor is copied
+            res.host_categories["host_activations"] = max(res.host_categories.get("host_activations", 0), on_host[0])
             note(ins)
             i += 1
             continue
@@ -983,7 +1013,7 @@ def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, c
     which the candidate cannot fit; the walks stop there (a peak above it is a lower bound)."""
     return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
                           lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb,
-                          stop_above)
+                          stop_above, lay.offload)
 
 
 @dataclass(frozen=True, eq=False)
@@ -1009,18 +1039,21 @@ def _decoder_shapes(shape: _Shape, bounds: tuple[tuple[int, int], ...]) -> Model
 @lru_cache(maxsize=4096)
 def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
                    micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
-                   bucket_mb: float, stop_above: float | None) -> RankMemory:
+                   bucket_mb: float, stop_above: float | None, offload: bool = False) -> RankMemory:
     par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
                          micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
-                         grad_reduce=mode, bucket_mb=bucket_mb)
+                         grad_reduce=mode, bucket_mb=bucket_mb, offload=Offload.OPTIMIZER if offload else Offload.NONE)
     cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
-    heaviest = None
+    heaviest, host = None, {}
     for r in sorted({0, min(1, pp - 1), pp - 1}):  # the first heaviest; none after one over `stop_above`
         res = walk(build_plan(cfg, cuda, (r,)), r, stop_above=stop_above)  # each lowered only if walked
         if heaviest is None or res.peak_bytes > heaviest.peak_bytes:
             heaviest = res
+        if res.host_peak_bytes >= sum(host.values()):  # the end ranks hold the embedding or the head
+            host = res.host_categories
         if stop_above is not None and res.peak_bytes > stop_above:
             break
     assert heaviest is not None
-    return heaviest
+    # the device's heaviest rank, with the host bytes of the rank that offloads most
+    return replace(heaviest, host_categories=host)

@@ -15,9 +15,9 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from pipezero.config import Partition, ScheduleKind, TrainConfig, Zero3Unit
+from pipezero.config import Offload, Partition, ScheduleKind, TrainConfig, Zero3Unit
 from pipezero.schedules.registry import default_virtual
-from pipezero.sim.memory import CATEGORIES, PHASES, RankMemory, build_plan, every_rank
+from pipezero.sim.memory import CATEGORIES, HOST_CATEGORIES, PHASES, RankMemory, build_plan, every_rank
 from pipezero.sim.memory_partition import resolve
 
 MIB = 2**20
@@ -30,7 +30,8 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
                           "partition": "parallel.partition", "eval_batches": "run.eval_batches",
                           "zero3_prefetch": "parallel.zero3_prefetch", "zero3_unit": "parallel.zero3_unit",
                           "sample_tokens": "run.sample_tokens", "quantize_weights": "parallel.quantize_weights",
-                          "quantize_grads": "parallel.quantize_grads", "quant_block": "parallel.quant_block"}
+                          "quantize_grads": "parallel.quantize_grads", "quant_block": "parallel.quant_block",
+                          "offload": "parallel.offload", "offload_activations": "parallel.offload_activations"}
 
 
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
@@ -51,6 +52,13 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m.add_argument("--zero3-unit", choices=[x.value for x in Zero3Unit], default=None,
                    help="ZeRO-3 layer by layer (--memory, or --zero3-layerwise): what one gather covers (as train "
                         "--zero3-unit: layer, or sublayer, a block's attention and MLP apart)")
+    m.add_argument("--offload", choices=[x.value for x in Offload], default=None,
+                   help="optimizer: predict with fp32 masters, AdamW moments and a gradient staging copy in host "
+                        "memory (16 bytes an updated parameter; the device sheds AdamW's 8): its host bytes are "
+                        "shown beside the device's (as train --offload)")
+    m.add_argument("--offload-activations", type=int, default=None, metavar="N",
+                   help="predict with each pipeline rank's first N warm-up micro-batches' saved activations in host "
+                        "memory between forward and backward (as train --offload-activations)")
     m.add_argument("--partition", choices=[x.value for x in Partition], default=None,
                    help="how layers are cut into stage chunks (as train --partition; memory: the cuts whose "
                         "largest predicted peak is least)")
@@ -79,7 +87,7 @@ def layout_of(cfg: TrainConfig) -> dict:
             "microbatches": p.microbatches, "micro_batch_size": p.micro_batch_size,
             "virtual_stages": p.virtual_stages, "seq_len": cfg.data.seq_len, "dtype": cfg.run.dtype.value,
             "recompute": p.recompute, "quantize_weights": p.quantize_weights.value,
-            "quantize_grads": p.quantize_grads.value}
+            "quantize_grads": p.quantize_grads.value, "offload": p.offload.value}
 
 
 def cmd_simulate_memory(args: argparse.Namespace, typed: set[str]) -> int:
@@ -98,16 +106,20 @@ def cmd_simulate_memory(args: argparse.Namespace, typed: set[str]) -> int:
                         f"{p.schedule.value} M={p.microbatches} B={p.micro_batch_size} T={cfg.data.seq_len} "
                         f"{cfg.run.dtype.value}{' recompute' if p.recompute else ''}"
                         f"{''.join(f' {k} {v}' for k, v in (('weights', p.quantize_weights.value), ('grads', p.quantize_grads.value)) if v != 'none')}"
+                        f"{' offload ' + p.offload.value if p.offload is not Offload.NONE else ''}"
                         f"; layers a chunk "
                         f"{','.join(map(str, cuts))} ({'explicit' if p.stage_layers else p.partition.value})")
+    # the device's categories at its peak, then the host's (sim/memory.py WHERE: each says where it lives)
     shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
+    host = [c for c in HOST_CATEGORIES if any(r.host_categories.get(c) for r in ranks)]
     # each phase's own peak (the training step, the evaluation, the text sample): the peak is the most
     phases = [ph for ph in PHASES if any(ph in r.phases for r in ranks)]
-    for col in ("rank", "peak", *shown, *(f"{ph} peak" for ph in phases), "at"):
+    for col in ("rank", "device peak", *shown, *(f"{ph} peak" for ph in phases), "at", "host peak", *host):
         table.add_column(col, justify="left" if col == "at" else "right")
     for r in ranks:
         table.add_row(str(r.rank), f"{r.peak_bytes / MIB:,.1f}", *(f"{r.categories[c] / MIB:,.1f}" for c in shown),
-                      *(f"{r.phases[ph] / MIB:,.1f}" if ph in r.phases else "-" for ph in phases), r.at)
+                      *(f"{r.phases[ph] / MIB:,.1f}" if ph in r.phases else "-" for ph in phases), r.at,
+                      f"{r.host_peak_bytes / MIB:,.1f}", *(f"{r.host_categories[c] / MIB:,.1f}" for c in host))
     Console(width=160, emoji=False).print(table)
     return 0
 

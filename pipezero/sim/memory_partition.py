@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from pipezero.config import (DataConfig, DType, ModelConfig, Packing, ParallelConfig, Partition, RunConfig,
+from pipezero.config import (DataConfig, DType, ModelConfig, Offload, Packing, ParallelConfig, Partition, RunConfig,
                              TrainConfig)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_costs, layer_param_counts
@@ -248,7 +248,8 @@ def balanced_layout(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool,
     from the run settings the candidate stands for (as sim/memory.layout_memory builds them)."""
     par = ParallelConfig(pp=lay.pp, dp=lay.dp, zero=lay.zero, schedule=lay.schedule, microbatches=lay.microbatches,
                          micro_batch_size=lay.micro_batch, virtual_stages=lay.virtual, recompute=lay.recompute,
-                         grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb, partition=Partition.MEMORY)
+                         grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb, partition=Partition.MEMORY,
+                         offload=Offload.OPTIMIZER if lay.offload else Offload.NONE)
     cfg = TrainConfig(model=model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
     chosen = balance(cfg, cuda)

@@ -17,9 +17,12 @@ from pipezero.errors import ConfigError
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
 from pipezero.sim.commands import check_ranges
+from pipezero.sim.fit import flags
 from pipezero.sim.layouts import Cluster
+from pipezero.sim.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
 
 if TYPE_CHECKING:
+    from pipezero.sim.planner import Estimate
     from pipezero.sim.prefetch import Choice
 
 
@@ -51,6 +54,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--params", type=float, help=f"model size in parameters, e.g. 13e9 ({limits.PARAMS.describe()})")
     s.add_argument("--gpus", type=int, help=f"GPUs in all (or --nodes x --gpus-per-node; {limits.GPUS.describe()})")
     s.add_argument("--gpu-memory", type=float, required=True, help=f"GiB per GPU, e.g. 80 ({limits.GPU_MEMORY_GIB.describe()})")
+    s.add_argument("--host-memory", type=float, default=0.0,
+                   help="GiB of host memory a node: where a layout does not fit the GPUs, the planner tries it with "
+                        "--offload optimizer, which keeps 16 bytes an updated parameter there (default 0: none "
+                        f"offered; {limits.HOST_MEMORY_GIB.describe()})")
+    s.add_argument("--pcie-gbps", type=float, default=PCIE_GBPS,
+                   help=f"GB/s a GPU's host link carries each way, for offload's copies (default {PCIE_GBPS:g}: "
+                        f"PCIe 4.0 x16; {limits.GBPS.describe()})")
+    s.add_argument("--cpu-adamw", type=float, default=CPU_ADAMW_PARAMS_S,
+                   help=f"parameters a second a rank's share of its node's CPU steps AdamW, for offload (default "
+                        f"{CPU_ADAMW_PARAMS_S:.3g}: bench/cpu_adamw.py's ShardedAdamW on one core; "
+                        f"{limits.PARAMS_S.describe()})")
     s.add_argument("--nodes", type=int, help="nodes of --gpus-per-node GPUs each")
     s.add_argument("--node-size", "--gpus-per-node", dest="node_size", type=int, default=8,
                    help=f"GPUs a node ({limits.GPUS.describe()})")
@@ -126,12 +140,32 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     wire = args.wire_bytes or (4 if args.device == "cpu" else 2)
     return Cluster(gpus, args.gpu_memory, args.node_size, intra, inter, tflops=args.tflops, mfu=args.mfu,
                    wire_bytes=wire, overhead_s=args.overhead_ms / 1e3, cpu=args.device == "cpu",
-                   cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb)
+                   cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb,
+                   host_memory_gib=args.host_memory, pcie_gbps=args.pcie_gbps, adamw_params_s=args.cpu_adamw)
 
 
 def unit_words(c: Choice) -> str:
     """What a prefetch depth counts, as `plan` says it (and the flag that asks for parts)."""
     return "layers" if c.unit is Zero3Unit.LAYER else "units, --zero3-unit sublayer"
+
+
+def host_missing(e: "Estimate", cluster: Cluster) -> str:
+    """What the hosts lack where an offloaded layout fits the GPUs but not `--host-memory`."""
+    need = e.host_gib / cluster.headroom  # the planner admits its headroom's share of a node's memory
+    given = (f"--host-memory {cluster.host_memory_gib:g} GiB a node holds less" if cluster.host_memory_gib else
+             "no --host-memory was given")
+    return (f"{flags(e.layout)} fits the GPUs ({e.memory_gib:.1f} GiB a GPU) but its ranks "
+            f"keep {e.host_gib:.1f} GiB in a node's host memory (16 bytes an updated parameter: fp32 master, AdamW "
+            f"moments, gradient staging), and {given}: plan with --host-memory {math.ceil(need)} or more")
+
+
+def device_missing(e: "Estimate", cluster: Cluster) -> str:
+    """What the GPUs lack where no layout fits them, even with the optimizer offloaded."""
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    return (f"even with --offload optimizer (AdamW's moments off the GPU) the nearest, {flags(e.layout)}, needs "
+            f"{e.memory_gib:.1f} GiB a GPU ({e.model_states_gib:.1f} of fp32 weights and gradients, "
+            f"{e.activations_gib:.1f} of activations and buffers) where {limit:.1f} is usable: add GPUs or GPU memory, "
+            f"or lower --seq-len")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -149,10 +183,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         "inter_bw": (float, limits.GBPS), "bucket_mb": (float, POSITIVE),
                         "tflops": (float, limits.TFLOPS), "mfu": (float, Range(0, 1, open_low=True)),
                         "overhead_ms": (float, limits.OVERHEAD_MS), "cores": (int, NON_NEGATIVE),
-                        "net_cpu": (float, limits.NET_CPU), "quant_block": (int, RANGES["parallel.quant_block"])})
+                        "net_cpu": (float, limits.NET_CPU), "quant_block": (int, RANGES["parallel.quant_block"]),
+                        "host_memory": (float, limits.HOST_MEMORY_GIB), "pcie_gbps": (float, limits.GBPS),
+                        "cpu_adamw": (float, limits.PARAMS_S)})
     if args.quant_block is not None and args.quantize_weights == args.quantize_grads == args.compress == "none":
         raise ConfigError(f"--quant-block {args.quant_block} prices quantized traffic: add --quantize-weights, "
                           f"--quantize-grads or --compress auto, or drop it")
+    if args.host_memory and args.device == "cpu":  # CPU ranks' device is the host: nothing to offload to it
+        raise ConfigError(f"--host-memory {args.host_memory:g} prices --offload optimizer, which plan does not "
+                          f"propose for --device cpu (its ranks' device is the host already): drop it")
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
@@ -173,7 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     bits = {"none": 0, "int8": 8, "int4": 4}
     result = plan_within(model, cluster, seq_len, args.global_batch, bits[args.quantize_weights],
                          bits[args.quantize_grads], args.quant_block or ParallelConfig.quant_block, args.secondary_shard == "node",
-                         propose=args.compress == "auto")
+                         propose=args.compress == "auto", offload=True)
     fits, considered, skipped = result.fits, result.considered, result.skipped
     took = time.perf_counter() - t0
     if not considered and skipped:
@@ -187,7 +226,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           f"choose {'--gpus ' + nearby + ' or ' if nearby else ''}another --global-batch")
     if not fits:
         raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
-                          f"{cluster.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
+                          f"{cluster.gpus} x {args.gpu_memory:g} GiB; "
+                          + (host_missing(result.host_short[0], cluster) if result.host_short else
+                             device_missing(result.device_short, cluster) if result.device_short else
+                             "add GPUs or memory, or lower --global-batch"))
     best = fits[0]
     limit = cluster.gpu_memory_gib * cluster.headroom
     depths = {id(e): plan_choice(model, seq_len, cluster, e.layout, (limit - e.memory_gib) * 2**30)
@@ -205,24 +247,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "tokens_per_s": e.tokens_per_s, "bubble": e.bubble,
              "zero3_prefetch": (c := depths[id(e)]) and c.depth, "zero3_prefetch_why": c and c.why,
              "zero3_unit": c and c.unit.value,
+             "offload": "optimizer" if e.layout.offload else "none", "host_gib_per_node": round(e.host_gib, 2),
+             "offload_s": e.offload_s,
              "why": reason(best, e, cluster) + (f", ZeRO-3 prefetch {c.depth} {unit_words(c)}: {c.why}" if c else "")}
             for e in fits[: args.top]]
     if args.json:
         print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,
                           "fit": len(fits), "seconds": took, "layouts": rows}, indent=2))
         return 0
+    off = sum(e.layout.offload for e in fits)
     table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
-                        f"{len(fits)} of {considered} layouts fit ({took:.1f} s)",
+                        f"{len(fits)} of {considered} layouts fit"
+                        f"{f' ({off} only with --offload optimizer)' if off else ''} ({took:.1f} s)",
                   caption=f"{skipped} layouts of many micro-batches not simulated (the planner's time budget): "
                           f"lower --global-batch to weigh them" if skipped else None)
-    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "GiB", "step s",
-                "GB x-node", "why"):
+    for col in ("pp", "dp", "zero", "schedule", "V", "mbs", "M", "rc", "grad", "place", "hier", "off", "GiB",
+                "host GiB", "step s", "GB x-node", "why"):
         table.add_column(col, justify="left" if col in ("schedule", "why") else "right")
     for r in rows:
         table.add_row(str(r["pp"]), str(r["dp"]), str(r["zero"]), r["schedule"], str(r["virtual_stages"]),
                       str(r["micro_batch_size"]), str(r["microbatches"]), "y" if r["recompute"] else "",
                       "mb" if r["grad_reduce"] == "microbatch" else "", r["placement"], "y" if r["hierarchical"] else "",
-                      f"{r['memory_gib']:.1f}", f"{r['step_time_s']:.2f}", f"{r['node_link_bytes'] / 1e9:.2f}",
+                      "opt" if r["offload"] != "none" else "", f"{r['memory_gib']:.1f}",
+                      f"{r['host_gib_per_node']:.1f}" if r["offload"] != "none" else "",
+                      f"{r['step_time_s']:.2f}", f"{r['node_link_bytes'] / 1e9:.2f}",
                       r["why"])
     Console(width=160, emoji=False).print(table)
     return 0

@@ -20,12 +20,16 @@ ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step
 gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
 `microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
 where more than one bucket is outstanding.
+Where few layouts fit, those that do not are tried with the optimizer offloaded (`offloaded`,
+sim/offload.py): a device peak 8 bytes an updated parameter lower, a node's host holding 16 (its
+ranks counted each as the one that offloads most), and the step longer by the host copies and the
+CPU's AdamW, priced as exposed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
@@ -38,6 +42,7 @@ from pipezero.sim import limits
 from pipezero.sim.layouts import Cluster, Layout
 from pipezero.sim.memory import layout_memory
 from pipezero.sim.memory_partition import balanced_layout
+from pipezero.sim.offload import DEVICE_SAVED, HOST_BYTES, HostLink
 from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
 
 GIB = 2**30
@@ -53,6 +58,11 @@ class Estimate:
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
     crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
+    # --offload optimizer (sim/offload.py): host GiB a node's ranks hold, and the seconds the host
+    # copies and the CPU's AdamW add to the step (both 0 without offload)
+    host_gib: float = 0.0
+    offload_s: float = 0.0
+    saved_gib: float = 0.0  # device GiB offload takes off the heaviest rank (AdamW's moments)
 
     @property
     def memory_gib(self) -> float:
@@ -118,6 +128,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         if stop is not None and peak.peak_bytes > stop:
             return None
     states = sum(peak.categories[c] for c in ("params", "gathered", "grads", "optimizer"))
+    updated = peak.host_peak_bytes // HOST_BYTES  # elements the rank offloading most updates (0: no offload)
     acts = peak.peak_bytes - states
     if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
         states += 4 * psi / split[0]
@@ -157,7 +168,12 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
             behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
-    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step, crossing)
+    # offload: each rank's gradients down, weights up and AdamW on the CPU, priced as exposed
+    offload_s = sum(HostLink(cluster.pcie_gbps, cluster.adamw_params_s).step_seconds(updated))
+    step += offload_s
+    host = peak.host_peak_bytes * min(cluster.node_size, cluster.gpus)  # every rank of a node as the heaviest
+    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step, crossing,
+                    host / GIB, offload_s, updated * DEVICE_SAVED / GIB)
 
 
 def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
@@ -207,6 +223,10 @@ class Plan:
     considered: int  # layouts estimated
     skipped: int  # layouts whose simulation did not fit in the budget (the most micro-batches)
     played: int  # budget spent
+    # offloaded layouts that fit the devices but not the hosts (`--host-memory`), least host first
+    host_short: list[Estimate] = field(default_factory=list)
+    # where none fits the devices even offloaded: the offloaded layout nearest to fitting them
+    device_short: Estimate | None = None
 
 
 def sim_actions(lay: Layout) -> int:
@@ -272,11 +292,12 @@ def proposed(estimates: list[Estimate]) -> list[Estimate]:
 
 def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
                 grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
-                budget: int | None = None, propose: bool = False) -> Plan:
+                budget: int | None = None, propose: bool = False, offload: bool = False) -> Plan:
     """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
     every layout with the given quantization of its traffic (bits 0: none) and secondary shard
     where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
-    (`compressed`), kept where that twin is `COMPRESS_GAIN` faster (`proposed`)."""
+    (`compressed`), kept where that twin is `COMPRESS_GAIN` faster (`proposed`). `offload`: where
+    few fit, the layouts that do not also with the optimizer offloaded (`offloaded`)."""
     layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
                for lay in candidate_layouts(model, cluster, global_batch)]
     # a fixed cost an action makes a second simulation of each schedule (estimate)
@@ -292,10 +313,40 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
         misses = [e if e is not None else estimate(model, seq_len, global_batch, cluster, lay)
                   for lay, e in zip(chosen, tried) if e is None or e.memory_gib > limit]
     fits += cut_by_memory(model, cluster, seq_len, global_batch, fits, misses)
+    short: list[Estimate] = []
+    nearest = None
+    if offload and not cluster.cpu and misses:  # misses: where fewer than MEMORY_CUT_RANK fit
+        more, short, nearest = offloaded(model, cluster, seq_len, global_batch, misses)
+        fits += more
     if propose:
         fits = proposed(fits)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
-    return Plan(fits, weighed, len(layouts) - weighed, spent)
+    return Plan(fits, weighed, len(layouts) - weighed, spent, short, nearest)
+
+
+def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int,
+              misses: list[Estimate]) -> tuple[list[Estimate], list[Estimate], Estimate | None]:
+    """The layouts of `misses` (each over the devices' memory as it is) with --offload optimizer
+    (sim/offload.py): (those that then fit the devices and the hosts; those that fit the devices
+    only, least host memory first; where none fits the devices, the one nearest to). Tried only
+    where fewer than `limits.MEMORY_CUT_RANK` layouts fit as they are: offload takes AdamW's 8
+    bytes an updated parameter off the device and adds host copies and a CPU step to every step,
+    so where enough layouts fit without it the fastest of them are faster. A node's host holds
+    its ranks' masters, moments and gradient staging, 16 bytes an updated parameter, within the
+    same share (`headroom`) of its memory as a GPU."""
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    host_limit = cluster.host_memory_gib * cluster.headroom
+    fits, short = [], []
+    for miss in misses:
+        e = estimate(model, seq_len, global_batch, cluster, replace(miss.layout, offload=True), limit)
+        if e is None or e.memory_gib > limit:
+            continue
+        (fits if e.host_gib <= host_limit else short).append(e)
+    nearest = None
+    if not fits and not short:  # the least device memory the plain layouts need, offloaded
+        least = min(misses, key=lambda e: e.memory_gib).layout
+        nearest = estimate(model, seq_len, global_batch, cluster, replace(least, offload=True))
+    return fits, sorted(short, key=lambda e: (e.host_gib, e.step_time_s)), nearest
 
 
 def cut_by_memory(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, fits: list[Estimate],
@@ -356,6 +407,10 @@ def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
                      "paces the step")
     if e.layout.grad_reduce is GradReduce.MICROBATCH:
         parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
+    if e.layout.offload:
+        parts.append(f"optimizer offloaded: without it {e.memory_gib + e.saved_gib:.1f} GiB a GPU, over "
+                     f"{cluster.gpu_memory_gib * cluster.headroom:.1f}; host {e.host_gib:.1f} GiB a node of "
+                     f"{cluster.host_memory_gib:g}; host copies and CPU AdamW add {e.offload_s:.2f} s a step")
     if e is not best:
         parts.append(f"{e.step_time_s / best.step_time_s - 1:+.1%} vs best")
     return ", ".join(parts)
