@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from one_line import assert_one_line, run_main
+from pipezero.cli import main
 from pipezero.probe import Probe, probe
 from pipezero.settings import build_config
 
@@ -29,3 +31,25 @@ def test_the_probe_command_writes_a_new_file_only_and_reads_no_layout(tmp_path, 
     assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", str(out)], capsys), "name a new file")
     assert_one_line(*run_main(["probe", "--budget", "60"], capsys), "--budget 60: expected seconds from")
     assert_one_line(*run_main(["probe", "--pp", "2"], capsys), "unrecognized arguments: --pp 2")
+
+
+def test_plan_with_a_probes_costs_plans_with_its_rates_and_refuses_what_it_would_not_read(tmp_path, capsys):
+    def plan_with(tflops: float, *extra: str) -> tuple[int, str]:
+        path = tmp_path / f"probe-{tflops}.json"
+        found = Probe("cpu", "fp32", 2, 128, {"F": 0.01, "B": 0.01, "W": 0.01}, tflops, 0.0, host_copy_gbps=10.0,
+                      host_adamw_params_s=1e9)
+        path.write_text(json.dumps(found.to_json()))
+        argv = ["plan", "--preset", "small", "--gpus", "2", "--gpu-memory", "1", "--device", "cpu", "--seq-len", "128",
+                "--global-batch", "16", "--json", "--costs", str(path), *extra]
+        if extra:
+            return run_main(argv, capsys)
+        assert main(argv) == 0
+        return 0, capsys.readouterr().out
+
+    steps = [json.loads(plan_with(tflops)[1])["layouts"][0]["step_time_s"] for tflops in (0.01, 0.02)]
+    assert steps[0] / steps[1] == pytest.approx(2.0, rel=0.05)  # compute-bound: twice the rate, half the step
+    assert_one_line(*plan_with(0.01, "--mfu", "0.3"), "measured what --mfu would say: drop one of them")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"device": "cpu"}')
+    assert_one_line(*run_main(["plan", "--preset", "small", "--gpus", "2", "--gpu-memory", "1", "--costs", str(bad)],
+                              capsys), "not a probe pipezero wrote")

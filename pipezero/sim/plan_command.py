@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -102,6 +103,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--overhead-ms", type=float, default=0.0,
                    help="fixed milliseconds every forward, backward or half of one costs beyond its FLOPs "
                         f"({limits.OVERHEAD_MS.describe()})")
+    c.add_argument("--costs", metavar="FILE",
+                   help="a probe of this machine (pipezero probe --json FILE): its achieved FLOP rate, an "
+                        "action's fixed cost, host copy rate and AdamW on the host replace --tflops, --mfu, "
+                        "--overhead-ms, --pcie-gbps and --cpu-adamw")
     h = s.add_argument_group("ranks sharing one host (an emulated cluster)")
     h.add_argument("--cores", type=int, default=0, help="CPU cores every rank shares (0: a device a rank)")
     h.add_argument("--net-cpu", type=float, default=0.0,
@@ -142,6 +147,35 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
                    wire_bytes=wire, overhead_s=args.overhead_ms / 1e3, cpu=args.device == "cpu",
                    cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb,
                    host_memory_gib=args.host_memory, pcie_gbps=args.pcie_gbps, adamw_params_s=args.cpu_adamw)
+
+
+def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
+    """`cluster` with the figures a probe measured (pipezero/probe.py) in place of the presets'. A
+    preset flag given beside it would be read by nothing: refused."""
+    from dataclasses import replace
+
+    from pipezero.flight_files import RecordError, read_json
+    from pipezero.probe import Probe
+
+    given = [f for f, v, default in (("--tflops", args.tflops, 989.0), ("--mfu", args.mfu, 0.45),
+                                     ("--overhead-ms", args.overhead_ms, 0.0), ("--pcie-gbps", args.pcie_gbps, PCIE_GBPS),
+                                     ("--cpu-adamw", args.cpu_adamw, CPU_ADAMW_PARAMS_S)) if v != default]
+    if given:
+        raise ConfigError(f"--costs {args.costs} measured what {', '.join(given)} would say: drop one of them")
+    try:
+        found = Probe.from_json(read_json(Path(args.costs), 1 << 20))
+    except RecordError as e:
+        raise ConfigError(f"--costs: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--costs {args.costs}: not a probe pipezero wrote ({e}): make one with pipezero probe "
+                          f"--json FILE") from None
+    rates = (found.tflops, found.host_copy_gbps or 1.0, found.host_adamw_params_s or 1.0)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (*rates, found.overhead_s + 1)):
+        raise ConfigError(f"--costs {args.costs}: its rates must be numbers > 0 and its overhead_s >= 0, not "
+                          f"{(*rates, found.overhead_s)}")
+    return replace(cluster, tflops=found.tflops, mfu=1.0, overhead_s=found.overhead_s,
+                   pcie_gbps=found.host_copy_gbps or cluster.pcie_gbps,
+                   adamw_params_s=found.host_adamw_params_s or cluster.adamw_params_s)
 
 
 def unit_words(c: Choice) -> str:
@@ -198,6 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len {model.max_seq_len} "
                           f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
+    if args.costs is not None:
+        cluster = measured(cluster, args)
     floor = 4 * param_count(model) / cluster.gpus / 2**30  # fp32 master weights, spread over every GPU at best
     if floor > args.gpu_memory:  # every layout was simulated first to say so: minutes (7b on 8 x 0.001 GiB)
         raise ConfigError(f"no layout fits {param_count(model) / 1e9:.1f}B parameters in {cluster.gpus} x "
