@@ -73,6 +73,8 @@ RANK_FIELDS: dict[str, str] = {
                   "ZeRO-3's secondary share of each bucket with --secondary-shard node",
     "host_bytes": "with --offload optimizer: bytes held in host memory for the optimizer (fp32 copies of the "
                   "updated weights, gradient buffers, AdamW's moments); else 0",
+    "host_activation_peak_bytes": "with --offload-activations: the most bytes of saved activations this rank held in "
+                                  "host memory at once; else 0",
     "params": "parameters in this rank's ZeRO buckets",
     "p2p_bytes_sent": "activation and gradient bytes sent to other stages",
     "collective_bytes_sent": "bytes sent in data-parallel collectives (reductions, gathers)",
@@ -176,6 +178,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             "held_bytes": held_bytes(stage.zero.all_buckets(), stage.zero.rules,
                                      0 if (host := stage.zero.host) else stage.zero.opt.state_bytes()),
             "host_bytes": host.host_bytes() if host else 0,
+            "host_activation_peak_bytes": stage.executor.host_activation_peak,
             "params": sum(b.numel for b in stage.zero.all_buckets()),
             "p2p_bytes_sent": stage.executor.p2p.bytes_sent, "collective_bytes_sent": stage.zero.bytes_sent,
             "peak_rss_bytes": peak_rss_bytes(), "host": socket.gethostname(), "cores": len(os.sched_getaffinity(0)),

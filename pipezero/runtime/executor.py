@@ -120,6 +120,7 @@ class Executor:
         # --offload-activations: micro-batches whose saved tensors the program moves, by (chunk, mb)
         self.saved: dict[tuple[int, int], SavedActivations] = {}
         self.offloading: set[tuple[int, int]] = set()
+        self.host_activation_peak = 0  # most activation bytes in host memory at once, over the run
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # chunks whose W falls back to autograd (said once, when a split schedule first meets them)
         self._unsplit = {c: cap.unsupported for c, cap in captures.items() if not cap.supported}
@@ -201,6 +202,7 @@ class Executor:
         with self.tracer.span(str(ins), "copy", "host"):
             if ins.to_host:
                 saved.to_host()
+                self.host_activation_peak = max(self.host_activation_peak, self.host_activation_bytes)
             else:
                 self.saved.pop(key).to_device()
         self.hooks.note_copy(str(ins), saved.nbytes())
