@@ -16,7 +16,7 @@ from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
 from pipezero.config import (MAX_LAYERS, LaunchConfig, Offload, Packing, ParallelConfig, Partition, SecondaryShard,
-                             TrainConfig, WeightQuant, Zero3Unit)
+                             ShareDevice, TrainConfig, WeightQuant, Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
@@ -557,6 +557,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(o.min_lr <= o.lr, f"optim.min_lr = {o.min_lr:g}: expected a number <= optim.lr, the peak rate (--lr) "
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
+    _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
+           "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
+           "stages nothing (and GPUs refuse --hierarchical); drop one of them")
     _check(p.offload is Offload.NONE, f"--offload {p.offload.value}: the runtime does not offload yet; drop it")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "

@@ -17,9 +17,10 @@ from pipezero.sim.memory_partition import resolve
 GIB = 2**30
 
 
-def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
+def rank_limit_gib(cfg: TrainConfig, local_ranks: int = 1) -> tuple[float | None, bool]:
     """(GiB a rank may use, whether ranks run on CUDA): --gpu-memory, else on CUDA the device's
-    memory, else (CPU) no limit."""
+    memory, or where `local_ranks` share the node's GPUs (`--share-device`) the share each rank is
+    capped to (parallel/device.py `rank_device`), else (CPU) no limit."""
     cuda = cfg.run.device is Device.CUDA
     if cfg.run.device is Device.AUTO:
         import torch
@@ -29,7 +30,13 @@ def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
         return cfg.run.gpu_memory_gib, cuda
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / GIB, cuda
+    from pipezero.parallel.device import shares_device, share_of_gpu
+
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    gpus = torch.cuda.device_count()
+    if shares_device(cfg.run.share_device, "cuda", local_ranks, gpus):
+        return total * share_of_gpu(local_ranks, gpus), cuda
+    return total, cuda
 
 
 def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
