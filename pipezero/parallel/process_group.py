@@ -4,6 +4,7 @@ this attempt's own under torchrun's elastic restarts."""
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -44,8 +45,9 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, torch.device]:
         dist.init_process_group(backend(device, shared), timeout=timeout, **attempt_store(timeout),
                                 **({"device_id": device} if nccl else {}))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if shared and rank == 0 and not r.quiet:
-        print(sharing_line(kind, local_world(), torch.cuda.device_count() if kind == "cuda" else 0), flush=True)
+    if shared and rank == 0:  # said under --quiet (verify) too: no figure of this run is a multi-GPU one
+        print(sharing_line(kind, local_world(), torch.cuda.device_count() if kind == "cuda" else 0), file=sys.stderr,
+              flush=True)
     # Settings given differently to one rank (outside torchrun) are refused on every rank at once.
     check_same_settings(cfg, device, p.timeout_s)
     return rank, device
