@@ -46,15 +46,23 @@ DATA = ["--tokenizer", "bytes"]
 
 
 def pipezero(args: list[str], timeout_s: float) -> dict[str, Any]:
-    """Run `pipezero ARGS`; its exit code, seconds and the tail of what it printed."""
+    """Run `pipezero ARGS`; its exit code, seconds and the tail of what it printed. Past `timeout_s`
+    it gets SIGTERM, on which the launcher stops its ranks (pipezero/job.py): none is left holding
+    the GPU for the next run."""
     t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "pipezero.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        done = subprocess.run([sys.executable, "-m", "pipezero.cli", *args], capture_output=True, text=True,
-                              timeout=timeout_s)
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        code, text = 124, f"{e.stdout or ''}{e.stderr or ''}timed out after {timeout_s:g} s"
-        text = text if isinstance(text, str) else text.decode(errors="replace")
+        text, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            text, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        code, text = 124, f"{text or ''}\ntimed out after {timeout_s:g} s"
     return {"code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": text[-3000:],
             "shared_line": next((ln for ln in text.splitlines() if " share " in ln or "--share-device on" in ln), None)}
 
@@ -97,6 +105,7 @@ def part_layouts(args: argparse.Namespace) -> dict:
                "worst_memory_error": max((abs(m["error"]) for m in memory if m["error"] is not None), default=None)}
         row["ok"] = row["code"] == 0 and row["matches_one_process"] and row["memory_within"]
         rows.append(row)
+        _write(args.json, {"part": "a", "ok": False, "partial": True, "rows": rows})  # what a timeout leaves
         print(f"(a) {describe(lay)}: {'ok' if row['ok'] else 'FAILED'} (matches one process: "
               f"{row['matches_one_process']}, worst memory error {_pct(row['worst_memory_error'])}, "
               f"{run['seconds']} s)", flush=True)
@@ -250,6 +259,8 @@ def part_summary(args: argparse.Namespace) -> int:
             ok = bool(report.get("ok")) and code in (None, "0")
             lines = [report.get("skipped") or report.get("what", "")]
             lines += [_row_line(part, r) for r in report.get("rows", []) if _row_line(part, r)]
+        if code in ("124", "137"):
+            lines.append("timed out: the part's limit ended it (the rows above are what it finished)")
         summary["parts"][part] = {"ok": ok, "file": name, "lines": lines}
         table.append((part, "ok" if ok else "FAILED", lines[0] if lines else ""))
         table += [("", "", ln) for ln in lines[1:]]
