@@ -122,8 +122,8 @@ class Staged:
         landed.record(self._stream)
         current.wait_event(landed)
 
-    def _start(self, work: Any, back: list[tuple[torch.Tensor, torch.Tensor]]) -> StagedWork:
-        return StagedWork(work, back, self)
+    def _start(self, work: Any, back: list[tuple[torch.Tensor, torch.Tensor]], *keep: torch.Tensor) -> StagedWork:
+        return StagedWork(work, back, self, keep)
 
     # --- the calls ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group: Any) -> StagedWork:
@@ -131,25 +131,24 @@ class Staged:
         return self._start(dist.all_reduce(h, group=group, async_op=True), [(h, t)])
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Any) -> StagedWork:
-        h_out = self._host(out)
-        return self._start(collectives.all_gather(h_out, self.to_host(shard), group), [(h_out, out)])
+        h_in, h_out = self.to_host(shard), self._host(out)
+        return self._start(collectives.all_gather(h_out, h_in, group), [(h_out, out)], h_in)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Any) -> StagedWork:
-        h_out = self._host(out)
-        return self._start(collectives.reduce_scatter(h_out, self.to_host(full), group), [(h_out, out)])
+        h_in, h_out = self.to_host(full), self._host(out)
+        return self._start(collectives.reduce_scatter(h_out, h_in, group), [(h_out, out)], h_in)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: Any) -> StagedWork:
-        h_out = self._host(out)
-        return self._start(dist.all_to_all_single(h_out, self.to_host(inp), group=group, async_op=True),
-                           [(h_out, out)])
+        h_in, h_out = self.to_host(inp), self._host(out)
+        return self._start(dist.all_to_all_single(h_out, h_in, group=group, async_op=True), [(h_out, out)], h_in)
 
     def isend(self, t: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> StagedWork:
-        return self._start(dist.isend(self.to_host(t), dst=dst, group=group, tag=tag), [])
+        h = self.to_host(t)
+        return self._start(dist.isend(h, dst=dst, group=group, tag=tag), [], h)
 
     def irecv(self, t: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> StagedWork:
         h = self._host(t)
         return self._start(dist.irecv(h, src=src, group=group, tag=tag), [(h, t)])
-
 
     def counts(self) -> dict[str, int]:
         return {"copies_out": self.copies_out, "bytes_out": self.bytes_out, "copies_back": self.copies_back,
@@ -157,11 +156,13 @@ class Staged:
 
 
 class StagedWork:
-    """A staged call in flight: its host buffers stay alive with it, and the first wait that
-    succeeds copies the outputs back to the device, once."""
+    """A staged call in flight: its host buffers (inputs `keep`, outputs in `back`) stay alive with
+    it while gloo's threads use them, and the first wait that succeeds copies the outputs back to the
+    device, once."""
 
-    def __init__(self, work: Any, back: list[tuple[torch.Tensor, torch.Tensor]], stage: Staged) -> None:
-        self._work, self._back, self._stage = work, back, stage
+    def __init__(self, work: Any, back: list[tuple[torch.Tensor, torch.Tensor]], stage: Staged,
+                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self._work, self._back, self._stage, self._keep = work, back, stage, keep
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         ok = self._work.wait() if timeout is None else self._work.wait(timeout=timeout)
