@@ -130,6 +130,38 @@ def test_compiled_blocks_train_like_eager(tmp_path):
     assert set(compiled.params) == set(eager.params)
 
 
+def test_a_staged_call_copies_into_buffers_of_its_own_and_back_once_when_waited_for():
+    """On CPU the staging copies are plain copies, but into separate buffers: what gloo reads is a
+    snapshot taken at the call, and the output lands in the caller's tensor only at the wait."""
+    from datetime import timedelta
+
+    from pipezero.parallel.staging import Staged, StagedWork
+
+    class Done:  # a finished torch Work
+        def __init__(self):
+            self.timeouts = []
+
+        def wait(self, timeout=None):
+            self.timeouts.append(timeout)
+            return True
+
+    stage = Staged()
+    t = torch.arange(6.0)
+    host = stage.to_host(t)
+    assert torch.equal(host, t) and host.data_ptr() != t.data_ptr()
+    t.add_(1)  # the caller goes on: the snapshot does not move
+    assert torch.equal(host, torch.arange(6.0))
+    arrived, out, work = torch.full((6,), 7.0), torch.zeros(6), Done()
+    staged = StagedWork(work, [(arrived, out)], stage)
+    assert torch.equal(out, torch.zeros(6))  # nothing lands before the wait
+    assert staged.wait(timedelta(seconds=5)) and torch.equal(out, arrived)
+    out.zero_()
+    assert staged.wait(timedelta(seconds=5)) and torch.equal(out, torch.zeros(6))  # copied back once
+    assert work.timeouts == [timedelta(seconds=5)] * 2  # the caller's timeout reaches the backend's wait
+    assert stage.counts() == {"copies_out": 1, "bytes_out": 24, "copies_back": 1, "bytes_back": 24}
+    assert not stage.stream_ordered  # every staged wait blocks the CPU, bounded by --timeout
+
+
 # Every transport call site in one 2-rank process group: pipeline sends and receives with the tied
 # embedding's sum between the two ends (pp 2), and ZeRO's collectives (dp 2): ZeRO-0's all-reduce,
 # ZeRO-2's reduce-scatter exchange and the gathers of updated weights after the step (ZeRO-1's
