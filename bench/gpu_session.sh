@@ -33,7 +33,7 @@ py=${PYTHON:-python}
 runs=$(mktemp -d)  # the parts' run folders: fresh each session (train refuses a folder holding a run)
 if [ -n "$dry" ]; then
     out=${OUT:-$(mktemp -d)}
-    t_a=300 t_b=150 t_c=150 t_d=90  # CPU ranks: (a) took 200 s of CPU-bound waiting at load 30 on 2 cores
+    t_a=300 t_b=150 t_c=150 t_d=90  # CPU ranks; (a) took 200 s with 2 cores at load 30, 100 s at load 20
     a_args=(--layouts 1 --steps 1 --each-s 280)
     c_args=(--cases tiny --compile off --steps 2 --warm 1 --budget-s 60)
 else
