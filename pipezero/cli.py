@@ -173,10 +173,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
-    from pipezero.sim.fit import check_fit, rank_limit_gib
+    from pipezero.sim.fit import check_fit, limit_name, rank_limit_gib
 
-    limit, cuda = rank_limit_gib(cfg, local_ranks(launch.nproc, cfg.parallel.world_size))
-    check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
+    local = local_ranks(launch.nproc, cfg.parallel.world_size)
+    limit, cuda = rank_limit_gib(cfg, local)
+    check_fit(cfg, limit, cuda, limit_name(cfg, local))  # before any rank starts: a layout that cannot fit is refused
     from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
                                  preflight, under_torchrun)
 

@@ -59,20 +59,26 @@ def test_ranks_sharing_gpus_take_contiguous_blocks_and_their_share_of_memory():
 
 
 def test_the_fit_check_allows_a_sharing_rank_its_share(monkeypatch):
-    """Four ranks on one GPU: each is allowed a quarter of the card, so the fit check refuses a
-    layout that fits the whole card but not a quarter of it."""
+    """Four ranks on one 80 GiB GPU: each is allowed a quarter of the card, so the fit check refuses
+    a layout that fits the whole card but not a quarter of it, naming the share it held it to."""
     from pipezero.sim import fit
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
-    cfg = build_config(None, {"run.device": "cuda", "parallel.dp": 4}) if torch.cuda.is_available() else None
-    if cfg is None:  # a CPU build refuses --device cuda at validation: the limit alone, from an auto config
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        cfg = build_config(None, {"parallel.dp": 4})
+    cfg = build_config(None, {"parallel.dp": 4, "model.preset": "base", "data.seq_len": 1024,  # ~36 GiB a rank
+                              "parallel.micro_batch_size": 32, "parallel.microbatches": 1})
     assert fit.rank_limit_gib(cfg, 4) == (20.0, True)
-    assert fit.rank_limit_gib(cfg, 1) == (80.0, True)
+    assert fit.rank_limit_gib(cfg, 1) == (80.0, True) and fit.limit_name(cfg, 1) is None
+    fit.check_fit(cfg, *fit.rank_limit_gib(cfg, 1))
+    with pytest.raises(ConfigError, match=r"the layout does not fit a rank's share of the GPU, 20 GiB \(1/4 of 80 GiB: "
+                                          r"4 ranks share 1 GPU; --gpu-memory GIB checks another limit\): rank 0"):
+        fit.check_fit(cfg, *fit.rank_limit_gib(cfg, 4), fit.limit_name(cfg, 4))
     cfg.run.share_device = ShareDevice.OFF
     assert fit.rank_limit_gib(cfg, 4) == (80.0, True)
+    cfg.run.share_device, cfg.run.gpu_memory_gib = ShareDevice.AUTO, 50.0  # the flag replaces the share
+    assert fit.rank_limit_gib(cfg, 4) == (50.0, True)
+    assert fit.limit_name(cfg, 4) is None
 
 
 def test_share_device_on_with_hierarchical_is_refused():

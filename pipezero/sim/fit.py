@@ -39,10 +39,11 @@ def rank_limit_gib(cfg: TrainConfig, local_ranks: int = 1) -> tuple[float | None
     return total, cuda
 
 
-def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
+def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool,
+              named: str | None = None) -> list[RankMemory] | None:
     """Raise ConfigError when some rank's predicted peak exceeds `limit_gib` less the model's
     `FIT_MARGIN`; the prediction otherwise (None without a limit, or for a model of one's own, whose
-    layers the model does not know)."""
+    layers the model does not know). `named`: what the limit is, for the message (`limit_name`)."""
     if limit_gib is None or cfg.model.spec is not None:
         return None
     ranks = predict(resolve(cfg, cuda), cuda)
@@ -55,10 +56,30 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
     # a peak outside the training step names its phase and what lowers it
     phase = {"eval": " in the held-out evaluation (fewer run.eval_batches lower it)",
              "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
-    raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
+    raise ConfigError(f"the layout does not fit {named or f'--gpu-memory {limit_gib:g} GiB'}: rank {worst.rank} would peak at "
                       f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over "
                       f"{admitted:.3g} GiB, the limit less the model's {FIT_MARGIN:.0%} margin); "
                       f"{alternatives(cfg, admitted, cuda)}")
+
+
+def limit_name(cfg: TrainConfig, local_ranks: int) -> str | None:
+    """What the fit check's limit is where ranks share a GPU and no --gpu-memory was given: a
+    rank's share, which a user did not type (None elsewhere: the flag's own name says it)."""
+    if cfg.run.gpu_memory_gib is not None:
+        return None
+    import torch
+
+    from pipezero.parallel.device import share_of_gpu, shares_device
+
+    if not torch.cuda.is_available():
+        return None
+    gpus = torch.cuda.device_count()
+    if not shares_device(cfg.run.share_device, "cuda", local_ranks, gpus) or share_of_gpu(local_ranks, gpus) == 1:
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    share = share_of_gpu(local_ranks, gpus)
+    return (f"a rank's share of the GPU, {total * share:g} GiB (1/{round(1 / share)} of {total:g} GiB: "
+            f"{local_ranks} ranks share {gpus} GPU{'s' * (gpus != 1)}; --gpu-memory GIB checks another limit)")
 
 
 def alternatives(cfg: TrainConfig, limit_gib: float, cuda: bool, top: int = 3) -> str:
