@@ -66,6 +66,7 @@ def test_the_fit_check_allows_a_sharing_rank_its_share(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(fit, "alternatives", lambda *a: "...")  # the planner's search: tests/test_planner.py
     cfg = build_config(None, {"parallel.dp": 4, "model.preset": "base", "data.seq_len": 1024,  # ~36 GiB a rank
                               "parallel.micro_batch_size": 32, "parallel.microbatches": 1})
     assert fit.rank_limit_gib(cfg, 4) == (20.0, True)
