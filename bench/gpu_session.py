@@ -111,7 +111,8 @@ def part_layouts(args: argparse.Namespace) -> dict:
               f"{run['seconds']} s)", flush=True)
         if not row["ok"] and row["code"]:
             print(run["tail"][-1500:], flush=True)
-    return {"part": "a", "what": f"{len(layouts)} layouts of 2-4 ranks sharing one device, each against one process, "
+    return {"part": "a", "what": f"{len(layouts)} layout{'s' * (len(layouts) != 1)} of 2-4 ranks sharing one device, "
+                                 f"each against one process, "
                                  f"each rank's predicted peak within {MEMORY_TOLERANCE:.0%}",
             "ok": bool(rows) and all(r["ok"] for r in rows), "rows": rows}
 
