@@ -64,7 +64,8 @@ def pipezero(args: list[str], timeout_s: float) -> dict[str, Any]:
             text, _ = proc.communicate()
         code, text = 124, f"{text or ''}\ntimed out after {timeout_s:g} s"
     return {"code": code, "seconds": round(time.perf_counter() - t0, 1), "tail": text[-3000:],
-            "shared_line": next((ln for ln in text.splitlines() if " share " in ln or "--share-device on" in ln), None)}
+            "shared_line": next((ln for ln in text.splitlines() if ln.startswith("pipezero: ") and (
+                " ranks share " in ln or "--share-device on with CPU ranks" in ln)), None)}
 
 
 def layout_flags(lay: dict) -> list[str]:
@@ -103,11 +104,12 @@ def part_layouts(args: argparse.Namespace) -> dict:
         row = {"layout": lay, **run, "matches_one_process": bool(verdict.get("ok")), "memory": memory,
                "memory_within": bool(memory) and all(m["within"] for m in memory),
                "worst_memory_error": max((abs(m["error"]) for m in memory if m["error"] is not None), default=None)}
-        row["ok"] = row["code"] == 0 and row["matches_one_process"] and row["memory_within"]
+        row["shared"] = run["shared_line"] is not None  # rank 0's line: the ranks did share the device
+        row["ok"] = row["code"] == 0 and row["shared"] and row["matches_one_process"] and row["memory_within"]
         rows.append(row)
         _write(args.json, {"part": "a", "ok": False, "partial": True, "rows": rows})  # what a timeout leaves
-        print(f"(a) {describe(lay)}: {'ok' if row['ok'] else 'FAILED'} (matches one process: "
-              f"{row['matches_one_process']}, worst memory error {_pct(row['worst_memory_error'])}, "
+        print(f"(a) {describe(lay)}: {'ok' if row['ok'] else 'FAILED'} (shared: {row['shared']}, matches one "
+              f"process: {row['matches_one_process']}, worst memory error {_pct(row['worst_memory_error'])}, "
               f"{run['seconds']} s)", flush=True)
         if not row["ok"] and row["code"]:
             print(run["tail"][-1500:], flush=True)
