@@ -45,7 +45,7 @@ else
 fi
 mkdir -p "$out"
 rm -f "$out"/{layouts,fit,gpu_step,offload,summary}.json  # a part that gives no result shows as such
-$py -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")'
+$py -c 'import torch; c = torch.cuda.is_available(); print(torch.__version__, torch.cuda.get_device_name(0) if c else "cpu")'
 part() {  # part NAME SECONDS COMMAND...: run it under its own timeout; its exit code in rc_NAME
     local name=$1 limit=$2
     shift 2

@@ -42,9 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipezero.parallel.staging import Direct, Transport
-
-DIRECT = Direct()  # CPU tensors straight to gloo: the exchanges' default (the two levels use nothing else)
+from pipezero.parallel.staging import DIRECT, Transport
 
 
 @dataclass

@@ -174,6 +174,7 @@ class StagedWork:
 
 
 Transport = Direct | Staged
+DIRECT = Direct()  # CPU tensors straight to torch.distributed: the default where a transport is optional
 
 
 def transport_for(device: torch.device, staged: bool) -> Transport:

@@ -117,5 +117,6 @@ class P2P:
     def _wait(self, work: Any, what: str, awaited: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"), self.flight.awaiting(what, **awaited):
-            wait_or_raise(work, self.timeout_s, what, stream_ordered=self.transport.stream_ordered)  # type: ignore[union-attr]
+            ordered = self.transport.stream_ordered  # type: ignore[union-attr]
+            wait_or_raise(work, self.timeout_s, what, stream_ordered=ordered)
         self.wait_s += time.perf_counter() - t0

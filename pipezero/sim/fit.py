@@ -56,7 +56,8 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool,
     # a peak outside the training step names its phase and what lowers it
     phase = {"eval": " in the held-out evaluation (fewer run.eval_batches lower it)",
              "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
-    raise ConfigError(f"the layout does not fit {named or f'--gpu-memory {limit_gib:g} GiB'}: rank {worst.rank} would peak at "
+    named = named or f"--gpu-memory {limit_gib:g} GiB"
+    raise ConfigError(f"the layout does not fit {named}: rank {worst.rank} would peak at "
                       f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over "
                       f"{admitted:.3g} GiB, the limit less the model's {FIT_MARGIN:.0%} margin); "
                       f"{alternatives(cfg, admitted, cuda)}")

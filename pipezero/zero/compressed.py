@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipezero.parallel.hierarchical import DIRECT, ExchangeWork, HierarchicalWork, Hierarchy, start_on
-from pipezero.parallel.staging import Transport
+from pipezero.parallel.hierarchical import ExchangeWork, HierarchicalWork, Hierarchy, start_on
+from pipezero.parallel.staging import DIRECT, Transport
 from pipezero.zero.quantize import Bits, decode_many, encode, message_bytes
 
 
@@ -144,7 +144,8 @@ class AllReduceWork:
         return ok
 
 
-def start_all_reduce(t: torch.Tensor, group: Any, wire: Wire, what: str, transport: Transport = DIRECT) -> AllReduceWork:
+def start_all_reduce(t: torch.Tensor, group: Any, wire: Wire, what: str,
+                     transport: Transport = DIRECT) -> AllReduceWork:
     """Start summing `t` (D x S, fp32) over `group` in place, every rank ending with the same values."""
     parts = dist.get_world_size(group)
     piece = torch.empty(t.numel() // parts, dtype=torch.float32, device=t.device)
