@@ -103,6 +103,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--seed": ("run.seed", "seed of weights and data order"),
     "--dtype": ("run.dtype", "compute and communication dtype"),
     "--device": ("run.device", "cpu (gloo) or cuda (GPU LOCAL_RANK, NCCL); auto: cuda when torch sees a GPU"),
+    "--share-device": ("run.share_device", "ranks sharing a GPU, through the host (gloo, staging copies), each capped "
+                                           "to its share of the GPU's memory: auto (default) when a node has more "
+                                           "ranks than GPUs, on (always; on CPU ranks the staging path's test), off"),
     "--out": ("run.out", "run directory (metrics.jsonl, summary.json, checkpoints)"),
     "--checkpoint-every": ("run.checkpoint_every", "sharded checkpoint every K steps (and at the end, unless --no-save-final)"),
     "--no-save-final": ("run.save_final", "save no checkpoint after the last step (saved by default, so "
@@ -122,7 +125,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                                "evaluation and the text sample and write them beside the memory "
                                                "model's prediction in summary.json"),
     "--gpu-memory": ("run.gpu_memory_gib", "GiB a rank may use: a layout whose predicted peak exceeds it is refused "
-                                           "before any rank starts (default on CUDA: the device's memory; CPU: off)"),
+                                           "before any rank starts (default on CUDA: the device's memory, or a "
+                                           "rank's share of it when ranks share a GPU; CPU: off)"),
     "--host-memory": ("run.host_memory_gib", "GiB of host memory this node has for its ranks: a run whose ranks here "
                                              "need more (--offload optimizer's host buffers; CPU ranks: their whole "
                                              "predicted peak) is refused before any rank starts (default: this "
@@ -180,10 +184,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
-    from pipezero.sim.fit import check_fit, rank_limit_gib
+    from pipezero.sim.fit import check_fit, limit_name, rank_limit_gib
 
-    limit, cuda = rank_limit_gib(cfg)
-    check_fit(cfg, limit, cuda)  # before any rank starts: a layout that cannot fit is refused here
+    local = local_ranks(launch.nproc, cfg.parallel.world_size)
+    limit, cuda = rank_limit_gib(cfg, local)
+    check_fit(cfg, limit, cuda, limit_name(cfg, local))  # before any rank starts: a layout that cannot fit is refused
     from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
                                  preflight, under_torchrun)
 
@@ -226,6 +231,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if under_torchrun():
         exit_rank(code)
     return code
+
+
+def local_ranks(nproc: int | None, world: int) -> int:
+    """Ranks on this node: `--nproc`'s, or torchrun's LOCAL_WORLD_SIZE for a rank it started, or the
+    layout's (one process of a one-rank run)."""
+    from pipezero.launch import under_torchrun
+
+    if nproc is not None:
+        return nproc
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or world) if under_torchrun() else 1
 
 
 def check_out(cfg: Any) -> None:
@@ -516,7 +531,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
-    _, cuda = rank_limit_gib(cfg)
+    _, cuda = rank_limit_gib(cfg, launch.nproc or cfg.parallel.world_size)  # verify starts the layout's ranks
     if not under_torchrun():
         check_host_memory(cfg, cuda)  # --preset 7b: minutes of building before the kernel killed it
     return verify_layout(cfg, args.steps, launch.nproc, args.argv)

@@ -33,6 +33,14 @@ class Device(str, enum.Enum):
     CUDA = "cuda"  # one GPU a local rank, NCCL
 
 
+class ShareDevice(str, enum.Enum):
+    """Whether ranks on one node may share a GPU (parallel/device.py, parallel/staging.py)."""
+
+    AUTO = "auto"  # share when a node has more ranks than GPUs (and at least one GPU)
+    OFF = "off"  # never: more ranks than GPUs fall back to CPU (--device auto) or are refused (cuda)
+    ON = "on"  # always through the host: gloo with staging copies, also on CPU ranks (the test path)
+
+
 class ScheduleKind(str, enum.Enum):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
@@ -332,6 +340,11 @@ class RunConfig:
     """Compute and communication dtype; master weights and AdamW state stay fp32."""
     device: Device = Device.AUTO
     """cpu (gloo), cuda (GPU LOCAL_RANK, NCCL), or auto: cuda when torch sees a GPU."""
+    share_device: ShareDevice = ShareDevice.AUTO
+    """Ranks sharing one GPU (NCCL refuses two ranks on one GPU): every transfer and collective over
+    gloo through pinned host buffers, each rank capped to its share of the GPU's memory. auto: when a
+    node has more ranks than GPUs; on: always, and on CPU ranks the staging copies still happen (the
+    test of that path); off: never. Proves memory and CUDA code paths, not multi-GPU throughput."""
     out: str = "runs/latest"
     """Run directory: metrics.jsonl, summary.json, config.json, checkpoints."""
     eval_every: int = 50

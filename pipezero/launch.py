@@ -140,7 +140,7 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
         if problem := split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
             raise ConfigError(problem)
     check_corpus(cfg, load_corpus(cfg.data), spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
-    device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
+    device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count(), cfg.run.share_device)
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)
     return device

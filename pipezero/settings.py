@@ -16,7 +16,7 @@ from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
 from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard,
-                             TrainConfig, WeightQuant, Zero3Unit)
+                             ShareDevice, TrainConfig, WeightQuant, Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
@@ -565,6 +565,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(not (p.offload_activations and p.recompute),
            f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
            f"between forward and backward to offload; drop one of them")
+    _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
+           "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
+           "stages nothing (and GPUs refuse --hierarchical); drop one of them")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")

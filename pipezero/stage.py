@@ -28,6 +28,8 @@ from pipezero.parallel.device import PeakMemory, synchronizer
 from pipezero.parallel.hierarchical import Hierarchy, build_hierarchy, split_by_node
 from pipezero.parallel.mesh import Groups, Mesh, build_groups
 from pipezero.parallel.partition import partition
+from pipezero.parallel.process_group import staged_rank
+from pipezero.parallel.staging import transport_for
 from pipezero.runtime.executor import Executor
 from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P
@@ -196,6 +198,10 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   source=source, hierarchy=hierarchy,
                   node=node, forward_only=plan.forward_only, offload=p.offload is Offload.OPTIMIZER, **wires(p))
     zero.comm.flight = flight
+    transport = transport_for(device, staged_rank(cfg, device.type))  # ranks sharing a GPU: through host buffers
+    p2p.transport = zero.comm.transport = transport
+    if zero.tied is not None:
+        zero.tied.transport = transport
     if zero.layerwise:
         layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})
     program = rank_program(plan, mesh, zero)

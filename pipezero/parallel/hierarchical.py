@@ -42,6 +42,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from pipezero.parallel.staging import DIRECT, Transport
+
 
 @dataclass
 class Hierarchy:
@@ -148,7 +150,7 @@ class ExchangeWork:
 REDUCE_TAG, GATHER_TAG = 1, 2
 
 
-def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> ExchangeWork:
+def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any, transport: Transport = DIRECT) -> ExchangeWork:
     """Start summing `full` over `group`, this member keeping its slice in `out` (what
     `dist.reduce_scatter_tensor` leaves): each member sends every other its slice once, (G - 1) / G
     of the buffer, and sums the G slices when waited for. gloo's reduce-scatter sends an
@@ -157,7 +159,8 @@ def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> Exchang
     Receives land in a buffer of the G - 1 other members' slices (at G = 2 in `out` itself), never
     in one the size of `full`: in flight, a bucket's reduction holds (G - 1) / G of the bucket
     beside it, not all of it (all_to_all_single's output, the whole bucket, cost ZeRO-2 and -3 a
-    bucket's bytes for each reduction in flight). The sum is in member order, as before."""
+    bucket's bytes for each reduction in flight). The sum is in member order, as before. Sends and
+    receives go through `transport` (parallel/staging.py: host buffers where ranks share a GPU)."""
     parts = dist.get_world_size(group)
     if full.numel() != out.numel() * parts:
         raise ValueError(f"exchange: {full.numel()} elements do not split into {parts} x {out.numel()}")
@@ -165,8 +168,8 @@ def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> Exchang
     slices = full.view(parts, -1)
     got = out.view(1, -1) if parts == 2 else torch.empty(parts - 1, out.numel(), dtype=out.dtype, device=out.device)
     peers = [j for j in range(parts) if j != me]
-    works = [dist.irecv(got[i], src=ranks[j], group=group, tag=REDUCE_TAG) for i, j in enumerate(peers)]
-    works += [dist.isend(slices[j], dst=ranks[j], group=group, tag=REDUCE_TAG) for j in peers]
+    works = [transport.irecv(got[i], ranks[j], group, REDUCE_TAG) for i, j in enumerate(peers)]
+    works += [transport.isend(slices[j], ranks[j], group, REDUCE_TAG) for j in peers]
 
     def finish() -> None:
         if parts == 2:  # out holds the other member's slice: one addition (commutative), rounded once
@@ -183,7 +186,8 @@ def start_exchange(out: torch.Tensor, full: torch.Tensor, group: Any) -> Exchang
     return ExchangeWork(works, finish)
 
 
-def start_gather_exchange(out: torch.Tensor, shard: torch.Tensor, group: Any) -> ExchangeWork:
+def start_gather_exchange(out: torch.Tensor, shard: torch.Tensor, group: Any,
+                          transport: Transport = DIRECT) -> ExchangeWork:
     """Start filling `out` (G x shard) with every member's `shard`, in member order, as
     `dist.all_gather_into_tensor` does: each member sends its shard to every other, which receives
     it in place, into its slice of `out`. gloo's all-gather receives into a flat buffer the size of
@@ -197,8 +201,8 @@ def start_gather_exchange(out: torch.Tensor, shard: torch.Tensor, group: Any) ->
     if slices[me].data_ptr() != shard.data_ptr():  # ZeRO-1/2 send their own slice of `out`
         slices[me].copy_(shard.reshape(-1))
     peers = [j for j in range(parts) if j != me]
-    works = [dist.irecv(slices[j], src=ranks[j], group=group, tag=GATHER_TAG) for j in peers]
-    works += [dist.isend(slices[me], dst=ranks[j], group=group, tag=GATHER_TAG) for j in peers]
+    works = [transport.irecv(slices[j], ranks[j], group, GATHER_TAG) for j in peers]
+    works += [transport.isend(slices[me], ranks[j], group, GATHER_TAG) for j in peers]
     return ExchangeWork(works)
 
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from pipezero.parallel.staging import Direct, Transport
 from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
 from pipezero.runtime.flight import FlightRecord
 from pipezero.telemetry.trace import Tracer
@@ -51,9 +51,16 @@ class P2P:
     wait_s: float = 0.0  # time spent blocked on peers (the rest of a step is compute)
     tracer: Tracer = field(default_factory=Tracer)
     flight: FlightRecord = field(default_factory=lambda: FlightRecord(-1, -1))  # where the rank is (doctor.py)
+    # how payloads travel (parallel/staging.py: through host buffers where ranks share a GPU); None:
+    # straight to torch.distributed on `device`
+    transport: Transport | None = None
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str, dict[str, Any]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.transport is None:
+            self.transport = Direct(self.device)
 
     def _source(self, kind: Payload, chunk: int) -> int:
         return self.rank_of_chunk[chunk + 1 if kind is Payload.GRAD else chunk - 1]
@@ -70,7 +77,7 @@ class P2P:
             return
         shape = (self.shape[0], self.lengths[mb], *self.shape[2:]) if self.lengths else self.shape
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._recvs[key] = (dist.irecv(buf, src=src), buf)
+        self._recvs[key] = (self.transport.irecv(buf, src), buf)  # type: ignore[union-attr]
 
     def recv(self, kind: Payload, chunk: int, mb: int) -> torch.Tensor:
         key = (int(kind), chunk, mb)
@@ -89,7 +96,7 @@ class P2P:
             self._local[(int(kind), consumer, mb)] = tensor.detach()
             return
         payload = tensor.detach().to(self.dtype).contiguous()
-        work = dist.isend(payload, dst=dst)
+        work = self.transport.isend(payload, dst)  # type: ignore[union-attr]
         nbytes = payload.numel() * payload.element_size()
         self.bytes_sent += nbytes
         self.flight.posted(dst, nbytes)
@@ -110,5 +117,6 @@ class P2P:
     def _wait(self, work: Any, what: str, awaited: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         with self.tracer.span(what.split(": ", 1)[-1], "wait", "p2p"), self.flight.awaiting(what, **awaited):
-            wait_or_raise(work, self.timeout_s, what, stream_ordered=self.device.type == "cuda")
+            ordered = self.transport.stream_ordered  # type: ignore[union-attr]
+            wait_or_raise(work, self.timeout_s, what, stream_ordered=ordered)
         self.wait_s += time.perf_counter() - t0

@@ -17,9 +17,10 @@ from pipezero.sim.memory_partition import resolve
 GIB = 2**30
 
 
-def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
+def rank_limit_gib(cfg: TrainConfig, local_ranks: int = 1) -> tuple[float | None, bool]:
     """(GiB a rank may use, whether ranks run on CUDA): --gpu-memory, else on CUDA the device's
-    memory, else (CPU) no limit."""
+    memory, or where `local_ranks` share the node's GPUs (`--share-device`) the share each rank is
+    capped to (parallel/device.py `rank_device`), else (CPU) no limit."""
     cuda = cfg.run.device is Device.CUDA
     if cfg.run.device is Device.AUTO:
         import torch
@@ -29,13 +30,20 @@ def rank_limit_gib(cfg: TrainConfig) -> tuple[float | None, bool]:
         return cfg.run.gpu_memory_gib, cuda
     import torch
 
-    return torch.cuda.get_device_properties(0).total_memory / GIB, cuda
+    from pipezero.parallel.device import shares_device, share_of_gpu
+
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    gpus = torch.cuda.device_count()
+    if shares_device(cfg.run.share_device, "cuda", local_ranks, gpus):
+        return total * share_of_gpu(local_ranks, gpus), cuda
+    return total, cuda
 
 
-def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[RankMemory] | None:
+def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool,
+              named: str | None = None) -> list[RankMemory] | None:
     """Raise ConfigError when some rank's predicted peak exceeds `limit_gib` less the model's
     `FIT_MARGIN`; the prediction otherwise (None without a limit, or for a model of one's own, whose
-    layers the model does not know)."""
+    layers the model does not know). `named`: what the limit is, for the message (`limit_name`)."""
     if limit_gib is None or cfg.model.spec is not None:
         return None
     ranks = predict(resolve(cfg, cuda), cuda)
@@ -48,10 +56,31 @@ def check_fit(cfg: TrainConfig, limit_gib: float | None, cuda: bool) -> list[Ran
     # a peak outside the training step names its phase and what lowers it
     phase = {"eval": " in the held-out evaluation (fewer run.eval_batches lower it)",
              "sample": " in the end-of-run text sample (fewer --sample-tokens lower it)"}.get(worst.at.split(":")[0], "")
-    raise ConfigError(f"the layout does not fit --gpu-memory {limit_gib:g} GiB: rank {worst.rank} would peak at "
+    named = named or f"--gpu-memory {limit_gib:g} GiB"
+    raise ConfigError(f"the layout does not fit {named}: rank {worst.rank} would peak at "
                       f"{worst.peak_bytes / GIB:.2f} GiB{phase} ({parts} GiB; {len(over)} of {len(ranks)} ranks over "
                       f"{admitted:.3g} GiB, the limit less the model's {FIT_MARGIN:.0%} margin); "
                       f"{alternatives(cfg, admitted, cuda)}")
+
+
+def limit_name(cfg: TrainConfig, local_ranks: int) -> str | None:
+    """What the fit check's limit is where ranks share a GPU and no --gpu-memory was given: a
+    rank's share, which a user did not type (None elsewhere: the flag's own name says it)."""
+    if cfg.run.gpu_memory_gib is not None:
+        return None
+    import torch
+
+    from pipezero.parallel.device import share_of_gpu, shares_device
+
+    if not torch.cuda.is_available():
+        return None
+    gpus = torch.cuda.device_count()
+    if not shares_device(cfg.run.share_device, "cuda", local_ranks, gpus) or share_of_gpu(local_ranks, gpus) == 1:
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / GIB
+    share = share_of_gpu(local_ranks, gpus)
+    return (f"a rank's share of the GPU, {total * share:g} GiB (1/{round(1 / share)} of {total:g} GiB: "
+            f"{local_ranks} ranks share {gpus} GPU{'s' * (gpus != 1)}; --gpu-memory GIB checks another limit)")
 
 
 def alternatives(cfg: TrainConfig, limit_gib: float, cuda: bool, top: int = 3) -> str:

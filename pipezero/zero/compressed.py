@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pipezero.parallel.hierarchical import ExchangeWork, HierarchicalWork, Hierarchy, start_on
+from pipezero.parallel.staging import DIRECT, Transport
 from pipezero.zero.quantize import Bits, decode_many, encode, message_bytes
 
 
@@ -99,15 +100,16 @@ class GatherWork:
 
 
 def start_gather(out: torch.Tensor, shard: torch.Tensor, group: Any, wire: Wire, what: str,
-                 keep: slice | None = None, nonfinite_ok: bool = False) -> GatherWork:
+                 keep: slice | None = None, nonfinite_ok: bool = False, transport: Transport = DIRECT) -> GatherWork:
     """Start filling `out` (D x S) with every rank's quantized `shard` (S,), decoded on `wait`."""
     parts = dist.get_world_size(group)
     msg = encode(shard, wire.bits, wire.block, what, nonfinite_ok)
     got = torch.empty(parts * msg.numel(), dtype=torch.uint8, device=shard.device)
-    return GatherWork(dist.all_gather_into_tensor(got, msg, group=group, async_op=True), got, out, parts, wire, keep)
+    return GatherWork(transport.all_gather(got, msg, group), got, out, parts, wire, keep)
 
 
-def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str) -> ExchangeWork:
+def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire: Wire, what: str,
+                         transport: Transport = DIRECT) -> ExchangeWork:
     """Start summing `full` (D x S) over `group`, this rank keeping slice `rank` in `out` (S,) fp32:
     the messages travel by one all-to-all; the wait decodes the D received and sums them in fp32,
     once (hierarchical.ExchangeWork, as the unquantized exchange)."""
@@ -118,7 +120,7 @@ def start_reduce_scatter(out: torch.Tensor, full: torch.Tensor, group: Any, wire
     def finish() -> None:
         torch.sum(wire.decode_parts(got, parts, out.numel()), 0, out=out)
 
-    return ExchangeWork([dist.all_to_all_single(got, msgs, group=group, async_op=True)], finish)
+    return ExchangeWork([transport.all_to_all(got, msgs, group)], finish)
 
 
 class AllReduceWork:
@@ -126,25 +128,29 @@ class AllReduceWork:
     then encodes this rank's slice, all-gathers the messages and decodes them all into `t`."""
 
     def __init__(self, first: ExchangeWork, slice_: torch.Tensor, t: torch.Tensor, group: Any, wire: Wire,
-                 what: str) -> None:
+                 what: str, transport: Transport) -> None:
         self._first, self._slice, self._t, self._group, self._wire, self._what = first, slice_, t, group, wire, what
+        self._transport = transport
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
         self._first.wait(timeout)
-        second = start_gather(self._t, self._slice, self._group, self._wire, self._what, nonfinite_ok=True)
+        second = start_gather(self._t, self._slice, self._group, self._wire, self._what, nonfinite_ok=True,
+                              transport=self._transport)
         ok = second.wait(timeout)
         self._done = True
         return ok
 
 
-def start_all_reduce(t: torch.Tensor, group: Any, wire: Wire, what: str) -> AllReduceWork:
+def start_all_reduce(t: torch.Tensor, group: Any, wire: Wire, what: str,
+                     transport: Transport = DIRECT) -> AllReduceWork:
     """Start summing `t` (D x S, fp32) over `group` in place, every rank ending with the same values."""
     parts = dist.get_world_size(group)
     piece = torch.empty(t.numel() // parts, dtype=torch.float32, device=t.device)
-    return AllReduceWork(start_reduce_scatter(piece, t, group, wire, what), piece, t, group, wire, what)
+    return AllReduceWork(start_reduce_scatter(piece, t, group, wire, what, transport), piece, t, group, wire, what,
+                         transport)
 
 
 # --- two levels, on the hierarchy's own thread ---------------------------------------------------

@@ -12,15 +12,15 @@ decides nothing about *when*; zero/sharded.py (the executor's hooks) and the opt
 
 from __future__ import annotations
 
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pipezero.parallel.collectives import all_gather, reduce_scatter
 from pipezero.parallel.hierarchical import (Hierarchy, start_all_reduce, start_exchange, start_gather_exchange,
                                            start_reduce_scatter)
+from pipezero.parallel.staging import Direct, Transport
 from pipezero.parallel.waits import wait_or_raise
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.played import PlayEvent, Played
@@ -54,6 +54,13 @@ class Coordinator:
     # each wait (a reduction's, a gather's) and each release, one a bucket, named as the program names it. Cleared by `new_step`;
     # tests/training.py holds every step's against the program (schedules/played.py `expected`).
     played: list[Played] = field(default_factory=list)
+    # How tensors travel (parallel/staging.py): through host buffers where ranks share a GPU; None:
+    # straight to torch.distributed
+    transport: Transport | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport is None:
+            self.transport = Direct(torch.device("cuda" if self.on_gpu else "cpu"))
 
     def new_step(self) -> None:
         self.played.clear()
@@ -74,7 +81,7 @@ class Coordinator:
         across = across or f"across {self.dp} data-parallel ranks"
         with self.tracer.span(op, "wait", "collectives"), self.flight.awaiting(op, **awaited_of(op)):
             wait_or_raise(work, self.timeout_s, f"rank {self.rank}, step {self.tracer.step}: ZeRO-{self.rules.stage} "
-                                                f"{op} {across}", stream_ordered=self.on_gpu)
+                                                f"{op} {across}", stream_ordered=self.transport.stream_ordered)
 
     # --- gradient reductions -----------------------------------------------------------------
     def reduce(self, b: Bucket) -> None:
@@ -102,18 +109,18 @@ class Coordinator:
         # bf16 on the wire: the fp32 gradient is rounded once for the reduction, which sums in
         # bf16; the result lands in fp32 (shard or bucket), where micro-batches accumulate.
         wire = b.grad if self.comm_dtype == b.grad.dtype else b.grad.to(self.comm_dtype)
-        nbytes, h = b.padded * wire.element_size(), self.hierarchy
+        nbytes, h, t = b.padded * wire.element_size(), self.hierarchy, self.transport
         if to_shard:
             out = torch.empty(b.shard_size, dtype=self.comm_dtype, device=b.device)
             # gloo's reduce-scatter is an all-reduce and a copy (an all-reduce's bytes): on CPU ranks
             # each rank sends every other its slice instead, (D - 1) / D of the bucket, and sums what
             # it received (0.74x of gloo's time at D=2 and 0.45x at D=4 on 25 MB, loopback, measured)
-            work = start_reduce_scatter(out, wire, h) if h else reduce_scatter(out, wire, self.group) \
-                if self.on_gpu else start_exchange(out, wire, self.group)
+            work = start_reduce_scatter(out, wire, h) if h else t.reduce_scatter(out, wire, self.group) \
+                if t.native else start_exchange(out, wire, self.group, t)
             self.bytes_sent += h.bytes_sent(nbytes, False) if h else nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, out)
         else:
-            work = start_all_reduce(wire, h) if h else dist.all_reduce(wire, group=self.group, async_op=True)
+            work = start_all_reduce(wire, h) if h else t.all_reduce(wire, self.group)
             self.bytes_sent += h.bytes_sent(nbytes, True) if h else 2 * nbytes * (self.dp - 1) // self.dp
             b.reduction = Reduction(work, None, None if wire is b.grad else wire)
 
@@ -121,18 +128,18 @@ class Coordinator:
         """qgZ (zero/compressed.py): the fp32 gradient quantized blockwise, exchanged, summed in fp32;
         at ZeRO-0, where every rank updates whole buckets, the summed slices are gathered back,
         quantized again."""
-        w, h, grad = self.grads, self.hierarchy, b.grad
-        assert w is not None and grad is not None
+        w, h, grad, t = self.grads, self.hierarchy, b.grad, self.transport
+        assert w is not None and grad is not None and t is not None
         what = f"rank {self.rank}: gradient bucket {b.label} ({b.names[0]}, ...)"
         if self.rules.reduces_to_shard:
             out = torch.empty(b.shard_size, device=b.device)
             work = compressed.start_reduce_scatter_two_level(out, grad, h, w, what) if h \
-                else compressed.start_reduce_scatter(out, grad, self.group, w, what)
+                else compressed.start_reduce_scatter(out, grad, self.group, w, what, t)
             self.bytes_sent += compressed.bytes_reduce_scatter(w, b.padded, self.dp, h)
             b.reduction = Reduction(work, out)
         else:
             work = compressed.start_all_reduce_two_level(grad, h, w, what) if h \
-                else compressed.start_all_reduce(grad, self.group, w, what)
+                else compressed.start_all_reduce(grad, self.group, w, what, t)
             self.bytes_sent += compressed.bytes_all_reduce(w, b.padded, self.dp, h)
             b.reduction = Reduction(work, None)
 
@@ -198,12 +205,14 @@ class Coordinator:
         if self.weights is not None and (low_precision or keep_own):
             self.bytes_sent += compressed.bytes_gather(self.weights, b.shard_size, self.dp)
             what = f"rank {self.rank}: parameter bucket {b.label} ({b.names[0]}, ...)"
-            work = compressed.start_gather(b.flat, shard, self.group, self.weights, what, b.shard if keep_own else None)
+            work = compressed.start_gather(b.flat, shard, self.group, self.weights, what, b.shard if keep_own else None,
+                                           transport=self.transport)
             b.gathering = Gathering(work, None)
             return
         # CPU ranks gather by direct exchange: gloo's all-gather would hold a copy of the whole
         # bucket while it runs (parallel/hierarchical.start_gather_exchange)
-        gather = all_gather if self.on_gpu else start_gather_exchange
+        t = self.transport
+        gather = t.all_gather if t.native else partial(start_gather_exchange, transport=t)
         if low_precision and self.comm_dtype != b.flat.dtype:
             wire = torch.empty(b.padded, dtype=self.comm_dtype, device=b.device)
             self.bytes_sent += b.padded * wire.element_size() * (self.dp - 1) // self.dp
@@ -218,7 +227,7 @@ class Coordinator:
         h = self.node
         assert h is not None and b.secondary is not None
         self.bytes_sent += (h.per_node - 1) * b.secondary.numel() * 4
-        b.gathering = Gathering(all_gather(b.flat, b.secondary, h.intra), None)
+        b.gathering = Gathering(self.transport.all_gather(b.flat, b.secondary, h.intra), None)
 
     def finish_gather(self, b: Bucket) -> None:
         g, b.gathering = b.gathering, None

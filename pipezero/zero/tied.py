@@ -9,7 +9,7 @@ gradient norm counts the shared weight once (the head's copy is left out of it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipezero.parallel.mesh import Mesh
+from pipezero.parallel.staging import Direct, Transport
 from pipezero.parallel.waits import wait_or_raise
 
 
@@ -25,6 +26,7 @@ class TiedCopies:
     local: list[nn.Parameter]  # this rank's copies (0, 1 or 2)
     head: nn.Parameter | None  # the copy left out of the gradient norm, if held here
     group: Any  # the first and last pipeline rank of this replica; None when one rank holds both
+    transport: Transport = field(default_factory=Direct)  # parallel/staging.py; set with the stage's
 
     @property
     def nbytes(self) -> int:
@@ -36,8 +38,8 @@ class TiedCopies:
             return
         total = sum((p.grad if p.grad is not None else torch.zeros_like(p)) for p in self.local)
         if self.group is not None:
-            work = dist.all_reduce(total, group=self.group, async_op=True)
-            wait_or_raise(work, timeout_s, what, stream_ordered=total.is_cuda)
+            work = self.transport.all_reduce(total, self.group)
+            wait_or_raise(work, timeout_s, what, stream_ordered=total.is_cuda and self.transport.stream_ordered)
         for p in self.local:
             if p.grad is None:
                 p.grad = total.clone()

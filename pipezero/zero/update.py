@@ -97,7 +97,7 @@ def global_norm(buckets: list[Bucket], rules: Rules, coord: Coordinator, max_nor
         else torch.zeros((), dtype=torch.float64, device=device)
     total = torch.stack([local, torch.as_tensor(loss, dtype=torch.float64, device=device)])
     if norm_group is not None:
-        work = dist.all_reduce(total, group=norm_group, async_op=True)
+        work = coord.transport.all_reduce(total, norm_group)  # type: ignore[union-attr]  # parallel/staging.py
         # the world group: every stage's norm and loss, not only this stage's replicas
         coord.wait(work, "OPTIM_STEP: all-reduce of the gradient norm and loss",
                    f"across all {dist.get_world_size(norm_group)} ranks")
