@@ -2,7 +2,7 @@
 
     python bench/gpu_session.py layouts --json F --out DIR   # (a) layouts of 2-4 ranks sharing the GPU
     python bench/gpu_session.py fit --json F --out DIR       # (b) the fit check's boundary
-    python bench/gpu_session.py offload --json F --out DIR   # (d) --offload optimizer, once the runtime has it
+    python bench/gpu_session.py offload --json F --out DIR   # (d) --offload optimizer: its memory and cost
     python bench/gpu_session.py summary --dir DIR            # one table of every part, and DIR/summary.json
 
 (c) is bench/gpu_step.py. `--dry-run` runs each part on CPU ranks at a toy size with the shared-GPU
@@ -80,11 +80,14 @@ def layout_flags(lay: dict) -> list[str]:
             "--dtype", lay["dtype"], "--virtual-stages", str(v)]
 
 
-def memory_rows(summary: dict) -> list[dict]:
-    """Each rank's predicted and measured peak (summary.json `memory`, --memory-profile) and their error."""
+def memory_rows(summary: dict, with_host: bool = False) -> list[dict]:
+    """Each rank's predicted and measured peak (summary.json `memory`, --memory-profile) and their error;
+    `with_host`: the prediction plus the rank's --offload host bytes (a CPU rank's one memory)."""
     rows = []
+    host = {r.get("rank", i): r.get("host_bytes") or 0 for i, r in enumerate(summary.get("ranks", []))}
     for r in summary.get("memory", {}).get("ranks", []):
         pred, meas = r.get("predicted_peak_bytes"), r.get("measured_peak_bytes")
+        pred = pred + host.get(r["rank"], 0) if pred and with_host else pred
         err = None if not pred or not meas else (pred - meas) / meas
         rows.append({"rank": r["rank"], "predicted_gib": pred and pred / GIB, "measured_gib": meas and meas / GIB,
                      "error": err, "within": err is not None and abs(err) <= MEMORY_TOLERANCE})
@@ -197,24 +200,78 @@ def part_fit(args: argparse.Namespace) -> dict:
 
 # --- (d) offload -------------------------------------------------------------------------------
 def part_offload(args: argparse.Namespace) -> dict:
-    """A placeholder for --offload optimizer (the lead's work): run once `train --help` lists it and
-    the runtime accepts it; until then say why it was skipped."""
-    if "--offload" not in _help_text():
-        print("(d) skipped: no --offload", flush=True)
-        return {"part": "d", "what": "--offload optimizer", "ok": True, "skipped": "no --offload", "rows": []}
-    model = CPU_MODEL if args.dry_run else ["--preset", "1b", "--seq-len", "2048", "--micro-batch-size", "2",
-                                            "--dtype", "bf16"]
-    run = pipezero(["train", "--nproc", "1", *model, *DATA, "--offload", "optimizer", "--max-steps", "3",
-                    "--no-progress", "--eval-every", "0", "--sample-tokens", "0", "--no-save-final",
-                    "--memory-profile", "--out", str(Path(args.out) / "offload")], args.each_s)
-    if run["code"] == 2 and "does not offload yet" in run["tail"]:
-        print("(d) skipped: --offload optimizer is listed but refused (the runtime does not offload yet)", flush=True)
-        return {"part": "d", "what": "--offload optimizer", "ok": True,
-                "skipped": "--offload listed, refused: the runtime does not offload yet", "rows": [run]}
-    ok = run["code"] == 0
-    print(f"(d) --offload optimizer: {'ok' if ok else 'FAILED'} (exit {run['code']}, {run['seconds']} s)", flush=True)
-    return {"part": "d", "what": "--offload optimizer trains", "ok": ok,
-            "rows": [{**run, "memory": memory_rows(_read(Path(args.out) / "offload" / "summary.json") or {})}]}
+    """--offload optimizer on one device: (1) `1b` plain and offloaded side by side, each rank's
+    predicted device peak against the allocator's and the step time of each; (2) a model that does
+    not fit the device without offload (`7b` at 1,024 tokens; the limit is the device's memory, or
+    the midpoint of the two predictions where the device holds both): plain refused by the fit
+    check before start, offloaded admitted and training its first steps within the limit."""
+    if args.dry_run:
+        model = ["--preset", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--device", "cpu"]
+        big = model
+    else:
+        model = ["--preset", "1b", "--seq-len", "2048", "--micro-batch-size", "2", "--dtype", "bf16"]
+        big = ["--preset", "7b", "--seq-len", "1024", "--micro-batch-size", "1", "--dtype", "bf16"]
+    common = ["--nproc", "1", *DATA, "--max-steps", "3", "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
+              "--no-save-final", "--memory-profile"]
+    out, rows = Path(args.out), []
+    for offload in ("none", "optimizer"):
+        run = pipezero(["train", *common, *model, "--offload", offload, "--out", str(out / f"1b-{offload}")],
+                       args.each_s)
+        summary = _read(out / f"1b-{offload}" / "summary.json") or {}
+        # CPU ranks' one memory holds the host's buffers too: measured against device + host bytes there
+        memory = memory_rows(summary, with_host=args.dry_run)
+        rows.append({"check": f"{model[1]} --offload {offload}: trains, each rank's device peak within "
+                              f"{MEMORY_TOLERANCE:.0%} of predicted", **run, "memory": memory,
+                     "step_s": _step_s(out / f"1b-{offload}"),
+                     "host_bytes": [r.get("host_bytes") for r in summary.get("ranks", [])],
+                     "ok": run["code"] == 0 and bool(memory) and all(m["within"] for m in memory)})
+    plain_s, off_s = (r["step_s"] for r in rows)
+    ratio = off_s / plain_s if plain_s and off_s else None
+    flags = _settings(big)
+    plain_peak, off_peak = (predicted_peak({**flags, "parallel.offload": o}, not args.dry_run) for o in ("none", "optimizer"))
+    limit = (plain_peak + off_peak) / 2
+    if not args.dry_run:
+        import torch
+
+        limit = min(limit, torch.cuda.get_device_properties(0).total_memory)
+    cap = ["--gpu-memory", f"{limit / GIB:.6g}"]
+    refused = pipezero(["train", *common, *big, *cap, "--offload", "none", "--out", str(out / "big-none")], args.each_s)
+    trained = pipezero(["train", *common, *big, *cap, "--offload", "optimizer", "--max-steps", "2",
+                        "--out", str(out / "big-optimizer")], args.each_s)
+    memory = memory_rows(_read(out / "big-optimizer" / "summary.json") or {})
+    rows += [{"check": f"{big[1]} plain, predicted {plain_peak / GIB:.1f} GiB: refused under {limit / GIB:.1f} GiB",
+              **refused, "ok": refused["code"] == 2 and "does not fit" in refused["tail"]},
+             {"check": f"{big[1]} --offload optimizer, predicted {off_peak / GIB:.1f} GiB: trains its first steps",
+              **trained, "memory": memory,
+              # on CPU ranks host and device are one memory: the measured peak holds both (no allocator cap)
+              "ok": trained["code"] == 0 and bool(memory) and (
+                  args.dry_run or all(m["measured_gib"] * GIB <= limit for m in memory))}]
+    for r in rows:
+        print(f"(d) {r['check']}: {'ok' if r['ok'] else 'FAILED'} (exit {r['code']}, {r['seconds']} s)", flush=True)
+        if not r["ok"]:
+            print(r["tail"][-1500:], flush=True)
+    print(f"(d) step time offloaded / plain: {ratio:.2f}" if ratio else "(d) step time: not measured", flush=True)
+    return {"part": "d", "what": "--offload optimizer: device peak predicted, step time beside plain, a model that "
+                                 "fits only offloaded", "offload_over_plain_step": ratio,
+            "ok": all(r["ok"] for r in rows), "rows": rows}
+
+
+def _step_s(run: Path) -> float | None:
+    """Mean step time of a run's steps after the first (metrics.jsonl), None where it has none."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    times = [r["step_time_s"] for r in map(json.loads, lines) if r.get("step", 0) > 1 and "step_time_s" in r]
+    return sum(times) / len(times) if times else None
+
+
+def _settings(flags: list[str]) -> dict[str, Any]:
+    """`--preset 7b --seq-len 1024 ...` as the settings predicted_peak takes."""
+    keys = {"--preset": "model.preset", "--seq-len": "data.seq_len", "--micro-batch-size": "parallel.micro_batch_size",
+            "--dtype": "run.dtype", "--device": "run.device"}
+    out = {keys[f]: v for f, v in zip(flags[::2], flags[1::2])}
+    return {**out, "data.tokenizer": "bytes"}
 
 
 def _help_text() -> str:

@@ -15,8 +15,9 @@
 #      the share; the allocator's cap still holds) running out of memory; one predicted to fit with
 #      10% to spare training.
 #  (c) gpu_step.json: base and 1b MFU beside a plain PyTorch loop, eager and compiled (bench/gpu_step.py).
-#  (d) offload.json: --offload optimizer once `pipezero train --help` lists it and the runtime takes
-#      it; until then "skipped".
+#  (d) offload.json: --offload optimizer: 1b plain and offloaded (each rank's device peak within 10%
+#      of predicted, step times side by side), and 7b at 1,024 tokens, which fits the device only
+#      offloaded: plain refused by the fit check, offloaded training its first steps.
 # Then one table of every part, and summary.json beside the parts' files; exit 0 when every part passed.
 # A dry run proves the script, not the GPU's figures: CPU ranks with the shared-GPU path forced
 # (--share-device on), (a) on its first layout, (c) eager only, its files in a temporary folder.
@@ -38,7 +39,7 @@ if [ -n "$dry" ]; then
     c_args=(--cases tiny --compile off --steps 2 --warm 1 --budget-s 60)
 else
     out=${OUT:-bench/results/gpu_session}
-    t_a=240 t_b=120 t_c=200 t_d=40  # 600 s in all
+    t_a=220 t_b=100 t_c=160 t_d=120  # 600 s in all
     a_args=(--steps 2 --each-s 60)
     c_args=(--cases base,1b --compile both --budget-s 120)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
@@ -56,6 +57,6 @@ part() {  # part NAME SECONDS COMMAND...: run it under its own timeout; its exit
 part a "$t_a" $py bench/gpu_session.py layouts $dry "${a_args[@]}" --json "$out/layouts.json" --out "$runs/a"
 part b "$t_b" $py bench/gpu_session.py fit $dry --each-s 100 --json "$out/fit.json" --out "$runs/b"
 part c "$t_c" $py bench/gpu_step.py "${c_args[@]}" --json "$out/gpu_step.json"
-part d "$t_d" $py bench/gpu_session.py offload $dry --each-s 30 --json "$out/offload.json" --out "$runs/d"
+part d "$t_d" $py bench/gpu_session.py offload $dry --each-s 40 --json "$out/offload.json" --out "$runs/d"
 rm -rf "$runs"
 $py bench/gpu_session.py summary $dry --dir "$out" --codes "a=$rc_a,b=$rc_b,c=$rc_c,d=$rc_d"
