@@ -65,7 +65,7 @@ CONFIG_CASES = [
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
     (None, ["--nproc", "3", "--dp", "2"], "--nproc 3 but pp x dp = 2; make them equal"),
-    (None, ["--lr", "nan"], "--lr nan: expected a number > 0"),
+    (None, ["--lr", "nan"], "--lr nan: expected a finite number > 0"),
     (None, ["--stage-layers", "1,x"], "--stage-layers 1,x: expected a list of integers"),
     (None, ["--bogus"], "unrecognized arguments: --bogus"),
     (None, ["--npr", "2"], "unrecognized arguments: --npr"),  # no abbreviations of flags
@@ -132,7 +132,7 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 DATA_CASES = [
-    (["--data", "random.txt"], "is not UTF-8 text"),
+    (["--data", "random.txt"], "a binary file, not text"),
     (["--data", "big.npy"], "set model.vocab_size >= 5000"),
     (["--data", "negative.npy"], "holds negative ids (smallest -1)"),
     (["--data", "float.npy"], "holds float32 values; token ids must be integers"),

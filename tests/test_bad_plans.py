@@ -186,7 +186,7 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
     (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
     (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
-    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a finite number > 0"),
 ])
 def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
     (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")
