@@ -201,3 +201,20 @@ def test_data_that_cannot_be_read_is_named_as_such(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"cannot be read \(Permission denied\)") as e:
         build_config(None, {"data.path": [str(locked)]})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("unk,vocab", [("[UNK]", {"hello": 0, "a": 1}), ("<nope>", {"hello": 0})])
+def test_a_tokenizer_whose_unknown_token_is_not_in_its_vocabulary_is_one_line(unk, vocab, tmp_path, capsys):
+    """`tokenizers` loads it, then raises a bare Exception at the first text it cannot match (a
+    traceback from the vocabulary probe): named with its file as it is read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from one_line import assert_one_line, run_main
+    from tiny_runs import TRAIN_TINY, write_docs
+
+    HFTokenizer(models.WordLevel(vocab, unk_token=unk)).save(str(tmp_path / "tok.json"))
+    code, err = run_main([*TRAIN_TINY, "--data", str(write_docs(tmp_path)), "--tokenizer", str(tmp_path / "tok.json"),
+                          "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"tokenizer file '{tmp_path / 'tok.json'}' names the unknown token {unk!r}, which is "
+                               f"not in its vocabulary")

@@ -17,6 +17,7 @@ merges and post-processor from tokenizer.json; the two agree whenever the class 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -120,7 +121,19 @@ class BPETokenizer:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
+        check_unknown_token(hf, path)
         return cls(hf, *model_ids(Path(path).parent, hf))
+
+
+def check_unknown_token(hf: HFTokenizer, path: str | Path) -> None:
+    """Refuse a tokenizer whose model names an unknown token its vocabulary lacks: `tokenizers`
+    loads it, then raises a bare Exception at the first text it cannot match (our probe of "a", or
+    any document later), far from the file."""
+    unk = json.loads(hf.to_str()).get("model", {}).get("unk_token")
+    if isinstance(unk, str) and hf.token_to_id(unk) is None:
+        raise ConfigError(f"tokenizer file {str(path)!r} names the unknown token {unk!r}, which is not in its "
+                          f"vocabulary, so encoding fails at the first text it cannot match: add {unk!r} to the "
+                          f"vocabulary (or set its model's unk_token to null), or use --tokenizer bpe / bytes")
 
 
 def largest_id(hf: HFTokenizer) -> tuple[int, str]:
