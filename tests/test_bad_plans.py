@@ -56,9 +56,9 @@ CASES = [
     (["plan", "--preset", "tiny", "--gpu-memory", "80", "--nodes", "1024", "--gpus-per-node", "1024"],
      "--nodes 1024 x --gpus-per-node 1024 = 1048576 GPUs; the limit is 65536"),
     # nothing splits 65521 GPUs (pp <= 80 layers, dp dividing 1024): a StopIteration traceback before
-    (["plan", "--preset", "70b", "--gpus", "65521", "--gpu-memory", "80"], "choose --gpus 64512 or 65536 or another"),
+    (["plan", "--preset", "70b", "--gpus", "65521", "--gpus-per-node", "1", "--gpu-memory", "80"], "choose --gpus 64512 or 65536 or another"),
     # a scan down from the count ran for minutes
-    (["plan", "--preset", "tiny", "--gpus", "65535", "--gpu-memory", "80"], "choose --gpus 2048 or another"),
+    (["plan", "--preset", "tiny", "--gpus", "65535", "--gpus-per-node", "1", "--gpu-memory", "80"], "choose --gpus 2048 or another"),
     (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80", "--global-batch", "1"],
      "choose --gpus 2 or another --global-batch"),
     ([*PLAN, "--global-batch", "1000000000"], "--global-batch = 1000000000: expected an integer >= 1 and <= 1048576"),
@@ -77,6 +77,10 @@ CASES = [
     ([*PLAN, "--net-cpu", "1e308"], "--net-cpu = 1e+308: expected a number >= 0 and <= 10000"),
     ([*PLAN, "--quant-block", "1000000000000"], "--quant-block = 1000000000000: expected an integer >= 1 and <= 1048576"),
     (["simulate", "--quantize-grads", "int8"], "--quantize-grads applies with --zero"),
+    # a part-filled node: its links were priced as a whole node's, without a word
+    ([*PLAN, "--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3 (2 nodes and 2 "
+                                      "GPUs of another): give a multiple of 3"),
+    ([*PLAN, "--secondary-shard", "node"], "--secondary-shard node is read only across nodes"),
 ]
 
 

@@ -109,6 +109,14 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.nodes is None and args.gpus is None:
         raise ConfigError("say how many GPUs: --gpus N, or --nodes K --gpus-per-node N")
     gpus = args.gpus if args.gpus is not None else args.nodes * args.node_size
+    if gpus > args.node_size and gpus % args.node_size:  # links are priced by node: a part-filled one is no cluster's
+        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {args.node_size} "
+                          f"({gpus // args.node_size} nodes and {gpus % args.node_size} GPUs of another): give a "
+                          f"multiple of {args.node_size}, or the --gpus-per-node your nodes have")
+    if args.secondary_shard == "node" and gpus <= args.node_size:
+        raise ConfigError(f"--secondary-shard node is read only across nodes (weights sharded within a node, "
+                          f"replicated between nodes); --gpus {gpus} is one node of --gpus-per-node "
+                          f"{args.node_size}: drop it, or plan more nodes")
     if gpus not in limits.GPUS:
         raise ConfigError(f"--nodes {args.nodes} x --gpus-per-node {args.node_size} = {gpus} GPUs; the limit is "
                           f"{limits.GPUS.high:.0f}: fewer --nodes or --gpus-per-node")
