@@ -36,7 +36,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--schedule": ("parallel.schedule", "pipeline schedule; " + schedule_help()),
     "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
     "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
-    "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V)"),
+    "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V; default the schedule's fewest: 1, or 2 for interleaved and V-shaped ones)"),
     "--partition": ("parallel.partition", "how layers are split over stage chunks (memory: the cut whose largest "
                                           "predicted per-rank peak is least)"),
     "--stage-layers": ("parallel.stage_layers", "layers per stage chunk, e.g. 3,5,5,3"),
@@ -375,8 +375,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.format == "hf":
             from pipezero.checkpoint.hf_export import export_hf, parse_size
 
-            used = export_hf(source, Path(args.out), parse_size(args.shard_size))
-            print(f"exported {used} to {args.out} (Hugging Face folder)")
+            used, tokenizer = export_hf(source, Path(args.out), parse_size(args.shard_size))
+            print(f"exported {used} to {args.out} (Hugging Face folder); {tokenizer}")
             return 0
         used = export(source, Path(args.out), args.model_spec)
     except CheckpointError as e:

@@ -127,7 +127,7 @@ class Trainer:
         meter = PeakMeter(device).__enter__() if r.memory_profile else None  # from nothing: the model is built inside
         stage = build_stage(cfg, rank, device=device, spec=model)
         frozen = frozen_params(stage.chunks)
-        found = resume(cfg, stage.zero, frozen, spec)
+        found = resume(cfg, stage.zero, frozen, spec, corpus.record)
         start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
         g = cfg.global_batch
         # samples read before `start`: saved with the checkpoint, so a resume with another global batch
@@ -234,7 +234,7 @@ class Trainer:
             self.board.write(record)
         if saves_after(cfg, step + 1):
             stage.executor.flight.outside("checkpoint")
-            save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read},
+            save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read, **self.corpus.record},
                  frozen=self.frozen, spec=self.spec)
         return record
 

@@ -70,6 +70,7 @@ class BPETokenizer:
         hf.no_truncation()
         hf.no_padding()
         self.hf = hf
+        self.file: Path | None = None  # the tokenizer.json it was read from (from_file)
         # Named by its content (the post-processor that adds BOS included), so cached token arrays
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
         # never share a cache entry.
@@ -122,7 +123,9 @@ class BPETokenizer:
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
         check_unknown_token(hf, path)
-        return cls(hf, *model_ids(Path(path).parent, hf))
+        tok = cls(hf, *model_ids(Path(path).parent, hf))
+        tok.file = Path(path).absolute()  # what a checkpoint records, and an export copies
+        return tok
 
 
 def check_unknown_token(hf: HFTokenizer, path: str | Path) -> None:
