@@ -252,6 +252,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     cfg.optim.warmup_steps = PRESET_WARMUP.get(preset, cfg.optim.warmup_steps)
     apply_overrides(cfg, flat)
+    if "parallel.virtual_stages" not in flat:  # as simulate and plan read a schedule named alone: its fewest chunks
+        from pipezero.schedules.registry import default_virtual
+
+        cfg.parallel.virtual_stages = default_virtual(cfg.parallel.schedule)
 
     def shown(key: str) -> str:  # a setting as the user set it: its flag, or its key in the TOML file
         return names.get(key, key) if key in (overrides or {}) else f"{key} (in {toml_path})"

@@ -191,6 +191,20 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
     (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
     (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a finite number > 0"),
+    (["simulate", "--eval-batches", "2"], "--eval-batches applies with --memory"),
+    (["simulate", "--sample-tokens", "4096"], "--sample-tokens applies with --memory"),
+    # --compare plays every schedule at its own V: the one named, and its V, were unread
+    (["simulate", "--compare", "--schedule", "zb-h1"], "--schedule is unread by --compare"),
+    (["simulate", "--compare", "--virtual-stages", "3"], "--virtual-stages is unread by --compare"),
+    (["simulate", "--zero", "1", "--json", "--listing"], "--listing prints every rank's program as text, which --json "
+                                                          "leaves out"),
+    (["simulate", "--zero", "1", "--quant-block", "64"], "--quant-block 64 sizes the scales of quantized traffic: add "
+                                                         "--quantize-weights or --quantize-grads"),
+    # documented as train's (it chooses for --link-gbps): argparse said "invalid int value"
+    (["simulate", "--memory", "--zero", "3", "--dp", "2", "--zero3-prefetch", "auto"],
+     "--zero3-prefetch auto is train's"),
+    (["simulate", "--zero", "3", "--zero3-layerwise", "--zero3-prefetch", "two"], "--zero3-prefetch two: expected an "
+                                                                                 "integer >= 1"),
 ])
 def test_a_flag_the_request_would_ignore_or_misread_is_one_line(argv, needle, tmp_path, capsys):
     (tmp_path / "run.toml").write_text("[parallel]\npp = 2\n")

@@ -27,7 +27,7 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"data.seq_len": 5000}, "longer than the model allows"),
     ({"parallel.schedule": "fancy"}, "expected one of gpipe"),
     ({"parallel.pp": 8, "parallel.virtual_stages": 1}, "only 4 layers"),
-    ({"parallel.schedule": "interleaved-1f1b"}, "needs --virtual-stages >= 2"),
+    ({"parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 1}, "needs --virtual-stages >= 2"),
     ({"parallel.stage_layers": [1, 1]}, "lists 2 stages"),
     ({"parallel.zero": 4}, "parallel.zero = 4: expected an integer >= 0 and <= 3"),
     ({"run.bogus": 1}, "unknown setting"),
@@ -237,3 +237,14 @@ def test_a_dangling_out_link_is_named_with_its_target(tmp_path, capsys):
     code, err = run_main(["train", "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
     assert_one_line(code, err, f"--out '{tmp_path / 'o'}' is a symlink to {tmp_path / 'gone'}, which does not exist")
     assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("schedule,v", [("zb-v", 2), ("interleaved-1f1b", 2), ("dualpipe-v", 2), ("1f1b", 1)])
+def test_a_schedule_named_alone_gets_its_fewest_chunks_as_simulate_gives_it(schedule, v):
+    """simulate and plan read --schedule zb-v alone as V = 2; train refused it (in two wordings):
+    one behaviour for the same flags."""
+    from pipezero.schedules.registry import default_virtual
+    from pipezero.config import ScheduleKind as K
+
+    cfg = build_config(None, {"parallel.schedule": schedule, "parallel.pp": "2"})
+    assert cfg.parallel.virtual_stages == v == default_virtual(K(schedule))

@@ -54,7 +54,8 @@ ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zer
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
-MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition")  # add_memory_flags' own: no timing run reads them
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "eval_batches",
+               "sample_tokens")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:
@@ -91,6 +92,7 @@ def check_combination(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{flag(dest)} is empty: name its file, or leave {flag(dest)} out")
+    read_prefetch(args)
     given = changed_flags(args)
     if args.from_trace:
         extra = [d for d in given if d not in ("from_trace", "json")]
@@ -125,6 +127,29 @@ def check_combination(args: argparse.Namespace) -> None:
     elif not RULES[args.zero].gathers_weights and args.quantize_weights != "none":
         raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
                           f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")
+    if args.compare and (unread := [d for d in given if d in ("schedule", "virtual_stages")]):
+        raise ConfigError(f"{flag(unread[0])} is unread by --compare, which plays every schedule, each at its own "
+                          f"default --virtual-stages: drop one of them")
+    if args.json and args.listing:  # the listing is text, left out of the JSON
+        raise ConfigError("--listing prints every rank's program as text, which --json leaves out: drop one of them")
+    if "quant_block" in given and args.quantize_weights == args.quantize_grads == "none":
+        raise ConfigError(f"--quant-block {args.quant_block} sizes the scales of quantized traffic: add "
+                          f"--quantize-weights or --quantize-grads, or drop it")
+
+
+def read_prefetch(args: argparse.Namespace) -> None:
+    """--zero3-prefetch as a depth. `auto` is train's (it chooses for the link --link-gbps names,
+    which simulate does not take): said in one line, not argparse's "invalid int value"."""
+    text = args.zero3_prefetch
+    if not isinstance(text, str):
+        return
+    if text.strip() == "auto":
+        raise ConfigError("--zero3-prefetch auto is train's (it chooses the depth for the link --link-gbps names); "
+                          "simulate plays a depth you give: pass a number (pipezero plan shows the depth auto picks)")
+    try:
+        args.zero3_prefetch = int(text.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"--zero3-prefetch {text}: expected an integer >= 1, a depth in layers") from None
 
 
 def played(args: argparse.Namespace) -> tuple[int, int]:
