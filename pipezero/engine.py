@@ -47,12 +47,12 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
     """Refuse a corpus the model (of `vocab_size` embedding rows) cannot embed, or too small for
     one global batch."""
     corpus.check_batch(cfg.global_batch)
-    if corpus.vocab_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {corpus.vocab_size} tokens but the model only {vocab_size} rows: "
-            f"set model.vocab_size >= {corpus.vocab_size} (with --model-spec: your spec's vocab_size) or use a "
-            f"smaller tokenizer (data.bpe_vocab)"
-        )
+    if corpus.vocab_size > vocab_size:  # the other fix is the source's own: ids, a smaller BPE or tokenizer
+        what, other = ((f"the token file's ids reach {corpus.vocab_size - 1}", f"ids below {vocab_size}")
+                       if corpus.tokenizer is None else (f"the tokenizer has {corpus.vocab_size} tokens",
+                       "a smaller data.bpe_vocab" if cfg.data.tokenizer == "bpe" else "a smaller tokenizer"))
+        raise ConfigError(f"{what} but the model only {vocab_size} rows: set model.vocab_size >= {corpus.vocab_size} "
+                          f"(with --model-spec: your spec's vocab_size) or use {other}")
 
 
 MAX_THREADS = 1024  # --threads' own bound (settings.py): OpenMP could not start 100000

@@ -133,7 +133,7 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 DATA_CASES = [
     (["--data", "random.txt"], "a binary file, not text"),
-    (["--data", "big.npy"], "set model.vocab_size >= 5000"),
+    (["--data", "big.npy"], "the token file's ids reach 4999 but the model only 4096 rows: set model.vocab_size >= 5000 (with --model-spec: your spec's vocab_size) or use ids below 4096"),
     (["--data", "negative.npy"], "holds negative ids (smallest -1)"),
     (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
     (["--data", "object.npy"], "cannot be read as token ids"),

@@ -119,13 +119,28 @@ class BPETokenizer:
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = not_a_tokenizer(Path(path)) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
         check_unknown_token(hf, path)
         tok = cls(hf, *model_ids(Path(path).parent, hf))
         tok.file = Path(path).absolute()  # what a checkpoint records, and an export copies
         return tok
+
+
+def not_a_tokenizer(path: Path) -> str | None:
+    """Why a file `tokenizers` refused is valid JSON yet no tokenizer (its error then gives a parse
+    position, "missing field `model` at line 1 column 8", in a file that parses); None when it is
+    not valid JSON (the position is then the fix)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return f"it is valid JSON, but a {type(data).__name__}, where a tokenizer is an object"
+    if "model" not in data:
+        return "it is valid JSON, but has no 'model' key, which every tokenizer.json holds"
+    return None
 
 
 def check_unknown_token(hf: HFTokenizer, path: str | Path) -> None:
