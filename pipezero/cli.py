@@ -149,8 +149,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
     t.add_argument("--force", action="store_true", help="train a new run in an --out that holds a run pipezero started (its .run-id or checkpoints), "
-                        "replacing its metrics.jsonl, summary.json and trace; a folder of files pipezero did not "
-                        "write (no .run-id, no checkpoints) is refused, never replaced")
+                        "replacing its metrics.jsonl, summary.json and trace; in a folder of files pipezero did not "
+                        "write (no .run-id, no checkpoints) a run's names are refused, never replaced, and other "
+                        "files are left beside the run")
     t.set_defaults(func=cmd_train)
 
 

@@ -189,7 +189,8 @@ def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = [
-        (str(held), "already holds a run (metrics.jsonl): pass --resume to continue it, --force"),
+        (str(held), "holds metrics.jsonl but no run pipezero started (no .run-id, no checkpoints): a run would write "
+                    "over them"),
         ("", "--out is empty"),
         (str(a_file), "is a file, not a folder"),
         (str(a_file / "sub"), "cannot be written"),
