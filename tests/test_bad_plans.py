@@ -62,7 +62,7 @@ CASES = [
     (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80", "--global-batch", "1"],
      "choose --gpus 2 or another --global-batch"),
     ([*PLAN, "--global-batch", "1000000000"], "--global-batch = 1000000000: expected an integer >= 1 and <= 1048576"),
-    (["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", "80", "--global-batch", "1048576"],
+    (["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", "80", "--global-batch", "1048576", "--seq-len", "64"],
      "runs more micro-batches a rank than the planner simulates within its time budget"),
     (["plan", "--params", "1e30", "--gpus", "8", "--gpu-memory", "80"],
      "--params = 1e+30: expected a number >= 1000000 and <= 1e+13"),
@@ -81,6 +81,10 @@ CASES = [
     ([*PLAN, "--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3 (2 nodes and 2 "
                                       "GPUs of another): give a multiple of 3"),
     ([*PLAN, "--secondary-shard", "node"], "--secondary-shard node is read only across nodes"),
+    # train's cap on a step's tokens binds, not memory: the plan proposed layouts train refuses
+    ([*PLAN, "--global-batch", "1048576", "--seq-len", "512"], "--global-batch 1048576 x --seq-len 512 = 536870912 "
+                                                               "tokens a step; train's limit is 268435456"),
+    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # was "0.0B parameters"
 ]
 
 
@@ -240,7 +244,7 @@ def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, mon
 
     monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
     assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
-                    "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
+                    "no layout fits 6.74B parameters in 8 x 0.001 GiB: their fp32 weights alone")
 
 
 @pytest.mark.parametrize("extra", [["--zero3-layerwise"], ["--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])

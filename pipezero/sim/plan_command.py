@@ -137,6 +137,11 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
                    cores=args.cores, net_cpu_s_per_gb=args.net_cpu, bucket_mb=args.bucket_mb)
 
 
+def parameters(n: int) -> str:
+    """A parameter count as a person reads it: 1.48M, 6.74B (a tiny model was "0.0B")."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def unit_words(c: Choice) -> str:
     """What a prefetch depth counts, as `plan` says it (and the flag that asks for parts)."""
     return "layers" if c.unit is Zero3Unit.LAYER else "units, --zero3-unit sublayer"
@@ -167,9 +172,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len {model.max_seq_len} "
                           f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
+    if (tokens := args.global_batch * seq_len) > limits.BATCH_TOKENS:  # train refuses every layout of it, not memory
+        raise ConfigError(f"--global-batch {args.global_batch} x --seq-len {seq_len} = {tokens} tokens a step; train's "
+                          f"limit is {limits.BATCH_TOKENS} (every rank holds the step's batch in memory): lower "
+                          f"--global-batch or --seq-len")
     floor = 4 * param_count(model) / cluster.gpus / 2**30  # fp32 master weights, spread over every GPU at best
     if floor > args.gpu_memory:  # every layout was simulated first to say so: minutes (7b on 8 x 0.001 GiB)
-        raise ConfigError(f"no layout fits {param_count(model) / 1e9:.1f}B parameters in {cluster.gpus} x "
+        raise ConfigError(f"no layout fits {parameters(param_count(model))} parameters in {cluster.gpus} x "
                           f"{args.gpu_memory:g} GiB: their fp32 weights alone, spread over every GPU, take "
                           f"{floor:.3g} GiB a GPU; add GPUs or memory")
     given = [f for f, v in (("--quantize-weights", args.quantize_weights), ("--quantize-grads", args.quantize_grads),
@@ -194,7 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           f"{model.n_layers} layers and dp dividing --global-batch {args.global_batch}; "
                           f"choose {'--gpus ' + nearby + ' or ' if nearby else ''}another --global-batch")
     if not fits:
-        raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
+        raise ConfigError(f"no layout of {considered} fits {parameters(param_count(model))} parameters in "
                           f"{cluster.gpus} x {args.gpu_memory:g} GiB; add GPUs or memory, or lower --global-batch")
     best = fits[0]
     limit = cluster.gpu_memory_gib * cluster.headroom
@@ -219,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"params": param_count(model), "considered": considered, "skipped": skipped,
                           "fit": len(fits), "seconds": took, "layouts": rows}, indent=2))
         return 0
-    table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
+    table = Table(title=f"{parameters(param_count(model))} params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
                         f"{len(fits)} of {considered} layouts fit ({took:.1f} s)",
                   caption=f"{skipped} layouts of many micro-batches not simulated (the planner's time budget): "
                           f"lower --global-batch to weigh them" if skipped else None)
