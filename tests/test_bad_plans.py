@@ -166,6 +166,8 @@ TRACE_CASES = [
     (_trace({**LAYOUT, "schedule": "bogus"}), "schedule 'bogus' is none of pipezero's"),
     (_trace({**LAYOUT, "pp": "2"}), "must be integers >= 1"),
     (_trace({}), "otherData.layout lacks schedule"),
+    # named in the file's terms, not as Python's KeyError
+    (_trace(LAYOUT, [ONE_F]), "(an event or its layout lacks its 'dur' field)"),
     (_trace(LAYOUT, [{**ONE_F, "dur": -5}]), "event '0F0' has ts 0 and dur -5: finite times >= 0 only"),
     (_trace({**LAYOUT, "pp": 1, "virtual_stages": 1}), "an event of rank 1, but the layout has pp x dp = 1"),
     # exit 0 with a comparison of nothing: M = 0, times past a float

@@ -315,9 +315,8 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
     except ConfigError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError, RecursionError) as e:
-        raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
-                          f"trained with --trace") from None
+        raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({trace_fault(e)}); pass "
+                          f"the trace.json of a run trained with --trace") from None
     if not all(math.isfinite(x) for x in (step, bubble, cal.measured_step_s, cal.measured_bubble)):
         raise ConfigError(f"--from-trace {args.from_trace!r}: its times overflow (step time {cal.measured_step_s:g} "
                           f"s); pass the trace.json of a run trained with --trace")
@@ -342,6 +341,25 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
             table.add_row(f"what if {name}", *(("-", v) if isinstance(v, str) else (f"{v[0]:.3f}", f"{v[1]:.1%}")))
     console.print(table)
     return 0
+
+
+def trace_fault(e: Exception) -> str:
+    """What a trace that failed to read lacks, in the file's terms: a KeyError's bare key ("KeyError:
+    'ph'") or a Python type name tells a user nothing of their file."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    if isinstance(e, KeyError):
+        return f"an event or its layout lacks its {e.args[0]!r} field" if e.args else "an entry lacks a field"
+    if isinstance(e, IndexError):
+        return "a list in it is shorter than its layout says"
+    if isinstance(e, RecursionError):
+        return "it is nested too deep"
+    if isinstance(e, ZeroDivisionError):
+        return "its times or counts are zero where a run records some"
+    if isinstance(e, (TypeError, AttributeError)):
+        return "a field holds a value of the wrong kind (a number, a list, an object)"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text or "malformed"
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
