@@ -39,6 +39,7 @@ CASES = [
     (["simulate", "--png", "{tmp}"], "is a folder: name the .png file to write"),
     (["simulate", "--png", "{file}/x.png"], "cannot be written"),
     (["simulate", "--png", "{tmp}/x.txt"], "--png {tmp}/x.txt: name a file ending .png"),
+    (["simulate", "--png", "{tmp}/no/such/x.png"], "--png {tmp}/no/such/x.png: its folder {tmp}/no/such does not exist"),
     (["simulate", "--pp", "4", "--microbatches", "1024", "--png", "{tmp}/x.png"],
      "--png draws at most 512 stage micro-batches"),
     (["simulate", "--from-trace", "{tmp}"], "is a folder: pass the trace.json"),
@@ -100,6 +101,18 @@ def test_bad_plan_or_simulate_request_is_one_line_at_once(argv, needle, tmp_path
     assert time.monotonic() - t0 < 5
     assert_one_line(code, err, needle.replace("{tmp}", str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_a_png_through_a_symlink_or_into_a_missing_folder_is_refused(tmp_path, capsys):
+    """A link at --png was replaced by the picture (its target left as it was); a missing folder was
+    made, with every folder above it, wherever a typo put it."""
+    (tmp_path / "target.png").write_bytes(b"theirs")
+    (tmp_path / "link.png").symlink_to(tmp_path / "target.png")
+    assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "link.png")], capsys),
+                    f"--png {tmp_path / 'link.png'} is a symlink (to {tmp_path / 'target.png'})")
+    assert (tmp_path / "link.png").is_symlink() and (tmp_path / "target.png").read_bytes() == b"theirs"
+    assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "typo" / "t.png")], capsys), "does not exist")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_failed_drawing_leaves_the_png_that_was_there(tmp_path, capsys, monkeypatch):

@@ -211,9 +211,12 @@ def check_png(text: str, drawn: int) -> None:
         raise ConfigError(f"--png {text} is a folder: name the .png file to write, e.g. {path / 'timeline.png'}")
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--png {text}: name a file ending .png")
+    if path.is_symlink():  # the write replaces the link itself, leaving its target as it was
+        raise ConfigError(f"--png {text} is a symlink (to {os.readlink(path)}): name the file to write itself")
     folder = path.parent
-    while not folder.exists():  # the folders it would make
-        folder = folder.parent
+    if not folder.exists():  # it made every missing folder on the way, wherever a typo put them
+        raise ConfigError(f"--png {text}: its folder {folder} does not exist: create it, or name a .png in a folder "
+                          f"that does")
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--png {text} cannot be written: {folder} is not a folder this user can write")
     if drawn > limits.DRAW_LIMIT:
