@@ -55,6 +55,7 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
                           f"(with --model-spec: your spec's vocab_size) or use {other}")
 
 
+LONG_SAMPLE = 256  # tokens of the end-of-run sample past which it is announced (it shows no progress)
 MAX_THREADS = 1024  # --threads' own bound (settings.py): OpenMP could not start 100000
 
 
@@ -281,8 +282,16 @@ class Trainer:
         result.peak_live = self.peak_live
         result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
         if will_sample(cfg, self.corpus):
-            result.sample_text = self.metered("sample", lambda: end_sample(cfg, stage, self.corpus))
-            stage.peaks.mark("sample")
+            if stage.mesh.rank == 0 and cfg.run.sample_tokens > LONG_SAMPLE:  # a token a forward: minutes, silent
+                print(f"pipezero: sampling {cfg.run.sample_tokens} tokens of text (Ctrl-C skips it; summary.json is "
+                      f"written either way)", file=sys.stderr, flush=True)
+            try:
+                result.sample_text = self.metered("sample", lambda: end_sample(cfg, stage, self.corpus))
+                stage.peaks.mark("sample")
+            except KeyboardInterrupt:  # a lone process: the run is trained and saved, the summary still due
+                if stage.mesh.world_size > 1:  # a rank among others may be inside a gather: the job stops whole
+                    raise
+                print("pipezero: text sample skipped (Ctrl-C); writing summary.json", file=sys.stderr, flush=True)
         result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
         finish_run(cfg, stage, self.corpus, result, progress, self.board, own_model=self.spec is not None)
         self.stop_watch()
