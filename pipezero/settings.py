@@ -371,8 +371,10 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
     # With one replica ZeRO's collectives are local copies over a group of one: its tuning changes nothing
     alone = (f"with --dp > 1 (it tunes ZeRO's collectives between replicas); at --dp {p.dp} there is one replica "
              f"and nothing to exchange: raise --dp, or drop it")
-    checks += tuple((key, p.dp > 1, alone) for key in ("parallel.buckets_in_flight", "parallel.zero3_unit",
-                                                       "parallel.zero3_prefetch", "parallel.overlap_gather"))
+    checks += tuple((key, p.dp > 1, alone) for key in ("parallel.buckets_in_flight", "parallel.zero3_prefetch",
+                                                       "parallel.overlap_gather"))
+    # where ZeRO-3 does not gather layer by layer, validate's check_zero3_unit names the stage instead
+    checks += (("parallel.zero3_unit", p.dp > 1 or not layerwise(p), alone),)
     for key, read, reader in checks:
         if key in given and not read:
             return key, reader
