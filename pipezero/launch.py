@@ -143,7 +143,8 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
     check_corpus(cfg, corpus, spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
     from pipezero.checkpoint.state import check_resume_data
 
-    check_resume_data(cfg, corpus.record)  # a resume onto other data under the same names
+    if cfg.run.resume:  # a resume onto other data under the same names
+        check_resume_data(cfg, corpus.record)
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count())
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)

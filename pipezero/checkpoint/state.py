@@ -362,8 +362,6 @@ def data_refusal(cfg: TrainConfig, saved: dict[str, Any], now: dict[str, Any], p
 def check_resume_data(cfg: TrainConfig, now: dict[str, Any]) -> None:
     """`data_refusal` of the checkpoint a --resume would load, said once by the launcher (which
     has tokenized the corpus) before any rank starts; the ranks say it again as they load."""
-    if not cfg.run.resume:
-        return
     run = run_id(cfg.run.out)
     for _, path in reversed(committed(checkpoint_root(cfg))):
         try:
