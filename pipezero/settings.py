@@ -613,7 +613,8 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     from pipezero.util import dangling_link, unexpanded_home, unfollowable
 
     # `out_name`: --out, or run.out (in FILE) when the TOML file set it
-    _check(bool(r.out.strip()), f"{out_name} is empty: name a folder for the run")
+    # an empty --out is each command's to name (a run's folder, verify's runs); the file's key is named here
+    _check(out_name == "--out" or bool(r.out.strip()), f"{out_name} is empty: name a folder for the run")
     _check((home := unexpanded_home(out_name, r.out)) is None, home or "")
     _check((loop := unfollowable(out_name, r.out)) is None, loop or "")
     _check((dangling := dangling_link(out_name, r.out)) is None, dangling or "")
