@@ -36,7 +36,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--schedule": ("parallel.schedule", "pipeline schedule; " + schedule_help()),
     "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
     "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
-    "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V)"),
+    "--virtual-stages": ("parallel.virtual_stages", "stage chunks per pipeline rank (V; default the schedule's fewest: 1, or 2 for interleaved and V-shaped ones)"),
     "--partition": ("parallel.partition", "how layers are split over stage chunks (memory: the cut whose largest "
                                           "predicted per-rank peak is least)"),
     "--stage-layers": ("parallel.stage_layers", "layers per stage chunk, e.g. 3,5,5,3"),
@@ -164,8 +164,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
     t.add_argument("--force", action="store_true", help="train a new run in an --out that holds a run pipezero started (its .run-id or checkpoints), "
-                        "replacing its metrics.jsonl, summary.json and trace; a folder of files pipezero did not "
-                        "write (no .run-id, no checkpoints) is refused, never replaced")
+                        "replacing its metrics.jsonl, summary.json and trace; in a folder of files pipezero did not "
+                        "write (no .run-id, no checkpoints) a run's names are refused, never replaced, and other "
+                        "files are left beside the run")
     t.set_defaults(func=cmd_train)
 
 
@@ -417,8 +418,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.format == "hf":
             from pipezero.checkpoint.hf_export import export_hf, parse_size
 
-            used = export_hf(source, Path(args.out), parse_size(args.shard_size))
-            print(f"exported {used} to {args.out} (Hugging Face folder)")
+            used, tokenizer = export_hf(source, Path(args.out), parse_size(args.shard_size))
+            print(f"exported {used} to {args.out} (Hugging Face folder); {tokenizer}")
             return 0
         used = export(source, Path(args.out), args.model_spec)
     except CheckpointError as e:
@@ -553,10 +554,21 @@ def build_parser() -> argparse.ArgumentParser:
     from pipezero.doctor import add_doctor_parser
 
     add_doctor_parser(sub)
-    from pipezero.probe_command import add_probe_parser
-
     add_probe_parser(sub)
     return parser
+
+
+def add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    from pipezero.probe_command import READS, cmd_probe, describe
+
+    p = sub.add_parser("probe", allow_abbrev=False, help="measure this machine's compute and host costs",
+                       description="Time one decoder block's forward, input and weight gradient at the run's "
+                                   "micro-batch (the FLOP rate a rank achieves and what an action costs beyond "
+                                   "its FLOPs), a copy to host memory and back, and AdamW on the host; print them "
+                                   "and write them as JSON for `pipezero plan --costs`.")
+    add_train_flags(p, READS)
+    describe(p)
+    p.set_defaults(func=lambda args: cmd_probe(args, *flag_values(args)[::2]))
 
 
 class OutputFailed(Exception):

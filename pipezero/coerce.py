@@ -74,7 +74,8 @@ def describe(ftype: Any, limits: Range | None = None) -> str:
         return "one of " + ", ".join(str(e.value) for e in base)
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
-        return f"a list of {'integers' if item is int else 'numbers' if item is float else 'strings'}"
+        items = f"a list of {'integers' if item is int else 'numbers' if item is float else 'strings'}"
+        return f"{items}, each {limits.describe()}" if limits else items  # not "a list of integers" for 5,-1
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[base]
     said = f"{words} {limits.describe()}" if limits else words
     return ", or ".join([said, *_words(ftype)])
@@ -148,4 +149,7 @@ def coerce(name: str, ftype: Any, value: Any, from_text: bool, limits: Range | N
             if not bad:
                 return value
     said = f"{name} {raw}" if from_text and isinstance(raw, str) else f"{name} = {shown(raw)}"
-    raise ConfigError(f"{said}: expected {describe(ftype, limits)}")
+    expected = describe(ftype, limits)
+    if base is float and isinstance(value, float) and not math.isfinite(value):  # inf is > 0: say what it is not
+        expected = expected.replace("a number", "a finite number", 1)
+    raise ConfigError(f"{said}: expected {expected}")

@@ -182,7 +182,8 @@ class ParallelConfig:
     micro_batch_size: int = 4
     """B sequences per micro-batch."""
     virtual_stages: int = 1
-    """V stage chunks per pipeline rank (interleaved and V-shaped schedules need 2 or more)."""
+    """V stage chunks per pipeline rank (interleaved and V-shaped schedules need 2 or more; left unset,
+    settings.py gives the schedule its fewest, as simulate and plan read a schedule named alone)."""
     partition: Partition = Partition.UNIFORM
     """How layers are split over stage chunks: equal layer counts, equal parameters, equal cost, or
     `memory`: the cuts whose largest predicted per-rank peak (sim/memory.py) is least, which gives

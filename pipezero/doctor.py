@@ -524,6 +524,11 @@ def cmd_doctor(args: Any) -> int:
         print(f"pipezero doctor: {out} {'is not a folder' if out.exists() else 'does not exist'}: pass the run's "
               f"folder (its --out)", file=sys.stderr)
         return 2
+    if (out / FOLDER).exists() and not (out / FOLDER).is_dir():  # "no flight records", exit 1, named nothing wrong
+        print(f"pipezero doctor: {out / FOLDER} is {'a file' if (out / FOLDER).is_file() else 'not a folder'}, where a "
+              f"run keeps its flight records (a folder of rank-N.json): move it away, and the ranks write theirs "
+              f"there when asked", file=sys.stderr)
+        return 2
     summary = _summary(out)
     try:  # the records are data on disk: one a user edited or another tool wrote is one line, not a traceback
         text = report(out, summary)

@@ -47,14 +47,15 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
     """Refuse a corpus the model (of `vocab_size` embedding rows) cannot embed, or too small for
     one global batch."""
     corpus.check_batch(cfg.global_batch)
-    if corpus.vocab_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {corpus.vocab_size} tokens but the model only {vocab_size} rows: "
-            f"set model.vocab_size >= {corpus.vocab_size} (with --model-spec: your spec's vocab_size) or use a "
-            f"smaller tokenizer (data.bpe_vocab)"
-        )
+    if corpus.vocab_size > vocab_size:  # the other fix is the source's own: ids, a smaller BPE or tokenizer
+        what, other = ((f"the token file's ids reach {corpus.vocab_size - 1}", f"ids below {vocab_size}")
+                       if corpus.tokenizer is None else (f"the tokenizer has {corpus.vocab_size} tokens",
+                       "a smaller data.bpe_vocab" if cfg.data.tokenizer == "bpe" else "a smaller tokenizer"))
+        raise ConfigError(f"{what} but the model only {vocab_size} rows: set model.vocab_size >= {corpus.vocab_size} "
+                          f"(with --model-spec: your spec's vocab_size) or use {other}")
 
 
+LONG_SAMPLE = 256  # tokens of the end-of-run sample past which it is announced (it shows no progress)
 MAX_THREADS = 1024  # --threads' own bound (settings.py): OpenMP could not start 100000
 
 
@@ -127,7 +128,7 @@ class Trainer:
         meter = PeakMeter(device).__enter__() if r.memory_profile else None  # from nothing: the model is built inside
         stage = build_stage(cfg, rank, device=device, spec=model)
         frozen = frozen_params(stage.chunks)
-        found = resume(cfg, stage.zero, frozen, spec)
+        found = resume(cfg, stage.zero, frozen, spec, corpus.record)
         start, bad_in_a_row = (found.manifest["step"], found.manifest["bad_in_a_row"]) if found else (0, 0)
         g = cfg.global_batch
         # samples read before `start`: saved with the checkpoint, so a resume with another global batch
@@ -234,7 +235,7 @@ class Trainer:
             self.board.write(record)
         if saves_after(cfg, step + 1):
             stage.executor.flight.outside("checkpoint")
-            save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read},
+            save(cfg, stage.zero, step + 1, self.bad_in_a_row, data={"samples": self.read, **self.corpus.record},
                  frozen=self.frozen, spec=self.spec)
         return record
 
@@ -281,8 +282,16 @@ class Trainer:
         result.peak_live = self.peak_live
         result.measured_bubble = sum(self.bubbles) / len(self.bubbles) if self.bubbles else 0.0
         if will_sample(cfg, self.corpus):
-            result.sample_text = self.metered("sample", lambda: end_sample(cfg, stage, self.corpus))
-            stage.peaks.mark("sample")
+            if stage.mesh.rank == 0 and cfg.run.sample_tokens > LONG_SAMPLE:  # a token a forward: minutes, silent
+                print(f"pipezero: sampling {cfg.run.sample_tokens} tokens of text (Ctrl-C skips it; summary.json is "
+                      f"written either way)", file=sys.stderr, flush=True)
+            try:
+                result.sample_text = self.metered("sample", lambda: end_sample(cfg, stage, self.corpus))
+                stage.peaks.mark("sample")
+            except KeyboardInterrupt:  # a lone process: the run is trained and saved, the summary still due
+                if stage.mesh.world_size > 1:  # a rank among others may be inside a gather: the job stops whole
+                    raise
+                print("pipezero: text sample skipped (Ctrl-C); writing summary.json", file=sys.stderr, flush=True)
         result.peak_gathered_run = max(self.peak_gathered_run, stage.zero.peak_gathered)
         finish_run(cfg, stage, self.corpus, result, progress, self.board, own_model=self.spec is not None)
         self.stop_watch()

@@ -139,7 +139,12 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
     for split_problem in (secondary_split_problem, hierarchical_split_problem):
         if problem := split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
             raise ConfigError(problem)
-    check_corpus(cfg, load_corpus(cfg.data), spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
+    corpus = load_corpus(cfg.data)
+    check_corpus(cfg, corpus, spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
+    from pipezero.checkpoint.state import check_resume_data
+
+    if cfg.run.resume:  # a resume onto other data under the same names
+        check_resume_data(cfg, corpus.record)
     device, warning = local_device(cfg.run.device, nproc, torch.cuda.device_count(), cfg.run.share_device)
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)

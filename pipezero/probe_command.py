@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from pipezero.errors import ConfigError
 
@@ -15,25 +16,17 @@ READS = ("model.preset", "model.pretrained", "parallel.micro_batch_size", "data.
          "run.device", "run.threads")
 
 
-def add_probe_parser(sub: argparse._SubParsersAction) -> None:
-    from pipezero.cli import add_train_flags
-
-    p = sub.add_parser("probe", allow_abbrev=False, help="measure this machine's compute and host costs",
-                       description="Time one decoder block's forward, input and weight gradient at the run's "
-                                   "micro-batch (the FLOP rate a rank achieves and what an action costs beyond "
-                                   "its FLOPs), a copy to host memory and back, and AdamW on the host; print them "
-                                   "and write them as JSON for `pipezero plan --costs`.")
-    add_train_flags(p, READS)
+def describe(p: argparse.ArgumentParser) -> None:
+    """`probe`'s own flags (cli.py registers the command with the run settings it READS)."""
     p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file)")
     p.add_argument("--budget", type=float, default=0.5, metavar="SECONDS",
                    help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g})")
-    p.set_defaults(func=cmd_probe)
 
 
-def cmd_probe(args: argparse.Namespace) -> int:
+def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str, str]) -> int:
+    """`values`: the run settings given as flags (cli.py `flag_values`), `names` their flags."""
     import torch
 
-    from pipezero.cli import flag_values
     from pipezero.parallel.device import device_kind, rank_device
     from pipezero.probe import probe
     from pipezero.settings import build_config
@@ -43,7 +36,6 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise ConfigError(f"--budget {args.budget:g}: expected seconds from {BUDGET[0]:g} to {BUDGET[1]:g}")
     if args.json_out is not None and (not args.json_out.strip() or os.path.lexists(args.json_out)):
         raise ConfigError(f"--json {args.json_out!r}: name a new file (the probe never writes over one)")
-    values, _, names = flag_values(args)
     cfg = build_config(args.config, values, names)
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
     found = probe(cfg, rank_device(device_kind(cfg.run.device)), budget_s=args.budget)

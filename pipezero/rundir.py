@@ -278,9 +278,20 @@ def refuse_folder(out: str, resume: bool | None = None, force: bool = False) -> 
 
 
 def _holds_a_run(out: str, names: list[str]) -> str:
+    """Why a run without --resume or --force is refused `out`, which holds `names`, with the fixes
+    that would be taken: --force writes over the records of a run pipezero started only (`claim`),
+    and beside files that are none of a run's."""
+    path = Path(out)
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    return (f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, --force to train there "
-            f"anyway, or choose another --out")
+    if (path / RUN_ID).is_file() or _holds_steps(path / "checkpoints"):
+        return (f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, --force to train there "
+                f"anyway, or choose another --out")
+    if foreign := sorted(set(names) & RUN_FILES):
+        return (f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, no checkpoints): "
+                f"a run would write over them, and they are not pipezero's to replace; move them away, or choose "
+                f"another --out")
+    return (f"--out {out!r} holds files of no run ({shown}): pass --force to train there beside them (none is "
+            f"replaced), or choose another --out")
 
 
 def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:

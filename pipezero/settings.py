@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
+from pipezero.coerce import shown as toml_value
 from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard,
                              ShareDevice, TrainConfig, WeightQuant, Zero3Unit)
 from pipezero.errors import ConfigError
@@ -197,6 +198,16 @@ def present(path: Path) -> bool:
     return True
 
 
+def owning_section(key: str) -> str | None:
+    """The table a top-level TOML name belongs in when it is one of a table's keys (`max_steps`:
+    run), so the message names where to write it; None for a table's own name or an unknown one."""
+    if key in SECTIONS:
+        return None
+    tables = TrainConfig()
+    return next((section for section in SECTIONS
+                 if key in {f.name for f in dataclasses.fields(getattr(tables, section))}), None)
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
     p = Path(path)
@@ -213,6 +224,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         if section in SECTIONS and not isinstance(table, dict):
             raise ConfigError(f"{p}: {section} = {table!r} is a value, not a table: write [{section}] on a line of "
                               f"its own, its keys under it")
+        if owner := owning_section(section):  # a key of a table, written outside it (or as a table of its own)
+            written = f"[{section}]" if isinstance(table, dict) and not table else f"{section} = {toml_value(table)}"
+            raise ConfigError(f"{p}: {written} is a key of [{owner}], written outside it: put {section} = ... on a "
+                              f"line under [{owner}]")
         if section not in SECTIONS or not isinstance(table, dict):
             raise ConfigError(f"{p}: unknown table [{section}]; use one of {', '.join(SECTIONS)}")
         for name, value in table.items():
@@ -239,6 +254,10 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     cfg.optim.lr = PRESET_LR.get(preset, cfg.optim.lr)
     cfg.optim.warmup_steps = PRESET_WARMUP.get(preset, cfg.optim.warmup_steps)
     apply_overrides(cfg, flat)
+    if "parallel.virtual_stages" not in flat:  # as simulate and plan read a schedule named alone: its fewest chunks
+        from pipezero.schedules.registry import default_virtual
+
+        cfg.parallel.virtual_stages = default_virtual(cfg.parallel.schedule)
 
     def shown(key: str) -> str:  # a setting as the user set it: its flag, or its key in the TOML file
         return names.get(key, key) if key in (overrides or {}) else f"{key} (in {toml_path})"
@@ -269,11 +288,15 @@ def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None 
     if unread := unread_setting(cfg, set(flat)):
         key, reader = unread
         value = flat[key].value if hasattr(flat[key], "value") else flat[key]
-        raise ConfigError(f"{shown(key)} {value} is read only {reader}")
+        if isinstance(value, bool):  # a switch is named as typed (--no-overlap-gather), a TOML key as written
+            said = shown(key) if key in (overrides or {}) else f"{key} = {toml_value(value)} (in {toml_path})"
+        else:
+            said = f"{shown(key)} {value}"
+        raise ConfigError(f"{said} is read only {reader}")
     key = "parallel.quant_block"  # named as the user set it: its flag, or its TOML key
     set_as = None if key not in flat else names.get(key, key) if key in (overrides or {}) else key
     check_quant_block(cfg.parallel, set_as)
-    return validate(cfg)
+    return validate(cfg, shown("run.out") if "run.out" in flat else "--out")
 
 
 # settings that only documents read (records, parquet, text files): a token file and the built-in
@@ -346,7 +369,17 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
         ("run.keep_checkpoints", r.save_final or r.checkpoint_every > 0,
          "where checkpoints are saved (--checkpoint-every, or the final save --no-save-final turns off): add "
          "--checkpoint-every, or drop it"),
+        ("run.checkpoint_every", r.save_final or r.checkpoint_every <= r.max_steps,
+         f"at its multiples of steps, and a run of --max-steps {r.max_steps} with --no-save-final saves none: "
+         f"lower it to {r.max_steps} or less, or drop --no-save-final"),
     )
+    # With one replica ZeRO's collectives are local copies over a group of one: its tuning changes nothing
+    alone = (f"with --dp > 1 (it tunes ZeRO's collectives between replicas); at --dp {p.dp} there is one replica "
+             f"and nothing to exchange: raise --dp, or drop it")
+    checks += tuple((key, p.dp > 1, alone) for key in ("parallel.buckets_in_flight", "parallel.zero3_prefetch",
+                                                       "parallel.overlap_gather"))
+    # where ZeRO-3 does not gather layer by layer, validate's check_zero3_unit names the stage instead
+    checks += (("parallel.zero3_unit", p.dp > 1 or not layerwise(p), alone),)
     for key, read, reader in checks:
         if key in given and not read:
             return key, reader
@@ -487,7 +520,7 @@ def check_prefetch(cfg: TrainConfig) -> None:
         prefetch_choice(cfg)
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
+def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     """`cfg` unchanged when it can run, else one ConfigError naming the fix."""
     m, p, o, d, r = cfg.model, cfg.parallel, cfg.optim, cfg.data, cfg.run
     if m.pretrained is not None and type(m.n_layers) is int and m.n_layers > MAX_LAYERS:  # config.json's, not [model]'s
@@ -517,9 +550,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         kv = m.n_kv_heads or m.n_heads
         _check(m.n_heads % kv == 0, f"n_heads={m.n_heads} must be a multiple of n_kv_heads={kv}")
         _check((m.head_dim or m.dim // m.n_heads) % 2 == 0,
-               "head dimension (dim / n_heads) must be even for rotary positions")
+               f"model.head_dim = {m.head_dim} must be even for rotary positions" if m.head_dim else
+               f"the head dimension, model.dim / n_heads = {m.dim} / {m.n_heads}, must be even for rotary positions")
         _check(m.rope_llama3 is None or len(m.rope_llama3) == 4,
                "model.rope_llama3 takes 4 numbers: factor, low_freq_factor, high_freq_factor, original context")
+        if m.rope_llama3 is not None:  # rotary.py divides by high - low: equal is a division by zero, reversed inverts the blend
+            _, low, high, _ = m.rope_llama3
+            _check(low < high, f"model.rope_llama3: its low_freq_factor {low:g} must be below its high_freq_factor "
+                               f"{high:g} (the second and third numbers; Llama 3.1 uses 1 and 4)")
         _check(m.window_layers is None or all(i < m.n_layers for i in m.window_layers),
                f"model.window_layers = {m.window_layers}: blocks are numbered 0 to {m.n_layers - 1}")
     max_len = m.max_seq_len if spec is None else spec.max_seq_len
@@ -582,10 +620,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_secondary_shard(p)
     check_zero3_unit(cfg, spec)
     check_prefetch(cfg)
-    from pipezero.util import unexpanded_home, unfollowable
+    from pipezero.util import dangling_link, unexpanded_home, unfollowable
 
-    _check((home := unexpanded_home("--out", r.out)) is None, home or "")
-    _check((loop := unfollowable("--out", r.out)) is None, loop or "")
+    # `out_name`: --out, or run.out (in FILE) when the TOML file set it
+    # an empty --out is each command's to name (a run's folder, verify's runs); the file's key is named here
+    _check(out_name == "--out" or bool(r.out.strip()), f"{out_name} is empty: name a folder for the run")
+    _check((home := unexpanded_home(out_name, r.out)) is None, home or "")
+    _check((loop := unfollowable(out_name, r.out)) is None, loop or "")
+    _check((dangling := dangling_link(out_name, r.out)) is None, dangling or "")
     if d.path is not None:
         _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
                              "out for the built-in corpus")  # an empty list was the built-in corpus, silently

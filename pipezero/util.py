@@ -232,6 +232,16 @@ def unexpanded_home(flag: str, path: str) -> str | None:
             f"in the working directory; write the full path, {os.path.expanduser(path)!r}")
 
 
+def dangling_link(flag: str, path: str) -> str | None:
+    """Why `path` cannot be made a folder because it is a link to nothing, or None: mkdir through
+    it fails with "File exists", which names neither the link nor its missing target."""
+    p = Path(path)
+    if p.is_symlink() and not p.exists():
+        return (f"{flag} {path!r} is a symlink to {os.readlink(p)}, which does not exist: create that folder, remove "
+                f"the link, or choose another {flag.split(' ')[0]}")
+    return None
+
+
 def unfollowable(flag: str, path: str) -> str | None:
     """Why `path` cannot be followed to a place (a link on it loops), or None: Path.resolve raised
     out of the checks that compare an output folder with the run's and the data's."""

@@ -65,7 +65,7 @@ CONFIG_CASES = [
     (None, ["--max-restarts", "2"], "--max-restarts 2 needs --nproc > 1"),
     (None, ["--nproc", "0"], "--nproc 0: expected an integer >= 1"),
     (None, ["--nproc", "3", "--dp", "2"], "--nproc 3 but pp x dp = 2; make them equal"),
-    (None, ["--lr", "nan"], "--lr nan: expected a number > 0"),
+    (None, ["--lr", "nan"], "--lr nan: expected a finite number > 0"),
     (None, ["--stage-layers", "1,x"], "--stage-layers 1,x: expected a list of integers"),
     (None, ["--bogus"], "unrecognized arguments: --bogus"),
     (None, ["--npr", "2"], "unrecognized arguments: --npr"),  # no abbreviations of flags
@@ -132,8 +132,8 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 DATA_CASES = [
-    (["--data", "random.txt"], "is not UTF-8 text"),
-    (["--data", "big.npy"], "set model.vocab_size >= 5000"),
+    (["--data", "random.txt"], "a binary file, not text"),
+    (["--data", "big.npy"], "the token file's ids reach 4999 but the model only 4096 rows: set model.vocab_size >= 5000 (with --model-spec: your spec's vocab_size) or use ids below 4096"),
     (["--data", "negative.npy"], "holds negative ids (smallest -1)"),
     (["--data", "float.npy"], "holds float32 values; token ids must be integers"),
     (["--data", "object.npy"], "cannot be read as token ids"),
@@ -189,7 +189,8 @@ def test_run_folder_mistakes_are_one_line(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = [
-        (str(held), "already holds a run (metrics.jsonl): pass --resume to continue it, --force"),
+        (str(held), "holds metrics.jsonl but no run pipezero started (no .run-id, no checkpoints): a run would write "
+                    "over them"),
         ("", "--out is empty"),
         (str(a_file), "is a file, not a folder"),
         (str(a_file / "sub"), "cannot be written"),
@@ -364,8 +365,8 @@ SIM_CASES = [
     (["simulate", "--cost", "inf:1:1"], "--cost inf:1:1: expected three numbers > 0"),
     (["simulate", "--compare", "--png", "{png}"], "--png draws one schedule's timeline"),
     (["simulate", "--compare", "--zero", "1", "--png", "{png}"], "--png draws one schedule's timeline"),
-    (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (JSONDecodeError"),
-    (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (JSONDecodeError"),
+    (["simulate", "--from-trace", "{empty}"], "is not a pipezero trace.json (not JSON: Expecting value at line 1"),
+    (["simulate", "--from-trace", "{notjson}"], "is not a pipezero trace.json (not JSON: "),
     (["simulate", "--from-trace", "{notrace}"], "is not a pipezero trace.json"),
     (["plan", "--params", "-5", "--gpus", "8", "--gpu-memory", "80"], "--params = -5.0: expected a number >= 1000000"),
     (["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", "--bandwidth", "0,0"],
@@ -420,7 +421,7 @@ def test_json_nested_too_deep_is_one_line_wherever_it_is_read(tmp_path, capsys):
     assert _records(f'{DEEP}\n{{"step": 1}}\n') == [{"step": 1}]  # a resume skips the line
     (tmp_path / "trace.json").write_text(DEEP)
     assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys),
-                    "is not a pipezero trace.json (RecursionError")
+                    "is not a pipezero trace.json (it is nested too deep)")
 
 
 def test_a_stall_report_at_or_past_the_timeout_is_refused():

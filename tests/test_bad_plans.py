@@ -39,6 +39,7 @@ CASES = [
     (["simulate", "--png", "{tmp}"], "is a folder: name the .png file to write"),
     (["simulate", "--png", "{file}/x.png"], "cannot be written"),
     (["simulate", "--png", "{tmp}/x.txt"], "--png {tmp}/x.txt: name a file ending .png"),
+    (["simulate", "--png", "{tmp}/no/such/x.png"], "--png {tmp}/no/such/x.png: its folder {tmp}/no/such does not exist"),
     (["simulate", "--pp", "4", "--microbatches", "1024", "--png", "{tmp}/x.png"],
      "--png draws at most 512 stage micro-batches"),
     (["simulate", "--from-trace", "{tmp}"], "is a folder: pass the trace.json"),
@@ -56,13 +57,13 @@ CASES = [
     (["plan", "--preset", "tiny", "--gpu-memory", "80", "--nodes", "1024", "--gpus-per-node", "1024"],
      "--nodes 1024 x --gpus-per-node 1024 = 1048576 GPUs; the limit is 65536"),
     # nothing splits 65521 GPUs (pp <= 80 layers, dp dividing 1024): a StopIteration traceback before
-    (["plan", "--preset", "70b", "--gpus", "65521", "--gpu-memory", "80"], "choose --gpus 64512 or 65536 or another"),
+    (["plan", "--preset", "70b", "--gpus", "65521", "--gpus-per-node", "1", "--gpu-memory", "80"], "choose --gpus 64512 or 65536 or another"),
     # a scan down from the count ran for minutes
-    (["plan", "--preset", "tiny", "--gpus", "65535", "--gpu-memory", "80"], "choose --gpus 2048 or another"),
+    (["plan", "--preset", "tiny", "--gpus", "65535", "--gpus-per-node", "1", "--gpu-memory", "80"], "choose --gpus 2048 or another"),
     (["plan", "--preset", "tiny", "--gpus", "3", "--gpu-memory", "80", "--global-batch", "1"],
      "choose --gpus 2 or another --global-batch"),
     ([*PLAN, "--global-batch", "1000000000"], "--global-batch = 1000000000: expected an integer >= 1 and <= 1048576"),
-    (["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", "80", "--global-batch", "1048576"],
+    (["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory", "80", "--global-batch", "1048576", "--seq-len", "64"],
      "runs more micro-batches a rank than the planner simulates within its time budget"),
     (["plan", "--params", "1e30", "--gpus", "8", "--gpu-memory", "80"],
      "--params = 1e+30: expected a number >= 1000000 and <= 1e+13"),
@@ -77,6 +78,14 @@ CASES = [
     ([*PLAN, "--net-cpu", "1e308"], "--net-cpu = 1e+308: expected a number >= 0 and <= 10000"),
     ([*PLAN, "--quant-block", "1000000000000"], "--quant-block = 1000000000000: expected an integer >= 1 and <= 1048576"),
     (["simulate", "--quantize-grads", "int8"], "--quantize-grads applies with --zero"),
+    # a part-filled node: its links were priced as a whole node's, without a word
+    ([*PLAN, "--gpus-per-node", "3"], "--gpus 8 is not a whole number of nodes of --gpus-per-node 3 (2 nodes and 2 "
+                                      "GPUs of another): give a multiple of 3"),
+    ([*PLAN, "--secondary-shard", "node"], "--secondary-shard node is read only across nodes"),
+    # train's cap on a step's tokens binds, not memory: the plan proposed layouts train refuses
+    ([*PLAN, "--global-batch", "1048576", "--seq-len", "512"], "--global-batch 1048576 x --seq-len 512 = 536870912 "
+                                                               "tokens a step; train's limit is 268435456"),
+    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # was "0.0B parameters"
 ]
 
 
@@ -92,6 +101,18 @@ def test_bad_plan_or_simulate_request_is_one_line_at_once(argv, needle, tmp_path
     assert time.monotonic() - t0 < 5
     assert_one_line(code, err, needle.replace("{tmp}", str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_a_png_through_a_symlink_or_into_a_missing_folder_is_refused(tmp_path, capsys):
+    """A link at --png was replaced by the picture (its target left as it was); a missing folder was
+    made, with every folder above it, wherever a typo put it."""
+    (tmp_path / "target.png").write_bytes(b"theirs")
+    (tmp_path / "link.png").symlink_to(tmp_path / "target.png")
+    assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "link.png")], capsys),
+                    f"--png {tmp_path / 'link.png'} is a symlink (to {tmp_path / 'target.png'})")
+    assert (tmp_path / "link.png").is_symlink() and (tmp_path / "target.png").read_bytes() == b"theirs"
+    assert_one_line(*run_main(["simulate", "--png", str(tmp_path / "typo" / "t.png")], capsys), "does not exist")
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_failed_drawing_leaves_the_png_that_was_there(tmp_path, capsys, monkeypatch):
@@ -158,6 +179,8 @@ TRACE_CASES = [
     (_trace({**LAYOUT, "schedule": "bogus"}), "schedule 'bogus' is none of pipezero's"),
     (_trace({**LAYOUT, "pp": "2"}), "must be integers >= 1"),
     (_trace({}), "otherData.layout lacks schedule"),
+    # named in the file's terms, not as Python's KeyError
+    (_trace(LAYOUT, [ONE_F]), "(an event or its layout lacks its 'dur' field)"),
     (_trace(LAYOUT, [{**ONE_F, "dur": -5}]), "event '0F0' has ts 0 and dur -5: finite times >= 0 only"),
     (_trace({**LAYOUT, "pp": 1, "virtual_stages": 1}), "an event of rank 1, but the layout has pp x dp = 1"),
     # exit 0 with a comparison of nothing: M = 0, times past a float
@@ -186,7 +209,21 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     (["simulate", "--seq-len", "64"], "--seq-len applies with --memory"),
     (["simulate", "--zero", "1", "--recompute"], "--recompute applies with --memory"),
     (["train", "--gpu-memory", "-1"], "--gpu-memory -1: expected a number > 0"),  # a bound, not "does not fit -1 GiB"
-    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a number > 0"),
+    (["train", "--gpu-memory", "nan"], "--gpu-memory nan: expected a finite number > 0"),
+    (["simulate", "--eval-batches", "2"], "--eval-batches applies with --memory"),
+    (["simulate", "--sample-tokens", "4096"], "--sample-tokens applies with --memory"),
+    # --compare plays every schedule at its own V: the one named, and its V, were unread
+    (["simulate", "--compare", "--schedule", "zb-h1"], "--schedule is unread by --compare"),
+    (["simulate", "--compare", "--virtual-stages", "3"], "--virtual-stages is unread by --compare"),
+    (["simulate", "--zero", "1", "--json", "--listing"], "--listing prints every rank's program as text, which --json "
+                                                          "leaves out"),
+    (["simulate", "--zero", "1", "--quant-block", "64"], "--quant-block 64 sizes the scales of quantized traffic: add "
+                                                         "--quantize-weights or --quantize-grads"),
+    # documented as train's (it chooses for --link-gbps): argparse said "invalid int value"
+    (["simulate", "--memory", "--zero", "3", "--dp", "2", "--zero3-prefetch", "auto"],
+     "--zero3-prefetch auto is train's"),
+    (["simulate", "--zero", "3", "--zero3-layerwise", "--zero3-prefetch", "two"], "--zero3-prefetch two: expected an "
+                                                                                 "integer >= 1"),
     (["train", "--host-memory", "0"], "--host-memory 0: expected a number > 0"),
     # CPU ranks' device is the host: nothing is offloaded, so nothing reads a host limit
     (["plan", "--preset", "tiny", "--gpus", "2", "--gpu-memory", "8", "--device", "cpu", "--host-memory", "64"],
@@ -228,7 +265,7 @@ def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, mon
 
     monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
     assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
-                    "no layout fits 6.7B parameters in 8 x 0.001 GiB: their fp32 weights alone")
+                    "no layout fits 6.74B parameters in 8 x 0.001 GiB: their fp32 weights alone")
 
 
 @pytest.mark.parametrize("extra", [["--zero3-layerwise"], ["--zero3-prefetch", "2"], ["--zero3-prefetch-chunk"]])

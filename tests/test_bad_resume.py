@@ -234,3 +234,24 @@ def test_force_with_resume_is_refused(trained_run, tmp_path, capsys):
     assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--out", str(run), "--resume", "--force"],
                               capsys), "--force and --resume ask for opposite things")
     assert files(run) == before
+
+
+def test_resume_onto_changed_data_under_the_same_names_is_refused(trained_run, tmp_path, capsys):
+    """The settings name the data by path, and a path keeps its name while its contents change: a
+    resume onto edited documents, or onto another tokenizer, would go on training on other tokens
+    (the tokenizer was only warned of, the corpus not at all). Refused naming what changed."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    docs = Path(shutil.copytree(trained_run.parent / "docs", tmp_path / "docs"))
+    before = (run / "metrics.jsonl").read_bytes()
+    again = [*TRAIN_TINY_SMALLEST, "--max-steps", "2", "--out", str(run), "--resume", "--data", str(docs)]
+    with (docs / "3.txt").open("a") as f:
+        f.write(" and one more sentence")
+    assert_one_line(*run_main(again, capsys), f"the corpus under --data {docs} changed since it was trained on")
+    shutil.rmtree(docs)
+    shutil.copytree(trained_run.parent / "docs", docs)
+    BPETokenizer.train(["the quick brown fox"] * 4, 300).hf.save(str(tmp_path / "tok.json"))
+    assert_one_line(*run_main([*again, "--tokenizer", str(tmp_path / "tok.json")], capsys),
+                    f"the tokenizer changed (it trained with bytes; now {tmp_path / 'tok.json'}, content bpe-")
+    assert (run / "metrics.jsonl").read_bytes() == before

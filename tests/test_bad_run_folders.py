@@ -67,7 +67,7 @@ def test_the_launchers_variable_set_by_hand_claims_nothing(tmp_path, capsys, mon
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PIPEZERO_RUN_CLAIMED", "1")
-    assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--out", str(out)], capsys), "already holds a run (metrics.jsonl)")
+    assert_one_line(*run_main([*TRAIN_TINY_BYTES, "--out", str(out)], capsys), "holds metrics.jsonl but no run pipezero started")
     assert (out / "metrics.jsonl").read_text() == "the other run's"
 
 
@@ -298,3 +298,23 @@ def test_files_a_run_writes_take_the_umask_or_the_mode_they_replace(tmp_path):
         assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_folder_of_notes_offers_force_and_force_trains_beside_them(tmp_path, capsys):
+    """A folder holding only the user's notes was said to "already hold a run"; one holding a
+    metrics.jsonl of theirs was offered --force, which then refused it. Each refusal offers only
+    what would be taken, and --force trains beside notes, leaving them as they were."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "readme.txt").write_text("my notes")
+    assert_one_line(*run_main([*TRAIN_TINY_SMALLEST, "--out", str(notes)], capsys),
+                    f"--out '{notes}' holds files of no run (readme.txt): pass --force to train there beside them")
+    with claim(str(notes), resume=False, force=True):  # what --force's run takes: the folder, beside the notes
+        pass
+    assert (notes / "readme.txt").read_text() == "my notes"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "metrics.jsonl").write_text("mine")
+    code, err = run_main([*TRAIN_TINY_SMALLEST, "--out", str(theirs)], capsys)
+    assert_one_line(code, err, "holds metrics.jsonl but no run pipezero started")
+    assert "--force" not in err

@@ -353,9 +353,9 @@ def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkey
     config["model"]["spec"] = "payload:boom"
     path = write(tmp_path / "run" / "checkpoints", 1, {"model.x": torch.zeros(3)}, {"config": config}, 3, Team(step=1))
     for source in (path, tmp_path / "run"):
-        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 1
+        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 2  # a flag missing: bad input
         assert "--model-spec payload:boom, if you trust it" in capsys.readouterr().err
-        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 1
+        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 2
         assert "you named 'other:spec'" in capsys.readouterr().err
     assert not (tmp_path / "ran").exists()
 

@@ -27,7 +27,7 @@ def test_defaults_preset_toml_and_overrides(tmp_path):
     ({"data.seq_len": 5000}, "longer than the model allows"),
     ({"parallel.schedule": "fancy"}, "expected one of gpipe"),
     ({"parallel.pp": 8, "parallel.virtual_stages": 1}, "only 4 layers"),
-    ({"parallel.schedule": "interleaved-1f1b"}, "needs --virtual-stages >= 2"),
+    ({"parallel.schedule": "interleaved-1f1b", "parallel.virtual_stages": 1}, "needs --virtual-stages >= 2"),
     ({"parallel.stage_layers": [1, 1]}, "lists 2 stages"),
     ({"parallel.zero": 4}, "parallel.zero = 4: expected an integer >= 0 and <= 3"),
     ({"run.bogus": 1}, "unknown setting"),
@@ -172,6 +172,14 @@ UNREAD = [
     (["--no-save-final", "--keep-checkpoints", "2"], "[run]\nsave_final = false\nkeep_checkpoints = 2\n",
      "where checkpoints are saved"),
     (None, "[model]\nwindow_layers = [0]\n", "is read only with model.sliding_window"),
+    (["--checkpoint-every", "5", "--no-save-final"], "[run]\nmax_steps = 1\ncheckpoint_every = 5\nsave_final = false\n",
+     "a run of --max-steps 1 with --no-save-final saves none: lower it to 1 or less"),
+    # one replica: ZeRO's collectives are copies within a group of one
+    *[(flags, f"[parallel]\nzero = {zero}\n{key}\n", "at --dp 1 there is one replica and nothing to exchange")
+      for flags, zero, key in ((["--zero", "2", "--buckets-in-flight", "3"], 2, "buckets_in_flight = 3"),
+                               (["--zero", "3", "--zero3-unit", "sublayer"], 3, 'zero3_unit = "sublayer"'),
+                               (["--zero", "3", "--zero3-prefetch", "2"], 3, "zero3_prefetch = 2"),
+                               (["--zero", "1", "--no-overlap-gather"], 1, "overlap_gather = false"))],
 ]
 
 
@@ -192,7 +200,8 @@ def test_a_setting_read_only_by_another_option_is_refused_without_it(argv, toml,
 
 @pytest.mark.parametrize("settings", [
     {"parallel.zero": "3", "parallel.dp": "2", "parallel.zero3_prefetch": "4"},  # P = 1: layer by layer
-    {"parallel.pp": "2", "parallel.zero": "3", "parallel.zero3_keep_gathered": False, "parallel.zero3_prefetch": "2"},
+    {"parallel.pp": "2", "parallel.dp": "2", "parallel.zero": "3", "parallel.zero3_keep_gathered": False,
+     "parallel.zero3_prefetch": "2"},
     {"parallel.dp": "2", "parallel.zero": "1", "parallel.overlap_gather": False, "parallel.buckets_in_flight": "2"},
     {"parallel.dp": "4", "parallel.hierarchical": True, "parallel.ranks_per_node": "2"},
     {"parallel.pp": "2", "parallel.dp": "2", "parallel.placement": "pp-inner"},
@@ -203,3 +212,39 @@ def test_a_setting_read_only_by_another_option_is_refused_without_it(argv, toml,
 ])
 def test_the_same_settings_with_the_option_that_reads_them_pass(settings):
     build_config(None, settings)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--pp", "2", "--stage-layers", "5,-1"], "--stage-layers 5,-1: expected a list of integers, each >= 0"),
+    (["--gpu-memory", "inf"], "--gpu-memory inf: expected a finite number > 0"),
+    (["--zero", "3", "--dp", "2", "--no-overlap-gather"], "--no-overlap-gather is read only by ZeRO-1 and -2"),
+])
+def test_a_bad_value_is_named_for_what_is_wrong_with_it(argv, needle, tmp_path, capsys):
+    """A list with a negative count is a list of integers; inf is a number > 0 but not a finite one;
+    a switch is named as typed, without the value it stores (False)."""
+    from one_line import assert_one_line, run_main
+
+    code, err = run_main(["train", *argv, "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, needle)
+    assert "False" not in err
+
+
+def test_a_dangling_out_link_is_named_with_its_target(tmp_path, capsys):
+    """mkdir through a link to nothing says "File exists", naming neither the link nor its target."""
+    from one_line import assert_one_line, run_main
+
+    (tmp_path / "o").symlink_to(tmp_path / "gone")
+    code, err = run_main(["train", "--max-steps", "1", "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"--out '{tmp_path / 'o'}' is a symlink to {tmp_path / 'gone'}, which does not exist")
+    assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("schedule,v", [("zb-v", 2), ("interleaved-1f1b", 2), ("dualpipe-v", 2), ("1f1b", 1)])
+def test_a_schedule_named_alone_gets_its_fewest_chunks_as_simulate_gives_it(schedule, v):
+    """simulate and plan read --schedule zb-v alone as V = 2; train refused it (in two wordings):
+    one behaviour for the same flags."""
+    from pipezero.schedules.registry import default_virtual
+    from pipezero.config import ScheduleKind as K
+
+    cfg = build_config(None, {"parallel.schedule": schedule, "parallel.pp": "2"})
+    assert cfg.parallel.virtual_stages == v == default_virtual(K(schedule))

@@ -201,3 +201,39 @@ def test_data_that_cannot_be_read_is_named_as_such(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"cannot be read \(Permission denied\)") as e:
         build_config(None, {"data.path": [str(locked)]})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("unk,vocab", [("[UNK]", {"hello": 0, "a": 1}), ("<nope>", {"hello": 0})])
+def test_a_tokenizer_whose_unknown_token_is_not_in_its_vocabulary_is_one_line(unk, vocab, tmp_path, capsys):
+    """`tokenizers` loads it, then raises a bare Exception at the first text it cannot match (a
+    traceback from the vocabulary probe): named with its file as it is read."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from one_line import assert_one_line, run_main
+    from tiny_runs import TRAIN_TINY, write_docs
+
+    HFTokenizer(models.WordLevel(vocab, unk_token=unk)).save(str(tmp_path / "tok.json"))
+    code, err = run_main([*TRAIN_TINY, "--data", str(write_docs(tmp_path)), "--tokenizer", str(tmp_path / "tok.json"),
+                          "--out", str(tmp_path / "o")], capsys)
+    assert_one_line(code, err, f"tokenizer file '{tmp_path / 'tok.json'}' names the unknown token {unk!r}, which is "
+                               f"not in its vocabulary")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"a": 1}', "(it is valid JSON, but has no 'model' key, which every tokenizer.json holds)"),
+    ("[1, 2]", "(it is valid JSON, but a list, where a tokenizer is an object)"),
+    ('{"a": ', "at line 1 column"),  # not JSON: the position is the fix
+])
+def test_a_json_file_that_is_no_tokenizer_is_named_as_such(text, needle, tmp_path):
+    """`tokenizers` answers a valid JSON file that is no tokenizer with a parse position ("missing
+    field `model` at line 1 column 8"), sending the user to look for a syntax error."""
+    from pipezero.data.tokenizer import BPETokenizer
+    from pipezero.errors import ConfigError
+
+    (tmp_path / "t.json").write_text(text)
+    with pytest.raises(ConfigError, match="is not a Hugging Face tokenizer.json") as e:
+        BPETokenizer.from_file(tmp_path / "t.json")
+    assert needle in str(e.value)
+    if "valid JSON" in needle:
+        assert "column" not in str(e.value)

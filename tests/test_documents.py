@@ -86,6 +86,7 @@ BAD = [
     ("bad.jsonl", b'{"text": "fine"}\n{"text": 5}\n', "bad.jsonl:2: field 'text' holds int"),
     ("bad.jsonl", b'{"text": "fine"}\n\n{"text": "\xff\xfe"}\n', "bad.jsonl:3: invalid UTF-8"),
     ("bad.txt", b"line one\nline \xff two\n", "bad.txt:2: is not UTF-8 text"),
+    ("bin.txt", b"line one\nPNG\x00\x00\x01 header\n", "bin.txt:2: holds a NUL byte (at byte 12): a binary file, not text"),
     ("empty.jsonl", b"", "empty.jsonl: the file is empty"),
 ]
 

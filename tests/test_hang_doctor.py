@@ -467,6 +467,11 @@ def test_doctor_of_a_folder_that_is_not_there_or_a_file_is_one_line(tmp_path, ca
     (tmp_path / "f").write_text("x")
     assert_one_line(*run_main(["doctor", str(tmp_path / "nowhere")], capsys), "nowhere does not exist: pass the run's")
     assert_one_line(*run_main(["doctor", str(tmp_path / "f")], capsys), "f is not a folder: pass the run's folder")
+    run = tmp_path / "run"  # a file where the records' folder belongs: "no flight records", exit 1
+    run.mkdir()
+    (run / "doctor").write_text("x")
+    assert_one_line(*run_main(["doctor", str(run)], capsys), f"{run / 'doctor'} is a file, where a run keeps its "
+                                                             f"flight records")
 
 
 @pytest.mark.parametrize("sizes, needle", [

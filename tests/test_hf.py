@@ -455,17 +455,23 @@ def test_bad_folders_are_one_line_exit_2(models: dict[str, Path], text_dir: Path
     assert not (tmp_path / "out").exists()  # refused before a run directory or process group
 
 
-def test_a_manifest_tokenizer_path_copies_only_a_tokenizer(tmp_path: Path) -> None:
-    """A built-in run's export copies the tokenizer.json its manifest names; a manifest is data, so a
-    path in it naming some other local .json file copies nothing."""
-    from pipezero.checkpoint.hf_export import is_tokenizer
+def test_a_manifest_tokenizer_path_copies_only_the_tokenizer_the_run_read(tmp_path: Path) -> None:
+    """A built-in run's export copies the tokenizer.json its checkpoint names; a manifest is data, so a
+    path in it naming some other local .json file, a missing one, or a tokenizer whose content is not
+    the one the run trained with, copies nothing, and says why."""
+    from pipezero.data.identity import tokenizer_file_of
     from pipezero.data.tokenizer import BPETokenizer
 
-    real, other = tmp_path / "tok.json", tmp_path / "secrets.json"
+    real, other, changed = tmp_path / "tok.json", tmp_path / "secrets.json", tmp_path / "changed.json"
     BPETokenizer.train(["some text to learn from"] * 4, 300).hf.save(str(real))
+    BPETokenizer.train(["other text entirely"] * 4, 280).hf.save(str(changed))
     other.write_text('{"token": "not a tokenizer"}')
-    assert is_tokenizer(real)
-    assert not is_tokenizer(other) and not is_tokenizer(tmp_path / "missing.json") and not is_tokenizer(tmp_path)
+    name = BPETokenizer.from_file(real).name
+    assert tokenizer_file_of({"tokenizer": name, "tokenizer_file": str(real)})[0] == real
+    for file, why in ((other, "is no longer a tokenizer.json"), (tmp_path / "missing.json", "is gone"),
+                      (changed, "changed since the run read it")):
+        copied, said = tokenizer_file_of({"tokenizer": name, "tokenizer_file": str(file)})
+        assert copied is None and said.startswith("no tokenizer: ") and why in said, said
 
 
 def test_weights_with_more_blocks_than_config_json_train_the_first_with_a_warning(tmp_path, capsys):
@@ -486,3 +492,29 @@ def test_weights_with_more_blocks_than_config_json_train_the_first_with_a_warnin
                           "--no-progress", "--out", str(tmp_path / "o")], capsys)
     assert code == 0, err
     assert f"num_hidden_layers = {held - 1}, but the weights hold {held} blocks: the run trains blocks 0-{held - 2}" in err
+
+
+def test_an_export_ships_the_tokenizer_the_run_read_and_says_what_it_holds(trained_run, tmp_path, monkeypatch, capsys):
+    """A run's settings hold --tokenizer as typed (relative to where it started); an export from
+    another folder found a different tok.json there, or none. It ships the file the run read, checked
+    against the content it trained with, and says in one line what the folder holds, or why no
+    tokenizer (a bytes run)."""
+    from pipezero.data.tokenizer import BPETokenizer
+    from tiny_runs import TRAIN_TINY_SMALLEST
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir()
+    elsewhere.mkdir()
+    BPETokenizer.train(["the quick brown fox jumps"] * 4, 300).hf.save(str(started / "tok.json"))
+    BPETokenizer.train(["another text entirely"] * 4, 280).hf.save(str(elsewhere / "tok.json"))
+    monkeypatch.chdir(started)
+    assert main([*TRAIN_TINY_SMALLEST, "--tokenizer", "tok.json", "--data", str(trained_run.parent / "docs"),
+                 "--out", str(tmp_path / "run")]) == 0
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert f"tokenizer.json: the run's, from {started / 'tok.json'}" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (started / "tok.json").read_bytes()
+    assert main(["export", str(trained_run), "--format", "hf", "--out", str(tmp_path / "bytes")]) == 0
+    assert "no tokenizer: the run used --tokenizer bytes" in capsys.readouterr().out
+    assert not (tmp_path / "bytes" / "tokenizer.json").exists()

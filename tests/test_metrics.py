@@ -84,3 +84,20 @@ def test_no_progress_prints_a_plain_line_a_step(tmp_path, capsys):
     steps = [x for x in out.splitlines() if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"] and all(" loss " in x and "tok/s" in x for x in steps)
     assert "layout pp=1" in out and "held-out loss" in out and "step " not in err, (out, err)
+
+
+def test_ctrl_c_in_the_text_sample_still_writes_the_summary(tmp_path, monkeypatch, capsys):
+    """A long --sample-tokens ran for minutes without a word, and a Ctrl-C there lost summary.json of
+    a run already trained and saved: it is announced, and an interrupt skips only the sample."""
+    from one_line import run_main
+    from tiny_runs import TRAIN_TINY_BYTES, write_docs
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("pipezero.engine.sample", interrupted)
+    code, err = run_main([*TRAIN_TINY_BYTES, "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens",
+                          "4096", "--data", str(write_docs(tmp_path)), "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    assert "sampling 4096 tokens of text (Ctrl-C skips it" in err and "text sample skipped (Ctrl-C)" in err
+    assert (tmp_path / "o" / "summary.json").is_file()

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # spa
 
 import own_model  # noqa: E402
 
-from pipezero.checkpoint import CheckpointError  # noqa: E402
+from pipezero.errors import ConfigError  # noqa: E402
 from pipezero.checkpoint.export import read_model  # noqa: E402
 from pipezero.config import DType  # noqa: E402
 from pipezero.models import build_chunk  # noqa: E402
@@ -140,7 +140,7 @@ def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsy
     layout = json.loads((tmp_path / "verify" / "verify.json").read_text())["checks"]
     assert losses == [c["value"] for c in layout if c["what"] == "loss" and c["rank"] == 0]  # the same run
     assert main(["export", str(run), "--out", str(tmp_path / "export"), "--model-spec", SPEC]) == 0
-    with pytest.raises(CheckpointError, match="name it yourself, --model-spec"):
+    with pytest.raises(ConfigError, match="name it yourself, --model-spec"):
         load_exported(tmp_path / "export")  # the export's config.json alone chooses no code
     exported = load_exported(tmp_path / "export", SPEC)
     assert isinstance(exported.spec, own_model.GPTSpec)
@@ -196,7 +196,6 @@ def test_model_spec_mistakes_are_one_line(text_dir, tmp_path, monkeypatch, capsy
 def test_a_spec_deeper_than_the_limit_is_refused_before_its_layers_are_built(monkeypatch):
     """A spec of 5000 blocks had each built and probed (minutes) before model.n_layers' range
     refused it; its depth is said first, no layer built."""
-    from pipezero.errors import ConfigError
     from pipezero.models.user_spec import load_spec
 
     built: list[int] = []

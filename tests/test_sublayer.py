@@ -30,7 +30,7 @@ def config(**extra: str):
 @pytest.mark.parametrize("args, needle", [
     (["--zero", "2"], "--zero3-unit sublayer with --zero 2 --pp 1: only ZeRO-3 layer by layer gathers a unit"),
     (["--zero", "3", "--pp", "2"], "--zero3-unit sublayer with --zero 3 --pp 2: only ZeRO-3 layer by layer"),
-    (["--zero", "3", "--compile"], "--zero3-unit sublayer with --compile: a compiled block runs its attention"),
+    (["--zero", "3", "--dp", "2", "--compile"], "--zero3-unit sublayer with --compile: a compiled block runs its attention"),
 ])
 def test_sublayer_is_refused_where_nothing_gathers_a_unit(args, needle, tmp_path, capsys):
     code, err = run_main(["train", "--zero3-unit", "sublayer", "--max-steps", "1", "--out", str(tmp_path / "o"),

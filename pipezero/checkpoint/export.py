@@ -40,9 +40,9 @@ def trusted_model(path: Path, fields: Any, model_spec: str | None) -> ModelConfi
     named = cfg.spec
     if named and named != model_spec:
         given = f"; you named {model_spec!r}" if model_spec else ""
-        raise CheckpointError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
-                              f"imports and runs that code, so name it yourself, --model-spec {named}, if you "
-                              f"trust it")
+        raise ConfigError(f"{path} is a run of --model-spec {named}, a model of your own{given}: exporting it "
+                          f"imports and runs that code, so name it yourself, --model-spec {named}, if you "
+                          f"trust it")  # the flag missing: bad input, exit 2
     if model_spec and not named:  # it would be ignored: the checkpoint is of the built-in or a HF model
         raise ConfigError(f"--model-spec {model_spec}: {path} is not a run of a --model-spec (its model is "
                           f"{cfg.pretrained or 'preset ' + str(cfg.preset or 'the built-in decoder')}); drop "

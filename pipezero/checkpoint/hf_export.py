@@ -23,6 +23,7 @@ from pipezero.checkpoint.export import manifest_model, read_model, resolve
 from pipezero.checkpoint.export_folder import check_out, write_folder
 from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
+from pipezero.data.identity import tokenizer_file_of
 from pipezero.errors import ConfigError
 from pipezero.models.hf import CONFIG, METADATA, llama_config, model_fields, to_hf
 from pipezero.util import atomic_write_json, atomic_write_with
@@ -112,20 +113,6 @@ def check_files(folder: Path) -> None:
                               f"model folder the run trained from), or export with --format pipezero")
 
 
-def is_tokenizer(path: Path) -> bool:
-    """Whether the manifest's `data.tokenizer` is a tokenizer.json file: the manifest is data, and
-    a path in it must not copy some other local file into a folder that may be shared."""
-    from tokenizers import Tokenizer
-
-    if path.suffix != ".json" or not path.is_file():
-        return False
-    try:
-        Tokenizer.from_file(str(path))
-    except Exception:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
-        return False
-    return True
-
-
 def check_describes(kept: Path, ckpt: Path, cfg: ModelConfig) -> None:
     """Refuse a kept config.json that no longer describes checkpoint `ckpt`'s model (`cfg`, from its
     manifest): the --model folder or RUN/hf changed after training, and the export would be a
@@ -139,13 +126,15 @@ def check_describes(kept: Path, ckpt: Path, cfg: ModelConfig) -> None:
                           f"or export with --format pipezero")
 
 
-def export_hf(source: Path, out: Path, shard_size: int) -> Path:
+def export_hf(source: Path, out: Path, shard_size: int) -> tuple[Path, str]:
     """Write the Hugging Face folder `out` from checkpoint `source` (a checkpoint folder, or a run
-    directory: its newest good checkpoint). Returns the checkpoint used. `out` must be new or
-    empty, and is written whole beside it (export_folder.py)."""
+    directory: its newest good checkpoint). Returns the checkpoint used and a line saying which
+    tokenizer the folder holds, or why none. `out` must be new or empty, and is written whole
+    beside it (export_folder.py)."""
     check_out(out, source)
     ckpt = resolve(source)
-    run_config = read_manifest(ckpt)["config"]
+    manifest = read_manifest(ckpt)
+    run_config = manifest["config"]
     fields = run_config.get("model")
     if isinstance(fields, dict) and fields.get("spec"):
         raise ConfigError(f"{ckpt} is a run of --model-spec {fields['spec']}, a model of your own with no Hugging "
@@ -160,15 +149,21 @@ def export_hf(source: Path, out: Path, shard_size: int) -> Path:
     else:
         config = llama_config(fields)
 
+    # The model folder's tokenizer (kept in RUN/hf), else the file the run read, as its checkpoint
+    # recorded it (an absolute path, checked against the content it trained with): the settings'
+    # path is as typed, relative to wherever the run was started.
+    has_own = kept is not None and (kept / "tokenizer.json").is_file()
+    theirs, said = (None, f"tokenizer.json: the model folder's, from {kept}") if has_own else \
+        tokenizer_file_of(manifest.get("data") or {})
+
     def fill(folder: Path) -> None:
         write_weights(hf_tensors(read_model(ckpt), cfg), folder, shard_size)
         atomic_write_json(folder / CONFIG, config)
         for name in METADATA[1:]:
             if kept is not None and (kept / name).is_file():
                 shutil.copyfile(kept / name, folder / name)
-        tokenizer = Path(run_config.get("data", {}).get("tokenizer", ""))
-        if not (folder / "tokenizer.json").is_file() and is_tokenizer(tokenizer):
-            shutil.copyfile(tokenizer, folder / "tokenizer.json")  # a built-in run's own tokenizer.json
+        if theirs is not None:
+            shutil.copyfile(theirs, folder / "tokenizer.json")
 
     write_folder(out, fill)
-    return ckpt
+    return ckpt, said

@@ -31,6 +31,7 @@ from torch import nn
 from pipezero.checkpoint.store import (CheckpointError, Found, Team, at_steps, committed, latest, local_problem,
                                        metadata_problem, read_manifest, users_scratch, write, written_by)
 from pipezero.config import TrainConfig
+from pipezero.errors import ConfigError
 from pipezero.freeze import frozen_names, shell_quoted
 from pipezero.models.llama_spec import spec_of
 from pipezero.models.spec import ModelSpec
@@ -345,8 +346,36 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+def data_refusal(cfg: TrainConfig, saved: dict[str, Any], now: dict[str, Any], path: Path) -> str | None:
+    """Why checkpoint `path` (its manifest's "data": `saved`) cannot go on with the data this start
+    reads (`now`, data/identity.py): its steps would continue on other tokens, under the same
+    names; None when it can."""
+    from pipezero.data.identity import data_change
+
+    flag = f"--data {' '.join(cfg.data.path)}" if cfg.data.path else "the built-in corpus"
+    if problem := data_change(saved, now, flag):
+        return (f"--resume from {path}: {problem}, so its steps would go on with other data: resume with the data "
+                f"and tokenizer it trained on, or start a new --out for the new data")
+    return None
+
+
+def check_resume_data(cfg: TrainConfig, now: dict[str, Any]) -> None:
+    """`data_refusal` of the checkpoint a --resume would load, said once by the launcher (which
+    has tokenized the corpus) before any rank starts; the ranks say it again as they load."""
+    run = run_id(cfg.run.out)
+    for _, path in reversed(committed(checkpoint_root(cfg))):
+        try:
+            m = read_manifest(path)
+        except CheckpointError:
+            continue  # a damaged one: the ranks skip it, naming it
+        if m.get("run") in (None, run) and local_problem(path) is None:
+            if refused := data_refusal(cfg, m.get("data") or {}, now, path):
+                raise ConfigError(refused)
+            return
+
+
 def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parameter]] = (),
-           spec: ModelSpec | None = None) -> Found | None:
+           spec: ModelSpec | None = None, data: dict[str, Any] | None = None) -> Found | None:
     """Load the newest good checkpoint when asked to resume or restarted by torchrun, and say
     which (its manifest holds the step to continue from); None when there is none to load."""
     if not (cfg.run.resume or restarted()):
@@ -364,6 +393,8 @@ def resume(cfg: TrainConfig, zero: ZeroDP, frozen: Sequence[tuple[str, nn.Parame
             print(f"pipezero: no complete checkpoint under {checkpoint_root(cfg)}; starting at step 0",
                   file=sys.stderr, flush=True)
         return None
+    if data is not None and (refused := data_refusal(cfg, found.manifest.get("data") or {}, data, found.path)):
+        raise ConfigError(refused)  # every rank reads the same corpus: each refuses alike, before any collective
     load(found, cfg, zero, frozen, spec)
     if team.rank == 0:
         print(f"pipezero: resumed from {found.path} (step {found.manifest['step']})", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@ with nothing downloaded. The last `heldout_fraction` of its bytes (cut at a line
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -42,6 +43,13 @@ class Corpus:
     source: str
     # Documents: packed samples. None: random windows over one token stream (built-in corpus, token files).
     samples: tuple[PackedSamples, PackedSamples] | None = None  # (train, held-out)
+
+    @functools.cached_property
+    def record(self) -> dict:
+        """What a checkpoint records of this corpus, for a resume and an export to check (data/identity.py)."""
+        from pipezero.data.identity import data_record
+
+        return data_record(self)
 
     @property
     def vocab_size(self) -> int:

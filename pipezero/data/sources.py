@@ -316,6 +316,11 @@ class Reader:
             return
         data = path.read_bytes()
         text = data.removeprefix(BOM)
+        if (nul := text.find(b"\0")) >= 0:  # valid UTF-8, but no text holds one: a binary file (an image, an archive)
+            line = text[:nul].count(b"\n") + 1
+            self.bad(f"{path}:{line}", f"holds a NUL byte (at byte {nul + len(data) - len(text)}): a binary file, not "
+                                       f"text (pass text, or tokens as .bin/.npy)")
+            return
         try:
             yield text.decode("utf-8"), len(data)
         except UnicodeDecodeError as e:

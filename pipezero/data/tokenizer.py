@@ -17,6 +17,7 @@ merges and post-processor from tokenizer.json; the two agree whenever the class 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -69,6 +70,7 @@ class BPETokenizer:
         hf.no_truncation()
         hf.no_padding()
         self.hf = hf
+        self.file: Path | None = None  # the tokenizer.json it was read from (from_file)
         # Named by its content (the post-processor that adds BOS included), so cached token arrays
         # follow the vocabulary, not a file name: two different tokenizer.json files called alike
         # never share a cache entry.
@@ -117,10 +119,39 @@ class BPETokenizer:
         try:
             hf = HFTokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises a bare Exception for any bad file
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = not_a_tokenizer(Path(path)) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
-        return cls(hf, *model_ids(Path(path).parent, hf))
+        check_unknown_token(hf, path)
+        tok = cls(hf, *model_ids(Path(path).parent, hf))
+        tok.file = Path(path).absolute()  # what a checkpoint records, and an export copies
+        return tok
+
+
+def not_a_tokenizer(path: Path) -> str | None:
+    """Why a file `tokenizers` refused is valid JSON yet no tokenizer (its error then gives a parse
+    position, "missing field `model` at line 1 column 8", in a file that parses); None when it is
+    not valid JSON (the position is then the fix)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return f"it is valid JSON, but a {type(data).__name__}, where a tokenizer is an object"
+    if "model" not in data:
+        return "it is valid JSON, but has no 'model' key, which every tokenizer.json holds"
+    return None
+
+
+def check_unknown_token(hf: HFTokenizer, path: str | Path) -> None:
+    """Refuse a tokenizer whose model names an unknown token its vocabulary lacks: `tokenizers`
+    loads it, then raises a bare Exception at the first text it cannot match (our probe of "a", or
+    any document later), far from the file."""
+    unk = json.loads(hf.to_str()).get("model", {}).get("unk_token")
+    if isinstance(unk, str) and hf.token_to_id(unk) is None:
+        raise ConfigError(f"tokenizer file {str(path)!r} names the unknown token {unk!r}, which is not in its "
+                          f"vocabulary, so encoding fails at the first text it cannot match: add {unk!r} to the "
+                          f"vocabulary (or set its model's unk_token to null), or use --tokenizer bpe / bytes")
 
 
 def largest_id(hf: HFTokenizer) -> tuple[int, str]:

@@ -54,7 +54,8 @@ ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zer
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
-MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "offload", "offload_activations")  # add_memory_flags' own: no timing run reads them
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "eval_batches", "sample_tokens",
+               "offload", "offload_activations")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:
@@ -91,6 +92,7 @@ def check_combination(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{flag(dest)} is empty: name its file, or leave {flag(dest)} out")
+    read_prefetch(args)
     given = changed_flags(args)
     if args.from_trace:
         extra = [d for d in given if d not in ("from_trace", "json")]
@@ -125,6 +127,29 @@ def check_combination(args: argparse.Namespace) -> None:
     elif not RULES[args.zero].gathers_weights and args.quantize_weights != "none":
         raise ConfigError(f"--quantize-weights {args.quantize_weights} with --zero 0: ZeRO-0 gathers no weights (every "
                           f"rank updates all of them), as train refuses it; use --zero 1, 2 or 3, or drop it")
+    if args.compare and (unread := [d for d in given if d in ("schedule", "virtual_stages")]):
+        raise ConfigError(f"{flag(unread[0])} is unread by --compare, which plays every schedule, each at its own "
+                          f"default --virtual-stages: drop one of them")
+    if args.json and args.listing:  # the listing is text, left out of the JSON
+        raise ConfigError("--listing prints every rank's program as text, which --json leaves out: drop one of them")
+    if "quant_block" in given and args.quantize_weights == args.quantize_grads == "none":
+        raise ConfigError(f"--quant-block {args.quant_block} sizes the scales of quantized traffic: add "
+                          f"--quantize-weights or --quantize-grads, or drop it")
+
+
+def read_prefetch(args: argparse.Namespace) -> None:
+    """--zero3-prefetch as a depth. `auto` is train's (it chooses for the link --link-gbps names,
+    which simulate does not take): said in one line, not argparse's "invalid int value"."""
+    text = args.zero3_prefetch
+    if not isinstance(text, str):
+        return
+    if text.strip() == "auto":
+        raise ConfigError("--zero3-prefetch auto is train's (it chooses the depth for the link --link-gbps names); "
+                          "simulate plays a depth you give: pass a number (pipezero plan shows the depth auto picks)")
+    try:
+        args.zero3_prefetch = int(text.strip(), 10)
+    except ValueError:
+        raise ConfigError(f"--zero3-prefetch {text}: expected an integer >= 1, a depth in layers") from None
 
 
 def played(args: argparse.Namespace) -> tuple[int, int]:
@@ -186,9 +211,12 @@ def check_png(text: str, drawn: int) -> None:
         raise ConfigError(f"--png {text} is a folder: name the .png file to write, e.g. {path / 'timeline.png'}")
     if path.suffix.lower() != ".png":
         raise ConfigError(f"--png {text}: name a file ending .png")
+    if path.is_symlink():  # the write replaces the link itself, leaving its target as it was
+        raise ConfigError(f"--png {text} is a symlink (to {os.readlink(path)}): name the file to write itself")
     folder = path.parent
-    while not folder.exists():  # the folders it would make
-        folder = folder.parent
+    if not folder.exists():  # it made every missing folder on the way, wherever a typo put them
+        raise ConfigError(f"--png {text}: its folder {folder} does not exist: create it, or name a .png in a folder "
+                          f"that does")
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"--png {text} cannot be written: {folder} is not a folder this user can write")
     if drawn > limits.DRAW_LIMIT:
@@ -290,9 +318,8 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
     except ConfigError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError, RecursionError) as e:
-        raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else 'malformed'}); pass the trace.json of a run "
-                          f"trained with --trace") from None
+        raise ConfigError(f"--from-trace {args.from_trace!r} is not a pipezero trace.json ({trace_fault(e)}); pass "
+                          f"the trace.json of a run trained with --trace") from None
     if not all(math.isfinite(x) for x in (step, bubble, cal.measured_step_s, cal.measured_bubble)):
         raise ConfigError(f"--from-trace {args.from_trace!r}: its times overflow (step time {cal.measured_step_s:g} "
                           f"s); pass the trace.json of a run trained with --trace")
@@ -317,6 +344,25 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
             table.add_row(f"what if {name}", *(("-", v) if isinstance(v, str) else (f"{v[0]:.3f}", f"{v[1]:.1%}")))
     console.print(table)
     return 0
+
+
+def trace_fault(e: Exception) -> str:
+    """What a trace that failed to read lacks, in the file's terms: a KeyError's bare key ("KeyError:
+    'ph'") or a Python type name tells a user nothing of their file."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    if isinstance(e, KeyError):
+        return f"an event or its layout lacks its {e.args[0]!r} field" if e.args else "an entry lacks a field"
+    if isinstance(e, IndexError):
+        return "a list in it is shorter than its layout says"
+    if isinstance(e, RecursionError):
+        return "it is nested too deep"
+    if isinstance(e, ZeroDivisionError):
+        return "its times or counts are zero where a run records some"
+    if isinstance(e, (TypeError, AttributeError)):
+        return "a field holds a value of the wrong kind (a number, a list, an object)"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text or "malformed"
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

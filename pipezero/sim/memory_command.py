@@ -45,7 +45,7 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
                    help="global batches an evaluation reads (its phase: sends held to its end; default 4)")
     m.add_argument("--sample-tokens", type=int, default=None,
                    help="the end-of-run text sample's length (its phase, without a pipeline; default 64)")
-    m.add_argument("--zero3-prefetch", type=int, default=None,
+    m.add_argument("--zero3-prefetch", default=None,  # a number, read by commands.py read_prefetch
                    help="ZeRO-3 layer by layer: layers a gather starts ahead of its use (as train --zero3-prefetch; "
                         "with --zero3-layerwise it also places the lowered program's gathers; auto is the planner's: "
                         "pipezero plan, or train --link-gbps)")

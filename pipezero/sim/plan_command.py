@@ -128,6 +128,14 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.nodes is None and args.gpus is None:
         raise ConfigError("say how many GPUs: --gpus N, or --nodes K --gpus-per-node N")
     gpus = args.gpus if args.gpus is not None else args.nodes * args.node_size
+    if gpus > args.node_size and gpus % args.node_size:  # links are priced by node: a part-filled one is no cluster's
+        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {args.node_size} "
+                          f"({gpus // args.node_size} nodes and {gpus % args.node_size} GPUs of another): give a "
+                          f"multiple of {args.node_size}, or the --gpus-per-node your nodes have")
+    if args.secondary_shard == "node" and gpus <= args.node_size:
+        raise ConfigError(f"--secondary-shard node is read only across nodes (weights sharded within a node, "
+                          f"replicated between nodes); --gpus {gpus} is one node of --gpus-per-node "
+                          f"{args.node_size}: drop it, or plan more nodes")
     if gpus not in limits.GPUS:
         raise ConfigError(f"--nodes {args.nodes} x --gpus-per-node {args.node_size} = {gpus} GPUs; the limit is "
                           f"{limits.GPUS.high:.0f}: fewer --nodes or --gpus-per-node")
@@ -176,6 +184,11 @@ def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
     return replace(cluster, tflops=found.tflops, mfu=1.0, overhead_s=found.overhead_s,
                    pcie_gbps=found.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=found.host_adamw_params_s or cluster.adamw_params_s)
+
+
+def parameters(n: int) -> str:
+    """A parameter count as a person reads it: 1.48M, 6.74B (a tiny model was "0.0B")."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
 def unit_words(c: Choice) -> str:
@@ -232,11 +245,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq-len {seq_len} is longer than the model's max_seq_len {model.max_seq_len} "
                           f"(train refuses it): plan with --seq-len {model.max_seq_len} or less")
     cluster = cluster_from_args(args)
+    if (tokens := args.global_batch * seq_len) > limits.BATCH_TOKENS:  # train refuses every layout of it, not memory
+        raise ConfigError(f"--global-batch {args.global_batch} x --seq-len {seq_len} = {tokens} tokens a step; train's "
+                          f"limit is {limits.BATCH_TOKENS} (every rank holds the step's batch in memory): lower "
+                          f"--global-batch or --seq-len")
     if args.costs is not None:
         cluster = measured(cluster, args)
     floor = 4 * param_count(model) / cluster.gpus / 2**30  # fp32 master weights, spread over every GPU at best
     if floor > args.gpu_memory:  # every layout was simulated first to say so: minutes (7b on 8 x 0.001 GiB)
-        raise ConfigError(f"no layout fits {param_count(model) / 1e9:.1f}B parameters in {cluster.gpus} x "
+        raise ConfigError(f"no layout fits {parameters(param_count(model))} parameters in {cluster.gpus} x "
                           f"{args.gpu_memory:g} GiB: their fp32 weights alone, spread over every GPU, take "
                           f"{floor:.3g} GiB a GPU; add GPUs or memory")
     given = [f for f, v in (("--quantize-weights", args.quantize_weights), ("--quantize-grads", args.quantize_grads),
@@ -261,7 +278,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           f"{model.n_layers} layers and dp dividing --global-batch {args.global_batch}; "
                           f"choose {'--gpus ' + nearby + ' or ' if nearby else ''}another --global-batch")
     if not fits:
-        raise ConfigError(f"no layout of {considered} fits {param_count(model) / 1e9:.1f}B parameters in "
+        raise ConfigError(f"no layout of {considered} fits {parameters(param_count(model))} parameters in "
                           f"{cluster.gpus} x {args.gpu_memory:g} GiB; "
                           + (host_missing(result.host_short[0], cluster) if result.host_short else
                              device_missing(result.device_short, cluster) if result.device_short else
@@ -292,7 +309,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "fit": len(fits), "seconds": took, "layouts": rows}, indent=2))
         return 0
     off = sum(e.layout.offload for e in fits)
-    table = Table(title=f"{param_count(model) / 1e9:.2f}B params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
+    table = Table(title=f"{parameters(param_count(model))} params on {cluster.gpus} x {args.gpu_memory:g} GiB: "
                         f"{len(fits)} of {considered} layouts fit"
                         f"{f' ({off} only with --offload optimizer)' if off else ''} ({took:.1f} s)",
                   caption=f"{skipped} layouts of many micro-batches not simulated (the planner's time budget): "
