@@ -430,9 +430,15 @@ def test_simulate_memory_json_keeps_the_device_peak_and_adds_the_host(capsys):
         assert f"{o['peak_bytes'] / 2**20:,.1f}" in table and f"{o['host_peak_bytes'] / 2**20:,.1f}" in table
 
 
-def test_offload_applies_with_memory_only(capsys):
+def test_offload_applies_with_memory_or_the_lowered_program(capsys):
     assert_one_line(*run_main(["simulate", "--offload", "optimizer"], capsys),
-                    "--offload applies with --memory: add --memory, or drop --offload")
+                    "--offload applies with --zero (the lowered program's ZeRO traffic)")
+    from pipezero.cli import main
+
+    assert main(["simulate", "--zero", "2", "--dp", "2", "--offload", "optimizer", "--offload-activations", "2",
+                 "--listing"]) == 0
+    listing = capsys.readouterr().out
+    assert "OFFLOAD_GRAD(" in listing and "HOST_STEP(" in listing and "RELOAD_ACT(" in listing
 
 
 def test_the_fit_check_counts_device_bytes_only():

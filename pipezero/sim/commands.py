@@ -47,15 +47,16 @@ def parse_cost(text: str) -> tuple[float, float, float]:
 # flags only the ZeRO lowering reads: given without --zero they would change nothing
 ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch",
               "zero3_unit", "dtype",
-              "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing")
+              "quantize_weights", "quantize_grads", "quant_block", "optim_cost", "listing", "offload",
+              "offload_activations")
 
 
 ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zero3_unit")  # of those, what only ZeRO-3 reads
 
 # what --memory reads: train's layout flags (sim/memory_command.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
-MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "eval_batches", "sample_tokens",
-               "offload", "offload_activations")  # add_memory_flags' own: no timing run reads them
+MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "eval_batches",
+               "sample_tokens")  # add_memory_flags' own: no timing run reads them
 
 
 def flag(dest: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pipezero.config import GradReduce, ModelConfig, ParallelConfig, Partition, ScheduleKind, Zero3Unit
+from pipezero.config import GradReduce, ModelConfig, Offload, ParallelConfig, Partition, ScheduleKind, Zero3Unit
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import CostModel
@@ -42,6 +42,8 @@ class ZeroOptions:
     gather_bytes: float | None = None  # --quantize-weights: an element of every parameter gather
     depth: int = 1  # ZeRO-3 layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
     unit: Zero3Unit = Zero3Unit.LAYER  # ZeRO-3 layer by layer: a layer, or a block's part (--zero3-unit)
+    offload: Offload = Offload.NONE  # --offload optimizer: the program's host copies and host steps
+    activations: int = 0  # --offload-activations: micro-batches a rank's program moves to the host
 
     @property
     def sharded_params(self) -> bool:
@@ -63,7 +65,8 @@ class ZeroOptions:
         gather = element_bytes(8, args.quant_block) if args.quantize_weights == "int8" else None
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
                    args.zero3_layerwise, args.zero3_prefetch_chunk, 2 if args.dtype == "bf16" else 4,
-                   args.optim_cost, grad, gather, depth, Zero3Unit(getattr(args, "zero3_unit", None) or "layer"))
+                   args.optim_cost, grad, gather, depth, Zero3Unit(getattr(args, "zero3_unit", None) or "layer"),
+                   Offload(getattr(args, "offload", None) or "none"), getattr(args, "offload_activations", None) or 0)
 
 
 def preset_model(preset: str, n_chunks: int, seq_len: int = 1024) -> tuple[ModelShapes, int]:
@@ -81,7 +84,7 @@ def traffic(prog: Program, rank: int) -> int:
     d = prog.dp
     total = 0.0
     for i in flat(prog.ranks[rank]):
-        if isinstance(i, DataParallel) and i.collective is not Collective.LOCAL:
+        if isinstance(i, DataParallel) and i.collective not in (Collective.LOCAL, Collective.HOST):
             total += i.nbytes * (2 if i.collective is Collective.ALL_REDUCE else 1) * (d - 1) / d
     return int(total)
 
@@ -106,7 +109,8 @@ def lower_zero(s: Schedule, opt: ZeroOptions, replicas: tuple[int, ...] | None =
     model, params = preset_model(opt.preset, s.n_chunks)
     p = ParallelConfig(pp=s.pp, dp=opt.dp, zero=opt.zero, schedule=ScheduleKind(s.name), microbatches=s.microbatches,
                        virtual_stages=s.virtual, grad_reduce=opt.grad_reduce, bucket_mb=opt.bucket_mb,
-                       zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth, zero3_unit=opt.unit)
+                       zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth, zero3_unit=opt.unit,
+                       offload=opt.offload, offload_activations=opt.activations)
     plan = compile_plan(p, model, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes, gather_bytes=opt.gather_bytes,
                         prefetch=opt.prefetch, replicas=replicas, schedule=s)
     return Lowered(plan.program, plan.buckets, params / s.pp * opt.wire_bytes)
