@@ -53,3 +53,21 @@ def test_plan_with_a_probes_costs_plans_with_its_rates_and_refuses_what_it_would
     bad.write_text('{"device": "cpu"}')
     assert_one_line(*run_main(["plan", "--preset", "small", "--gpus", "2", "--gpu-memory", "1", "--costs", str(bad)],
                               capsys), "not a probe pipezero wrote")
+
+
+def probe_links(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from pipezero.probe import probe_link
+
+    found = probe_link(dist.group.WORLD, torch.device("cpu"), budget_s=0.05)
+    return {"latency_s": found.latency_s, "gbps": found.gbps}
+
+
+@pytest.mark.distributed
+def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank():
+    from ranks import run_ranks
+
+    results = run_ranks(probe_links, 2)
+    for r in results:
+        assert 0 < r["latency_s"] < 1 and r["gbps"] > 0, r
