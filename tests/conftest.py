@@ -58,11 +58,23 @@ def _processes_only_when_distributed(request: pytest.FixtureRequest, monkeypatch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2`), the tests that start ranks go first: they are the long ones
-    (up to half a minute each), and one of them left for the end would keep one worker busy while
-    the other has nothing to do. Without workers the order is the files' own."""
+    """Under pytest-xdist (`-n 2`, `--dist worksteal`): the `alone` tests first, then the `slow` ones,
+    most seconds first (the marker's number), then the other tests that start ranks, then the
+    one-process tests. worksteal hands each worker a contiguous share of this order and a worker with
+    nothing left takes the far end of the other's share: one worker works down from the longest
+    tests while the other takes the short ones from the end, so the session ends on short tests, not
+    on one worker running a long test (the first tutorial: a minute and more) while the other has
+    nothing to do. An `alone` test at the start waits for no long test to end before it has the
+    room (a test beside it waits for it, idle). Without workers the order is the files' own."""
     if getattr(config.option, "numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("distributed") is None)  # stable: file order kept
+        items.sort(key=_order)  # stable: file order kept among equals
+
+
+def _order(item: pytest.Item) -> tuple[bool, float, bool]:
+    slow = item.get_closest_marker("slow")
+    seconds = float(slow.args[0]) if slow is not None and slow.args else 0.0
+    return item.get_closest_marker("alone") is None, -seconds if slow else 1.0, \
+        item.get_closest_marker("distributed") is None
 
 
 @pytest.fixture(autouse=True)

@@ -258,7 +258,7 @@ def scenarios(rank: int, world: int, data: str, out: str) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(29)
 def test_resume_reshard_corruption_and_nonfinite_steps(text_dir, tmp_path):
     from pipezero.checkpoint.export import read_model
 
@@ -393,7 +393,7 @@ def tied_scenarios(rank: int, world: int, data: str, out: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(30)
 def test_tied_embeddings_across_pipeline_ranks_checkpoint_and_resume(text_dir, tmp_path):
     """Each end of a tied embedding is saved under its own name by the rank that holds it: no
     overlapping ranges of one name (which DCP refuses to save), the same run on resume."""

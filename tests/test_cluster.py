@@ -50,7 +50,7 @@ def cluster_ok():
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(47)
 def test_two_nodes_pp2_dp2_zero2_and_hierarchical_dp4_equal_one_process(cluster_ok, text_dir, tmp_path):
     """P=2 D=2 ZeRO-2, then P=1 D=4 ZeRO-2 with --hierarchical: its reductions inside each node (the
     2 ranks torchrun starts there, LOCAL_WORLD_SIZE), then across the shaped link."""
@@ -142,7 +142,7 @@ def test_pipezero_cluster_stopped_leaves_no_namespace_link_or_process(cluster_ok
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(33)
 def test_a_cut_link_mended_resumes_from_the_checkpoint_with_the_losses_of_an_uninterrupted_run(
         cluster_ok, text_dir, tmp_path):
     """Each node's torchrun restarts its rank after the cut fails it; the restarted ranks meet once

@@ -37,7 +37,7 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow(37)
 def test_sigkilled_rank_restarts_from_checkpoint_with_the_same_losses(text_dir, tmp_path):
     assert main([*train_args(text_dir, tmp_path / "clean"), "--nproc", "2"]) == 0
     code, log, _ = faulty_job("kill:1:4", train_args(text_dir, tmp_path / "faulty"), max_restarts=1)

@@ -185,6 +185,7 @@ def test_planned_work_weighs_each_compute_action_by_its_chunk():
     assert [planned_work(Programs(zbv, RANKS).of(r), costs) for r in range(4)] == pytest.approx([36.0, 36.0, 24.0, 24.0])
 
 
+@pytest.mark.alone  # measured sleeps: beside another worker's ranks on 2 cores they overshoot (0.176 s for 0.05)
 def test_own_work_is_compute_less_the_waits_inside_it_after_the_first_step():
     class Clock:
         step = 1

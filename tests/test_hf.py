@@ -278,6 +278,7 @@ def train_layouts(rank: int, world: int, folder: str, data: str, out: str, cases
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(28)
 def test_every_layout_equals_one_process(models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
     """A loaded llama (7 blocks: neither 2 nor 4 divides its 9 layers; biases through split
     backward) has the first-step loss of one process on P in {2, 4}, D in {1, 2}, ZeRO 0-3 and

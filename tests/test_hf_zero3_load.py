@@ -59,6 +59,7 @@ def train_and_load(rank: int, world: int, root: str, data: str, out: str) -> dic
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(28)
 def test_zero3_reads_only_its_shards_and_trains_like_one_process(text_dir: Path, tmp_path: Path) -> None:
     from pipezero.engine import train
     from ranks import run_ranks

@@ -59,6 +59,7 @@ CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None
     *[(name, 1, 4, K.ONE_F_ONE_B, {**STATES, **extra}, None, ()) for name, extra in QUANTIZED.items()]]
 
 
+@pytest.mark.slow(52)
 def test_predicted_peaks_within_a_tenth_of_measured(text_dir, tmp_path):
     cfgs = [build_config(None, tiny_overrides(str(text_dir), f"{tmp_path}/case{i}", pp, dp, kind, 2 * pp,
                                               **{**MODEL, **extra}))

@@ -119,6 +119,7 @@ def spec_toml(tmp_path: Path, data: Path) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(51)
 def test_model_spec_from_the_command_line(text_dir, tmp_path, monkeypatch, capsys):
     """`[model] spec` (`--model-spec`) names examples/own_model.py's GPTSpec: `pipezero verify` trains
     it at pp=2 on two ranks torchrun starts (which import it themselves) and finds every rank equal

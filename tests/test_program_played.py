@@ -94,6 +94,7 @@ def sublayer_cases() -> list[dict]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(55)
 def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_path):
     todo = cases()
     assert {c["kind"] for c in todo} == set(K)

@@ -171,6 +171,7 @@ CASES = [
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(46)
 def test_quantized_traffic_trains_within_tolerance(text_dir, tmp_path):
     per_rank = run_ranks(quantized_run, 4, str(text_dir), str(tmp_path), CASES, timeout=300)
     assert [r[0] for r in per_rank] == [["flat", "2x2", "hpZ"]] * 4

@@ -299,6 +299,7 @@ def assert_completed(tmp_path: Path, form: str, final: tuple[str, str]) -> str:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(32)
 def test_both_sbatch_forms_train_on_a_real_slurm_like_one_process(local_slurm, text_dir, tmp_path):
     ref, config, env = prepared_run(text_dir, tmp_path, 4)
     t0 = time.monotonic()

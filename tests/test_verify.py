@@ -43,6 +43,7 @@ def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow(24)
 def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
     """ZB-V with M < 2P and tied embeddings (both ends on rank 0), AdamW and a micro-batch's activations
     in host memory: exit 0, every tensor compared with one process that offloads nothing."""
