@@ -6,6 +6,8 @@ runs compute itself, posts transfers through runtime/p2p.py and hands each colle
 data-parallel layer, which starts, waits for or releases exactly what the instruction names.
 Layer-by-layer ZeRO-3's collectives sit inside the compute instruction: the executor arms them
 before the action and checks after it that every one fired (zero/sharded.py `begin_compute`).
+With --offload-activations the program's OFFLOAD_ACT and RELOAD_ACT move a micro-batch's saved
+activations to host memory and back (runtime/saved_activations.py); the executor plays them itself.
 OPTIM_STEP is played here too, through the optimizer step the caller binds to the step's learning
 rate (ZeroDP.step: drain, clip, update); the UNSHARDs after it (ZeRO-1/2's gathers of the updated
 weights) are played like any other, where the step was applied.

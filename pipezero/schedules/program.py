@@ -3,8 +3,8 @@ collectives, lowered into a single ordered list that the checker proves and the 
 
 The same program runs: schedules/compile.py compiles every rank's (the only place one is made),
 the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD,
-TIED_SUM and REDUCE_GRAD to zero/sharded.py's `play`; `pipezero simulate --zero` times it and the
-checker proves it. What happens inside an action sits inside its compute instruction (`during`),
+TIED_SUM, REDUCE_GRAD, OFFLOAD_GRAD and HOST_STEP to zero/sharded.py's `play`; `pipezero simulate
+--zero` times it and the checker proves it. What happens inside an action sits inside its compute instruction (`during`),
 each with the moment that fires it (schedules/layer_plan.py): a fused backward's reductions and
 layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the moments.
 
@@ -43,6 +43,15 @@ Placement rules (D = data-parallel ranks):
   skipped for a non-finite gradient changed no weight). The last one blocks (the rank waits for
   them all at the step's end), or with `overlap_gather` none does and the next step's first
   forward through each layer waits for that layer's bucket (zero/updates.py).
+- --offload optimizer: a bucket's OFFLOAD_GRAD (its reduced gradient, the part this rank updates,
+  to host memory) right after the instruction at which the program has waited for the bucket's last
+  reduction (a blocking REDUCE_GRAD, or a `bound` that leaves only newer ones in flight), else just
+  before OPTIM_STEP; OPTIM_STEP then decides and clips, and one HOST_STEP a bucket follows it in
+  forward order (AdamW on the host, the weights copied back), before ZeRO-1/2's UNSHARD of the bucket,
+  played only where the step was applied. Both are `Collective.HOST`: no other rank takes part.
+- --offload-activations N: OFFLOAD_ACT right after the forward of each of the rank's first N
+  micro-batches held across two or more other compute actions, RELOAD_ACT one action before its
+  backward (`ActivationCopy`; the executor plays them).
 Tied embeddings across ranks: their buckets' REDUCE_GRADs come just before OPTIM_STEP, after a
 TIED_SUM has summed the copies between the first and last rank (zero/tied.py); every replica does
 so in the same order, so the dp groups still agree.
@@ -471,14 +480,14 @@ def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
     OFFLOAD_ACT right after its forward and RELOAD_ACT right before the action before its backward."""
     computes = [(i, x.action) for i, x in enumerate(out) if isinstance(x, Compute)]
     forward = {(a.chunk, a.mb): (k, i) for k, (i, a) in enumerate(computes) if a.op is Op.F}
-    lifetimes = []
+    eligible = []
     for k, (i, a) in enumerate(computes):
         if a.op in (Op.B, Op.BW) and (a.chunk, a.mb) in forward:
             kf, i_f = forward.pop((a.chunk, a.mb))
             if k - kf - 1 >= 2:  # compute actions between its forward and its backward
-                lifetimes.append((i_f, computes[k - 1][0], a.chunk, a.mb))
+                eligible.append((i_f, computes[k - 1][0], a.chunk, a.mb))
     copies: dict[int, list[Instr]] = {}  # position -> copies placed before (reload) or after (offload) it
-    for i_f, i_before, c, mb in sorted(lifetimes)[:n]:
+    for i_f, i_before, c, mb in sorted(eligible)[:n]:
         copies.setdefault(i_f, []).append(ActivationCopy(True, c, mb))
         copies.setdefault(i_before, []).insert(0, ActivationCopy(False, c, mb))
     placed: list[Instr] = []

@@ -17,6 +17,10 @@ zero/gathering.py, the update zero/update.py; the state lives on the buckets (ze
   allocated when their first gradient appears and at most the program's `bound` of full buckets
   (and the one being filled) wait on a reduce-scatter at once, so the full gradient never exists
   all at once.
+- --offload optimizer (zero/offload.py): OFFLOAD_GRAD copies a bucket's reduced gradient to the
+  host once its reduction has landed (waiting for it where the program left it in flight); OPTIM_STEP
+  then only decides and clips, and each HOST_STEP after it steps one bucket's AdamW on the host and
+  copies its weights back. The executor's activation copies are noted in the same record (`note_copy`).
 - Every collective inside an action is armed by the executor (`begin_compute`) and fired at its
   moment (`moment`); one left over when the action ends is an error, never a collective skipped.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
@@ -328,8 +332,9 @@ class ZeroDP:
         if instr.kind is Kind.OFFLOAD_GRAD and b in self.comm.reducing:  # its last reduction, and every older one
             self.comm.drain(keep_last=self.comm.reducing[::-1].index(b))
         self.comm.note_start(f"{instr.kind.value}({b.label})", instr.nbytes, "fp32", Group.HOST.value)
-        with self.tracer.span(f"{instr.kind.value}({b.label})", "optim" if instr.kind is Kind.HOST_STEP else "copy", "host"):
-            if instr.kind is Kind.HOST_STEP:
+        step = instr.kind is Kind.HOST_STEP
+        with self.tracer.span(f"{instr.kind.value}({b.label})", "optim" if step else "copy", "host"):
+            if step:
                 self.host.step(b)
             else:
                 self.host.to_host(b)
