@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RESULTS = Path(__file__).resolve().parent / "results"
 LAYOUTS = {
     "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)]
-    # the updated weights' all-gather waited for at the end of the step, as before zero/updates.py
+    # the updated weights' all-gather waited for at the end of the step, as before zero/weight_waits.py
     + [{"name": f"D=2 ZeRO-{z} gather at step end", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1,
         "flags": ["--no-overlap-gather"]} for z in (1, 2)]
     # ZeRO-3 layer by layer with each layer's gather started 2, 3 or 5 layers ahead (--zero3-prefetch;

@@ -201,7 +201,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     """Gradient bucket size in MB: reductions start a bucket at a time while backward runs."""
     overlap_gather: bool = True
-    """ZeRO-1/2: each layer waits for its own updated weights in the next forward (zero/updates.py);
+    """ZeRO-1/2: each layer waits for its own updated weights in the next forward (zero/weight_waits.py);
     False: every all-gather is waited for at the end of the step."""
     zero3_keep_gathered: bool | None = None
     """ZeRO-3 keeps a chunk gathered over its micro-batches; None = yes when pp > 1 (a stage runs

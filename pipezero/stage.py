@@ -45,7 +45,7 @@ from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.sim.memory import prefetch_choice
 from pipezero.telemetry.trace import Tracer
-from pipezero.zero import layerwise, updates
+from pipezero.zero import layerwise, weight_waits
 from pipezero.zero.buckets import named_by_chunk, shared_params
 from pipezero.zero.compressed import Wire
 from pipezero.zero.quantize import Bits
@@ -206,7 +206,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
         layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})
     program = rank_program(plan, mesh, zero)
     if defers_update_waits(program):
-        updates.install(zero, chunks)  # each layer waits for its own updated weights
+        weight_waits.install(zero, chunks)  # each layer waits for its own updated weights
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  plan, program)

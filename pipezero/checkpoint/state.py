@@ -36,7 +36,7 @@ from pipezero.freeze import frozen_names, shell_quoted
 from pipezero.models.llama_spec import spec_of
 from pipezero.models.spec import ModelSpec
 from pipezero.rundir import run_id
-from pipezero.zero.checkpoint_state import restore_replicas, shard_state
+from pipezero.zero.shard_state import restore_replicas, shard_state
 from pipezero.zero.sharded import ZeroDP
 
 

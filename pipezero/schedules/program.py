@@ -42,7 +42,7 @@ Placement rules (D = data-parallel ranks):
   every chunk of the rank, in forward order, played only where the step was applied (a step
   skipped for a non-finite gradient changed no weight). The last one blocks (the rank waits for
   them all at the step's end), or with `overlap_gather` none does and the next step's first
-  forward through each layer waits for that layer's bucket (zero/updates.py).
+  forward through each layer waits for that layer's bucket (zero/weight_waits.py).
 - --offload optimizer: a bucket's OFFLOAD_GRAD (its reduced gradient, the part this rank updates,
   to host memory) right after the instruction at which the program has waited for the bucket's last
   reduction (a blocking REDUCE_GRAD, or a `bound` that leaves only newer ones in flight), else just

@@ -343,7 +343,7 @@ class ZeroDP:
         """Stages 1-2, after an applied step: start gathering one bucket's updated shards, in place (the
         program lists them in forward order, so the first layers' weights come first). Its wait is
         the program's: a blocking one waits for every gather started so far; with --overlap-gather
-        none blocks and the first forward that reads a bucket waits for it (zero/updates.py)."""
+        none blocks and the first forward that reads a bucket waits for it (zero/weight_waits.py)."""
         self.comm.start_updates([self.buckets[instr.chunk][instr.bucket]])  # type: ignore[index]
         if instr.blocking:
             self.settle()

@@ -2,9 +2,9 @@
 
 After the optimizer step every replica all-gathers the updated shards of every bucket. Waiting for
 all of them at the end of the step leaves that traffic exposed (nothing computes meanwhile);
-instead `ZeroDP.step` only starts them, in forward order, and a forward pre-hook on every module
-holding parameters waits for that module's buckets (and the ones issued before them) the first
-time it runs. So the gathers of later layers travel while the first layers of the next step
+instead the program's UNSHARDs after OPTIM_STEP only start them (none blocks under --overlap-gather),
+in forward order, and a forward pre-hook on every module holding parameters waits for that module's
+buckets (and the ones issued before them) the first time it runs. So the gathers of later layers travel while the first layers of the next step
 compute. Anything else that reads full parameters between steps (checkpoints, snapshots, the text
 sample) calls `settle()` first.
 """
