@@ -8,7 +8,8 @@ layouts below for one step each and checks that the records are not empty. Point
 transfers need no such record: the executor posts them by playing the program's SEND and RECV
 instructions in order (runtime/executor.py `run`).
 
-Covered: every schedule with ZeRO 0-3 at P=2 D=2, the stages that move the most at P=4 D=1 and P=1
+Covered: every schedule with ZeRO 0-3 at P=2 D=2 (with --offload optimizer and two micro-batches'
+activations offloaded: their host copies and steps held to the program too), the stages that move the most at P=4 D=1 and P=1
 D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied embedding (TIED_SUM,
 then the reductions of the buckets holding its copies, before the step). Layer-by-layer ZeRO-3
 (the default at P=1, asked for at P=2): its gathers sit inside the compute instructions and are
@@ -31,9 +32,13 @@ from training import train_cases
 
 def cases() -> list[dict]:
     out = []
+    # every schedule x ZeRO stage offloaded: its collectives in the program's order as plain (the other
+    # layout tests hold plain runs' records), and its host copies and host steps, and its activation
+    # copies, where the program places them
+    offloaded = {"parallel.offload": "optimizer", "parallel.offload_activations": 2}
     for kind in K:
         for zero in (0, 1, 2, 3):
-            out.append({"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": zero})
+            out.append({"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": zero, **offloaded})
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.grad_reduce": "microbatch"}
             for z in (2, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
@@ -113,3 +118,7 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
                if c["parallel.zero"] and c["dp"] > 1)
     assert all(any(s.startswith("TIED_SUM") for s in started) for c, started in zip(todo, first)
                if c.get("model.tie_embeddings") and c["pp"] > 1)  # rank 0 holds the embedding in every tied case
+    for c, started in zip(todo, first):  # an offloaded step copies and steps every bucket on the host
+        if c.get("parallel.offload") == "optimizer":
+            copied = sorted(s[len("OFFLOAD_GRAD"):] for s in started if s.startswith("OFFLOAD_GRAD"))
+            assert copied and copied == sorted(s[len("HOST_STEP"):] for s in started if s.startswith("HOST_STEP")), c
