@@ -76,6 +76,34 @@ def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | Non
     return statistics.median(times)
 
 
+def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: torch.device,
+                   sync: Callable[[], None] | None = None, least: int = 3) -> float:
+    """`timed` for a collective: every rank of `group` runs it the same number of times.
+
+    A loop bounded by each rank's own clock ends after a different count on each rank, and the
+    ranks that go on wait for a partner (or read a message of another size): the count is agreed
+    first (the largest any rank's budget allows), then every rank runs exactly that many."""
+    import torch.distributed as dist
+
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(least):
+        fn()
+    if sync is not None:
+        sync()
+    each = (time.perf_counter() - t0) / least
+    count = torch.tensor([min(200, max(least, int(budget_s / max(each, 1e-9))))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    times: list[float] = []
+    for _ in range(int(count.item())):
+        t = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, float], float, float]:
     """(F, B, W seconds of one block at the run's micro-batch, achieved TFLOP/s, fixed seconds an action)."""
     from pipezero.models import build_chunk
@@ -109,8 +137,8 @@ def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkC
     n = dist.get_world_size(group)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
-    t_small = timed(lambda: dist.all_reduce(small, group=group), budget_s, sync)
-    t_large = timed(lambda: dist.all_reduce(large, group=group), budget_s, sync)
+    t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
+    t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
     moved = 2 * (n - 1) / n * (SIZES[1] - SIZES[0])  # a ring all-reduce's bytes through each link
     return LinkCost(t_small, moved / max(t_large - t_small, 1e-9) / 1e9)
 

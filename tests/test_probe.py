@@ -60,14 +60,18 @@ def probe_links(rank: int, world: int) -> dict:
 
     from pipezero.probe import probe_link
 
-    found = probe_link(dist.group.WORLD, torch.device("cpu"), budget_s=0.05)
-    return {"latency_s": found.latency_s, "gbps": found.gbps}
+    # Budgets that differ by rank stand for clocks that do (a loaded machine): each rank's own
+    # clock would end its loop after another count, and the ranks' all-reduces would not pair up.
+    found = probe_link(dist.group.WORLD, torch.device("cpu"), budget_s=0.0 if rank == 0 else 0.2)
+    after = torch.tensor([float(rank)])
+    dist.all_reduce(after)  # still paired: no rank ran an all-reduce more than another
+    return {"latency_s": found.latency_s, "gbps": found.gbps, "after": after.item()}
 
 
 @pytest.mark.distributed
-def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank():
+def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank_alike():
     from ranks import run_ranks
 
     results = run_ranks(probe_links, 2)
     for r in results:
-        assert 0 < r["latency_s"] < 1 and r["gbps"] > 0, r
+        assert 0 < r["latency_s"] < 1 and r["gbps"] > 0 and r["after"] == 1.0, r
