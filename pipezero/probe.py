@@ -58,7 +58,12 @@ class Probe:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Probe:
-        links = {k: LinkCost(**v) for k, v in d.get("links", {}).items()}
+        if not isinstance(d, dict):  # the file is anyone's: a list or a number is no probe
+            raise TypeError(f"a JSON object was expected, not a {'list' if isinstance(d, list) else type(d).__name__}")
+        links = d.get("links", {})
+        if not isinstance(links, dict) or not all(isinstance(v, dict) for v in links.values()):
+            raise TypeError("links: an object of {latency_s, gbps} objects was expected")
+        links = {k: LinkCost(**v) for k, v in links.items()}
         return cls(**{**d, "links": links})
 
 
@@ -127,7 +132,24 @@ def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -
     w_s = timed(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), budget_s, sync)
     overhead = timed(lambda: forward(1, 8), budget_s / 2, sync)
     flops = layer_costs(m, t)[1] * b * t  # the block's training FLOPs for this micro-batch (6 a weight a token)
-    return {"F": f, "B": b_s, "W": w_s}, flops / max(f + b_s + w_s - 3 * overhead, 1e-9) / 1e12, overhead
+    block = {"F": f, "B": b_s, "W": w_s}
+    return block, achieved_tflops(flops, block, overhead), overhead
+
+
+class ProbeError(RuntimeError):
+    """What was timed cannot give a figure: said in one line, nothing written."""
+
+
+def achieved_tflops(flops: float, block_s: dict[str, float], overhead_s: float) -> float:
+    """The block's FLOPs over its three actions' time less their fixed cost. Where that is nothing
+    (a micro-batch so small, or a machine so busy, that the fixed cost takes it all), there is no
+    rate to tell: FLOPs over a clamped 1e-9 s was a rate of 1e5+ TFLOP/s that the planner believed."""
+    total = sum(block_s.values())
+    if total - 3 * overhead_s <= 0.05 * total:
+        raise ProbeError(f"the block's F, B and W took {total * 1e3:.3g} ms, no more than three of an action's fixed "
+                         f"cost ({overhead_s * 1e3:.3g} ms each): its FLOP rate cannot be told apart from an action's "
+                         f"fixed cost; probe at a larger --micro-batch-size or --seq-len, or on an idle machine")
+    return flops / (total - 3 * overhead_s) / 1e12
 
 
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:

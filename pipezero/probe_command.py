@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
     import torch
 
     from pipezero.parallel.device import device_kind, rank_device
-    from pipezero.probe import probe
+    from pipezero.probe import ProbeError, probe
     from pipezero.settings import build_config
     from pipezero.util import atomic_write_json
 
@@ -36,9 +37,18 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
         raise ConfigError(f"--budget {args.budget:g}: expected seconds from {BUDGET[0]:g} to {BUDGET[1]:g}")
     if args.json_out is not None and (not args.json_out.strip() or os.path.lexists(args.json_out)):
         raise ConfigError(f"--json {args.json_out!r}: name a new file (the probe never writes over one)")
+    if args.json_out is not None and (folder := existing_parent(Path(args.json_out))) is not None \
+            and not folder.is_dir():  # said now, not after the seconds of timing
+        raise ConfigError(f"--json {args.json_out!r}: {folder} is not a folder; name a file in one")
     cfg = build_config(args.config, values, names)
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
-    found = probe(cfg, rank_device(device_kind(cfg.run.device)), budget_s=args.budget)
+    device = rank_device(device_kind(cfg.run.device))
+    check_block_fits(cfg, device)
+    try:
+        found = probe(cfg, device, budget_s=args.budget)
+    except ProbeError as e:
+        print(f"pipezero: error: {e}", file=sys.stderr)
+        return 1
     b = found.block_s
     print(f"{found.device}, {found.dtype}, micro-batch {found.micro_batch} x {found.seq_len} tokens, "
           f"{cfg.model.preset or 'model'} block")
@@ -50,3 +60,30 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
         atomic_write_json(Path(args.json_out), found.to_json())
         print(f"wrote {args.json_out}")
     return 0
+
+
+def existing_parent(path: Path) -> Path | None:
+    """The nearest of `path`'s parents that exists (the probe makes the folders below it)."""
+    return next((p for p in path.absolute().parents if os.path.lexists(p)), None)
+
+
+def check_block_fits(cfg: Any, device: Any) -> None:
+    """The probe holds one block's activations at the run's micro-batch (and their gradients): where
+    the memory model's bytes for them pass the device's memory, refused before any allocation (the
+    kernel killed a probe of --micro-batch-size 100000)."""
+    import torch
+
+    from pipezero.models.presets import block_params
+    from pipezero.sim.memory import Shapes, layer_bytes
+
+    m = cfg.model
+    s = Shapes.of(m, cfg.parallel.micro_batch_size, cfg.data.seq_len, cfg.run.dtype)
+    one = layer_bytes(s, 1, m.n_layers, block_params(m))
+    need = one.held + one.stash + one.backward_extra + 2 * s.tokens * s.dim * s.act + 4 * 4 * block_params(m)
+    cuda = device.type == "cuda"
+    have = torch.cuda.mem_get_info(device)[0] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    where = f"this {'GPU' if cuda else 'machine'}'s {have / 2**30:.1f} GiB{' free' if cuda else ''}"
+    if need > have:
+        raise ConfigError(f"one block at --micro-batch-size {cfg.parallel.micro_batch_size} x --seq-len "
+                          f"{cfg.data.seq_len} needs about {need / 2**30:.1f} GiB, more than {where}: probe at a "
+                          f"smaller --micro-batch-size")

@@ -505,6 +505,26 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
         check_spec_parts(spec)  # type: ignore[arg-type]  # here, not on every rank once they have started
 
 
+def check_offload_activations(cfg: TrainConfig) -> None:
+    """--offload-activations N copies micro-batches held across two or more other actions: a layout
+    where none is (one pipeline rank under 1F1B, M = 1) would never read it."""
+    p = cfg.parallel
+    if not p.offload_activations or p.recompute:  # with --recompute: refused for what it is
+        return
+    from pipezero.schedules.program import held_long
+    from pipezero.schedules.registry import build_schedule
+
+    try:
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ValueError:
+        return  # the layout's own refusal comes where the schedule is checked
+    _check(any(held_long(schedule.actions[r]) for r in range(p.pp)),
+           f"--offload-activations {p.offload_activations}: no micro-batch of --pp {p.pp} --schedule "
+           f"{p.schedule.value} --microbatches {p.microbatches} waits across two other actions between its forward "
+           f"and its backward, so none would be copied to the host; drop it, or a layout that holds activations "
+           f"(--schedule gpipe, more --microbatches or --pp)")
+
+
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
     choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
@@ -603,6 +623,10 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     _check(not (p.offload_activations and p.recompute),
            f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
            f"between forward and backward to offload; drop one of them")
+    _check(not (r.share_device is ShareDevice.ON and p.world_size == 1),
+           "--share-device on with one rank (--pp 1 --dp 1): it sends nothing to another rank, so no transfer "
+           "would go through the host; drop it, or start more ranks")
+    check_offload_activations(cfg)
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
            "stages nothing (and GPUs refuse --hierarchical); drop one of them")

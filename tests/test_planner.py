@@ -407,3 +407,11 @@ def test_plan_offers_no_offload_where_layouts_fit_without_it():
     model = apply_preset(ModelConfig(), "tiny")
     fits = plan_within(model, Cluster(gpus=2, gpu_memory_gib=80, host_memory_gib=1024), 64, 8, offload=True).fits
     assert len(fits) >= 10 and not any(e.layout.offload for e in fits)
+
+
+@pytest.mark.parametrize("flag, value", [("--pcie-gbps", "5"), ("--cpu-adamw", "1e9")])
+def test_offload_rates_without_host_memory_are_refused_as_unread(flag, value, capsys):
+    """The planner offers --offload optimizer only with --host-memory: without it nothing prices the
+    host link or the host's AdamW."""
+    assert_one_line(*run_main(["plan", "--preset", "1b", "--gpus", "8", "--gpu-memory", "16", flag, value], capsys),
+                    f"{flag} {float(value):g} prices --offload optimizer, which plan offers only with --host-memory")

@@ -478,14 +478,8 @@ def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
     or more other compute actions, so each copy has an action to run beside: the warm-up's, which are
     alive when the rank holds the most (P - p of them in 1F1B on pipeline rank p). Each gets
     OFFLOAD_ACT right after its forward and RELOAD_ACT right before the action before its backward."""
-    computes = [(i, x.action) for i, x in enumerate(out) if isinstance(x, Compute)]
-    forward = {(a.chunk, a.mb): (k, i) for k, (i, a) in enumerate(computes) if a.op is Op.F}
-    eligible = []
-    for k, (i, a) in enumerate(computes):
-        if a.op in (Op.B, Op.BW) and (a.chunk, a.mb) in forward:
-            kf, i_f = forward.pop((a.chunk, a.mb))
-            if k - kf - 1 >= 2:  # compute actions between its forward and its backward
-                eligible.append((i_f, computes[k - 1][0], a.chunk, a.mb))
+    at = [i for i, x in enumerate(out) if isinstance(x, Compute)]
+    eligible = [(at[kf], at[kb - 1], c, mb) for kf, kb, c, mb in held_long([out[i].action for i in at])]
     copies: dict[int, list[Instr]] = {}  # position -> copies placed before (reload) or after (offload) it
     for i_f, i_before, c, mb in sorted(eligible)[:n]:
         copies.setdefault(i_f, []).append(ActivationCopy(True, c, mb))
@@ -495,6 +489,19 @@ def _offloaded_activations(out: list[Instr], n: int) -> list[Instr]:
         here = copies.get(i, [])
         placed += [c for c in here if not c.to_host] + [x] + [c for c in here if c.to_host]
     return placed
+
+
+def held_long(actions: Sequence[Action]) -> list[tuple[int, int, int, int]]:
+    """(index of its forward, of its backward, chunk, micro-batch) of each micro-batch a rank's
+    `actions` hold across two or more other actions: those --offload-activations may copy."""
+    forward: dict[tuple[int, int], int] = {}
+    held = []
+    for k, a in enumerate(actions):
+        if a.op is Op.F:
+            forward[(a.chunk, a.mb)] = k
+        elif a.op in (Op.B, Op.BW) and (kf := forward.pop((a.chunk, a.mb), None)) is not None and k - kf - 1 >= 2:
+            held.append((kf, k, a.chunk, a.mb))
+    return held
 
 
 def _offloaded_grads(out: list[Instr], bp: BucketPlan, rules: Rules, dp: int) -> list[Instr]:

@@ -119,7 +119,7 @@ def cmd_simulate_memory(args: argparse.Namespace, typed: set[str]) -> int:
     for r in ranks:
         table.add_row(str(r.rank), f"{r.peak_bytes / MIB:,.1f}", *(f"{r.categories[c] / MIB:,.1f}" for c in shown),
                       *(f"{r.phases[ph] / MIB:,.1f}" if ph in r.phases else "-" for ph in phases), r.at,
-                      f"{r.host_peak_bytes / MIB:,.1f}", *(f"{r.host_categories[c] / MIB:,.1f}" for c in host))
+                      f"{r.host_peak_bytes / MIB:,.1f}", *(f"{r.host_categories.get(c, 0) / MIB:,.1f}" for c in host))
     Console(width=160, emoji=False).print(table)
     return 0
 

@@ -170,17 +170,34 @@ def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
                                      ("--cpu-adamw", args.cpu_adamw, CPU_ADAMW_PARAMS_S)) if v != default]
     if given:
         raise ConfigError(f"--costs {args.costs} measured what {', '.join(given)} would say: drop one of them")
-    try:
-        found = Probe.from_json(read_json(Path(args.costs), 1 << 20))
+    try:  # a link the user made to a probe's file is followed: only the file itself is checked
+        found = Probe.from_json(read_json(Path(args.costs).resolve(), 1 << 20))
     except RecordError as e:
         raise ConfigError(f"--costs: {e}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"--costs {args.costs}: not a probe pipezero wrote ({e}): make one with pipezero probe "
                           f"--json FILE") from None
-    rates = (found.tflops, found.host_copy_gbps or 1.0, found.host_adamw_params_s or 1.0)
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (*rates, found.overhead_s + 1)):
-        raise ConfigError(f"--costs {args.costs}: its rates must be numbers > 0 and its overhead_s >= 0, not "
-                          f"{(*rates, found.overhead_s)}")
+    # its figures stand for the flags': held to the flags' ranges (a busy machine's probe said 7.5e5 TFLOP/s)
+    for field, flag, value, scale, allowed in (
+            ("tflops", "--tflops", found.tflops, 1, limits.TFLOPS),
+            ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
+            ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
+            ("host_adamw_params_s", "--cpu-adamw", found.host_adamw_params_s, 1, limits.PARAMS_S)):
+        if value is None and field.startswith("host_"):
+            continue  # an older probe without the host's figures: the flags' defaults stand
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"--costs {args.costs}: {field} {json.dumps(value)} is not a number: probe again "
+                              f"(pipezero probe --json FILE)")
+        if not (math.isfinite(value) and value * scale in allowed):
+            raise ConfigError(f"--costs {args.costs}: {field} {value:.8g} is outside what {flag} accepts "
+                              f"({allowed.low:g} to {allowed.high:g}{' ms' if scale != 1 else ''}): probe again "
+                              f"(pipezero probe --json FILE), on an idle machine")
+    if (found.device == "cpu") != (args.device == "cpu"):  # a CPU rank's rates are not a GPU's
+        where = ("the GPU (pipezero probe --device cuda" if args.device == "cuda" else
+                 "CPU ranks (pipezero probe --device cpu")
+        raise ConfigError(f"--costs {args.costs} was measured on {found.device}, and plan prices --device "
+                          f"{args.device}: probe on {where} --json FILE), or plan --device "
+                          f"{'cpu' if found.device == 'cpu' else 'cuda'}")
     return replace(cluster, tflops=found.tflops, mfu=1.0, overhead_s=found.overhead_s,
                    pcie_gbps=found.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=found.host_adamw_params_s or cluster.adamw_params_s)
@@ -239,6 +256,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.host_memory and args.device == "cpu":  # CPU ranks' device is the host: nothing to offload to it
         raise ConfigError(f"--host-memory {args.host_memory:g} prices --offload optimizer, which plan does not "
                           f"propose for --device cpu (its ranks' device is the host already): drop it")
+    for flag, value, default in (("--pcie-gbps", args.pcie_gbps, PCIE_GBPS), ("--cpu-adamw", args.cpu_adamw,
+                                                                                CPU_ADAMW_PARAMS_S)):
+        if value != default and (not args.host_memory or args.device == "cpu"):  # nothing would price the host
+            raise ConfigError(f"{flag} {value:g} prices --offload optimizer, which plan offers only with --host-memory "
+                              f"(GiB a node, GPUs only): add it, or drop {flag}")
     model = apply_preset(ModelConfig(), args.preset) if args.preset else model_from_params(args.params)
     seq_len = args.seq_len or min(4096, model.max_seq_len)
     if seq_len > model.max_seq_len:  # train refuses it: a plan for it would be a layout nobody can run
