@@ -21,6 +21,7 @@ from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, 
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
+from pipezero.schedules.actions import Schedule
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -511,18 +512,26 @@ def check_offload_activations(cfg: TrainConfig) -> None:
     p = cfg.parallel
     if not p.offload_activations or p.recompute:  # with --recompute: refused for what it is
         return
-    from pipezero.schedules.program import held_long
     from pipezero.schedules.registry import build_schedule
 
     try:
         schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ValueError:
         return  # the layout's own refusal comes where the schedule is checked
-    _check(any(held_long(schedule.actions[r]) for r in range(p.pp)),
-           f"--offload-activations {p.offload_activations}: no micro-batch of --pp {p.pp} --schedule "
-           f"{p.schedule.value} --microbatches {p.microbatches} waits across two other actions between its forward "
-           f"and its backward, so none would be copied to the host; drop it, or a layout that holds activations "
-           f"(--schedule gpipe, more --microbatches or --pp)")
+    _check((unread := unread_activation_offload(p.offload_activations, [schedule])) is None, unread or "")
+
+
+def unread_activation_offload(n: int, schedules: list[Schedule]) -> str | None:
+    """Why --offload-activations `n` would copy nothing in any of `schedules`, or None."""
+    from pipezero.schedules.program import held_long
+
+    if not n or any(held_long(actions) for s in schedules for actions in s.actions):
+        return None
+    s = schedules[0]
+    return (f"--offload-activations {n}: no micro-batch of --pp {s.pp} --schedule {s.name}"
+            f"{'' if len(schedules) == 1 else ' (or any schedule compared)'} --microbatches {s.microbatches} waits "
+            f"across two other actions between its forward and its backward, so none would be copied to the host; "
+            f"drop it, or a layout that holds activations (--schedule gpipe, more --microbatches or --pp)")
 
 
 def check_prefetch(cfg: TrainConfig) -> None:

@@ -230,6 +230,9 @@ def test_the_memory_model_predicts_the_activation_bytes_a_run_holds_in_host_memo
     (["train", "--preset", "tiny", "--pp", "2", "--nproc", "2", "--microbatches", "1", "--offload-activations", "1"],
      "--offload-activations 1: no micro-batch"),
     (["verify", "--offload-activations", "1"], "--offload-activations 1: no micro-batch"),
+    (["simulate", "--zero", "1", "--pp", "1", "--offload-activations", "1"], "--offload-activations 1: no micro-batch"),
+    (["simulate", "--zero", "1", "--pp", "2", "--microbatches", "1", "--offload-activations", "1"],
+     "--offload-activations 1: no micro-batch of --pp 2 --schedule 1f1b --microbatches 1"),
 ])
 def test_activations_offloaded_where_no_micro_batch_waits_are_refused_before_any_rank_starts(argv, needle, tmp_path,
                                                                                               capsys):
@@ -237,7 +240,8 @@ def test_activations_offloaded_where_no_micro_batch_waits_are_refused_before_any
     holds none across two other actions): nothing would ever be copied, the flag read by nothing."""
     from one_line import assert_one_line, run_main
 
-    assert_one_line(*run_main([*argv, "--out", str(tmp_path / "run")], capsys), needle)
+    out = [] if argv[0] == "simulate" else ["--out", str(tmp_path / "run")]
+    assert_one_line(*run_main([*argv, *out], capsys), needle)
 
 
 def test_simulate_memory_shows_host_activations_where_only_some_ranks_offload(capsys):

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from pipezero.coerce import Range, coerce
 from pipezero.config import GradReduce, ScheduleKind
-from pipezero.settings import POSITIVE, POSITIVE_INT, RANGES
+from pipezero.settings import POSITIVE, POSITIVE_INT, RANGES, unread_activation_offload
 from pipezero.sim import limits
 from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
@@ -430,6 +430,8 @@ def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     results: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     schedules = list(each_schedule(args, skipped))
+    if unread := unread_activation_offload(opt.activations, schedules):
+        raise ConfigError(unread)
     # one replica first: every replica's program is as long, and lowering them all may take long
     check_instructions(args, sum(lower_zero(s, opt, replicas=(0,)).instructions for s in schedules) * opt.dp)
     lowered = [(schedule, lower_zero(schedule, opt)) for schedule in schedules]
