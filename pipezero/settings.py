@@ -632,9 +632,6 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     _check(not (p.offload_activations and p.recompute),
            f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
            f"between forward and backward to offload; drop one of them")
-    _check(not (r.share_device is ShareDevice.ON and p.world_size == 1),
-           "--share-device on with one rank (--pp 1 --dp 1): it sends nothing to another rank, so no transfer "
-           "would go through the host; drop it, or start more ranks")
     check_offload_activations(cfg)
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "

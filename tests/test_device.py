@@ -226,9 +226,3 @@ def test_staged_transfers_train_bit_identically_to_direct_ones(text_dir, tmp_pat
             c = on["counts"]
             assert c["copies_out"] > 0 and c["copies_back"] > 0, (rank, case, c)
             assert c["bytes_out"] >= on["sent"] > 0, (rank, case, c, on["sent"])
-
-
-def test_share_device_on_with_one_rank_is_refused():
-    """One rank sends nothing to another: no transfer would go through the host."""
-    with pytest.raises(ConfigError, match="--share-device on with one rank .* drop it"):
-        build_config(None, {"run.share_device": "on", "run.device": "cpu"})
