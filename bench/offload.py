@@ -83,6 +83,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
+    from pipezero.errors import ConfigError
+
+    try:  # a bad preset or size is said once, before any rank starts
+        config(args, 1, 2, 0, **{"parallel.offload": "optimizer"})
+        config(args, 2, 1, 0, **{"parallel.offload_activations": 2})
+    except ConfigError as e:
+        ap.error(str(e))
     per_rank = run_ranks(bench_rank, 2, args, timeout=3000, threads=1)
     print(f"{args.preset}, M={args.microbatches}, B={args.micro_batch_size}, T={args.seq_len}, 2 ranks, 1 thread "
           f"each, mean of steps 2-{args.steps}")

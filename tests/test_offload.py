@@ -252,3 +252,19 @@ def test_simulate_memory_shows_host_activations_where_only_some_ranks_offload(ca
     assert main(["simulate", "--memory", "--preset", "tiny", "--pp", "4", "--offload-activations", "1"]) == 0
     out = capsys.readouterr().out
     assert "host_activations" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["--preset", "nope"], "unknown preset 'nope'"),
+                                          (["--microbatches", "1"], "--offload-activations 2: no micro-batch")])
+def test_the_offload_bench_refuses_bad_arguments_before_its_ranks_start(argv, needle, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import offload as bench
+
+    monkeypatch.setattr(bench, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and needle in capsys.readouterr().err
