@@ -27,8 +27,10 @@ def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_
 
 def test_the_probe_command_writes_a_new_file_only_and_reads_no_layout(tmp_path, capsys):
     out = tmp_path / "probe.json"
-    code, _ = run_main(["probe", "--preset", "tiny", "--seq-len", "32", "--budget", "0.02", "--json", str(out)], capsys)
-    assert code == 0 and Probe.from_json(json.loads(out.read_text())).seq_len == 32
+    # a micro-batch whose block's time the fixed cost of an action does not hide (ProbeError)
+    code, _ = run_main(["probe", "--preset", "tiny", "--seq-len", "128", "--micro-batch-size", "4", "--budget", "0.02",
+                        "--json", str(out)], capsys)
+    assert code == 0 and Probe.from_json(json.loads(out.read_text())).seq_len == 128
     assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", str(out)], capsys), "name a new file")
     assert_one_line(*run_main(["probe", "--budget", "60"], capsys), "--budget 60: expected seconds from")
     assert_one_line(*run_main(["probe", "--pp", "2"], capsys), "unrecognized arguments: --pp 2")
