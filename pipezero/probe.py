@@ -60,6 +60,8 @@ class Probe:
     def from_json(cls, d: dict[str, Any]) -> Probe:
         if not isinstance(d, dict):  # the file is anyone's: a list or a number is no probe
             raise TypeError(f"a JSON object was expected, not a {'list' if isinstance(d, list) else type(d).__name__}")
+        if not isinstance(d.get("device"), str):  # "cpu" or a GPU's name: plan matches it to --device
+            raise TypeError(f"device: a string was expected, not {d.get('device')!r}")
         links = d.get("links", {})
         if not isinstance(links, dict) or not all(isinstance(v, dict) for v in links.values()):
             raise TypeError("links: an object of {latency_s, gbps} objects was expected")

@@ -93,7 +93,8 @@ PLAN = ["plan", "--preset", "small", "--gpus", "2", "--gpu-memory", "1", "--seq-
 
 @pytest.mark.parametrize("text, needle", [
     ("[1, 2]", "not a probe pipezero wrote (a JSON object was expected, not a list)"),
-    (json.dumps({"links": [1]}), "not a probe pipezero wrote (links"),
+    (json.dumps({"device": "cpu", "links": [1]}), "not a probe pipezero wrote (links"),
+    (json.dumps({"device": None}), "not a probe pipezero wrote (device: a string was expected"),
 ])
 def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_path, capsys):
     bad = tmp_path / "bad.json"
