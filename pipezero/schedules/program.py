@@ -228,7 +228,7 @@ class Program:
     buckets: BucketPlan
     ranks: tuple[tuple[Instr, ...], ...]
     layerwise: bool = False  # ZeRO-3 gathers layer by layer inside the actions (else a chunk kept gathered)
-    recompute: bool = False  # backwards run the forward again (layer by layer: they gather the whole chunk)
+    recompute: bool = False  # each block's backward runs its forward again (runtime/recompute.py)
     depth: int = 1  # layer by layer: a layer's gather starts this many layers before its use
 
     @property
@@ -359,8 +359,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
     `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
-    `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: backwards run
-    the forward again (layer by layer they gather the whole chunk); `depth`: layer by layer, how many
+    `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: each block's
+    backward runs its forward again (layer by layer its parts' moments come again); `depth`: layer by layer, how many
     layers ahead of its use a layer's gather starts (schedules/layer_plan.py); `in_flight`: the
     reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
     ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
@@ -595,7 +595,7 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
                               st.wait, st.at) if st.gather else
                  DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
                               st.at)
-                 for st in steps(op, bp.layers(c), through, recompute, bp.ends_with_owner(c), depth, held, keep))
+                 for st in steps(op, bp.layers(c), through, recompute, depth, held, keep))
 
 
 def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, w: _Wires,
@@ -619,8 +619,7 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
 
     if not early:
         return inside, [reduce(k, None) for k in late]
-    order = {t: n for n, t in enumerate(moments(a.op, bp.layers(c) if layerwise else (), True, early, recompute,
-                                                bp.ends_with_owner(c)))}
+    order = {t: n for n, t in enumerate(moments(a.op, bp.layers(c) if layerwise else (), True, early, recompute))}
     merged = sorted([*inside, *(reduce(k, Trigger(Moment.GRADS, k)) for k in early)],
                     key=lambda d: order[d.at])  # type: ignore[index]
     return tuple(merged), [reduce(k, None) for k in late]
