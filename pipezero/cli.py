@@ -44,7 +44,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "--placement": ("parallel.placement", "neighbouring ranks (one node) hold a stage's replicas (dp-inner) "
                                           "or a pipeline's stages (pp-inner)"),
     "--bucket-mb": ("parallel.bucket_mb", "gradient bucket size in MB (default 25)"),
-    "--recompute": ("parallel.recompute", "activation checkpointing"),
+    "--recompute": ("parallel.recompute", "activation checkpointing, one transformer block at a time"),
     "--no-overlap-gather": ("parallel.overlap_gather", "ZeRO-1/2: wait for the all-gather of updated weights at "
                                                        "the end of the step (default: each layer waits for its own "
                                                        "in the next forward)"),

@@ -191,7 +191,9 @@ class ParallelConfig:
     stage_layers: list[int] | None = None
     """Explicit layer count per stage chunk (embedding and head included); overrides `partition`."""
     recompute: bool = False
-    """Activation checkpointing per stage chunk: forward again in backward instead of holding activations."""
+    """Activation checkpointing one transformer block at a time (torchtitan's "full"): a micro-batch in
+    flight keeps each block's input only, and each block's backward runs its forward again first, so
+    a backward holds one block's activations at a time, for about a third more compute."""
     grad_reduce: GradReduce = GradReduce.STEP
     """Reduce gradients once a step (memory: a full gradient through the step) or every micro-batch
     (more reduce-scatters, the gradient never outlives one backward)."""

@@ -12,10 +12,10 @@ Categories (bytes on one rank):
   full bucket from its first gradient to its reduction, then this rank's shard);
 - optimizer: AdamW's two fp32 moments over what the rank updates (whole buckets at ZeRO-0; on the
   host with --offload optimizer, below), and the step's fp64 norm of one bucket;
-- activations: what autograd saves in forward for each micro-batch in flight (recompute: the
-  chunk's input, output and loss only), a split chunk's records of its weight ops for B, split
+- activations: what autograd saves in forward for each micro-batch in flight (recompute: each
+  block's input, and the embedding's and the head's own), a split chunk's records of its weight ops for B, split
   backward's (x, dy) stash from B to W, and the transient inside an action, followed layer by
-  layer where it matters (a recomputed chunk's backward, a split B, a ZeRO-2/3 backward whose
+  layer where it matters (a backward rerunning each block's forward, a split B, a ZeRO-2/3 backward whose
   buckets fill and leave reduced as the layers behind it free their activations);
 - p2p: receive buffers posted ahead of use, and sends, which gloo and NCCL hold until the step's
   end waits for them (an activation's send is the chunk's output itself, moved here from
@@ -132,8 +132,8 @@ class LayerBytes:
     backward_extra: int
     stash_new: int = 0
     recorded: int = 0  # a split chunk's forward also keeps every weight op's output for B (records)
-    # under --recompute the forward saves nothing inside the checkpoint: the most bytes alive at
-    # once inside this layer's forward, its input aside
+    # under --recompute a block's forward saves nothing (runtime/recompute.py): the most bytes alive
+    # at once inside its forward, its input aside
     forward_live: int = 0
     # W from B's stash (runtime/weight_grad.py), one weight op at a time: a norm recomputes its
     # normalised input in fp32 and multiplies it by dy (two activation-sized fp32 tensors); a
@@ -216,8 +216,8 @@ class ChunkBytes:
     stash_new: int  # of which created by B (the rest was held)
     forward_peak: int  # extra inside F
     backward_peak: int  # extra inside B / BW / W
-    recompute_held: int  # with --recompute: the checkpoint's input and output (the loss's log-softmax)
-    recompute_forward: int  # with --recompute: extra inside F (the most one layer's forward holds at once)
+    recompute_held: int  # with --recompute: the chunk's input, each block's output, the embedding's and head's own
+    recompute_forward: int  # with --recompute: extra inside F (`recompute_forward`)
     recompute_backward: int  # with --recompute: extra inside a backward (see `recompute_moments`)
     recompute_b: int  # with --recompute: extra inside a B, which retains the graph for W
     recorded: int  # with split backward: the weight ops' outputs F records for B (not with recompute)
@@ -348,15 +348,17 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
     out = 0 if hi == n_layers + 2 else s.tokens * s.dim * s.act
     fwd = max((x.forward_extra for x in layers), default=0)
     bwd = max((x.backward_extra for x in layers), default=0)
-    # with recompute the loss is taken outside the checkpoint: the last chunk keeps its log-softmax
-    loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0
+    loss = s.tokens * s.vocab * F32 if hi == n_layers + 2 else 0  # the head's log-softmax
     params = list(plan.chunk_params[chunk])
     boundary = s.tokens * s.dim * s.act
-    rec = recompute_moments(layers, params, out, loss, boundary)
+    blocks = [0 < i <= n_layers for i in range(lo, hi)]  # checkpointed with --recompute
+    rec = recompute_moments(layers, params, blocks, boundary, bool(out))
     return ChunkBytes(held, sum(x.stash for x in layers), sum(x.stash_new for x in layers), fwd, bwd,
-                      inp + out + loss, max((x.forward_live for x in layers), default=0),
+                      inp + sum(recompute_kept(layers, blocks, boundary)),
+                      inp + recompute_forward(layers, blocks, boundary),
                       max((m for _, m in rec), default=0),
-                      max((m for _, m in recompute_moments(layers, params, out, loss, boundary, True)), default=0),
+                      max((m for _, m in recompute_moments(layers, params, blocks, boundary, bool(out), True)),
+                          default=0),
                       sum(x.recorded for x in layers),
                       max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
                       backward_moments(layers, params, boundary), rec,
@@ -395,38 +397,48 @@ def split_b_peak(layers: list[LayerBytes], loss: int) -> int:
     return max(peak, kept)
 
 
-def recompute_moments(layers: list[LayerBytes], params: list[int], out: int, loss: int,
-                      boundary: int, retain: bool = False) -> tuple[tuple[int, int], ...]:
-    """A backward of a checkpointed chunk (torch.utils.checkpoint, non-reentrant, as
-    runtime/executor.py runs it), as `backward_moments`: the bytes beyond what the chunk holds
-    between F and B (`recompute_held`), moment by moment.
+def recompute_kept(layers: list[LayerBytes], blocks: list[bool], boundary: int) -> list[int]:
+    """What each layer keeps from F to its backward under --recompute (runtime/recompute.py): a
+    checkpointed block its output (the next layer's checkpoint or the head saves it), the
+    embedding and the head what they keep without recompute (their own saved tensors)."""
+    return [boundary if blk else x.held for x, blk in zip(layers, blocks)]
 
-    The last chunk's loss sits outside the checkpoint, so its backward runs first: log-softmax's
-    gradient and the logits' beside the saved log-softmax (2 x `loss`), which it then frees. The
-    first unpack of a saved tensor reruns the chunk's forward up to its last saved tensor (early
-    stop: neither the chunk's output nor the logits are made again), so every layer's saved
-    tensors are back at once; autograd then frees each as it is unpacked, layer by layer from the
-    last: at layer i the layers up to i are still held, plus i's own backward and the gradient
-    flowing into it, less i's output (the next layer saved it, and has freed it) and, in the last
-    chunk, less the log-softmax. At the head the logits' gradient takes the freed log-softmax's
-    place, beside the projection's input gradient. `retain`: a B (autograd.grad with the graph
-    retained for W) keeps the log-softmax."""
-    held = [x.held for x in layers]
-    if loss:
-        held[-1] -= loss  # the log-softmax is the loss's, kept outside the checkpoint
-    elif held:
-        held[-1] -= out  # the chunk's output is saved by nothing inside it
-    moments = [(0, 2 * loss)] if loss else []
+
+def recompute_forward(layers: list[LayerBytes], blocks: list[bool], boundary: int) -> int:
+    """The most bytes a recomputed chunk's F holds at once beyond its input, layer by layer: what the
+    layers before keep, and inside a block its forward with nothing saved (`forward_live`; under
+    autocast its weights are cast uncached, one at a time), inside the head its saved tensors and
+    its logits."""
+    kept = recompute_kept(layers, blocks, boundary)
+    return max((sum(kept[:i]) + (x.forward_live if blk else x.held + x.forward_extra)
+                for i, (x, blk) in enumerate(zip(layers, blocks))), default=0)
+
+
+def recompute_moments(layers: list[LayerBytes], params: list[int], blocks: list[bool], boundary: int,
+                      sends: bool, retain: bool = False) -> tuple[tuple[int, int], ...]:
+    """A backward of a chunk whose blocks are checkpointed one by one (torch's non-reentrant
+    checkpoint, runtime/recompute.py), as `backward_moments`: the bytes beyond what the chunk keeps
+    between F and its backward (`recompute_kept`), layer by layer from the last. At a block the
+    first unpack reruns its forward up to its last saved tensor (early stop: not its output), so its
+    saved tensors are all back at once (`held` less its output) beside its backward's transient and
+    the gradient flowing into it (the last layer's is the received one, or the loss's); the layers
+    after it are done and have freed what they kept, and with them the block's own output (the
+    next layer saved it). `sends`: the chunk's output was sent before the backward (moved to the
+    send's bytes). `retain`: a B (autograd.grad with the graph retained for W) frees what it reruns
+    as it goes but keeps every tensor saved outside a checkpoint."""
+    kept = recompute_kept(layers, blocks, boundary)
+    if sends and kept:
+        kept[-1] = 0
+    moments = []
     done = 0
-    for i in range(len(layers) - 1, -1, -1):
-        below = sum(held[:i + 1])
+    last = len(layers) - 1
+    for i in range(last, -1, -1):
+        x = layers[i]
         done += params[i]
-        if loss and i == len(layers) - 1:
-            moments.append((done, below + boundary))  # the logits' gradient replaces the log-softmax
-        else:
-            inner = i < len(layers) - 1  # the last layer's gradient is the received one
-            after = boundary + (0 if retain else loss) if inner else 0  # its output (and the log-softmax), freed
-            moments.append((done, below + layers[i].backward_extra + (boundary if inner else 0) - after))
+        again = x.held - boundary if blocks[i] else 0
+        grad_in = boundary if i < last else 0
+        freed = 0 if retain or i == last else sum(kept[i:])
+        moments.append((done, again + x.backward_extra + grad_in - freed))
     return tuple(moments)
 
 
@@ -751,11 +763,11 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             all_grad_buckets(c)  # stages 0-1: one buffer for the whole step, from the first W or BW
         split = a.op is Op.B and c > 0 and not plan.recompute
         # inside a backward: its gradients (B: every output gradient W will need), and with
-        # recompute the chunk's forward again
+        # recompute each block's forward again
         # (B: its output gradients, the stash W will need, are the backward's gradients)
         extra = b.b_peak if split else b.backward_peak
-        if plan.recompute:  # the loss's backward first, then the chunk recomputed; W's autograd.grad
-            # over the retained graph recomputes it again (B's unpacking freed what it recomputed)
+        if plan.recompute:  # each block rerun in its backward; W's autograd.grad over the retained
+            # graph reruns them again (B's unpacking freed what it reran)
             extra = b.recompute_b if a.op is Op.B else b.recompute_backward
         if a.op is Op.W and split_done.get(key):
             extra = b.w_peak
@@ -775,7 +787,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
                     # bucket and moves them in
                     filling = (sum(fresh) + max(fresh, default=0)) * F32
                 else:  # autograd's W returns every gradient at once, once it has freed the
-                    # activations (and with recompute its recomputed chunk): after its own peak
+                    # activations (and with recompute what it reran): after its own peak
                     filling = max(0, whole[c] + max(fresh, default=0) * F32 - held.get(key, 0))
                     note(ins, {"activations": extra})
                     extra = 0

@@ -40,7 +40,7 @@ def add_memory_flags(s: argparse.ArgumentParser) -> None:
     m.add_argument("--config", help="a train TOML file; the flags given override it")
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
     m.add_argument("--seq-len", type=int, default=None, help="tokens a sequence")
-    m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing")
+    m.add_argument("--recompute", action="store_true", default=None, help="activation checkpointing, one transformer block at a time")
     m.add_argument("--eval-batches", type=int, default=None,
                    help="global batches an evaluation reads (its phase: sends held to its end; default 4)")
     m.add_argument("--sample-tokens", type=int, default=None,
