@@ -132,8 +132,7 @@ def test_zero_stages_shard_what_they_should():
 
 def test_schedules_hold_what_they_keep_in_flight():
     """GPipe's first rank holds all M micro-batches' activations, 1F1B's P; recompute keeps only
-    each chunk's input and output between its forward and backward, so at its peak a rank holds one
-    micro-batch's chunk (recomputed in backward) instead of P."""
+    each block's input between a forward and its backward, and reruns one block at a time."""
     def acts(kind: K, m: int, recompute: bool = False) -> list[int]:
         cfg = build_config(None, layout(**{"parallel.pp": 2, "parallel.schedule": kind.value, "data.seq_len": 1024,
                                            "parallel.microbatches": m, "parallel.recompute": recompute}))
@@ -142,6 +141,23 @@ def test_schedules_hold_what_they_keep_in_flight():
     assert acts(K.GPIPE, 8)[0] > 3 * acts(K.ONE_F_ONE_B, 8)[0]
     assert acts(K.ONE_F_ONE_B, 8)[0] == acts(K.ONE_F_ONE_B, 16)[0]  # in flight: P, whatever M
     assert acts(K.ONE_F_ONE_B, 8, recompute=True)[0] < 0.6 * acts(K.ONE_F_ONE_B, 8)[0]
+
+
+def test_recompute_keeps_a_residual_tensor_a_block_and_reruns_one_block_at_a_time():
+    """--recompute checkpoints each block (runtime/recompute.py): four more blocks add four kept
+    inputs (B x T x dim, fp32) to the peak's activations, where without it they add four blocks' saved
+    tensors; the peak is inside a backward, rerunning one block."""
+    def peak(n_layers: int, recompute: bool):
+        cfg = build_config(None, layout(**{"parallel.microbatches": 2, "model.n_layers": n_layers, "data.seq_len": 1024,
+                                           "parallel.recompute": recompute}))
+        return predict(cfg)[0]
+
+    boundary = 2 * 1024 * 320 * 4
+    again = [peak(n, True) for n in (4, 8)]
+    assert again[1].categories["activations"] - again[0].categories["activations"] == 4 * boundary
+    assert again[1].at == "0BW0"
+    plain = [peak(n, False).categories["activations"] for n in (4, 8)]
+    assert plain[1] - plain[0] > 20 * 4 * boundary
 
 
 def test_simulate_memory_json_names_every_rank(capsys):
