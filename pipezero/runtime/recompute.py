@@ -12,9 +12,9 @@ The checkpoint replaces the block's `forward`, inside the module's call: the blo
 never in the rerun, whose weights are those the block's backward gathered (a block's parts, hooked
 on its sub-modules, do fire in the rerun: schedules/layer_plan.py places their moments).
 
-Under bf16 autocast a block's forward casts its weights without autocast's cache: the cache would
-keep every block's bf16 weight copy until the chunk's forward returns (a whole model's in bf16 at
-P = 1), where the checkpoint keeps none of them for backward anyway.
+Under bf16 autocast a block's forward casts its weights as it uses them (runtime/autocast.py keeps
+autocast's cache off, which would hold every block's bf16 copy until the chunk's forward returns,
+where the checkpoint keeps none of them); its rerun casts them again.
 """
 
 from __future__ import annotations
@@ -35,23 +35,9 @@ def checkpoint_blocks(chunk: StageChunk) -> None:
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    uncached = _uncached(forward)
-
     def run(*args: torch.Tensor | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # an evaluation or the sample: nothing is saved anyway
             return forward(*args)
-        return checkpoint(uncached, *args, use_reentrant=False)
-
-    return run
-
-
-def _uncached(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def run(*args: torch.Tensor | None) -> torch.Tensor:
-        cached = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        try:
-            return forward(*args)
-        finally:
-            torch.set_autocast_cache_enabled(cached)
+        return checkpoint(forward, *args, use_reentrant=False)
 
     return run

@@ -56,8 +56,9 @@ contiguous copy, the residual sum and SwiGLU's four hidden tensors (8·dim + 3·
 elements, plus fp32 statistics); the head its two normed tensors, log-softmax (vocab elements,
 fp32) and the targets.
 Under bf16 autocast (a bf16 residual stream) linears keep bf16 copies of their weights per
-micro-batch and the norms run in fp32, keeping their input upcast and their output; under autocast
-an evaluation's forward also keeps the chunk's weight copies until it returns. Other models (own
+micro-batch and the norms run in fp32, keeping their input upcast and their output; autocast's
+cast cache is off (runtime/autocast.py), so a forward without autograd (an evaluation) holds one
+weight's bf16 copy at a time. Other models (own
 specs) are estimated with the block formula of their dims.
 """
 
@@ -227,8 +228,8 @@ class ChunkBytes:
     # then, bytes beyond what the chunk held before it), without and with recompute
     moments: tuple[tuple[int, int], ...] = ()
     recompute_moments: tuple[tuple[int, int], ...] = ()
-    # extra inside a forward without autograd: the most one layer holds at once, and under bf16
-    # autocast the chunk's bf16 weight copies (cached for the forward whatever the grad mode)
+    # extra inside a forward without autograd: the most one layer holds at once, under bf16 autocast
+    # beside the bf16 copy of the weight it multiplies by (cast as used: runtime/autocast.py)
     eval_forward: int = 0
     eval_loss: int = 0  # the last chunk's, after its forward: the logits (upcast) beside log-softmax
 
@@ -362,9 +363,10 @@ def chunk_bytes(plan: MemoryPlan, chunk: int) -> ChunkBytes:
                       sum(x.recorded for x in layers),
                       max((x.w_extra for x in layers), default=0), split_b_peak(layers, loss),
                       backward_moments(layers, params, boundary), rec,
-                      max((x.nograd_live or x.forward_live for x in layers), default=0) + (
-                          2 * sum(_linear_params(s, n, i, n_layers) for i, n in zip(range(lo, hi), params))
-                          if s.act != F32 else 0),
+                      max(((x.nograd_live or x.forward_live) + _cast_weight(s, i, n_layers, lin)
+                           for x, i, lin in zip(layers, range(lo, hi),
+                                                (_linear_params(s, n, i, n_layers) for i, n in zip(range(lo, hi), params)))),
+                          default=0),
                       s.tokens * s.vocab * (s.act + (F32 if s.act != F32 else 0) + F32) if loss else 0)
 
 
@@ -440,6 +442,14 @@ def recompute_moments(layers: list[LayerBytes], params: list[int], blocks: list[
         freed = 0 if retain or i == last else sum(kept[i:])
         moments.append((done, again + x.backward_extra + grad_in - freed))
     return tuple(moments)
+
+
+def _cast_weight(s: Shapes, index: int, n_layers: int, linear_params: int) -> int:
+    """Under bf16 autocast without its cache (runtime/autocast.py), the bf16 copy of a layer's
+    largest weight, alive while a forward without autograd multiplies by it (one at a time)."""
+    if s.act == F32 or index == 0:
+        return 0
+    return 2 * (linear_params if index == n_layers + 1 else s.dim * max(s.hidden, s.q))
 
 
 def _linear_params(s: Shapes, params: int, index: int, n_layers: int) -> int:
