@@ -601,8 +601,8 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     _check(not (p.offload_activations and p.recompute),
-           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
-           f"between forward and backward to offload; drop one of them")
+           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps only each block's "
+           f"input between forward and backward; drop one of them")
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
            "stages nothing (and GPUs refuse --hierarchical); drop one of them")
