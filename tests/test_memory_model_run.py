@@ -2,7 +2,7 @@
 its measured peak (train --memory-profile: the profiler's live tensor bytes of the first step, the
 first evaluation and the text sample), one spawn of four ranks:
 - 1F1B and ZB-H1 at ZeRO 0 and 3 on P=2 x D=2 (the training step's peak);
-- --recompute (a block at a time) under ZB-H1 at P=2 x D=2 and under ZeRO-3 layer by layer at P=1 x D=4;
+- --recompute (a block at a time) at P=2 x D=2 under ZB-H1, and under ZB-V with ZeRO-3 layer by layer;
 - an evaluation-heavy layout: 1F1B, P=2 x D=2, recompute, long sequences and 32 evaluation
   batches, whose evaluation holds every micro-batch's send until its end (more than the step);
 - a long text sample at P=1 x D=4, ZeRO 0 (rank 0 samples alone) and ZeRO-3 layer by layer (every
@@ -44,11 +44,6 @@ QUANTIZED = {"ZeRO-0 int8 gradients": {"parallel.zero": 0, "parallel.quantize_gr
 # heaviest and on which ranks)
 CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None, ())
          for kind in (K.ONE_F_ONE_B, K.ZB_H1) for zero in (0, 3)] + [
-    # --recompute, a block at a time: each block's input kept, one block rerun at a time; under split
-    # backward (B and W each rerun) and under ZeRO-3 layer by layer (the rerun uses the block's gather)
-    ("zb-h1 ZeRO-1 recompute", 2, 2, K.ZB_H1, {"parallel.zero": 1, "parallel.recompute": True}, None, ()),
-    ("ZeRO-3 layer by layer recompute", 1, 4, K.ONE_F_ONE_B, {"parallel.zero": 3, "parallel.zero3_keep_gathered": False,
-                                                            "parallel.recompute": True}, None, ()),
     # the first stage sends 32 x 4 micro-batches of 512 x 64 fp32
     ("eval-heavy", 2, 2, K.ONE_F_ONE_B, {"model.dim": 64, "data.seq_len": 512, "parallel.micro_batch_size": 1,
                                          "parallel.recompute": True, "run.eval_batches": 32}, "eval", (0, 1)),
@@ -62,7 +57,12 @@ CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None
     ("ZeRO-3 sublayer", 1, 4, K.ONE_F_ONE_B, {"model.dim": 256, "data.seq_len": 16, "parallel.micro_batch_size": 1,
                                              "parallel.zero": 3, "parallel.zero3_unit": "sublayer",
                                              "parallel.zero3_prefetch": 2}, None, ()),
-    *[(name, 1, 4, K.ONE_F_ONE_B, {**STATES, **extra}, None, ()) for name, extra in QUANTIZED.items()]]
+    *[(name, 1, 4, K.ONE_F_ONE_B, {**STATES, **extra}, None, ()) for name, extra in QUANTIZED.items()],
+    # --recompute, a block at a time: each block's input kept, one block rerun at a time; under split
+    # backward (B and W each rerun) and under ZeRO-3 layer by layer (the rerun uses the block's gather)
+    ("zb-h1 ZeRO-1 recompute", 2, 2, K.ZB_H1, {"parallel.zero": 1, "parallel.recompute": True}, None, ()),
+    ("zb-v ZeRO-3 layer by layer recompute", 2, 2, K.ZB_V, {"parallel.zero": 3, "parallel.zero3_keep_gathered": False,
+                                                           "parallel.recompute": True}, None, ())]
 
 
 @pytest.mark.slow(52)

@@ -19,6 +19,7 @@ where the checkpoint keeps none of them); its rerun casts them again.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -31,10 +32,18 @@ def checkpoint_blocks(chunk: StageChunk) -> None:
     """Make every block of `chunk` a checkpointed one, in place (names and parameters unchanged)."""
     for index, layer in chunk.layer_modules():
         if chunk.is_block(index):
-            layer.forward = _checkpointed(layer.forward)
+            # the block by a weak reference: a closure holding it (its bound forward) from its own
+            # attribute would be a reference cycle, keeping the chunk's weights until the garbage
+            # collector runs; a compiled forward (models/chunk.compile_blocks) is the block's own
+            layer.forward = _checkpointed(weakref.ref(layer), layer.__dict__.get("forward"))
 
 
-def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _checkpointed(block: weakref.ref, own: Callable[..., torch.Tensor] | None) -> Callable[..., torch.Tensor]:
+    def forward(*args: torch.Tensor | None) -> torch.Tensor:
+        layer = block()
+        assert layer is not None, "a checkpointed block's forward outlived its block"
+        return own(*args) if own is not None else type(layer).forward(layer, *args)
+
     def run(*args: torch.Tensor | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # an evaluation or the sample: nothing is saved anyway
             return forward(*args)

@@ -423,9 +423,10 @@ def recompute_moments(layers: list[LayerBytes], params: list[int], blocks: list[
     between F and its backward (`recompute_kept`), layer by layer from the last. At a block the
     first unpack reruns its forward up to its last saved tensor (early stop: not its output), so its
     saved tensors are all back at once (`held` less its output) beside its backward's transient and
-    the gradient flowing into it (the last layer's is the received one, or the loss's); the layers
-    after it are done and have freed what they kept, and with them the block's own output (the
-    next layer saved it). `sends`: the chunk's output was sent before the backward (moved to the
+    the gradient flowing into it (the last layer's is the received one, or the loss's), as its
+    first gradient arrives; by its last gradient (its parameters' bucket complete, a reduction
+    started at ZeRO-2/3) autograd has freed them. The layers after it are done and have freed what
+    they kept, and with them the block's own output (the next layer saved it). `sends`: the chunk's output was sent before the backward (moved to the
     send's bytes). `retain`: a B (autograd.grad with the graph retained for W) frees what it reruns
     as it goes but keeps every tensor saved outside a checkpoint."""
     kept = recompute_kept(layers, blocks, boundary)
@@ -436,11 +437,13 @@ def recompute_moments(layers: list[LayerBytes], params: list[int], blocks: list[
     last = len(layers) - 1
     for i in range(last, -1, -1):
         x = layers[i]
-        done += params[i]
-        again = x.held - boundary if blocks[i] else 0
         grad_in = boundary if i < last else 0
         freed = 0 if retain or i == last else sum(kept[i:])
-        moments.append((done, again + x.backward_extra + grad_in - freed))
+        if blocks[i] and params[i]:  # the rerun's tensors are back before the block's first gradient
+            # lands, and mostly freed by the time its last one does (its bucket then complete)
+            moments.append((done + 1, x.held - boundary + x.backward_extra + grad_in - freed))
+        done += params[i]
+        moments.append((done, x.backward_extra + grad_in - freed))
     return tuple(moments)
 
 
