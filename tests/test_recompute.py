@@ -17,9 +17,11 @@ LAYERWISE = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
 # each layout once plain, once recomputed, in one spawn of four ranks
 CASES = [
     # ZeRO-3 layer by layer: a block's bucket, gathered at its `bwd`, serves the rerun; with its parts
-    # gathered apart the rerun's own moments gather the attention (schedules/layer_plan.py)
+    # gathered apart the rerun's own moments gather the attention (schedules/layer_plan.py), before
+    # any of the block's `bwd` where its MLP is frozen (no hooks: the rerun starts there)
     {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **LAYERWISE, "parallel.zero3_prefetch": 2},
-    {"pp": 1, "dp": 4, "kind": K.GPIPE, "m": 2, **LAYERWISE, "parallel.zero3_unit": "sublayer"},
+    {"pp": 1, "dp": 4, "kind": K.GPIPE, "m": 2, **LAYERWISE, "parallel.zero3_unit": "sublayer",
+     "optim.freeze": r"layers\.2\.mlp|layers\.3\.attn"},
     # split backward: B and W each rerun the blocks (no stash with recompute); ZeRO-3 layer by layer
     # over a V placement
     {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2},
