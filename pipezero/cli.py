@@ -163,11 +163,43 @@ def add_train_flags(parser: argparse.ArgumentParser, keys: Collection[str] | Non
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", allow_abbrev=False, help="train a model", description="Train a decoder LM; how it works: docs/ARCHITECTURE.md.")
     add_train_flags(t)
+    add_auto_flags(t)
     t.add_argument("--force", action="store_true", help="train a new run in an --out that holds a run pipezero started (its .run-id or checkpoints), "
                         "replacing its metrics.jsonl, summary.json and trace; in a folder of files pipezero did not "
                         "write (no .run-id, no checkpoints) a run's names are refused, never replaced, and other "
                         "files are left beside the run")
     t.set_defaults(func=cmd_train)
+
+
+def add_auto_flags(parser: argparse.ArgumentParser) -> None:
+    """`--layout auto` and what only it reads (pipezero/layout_auto.py); flags, not run settings:
+    the run's config.json holds the layout chosen."""
+    parser.add_argument("--layout", choices=("given", "auto"), default="given",
+                        help="auto: measure this machine in the job (a few seconds) and train the layout the "
+                             "planner predicts fastest within --gpu-memory (CPU: the host's memory a rank) on the "
+                             "ranks started; layout flags given beside it are constraints (docs/tutorials/auto.md)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="with --layout auto: sequences a step, the same for every layout weighed (default: "
+                             "the settings' microbatches x micro-batch-size x dp)")
+    parser.add_argument("--costs", metavar="FILE", default=None,
+                        help="with --layout auto: choose from this probe (pipezero probe --json FILE) instead of "
+                             "probing in the job")
+
+
+def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dict[str, str],
+                  nproc: int | None, ranks: tuple[int, int] | None = None) -> tuple[dict[str, Any], Any, Any]:
+    """With --layout auto: (the settings of the provisional choice, the request, that choice), the
+    request refused in one line here, before any rank starts; else the settings as given."""
+    if args.layout != "auto":
+        for flag, value in (("--global-batch", args.global_batch), ("--costs", args.costs)):
+            if value is not None:
+                raise ConfigError(f"{flag} is read only with --layout auto: add --layout auto, or drop it")
+        return settings, None, None
+    from pipezero.layout_job import provisional, request, settings_of
+
+    req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks)
+    first = provisional(req)
+    return settings_of(req, first), req, first
 
 
 def flag_values(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
@@ -183,6 +215,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     settings, launch_values, names = flag_values(args)
     launch = build_launch(launch_values, names)
+    if args.layout == "auto":
+        from pipezero.launch import adopt_slurm
+
+        adopt_slurm(launch.nproc)  # srun's ranks: the world size from Slurm's variables
+    settings, auto, first = auto_settings(args, settings, names, launch.nproc)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
     from pipezero.sim.fit import check_fit, limit_name, rank_limit_gib
@@ -226,12 +263,26 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
                                 lock_fd=held.fd if isinstance(held, Claim) else None)
-        code = train_here(cfg)
+        choice = None
+        if auto is not None:  # inside the job: probe, choose on rank 0, every rank trains its choice
+            cfg, choice = decided(auto, first, cfg, names)
+        code = train_here(cfg, choice)
         if code == 2 and isinstance(held, Claim):  # the user's spec raised: nothing of the run stays
             held.drop_opening()
     if under_torchrun():
         exit_rank(code)
     return code
+
+
+def decided(req: Any, first: Any, cfg: Any, names: dict[str, str]) -> tuple[Any, Any]:
+    """The configuration of the layout chosen inside the job, and the choice (layout_job.py)."""
+    from pipezero.layout_job import announce, decide, settings_of
+    from pipezero.settings import build_config
+
+    choice, probe_s = decide(req, first, cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        announce(choice, probe_s)
+    return build_config(req.config, settings_of(req, choice), names), choice.to_json()
 
 
 def local_ranks(nproc: int | None, world: int) -> int:
@@ -304,9 +355,10 @@ def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     raise ConfigError(f"the run needs about {size} GiB ({whose}), more than {limit}: {fix}")
 
 
-def train_here(cfg: Any) -> int:
+def train_here(cfg: Any, choice: Any = None) -> int:
     """Train as this process (alone or one rank); a failure the user can act on is one line, exit 1
-    (exit 2: the user's own --model-spec code raised)."""
+    (exit 2: the user's own --model-spec code raised). `choice`: --layout auto's, checked against
+    the steps measured (layout_check.py)."""
     from pipezero.checkpoint import CheckpointError
     from pipezero.engine import train
     from pipezero.launch import under_torchrun
@@ -314,7 +366,7 @@ def train_here(cfg: Any) -> int:
     from pipezero.parallel.waits import PipelineTimeout
 
     try:
-        train(cfg)
+        train(cfg, choice=choice)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
         if under_torchrun():
@@ -519,6 +571,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     coerce("--steps", int, args.steps, False, VERIFY_STEPS)  # 10^11 trained three runs for ever
     settings, launch_values, names = flag_values(args)
+    if args.layout == "auto" or args.global_batch is not None or args.costs is not None:
+        raise ConfigError("pipezero verify checks a layout you name: run train --layout auto, then verify with the "
+                          "flags it printed for its choice")
     ignored = [names[k] for k in (*settings, *launch_values) if k in VERIFY_SETS] + (["--force"] if args.force else [])
     if ignored:
         raise ConfigError(f"pipezero verify runs --steps steps of the layout and of one process, fresh, in --out, "

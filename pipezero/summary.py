@@ -9,11 +9,12 @@ import resource
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipezero.config import TrainConfig
+from pipezero.layout_check import summary_entry
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
 from pipezero.doctor import Ranks, planned_work, stragglers
@@ -61,6 +62,9 @@ SUMMARY_FIELDS: dict[str, str] = {
                       "placed, why (auto: the planner's phrase, sim/prefetch.py) and the simulated exposed seconds a "
                       "micro-batch at depth 1, 2, ... as far as auto tried, and the unit the depth counts (layer, or "
                       "sublayer: a block's attention and MLP apart); null without layer-by-layer gathers",
+    "layout_choice": "with --layout auto: the chosen layout's flags, predicted and measured step time "
+                     "(median of the steps after the first) and peak GiB (measured: --memory-profile, or a GPU's "
+                     "allocator), the step's terms, the runners-up and the costs chosen with (else null)",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
@@ -118,6 +122,7 @@ class RunResult:
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
     measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak over the phases measured
     measured_phases: dict[str, int] = field(default_factory=dict)  # --memory-profile: each phase's peak
+    layout_check: Any = None  # --layout auto: the prediction and the steps measured (layout_check.py)
 
 
 def peak_rss_bytes() -> int:
@@ -226,6 +231,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
         "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
         "zero3_prefetch": prefetch_figures(cfg, stage),
         "straggler": stragglers([x["work"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value)),
+        "layout_choice": summary_entry(result.layout_check, per_rank),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)
