@@ -66,20 +66,20 @@ class Choice:
         return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"])
 
 
-def layout_settings(lay: Layout) -> dict[str, str]:
+def layout_settings(lay: Layout) -> dict[str, Any]:
     """`lay` as train's settings (values as text, as flags give them); those left at their default
     are not named, as train refuses a setting the layout does not read (placement at P = 1)."""
     out = {"parallel.pp": str(lay.pp), "parallel.dp": str(lay.dp), "parallel.zero": str(lay.zero),
            "parallel.schedule": lay.schedule.value, "parallel.virtual_stages": str(lay.virtual),
            "parallel.micro_batch_size": str(lay.micro_batch), "parallel.microbatches": str(lay.microbatches)}
     if lay.recompute:
-        out["parallel.recompute"] = "true"
+        out["parallel.recompute"] = True
     if lay.grad_reduce is not GradReduce.STEP:
         out["parallel.grad_reduce"] = lay.grad_reduce.value
     if lay.pp > 1 and lay.dp > 1:
         out["parallel.placement"] = lay.placement.value
     if lay.hierarchical:
-        out["parallel.hierarchical"] = "true"
+        out["parallel.hierarchical"] = True
     out["parallel.quantize_weights"] = f"int{lay.weight_bits}" if lay.weight_bits else "none"
     out["parallel.quantize_grads"] = f"int{lay.grad_bits}" if lay.grad_bits else "none"
     return out

@@ -131,3 +131,46 @@ def test_cluster_from_a_probe_reads_its_rates_and_links():
     assert cluster.gpus == 4 and cluster.cpu and cluster.wire_bytes == 4
     assert choose(cfg, cluster, 16, {}).ranked
     assert choose(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
+
+
+def choose_and_train(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose own probe would choose apart from rank 0's: rank 0's
+    measures a fast link, the other's a slow one. It trains what it was sent for two steps."""
+    import pipezero.probe as probes
+    from pipezero.engine import train
+
+    measured = probes.probe
+
+    def own_probe(cfg, device, budget_s=0.5, groups=None):
+        found = measured(cfg, device, budget_s=0.02)
+        found.tflops = 0.001 if rank == 0 else 1.0  # rank 0: compute-bound, so D = 2 wins; else P = 2
+        return found
+
+    probes.probe = own_probe  # the module decide() reads them from
+    probes.probe_link = lambda group, device, budget_s: LinkCost(1e-4, 100.0 if rank == 0 else 0.001)
+    settings = {"model.preset": "tiny", "data.seq_len": "32", "data.path": data, "data.tokenizer": "bytes",
+                "run.max_steps": "2", "run.out": out, "run.progress": False, "run.sample_tokens": "0",
+                "run.save_final": False, "parallel.timeout_s": "60"}
+    req = request(None, settings, {}, None, None, None, ranks=(world, world))
+    first = provisional(req)
+    cfg = build_config(None, settings_of(req, first))
+    choice, took = decide(req, first, cfg)
+    mine = provisional(Request(**{**req.__dict__, "costs": fake_probe(0.001 if rank == 0 else 1.0,
+                                                                      100.0 if rank == 0 else 0.001)}))
+    result = train(build_config(None, settings_of(req, choice)), choice=choice.to_json())
+    return {"chosen": choice.chosen["flags"], "own": mine.chosen["flags"], "losses": result.losses, "took": took}
+
+
+@pytest.mark.distributed
+def test_every_rank_trains_rank_0s_choice_and_the_summary_holds_its_prediction(text_dir, tmp_path):
+    from ranks import run_ranks
+
+    out = tmp_path / "run"
+    ranks = run_ranks(choose_and_train, 2, str(text_dir), str(out))
+    # alone, each rank would have chosen another layout: rank 0 data parallelism, rank 1 a pipeline
+    assert ranks[0]["own"].startswith("--pp 1 --dp 2") and ranks[1]["own"].startswith("--pp 2 --dp 1"), ranks
+    assert ranks[0]["chosen"] == ranks[1]["chosen"] and ranks[0]["chosen"].startswith("--pp 1 --dp 2"), ranks
+    assert len(ranks[0]["losses"]) == 2 and ranks[0]["took"] < 10
+    entry = json.loads((out / "summary.json").read_text())["layout_choice"]
+    assert entry["flags"] == ranks[0]["chosen"] and entry["steps_measured"] == 1
+    assert entry["predicted_step_s"] > 0 and entry["measured_step_s"] > 0 and len(entry["runners_up"]) == 3
