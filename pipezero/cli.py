@@ -507,7 +507,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ranks-per-node {args.ranks_per_node}: at least 1")
     spec = ClusterSpec(args.nodes, args.link, pin=args.pin)
     cfg, force = cluster_job(args.command, args.nodes * args.ranks_per_node, f"--nodes {args.nodes} x --ranks-per-node "
-                      f"{args.ranks_per_node}")
+                      f"{args.ranks_per_node}", args.ranks_per_node)
     require_root()
     from pipezero.rundir import refuse_folder
 
@@ -521,7 +521,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         return run_on_cluster(spec, args.ranks_per_node, args.command)
 
 
-def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]:
+def cluster_job(argv: Sequence[str], world: int, shape: str, per_node: int = 1) -> tuple[Any, bool]:
     """The run every node's ranks would start (its config, and whether it has --force), checked
     here as `train` checks it, before the cluster is built: a bad command used to end in a
     traceback or in every rank's torchrun report."""
@@ -536,6 +536,7 @@ def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]
     settings, launch, names = flag_values(inner)
     if build_launch(launch, names).nproc is not None:
         raise ConfigError("--nproc: the cluster starts --ranks-per-node ranks a node; drop --nproc")
+    settings, _, _ = auto_settings(inner, settings, names, None, (world, per_node))  # --layout auto: its ranks
     cfg = build_config(inner.config, settings, names)
     if cfg.parallel.world_size != world:
         raise ConfigError(f"train's pp x dp = {cfg.parallel.world_size} but the cluster runs {shape} = {world} "

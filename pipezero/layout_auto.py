@@ -46,7 +46,7 @@ RUNNERS_UP = 3
 class Choice:
     """The layouts that fit, fastest first (the chosen one first), and what the search did."""
 
-    ranked: list[dict[str, Any]]  # `describe_estimate` of the chosen layout and the next RUNNERS_UP
+    ranked: list[dict[str, Any]]  # `describe_estimate` of the chosen layout and the next RUNNERS_UP (`runners_up`)
     fitting: int  # layouts that fit
     weighed: int  # layouts estimated
     skipped: int  # layouts left out by the search's budget
@@ -180,8 +180,24 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
              "cores": cluster.cores, "device": "cpu" if cluster.cpu else "cuda", "global_batch": global_batch}
-    return Choice([describe_estimate(e) for e in fits[:1 + RUNNERS_UP]], len(fits), result.considered,
+    return Choice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
                   result.skipped, took, costs)
+
+
+def runners_up(fits: list[Any]) -> list[Any]:
+    """The fastest and the next RUNNERS_UP of other shapes (P, D, schedule, V, M, B): a layout that
+    differs from a faster one only in its ZeRO stage, gradient reduction or placement often ties
+    with it, and three such ties would show no alternative at all."""
+    out, shapes = [], set()
+    for e in fits:
+        lay = e.layout
+        shape = (lay.pp, lay.dp, lay.schedule, lay.virtual, lay.microbatches, lay.micro_batch)
+        if shape not in shapes:
+            shapes.add(shape)
+            out.append(e)
+        if len(out) > RUNNERS_UP:
+            break
+    return out
 
 
 def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any], bits: tuple[int, int],

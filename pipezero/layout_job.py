@@ -149,6 +149,7 @@ def decide(req: Request, first: Choice, cfg: TrainConfig) -> tuple[Choice, float
         found = probe(cfg, device, budget_s=PROBE_BUDGET_S)
         found.links = links
         choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
+        choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
         data = encode(choice)
     took = time.perf_counter() - t0
     if req.world > 1:

@@ -34,6 +34,10 @@ def test_the_choice_is_the_planners_fastest_that_fits_and_follows_the_costs():
         steps = [r["predicted_step_s"] for r in choice.ranked]
         assert len(choice.ranked) == 4 and steps == sorted(steps)  # the chosen one and three runners-up
         assert choice.ranked[0]["flags"].startswith("--pp ") and choice.fitting >= 4
+        shapes = {tuple(r["settings"][f"parallel.{k}"] for k in ("pp", "dp", "schedule", "virtual_stages",
+                                                                  "microbatches", "micro_batch_size"))
+                  for r in choice.ranked}
+        assert len(shapes) == 4  # runners-up are alternatives, not the choice with another ZeRO stage
     # a slow link makes D = 2's gradient traffic dearer than P = 2's bubble; with a fast one, the other way
     assert slow_link.chosen["flags"].startswith("--pp 2 --dp 1"), slow_link.chosen["flags"]
     assert fast_link.chosen["flags"].startswith("--pp 1 --dp 2"), fast_link.chosen["flags"]
