@@ -94,7 +94,7 @@ def main() -> None:
         summary, stdout, auto_wall = train(["--layout", "auto", "--global-batch", "16", "--memory-profile", *limit],
                                            Path(tmp) / "auto", args)
         choice = summary["layout_choice"]
-        print("\n".join(line for line in stdout.splitlines() if line.startswith(("layout auto", "   "))))
+        print("\n".join(line for line in stdout.splitlines() if line.startswith(("layout auto", "  "))))
         pick = choice["flags"]
         names = list(dict.fromkeys([pick, *(r["flags"] for r in choice["runners_up"]),
                                     *candidates(args.nproc, layers)]))

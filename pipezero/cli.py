@@ -279,10 +279,14 @@ def decided(req: Any, first: Any, cfg: Any, names: dict[str, str]) -> tuple[Any,
     from pipezero.layout_job import announce, decide, settings_of
     from pipezero.settings import build_config
 
+    from pipezero.sim.fit import check_fit
+
     choice, probe_s = decide(req, first, cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         announce(choice, probe_s)
-    return build_config(req.config, settings_of(req, choice), names), choice.to_json()
+    final = build_config(req.config, settings_of(req, choice), names)
+    check_fit(final, req.limit_gib, req.cuda)  # as the provisional layout was, before any rank started
+    return final, choice.to_json()
 
 
 def local_ranks(nproc: int | None, world: int) -> int:

@@ -208,10 +208,11 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
     from pipezero.sim.planner import plan_within
 
     world, layers = cluster.gpus, cfg.model.n_layers
+    ranks = f"{world} rank{'s' * (world != 1)}"
     asked = "".join(f" and {k.split('.')[1]} = {getattr(v, 'value', v)}" for k, v in wanted.items())
     if not considered:
         nearby = _nearby_gpus(layers, global_batch, world)
-        return (f"--layout auto: {world} ranks split into no layout: pp x dp must be {world} with pp <= {layers} "
+        return (f"--layout auto: {ranks} split into no layout: pp x dp must be {world} with pp <= {layers} "
                 f"layers and dp dividing --global-batch {global_batch}; start {nearby + ' ranks' if nearby else 'other'}"
                 f" or give another --global-batch")
     wbits, gbits = bits
@@ -220,11 +221,11 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
                         budget=budget).fits
     kept = [e for e in every if matches(e.layout, wanted)]
     if not kept:
-        return (f"--layout auto: no layout of {world} ranks has{asked[4:]} (global batch {global_batch}): drop "
+        return (f"--layout auto: no layout of {ranks} has{asked[4:]} (global batch {global_batch}): drop "
                 f"one of those flags")
     least = min(kept, key=lambda e: e.memory_gib)
     need = least.memory_gib / cluster.headroom
-    return (f"--layout auto: no layout of {world} ranks{' with' + asked[4:] if asked else ''} fits "
+    return (f"--layout auto: no layout of {ranks}{' with' + asked[4:] if asked else ''} fits "
             f"{cluster.gpu_memory_gib:.3g} GiB a rank; the smallest, {layout_flags(least.layout)}, needs "
             f"{need:.3g} GiB a rank ({least.memory_gib:.3g} predicted and the fit check's margin): give --gpu-memory "
             f"{math.ceil(need * 100) / 100:g} or more, more ranks, or a smaller --global-batch or --seq-len")

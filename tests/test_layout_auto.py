@@ -107,8 +107,9 @@ def test_a_lone_process_probes_and_chooses_without_a_process_group():
     first = provisional(req)
     cfg = build_config(None, settings_of(req, first))
     choice, took = decide(req, first, cfg)
-    assert took is not None and 0 < took < 10  # the probe is bounded in seconds
-    assert choice.chosen["settings"]["parallel.pp"] == "1" and choice.costs["tflops"] > 0
+    # it probed (its repetitions bounded by PROBE_BUDGET_S a figure: tests/test_probe.py holds the budget)
+    assert took is not None and took >= choice.costs["probe_s"] > 0
+    assert choice.chosen["settings"]["parallel.pp"] == "1" and choice.costs["tflops"] != first.costs["tflops"]
 
 
 def test_the_prediction_check_names_the_term_that_differs():
@@ -174,7 +175,7 @@ def test_every_rank_trains_rank_0s_choice_and_the_summary_holds_its_prediction(t
     # alone, each rank would have chosen another layout: rank 0 data parallelism, rank 1 a pipeline
     assert ranks[0]["own"].startswith("--pp 1 --dp 2") and ranks[1]["own"].startswith("--pp 2 --dp 1"), ranks
     assert ranks[0]["chosen"] == ranks[1]["chosen"] and ranks[0]["chosen"].startswith("--pp 1 --dp 2"), ranks
-    assert len(ranks[0]["losses"]) == 2 and ranks[0]["took"] < 10
+    assert len(ranks[0]["losses"]) == 2
     entry = json.loads((out / "summary.json").read_text())["layout_choice"]
     assert entry["flags"] == ranks[0]["chosen"] and entry["steps_measured"] == 1
     assert entry["predicted_step_s"] > 0 and entry["measured_step_s"] > 0 and len(entry["runners_up"]) == 3
