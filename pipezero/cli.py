@@ -370,7 +370,7 @@ def train_here(cfg: Any, choice: Any = None) -> int:
     from pipezero.parallel.waits import PipelineTimeout
 
     try:
-        train(cfg, choice=choice)
+        train(cfg) if choice is None else train(cfg, choice=choice)
     except (CheckpointError, TrainingDiverged, PipelineTimeout) as e:
         print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
         if under_torchrun():

@@ -84,6 +84,9 @@ def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp
     assert_one_line(*run_main([*base, "--gpu-memory", "0.001"], capsys), "--gpu-memory")
     assert_one_line(*run_main([*base, "--stage-layers", "2,2"], capsys), "--stage-layers")
     assert_one_line(*run_main([*base, "--nproc", "2", "--pp", "3"], capsys), "no layout of 2 ranks has pp = 3")
+    # pipezero cluster's nodes x ranks a node are the world the choice weighs, checked before any node starts
+    assert_one_line(*run_main(["cluster", "--nodes", "2", "--ranks-per-node", "2", "train", "--preset", "tiny",
+                               "--layout", "auto", "--pp", "3"], capsys), "no layout of 4 ranks has pp = 3")
     assert_one_line(*run_main(["train", "--preset", "tiny", "--global-batch", "8"], capsys),
                     "--global-batch is read only with --layout auto")
     assert_one_line(*run_main([*base, "--global-batch", "0"], capsys), "--global-batch 0")
