@@ -40,7 +40,7 @@ int8 / int4, and at P=1 hpZ with --hierarchical). For each (layout, variant):
                 and the first steps' losses of each cluster run are compared with it. With `--seeds`,
                 one run a seed (weights and data order), and each variant's ratio to `none` taken
                 seed by seed: one run's ratio strays by about as much as the goal (1%) allows.
-Writes bench/results/<name>.json (with `uptime`) and prints a markdown table. The host's cores are
+Writes bench/results/cluster_compressed/<name>.json (with `uptime`) and prints a markdown table. The host's cores are
 shared with other jobs: steps are the fastest steady ones, medians beside them.
 """
 

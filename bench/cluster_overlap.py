@@ -25,7 +25,7 @@ CPU-seconds a GB across the link (`net_cpu_s_per_gb`) probed once a rate before 
 vocabulary of 256 suffices, and the blocks then hold most gradient bytes, not the embedding);
 `--launches` runs the ranks through bench/launch_times.py and prints, for D layouts, when each
 bucket's collective was launched and completed against the end of the step's backward.
-Writes bench/results/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
+Writes bench/results/cluster_overlap/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
 trusting a difference under ~10%.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "cluster_overlap"
 LAYOUTS = {
     "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)]
     # the updated weights' all-gather waited for at the end of the step, as before zero/weight_waits.py

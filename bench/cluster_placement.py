@@ -15,7 +15,7 @@
      rate, which the nominal rate had missed);
   3. plan the global batch on K nodes x N ranks with those figures, run its top layouts there
      (placement included), and compare.
-Writes bench/results/cluster_placement.json. The host's CPUs are shared with other jobs: steps are
+Writes bench/results/cluster_placement/cluster_placement.json. The host's CPUs are shared with other jobs: steps are
 the fastest after the first two, the best of --repeat rounds, and a ranking closer than ~5% is
 within the noise. The planner is told the host's cores (`Cluster.cores`): on 2 cores, 4 ranks are
 not 4 devices, and an idle pipeline rank lends its core to the others.

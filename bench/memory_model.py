@@ -18,9 +18,9 @@ sample when there is one: P = 1 and --sample-tokens); each phase's figures are k
 
 Prints one line a case (the worst rank's ratio), then the summary: cases and ranks, how many ranks
 within 10%, the median error, the worst over- and under-prediction (with and without recompute), and
-writes every rank's figures to bench/results/memory_model.json, one line a case.
+writes every rank's figures to bench/results/memory_model/memory_model.json, one line a case.
 
-    python bench/memory_model.py --repredict bench/results/memory_model.json
+    python bench/memory_model.py --repredict bench/results/memory_model/memory_model.json
 
 predicts the stored measurements again (after a change to the model), measuring nothing.
 """
@@ -140,7 +140,7 @@ def main() -> None:
                     help="hpZ: ZeRO-3 layer by layer keeps a node's share, D / 2 ranks a node (P = 1, D > 2 cases only)")
     ap.add_argument("--offload", action="store_true", help="every case with --offload optimizer")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
     ap.add_argument("--repredict", help="a results JSON: predict its measured cases again (the model changed), "
                                         "measure nothing")

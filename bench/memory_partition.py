@@ -6,7 +6,7 @@ the policy's search takes on larger layouts (the planner and every rank's start 
 
     python bench/memory_partition.py [--preset small] [--seq-len 1024] [--microbatches 8] [--micro-batch-size 4]
 
-Prints one line a policy and writes bench/results/memory_partition.json. `--repredict FILE`
+Prints one line a policy and writes bench/results/memory_partition/memory_partition.json. `--repredict FILE`
 predicts a results file's layouts again (after a change to the memory model), keeping its
 measurements, and times the searches again; it trains nothing.
 """
@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_partition.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_partition" /
+                                          "memory_partition.json"))
     ap.add_argument("--repredict", help="a results JSON: predict its layouts again, measure nothing")
     args = ap.parse_args()
     if args.repredict:

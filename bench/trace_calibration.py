@@ -5,7 +5,7 @@
 Runs the same `pipezero train --nproc P --pp P` job with tracing off and on, alternating, and
 compares the mean step time (steps after the first). Then fits the cost model to the last trace
 (`pipezero simulate --from-trace`) and prints the measured bubble beside the calibrated prediction.
-Writes bench/results/trace_calibration.json.
+Writes bench/results/trace_calibration/trace_calibration.json.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
           f"on {[round(x * 1e3, 1) for x in on]} ms)")
     print(f"bubble measured {cal.measured_bubble:.1%}, simulator calibrated on the same trace {simulated:.1%} "
           f"(difference {abs(simulated - cal.measured_bubble) * 100:.1f} points)")
-    out = Path(__file__).parent / "results" / "trace_calibration.json"
+    out = Path(__file__).parent / "results" / "trace_calibration" / "trace_calibration.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -19,7 +19,7 @@ CPU step with the device's remaining work, but the last bucket's are never hidde
 - `CPU_ADAMW_PARAMS_S`: parameters a second one rank's share of its node's CPU updates: one core's
   worth, bench/cpu_adamw.py's one-thread median for pipezero's ShardedAdamW (torch's fused CPU
   kernel on flat shards) on this project's 2-core machine under load, 0.80e9 (2026-12-07;
-  bench/results/cpu_adamw.json, docs/benchmarks/cpu.md; its least step gave 1.36e9). All threads
+  bench/results/cpu_adamw/cpu_adamw.json, docs/benchmarks/cpu.md; its least step gave 1.36e9). All threads
   measured slower there (other work shared the two cores), so one core is the figure kept: a GPU
   server that gives each GPU several free cores steps faster (`plan --cpu-adamw`).
 """
