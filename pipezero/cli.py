@@ -471,8 +471,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def cluster_job(argv: Sequence[str], world: int, shape: str) -> tuple[Any, bool]:
     """The run every node's ranks would start (its config, and whether it has --force), checked
-    here as `train` checks it, before the cluster is built: a bad command used to end in a
-    traceback or in every rank's torchrun report."""
+    here as `train` checks it, before the cluster is built: a bad command caught on the nodes would
+    end in every rank's torchrun report instead of one line."""
     from pipezero.settings import build_config, build_launch
 
     parser = build_parser()
@@ -529,7 +529,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc {launch.nproc} but pp x dp = {cfg.parallel.world_size}; make them equal (verify "
                           f"starts the layout's pp x dp ranks)")
     out = Path(cfg.run.out)
-    if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # was a traceback in the first rank's mkdir
+    if not cfg.run.out.strip() or (out.exists() and not out.is_dir()):  # else every rank's mkdir fails
         raise ConfigError(f"--out {cfg.run.out!r} is {'empty' if not cfg.run.out.strip() else 'a file'}: name a folder "
                           f"for verify's runs")
     _, cuda = rank_limit_gib(cfg, launch.nproc or cfg.parallel.world_size)  # verify starts the layout's ranks

@@ -64,7 +64,7 @@ RANGES: dict[str, Range] = {
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
-    # a seed of 2^64 was a traceback; 32 bits leave that product room
+    # a seed of 2^64 overflows them; 32 bits leave that product room
     "run.seed": Range(0, 2**32 - 1),
     "run.sample_tokens": Range(0, 4096),  # a token a whole forward (no cache): 1e11 never ended
     # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would

@@ -88,7 +88,7 @@ def typed_flags(args: argparse.Namespace) -> set[str]:
 
 
 def check_combination(args: argparse.Namespace) -> None:
-    """Refuse flags the request would ignore: it used to exit 0 as if they had been applied."""
+    """Refuse flags the request would ignore: exit 0 would say they had been applied."""
     for dest in ("png", "from_trace", "config"):  # "" read as not given: the request ran without it, exit 0
         value = getattr(args, dest, None)
         if isinstance(value, str) and not value.strip():
@@ -370,7 +370,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_combination(args)
     if args.from_trace:
         return cmd_from_trace(args)
-    if args.png and args.compare:  # one timeline a picture: it used to exit 0 having drawn nothing
+    if args.png and args.compare:  # one timeline a picture: a table has none to draw
         raise ConfigError("--png draws one schedule's timeline, not a --compare table: drop --compare and name "
                           "the schedule with --schedule")
     check_ranges(args, {"pp": (int, limits.PP), "microbatches": (int, POSITIVE_INT),
