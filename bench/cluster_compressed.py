@@ -194,11 +194,12 @@ def records(out: Path) -> dict:
 def refusal(argv: list[str]) -> str | None:
     """train's one-line refusal of `argv` on 2 nodes x 2 ranks (the checks `pipezero cluster` runs
     before it builds anything), or None where it would run."""
-    from pipezero.cli import cluster_job
+    from pipezero.cli.cluster import cluster_job
+    from pipezero.cli.command_line import build_parser
     from pipezero.errors import ConfigError
 
     try:
-        cluster_job(["train", *argv], NODES * PER_NODE, f"{NODES} nodes x {PER_NODE}")
+        cluster_job(["train", *argv], NODES * PER_NODE, build_parser(), f"{NODES} nodes x {PER_NODE}")
     except ConfigError as e:
         return str(e)
     return None

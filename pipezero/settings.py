@@ -43,7 +43,7 @@ RANGES: dict[str, Range] = {
     # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
-    "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.gpu_memory_gib": POSITIVE,  # a limit of -1 GiB is a typo, not a layout that does not fit
     "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
@@ -186,7 +186,7 @@ def unreachable(path: Path, e: OSError) -> str:
 def present(path: Path) -> bool:
     """Whether `path` is something to read (followed through links); False, not a traceback,
     where a folder on the way may not be searched (Path.exists raises that one). A name too long
-    for the filesystem is left to the command's own line for it (cli.main)."""
+    for the filesystem is left to the command's own line for it (cli/command_line.py `main`)."""
     import errno
 
     try:

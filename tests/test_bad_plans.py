@@ -85,7 +85,7 @@ CASES = [
     # train's cap on a step's tokens binds, not memory: the plan proposed layouts train refuses
     ([*PLAN, "--global-batch", "1048576", "--seq-len", "512"], "--global-batch 1048576 x --seq-len 512 = 536870912 "
                                                                "tokens a step; train's limit is 268435456"),
-    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # was "0.0B parameters"
+    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # not "0.0B parameters"
 ]
 
 

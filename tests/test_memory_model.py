@@ -459,7 +459,7 @@ def test_the_fit_check_counts_device_bytes_only():
 def test_the_host_check_counts_host_bytes_and_a_cpu_ranks_device():
     """train's host check (--host-memory, a node's): GPU ranks' offloaded buffers; CPU ranks' whole
     peak besides, their device being the host; GPU ranks without offload hold nothing counted."""
-    from pipezero.cli import check_host_memory
+    from pipezero.cli.train import check_host_memory
 
     kw = layout(**{"model.preset": "tiny", "data.seq_len": 16, "parallel.dp": 2, "parallel.zero": 1})
     host = sum(r.host_peak_bytes for r in offloaded(kw, True)) / 2**30

@@ -177,7 +177,7 @@ def test_one_stage_has_nothing_to_cut_whatever_the_policy():
 def test_the_host_memory_check_cuts_as_the_policy_says(pp):
     """train and verify on CPU add up the ranks' predicted peaks before any rank starts: under
     --partition memory that prediction is of the policy's cuts."""
-    from pipezero.cli import check_host_memory
+    from pipezero.cli.train import check_host_memory
 
     check_host_memory(small(**{"parallel.partition": "memory", "parallel.pp": pp}))
 

@@ -223,7 +223,7 @@ def test_simulate_lowers_a_bucket_a_part(capsys):
 def test_parts_the_runtime_finds_out_of_order_are_one_line_naming_the_spec(monkeypatch):
     """A layer too large to try on CPU that cannot run on meta is held to its parts only by the
     runtime: its refusal is each rank's one line naming the spec, not a traceback."""
-    from pipezero.cli import failure_line
+    from pipezero.cli.train import failure_line
     from pipezero.zero.gathering import UngatheredUse
 
     monkeypatch.setenv("RANK", "1")

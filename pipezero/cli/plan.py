@@ -17,7 +17,7 @@ from pipezero.config import ParallelConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
 from pipezero.sim import limits
-from pipezero.sim.commands import check_ranges
+from pipezero.cli.simulate import check_ranges
 from pipezero.sim.fit import flags
 from pipezero.sim.layouts import Cluster
 from pipezero.sim.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
@@ -187,7 +187,7 @@ def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
 
 
 def parameters(n: int) -> str:
-    """A parameter count as a person reads it: 1.48M, 6.74B (a tiny model was "0.0B")."""
+    """A parameter count as a person reads it: 1.48M, 6.74B (a tiny model is not "0.0B")."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 

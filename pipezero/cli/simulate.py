@@ -20,7 +20,7 @@ from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual, help_text
 from pipezero.schedules.zero_rules import RULES
-from pipezero.sim.memory_command import LAYOUT, add_memory_flags, cmd_simulate_memory
+from pipezero.cli.simulate_memory import LAYOUT, add_memory_flags, cmd_simulate_memory
 
 
 def check_ranges(args: argparse.Namespace, ranges: dict[str, tuple[type, Range]]) -> None:
@@ -53,7 +53,7 @@ ZERO_FLAGS = ("dp", "grad_reduce", "preset", "bucket_mb", "dp_comm", "zero3_laye
 
 ZERO3_FLAGS = ("zero3_layerwise", "zero3_prefetch_chunk", "zero3_prefetch", "zero3_unit")  # of those, what only ZeRO-3 reads
 
-# what --memory reads: train's layout flags (sim/memory_command.py)
+# what --memory reads: train's layout flags (cli/simulate_memory.py)
 MEMORY_FLAGS = ("memory", "json", "png", "config", *LAYOUT)
 MEMORY_ONLY = ("config", "micro_batch_size", "seq_len", "recompute", "partition", "eval_batches",
                "sample_tokens")  # add_memory_flags' own: no timing run reads them
@@ -72,7 +72,7 @@ def changed_flags(args: argparse.Namespace) -> list[str]:
 
 
 def typed_flags(args: argparse.Namespace) -> set[str]:
-    """The dests of the flags on the command line (`args.argv`, as cli.main keeps it), whatever
+    """The dests of the flags on the command line (`args.argv`, as `main` keeps it), whatever
     their value: `--pp 4` typed is given even where it equals simulate's default. Without argv (a
     namespace made in code) the flags whose value differs from a bare simulate's."""
     argv = getattr(args, "argv", None)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.errors import ConfigError
+from pipezero.cli.flags import add_train_flags, flag_values
 
 BUDGET = (0.01, 10.0)  # seconds a figure may take: past 10 the probe is no longer "seconds"
 # the settings a probe reads: the model, its shapes and dtype, where it computes; no layout
@@ -17,14 +18,14 @@ READS = ("model.preset", "model.pretrained", "parallel.micro_batch_size", "data.
 
 
 def describe(p: argparse.ArgumentParser) -> None:
-    """`probe`'s own flags (cli.py registers the command with the run settings it READS)."""
+    """`probe`'s own flags (add_probe_parser registers the command with the run settings it READS)."""
     p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file)")
     p.add_argument("--budget", type=float, default=0.5, metavar="SECONDS",
                    help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g})")
 
 
 def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str, str]) -> int:
-    """`values`: the run settings given as flags (cli.py `flag_values`), `names` their flags."""
+    """`values`: the run settings given as flags (cli/flags.py `flag_values`), `names` their flags."""
     import torch
 
     from pipezero.parallel.device import device_kind, rank_device
@@ -50,3 +51,15 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
         atomic_write_json(Path(args.json_out), found.to_json())
         print(f"wrote {args.json_out}")
     return 0
+
+
+def add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", allow_abbrev=False, help="measure this machine's compute and host costs",
+                       description="Time one decoder block's forward, input and weight gradient at the run's "
+                                   "micro-batch (the FLOP rate a rank achieves and what an action costs beyond "
+                                   "its FLOPs), a copy to host memory and back, and AdamW on the host; print them "
+                                   "and write them as JSON for `pipezero plan --costs`.")
+    add_train_flags(p, READS)
+    describe(p)
+    p.set_defaults(func=lambda args: cmd_probe(args, *flag_values(args)[::2]))
+
