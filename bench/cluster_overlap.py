@@ -18,7 +18,7 @@ each layout:
 gloo's reduce-scatter sends what an all-reduce of the whole bucket sends (measured: 1 MiB at
 500mbit, 17.4 ms against 16.9 ms for the all-reduce and 8.6 ms for an all-gather), twice what
 pipezero counts for it, so ZeRO-2/3's comm here understates their time on the wire.
-Beside each measurement, the planner's prediction (sim/planner.py `estimate`) with its compute
+Beside each measurement, the planner's prediction (planner/search.py `estimate`) with its compute
 calibrated on the compute-only time (one factor a layout), its link set to the rate and the host's
 CPU-seconds a GB across the link (`net_cpu_s_per_gb`) probed once a rate before the layouts run.
 `--model dim=256,n_layers=4,vocab_size=256` overrides the preset's shape (with the bytes tokenizer a
@@ -234,8 +234,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
     (loopback inside one node, where no byte crosses a link and costs `net_cpu` a GB)."""
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), args.preset)
     for k, v in args.model_fields.items():

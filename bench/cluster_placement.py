@@ -75,8 +75,8 @@ def fit_compute(model, args: argparse.Namespace, refs: list, measured: list[floa
     """The planner's (mfu, overhead_s) that reproduce both one-node reference step times. Its step
     time is linear in 1/mfu and in the overhead only piecewise (communication hides behind compute
     up to a point), so the two equations are solved around the current guess until it settles."""
-    from pipezero.sim.layouts import Cluster
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Cluster
+    from pipezero.planner.search import estimate
 
     ranks = refs[0].dp
 
@@ -121,8 +121,8 @@ def choices(fits: list, top: int) -> list[tuple[int, object]]:
 def main() -> None:
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import plan
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import plan
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=2)

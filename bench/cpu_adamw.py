@@ -12,7 +12,7 @@ The parameters are `--buckets` flat fp32 buckets of `--bucket-mb` MiB (train's d
 torch's AdamW gets the same elements as separate tensors of `--tensor-mib` each (a model's
 parameters: torch steps a list of them). Each measurement is the median over `--repeats` steps after
 one warm-up step (the least is kept too), and the optimizers take turns step by step, so a machine shared with other work
-slows them alike. The planner's default CPU AdamW rate (sim/offload.py) is this bench's
+slows them alike. The planner's default CPU AdamW rate (memory/offload.py) is this bench's
 all-threads ShardedAdamW figure.
 """
 

@@ -1,4 +1,4 @@
-"""The memory model (pipezero/sim/memory.py) against measured runs: each rank's predicted peak beside
+"""The memory model (pipezero/memory/model.py) against measured runs: each rank's predicted peak beside
 its measured peak of the first step (`train --memory-profile`: on CPU the profiler's live tensor
 bytes), for every schedule x ZeRO 0-3 x P in {1, 2, 4} x D in {1, 2}, with and without recompute,
 on two models: `activations` (long sequences, few parameters) and `states` (many thin layers, eight
@@ -11,7 +11,7 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
 With --offload every case runs with --offload optimizer; on CPU ranks the host is the device, so a
 rank's measured peak holds its host buffers too and is held against the predicted device peak plus
-host bytes (sim/offload.py), phase by phase.
+host bytes (memory/offload.py), phase by phase.
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
@@ -42,8 +42,8 @@ from pipezero.config import ScheduleKind  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
-from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
+from pipezero.memory.model import predict  # noqa: E402
+from pipezero.memory.runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_bytes  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 

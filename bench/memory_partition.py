@@ -1,4 +1,4 @@
-"""Stages balanced by memory (`--partition memory`, pipezero/sim/memory_partition.py) against the
+"""Stages balanced by memory (`--partition memory`, pipezero/memory/partition.py) against the
 default uniform cut, on a 4-stage 1F1B run where activations matter: each rank's measured peak of
 the first step (`train --memory-profile`; on CPU the profiler's live tensor bytes) beside the memory
 model's prediction, and the largest over the smallest per-rank peak before and after. Then how long
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 from pipezero.config import Partition  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
-from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_partition import resolve, search  # noqa: E402
-from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
+from pipezero.memory.model import predict  # noqa: E402
+from pipezero.memory.partition import resolve, search  # noqa: E402
+from pipezero.memory.runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_json  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipezero.config import ScheduleKind  # noqa: E402
-from pipezero.sim.calibrate import calibrate, predict  # noqa: E402
+from pipezero.planner.calibrate import calibrate, predict  # noqa: E402
 
 
 def run(args: argparse.Namespace, out: Path, trace: bool) -> float:

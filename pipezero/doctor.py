@@ -38,9 +38,9 @@ PAST = 1 << 30  # index of a rank outside its program after a step: past every i
 
 # --- the plan -------------------------------------------------------------------------------------
 def check_size(facts: dict[str, Any]) -> None:
-    """A record is data on disk: its layout within what train runs (sim/limits.py), or the
+    """A record is data on disk: its layout within what train runs (schedules/limits.py), or the
     ValueError cmd_doctor reports (an edited record of pp = 10^9 lowered programs for ever)."""
-    from pipezero.sim import limits
+    from pipezero.schedules import limits
 
     sizes = {k: facts[k] for k in ("pp", "dp", "microbatches", "virtual_stages")}
     if not all(type(v) is int and v >= 1 for v in sizes.values()):

@@ -1,6 +1,6 @@
 """This machine's costs, measured in seconds, for the planner to plan with instead of presets.
 
-The planner (sim/planner.py) prices a layout from a cluster's figures: the FLOP rate one rank
+The planner (planner/search.py) prices a layout from a cluster's figures: the FLOP rate one rank
 achieves, a fixed cost every action pays beyond its FLOPs, the two link classes' bandwidth and, for
 offload, the host copies and the host's AdamW. Presets guess them; a probe measures them where the
 run will train, at the run's shapes and dtype, in seconds:

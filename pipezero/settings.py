@@ -387,8 +387,8 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
 
 
 def check_step_size(cfg: TrainConfig) -> None:
-    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
-    from pipezero.sim import limits
+    """A step's schedule and batch within what a rank can build and hold (schedules/limits.py)."""
+    from pipezero.schedules import limits
 
     p, seq = cfg.parallel, cfg.data.seq_len
     played = p.pp * p.microbatches * p.virtual_stages
@@ -507,7 +507,7 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
 
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
-    choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
+    choice is made here once (planner/prefetch.py), so a missing input is refused before any rank starts."""
     p = cfg.parallel
     for flag, value in (("--link-gbps", p.link_gbps), ("--tflops", p.tflops)):
         if value is not None:
@@ -515,7 +515,7 @@ def check_prefetch(cfg: TrainConfig) -> None:
                    f"{flag} {value:g} is read only by --zero3-prefetch auto (the planner's depth): add it, or drop "
                    f"{flag}")
     if p.zero3_prefetch == "auto":
-        from pipezero.sim.memory import prefetch_choice
+        from pipezero.memory.model import prefetch_choice
 
         prefetch_choice(cfg)
 

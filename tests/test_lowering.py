@@ -330,7 +330,7 @@ def test_the_simulator_and_the_memory_walk_read_the_bound_from_the_program():
     looser one lets the memory walk keep more full gradient buckets alive: both follow the number the
     program carries, not a rule of their own."""
     from pipezero.settings import build_config
-    from pipezero.sim.memory import predict
+    from pipezero.memory.model import predict
 
     s = schedule(K.INTERLEAVED_1F1B, 2)  # a chunk's reductions start while the other chunk's backwards run
     link = CommCost(bandwidth=1e5)  # a bucket's reduction about a tenth of a forward

@@ -16,8 +16,8 @@ from one_line import assert_one_line, run_main
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_param_counts
 from pipezero.settings import build_config
-from pipezero.sim.memory import _layerwise_gathered, build_plan, prefetch_choice
-from pipezero.sim.prefetch import layer_costs
+from pipezero.memory.model import _layerwise_gathered, build_plan, prefetch_choice
+from pipezero.planner.prefetch import layer_costs
 
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
 
@@ -146,8 +146,8 @@ def test_plan_proposes_parts_where_the_link_keeps_up_and_whole_layers_where_it_d
     busy throughout and looking further ahead wins (whole layers at depth 5 0.659 s, parts 0.741 s)."""
     from pipezero.config import ModelConfig, ScheduleKind, Zero3Unit
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.prefetch import plan_choice
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.prefetch import plan_choice
 
     model = apply_preset(ModelConfig(), "tiny")
     model.dim, model.n_layers, model.vocab_size = 256, 4, 256

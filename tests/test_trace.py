@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pipezero.sim.calibrate import calibrate, predict
+from pipezero.planner.calibrate import calibrate, predict
 from pipezero.config import ScheduleKind
 
 

@@ -1,4 +1,4 @@
-"""`pipezero plan`: the planner (sim/planner.py) from the command line: the model, the cluster as
+"""`pipezero plan`: the planner (planner/search.py) from the command line: the model, the cluster as
 flags, the fitting layouts as a table or JSON."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from pipezero.coerce import Range
 from pipezero.config import ParallelConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import NON_NEGATIVE, POSITIVE, POSITIVE_INT, RANGES
-from pipezero.sim import limits
+from pipezero.schedules import limits
 from pipezero.cli.simulate import check_ranges
-from pipezero.sim.fit import flags
-from pipezero.sim.layouts import Cluster
-from pipezero.sim.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
+from pipezero.memory.fit import flags
+from pipezero.planner.layouts import Cluster
+from pipezero.memory.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
 
 if TYPE_CHECKING:
-    from pipezero.sim.planner import Estimate
-    from pipezero.sim.prefetch import Choice
+    from pipezero.planner.search import Estimate
+    from pipezero.planner.prefetch import Choice
 
 
 BANDWIDTH = "300,25"  # --bandwidth's default: intra,inter-node GB/s a GPU
@@ -220,8 +220,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset, param_count
-    from pipezero.sim.planner import model_from_params, plan_within, reason
-    from pipezero.sim.prefetch import plan_choice
+    from pipezero.planner.search import model_from_params, plan_within, reason
+    from pipezero.planner.prefetch import plan_choice
 
     check_ranges(args, {"params": (float, limits.PARAMS), "gpus": (int, limits.GPUS),
                         "gpu_memory": (float, limits.GPU_MEMORY_GIB), "node_size": (int, limits.GPUS),
@@ -286,7 +286,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = fits[0]
     limit = cluster.gpu_memory_gib * cluster.headroom
     depths = {id(e): plan_choice(model, seq_len, cluster, e.layout, (limit - e.memory_gib) * 2**30)
-              for e in fits[: args.top]}  # ZeRO-3 layer by layer: the prefetch depth (sim/prefetch.py)
+              for e in fits[: args.top]}  # ZeRO-3 layer by layer: the prefetch depth (planner/prefetch.py)
     rows = [{"pp": e.layout.pp, "dp": e.layout.dp, "zero": e.layout.zero, "schedule": e.layout.schedule.value,
              "virtual_stages": e.layout.virtual, "micro_batch_size": e.layout.micro_batch,
              "microbatches": e.layout.microbatches, "recompute": e.layout.recompute,

@@ -14,7 +14,7 @@ from rich.table import Table
 from pipezero.coerce import Range, coerce
 from pipezero.config import GradReduce, ScheduleKind
 from pipezero.settings import POSITIVE, POSITIVE_INT, RANGES
-from pipezero.sim import limits
+from pipezero.schedules import limits
 from pipezero.errors import ConfigError
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import CostModel, simulate
@@ -172,7 +172,7 @@ def played(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def check_work(args: argparse.Namespace) -> None:
-    """Refuse, before any schedule is built, a request past what plays within seconds (sim/limits.py)."""
+    """Refuse, before any schedule is built, a request past what plays within seconds (schedules/limits.py)."""
     total, count = played(args)
     zero = args.zero is not None
     limit = limits.ZERO_PLAY_LIMIT if zero else limits.PLAY_LIMIT
@@ -301,7 +301,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_from_trace(args: argparse.Namespace) -> int:
 
-    from pipezero.sim.calibrate import calibrate, predict, what_if
+    from pipezero.planner.calibrate import calibrate, predict, what_if
 
     if Path(args.from_trace).is_dir():
         raise ConfigError(f"--from-trace {args.from_trace!r} is a folder: pass the trace.json in it (a run with "
@@ -423,8 +423,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_simulate_zero(args: argparse.Namespace, cost: CostModel) -> int:
     """Every chosen schedule lowered with ZeRO's collectives: step time and bubble without and with
-    their traffic (sim/program_view.py)."""
-    from pipezero.sim.program_view import ZeroOptions, draw, lower_zero, run_program
+    their traffic (cli/simulate_zero.py)."""
+    from pipezero.cli.simulate_zero import ZeroOptions, draw, lower_zero, run_program
 
     opt = ZeroOptions.from_args(args)
     results: dict[str, dict] = {}

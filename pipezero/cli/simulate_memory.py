@@ -1,4 +1,4 @@
-"""`pipezero simulate --memory`: each rank's predicted peak memory by category (sim/memory.py) for a
+"""`pipezero simulate --memory`: each rank's predicted peak memory by category (memory/model.py) for a
 layout given with train's layout flags, as a table, JSON, or a picture of every rank's memory over
 the step (--png).
 
@@ -17,8 +17,8 @@ from rich.table import Table
 
 from pipezero.config import Offload, Partition, ScheduleKind, TrainConfig, Zero3Unit
 from pipezero.schedules.registry import default_virtual
-from pipezero.sim.memory import CATEGORIES, HOST_CATEGORIES, PHASES, RankMemory, build_plan, every_rank
-from pipezero.sim.memory_partition import resolve
+from pipezero.memory.model import CATEGORIES, HOST_CATEGORIES, PHASES, RankMemory, build_plan, every_rank
+from pipezero.memory.partition import resolve
 
 MIB = 2**20
 # simulate's flag -> the run setting it sets for --memory (the layout flags train also takes)
@@ -35,7 +35,7 @@ LAYOUT: dict[str, str] = {"preset": "model.preset", "pp": "parallel.pp", "dp": "
 
 
 def add_memory_flags(s: argparse.ArgumentParser) -> None:
-    m = s.add_argument_group("memory (--memory: each rank's predicted peak by category, sim/memory.py)")
+    m = s.add_argument_group("memory (--memory: each rank's predicted peak by category, memory/model.py)")
     m.add_argument("--memory", action="store_true", help="predict every rank's peak memory of one step")
     m.add_argument("--config", help="a train TOML file; the flags given override it")
     m.add_argument("--micro-batch-size", type=int, default=None, help="sequences a micro-batch (B)")
@@ -109,7 +109,7 @@ def cmd_simulate_memory(args: argparse.Namespace, typed: set[str]) -> int:
                         f"{' offload ' + p.offload.value if p.offload is not Offload.NONE else ''}"
                         f"; layers a chunk "
                         f"{','.join(map(str, cuts))} ({'explicit' if p.stage_layers else p.partition.value})")
-    # the device's categories at its peak, then the host's (sim/memory.py WHERE: each says where it lives)
+    # the device's categories at its peak, then the host's (memory/model.py WHERE: each says where it lives)
     shown = [c for c in CATEGORIES if any(r.categories[c] for r in ranks)]
     host = [c for c in HOST_CATEGORIES if any(r.host_categories.get(c) for r in ranks)]
     # each phase's own peak (the training step, the evaluation, the text sample): the peak is the most

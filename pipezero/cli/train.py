@@ -30,7 +30,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch = build_launch(launch_values, names)
     cfg = build_config(args.config, settings, names)
     check_launch(launch, cfg.parallel.world_size)
-    from pipezero.sim.fit import check_fit, limit_name, rank_limit_gib
+    from pipezero.memory.fit import check_fit, limit_name, rank_limit_gib
 
     local = local_ranks(launch.nproc, cfg.parallel.world_size)
     limit, cuda = rank_limit_gib(cfg, local)
@@ -116,7 +116,7 @@ def check_out(cfg: Any) -> None:
 def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     """The ranks started here share this host's memory (--host-memory, default this machine's): a
     run whose ranks need more was built for minutes before the kernel killed it (--preset 7b on a
-    24 GiB host). Counted from the memory model (sim/memory.py, sim/offload.py): each rank's host
+    24 GiB host). Counted from the memory model (memory/model.py, memory/offload.py): each rank's host
     bytes (--offload optimizer's masters, moments and gradient staging) and, on CPU ranks, whose
     device is the host, their device peak too. A model of one's own is not predicted."""
     from pipezero.config import Offload
@@ -124,9 +124,9 @@ def check_host_memory(cfg: Any, cuda: bool = False) -> None:
     offload = cfg.parallel.offload is not Offload.NONE
     if cfg.model.spec is not None or (cuda and not offload):
         return  # nothing of pipezero's own on a GPU rank's host without offload
-    from pipezero.sim.memory import predict
-    from pipezero.sim.memory_partition import resolve
-    from pipezero.sim.offload import node_host_need
+    from pipezero.memory.model import predict
+    from pipezero.memory.partition import resolve
+    from pipezero.memory.offload import node_host_need
 
     gib = 2**30
     given = cfg.run.host_memory_gib

@@ -33,8 +33,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from pipezero.coerce import coerce
     from pipezero.launch import under_torchrun
     from pipezero.settings import build_config, build_launch
-    from pipezero.sim.fit import rank_limit_gib
-    from pipezero.sim.limits import VERIFY_STEPS
+    from pipezero.memory.fit import rank_limit_gib
+    from pipezero.schedules.limits import VERIFY_STEPS
     from pipezero.verify import verify_layout
 
     coerce("--steps", int, args.steps, False, VERIFY_STEPS)  # 10^11 trained three runs for ever

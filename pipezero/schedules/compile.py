@@ -98,7 +98,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     """Every rank's program for layout `p` over `model`'s tensors (one ChunkShapes a chunk of the
     layout). `wire_bytes`, `grad_bytes`, `gather_bytes`: bytes an element of collectives as they
     travel (program.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
-    layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: sim/prefetch.py);
+    layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: planner/prefetch.py);
     `pp_ranks`, `replicas`: only these pipeline and data-parallel ranks' programs (the memory
     model walks a few; simulate counts one replica's instructions before it compiles them all);
     `schedule`: a schedule built by the caller (simulate builds each kind it compares), proven
@@ -109,7 +109,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
         raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
     lw = layerwise(p)
     if not isinstance(p.zero3_prefetch, int):
-        raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (sim/prefetch.py "
+        raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (planner/prefetch.py "
                          f"prefetch_depth)")
     depth = p.zero3_prefetch if lw else 1
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw, sublayer=p.zero3_unit is Zero3Unit.SUBLAYER)

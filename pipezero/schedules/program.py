@@ -269,7 +269,7 @@ def flat(instrs: Sequence[Instr]) -> list[Instr]:
 def chunk_markers(instrs: Sequence[Instr]) -> list[Instr]:
     """The `hoisted` instructions with, layer by layer, each action that gathers written as one
     UNSHARD of its chunk before it and one RESHARD after it, its own gathers dropped: for walks that
-    price a chunk's gathered layers as a whole (sim/memory.py)."""
+    price a chunk's gathered layers as a whole (memory/model.py)."""
     out: list[Instr] = []
     for i in hoisted(instrs):
         if not isinstance(i, Compute) or not (i.during or i.held):
@@ -369,7 +369,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     --offload optimizer, the host copies and host steps placed (`_offloaded_grads`);
     `offload_activations`: on each rank, that many micro-batches' saved activations leave the device
     between their forward and backward (`_offloaded_activations`). `pp_ranks`: lower only these
-    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, sim/memory.py);
+    pipeline ranks (the others' programs are left empty: a memory walk of a few ranks, memory/model.py);
     `replicas`: only these data-parallel ranks (a replica's program is its peers' but for the peers
     it names: `simulate` counts one before it lowers all)."""
     if zero not in RULES:

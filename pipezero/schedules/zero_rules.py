@@ -1,5 +1,5 @@
 """What each ZeRO stage keeps and moves, in one table: the lowering (schedules/program.py), the
-runtime (zero/), the simulator and the planner (sim/) ask these rules, never the stage number. Plain
+runtime (zero/), the memory model (memory/) and the planner (planner/) ask these rules, never the stage number. Plain
 data beside the plans that follow from it, so the plan layer reads it without torch.
 
 Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets.py):

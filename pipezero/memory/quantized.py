@@ -1,5 +1,5 @@
 """The bytes quantized traffic (--quantize-grads, --quantize-weights: zero/compressed.py) holds on a
-rank, beside the buckets themselves, for the memory model (sim/memory.py). Torch-free: sizes only.
+rank, beside the buckets themselves, for the memory model (memory/model.py). Torch-free: sizes only.
 
 Every quantized collective sends uint8 messages (zero/quantize.py `message_bytes`: codes, then one
 fp32 scale a block) and decodes what it receives in fp32 when waited for:

@@ -1,4 +1,4 @@
-"""The runs the memory model (sim/memory.py) is held against, shared by its test and its bench:
+"""The runs the memory model (memory/model.py) is held against, shared by its test and its bench:
 train each configuration for its steps with --memory-profile (telemetry/memory_profile.py) and keep
 each rank's measured peak by phase: the first step (`train`), the first held-out evaluation
 (`eval`) and the end-of-run text sample (`sample`, when the run samples)."""

@@ -57,7 +57,7 @@ class ZeroOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
         """`simulate`'s flags; quantized traffic as an element's share of its message (zero/quantize.py)."""
-        from pipezero.sim.traffic import element_bytes
+        from pipezero.planner.traffic import element_bytes
 
         bits = {"int8": 8, "int4": 4}
         grad = element_bytes(bits[args.quantize_grads], args.quant_block) if args.quantize_grads in bits else None

@@ -1,4 +1,4 @@
-"""The fit check `train` runs before any rank starts: every rank's predicted peak (sim/memory.py)
+"""The fit check `train` runs before any rank starts: every rank's predicted peak (memory/model.py)
 against the memory a rank may use (`--gpu-memory GIB`; on CUDA by default the device's memory).
 A layout that does not fit is refused in one line naming the rank, what fills it, and the fastest
 layouts the planner finds that fit on the same number of ranks, so an out-of-memory error never
@@ -10,9 +10,9 @@ from dataclasses import replace
 
 from pipezero.config import Device, DType, TrainConfig
 from pipezero.errors import ConfigError
-from pipezero.sim.limits import FIT_MARGIN
-from pipezero.sim.memory import RankMemory, predict
-from pipezero.sim.memory_partition import resolve
+from pipezero.schedules.limits import FIT_MARGIN
+from pipezero.memory.model import RankMemory, predict
+from pipezero.memory.partition import resolve
 
 GIB = 2**30
 
@@ -85,8 +85,8 @@ def limit_name(cfg: TrainConfig, local_ranks: int) -> str | None:
 
 def alternatives(cfg: TrainConfig, limit_gib: float, cuda: bool, top: int = 3) -> str:
     """The planner's fastest layouts that fit on the same ranks, as train flags."""
-    from pipezero.sim.layouts import Cluster
-    from pipezero.sim.planner import plan
+    from pipezero.planner.layouts import Cluster
+    from pipezero.planner.search import plan
 
     world = cfg.parallel.world_size
     cluster = Cluster(gpus=world, gpu_memory_gib=limit_gib, node_size=world, cpu=not cuda, headroom=1.0,

@@ -1,6 +1,6 @@
 """ZeRO-3 layer by layer: how many layers ahead to start a layer's gather (`--zero3-prefetch auto`).
 
-A deeper prefetch costs a layer of gathered weights a layer of depth (sim/memory.py) and hides a
+A deeper prefetch costs a layer of gathered weights a layer of depth (memory/model.py) and hides a
 gather only where the link has idled before it: a forward's layers start their gathers when the
 layer `depth` before them starts, a backward's when the layer `depth` after them starts its
 backward, and one link carries the gathers and a fused backward's reductions in the order they are
@@ -14,7 +14,7 @@ forward keeping the backward's first depth - 1 layers gathered, as the program d
 hides more than `TOLERANCE` of it, or `FLOOR_S`), within a memory limit. Keeping layers across
 actions saves their gathers outright, so on a slow link the deepest that fits often wins.
 
-The play is the planner's model, like sim/overlap.py's closed forms: compute and each collective
+The play is the planner's model, like planner/overlap.py's closed forms: compute and each collective
 take their FLOP and byte times; gathers and reductions share one link in issue order (one gloo or
 NCCL stream a group); a reduction starts when its bucket's gradients are complete and, with the
 runtime's one bucket in flight (train --buckets-in-flight), the backward waits for the one before
@@ -34,8 +34,8 @@ from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.compile import layerwise
 from pipezero.schedules.layer_plan import Moment, first_needed, moments, steps
 from pipezero.schedules.zero_rules import RULES
-from pipezero.sim.layouts import Cluster, Layout
-from pipezero.sim.traffic import collective_s, element_bytes
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.planner.traffic import collective_s, element_bytes
 
 TOLERANCE = 0.02  # a deeper prefetch that saves less than this share of the exposed time "stops improving"
 FLOOR_S = 1e-3  # nor less than this a micro-batch
@@ -129,7 +129,7 @@ def layer_costs(model: ModelConfig, micro_batch: int, seq_len: int, tflops: floa
     """Each layer of `model` (embedding, blocks, head) for a micro-batch of `micro_batch` sequences of
     `seq_len` tokens: its forward at
     `tflops` achieved TFLOP/s (a block's matmuls and attention, the head's projection; the
-    embedding's lookup none), counted as the planner counts them (sim/planner.py), and its gather
+    embedding's lookup none), counted as the planner counts them (planner/search.py), and its gather
     and reduction: `link_s(parameters, "all_gather" | "reduce_scatter")` seconds. `sublayer`: a
     block is two units, its attention (the scores' FLOPs with it) and its MLP, each with its norm."""
     tokens = micro_batch * seq_len
@@ -148,7 +148,7 @@ def layer_costs(model: ModelConfig, micro_batch: int, seq_len: int, tflops: floa
 def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -> Choice:
     """`zero3_prefetch = auto` for a run: its model's layers at `parallel.tflops` (or the device's
     default) on `parallel.link_gbps`, no deeper than `fits` (the memory model within
-    `run.gpu_memory_gib`: sim/memory.py `prefetch_choice`). The same on every rank: it reads only the
+    `run.gpu_memory_gib`: memory/model.py `prefetch_choice`). The same on every rank: it reads only the
     configuration."""
     p, m = cfg.parallel, cfg.model
     if not RULES[p.zero].sharded_params or p.dp == 1 or not layerwise(p):
@@ -170,7 +170,7 @@ def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -
 def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout, spare_bytes: float) -> Choice | None:
     """`pipezero plan`'s unit and depth for a layout that gathers ZeRO-3 layer by layer (P = 1), None
     for any other: compute at the cluster's achieved FLOP/s (shared cores slow it as in
-    sim/planner.py), the collectives as sim/traffic.py prices them, each unit deeper holding one
+    planner/search.py), the collectives as planner/traffic.py prices them, each unit deeper holding one
     more of the largest units in fp32, within `spare_bytes` of the memory limit. A block's attention
     and MLP apart (`sublayer`) where that exposes at least `UNIT_GAIN` less than whole layers: where
     the link keeps up with the blocks, what is left exposed is the step's first gather and last

@@ -19,7 +19,7 @@ from pipezero.config import ScheduleKind
 from pipezero.errors import ConfigError
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.registry import SCHEDULES, build_schedule, check_layout, default_virtual
-from pipezero.sim import limits
+from pipezero.schedules import limits
 from pipezero.telemetry.trace import load_trace, parse_action
 
 OPS = ("F", "B", "W", "BW")

@@ -3,7 +3,7 @@
 all-gather of the updated weights (ZeRO-2 may reduce after every backward), ZeRO-3 gathers of the parameters
 (once a step when P > 1, for every forward and backward when P = 1) and a reduce-scatter.
 Reductions run during the last backward of the step, bucket by bucket; the updated weights' gathers
-ahead of the next first forward (sim/overlap.py says how much of each hides).
+ahead of the next first forward (planner/overlap.py says how much of each hides).
 
 A ring all-reduce sends 2(D-1)/D of the bytes a rank, a reduce-scatter or all-gather (D-1)/D (on
 CPU ranks the reduce-scatter is a direct exchange of slices, zero/coordinator.py, because gloo's own
@@ -30,8 +30,8 @@ from pipezero.config import GradReduce, Placement
 from pipezero.parallel.hierarchical import split_by_node
 from pipezero.parallel.mesh import Mesh
 from pipezero.schedules.zero_rules import RULES
-from pipezero.sim.layouts import Cluster, Layout
-from pipezero.sim.overlap import gather_before, reduce_during
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.planner.overlap import gather_before, reduce_during
 from pipezero.zero.quantize import Bits, message_bytes
 
 
@@ -104,7 +104,7 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
     reduced during a chunk's last backward of the step (every backward with grad-reduce
     `microbatch`), ZeRO-1/2's updated weights gathered ahead of the next step's first forward,
     ZeRO-3's parameters gathered once a step and kept when P > 1, layer by layer for every forward
-    and backward when P = 1. Stage 0's first forward and last backward set the pace (sim/overlap.py
+    and backward when P = 1. Stage 0's first forward and last backward set the pace (planner/overlap.py
     plays them bucket by bucket); the other stages have the pipeline's fill and drain to spare.
     `kept` (front, tail): the shares of the parameters --zero3-prefetch keeps gathered from a
     backward into the next forward and from a forward into its backward (planner.kept_shares)."""

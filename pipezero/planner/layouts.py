@@ -1,14 +1,14 @@
 """What the planner is told and what it chooses between: a cluster (devices, memory, the two link
 classes, and on CPU hosts the cores and network costs that decide there) and one candidate layout.
-Plain frozen data, so estimates can be cached and compared; sim/planner.py enumerates and ranks
-them, sim/traffic.py prices their collectives."""
+Plain frozen data, so estimates can be cached and compared; planner/search.py enumerates and ranks
+them, planner/traffic.py prices their collectives."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pipezero.config import GradReduce, Partition, Placement, ScheduleKind
-from pipezero.sim.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
+from pipezero.memory.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Cluster:
     # bench/link_probe.py's `cpu_s` measured 10-15 at 100 to 500mbit
     net_cpu_s_per_gb: float = 0.0
     bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
-    # --offload optimizer (sim/offload.py): GiB of host memory a node (0: none described, so no
+    # --offload optimizer (memory/offload.py): GiB of host memory a node (0: none described, so no
     # offloaded layout fits), its GPUs' host link each way and a rank's CPU AdamW rate
     host_memory_gib: float = 0.0
     pcie_gbps: float = PCIE_GBPS

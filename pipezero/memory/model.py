@@ -22,13 +22,13 @@ Categories (bytes on one rank):
   `activations` when it is sent);
 - collectives: a reduction's buffers while in flight: the low-precision wire copy, the
   reduce-scatter's output shard and, on gloo at D > 2, the other members' slices received; with
-  quantized traffic (sim/quantized_memory.py) a reduction's or a gather's messages sent and
+  quantized traffic (memory/quantized.py) a reduction's or a gather's messages sent and
   received until it is waited for, and its wait's fp32 decode;
 - batch: the step's token batch and the held-out windows (every rank holds both whole: its share is
   a view of them).
 
 Where each byte lives (`WHERE`): the categories above are the device's (a CPU rank's device is the
-host itself). With --offload optimizer (sim/offload.py) the rank's update moves to the host: for
+host itself). With --offload optimizer (memory/offload.py) the rank's update moves to the host: for
 every element it updates (ZeRO-0: its whole padded buckets; ZeRO-1 to 3: its shard of each) the
 host holds, from the run's start to its end, the fp32 master copy (`host_master`), AdamW's two
 moments (`host_optimizer`) and the staging buffer each reduced gradient is copied into
@@ -82,16 +82,16 @@ from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, OptimStep, PointToPoint, Program,
                                        in_flight_of)
 from pipezero.schedules.zero_rules import RULES
-from pipezero.sim.limits import FIT_MARGIN
-from pipezero.sim.offload import host_bytes
-from pipezero.sim.prefetch import Choice, run_choice
-from pipezero.sim.quantized_memory import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
+from pipezero.schedules.limits import FIT_MARGIN
+from pipezero.memory.offload import host_bytes
+from pipezero.planner.prefetch import Choice, run_choice
+from pipezero.memory.quantized import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
 
 if TYPE_CHECKING:
-    from pipezero.sim.layouts import Layout
+    from pipezero.planner.layouts import Layout
 
 CATEGORIES = ("params", "gathered", "grads", "optimizer", "activations", "p2p", "collectives", "batch")
-HOST_CATEGORIES = ("host_master", "host_optimizer", "host_grads",  # --offload optimizer's (sim/offload.py)
+HOST_CATEGORIES = ("host_master", "host_optimizer", "host_grads",  # --offload optimizer's (memory/offload.py)
                    "host_activations")  # --offload-activations: most micro-batches' saved tensors there at once
 DEVICE, HOST = "device", "host"
 WHERE: dict[str, str] = {**dict.fromkeys(CATEGORIES, DEVICE), **dict.fromkeys(HOST_CATEGORIES, HOST)}
@@ -323,7 +323,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
 
 def prefetch_choice(cfg: TrainConfig, cuda: bool | None = None) -> Choice:
     """ZeRO-3's prefetch depth for `cfg`: its `parallel.zero3_prefetch`, or for `auto` the planner's
-    choice (sim/prefetch.py) no deeper than fits `run.gpu_memory_gib` by this model's walk."""
+    choice (planner/prefetch.py) no deeper than fits `run.gpu_memory_gib` by this model's walk."""
     p = cfg.parallel
     if isinstance(p.zero3_prefetch, int):
         return Choice(p.zero3_prefetch, "set", ())
@@ -634,7 +634,7 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
             gathered[c] = whole[c] if not plan.layerwise else _layerwise_gathered(plan, c, 3 if backward else 2)
             if plan.weight_quant is not None and plan.layerwise and not (plan.secondary and backward):
                 # the layers prefetched travel as messages, and the one waited for is decoded
-                # (sim/quantized_memory.py); with hpZ a backward's gathers are the node's fp32 shares
+                # (memory/quantized.py); with hpZ a backward's gathers are the node's fp32 shares
                 largest = max(bp.buckets(c), default=0)
                 gathered[c] += decoded(largest) + plan.depth * gather_flight(plan.weight_quant, largest, dp)
             live["gathered"] += gathered[c]
@@ -958,7 +958,7 @@ def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
     (zero/coordinator.py): the low-precision copy it travels as (bf16), and for a reduce-scatter
     (ZeRO-1 to 3) its output shard plus, on gloo, the exchange's receive buffer for the other
     members' slices (parallel/hierarchical.start_exchange; at D = 2 the output shard is it)."""
-    if plan.grad_quant is not None:  # messages, not a wire copy (sim/quantized_memory.py)
+    if plan.grad_quant is not None:  # messages, not a wire copy (memory/quantized.py)
         return reduction_flight(plan.grad_quant, n, plan.dp)
     out = n * plan.wire if plan.wire != F32 else 0
     if to_shard:
@@ -969,7 +969,7 @@ def reduction_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
 
 def wait_bytes(plan: MemoryPlan, n: int, to_shard: bool) -> int:
     """Bytes a gradient reduction of an `n`-element bucket holds beyond `reduction_bytes` while it
-    is waited for: a quantized one's decode (sim/quantized_memory.py); nothing otherwise (the sum
+    is waited for: a quantized one's decode (memory/quantized.py); nothing otherwise (the sum
     lands in the buffers counted)."""
     return 0 if plan.grad_quant is None else reduction_wait(plan.grad_quant, n, plan.dp, to_shard)
 

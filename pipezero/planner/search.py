@@ -1,7 +1,7 @@
 """Pick a training layout: enumerate (P, D, ZeRO stage, schedule, V, micro-batch size and count,
 recompute), drop what does not fit in memory, estimate step time, rank what is left.
 
-Memory per rank: the memory model's peak (sim/memory.py: the lowered program walked over byte
+Memory per rank: the memory model's peak (memory/model.py: the lowered program walked over byte
 counts, pipezero's fp32 weights, gradients and AdamW whatever the compute dtype), of the heavier of
 the first and last pipeline rank; it holds states (parameters, gradients, optimizer, ZeRO-3's
 gathered weights) apart from the rest (activations, transfers, collective buffers).
@@ -9,7 +9,7 @@ Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation)
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
 bytes over the link for each boundary between chunks the first micro-batch crosses on its way
-forward and back, plus the data-parallel traffic that compute does not hide (sim/traffic.py); the
+forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
 step is never shorter than the link's busy time.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
 busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
@@ -21,7 +21,7 @@ gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for o
 `microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
 where more than one bucket is outstanding.
 Where few layouts fit, those that do not are tried with the optimizer offloaded (`offloaded`,
-sim/offload.py): a device peak 8 bytes an updated parameter lower, a node's host holding 16 (its
+memory/offload.py): a device peak 8 bytes an updated parameter lower, a node's host holding 16 (its
 ranks counted each as the one that offloads most), and the step longer by the host copies and the
 CPU's AdamW, priced as exposed.
 """
@@ -38,12 +38,12 @@ from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
 from pipezero.schedules.zero_rules import RULES
-from pipezero.sim import limits
-from pipezero.sim.layouts import Cluster, Layout
-from pipezero.sim.memory import layout_memory
-from pipezero.sim.memory_partition import balanced_layout
-from pipezero.sim.offload import DEVICE_SAVED, HOST_BYTES, HostLink
-from pipezero.sim.traffic import dp_split, dp_traffic, link_gbps
+from pipezero.schedules import limits
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.memory.model import layout_memory
+from pipezero.memory.partition import balanced_layout
+from pipezero.memory.offload import DEVICE_SAVED, HOST_BYTES, HostLink
+from pipezero.planner.traffic import dp_split, dp_traffic, link_gbps
 
 GIB = 2**30
 
@@ -58,7 +58,7 @@ class Estimate:
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
     crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
-    # --offload optimizer (sim/offload.py): host GiB a node's ranks hold, and the seconds the host
+    # --offload optimizer (memory/offload.py): host GiB a node's ranks hold, and the seconds the host
     # copies and the CPU's AdamW add to the step (both 0 without offload)
     host_gib: float = 0.0
     offload_s: float = 0.0
@@ -113,7 +113,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     ends = (layers[0] + layers[-1] if lay.pp == 1 else
             max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
     psi = per_stage_layers * block_params(model) + ends
-    # memory: the heaviest rank's peak from the memory model (sim/memory.py), split into model
+    # memory: the heaviest rank's peak from the memory model (memory/model.py), split into model
     # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     if lay.partition is Partition.MEMORY:  # every rank walked; the rank with most blocks sets the pace
@@ -327,7 +327,7 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
 def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int,
               misses: list[Estimate]) -> tuple[list[Estimate], list[Estimate], Estimate | None]:
     """The layouts of `misses` (each over the devices' memory as it is) with --offload optimizer
-    (sim/offload.py): (those that then fit the devices and the hosts; those that fit the devices
+    (memory/offload.py): (those that then fit the devices and the hosts; those that fit the devices
     only, least host memory first; where none fits the devices, the one nearest to). Tried only
     where fewer than `limits.MEMORY_CUT_RANK` layouts fit as they are: offload takes AdamW's 8
     bytes an updated parameter off the device and adds host copies and a CPU step to every step,
@@ -352,7 +352,7 @@ def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: 
 def cut_by_memory(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, fits: list[Estimate],
                   misses: list[Estimate]) -> list[Estimate]:
     """Where fewer than `limits.MEMORY_CUT_RANK` layouts fit: pipelined layouts that do not fit with
-    uniform cuts but do with `--partition memory` (sim/memory_partition.py), while the searches'
+    uniform cuts but do with `--partition memory` (memory/partition.py), while the searches'
     memory-model walks stay within `limits.MEMORY_CUT_WALKS`. Balancing moves activations off the
     ranks with most micro-batches in flight, so candidates go nearest to fitting first once half
     their activations are taken off (an order, not a bound). Memory cuts give the first rank fewer

@@ -1,5 +1,5 @@
-"""What `--offload optimizer` costs, for the memory model (sim/memory.py), the host check (`train
---host-memory`) and the planner (sim/planner.py). Torch-free: sizes and rates only.
+"""What `--offload optimizer` costs, for the memory model (memory/model.py), the host check (`train
+--host-memory`) and the planner (planner/search.py). Torch-free: sizes and rates only.
 
 With the optimizer offloaded, every element a rank updates (ZeRO-0: its whole padded buckets;
 ZeRO-1 to 3: its shard of each, padded / D) has on the host, allocated at the start and kept for
@@ -37,7 +37,7 @@ CPU_ADAMW_PARAMS_S = 8.0e8
 
 
 def host_bytes(updated: int, offload: bool) -> dict[str, int]:
-    """The host's bytes (sim/memory.py HOST_CATEGORIES) of a rank that updates `updated` elements:
+    """The host's bytes (memory/model.py HOST_CATEGORIES) of a rank that updates `updated` elements:
     with the optimizer offloaded its fp32 master copy, AdamW's two moments and the staging buffer
     its reduced gradients are copied into; nothing without."""
     n = updated * F32 if offload else 0

@@ -2,7 +2,7 @@
 
 Balancing parameters or compute leaves memory lopsided under a pipeline schedule: 1F1B's first rank
 holds P micro-batches of activations and the last holds one, the embedding sits on the first rank
-and the head (with its vocabulary-wide logits) on the last. The memory model (sim/memory.py) knows
+and the head (with its vocabulary-wide logits) on the last. The memory model (memory/model.py) knows
 all of that from the lowered program, so this policy asks it, rather than a formula, what a rank
 peaks at for a given cut, and searches the cuts:
 
@@ -16,8 +16,8 @@ peaks at for a given cut, and searches the cuts:
 
 Every chunk keeps at least one layer. A rank's peak is cached by its own chunks' bounds (walks of
 other ranks do not change it), so the search walks each distinct (rank, layers) once. Torch-free:
-the runtime (stage.py), the fit check (sim/fit.py), summary.json's prediction and `simulate
---memory` all cut through `resolve`, so a run is cut as its prediction says. (sim/memory.py itself
+the runtime (stage.py), the fit check (memory/fit.py), summary.json's prediction and `simulate
+--memory` all cut through `resolve`, so a run is cut as its prediction says. (memory/model.py itself
 refuses an unresolved `memory` policy, through parallel/partition.cut: it cannot import this
 module, which walks it.)
 """
@@ -35,10 +35,10 @@ from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_costs, layer_param_counts
 from pipezero.parallel.partition import cut
 from pipezero.schedules.compile import proven_of
-from pipezero.sim.memory import RankMemory, build_plan, walk
+from pipezero.memory.model import RankMemory, build_plan, walk
 
 if TYPE_CHECKING:
-    from pipezero.sim.layouts import Layout
+    from pipezero.planner.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Balanced:
 
 def resolve(cfg: TrainConfig, cuda: bool | None = None) -> TrainConfig:
     """`cfg` with the memory policy's cuts written into `parallel.stage_layers`; `cfg` itself under
-    any other policy or with explicit cuts. `cuda` as in sim/memory.build_plan (the runtime and the
+    any other policy or with explicit cuts. `cuda` as in memory/model.build_plan (the runtime and the
     prediction pass the same, so they cut alike)."""
     p = cfg.parallel
     if p.partition is not Partition.MEMORY or p.stage_layers is not None:
@@ -233,7 +233,7 @@ def _descend(peaks: _Peaks, counts: tuple[int, ...], rank_of_chunk: dict[int, in
 
 @dataclass(frozen=True)
 class BalancedLayout:
-    """What the planner (sim/planner.py) needs of a candidate layout cut by memory."""
+    """What the planner (planner/search.py) needs of a candidate layout cut by memory."""
 
     peak: RankMemory  # the rank whose predicted peak is largest, with its categories
     counts: tuple[int, ...]  # layers a stage chunk
@@ -245,7 +245,7 @@ class BalancedLayout:
 def balanced_layout(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, cuda: bool,
                     bucket_mb: float) -> BalancedLayout:
     """The planner's candidate `lay` cut by memory: its largest peak and its heaviest rank's share,
-    from the run settings the candidate stands for (as sim/memory.layout_memory builds them)."""
+    from the run settings the candidate stands for (as memory/model.layout_memory builds them)."""
     par = ParallelConfig(pp=lay.pp, dp=lay.dp, zero=lay.zero, schedule=lay.schedule, microbatches=lay.microbatches,
                          micro_batch_size=lay.micro_batch, virtual_stages=lay.virtual, recompute=lay.recompute,
                          grad_reduce=lay.grad_reduce, bucket_mb=bucket_mb, partition=Partition.MEMORY,

@@ -33,7 +33,7 @@ TIME = Range(0, 1e6)
 PLAN_BUDGET = 200_000
 LAYOUT_COST = 5
 # plan: where fewer layouts than this fit, those that do not are tried with memory-balanced cuts
-# (sim/memory_partition.py), nearest to fitting first, until the searches have walked this many
+# (memory/partition.py), nearest to fitting first, until the searches have walked this many
 # rank programs (one to tens of ms each)
 MEMORY_CUT_RANK = 10
 MEMORY_CUT_WALKS = 200
@@ -60,7 +60,7 @@ TRAIN_PLAY_LIMIT = 65536
 # --micro-batch-size 10^9 was a 119 GiB allocation's traceback
 BATCH_TOKENS = 1 << 28
 
-# The fit check's share of a rank's limit its predicted peak may not pass (sim/fit.py): the memory
+# The fit check's share of a rank's limit its predicted peak may not pass (memory/fit.py): the memory
 # model's worst under-prediction over bench/memory_model.py's measured cases (bench/results/
 # memory_model*.json) is 0.941 (bf16, zb-v's split backward, whose bf16 transients are not recounted),
 # 0.951 with quantized traffic (ZeRO-1 int8 gradients: the walk plays a backward's reductions after
