@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipezero.config import ScheduleKind  # noqa: E402
-from pipezero.planner.calibrate import calibrate, predict  # noqa: E402
+from pipezero.planner.calibrate import calibrate, predict_step  # noqa: E402
 
 
 def run(args: argparse.Namespace, out: Path, trace: bool) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
             off.append(run(args, Path(tmp) / f"off{i}", False))
             on.append(run(args, Path(tmp) / f"on{i}", True))
         cal = calibrate(Path(tmp) / f"on{args.repeats - 1}" / "trace.json")
-    _, simulated = predict(cal, ScheduleKind(args.schedule), args.microbatches, 1)
+    _, simulated = predict_step(cal, ScheduleKind(args.schedule), args.microbatches, 1)
     result = {"args": vars(args), "step_s_trace_off": off, "step_s_trace_on": on,
               "overhead": statistics.fmean(on) / statistics.fmean(off) - 1,
               "measured_bubble": cal.measured_bubble, "calibrated_bubble": simulated,

@@ -17,7 +17,7 @@ from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_param_counts
 from pipezero.settings import build_config
 from pipezero.memory.model import _layerwise_gathered, build_plan, prefetch_choice
-from pipezero.planner.prefetch import layer_costs
+from pipezero.planner.prefetch import layer_seconds
 
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
 
@@ -124,7 +124,7 @@ def test_the_memory_model_gathers_a_part_not_a_block():
 def test_the_planners_parts_cost_what_their_block_costs():
     m = config().model
     link = lambda n, kind: n * 4 / 1e8  # noqa: E731
-    whole, parts = layer_costs(m, 4, 64, 0.05, link), layer_costs(m, 4, 64, 0.05, link, sublayer=True)
+    whole, parts = layer_seconds(m, 4, 64, 0.05, link), layer_seconds(m, 4, 64, 0.05, link, sublayer=True)
     assert len(parts) == len(whole) + m.n_layers
     for field in ("forward_s", "gather_s", "reduce_s"):
         assert sum(getattr(c, field) for c in parts) == pytest.approx(sum(getattr(c, field) for c in whole))

@@ -301,7 +301,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_from_trace(args: argparse.Namespace) -> int:
 
-    from pipezero.planner.calibrate import calibrate, predict, what_if
+    from pipezero.planner.calibrate import calibrate, predict_step, what_if
 
     if Path(args.from_trace).is_dir():
         raise ConfigError(f"--from-trace {args.from_trace!r} is a folder: pass the trace.json in it (a run with "
@@ -314,7 +314,7 @@ def cmd_from_trace(args: argparse.Namespace) -> int:
     try:
         cal = calibrate(args.from_trace)
         lay = cal.layout
-        step, bubble = predict(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
+        step, bubble = predict_step(cal, ScheduleKind(lay["schedule"]), lay["microbatches"], lay["virtual_stages"])
         others = what_if(cal)
     except ConfigError:
         raise

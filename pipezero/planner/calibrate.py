@@ -130,7 +130,7 @@ def _hop_gaps(evs: list[tuple[int, dict]]) -> list[float]:
     return gaps
 
 
-def predict(cal: Calibration, kind: ScheduleKind, m: int, v: int) -> tuple[float, float]:
+def predict_step(cal: Calibration, kind: ScheduleKind, m: int, v: int) -> tuple[float, float]:
     """(step time s, bubble) of schedule `kind` with M micro-batches and V chunks a rank on the
     calibrated costs: each rank's measured stage cost is spread evenly over its V new chunks."""
     stages = cal.stage_costs()
@@ -146,7 +146,7 @@ def what_if(cal: Calibration) -> dict[str, tuple[float, float] | str]:
     for kind in SCHEDULES:
         v = default_virtual(kind)
         try:
-            out[kind.value] = predict(cal, kind, cal.layout["microbatches"], v)
+            out[kind.value] = predict_step(cal, kind, cal.layout["microbatches"], v)
         except ValueError as e:
             out[kind.value] = str(e)
     return out

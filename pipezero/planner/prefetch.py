@@ -124,7 +124,7 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.0f} ms"
 
 
-def layer_costs(model: ModelConfig, micro_batch: int, seq_len: int, tflops: float,
+def layer_seconds(model: ModelConfig, micro_batch: int, seq_len: int, tflops: float,
                 link_s: Callable[[float, str], float], sublayer: bool = False) -> list[LayerCost]:
     """Each layer of `model` (embedding, blocks, head) for a micro-batch of `micro_batch` sequences of
     `seq_len` tokens: its forward at
@@ -161,7 +161,7 @@ def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -
     width = element_bytes(8, p.quant_block) if p.quantize_weights is WeightQuant.INT8 else wire
     grads = element_bytes(int(p.quantize_grads.value[3:]), p.quant_block) if p.quantize_grads.value != "none" else wire
     share = (p.dp - 1) / p.dp / (p.link_gbps * 1e9)
-    layers = layer_costs(m, p.micro_batch_size, cfg.data.seq_len, tflops,
+    layers = layer_seconds(m, p.micro_batch_size, cfg.data.seq_len, tflops,
                          lambda n, kind: n * (width if kind == "all_gather" else grads) * share,
                          p.zero3_unit is Zero3Unit.SUBLAYER)
     return choose(layers, fits, 3.0 if p.recompute else 2.0, p.buckets_in_flight)
@@ -183,7 +183,7 @@ def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout,
     choices = []
     for unit in Zero3Unit:
         split = unit is Zero3Unit.SUBLAYER
-        layers = layer_costs(model, lay.micro_batch, seq_len, cluster.tflops * cluster.mfu / share,
+        layers = layer_seconds(model, lay.micro_batch, seq_len, cluster.tflops * cluster.mfu / share,
                              lambda n, kind: collective_s(cluster, lay, n * (width if kind == "all_gather" else grads))[kind],
                              split)
         largest = sorted(unit_param_counts(model, split), reverse=True)
