@@ -8,6 +8,7 @@ from collections.abc import Collection
 from typing import Any, NoReturn
 
 from pipezero.schedules.registry import help_text as schedule_help
+from pipezero.schedules.zero_rules import help_text as zero_help
 
 # Every `train` flag, declared once: flag -> (setting it overrides, help). Values reach settings.py as
 # text, which checks and converts them like TOML values, so a bad value is one line naming the flag.
@@ -24,7 +25,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                                               "resuming from the last checkpoint"),
     "--pp": ("parallel.pp", "pipeline ranks"),
     "--dp": ("parallel.dp", "data-parallel ranks per stage"),
-    "--zero": ("parallel.zero", "ZeRO stage"),
+    "--zero": ("parallel.zero", "ZeRO stage across a stage's data-parallel ranks: " + zero_help()),
     "--schedule": ("parallel.schedule", "pipeline schedule; " + schedule_help()),
     "--microbatches": ("parallel.microbatches", "micro-batches per data-parallel rank per step (M)"),
     "--micro-batch-size": ("parallel.micro_batch_size", "sequences per micro-batch (B)"),
