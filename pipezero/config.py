@@ -261,7 +261,7 @@ class ParallelConfig:
     """On each pipeline rank, this many micro-batches' saved activations leave the device between
     their forward and backward (the first ones held across two or more other actions: the warm-up's,
     alive when the rank holds the most), copied to host memory after the forward and back one action
-    before the backward, each copy beside an action (schedules/program.py OFFLOAD_ACT, RELOAD_ACT).
+    before the backward, each copy beside an action (schedules/lowering.py places OFFLOAD_ACT, RELOAD_ACT).
     Not with `recompute`."""
 
     @property

@@ -1,4 +1,4 @@
-"""The lowered program (schedules/program.py): every schedule lowers at every ZeRO stage, the checker
+"""The lowered program (schedules/lowering.py): every schedule lowers at every ZeRO stage, the checker
 proves it and rejects broken ones, and the simulator times its collectives. Pure data, no torch."""
 
 import json
@@ -12,8 +12,8 @@ from pipezero.config import ScheduleKind as K
 from pipezero.schedules.bucket_plan import group_tensors, plan_buckets, uniform_plan
 from pipezero.schedules.model_shapes import ModelShapes, TensorShape
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.program import (Collective, Compute, DataParallel, Kind, PointToPoint, Program, flat, hoisted,
-                                        lower)
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, PointToPoint, Program, flat, hoisted
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import SCHEDULES, build_schedule

@@ -13,7 +13,8 @@ from pipezero.schedules.actions import Op
 from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.bucket_plan import uniform_plan
 from pipezero.schedules.layer_plan import Moment
-from pipezero.schedules.program import Compute, Kind, lower
+from pipezero.schedules.program import Compute, Kind
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import build_schedule

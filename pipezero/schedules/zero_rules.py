@@ -1,4 +1,4 @@
-"""What each ZeRO stage keeps and moves, in one table: the lowering (schedules/program.py), the
+"""What each ZeRO stage keeps and moves, in one table: the lowering (schedules/lowering.py), the
 runtime (zero/), the memory model (memory/) and the planner (planner/) ask these rules, never the stage number. Plain
 data beside the plans that follow from it, so the plan layer reads it without torch.
 
