@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipezero.config import TrainConfig
-from pipezero.layout_check import summary_entry
+from pipezero.planner.auto_check import summary_entry
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
 from pipezero.doctor import Ranks, planned_work, stragglers
@@ -55,11 +55,11 @@ SUMMARY_FIELDS: dict[str, str] = {
     "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
               "freezing saved over every rank",
     "memory": "ranks: each rank's predicted_peak_bytes, the most of its phases (predicted_phase_bytes: train, "
-              "eval, sample), and the categories at it (sim/memory.py; null for a model of one's own), and with "
+              "eval, sample), and the categories at it (memory/model.py; null for a model of one's own), and with "
               "--memory-profile its measured_peak_bytes and measured_phase_bytes: the first step, the first "
               "evaluation and the text sample (else null)",
     "zero3_prefetch": "ZeRO-3 layer by layer: the prefetch depth asked for (a number or auto), the depth the program "
-                      "placed, why (auto: the planner's phrase, sim/prefetch.py) and the simulated exposed seconds a "
+                      "placed, why (auto: the planner's phrase, planner/prefetch.py) and the simulated exposed seconds a "
                       "micro-batch at depth 1, 2, ... as far as auto tried, and the unit the depth counts (layer, or "
                       "sublayer: a block's attention and MLP apart); null without layer-by-layer gathers",
     "layout_choice": "with --layout auto: the chosen layout's flags, predicted and measured step time "
@@ -122,7 +122,7 @@ class RunResult:
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
     measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak over the phases measured
     measured_phases: dict[str, int] = field(default_factory=dict)  # --memory-profile: each phase's peak
-    layout_check: Any = None  # --layout auto: the prediction and the steps measured (layout_check.py)
+    layout_check: Any = None  # --layout auto: the prediction and the steps measured (planner/auto_check.py)
 
 
 def peak_rss_bytes() -> int:
@@ -133,8 +133,8 @@ def peak_rss_bytes() -> int:
 def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list[dict]) -> dict:
     """summary.json's `memory`: the memory model's peak per rank beside the measured one. The model
     knows the built-in decoder's layers, not a spec of one's own (its prediction is null)."""
-    from pipezero.sim.memory import predict
-    from pipezero.sim.memory_partition import resolve
+    from pipezero.memory.model import predict
+    from pipezero.memory.partition import resolve
 
     predicted = None if own_model or cfg.model.spec is not None else predict(resolve(cfg, cuda), cuda)
     return {"ranks": [{"rank": r, "measured_peak_bytes": x["measured_peak_bytes"],
@@ -149,7 +149,7 @@ def prefetch_figures(cfg: TrainConfig, stage: "Stage") -> dict | None:
     """summary.json's `zero3_prefetch`: what was asked, the depth the plan placed, why, and its unit."""
     if not stage.plan.layerwise:
         return None
-    from pipezero.sim.memory import prefetch_choice
+    from pipezero.memory.model import prefetch_choice
 
     asked = cfg.parallel.zero3_prefetch
     choice = prefetch_choice(cfg, stage.zero.device.type == "cuda")

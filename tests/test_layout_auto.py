@@ -8,9 +8,9 @@ import json
 import pytest
 
 from one_line import assert_one_line, run_main
-from pipezero.layout_auto import choose, cluster_for
-from pipezero.layout_check import LayoutCheck, compare
-from pipezero.layout_job import Request, decide, provisional, request, settings_of
+from pipezero.planner.auto import choose, cluster_for
+from pipezero.planner.auto_check import LayoutCheck, compare
+from pipezero.planner.auto_job import Request, decide, provisional, request, settings_of
 from pipezero.probe import LinkCost, Probe
 from pipezero.settings import build_config
 
@@ -58,7 +58,8 @@ def test_layout_flags_given_with_auto_are_constraints_the_choice_keeps():
 def test_the_chosen_layouts_flags_reproduce_it():
     choice = provisional(tiny_request(4))
     flags = choice.chosen["flags"].split()
-    from pipezero.cli import build_parser, flag_values
+    from pipezero.cli.command_line import build_parser
+    from pipezero.cli.flags import flag_values
 
     args = build_parser().parse_args(["train", "--preset", "tiny", "--seq-len", "64", *flags])
     cfg = build_config(None, flag_values(args)[0])
