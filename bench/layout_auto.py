@@ -10,7 +10,7 @@ them (the pick again under the same conditions as the others) and its three runn
 run trains the same global batch; a run's step time is the median of its steps after the first
 (what the run's own check compares). Printed: each layout's measured step and its ratio to the
 fastest; the pick's predicted and measured step; the probe's share of a 100-step run. Written:
-bench/results/<name>.json (a temporary file renamed into place). The host's cores may be shared
+bench/results/layout_auto/<name>.json (a temporary file renamed into place). The host's cores may be shared
 with other jobs: a ranking closer than the run-to-run spread (printed) is within the noise.
 """
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "results" / "layout_auto"
 
 
 def candidates(world: int, layers: int) -> list[str]:
