@@ -43,7 +43,7 @@ RANGES: dict[str, Range] = {
     # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
-    "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.gpu_memory_gib": POSITIVE,  # a limit of -1 GiB is a typo, not a layout that does not fit
     "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
@@ -64,7 +64,7 @@ RANGES: dict[str, Range] = {
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
-    # a seed of 2^64 was a traceback; 32 bits leave that product room
+    # a seed of 2^64 overflows them; 32 bits leave that product room
     "run.seed": Range(0, 2**32 - 1),
     "run.sample_tokens": Range(0, 4096),  # a token a whole forward (no cache): 1e11 never ended
     # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would
@@ -186,7 +186,7 @@ def unreachable(path: Path, e: OSError) -> str:
 def present(path: Path) -> bool:
     """Whether `path` is something to read (followed through links); False, not a traceback,
     where a folder on the way may not be searched (Path.exists raises that one). A name too long
-    for the filesystem is left to the command's own line for it (cli.main)."""
+    for the filesystem is left to the command's own line for it (cli/command_line.py `main`)."""
     import errno
 
     try:
@@ -387,8 +387,8 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
 
 
 def check_step_size(cfg: TrainConfig) -> None:
-    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
-    from pipezero.sim import limits
+    """A step's schedule and batch within what a rank can build and hold (schedules/limits.py)."""
+    from pipezero.schedules import limits
 
     p, seq = cfg.parallel, cfg.data.seq_len
     played = p.pp * p.microbatches * p.virtual_stages
@@ -507,7 +507,7 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
 
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
-    choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
+    choice is made here once (planner/prefetch.py), so a missing input is refused before any rank starts."""
     p = cfg.parallel
     for flag, value in (("--link-gbps", p.link_gbps), ("--tflops", p.tflops)):
         if value is not None:
@@ -515,7 +515,7 @@ def check_prefetch(cfg: TrainConfig) -> None:
                    f"{flag} {value:g} is read only by --zero3-prefetch auto (the planner's depth): add it, or drop "
                    f"{flag}")
     if p.zero3_prefetch == "auto":
-        from pipezero.sim.memory import prefetch_choice
+        from pipezero.memory.model import prefetch_choice
 
         prefetch_choice(cfg)
 

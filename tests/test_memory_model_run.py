@@ -1,4 +1,4 @@
-"""The memory model against measured runs: each rank's predicted peak (sim/memory.py) within 10% of
+"""The memory model against measured runs: each rank's predicted peak (memory/model.py) within 10% of
 its measured peak (train --memory-profile: the profiler's live tensor bytes of the first step, the
 first evaluation and the text sample), one spawn of four ranks:
 - 1F1B and ZB-H1 at ZeRO 0 and 3 on P=2 x D=2 (the training step's peak);
@@ -21,9 +21,9 @@ import pytest
 from pipezero.config import ScheduleKind as K
 from pipezero.errors import ConfigError
 from pipezero.settings import build_config
-from pipezero.sim.fit import check_fit
-from pipezero.sim.memory import predict
-from pipezero.sim.memory_runs import phase_peaks
+from pipezero.memory.fit import check_fit
+from pipezero.memory.model import predict
+from pipezero.memory.runs import phase_peaks
 from ranks import run_ranks
 from training import tiny_overrides
 
@@ -34,7 +34,7 @@ MODEL = {"model.n_layers": 4, "model.dim": 128, "model.n_heads": 4, "model.vocab
          "data.seq_len": 32, "data.packing": "concat", "parallel.micro_batch_size": 2, "parallel.bucket_mb": 0.5,
          "run.max_steps": 1, "run.threads": 1}
 # model state outweighs activations (eight blocks of width 128 over 16 tokens), so quantized traffic's
-# messages and decodes (sim/quantized_memory.py) are a visible share of a rank's peak (bench/memory_model.py's
+# messages and decodes (memory/quantized.py) are a visible share of a rank's peak (bench/memory_model.py's
 # `states`); the fit check is held to these too: at a limit just below a rank's measured peak it refuses
 STATES = {"model.dim": 128, "model.n_layers": 8, "data.seq_len": 16, "parallel.micro_batch_size": 1}
 QUANTIZED = {"ZeRO-0 int8 gradients": {"parallel.zero": 0, "parallel.quantize_grads": "int8"},

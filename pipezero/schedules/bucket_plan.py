@@ -11,7 +11,7 @@ part of a layer that names its parts (schedules/model_shapes.py: a block's atten
 so a step's first gather and last reduction, which nothing can hide, are a part's, not a block's.
 Inside a bucket the tensors lie in the same reverse order.
 
-The lowering (schedules/program.py) places one REDUCE_GRAD a bucket and sizes every collective from
+The lowering (schedules/lowering.py) places one REDUCE_GRAD a bucket and sizes every collective from
 this plan; the runtime lays its flat buffers out from the same `BucketLayout`s (zero/buckets.py
 `build_buckets`), so a bucket's offsets, and with them every shard and every summation over one,
 are the plan's.

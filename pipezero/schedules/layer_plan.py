@@ -32,7 +32,7 @@ layers started (those not already gathered or in flight); at `fwd-end` the layer
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
 own bucket gathered and the `depth` layers before it prefetched. So a layer's gather starts `depth`
 layers before its use, and at most `depth` + 1 layers are gathered or in flight at a `fwd` (one more
-in backward, the layer just done, until its `bwd`'s successor releases it: sim/memory.py). A deeper
+in backward, the layer just done, until its `bwd`'s successor releases it: memory/model.py). A deeper
 prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
 next one's gather and the link has idled (an embedding before a block, the link shared with a
 backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in

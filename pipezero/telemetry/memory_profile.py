@@ -1,5 +1,5 @@
 """Measure a rank's peak memory by phase of the run (its first training step, its first held-out
-evaluation, the end-of-run text sample), to hold the memory model (sim/memory.py) against: on CUDA the caching allocator's peak of allocated bytes; on CPU the most
+evaluation, the end-of-run text sample), to hold the memory model (memory/model.py) against: on CUDA the caching allocator's peak of allocated bytes; on CPU the most
 bytes of tensors alive at once, summed from the profiler's memory events (every allocation and free
 of torch's CPU allocator on the threads it follows: the main thread, autograd's and gloo's workers).
 
