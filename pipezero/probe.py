@@ -1,6 +1,6 @@
 """This machine's costs, measured in seconds, for the planner to plan with instead of presets.
 
-The planner (sim/planner.py) prices a layout from a cluster's figures: the FLOP rate one rank
+The planner (planner/search.py) prices a layout from a cluster's figures: the FLOP rate one rank
 achieves, a fixed cost every action pays beyond its FLOPs, the two link classes' bandwidth and, for
 offload, the host copies and the host's AdamW. Presets guess them; a probe measures them where the
 run will train, at the run's shapes and dtype, in seconds:
@@ -69,17 +69,25 @@ class Probe:
         return cls(**{**d, "links": links})
 
 
+MOST = 200  # repetitions of one figure at the most
+
+
+def once(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
+    """Seconds of one call of `fn`, its device work included (`sync`)."""
+    t0 = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - t0
+
+
 def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | None = None, least: int = 3) -> float:
     """Median seconds of `fn` over repetitions within `budget_s` (at least `least`, after one warm-up)."""
     fn()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < 200):
-        t0 = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t0)
+    while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < MOST):
+        times.append(once(fn, sync))
     return statistics.median(times)
 
 
@@ -93,22 +101,10 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     import torch.distributed as dist
 
     fn()
-    t0 = time.perf_counter()
-    for _ in range(least):
-        fn()
-    if sync is not None:
-        sync()
-    each = (time.perf_counter() - t0) / least
-    count = torch.tensor([min(200, max(least, int(budget_s / max(each, 1e-9))))], device=device)
+    each = sum(once(fn, sync) for _ in range(least)) / least
+    count = torch.tensor([min(MOST, max(least, int(budget_s / max(each, 1e-9))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    times: list[float] = []
-    for _ in range(int(count.item())):
-        t = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(once(fn, sync) for _ in range(int(count.item())))
 
 
 def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, float], float, float]:
@@ -131,7 +127,10 @@ def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -
     dy = torch.randn_like(y)
     f = timed(lambda: forward(b, t), budget_s, sync)
     b_s = timed(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), budget_s, sync)
-    w_s = timed(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), budget_s, sync)
+    # the weight gradients alone cannot be timed apart: autograd reaches a block's first weights only
+    # through the input gradients of every op after them, so W is the whole backward less B
+    bw_s = timed(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True), budget_s, sync)
+    w_s = max(bw_s - b_s, 0.05 * bw_s)
     overhead = timed(lambda: forward(1, 8), budget_s / 2, sync)
     flops = layer_costs(m, t)[1] * b * t  # the block's training FLOPs for this micro-batch (6 a weight a token)
     block = {"F": f, "B": b_s, "W": w_s}

@@ -44,7 +44,7 @@ RANGES: dict[str, Range] = {
     # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
-    "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.gpu_memory_gib": POSITIVE,  # a limit of -1 GiB is a typo, not a layout that does not fit
     "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
@@ -65,7 +65,7 @@ RANGES: dict[str, Range] = {
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
-    # a seed of 2^64 was a traceback; 32 bits leave that product room
+    # a seed of 2^64 overflows them; 32 bits leave that product room
     "run.seed": Range(0, 2**32 - 1),
     "run.sample_tokens": Range(0, 4096),  # a token a whole forward (no cache): 1e11 never ended
     # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would
@@ -187,7 +187,7 @@ def unreachable(path: Path, e: OSError) -> str:
 def present(path: Path) -> bool:
     """Whether `path` is something to read (followed through links); False, not a traceback,
     where a folder on the way may not be searched (Path.exists raises that one). A name too long
-    for the filesystem is left to the command's own line for it (cli.main)."""
+    for the filesystem is left to the command's own line for it (cli/command_line.py `main`)."""
     import errno
 
     try:
@@ -388,8 +388,8 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
 
 
 def check_step_size(cfg: TrainConfig) -> None:
-    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
-    from pipezero.sim import limits
+    """A step's schedule and batch within what a rank can build and hold (schedules/limits.py)."""
+    from pipezero.schedules import limits
 
     p, seq = cfg.parallel, cfg.data.seq_len
     played = p.pp * p.microbatches * p.virtual_stages
@@ -523,7 +523,7 @@ def check_offload_activations(cfg: TrainConfig) -> None:
 
 def unread_activation_offload(n: int, schedules: list[Schedule]) -> str | None:
     """Why --offload-activations `n` would copy nothing in any of `schedules`, or None."""
-    from pipezero.schedules.program import held_long
+    from pipezero.schedules.lowering import held_long
 
     if not n or any(held_long(actions) for s in schedules for actions in s.actions):
         return None
@@ -536,7 +536,7 @@ def unread_activation_offload(n: int, schedules: list[Schedule]) -> str | None:
 
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
-    choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
+    choice is made here once (planner/prefetch.py), so a missing input is refused before any rank starts."""
     p = cfg.parallel
     for flag, value in (("--link-gbps", p.link_gbps), ("--tflops", p.tflops)):
         if value is not None:
@@ -544,7 +544,7 @@ def check_prefetch(cfg: TrainConfig) -> None:
                    f"{flag} {value:g} is read only by --zero3-prefetch auto (the planner's depth): add it, or drop "
                    f"{flag}")
     if p.zero3_prefetch == "auto":
-        from pipezero.sim.memory import prefetch_choice
+        from pipezero.memory.model import prefetch_choice
 
         prefetch_choice(cfg)
 
@@ -630,8 +630,8 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     _check(not (p.offload_activations and p.recompute),
-           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
-           f"between forward and backward to offload; drop one of them")
+           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps only each block's "
+           f"input between forward and backward; drop one of them")
     check_offload_activations(cfg)
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "

@@ -61,7 +61,7 @@ def test_ranks_sharing_gpus_take_contiguous_blocks_and_their_share_of_memory():
 def test_the_fit_check_allows_a_sharing_rank_its_share(monkeypatch):
     """Four ranks on one 80 GiB GPU: each is allowed a quarter of the card, so the fit check refuses
     a layout that fits the whole card but not a quarter of it, naming the share it held it to."""
-    from pipezero.sim import fit
+    from pipezero.memory import fit
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

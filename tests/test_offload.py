@@ -12,7 +12,7 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.played import expected
 from pipezero.schedules.program import DataParallel, Kind, OptimStep, flat
 from pipezero.schedules.program_check import check_program
-from pipezero.sim.program_view import preset_model
+from pipezero.cli.simulate_zero import preset_model
 from ranks import run_ranks
 from training import V_OF, assert_same_training, train_cases
 
@@ -197,7 +197,7 @@ def test_the_memory_model_predicts_the_activation_bytes_a_run_holds_in_host_memo
     activation bytes the run held in host memory at once against the model's `host_activations`."""
     from pipezero.engine import train
     from pipezero.settings import build_config
-    from pipezero.sim.memory import predict
+    from pipezero.memory.model import predict
     from training import tiny_overrides
 
     cfg = build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "run"), 1, 1, kind, m,

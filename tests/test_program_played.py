@@ -18,7 +18,8 @@ first chunk running autograd again), the V placement, --recompute (the forward r
 backward, its layers gathered again as the program lists them), a head tied to the embedding in
 one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers; and with each
 layer's gather started 2 or 3 layers ahead (--zero3-prefetch); and with a block's attention and MLP
-gathered and reduced apart (--zero3-unit sublayer).
+gathered and reduced apart (--zero3-unit sublayer). Every case's weights after its step, its loss
+and gradient norm equal one process's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 
 from pipezero.config import ScheduleKind as K
 from ranks import run_ranks
-from training import train_cases
+from training import assert_same_training, train_cases
 
 
 def cases() -> list[dict]:
@@ -122,3 +123,6 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
         if c.get("parallel.offload") == "optimizer":
             copied = sorted(s[len("OFFLOAD_GRAD"):] for s in started if s.startswith("OFFLOAD_GRAD"))
             assert copied and copied == sorted(s[len("HOST_STEP"):] for s in started if s.startswith("HOST_STEP")), c
+    # and every layout, offloaded or not, trains what one process trains (each schedule x ZeRO stage
+    # offloaded is compared here and nowhere else)
+    assert_same_training(results, str(text_dir), tmp_path)
