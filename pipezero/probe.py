@@ -162,8 +162,13 @@ def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkC
     small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
     t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
     t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
-    moved = 2 * (n - 1) / n * (SIZES[1] - SIZES[0])  # a ring all-reduce's bytes through each link
-    return LinkCost(t_small, moved / max(t_large - t_small, 1e-9) / 1e9)
+    ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
+    if t_large > 1.05 * t_small:
+        return LinkCost(t_small, ring * (SIZES[1] - SIZES[0]) / (t_large - t_small) / 1e9)
+    # the large no slower than the small (a loaded host's noise): the difference says nothing, and
+    # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
+    # bandwidth the link at least has
+    return LinkCost(min(t_small, t_large), ring * SIZES[1] / t_large / 1e9)
 
 
 def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 0.3) -> tuple[float, float]:

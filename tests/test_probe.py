@@ -154,3 +154,20 @@ def test_a_rate_the_fixed_cost_hides_is_not_written():
     assert achieved_tflops(3e9, {"F": 0.001, "B": 0.001, "W": 0.001}, 0.0) == pytest.approx(1.0)
     with pytest.raises(ProbeError, match="cannot be told apart from an action's fixed cost"):
         achieved_tflops(3e9, {"F": 0.03, "B": 0.8, "W": 1.0}, 0.99)
+
+
+def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least_has(monkeypatch):
+    """Two sizes' times whose difference is noise (the large no slower than the small) would claim
+    any bandwidth at all; the large all-reduce's own rate stands instead, and a real difference is
+    read as before."""
+    import torch.distributed as dist
+
+    import pipezero.probe as probe
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for small, large, gbps in ((0.010, 0.009, probe.SIZES[1] / 0.009 / 1e9),
+                               (0.001, 0.011, (probe.SIZES[1] - probe.SIZES[0]) / 0.010 / 1e9)):
+        times = iter((small, large))
+        monkeypatch.setattr(probe, "timed_together", lambda *args, **kwargs: next(times))
+        found = probe.probe_link(None, torch.device("cpu"))
+        assert found.gbps == pytest.approx(gbps) and found.latency_s == min(small, large)
