@@ -167,8 +167,8 @@ def part_fit(args: argparse.Namespace) -> dict:
     common = ["--nproc", str(ranks), "--dp", str(ranks), "--microbatches", "1", "--max-steps", "2", "--no-progress",
               "--eval-every", "0", "--sample-tokens", "0", "--no-save-final", "--memory-profile", *DATA,
               "--preset", base["model.preset"], "--seq-len", str(base["data.seq_len"]), "--dtype", base["run.dtype"]]
-    if args.dry_run:
-        common += ["--device", "cpu", "--share-device", "on"]
+    if args.dry_run:  # one rank has nothing to share: the path is forced only where ranks are several
+        common += ["--device", "cpu", *(["--share-device", "on"] if ranks > 1 else [])]
     cap_flag = ["--gpu-memory", f"{cap / GIB:.6g}"] if args.dry_run else []
     out = Path(args.out)
     refused = pipezero(["train", *common, "--micro-batch-size", str(over), *cap_flag, "--out", str(out / "over")],

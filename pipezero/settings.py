@@ -636,6 +636,9 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
            "stages nothing (and GPUs refuse --hierarchical); drop one of them")
+    _check(not (r.share_device is ShareDevice.ON and p.world_size == 1),
+           "--share-device on with one rank: there is no other rank to share a GPU with or to send through the "
+           "host; drop it (or start more ranks: --nproc, --pp, --dp)")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")

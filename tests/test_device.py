@@ -88,6 +88,19 @@ def test_share_device_on_with_hierarchical_is_refused():
                             "parallel.hierarchical": True, "parallel.ranks_per_node": 1})
 
 
+def test_share_device_on_with_one_rank_is_refused_and_verifys_reference_shares_nothing(tmp_path):
+    """One rank has no peer to share a GPU with or stage a transfer for: `on` would be read by
+    nothing. verify's one-process reference of a sharing layout therefore shares nothing itself."""
+    from pathlib import Path
+
+    from pipezero.verify import reference_config
+
+    with pytest.raises(ConfigError, match="--share-device on with one rank: .* drop it"):
+        build_config(None, {"run.share_device": "on", "run.device": "cpu"})
+    layout = build_config(None, {"run.share_device": "on", "run.device": "cpu", "parallel.dp": 2})
+    assert reference_config(layout, Path(tmp_path)).run.share_device is ShareDevice.OFF
+
+
 def test_split_backward_schedules_are_the_ones_with_b_actions():
     found = set()
     for kind in ScheduleKind:
