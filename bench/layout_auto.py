@@ -1,6 +1,6 @@
 """Does `train --layout auto` pick the fastest layout, and is its prediction close?
 
-    python bench/layout_auto.py [--preset tiny] [--nproc 4] [--steps 8] [--seq-len 128] [--global-batch 16]
+    python bench/layout_auto.py [--preset tiny] [--nproc 4] [--steps 8] [--seq-len 128] [--rounds 2]
                                 [--gpu-memory GIB] [--name layout_auto]
 
 On this machine, `--nproc` CPU ranks: one `train --layout auto` run (its probe, its choice, its
@@ -8,7 +8,9 @@ prediction and its measured steps, with --memory-profile so its peak is measured
 it was given), then at least six candidate layouts trained with explicit flags, the pick among
 them (the pick again under the same conditions as the others) and its three runners-up. Every
 run trains the same global batch; a run's step time is the median of its steps after the first
-(what the run's own check compares). Printed: each layout's measured step and its ratio to the
+(what the run's own check compares). The candidates are trained `--rounds` times, round after round
+(every layout once, then again), so that a slow minute of a shared host falls on every layout alike;
+a layout's figure is the median of its rounds, its spread the lowest and highest. Printed: each layout's measured step and its ratio to the
 fastest; the pick's predicted and measured step; the probe's share of a 100-step run. Written:
 bench/results/layout_auto/<name>.json (a temporary file renamed into place). The host's cores may be shared
 with other jobs: a ranking closer than the run-to-run spread (printed) is within the noise.
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--gpu-memory", type=float, default=None, help="the limit given to --layout auto (GiB a rank)")
     ap.add_argument("--data", default=None, help="documents to train on (default: a sample of the standard library)")
+    ap.add_argument("--rounds", type=int, default=2, help="times each candidate is trained, round after round")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--name", default="layout_auto")
     args = ap.parse_args()
@@ -98,13 +101,23 @@ def main() -> None:
         pick = choice["flags"]
         names = list(dict.fromkeys([pick, *(r["flags"] for r in choice["runners_up"]),
                                     *candidates(args.nproc, layers)]))
-        rows = []
-        for i, flags in enumerate(names):
-            out = Path(tmp) / f"c{i}"
-            _, _, wall = train(flags.split(), out, args)
-            rows.append({"flags": flags, "step_s": measured(out), "steps_s": steps_of(out), "wall_s": wall,
-                         "pick": flags == pick})
-            print(f"{rows[-1]['step_s']:8.4f} s  {flags}{'   <- pick' if flags == pick else ''}", flush=True)
+        predicted = {r["flags"]: r["predicted_step_s"] for r in [choice, *choice["runners_up"]]}
+        runs: dict[str, list[dict]] = {flags: [] for flags in names}
+        for r in range(args.rounds):
+            for i, flags in enumerate(names):
+                out = Path(tmp) / f"c{i}r{r}"
+                _, _, wall = train(flags.split(), out, args)
+                runs[flags].append({"step_s": measured(out), "steps_s": steps_of(out), "wall_s": wall})
+                print(f"round {r + 1}: {runs[flags][-1]['step_s']:8.4f} s  {flags}"
+                      f"{'   <- pick' if flags == pick else ''}", flush=True)
+        rows = [{"flags": flags, "step_s": statistics.median(x["step_s"] for x in done),
+                 "spread_s": [min(x["step_s"] for x in done), max(x["step_s"] for x in done)],
+                 "rounds": done, "pick": flags == pick, "predicted_s": predicted.get(flags)}
+                for flags, done in runs.items()]
+        for row in sorted(rows, key=lambda row: row["step_s"]):
+            guess = f", predicted {row['predicted_s']:.4f}" if row["predicted_s"] is not None else ""
+            print(f"{row['step_s']:8.4f} s ({row['spread_s'][0]:.4f}-{row['spread_s'][1]:.4f}{guess})  {row['flags']}"
+                  f"{'   <- pick' if row['pick'] else ''}")
     fastest = min(rows, key=lambda r: r["step_s"])
     pick_row = next(r for r in rows if r["pick"])
     probe_s = choice["costs"].get("probe_s", 0.0) + choice["search"]["seconds"]
