@@ -294,6 +294,7 @@ def test_export_of_a_run_that_saved_no_checkpoint_is_one_line(trained, tmp_path,
     (["--model-spec", "nosuch:x"], "is not a run of a --model-spec (its model is "),
     (["--format", "hf", "--model-spec", "nosuch:x"], "--format hf writes the Hugging Face families"),
     (["--shard-size", "1MB"], "--shard-size 1MB applies with --format hf"),
+    (["--shard-size", "5GB"], "--shard-size 5GB applies with --format hf"),  # its --format hf default, given
 ])
 def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, capsys, flags, needle):
     """These exported with exit 0 as if the flag had been applied."""
@@ -328,6 +329,26 @@ def test_export_of_a_damaged_checkpoint_is_one_line_exit_2(trained, tmp_path, ca
         assert_one_line(*run_main(["export", str(source), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
                         "step-00000001")
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "link"])
+def test_export_of_a_run_names_a_newer_checkpoint_whose_manifest_cannot_be_read(trained, tmp_path, capsys, damage):
+    """A newer step-N whose manifest.json is not JSON, or a link to a file elsewhere: the export
+    took the older checkpoint without a word, where --resume warns that it skips it."""
+    run = copy_run(trained, tmp_path / "run")
+    newer = run / "checkpoints" / "step-00000002"
+    shutil.copytree(run / "checkpoints" / "step-00000001", newer)
+    (newer / "manifest.json").unlink()
+    if damage == "garbage":
+        (newer / "manifest.json").write_text("{not json")
+    else:
+        (tmp_path / "elsewhere.txt").write_text("root:x:0:0\n")
+        (newer / "manifest.json").symlink_to(tmp_path / "elsewhere.txt")
+    code, err = run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys)
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("pipezero: warning")]
+    assert len(warning) == 1 and "step-00000002" in warning[0] and "manifest.json" in warning[0], err
+    assert "exporting step-00000001" in warning[0], err
 
 
 def edit_manifest(step: Path, change) -> None:

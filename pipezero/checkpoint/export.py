@@ -106,7 +106,7 @@ def newest_of_run(run: Path) -> Path:
     `--force` run beside another, the other's checkpoints are not this run's weights."""
     root, current = run / "checkpoints", run_id(run)
     every = committed(root)
-    ours = every if current is None else [(n, p) for n, p in every if written_by(p, current)]
+    ours = every if current is None else [(n, p) for n, p in every if written_by(p, current) or unreadable(p)]
     if ours:
         return newest_good(root, ours)
     if not every:
@@ -116,6 +116,19 @@ def newest_of_run(run: Path) -> Path:
     raise ConfigError(f"{run}: the run there now saved no checkpoint: {why_unsaved(run)}; {shown} "
                       f"{'are' if len(names) > 1 else 'is'} of earlier runs in that folder (--force), whose "
                       f"weights are not this run's: to export one, name it, {root / names[0]}")
+
+
+def unreadable(path: Path) -> bool:
+    """Whether checkpoint folder `path`'s manifest cannot be read: whose it is cannot be told, so it
+    stays a candidate, and newest_good names it as it skips it (a newer step passed over without
+    a word would export older weights than the user believes)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return True
+    return False
 
 
 def resolve(source: Path) -> Path:

@@ -339,7 +339,11 @@ def prunable(root: Path, run: str | None, step: int) -> list[Path]:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """Checkpoint `path`'s manifest, its fields checked: a manifest is data from disk, and nothing
-    in it may point outside the folder or disagree with the folder's name."""
+    in it may point outside the folder or disagree with the folder's name. A save writes it as a
+    file, so a link (planted, to a file elsewhere) is not followed."""
+    if (path / MANIFEST).is_symlink():
+        raise CheckpointError(f"{path}: {MANIFEST} is a symlink (to {os.readlink(path / MANIFEST)}), not the file a "
+                              f"save writes")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError, RecursionError) as e:

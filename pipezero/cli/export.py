@@ -20,7 +20,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", required=True, help="folder for model.safetensors and config.json")
     e.add_argument("--format", choices=("pipezero", "hf"), default="pipezero",
                    help="pipezero: one file under our names; hf: Hugging Face names, shards, config, tokenizer")
-    e.add_argument("--shard-size", default=SHARD_SIZE, help=f"with --format hf: most bytes a shard (default {SHARD_SIZE})")
+    e.add_argument("--shard-size", default=None, help=f"with --format hf: most bytes a shard (default {SHARD_SIZE})")
     e.add_argument("--model-spec", metavar="MODULE:NAME",
                    help="a run of --model-spec: name the same spec (it imports and runs that code)")
     e.set_defaults(func=cmd_export)
@@ -46,14 +46,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf" and args.model_spec:
         raise ConfigError("--format hf writes the Hugging Face families (llama, mistral, qwen2), never a --model-spec "
                           "model: drop --model-spec, or --format hf to export it as model.safetensors")
-    if args.format != "hf" and args.shard_size != SHARD_SIZE:
+    if args.format != "hf" and args.shard_size is not None:  # its default given by name is unread too
         raise ConfigError(f"--shard-size {args.shard_size} applies with --format hf (the pipezero format is one "
                           f"model.safetensors): add --format hf, or drop --shard-size")
     try:
         if args.format == "hf":
             from pipezero.checkpoint.hf_export import export_hf, parse_size
 
-            used, tokenizer = export_hf(source, Path(args.out), parse_size(args.shard_size))
+            used, tokenizer = export_hf(source, Path(args.out), parse_size(args.shard_size or SHARD_SIZE))
             print(f"exported {used} to {args.out} (Hugging Face folder); {tokenizer}")
             return 0
         used = export(source, Path(args.out), args.model_spec)
