@@ -698,4 +698,8 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
            f"--compile cannot run --schedule {p.schedule.value}: its split backward (B then W) records and "
            f"replays the blocks' weight operations, which a compiled block hides; use 1f1b, gpipe or "
            f"interleaved-1f1b with --compile, or drop --compile")
+    _check(not (r.compile and p.recompute),
+           "--recompute with --compile: a compiled block run again under the checkpoint recomputes its saved "
+           "tensors in another order than its forward saved them (torch's CheckpointError at the first "
+           "backward); drop one of them")
     return cfg

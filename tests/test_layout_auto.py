@@ -183,3 +183,33 @@ def test_every_rank_trains_rank_0s_choice_and_the_summary_holds_its_prediction(t
     entry = json.loads((out / "summary.json").read_text())["layout_choice"]
     assert entry["flags"] == ranks[0]["chosen"] and entry["steps_measured"] == 1
     assert entry["predicted_step_s"] > 0 and entry["measured_step_s"] > 0 and len(entry["runners_up"]) == 3
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--zero3-prefetch", "2"], "--zero3-prefetch"),
+    (["--zero3-unit", "sublayer"], "--zero3-unit"),
+    (["--no-overlap-gather"], "--no-overlap-gather"),
+    (["--nproc", "2", "--zero", "1", "--buckets-in-flight", "2"], "--buckets-in-flight"),  # dp left to the choice
+])
+def test_a_flag_only_some_layouts_read_needs_the_constraints_that_choose_them(capsys, tmp_path, flags, flag):
+    """A flag read only at some ZeRO stage, replica count or pipeline depth, beside --layout auto
+    without those constraints: refused against the provisional layout, naming a --zero the user
+    never gave, or refused on every rank after the probe where the choice differs."""
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"), *flags]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, f"--layout auto with {flag}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_with_compile_the_choice_is_only_of_layouts_compile_runs():
+    """--compile runs no split-backward schedule and no --recompute (settings.py): a choice of one
+    was refused on every rank after the probe, where every rank had built its model."""
+    from pipezero.schedules.registry import SPLIT_BACKWARD
+
+    plain = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001)))
+    assert any(r["settings"]["parallel.schedule"] in {k.value for k in SPLIT_BACKWARD} for r in plain.ranked)
+    compiled = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001), **{"run.compile": True}))
+    for r in compiled.ranked:
+        assert r["settings"]["parallel.schedule"] not in {k.value for k in SPLIT_BACKWARD}, r["flags"]
+        assert "--recompute" not in r["flags"], r["flags"]
+    build_config(None, settings_of(tiny_request(2, **{"run.compile": True}), compiled))  # no refusal

@@ -92,3 +92,13 @@ def test_a_recomputed_block_keeps_only_its_input_and_runs_its_forward_again_in_b
     assert plain_runs == 2 * 3 and runs == 2 * 3 + 3  # hooks and forwards: 3 blocks; 3 reruns of the forward alone
     assert bytes_ < plain_bytes / 3
     assert grads.keys() == plain.keys() and all(torch.equal(grads[n], plain[n]) for n in grads)
+
+
+def test_recompute_with_compile_is_refused_in_one_line_before_any_rank(capsys, tmp_path):
+    """A compiled block rerun under the checkpoint recomputes its saved tensors in another order
+    (torch's CheckpointError, pytorch issue 166926): a traceback at the first backward, every layout."""
+    from one_line import assert_one_line, run_main
+
+    argv = ["train", "--preset", "tiny", "--recompute", "--compile", "--out", str(tmp_path / "run")]
+    assert_one_line(*run_main(argv, capsys), "--recompute with --compile")
+    assert not (tmp_path / "run").exists()

@@ -172,7 +172,8 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
     wbits, gbits = bits
     result = plan_within(cfg.model, cluster, cfg.data.seq_len, global_batch, wbits, gbits,
                          cfg.parallel.quant_block, budget=budget, offload=False)
-    fits = [e for e in result.fits if matches(e.layout, wanted) and not e.layout.offload]
+    fits = [e for e in result.fits if matches(e.layout, wanted) and not e.layout.offload
+            and (not cfg.run.compile or compiles(e.layout))]
     took = time.perf_counter() - t0
     if not fits:
         raise ConfigError(refusal(cfg, cluster, global_batch, wanted, bits, result.considered, budget))
@@ -182,6 +183,15 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
              "cores": cluster.cores, "device": "cpu" if cluster.cpu else "cuda", "global_batch": global_batch}
     return Choice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
                   result.skipped, took, costs)
+
+
+def compiles(lay: Layout) -> bool:
+    """Whether --compile runs layout `lay` (settings.py refuses the rest): no split backward, whose
+    weight operations a compiled block hides, and no --recompute, whose rerun of a compiled block
+    does not recompute what its forward saved."""
+    from pipezero.schedules.registry import SPLIT_BACKWARD
+
+    return lay.schedule not in SPLIT_BACKWARD and not lay.recompute
 
 
 def runners_up(fits: list[Any]) -> list[Any]:

@@ -29,6 +29,17 @@ from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, Cho
 BASE = {"parallel.pp": "1", "parallel.dp": "1", "parallel.zero": "0", "parallel.schedule": "1f1b",
         "parallel.virtual_stages": "1", "parallel.microbatches": "1", "parallel.micro_batch_size": "1"}
 QUANT = ("parallel.quantize_weights", "parallel.quantize_grads")
+# Settings read only at some ZeRO stage, replica count or pipeline depth (settings.py `unread_setting`),
+# each with the layout settings that decide whether it is read: beside --layout auto they need those
+# as constraints, or the choice (made inside the job, after the probe) could leave them unread.
+LAYOUT_READ = {
+    "parallel.zero3_unit": ("parallel.zero", "parallel.pp", "parallel.dp"),
+    "parallel.zero3_prefetch": ("parallel.zero", "parallel.pp", "parallel.dp"),
+    "parallel.zero3_keep_gathered": ("parallel.zero", "parallel.pp", "parallel.dp"),
+    "parallel.secondary_shard": ("parallel.zero", "parallel.pp", "parallel.dp"),
+    "parallel.overlap_gather": ("parallel.zero", "parallel.dp"),
+    "parallel.buckets_in_flight": ("parallel.zero", "parallel.dp"),
+}
 
 
 @dataclass
@@ -77,6 +88,7 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
                           f"choices: drop it, or drop --layout auto and give the layout yourself")
     wanted = {k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in settings.items() if k in CHOSEN}
     wanted.update({k: coerce_setting(k, v) for k, v in toml.items() if k in CHOSEN and k not in wanted})
+    check_layout_read({**toml, **settings}, wanted, names)
     quant = {k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in settings.items() if k in QUANT}
     quant.update({k: coerce_setting(k, v) for k, v in toml.items() if k in QUANT and k not in quant})
     bits = tuple(BITS[quant[k].value] if k in quant else 0 for k in QUANT)
@@ -95,6 +107,21 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
         limit = (host if host is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) / local
     probe = read_costs(costs_file) if costs_file is not None else None
     return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+
+
+def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict[str, str]) -> None:
+    """Refuse a setting only some layouts read (LAYOUT_READ) without the constraints that decide it:
+    checked against the provisional layout, it was refused naming a --zero the user never gave, or
+    accepted there and refused on every rank after the probe chose another layout."""
+    for key, deciders in LAYOUT_READ.items():
+        if key not in given:
+            continue
+        missing = [names.get(k, "--" + k.split(".")[1].replace("_", "-")) for k in deciders if k not in wanted]
+        if missing:
+            flag = names.get(key, key)
+            raise ConfigError(f"--layout auto with {flag}: {flag} is read only in some layouts, and the choice, made "
+                              f"after the probe, could leave it unread; give {' '.join(missing)} as constraints too "
+                              f"(the layout that reads it), or drop {flag}")
 
 
 def read_costs(path: str) -> Any:
