@@ -213,3 +213,13 @@ def test_with_compile_the_choice_is_only_of_layouts_compile_runs():
         assert r["settings"]["parallel.schedule"] not in {k.value for k in SPLIT_BACKWARD}, r["flags"]
         assert "--recompute" not in r["flags"], r["flags"]
     build_config(None, settings_of(tiny_request(2, **{"run.compile": True}), compiled))  # no refusal
+
+
+def test_a_flag_only_some_layouts_read_is_taken_with_the_constraints_that_read_it():
+    """--zero3-unit sublayer (or --zero3-prefetch) with --zero 3 --pp 1 --dp 2 given beside --layout
+    auto: refused as "with --zero 0", checked against the trivial layout the request is built on."""
+    for extra in ({"parallel.zero3_unit": "sublayer"}, {"parallel.zero3_prefetch": "2"}):
+        given = {"parallel.zero": "3", "parallel.pp": "1", "parallel.dp": "2", **extra}
+        req = tiny_request(2, **given)
+        cfg = build_config(None, settings_of(req, provisional(req)))
+        assert (cfg.parallel.zero, cfg.parallel.dp) == (3, 2)

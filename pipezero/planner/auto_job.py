@@ -93,7 +93,7 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     quant.update({k: coerce_setting(k, v) for k, v in toml.items() if k in QUANT and k not in quant})
     bits = tuple(BITS[quant[k].value] if k in quant else 0 for k in QUANT)
     rest = {k: v for k, v in settings.items() if k not in CHOSEN and k not in QUANT}
-    base = build_config(config, {**rest, **BASE}, names)
+    base = build_config(config, {**rest, **base_layout({**toml, **settings}, settings)}, names)
     if global_batch is None:  # the settings' M x B x D, as a run of them would train
         m, b, d = (wanted.get(f"parallel.{k}", toml.get(f"parallel.{k}", default)) for k, default in
                    (("microbatches", 4), ("micro_batch_size", 4), ("dp", 1)))
@@ -107,6 +107,15 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
         limit = (host if host is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) / local
     probe = read_costs(costs_file) if costs_file is not None else None
     return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+
+
+def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The layout the base configuration is built with: BASE, less the constraints that decide a
+    layout-read setting given (LAYOUT_READ), which the flags (or the TOML) then supply: checked
+    against BASE's ZeRO-0, `--zero 3 --dp 2 --zero3-unit sublayer` was refused as read by nothing."""
+    deciders = {d for key, ds in LAYOUT_READ.items() if key in given for d in ds}
+    return {**{k: v for k, v in BASE.items() if k not in deciders},
+            **{k: settings[k] for k in deciders if k in settings}}
 
 
 def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict[str, str]) -> None:
