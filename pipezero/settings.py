@@ -16,8 +16,8 @@ from typing import Any
 
 from pipezero.coerce import Range, choices, coerce, describe
 from pipezero.coerce import shown as toml_value
-from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, Partition, SecondaryShard,
-                             ShareDevice, TrainConfig, WeightQuant, Zero3Unit)
+from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, Partition, ScheduleKind,
+                             SecondaryShard, ShareDevice, TrainConfig, WeightQuant, Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
@@ -694,12 +694,17 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
         check_layout(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check(not (r.compile and p.schedule in SPLIT_BACKWARD),
-           f"--compile cannot run --schedule {p.schedule.value}: its split backward (B then W) records and "
+    check_compiles(r.compile, p.schedule, p.recompute)
+    return cfg
+
+
+def check_compiles(compiled: bool, schedule: ScheduleKind, recompute: bool) -> None:
+    """What --compile cannot run (also asked of --layout auto's constraints, planner/auto_job.py)."""
+    _check(not (compiled and schedule in SPLIT_BACKWARD),
+           f"--compile cannot run --schedule {schedule.value}: its split backward (B then W) records and "
            f"replays the blocks' weight operations, which a compiled block hides; use 1f1b, gpipe or "
            f"interleaved-1f1b with --compile, or drop --compile")
-    _check(not (r.compile and p.recompute),
+    _check(not (compiled and recompute),
            "--recompute with --compile: a compiled block run again under the checkpoint recomputes its saved "
            "tensors in another order than its forward saved them (torch's CheckpointError at the first "
            "backward); drop one of them")
-    return cfg

@@ -223,3 +223,13 @@ def test_a_flag_only_some_layouts_read_is_taken_with_the_constraints_that_read_i
         req = tiny_request(2, **given)
         cfg = build_config(None, settings_of(req, provisional(req)))
         assert (cfg.parallel.zero, cfg.parallel.dp) == (3, 2)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--recompute"], "--recompute with --compile"),
+    (["--nproc", "2", "--schedule", "zb-h1"], "--compile cannot run --schedule zb-h1"),
+])
+def test_a_constraint_compile_cannot_run_is_named_beside_auto(capsys, tmp_path, flags, needle):
+    """Filtered out of the choice, the constraint left no layout, and the refusal blamed memory."""
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--compile", "--out", str(tmp_path / "run"), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)

@@ -78,7 +78,7 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
             global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None) -> Request:
     """The choice's inputs from train's flags (ConfigError in one line for a request it cannot take);
     `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`."""
-    from pipezero.settings import build_config, coerce_setting, load_toml
+    from pipezero.settings import build_config, check_compiles, coerce_setting, load_toml
     from pipezero.memory.fit import rank_limit_gib
 
     toml = load_toml(config) if config else {}
@@ -94,6 +94,9 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     bits = tuple(BITS[quant[k].value] if k in quant else 0 for k in QUANT)
     rest = {k: v for k, v in settings.items() if k not in CHOSEN and k not in QUANT}
     base = build_config(config, {**rest, **base_layout({**toml, **settings}, settings)}, names)
+    if "parallel.schedule" in wanted or "parallel.recompute" in wanted:  # else the choice weighs only what compiles
+        check_compiles(base.run.compile, wanted.get("parallel.schedule", base.parallel.schedule),
+                       wanted.get("parallel.recompute", False))
     if global_batch is None:  # the settings' M x B x D, as a run of them would train
         m, b, d = (wanted.get(f"parallel.{k}", toml.get(f"parallel.{k}", default)) for k, default in
                    (("microbatches", 4), ("micro_batch_size", 4), ("dp", 1)))
