@@ -10,7 +10,8 @@ import torch
 
 from ranks import run_ranks
 from pipezero.config import ScheduleKind as K
-from training import STEPS, V_OF, assert_same_training, layouts, peer_layouts, train_cases, train_cases_watching_gathers
+from training import (STEPS, V_OF, assert_played, assert_same_training, layouts, peer_layouts, train_cases,
+                      train_cases_watching_gathers)
 
 
 def whole_documents(folder) -> dict:
@@ -154,6 +155,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
               for zero in (0, 1, 2, 3)]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
+    assert_played(cases, results[0])
     assert_cut_by_memory(results, str(text_dir), tmp_path)
     for rank, per_rank in enumerate(results):
         for r in per_rank:

@@ -165,6 +165,27 @@ def record_departure(seen: dict) -> str:
     return ""
 
 
+def assert_played(cases: list[dict], results: list[dict]) -> None:
+    """The program comparison of `train_cases` had something to compare, on rank 0 (`results`: its
+    results, case by case): its last step started reductions and waited for each, gathers at ZeRO-1-3
+    with D > 1 (each waited for at ZeRO-3), the tied embedding's sum in every tied pipeline (rank 0
+    holds the embedding), and an offloaded step copied and stepped every bucket on the host."""
+    for c, r in zip(cases, results):
+        started, waited = r["started"], r["waited"]
+        assert any(s.startswith("REDUCE_GRAD") for s in started), c
+        assert sorted(w for w in waited if w.startswith("REDUCE_GRAD")) == \
+            sorted(s for s in started if s.startswith("REDUCE_GRAD")), c
+        if c.get("parallel.zero") and c["dp"] > 1:
+            assert any(s.startswith("UNSHARD") for s in started), c
+            if c["parallel.zero"] == 3:
+                assert any(w.startswith("UNSHARD") for w in waited), c
+        if c.get("model.tie_embeddings") and c["pp"] > 1:
+            assert any(s.startswith("TIED_SUM") for s in started), c
+        if c.get("parallel.offload") == "optimizer":
+            copied = sorted(s[len("OFFLOAD_GRAD"):] for s in started if s.startswith("OFFLOAD_GRAD"))
+            assert copied and copied == sorted(s[len("HOST_STEP"):] for s in started if s.startswith("HOST_STEP")), c
+
+
 def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
     """train_cases, also reporting the most ZeRO-3 parameter bytes left gathered right after any
     backward action (B, W or BW) of any step: layer by layer, that must be nothing."""
