@@ -11,10 +11,10 @@ instructions in order (runtime/executor.py `run`).
 Covered: every schedule with ZeRO 0-3 at P=2 D=2 (with --offload optimizer and two micro-batches'
 activations offloaded: their host copies and steps held to the program too), the stages that move the most at P=4 D=1 and P=1
 D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied embedding (TIED_SUM,
-then the reductions of the buckets holding its copies, before the step). Layouts that
-tests/test_zero.py and tests/test_pipeline.py train as they would be here (`HELD_ELSEWHERE`) are held
-to the program there, on every one of their steps, with the same checks of what was played
-(training.py `assert_played`; `held_elsewhere`, and a one-process test that they are there). Layer-by-layer ZeRO-3
+then the reductions of the buckets holding its copies, before the step). The layouts that
+tests/test_zero.py and tests/test_pipeline.py train as they would be here (`held_elsewhere`; a
+one-process test below holds that they are there) are held to the program there, on every one of
+their steps, with the same checks of what was played (training.py `assert_played`). Layer-by-layer ZeRO-3
 (the default at P=1, asked for at P=2): its gathers sit inside the compute instructions and are
 held to the program like any other, under fused and split backward (W from B's stash, and W of the
 first chunk running autograd again), the V placement, --recompute (the forward run again inside each
@@ -125,7 +125,6 @@ def test_the_layouts_left_to_the_layout_tests_are_there():
     once defaults are filled in), so leaving it out here loses none of its checks."""
     import enum
 
-    import test_pipeline
     import test_zero
     from pipezero.config import ParallelConfig
 
@@ -143,4 +142,3 @@ def test_the_layouts_left_to_the_layout_tests_are_there():
              + test_zero.hierarchical_cases() + layouts(4, 1)]
     for case in held_elsewhere():
         assert settings(case) in there, case
-    assert test_pipeline.assert_played is assert_played and test_zero.assert_played is assert_played

@@ -21,7 +21,7 @@ STEPS = 3
 # The comparisons' learning rate. Adam turns rounding in near-zero early gradients into steps of
 # the full rate, so the float floor of "same model" grows with it: two one-process runs of the
 # tests' tiny model that differ only in how the batch is cut into micro-batches (summation order)
-# end 5 steps apart (the tests' count then) by 8.4e-6 of a parameter at lr 1e-2 (8e-5 tied), 3.1e-6 at 3e-3, 1.4e-6 at 1e-3
+# end 5 steps apart by 8.4e-6 of a parameter at lr 1e-2 (8e-5 tied), 3.1e-6 at 3e-3, 1.4e-6 at 1e-3
 # (this machine, AVX2). At 1e-2 the cases run there reached 0.79 of the 1e-5 tolerance (ZeRO dp=2)
 # and moved between 0.41 and 0.79 with the CPU kernels chosen (ATEN_CPU_CAPABILITY): the likely
 # reason the GPU machine's CPU failed ZeRO-0 dp=2 once. At 1e-3 the whole suite's worst is 0.21. A
