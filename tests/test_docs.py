@@ -174,7 +174,7 @@ FIRST_RUN_STEPS = 2
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(260)
+@pytest.mark.slow(245)
 def test_first_tutorial_runs(tmp_path):
     """Every shell line of the first tutorial, as written but for fewer steps and without the
     install line; then what it says the run wrote is there, each field declared for the reference."""

@@ -159,7 +159,7 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(32)
+@pytest.mark.slow(25)
 def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
     results = run_ranks(freeze_scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
     refs = one_thread_refs(CASES, str(text_dir), tmp_path)

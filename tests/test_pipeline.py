@@ -40,7 +40,7 @@ def assert_cut_by_memory(results: list[list[dict]], data: str, out) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(36)
+@pytest.mark.slow(29)
 def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule
@@ -56,7 +56,7 @@ def test_two_ranks_every_schedule_matches_one_process(text_dir, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(35)
+@pytest.mark.slow(22)
 def test_data_parallel_two_ranks_matches_one_process(text_dir, tmp_path):
     cases = [{"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": m} for m in (1, 3)]
     # Activation recomputation and the cost partition change memory and cuts, not the model.
@@ -137,7 +137,7 @@ def test_the_heldout_loss_is_the_same_for_every_layout(text_dir, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(87)
+@pytest.mark.slow(63)
 def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     from pipezero.schedules.check import simulate
     from pipezero.schedules.registry import build_schedule

@@ -110,7 +110,7 @@ def sublayer_cases() -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(55)
+@pytest.mark.slow(46)
 def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_path):
     todo = cases()
     assert {c["kind"] for c in todo} == set(K)

@@ -124,7 +124,7 @@ def sublayer_cases(cases: list[dict]) -> list[tuple[int, dict]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(24)
+@pytest.mark.slow(16)
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     cases = zero_cases(2, 1)
     deeper = prefetch_cases(cases)
@@ -182,7 +182,7 @@ def hierarchical_cases() -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(89)
+@pytest.mark.slow(62)
 def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases = zero_cases(4, 1) + zero_cases(2, 2) + every_schedule_cases(2, 2)
     # a pipeline's stages on neighbouring ranks (--placement pp-inner): the same model
@@ -200,7 +200,7 @@ def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(96)
+@pytest.mark.slow(72)
 def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_dir, tmp_path):
     """The two 8-rank layouts in one process group (a spawn of 8 ranks costs 2 cores most of a
     minute). The micro-batch counts and the rarer ZeRO combinations are covered at 4 ranks; here
