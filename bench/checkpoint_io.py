@@ -6,7 +6,7 @@ On D ranks (P = 1), for each ZeRO stage: build the stage, save a checkpoint (eve
 own shard ranges through torch.distributed.checkpoint, then the ranks hash the files between them
 and rank 0 commits), then load it into every other ZeRO stage (a reshard of the optimizer state
 and parameters) and check that the loaded parameters equal the saved ones. Reports seconds, MB/s
-and the bytes each rank wrote. Writes bench/results/checkpoint_io.json.
+and the bytes each rank wrote. Writes bench/results/checkpoint_io/checkpoint_io.json.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
         per = "/".join(f"{b / 1e6:.0f}" for b in r["bytes_written_per_rank"])
         print(f"{r['saved_zero']:>6} {r['loaded_zero']:>7} {mb:>8.0f} {r['write_s']:>8.2f} {mb / r['write_s']:>7.0f} "
               f"{r['read_s']:>7.2f} {mb / r['read_s']:>7.0f} {per:>14} {str(r['params_equal'] and r['moments_equal']):>6}")
-    out = Path(__file__).parent / "results" / "checkpoint_io.json"
+    out = Path(__file__).parent / "results" / "checkpoint_io" / "checkpoint_io.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "dp": args.dp, "rows": rows}, indent=2))
     print(f"wrote {out}")

@@ -31,7 +31,7 @@ int8 / int4, and at P=1 hpZ with --hierarchical). For each (layout, variant):
                 pipezero's own count (rank 0's metrics.jsonl bytes_sent a step, and every rank's
                 summary.json collectives and p2p over the run) is printed beside it;
   step          the fastest and the median of the steps after the first two, at each rate;
-  planner       sim/planner.py `estimate` with that compute, the link measured (gloo's ring across
+  planner       planner/search.py `estimate` with that compute, the link measured (gloo's ring across
                 the 2 nodes, bench/cluster_placement.link_rate, shared by a node's 2 ranks), the
                 in-node copy rate measured and the host's CPU-seconds a GB across the link;
   held-out loss `--loss-steps` steps of the same variant on ONE node (`--nproc 4`, loopback, no
@@ -40,7 +40,7 @@ int8 / int4, and at P=1 hpZ with --hierarchical). For each (layout, variant):
                 and the first steps' losses of each cluster run are compared with it. With `--seeds`,
                 one run a seed (weights and data order), and each variant's ratio to `none` taken
                 seed by seed: one run's ratio strays by about as much as the goal (1%) allows.
-Writes bench/results/<name>.json (with `uptime`) and prints a markdown table. The host's cores are
+Writes bench/results/cluster_compressed/<name>.json (with `uptime`) and prints a markdown table. The host's cores are
 shared with other jobs: steps are the fastest steady ones, medians beside them.
 """
 
@@ -194,11 +194,12 @@ def records(out: Path) -> dict:
 def refusal(argv: list[str]) -> str | None:
     """train's one-line refusal of `argv` on 2 nodes x 2 ranks (the checks `pipezero cluster` runs
     before it builds anything), or None where it would run."""
-    from pipezero.cli import cluster_job
+    from pipezero.cli.cluster import cluster_job
+    from pipezero.cli.command_line import build_parser
     from pipezero.errors import ConfigError
 
     try:
-        cluster_job(["train", *argv], NODES * PER_NODE, f"{NODES} nodes x {PER_NODE}")
+        cluster_job(["train", *argv], NODES * PER_NODE, build_parser(), f"{NODES} nodes x {PER_NODE}")
     except ConfigError as e:
         return str(e)
     return None
@@ -214,9 +215,9 @@ def loopback_run(argv: list[str], out: Path, timeout: float = 1800) -> dict:
 
 
 def planner_layout(lay: dict, argv: list[str]):
-    """sim/layouts.Layout of a layout and its train flags."""
+    """planner/layouts.Layout of a layout and its train flags."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.layouts import Layout
+    from pipezero.planner.layouts import Layout
 
     def val(flag: str) -> str | None:
         return argv[argv.index(flag) + 1] if flag in argv else None
@@ -229,7 +230,7 @@ def planner_layout(lay: dict, argv: list[str]):
 
 
 def cluster_of(node_size: int, intra: float, inter: float, mfu: float, net_cpu: float):
-    from pipezero.sim.layouts import Cluster
+    from pipezero.planner.layouts import Cluster
 
     return Cluster(NODES * PER_NODE, 1e6, node_size, intra, inter, tflops=1.0, mfu=mfu, wire_bytes=4, cpu=True,
                    cores=len(os.sched_getaffinity(0)), net_cpu_s_per_gb=net_cpu, bucket_mb=1.0)
@@ -241,7 +242,7 @@ def calibrated_mfu(layout, compute_s: float, intra: float) -> float:
     so a few secant steps settle it."""
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     for k, v in MODEL.items():
@@ -264,7 +265,7 @@ def predict(layout, mfu: float, intra: float, inter: float, net_cpu: float) -> t
     """(step time, bytes crossing the node links a step) the planner gives on the 2 x 2 cluster."""
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     for k, v in MODEL.items():
@@ -463,13 +464,13 @@ OPTION_SETS = {"none": (0, 0, False), "w8 g8": (8, 8, False), "w8 g8 hpZ": (8, 8
 
 
 def plan_picks(mfu: float, probes: dict, link: str, top: int = 3) -> dict[str, list[dict]]:
-    """What `plan` (sim/planner.plan, the library call behind `pipezero plan`, which takes only a
+    """What `plan` (planner/search.plan, the library call behind `pipezero plan`, which takes only a
     preset's shape) ranks first on this cluster, the block-dominated model and 16 sequences a step,
     compute calibrated as the bench's rows, without and with each set of options: the options are
     the run's flags there, applied to every layout where they have traffic to change."""
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
-    from pipezero.sim.planner import plan
+    from pipezero.planner.search import plan
 
     model = apply_preset(ModelConfig(), "tiny")
     for k, v in MODEL.items():

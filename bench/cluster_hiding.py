@@ -30,7 +30,7 @@ kernel's network path as they would share a node's. Repeats run the stages in tu
 measuring the unshaped step afresh. `--bursts 128kb,64kb` measures each stage with each tbf bucket
 in turn (the cluster's default, 128kb, lets a 64 KB offloaded TCP packet cross whole; at 64kb tbf
 cuts every one into MTU-sized packets in the host's softirq, CPU the ranks' compute then lacks).
-Writes bench/results/cluster_hiding.json.
+Writes bench/results/cluster_hiding/cluster_hiding.json.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_overlap import collective_waits, run_toml  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "cluster_hiding"
 MODEL = {"dim": 256, "n_layers": 4, "vocab_size": 256}  # the blocks hold most of the gradient bytes
 
 

@@ -16,7 +16,7 @@ Each figure is the best over --reps of the slowest rank's time (variants interle
 repetition, so the host's load falls on all of them alike); `wire` is the bytes a node's uplink
 must carry over the link rate, the floor each variant could reach. The rate `local` runs every
 rank in one namespace (no shaped link): what the extra steps cost in CPU and memory alone.
-Writes bench/results/cluster_hierarchical.json.
+Writes bench/results/cluster_hierarchical/cluster_hierarchical.json.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "cluster_hierarchical"
 
 
 def uplink_share(variant: str, nodes: int, per_node: int) -> float:

@@ -18,14 +18,14 @@ each layout:
 gloo's reduce-scatter sends what an all-reduce of the whole bucket sends (measured: 1 MiB at
 500mbit, 17.4 ms against 16.9 ms for the all-reduce and 8.6 ms for an all-gather), twice what
 pipezero counts for it, so ZeRO-2/3's comm here understates their time on the wire.
-Beside each measurement, the planner's prediction (sim/planner.py `estimate`) with its compute
+Beside each measurement, the planner's prediction (planner/search.py `estimate`) with its compute
 calibrated on the compute-only time (one factor a layout), its link set to the rate and the host's
 CPU-seconds a GB across the link (`net_cpu_s_per_gb`) probed once a rate before the layouts run.
 `--model dim=256,n_layers=4,vocab_size=256` overrides the preset's shape (with the bytes tokenizer a
 vocabulary of 256 suffices, and the blocks then hold most gradient bytes, not the embedding);
 `--launches` runs the ranks through bench/launch_times.py and prints, for D layouts, when each
 bucket's collective was launched and completed against the end of the step's backward.
-Writes bench/results/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
+Writes bench/results/cluster_overlap/cluster_overlap.json and .png. The host's CPUs are shared: repeat before
 trusting a difference under ~10%.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "cluster_overlap"
 LAYOUTS = {
     "dp": [{"name": f"D=2 ZeRO-{z}", "pp": 1, "dp": 2, "zero": z, "schedule": "1f1b", "v": 1} for z in range(4)]
     # the updated weights' all-gather waited for at the end of the step, as before zero/weight_waits.py
@@ -234,8 +234,8 @@ def predicted(lay: dict, args: argparse.Namespace, compute_s: float, link: str, 
     (loopback inside one node, where no byte crosses a link and costs `net_cpu` a GB)."""
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), args.preset)
     for k, v in args.model_fields.items():

@@ -15,7 +15,7 @@
      rate, which the nominal rate had missed);
   3. plan the global batch on K nodes x N ranks with those figures, run its top layouts there
      (placement included), and compare.
-Writes bench/results/cluster_placement.json. The host's CPUs are shared with other jobs: steps are
+Writes bench/results/cluster_placement/cluster_placement.json. The host's CPUs are shared with other jobs: steps are
 the fastest after the first two, the best of --repeat rounds, and a ranking closer than ~5% is
 within the noise. The planner is told the host's cores (`Cluster.cores`): on 2 cores, 4 ranks are
 not 4 devices, and an idle pipeline rank lends its core to the others.
@@ -75,8 +75,8 @@ def fit_compute(model, args: argparse.Namespace, refs: list, measured: list[floa
     """The planner's (mfu, overhead_s) that reproduce both one-node reference step times. Its step
     time is linear in 1/mfu and in the overhead only piecewise (communication hides behind compute
     up to a point), so the two equations are solved around the current guess until it settles."""
-    from pipezero.sim.layouts import Cluster
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Cluster
+    from pipezero.planner.search import estimate
 
     ranks = refs[0].dp
 
@@ -121,8 +121,8 @@ def choices(fits: list, top: int) -> list[tuple[int, object]]:
 def main() -> None:
     from pipezero.config import ModelConfig, ScheduleKind
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import plan
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import plan
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=2)

@@ -7,7 +7,7 @@ through bench/launch_times.py: plain, or with `--hierarchical` (parallel/hierarc
 an exchange reduce-scatter inside the node, then across, a node's uplink carrying 0.5x the bucket
 where gloo's carries 1.5x; at ZeRO-0/1 a two-level all-reduce, 1x against 1.5x). The two variants
 alternate, --reps times each, so the host's load falls on both alike; a run's figure is its fastest
-steady step (the first two left out) and its median. Writes bench/results/<name>.json.
+steady step (the first two left out) and its median. Writes bench/results/cluster_two_level_zero/<name>.json.
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ on the same parameters, in the same run, one thread and all threads; and the hos
 one bucket, the CPU stand-in for offload's copies between device and host (without a GPU there is
 no PCIe to time).
 
-    python bench/cpu_adamw.py [--buckets 4] [--bucket-mb 25] [--repeats 7] [--json bench/results/cpu_adamw.json]
+    python bench/cpu_adamw.py [--buckets 4] [--bucket-mb 25] [--repeats 7]
+        [--json bench/results/cpu_adamw/cpu_adamw.json]
 
 The parameters are `--buckets` flat fp32 buckets of `--bucket-mb` MiB (train's default bucket);
 torch's AdamW gets the same elements as separate tensors of `--tensor-mib` each (a model's
 parameters: torch steps a list of them). Each measurement is the median over `--repeats` steps after
 one warm-up step (the least is kept too), and the optimizers take turns step by step, so a machine shared with other work
-slows them alike. The planner's default CPU AdamW rate (sim/offload.py) is this bench's
+slows them alike. The planner's default CPU AdamW rate (memory/offload.py) is this bench's
 all-threads ShardedAdamW figure.
 """
 
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="MiB of fp32 a bucket (train's --bucket-mb)")
     ap.add_argument("--tensor-mib", type=float, default=4.0, help="MiB of fp32 a tensor torch's AdamW steps")
     ap.add_argument("--repeats", type=int, default=7, help="timed steps each (the median is kept)")
-    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "cpu_adamw.json"))
+    ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "cpu_adamw" / "cpu_adamw.json"))
     args = ap.parse_args()
     import torch
 

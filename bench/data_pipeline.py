@@ -15,7 +15,7 @@
    many of them tokenized (one should; the others wait on the cache's lock and read its result).
 
 Documents are paragraphs of this interpreter's standard library source (realistic text, no download),
-cycled to the requested size. Writes bench/results/data_pipeline.json.
+cycled to the requested size. Writes bench/results/data_pipeline/data_pipeline.json.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=2, help="tokenization runs of each, alternated; the best counts")
     ap.add_argument("--ranks", type=int, default=4, help="processes opening one new cache at once (0: skip)")
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "data_pipeline.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "data_pipeline" / "data_pipeline.json")
     args = ap.parse_args()
     from pipezero.data.tokenizer import BPETokenizer
 

@@ -1,7 +1,7 @@
 """A fingerprint of training on twelve layouts: losses, gradient norms and every rank's parameters,
 hashed, so a refactor can show it changed nothing (bit for bit) and a numerical change shows where.
 
-    python bench/fingerprint.py [--json bench/results/fingerprint.json]
+    python bench/fingerprint.py [--json bench/results/fingerprint/fingerprint.json]
 
 Four gloo ranks train the tiny model three steps on each layout (the settings of tests/training.py's
 tiny model, written out here so the bench needs nothing of tests/: the standard library corpus,

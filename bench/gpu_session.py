@@ -126,8 +126,8 @@ def part_layouts(args: argparse.Namespace) -> dict:
 def predicted_peak(flags: dict[str, Any], cuda: bool) -> int:
     """The memory model's largest rank peak for a layout given as settings."""
     from pipezero.settings import build_config
-    from pipezero.sim.memory import predict
-    from pipezero.sim.memory_partition import resolve
+    from pipezero.memory.model import predict
+    from pipezero.memory.partition import resolve
 
     cfg = build_config(None, flags)
     return max(r.peak_bytes for r in predict(resolve(cfg, cuda), cuda))
@@ -150,7 +150,7 @@ def boundary_layouts(base: dict[str, Any], cap_bytes: float, admitted_bytes: flo
 
 
 def part_fit(args: argparse.Namespace) -> dict:
-    from pipezero.sim.limits import FIT_MARGIN
+    from pipezero.schedules.limits import FIT_MARGIN
 
     ranks = 1 if args.dry_run else 2
     base = {"model.preset": "tiny" if args.dry_run else "1b", "data.seq_len": 32 if args.dry_run else 2048,
@@ -167,8 +167,8 @@ def part_fit(args: argparse.Namespace) -> dict:
     common = ["--nproc", str(ranks), "--dp", str(ranks), "--microbatches", "1", "--max-steps", "2", "--no-progress",
               "--eval-every", "0", "--sample-tokens", "0", "--no-save-final", "--memory-profile", *DATA,
               "--preset", base["model.preset"], "--seq-len", str(base["data.seq_len"]), "--dtype", base["run.dtype"]]
-    if args.dry_run:
-        common += ["--device", "cpu", "--share-device", "on"]
+    if args.dry_run:  # one rank has nothing to share: the path is forced only where ranks are several
+        common += ["--device", "cpu", *(["--share-device", "on"] if ranks > 1 else [])]
     cap_flag = ["--gpu-memory", f"{cap / GIB:.6g}"] if args.dry_run else []
     out = Path(args.out)
     refused = pipezero(["train", *common, "--micro-batch-size", str(over), *cap_flag, "--out", str(out / "over")],

@@ -23,6 +23,7 @@
 # (--share-device on), (a) on its first layout, (c) eager only, its files in a temporary folder.
 set -u
 dry=""
+[ $# -le 1 ] || { echo "usage: bash bench/gpu_session.sh [--dry-run]" >&2; exit 2; }  # none read past the first
 case "${1:-}" in
     --dry-run) dry=--dry-run ;;
     "") ;;

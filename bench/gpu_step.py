@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warm", type=int, default=5, help="steps left out of the timing (compilation, allocation)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip cases that start after this many seconds")
-    ap.add_argument("--json", default="bench/results/gpu_step.json")
+    ap.add_argument("--json", default="bench/results/gpu_step/gpu_step.json")
     ap.add_argument("--profile", action="store_true", help="also list the busiest kernels of each eager shape")
     args = ap.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

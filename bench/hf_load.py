@@ -9,7 +9,7 @@ processes: transformers loads it whole (fp32), and pipezero's ranks of P = 1 and
 their stage chunks and read only their tensors (models/hf_weights.py), fp32 as pipezero trains;
 ZeRO-3's ranks of P = 1, D = 4 each read only their 1/4 shard of every bucket (zero/buckets.py).
 Reported per process: resident memory before loading (imports), the peak after (ru_maxrss), the
-difference, the bytes of the parameters it holds, and seconds. Writes bench/results/hf_load.json.
+difference, the bytes of the parameters it holds, and seconds. Writes bench/results/hf_load/hf_load.json.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype on disk")
     ap.add_argument("--shard", default="500MB", help="save_pretrained's max_shard_size")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_load.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hf_load" / "hf_load.json"))
     args = ap.parse_args()
     shape = dict(num_hidden_layers=args.layers, hidden_size=args.dim, intermediate_size=args.ffn,
                  vocab_size=args.vocab, num_attention_heads=args.dim // 64, num_key_value_heads=args.dim // 64)

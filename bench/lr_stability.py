@@ -17,7 +17,7 @@ Two measurements on the same model, batches and seed:
     python bench/lr_stability.py --preset 1b --seq-len 2048 --micro-batch-size 4 --microbatches 2 \
         --steps 25 --dtype bf16 --variant optim.warmup_steps=20   # one GPU, the bench's shape
 
-Writes bench/results/lr_stability.json (or --json).
+Writes bench/results/lr_stability/lr_stability.json (or --json).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                          "optim.warmup_steps=200")
     ap.add_argument("--probe", type=float, default=0.0, help="also probe one Adam step of this size per weight group")
     ap.add_argument("--no-curves", action="store_true", help="only the probe")
-    ap.add_argument("--json", default="bench/results/lr_stability.json")
+    ap.add_argument("--json", default="bench/results/lr_stability/lr_stability.json")
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error("--steps: at least 2 (a spike is a later step's loss above the first's)")

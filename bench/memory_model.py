@@ -1,4 +1,4 @@
-"""The memory model (pipezero/sim/memory.py) against measured runs: each rank's predicted peak beside
+"""The memory model (pipezero/memory/model.py) against measured runs: each rank's predicted peak beside
 its measured peak of the first step (`train --memory-profile`: on CPU the profiler's live tensor
 bytes), for every schedule x ZeRO 0-3 x P in {1, 2, 4} x D in {1, 2}, with and without recompute,
 on two models: `activations` (long sequences, few parameters) and `states` (many thin layers, eight
@@ -11,16 +11,16 @@ tokens). Ranks above --max-ranks are left out (P=4 x D=2 needs 8).
 
 With --offload every case runs with --offload optimizer; on CPU ranks the host is the device, so a
 rank's measured peak holds its host buffers too and is held against the predicted device peak plus
-host bytes (sim/offload.py), phase by phase.
+host bytes (memory/offload.py), phase by phase.
 
 A rank's measured peak is the most of its phases (the first step, the evaluation after it, the text
 sample when there is one: P = 1 and --sample-tokens); each phase's figures are kept beside.
 
 Prints one line a case (the worst rank's ratio), then the summary: cases and ranks, how many ranks
 within 10%, the median error, the worst over- and under-prediction (with and without recompute), and
-writes every rank's figures to bench/results/memory_model.json, one line a case.
+writes every rank's figures to bench/results/memory_model/memory_model.json, one line a case.
 
-    python bench/memory_model.py --repredict bench/results/memory_model.json
+    python bench/memory_model.py --repredict bench/results/memory_model/memory_model.json
 
 predicts the stored measurements again (after a change to the model), measuring nothing.
 """
@@ -42,8 +42,8 @@ from pipezero.config import ScheduleKind  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
-from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
+from pipezero.memory.model import predict  # noqa: E402
+from pipezero.memory.runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_bytes  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 
@@ -140,7 +140,7 @@ def main() -> None:
                     help="hpZ: ZeRO-3 layer by layer keeps a node's share, D / 2 ranks a node (P = 1, D > 2 cases only)")
     ap.add_argument("--offload", action="store_true", help="every case with --offload optimizer")
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_model" / "memory_model.json"))
     ap.add_argument("--markdown", help="a results JSON: print its table by model, schedule and recompute (docs)")
     ap.add_argument("--repredict", help="a results JSON: predict its measured cases again (the model changed), "
                                         "measure nothing")

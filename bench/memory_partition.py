@@ -1,4 +1,4 @@
-"""Stages balanced by memory (`--partition memory`, pipezero/sim/memory_partition.py) against the
+"""Stages balanced by memory (`--partition memory`, pipezero/memory/partition.py) against the
 default uniform cut, on a 4-stage 1F1B run where activations matter: each rank's measured peak of
 the first step (`train --memory-profile`; on CPU the profiler's live tensor bytes) beside the memory
 model's prediction, and the largest over the smallest per-rank peak before and after. Then how long
@@ -6,7 +6,7 @@ the policy's search takes on larger layouts (the planner and every rank's start 
 
     python bench/memory_partition.py [--preset small] [--seq-len 1024] [--microbatches 8] [--micro-batch-size 4]
 
-Prints one line a policy and writes bench/results/memory_partition.json. `--repredict FILE`
+Prints one line a policy and writes bench/results/memory_partition/memory_partition.json. `--repredict FILE`
 predicts a results file's layouts again (after a change to the memory model), keeping its
 measurements, and times the searches again; it trains nothing.
 """
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # rank_spawner.py
 from pipezero.config import Partition  # noqa: E402
 from pipezero.data import write_stdlib_sample  # noqa: E402
 from pipezero.settings import build_config  # noqa: E402
-from pipezero.sim.memory import predict  # noqa: E402
-from pipezero.sim.memory_partition import resolve, search  # noqa: E402
-from pipezero.sim.memory_runs import phase_peaks  # noqa: E402
+from pipezero.memory.model import predict  # noqa: E402
+from pipezero.memory.partition import resolve, search  # noqa: E402
+from pipezero.memory.runs import phase_peaks  # noqa: E402
 from pipezero.util import atomic_write_json  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 
@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch-size", type=int, default=4)
     ap.add_argument("--data", help="a folder of text (default: the standard library's first ~400 KB)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_partition.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_partition" /
+                                          "memory_partition.json"))
     ap.add_argument("--repredict", help="a results JSON: predict its layouts again, measure nothing")
     args = ap.parse_args()
     if args.repredict:

@@ -9,7 +9,7 @@ Two ranks, one thread each, in one process group: P=1 x D=2 at ZeRO 0-3, each pl
 rank "host" and "device" are one memory, so the copies are memory copies and the host's AdamW is the
 same kernel the device ran: what this measures is the price of the instructions themselves (the
 copies, a step a bucket), not PCIe; a GPU's figures come from bench/gpu_session.sh.
-Writes bench/results/offload.json.
+Writes bench/results/offload/offload.json.
 """
 
 from __future__ import annotations
@@ -83,6 +83,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
+    from pipezero.errors import ConfigError
+
+    try:  # a bad preset or size is said once, before any rank starts
+        config(args, 1, 2, 0, **{"parallel.offload": "optimizer"})
+        config(args, 2, 1, 0, **{"parallel.offload_activations": 2})
+    except ConfigError as e:
+        ap.error(str(e))
     per_rank = run_ranks(bench_rank, 2, args, timeout=3000, threads=1)
     print(f"{args.preset}, M={args.microbatches}, B={args.micro_batch_size}, T={args.seq_len}, 2 ranks, 1 thread "
           f"each, mean of steps 2-{args.steps}")
@@ -101,7 +108,7 @@ def main() -> None:
                       "host_work_by_kind_s": {k: max(r[name]["host_s"][k] for r in per_rank) for k in HOST_SPANS},
                       "device_optimizer_mib": dev, "host_optimizer_mib": host}
         print(f"{name:30}{step:8.3f}{ratio:9.2f}{hosted:12.4f}{dev:14.2f}{host:7.2f}")
-    out = Path(__file__).parent / "results" / "offload.json"
+    out = Path(__file__).parent / "results" / "offload" / "offload.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     print(f"wrote {out}")

@@ -12,7 +12,7 @@ rank held at once and the most bytes of tensors a rank allocated and held at onc
 the schedule (the profiler's memory events: activations, what split backward keeps for W, gradients
 in flight, temporaries; the model, its gradient buffers and the optimizer step are not counted),
 the largest over ranks ("sched MiB"; each rank's in the JSON). Results go to
-bench/results/pipeline_schedules.json.
+bench/results/pipeline_schedules/pipeline_schedules.json.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--schedules", default=",".join(k.value for k in K))
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pipeline_schedules.json")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).parent / "results" / "pipeline_schedules" / "pipeline_schedules.json")
     args = ap.parse_args()
     kinds = [K(s) for s in args.schedules.split(",")]
     from pipezero.schedules.check import simulate

@@ -1,14 +1,14 @@
 """The planner's speed, and proof that a faster planner answers the same.
 
-    python bench/planner_speed.py --save bench/results/planner_answers.json   # answers + timings, once
-    python bench/planner_speed.py --check bench/results/planner_answers.json  # again: same answers?
+    python bench/planner_speed.py --save bench/results/planner_speed/planner_answers.json   # answers + timings, once
+    python bench/planner_speed.py --check bench/results/planner_speed/planner_answers.json  # again: same answers?
 
 Runs each request below as its own `pipezero` process (a cold process, as a user runs it: no cache
 carried over) and measures its user CPU seconds (the process's rusage) and wall seconds. Each
 answer is the command's stdout with the planner's own `"seconds"` (its wall clock) removed, its
 stderr and exit status. `--save` writes the answers and timings; `--check` compares the answers
 byte for byte with a saved file (exit 1 naming each that differs) and puts the saved timings beside
-the new ones, with their ratio. Writes bench/results/planner_speed.json (or --out).
+the new ones, with their ratio. Writes bench/results/planner_speed/planner_speed.json (or --out).
 
 The requests: the planner on 7b/64, 70b/1024, small/8 and base/2 on CPU; the two of
 tests/test_planner.py::test_plan_cli_json (the second finds nothing fits, so it also tries memory
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--save", type=Path, help="write the answers and timings here")
     ap.add_argument("--check", type=Path, help="compare the answers with this saved file")
     ap.add_argument("--only", help="run only requests whose name contains this")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/planner_speed.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/planner_speed/planner_speed.json")
     args = ap.parse_args()
     saved = json.loads(args.check.read_text()) if args.check else {}
     results, differ = {}, []

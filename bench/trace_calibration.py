@@ -5,7 +5,7 @@
 Runs the same `pipezero train --nproc P --pp P` job with tracing off and on, alternating, and
 compares the mean step time (steps after the first). Then fits the cost model to the last trace
 (`pipezero simulate --from-trace`) and prints the measured bubble beside the calibrated prediction.
-Writes bench/results/trace_calibration.json.
+Writes bench/results/trace_calibration/trace_calibration.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipezero.config import ScheduleKind  # noqa: E402
-from pipezero.sim.calibrate import calibrate, predict  # noqa: E402
+from pipezero.planner.calibrate import calibrate, predict_step  # noqa: E402
 
 
 def run(args: argparse.Namespace, out: Path, trace: bool) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
             off.append(run(args, Path(tmp) / f"off{i}", False))
             on.append(run(args, Path(tmp) / f"on{i}", True))
         cal = calibrate(Path(tmp) / f"on{args.repeats - 1}" / "trace.json")
-    _, simulated = predict(cal, ScheduleKind(args.schedule), args.microbatches, 1)
+    _, simulated = predict_step(cal, ScheduleKind(args.schedule), args.microbatches, 1)
     result = {"args": vars(args), "step_s_trace_off": off, "step_s_trace_on": on,
               "overhead": statistics.fmean(on) / statistics.fmean(off) - 1,
               "measured_bubble": cal.measured_bubble, "calibrated_bubble": simulated,
@@ -62,7 +62,7 @@ def main() -> None:
           f"on {[round(x * 1e3, 1) for x in on]} ms)")
     print(f"bubble measured {cal.measured_bubble:.1%}, simulator calibrated on the same trace {simulated:.1%} "
           f"(difference {abs(simulated - cal.measured_bubble) * 100:.1f} points)")
-    out = Path(__file__).parent / "results" / "trace_calibration.json"
+    out = Path(__file__).parent / "results" / "trace_calibration" / "trace_calibration.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

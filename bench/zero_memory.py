@@ -7,7 +7,7 @@ For each ZeRO stage a fresh `pipezero train --nproc P*D` job runs a few steps in
 polls every rank process's VmHWM (the kernel's high-water mark of resident memory, /proc/PID/status)
 until it exits. The saving of stage z against stage 0, per parameter of the rank's stage, is printed
 beside the ZeRO paper's prediction for plain fp32 Adam (stage 1: 8/D... see zero/accounting.py).
-Results go to bench/results/zero_memory.json.
+Results go to bench/results/zero_memory/zero_memory.json.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main() -> None:
             theirs[mode] = {"peak_rss_bytes_per_rank": per_rank, "saved_bytes_per_param_vs_our_stage0": saved}
             print(f"{mode:>6}{peak / 2**20:>21.0f}{saved:>15.2f}")
     suffix = "" if args.bucket_mb == 25 else f"_bucket{args.bucket_mb:g}"
-    out = Path(__file__).parent / "results" / \
+    out = Path(__file__).parent / "results" / "zero_memory" / \
         f"zero_memory_{args.preset}_pp{args.pp}_dp{args.dp}_{args.grad_reduce}{suffix}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "params_per_stage": psi, "stages": rows, "torch": theirs,

@@ -7,7 +7,7 @@ All runs use the same model, batches and D ranks (one thread each) in one proces
 (`DistributedDataParallel` + `torch.optim.AdamW`), then pipezero at ZeRO 0-3. For pipezero, the
 exposed communication is the time a rank spent blocked on ZeRO collectives (traced), and the total is
 the same collectives timed alone on idle ranks; hidden share = 1 - exposed / total.
-Writes bench/results/zero_throughput.json.
+Writes bench/results/zero_throughput/zero_throughput.json.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
         rows[key] = {"step_s": step, "tokens_per_s": tokens / step, "ddp_over_ours_time": ddp / step,
                      "exposed_comm_s": exposed, "comm_alone_s": alone, "hidden_share": hidden}
         print(f"{key:8}{step:9.3f}{tokens / step:9,.0f}{ddp / step:8.2f}{exposed:16.4f}{alone:14.4f}{hidden:8.1%}")
-    out = Path(__file__).parent / "results" / "zero_throughput.json"
+    out = Path(__file__).parent / "results" / "zero_throughput" / "zero_throughput.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     print(f"wrote {out}")

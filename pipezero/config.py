@@ -106,7 +106,7 @@ class Partition(str, enum.Enum):
     UNIFORM = "uniform"  # equal layer counts
     PARAMS = "params"  # equal parameters
     COST = "cost"  # equal modelled compute time
-    MEMORY = "memory"  # the least largest predicted per-rank peak (sim/memory_partition.py)
+    MEMORY = "memory"  # the least largest predicted per-rank peak (memory/partition.py)
 
 
 MAX_LAYERS = 4096  # transformer blocks a model may have (model.n_layers, a --model-spec's n_layers): settings.py
@@ -186,12 +186,14 @@ class ParallelConfig:
     settings.py gives the schedule its fewest, as simulate and plan read a schedule named alone)."""
     partition: Partition = Partition.UNIFORM
     """How layers are split over stage chunks: equal layer counts, equal parameters, equal cost, or
-    `memory`: the cuts whose largest predicted per-rank peak (sim/memory.py) is least, which gives
+    `memory`: the cuts whose largest predicted per-rank peak (memory/model.py) is least, which gives
     1F1B's first rank, holding P micro-batches of activations, fewer layers than its last."""
     stage_layers: list[int] | None = None
     """Explicit layer count per stage chunk (embedding and head included); overrides `partition`."""
     recompute: bool = False
-    """Activation checkpointing per stage chunk: forward again in backward instead of holding activations."""
+    """Activation checkpointing one transformer block at a time (torchtitan's "full"): a micro-batch in
+    flight keeps each block's input only, and each block's backward runs its forward again first, so
+    a backward holds one block's activations at a time, for about a third more compute."""
     grad_reduce: GradReduce = GradReduce.STEP
     """Reduce gradients once a step (memory: a full gradient through the step) or every micro-batch
     (more reduce-scatters, the gradient never outlives one backward)."""
@@ -209,7 +211,7 @@ class ParallelConfig:
     zero3_prefetch: int | Literal["auto"] = 1
     """ZeRO-3 layer by layer: how many layers ahead of its use a layer's gather starts, in forward
     and backward (d + 1 layers gathered or in flight at once); `auto`: the planner's choice
-    (sim/prefetch.py), the smallest depth deeper than which the simulated exposed gather time stops
+    (planner/prefetch.py), the smallest depth deeper than which the simulated exposed gather time stops
     improving, within `run.gpu_memory_gib`, for the link `link_gbps` and the compute `tflops`."""
     zero3_unit: Zero3Unit = Zero3Unit.LAYER
     """ZeRO-3 layer by layer: what one gather, release and gradient reduction covers; `sublayer`: a
@@ -261,7 +263,7 @@ class ParallelConfig:
     """On each pipeline rank, this many micro-batches' saved activations leave the device between
     their forward and backward (the first ones held across two or more other actions: the warm-up's,
     alive when the rank holds the most), copied to host memory after the forward and back one action
-    before the backward, each copy beside an action (schedules/program.py OFFLOAD_ACT, RELOAD_ACT).
+    before the backward, each copy beside an action (schedules/lowering.py places OFFLOAD_ACT, RELOAD_ACT).
     Not with `recompute`."""
 
     @property
@@ -388,10 +390,10 @@ class RunConfig:
     is paid."""
     gpu_memory_gib: float | None = None
     """Refuse, before any rank starts, a layout whose predicted peak on some rank exceeds this many GiB
-    (sim/memory.py). None: on CUDA the device's memory, on CPU no check."""
+    (memory/model.py). None: on CUDA the device's memory, on CPU no check."""
     host_memory_gib: float | None = None
     """GiB of host memory a node has for its ranks: refuse, before any rank starts, a run whose
-    ranks on this node need more host bytes (sim/offload.py: --offload optimizer's buffers, and on
+    ranks on this node need more host bytes (memory/offload.py: --offload optimizer's buffers, and on
     CPU ranks their whole predicted peak). None: this machine's memory."""
 
 

@@ -38,6 +38,7 @@ from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
 from pipezero.util import atomic_write_json
 from pipezero.stage import Stage, build_stage
+from pipezero.planner.auto_check import LayoutCheck
 from pipezero.summary import RunResult, finish_run, peak_rss_bytes
 
 T = TypeVar("T")
@@ -305,11 +306,15 @@ class Trainer:
         return result
 
 
-def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None) -> RunResult:
+def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = None,
+          choice: dict | None = None) -> RunResult:
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs).
-    `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's."""
+    `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's.
+    `choice`: --layout auto's (auto.Choice.to_json()), whose prediction the run checks."""
     trainer = Trainer.set_up(cfg, spec)
+    check = LayoutCheck(choice) if choice is not None and trainer.stage.mesh.rank == 0 else None
+    trainer.result.layout_check = check
     show = trainer.shows_progress
     if trainer.stage.mesh.rank == 0 and cfg.model.pretrained is not None:
         from pipezero.models.hf_weights import unread_blocks  # a pretrained folder's reader: only for one
@@ -322,6 +327,8 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 trainer.announce(progress)
             for step in range(trainer.start, cfg.run.max_steps):
                 record = trainer.step(step)
+                if check and (said := check.observe(record, step == trainer.start, step + 1 == cfg.run.max_steps)):
+                    print(f"pipezero: warning: {said}", file=sys.stderr, flush=True)
                 progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
         return trainer.finish(progress if show else None, snapshot)
     finally:

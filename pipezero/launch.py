@@ -39,8 +39,8 @@ def adopt_slurm(nproc: int | None, env: MutableMapping[str, str] = os.environ) -
 
 def check_rank_variables(env: Mapping[str, str]) -> None:
     """RANK / WORLD_SIZE / LOCAL_RANK set by hand (or left over in a shell) are read by every
-    later step as integers: text there was a traceback, a rank past the world a wait for a peer
-    that never comes. Refused here, naming the variable."""
+    later step as integers: text there fails deep inside torch, a rank past the world waits for a
+    peer that never comes. Refused here, naming the variable."""
     if "RANK" not in env or "WORLD_SIZE" not in env:  # under_torchrun's test: otherwise none is read
         return
     values = {}

@@ -1,6 +1,6 @@
 """This machine's costs, measured in seconds, for the planner to plan with instead of presets.
 
-The planner (sim/planner.py) prices a layout from a cluster's figures: the FLOP rate one rank
+The planner (planner/search.py) prices a layout from a cluster's figures: the FLOP rate one rank
 achieves, a fixed cost every action pays beyond its FLOPs, the two link classes' bandwidth and, for
 offload, the host copies and the host's AdamW. Presets guess them; a probe measures them where the
 run will train, at the run's shapes and dtype, in seconds:
@@ -58,8 +58,27 @@ class Probe:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Probe:
-        links = {k: LinkCost(**v) for k, v in d.get("links", {}).items()}
+        if not isinstance(d, dict):  # the file is anyone's: a list or a number is no probe
+            raise TypeError(f"a JSON object was expected, not a {'list' if isinstance(d, list) else type(d).__name__}")
+        if not isinstance(d.get("device"), str):  # "cpu" or a GPU's name: plan matches it to --device
+            raise TypeError(f"device: a string was expected, not {d.get('device')!r}")
+        links = d.get("links", {})
+        if not isinstance(links, dict) or not all(isinstance(v, dict) for v in links.values()):
+            raise TypeError("links: an object of {latency_s, gbps} objects was expected")
+        links = {k: LinkCost(**v) for k, v in links.items()}
         return cls(**{**d, "links": links})
+
+
+MOST = 200  # repetitions of one figure at the most
+
+
+def once(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
+    """Seconds of one call of `fn`, its device work included (`sync`)."""
+    t0 = time.perf_counter()
+    fn()
+    if sync is not None:
+        sync()
+    return time.perf_counter() - t0
 
 
 def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | None = None, least: int = 3) -> float:
@@ -67,12 +86,8 @@ def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | Non
     fn()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < 200):
-        t0 = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t0)
+    while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < MOST):
+        times.append(once(fn, sync))
     return statistics.median(times)
 
 
@@ -86,22 +101,10 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     import torch.distributed as dist
 
     fn()
-    t0 = time.perf_counter()
-    for _ in range(least):
-        fn()
-    if sync is not None:
-        sync()
-    each = (time.perf_counter() - t0) / least
-    count = torch.tensor([min(200, max(least, int(budget_s / max(each, 1e-9))))], device=device)
+    each = sum(once(fn, sync) for _ in range(least)) / least
+    count = torch.tensor([min(MOST, max(least, int(budget_s / max(each, 1e-9))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    times: list[float] = []
-    for _ in range(int(count.item())):
-        t = time.perf_counter()
-        fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(once(fn, sync) for _ in range(int(count.item())))
 
 
 def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, float], float, float]:
@@ -124,10 +127,30 @@ def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -
     dy = torch.randn_like(y)
     f = timed(lambda: forward(b, t), budget_s, sync)
     b_s = timed(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), budget_s, sync)
-    w_s = timed(lambda: torch.autograd.grad(y, params, dy, retain_graph=True), budget_s, sync)
+    # the weight gradients alone cannot be timed apart: autograd reaches a block's first weights only
+    # through the input gradients of every op after them, so W is the whole backward less B
+    bw_s = timed(lambda: torch.autograd.grad(y, [x, *params], dy, retain_graph=True), budget_s, sync)
+    w_s = max(bw_s - b_s, 0.05 * bw_s)
     overhead = timed(lambda: forward(1, 8), budget_s / 2, sync)
     flops = layer_costs(m, t)[1] * b * t  # the block's training FLOPs for this micro-batch (6 a weight a token)
-    return {"F": f, "B": b_s, "W": w_s}, flops / max(f + b_s + w_s - 3 * overhead, 1e-9) / 1e12, overhead
+    block = {"F": f, "B": b_s, "W": w_s}
+    return block, achieved_tflops(flops, block, overhead), overhead
+
+
+class ProbeError(RuntimeError):
+    """What was timed cannot give a figure: said in one line, nothing written."""
+
+
+def achieved_tflops(flops: float, block_s: dict[str, float], overhead_s: float) -> float:
+    """The block's FLOPs over its three actions' time less their fixed cost. Where that is nothing
+    (a micro-batch so small, or a machine so busy, that the fixed cost takes it all), there is no
+    rate to tell: FLOPs over a clamped 1e-9 s was a rate of 1e5+ TFLOP/s that the planner believed."""
+    total = sum(block_s.values())
+    if total - 3 * overhead_s <= 0.05 * total:
+        raise ProbeError(f"the block's F, B and W took {total * 1e3:.3g} ms, no more than three of an action's fixed "
+                         f"cost ({overhead_s * 1e3:.3g} ms each): its FLOP rate cannot be told apart from an action's "
+                         f"fixed cost; probe at a larger --micro-batch-size or --seq-len, or on an idle machine")
+    return flops / (total - 3 * overhead_s) / 1e12
 
 
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
@@ -139,8 +162,13 @@ def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkC
     small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
     t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
     t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
-    moved = 2 * (n - 1) / n * (SIZES[1] - SIZES[0])  # a ring all-reduce's bytes through each link
-    return LinkCost(t_small, moved / max(t_large - t_small, 1e-9) / 1e9)
+    ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
+    if t_large > 1.05 * t_small:
+        return LinkCost(t_small, ring * (SIZES[1] - SIZES[0]) / (t_large - t_small) / 1e9)
+    # the large no slower than the small (a loaded host's noise): the difference says nothing, and
+    # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
+    # bandwidth the link at least has
+    return LinkCost(min(t_small, t_large), ring * SIZES[1] / t_large / 1e9)
 
 
 def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 0.3) -> tuple[float, float]:

@@ -21,6 +21,7 @@ from pipezero.config import (MAX_LAYERS, LaunchConfig, Packing, ParallelConfig, 
 from pipezero.errors import ConfigError
 from pipezero.models.presets import PRESET_LR, PRESET_WARMUP, apply_preset
 from pipezero.schedules.compile import layerwise
+from pipezero.schedules.actions import Schedule
 from pipezero.schedules.registry import SPLIT_BACKWARD, check_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -43,7 +44,7 @@ RANGES: dict[str, Range] = {
     # at least a second: the rendezvous waits this long too, and 1e-300 s (0 ms) failed every rank's connect
     "parallel.bucket_mb": POSITIVE, "parallel.timeout_s": Range(1, 7 * 86400),
     "parallel.stall_report_s": Range(0, 7 * 86400, open_low=True),  # as the timeout it reports within
-    "run.gpu_memory_gib": POSITIVE,  # -1 was "the layout does not fit --gpu-memory -1 GiB"
+    "run.gpu_memory_gib": POSITIVE,  # a limit of -1 GiB is a typo, not a layout that does not fit
     "run.host_memory_gib": POSITIVE,
     "parallel.ranks_per_node": POSITIVE_INT,
     "parallel.buckets_in_flight": POSITIVE_INT,
@@ -64,7 +65,7 @@ RANGES: dict[str, Range] = {
     "run.threads": Range(1, 1024),  # 100000 crashed the interpreter (OpenMP could not start them): SIGSEGV
     **{f"run.{k}": NON_NEGATIVE for k in ("eval_every", "checkpoint_every")},
     # torch's generators take 64 bits, and each block's is seed x 1000003 + its index (models/llama.py):
-    # a seed of 2^64 was a traceback; 32 bits leave that product room
+    # a seed of 2^64 overflows them; 32 bits leave that product room
     "run.seed": Range(0, 2**32 - 1),
     "run.sample_tokens": Range(0, 4096),  # a token a whole forward (no cache): 1e11 never ended
     # one host's ranks: each imports torch (~300 MB) before it can refuse anything, so 100000 would
@@ -186,7 +187,7 @@ def unreachable(path: Path, e: OSError) -> str:
 def present(path: Path) -> bool:
     """Whether `path` is something to read (followed through links); False, not a traceback,
     where a folder on the way may not be searched (Path.exists raises that one). A name too long
-    for the filesystem is left to the command's own line for it (cli.main)."""
+    for the filesystem is left to the command's own line for it (cli/command_line.py `main`)."""
     import errno
 
     try:
@@ -387,8 +388,8 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
 
 
 def check_step_size(cfg: TrainConfig) -> None:
-    """A step's schedule and batch within what a rank can build and hold (sim/limits.py)."""
-    from pipezero.sim import limits
+    """A step's schedule and batch within what a rank can build and hold (schedules/limits.py)."""
+    from pipezero.schedules import limits
 
     p, seq = cfg.parallel, cfg.data.seq_len
     played = p.pp * p.microbatches * p.virtual_stages
@@ -505,9 +506,37 @@ def check_zero3_unit(cfg: TrainConfig, spec: object = None) -> None:
         check_spec_parts(spec)  # type: ignore[arg-type]  # here, not on every rank once they have started
 
 
+def check_offload_activations(cfg: TrainConfig) -> None:
+    """--offload-activations N copies micro-batches held across two or more other actions: a layout
+    where none is (one pipeline rank under 1F1B, M = 1) would never read it."""
+    p = cfg.parallel
+    if not p.offload_activations or p.recompute:  # with --recompute: refused for what it is
+        return
+    from pipezero.schedules.registry import build_schedule
+
+    try:
+        schedule = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ValueError:
+        return  # the layout's own refusal comes where the schedule is checked
+    _check((unread := unread_activation_offload(p.offload_activations, [schedule])) is None, unread or "")
+
+
+def unread_activation_offload(n: int, schedules: list[Schedule]) -> str | None:
+    """Why --offload-activations `n` would copy nothing in any of `schedules`, or None."""
+    from pipezero.schedules.lowering import held_long
+
+    if not n or any(held_long(actions) for s in schedules for actions in s.actions):
+        return None
+    s = schedules[0]
+    return (f"--offload-activations {n}: no micro-batch of --pp {s.pp} --schedule {s.name}"
+            f"{'' if len(schedules) == 1 else ' (or any schedule compared)'} --microbatches {s.microbatches} waits "
+            f"across two other actions between its forward and its backward, so none would be copied to the host; "
+            f"drop it, or a layout that holds activations (--schedule gpipe, more --microbatches or --pp)")
+
+
 def check_prefetch(cfg: TrainConfig) -> None:
     """--link-gbps and --tflops describe the hardware only for `--zero3-prefetch auto`; with it, the
-    choice is made here once (sim/prefetch.py), so a missing input is refused before any rank starts."""
+    choice is made here once (planner/prefetch.py), so a missing input is refused before any rank starts."""
     p = cfg.parallel
     for flag, value in (("--link-gbps", p.link_gbps), ("--tflops", p.tflops)):
         if value is not None:
@@ -515,7 +544,7 @@ def check_prefetch(cfg: TrainConfig) -> None:
                    f"{flag} {value:g} is read only by --zero3-prefetch auto (the planner's depth): add it, or drop "
                    f"{flag}")
     if p.zero3_prefetch == "auto":
-        from pipezero.sim.memory import prefetch_choice
+        from pipezero.memory.model import prefetch_choice
 
         prefetch_choice(cfg)
 
@@ -601,11 +630,15 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
                              f"({o.lr:g})")
     check_hierarchical(p.hierarchical, r.device.value)
     _check(not (p.offload_activations and p.recompute),
-           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps no activations "
-           f"between forward and backward to offload; drop one of them")
+           f"--offload-activations {p.offload_activations} with --recompute: recomputation keeps only each block's "
+           f"input between forward and backward; drop one of them")
+    check_offload_activations(cfg)
     _check(not (p.hierarchical and r.share_device is ShareDevice.ON),
            "--share-device on with --hierarchical: the two-level collectives run on a thread of their own that "
            "stages nothing (and GPUs refuse --hierarchical); drop one of them")
+    _check(not (r.share_device is ShareDevice.ON and p.world_size == 1),
+           "--share-device on with one rank: there is no other rank to share a GPU with or to send through the "
+           "host; drop it (or start more ranks: --nproc, --pp, --dp)")
     # with one replica nothing reads --hierarchical: refused rather than silently unread
     _check(not p.hierarchical or p.dp > 1, "--hierarchical with --dp 1: there are no data-parallel reductions to split "
                                             "by node; raise --dp or drop it")

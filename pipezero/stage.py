@@ -43,7 +43,7 @@ from pipezero.schedules.program import Instr, defers_update_waits
 from pipezero.schedules.program_check import check_placement
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
-from pipezero.sim.memory import prefetch_choice
+from pipezero.memory.model import prefetch_choice
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero import layerwise, weight_waits
 from pipezero.zero.buckets import named_by_chunk, shared_params
@@ -91,7 +91,7 @@ def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
 
 def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list[int] | None:
     """The run's explicit cuts; under `--partition memory` the ones whose largest predicted peak is
-    least (sim/memory_partition.py), computed from the run's settings alone so every rank, and the
+    least (memory/partition.py), computed from the run's settings alone so every rank, and the
     prediction in summary.json, cut alike."""
     p = cfg.parallel
     if p.partition is not Partition.MEMORY or p.stage_layers is not None:
@@ -99,7 +99,7 @@ def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list
     if type(spec) is not LlamaSpec:
         raise ConfigError(f"--partition memory with the model {type(spec).__name__}: the memory model knows the "
                           f"built-in decoder's layers only; use --partition params or cost, or --stage-layers")
-    from pipezero.sim.memory_partition import resolve
+    from pipezero.memory.partition import resolve
 
     return resolve(cfg, device.type == "cuda").parallel.stage_layers
 

@@ -9,11 +9,12 @@ import resource
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pipezero.config import TrainConfig
+from pipezero.planner.auto_check import summary_entry
 from pipezero.freeze import frozen_params, saved_bytes, summarize
 from pipezero.nonfinite import finite_or_none
 from pipezero.doctor import Ranks, planned_work, stragglers
@@ -54,13 +55,16 @@ SUMMARY_FIELDS: dict[str, str] = {
     "frozen": "the --freeze pattern, frozen parameters of one replica, and the gradient and optimizer bytes "
               "freezing saved over every rank",
     "memory": "ranks: each rank's predicted_peak_bytes, the most of its phases (predicted_phase_bytes: train, "
-              "eval, sample), and the categories at it (sim/memory.py; null for a model of one's own), and with "
+              "eval, sample), and the categories at it (memory/model.py; null for a model of one's own), and with "
               "--memory-profile its measured_peak_bytes and measured_phase_bytes: the first step, the first "
               "evaluation and the text sample (else null)",
     "zero3_prefetch": "ZeRO-3 layer by layer: the prefetch depth asked for (a number or auto), the depth the program "
-                      "placed, why (auto: the planner's phrase, sim/prefetch.py) and the simulated exposed seconds a "
+                      "placed, why (auto: the planner's phrase, planner/prefetch.py) and the simulated exposed seconds a "
                       "micro-batch at depth 1, 2, ... as far as auto tried, and the unit the depth counts (layer, or "
                       "sublayer: a block's attention and MLP apart); null without layer-by-layer gathers",
+    "layout_choice": "with --layout auto: the chosen layout's flags, predicted and measured step time "
+                     "(median of the steps after the first) and peak GiB (measured: --memory-profile, or a GPU's "
+                     "allocator), the step's terms, the runners-up and the costs chosen with (else null)",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "
@@ -118,6 +122,7 @@ class RunResult:
     peak_gathered_run: int = 0  # the same with evaluations and the end-of-run sample
     measured_peak_bytes: int | None = None  # --memory-profile: this rank's peak over the phases measured
     measured_phases: dict[str, int] = field(default_factory=dict)  # --memory-profile: each phase's peak
+    layout_check: Any = None  # --layout auto: the prediction and the steps measured (planner/auto_check.py)
 
 
 def peak_rss_bytes() -> int:
@@ -128,8 +133,8 @@ def peak_rss_bytes() -> int:
 def memory_figures(cfg: TrainConfig, own_model: bool, cuda: bool, per_rank: list[dict]) -> dict:
     """summary.json's `memory`: the memory model's peak per rank beside the measured one. The model
     knows the built-in decoder's layers, not a spec of one's own (its prediction is null)."""
-    from pipezero.sim.memory import predict
-    from pipezero.sim.memory_partition import resolve
+    from pipezero.memory.model import predict
+    from pipezero.memory.partition import resolve
 
     predicted = None if own_model or cfg.model.spec is not None else predict(resolve(cfg, cuda), cuda)
     return {"ranks": [{"rank": r, "measured_peak_bytes": x["measured_peak_bytes"],
@@ -144,7 +149,7 @@ def prefetch_figures(cfg: TrainConfig, stage: "Stage") -> dict | None:
     """summary.json's `zero3_prefetch`: what was asked, the depth the plan placed, why, and its unit."""
     if not stage.plan.layerwise:
         return None
-    from pipezero.sim.memory import prefetch_choice
+    from pipezero.memory.model import prefetch_choice
 
     asked = cfg.parallel.zero3_prefetch
     choice = prefetch_choice(cfg, stage.zero.device.type == "cuda")
@@ -226,6 +231,7 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
         "memory": memory_figures(cfg, own_model, stage.zero.device.type == "cuda", per_rank),
         "zero3_prefetch": prefetch_figures(cfg, stage),
         "straggler": stragglers([x["work"] for x in per_rank], Ranks(p.pp, p.dp, p.placement.value)),
+        "layout_choice": summary_entry(result.layout_check, per_rank),
     })
     if progress:
         bubble = sum(x["measured_bubble"] for x in per_rank) / len(per_rank)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipezero.config import DType, Offload, ScheduleKind, SecondaryShard, TrainConfig, Zero3Unit
+from pipezero.config import DType, Offload, ScheduleKind, SecondaryShard, ShareDevice, TrainConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
 from pipezero.util import atomic_write_bytes, atomic_write_json
@@ -182,6 +182,7 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     p.zero3_unit = Zero3Unit.LAYER  # how ZeRO-3 cuts its gathers: one process gathers nothing
     # where bytes wait between uses: the reference keeps everything on its device
     p.offload, p.offload_activations = Offload.NONE, 0
+    ref.run.share_device = ShareDevice.OFF  # one process has no peer to stage a transfer for
     ref.run.out = str(out / "reference")
     return validate(ref)
 

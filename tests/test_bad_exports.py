@@ -106,7 +106,7 @@ def test_the_default_export_writes_a_new_or_empty_folder_whole(trained, tmp_path
 
 def test_an_export_that_fails_midway_leaves_nothing_behind(trained, tmp_path, capsys, monkeypatch):
     """A disk that fills up mid-export: one line (exit 1), no half folder, not even the parents made
-    for --out (it was a traceback, and left --out holding a temporary file)."""
+    for --out, and no temporary file in --out."""
     import pipezero.checkpoint.export as export
 
     def full_disk(model, path):

@@ -86,7 +86,8 @@ def test_bad_setting_is_one_line(text, flags, needle, tmp_path, capsys):
 
 def test_each_flag_is_declared_once_and_sets_its_setting():
     """One table declares every flag; a flag's value arrives at its setting, coerced by config."""
-    from pipezero.cli import TRAIN_FLAGS, build_parser, flag_values
+    from pipezero.cli.command_line import build_parser
+    from pipezero.cli.flags import TRAIN_FLAGS, flag_values
     from pipezero.settings import build_config, setting_type
 
     flags = list(TRAIN_FLAGS)

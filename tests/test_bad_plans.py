@@ -1,5 +1,5 @@
 """`plan` and `simulate` refuse what they cannot answer in one line, exit 2: sizes past
-what answers within seconds (sim/limits.py), values that overflow, files they cannot write, flags
+what answers within seconds (schedules/limits.py), values that overflow, files they cannot write, flags
 they would ignore. All in this process (cluster's refusals: test_bad_cluster.py)."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ CASES = [
     # train's cap on a step's tokens binds, not memory: the plan proposed layouts train refuses
     ([*PLAN, "--global-batch", "1048576", "--seq-len", "512"], "--global-batch 1048576 x --seq-len 512 = 536870912 "
                                                                "tokens a step; train's limit is 268435456"),
-    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # was "0.0B parameters"
+    ([*PLAN[:-1], "0.0001"], "no layout fits 1.48M parameters in 8 x 0.0001 GiB"),  # not "0.0B parameters"
 ]
 
 
@@ -146,8 +146,9 @@ def test_the_planner_plays_within_its_budget_and_says_what_it_left_out(capsys, m
     from pipezero.cli import main
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
-    from pipezero.sim import limits, planner
-    from pipezero.sim.layouts import Cluster
+    from pipezero.planner import search as planner
+    from pipezero.schedules import limits
+    from pipezero.planner.layouts import Cluster
 
     model = apply_preset(ModelConfig(), "small")
     result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=20000)
@@ -263,7 +264,7 @@ def test_plan_refuses_memory_no_layout_can_fit_before_simulating_any(capsys, mon
     def never(*args, **kwargs):
         raise AssertionError("the planner ran")
 
-    monkeypatch.setattr("pipezero.sim.planner.plan_within", never)
+    monkeypatch.setattr("pipezero.planner.search.plan_within", never)
     assert_one_line(*run_main(["plan", "--preset", "7b", "--gpus", "8", "--gpu-memory", "0.001"], capsys),
                     "no layout fits 6.74B parameters in 8 x 0.001 GiB: their fp32 weights alone")
 

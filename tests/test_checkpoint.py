@@ -109,7 +109,7 @@ def test_a_full_disk_under_the_runs_records_advises_resume_only_where_it_works(t
     would be replaced by a start from step 0)."""
     import errno
 
-    from pipezero.cli import failure_line
+    from pipezero.cli.train import failure_line
 
     out = tmp_path / "run"
     out.mkdir()

@@ -181,15 +181,27 @@ def test_layer_by_layer_lists_each_actions_gathers_where_its_layers_run():
     assert Action(1, Op.W, 1) in plan.schedule.actions[1]
 
 
-def test_with_recompute_a_backward_gathers_the_layers_its_forward_runs_again():
-    """--recompute runs the chunk's forward again inside the backward, right after the last layer's
-    `bwd` (the first saved tensor it needs), up to inside that last layer (torch's early stop): the
-    block recomputed first uses the bucket prefetched at `bwd 4`, then is released at its `fwd-end`
-    and gathered again for its own backward."""
-    p = ParallelConfig(pp=2, dp=2, zero=3, schedule=K.ZB_H1, microbatches=2, zero3_keep_gathered=False,
-                       recompute=True)
-    plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
-    listed = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
-    assert listed["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.1)@fwd-end 3 "
-                             "RESHARD(1.0)@bwd 3 UNSHARD(1.1, wait)@bwd 3 RESHARD(1.1)@end]")
-    assert listed["1W0"] == listed["1B0"].replace("1B0", "1W0")  # no stash with recompute: W runs autograd again
+def test_with_recompute_a_blocks_backward_gathers_what_its_forward_run_again_uses():
+    """--recompute reruns each block's forward inside its own backward (runtime/recompute.py), inside
+    the block module's call: a whole block's hooks do not fire again, so its gathers are a plain
+    backward's (its bucket, gathered at its `bwd`, serves the rerun). A block's parts (--zero3-unit
+    sublayer) are hooked on sub-modules the rerun calls: after the MLP's `bwd` (the first saved
+    tensor the block's backward needs is the MLP's) the rerun's attention uses the gather the MLP's
+    `bwd` prefetched and keeps it for its own backward (its `fwd-end` releases nothing), and the
+    rerun's MLP prefetches nothing past the block. W has no stash with recompute: it runs autograd
+    again."""
+    shapes = decoder_shapes(tiny(), [(0, 3), (3, 5)])
+    p = ParallelConfig(pp=2, dp=2, zero=3, schedule=K.ZB_H1, microbatches=2, zero3_keep_gathered=False)
+
+    def computes(**how) -> dict[str, str]:
+        plan = compile_plan(dataclasses.replace(p, **how), shapes)
+        return {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
+
+    plain, again = computes(), computes(recompute=True)
+    assert again["1B0"] == plain["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3 "
+                                            "RESHARD(1.1)@end]")
+    assert plain["1W0"] == "1W0" and again["1W0"] == again["1B0"].replace("1B0", "1W0")
+    parts = computes(recompute=True, zero3_unit=Zero3Unit.SUBLAYER)["1B0"]
+    # buckets of chunk 1, last unit first: 0 the head, 1 block 3's MLP, 2 block 3's attention
+    assert parts == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3.1 UNSHARD(1.2)@bwd 3.1 "
+                     "RESHARD(1.1)@bwd 3 RESHARD(1.2)@end]")

@@ -248,3 +248,23 @@ def test_a_schedule_named_alone_gets_its_fewest_chunks_as_simulate_gives_it(sche
 
     cfg = build_config(None, {"parallel.schedule": schedule, "parallel.pp": "2"})
     assert cfg.parallel.virtual_stages == v == default_virtual(K(schedule))
+
+
+def test_the_zero_help_says_what_each_stages_rules_say(capsys):
+    """`--zero`'s help is read from the rules table the lowering, runtime and memory model ask:
+    a stage's line names its reduction and its gathers exactly when its rules do."""
+    from dataclasses import replace
+
+    from pipezero.schedules.zero_rules import RULES
+
+    for rules in RULES.values():
+        text = rules.describe()
+        assert ("reduce-scatter" in text) == rules.reduces_to_shard, text
+        assert ("all-gather of the updated weights" in text) == rules.gathers_updates, text
+        assert ("parameters before use" in text) == rules.sharded_params, text
+    changed = replace(RULES[1], gathers_updates=False)
+    assert "all-gather" not in changed.describe()
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert all(rules.describe() in shown for rules in RULES.values())

@@ -61,7 +61,7 @@ def test_ranks_sharing_gpus_take_contiguous_blocks_and_their_share_of_memory():
 def test_the_fit_check_allows_a_sharing_rank_its_share(monkeypatch):
     """Four ranks on one 80 GiB GPU: each is allowed a quarter of the card, so the fit check refuses
     a layout that fits the whole card but not a quarter of it, naming the share it held it to."""
-    from pipezero.sim import fit
+    from pipezero.memory import fit
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -86,6 +86,19 @@ def test_share_device_on_with_hierarchical_is_refused():
     with pytest.raises(ConfigError, match="--share-device on with --hierarchical: .* drop one of them"):
         build_config(None, {"run.share_device": "on", "run.device": "cpu", "parallel.dp": 2,
                             "parallel.hierarchical": True, "parallel.ranks_per_node": 1})
+
+
+def test_share_device_on_with_one_rank_is_refused_and_verifys_reference_shares_nothing(tmp_path):
+    """One rank has no peer to share a GPU with or stage a transfer for: `on` would be read by
+    nothing. verify's one-process reference of a sharing layout therefore shares nothing itself."""
+    from pathlib import Path
+
+    from pipezero.verify import reference_config
+
+    with pytest.raises(ConfigError, match="--share-device on with one rank: .* drop it"):
+        build_config(None, {"run.share_device": "on", "run.device": "cpu"})
+    layout = build_config(None, {"run.share_device": "on", "run.device": "cpu", "parallel.dp": 2})
+    assert reference_config(layout, Path(tmp_path)).run.share_device is ShareDevice.OFF
 
 
 def test_split_backward_schedules_are_the_ones_with_b_actions():
@@ -206,6 +219,36 @@ def train_direct_and_staged(rank: int, world: int, data: str, out: str, cases: l
                            "sent": p2p.bytes_sent + stage.zero.comm.bytes_sent}
         results.append(runs)
     return results
+
+
+def resumed_staged(rank: int, world: int, data: str, out: str) -> dict:
+    """ZeRO-0 at D=2 shared (--share-device on): two steps saved, then one more resumed from them,
+    beside one fresh step; the staging copies each made. A resume gathers every bucket's weights and
+    both AdamW moments from the shards."""
+    from pipezero.engine import train
+    from training import tiny_overrides, watch_program
+
+    seen = watch_program()
+    case = {"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 0, "run.share_device": "on"}
+    copies = {}
+    for name, extra in (("saved", {"run.max_steps": 2, "run.save_final": True}),
+                        ("resumed", {"run.max_steps": 3, "run.resume": True}),
+                        ("fresh", {"run.max_steps": 1})):
+        folder = f"{out}/{'fresh' if name == 'fresh' else 'run'}"
+        train(build_config(None, tiny_overrides(data, folder, **case, **extra)))
+        copies[name] = seen["stage"].zero.comm.transport.counts()["copies_out"]
+    return {"copies": copies, "buckets": len(seen["stage"].zero.all_buckets())}
+
+
+@pytest.mark.distributed
+def test_a_resume_of_ranks_sharing_a_device_gathers_through_the_host(text_dir, tmp_path):
+    """The restored weights and moments travel like every other collective of a sharing rank, through
+    the host (on a GPU, gloo cannot read the device's tensors): a resumed step stages the restore's
+    three gathers a bucket beyond what a fresh step stages."""
+    from ranks import run_ranks
+
+    for r in run_ranks(resumed_staged, 2, str(text_dir), str(tmp_path)):
+        assert r["copies"]["resumed"] - r["copies"]["fresh"] >= 3 * r["buckets"], r
 
 
 @pytest.mark.distributed

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from pipezero.cli import TRAIN_FLAGS, build_parser
+from pipezero.cli.command_line import build_parser
+from pipezero.cli.flags import TRAIN_FLAGS
 from pipezero.settings import coerce_setting
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -71,3 +73,13 @@ def test_memory_rows_hold_each_rank_to_ten_percent():
         {"rank": 1, "predicted_peak_bytes": 89, "measured_peak_bytes": 100},
         {"rank": 2, "predicted_peak_bytes": 100, "measured_peak_bytes": None}]}})
     assert [r["within"] for r in rows] == [True, False, False]
+
+
+@pytest.mark.distributed  # a shell, refused at once: no rank starts
+def test_arguments_past_the_first_are_refused_not_ignored():
+    import subprocess
+
+    for args in (["--dry-run", "--steps", "1"], ["--fast"]):
+        done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), *args], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 2 and "usage: bash bench/gpu_session.sh [--dry-run]" in done.stderr, done

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from one_line import DEEP, assert_one_line, run_main
-from pipezero.doctor import (Programs, Ranks, load_records, planned_work, programs, report, stragglers, table,
-                             verdict)
-from pipezero.flight_files import read_run
+from pipezero.doctor import Programs, Ranks, planned_work, programs, report, stragglers, table, verdict
+from pipezero.flight_files import load_records, read_run
 from pipezero.runtime.flight import FlightRecord
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import PointToPoint
@@ -498,7 +497,7 @@ def test_doctor_does_not_wait_on_a_pipe_named_summary_json(tmp_path, capsys):
     """`doctor RUN` where RUN/summary.json is a named pipe: opened to read, it would wait for a writer."""
     import os
 
-    from pipezero.doctor import cmd_doctor
+    from pipezero.cli.doctor import cmd_doctor
 
     run = tmp_path / "run"
     run.mkdir()

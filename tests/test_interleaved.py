@@ -12,7 +12,7 @@ from pipezero.schedules.actions import Action, Op, ChunkPlacement, Schedule
 from pipezero.schedules.bucket_plan import uniform_plan
 from pipezero.schedules.check import ScheduleError, simulate
 from pipezero.schedules.posting import plans, verify
-from pipezero.schedules.program import lower
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.registry import build_schedule
 

@@ -123,7 +123,7 @@ def test_a_rendezvous_that_cannot_connect_is_one_line(capsys, monkeypatch):
     import torch.distributed as dist
 
     from pipezero import engine
-    from pipezero.cli import train_here
+    from pipezero.cli.train import train_here
 
     def unreachable(cfg):
         raise dist.DistNetworkError("The client socket has timed out after 5000ms while trying to connect to (x, 1).")
@@ -161,7 +161,7 @@ def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkey
     """Ctrl-C a second after `pipezero train` starts (SIGINT at 1 s, under load) can land in the
     import of torch that building the parser does: main's handler must cover that too, so the
     interrupt is its one line, not a KeyboardInterrupt traceback."""
-    from pipezero import cli
+    from pipezero.cli import command_line as cli
 
     def interrupted():
         raise KeyboardInterrupt

@@ -28,13 +28,16 @@ def test_config_imports_nothing_of_pipezero():
 
 
 @pytest.mark.parametrize("lower, higher", [
-    ("telemetry", "pipezero.sim"),  # measured timelines are drawn by telemetry's own plot module
+    ("telemetry", "pipezero.planner"),  # measured timelines are drawn by telemetry's own plot module
     ("nonfinite.py", "pipezero.zero"),  # the step outcome is the loop's type; ZeRO produces it
     ("runtime/weight_grad.py", "pipezero.models"),  # a norm says how its weight gradient is computed
     ("schedules", "pipezero.runtime"),  # plans are data: no torch, no executor
     ("schedules", "pipezero.zero"),
     ("schedules", "pipezero.models"),  # the plan takes the model's shapes as data (schedules/model_shapes.py)
-    ("schedules", "pipezero.sim"),
+    ("schedules", "pipezero.memory"),  # the memory model walks programs; programs know nothing of it
+    ("schedules", "pipezero.planner"),
+    ("memory", "pipezero.cli"),
+    ("planner", "pipezero.cli"),
     ("schedules", "pipezero.stage"),
 ])
 def test_lower_layers_do_not_import_higher_ones(lower, higher):

@@ -1,4 +1,4 @@
-"""The lowered program (schedules/program.py): every schedule lowers at every ZeRO stage, the checker
+"""The lowered program (schedules/lowering.py): every schedule lowers at every ZeRO stage, the checker
 proves it and rejects broken ones, and the simulator times its collectives. Pure data, no torch."""
 
 import json
@@ -12,8 +12,8 @@ from pipezero.config import ScheduleKind as K
 from pipezero.schedules.bucket_plan import group_tensors, plan_buckets, uniform_plan
 from pipezero.schedules.model_shapes import ModelShapes, TensorShape
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
-from pipezero.schedules.program import (Collective, Compute, DataParallel, Kind, PointToPoint, Program, flat, hoisted,
-                                        lower)
+from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, PointToPoint, Program, flat, hoisted
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import SCHEDULES, build_schedule
@@ -330,7 +330,7 @@ def test_the_simulator_and_the_memory_walk_read_the_bound_from_the_program():
     looser one lets the memory walk keep more full gradient buckets alive: both follow the number the
     program carries, not a rule of their own."""
     from pipezero.settings import build_config
-    from pipezero.sim.memory import predict
+    from pipezero.memory.model import predict
 
     s = schedule(K.INTERLEAVED_1F1B, 2)  # a chunk's reductions start while the other chunk's backwards run
     link = CommCost(bandwidth=1e5)  # a bucket's reduction about a tenth of a forward

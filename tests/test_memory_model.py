@@ -1,4 +1,4 @@
-"""The memory model (sim/memory.py) in one process: its per-layer bytes against what autograd
+"""The memory model (memory/model.py) in one process: its per-layer bytes against what autograd
 really saves, the walk's ZeRO and schedule rules, `simulate --memory`, the planner reading it, and
 train's fit check refusing a layout before any rank starts. Its accuracy against measured runs is
 tests/test_memory_model_run.py (and bench/memory_model.py for the whole table)."""
@@ -19,8 +19,8 @@ from pipezero.runtime.weight_grad import WeightGradCapture
 from pipezero.models.presets import apply_preset, block_params
 from pipezero.errors import ConfigError
 from pipezero.settings import build_config
-from pipezero.sim.fit import check_fit
-from pipezero.sim.memory import Shapes, layer_bytes, predict
+from pipezero.memory.fit import check_fit
+from pipezero.memory.model import Shapes, layer_bytes, predict
 from one_line import assert_one_line, run_main
 
 
@@ -132,8 +132,7 @@ def test_zero_stages_shard_what_they_should():
 
 def test_schedules_hold_what_they_keep_in_flight():
     """GPipe's first rank holds all M micro-batches' activations, 1F1B's P; recompute keeps only
-    each chunk's input and output between its forward and backward, so at its peak a rank holds one
-    micro-batch's chunk (recomputed in backward) instead of P."""
+    each block's input between a forward and its backward, and reruns one block at a time."""
     def acts(kind: K, m: int, recompute: bool = False) -> list[int]:
         cfg = build_config(None, layout(**{"parallel.pp": 2, "parallel.schedule": kind.value, "data.seq_len": 1024,
                                            "parallel.microbatches": m, "parallel.recompute": recompute}))
@@ -142,6 +141,23 @@ def test_schedules_hold_what_they_keep_in_flight():
     assert acts(K.GPIPE, 8)[0] > 3 * acts(K.ONE_F_ONE_B, 8)[0]
     assert acts(K.ONE_F_ONE_B, 8)[0] == acts(K.ONE_F_ONE_B, 16)[0]  # in flight: P, whatever M
     assert acts(K.ONE_F_ONE_B, 8, recompute=True)[0] < 0.6 * acts(K.ONE_F_ONE_B, 8)[0]
+
+
+def test_recompute_keeps_a_residual_tensor_a_block_and_reruns_one_block_at_a_time():
+    """--recompute checkpoints each block (runtime/recompute.py): four more blocks add four kept
+    inputs (B x T x dim, fp32) to the peak's activations, where without it they add four blocks' saved
+    tensors; the peak is inside a backward, rerunning one block."""
+    def peak(n_layers: int, recompute: bool):
+        cfg = build_config(None, layout(**{"parallel.microbatches": 2, "model.n_layers": n_layers, "data.seq_len": 1024,
+                                           "parallel.recompute": recompute}))
+        return predict(cfg)[0]
+
+    boundary = 2 * 1024 * 320 * 4
+    again = [peak(n, True) for n in (4, 8)]
+    assert again[1].categories["activations"] - again[0].categories["activations"] == 4 * boundary
+    assert again[1].at == "0BW0"
+    plain = [peak(n, False).categories["activations"] for n in (4, 8)]
+    assert plain[1] - plain[0] > 20 * 4 * boundary
 
 
 def test_simulate_memory_json_names_every_rank(capsys):
@@ -156,9 +172,9 @@ def test_simulate_memory_json_names_every_rank(capsys):
 
 
 def test_plan_reads_the_memory_model():
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.memory import layout_memory
-    from pipezero.sim.planner import GIB, estimate
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.memory.model import layout_memory
+    from pipezero.planner.search import GIB, estimate
 
     model = apply_preset(ModelConfig(), "small")
     lay = Layout(2, 1, 0, K.ONE_F_ONE_B, 1, 2, 4, False)
@@ -192,8 +208,8 @@ def test_the_planner_reads_the_heaviest_rank_not_only_the_ends():
     """Under an even cut of `small` at P=4, 1F1B, the second rank (a whole stage of blocks, P-1
     micro-batches in flight) outweighs both ends: the planner's figure is the heaviest of all ranks."""
     from pipezero.config import DataConfig, Packing, ParallelConfig, TrainConfig
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.memory import build_plan, layout_memory, walk
+    from pipezero.planner.layouts import Layout
+    from pipezero.memory.model import build_plan, layout_memory, walk
 
     model = apply_preset(ModelConfig(), "small")
     par = ParallelConfig(pp=4, dp=1, zero=0, schedule=K.ONE_F_ONE_B, microbatches=8, micro_batch_size=4)
@@ -282,8 +298,8 @@ STATES = {"model.preset": "tiny", "model.n_layers": 8, "model.dim": 128, "model.
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_message_is_sized_as_the_wire_sends_it(bits):
-    """The torch-free sizes the model counts (sim/quantized_memory.py) are zero/quantize.py's."""
-    from pipezero.sim.quantized_memory import QuantWire
+    """The torch-free sizes the model counts (memory/quantized.py) are zero/quantize.py's."""
+    from pipezero.memory.quantized import QuantWire
     from pipezero.zero.quantize import Bits, encode
 
     for numel, block in ((1, 256), (255, 256), (257, 256), (65601, 32), (131200, 256)):
@@ -295,8 +311,8 @@ def test_quantized_gradients_at_zero0_hold_every_reductions_messages_to_the_step
     piece from the backward that starts it to the step that waits for it, then decodes (2 x n fp32)
     at the wait: every bucket's at once. Counted as the plain all-reduce's nothing, the prediction
     was 0.82 of the measured peak and the fit check admitted a layout 17% over its limit."""
-    from pipezero.sim.memory import build_plan
-    from pipezero.sim.quantized_memory import QuantWire, reduction_flight
+    from pipezero.memory.model import build_plan
+    from pipezero.memory.quantized import QuantWire, reduction_flight
 
     plain = build_config(None, STATES)
     quant = build_config(None, {**STATES, "parallel.quantize_grads": "int8"})
@@ -307,7 +323,7 @@ def test_quantized_gradients_at_zero0_hold_every_reductions_messages_to_the_step
     state = sum(after.categories[c] for c in ("params", "grads", "optimizer"))
     assert state == sum(before.categories[c] for c in ("params", "grads", "optimizer"))
     assert after.peak_bytes >= state + flying > before.peak_bytes  # measured: 35.06 MiB against 28.71 unquantized
-    from pipezero.sim.limits import FIT_MARGIN
+    from pipezero.schedules.limits import FIT_MARGIN
 
     # a limit whose admitted share lies between the two: the plain layout fits, the quantized does not
     limit = (before.peak_bytes + after.peak_bytes) / 2 / 2**30 / (1 - FIT_MARGIN)
@@ -352,7 +368,7 @@ def test_simulate_memory_takes_trains_defaults_for_flags_left_out(capsys, tmp_pa
 
 
 def test_simulate_memory_counts_quantized_traffic(capsys):
-    """--quantize-grads and --quantize-weights change the prediction (sim/quantized_memory.py), so
+    """--quantize-grads and --quantize-weights change the prediction (memory/quantized.py), so
     `simulate --memory` takes them as train does (it refused them as flags it would ignore)."""
     argv = ["simulate", "--memory", "--preset", "tiny", "--dp", "2", "--zero", "1", "--seq-len", "16",
             "--micro-batch-size", "1", "--json"]  # model state, not activations, at the peak
@@ -376,7 +392,7 @@ def updated_elements(cfg_kw: dict) -> list[int]:
     """Each rank's updated elements, from the buckets the run pads: ZeRO-0 the whole buckets, ZeRO-1
     to 3 a 1/D shard of each."""
     from pipezero.schedules.zero_rules import RULES
-    from pipezero.sim.memory import build_plan
+    from pipezero.memory.model import build_plan
 
     cfg = build_config(None, cfg_kw)
     plan = build_plan(cfg, False)
@@ -406,7 +422,7 @@ def test_offload_moves_adamw_from_the_device_to_the_host(zero):
 
 
 def test_every_category_says_where_it_lives():
-    from pipezero.sim.memory import CATEGORIES, HOST_CATEGORIES, WHERE
+    from pipezero.memory.model import CATEGORIES, HOST_CATEGORIES, WHERE
 
     assert set(WHERE) == set(CATEGORIES) | set(HOST_CATEGORIES)
     assert {WHERE[c] for c in CATEGORIES} == {"device"} and {WHERE[c] for c in HOST_CATEGORIES} == {"host"}
@@ -444,7 +460,7 @@ def test_offload_applies_with_memory_or_the_lowered_program(capsys):
 def test_the_fit_check_counts_device_bytes_only():
     """A layout whose device peak fits only once AdamW's moments are on the host passes the fit check
     offloaded (its host bytes are the host check's) and is refused as it is."""
-    from pipezero.sim.limits import FIT_MARGIN
+    from pipezero.schedules.limits import FIT_MARGIN
 
     kw = layout(**{"model.preset": "tiny", "data.seq_len": 16, "parallel.dp": 2, "parallel.zero": 0})
     plain, off = offloaded(kw, False), offloaded(kw, True)
@@ -459,7 +475,7 @@ def test_the_fit_check_counts_device_bytes_only():
 def test_the_host_check_counts_host_bytes_and_a_cpu_ranks_device():
     """train's host check (--host-memory, a node's): GPU ranks' offloaded buffers; CPU ranks' whole
     peak besides, their device being the host; GPU ranks without offload hold nothing counted."""
-    from pipezero.cli import check_host_memory
+    from pipezero.cli.train import check_host_memory
 
     kw = layout(**{"model.preset": "tiny", "data.seq_len": 16, "parallel.dp": 2, "parallel.zero": 1})
     host = sum(r.host_peak_bytes for r in offloaded(kw, True)) / 2**30

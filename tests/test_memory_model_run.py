@@ -1,7 +1,8 @@
-"""The memory model against measured runs: each rank's predicted peak (sim/memory.py) within 10% of
+"""The memory model against measured runs: each rank's predicted peak (memory/model.py) within 10% of
 its measured peak (train --memory-profile: the profiler's live tensor bytes of the first step, the
 first evaluation and the text sample), one spawn of four ranks:
 - 1F1B and ZB-H1 at ZeRO 0 and 3 on P=2 x D=2 (the training step's peak);
+- --recompute (a block at a time) at P=2 x D=2 under ZB-H1, and under ZB-V with ZeRO-3 layer by layer;
 - an evaluation-heavy layout: 1F1B, P=2 x D=2, recompute, long sequences and 32 evaluation
   batches, whose evaluation holds every micro-batch's send until its end (more than the step);
 - a long text sample at P=1 x D=4, ZeRO 0 (rank 0 samples alone) and ZeRO-3 layer by layer (every
@@ -20,9 +21,9 @@ import pytest
 from pipezero.config import ScheduleKind as K
 from pipezero.errors import ConfigError
 from pipezero.settings import build_config
-from pipezero.sim.fit import check_fit
-from pipezero.sim.memory import predict
-from pipezero.sim.memory_runs import phase_peaks
+from pipezero.memory.fit import check_fit
+from pipezero.memory.model import predict
+from pipezero.memory.runs import phase_peaks
 from ranks import run_ranks
 from training import tiny_overrides
 
@@ -33,7 +34,7 @@ MODEL = {"model.n_layers": 4, "model.dim": 128, "model.n_heads": 4, "model.vocab
          "data.seq_len": 32, "data.packing": "concat", "parallel.micro_batch_size": 2, "parallel.bucket_mb": 0.5,
          "run.max_steps": 1, "run.threads": 1}
 # model state outweighs activations (eight blocks of width 128 over 16 tokens), so quantized traffic's
-# messages and decodes (sim/quantized_memory.py) are a visible share of a rank's peak (bench/memory_model.py's
+# messages and decodes (memory/quantized.py) are a visible share of a rank's peak (bench/memory_model.py's
 # `states`); the fit check is held to these too: at a limit just below a rank's measured peak it refuses
 STATES = {"model.dim": 128, "model.n_layers": 8, "data.seq_len": 16, "parallel.micro_batch_size": 1}
 QUANTIZED = {"ZeRO-0 int8 gradients": {"parallel.zero": 0, "parallel.quantize_grads": "int8"},
@@ -56,7 +57,12 @@ CASES = [(f"{kind.value} ZeRO-{zero}", 2, 2, kind, {"parallel.zero": zero}, None
     ("ZeRO-3 sublayer", 1, 4, K.ONE_F_ONE_B, {"model.dim": 256, "data.seq_len": 16, "parallel.micro_batch_size": 1,
                                              "parallel.zero": 3, "parallel.zero3_unit": "sublayer",
                                              "parallel.zero3_prefetch": 2}, None, ()),
-    *[(name, 1, 4, K.ONE_F_ONE_B, {**STATES, **extra}, None, ()) for name, extra in QUANTIZED.items()]]
+    *[(name, 1, 4, K.ONE_F_ONE_B, {**STATES, **extra}, None, ()) for name, extra in QUANTIZED.items()],
+    # --recompute, a block at a time: each block's input kept, one block rerun at a time; under split
+    # backward (B and W each rerun) and under ZeRO-3 layer by layer (the rerun uses the block's gather)
+    ("zb-h1 ZeRO-1 recompute", 2, 2, K.ZB_H1, {"parallel.zero": 1, "parallel.recompute": True}, None, ()),
+    ("zb-v ZeRO-3 layer by layer recompute", 2, 2, K.ZB_V, {"parallel.zero": 3, "parallel.zero3_keep_gathered": False,
+                                                           "parallel.recompute": True}, None, ())]
 
 
 @pytest.mark.slow(52)

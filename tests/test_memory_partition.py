@@ -1,4 +1,4 @@
-"""The `memory` partition policy (sim/memory_partition.py) in one process: it evens out the
+"""The `memory` partition policy (memory/partition.py) in one process: it evens out the
 predicted per-rank peaks of a 4-stage 1F1B layout, finds the least largest peak an exhaustive search
 finds (one and several chunks a rank), and reaches every place that cuts a run the same way. That
 a run so cut trains the same model as one process is tests/test_pipeline.py's."""
@@ -18,9 +18,9 @@ from pipezero.config import Partition, ScheduleKind as K, TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.parallel.partition import cut
 from pipezero.settings import build_config
-from pipezero.sim.fit import check_fit
-from pipezero.sim.memory import predict
-from pipezero.sim.memory_partition import balance, resolve
+from pipezero.memory.fit import check_fit
+from pipezero.memory.model import predict
+from pipezero.memory.partition import balance, resolve
 from one_line import assert_one_line, run_main
 
 GIB = 2**30
@@ -120,7 +120,7 @@ def test_memory_cuts_make_a_layout_fit(capsys, monkeypatch):
     """train's fit check reads the policy's cuts: a limit between the two largest peaks refuses the
     uniform cut and passes the memory one; `simulate --memory` shows the cuts."""
     from pipezero.cli import main
-    from pipezero.sim import fit
+    from pipezero.memory import fit
 
     monkeypatch.setattr(fit, "alternatives", lambda *a: "")  # the planner's suggestions: not this test's
     limit = (max(peaks(small(), Partition.MEMORY)) + max(peaks(small(), Partition.UNIFORM))) / 2 / GIB
@@ -140,14 +140,14 @@ def test_memory_partition_with_a_spec_of_ones_own_is_one_line(capsys, monkeypatc
 
 
 def test_plan_tries_memory_cuts_only_where_few_layouts_fit():
-    """The planner's rescue (sim/planner.cut_by_memory): a 4-stage 1F1B layout over its memory with
+    """The planner's rescue (planner/search.cut_by_memory): a 4-stage 1F1B layout over its memory with
     uniform cuts fits with memory cuts, estimated again with the slower step its heavier last rank
     paces; with ten layouts that fit already, nothing is searched."""
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
-    from pipezero.sim.fit import flags
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import cut_by_memory, estimate
+    from pipezero.memory.fit import flags
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import cut_by_memory, estimate
 
     model = apply_preset(ModelConfig(), "small")
     lay = Layout(4, 1, 0, K.ONE_F_ONE_B, 1, 4, 8, False)
@@ -177,7 +177,7 @@ def test_one_stage_has_nothing_to_cut_whatever_the_policy():
 def test_the_host_memory_check_cuts_as_the_policy_says(pp):
     """train and verify on CPU add up the ranks' predicted peaks before any rank starts: under
     --partition memory that prediction is of the policy's cuts."""
-    from pipezero.cli import check_host_memory
+    from pipezero.cli.train import check_host_memory
 
     check_host_memory(small(**{"parallel.partition": "memory", "parallel.pp": pp}))
 

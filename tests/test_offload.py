@@ -12,7 +12,7 @@ from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.played import expected
 from pipezero.schedules.program import DataParallel, Kind, OptimStep, flat
 from pipezero.schedules.program_check import check_program
-from pipezero.sim.program_view import preset_model
+from pipezero.cli.simulate_zero import preset_model
 from ranks import run_ranks
 from training import V_OF, assert_same_training, train_cases
 
@@ -191,14 +191,13 @@ def test_activation_copies_leave_after_their_forward_and_return_one_action_befor
     assert moved, plan.program.listing(0)
 
 
-@pytest.mark.parametrize("kind, m, n", [(K.GPIPE, 4, 2), (K.GPIPE, 4, 4), (K.ONE_F_ONE_B, 1, 1)])
+@pytest.mark.parametrize("kind, m, n", [(K.GPIPE, 4, 2), (K.GPIPE, 4, 4)])
 def test_the_memory_model_predicts_the_activation_bytes_a_run_holds_in_host_memory(kind, m, n, text_dir, tmp_path):
     """One process (a pipeline of one rank: GPipe holds every micro-batch to the backward): the most
-    activation bytes the run held in host memory at once against the model's `host_activations`
-    (1F1B at M = 1 holds none across two actions: both zero)."""
+    activation bytes the run held in host memory at once against the model's `host_activations`."""
     from pipezero.engine import train
     from pipezero.settings import build_config
-    from pipezero.sim.memory import predict
+    from pipezero.memory.model import predict
     from training import tiny_overrides
 
     cfg = build_config(None, tiny_overrides(str(text_dir), str(tmp_path / "run"), 1, 1, kind, m,
@@ -224,3 +223,48 @@ def test_the_memory_model_predicts_the_activation_bytes_a_run_holds_in_host_memo
             engine.finish_run = engine_finish
     want = predicted.host_categories.get("host_activations", 0)
     assert seen and (seen[0] == want == 0 or abs(seen[0] / want - 1) <= 0.10), (seen, want)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--preset", "tiny", "--offload-activations", "2"], "--offload-activations 2: no micro-batch"),
+    (["train", "--preset", "tiny", "--pp", "2", "--nproc", "2", "--microbatches", "1", "--offload-activations", "1"],
+     "--offload-activations 1: no micro-batch"),
+    (["verify", "--offload-activations", "1"], "--offload-activations 1: no micro-batch"),
+    (["simulate", "--zero", "1", "--pp", "1", "--offload-activations", "1"], "--offload-activations 1: no micro-batch"),
+    (["simulate", "--zero", "1", "--pp", "2", "--microbatches", "1", "--offload-activations", "1"],
+     "--offload-activations 1: no micro-batch of --pp 2 --schedule 1f1b --microbatches 1"),
+])
+def test_activations_offloaded_where_no_micro_batch_waits_are_refused_before_any_rank_starts(argv, needle, tmp_path,
+                                                                                              capsys):
+    """One pipeline rank under 1F1B runs each backward right after its forward (and M = 1 anywhere
+    holds none across two other actions): nothing would ever be copied, the flag read by nothing."""
+    from one_line import assert_one_line, run_main
+
+    out = [] if argv[0] == "simulate" else ["--out", str(tmp_path / "run")]
+    assert_one_line(*run_main([*argv, *out], capsys), needle)
+
+
+def test_simulate_memory_shows_host_activations_where_only_some_ranks_offload(capsys):
+    """On the last pipeline rank of 1F1B no micro-batch waits across two actions: its row has no
+    host activations while the first rank's has (a KeyError once)."""
+    from pipezero.cli import main
+
+    assert main(["simulate", "--memory", "--preset", "tiny", "--pp", "4", "--offload-activations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host_activations" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["--preset", "nope"], "unknown preset 'nope'"),
+                                          (["--microbatches", "1"], "--offload-activations 2: no micro-batch")])
+def test_the_offload_bench_refuses_bad_arguments_before_its_ranks_start(argv, needle, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import offload as bench
+
+    monkeypatch.setattr(bench, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    monkeypatch.setattr(sys, "argv", ["offload.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -26,7 +26,7 @@ def assert_cut_by_memory(results: list[list[dict]], data: str, out) -> None:
     """Every rank of a `--partition memory` case held the cuts the policy chooses for its settings,
     and they are not uniform's (else the case would test nothing)."""
     from pipezero.settings import build_config
-    from pipezero.sim.memory_partition import balance
+    from pipezero.memory.partition import balance
     from training import tiny_overrides
 
     cases = [r["case"] for r in results[0] if r["case"].get("parallel.partition") == "memory"]
@@ -146,7 +146,7 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
     # A stage with no layer (hence no parameter) passes activations and gradients straight through.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, "parallel.stage_layers": [2, 0, 3, 3]}
               for kind in (K.ONE_F_ONE_B, K.ZB_H1)]
-    # Memory-balanced cuts (sim/memory_partition.py): (2, 1, 2, 3) layers, not uniform's (2, 2, 2, 2).
+    # Memory-balanced cuts (memory/partition.py): (2, 1, 2, 3) layers, not uniform's (2, 2, 2, 2).
     cases += [{"pp": 4, "dp": 1, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.partition": "memory"}]
     # Micro-batches of different lengths through four stages, and through ZeRO 0-3 across replicas.
     cases += [{"pp": 4, "dp": 1, "kind": kind, "m": 4, **whole_documents(tmp_path)}

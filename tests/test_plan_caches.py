@@ -13,9 +13,9 @@ import pytest
 from pipezero.config import DataConfig, GradReduce, ModelConfig, Packing, ParallelConfig, ScheduleKind as K, TrainConfig
 from pipezero.models.presets import apply_preset
 from pipezero.schedules.program import DataParallel, chunk_markers, hoisted, reducing_backwards, walk_view
-from pipezero.sim.layouts import Cluster, Layout
-from pipezero.sim.memory import build_plan, every_rank, layout_memory, walk
-from pipezero.sim.planner import GIB, estimate
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.memory.model import build_plan, every_rank, layout_memory, walk
+from pipezero.planner.search import GIB, estimate
 
 
 def small_cfg(**par) -> TrainConfig:

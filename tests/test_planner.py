@@ -6,8 +6,8 @@ import pytest
 from pipezero.cli import main
 from pipezero.config import ModelConfig
 from pipezero.models import apply_preset
-from pipezero.sim.layouts import Cluster
-from pipezero.sim.planner import plan
+from pipezero.planner.layouts import Cluster
+from pipezero.planner.search import plan
 from pipezero.zero.accounting import paper_bytes_per_param
 from one_line import assert_one_line, run_main
 
@@ -46,9 +46,9 @@ def test_grad_reduce_modes_trade_memory_for_traffic():
     keeps fp32 gradients whatever the compute dtype), `microbatch` keeps the sharded memory, a few
     full buckets in flight, for M reduce-scatters a step."""
     from pipezero.config import GradReduce, ScheduleKind
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.memory import layout_memory
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Layout
+    from pipezero.memory.model import layout_memory
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), "7b")
     cluster = Cluster(gpus=64, gpu_memory_gib=80, inter_gbps=1.0)  # a slow link: traffic shows
@@ -69,8 +69,8 @@ def test_placement_follows_the_bandwidths_and_plan_takes_nodes_and_two_link_clas
     """2 nodes x 2: a slow inter-node link keeps gradients inside a node (dp-inner); the CLI takes
     --nodes, --gpus-per-node, --intra-bw and --inter-bw and shows the placement."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=10.0, inter_gbps=0.01, tflops=1e-3)
@@ -90,8 +90,8 @@ def test_one_stage_holds_every_parameter_and_zero_1_moves_what_the_code_moves():
     reduce-scatter and all-gather (2 passes on NCCL, an all-reduce's), ZeRO-3 gathers twice."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import GIB, estimate
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import GIB, estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)
@@ -109,8 +109,8 @@ def test_cpu_clusters_price_gloo_and_offer_the_two_level_reduction_where_groups_
     link than the flat exchange, the two-level all-reduce 1.5x fewer than gloo's ring (parallel/hierarchical.py's arithmetic). GPU clusters
     never get --hierarchical."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.traffic import collective_s, dp_split
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.traffic import collective_s, dp_split
 
     assert dp_split(2, 1, 4, Placement.DP_INNER) == (2, 2)  # 2 ranks of the group on each of 2 nodes
     assert dp_split(2, 2, 2, Placement.PP_INNER) == (1, 2)
@@ -148,8 +148,8 @@ def test_ranks_sharing_cores_slow_each_other_except_while_idle():
     """`cores`: four ranks on two cores compute half as fast as on four devices when all are busy;
     a pipeline whose first stage is lighter (the head is on the last) lends it back."""
     from pipezero.config import ScheduleKind
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
 
     model = apply_preset(ModelConfig(), "tiny")
     base = dict(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=1e6, tflops=1e-3)
@@ -168,8 +168,8 @@ def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
     from pipezero.config import ScheduleKind
     from pipezero.schedules.check import CostModel, simulate
     from pipezero.schedules.registry import build_schedule
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
 
     m, fixed = 8, 0.5
     one, zb = (simulate(build_schedule(k, 2, m, 1), CostModel(per_action=fixed))
@@ -184,7 +184,7 @@ def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
 
 
 def _play_buckets(comm: float, window: float, k: int, in_flight: int | None) -> tuple[float, float, float]:
-    """Reference for sim/overlap.py, bucket by bucket: (backward stall, tail after it, forward delay)."""
+    """Reference for planner/overlap.py, bucket by bucket: (backward stall, tail after it, forward delay)."""
     per, dt = comm / k, window / k
     t, finishes = 0.0, []
     for _ in range(k):  # a reduction starts when its bucket is full and the link is free
@@ -199,12 +199,12 @@ def _play_buckets(comm: float, window: float, k: int, in_flight: int | None) -> 
 
 
 def test_bucketed_collectives_hide_behind_the_compute_beside_them():
-    """sim/overlap.py's closed forms equal playing the buckets one by one: a reduction during a
+    """planner/overlap.py's closed forms equal playing the buckets one by one: a reduction during a
     backward and gathers before a forward are exposed max(C/k, C - T(1 - 1/k)); the in-flight bound
     (ZeRO-2/3's default of one bucket outstanding) stalls the backward instead, adding nothing."""
     import itertools
 
-    from pipezero.sim.overlap import gather_before, reduce_during
+    from pipezero.planner.overlap import gather_before, reduce_during
 
     for comm, window, k, n in itertools.product((0.0, 0.2, 0.5, 2.0), (0.0, 0.3, 1.0), (1, 2, 13, 40),
                                                  (None, 1, 3, 50)):
@@ -223,9 +223,9 @@ def test_data_parallel_traffic_hides_behind_a_long_backward_and_crossing_bytes_c
     cross a node's link: none when the data-parallel group stays inside a node."""
     from pipezero.config import Placement, ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import estimate
-    from pipezero.sim.traffic import collective_s
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
+    from pipezero.planner.traffic import collective_s
 
     model = apply_preset(ModelConfig(), "tiny")
     base = dict(gpus=2, gpu_memory_gib=80, node_size=1, intra_gbps=1e6, inter_gbps=0.05, tflops=1e-4, cpu=True,
@@ -256,9 +256,9 @@ def test_zero_3_gathers_once_a_step_in_a_pipeline_and_every_pass_alone():
     first forward) and gathers layer by layer for every forward and backward when P = 1: 2M gathers."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.planner import estimate
-    from pipezero.sim.traffic import collective_s
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
+    from pipezero.planner.traffic import collective_s
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.001, tflops=1e6)
@@ -302,8 +302,8 @@ def test_cpu_exchanges_cross_the_node_links_as_the_wire_counts():
     counters read 136.8 MB a step where the ring's arithmetic said 100.3 and this says 133.8
     (bench/cluster_compressed.py); with one rank of each group a node the exchange is the ring."""
     from pipezero.config import Placement, ScheduleKind
-    from pipezero.sim.layouts import Layout
-    from pipezero.sim.traffic import crossing_bytes, dp_traffic
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.traffic import crossing_bytes, dp_traffic
 
     cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)
     psi = 1e6
@@ -324,7 +324,7 @@ def test_plan_proposes_int8_traffic_only_where_it_wins(capsys):
     traffic hides and nothing is proposed. The same layouts are weighed either way."""
     from dataclasses import replace
 
-    from pipezero.sim.planner import COMPRESS_GAIN, plan_within
+    from pipezero.planner.search import COMPRESS_GAIN, plan_within
 
     model = apply_preset(ModelConfig(), "tiny")
     slow = Cluster(gpus=4, gpu_memory_gib=16, node_size=1, inter_gbps=0.0125, cpu=True, wire_bytes=4, tflops=0.1)
@@ -371,13 +371,28 @@ def test_plan_offloads_7b_on_one_gpu_where_the_host_holds_it(capsys):
     assert f"plan with --host-memory {math.ceil(need)} or more" in err and need > 64
 
 
+def test_7b_at_4096_tokens_fits_one_80_gib_gpu_offloaded_and_recomputed_a_block_at_a_time(capsys):
+    """At 4096 tokens a sequence one 7b micro-batch's activations (about 40 GiB) and the fp32 weights and
+    gradients pipezero keeps on the GPU (50.2 GiB) pass 72 GiB even with the optimizer offloaded;
+    --recompute, a block at a time, keeps 2.9 GiB of activations: the plan proposes it, offloaded,
+    and says why."""
+    code = main(["plan", "--preset", "7b", "--gpus", "1", "--gpu-memory", "80", "--host-memory", "256",
+                 "--global-batch", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["layouts"]
+    best = out["layouts"][0]
+    assert best["offload"] == "optimizer" and best["recompute"] and best["memory_gib"] <= 72.0
+    assert best["model_states_gib"] > 50 and best["activations_gib"] < 5
+    assert "optimizer offloaded: without it" in best["why"] and "recompute" in best["why"]
+
+
 def test_plan_says_what_the_gpu_lacks_where_offload_is_not_enough(capsys):
-    """At 4096 tokens a sequence one 7b micro-batch's activations and the fp32 weights and gradients
-    pipezero keeps on the GPU pass 72 GiB with the optimizer offloaded too: plan says so."""
-    code, err = run_main(["plan", "--preset", "7b", "--gpus", "1", "--gpu-memory", "80", "--host-memory", "256",
+    """On a 48 GiB GPU the fp32 weights and gradients alone pass its 43.2 usable GiB, whatever is
+    offloaded or recomputed: plan says so."""
+    code, err = run_main(["plan", "--preset", "7b", "--gpus", "1", "--gpu-memory", "48", "--host-memory", "256",
                           "--global-batch", "8"], capsys)
     assert_one_line(code, err, "even with --offload optimizer (AdamW's moments off the GPU) the nearest")
-    assert "GiB a GPU" in err and "lower --seq-len" in err
+    assert "GiB a GPU" in err and "lower --seq-len" in err and "50.2 of fp32 weights and gradients" in err
 
 
 def test_offload_is_priced_by_its_host_copies_and_cpu_step():
@@ -386,7 +401,7 @@ def test_offload_is_priced_by_its_host_copies_and_cpu_step():
     from dataclasses import replace
 
     from pipezero.models import param_count
-    from pipezero.sim.planner import candidate_layouts, estimate
+    from pipezero.planner.search import candidate_layouts, estimate
 
     model = apply_preset(ModelConfig(), "7b")
     cluster = Cluster(gpus=1, gpu_memory_gib=80, host_memory_gib=256, pcie_gbps=20.0, adamw_params_s=1e9)
@@ -402,8 +417,16 @@ def test_offload_is_priced_by_its_host_copies_and_cpu_step():
 
 def test_plan_offers_no_offload_where_layouts_fit_without_it():
     """Offload only adds to a step: where enough layouts fit as they are, none is offloaded."""
-    from pipezero.sim.planner import plan_within
+    from pipezero.planner.search import plan_within
 
     model = apply_preset(ModelConfig(), "tiny")
     fits = plan_within(model, Cluster(gpus=2, gpu_memory_gib=80, host_memory_gib=1024), 64, 8, offload=True).fits
     assert len(fits) >= 10 and not any(e.layout.offload for e in fits)
+
+
+@pytest.mark.parametrize("flag, value", [("--pcie-gbps", "5"), ("--cpu-adamw", "1e9")])
+def test_offload_rates_without_host_memory_are_refused_as_unread(flag, value, capsys):
+    """The planner offers --offload optimizer only with --host-memory: without it nothing prices the
+    host link or the host's AdamW."""
+    assert_one_line(*run_main(["plan", "--preset", "1b", "--gpus", "8", "--gpu-memory", "16", flag, value], capsys),
+                    f"{flag} {float(value):g} prices --offload optimizer, which plan offers only with --host-memory")

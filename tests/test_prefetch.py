@@ -1,5 +1,5 @@
 """ZeRO-3's prefetch depth (--zero3-prefetch): where the program starts each layer's gather, what the
-memory model counts for it, and the planner's choice for `auto` (sim/prefetch.py). Pure data."""
+memory model counts for it, and the planner's choice for `auto` (planner/prefetch.py). Pure data."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ from pipezero.schedules.actions import Op
 from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.bucket_plan import uniform_plan
 from pipezero.schedules.layer_plan import Moment
-from pipezero.schedules.program import Compute, Kind, lower
+from pipezero.schedules.program import Compute, Kind
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, simulate_program
 from pipezero.schedules.registry import build_schedule
 from pipezero.settings import build_config
-from pipezero.sim.layouts import Cluster, Layout
-from pipezero.sim.memory import _layerwise_gathered, build_plan, prefetch_choice
-from pipezero.sim.prefetch import LayerCost, choose, exposed, plan_choice
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.memory.model import _layerwise_gathered, build_plan, prefetch_choice
+from pipezero.planner.prefetch import LayerCost, choose, exposed, plan_choice
 
 LAYERS = 6
 
@@ -60,7 +61,7 @@ def test_a_layers_gather_starts_depth_layers_ahead_in_forward_and_backward(depth
         # only a first layer not kept from before is waited for at once
         assert [d.blocking for d in gathers] == [not ins.held] + [False] * (len(gathers) - 1)
         # at most depth + 1 layers are gathered or in flight (in backward the memory model adds the
-        # layer just done, which autograd may still hold: sim/memory.py)
+        # layer just done, which autograd may still hold: memory/model.py)
         live, most = set(ins.held), len(ins.held)
         for d in ins.during:
             if d.kind is Kind.UNSHARD:
@@ -164,7 +165,7 @@ def test_the_planner_counts_the_gathers_a_deeper_prefetch_keeps():
     N - 1 layers to its backward and a backward its first N - 1 to the next micro-batch's forward, so
     those gathers are not sent again (the bench measured 19.14 -> 14.42 MiB a step at depth 5)."""
     from pipezero.schedules.program import DataParallel, flat
-    from pipezero.sim.planner import estimate
+    from pipezero.planner.search import estimate
 
     cfg = config()
     p = cfg.parallel

@@ -14,7 +14,8 @@ from pipezero.settings import build_config
 
 
 def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_json():
-    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": 32, "parallel.micro_batch_size": 2})
+    # a micro-batch whose block's time the fixed cost of an action does not hide (ProbeError)
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": 128, "parallel.micro_batch_size": 4})
     found = probe(cfg, torch.device("cpu"), budget_s=0.02)
     assert set(found.block_s) == {"F", "B", "W"} and all(t > 0 for t in found.block_s.values())
     assert found.tflops > 0 and 0 < found.overhead_s < found.block_s["F"] + found.block_s["W"]
@@ -26,8 +27,10 @@ def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_
 
 def test_the_probe_command_writes_a_new_file_only_and_reads_no_layout(tmp_path, capsys):
     out = tmp_path / "probe.json"
-    code, _ = run_main(["probe", "--preset", "tiny", "--seq-len", "32", "--budget", "0.02", "--json", str(out)], capsys)
-    assert code == 0 and Probe.from_json(json.loads(out.read_text())).seq_len == 32
+    # a micro-batch whose block's time the fixed cost of an action does not hide (ProbeError)
+    code, _ = run_main(["probe", "--preset", "tiny", "--seq-len", "128", "--micro-batch-size", "4", "--budget", "0.02",
+                        "--json", str(out)], capsys)
+    assert code == 0 and Probe.from_json(json.loads(out.read_text())).seq_len == 128
     assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", str(out)], capsys), "name a new file")
     assert_one_line(*run_main(["probe", "--budget", "60"], capsys), "--budget 60: expected seconds from")
     assert_one_line(*run_main(["probe", "--pp", "2"], capsys), "unrecognized arguments: --pp 2")
@@ -75,3 +78,96 @@ def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank_alike():
     results = run_ranks(probe_links, 2)
     for r in results:
         assert 0 < r["latency_s"] < 1 and r["gbps"] > 0 and r["after"] == 1.0, r
+
+
+def write_probe(path, **changed) -> str:
+    """A probe's file as `probe --json` writes it, with `changed` fields in place of its own."""
+    found = Probe("cpu", "fp32", 2, 128, {"F": 0.01, "B": 0.01, "W": 0.01}, 0.01, 0.0, host_copy_gbps=10.0,
+                  host_adamw_params_s=1e9).to_json()
+    path.write_text(json.dumps({**found, **changed}))
+    return str(path)
+
+
+PLAN = ["plan", "--preset", "small", "--gpus", "2", "--gpu-memory", "1", "--seq-len", "128", "--global-batch", "16"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[1, 2]", "not a probe pipezero wrote (a JSON object was expected, not a list)"),
+    (json.dumps({"device": "cpu", "links": [1]}), "not a probe pipezero wrote (links"),
+    (json.dumps({"device": None}), "not a probe pipezero wrote (device: a string was expected"),
+])
+def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", str(bad)], capsys), needle)
+
+
+@pytest.mark.parametrize("changed, needle", [
+    ({"tflops": 754974.72}, "tflops 754974.72 is outside what --tflops accepts"),
+    ({"tflops": True}, "tflops true is not a number"),
+    ({"host_copy_gbps": 1e9}, "host_copy_gbps 1e+09 is outside what --pcie-gbps accepts"),
+    ({"host_adamw_params_s": 1.0}, "host_adamw_params_s 1 is outside what --cpu-adamw accepts"),
+    ({"overhead_s": 1e9}, "overhead_s 1e+09 is outside what --overhead-ms accepts"),
+])
+def test_plan_costs_outside_the_flags_ranges_are_refused(changed, needle, tmp_path, capsys):
+    """A probe's figures replace the flags': they are held to the flags' ranges (a busy machine's probe
+    once wrote 7.5e5 TFLOP/s, which plan took as given)."""
+    path = write_probe(tmp_path / "probe.json", **changed)
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", path], capsys), needle)
+
+
+def test_plan_costs_from_another_device_kind_are_refused(tmp_path, capsys):
+    """A CPU rank's FLOP rate is not a GPU's: a plan for GPUs from it priced a step at days."""
+    path = write_probe(tmp_path / "probe.json")
+    assert_one_line(*run_main([*PLAN, "--costs", path], capsys),
+                    "was measured on cpu, and plan prices --device cuda: probe on the GPU")
+    gpu = write_probe(tmp_path / "gpu.json", device="NVIDIA H100 80GB HBM3")
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", gpu], capsys),
+                    "was measured on NVIDIA H100 80GB HBM3, and plan prices --device cpu")
+
+
+def test_plan_costs_through_a_link_reads_the_probe_it_names(tmp_path, capsys):
+    path = write_probe(tmp_path / "probe.json")
+    link = tmp_path / "latest.json"
+    link.symlink_to(path)
+    assert main([*PLAN, "--device", "cpu", "--json", "--costs", str(link)]) == 0
+    assert json.loads(capsys.readouterr().out)["layouts"]
+
+
+def test_probe_json_under_a_file_is_refused_before_the_probe_runs(tmp_path, capsys):
+    (tmp_path / "taken").write_text("x")
+    assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", str(tmp_path / "taken" / "p.json")], capsys),
+                    "is not a folder")
+
+
+def test_a_probe_too_big_for_this_machine_is_refused_before_it_allocates(tmp_path, capsys):
+    """B x T of a block's activations past the machine's memory was the kernel's kill (exit 137)."""
+    assert_one_line(*run_main(["probe", "--preset", "tiny", "--micro-batch-size", "100000"], capsys),
+                    "more than this machine's")
+
+
+def test_a_rate_the_fixed_cost_hides_is_not_written():
+    """Where the block at the run's micro-batch takes no longer than three actions' fixed cost, the
+    FLOP rate cannot be told apart from it (it came out as FLOPs over 1e-9 s)."""
+    from pipezero.probe import ProbeError, achieved_tflops
+
+    assert achieved_tflops(3e9, {"F": 0.001, "B": 0.001, "W": 0.001}, 0.0) == pytest.approx(1.0)
+    with pytest.raises(ProbeError, match="cannot be told apart from an action's fixed cost"):
+        achieved_tflops(3e9, {"F": 0.03, "B": 0.8, "W": 1.0}, 0.99)
+
+
+def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least_has(monkeypatch):
+    """Two sizes' times whose difference is noise (the large no slower than the small) would claim
+    any bandwidth at all; the large all-reduce's own rate stands instead, and a real difference is
+    read as before."""
+    import torch.distributed as dist
+
+    import pipezero.probe as probe
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for small, large, gbps in ((0.010, 0.009, probe.SIZES[1] / 0.009 / 1e9),
+                               (0.001, 0.011, (probe.SIZES[1] - probe.SIZES[0]) / 0.010 / 1e9)):
+        times = iter((small, large))
+        monkeypatch.setattr(probe, "timed_together", lambda *args, **kwargs: next(times))
+        found = probe.probe_link(None, torch.device("cpu"))
+        assert found.gbps == pytest.approx(gbps) and found.latency_s == min(small, large)

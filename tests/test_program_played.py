@@ -21,7 +21,8 @@ first chunk running autograd again), the V placement, --recompute (the forward r
 backward, its layers gathered again as the program lists them), a head tied to the embedding in
 one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers; and with each
 layer's gather started 2 or 3 layers ahead (--zero3-prefetch); and with a block's attention and MLP
-gathered and reduced apart (--zero3-unit sublayer).
+gathered and reduced apart (--zero3-unit sublayer). Every case's weights after its step, its loss
+and gradient norm equal one process's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pytest
 
 from pipezero.config import ScheduleKind as K
 from ranks import run_ranks
-from training import assert_played, layouts, train_cases
+from training import assert_played, assert_same_training, layouts, train_cases
 
 
 def held_elsewhere() -> list[dict]:
@@ -118,6 +119,9 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**c, **one_step} for c in todo],
                         timeout=600)  # train_cases raises where a rank started other than its program lists
     assert_played(todo, results[0])
+    # and every layout, offloaded or not, trains what one process trains (each schedule x ZeRO stage
+    # offloaded is compared here and nowhere else)
+    assert_same_training(results, str(text_dir), tmp_path)
 
 
 def test_the_layouts_left_to_the_layout_tests_are_there():

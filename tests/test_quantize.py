@@ -127,7 +127,7 @@ def test_every_schedule_stage_and_placement_accepts_the_options():
 
 
 def test_the_traffic_model_prices_the_bytes_sent():
-    """plan's model (sim/traffic.py) and simulate's lowered program (sim/program_view.py) count the
+    """plan's model (planner/traffic.py) and simulate's lowered program (cli/simulate_zero.py) count the
     quantized bytes: an element's code and its share of the scale, the exchange one pass."""
     import argparse
     from dataclasses import replace
@@ -135,9 +135,9 @@ def test_the_traffic_model_prices_the_bytes_sent():
     from pipezero.config import ScheduleKind
     from pipezero.schedules.check import CostModel
     from pipezero.schedules.registry import build_schedule
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.program_view import ZeroOptions, lower_zero, run_program
-    from pipezero.sim.traffic import dp_traffic, element_bytes
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.cli.simulate_zero import ZeroOptions, lower_zero, run_program
+    from pipezero.planner.traffic import dp_traffic, element_bytes
 
     int8, int4 = element_bytes(8, 256), element_bytes(4, 256)
     assert (int8, int4) == (1 + 4 / 256, 0.5 + 4 / 256)
@@ -206,9 +206,9 @@ def test_the_planner_prices_the_secondary_shard():
     from dataclasses import replace
 
     from pipezero.config import ModelConfig, ScheduleKind
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.planner import estimate, with_options
-    from pipezero.sim.traffic import dp_traffic
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.search import estimate, with_options
+    from pipezero.planner.traffic import dp_traffic
 
     cpu = Cluster(4, 8, node_size=2, inter_gbps=0.0125, cpu=True, wire_bytes=4)
     lay = Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 4, 2, False)  # M = 2: 4 gathers a step

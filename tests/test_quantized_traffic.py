@@ -218,8 +218,8 @@ def test_hpz_gathers_inside_the_node_hide_behind_nothing_on_shared_cores():
     where on devices of their own they hide behind it (the planner was 0.07 s a step short on P=1
     all8 before, -19% at 200mbit)."""
     from pipezero.config import ScheduleKind
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.traffic import dp_traffic
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.traffic import dp_traffic
 
     lay = Layout(1, 4, 3, ScheduleKind.ONE_F_ONE_B, 1, 2, 2, False, secondary=True)
     psi, t_f = 2e6, 10.0  # a long compute: on devices every gather hides

@@ -525,7 +525,7 @@ def test_ranks_a_machine_is_said_for_the_launcher_in_use(env, want, not_want):
 
 
 def test_a_failed_rendezvous_under_srun_names_the_steps_node_not_nproc(monkeypatch):
-    from pipezero.cli import failure_line
+    from pipezero.cli.train import failure_line
 
     class DistNetworkError(RuntimeError):
         pass

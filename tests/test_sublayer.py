@@ -16,8 +16,8 @@ from one_line import assert_one_line, run_main
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_param_counts
 from pipezero.settings import build_config
-from pipezero.sim.memory import _layerwise_gathered, build_plan, prefetch_choice
-from pipezero.sim.prefetch import layer_costs
+from pipezero.memory.model import _layerwise_gathered, build_plan, prefetch_choice
+from pipezero.planner.prefetch import layer_seconds
 
 EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
 
@@ -124,7 +124,7 @@ def test_the_memory_model_gathers_a_part_not_a_block():
 def test_the_planners_parts_cost_what_their_block_costs():
     m = config().model
     link = lambda n, kind: n * 4 / 1e8  # noqa: E731
-    whole, parts = layer_costs(m, 4, 64, 0.05, link), layer_costs(m, 4, 64, 0.05, link, sublayer=True)
+    whole, parts = layer_seconds(m, 4, 64, 0.05, link), layer_seconds(m, 4, 64, 0.05, link, sublayer=True)
     assert len(parts) == len(whole) + m.n_layers
     for field in ("forward_s", "gather_s", "reduce_s"):
         assert sum(getattr(c, field) for c in parts) == pytest.approx(sum(getattr(c, field) for c in whole))
@@ -146,8 +146,8 @@ def test_plan_proposes_parts_where_the_link_keeps_up_and_whole_layers_where_it_d
     busy throughout and looking further ahead wins (whole layers at depth 5 0.659 s, parts 0.741 s)."""
     from pipezero.config import ModelConfig, ScheduleKind, Zero3Unit
     from pipezero.models import apply_preset
-    from pipezero.sim.layouts import Cluster, Layout
-    from pipezero.sim.prefetch import plan_choice
+    from pipezero.planner.layouts import Cluster, Layout
+    from pipezero.planner.prefetch import plan_choice
 
     model = apply_preset(ModelConfig(), "tiny")
     model.dim, model.n_layers, model.vocab_size = 256, 4, 256
@@ -223,7 +223,7 @@ def test_simulate_lowers_a_bucket_a_part(capsys):
 def test_parts_the_runtime_finds_out_of_order_are_one_line_naming_the_spec(monkeypatch):
     """A layer too large to try on CPU that cannot run on meta is held to its parts only by the
     runtime: its refusal is each rank's one line naming the spec, not a traceback."""
-    from pipezero.cli import failure_line
+    from pipezero.cli.train import failure_line
     from pipezero.zero.gathering import UngatheredUse
 
     monkeypatch.setenv("RANK", "1")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pipezero.sim.calibrate import calibrate, predict
+from pipezero.planner.calibrate import calibrate, predict_step
 from pipezero.config import ScheduleKind
 
 
@@ -29,7 +29,7 @@ def test_trace_of_4_rank_1f1b_and_calibrated_bubble(text_dir, tmp_path):
     assert {"F", "BW", "wait", "optim"} <= ops
     assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
     cal = calibrate(out / "trace.json")
-    _, simulated = predict(cal, ScheduleKind.ONE_F_ONE_B, 8, 1)
+    _, simulated = predict_step(cal, ScheduleKind.ONE_F_ONE_B, 8, 1)
     assert abs(simulated - cal.measured_bubble) < 0.10, (simulated, cal.measured_bubble)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["measured_bubble"]) == 4 and len(summary["bytes_sent"]["p2p"]) == 4

@@ -229,9 +229,9 @@ def rank_results(per_rank: list[dict]) -> list[RankResult]:
 
 
 def reference_key(data: str, case: dict) -> tuple:
-    """What makes a case's one-process run: its data, global batch (in micro-batches) and its model,
-    optimizer and data settings (the layout's are not: every layout trains the same run)."""
-    model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data."))}
+    """What makes a case's one-process run: its data, global batch (in micro-batches), its model,
+    optimizer and data settings and its steps (the layout's are not: every layout trains the same run)."""
+    model = {k: v for k, v in case.items() if k.startswith(("model.", "optim.", "data.")) or k == "run.max_steps"}
     return data, case["m"] * case["dp"], tuple(sorted(model.items()))
 
 

@@ -27,7 +27,8 @@ import inspect
 from typing import Any
 
 from pipezero import config
-from pipezero.cli import TRAIN_FLAGS, build_parser
+from pipezero.cli.command_line import build_parser
+from pipezero.cli.flags import TRAIN_FLAGS
 from pipezero.coerce import shown
 from pipezero.coerce import describe
 from pipezero.settings import RANGES, setting_type
@@ -149,7 +150,7 @@ def cli_page() -> str:
     setting = {flag: key for flag, (key, _) in TRAIN_FLAGS.items()}
     train = {a.option_strings[0] for a in _flags(commands["train"]) if a.option_strings} - {"-h"}
     lines = ["# Commands and flags", "", GENERATED, "",
-             "Read from `pipezero.cli.build_parser()`, the parser `pipezero` itself parses with. A bad command "
+             "Read from `pipezero.cli.command_line.build_parser()`, the parser `pipezero` itself parses with. A bad command "
              "line is one line on stderr and exit status 2.", "",
              "| command | what it does |", "|---|---|"]
     lines += [f"| [`{name}`](#{name}) | {_cell(help_of.get(name, ''))} |" for name in commands]

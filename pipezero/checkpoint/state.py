@@ -263,7 +263,7 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
         return (f"the run is complete: its newest checkpoint is of its last step, {cfg.run.max_steps}, and its "
                 f"summary.json is written, so nothing would train and its records would be rewritten: raise "
                 f"--max-steps above {cfg.run.max_steps} to train on, or export that checkpoint")
-    if usable and usable[0][1]["step"] > cfg.run.max_steps:  # was "resumed", nothing trained, exit 0
+    if usable and usable[0][1]["step"] > cfg.run.max_steps:  # else "resumed", nothing trained, exit 0
         return (f"its newest checkpoint is of step {usable[0][1]['step']}, past --max-steps {cfg.run.max_steps}, so "
                 f"nothing would train: raise --max-steps above {usable[0][1]['step']} to train on, or export that "
                 f"checkpoint")

@@ -143,7 +143,7 @@ def check_finite(cfg: ModelConfig) -> None:
     """Refuse weights holding NaN or inf, naming the tensors. Every step of such a model is
     non-finite: it would be skipped until the run stops (or, under run.max_bad_steps, a run would
     exit 0 having learnt nothing). This reads every tensor once, so it runs once, where the ranks
-    are launched (cli.py), and each rank checks only the tensors it loads (`_finite`)."""
+    are launched (cli/train.py), and each rank checks only the tensors it loads (`_finite`)."""
     assert cfg.pretrained is not None
     groups = _by_file(list(expected_shapes(cfg)), cfg, weight_files(Path(cfg.pretrained)))
     counts = {theirs: _count_nonfinite(path, theirs) for path, pairs in groups.items() for theirs in {t for _, t in pairs}}

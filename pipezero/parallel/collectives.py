@@ -21,7 +21,7 @@ MINIMUM_TORCH = (2, 5)  # SDPA's enable_gqa (models/llama.py) is the newest API 
 # reduce-scatter since 2.3; the rest older).
 MINIMUM_API = frozenset({
     "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "all_gather_object",
-    "broadcast_object_list", "isend", "irecv", "barrier", "new_group", "init_process_group",
+    "broadcast", "broadcast_object_list", "isend", "irecv", "barrier", "new_group", "init_process_group",
     "destroy_process_group", "is_initialized", "get_rank", "get_world_size", "get_backend", "get_process_group_ranks",
     "FileStore", "TCPStore", "PrefixStore", "ReduceOp", "ProcessGroup", "Work", "group",
 })

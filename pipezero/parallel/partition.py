@@ -5,7 +5,7 @@ where the LM head's vocab x dim matmul and the embedding's memory traffic count,
 small sizes), or an explicit list of layers per chunk. Balanced cuts minimise the heaviest chunk.
 
 `memory` balances each rank's predicted peak, which depends on the whole run (schedule, ZeRO stage,
-micro-batch shape), not on per-layer counts: sim/memory_partition.resolve turns it into an explicit
+micro-batch shape), not on per-layer counts: memory/partition.resolve turns it into an explicit
 list first, and here it is only ever explicit.
 """
 
@@ -63,7 +63,7 @@ def partition(model: ModelConfig | ModelSpec, n_chunks: int, policy: Partition, 
 def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, policy: Partition,
         explicit: list[int] | None = None) -> list[tuple[int, int]]:
     """`partition` over plain per-layer counts (`params`, and `costs` asked only by the cost
-    policy), so torch-free plans (sim/memory.py) cut a model as the run will."""
+    policy), so torch-free plans (memory/model.py) cut a model as the run will."""
     n_layers = len(params)
     if explicit is not None:
         counts = list(explicit)
@@ -71,7 +71,7 @@ def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, poli
         counts = [n_layers]
     elif policy is Partition.MEMORY:
         raise ValueError("the memory partition is chosen from the whole run configuration: pass the cuts of "
-                         "sim/memory_partition.resolve(cfg) as explicit counts")
+                         "memory/partition.resolve(cfg) as explicit counts")
     elif policy is Partition.UNIFORM:
         base, extra = divmod(n_layers, n_chunks)
         counts = [base + (1 if i < extra else 0) for i in range(n_chunks)]

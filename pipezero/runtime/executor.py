@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from pipezero.config import DType
 from pipezero.models import StageChunk
@@ -38,6 +37,7 @@ from pipezero.parallel.device import ComputeClock
 from pipezero.runtime.autocast import autocast
 from pipezero.runtime.flight import FlightRecord
 from pipezero.runtime.p2p import P2P, Payload
+from pipezero.runtime.recompute import checkpoint_blocks
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.forward_only import EvalInstr, LossSum
@@ -115,6 +115,9 @@ class Executor:
         self.device = p2p.device
         self.clock = ComputeClock(self.device)  # GPU: busy time of compute actions, for the bubble
         self.recompute = recompute
+        if recompute:  # each block's forward runs again inside its backward (runtime/recompute.py)
+            for chunk in chunks.values():
+                checkpoint_blocks(chunk)
         # Split backward by stashing weight-op gradients where the chunk allows it (not the
         # embedding's chunk, and not with recomputation, whose forward reruns inside backward).
         captures = {} if recompute else {c: WeightGradCapture(m) for c, m in chunks.items() if c > 0}
@@ -129,8 +132,6 @@ class Executor:
 
     def _forward(self, chunk: StageChunk, x: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         with autocast(self.dtype, self.device.type):
-            if self.recompute and torch.is_grad_enabled():
-                return checkpoint(chunk, x, docs, use_reentrant=False)
             return chunk(x, docs)
 
     def _post(self, p: PointToPoint, forward_only: Payload | None = None) -> None:

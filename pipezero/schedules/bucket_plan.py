@@ -11,7 +11,7 @@ part of a layer that names its parts (schedules/model_shapes.py: a block's atten
 so a step's first gather and last reduction, which nothing can hide, are a part's, not a block's.
 Inside a bucket the tensors lie in the same reverse order.
 
-The lowering (schedules/program.py) places one REDUCE_GRAD a bucket and sizes every collective from
+The lowering (schedules/lowering.py) places one REDUCE_GRAD a bucket and sizes every collective from
 this plan; the runtime lays its flat buffers out from the same `BucketLayout`s (zero/buckets.py
 `build_buckets`), so a bucket's offsets, and with them every shard and every summation over one,
 are the plan's.
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, lru_cache
 
-from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape
+from pipezero.schedules.model_shapes import ChunkShapes, ModelShapes, TensorShape
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class LayerUse:
     bucket: int | None  # its own bucket (one a layer or part); None: nothing of its own trains
     borrows: tuple[int, ...] = ()  # buckets of earlier layers of the chunk it computes with (a tied head)
     part: int = 0  # which part of the layer (`--zero3-unit sublayer`); 0 for a whole layer
+    # a part of a block: hooked on its sub-modules, inside the block's forward, so its moments come
+    # again when --recompute runs the block's forward again in backward (runtime/recompute.py);
+    # `closes`: it is the block's last part (the rerun stops inside it)
+    rerun: bool = False
+    closes: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,6 @@ class BucketPlan:
     # (chunk, bucket) of buckets holding a tensor two layers of the chunk use: it accumulates twice,
     # so autograd's hooks cannot say when it is complete; reduced after the backward
     shared: frozenset[tuple[int, int]] = frozenset()
-    # per chunk: whether its last layer computes with a bucket (recomputation stops inside it)
-    last_owned: tuple[bool, ...] = ()
     sublayer: bool = False  # layer by layer: layers that name parts are a unit a part (LayerUse.part)
 
     def __hash__(self) -> int:  # hashed once: the lowering caches programs by their bucket plan
@@ -103,11 +106,6 @@ class BucketPlan:
         """Buckets of `chunk` whose reduction a fused backward starts as soon as autograd has
         accumulated all their gradients (neither a tied copy held for TIED_SUM nor shared)."""
         return [k for k in range(len(self.numels[chunk])) if (chunk, k) not in self.held | self.shared]
-
-    def ends_with_owner(self, chunk: int) -> bool:
-        """Whether the chunk's last layer is one of `layers(chunk)` (--recompute's forward in a
-        backward stops inside the chunk's last layer that saves anything for backward)."""
-        return not self.last_owned or self.last_owned[chunk]
 
     def stashes_w(self, chunk: int) -> bool:
         """Whether a split W of `chunk` runs from B's stash, touching no weight (runtime/executor.py:
@@ -176,13 +174,13 @@ def plan_buckets(model: ModelShapes, bucket_mb: float, dp: int, layerwise: bool 
         held = frozenset({where[first], where[second]})
         if where[first][0] != 0 or where[second][0] != last:
             raise ValueError(f"tied weight {model.tied}: its copies must sit in the first and last chunk")
-    uses = tuple(_uses(c, bs, split) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
+    end = model.chunks[-1]
+    total = end.stop if end.stop >= 0 else (end.layers[-1].index + 1 if end.layers else 0)  # the model's layers
+    uses = tuple(_uses(c, bs, split, total) for c, bs in zip(model.chunks, layouts)) if layerwise else ()
     shared = frozenset(where[n] for chunk in model.chunks for layer in chunk.layers for n in layer.borrows
                        if n in where)
-    last = tuple(bool(c.layers) and (c.stop < 0 or c.layers[-1].index == c.stop - 1) and _ends_whole(c.layers[-1], split)
-                 for c in model.chunks)
     return BucketPlan(dp, numels, held, model.tied_numel if held else 0, layouts, uses,
-                      tuple(c.splits for c in model.chunks), shared, last, split)
+                      tuple(c.splits for c in model.chunks), shared, split)
 
 
 def _unit_buckets(chunk: ChunkShapes, split: bool) -> tuple[BucketLayout, ...]:
@@ -191,13 +189,9 @@ def _unit_buckets(chunk: ChunkShapes, split: bool) -> tuple[BucketLayout, ...]:
     return tuple(BucketLayout(tuple(reversed(ts))) for ts in reversed(units))
 
 
-def _ends_whole(layer: LayerTensors, split: bool) -> bool:
-    """Whether the layer's last part, where it ends, is one of its units (a frozen last part is not:
-    a recomputed forward then stops inside a part no hook reports)."""
-    return not (split and layer.parts) or layer.units(split)[-1][0] == len(layer.parts) - 1
-
-
-def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...], split: bool = False) -> tuple[LayerUse, ...]:
+def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...], split: bool = False,
+          total: int = 0) -> tuple[LayerUse, ...]:
+    """Each layer's units (`total`: the model's layers, the blocks between the embedding and the head)."""
     of_name = {t.name: k for k, b in enumerate(buckets) for t in b.tensors}
     out = []
     for layer in chunk.layers:
@@ -205,7 +199,8 @@ def _uses(chunk: ChunkShapes, buckets: tuple[BucketLayout, ...], split: bool = F
             own = of_name[tensors[0].name] if tensors else None
             borrowed = tuple(dict.fromkeys(of_name[n] for n in layer.borrows if n in of_name and of_name[n] != own))
             if own is not None or borrowed:
-                out.append(LayerUse(layer.index, own, borrowed, part))
+                sub = split and bool(layer.parts) and 0 < layer.index < total - 1
+                out.append(LayerUse(layer.index, own, borrowed, part, sub, sub and part == len(layer.parts) - 1))
     return tuple(out)
 
 

@@ -4,7 +4,7 @@ rank's whole program for one optimizer step. No torch.
 `compile_plan` is the only place a program is made. It proves the schedule (schedules/proven.py:
 complete, deadlock-free, its posting order free of cycles), groups each chunk's tensors into
 buckets (schedules/bucket_plan.py: which tensor in which bucket, at which offset), and lowers the
-schedule over them (schedules/program.py): compute, every transfer, every ZeRO collective with the
+schedule over them (schedules/lowering.py): compute, every transfer, every ZeRO collective with the
 moment that fires it, the tied embedding's sum and the optimizer step. `train` builds its ZeRO
 buffers from the plan's bucket layouts and plays its rank's program; `verify`, `simulate`,
 `plan`, the memory model, the tracer's labels and the hang doctor read the same plan.
@@ -22,7 +22,8 @@ from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, LayerUse, p
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.forward_only import EvalInstr, lower_evaluation
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import DataParallel, Program, layer_collectives, lower
+from pipezero.schedules.program import DataParallel, Program
+from pipezero.schedules.lowering import layer_collectives, lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -97,8 +98,8 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
                  replicas: Collection[int] | None = None, schedule: Schedule | None = None) -> CompiledPlan:
     """Every rank's program for layout `p` over `model`'s tensors (one ChunkShapes a chunk of the
     layout). `wire_bytes`, `grad_bytes`, `gather_bytes`: bytes an element of collectives as they
-    travel (program.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
-    layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: sim/prefetch.py);
+    travel (lowering.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
+    layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: planner/prefetch.py);
     `pp_ranks`, `replicas`: only these pipeline and data-parallel ranks' programs (the memory
     model walks a few; simulate counts one replica's instructions before it compiles them all);
     `schedule`: a schedule built by the caller (simulate builds each kind it compares), proven
@@ -109,7 +110,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
         raise ValueError(f"the model is cut into {len(model.chunks)} chunks; the layout has {proven.schedule.n_chunks}")
     lw = layerwise(p)
     if not isinstance(p.zero3_prefetch, int):
-        raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (sim/prefetch.py "
+        raise ValueError(f"zero3_prefetch {p.zero3_prefetch!r}: resolve it to a depth first (planner/prefetch.py "
                          f"prefetch_depth)")
     depth = p.zero3_prefetch if lw else 1
     buckets = plan_buckets(model, p.bucket_mb, p.dp, layerwise=lw, sublayer=p.zero3_unit is Zero3Unit.SUBLAYER)

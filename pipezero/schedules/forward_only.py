@@ -6,7 +6,7 @@ model order:
 - RECV of a chunk's input right before its F, where the chunk before it sits on another rank (on
   the same rank, as at the V placement's turn, the output is handed over in memory);
 - F, with layer-by-layer ZeRO-3's gathers and releases inside it as a forward outside a step fires
-  them (program.layer_collectives: each layer gathered ahead and released after its forward);
+  them (lowering.layer_collectives: each layer gathered ahead and released after its forward);
 - SEND of its output where the next chunk sits on another rank, waited for at the end;
 - ZeRO-3 kept gathered: one blocking UNSHARD of each of the rank's chunks before its first F, and
   one RESHARD of each after the last micro-batch;
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, PointToPoint, \
-    layer_collectives
+from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, PointToPoint
+from pipezero.schedules.lowering import layer_collectives
 
 
 @dataclass(frozen=True)

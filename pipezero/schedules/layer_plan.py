@@ -21,7 +21,8 @@ The moments an action passes (`moments`): a forward passes every layer's `fwd` a
 model order. A backward that runs autograd through the chunk passes every layer's `bwd`, last layer
 first: a fused BW; a B, which differentiates with respect to the chunk's input (never on the first
 chunk, which has none: its B computes nothing); a W that runs autograd again (the first chunk, a
-chunk whose weighted modules W cannot compute from B's stash, or any chunk with --recompute). A W
+chunk whose weighted modules W cannot compute from B's stash, or any chunk with --recompute, whose
+forward saves nothing for a stash). A W
 from B's stash reads no weight and passes nothing (runtime/weight_grad.py).
 
 What happens at them (`steps`), `depth` layers ahead (--zero3-prefetch, 1 by default): at a
@@ -31,7 +32,7 @@ layers started (those not already gathered or in flight); at `fwd-end` the layer
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
 own bucket gathered and the `depth` layers before it prefetched. So a layer's gather starts `depth`
 layers before its use, and at most `depth` + 1 layers are gathered or in flight at a `fwd` (one more
-in backward, the layer just done, until its `bwd`'s successor releases it: sim/memory.py). A deeper
+in backward, the layer just done, until its `bwd`'s successor releases it: memory/model.py). A deeper
 prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
 next one's gather and the link has idled (an embedding before a block, the link shared with a
 backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in
@@ -47,13 +48,19 @@ Never across the optimizer step (the last action of a step keeps nothing: the we
 into a forward outside the program (an evaluation, the sample), nor with --recompute. At most
 d - 1 layers cross, fewer than an action's d + 1 in flight.
 
-With --recompute a backward runs the chunk's forward again inside autograd (torch's non-reentrant
-checkpoint, once a backward call): at the first saved tensor the backward needs, which is in the
-chunk's last layer, right after that layer's `bwd` (or before any `bwd` when the last layer trains
-nothing and so has no hooks). The forward runs until the last tensor the first forward saved is
-saved again (torch's early stop), which is inside the last layer: every layer passes its `fwd` and
-`fwd-end` there but the last, which passes only its `fwd` (when the last layer has no hooks, every
-hooked layer passes both). The same rules gather and release at those moments as in a forward.
+With --recompute each block's forward runs again inside its own backward (runtime/recompute.py:
+torch's non-reentrant checkpoint around the block's forward, inside the block module's call). A
+whole block's moments are its module's, so they do not come again: at its `bwd` its bucket is
+gathered and the rerun computes with it; the moments of a recomputed backward are a plain one's.
+A block's parts (--zero3-unit sublayer) are hooked on its sub-modules, which the rerun calls: it
+starts at the first saved tensor the block's backward needs, which is in its last part, right after
+that part's `bwd` (or before the block's first `bwd` when its last part trains nothing and so has
+no hooks), and runs until the last tensor the first forward saved is saved again (torch's early
+stop), inside the last part: every part passes its `fwd` and `fwd-end` there but the last, which
+passes only its `fwd` (when the last part has no hooks, every hooked part passes both). A part's
+`fwd` there gathers it (the backward's rule has prefetched it, one part ahead) and prefetches no
+further than its block; its `fwd-end` releases nothing: its own backward comes next, and a release
+would only move the part twice. So a rerun holds no more parts gathered than a plain backward does.
 """
 
 from __future__ import annotations
@@ -112,34 +119,41 @@ def traverses(op: Op, chunk: int, stashed: bool) -> bool:
 
 
 def moments(op: Op | None, layers: Sequence[LayerUse], through: bool, grads: Sequence[int] = (),
-            recompute: bool = False, ends_with_owner: bool = True) -> list[Trigger]:
+            recompute: bool = False) -> list[Trigger]:
     """The moments an action passes, in order; `op` None is a forward outside any program (an
     evaluation, the text sample); `through`: a backward that runs autograd through the chunk;
     `layers`: its layers layer by layer (else none); `grads`: a fused backward's buckets whose
     completion autograd reports (bucket order; layer by layer each right after its layer's `bwd`);
-    `recompute`: a backward runs the forward again (module docstring), `ends_with_owner`: inside
-    the last of `layers`, the chunk's last layer."""
+    `recompute`: each block's forward runs again in its backward (module docstring)."""
     out = [START]
     if op in (None, Op.F):
         for u in layers:
             out += [Trigger(Moment.FORWARD, u.index, u.part), Trigger(Moment.FORWARD_END, u.index, u.part)]
     elif through:
-        again = [t for u in layers
-                 for t in (Trigger(Moment.FORWARD, u.index, u.part), Trigger(Moment.FORWARD_END, u.index, u.part))]
-        if recompute and ends_with_owner:
-            again = again[:-1]  # stopped inside the last layer, before it returns
-        if recompute and not ends_with_owner:
-            out += again
         done = set()
-        for j, u in enumerate(reversed(layers)):
+        backward = list(reversed(layers))
+        for j, u in enumerate(backward):
+            first_of_block = recompute and u.rerun and (j == 0 or backward[j - 1].index != u.index)
+            again, closes = _rerun([v for v in layers if v.index == u.index]) if first_of_block else ([], True)
+            if not closes:
+                out += again  # the last part has no hooks: the rerun comes before any `bwd`
             out.append(Trigger(Moment.BACKWARD, u.index, u.part))
-            if j == 0 and recompute and ends_with_owner:
+            if closes:
                 out += again
             if u.bucket is not None and u.bucket in grads:
                 out.append(Trigger(Moment.GRADS, u.bucket))
                 done.add(u.bucket)
         out += [Trigger(Moment.GRADS, k) for k in grads if k not in done]
     return out + [END]
+
+
+def _rerun(parts: Sequence[LayerUse]) -> tuple[list[Trigger], bool]:
+    """A recomputed block's hooked parts' moments in its rerun, and whether its last part is one of
+    them (then the rerun stops inside it, before its `fwd-end`)."""
+    again = [t for u in parts
+             for t in (Trigger(Moment.FORWARD, u.index, u.part), Trigger(Moment.FORWARD_END, u.index, u.part))]
+    closes = any(u.closes for u in parts)
+    return (again[:-1] if closes else again), closes
 
 
 def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
@@ -153,7 +167,7 @@ def needs(layers: Sequence[LayerUse]) -> dict[Trigger, tuple[int, ...]]:
 
 
 def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: bool = False,
-          ends_with_owner: bool = True, depth: int = 1, held: Collection[int] = (),
+          depth: int = 1, held: Collection[int] = (),
           keep: Collection[int] = ()) -> list[Step]:
     """The action's gathers and releases, in the order they happen, each layer's gather started
     `depth` layers ahead of its use; `held`: buckets the previous action left gathered for this one,
@@ -185,7 +199,8 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
 
     position = {(u.index, u.part): j for j, u in enumerate(owners)}
     of = {(u.index, u.part): u for u in layers}
-    for t in moments(op, layers, through, (), recompute, ends_with_owner)[1:-1]:
+    rerun = op not in (None, Op.F)  # a forward moment inside a backward: a recomputed block's part
+    for t in moments(op, layers, through, (), recompute)[1:-1]:
         u = of[t.index, t.part]
         j = position.get((u.index, u.part))
         if t.moment is Moment.FORWARD:
@@ -193,10 +208,11 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
                 gather(k, t)
             if j is not None:
                 for ahead in owners[j + 1:j + 1 + depth]:
-                    prefetch(ahead.bucket, t)  # type: ignore[arg-type]
+                    if not rerun or ahead.index == u.index:  # a rerun goes no further than its block
+                        prefetch(ahead.bucket, t)  # type: ignore[arg-type]
         elif t.moment is Moment.FORWARD_END:
-            for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows:
-                release(k, t)
+            for k in ((u.bucket,) if u.bucket is not None and not rerun else ()) + u.borrows:
+                release(k, t)  # not a rerun part's own: its backward comes next
         else:  # backward: the layer after this one is done with
             if j is not None and j + 1 < len(owners):
                 release(owners[j + 1].bucket, t)  # type: ignore[arg-type]

@@ -177,7 +177,7 @@ def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
     def fail(why: str) -> ScheduleError:
         return ScheduleError(f"rank {rank}: {ins.describe()} (#{k}): {why}")
 
-    for t in moments(a.op, layers, through, grads, prog.recompute, bp.ends_with_owner(a.chunk)):
+    for t in moments(a.op, layers, through, grads, prog.recompute):
         while todo and todo[0].at == t:
             d = todo.pop(0)
             if d.chunk != a.chunk or d.bucket is None:

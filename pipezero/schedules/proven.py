@@ -1,12 +1,12 @@
 """A layout's schedule with its proof, made once: the one way a run, `verify`, `simulate --zero` and
 the lowering obtain a schedule they may play.
 
-Proving is three steps that used to be repeated wherever a plan was assembled: generate the
+Proving is three steps, written here once for every place that assembles a plan: generate the
 per-rank action lists (registry.py), play them at F=B=W=1 (check.py: every action once on its own
 rank, dependencies in order, no deadlock; the play also gives the bubble and peak activations the
 run reports beside its measurements), and derive from that play the order in which every rank
 posts its transfers, proven free of cycles where a rank pair's transfers run in posting order
-(posting.py). The lowering (program.py) places its instructions around those posts, so it takes
+(posting.py). The lowering (lowering.py) places its instructions around those posts, so it takes
 them from here rather than deriving them again.
 """
 

@@ -1,5 +1,5 @@
-"""What each ZeRO stage keeps and moves, in one table: the lowering (schedules/program.py), the
-runtime (zero/), the simulator and the planner (sim/) ask these rules, never the stage number. Plain
+"""What each ZeRO stage keeps and moves, in one table: the lowering (schedules/lowering.py), the
+runtime (zero/), the memory model (memory/) and the planner (planner/) ask these rules, never the stage number. Plain
 data beside the plans that follow from it, so the plan layer reads it without torch.
 
 Over the D data-parallel ranks of one pipeline stage (flat buckets, zero/buckets.py):
@@ -51,6 +51,19 @@ class Rules:
     def reduction(self) -> str:
         return "reduce-scatter of gradients" if self.reduces_to_shard else "all-reduce of gradients"
 
+    def describe(self) -> str:
+        """What the stage keeps and moves, in the words `--zero`'s help uses: read from the flags
+        above, so the help cannot say what the code no longer does."""
+        keeps = ("parameters, gradients and optimizer state sharded" if self.sharded_params else
+                 "gradients and optimizer state sharded" if self.sharded_grads else
+                 "optimizer state sharded" if not self.updates_whole else "everything replicated")
+        moves = [self.reduction]
+        if self.gathers_updates:
+            moves.append("all-gather of the updated weights")
+        if self.sharded_params:
+            moves.append("all-gather of each chunk's (or layer's) parameters before use")
+        return f"{self.stage} ({keeps}: {' and '.join(moves)})"
+
     def reduces_every_backward(self, mode: GradReduce) -> bool:
         """Whether a chunk's every backward reduces (else only its last of the step)."""
         return self.sharded_grads and mode is GradReduce.MICROBATCH
@@ -62,3 +75,8 @@ RULES = {
     2: Rules(2, sharded_grads=True, sharded_params=False, updates_whole=False, gathers_updates=True),
     3: Rules(3, sharded_grads=True, sharded_params=True, updates_whole=False, gathers_updates=False),
 }
+
+
+def help_text() -> str:
+    """`--zero`'s help: each stage's line from its rules."""
+    return ", ".join(r.describe() for r in RULES.values())

@@ -1,5 +1,5 @@
 """Measure a rank's peak memory by phase of the run (its first training step, its first held-out
-evaluation, the end-of-run text sample), to hold the memory model (sim/memory.py) against: on CUDA the caching allocator's peak of allocated bytes; on CPU the most
+evaluation, the end-of-run text sample), to hold the memory model (memory/model.py) against: on CUDA the caching allocator's peak of allocated bytes; on CPU the most
 bytes of tensors alive at once, summed from the profiler's memory events (every allocation and free
 of torch's CPU allocator on the threads it follows: the main thread, autograd's and gloo's workers).
 
@@ -19,6 +19,7 @@ Only with `--memory-profile`: the profiler slows every operator, so a normal run
 
 from __future__ import annotations
 
+import gc
 from contextlib import AbstractContextManager
 
 import torch
@@ -61,6 +62,11 @@ class PeakMeter(AbstractContextManager):
         evaluates before any step closed the first)."""
         if self._open:
             return self
+        # Garbage of what ran before (objects in reference cycles: torch's first checkpoint call
+        # imports torch._dynamo, whose import leaves the calling frames, a run's model among their
+        # locals, in a cycle) would be freed by the collector inside the window and counted there as
+        # frees, below the window's own bytes: collect it first.
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -2,7 +2,7 @@
 
 Device memory goes to what computes: the weights (ZeRO-0..2's full fp32 buckets, ZeRO-3's shard it
 gathers from) and the gradients. What only the optimizer reads moves to the host, a bucket at a
-time, where the program places it (schedules/program.py):
+time, where the program places it (schedules/lowering.py):
 - OFFLOAD_GRAD(c.k): once the bucket's last reduction of the step has landed, the part of its
   gradient this rank updates is copied into a host buffer, beside the rest of the backward;
 - OPTIM_STEP: the global norm and loss over the world, as without offload (the norm reads the

@@ -1,0 +1,199 @@
+"""`train --layout auto` from the command line to the ranks (the choice itself: planner/auto.py).
+
+Two passes. Before any rank starts (the launcher, or each rank of an outside torchrun or srun as it
+reads its command line), `request` turns the flags into what the choice needs and makes a
+provisional choice from the presets or `--costs FILE`: every check train runs before training
+(the fit check, the host's memory, the data) then runs on a real layout, and a request that no
+layout can satisfy is refused there, in one line. Inside the job, `decide` measures this machine
+(pipezero/probe.py: the links on every rank together, the compute on rank 0 alone, so that no
+rank's timing is slowed by the others' probing) and rank 0 chooses and sends its choice to every
+rank as JSON. With `--costs FILE` the provisional choice is the choice: the same inputs on every
+rank, no probe.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipezero.config import TrainConfig
+from pipezero.errors import ConfigError
+from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, Choice, choose, cluster_for, decode,
+                                  encode, summary_lines)
+
+# the trivial layout the base configuration is built with (its model, data and run settings are what
+# the choice reads; its layout is replaced by the chosen one)
+BASE = {"parallel.pp": "1", "parallel.dp": "1", "parallel.zero": "0", "parallel.schedule": "1f1b",
+        "parallel.virtual_stages": "1", "parallel.microbatches": "1", "parallel.micro_batch_size": "1"}
+QUANT = ("parallel.quantize_weights", "parallel.quantize_grads")
+
+
+@dataclass
+class Request:
+    """What the choice reads, the same on every rank."""
+
+    config: str | None  # --config's file
+    base: TrainConfig  # the run's settings with a trivial layout
+    settings: dict[str, Any]  # the flags given, less the layout's
+    wanted: dict[str, Any]  # layout constraints: setting -> typed value
+    bits: tuple[int, int]  # quantized traffic allowed (weights, gradients)
+    global_batch: int
+    world: int
+    local: int
+    limit_gib: float
+    cuda: bool
+    costs: Any | None  # a Probe read from --costs FILE, or None: probe inside the job
+
+    def cluster(self, costs: Any | None) -> Any:
+        return cluster_for(self.base, self.world, self.local, self.limit_gib, self.cuda, costs)
+
+
+def world_of(nproc: int | None) -> tuple[int, int]:
+    """(ranks of the job, ranks on this node): --nproc's, or torchrun's (srun's, adopted) variables."""
+    from pipezero.launch import under_torchrun
+
+    if nproc is not None:
+        return nproc, nproc
+    if under_torchrun():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return 1, 1
+
+
+def request(config: str | None, settings: dict[str, Any], names: dict[str, str], nproc: int | None,
+            global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None) -> Request:
+    """The choice's inputs from train's flags (ConfigError in one line for a request it cannot take);
+    `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`."""
+    from pipezero.settings import build_config, coerce_setting, load_toml
+    from pipezero.memory.fit import rank_limit_gib
+
+    toml = load_toml(config) if config else {}
+    refused = [names.get(k, k) for k in NOT_CHOSEN if k in settings] + [k for k in NOT_CHOSEN if k in toml]
+    if refused:
+        raise ConfigError(f"--layout auto chooses uniform cuts without offload; {refused[0]} is none of its "
+                          f"choices: drop it, or drop --layout auto and give the layout yourself")
+    wanted = {k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in settings.items() if k in CHOSEN}
+    wanted.update({k: coerce_setting(k, v) for k, v in toml.items() if k in CHOSEN and k not in wanted})
+    quant = {k: coerce_setting(k, v, from_text=True, name=names.get(k)) for k, v in settings.items() if k in QUANT}
+    quant.update({k: coerce_setting(k, v) for k, v in toml.items() if k in QUANT and k not in quant})
+    bits = tuple(BITS[quant[k].value] if k in quant else 0 for k in QUANT)
+    rest = {k: v for k, v in settings.items() if k not in CHOSEN and k not in QUANT}
+    base = build_config(config, {**rest, **BASE}, names)
+    if global_batch is None:  # the settings' M x B x D, as a run of them would train
+        m, b, d = (wanted.get(f"parallel.{k}", toml.get(f"parallel.{k}", default)) for k, default in
+                   (("microbatches", 4), ("micro_batch_size", 4), ("dp", 1)))
+        global_batch = int(m) * int(b) * int(d)
+    elif global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: expected sequences a step, 1 or more")
+    world, local = ranks or world_of(nproc)
+    limit, cuda = rank_limit_gib(base, local)
+    if limit is None:  # CPU ranks: the host's memory, shared by the node's ranks
+        host = base.run.host_memory_gib
+        limit = (host if host is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) / local
+    probe = read_costs(costs_file) if costs_file is not None else None
+    return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+
+
+def read_costs(path: str) -> Any:
+    """A probe written by `pipezero probe --json FILE` (plan --costs reads the same)."""
+    import math
+
+    from pipezero.flight_files import RecordError, read_json
+    from pipezero.probe import Probe
+
+    try:
+        found = Probe.from_json(read_json(Path(path), 1 << 20))
+    except RecordError as e:
+        raise ConfigError(f"--costs: {e}") from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
+                          f"--json FILE") from None
+    rates = (found.tflops, found.host_copy_gbps or 1.0, found.host_adamw_params_s or 1.0,
+             *(c.gbps for c in found.links.values()))
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (*rates, found.overhead_s + 1)):
+        raise ConfigError(f"--costs {path}: its rates must be numbers > 0 and its overhead_s >= 0")
+    return found
+
+
+def provisional(req: Request) -> Choice:
+    """The choice from the presets (or --costs): checked before any rank starts, and the layout the
+    checks before training run on."""
+    return choose(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
+
+
+def settings_of(req: Request, choice: Choice) -> dict[str, Any]:
+    """train's settings for the chosen layout: the flags given and the chosen layout's."""
+    return {**req.settings, **choice.chosen["settings"]}
+
+
+def decide(req: Request, first: Choice, cfg: TrainConfig) -> tuple[Choice, float | None]:
+    """The choice every rank trains with, and the probe's seconds (None: --costs). Inside the job:
+    every rank calls it alike (the links are timed by collectives); rank 0 chooses and broadcasts."""
+    if req.costs is not None:
+        return first, None
+    import torch
+
+    from pipezero.engine import default_threads
+    from pipezero.parallel.process_group import init_distributed
+    from pipezero.probe import probe, probe_link
+
+    rank, device = init_distributed(cfg)  # the group the run then trains in (the provisional layout's world)
+    torch.set_num_threads(cfg.run.threads or default_threads(req.local))
+    t0 = time.perf_counter()
+    links = {kind: probe_link(group, device, PROBE_BUDGET_S) for kind, group in link_groups(req.world, req.local)}
+    data = b""
+    if rank == 0:
+        found = probe(cfg, device, budget_s=PROBE_BUDGET_S)
+        found.links = links
+        choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
+        choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
+        data = encode(choice)
+    took = time.perf_counter() - t0
+    if req.world > 1:
+        data = broadcast_bytes(data, rank, cfg.parallel.timeout_s)
+    return decode(data), took
+
+
+def link_groups(world: int, local: int) -> list[tuple[str, Any]]:
+    """The process groups the probe times: the ranks of one node ("node") and one rank a node
+    ("across"), each as torchrun numbers ranks (node by node). Every rank makes every group."""
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_initialized():
+        return []
+    if world <= local:
+        return [("node", dist.group.WORLD)]
+    rank, nodes = dist.get_rank(), world // local
+    out = []
+    node_groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)] if local > 1 else []
+    across = [dist.new_group([n * local + i for n in range(nodes)]) for i in range(local)]
+    if node_groups:
+        out.append(("node", node_groups[rank // local]))
+    out.append(("across", across[rank % local]))
+    # every rank times each kind of group at once: groups of one kind run side by side
+    return out
+
+
+def broadcast_bytes(data: bytes, rank: int, timeout_s: float) -> bytes:
+    """Rank 0's `data` on every rank (a length, then the bytes; CPU tensors, which gloo carries on
+    every backend), each wait bounded by `timeout_s`."""
+    import torch
+    import torch.distributed as dist
+
+    from pipezero.parallel.waits import wait_or_raise
+
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    wait_or_raise(dist.broadcast(size, 0, async_op=True), timeout_s,
+                  f"rank {rank}: waiting for rank 0's --layout auto choice (its probe and search)")
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size.item()),
+                                                                                             dtype=torch.uint8)
+    wait_or_raise(dist.broadcast(buf, 0, async_op=True), timeout_s, f"rank {rank}: receiving the --layout auto choice")
+    return bytes(buf.numpy().tobytes())
+
+
+def announce(choice: Choice, probe_s: float | None) -> None:
+    """Rank 0 prints the choice and the runners-up before training."""
+    print("\n".join(summary_lines(choice, probe_s)), flush=True)

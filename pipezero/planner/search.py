@@ -1,0 +1,430 @@
+"""Pick a training layout: enumerate (P, D, ZeRO stage, schedule, V, micro-batch size and count,
+recompute), drop what does not fit in memory, estimate step time, rank what is left.
+
+Memory per rank: the memory model's peak (memory/model.py: the lowered program walked over byte
+counts, pipezero's fp32 weights, gradients and AdamW whatever the compute dtype), of the heavier of
+the first and last pipeline rank; it holds states (parameters, gradients, optimizer, ZeRO-3's
+gathered weights) apart from the rest (activations, transfers, collective buffers).
+Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
+stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
+action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
+bytes over the link for each boundary between chunks the first micro-batch crosses on its way
+forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
+step is never shorter than the link's busy time.
+Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
+busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
+lighter than the heaviest (the head's FLOPs are on the last stage only). Inside a node of such a
+host the CPU copies a collective's bytes (loopback): it slows alike; the bytes crossing its links
+cost those cores `net_cpu_s_per_gb` too.
+ZeRO-2/3 with several micro-batches come in both gradient-reduction modes: `step` holds the full
+gradient through the step (2Ψ(1 - 1/D) more bytes than the paper's stage) for one reduce-scatter;
+`microbatch` keeps the paper's memory at M reduce-scatters a step, each holding its backward up
+where more than one bucket is outstanding.
+Where few layouts fit, those that do not are tried with the optimizer offloaded (`offloaded`,
+memory/offload.py): a device peak 8 bytes an updated parameter lower, a node's host holding 16 (its
+ranks counted each as the one that offloads most), and the step longer by the host copies and the
+CPU's AdamW, priced as exposed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
+from pipezero.models.presets import block_params, layer_param_counts, unit_param_counts
+from pipezero.schedules.check import CostModel, simulate
+from pipezero.schedules.compile import proven_of
+from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
+from pipezero.schedules.zero_rules import RULES
+from pipezero.schedules import limits
+from pipezero.planner.layouts import Cluster, Layout
+from pipezero.memory.model import layout_memory
+from pipezero.memory.partition import balanced_layout
+from pipezero.memory.offload import DEVICE_SAVED, HOST_BYTES, HostLink
+from pipezero.planner.traffic import dp_split, dp_traffic, link_gbps
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    model_states_gib: float
+    activations_gib: float
+    step_time_s: float
+    bubble: float
+    dp_comm_s: float  # data-parallel collectives' time that compute does not hide
+    tokens_per_s: float
+    crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
+    # --offload optimizer (memory/offload.py): host GiB a node's ranks hold, and the seconds the host
+    # copies and the CPU's AdamW add to the step (both 0 without offload)
+    host_gib: float = 0.0
+    offload_s: float = 0.0
+    saved_gib: float = 0.0  # device GiB offload takes off the heaviest rank (AdamW's moments)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.model_states_gib + self.activations_gib
+
+
+def model_from_params(n: float) -> ModelConfig:
+    """A Llama-like shape of about `n` parameters (depth by size, width from 12·L·d² ≈ n)."""
+    layers = 12 if n < 5e8 else 24 if n < 3e9 else 40 if n < 2e10 else 80 if n < 1.2e11 else 120
+    dim = max(128, int(round(math.sqrt(n / (12 * layers)) / 128)) * 128)
+    return ModelConfig(preset=f"{n / 1e9:.1f}B", vocab_size=32000, dim=dim, n_layers=layers,
+                       n_heads=max(1, dim // 128), max_seq_len=4096)
+
+
+@lru_cache(maxsize=4096)
+def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
+         per_action: float) -> tuple[float, float, float]:
+    """(step time in stage-forward units, bubble, peak in-flight activation memory in stages), each
+    action costing `per_action` units more (rounded by the caller, so that layouts share the cache).
+    At F=B=W=1 with no fixed cost it is the play that proved the schedule, made once already."""
+    cost = CostModel(1.0, 2.0 if recompute else 1.0, 1.0, per_action=per_action)
+    res = proven_of(kind, pp, m, v).predicted if cost == CostModel() else simulate(build_schedule(kind, pp, m, v), cost)
+    return res.step_time, res.bubble, max(res.peak_activation_memory)
+
+
+def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
+    """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
+    hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
+    keeps its last N - 1 units for its backward, a backward its first N - 1 for the next
+    micro-batch's forward (none across the optimizer step, none with recompute). `layers`: each
+    unit's parameters (a layer's, or with --zero3-unit sublayer a block's part's)."""
+    keep = min(lay.prefetch - 1, len(layers))
+    if not RULES[lay.zero].sharded_params or lay.pp != 1 or lay.recompute or keep <= 0:
+        return 0.0, 0.0
+    total = sum(layers)
+    return sum(layers[:keep]) / total, sum(layers[-keep:]) / total
+
+
+def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Cluster, lay: Layout,
+             limit_gib: float | None = None) -> Estimate | None:
+    """`lay`'s memory and step time on `cluster`. `limit_gib`: None instead where its memory is over
+    this many GiB, found by memory walks that stop there (most of a request's candidates do not fit,
+    and a walk is most of an estimate's time)."""
+    layers = layer_param_counts(model)
+    per_stage_layers = math.ceil(model.n_layers / lay.pp)
+    # Heaviest stage: its share of blocks plus the embedding or the head (with tied embeddings the
+    # last stage keeps a copy of the table), whichever is bigger; one stage holds both.
+    ends = (layers[0] + layers[-1] if lay.pp == 1 else
+            max(layers[0], layers[-1] + (layers[0] if model.tie_embeddings else 0)))
+    psi = per_stage_layers * block_params(model) + ends
+    # memory: the heaviest rank's peak from the memory model (memory/model.py), split into model
+    # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    if lay.partition is Partition.MEMORY:  # every rank walked; the rank with most blocks sets the pace
+        cut = balanced_layout(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
+        peak, per_stage_layers, psi = cut.peak, max(1, cut.blocks), cut.params
+    else:
+        # the walks may stop where the peak and hpZ's copy (below) pass the limit; the margin covers
+        # the rounding of the sum in GiB
+        stop = (None if limit_gib is None else
+                limit_gib * GIB * (1 + 1e-9) - (4 * psi / split[0] if lay.secondary and split else 0))
+        peak = layout_memory(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb, stop)
+        if stop is not None and peak.peak_bytes > stop:
+            return None
+    states = sum(peak.categories[c] for c in ("params", "gathered", "grads", "optimizer"))
+    updated = peak.host_peak_bytes // HOST_BYTES  # elements the rank offloading most updates (0: no offload)
+    acts = peak.peak_bytes - states
+    if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
+        states += 4 * psi / split[0]
+    # the bubble without fixed costs (the same cached simulation as below when there are none)
+    _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
+    tokens_mb = seq_len * lay.micro_batch
+    flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
+    flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
+    # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
+    # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
+    head_f = 2.0 * model.vocab_size * model.dim * tokens_mb
+    flops_f += head_f
+    t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
+    # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
+    step_units = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute,
+                      round(cluster.overhead_s / t_f, 3))[0]
+    if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
+        # a stage lighter than the heaviest idles for the difference (the first has no head)
+        block_f = (flops_f - head_f) / per_stage_layers
+        lighter = (model.n_layers * block_f + head_f) / lay.pp / flops_f
+        share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
+        t_f *= share
+        # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
+        cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
+    pp_bw, _ = link_gbps(cluster, lay)
+    hop_bytes = cluster.wire_bytes * tokens_mb * model.dim  # one micro-batch's activations (or their gradient)
+    hop = hop_bytes / (pp_bw * 1e9)
+    # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
+    compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
+    units = unit_param_counts(model, lay.sublayer) if lay.sublayer else layers
+    dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(units, lay))
+    step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
+    if cluster.net_cpu_s_per_gb:
+        # the network's CPU work runs while its bytes move: what moves behind compute takes cores from
+        # it, what moves while every rank waits runs on idle cores (pipeline hops: behind compute)
+        behind = crossing * (1.0 - dp_comm / link_s) if link_s else 0.0
+        if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
+            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
+        step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
+    # offload: each rank's gradients down, weights up and AdamW on the CPU, priced as exposed
+    offload_s = sum(HostLink(cluster.pcie_gbps, cluster.adamw_params_s).step_seconds(updated))
+    step += offload_s
+    host = peak.host_peak_bytes * min(cluster.node_size, cluster.gpus)  # every rank of a node as the heaviest
+    return Estimate(lay, states / GIB, acts / GIB, step, bubble, dp_comm, global_batch * seq_len / step, crossing,
+                    host / GIB, offload_s, updated * DEVICE_SAVED / GIB)
+
+
+def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -> list[Layout]:
+    out = []
+    for pp in range(1, min(cluster.gpus, model.n_layers) + 1):
+        if cluster.gpus % pp:
+            continue
+        dp = cluster.gpus // pp
+        # both placements differ only where some group crosses nodes
+        places = list(Placement) if pp > 1 and dp > 1 and cluster.gpus > cluster.node_size else [Placement.DP_INNER]
+        if global_batch % dp:
+            continue
+        # --hierarchical (gloo only) where a group has the same ranks, two or more, on each of its
+        # nodes. With one rank a node it is the exchange alone, which on the emulated cluster ran a
+        # training step no faster than gloo's reduce-scatter (its transfer alone: 1-2x the wire time,
+        # the ring's 1.05x), so it is not offered there.
+        two_level = {}
+        for place in places:
+            split = dp_split(cluster.node_size, pp, dp, place)
+            two_level[place] = (False, True) if cluster.cpu and split and min(split) > 1 else (False,)
+        for mbs in (1, 2, 4, 8):
+            per_rank = global_batch // dp
+            if per_rank % mbs:
+                continue
+            m = per_rank // mbs
+            for kind in SCHEDULES if pp > 1 else [ScheduleKind.ONE_F_ONE_B]:
+                for v in (1, 2, 4):
+                    if v * pp > model.n_layers:
+                        continue
+                    try:
+                        check_layout(kind, pp, m, v)
+                    except ValueError:
+                        continue
+                    for zero in (0, 1, 2, 3):
+                        if dp == 1 and zero:
+                            continue
+                        modes = [GradReduce.STEP, GradReduce.MICROBATCH] if RULES[zero].sharded_grads and m > 1 else [GradReduce.STEP]
+                        for recompute in (False, True):
+                            out.extend(Layout(pp, dp, zero, kind, v, mbs, m, recompute, mode, place, hier)
+                                       for mode in modes for place in places for hier in two_level[place])
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: list[Estimate]  # fastest first
+    considered: int  # layouts estimated
+    skipped: int  # layouts whose simulation did not fit in the budget (the most micro-batches)
+    played: int  # budget spent
+    # offloaded layouts that fit the devices but not the hosts (`--host-memory`), least host first
+    host_short: list[Estimate] = field(default_factory=list)
+    # where none fits the devices even offloaded: the offloaded layout nearest to fitting them
+    device_short: Estimate | None = None
+
+
+def sim_actions(lay: Layout) -> int:
+    """Actions one simulation of the layout's schedule plays (B and W apart: three a micro-batch)."""
+    return lay.pp * lay.microbatches * lay.virtual * (3 if lay.schedule in SPLIT_BACKWARD else 2)
+
+
+def affordable(layouts: list[Layout], budget: int, sims_each: int) -> tuple[list[Layout], int]:
+    """The layouts whose simulations fit in `budget`, cheapest simulation first (layouts sharing one
+    are estimated together), and the budget they spend; the rest all play more actions."""
+    by_sim: dict[tuple, list[Layout]] = {}
+    for lay in layouts:
+        by_sim.setdefault((sim_actions(lay), lay.schedule.value, lay.pp, lay.microbatches, lay.virtual,
+                           lay.recompute), []).append(lay)
+    chosen, spent = [], 0
+    for key in sorted(by_sim):
+        cost = key[0] * sims_each + limits.LAYOUT_COST * len(by_sim[key])
+        if spent + cost > budget:
+            break
+        chosen += by_sim[key]
+        spent += cost
+    return chosen, spent
+
+
+def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int, block: int,
+                 secondary: bool) -> Layout:
+    """`lay` with the run's --quantize-weights / --quantize-grads / --secondary-shard where it has
+    what they change (train refuses them where it has none: D = 1, weights at ZeRO-0, a secondary
+    shard but for ZeRO-3 layer by layer over 2 or more nodes of 2 or more ranks)."""
+    rules = RULES[lay.zero]
+    split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    hpz = secondary and rules.sharded_params and lay.pp == 1 and split is not None and min(split) > 1
+    return replace(lay, weight_bits=weight_bits if lay.dp > 1 and rules.gathers_weights else 0,
+                   grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz)
+
+
+# `plan --compress auto` proposes int8 traffic only where it saves at least this share of a step: the
+# quantization costs held-out loss (0.1-0.3% at int8 on the cluster bench, more at int4, which is not proposed)
+COMPRESS_GAIN = 0.05
+
+
+def compressed(lay: Layout, cluster: Cluster, quant_block: int) -> Layout | None:
+    """`lay` with every option that has something to compress in it, at int8 (weight gathers,
+    gradient reductions, hpZ where it applies), or None where none has."""
+    out = with_options(lay, cluster, 8, 8, quant_block, True)
+    return None if (out.weight_bits, out.grad_bits, out.secondary) == (0, 0, False) else out
+
+
+def proposed(estimates: list[Estimate]) -> list[Estimate]:
+    """Of each layout and its compressed twin, the twin where it is at least `COMPRESS_GAIN` faster
+    (or where only the twin fits), else the layout as it is."""
+    groups: dict[Layout, list[Estimate]] = {}
+    for e in estimates:
+        groups.setdefault(replace(e.layout, weight_bits=0, grad_bits=0, secondary=False), []).append(e)
+    out = []
+    for plain, group in groups.items():
+        as_is = next((e for e in group if e.layout == plain), None)
+        twin = min((e for e in group if e.layout != plain), key=lambda e: e.step_time_s, default=None)
+        wins = twin is not None and (as_is is None or twin.step_time_s <= as_is.step_time_s * (1 - COMPRESS_GAIN))
+        out.append(twin if wins else as_is)  # type: ignore[arg-type]
+    return out
+
+
+def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+                grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
+                budget: int | None = None, propose: bool = False, offload: bool = False) -> Plan:
+    """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
+    every layout with the given quantization of its traffic (bits 0: none) and secondary shard
+    where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
+    (`compressed`), kept where that twin is `COMPRESS_GAIN` faster (`proposed`). `offload`: where
+    few fit, the layouts that do not also with the optimizer offloaded (`offloaded`)."""
+    layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
+               for lay in candidate_layouts(model, cluster, global_batch)]
+    # a fixed cost an action makes a second simulation of each schedule (estimate)
+    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, 2 if cluster.overhead_s else 1)
+    weighed = len(chosen)
+    if propose:  # each twin shares its layout's simulations: the same layouts are weighed, each twice at most
+        chosen += [c for lay in chosen if (c := compressed(lay, cluster, quant_block)) is not None]
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    tried = [estimate(model, seq_len, global_batch, cluster, lay, limit) for lay in chosen]  # None: over the limit
+    fits = [e for e in tried if e is not None and e.memory_gib <= limit]
+    misses = []
+    if len(fits) < limits.MEMORY_CUT_RANK:  # memory cuts try the misses nearest to fitting: their whole figures
+        misses = [e if e is not None else estimate(model, seq_len, global_batch, cluster, lay)
+                  for lay, e in zip(chosen, tried) if e is None or e.memory_gib > limit]
+    fits += cut_by_memory(model, cluster, seq_len, global_batch, fits, misses)
+    short: list[Estimate] = []
+    nearest = None
+    if offload and not cluster.cpu and misses:  # misses: where fewer than MEMORY_CUT_RANK fit
+        more, short, nearest = offloaded(model, cluster, seq_len, global_batch, misses)
+        fits += more
+    if propose:
+        fits = proposed(fits)
+    fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
+    return Plan(fits, weighed, len(layouts) - weighed, spent, short, nearest)
+
+
+def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int,
+              misses: list[Estimate]) -> tuple[list[Estimate], list[Estimate], Estimate | None]:
+    """The layouts of `misses` (each over the devices' memory as it is) with --offload optimizer
+    (memory/offload.py): (those that then fit the devices and the hosts; those that fit the devices
+    only, least host memory first; where none fits the devices, the one nearest to). Tried only
+    where fewer than `limits.MEMORY_CUT_RANK` layouts fit as they are: offload takes AdamW's 8
+    bytes an updated parameter off the device and adds host copies and a CPU step to every step,
+    so where enough layouts fit without it the fastest of them are faster. A node's host holds
+    its ranks' masters, moments and gradient staging, 16 bytes an updated parameter, within the
+    same share (`headroom`) of its memory as a GPU."""
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    host_limit = cluster.host_memory_gib * cluster.headroom
+    fits, short = [], []
+    for miss in misses:
+        e = estimate(model, seq_len, global_batch, cluster, replace(miss.layout, offload=True), limit)
+        if e is None or e.memory_gib > limit:
+            continue
+        (fits if e.host_gib <= host_limit else short).append(e)
+    nearest = None
+    if not fits and not short:  # the least device memory the plain layouts need, offloaded
+        least = min(misses, key=lambda e: e.memory_gib).layout
+        nearest = estimate(model, seq_len, global_batch, cluster, replace(least, offload=True))
+    return fits, sorted(short, key=lambda e: (e.host_gib, e.step_time_s)), nearest
+
+
+def cut_by_memory(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, fits: list[Estimate],
+                  misses: list[Estimate]) -> list[Estimate]:
+    """Where fewer than `limits.MEMORY_CUT_RANK` layouts fit: pipelined layouts that do not fit with
+    uniform cuts but do with `--partition memory` (memory/partition.py), while the searches'
+    memory-model walks stay within `limits.MEMORY_CUT_WALKS`. Balancing moves activations off the
+    ranks with most micro-batches in flight, so candidates go nearest to fitting first once half
+    their activations are taken off (an order, not a bound). Memory cuts give the first rank fewer
+    blocks and the last more, so each is estimated again (its step time paced by the rank with
+    most blocks): where enough layouts fit with uniform cuts the fastest of them are faster than
+    these (7b on 64 x 80 GiB: 17 more fit, none among the fastest ten, at several times the
+    planner's time), so none is searched."""
+    if len(fits) >= limits.MEMORY_CUT_RANK:
+        return []
+    limit = cluster.gpu_memory_gib * cluster.headroom
+    near = sorted((e for e in misses if e.layout.pp > 1), key=lambda e: e.memory_gib - e.activations_gib / 2)
+    out, walks = [], {}  # walks of each search (candidates differing only in placement share one)
+    for e in near:
+        if sum(walks.values()) >= limits.MEMORY_CUT_WALKS:
+            break
+        lay = replace(e.layout, partition=Partition.MEMORY)
+        shape = (lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual, lay.micro_batch, lay.microbatches, lay.recompute,
+                 lay.grad_reduce)
+        if shape not in walks:
+            walks[shape] = balanced_layout(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu,
+                                           cluster.bucket_mb).walks
+        est = estimate(model, seq_len, global_batch, cluster, lay)
+        if est.memory_gib <= limit:
+            out.append(est)
+    return out
+
+
+def plan(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
+         grad_bits: int = 0, quant_block: int = 256, secondary: bool = False) -> tuple[list[Estimate], int]:
+    """Layouts that fit, fastest first, and how many were considered (within limits.PLAN_BUDGET)."""
+    result = plan_within(model, cluster, seq_len, global_batch, weight_bits, grad_bits, quant_block, secondary)
+    return result.fits, result.considered
+
+
+def reason(best: Estimate, e: Estimate, cluster: Cluster) -> str:
+    free = cluster.gpu_memory_gib * cluster.headroom - e.memory_gib
+    parts = [f"bubble {e.bubble:.1%}", f"{free:.1f} GiB to spare"]
+    if e.dp_comm_s >= 5e-4:  # shown in whole milliseconds
+        parts.append(f"DP traffic not hidden {e.dp_comm_s * 1e3:.0f} ms")
+    if e.layout.recompute:
+        parts.append("recompute buys memory for ~1/3 more compute")
+    if e.layout.hierarchical:
+        parts.append("gradients reduced inside each node first")
+    quantized = [f"{what} int{bits}" for what, bits in (("weights", e.layout.weight_bits), ("gradients", e.layout.grad_bits))
+                 if bits]
+    if quantized:
+        parts.append(f"{' and '.join(quantized)} on the wire")
+    if e.layout.secondary:
+        parts.append("ZeRO-3's later gathers inside the node")
+    if e.layout.partition is Partition.MEMORY:
+        parts.append("--partition memory: fits only with memory-balanced cuts; the rank with most blocks "
+                     "paces the step")
+    if e.layout.grad_reduce is GradReduce.MICROBATCH:
+        parts.append(f"gradients reduced each micro-batch: sharded memory, {e.layout.microbatches}x traffic")
+    if e.layout.offload:
+        parts.append(f"optimizer offloaded: without it {e.memory_gib + e.saved_gib:.1f} GiB a GPU, over "
+                     f"{cluster.gpu_memory_gib * cluster.headroom:.1f}; host {e.host_gib:.1f} GiB a node of "
+                     f"{cluster.host_memory_gib:g}; host copies and CPU AdamW add {e.offload_s:.2f} s a step")
+    if e is not best:
+        parts.append(f"{e.step_time_s / best.step_time_s - 1:+.1%} vs best")
+    return ", ".join(parts)
+
+
+def nearby_world_sizes(layers: int, global_batch: int, gpus: int) -> str:
+    """World sizes nearest `gpus` that split into some pp x dp (pp at most `layers`, dp dividing the
+    global batch, within limits.GPUS), for the error message; empty when there are none. Taken from
+    those products, not by scanning counts (a scan down from --gpus 2^30 ran for minutes)."""
+    counts = {pp * dp for pp in range(1, layers + 1) for dp in divisors(global_batch) if pp * dp in limits.GPUS}
+    below, above = max((n for n in counts if n < gpus), default=None), min((n for n in counts if n > gpus), default=None)
+    return " or ".join(str(n) for n in (below, above) if n)
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -1,0 +1,185 @@
+"""`train --layout auto`: the planner chooses the layout from the world size, the memory limit and
+this machine's costs; every rank trains the same choice; the run checks the prediction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from one_line import assert_one_line, run_main
+from pipezero.planner.auto import choose, cluster_for
+from pipezero.planner.auto_check import LayoutCheck, compare
+from pipezero.planner.auto_job import Request, decide, provisional, request, settings_of
+from pipezero.probe import LinkCost, Probe
+from pipezero.settings import build_config
+
+
+def tiny_request(world: int, limit_gib: float = 4.0, costs: Probe | None = None, **settings: str) -> Request:
+    given = {"model.preset": "tiny", "data.seq_len": "64", **settings}
+    req = request(None, given, {}, None, None, None, ranks=(world, world))
+    req.limit_gib, req.cuda, req.costs = limit_gib, False, costs
+    return req
+
+
+def fake_probe(tflops: float, gbps: float, overhead_s: float = 1e-4) -> Probe:
+    return Probe("cpu", "fp32", 4, 64, {"F": 0.01, "B": 0.01, "W": 0.01}, tflops, overhead_s,
+                 links={"node": LinkCost(1e-4, gbps)}, host_copy_gbps=5.0, host_adamw_params_s=1e8)
+
+
+def test_the_choice_is_the_planners_fastest_that_fits_and_follows_the_costs():
+    slow_link = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001)))
+    fast_link = provisional(tiny_request(2, costs=fake_probe(tflops=0.001, gbps=100.0)))
+    for choice in (slow_link, fast_link):
+        steps = [r["predicted_step_s"] for r in choice.ranked]
+        assert len(choice.ranked) == 4 and steps == sorted(steps)  # the chosen one and three runners-up
+        assert choice.ranked[0]["flags"].startswith("--pp ") and choice.fitting >= 4
+        shapes = {tuple(r["settings"][f"parallel.{k}"] for k in ("pp", "dp", "schedule", "virtual_stages",
+                                                                  "microbatches", "micro_batch_size"))
+                  for r in choice.ranked}
+        assert len(shapes) == 4  # runners-up are alternatives, not the choice with another ZeRO stage
+    # a slow link makes D = 2's gradient traffic dearer than P = 2's bubble; with a fast one, the other way
+    assert slow_link.chosen["flags"].startswith("--pp 2 --dp 1"), slow_link.chosen["flags"]
+    assert fast_link.chosen["flags"].startswith("--pp 1 --dp 2"), fast_link.chosen["flags"]
+    # the same inputs give the same choice: ranks reading one --costs file agree without a word
+    again = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001)))
+    assert again.ranked == slow_link.ranked
+
+
+def test_layout_flags_given_with_auto_are_constraints_the_choice_keeps():
+    choice = provisional(tiny_request(4, **{"parallel.zero": "2", "parallel.pp": "2"}))
+    for r in choice.ranked:
+        assert r["settings"]["parallel.zero"] == "2" and r["settings"]["parallel.pp"] == "2", r["flags"]
+    cfg = build_config(None, settings_of(tiny_request(4, **{"parallel.zero": "2", "parallel.pp": "2"}), choice))
+    assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero) == (2, 2, 2)
+    assert cfg.global_batch == 16  # the settings' M x B x D, whatever M and B the choice took
+
+
+def test_the_chosen_layouts_flags_reproduce_it():
+    choice = provisional(tiny_request(4))
+    flags = choice.chosen["flags"].split()
+    from pipezero.cli.command_line import build_parser
+    from pipezero.cli.flags import flag_values
+
+    args = build_parser().parse_args(["train", "--preset", "tiny", "--seq-len", "64", *flags])
+    cfg = build_config(None, flag_values(args)[0])
+    chosen = build_config(None, settings_of(tiny_request(4), choice))
+    assert cfg.parallel == chosen.parallel
+
+
+def test_a_world_size_no_layout_fits_is_refused_in_one_line_with_the_memory_that_would(capsys):
+    with pytest.raises(Exception) as e:
+        provisional(tiny_request(2, limit_gib=0.001))
+    line = str(e.value)
+    assert "no layout of 2 ranks fits 0.001 GiB a rank" in line and "give --gpu-memory" in line
+    need = float(line.split("give --gpu-memory ")[1].split()[0])
+    # that much memory is enough: the same request with it chooses a layout
+    assert provisional(tiny_request(2, limit_gib=need)).fitting >= 1
+    with pytest.raises(Exception, match="split into no layout"):
+        provisional(tiny_request(3, **{"parallel.microbatches": "1", "parallel.micro_batch_size": "1",
+                                       "parallel.dp": "1"}))
+
+
+def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp_path):
+    base = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run")]
+    assert_one_line(*run_main([*base, "--gpu-memory", "0.001"], capsys), "--gpu-memory")
+    assert_one_line(*run_main([*base, "--stage-layers", "2,2"], capsys), "--stage-layers")
+    assert_one_line(*run_main([*base, "--nproc", "2", "--pp", "3"], capsys), "no layout of 2 ranks has pp = 3")
+    # pipezero cluster's nodes x ranks a node are the world the choice weighs, checked before any node starts
+    assert_one_line(*run_main(["cluster", "--nodes", "2", "--ranks-per-node", "2", "train", "--preset", "tiny",
+                               "--layout", "auto", "--pp", "3"], capsys), "no layout of 4 ranks has pp = 3")
+    assert_one_line(*run_main(["train", "--preset", "tiny", "--global-batch", "8"], capsys),
+                    "--global-batch is read only with --layout auto")
+    assert_one_line(*run_main([*base, "--global-batch", "0"], capsys), "--global-batch 0")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"device": "cpu"}')
+    assert_one_line(*run_main([*base, "--costs", str(bad)], capsys), "not a probe pipezero wrote")
+    assert_one_line(*run_main(["verify", "--preset", "tiny", "--layout", "auto"], capsys), "run train --layout auto")
+    assert not (tmp_path / "run").exists()
+
+
+def test_quantized_traffic_is_chosen_only_where_the_user_allowed_it():
+    plain = provisional(tiny_request(4, costs=fake_probe(1.0, 0.001)))
+    assert all(r["quantize_grads_bits"] == 0 and r["quantize_weights_bits"] == 0 for r in plain.ranked)
+    allowed = provisional(tiny_request(4, costs=fake_probe(1.0, 0.001), **{"parallel.quantize_grads": "int8"}))
+    assert any(r["quantize_grads_bits"] == 8 for r in allowed.ranked)
+    assert all("--quantize-grads int8" in r["flags"] for r in allowed.ranked if r["quantize_grads_bits"])
+
+
+def test_a_lone_process_probes_and_chooses_without_a_process_group():
+    req = tiny_request(1)
+    first = provisional(req)
+    cfg = build_config(None, settings_of(req, first))
+    choice, took = decide(req, first, cfg)
+    # it probed (its repetitions bounded by PROBE_BUDGET_S a figure: tests/test_probe.py holds the budget)
+    assert took is not None and took >= choice.costs["probe_s"] > 0
+    assert choice.chosen["settings"]["parallel.pp"] == "1" and choice.costs["tflops"] != first.costs["tflops"]
+
+
+def test_the_prediction_check_names_the_term_that_differs():
+    chosen = {"predicted_step_s": 1.0, "predicted_peak_gib": 2.0, "predicted_compute_s": 0.8,
+              "predicted_idle_s": 0.2, "bubble": 0.2, "flags": "--pp 2"}
+    figures, warning = compare(chosen, 1.1, 0.2, 2.1)
+    assert warning is None and figures["measured_step_s"] == 1.1
+    _, warning = compare(chosen, 2.0, 0.6, None)  # 0.8 s compute, 1.2 s waiting: the waiting is off
+    assert warning is not None and "+100%" in warning and "most in bubble and exposed communication" in warning
+    _, warning = compare(chosen, 1.0, 0.2, 3.0)
+    assert warning is not None and "peak memory 3 GiB measured" in warning and "step time" not in warning
+    check = LayoutCheck({"ranked": [chosen], "fitting": 1, "weighed": 1, "skipped": 0, "seconds": 0.1, "costs": {}})
+    said = [check.observe({"step_time_s": t, "bubble": 0.2}, i == 0, i == 6) for i, t in enumerate([9, 1, 1, 1, 1, 1])]
+    assert said == [None] * 6  # the first step (9 s) is left out; five steps as predicted
+    entry, _ = check.summary(None)
+    assert entry["measured_step_s"] == 1 and entry["steps_measured"] == 5 and entry["warning"] is None
+    json.dumps(entry)
+
+
+def test_cluster_from_a_probe_reads_its_rates_and_links():
+    cfg = build_config(None, {"model.preset": "tiny"})
+    cluster = cluster_for(cfg, 4, 4, 2.0, False, fake_probe(0.5, 3.0, 2e-3))
+    assert (cluster.tflops, cluster.mfu, cluster.overhead_s, cluster.intra_gbps) == (0.5, 1.0, 2e-3, 3.0)
+    assert cluster.gpus == 4 and cluster.cpu and cluster.wire_bytes == 4
+    assert choose(cfg, cluster, 16, {}).ranked
+    assert choose(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
+
+
+def choose_and_train(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose own probe would choose apart from rank 0's: rank 0's
+    measures a fast link, the other's a slow one. It trains what it was sent for two steps."""
+    import pipezero.probe as probes
+    from pipezero.engine import train
+
+    measured = probes.probe
+
+    def own_probe(cfg, device, budget_s=0.5, groups=None):
+        found = measured(cfg, device, budget_s=0.02)
+        found.tflops = 0.001 if rank == 0 else 1.0  # rank 0: compute-bound, so D = 2 wins; else P = 2
+        return found
+
+    probes.probe = own_probe  # the module decide() reads them from
+    probes.probe_link = lambda group, device, budget_s: LinkCost(1e-4, 100.0 if rank == 0 else 0.001)
+    settings = {"model.preset": "tiny", "data.seq_len": "32", "data.path": data, "data.tokenizer": "bytes",
+                "run.max_steps": "2", "run.out": out, "run.progress": False, "run.sample_tokens": "0",
+                "run.save_final": False, "parallel.timeout_s": "60"}
+    req = request(None, settings, {}, None, None, None, ranks=(world, world))
+    first = provisional(req)
+    cfg = build_config(None, settings_of(req, first))
+    choice, took = decide(req, first, cfg)
+    mine = provisional(Request(**{**req.__dict__, "costs": fake_probe(0.001 if rank == 0 else 1.0,
+                                                                      100.0 if rank == 0 else 0.001)}))
+    result = train(build_config(None, settings_of(req, choice)), choice=choice.to_json())
+    return {"chosen": choice.chosen["flags"], "own": mine.chosen["flags"], "losses": result.losses, "took": took}
+
+
+@pytest.mark.distributed
+def test_every_rank_trains_rank_0s_choice_and_the_summary_holds_its_prediction(text_dir, tmp_path):
+    from ranks import run_ranks
+
+    out = tmp_path / "run"
+    ranks = run_ranks(choose_and_train, 2, str(text_dir), str(out))
+    # alone, each rank would have chosen another layout: rank 0 data parallelism, rank 1 a pipeline
+    assert ranks[0]["own"].startswith("--pp 1 --dp 2") and ranks[1]["own"].startswith("--pp 2 --dp 1"), ranks
+    assert ranks[0]["chosen"] == ranks[1]["chosen"] and ranks[0]["chosen"].startswith("--pp 1 --dp 2"), ranks
+    assert len(ranks[0]["losses"]) == 2
+    entry = json.loads((out / "summary.json").read_text())["layout_choice"]
+    assert entry["flags"] == ranks[0]["chosen"] and entry["steps_measured"] == 1
+    assert entry["predicted_step_s"] > 0 and entry["measured_step_s"] > 0 and len(entry["runners_up"]) == 3
