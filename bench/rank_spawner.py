@@ -57,8 +57,11 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, fn: Callable, 
 
 # What a rank imports before it runs anything: the fork server imports it once, and every rank of the
 # session is forked from it with these already loaded. A spawned rank imported torch and pipezero
-# again (about 2 s of CPU each, ~40 times 4 ranks a suite, on 2 cores).
-PRELOAD = ["torch", "torch.distributed", "pipezero.engine", "pipezero.stage", "pipezero.verify"]
+# again (about 2 s of CPU each, ~40 times 4 ranks a suite, on 2 cores). torch's autograd imports
+# symbolic_shapes (and sympy with it, ~0.7 s of CPU) on the first backward given output gradients,
+# which every stage but the last runs; numpy.random comes with the run's identity.
+PRELOAD = ["torch", "torch.distributed", "pipezero.engine", "pipezero.stage", "pipezero.verify",
+           "torch.fx.experimental.symbolic_shapes", "pipezero.data.identity", "numpy.random"]
 
 
 def rank_context() -> Any:

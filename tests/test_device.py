@@ -221,6 +221,36 @@ def train_direct_and_staged(rank: int, world: int, data: str, out: str, cases: l
     return results
 
 
+def resumed_staged(rank: int, world: int, data: str, out: str) -> dict:
+    """ZeRO-0 at D=2 shared (--share-device on): two steps saved, then one more resumed from them,
+    beside one fresh step; the staging copies each made. A resume gathers every bucket's weights and
+    both AdamW moments from the shards."""
+    from pipezero.engine import train
+    from training import tiny_overrides, watch_program
+
+    seen = watch_program()
+    case = {"pp": 1, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 0, "run.share_device": "on"}
+    copies = {}
+    for name, extra in (("saved", {"run.max_steps": 2, "run.save_final": True}),
+                        ("resumed", {"run.max_steps": 3, "run.resume": True}),
+                        ("fresh", {"run.max_steps": 1})):
+        folder = f"{out}/{'fresh' if name == 'fresh' else 'run'}"
+        train(build_config(None, tiny_overrides(data, folder, **case, **extra)))
+        copies[name] = seen["stage"].zero.comm.transport.counts()["copies_out"]
+    return {"copies": copies, "buckets": len(seen["stage"].zero.all_buckets())}
+
+
+@pytest.mark.distributed
+def test_a_resume_of_ranks_sharing_a_device_gathers_through_the_host(text_dir, tmp_path):
+    """The restored weights and moments travel like every other collective of a sharing rank, through
+    the host (on a GPU, gloo cannot read the device's tensors): a resumed step stages the restore's
+    three gathers a bucket beyond what a fresh step stages."""
+    from ranks import run_ranks
+
+    for r in run_ranks(resumed_staged, 2, str(text_dir), str(tmp_path)):
+        assert r["copies"]["resumed"] - r["copies"]["fresh"] >= 3 * r["buckets"], r
+
+
 @pytest.mark.distributed
 def test_staged_transfers_train_bit_identically_to_direct_ones(text_dir, tmp_path):
     """The shared-GPU path forced on CPU ranks: every send, receive and collective copied into host

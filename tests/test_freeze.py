@@ -159,7 +159,7 @@ def check_summary(case: dict, folder: Path, data: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(32)
+@pytest.mark.slow(25)
 def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
     results = run_ranks(freeze_scenarios, 4, str(text_dir), str(tmp_path), timeout=600)
     refs = one_thread_refs(CASES, str(text_dir), tmp_path)
@@ -177,7 +177,7 @@ def test_frozen_layouts_train_like_one_process_and_resume(text_dir, tmp_path):
                     seen.add(name)
         assert seen == frozen, (case, frozen - seen)
         check_summary(case, tmp_path / f"case{i}", str(text_dir))
-    # resumed at step 2 on (pp 1, dp 4, ZeRO-3): the uninterrupted run's steps 3-5, its final tensors
+    # resumed at step 2 on (pp 1, dp 4, ZeRO-3): the uninterrupted run's later steps, its final tensors
     first = results[0]["cases"][0]
     for per_rank in results:
         resumed = per_rank["resumed"]

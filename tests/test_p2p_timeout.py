@@ -32,8 +32,13 @@ def test_silent_peer_times_out_with_named_operation():
 
 
 def departed_peer(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
     from pipezero.parallel.waits import PipelineTimeout, gather_objects
 
+    # both sides of the group connected first: a peer gone while gloo still builds its connections
+    # fails the group's start on rank 0 (connectFullMesh), not the gather under test
+    dist.barrier()
     if rank == 1:
         return "left"  # its process ends without joining the gather
     t0 = time.monotonic()

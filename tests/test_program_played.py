@@ -11,7 +11,10 @@ instructions in order (runtime/executor.py `run`).
 Covered: every schedule with ZeRO 0-3 at P=2 D=2 (with --offload optimizer and two micro-batches'
 activations offloaded: their host copies and steps held to the program too), the stages that move the most at P=4 D=1 and P=1
 D=4, both placements, `--hierarchical`, per-micro-batch reductions and a tied embedding (TIED_SUM,
-then the reductions of the buckets holding its copies, before the step). Layer-by-layer ZeRO-3
+then the reductions of the buckets holding its copies, before the step). The layouts that
+tests/test_zero.py and tests/test_pipeline.py train as they would be here (`held_elsewhere`; a
+one-process test below holds that they are there) are held to the program there, on every one of
+their steps, with the same checks of what was played (training.py `assert_played`). Layer-by-layer ZeRO-3
 (the default at P=1, asked for at P=2): its gathers sit inside the compute instructions and are
 held to the program like any other, under fused and split backward (W from B's stash, and W of the
 first chunk running autograd again), the V placement, --recompute (the forward run again inside each
@@ -28,7 +31,22 @@ import pytest
 
 from pipezero.config import ScheduleKind as K
 from ranks import run_ranks
-from training import assert_same_training, train_cases
+from training import assert_played, assert_same_training, layouts, train_cases
+
+
+def held_elsewhere() -> list[dict]:
+    """The layouts this test leaves to tests/test_zero.py and tests/test_pipeline.py, which train them
+    for several steps, each step held to the program, and compare them with one process."""
+    two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
+    lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
+    return ([{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
+            + [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 0}]
+            + [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.grad_reduce": "microbatch"}
+               for z in (2, 3)]
+            + [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, "model.tie_embeddings": True}
+               for z in (0, 1, 2, 3)]
+            + [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, **lw}]
+            + [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)])
 
 
 def cases() -> list[dict]:
@@ -40,8 +58,6 @@ def cases() -> list[dict]:
     for kind in K:
         for zero in (0, 1, 2, 3):
             out.append({"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": zero, **offloaded})
-    out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.grad_reduce": "microbatch"}
-            for z in (2, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
             for z in (1, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": o}
@@ -50,21 +66,16 @@ def cases() -> list[dict]:
     out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": 2, "parallel.buckets_in_flight": 2,
              "parallel.bucket_mb": 0.02} for kind in (K.ZB_H1, K.ONE_F_ONE_B)]
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
-    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
-    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 0},  # (keep_gathered: ZeRO-3's only)
-            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "parallel.zero3_keep_gathered": True}]
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "parallel.zero3_keep_gathered": True}]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
-    out += [{"pp": 4, "dp": 1, "kind": kind, "m": 8, "parallel.zero": 0} for kind in (K.ONE_F_ONE_B, K.ZB_V)]
     # a tied embedding: summed between the ends (or on the V's turn rank), then its buckets reduced
     tied = {"model.tie_embeddings": True}
-    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": z, **tied} for z in (0, 1, 2, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, **tied},
             {"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 1, "parallel.placement": "pp-inner", **tied},
             {"pp": 4, "dp": 1, "kind": K.INTERLEAVED_1F1B, "m": 8, "parallel.zero": 0, **tied}]
     # ZeRO-3 layer by layer: the gathers inside each action, one layer ahead
     lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
-    out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, **lw} for kind in (K.ONE_F_ONE_B, K.ZB_H1, K.ZB_V,
-                                                                         K.INTERLEAVED_1F1B)]
+    out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, **lw} for kind in (K.ZB_H1, K.ZB_V, K.INTERLEAVED_1F1B)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.recompute": True, **lw},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
             {"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, **lw, **tied},
@@ -100,29 +111,38 @@ def sublayer_cases() -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(55)
+@pytest.mark.slow(46)
 def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_path):
     todo = cases()
     assert {c["kind"] for c in todo} == set(K)
     one_step = {"run.max_steps": 1}
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**c, **one_step} for c in todo],
                         timeout=600)  # train_cases raises where a rank started other than its program lists
-    first = [r["started"] for r in results[0]]  # rank 0's, case by case
-    # the comparison had something to compare: reductions everywhere, each waited for, gathers at
-    # ZeRO-1-3 with D > 1
-    assert all(any(s.startswith("REDUCE_GRAD") for s in started) for started in first)
-    assert all(sorted(w for w in r["waited"] if w.startswith("REDUCE_GRAD"))
-               == sorted(s for s in r["started"] if s.startswith("REDUCE_GRAD")) for r in results[0])
-    assert all(any(w.startswith("UNSHARD") for w in r["waited"]) for c, r in zip(todo, results[0])
-               if c["parallel.zero"] == 3 and c["dp"] > 1)  # every gather is waited for too
-    assert all(any(s.startswith("UNSHARD") for s in started) for c, started in zip(todo, first)
-               if c["parallel.zero"] and c["dp"] > 1)
-    assert all(any(s.startswith("TIED_SUM") for s in started) for c, started in zip(todo, first)
-               if c.get("model.tie_embeddings") and c["pp"] > 1)  # rank 0 holds the embedding in every tied case
-    for c, started in zip(todo, first):  # an offloaded step copies and steps every bucket on the host
-        if c.get("parallel.offload") == "optimizer":
-            copied = sorted(s[len("OFFLOAD_GRAD"):] for s in started if s.startswith("OFFLOAD_GRAD"))
-            assert copied and copied == sorted(s[len("HOST_STEP"):] for s in started if s.startswith("HOST_STEP")), c
+    assert_played(todo, results[0])
     # and every layout, offloaded or not, trains what one process trains (each schedule x ZeRO stage
     # offloaded is compared here and nowhere else)
     assert_same_training(results, str(text_dir), tmp_path)
+
+
+def test_the_layouts_left_to_the_layout_tests_are_there():
+    """Each layout `held_elsewhere` is one the ZeRO and pipeline layout tests run (the same settings
+    once defaults are filled in), so leaving it out here loses none of its checks."""
+    import enum
+
+    import test_zero
+    from pipezero.config import ParallelConfig
+
+    default = ParallelConfig()
+
+    def settings(case: dict) -> dict:  # without the keys that name the default's value
+        def given(key: str, value) -> bool:
+            if not key.startswith("parallel."):
+                return True
+            was = getattr(default, key.removeprefix("parallel."))
+            return value != (was.value if isinstance(was, enum.Enum) else was)
+        return {k: v for k, v in case.items() if given(k, v)}
+
+    there = [settings(c) for c in test_zero.zero_cases(4, 1) + test_zero.zero_cases(2, 2)
+             + test_zero.hierarchical_cases() + layouts(4, 1)]
+    for case in held_elsewhere():
+        assert settings(case) in there, case

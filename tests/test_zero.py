@@ -14,7 +14,7 @@ from pipezero.zero.adamw import ShardedAdamW
 from pipezero.schedules.bucket_plan import group_tensors
 from pipezero.schedules.model_shapes import TensorShape
 from pipezero.zero.buckets import build_buckets
-from training import assert_same_training, layouts, train_cases
+from training import assert_played, assert_same_training, layouts, train_cases
 
 
 def make_buckets(named: list, bucket_mb: float, dp: int, dp_rank: int) -> list:
@@ -124,7 +124,7 @@ def sublayer_cases(cases: list[dict]) -> list[tuple[int, dict]]:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(24)
+@pytest.mark.slow(16)
 def test_zero_dp2_every_stage_matches_one_process(text_dir, tmp_path):
     cases = zero_cases(2, 1)
     deeper = prefetch_cases(cases)
@@ -169,23 +169,29 @@ def every_schedule_cases(dp: int, pp: int) -> list[dict]:
     return [{"pp": pp, "dp": dp, "kind": kind, "m": 2 * pp, **z} for kind in others for z in settings]
 
 
+def hierarchical_cases() -> list[dict]:
+    """--hierarchical, the 4 ranks as 2 nodes of 2: D=4 reduces inside each node, then across (all-reduce
+    at ZeRO-0, reduce-scatter at 1-3); pp-inner puts a stage's 2 replicas on different nodes (one a
+    node: the exchange across only; dp-inner, both on one node, is refused: nothing would cross)."""
+    two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
+    cases = [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
+    cases += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
+               "parallel.grad_reduce": "microbatch", **two}]
+    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
+    return cases
+
+
 @pytest.mark.distributed
-@pytest.mark.slow(89)
+@pytest.mark.slow(62)
 def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases = zero_cases(4, 1) + zero_cases(2, 2) + every_schedule_cases(2, 2)
     # a pipeline's stages on neighbouring ranks (--placement pp-inner): the same model
     cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
               for z in (1, 3)]
-    # --hierarchical, the 4 ranks as 2 nodes of 2: D=4 reduces inside each node, then across (all-reduce
-    # at ZeRO-0, reduce-scatter at 1-3); pp-inner puts a stage's 2 replicas on different nodes (one a
-    # node: the exchange across only; dp-inner, both on one node, is refused: nothing would cross)
-    two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
-    cases += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": z, **two} for z in (0, 1, 2, 3)]
-    cases += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 2,
-               "parallel.grad_reduce": "microbatch", **two}]
-    cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
+    cases += hierarchical_cases()
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
+    assert_played(cases, results[0])
     for i, case in enumerate(cases):  # the two-level reductions ran, split as the placement puts the nodes
         want = None if not case.get("parallel.hierarchical") else \
             [2, 2] if case["dp"] == 4 else [2, 1]
@@ -194,7 +200,7 @@ def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow(96)
+@pytest.mark.slow(72)
 def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_dir, tmp_path):
     """The two 8-rank layouts in one process group (a spawn of 8 ranks costs 2 cores most of a
     minute). The micro-batch counts and the rarer ZeRO combinations are covered at 4 ranks; here

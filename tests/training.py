@@ -13,7 +13,11 @@ from pipezero.settings import build_config
 from pipezero.verify import TOLERANCES, RankResult, compare_params, compare_steps, failure, with_tied_head
 
 V_OF = {kind: default_virtual(kind) for kind in K}  # the fewest chunks a rank each schedule takes
-STEPS = 5
+# Three optimizer steps a run: the first two at warm-up rates, the third at the peak, so a step reads
+# the Adam moments, the accumulated gradients and the buckets the step before it left, twice, and
+# each comparison holds losses of two updated models and the parameters after three updates. More
+# steps repeat the same step at 0.2 CPU-seconds a case on 4 ranks (the layout tests' main cost).
+STEPS = 3
 # The comparisons' learning rate. Adam turns rounding in near-zero early gradients into steps of
 # the full rate, so the float floor of "same model" grows with it: two one-process runs of the
 # tests' tiny model that differ only in how the batch is cut into micro-batches (summation order)
@@ -159,6 +163,27 @@ def record_departure(seen: dict) -> str:
             if p.group != e.group:
                 return f"{where}: {p.name} in group {p.group}, the program's is {e.group}"
     return ""
+
+
+def assert_played(cases: list[dict], results: list[dict]) -> None:
+    """The program comparison of `train_cases` had something to compare, on rank 0 (`results`: its
+    results, case by case): its last step started reductions and waited for each, gathers at ZeRO-1-3
+    with D > 1 (each waited for at ZeRO-3), the tied embedding's sum in every tied pipeline (rank 0
+    holds the embedding), and an offloaded step copied and stepped every bucket on the host."""
+    for c, r in zip(cases, results):
+        started, waited = r["started"], r["waited"]
+        assert any(s.startswith("REDUCE_GRAD") for s in started), c
+        assert sorted(w for w in waited if w.startswith("REDUCE_GRAD")) == \
+            sorted(s for s in started if s.startswith("REDUCE_GRAD")), c
+        if c.get("parallel.zero") and c["dp"] > 1:
+            assert any(s.startswith("UNSHARD") for s in started), c
+            if c["parallel.zero"] == 3:
+                assert any(w.startswith("UNSHARD") for w in waited), c
+        if c.get("model.tie_embeddings") and c["pp"] > 1:
+            assert any(s.startswith("TIED_SUM") for s in started), c
+        if c.get("parallel.offload") == "optimizer":
+            copied = sorted(s[len("OFFLOAD_GRAD"):] for s in started if s.startswith("OFFLOAD_GRAD"))
+            assert copied and copied == sorted(s[len("HOST_STEP"):] for s in started if s.startswith("HOST_STEP")), c
 
 
 def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipezero.parallel.collectives import all_gather
 from pipezero.zero.buckets import Bucket
 
 if TYPE_CHECKING:
@@ -43,7 +42,8 @@ def restore_replicas(zero: "ZeroDP", adam_steps: int) -> None:
                 for full in (st.exp_avg, st.exp_avg_sq):
                     # gathered where the group's backend reads (--offload optimizer keeps them on the host)
                     whole = full.to(b.device)
-                    work = all_gather(whole, whole[b.shard].clone(), zero.dp_group)
+                    # through the rank's transport: ranks sharing a GPU stage it through the host
+                    work = zero.comm.transport.all_gather(whole, whole[b.shard].clone(), zero.dp_group)
                     zero.comm.wait(work, "all-gather of restored optimizer state")
                     full.copy_(whole)
     if zero.host is not None:
