@@ -110,6 +110,20 @@ def check_rendezvous_host(env: Mapping[str, str]) -> None:
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them
 
 
+def with_device(argv: Sequence[str], device: str) -> list[str]:
+    """`argv` with `--device DEVICE` in place of any the user gave: the launcher decides each rank's
+    device (`auto` resolved, a GPU's ranks sharing it), and a flag given twice is refused."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--device":
+            skip = True
+        elif not a.startswith("--device="):
+            out.append(a)
+    return [*out, "--device", device]
+
+
 def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
     out, skip = [], False
     for a in argv:

@@ -346,7 +346,7 @@ def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: T
     from rich.console import Console
 
     from pipezero.engine import train
-    from pipezero.launch import launch_local, preflight
+    from pipezero.launch import launch_local, preflight, with_device
 
     world = cfg.parallel.world_size
     console = Console(soft_wrap=True)  # lines a user may grep stay whole; the table still fits
@@ -368,7 +368,7 @@ def _verify(cfg: TrainConfig, steps: int, argv: list[str], out: Path, run_cfg: T
             if RANK_FILE.fullmatch(old.name):  # an earlier verify's; check_out refused anything else there
                 old.unlink()
         # verify writes no checkpoint and takes no --resume: its stop line must not offer either
-        code = launch_local(world, [*argv, "--device", device.value], str(out),
+        code = launch_local(world, with_device(argv, device.value), str(out),
                             after_stop="verify stopped before it compared anything: run the same command again",
                             lock_fd=lock_fd)
         if code:

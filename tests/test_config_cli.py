@@ -268,3 +268,13 @@ def test_the_zero_help_says_what_each_stages_rules_say(capsys):
         main(["train", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert all(rules.describe() in shown for rules in RULES.values())
+
+
+
+def test_each_rank_of_the_launcher_gets_its_device_once():
+    """The launcher decides each rank's device (auto resolved, ranks sharing a GPU) and puts it in
+    place of any --device the user gave, so a rank's command line names one device."""
+    from pipezero.launch import with_device
+
+    assert with_device(["train", "--device", "cuda", "--pp", "2", "--device=auto"], "cpu") == \
+        ["train", "--pp", "2", "--device", "cpu"]

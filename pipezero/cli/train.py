@@ -73,7 +73,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     limit, cuda = rank_limit_gib(cfg, local)
     check_fit(cfg, limit, cuda, limit_name(cfg, local))  # before any rank starts: a layout that cannot fit is refused
     from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
-                                 preflight, under_torchrun)
+                                 preflight, under_torchrun, with_device)
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes) as held:
         if launching:
-            return launch_local(launch.nproc, [*args.argv, "--device", device.value], cfg.run.out,
+            return launch_local(launch.nproc, with_device(args.argv, device.value), cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
                                 lock_fd=held.fd if isinstance(held, Claim) else None)
         choice = None
