@@ -64,8 +64,9 @@ def test_cli_errors_exit_2_without_traceback(argv, needle, capsys):
 
 
 @pytest.mark.distributed
-def test_console_script_reports_error_as_exit_2():
-    proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--preset", "nope"],
+@pytest.mark.parametrize("module", ["pipezero.cli", "pipezero"])  # the launcher's way in, and a user's
+def test_console_script_reports_error_as_exit_2(module):
+    proc = subprocess.run([sys.executable, "-m", module, "train", "--preset", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr and "Traceback" not in proc.stderr
 
