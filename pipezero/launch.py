@@ -110,30 +110,27 @@ def check_rendezvous_host(env: Mapping[str, str]) -> None:
 LAUNCHER_FLAGS = ("--nproc", "--max-restarts")  # the launcher's own: the ranks it starts never see them
 
 
-def with_device(argv: Sequence[str], device: str) -> list[str]:
-    """`argv` with `--device DEVICE` in place of any the user gave: the launcher decides each rank's
-    device (`auto` resolved, a GPU's ranks sharing it), and a flag given twice is refused."""
+def without_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
+    """`argv` without `flags` and their values (`--flag VALUE` and `--flag=VALUE` alike)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--device":
+        elif a in flags:
             skip = True
-        elif not a.startswith("--device="):
+        elif not a.startswith(tuple(f"{f}=" for f in flags)):
             out.append(a)
-    return [*out, "--device", device]
+    return out
+
+
+def with_device(argv: Sequence[str], device: str) -> list[str]:
+    """`argv` with `--device DEVICE` in place of any the user gave: the launcher decides each rank's
+    device (`auto` resolved, a GPU's ranks sharing it), and a rank's command line names one."""
+    return [*without_flags(argv, ("--device",)), "--device", device]
 
 
 def strip_launcher_flags(argv: Sequence[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in LAUNCHER_FLAGS:
-            skip = True
-        elif not a.startswith(tuple(f"{f}=" for f in LAUNCHER_FLAGS)):
-            out.append(a)
-    return out
+    return without_flags(argv, LAUNCHER_FLAGS)
 
 
 def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Device:
