@@ -311,7 +311,7 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
     """Train as the configuration says, on one process or as one rank of a pp x dp job. With
     `snapshot`, the result holds this rank's final parameters (a full copy: tests, not big runs).
     `spec`: a model of one's own (models/spec.py, examples/own_model.py) instead of cfg.model's.
-    `choice`: --layout auto's (auto.Choice.to_json()), whose prediction the run checks."""
+    `choice`: --layout auto's (auto.LayoutChoice.to_json()), whose prediction the run checks."""
     trainer = Trainer.set_up(cfg, spec)
     check = LayoutCheck(choice) if choice is not None and trainer.stage.mesh.rank == 0 else None
     trainer.result.layout_check = check

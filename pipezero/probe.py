@@ -69,6 +69,44 @@ class Probe:
         return cls(**{**d, "links": links})
 
 
+def read_probe(path: str) -> Probe:
+    """A probe `pipezero probe --json FILE` wrote, for `plan --costs` and `train --layout auto --costs`:
+    refused in one line where it is not one, or where its figures are outside what the flags they
+    stand for accept (a busy machine's probe once said 7.5e5 TFLOP/s). A link the user made to a
+    probe's file is followed: only the file itself is checked."""
+    import json
+    import math
+    from pathlib import Path
+
+    from pipezero.errors import ConfigError
+    from pipezero.flight_files import RecordError, read_json
+    from pipezero.schedules import limits
+
+    try:
+        found = Probe.from_json(read_json(Path(path).resolve(), 1 << 20))
+    except RecordError as e:
+        raise ConfigError(f"--costs: {e}") from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
+                          f"--json FILE") from None
+    figures = [("tflops", "--tflops", found.tflops, 1, limits.TFLOPS),
+               ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
+               ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
+               ("host_adamw_params_s", "--cpu-adamw", found.host_adamw_params_s, 1, limits.PARAMS_S)]
+    figures += [(f"links.{kind}.gbps", "a link's GB/s", c.gbps, 1, limits.GBPS) for kind, c in found.links.items()]
+    for name, flag, value, scale, allowed in figures:
+        if value is None and name.startswith("host_"):
+            continue  # an older probe without the host's figures: the flags' defaults stand
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"--costs {path}: {name} {json.dumps(value)} is not a number: probe again "
+                              f"(pipezero probe --json FILE)")
+        if not (math.isfinite(value) and value * scale in allowed):
+            raise ConfigError(f"--costs {path}: {name} {value:.8g} is outside what {flag} accepts "
+                              f"({allowed.low:g} to {allowed.high:g}{' ms' if scale != 1 else ''}): probe again "
+                              f"(pipezero probe --json FILE), on an idle machine")
+    return found
+
+
 MOST = 200  # repetitions of one figure at the most
 
 

@@ -94,6 +94,13 @@ def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp
     bad = tmp_path / "bad.json"
     bad.write_text('{"device": "cpu"}')
     assert_one_line(*run_main([*base, "--costs", str(bad)], capsys), "not a probe pipezero wrote")
+    # a busy machine's absurd rate is refused here as plan --costs refuses it (one reader of a probe)
+    absurd = tmp_path / "absurd.json"
+    absurd.write_text(json.dumps(fake_probe(754974.72, 1.0).to_json()))
+    assert_one_line(*run_main([*base, "--costs", str(absurd)], capsys), "tflops 754974.72 is outside what --tflops")
+    nolink = tmp_path / "nolink.json"
+    nolink.write_text(json.dumps(fake_probe(1.0, float("nan")).to_json()))
+    assert_one_line(*run_main([*base, "--costs", str(nolink)], capsys), "links.node.gbps nan is outside")
     assert_one_line(*run_main(["verify", "--preset", "tiny", "--layout", "auto"], capsys), "run train --layout auto")
     assert not (tmp_path / "run").exists()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -148,36 +147,14 @@ def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
     preset flag given beside it would be read by nothing: refused."""
     from dataclasses import replace
 
-    from pipezero.flight_files import RecordError, read_json
-    from pipezero.probe import Probe
+    from pipezero.probe import read_probe
 
     given = [f for f, v, default in (("--tflops", args.tflops, 989.0), ("--mfu", args.mfu, 0.45),
                                      ("--overhead-ms", args.overhead_ms, 0.0), ("--pcie-gbps", args.pcie_gbps, PCIE_GBPS),
                                      ("--cpu-adamw", args.cpu_adamw, CPU_ADAMW_PARAMS_S)) if v != default]
     if given:
         raise ConfigError(f"--costs {args.costs} measured what {', '.join(given)} would say: drop one of them")
-    try:  # a link the user made to a probe's file is followed: only the file itself is checked
-        found = Probe.from_json(read_json(Path(args.costs).resolve(), 1 << 20))
-    except RecordError as e:
-        raise ConfigError(f"--costs: {e}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--costs {args.costs}: not a probe pipezero wrote ({e}): make one with pipezero probe "
-                          f"--json FILE") from None
-    # its figures stand for the flags': held to the flags' ranges (a busy machine's probe said 7.5e5 TFLOP/s)
-    for field, flag, value, scale, allowed in (
-            ("tflops", "--tflops", found.tflops, 1, limits.TFLOPS),
-            ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
-            ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
-            ("host_adamw_params_s", "--cpu-adamw", found.host_adamw_params_s, 1, limits.PARAMS_S)):
-        if value is None and field.startswith("host_"):
-            continue  # an older probe without the host's figures: the flags' defaults stand
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ConfigError(f"--costs {args.costs}: {field} {json.dumps(value)} is not a number: probe again "
-                              f"(pipezero probe --json FILE)")
-        if not (math.isfinite(value) and value * scale in allowed):
-            raise ConfigError(f"--costs {args.costs}: {field} {value:.8g} is outside what {flag} accepts "
-                              f"({allowed.low:g} to {allowed.high:g}{' ms' if scale != 1 else ''}): probe again "
-                              f"(pipezero probe --json FILE), on an idle machine")
+    found = read_probe(args.costs)
     if (found.device == "cpu") != (args.device == "cpu"):  # a CPU rank's rates are not a GPU's
         where = ("the GPU (pipezero probe --device cuda" if args.device == "cuda" else
                  "CPU ranks (pipezero probe --device cpu")

@@ -43,7 +43,7 @@ RUNNERS_UP = 3
 
 
 @dataclass(frozen=True)
-class Choice:
+class LayoutChoice:
     """The layouts that fit, fastest first (the chosen one first), and what the search did."""
 
     ranked: list[dict[str, Any]]  # `describe_estimate` of the chosen layout and the next RUNNERS_UP (`runners_up`)
@@ -62,7 +62,7 @@ class Choice:
                 "seconds": self.seconds, "costs": self.costs}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Choice:
+    def from_json(cls, d: dict[str, Any]) -> LayoutChoice:
         return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"])
 
 
@@ -160,7 +160,7 @@ BITS = {"none": 0, "int8": 8, "int4": 4}
 
 
 def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any],
-           bits: tuple[int, int] = (0, 0), budget: int = SEARCH_BUDGET) -> Choice:
+           bits: tuple[int, int] = (0, 0), budget: int = SEARCH_BUDGET) -> LayoutChoice:
     """The fastest layout of `cluster` that fits and keeps `wanted`, and the next RUNNERS_UP;
     ConfigError in one line where none does (what would fit, where something would). `bits`: the
     (weight, gradient) bits of the traffic the user allowed with --quantize-weights / --quantize-grads
@@ -181,7 +181,7 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
              "cores": cluster.cores, "device": "cpu" if cluster.cpu else "cuda", "global_batch": global_batch}
-    return Choice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
+    return LayoutChoice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
                   result.skipped, took, costs)
 
 
@@ -241,7 +241,7 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
             f"{math.ceil(need * 100) / 100:g} or more, more ranks, or a smaller --global-batch or --seq-len")
 
 
-def summary_lines(choice: Choice, probe_s: float | None, cut: str | None = None) -> list[str]:
+def summary_lines(choice: LayoutChoice, probe_s: float | None, cut: str | None = None) -> list[str]:
     """What the run prints before training: the search, the chosen layout and the runners-up."""
     c = choice.costs
     where = (f"{c['ranks']} rank{'s' * (c['ranks'] != 1)} ({c['device']}), {c['limit_gib']:.3g} GiB a rank, "
@@ -264,9 +264,9 @@ def global_batch_of(cfg: TrainConfig, given: int | None) -> int:
     return given if given is not None else cfg.global_batch
 
 
-def encode(choice: Choice) -> bytes:
+def encode(choice: LayoutChoice) -> bytes:
     return json.dumps(choice.to_json(), sort_keys=True).encode()
 
 
-def decode(data: bytes) -> Choice:
-    return Choice.from_json(json.loads(data.decode()))
+def decode(data: bytes) -> LayoutChoice:
+    return LayoutChoice.from_json(json.loads(data.decode()))

@@ -55,7 +55,7 @@ def compare(chosen: dict[str, Any], step_s: float, bubble: float, peak_gib: floa
 class LayoutCheck:
     """Rank 0's running comparison (engine.py feeds it each step's record)."""
 
-    choice: dict[str, Any]  # auto.Choice.to_json()
+    choice: dict[str, Any]  # auto.LayoutChoice.to_json()
     steps: list[float] = field(default_factory=list)
     bubbles: list[float] = field(default_factory=list)
     said: str | None = None  # the step-time warning, once

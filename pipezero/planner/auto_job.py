@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
-from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, Choice, choose, cluster_for, decode,
+from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose, cluster_for, decode,
                                   encode, summary_lines)
 
 # the trivial layout the base configuration is built with (its model, data and run settings are what
@@ -108,7 +107,9 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     if limit is None:  # CPU ranks: the host's memory, shared by the node's ranks
         host = base.run.host_memory_gib
         limit = (host if host is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30) / local
-    probe = read_costs(costs_file) if costs_file is not None else None
+    from pipezero.probe import read_probe
+
+    probe = read_probe(costs_file) if costs_file is not None else None
     return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
 
 
@@ -136,39 +137,18 @@ def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict
                               f"(the layout that reads it), or drop {flag}")
 
 
-def read_costs(path: str) -> Any:
-    """A probe written by `pipezero probe --json FILE` (plan --costs reads the same)."""
-    import math
-
-    from pipezero.flight_files import RecordError, read_json
-    from pipezero.probe import Probe
-
-    try:
-        found = Probe.from_json(read_json(Path(path), 1 << 20))
-    except RecordError as e:
-        raise ConfigError(f"--costs: {e}") from None
-    except (TypeError, ValueError, KeyError) as e:
-        raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
-                          f"--json FILE") from None
-    rates = (found.tflops, found.host_copy_gbps or 1.0, found.host_adamw_params_s or 1.0,
-             *(c.gbps for c in found.links.values()))
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in (*rates, found.overhead_s + 1)):
-        raise ConfigError(f"--costs {path}: its rates must be numbers > 0 and its overhead_s >= 0")
-    return found
-
-
-def provisional(req: Request) -> Choice:
+def provisional(req: Request) -> LayoutChoice:
     """The choice from the presets (or --costs): checked before any rank starts, and the layout the
     checks before training run on."""
     return choose(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
 
 
-def settings_of(req: Request, choice: Choice) -> dict[str, Any]:
+def settings_of(req: Request, choice: LayoutChoice) -> dict[str, Any]:
     """train's settings for the chosen layout: the flags given and the chosen layout's."""
     return {**req.settings, **choice.chosen["settings"]}
 
 
-def decide(req: Request, first: Choice, cfg: TrainConfig) -> tuple[Choice, float | None]:
+def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutChoice, float | None]:
     """The choice every rank trains with, and the probe's seconds (None: --costs). Inside the job:
     every rank calls it alike (the links are timed by collectives); rank 0 chooses and broadcasts."""
     if req.costs is not None:
@@ -233,6 +213,6 @@ def broadcast_bytes(data: bytes, rank: int, timeout_s: float) -> bytes:
     return bytes(buf.numpy().tobytes())
 
 
-def announce(choice: Choice, probe_s: float | None) -> None:
+def announce(choice: LayoutChoice, probe_s: float | None) -> None:
     """Rank 0 prints the choice and the runners-up before training."""
     print("\n".join(summary_lines(choice, probe_s)), flush=True)
