@@ -108,6 +108,21 @@ def read_probe(path: str) -> Probe:
 
 
 MOST = 200  # repetitions of one figure at the most
+MOST_S = 120.0  # seconds a probe may take: past it (a 7b block on CPU), refused after one forward
+CALLS = 20  # forwards' worth of a probe: F, B and W (~1, ~1.5 and ~2.5 forwards) a warm-up and 3 calls each
+
+
+def once_timed(fn: Callable[[], Any], sync: Callable[[], None] | None) -> Any:
+    """`fn`'s result, refused (ProbeError) where its time says the whole probe would take past MOST_S."""
+    t0 = time.perf_counter()
+    out = fn()
+    if sync is not None:
+        sync()
+    if (took := time.perf_counter() - t0) * CALLS > MOST_S:
+        raise ProbeError(f"one forward of the block took {took:.3g} s here: the probe would take about "
+                         f"{took * CALLS:.0f} s, past its {MOST_S:g} s; probe at a smaller --micro-batch-size or "
+                         f"--seq-len, or on a GPU")
+    return out
 
 
 def once(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
@@ -161,7 +176,7 @@ def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -
         with autocast(cfg.run.dtype, device.type):
             return x, chunk(x, None)
 
-    x, y = forward(b, t)
+    x, y = once_timed(lambda: forward(b, t), sync)
     dy = torch.randn_like(y)
     f = timed(lambda: forward(b, t), budget_s, sync)
     b_s = timed(lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), budget_s, sync)

@@ -71,8 +71,8 @@ def test_a_world_size_no_layout_fits_is_refused_in_one_line_with_the_memory_that
     with pytest.raises(Exception) as e:
         provisional(tiny_request(2, limit_gib=0.001))
     line = str(e.value)
-    assert "no layout of 2 ranks fits 0.001 GiB a rank" in line and "give --gpu-memory" in line
-    need = float(line.split("give --gpu-memory ")[1].split()[0])
+    assert "no layout of 2 ranks fits 0.001 GiB a rank" in line and "give --host-memory" in line  # CPU ranks
+    need = float(line.split("give --host-memory ")[1].split()[0]) / 2  # the node's, for its two ranks
     # that much memory is enough: the same request with it chooses a layout
     assert provisional(tiny_request(2, limit_gib=need)).fitting >= 1
     with pytest.raises(Exception, match="split into no layout"):
@@ -243,3 +243,51 @@ def test_a_constraint_compile_cannot_run_is_named_beside_auto(capsys, tmp_path, 
     """Filtered out of the choice, the constraint left no layout, and the refusal blamed memory."""
     argv = ["train", "--preset", "tiny", "--layout", "auto", "--compile", "--out", str(tmp_path / "run"), *flags]
     assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_costs_measured_where_the_run_does_not_train_are_refused(capsys, tmp_path):
+    """A GPU's probe prices CPU ranks (or a bf16 probe an fp32 run) at rates they never reach: plan
+    --costs refuses another device kind, and train --layout auto --costs took it without a word."""
+    base = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--out", str(tmp_path / "run")]
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({**fake_probe(1.0, 1.0).to_json(), "device": "NVIDIA H100 80GB HBM3"}))
+    assert_one_line(*run_main([*base, "--costs", str(gpu)], capsys), "was measured on NVIDIA H100 80GB HBM3")
+    half = tmp_path / "bf16.json"
+    half.write_text(json.dumps({**fake_probe(1.0, 1.0).to_json(), "dtype": "bf16"}))
+    assert_one_line(*run_main([*base, "--costs", str(half)], capsys), "was measured in bf16")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_global_batch_past_trains_token_limit_is_named_not_blamed_on_the_world_size(capsys, tmp_path):
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"),
+            "--global-batch", "100000000000"]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, "--global-batch 100000000000 x --seq-len")
+    assert "tokens a step" in err and "split into no layout" not in err
+
+
+def test_on_cpu_ranks_the_memory_refusal_names_the_hosts_memory(capsys, tmp_path):
+    """CPU ranks' limit is the host's memory a rank: the refusal advised --gpu-memory, which CPU runs
+    do not read for it."""
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--host-memory", "0.001",
+            "--out", str(tmp_path / "run")]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, "give --host-memory")
+    assert "--gpu-memory" not in err
+
+
+def test_a_probe_that_cannot_measure_inside_the_job_is_one_line(capsys, tmp_path, monkeypatch):
+    """A busy machine's probe (its block no slower than an action's fixed cost) raised ProbeError
+    through the job: a traceback on rank 0, and the other ranks waited out --timeout for its choice."""
+    import pipezero.probe as probes
+
+    def busy(*args, **kwargs):
+        raise probes.ProbeError("the block's F, B and W took 1 ms, no more than three of an action's fixed cost")
+
+    monkeypatch.setattr(probes, "probe", busy)
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--out", str(tmp_path / "run")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipezero: error: --layout auto") and "fixed cost" in lines[0], err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

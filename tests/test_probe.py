@@ -173,3 +173,22 @@ def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least
         monkeypatch.setattr(probe, "timed_together", lambda *args, **kwargs: next(times))
         found = probe.probe_link(None, torch.device("cpu"))
         assert found.gbps == pytest.approx(gbps) and found.latency_s == min(small, large)
+
+
+def test_probe_json_where_nothing_can_be_written_is_refused_before_the_probe_runs(capsys):
+    """A folder no file can be made in (here /proc) was found only after the seconds of timing, as
+    a traceback from the temporary file's creation."""
+    assert_one_line(*run_main(["probe", "--preset", "tiny", "--json", "/proc/probe.json"], capsys),
+                    "--json '/proc/probe.json': no file can be written in /proc")
+
+
+def test_a_block_too_slow_to_probe_here_is_refused_after_one_forward(monkeypatch):
+    """Each figure takes a warm-up and at least three timed calls whatever --budget says: a 7b block
+    on CPU ran past minutes. The first forward's time says what the rest would take."""
+    import pipezero.probe as probes
+    from pipezero.probe import ProbeError
+
+    monkeypatch.setattr(probes, "MOST_S", 1e-6)
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": 32, "parallel.micro_batch_size": 1})
+    with pytest.raises(ProbeError, match=r"one forward of the block took .* the probe would take about"):
+        probe(cfg, torch.device("cpu"), budget_s=0.02)

@@ -11,6 +11,7 @@ from typing import Any
 
 from pipezero.errors import ConfigError
 from pipezero.cli.flags import add_train_flags, flag_values
+from pipezero.probe import MOST_S
 
 BUDGET = (0.01, 10.0)  # seconds a figure may take: past 10 the probe is no longer "seconds"
 # the settings a probe reads: the model, its shapes and dtype, where it computes; no layout
@@ -22,7 +23,8 @@ def describe(p: argparse.ArgumentParser) -> None:
     """`probe`'s own flags (add_probe_parser registers the command with the run settings it READS)."""
     p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file)")
     p.add_argument("--budget", type=float, default=0.5, metavar="SECONDS",
-                   help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g})")
+                   help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g}); "
+                        f"a block whose first forward says the probe would take past {MOST_S:g} s is refused")
 
 
 def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str, str]) -> int:
@@ -41,6 +43,8 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
     if args.json_out is not None and (folder := existing_parent(Path(args.json_out))) is not None \
             and not folder.is_dir():  # said now, not after the seconds of timing
         raise ConfigError(f"--json {args.json_out!r}: {folder} is not a folder; name a file in one")
+    if args.json_out is not None and (folder := existing_parent(Path(args.json_out))) is not None:
+        check_writable(args.json_out, folder)
     cfg = build_config(args.config, values, names)
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
     device = rank_device(device_kind(cfg.run.device))
@@ -66,6 +70,19 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
 def existing_parent(path: Path) -> Path | None:
     """The nearest of `path`'s parents that exists (the probe makes the folders below it)."""
     return next((p for p in path.absolute().parents if os.path.lexists(p)), None)
+
+
+def check_writable(name: str, folder: Path) -> None:
+    """A file can be made in `folder` (the nearest that exists of --json's): said now, before the
+    seconds of timing, not as the write's traceback after them. A file is made and removed at once."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--json {name!r}: no file can be written in {folder} ({e.strerror}): name a file in a "
+                          f"folder you can write") from None
 
 
 def check_block_fits(cfg: Any, device: Any) -> None:

@@ -108,12 +108,21 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launch_local(launch.nproc, with_device(args.argv, device.value), cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
                                 lock_fd=held.fd if isinstance(held, Claim) else None)
-        choice = None
+        choice, code = None, None
         if auto is not None:  # inside the job: probe, choose on rank 0, every rank trains its choice
-            cfg, choice = decided(auto, first, cfg, names)
-        code = train_here(cfg, choice)
-        if code == 2 and isinstance(held, Claim):  # the user's spec raised: nothing of the run stays
-            held.drop_opening()
+            from pipezero.probe import ProbeError
+
+            try:
+                cfg, choice = decided(auto, first, cfg, names)
+            except ProbeError as e:  # nothing trained: the probe could not measure this machine
+                print(f"pipezero: error: --layout auto: the probe in the job measured nothing usable: {e}; or give "
+                      f"--costs FILE", file=sys.stderr, flush=True)
+                code = 1
+        unprobed = code is not None
+        if code is None:
+            code = train_here(cfg, choice)
+        if (code == 2 or unprobed) and isinstance(held, Claim):  # the user's spec raised, or nothing was
+            held.drop_opening()  # measured to choose from: nothing of the run stays
     if under_torchrun():
         exit_rank(code)
     return code

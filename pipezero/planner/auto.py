@@ -237,8 +237,17 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
     need = least.memory_gib / cluster.headroom
     return (f"--layout auto: no layout of {ranks}{' with' + asked[4:] if asked else ''} fits "
             f"{cluster.gpu_memory_gib:.3g} GiB a rank; the smallest, {layout_flags(least.layout)}, needs "
-            f"{need:.3g} GiB a rank ({least.memory_gib:.3g} predicted and the fit check's margin): give --gpu-memory "
-            f"{math.ceil(need * 100) / 100:g} or more, more ranks, or a smaller --global-batch or --seq-len")
+            f"{need:.3g} GiB a rank ({least.memory_gib:.3g} predicted and the fit check's margin): give {more_memory(cfg, cluster, need)}"
+            f" or more, more ranks, or a smaller --global-batch or --seq-len")
+
+
+def more_memory(cfg: TrainConfig, cluster: Cluster, need: float) -> str:
+    """The flag that sets a rank's limit: --gpu-memory on GPUs (or where given); else, on CPU ranks, the
+    node's host memory, which its ranks share (auto_job.request: --host-memory over the node's ranks)."""
+    if cluster.cpu and cfg.run.gpu_memory_gib is None:
+        n = cluster.node_size
+        return f"--host-memory {math.ceil(need * n * 100) / 100:g} (this node's, shared by its {n} rank{'s' * (n != 1)})"
+    return f"--gpu-memory {math.ceil(need * 100) / 100:g}"
 
 
 def summary_lines(choice: LayoutChoice, probe_s: float | None, cut: str | None = None) -> list[str]:

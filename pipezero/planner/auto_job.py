@@ -13,6 +13,7 @@ rank, no probe.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -102,6 +103,7 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
         global_batch = int(m) * int(b) * int(d)
     elif global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch}: expected sequences a step, 1 or more")
+    check_batch_tokens(global_batch, base.data.seq_len)
     world, local = ranks or world_of(nproc)
     limit, cuda = rank_limit_gib(base, local)
     if limit is None:  # CPU ranks: the host's memory, shared by the node's ranks
@@ -110,7 +112,34 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     from pipezero.probe import read_probe
 
     probe = read_probe(costs_file) if costs_file is not None else None
+    if probe is not None:
+        check_measured_here(costs_file, probe, base, cuda)  # type: ignore[arg-type]
     return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+
+
+def check_batch_tokens(global_batch: int, seq_len: int) -> None:
+    """train's limit on a step's tokens (settings.py), said for --global-batch: every layout of a larger
+    one is refused, and the search's refusal blamed the world size."""
+    from pipezero.schedules import limits
+
+    if (tokens := global_batch * seq_len) > limits.BATCH_TOKENS:
+        raise ConfigError(f"--global-batch {global_batch} x --seq-len {seq_len} = {tokens} tokens a step; the limit "
+                          f"is {limits.BATCH_TOKENS} (every rank holds the step's batch in memory): a smaller "
+                          f"--global-batch or --seq-len")
+
+
+def check_measured_here(path: str, probe: Any, base: TrainConfig, cuda: bool) -> None:
+    """A probe prices the ranks it was measured on: another device kind's or dtype's rates (a GPU's
+    for CPU ranks, bf16's for an fp32 run) would choose from figures this run never reaches."""
+    if (probe.device == "cpu") == cuda:
+        here = "CUDA GPUs" if cuda else "the CPU"
+        raise ConfigError(f"--costs {path} was measured on {probe.device}, and this run's ranks compute on {here}: "
+                          f"probe where the run trains (pipezero probe --device {'cuda' if cuda else 'cpu'} --json "
+                          f"FILE), or drop --costs")
+    if probe.dtype != base.run.dtype.value:
+        raise ConfigError(f"--costs {path} was measured in {probe.dtype}, and the run trains in "
+                          f"{base.run.dtype.value}: probe with --dtype {base.run.dtype.value}, or train with --dtype "
+                          f"{probe.dtype}")
 
 
 def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +186,7 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
 
     from pipezero.engine import default_threads
     from pipezero.parallel.process_group import init_distributed
-    from pipezero.probe import probe, probe_link
+    from pipezero.probe import ProbeError, probe, probe_link
 
     rank, device = init_distributed(cfg)  # the group the run then trains in (the provisional layout's world)
     torch.set_num_threads(cfg.run.threads or default_threads(req.local))
@@ -165,14 +194,20 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
     links = {kind: probe_link(group, device, PROBE_BUDGET_S) for kind, group in link_groups(req.world, req.local)}
     data = b""
     if rank == 0:
-        found = probe(cfg, device, budget_s=PROBE_BUDGET_S)
-        found.links = links
-        choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
-        choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
-        data = encode(choice)
+        try:
+            found = probe(cfg, device, budget_s=PROBE_BUDGET_S)
+        except ProbeError as e:  # sent as the choice is: every rank stops with its line, none waits out --timeout
+            data = json.dumps({"probe_error": str(e)}).encode()
+        else:
+            found.links = links
+            choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
+            choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
+            data = encode(choice)
     took = time.perf_counter() - t0
     if req.world > 1:
         data = broadcast_bytes(data, rank, cfg.parallel.timeout_s)
+    if "probe_error" in (sent := json.loads(data.decode())):
+        raise ProbeError(sent["probe_error"])
     return decode(data), took
 
 
