@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipezero.config import GradReduce, ParallelConfig, Placement, ScheduleKind, Zero3Unit
-from pipezero.flight_files import FOLDER, Record, read_run
+from pipezero.flight_files import FOLDER, Record, RecordError, read_run, record_path
 from pipezero.schedules.compile import compile_plan
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Compute, Instr, Kind, PointToPoint, Program
@@ -417,6 +417,25 @@ def table(records: dict[int, Record], ranks: Ranks, now: float | None = None) ->
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
+AGAIN = "remove it and reproduce the hang to write fresh ones"
+
+
+def check_positions(records: dict[int, Record], prog: Program, ranks: Ranks) -> None:
+    """RecordError for a record whose stage or instruction no rank of this plan has: an index past
+    the program was read as past every instruction of the step, and changed the verdict."""
+    plans = Programs(prog, ranks)
+    for r, rec in records.items():
+        stage, name = plans.coords(r)[0], record_path("", r).name
+        if rec["stage"] != stage:
+            raise RecordError(f'{name}\'s "stage" {rec["stage"]} is not rank {r}\'s ({stage}) in this plan\'s layout: '
+                              f"{AGAIN}")
+        n = len(prog.ranks[stage * ranks.dp])  # a stage's ranks play one program (Programs)
+        for key in ("index", "unposted"):
+            if rec.get(key, -1) >= n:
+                raise RecordError(f'{name}\'s "{key}" {rec[key]} is past the {n} instructions of rank '
+                                  f"{r}'s program: {AGAIN}")
+
+
 def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None:
     """The doctor's table and verdict from the records under run folder `out`; None without any.
     RecordError names a file under RUN/doctor that is not a rank's record."""
@@ -425,6 +444,7 @@ def report(out: str | Path, summary: dict[str, Any] | None = None) -> str | None
         return None
     records, facts = run.records, run.plan
     ranks, prog = Ranks.of(facts), programs(facts)
+    check_positions(records, prog, ranks)
     v = verdict(records, prog, ranks)
     lines = [f"hang doctor: {len(records)} of {ranks.world} ranks answered ({Path(out) / FOLDER})",
              table(records, ranks), f"verdict: {v.text}"]

@@ -37,6 +37,8 @@ FIELDS: dict[str, tuple[type, ...]] = {"rank": (int,), "written": NUMBER, "step"
 OPTIONAL: dict[str, tuple[type, ...]] = {"awaited": (dict, type(None)), "nbytes": (int,), "unposted": (int,),
                                          "run": (str, type(None)), "plan": (dict,)}
 
+LEAST = {"step": 0, "index": -1, "unposted": -1, "nbytes": 0}  # the least each whole-number field can be
+
 
 class RecordError(ValueError):
     """A file under RUN/doctor the doctor cannot take as a rank's record: the file, and why."""
@@ -110,6 +112,9 @@ def check_record(name: str, rec: Any) -> Record:
         value = rec[key]
         if type(value) not in types:  # bool is no number here: type(), not isinstance()
             raise RecordError(f'{name}\'s "{key}" is {json.dumps(value)[:40]}, not {_kinds(types)}')
+    for key, least in LEAST.items():  # -1: outside the program (runtime/flight.py); nothing lower is written
+        if key in rec and rec[key] < least:
+            raise RecordError(f'{name}\'s "{key}" is {rec[key]}, not a whole number from {least}')
     if rec.get("awaited") is not None:
         _check_awaited(name, rec["awaited"])
     run = rec.get("run")

@@ -576,6 +576,13 @@ def deep_json() -> bytes:
     ({"rank-00001.json": json.dumps(rec(1, 0, {"op": "RECV", "peer": [3], "transfer": [0, 0, 0]})).encode()},
      'rank-00001.json\'s "awaited" RECV wants a whole-number "peer"'),
     ({"rank-99999.json": json.dumps({**rec(1, 0), "rank": 99999}).encode()}, "rank-99999.json names rank 99999"),
+    # positions no rank reaches: an index past its program was taken as past every instruction, and
+    # one below -1 (outside the program) turned the verdict to "no hang"
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "index": 10**9}).encode()},
+     'rank-00001.json\'s "index" 1000000000 is past the'),
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "index": -5}).encode()}, 'rank-00001.json\'s "index" is -5'),
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "step": -1}).encode()}, 'rank-00001.json\'s "step" is -1'),
+    ({"rank-00001.json": json.dumps({**rec(1, 0), "stage": 1}).encode()}, 'rank-00001.json\'s "stage" 1 is not'),
 ])
 def test_a_record_the_doctor_cannot_trust_is_named_with_why(files, needle, tmp_path, capsys):
     from one_line import assert_one_line, run_main
