@@ -30,6 +30,7 @@ import torch
 
 from pipezero.config import OptimConfig, TrainConfig
 
+LINK_KINDS = ("node", "across")  # the link classes a probe times (planner/auto.py `cluster_for` reads them)
 SIZES = (1 << 16, 1 << 22)  # bytes of the two all-reduces each link class is timed at: latency, bandwidth
 
 
@@ -93,7 +94,12 @@ def read_probe(path: str) -> Probe:
                ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
                ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
                ("host_adamw_params_s", "--cpu-adamw", found.host_adamw_params_s, 1, limits.PARAMS_S)]
+    if unknown := sorted(set(found.links) - set(LINK_KINDS)):  # never looked up: the links read as none
+        raise ConfigError(f'--costs {path}: links: "{unknown[0][:40]}" is no link a probe times ({", ".join(LINK_KINDS)})'
+                          f": probe again (pipezero probe --json FILE)")
     figures += [(f"links.{kind}.gbps", "a link's GB/s", c.gbps, 1, limits.GBPS) for kind, c in found.links.items()]
+    figures += [(f"links.{kind}.latency_s", "a link's latency (s)", c.latency_s, 1, limits.TIME)
+                for kind, c in found.links.items()]
     for name, flag, value, scale, allowed in figures:
         if value is None and name.startswith("host_"):
             continue  # an older probe without the host's figures: the flags' defaults stand

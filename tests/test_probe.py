@@ -110,6 +110,9 @@ def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_
     ({"host_copy_gbps": 1e9}, "host_copy_gbps 1e+09 is outside what --pcie-gbps accepts"),
     ({"host_adamw_params_s": 1.0}, "host_adamw_params_s 1 is outside what --cpu-adamw accepts"),
     ({"overhead_s": 1e9}, "overhead_s 1e+09 is outside what --overhead-ms accepts"),
+    # a link kind the planner never looks up: the file's links were read as none, without a word
+    ({"links": {"nodes": {"latency_s": 1e-4, "gbps": 10.0}}}, 'links: "nodes" is no link a probe times'),
+    ({"links": {"node": {"latency_s": -5.0, "gbps": 10.0}}}, "links.node.latency_s -5 is outside"),
 ])
 def test_plan_costs_outside_the_flags_ranges_are_refused(changed, needle, tmp_path, capsys):
     """A probe's figures replace the flags': they are held to the flags' ranges (a busy machine's probe
