@@ -288,3 +288,31 @@ def test_ranks_start_without_the_working_folder_on_their_import_path(monkeypatch
     monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
     assert launch.launch_local(2, ["train", "--preset", "tiny"], str(tmp_path / "o")) == 0
     assert seen["cmd"][1:3] == ["-P", "-m"] and seen["env"]["PYTHONSAFEPATH"] == "1"
+
+
+def test_sigterm_to_a_lone_process_is_the_stop_line_not_a_silent_death(capsys):
+    """`kill`, `timeout` or a scheduler's SIGTERM ended a one-process run with exit 143 and not a
+    word, where Ctrl-C says what the run leaves; the handler is the command's only (restored after)."""
+    import signal
+
+    from pipezero.cli import command_line as cli
+
+    def parser_then_sigterm():
+        signal.raise_signal(signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the command")
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda *_: seen.append(1))  # keeps pytest alive without the fix
+    try:
+        original, cli.build_parser = cli.build_parser, parser_then_sigterm
+        try:
+            code = cli.main(["train"])
+        except AssertionError:
+            code = None
+        finally:
+            cli.build_parser = original
+        assert code == 128 + signal.SIGTERM and not seen, (code, seen)
+        assert capsys.readouterr().err.strip().splitlines() == [cli.TERMINATED]
+        assert signal.getsignal(signal.SIGTERM) is not cli.terminate  # restored: the caller's own again
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -5,10 +5,13 @@ that cannot be written is one line too, and Ctrl-C says how to go on."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipezero.errors import ConfigError
@@ -118,17 +121,47 @@ def negative_values(argv: Sequence[str]) -> list[str]:
 
 
 INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the newest complete one"
+TERMINATED = INTERRUPTED.replace("interrupted", "stopped by SIGTERM")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, a scheduler) in a lone process: stopped as Ctrl-C stops it, with its
+    line, where the default action ended the run without a word (exit 143)."""
+
+
+def terminate(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises Terminated while the command runs, in a lone process's main thread; a rank of a
+    job keeps the default (its launcher, torchrun or srun, stops it and says so)."""
+    from pipezero.launch import under_torchrun
+
+    if under_torchrun() or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipezero.lifeline import die_with_parent
 
     die_with_parent()  # a rank of pipezero's launcher: never outlive its torchrun agent
+    with sigterm_stops():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()  # imports torch: a second or more, the likeliest place for an early Ctrl-C
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupted(e)
     argv = negative_values(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
@@ -167,10 +200,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pipezero: error: the path {shown!r} is too long for this filesystem (File name too long): a name "
               f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C in a lone process (a --nproc launcher stops its job in job.py)
-        print(INTERRUPTED, file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM in a lone process (a --nproc launcher stops its job in job.py)
+        return interrupted(e)
     finally:
         if stream is not None:
             sys.stdout = stream
 
+
+
+def interrupted(e: KeyboardInterrupt) -> int:
+    """The stop line and the shell's status for a signal's death: 128 + the signal."""
+    term = isinstance(e, Terminated)
+    print(TERMINATED if term else INTERRUPTED, file=sys.stderr)
+    return 128 + (signal.SIGTERM if term else signal.SIGINT)

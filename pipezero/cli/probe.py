@@ -11,7 +11,6 @@ from typing import Any
 
 from pipezero.errors import ConfigError
 from pipezero.cli.flags import add_train_flags, flag_values
-from pipezero.probe import MOST_S
 
 BUDGET = (0.01, 10.0)  # seconds a figure may take: past 10 the probe is no longer "seconds"
 # the settings a probe reads: the model, its shapes and dtype, where it computes; no layout
@@ -21,6 +20,7 @@ READS = ("model.preset", "model.pretrained", "parallel.micro_batch_size", "data.
 
 def describe(p: argparse.ArgumentParser) -> None:
     """`probe`'s own flags (add_probe_parser registers the command with the run settings it READS)."""
+    from pipezero.probe import MOST_S  # torch: imported as the parser is built, as the train flags' are
     p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file)")
     p.add_argument("--budget", type=float, default=0.5, metavar="SECONDS",
                    help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g}); "
