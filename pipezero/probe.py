@@ -85,8 +85,9 @@ def read_probe(path: str) -> Probe:
 
     try:
         found = Probe.from_json(read_json(Path(path).resolve(), 1 << 20))
-    except RecordError as e:
-        raise ConfigError(f"--costs: {e}") from None
+    except RecordError as e:  # said of the file read: the path given, and where a link to it leads
+        link = f" (a link to {Path(path).resolve()})" if Path(path).is_symlink() else ""
+        raise ConfigError(f"--costs {path}{link}: {e}") from None
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
                           f"--json FILE") from None

@@ -195,3 +195,29 @@ def test_a_block_too_slow_to_probe_here_is_refused_after_one_forward(monkeypatch
     cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": 32, "parallel.micro_batch_size": 1})
     with pytest.raises(ProbeError, match=r"one forward of the block took .* the probe would take about"):
         probe(cfg, torch.device("cpu"), budget_s=0.02)
+
+
+def test_costs_that_cannot_be_read_name_the_path_given_and_where_its_link_leads(tmp_path, capsys):
+    """"--costs: passwd is not JSON" named neither the file the user gave nor that it was a link."""
+    link = tmp_path / "probe.json"
+    (tmp_path / "passwd").write_text("root:x:0:0")
+    link.symlink_to(tmp_path / "passwd")
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", str(link)], capsys),
+                    f"--costs {link} (a link to {tmp_path / 'passwd'}): passwd is not JSON")
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", str(tmp_path)], capsys),
+                    f"--costs {tmp_path}: {tmp_path.name} is not a plain file")
+
+
+def test_probe_json_dash_prints_the_json_and_writes_no_file_named_dash(tmp_path, capsys, monkeypatch):
+    """`--json -` wrote a file named "-" (and said "wrote -"), where a dash means standard output."""
+    import os
+
+    import pipezero.probe as probes
+
+    monkeypatch.chdir(tmp_path)
+    measured = Probe("cpu", "fp32", 4, 128, {"F": 0.01, "B": 0.01, "W": 0.01}, 0.5, 1e-4, host_copy_gbps=5.0,
+                     host_adamw_params_s=1e8)
+    monkeypatch.setattr(probes, "probe", lambda *args, **kwargs: measured)
+    assert main(["probe", "--preset", "tiny", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    assert Probe.from_json(json.loads(out)) == measured and not os.path.lexists(tmp_path / "-")

@@ -4,6 +4,7 @@ for `plan` to plan with."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ READS = ("model.preset", "model.pretrained", "parallel.micro_batch_size", "data.
 def describe(p: argparse.ArgumentParser) -> None:
     """`probe`'s own flags (add_probe_parser registers the command with the run settings it READS)."""
     from pipezero.probe import MOST_S  # torch: imported as the parser is built, as the train flags' are
-    p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file)")
+    p.add_argument("--json", dest="json_out", metavar="FILE", help="write the figures here (a new file; -: standard output)")
     p.add_argument("--budget", type=float, default=0.5, metavar="SECONDS",
                    help=f"seconds each figure's repetitions may take (default 0.5; {BUDGET[0]:g} to {BUDGET[1]:g}); "
                         f"a block whose first forward says the probe would take past {MOST_S:g} s is refused")
@@ -38,6 +39,9 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
 
     if not BUDGET[0] <= args.budget <= BUDGET[1]:
         raise ConfigError(f"--budget {args.budget:g}: expected seconds from {BUDGET[0]:g} to {BUDGET[1]:g}")
+    to_stdout = args.json_out == "-"  # the JSON alone on standard output, the figures' lines on stderr
+    if to_stdout:
+        args.json_out = None
     if args.json_out is not None and (not args.json_out.strip() or os.path.lexists(args.json_out)):
         raise ConfigError(f"--json {args.json_out!r}: name a new file (the probe never writes over one)")
     if args.json_out is not None and (folder := existing_parent(Path(args.json_out))) is not None \
@@ -55,13 +59,16 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 1
     b = found.block_s
+    said = sys.stderr if to_stdout else sys.stdout
     print(f"{found.device}, {found.dtype}, micro-batch {found.micro_batch} x {found.seq_len} tokens, "
-          f"{cfg.model.preset or 'model'} block")
+          f"{cfg.model.preset or 'model'} block", file=said)
     print(f"  block F {b['F'] * 1e3:.2f} ms, B {b['B'] * 1e3:.2f} ms, W {b['W'] * 1e3:.2f} ms: "
-          f"{found.tflops:.4g} TFLOP/s achieved; an action's fixed cost {found.overhead_s * 1e3:.2f} ms")
+          f"{found.tflops:.4g} TFLOP/s achieved; an action's fixed cost {found.overhead_s * 1e3:.2f} ms", file=said)
     print(f"  host copy {found.host_copy_gbps:.3g} GB/s each way; AdamW on the host "
-          f"{found.host_adamw_params_s / 1e6:.0f}M parameters/s; probe took {found.seconds:.1f} s")
-    if args.json_out is not None:
+          f"{found.host_adamw_params_s / 1e6:.0f}M parameters/s; probe took {found.seconds:.1f} s", file=said)
+    if to_stdout:
+        print(json.dumps(found.to_json(), indent=2, sort_keys=True))
+    elif args.json_out is not None:
         atomic_write_json(Path(args.json_out), found.to_json())
         print(f"wrote {args.json_out}")
     return 0
