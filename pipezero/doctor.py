@@ -59,6 +59,8 @@ def programs(facts: dict[str, Any]) -> Program:
     depth = facts.get("zero3_prefetch", 1)  # records written before the prefetch depth: 1
     if type(depth) is not int or not 1 <= depth <= 64:
         raise ValueError(f"zero3_prefetch {depth!r}: a whole number of layers from 1 to 64 only")
+    if type(facts["zero"]) is not int or facts["zero"] not in range(4):  # a key of the lowering's tables
+        raise ValueError(f"zero {facts['zero']!r}: a ZeRO stage, 0 to 3 only")
     unit = facts.get("zero3_unit", Zero3Unit.LAYER.value)  # records written before the unit: whole layers
     if unit not in {u.value for u in Zero3Unit}:
         raise ValueError(f"zero3_unit {unit!r}: one of {', '.join(u.value for u in Zero3Unit)} only")

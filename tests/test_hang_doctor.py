@@ -479,6 +479,7 @@ def test_doctor_of_a_folder_that_is_not_there_or_a_file_is_one_line(tmp_path, ca
     ({"microbatches": 1_000_000_000}, "past what train runs"),
     ({"dp": 0}, "positive integers only"),
     ({"pp": "2"}, "positive integers only"),
+    ({"zero": 9}, "zero 9: a ZeRO stage, 0 to 3 only"),  # was "KeyError: 9"
 ])
 def test_doctor_bounds_the_layout_a_record_claims(sizes, needle, tmp_path, capsys):
     import json
