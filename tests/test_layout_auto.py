@@ -291,3 +291,15 @@ def test_a_probe_that_cannot_measure_inside_the_job_is_one_line(capsys, tmp_path
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipezero: error: --layout auto") and "fixed cost" in lines[0], err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--quantize-grads", "int8"], "--layout auto with --quantize-grads int8: no layout of 1 rank"),
+    (["--nproc", "2", "--pp", "2", "--quantize-grads", "int8"], "no layout of 2 ranks with --pp 2"),
+    (["--nproc", "2", "--zero", "0", "--quantize-weights", "int8"], "no layout of 2 ranks with --zero 0"),
+])
+def test_quantized_traffic_no_candidate_has_is_refused_as_unread(capsys, tmp_path, flags, needle):
+    """At one rank (or a constraint leaving D = 1, or ZeRO-0 for weights) no layout weighed has the
+    traffic the flag allows: it was accepted and read by nothing, where a given layout refuses it."""
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"), *flags]
+    assert_one_line(*run_main(argv, capsys), needle)
