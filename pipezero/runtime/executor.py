@@ -388,14 +388,20 @@ class Executor:
                     if sampler.done:
                         continue
                     a = ins.action
-                    x = sampler.window().to(self.device) if a.chunk == 0 else out
-                    self.hooks.begin_compute(ins)
-                    out = self.chunks[a.chunk](x)
-                    self.hooks.end_compute(ins)
+                    out = self._forward_only(ins, sampler.window().to(self.device) if a.chunk == 0 else out)
                     if a.chunk == self.last:
                         sampler.take(out[0, -1])
+                        out = None  # the window's logits, not held through the next token's forward
                 else:
                     raise ValueError(f"rank {self.p2p.rank}: {ins} in a text-sample program (one pipeline rank)")
         finally:
             for chunk in self.chunks.values():
                 chunk.train()
+
+    def _forward_only(self, ins: Compute, x: torch.Tensor) -> torch.Tensor:
+        """A sample's F: the chunk on `x`, the collectives inside it armed (a method of its own so that
+        nothing it binds outlives it)."""
+        self.hooks.begin_compute(ins)
+        y = self.chunks[ins.action.chunk](x)
+        self.hooks.end_compute(ins)
+        return y
