@@ -412,7 +412,7 @@ def test_the_doctor_names_the_rank_and_instruction_of_an_injected_hang(text_dir,
 @pytest.mark.distributed
 @pytest.mark.alone  # a measured time against the plan: no other test's ranks beside it
 def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
-    """Rank 1's compute takes half as long again (and 0.3 s more a chunk a step); the run finishes,
+    """Rank 1's compute takes three times as long (and 0.3 s more a chunk a step); the run finishes,
     summary.json names it as the straggler (not its pipeline neighbour, rank 3, which the slowness
     makes late in turn), and the doctor finds no hang in the stall records."""
     from hang_faults import FAULTY, faulty_run, slow_cases
@@ -426,8 +426,9 @@ def test_a_slow_rank_is_a_straggler_not_a_culprit(text_dir, tmp_path, capsys):
     for case in cases:
         out = tmp_path / case
         s = json.loads((out / "summary.json").read_text())["straggler"]
-        # Named by a margin: 0.3 s a step or more and half its compute injected; no other rank near it
-        # (own work is wall time: on a loaded machine a rank waiting for a core seems slower, 0.09 s seen).
+        # Named by a margin: 0.3 s a step or more and twice its compute injected; no other rank near it
+        # (own work is wall time: on a loaded machine a rank waiting for a core seems slower, 0.09 s
+        # seen, and so does the slow one, three times as much).
         others = [x for r, x in enumerate(s["by_rank"]) if r != FAULTY]
         assert s["rank"] == FAULTY and s["compared_with"] == "data-parallel replicas", s
         assert s["s_per_step"] > 0.2 and max(others) < s["s_per_step"] / 2, s
