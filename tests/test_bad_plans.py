@@ -151,10 +151,11 @@ def test_the_planner_plays_within_its_budget_and_says_what_it_left_out(capsys, m
     from pipezero.planner.layouts import Cluster
 
     model = apply_preset(ModelConfig(), "small")
-    result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=20000)
-    assert result.skipped > 0 and result.considered > 0 and result.played <= 20000
-    assert all(planner.sim_actions(e.layout) <= 20000 for e in result.fits)
-    monkeypatch.setattr(limits, "PLAN_BUDGET", 20000)
+    # a budget of 5000 actions: 138 layouts played, 902 left out (20000 played 312 in 2.7 times the CPU)
+    result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=5000)
+    assert result.skipped > 0 and result.considered > 0 and result.played <= 5000
+    assert all(planner.sim_actions(e.layout) <= 5000 for e in result.fits)
+    monkeypatch.setattr(limits, "PLAN_BUDGET", 5000)
     assert main(["plan", "--preset", "small", "--gpus", "8", "--gpu-memory", "80", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["skipped"] == result.skipped and out["considered"] == result.considered
