@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
-from pipezero.models.presets import block_params, layer_param_counts, unit_param_counts
+from pipezero.models.presets import block_params, layer_costs, layer_param_counts, unit_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
@@ -88,6 +88,32 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
+def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None) -> list[float]:
+    """Each pipeline rank's forward FLOPs a token, its chunks of [embedding, blocks..., head] cut as
+    the run cuts them (parallel/partition.py `cut`, by `lay.partition`, or `counts` layers a chunk)
+    and placed on ranks as its schedule places them."""
+    from pipezero.parallel.partition import cut
+
+    costs = [c / 3 for c in layer_costs(model, seq_len)]  # forward: a third of forward and backward
+    bounds = cut(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
+    placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    out = [0.0] * lay.pp
+    for chunk, (start, stop) in enumerate(bounds):
+        out[placed[chunk]] += sum(costs[start:stop])
+    return out
+
+
+def chunk_ranks(kind: ScheduleKind, pp: int, m: int, virtual: int) -> tuple[int, ...]:
+    """The pipeline rank of each chunk, in model order: with one chunk a rank, chunk r on rank r."""
+    return tuple(range(pp)) if virtual == 1 else _chunk_ranks(kind, pp, virtual, m)
+
+
+@lru_cache(maxsize=256)
+def _chunk_ranks(kind: ScheduleKind, pp: int, virtual: int, m: int) -> tuple[int, ...]:
+    placed = build_schedule(kind, pp, m, virtual).rank_of_chunk  # the placement: the same at any M
+    return tuple(placed[c] for c in range(pp * virtual))
+
+
 def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
     """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
     hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
@@ -116,9 +142,10 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # memory: the heaviest rank's peak from the memory model (memory/model.py), split into model
     # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    counts = None  # layers a chunk: the partition policy's (uniform, by count) unless cut by memory
     if lay.partition is Partition.MEMORY:  # every rank walked; the rank with most blocks sets the pace
         cut = balanced_layout(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
-        peak, per_stage_layers, psi = cut.peak, max(1, cut.blocks), cut.params
+        peak, per_stage_layers, psi, counts = cut.peak, max(1, cut.blocks), cut.params, list(cut.counts)
     else:
         # the walks may stop where the peak and hpZ's copy (below) pass the limit; the margin covers
         # the rounding of the sum in GiB
@@ -135,20 +162,19 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # the bubble without fixed costs (the same cached simulation as below when there are none)
     _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
-    flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
-    flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
-    # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
-    # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
-    head_f = 2.0 * model.vocab_size * model.dim * tokens_mb
-    flops_f += head_f
+    # the heaviest rank sets the pace, its layers as the run cuts them (small models: a 4096 x 128
+    # head is 2.3x a block's matmuls; ignoring it ranked P=2 far too high, and adding it to an
+    # even share of blocks priced 4 blocks over P=4 at a block and the head, where the run's cut
+    # gives the head a stage alone)
+    per_rank = rank_flops(model, seq_len, lay, counts)
+    flops_f = max(per_rank) * tokens_mb
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
     # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
     step_units = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute,
                       round(cluster.overhead_s / t_f, 3))[0]
     if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
         # a stage lighter than the heaviest idles for the difference (the first has no head)
-        block_f = (flops_f - head_f) / per_stage_layers
-        lighter = (model.n_layers * block_f + head_f) / lay.pp / flops_f
+        lighter = sum(per_rank) / lay.pp / max(per_rank)
         share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
         t_f *= share
         # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
