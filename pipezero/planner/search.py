@@ -7,9 +7,10 @@ the first and last pipeline rank; it holds states (parameters, gradients, optimi
 gathered weights) apart from the rest (activations, transfers, collective buffers).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
-action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
-bytes over the link for each boundary between chunks the first micro-batch crosses on its way
-forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
+action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, the unit the heaviest pipeline
+rank's (its layers cut as the run cuts them), a pipeline hop from activation bytes over its link
+(inside a node or between nodes) for each boundary between chunks the first micro-batch crosses on
+its way forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
 step is never shorter than the link's busy time.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
 busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
@@ -43,7 +44,8 @@ from pipezero.planner.layouts import Cluster, Layout
 from pipezero.memory.model import layout_memory
 from pipezero.memory.partition import balanced_layout
 from pipezero.memory.offload import DEVICE_SAVED, HOST_BYTES, HostLink
-from pipezero.planner.traffic import dp_split, dp_traffic, link_gbps
+from pipezero.parallel.mesh import Mesh
+from pipezero.planner.traffic import dp_split, dp_traffic
 
 GIB = 2**30
 
@@ -114,6 +116,26 @@ def _chunk_ranks(kind: ScheduleKind, pp: int, virtual: int, m: int) -> tuple[int
     return tuple(placed[c] for c in range(pp * virtual))
 
 
+def boundaries(node_size: int, lay: Layout) -> tuple[int, int, int]:
+    """(boundaries between consecutive chunks inside a node, those between nodes, the most ranks of
+    a node that send across one at once: a replica each) a micro-batch crosses one way, its
+    pipeline's ranks on nodes of `node_size` as the mesh numbers them (placement)."""
+    mesh = Mesh(lay.pp, lay.dp, placement=lay.placement)
+    placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    inside = across = senders = 0
+    for a, b in zip(placed, placed[1:]):
+        if a == b:  # two chunks of one rank (the V-shape's turn): no hop
+            continue
+        ends = [(mesh.global_rank(a, d) // node_size, mesh.global_rank(b, d) // node_size) for d in range(lay.dp)]
+        if ends[0][0] == ends[0][1]:
+            inside += 1
+            continue
+        across += 1
+        node = ends[0][0]
+        senders = max(senders, sum(1 for here, there in ends if here == node and there != node))
+    return inside, across, max(senders, 1)
+
+
 def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
     """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
     hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
@@ -179,11 +201,13 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         t_f *= share
         # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
         cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
-    pp_bw, _ = link_gbps(cluster, lay)
     hop_bytes = cluster.wire_bytes * tokens_mb * model.dim  # one micro-batch's activations (or their gradient)
-    hop = hop_bytes / (pp_bw * 1e9)
-    # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
-    compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
+    inside, across, senders = boundaries(cluster.node_size, lay)
+    # a node's CPU ranks share its link (inter_gbps a rank): a boundary's senders split it
+    across_gbps = cluster.inter_gbps * (cluster.node_size / senders if cluster.cpu else 1.0)
+    hop_s = inside * hop_bytes / (cluster.intra_gbps * 1e9) + across * hop_bytes / (across_gbps * 1e9)
+    # the first micro-batch crosses every boundary between chunks forward, and back
+    compute = step_units * t_f + 2 * hop_s
     units = unit_param_counts(model, lay.sublayer) if lay.sublayer else layers
     dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(units, lay))
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
@@ -191,8 +215,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         # the network's CPU work runs while its bytes move: what moves behind compute takes cores from
         # it, what moves while every rank waits runs on idle cores (pipeline hops: behind compute)
         behind = crossing * (1.0 - dp_comm / link_s) if link_s else 0.0
-        if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
-            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
+        behind += across * 2 * lay.microbatches * lay.dp * hop_bytes  # each boundary between nodes, both ways
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
     # offload: each rank's gradients down, weights up and AdamW on the CPU, priced as exposed
     offload_s = sum(HostLink(cluster.pcie_gbps, cluster.adamw_params_s).step_seconds(updated))
