@@ -233,6 +233,17 @@ def table(result: dict, limit: float) -> str:
     return "\n".join(lines)
 
 
+def write(args: argparse.Namespace, results: list[dict]) -> Path:
+    """RESULTS/<name>.json, through a temporary file renamed into place."""
+    args_out = {k: v for k, v in vars(args).items() if k != "toml"}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{args.name}.json"
+    part = path.with_suffix(".json.tmp")
+    part.write_text(json.dumps({"args": args_out, "rates": results}, indent=2))
+    part.replace(path)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="100mbit,1gbit,10gbit")
@@ -267,12 +278,7 @@ def main() -> None:
             return
         for rate in args.rates.split(","):
             results.append(one_rate(rate, args, Path(tmp)))
-    args_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "toml"}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{args.name}.json"
-    part = path.with_suffix(".json.tmp")
-    part.write_text(json.dumps({"args": args_out, "rates": results}, indent=2))
-    part.replace(path)
+            path = write(args, results)  # each rate as it ends: a later one's failure keeps the earlier
     print("\n\n".join(table(r, args.gpu_memory) for r in results))
     print(f"wrote {path.relative_to(ROOT)}")
 
