@@ -59,11 +59,17 @@ class Probe:
     host_copy_gbps: float | None = None  # device -> host -> device, GB/s each way
     host_adamw_params_s: float | None = None  # AdamW on the host, parameters a second
     seconds: float = 0.0  # what the probe itself took
+    # the head (final norm, output matmul and loss) forward and backward at the run's micro-batch: on
+    # a CPU it took 1.4 blocks where its FLOPs say 2.1 (a block's attention, norms and elementwise
+    # work cost more than their FLOPs); None: an older probe, priced by FLOPs
+    head_s: float | None = None
     cores: float | None = None  # CPU cores the job's ranks get, all its hosts together (effective_cores); None: not probed
-    # the head's (final norm, output matmul and loss) forward and backward in blocks' forward and
-    # backward, timed by turns with the block so that a loaded host's changes fall on both (a CPU
-    # took 1.4-1.9 blocks where the head's FLOPs say 2.1); None: an older probe, priced by FLOPs
-    head_blocks: float | None = None
+
+    @property
+    def head_blocks(self) -> float:
+        """The head's time in blocks' (the planner's Cluster.head_blocks); 0 where not timed."""
+        block = sum(self.block_s.values())
+        return self.head_s / block if self.head_s and block > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,10 +107,10 @@ def read_probe(path: str) -> Probe:
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
                           f"--json FILE") from None
-    if found.head_blocks is not None and (not isinstance(found.head_blocks, (int, float))
-                                          or isinstance(found.head_blocks, bool) or not 0 < found.head_blocks < math.inf):
-        raise ConfigError(f"--costs {path}: head_blocks {json.dumps(found.head_blocks)} is not a ratio of times (more "
-                          f"than 0): probe again (pipezero probe --json FILE)")
+    if found.head_s is not None and (not isinstance(found.head_s, (int, float)) or isinstance(found.head_s, bool)
+                                     or not 0 < found.head_s < math.inf):
+        raise ConfigError(f"--costs {path}: head_s {json.dumps(found.head_s)} is not a time in seconds (more than 0): "
+                          f"probe again (pipezero probe --json FILE)")
     figures = [("tflops", "--tflops", found.tflops, 1, limits.TFLOPS),
                ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
                ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
@@ -147,21 +153,6 @@ def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | Non
     while len(times) < least or (time.perf_counter() - start < budget_s and len(times) < MOST):
         times.append(once(fn, sync))
     return statistics.median(times)
-
-
-def timed_by_turns(first: Callable[[], Any], second: Callable[[], Any], budget_s: float,
-                   sync: Callable[[], None] | None = None, least: int = 3) -> tuple[float, float]:
-    """Median seconds of `first` and of `second`, called by turns within `budget_s` (after a warm-up
-    of each): timed one after the other, a loaded host's slow second fell on one alone, and the
-    head took 4.8 blocks' time in one probe where the run then measured 1.3."""
-    first()
-    second()
-    times: tuple[list[float], list[float]] = ([], [])
-    start = time.perf_counter()
-    while len(times[0]) < least or (time.perf_counter() - start < budget_s and len(times[0]) < MOST):
-        times[0].append(once(first, sync))
-        times[1].append(once(second, sync))
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: torch.device,
@@ -377,9 +368,7 @@ def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None 
     block, tflops, overhead = probe_block(cfg, device, budget_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = Probe(name, cfg.run.dtype.value, cfg.parallel.micro_batch_size, cfg.data.seq_len, block, tflops, overhead)
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
-    block_t, head_t = timed_by_turns(block_pass(cfg, device), head_pass(cfg, device), budget_s, sync)
-    out.head_blocks = head_t / block_t
+    out.head_s = timed(head_pass(cfg, device), budget_s, torch.cuda.synchronize if device.type == "cuda" else None)
     for kind, group in (groups or {}).items():
         if group is not None:
             out.links[kind] = probe_link(group, device, budget_s / 2)

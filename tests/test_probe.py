@@ -22,7 +22,7 @@ def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_
     assert set(found.block_s) == {"F", "B", "W"} and all(t > 0 for t in found.block_s.values())
     assert found.tflops > 0 and 0 < found.overhead_s < found.block_s["F"] + found.block_s["W"]
     assert found.host_copy_gbps > 0 and found.host_adamw_params_s > 0
-    assert found.head_blocks > 0
+    assert found.head_s > 0 and found.head_blocks == found.head_s / sum(found.block_s.values())
     assert found.seconds < 10  # repetitions stop at the budget; a few warm-ups and the first ones past it
     again = Probe.from_json(json.loads(json.dumps(found.to_json())))
     assert again == found
@@ -104,16 +104,6 @@ def test_the_cores_a_job_gets_are_its_ranks_over_how_much_slower_they_compute_to
     assert effective_cores(4, 0.01, 0.012, 2) == 2  # noise that says more than the hosts have
 
 
-def test_the_head_and_the_block_are_timed_by_turns():
-    """Each repetition times the block, then the head: a load that comes and goes falls on both."""
-    from pipezero.probe import timed_by_turns
-
-    calls: list[str] = []
-    block, head = timed_by_turns(lambda: calls.append("block"), lambda: calls.append("head"), 0.0)
-    assert calls == ["block", "head"] * (len(calls) // 2) and len(calls) >= 8  # a warm-up, then 3 or more
-    assert block >= 0 and head >= 0
-
-
 def test_ranks_of_one_host_share_its_cores_and_hosts_add_theirs():
     """The emulated cluster's nodes (network namespaces) are one host: its ranks share its cores,
     pinned or not; separate hosts each bring their own."""
@@ -154,7 +144,7 @@ def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_
     ({"overhead_s": 1e9}, "overhead_s 1e+09 is outside what --overhead-ms accepts"),
     ({"cores": 0}, "cores 0 is not a count of cores"),
     ({"cores": -1}, "cores -1 is not a count of cores"),
-    ({"head_blocks": 0}, "head_blocks 0 is not a ratio of times"),
+    ({"head_s": 0}, "head_s 0 is not a time in seconds"),
     ({"cores": "2"}, 'cores "2" is not a count of cores'),
 ])
 def test_plan_costs_outside_the_flags_ranges_are_refused(changed, needle, tmp_path, capsys):

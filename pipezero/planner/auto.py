@@ -155,7 +155,7 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
     node, across = costs.links.get("node"), costs.links.get("across")
     intra = node.gbps if node else cluster.intra_gbps
     return replace(cluster, tflops=costs.tflops, mfu=1.0, overhead_s=costs.overhead_s, intra_gbps=intra,
-                   head_blocks=costs.head_blocks or 0.0,
+                   head_blocks=costs.head_blocks,
                    inter_gbps=across.gbps if across else intra,
                    pcie_gbps=costs.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=costs.host_adamw_params_s or cluster.adamw_params_s)
