@@ -88,8 +88,7 @@ def cluster_of(cfg: Any, costs: dict[str, Any], world: int, local: int) -> Any:
                   costs["overhead_s"], {"node": LinkCost(0.0, costs["intra_gbps"]),
                                         "across": LinkCost(0.0, costs["inter_gbps"])})
     cluster = cluster_for(cfg, world, local, costs["limit_gib"], False, probe)
-    return replace(cluster, cores=costs["cores"], net_cpu_s_per_gb=costs.get("net_cpu_s_per_gb", 0.0),
-                   head_blocks=costs.get("head_blocks", 0.0))
+    return replace(cluster, cores=costs["cores"], net_cpu_s_per_gb=costs.get("net_cpu_s_per_gb", 0.0))
 
 
 def predictions(cfg: Any, cluster: Any, global_batch: int, layouts: list[Any]) -> dict[str, dict[str, float]]:

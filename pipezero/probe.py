@@ -6,8 +6,7 @@ offload, the host copies and the host's AdamW. Presets guess them; a probe measu
 run will train, at the run's shapes and dtype, in seconds:
 
 - compute: one decoder block's forward, input gradient and weight gradient at the run's micro-batch
-  (B x T), timed over repetitions, and the head's (its norm, output matmul and loss) forward and
-  backward, which a pipeline's last stage holds and FLOPs misprice; the achieved FLOP rate is the block's FLOPs (models/presets.py
+  (B x T), timed over repetitions; the achieved FLOP rate is the block's FLOPs (models/presets.py
   `layer_costs`) over that time, and the fixed cost an action pays is the same block's forward at
   one row of eight tokens, where FLOPs are nothing;
 - links: an all-reduce at two sizes inside a node and across nodes, on the ranks this job has (a
@@ -59,17 +58,7 @@ class Probe:
     host_copy_gbps: float | None = None  # device -> host -> device, GB/s each way
     host_adamw_params_s: float | None = None  # AdamW on the host, parameters a second
     seconds: float = 0.0  # what the probe itself took
-    # the head (final norm, output matmul and loss) forward and backward at the run's micro-batch: on
-    # a CPU it took 1.4 blocks where its FLOPs say 2.1 (a block's attention, norms and elementwise
-    # work cost more than their FLOPs); None: an older probe, priced by FLOPs
-    head_s: float | None = None
     cores: float | None = None  # CPU cores the job's ranks get, all its hosts together (effective_cores); None: not probed
-
-    @property
-    def head_blocks(self) -> float:
-        """The head's time in blocks' (the planner's Cluster.head_blocks); 0 where not timed."""
-        block = sum(self.block_s.values())
-        return self.head_s / block if self.head_s and block > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,10 +96,6 @@ def read_probe(path: str) -> Probe:
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"--costs {path}: not a probe pipezero wrote ({e}): make one with pipezero probe "
                           f"--json FILE") from None
-    if found.head_s is not None and (not isinstance(found.head_s, (int, float)) or isinstance(found.head_s, bool)
-                                     or not 0 < found.head_s < math.inf):
-        raise ConfigError(f"--costs {path}: head_s {json.dumps(found.head_s)} is not a time in seconds (more than 0): "
-                          f"probe again (pipezero probe --json FILE)")
     figures = [("tflops", "--tflops", found.tflops, 1, limits.TFLOPS),
                ("overhead_s", "--overhead-ms", found.overhead_s, 1e3, limits.OVERHEAD_MS),
                ("host_copy_gbps", "--pcie-gbps", found.host_copy_gbps, 1, limits.GBPS),
@@ -185,29 +170,6 @@ def block_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
         with autocast(cfg.run.dtype, device.type):
             y = chunk(x, None)
         return torch.autograd.grad(y, [x, *params], torch.ones_like(y))
-
-    return once_through
-
-
-def head_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
-    """The head's forward (final norm and output matmul), its loss and their backward at the run's
-    micro-batch, as a call to time."""
-    import torch.nn.functional as F
-
-    from pipezero.models import build_chunk
-    from pipezero.runtime.autocast import autocast
-
-    m = cfg.model
-    chunk = build_chunk(m, m.n_layers + 1, m.n_layers + 2, cfg.run.seed, device)  # the layer list's last
-    params = [p for p in chunk.parameters() if p.requires_grad]
-    x = torch.randn(cfg.parallel.micro_batch_size, cfg.data.seq_len, m.dim, device=device, requires_grad=True)
-    targets = torch.randint(0, m.vocab_size, (cfg.parallel.micro_batch_size * cfg.data.seq_len,), device=device)
-
-    def once_through() -> Any:
-        with autocast(cfg.run.dtype, device.type):
-            logits = chunk(x, None)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets)
-        return torch.autograd.grad(loss, [x, *params])
 
     return once_through
 
@@ -368,7 +330,6 @@ def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None 
     block, tflops, overhead = probe_block(cfg, device, budget_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = Probe(name, cfg.run.dtype.value, cfg.parallel.micro_batch_size, cfg.data.seq_len, block, tflops, overhead)
-    out.head_s = timed(head_pass(cfg, device), budget_s, torch.cuda.synchronize if device.type == "cuda" else None)
     for kind, group in (groups or {}).items():
         if group is not None:
             out.links[kind] = probe_link(group, device, budget_s / 2)

@@ -22,7 +22,6 @@ def test_a_probe_measures_compute_and_the_host_in_its_budget_and_round_trips_as_
     assert set(found.block_s) == {"F", "B", "W"} and all(t > 0 for t in found.block_s.values())
     assert found.tflops > 0 and 0 < found.overhead_s < found.block_s["F"] + found.block_s["W"]
     assert found.host_copy_gbps > 0 and found.host_adamw_params_s > 0
-    assert found.head_s > 0 and found.head_blocks == found.head_s / sum(found.block_s.values())
     assert found.seconds < 10  # repetitions stop at the budget; a few warm-ups and the first ones past it
     again = Probe.from_json(json.loads(json.dumps(found.to_json())))
     assert again == found
@@ -144,7 +143,6 @@ def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_
     ({"overhead_s": 1e9}, "overhead_s 1e+09 is outside what --overhead-ms accepts"),
     ({"cores": 0}, "cores 0 is not a count of cores"),
     ({"cores": -1}, "cores -1 is not a count of cores"),
-    ({"head_s": 0}, "head_s 0 is not a time in seconds"),
     ({"cores": "2"}, 'cores "2" is not a count of cores'),
 ])
 def test_plan_costs_outside_the_flags_ranges_are_refused(changed, needle, tmp_path, capsys):

@@ -161,7 +161,7 @@ def measured(cluster: Cluster, args: argparse.Namespace) -> Cluster:
         raise ConfigError(f"--costs {args.costs} was measured on {found.device}, and plan prices --device "
                           f"{args.device}: probe on {where} --json FILE), or plan --device "
                           f"{'cpu' if found.device == 'cpu' else 'cuda'}")
-    return replace(cluster, tflops=found.tflops, mfu=1.0, overhead_s=found.overhead_s, head_blocks=found.head_blocks,
+    return replace(cluster, tflops=found.tflops, mfu=1.0, overhead_s=found.overhead_s,
                    pcie_gbps=found.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=found.host_adamw_params_s or cluster.adamw_params_s)
 

@@ -155,7 +155,6 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
     node, across = costs.links.get("node"), costs.links.get("across")
     intra = node.gbps if node else cluster.intra_gbps
     return replace(cluster, tflops=costs.tflops, mfu=1.0, overhead_s=costs.overhead_s, intra_gbps=intra,
-                   head_blocks=costs.head_blocks,
                    inter_gbps=across.gbps if across else intra,
                    pcie_gbps=costs.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=costs.host_adamw_params_s or cluster.adamw_params_s)
@@ -185,7 +184,6 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
     costs = {"ranks": cluster.gpus, "ranks_per_node": cluster.node_size, "limit_gib": cluster.gpu_memory_gib,
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
-             "head_blocks": cluster.head_blocks,
              "cores": cluster.cores, "device": "cpu" if cluster.cpu else "cuda", "global_batch": global_batch}
     return LayoutChoice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
                   result.skipped, took, costs)

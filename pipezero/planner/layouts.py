@@ -38,9 +38,6 @@ class Cluster:
     # nodes some; on the emulated cluster, whose veth, bridge and tbf run in the one host's kernel,
     # bench/link_probe.py's `cpu_s` measured 10-15 at 100 to 500mbit
     net_cpu_s_per_gb: float = 0.0
-    # the head's (final norm, output matmul, loss) forward and backward in blocks' time, measured by a
-    # probe (0: priced by FLOPs, which on a CPU made it 2.1 blocks where it took 1.4)
-    head_blocks: float = 0.0
     bucket_mb: float = 25.0  # the run's gradient bucket (train --bucket-mb): the unit of overlap
     # --offload optimizer (memory/offload.py): GiB of host memory a node (0: none described, so no
     # offloaded layout fits), its GPUs' host link each way and a rank's CPU AdamW rate

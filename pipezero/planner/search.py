@@ -90,17 +90,13 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
-def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None,
-               head_blocks: float = 0.0) -> list[float]:
+def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None) -> list[float]:
     """Each pipeline rank's forward FLOPs a token, its chunks of [embedding, blocks..., head] cut as
     the run cuts them (parallel/partition.py `cut`, by `lay.partition`, or `counts` layers a chunk)
-    and placed on ranks as its schedule places them; the head as `head_blocks` blocks where a probe
-    timed it (Cluster.head_blocks), else by its FLOPs."""
+    and placed on ranks as its schedule places them."""
     from pipezero.parallel.partition import cut
 
     costs = [c / 3 for c in layer_costs(model, seq_len)]  # forward: a third of forward and backward
-    if head_blocks and model.n_layers:
-        costs[-1] = head_blocks * costs[1]
     bounds = cut(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
     placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     out = [0.0] * lay.pp
@@ -192,7 +188,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # head is 2.3x a block's matmuls; ignoring it ranked P=2 far too high, and adding it to an
     # even share of blocks priced 4 blocks over P=4 at a block and the head, where the run's cut
     # gives the head a stage alone)
-    per_rank = rank_flops(model, seq_len, lay, counts, cluster.head_blocks)
+    per_rank = rank_flops(model, seq_len, lay, counts)
     flops_f = max(per_rank) * tokens_mb
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
     # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
