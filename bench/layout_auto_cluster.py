@@ -2,6 +2,7 @@
 
     python bench/layout_auto_cluster.py [--rates 100mbit,1gbit,10gbit] [--nodes 2 --per-node 2]
         [--preset tiny --layers 4] [--steps 6] [--rounds 2] [--gpu-memory 0.07] [--name layout_auto_cluster]
+    python bench/layout_auto_cluster.py --table bench/results/layout_auto_cluster/layout_auto_cluster.json
 
 (as root). For each rate, on a fresh `pipezero cluster` of --nodes x --per-node ranks whose node links
 run at that rate (tc tbf, pipezero/cluster.py; 10gbit is above what this host's veth pairs carry,
@@ -210,7 +211,7 @@ def table(result: dict, limit: float) -> str:
     c = result["choice"]["costs"]
     lines = [f"### {result['rate']}: probe {num(result['probe_s'], '.1f')} s; compute {c['tflops'] * 1e3:.3g} GFLOP/s "
              f"and {c['overhead_s'] * 1e3:.2f} ms an action; links node {c['intra_gbps'] * 1e3:.0f} MB/s, across "
-             f"{c['inter_gbps'] * 1e3:.1f} MB/s a rank; cores {c['cores']}; limit {limit:g} GiB "
+             f"{c['inter_gbps'] * 1e3:.1f} MB/s a rank; cores {c['cores']:.3g}; limit {limit:g} GiB "
              f"({c['admitted_gib']:.3g} admitted)", "",
              "| layout | measured step s (rounds) | predicted s | pred / meas | / fastest | peak GiB pred / meas |",
              "|---|---|---|---|---|---|"]
@@ -258,10 +259,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--gpu-memory", type=float, default=0.07, help="the limit --layout auto is given (GiB a rank)")
     ap.add_argument("--pin", action="store_true", help="each node on cores of its own (pipezero cluster --pin)")
+    ap.add_argument("--table", metavar="JSON", help="print the tables of a result written before; run nothing")
     ap.add_argument("--dry", action="store_true", help="print the candidates' predicted peaks at preset costs; run nothing")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--name", default="layout_auto_cluster")
     args = ap.parse_args()
+    if args.table:
+        done = json.loads(Path(args.table).read_text())
+        print("\n\n".join(table(r, done["args"]["gpu_memory"]) for r in done["rates"]))
+        return
     world = args.nodes * args.per_node
     results = []
     with tempfile.TemporaryDirectory() as tmp:
