@@ -300,10 +300,11 @@ def job_cores(timeout_s: float) -> int:
     mine[[8 + c for c in os.sched_getaffinity(0) if c < CPUS]] = 1
     if not dist.is_initialized():
         return len(os.sched_getaffinity(0))
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    wait_or_raise(dist.all_gather(every, mine, async_op=True), timeout_s,
+    every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.uint8)
+    wait_or_raise(dist.all_gather_into_tensor(every, mine, async_op=True), timeout_s,
                   f"rank {dist.get_rank()}: the probe gathering every rank's host and cores")
-    return cores_of([(bytes(t[:8].tolist()).hex(), {i for i, on in enumerate(t[8:].tolist()) if on}) for t in every])
+    return cores_of([(bytes(t[:8].tolist()).hex(), {i for i, on in enumerate(t[8:].tolist()) if on})
+                     for t in every.view(-1, mine.numel())])
 
 
 def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 0.3) -> tuple[float, float]:
