@@ -69,23 +69,54 @@ def test_plan_with_a_probes_costs_plans_with_its_rates_and_refuses_what_it_would
 def probe_links(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from pipezero.probe import probe_link
+    from pipezero.probe import block_together, job_cores, probe_link
 
     # Budgets that differ by rank stand for clocks that do (a loaded machine): each rank's own
     # clock would end its loop after another count, and the ranks' all-reduces would not pair up.
     found = probe_link(dist.group.WORLD, torch.device("cpu"), budget_s=0.0 if rank == 0 else 0.2)
     after = torch.tensor([float(rank)])
     dist.all_reduce(after)  # still paired: no rank ran an all-reduce more than another
-    return {"latency_s": found.latency_s, "gbps": found.gbps, "after": after.item()}
+    cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": "16", "parallel.micro_batch_size": "1"})
+    together = block_together(cfg, torch.device("cpu"), budget_s=0.0 if rank == 0 else 0.05, timeout_s=60.0)
+    return {"latency_s": found.latency_s, "gbps": found.gbps, "after": after.item(), "cores": job_cores(60.0),
+            "together": together}
 
 
 @pytest.mark.distributed
 def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank_alike():
     from ranks import run_ranks
 
+    import os
+
     results = run_ranks(probe_links, 2)
     for r in results:
         assert 0 < r["latency_s"] < 1 and r["gbps"] > 0 and r["after"] == 1.0, r
+    # both ranks on this host: its cores once, not once a rank
+    assert [r["cores"] for r in results] == [len(os.sched_getaffinity(0))] * 2, results
+    # the block timed on both ranks at once, as many times each: one mean, the same on both
+    assert results[0]["together"] == results[1]["together"] > 0, results
+
+
+def test_the_cores_a_job_gets_are_its_ranks_over_how_much_slower_they_compute_together():
+    """Four ranks whose block takes twice as long all at once as alone get two cores' worth; four
+    times as long (other jobs on the host take half of its two cores), one; no slower, a core each.
+    Never more than its hosts have."""
+    from pipezero.probe import effective_cores
+
+    assert effective_cores(4, 0.01, 0.02, 2) == pytest.approx(2.0)
+    assert effective_cores(4, 0.01, 0.04, 2) == pytest.approx(1.0)
+    assert effective_cores(4, 0.01, 0.01, 64) == pytest.approx(4.0)
+    assert effective_cores(4, 0.01, 0.012, 2) == 2  # noise that says more than the hosts have
+
+
+def test_ranks_of_one_host_share_its_cores_and_hosts_add_theirs():
+    """The emulated cluster's nodes (network namespaces) are one host: its ranks share its cores,
+    pinned or not; separate hosts each bring their own."""
+    from pipezero.probe import cores_of
+
+    assert cores_of([("a", {0, 1})] * 4) == 2
+    assert cores_of([("a", {0}), ("a", {0}), ("a", {1}), ("a", {1})]) == 2  # nodes pinned to a core each
+    assert cores_of([("a", {0, 1}), ("a", {0, 1}), ("b", {0, 1}), ("b", {0, 1})]) == 4
 
 
 def write_probe(path, **changed) -> str:
@@ -116,6 +147,9 @@ def test_plan_costs_that_are_not_a_probes_object_are_one_line(text, needle, tmp_
     ({"host_copy_gbps": 1e9}, "host_copy_gbps 1e+09 is outside what --pcie-gbps accepts"),
     ({"host_adamw_params_s": 1.0}, "host_adamw_params_s 1 is outside what --cpu-adamw accepts"),
     ({"overhead_s": 1e9}, "overhead_s 1e+09 is outside what --overhead-ms accepts"),
+    ({"cores": 0}, "cores 0 is not a count of cores"),
+    ({"cores": -1}, "cores -1 is not a count of cores"),
+    ({"cores": "2"}, 'cores "2" is not a count of cores'),
 ])
 def test_plan_costs_outside_the_flags_ranges_are_refused(changed, needle, tmp_path, capsys):
     """A probe's figures replace the flags': they are held to the flags' ranges (a busy machine's probe
