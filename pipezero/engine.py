@@ -25,7 +25,7 @@ from pipezero.errors import ConfigError
 from pipezero.data import Corpus, load_corpus, unigram_entropy
 from pipezero.data.packing import IGNORE
 from pipezero.freeze import frozen_params
-from pipezero.generate import sample
+from pipezero.generate import Sampler
 from pipezero.models import ModelSpec, spec_of
 from pipezero.optim import lr_at, short_of_peak
 from pipezero.nonfinite import finite_or_none, report_nonfinite
@@ -352,25 +352,13 @@ def will_sample(cfg: TrainConfig, corpus: Corpus) -> bool:
 
 
 def end_sample(cfg: TrainConfig, stage: Stage, corpus: Corpus) -> str:
-    """The end-of-run text sample, decoded on rank 0. Layer by layer at ZeRO-3, every replica
-    samples the same tokens (same parameters, same seed), so each layer is gathered and released
-    around its use as an F's program gathers it (the compiled plan's `forward_only`, armed by the
-    chunk's hook) and the whole model never exists at once;
-    otherwise rank 0 alone samples (below stage 3 its parameters are whole, kept-gathered stage 3
-    gathers its one chunk as its training steps do)."""
+    """The end-of-run text sample, decoded on rank 0: the executor plays the rank's sample program
+    (schedules/forward_only.py: one forward a token; layer by layer at ZeRO-3 every replica samples
+    the same tokens, each forward gathering and releasing its layers, so the whole model never exists
+    at once; otherwise rank 0 samples, kept-gathered ZeRO-3's ranks all gathering around it)."""
     if not will_sample(cfg, corpus):
         return ""
-    together = stage.zero.layerwise
-    if not together and stage.zero.rules.sharded_params:
-        stage.zero.gather_all()
-    text = ""
-    if together or stage.mesh.rank == 0:
-        model = next(iter(stage.chunks.values()))
-        ids = sample(model, corpus.tokenizer.encode_many(["def "])[0], cfg.run.sample_tokens,
-                     stage.spec.max_seq_len or cfg.data.seq_len,
-                     cfg.run.seed, vocab=corpus.vocab_size)
-        text = corpus.tokenizer.decode(ids) if stage.mesh.rank == 0 else ""
-    stage.zero.release_all()
-    return text
-
-
+    sampler = Sampler(corpus.tokenizer.encode_many(["def "])[0], stage.spec.max_seq_len or cfg.data.seq_len,
+                      cfg.run.seed, vocab=corpus.vocab_size)
+    stage.executor.sample(stage.sample(cfg.run.sample_tokens), sampler)
+    return corpus.tokenizer.decode(sampler.ids) if stage.mesh.rank == 0 else ""

@@ -11,6 +11,11 @@ run will train, at the run's shapes and dtype, in seconds:
   one row of eight tokens, where FLOPs are nothing;
 - links: an all-reduce at two sizes inside a node and across nodes, on the ranks this job has (a
   latency and a bandwidth from the two), bus bandwidth as a ring sees it;
+- cores (CPU ranks): the cores the job's ranks get. Its hosts have so many (every host's once: ranks
+  whose kernel is the same, as the emulated cluster's nodes, namespaces of one host, share its
+  cores, however many torchrun nodes they were started as); of those the job gets what its block
+  says when every rank computes it at once against rank 0's alone (other jobs on the host, and the
+  host's own work, take the rest);
 - host: a bucket-sized copy from the device to host memory and back, and AdamW's step on the host
   (zero/adamw.py, the kernel --offload optimizer runs there), in parameters a second.
 
@@ -20,6 +25,7 @@ seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -53,6 +59,7 @@ class Probe:
     host_copy_gbps: float | None = None  # device -> host -> device, GB/s each way
     host_adamw_params_s: float | None = None  # AdamW on the host, parameters a second
     seconds: float = 0.0  # what the probe itself took
+    cores: float | None = None  # CPU cores the job's ranks get, all its hosts together (effective_cores); None: not probed
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +108,10 @@ def read_probe(path: str) -> Probe:
     figures += [(f"links.{kind}.gbps", "a link's GB/s", c.gbps, 1, limits.GBPS) for kind, c in found.links.items()]
     figures += [(f"links.{kind}.latency_s", "a link's latency (s)", c.latency_s, 1, limits.TIME)
                 for kind, c in found.links.items()]
+    if found.cores is not None and (not isinstance(found.cores, (int, float)) or isinstance(found.cores, bool)
+                                    or not 0 < found.cores < math.inf):
+        raise ConfigError(f"--costs {path}: cores {json.dumps(found.cores)} is not a count of cores (more than 0): "
+                          f"probe again (pipezero probe --json FILE)")
     for name, flag, value, scale, allowed in figures:
         if value is None and name.startswith("host_"):
             continue  # an older probe without the host's figures: the flags' defaults stand
@@ -167,6 +178,48 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     return statistics.median(once(fn, sync) for _ in range(int(count.item())))
 
 
+def block_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
+    """One block's forward and whole backward at the run's micro-batch (B x T), as a call to time."""
+    from pipezero.models import build_chunk
+    from pipezero.runtime.autocast import autocast
+
+    m = cfg.model
+    chunk = build_chunk(m, 1, 2, cfg.run.seed, device)  # layers [1, 2): the first block alone
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    x = torch.randn(cfg.parallel.micro_batch_size, cfg.data.seq_len, m.dim, device=device, requires_grad=True)
+
+    def once_through() -> Any:
+        with autocast(cfg.run.dtype, device.type):
+            y = chunk(x, None)
+        return torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+
+    return once_through
+
+
+def block_together(cfg: TrainConfig, device: torch.device, budget_s: float, timeout_s: float) -> float:
+    """Seconds of `block_pass` while every rank of the job runs it at once (as in training, where all
+    compute together), the mean of every rank's median: a collective, which every rank calls."""
+    import torch.distributed as dist
+
+    from pipezero.parallel.waits import wait_or_raise
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    mine = timed_together(block_pass(cfg, device), budget_s, None, device, sync)
+    total = torch.tensor([mine], dtype=torch.float64, device=device)
+    wait_or_raise(dist.all_reduce(total, async_op=True), timeout_s,
+                  f"rank {dist.get_rank()}: the probe adding every rank's block time")
+    return total.item() / dist.get_world_size()
+
+
+def effective_cores(world: int, alone_s: float, together_s: float, host_cores: float) -> float:
+    """The cores `world` ranks get: each computing `together_s` where alone it takes `alone_s` is
+    what `world` ranks on world x alone / together cores take; never more than their hosts'
+    `host_cores` (noise in two timings), nor more than one a rank (no rank is faster together)."""
+    if together_s <= 0:
+        return float(host_cores)
+    return min(float(host_cores), world * min(1.0, alone_s / together_s))
+
+
 def probe_block(cfg: TrainConfig, device: torch.device, budget_s: float = 0.5) -> tuple[dict[str, float], float, float]:
     """(F, B, W seconds of one block at the run's micro-batch, achieved TFLOP/s, fixed seconds an action)."""
     from pipezero.models import build_chunk
@@ -229,6 +282,51 @@ def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkC
     # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
     # bandwidth the link at least has
     return LinkCost(min(t_small, t_large), ring * SIZES[1] / t_large / 1e9)
+
+
+CPUS = 1024  # CPU numbers a rank's affinity is sent as (job_cores): more than any host has
+
+
+def cores_of(ranks: list[tuple[str, set[int]]]) -> int:
+    """Cores of the hosts `ranks` ran on ((host, the CPUs its affinity allows) each): ranks of one
+    host share its cores, so each host counts the CPUs any of its ranks may use, once."""
+    hosts: dict[str, set[int]] = {}
+    for host, cpus in ranks:
+        hosts.setdefault(host, set()).update(cpus)
+    return sum(len(cpus) for cpus in hosts.values())
+
+
+def host_id() -> str:
+    """What ranks of one machine share: its kernel's boot id (network namespaces, containers and
+    torchrun nodes of one host have the same), else its name."""
+    import socket
+
+    try:
+        return open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def job_cores(timeout_s: float) -> int:
+    """The CPU cores every rank of the job runs on together (`cores_of`), gathered from every rank
+    (CPU tensors: gloo); a collective, which every rank calls. torchrun's nodes need not be hosts:
+    the emulated cluster starts each node's ranks in a namespace of this one host."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from pipezero.parallel.waits import wait_or_raise
+
+    mine = torch.zeros(8 + CPUS, dtype=torch.uint8)
+    mine[:8] = torch.frombuffer(bytearray(hashlib.sha256(host_id().encode()).digest()[:8]), dtype=torch.uint8)
+    mine[[8 + c for c in os.sched_getaffinity(0) if c < CPUS]] = 1
+    if not dist.is_initialized():
+        return len(os.sched_getaffinity(0))
+    every = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.uint8)
+    wait_or_raise(dist.all_gather_into_tensor(every, mine, async_op=True), timeout_s,
+                  f"rank {dist.get_rank()}: the probe gathering every rank's host and cores")
+    return cores_of([(bytes(t[:8].tolist()).hex(), {i for i, on in enumerate(t[8:].tolist()) if on})
+                     for t in every.view(-1, mine.numel())])
 
 
 def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 0.3) -> tuple[float, float]:

@@ -75,6 +75,10 @@ class Stage:
         """This rank's held-out evaluation program (schedules/forward_only.py)."""
         return self.plan.evaluation(microbatches)[self.plan.program.global_rank(self.mesh.pp_rank, self.mesh.dp_rank)]
 
+    def sample(self, tokens: int) -> tuple[EvalInstr, ...]:
+        """This rank's text-sample program of `tokens` tokens (schedules/forward_only.py)."""
+        return self.plan.sample(tokens)[self.plan.program.global_rank(self.mesh.pp_rank, self.mesh.dp_rank)]
+
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
                 named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
@@ -196,8 +200,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   keep_gathered=not plan.layerwise, tracer=tracer,
                   tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
                   source=source, hierarchy=hierarchy,
-                  node=node, forward_only=plan.forward_only, offload=p.offload is Offload.OPTIMIZER, **wires(p))
+                  node=node, offload=p.offload is Offload.OPTIMIZER, **wires(p))
     zero.comm.flight = flight
+    p2p.record = zero.comm.played  # one record of what the rank plays: transfers and collectives in their order
+    p2p.program_rank = {mesh.global_rank(r, mesh.dp_rank): plan.program.global_rank(r, mesh.dp_rank)
+                        for r in range(p.pp)}
     transport = transport_for(device, staged_rank(cfg, device.type))  # ranks sharing a GPU: through host buffers
     p2p.transport = zero.comm.transport = transport
     if zero.tied is not None:

@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         import matplotlib.font_manager  # noqa: F401
     except ImportError:
         pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session):
+    """pytest's assertion rewriting of the test modules is kept (tests/__pycache__/*-pytest-*.pyc)
+    even where PYTHONDONTWRITEBYTECODE is set: each process of each session rewrote every test
+    module again (about 2 s of CPU a worker). Only while collecting: the ranks and commands tests
+    start keep the environment's setting."""
+    before = sys.dont_write_bytecode
+    sys.dont_write_bytecode = False
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,7 +6,7 @@ OUT/fault.json, so the test knows the instruction the doctor must name:
   test's spawner kills it once the others failed);
 - "kill": SIGKILL itself inside its first wait for a gradient reduction (mid-collective);
 - "skip": return from its first send of micro-batch 1 without posting it (a planted bug);
-- "slow": every compute action takes half as long again, plus 0.3 s after each of its chunks'
+- "slow": every compute action takes three times as long, plus 0.3 s after each of its chunks'
   forward of micro-batch 0 (once a step; twice with zb-v's two chunks a rank): a straggler that
   catches up (no hang). The sleeps fall inside the compute instructions, so they count as the
   rank's own work (runtime/flight.py), as a slower device's compute would.
@@ -70,7 +70,9 @@ def inject(fault: str, out: str) -> None:
             t0 = time.perf_counter()
             with clean_timed(self, a):
                 yield
-            time.sleep((time.perf_counter() - t0) / 2 + (0.3 if a.mb == 0 and a.op.value == "F" else 0.0))
+            # twice the action's own time more: a margin a loaded machine (which slows every rank's
+            # compute alike) scales with it, where a fixed 0.3 s alone drowned in the others' slowness
+            time.sleep((time.perf_counter() - t0) * 2 + (0.3 if a.mb == 0 and a.op.value == "F" else 0.0))
 
         from contextlib import contextmanager
 

@@ -96,9 +96,9 @@ def filled(argv: list[str], tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("argv,needle", CASES, ids=[" ".join(c[0][:5]) for c in CASES])
 def test_bad_plan_or_simulate_request_is_one_line_at_once(argv, needle, tmp_path, capsys):
-    t0 = time.monotonic()
+    t0 = time.process_time()  # this process's CPU: the work refused, not a loaded machine's wait
     code, err = run_main(filled(argv, tmp_path), capsys)
-    assert time.monotonic() - t0 < 5
+    assert time.process_time() - t0 < 5
     assert_one_line(code, err, needle.replace("{tmp}", str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
 
@@ -151,10 +151,11 @@ def test_the_planner_plays_within_its_budget_and_says_what_it_left_out(capsys, m
     from pipezero.planner.layouts import Cluster
 
     model = apply_preset(ModelConfig(), "small")
-    result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=20000)
-    assert result.skipped > 0 and result.considered > 0 and result.played <= 20000
-    assert all(planner.sim_actions(e.layout) <= 20000 for e in result.fits)
-    monkeypatch.setattr(limits, "PLAN_BUDGET", 20000)
+    # a budget of 5000 actions: 138 layouts played, 902 left out (20000 played 312 in 2.7 times the CPU)
+    result = planner.plan_within(model, Cluster(8, 80.0), 1024, 1024, budget=5000)
+    assert result.skipped > 0 and result.considered > 0 and result.played <= 5000
+    assert all(planner.sim_actions(e.layout) <= 5000 for e in result.fits)
+    monkeypatch.setattr(limits, "PLAN_BUDGET", 5000)
     assert main(["plan", "--preset", "small", "--gpus", "8", "--gpu-memory", "80", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["skipped"] == result.skipped and out["considered"] == result.considered
@@ -197,9 +198,9 @@ def test_a_trace_pipezero_did_not_write_is_one_line(trace, needle, tmp_path, cap
     import json
 
     (tmp_path / "trace.json").write_text(json.dumps(trace))
-    t0 = time.monotonic()
+    t0 = time.process_time()  # this process's CPU: the work refused, not a loaded machine's wait
     assert_one_line(*run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys), needle)
-    assert time.monotonic() - t0 < 5
+    assert time.process_time() - t0 < 5
     (tmp_path / "trace.json").write_text(json.dumps(_trace(LAYOUT)))  # the same run as written: compared
     assert run_main(["simulate", "--from-trace", str(tmp_path / "trace.json")], capsys)[0] == 0
 

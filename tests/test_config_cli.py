@@ -141,14 +141,14 @@ def test_a_model_deeper_than_the_limit_is_refused_at_once(argv, tmp_path, capsys
 
     toml = tmp_path / "deep.toml"
     toml.write_text('[model]\npreset = "tiny"\nn_layers = 200000\n')
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU: the layers walked, not a loaded machine's wait
     try:
         code = main([*argv, "--config", str(toml), "--out", str(tmp_path / "o")] if argv[0] != "simulate"
                     else [*argv, "--config", str(toml)])
     except SystemExit as e:
         code = e.code
     assert_one_line(code, capsys.readouterr().err, "model.n_layers = 200000: expected an integer >= 1 and <= 4096")
-    assert time.perf_counter() - t0 < 10
+    assert time.process_time() - t0 < 10
 
 
 # A setting only another option reads, given without it: accepted, it changed nothing (exit 0). Each

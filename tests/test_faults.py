@@ -102,26 +102,37 @@ def stall_in_evaluation(rank: int, world: int, data: str, out: str) -> tuple[str
     from pipezero.settings import build_config
     from training import tiny_overrides
 
+    failed = Path(out, "rank0-failed")
     back = {"at": None}
-    if rank == 1:
-        clean = Executor.evaluate
+    clean = Executor.evaluate
 
-        def evaluate(self, program, batches, sum_loss):
-            def stalled(local):
-                time.sleep(8)  # stalls past the timeout (3 s), short of the process group's own (120 s)
-                back["at"] = time.monotonic()  # the clock all processes of this machine share
-                return sum_loss(local)
+    def evaluate(self, program, batches, sum_loss):
+        # the evaluation's waits time out after 3 s; the step's before it keep the run's 60 s, which
+        # start-up on a loaded machine (ranks reaching their first transfer seconds apart) needs
+        self.p2p.timeout_s = 3.0
 
-            return clean(self, program, batches, stalled)
+        def stalled(local):
+            # stalls past the timeout, until rank 0 has failed (at most 60 s, short of the process
+            # group's own 120 s): a stall of fixed seconds would race a loaded machine
+            deadline = time.monotonic() + 60
+            while not failed.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            back["at"] = time.monotonic()  # the clock all processes of this machine share
+            return sum_loss(local)
 
-        Executor.evaluate = evaluate
-    overrides = tiny_overrides(data, out, 2, 1, K.ONE_F_ONE_B, 2, **{"parallel.timeout_s": 3.0, "run.max_steps": 1})
+        return clean(self, program, batches, stalled if rank == 1 else sum_loss)
+
+    Executor.evaluate = evaluate
+    overrides = tiny_overrides(data, out, 2, 1, K.ONE_F_ONE_B, 2, **{"parallel.timeout_s": 60.0, "run.max_steps": 1})
     t0 = time.monotonic()
     try:
         train(build_config(None, overrides))
         return "trained", back["at"]
     except Exception as e:  # noqa: BLE001 - the test reports what each rank raised
-        return f"{time.monotonic() - t0:.1f}|{type(e).__name__}: {e}", (back["at"] or time.monotonic())
+        at = time.monotonic()
+        if rank == 0:
+            failed.touch()
+        return f"{at - t0:.1f}|{type(e).__name__}: {e}", (back["at"] or at)
 
 
 @pytest.mark.distributed

@@ -4,6 +4,7 @@ this machine's costs; every rank trains the same choice; the run checks the pred
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -113,7 +114,13 @@ def test_quantized_traffic_is_chosen_only_where_the_user_allowed_it():
     assert all("--quantize-grads int8" in r["flags"] for r in allowed.ranked if r["quantize_grads_bits"])
 
 
-def test_a_lone_process_probes_and_chooses_without_a_process_group():
+def test_a_lone_process_probes_and_chooses_without_a_process_group(monkeypatch):
+    import pipezero.probe as probes
+
+    # tiny's block beside a loaded suite is refused (its fixed cost takes it all, tests/test_probe.py
+    # times a larger one): the block's timing is faked, the rest of the probe runs as it is
+    block = {"F": 0.01, "B": 0.01, "W": 0.01}
+    monkeypatch.setattr(probes, "probe_block", lambda cfg, device, budget_s: (block, 1.0, 1e-4))
     req = tiny_request(1)
     first = provisional(req)
     cfg = build_config(None, settings_of(req, first))
@@ -147,6 +154,22 @@ def test_cluster_from_a_probe_reads_its_rates_and_links():
     assert cluster.gpus == 4 and cluster.cpu and cluster.wire_bytes == 4
     assert choose(cfg, cluster, 16, {}).ranked
     assert choose(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
+
+
+def test_ranks_sharing_one_hosts_cores_are_priced_sharing_them():
+    """Where the probe found the job's ranks on fewer cores than ranks (the emulated cluster's nodes
+    are one host), the planner prices compute shared by them: counting a node's cores once a node
+    priced 4 ranks on 2 cores as if each had its own, and predicted a step 0.35 of what it measured."""
+    cfg = build_config(None, {"model.preset": "tiny"})
+    costs = fake_probe(0.05, 1.0)
+    shared = cluster_for(cfg, 4, 2, 2.0, False, replace(costs, cores=2))
+    own = cluster_for(cfg, 4, 2, 2.0, False, replace(costs, cores=64))
+    assert shared.cores == 2 and own.cores == 0
+    lay = "--pp 1 --dp 4 --zero 1 --schedule 1f1b --microbatches 1 --micro-batch-size 4"
+    step = {c.cores: next(r["predicted_step_s"] for r in choose(cfg, c, 16, {"parallel.pp": 1, "parallel.zero": 1,
+                                                                             "parallel.microbatches": 1}).ranked
+                          if r["flags"] == lay) for c in (shared, own)}
+    assert step[2] > 1.5 * step[0], step
 
 
 def choose_and_train(rank: int, world: int, data: str, out: str) -> dict:

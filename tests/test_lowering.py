@@ -9,6 +9,7 @@ import pytest
 
 from pipezero.config import GradReduce
 from pipezero.config import ScheduleKind as K
+from pipezero.schedules.actions import Action, Op
 from pipezero.schedules.bucket_plan import group_tensors, plan_buckets, uniform_plan
 from pipezero.schedules.model_shapes import ModelShapes, TensorShape
 from pipezero.schedules.check import CostModel, ScheduleError, simulate
@@ -398,3 +399,82 @@ def test_the_evaluation_is_a_program_every_pair_of_ranks_agrees_on(kind, p, v):
             assert len(gathers) == p * d * v  # each chunk of each rank once
         else:
             assert gathers and all(i.bucket is not None for i in gathers)
+
+
+@pytest.mark.parametrize("kind, p, v", [(K.ONE_F_ONE_B, 2, 1), (K.ZB_V, 2, 2), (K.INTERLEAVED_1F1B, 2, 2),
+                                        (K.GPIPE, 4, 1)])
+def test_the_evaluation_is_proven_as_a_step_is(kind, p, v):
+    """Every layout's evaluation passes the forward-only checker at every ZeRO mode: complete,
+    transfers agreeing pair by pair, the ranks of each dp group issuing the same collectives, and
+    the joint play of all ranks (LOSS_SUM a rendezvous of the world) finishing."""
+    from pipezero.schedules.forward_only import check_forward_only, lower_evaluation
+
+    s = build_schedule(kind, p, 2 * p, v)
+    d, m = 2, 3
+    plan = uniform_plan(s.n_chunks, BUCKETS, 1000, d)
+    for sharded, layerwise in ((False, False), (True, False), (True, True)):
+        for depth in (1, 2) if layerwise else (1,):
+            progs = lower_evaluation(s, d, plan, m, sharded_params=sharded, layerwise=layerwise, gather_width=4,
+                                     depth=depth)
+            check_forward_only(s, d, plan, progs, m)
+
+
+def test_the_forward_only_checker_refuses_what_would_miss_or_hang():
+    """A forward missing, two receives swapped (the pair's orders differ: NCCL would pair them
+    wrongly), one rank of a dp group without its gather, and forwards in an order that waits in a
+    cycle (the V placement's rank 0 running chunk 3 before chunk 0) are each refused, named."""
+    from pipezero.schedules.forward_only import check_forward_only, lower_evaluation
+
+    s = build_schedule(K.ZB_V, 2, 4, 2)
+    d, m = 2, 3
+    plan = uniform_plan(s.n_chunks, BUCKETS, 1000, d)
+    progs = lower_evaluation(s, d, plan, m, sharded_params=True, layerwise=False, gather_width=4)
+
+    def refused(rank: int, changed: list, match: str) -> None:
+        ranks = list(progs)
+        ranks[rank] = tuple(changed)
+        with pytest.raises(ScheduleError, match=match):
+            check_forward_only(s, d, plan, ranks, m)
+
+    last = progs[2]  # pp 1, dp 0: chunks 1 and 2
+    refused(2, [i for i in last if not (isinstance(i, Compute) and i.action.chunk == 2 and i.action.mb == 1)],
+            r"replica 0: forwards differ .* missing \(chunk, pass\) \[\(2, 1\)\]")
+    recvs = [k for k, i in enumerate(last) if isinstance(i, PointToPoint) and not i.send]
+    swapped = list(last)
+    swapped[recvs[0]], swapped[recvs[1]] = last[recvs[1]], last[recvs[0]]
+    refused(2, swapped, r"rank 0 sends .* to rank 2, which receives")
+    refused(1, progs[1][1:], r"dp group of pp rank 0 \(ranks \[0, 1\]\): rank 1 and rank 0 differ at collective #0")
+    first = list(progs[0])
+    f0, f3 = (next(k for k, i in enumerate(first) if isinstance(i, Compute) and i.action == a)
+              for a in (Action(0, Op.F, 0), Action(3, Op.F, 0)))
+    first[f0], first[f3] = first[f3], first[f0]
+    refused(0, first, r"program deadlocks")
+
+
+def test_the_text_sample_is_a_program_of_one_forward_a_token():
+    """One pipeline rank: a forward a token on replica 0, or layer by layer on every replica (each
+    its own gathers and releases inside it); kept-gathered ZeRO-3's replicas all gather around the
+    sample and release after it; each proven by the forward-only checker; two pipeline ranks are
+    refused (the drawn token would have to travel back to the first chunk)."""
+    from pipezero.schedules.forward_only import check_forward_only, lower_sample
+
+    s = build_schedule(K.ONE_F_ONE_B, 1, 2, 1)
+    d, tokens = 4, 5
+    plan = uniform_plan(1, BUCKETS, 1000, d)
+    for sharded, layerwise in ((False, False), (True, False), (True, True)):
+        progs = lower_sample(s, d, plan, tokens, sharded_params=sharded, layerwise=layerwise, gather_width=4)
+        check_forward_only(s, d, plan, progs, tokens, range(d) if layerwise else [0])
+        sampling = [r for r in range(d) if any(isinstance(i, Compute) for i in progs[r])]
+        assert sampling == (list(range(d)) if layerwise else [0])
+        # which replicas sample is the program's: the checker holds it to that
+        with pytest.raises(ScheduleError, match=r"replica 1: forwards differ from every chunk on every pass once"):
+            check_forward_only(s, d, plan, progs, tokens, [0] if layerwise else None)
+        assert [i.action for i in progs[0] if isinstance(i, Compute)] == [Action(0, Op.F, t) for t in range(tokens)]
+        assert not any(isinstance(i, PointToPoint) for r in progs for i in r)
+        kinds = [[i.kind for i in r if isinstance(i, DataParallel)] for r in progs]
+        assert kinds == ([[Kind.UNSHARD, Kind.RESHARD]] * d if sharded and not layerwise else [[]] * d)
+        inside = [x for i in progs[0] if isinstance(i, Compute) for x in i.during]
+        assert bool(inside) is layerwise and all(x.kind in (Kind.UNSHARD, Kind.RESHARD) for x in inside)
+    with pytest.raises(ValueError, match="one pipeline rank, not 2"):
+        lower_sample(build_schedule(K.ONE_F_ONE_B, 2, 2, 1), 1, uniform_plan(2, BUCKETS, 1000, 1), 3,
+                     sharded_params=False, layerwise=False, gather_width=4)

@@ -95,7 +95,7 @@ def test_ctrl_c_in_the_text_sample_still_writes_the_summary(tmp_path, monkeypatc
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("pipezero.engine.sample", interrupted)
+    monkeypatch.setattr("pipezero.runtime.executor.Executor.sample", interrupted)
     code, err = run_main([*TRAIN_TINY_BYTES, "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens",
                           "4096", "--data", str(write_docs(tmp_path)), "--out", str(tmp_path / "o")], capsys)
     assert code == 0, err

@@ -1,17 +1,29 @@
 """Two torchrun agents on loopback acting as two nodes, meeting through the c10d rendezvous."""
 
 import json
+import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. One that bind(0) handed out is free again once
+    closed, and the kernel may hand it to any other socket (another test's ranks, under -n 2) in the
+    seconds before torchrun, started after a torch import, binds it; a port outside that range is
+    taken only by a bind that names it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 8192), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port from {max(1024, low - 8192)} to {low}")
 
 
 @pytest.mark.distributed

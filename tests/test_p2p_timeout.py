@@ -6,25 +6,34 @@ import time
 from ranks import run_ranks
 
 
-def silent_peer(rank: int, world: int) -> str:
+def silent_peer(rank: int, world: int, done: str) -> str:
+    from pathlib import Path
+
     from pipezero.runtime.p2p import P2P, Payload, PipelineTimeout
     from pipezero.telemetry.trace import Tracer
 
     p2p = P2P(rank, {0: 0, 1: 1}, (2, 4), timeout_s=2.0, tracer=Tracer(step=7))
     if rank == 0:
-        time.sleep(4.0)  # stalls: never sends the activation
+        # stalls, never sending the activation, until its peer's wait has ended: a stall of fixed
+        # seconds ended first on a loaded machine where the peer's wait began late, and its process
+        # gone is another failure than the timeout under test
+        deadline = time.monotonic() + 60
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "stalled"
     t0 = time.monotonic()
     try:
         p2p.recv(Payload.ACT, 1, 5)
     except PipelineTimeout as e:
         return f"{time.monotonic() - t0:.1f}s|{e}"
+    finally:
+        Path(done).touch()
     return "received?"
 
 
 @pytest.mark.distributed
-def test_silent_peer_times_out_with_named_operation():
-    stalled, message = run_ranks(silent_peer, 2, timeout=60)
+def test_silent_peer_times_out_with_named_operation(tmp_path):
+    stalled, message = run_ranks(silent_peer, 2, str(tmp_path / "waited"), timeout=90)
     assert stalled == "stalled"
     took, text = message.split("|", 1)
     assert float(took[:-1]) < 10

@@ -162,6 +162,50 @@ def test_ranks_sharing_cores_slow_each_other_except_while_idle():
     assert 1.0 <= slowdown < 1.9
 
 
+def test_a_pipelines_pace_is_its_heaviest_rank_as_the_run_cuts_the_layers():
+    """The run cuts [embedding, blocks..., head] uniformly by layer count: 4 blocks over 4 stages give
+    [embedding + block, 2 blocks, block, head], so the pace is the head's or two blocks', not a
+    block and the head (which priced P=4 1.4 times what the emulated cluster measured against
+    P=2). At P=2 the last stage holds two blocks and the head, as before."""
+    from pipezero.config import ScheduleKind
+    from pipezero.models.presets import layer_costs
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.n_layers = 4
+    cluster = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=1e6, inter_gbps=1e6, tflops=1e-3, mfu=1.0)
+    block, head = layer_costs(model, 128)[1], layer_costs(model, 128)[-1]
+    step = {pp: estimate(model, 128, 16, cluster, Layout(pp, 4 // pp, 0, ScheduleKind.GPIPE, 1, 1, 16 * pp // 4,
+                                                          False)).step_time_s for pp in (2, 4)}
+    units = {pp: (16 * pp // 4 + pp - 1) * 3 for pp in (2, 4)}  # GPipe's step: M + P - 1 forwards and backwards
+    heaviest = {2: 2 * block + head, 4: max(2 * block, head)}
+    tokens = 128 / 3  # a micro-batch of one row; layer_costs counts forward and backward (3x the forward)
+    for pp in (2, 4):
+        assert step[pp] == pytest.approx(units[pp] * heaviest[pp] * tokens / 1e9, rel=1e-3), (pp, step)
+
+
+def test_a_pipelines_hops_cross_the_slow_link_only_between_nodes():
+    """P=4 over 2 nodes of 2 ranks: of its three boundaries one crosses the nodes, and its one
+    sender has its node's link to itself (CPU ranks share a node's link); the other two are inside
+    a node. Every hop was priced across at a rank's share, which made P=4 at 100 Mbit 0.13 s
+    slower than P=2 x D=2, where the emulated cluster measured it faster."""
+    from pipezero.config import ScheduleKind
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.n_layers = 4
+    fast = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=1e3, inter_gbps=1e3, tflops=1e-3, cpu=True,
+                   wire_bytes=4)
+    slow = Cluster(**{**fast.__dict__, "inter_gbps": 1e-3})
+    hop = 4 * 2 * 128 * model.dim  # fp32 activations of a micro-batch of two rows
+    lay = Layout(4, 1, 0, ScheduleKind.GPIPE, 1, 2, 8, False)
+    extra = estimate(model, 128, 16, slow, lay).step_time_s - estimate(model, 128, 16, fast, lay).step_time_s
+    # forward and back across the one boundary between nodes, at the whole link (2 ranks' shares)
+    assert extra == pytest.approx(2 * hop / (2 * 1e-3 * 1e9), rel=0.02)
+
+
 def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
     """`CostModel.per_action`: each rank of ZB-H1 (F, B, W apart) pays it M times more than 1F1B
     (F, fused BW), so on an oversubscribed host, where the bubble is not the limit, 1F1B wins."""

@@ -1,12 +1,12 @@
 """The runtime plays the data-parallel collectives its lowered program lists, as the program says.
 
 Each rank records what it plays (zero/coordinator.py `played`: each start of a bucket's collective
-with its bytes, wire type and group, and each wait for a reduction, named as the program names
-them) and tests/training.py `train_cases` holds every step's record against `expected` of the
-rank's program (schedules/played.py) for every run of every layout test; this test runs the
-layouts below for one step each and checks that the records are not empty. Point-to-point
-transfers need no such record: the executor posts them by playing the program's SEND and RECV
-instructions in order (runtime/executor.py `run`).
+with its bytes, wire type and group, each wait for a reduction or a gather, each release, and each
+transfer to or from another rank posted and waited for, named as the program names them) and
+tests/training.py `train_cases` holds every step's, evaluation's and text sample's record against
+`expected` of the rank's program (schedules/played.py; the evaluation's and the sample's are
+forward-only programs, schedules/forward_only.py) for every run of every layout test; this test runs
+the layouts below for one step each and checks that the records are not empty.
 
 Covered: every schedule with ZeRO 0-3 at P=2 D=2 (with --offload optimizer and two micro-batches'
 activations offloaded: their host copies and steps held to the program too), the stages that move the most at P=4 D=1 and P=1
@@ -21,8 +21,9 @@ first chunk running autograd again), the V placement, --recompute (the forward r
 backward, its layers gathered again as the program lists them), a head tied to the embedding in
 one chunk (it borrows the embedding's bucket) or across chunks, and frozen layers; and with each
 layer's gather started 2 or 3 layers ahead (--zero3-prefetch); and with a block's attention and MLP
-gathered and reduced apart (--zero3-unit sublayer). Every case's weights after its step, its loss
-and gradient norm equal one process's.
+gathered and reduced apart (--zero3-unit sublayer). The text sample (one pipeline rank) is held to
+its program kept gathered and layer by layer (with --recompute, and gathers 2 and 3 layers ahead).
+Every case's weights after its step, its loss and gradient norm equal one process's.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def cases() -> list[dict]:
     out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": 2, "parallel.buckets_in_flight": 2,
              "parallel.bucket_mb": 0.02} for kind in (K.ZB_H1, K.ONE_F_ONE_B)]
     two = {"parallel.hierarchical": True, "parallel.ranks_per_node": 2}
-    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "parallel.zero3_keep_gathered": True}]
+    # the text sample (one pipeline rank) is a program too: kept gathered around it, or layer by layer
+    sample = {"run.sample_tokens": 3}
+    out += [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 3, "parallel.zero3_keep_gathered": True,
+             **sample}]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, "parallel.zero": 2, "parallel.placement": "pp-inner", **two}]
     # a tied embedding: summed between the ends (or on the V's turn rank), then its buckets reduced
     tied = {"model.tie_embeddings": True}
@@ -77,7 +81,7 @@ def cases() -> list[dict]:
     lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
     out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, **lw} for kind in (K.ZB_H1, K.ZB_V, K.INTERLEAVED_1F1B)]
     out += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.recompute": True, **lw},
-            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw},
+            {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw, **sample},
             {"pp": 2, "dp": 2, "kind": K.ZB_V, "m": 4, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, **tied},
             {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "optim.freeze": r"layers\.(1|4)\.", **lw, **tied}]
@@ -90,7 +94,8 @@ def prefetch_cases() -> list[dict]:
     several gathers in flight at once, waited for where their layer computes, under fused and split
     backward, --recompute and a tied head."""
     lw = {"parallel.zero": 3, "parallel.zero3_keep_gathered": False}
-    return [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, "parallel.zero3_prefetch": d} for d in (2, 3)] + [
+    return [{"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, **lw, "parallel.zero3_prefetch": d,
+             "run.sample_tokens": 3} for d in (2, 3)] + [
         {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.recompute": True, **lw, "parallel.zero3_prefetch": 2},
         {"pp": 1, "dp": 4, "kind": K.ONE_F_ONE_B, "m": 2, "model.tie_embeddings": True, **lw,
          "parallel.zero3_prefetch": 3},
@@ -146,3 +151,39 @@ def test_the_layouts_left_to_the_layout_tests_are_there():
              + test_zero.hierarchical_cases() + layouts(4, 1)]
     for case in held_elsewhere():
         assert settings(case) in there, case
+
+
+def test_the_record_holds_transfers_and_the_loss_sum_where_the_program_places_them():
+    """One process, the rules alone: an evaluation's receive is posted where its RECV stands and
+    waited for as the F reading it starts, its sends waited for at LOSS_SUM before the world's
+    all-reduce starts; a step's sends are waited for at OPTIM_STEP before its reductions; a record
+    that posts every receive first, or leaves out LOSS_SUM, departs from the program."""
+    from pipezero.config import GradReduce
+    from pipezero.schedules.bucket_plan import uniform_plan
+    from pipezero.schedules.forward_only import lower_evaluation
+    from pipezero.schedules.lowering import lower
+    from pipezero.schedules.played import departure, expected
+    from pipezero.schedules.program import OptimStep
+    from pipezero.schedules.registry import build_schedule
+
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2, 1)
+    plan = uniform_plan(2, 2, 100, 1)
+    last, first = (lower_evaluation(s, 1, plan, 2, sharded_params=False, layerwise=False, gather_width=4)[r]
+                   for r in (1, 0))
+    pairs = [(e.event.value, e.name) for e in expected(last, plan)]
+    assert pairs == [("start", "RECV(act 1:0 from 0)"), ("wait", "RECV(act 1:0 from 0)"),
+                     ("start", "RECV(act 1:1 from 0)"), ("wait", "RECV(act 1:1 from 0)"), ("start", "LOSS_SUM")]
+    assert [e.group for e in expected(last, plan) if e.event.value == "start"] == ["pp", "pp", "world"]
+    assert [(e.event.value, e.name) for e in expected(first, plan)] == [
+        ("start", "SEND(act 1:0 to 1)"), ("start", "SEND(act 1:1 to 1)"), ("wait", "SEND(act 1:0 to 1)"),
+        ("wait", "SEND(act 1:1 to 1)"), ("start", "LOSS_SUM")]
+    assert departure(pairs, expected(last, plan)) == ("", frozenset())
+    ahead = [pairs[0], pairs[2], pairs[1], pairs[3], pairs[4]]
+    assert departure(ahead, expected(last, plan))[0] == \
+        "event 1: played start RECV(act 1:1 from 0) where the program says wait RECV(act 1:0 from 0)"
+    assert departure(pairs[:-1], expected(last, plan))[0] == "the program's start LOSS_SUM was never played"
+    step = lower(s, 2, 2, GradReduce.STEP, uniform_plan(2, 2, 100, 2)).ranks[0]
+    events = [(e.event.value, e.name) for e in expected(step, uniform_plan(2, 2, 100, 2))]
+    at = next(k for k, i in enumerate(events) if i == ("wait", "SEND(act 1:1 to 2)"))
+    assert events[at - 1] == ("wait", "SEND(act 1:0 to 2)") and events[at + 1][1].startswith("REDUCE_GRAD")
+    assert any(isinstance(i, OptimStep) for i in step)

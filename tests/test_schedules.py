@@ -42,16 +42,22 @@ def test_every_generator_passes_the_checker(pps, least):
     assert count > least
 
 
+# P up to 8 in the fast lane; 9 to 16 (six times the simulation) in the full lane
+FAST_AND_FULL = [range(2, 9), pytest.param(range(9, 17), marks=pytest.mark.distributed)]
+
+
+@pytest.mark.parametrize("pps", FAST_AND_FULL)
 @pytest.mark.parametrize("kind", [K.GPIPE, K.ONE_F_ONE_B])
-def test_gpipe_and_1f1b_bubble_formula(kind):
-    for p in range(2, 17):
+def test_gpipe_and_1f1b_bubble_formula(kind, pps):
+    for p in pps:
         for m in m_values(p):
             r = simulate(build_schedule(kind, p, m))
             assert r.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
 
 
-def test_peak_activations_gpipe_m_and_1f1b_p_minus_rank():
-    for p in range(2, 17):
+@pytest.mark.parametrize("pps", FAST_AND_FULL)
+def test_peak_activations_gpipe_m_and_1f1b_p_minus_rank(pps):
+    for p in pps:
         for m in [x for x in m_values(p) if x >= p]:
             assert simulate(build_schedule(K.GPIPE, p, m)).peak_activations == [m] * p
             assert simulate(build_schedule(K.ONE_F_ONE_B, p, m)).peak_activations == [p - r for r in range(p)]
@@ -370,13 +376,17 @@ def test_interleaved_1f1b_is_torchs_order_wherever_torch_takes_m():
     assert accepted > 100  # most of them with M not a multiple of P
 
 
-def test_zb_v_below_2p_microbatches_is_sound_and_posts_safely():
+@pytest.mark.parametrize("pps", [
+    range(2, 9),  # P up to 8 (torch's pairs among them): the fast lane
+    pytest.param(range(9, 13), marks=pytest.mark.distributed),  # full lane: four times the time of P <= 8
+])
+def test_zb_v_below_2p_microbatches_is_sound_and_posts_safely(pps):
     """ZB-V with fewer than 2P micro-batches (torch runs (P, M) = (2, 2), (4, 3), (4, 4), (8, 8)):
     the generator's phases skip the micro-batches that do not exist; the checker proves every such
     schedule complete and deadlock-free, and the posting order passes `verify`."""
     from pipezero.schedules.posting import plans, verify
 
-    for p in range(2, 13):
+    for p in pps:
         for m in range(1, 2 * p):
             s = build_schedule(K.ZB_V, p, m, 2)
             r = simulate(s)

@@ -87,15 +87,18 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
                         "peak_live": res.peak_live, "peak_gathered": res.peak_gathered_training, "started": started,
                         "waited": [p.name for p in last_step(seen) if p.event.value == "wait"],
+                        # the last evaluation's and text sample's records, as "start LOSS_SUM"
+                        "forward_only": {what: [f"{p.event.value} {p.name}" for p in record]
+                                         for what, record, _, _ in seen.get("records", []) if what != "step"},
                         "bounds": seen["stage"].bounds})
     return results
 
 
 def watch_program() -> dict:
     """From now on in this rank process, every run leaves in the returned dict its stage, the
-    collectives its last step started (zero/coordinator.py `issued`) and every step's record
-    (`played`, and whether the step was applied), copied when the executor has played the step's
-    program, before an evaluation gathers anything."""
+    collectives its last step started (zero/coordinator.py `issued`) and the record (`played`) of
+    every step (and whether it was applied), evaluation and text sample, each copied when the
+    executor has played its program."""
     import pipezero.engine as engine
     from pipezero.runtime.executor import Executor
 
@@ -114,15 +117,17 @@ def watch_program() -> dict:
                                                    stats.outcome.applied))
             return stats
 
-        def keep_evaluated(self, program, *args, **kwargs):
-            comm = seen["stage"].zero.comm
-            before = len(comm.played)
-            total = evaluate(self, program, *args, **kwargs)
-            seen.setdefault("records", []).append(("evaluation", list(comm.played[before:]), tuple(program), True))
-            return total
+        def forward_only(what: str, play):
+            def keep_played(self, program, *args, **kwargs):
+                comm = seen["stage"].zero.comm
+                before = len(comm.played)
+                out = play(self, program, *args, **kwargs)
+                seen.setdefault("records", []).append((what, list(comm.played[before:]), tuple(program), True))
+                return out
+            return keep_played
 
-        evaluate = Executor.evaluate
-        Executor.evaluate = keep_evaluated
+        Executor.evaluate = forward_only("evaluation", Executor.evaluate)
+        Executor.sample = forward_only("sample", Executor.sample)
         engine.build_stage, Executor.run, engine._watched = keep_stage, keep_started, seen
     return engine._watched
 
@@ -135,7 +140,7 @@ def last_step(seen: dict) -> list:
 
 def record_departure(seen: dict) -> str:
     """Where the run `watch_program` saw last played other than its program says, on any step or
-    held-out evaluation (its own forward-only program), "" where nowhere: every start of a
+    held-out evaluation or text sample (their own forward-only programs), "" where nowhere: every start of a
     collective (name, bytes as the program prices them, group), every wait for a reduction or a
     gather and every release, in order (schedules/played.py `expected` and `departure`). Bytes are
     compared where the wire carries floats (quantized messages add their scales, which the program
@@ -146,7 +151,7 @@ def record_departure(seen: dict) -> str:
     if stage is None:
         return ""
     carried: frozenset[str] = frozenset()
-    counts = {"step": 0, "evaluation": 0}
+    counts = {"step": 0, "evaluation": 0, "sample": 0}
     for what, record, program, applied in seen.get("records", []):
         counts[what] += 1
         where = f"{what} {counts[what]}"
@@ -158,7 +163,7 @@ def record_departure(seen: dict) -> str:
             return f"{where}: events recorded under other steps"
         starts = [e for e in want if e.event == "start"]
         for p, e in zip((p for p in record if p.event.value == "start"), starts):
-            if p.wire in ("fp32", "bf16") and p.nbytes != e.nbytes:
+            if p.wire in ("fp32", "bf16", "fp64") and p.nbytes != e.nbytes:
                 return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
             if p.group != e.group:
                 return f"{where}: {p.name} in group {p.group}, the program's is {e.group}"
@@ -169,9 +174,14 @@ def assert_played(cases: list[dict], results: list[dict]) -> None:
     """The program comparison of `train_cases` had something to compare, on rank 0 (`results`: its
     results, case by case): its last step started reductions and waited for each, gathers at ZeRO-1-3
     with D > 1 (each waited for at ZeRO-3), the tied embedding's sum in every tied pipeline (rank 0
-    holds the embedding), and an offloaded step copied and stepped every bucket on the host."""
+    holds the embedding), an offloaded step copied and stepped every bucket on the host, the held-out
+    evaluation ended in the world's LOSS_SUM, and a text sample at ZeRO-3 gathered (every rank takes
+    part, kept gathered or layer by layer)."""
     for c, r in zip(cases, results):
         started, waited = r["started"], r["waited"]
+        assert r["forward_only"]["evaluation"][-1:] == ["start LOSS_SUM"], c
+        if c.get("run.sample_tokens") and c.get("parallel.zero") == 3 and c["dp"] > 1:
+            assert any(e.startswith("start UNSHARD") for e in r["forward_only"]["sample"]), c
         assert any(s.startswith("REDUCE_GRAD") for s in started), c
         assert sorted(w for w in waited if w.startswith("REDUCE_GRAD")) == \
             sorted(s for s in started if s.startswith("REDUCE_GRAD")), c

@@ -140,7 +140,11 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
     from pipezero.config import DType
     from pipezero.schedules.limits import FIT_MARGIN
 
+    # CPU ranks: a probe's count of the job's cores (its nodes may share one host: the emulated
+    # cluster), else this host's for every node
     cores = len(os.sched_getaffinity(0)) * max(1, world // max(1, local)) if not cuda else 0
+    if not cuda and costs is not None and costs.cores:
+        cores = costs.cores
     cluster = Cluster(gpus=world, gpu_memory_gib=limit_gib, node_size=max(1, min(local, world)), cpu=not cuda,
                       headroom=1 - FIT_MARGIN, wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4,
                       bucket_mb=cfg.parallel.bucket_mb, cores=cores if cores and world > cores else 0,

@@ -163,12 +163,16 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
 
     from pipezero.engine import default_threads
     from pipezero.parallel.process_group import init_distributed
-    from pipezero.probe import ProbeError, probe, probe_link
+    from pipezero.probe import ProbeError, block_together, effective_cores, job_cores, probe, probe_link
 
     rank, device = init_distributed(cfg)  # the group the run then trains in (the provisional layout's world)
     torch.set_num_threads(cfg.run.threads or default_threads(req.local))
     t0 = time.perf_counter()
     links = {kind: probe_link(group, device, PROBE_BUDGET_S) for kind, group in link_groups(req.world, req.local)}
+    cpu = device.type == "cpu" and req.world > 1  # GPU ranks compute each on its own device
+    # the cores the hosts have, and the block with every rank computing at once, against rank 0's alone
+    cores = job_cores(cfg.parallel.timeout_s) if cpu else None
+    together = block_together(cfg, device, PROBE_BUDGET_S, cfg.parallel.timeout_s) if cpu else None
     data = b""
     if rank == 0:
         try:
@@ -177,6 +181,8 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
             data = json.dumps({"probe_error": str(e)}).encode()
         else:
             found.links = links
+            if cores is not None and together is not None:
+                found.cores = effective_cores(req.world, sum(found.block_s.values()), together, cores)
             choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
             choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
             data = encode(choice)

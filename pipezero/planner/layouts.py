@@ -30,8 +30,9 @@ class Cluster:
     # CPU ranks on gloo (`--device cpu`): reduce-scatters are direct exchanges of slices, a node's
     # ranks share one link (inter_gbps x node_size), and --hierarchical can be chosen
     cpu: bool = False
-    # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host
-    cores: int = 0
+    # CPU cores all ranks share (0: a device each); the emulated cluster runs every rank on one host.
+    # A probe measures what the job gets, which other work on the host makes a fraction of its cores
+    cores: float = 0
     # host CPU-seconds per GB crossing a node's link, taken from the cores that compute: about 0 where
     # NCCL and the NICs move GPUs' bytes; gloo's copies and sums and the kernel's TCP path cost CPU
     # nodes some; on the emulated cluster, whose veth, bridge and tbf run in the one host's kernel,

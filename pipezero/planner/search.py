@@ -7,9 +7,10 @@ the first and last pipeline rank; it holds states (parameters, gradients, optimi
 gathered weights) apart from the rest (activations, transfers, collective buffers).
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
-action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, a pipeline hop from activation
-bytes over the link for each boundary between chunks the first micro-batch crosses on its way
-forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
+action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, the unit the heaviest pipeline
+rank's (its layers cut as the run cuts them), a pipeline hop from activation bytes over its link
+(inside a node or between nodes) for each boundary between chunks the first micro-batch crosses on
+its way forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
 step is never shorter than the link's busy time.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
 busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
-from pipezero.models.presets import block_params, layer_param_counts, unit_param_counts
+from pipezero.models.presets import block_params, layer_costs, layer_param_counts, unit_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
 from pipezero.schedules.registry import SCHEDULES, SPLIT_BACKWARD, build_schedule, check_layout
@@ -43,7 +44,8 @@ from pipezero.planner.layouts import Cluster, Layout
 from pipezero.memory.model import layout_memory
 from pipezero.memory.partition import balanced_layout
 from pipezero.memory.offload import DEVICE_SAVED, HOST_BYTES, HostLink
-from pipezero.planner.traffic import dp_split, dp_traffic, link_gbps
+from pipezero.parallel.mesh import Mesh
+from pipezero.planner.traffic import dp_split, dp_traffic
 
 GIB = 2**30
 
@@ -88,6 +90,52 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
 
+def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None) -> list[float]:
+    """Each pipeline rank's forward FLOPs a token, its chunks of [embedding, blocks..., head] cut as
+    the run cuts them (parallel/partition.py `cut`, by `lay.partition`, or `counts` layers a chunk)
+    and placed on ranks as its schedule places them."""
+    from pipezero.parallel.partition import cut
+
+    costs = [c / 3 for c in layer_costs(model, seq_len)]  # forward: a third of forward and backward
+    bounds = cut(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
+    placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    out = [0.0] * lay.pp
+    for chunk, (start, stop) in enumerate(bounds):
+        out[placed[chunk]] += sum(costs[start:stop])
+    return out
+
+
+def chunk_ranks(kind: ScheduleKind, pp: int, m: int, virtual: int) -> tuple[int, ...]:
+    """The pipeline rank of each chunk, in model order: with one chunk a rank, chunk r on rank r."""
+    return tuple(range(pp)) if virtual == 1 else _chunk_ranks(kind, pp, virtual, m)
+
+
+@lru_cache(maxsize=256)
+def _chunk_ranks(kind: ScheduleKind, pp: int, virtual: int, m: int) -> tuple[int, ...]:
+    placed = build_schedule(kind, pp, m, virtual).rank_of_chunk  # the placement: the same at any M
+    return tuple(placed[c] for c in range(pp * virtual))
+
+
+def boundaries(node_size: int, lay: Layout) -> tuple[int, int, int]:
+    """(boundaries between consecutive chunks inside a node, those between nodes, the most ranks of
+    a node that send across one at once: a replica each) a micro-batch crosses one way, its
+    pipeline's ranks on nodes of `node_size` as the mesh numbers them (placement)."""
+    mesh = Mesh(lay.pp, lay.dp, placement=lay.placement)
+    placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
+    inside = across = senders = 0
+    for a, b in zip(placed, placed[1:]):
+        if a == b:  # two chunks of one rank (the V-shape's turn): no hop
+            continue
+        ends = [(mesh.global_rank(a, d) // node_size, mesh.global_rank(b, d) // node_size) for d in range(lay.dp)]
+        if ends[0][0] == ends[0][1]:
+            inside += 1
+            continue
+        across += 1
+        node = ends[0][0]
+        senders = max(senders, sum(1 for here, there in ends if here == node and there != node))
+    return inside, across, max(senders, 1)
+
+
 def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
     """(front, tail): the shares of a layer-by-layer ZeRO-3 model's parameters whose gathers an action
     hands to the next one at --zero3-prefetch N (zero/sharded.py keeps them gathered): a forward
@@ -116,9 +164,10 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # memory: the heaviest rank's peak from the memory model (memory/model.py), split into model
     # states (parameters, gradients, optimizer, ZeRO-3's gathered weights) and the rest
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    counts = None  # layers a chunk: the partition policy's (uniform, by count) unless cut by memory
     if lay.partition is Partition.MEMORY:  # every rank walked; the rank with most blocks sets the pace
         cut = balanced_layout(model, seq_len, lay, cluster.wire_bytes == 2, not cluster.cpu, cluster.bucket_mb)
-        peak, per_stage_layers, psi = cut.peak, max(1, cut.blocks), cut.params
+        peak, per_stage_layers, psi, counts = cut.peak, max(1, cut.blocks), cut.params, list(cut.counts)
     else:
         # the walks may stop where the peak and hpZ's copy (below) pass the limit; the margin covers
         # the rounding of the sum in GiB
@@ -135,29 +184,30 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # the bubble without fixed costs (the same cached simulation as below when there are none)
     _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
-    flops_f = 2.0 * (per_stage_layers * (block_params(model) - 2 * model.dim)) * tokens_mb
-    flops_f += 4.0 * per_stage_layers * seq_len * tokens_mb * model.dim  # attention scores and values
-    # the head: on the last stage, which with even blocks is the slowest and sets the pace (small
-    # models: a 4096 x 128 head is 2.5x a block's matmuls; ignoring it ranked P=2 far too high)
-    head_f = 2.0 * model.vocab_size * model.dim * tokens_mb
-    flops_f += head_f
+    # the heaviest rank sets the pace, its layers as the run cuts them (small models: a 4096 x 128
+    # head is 2.3x a block's matmuls; ignoring it ranked P=2 far too high, and adding it to an
+    # even share of blocks priced 4 blocks over P=4 at a block and the head, where the run's cut
+    # gives the head a stage alone)
+    per_rank = rank_flops(model, seq_len, lay, counts)
+    flops_f = max(per_rank) * tokens_mb
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
     # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
     step_units = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute,
                       round(cluster.overhead_s / t_f, 3))[0]
     if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
         # a stage lighter than the heaviest idles for the difference (the first has no head)
-        block_f = (flops_f - head_f) / per_stage_layers
-        lighter = (model.n_layers * block_f + head_f) / lay.pp / flops_f
+        lighter = sum(per_rank) / lay.pp / max(per_rank)
         share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
         t_f *= share
         # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
         cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
-    pp_bw, _ = link_gbps(cluster, lay)
     hop_bytes = cluster.wire_bytes * tokens_mb * model.dim  # one micro-batch's activations (or their gradient)
-    hop = hop_bytes / (pp_bw * 1e9)
-    # the first micro-batch crosses every boundary between chunks forward, and back: V·P - 1 each way
-    compute = step_units * t_f + 2 * (lay.virtual * lay.pp - 1) * hop
+    inside, across, senders = boundaries(cluster.node_size, lay)
+    # a node's CPU ranks share its link (inter_gbps a rank): a boundary's senders split it
+    across_gbps = cluster.inter_gbps * (cluster.node_size / senders if cluster.cpu else 1.0)
+    hop_s = inside * hop_bytes / (cluster.intra_gbps * 1e9) + across * hop_bytes / (across_gbps * 1e9)
+    # the first micro-batch crosses every boundary between chunks forward, and back
+    compute = step_units * t_f + 2 * hop_s
     units = unit_param_counts(model, lay.sublayer) if lay.sublayer else layers
     dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(units, lay))
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
@@ -165,8 +215,7 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
         # the network's CPU work runs while its bytes move: what moves behind compute takes cores from
         # it, what moves while every rank waits runs on idle cores (pipeline hops: behind compute)
         behind = crossing * (1.0 - dp_comm / link_s) if link_s else 0.0
-        if pp_bw == cluster.inter_gbps:  # every boundary between chunks crosses a link, both ways
-            behind += (lay.virtual * lay.pp - 1) * 2 * lay.microbatches * lay.dp * hop_bytes
+        behind += across * 2 * lay.microbatches * lay.dp * hop_bytes  # each boundary between nodes, both ways
         step += cluster.net_cpu_s_per_gb * behind / 1e9 / (cluster.cores or cluster.gpus)
     # offload: each rank's gradients down, weights up and AdamW on the CPU, priced as exposed
     offload_s = sum(HostLink(cluster.pcie_gbps, cluster.adamw_params_s).step_seconds(updated))

@@ -1,16 +1,27 @@
-"""Play one rank's lowered program (schedules/program.py): the runtime adds no policy of its own.
+"""Play one rank's lowered programs (schedules/program.py, schedules/forward_only.py): the runtime adds
+no policy of its own.
 
-The program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts (in
-the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD); the executor
-runs compute itself, posts transfers through runtime/p2p.py and hands each collective to the
-data-parallel layer, which starts, waits for or releases exactly what the instruction names.
-Layer-by-layer ZeRO-3's collectives sit inside the compute instruction: the executor arms them
-before the action and checks after it that every one fired (zero/sharded.py `begin_compute`).
-With --offload-activations the program's OFFLOAD_ACT and RELOAD_ACT move a micro-batch's saved
-activations to host memory and back (runtime/saved_activations.py); the executor plays them itself.
-OPTIM_STEP is played here too, through the optimizer step the caller binds to the step's learning
-rate (ZeroDP.step: drain, clip, update); the UNSHARDs after it (ZeRO-1/2's gathers of the updated
-weights) are played like any other, where the step was applied.
+A step's program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts
+(in the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD, TIED_SUM,
+OFFLOAD_GRAD, HOST_STEP); the executor runs compute itself, posts transfers through runtime/p2p.py
+and hands each collective to the data-parallel layer, which starts, waits for or releases exactly
+what the instruction names. Layer-by-layer ZeRO-3's collectives sit inside the compute instruction:
+the executor arms them before the action and checks after it that every one fired (zero/sharded.py
+`begin_compute`). With --offload-activations the program's OFFLOAD_ACT and RELOAD_ACT move a
+micro-batch's saved activations to host memory and back (runtime/saved_activations.py); the
+executor plays them itself. OPTIM_STEP is played here too, through the optimizer step the caller
+binds to the step's learning rate (ZeroDP.step: drain, clip, update), after every send of the step
+has been waited for; the UNSHARDs after it (ZeRO-1/2's gathers of the updated weights) are played
+like any other, where the step was applied.
+
+The held-out evaluation (`evaluate`) and the end-of-run text sample (`sample`) play forward-only
+programs of their own the same way: F with the gathers and releases inside it, SEND and RECV where
+listed, kept-gathered ZeRO-3's UNSHARD and RESHARD around the passes, and the evaluation's LOSS_SUM
+(every send waited for, then the summed loss all-reduced over the world by the function the caller
+binds to the world's group). What every rank plays, transfers included, is recorded
+(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py).
+Not decided here either, but not an instruction: where a gather that does not block is waited for
+(the layer that first needs it: zero/layerwise.py, zero/weight_waits.py).
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
@@ -31,6 +42,7 @@ from typing import Protocol
 import torch
 
 from pipezero.config import DType
+from pipezero.generate import Sampler
 from pipezero.models import StageChunk
 from pipezero.nonfinite import StepOutcome
 from pipezero.parallel.device import ComputeClock
@@ -40,10 +52,11 @@ from pipezero.runtime.p2p import P2P, Payload
 from pipezero.runtime.recompute import checkpoint_blocks
 from pipezero.runtime.weight_grad import Record, WeightGradCapture, apply_weight_grads, input_grad_and_stash
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.forward_only import EvalInstr, LossSum
+from pipezero.schedules.forward_only import EvalInstr
 from pipezero.schedules.posting import Transfer
 from pipezero.runtime.saved_activations import SavedActivations
-from pipezero.schedules.program import ActivationCopy, Compute, DataParallel, Instr, OptimStep, PointToPoint
+from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Instr, LossSum, OptimStep,
+                                       PointToPoint)
 from pipezero.telemetry.trace import Tracer
 
 
@@ -65,6 +78,8 @@ class DataParallelLayer(Protocol):
     def after_input_grad(self, chunk: int) -> None: ...
 
     def note_copy(self, name: str, nbytes: int) -> None: ...  # a host copy of activations, in the step's record
+
+    def note_world(self, name: str, nbytes: int) -> None: ...  # an all-reduce over the world (LOSS_SUM), in the record
 
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
@@ -326,7 +341,8 @@ class Executor:
                  sum_loss: Callable[[torch.Tensor], float]) -> float:
         """Play this rank's evaluation program (schedules/forward_only.py) on `batches`: forward only,
         the last chunk summing its token loss; at LOSS_SUM every send is waited for and `sum_loss`
-        all-reduces the sum over the world (zero on ranks without the last chunk)."""
+        (bound by the caller to the world's group) all-reduces the sum over the world (zero on ranks
+        without the last chunk)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = [tuple(t.to(self.device) for t in batch) for batch in batches]
         self.p2p.lengths = [batch[0].shape[1] for batch in batches]
@@ -337,8 +353,9 @@ class Executor:
                 self.hooks.play(ins)
             elif isinstance(ins, LossSum):
                 self.p2p.finish()
+                self.hooks.note_world(str(ins), ins.nbytes)
                 return sum_loss(total)
-            else:
+            elif isinstance(ins, Compute) and ins.action.op is Op.F:
                 a, batch = ins.action, batches[ins.action.mb]
                 x = batch[0] if a.chunk == 0 else self.p2p.recv(Payload.EVAL, a.chunk, a.mb)
                 self.hooks.begin_compute(ins)
@@ -348,4 +365,43 @@ class Executor:
                     total += self.chunks[a.chunk].spec.loss(y, batch[1], 1.0).double()
                 else:
                     self._emit(Payload.EVAL, a.chunk + 1, a.mb, y)
+            else:
+                raise ValueError(f"rank {self.p2p.rank}: {ins} in an evaluation program")
         raise ValueError(f"rank {self.p2p.rank}: an evaluation program without LOSS_SUM")
+
+    @torch.no_grad()
+    def sample(self, program: Sequence[EvalInstr], sampler: Sampler) -> None:
+        """Play this rank's text-sample program (schedules/forward_only.py): each F of the first chunk
+        reads the window of the tokens so far (`sampler.window`), the chunks hand their outputs over
+        in memory (one pipeline rank), and each F of the last chunk draws the next token
+        (`sampler.take`). Once a token's logits are not finite the remaining F are not played (every
+        replica alike: same weights, same window); the gathers and releases between them are. The
+        forward runs without autocast, in the weights' own dtype."""
+        out: torch.Tensor | None = None
+        for chunk in self.chunks.values():
+            chunk.eval()
+        try:
+            for ins in program:
+                if isinstance(ins, DataParallel):
+                    self.hooks.play(ins)
+                elif isinstance(ins, Compute) and ins.action.op is Op.F:
+                    if sampler.done:
+                        continue
+                    a = ins.action
+                    out = self._forward_only(ins, sampler.window().to(self.device) if a.chunk == 0 else out)
+                    if a.chunk == self.last:
+                        sampler.take(out[0, -1])
+                        out = None  # the window's logits, not held through the next token's forward
+                else:
+                    raise ValueError(f"rank {self.p2p.rank}: {ins} in a text-sample program (one pipeline rank)")
+        finally:
+            for chunk in self.chunks.values():
+                chunk.train()
+
+    def _forward_only(self, ins: Compute, x: torch.Tensor) -> torch.Tensor:
+        """A sample's F: the chunk on `x`, the collectives inside it armed (a method of its own so that
+        nothing it binds outlives it)."""
+        self.hooks.begin_compute(ins)
+        y = self.chunks[ins.action.chunk](x)
+        self.hooks.end_compute(ins)
+        return y

@@ -5,8 +5,9 @@ tags, so transfers between a pair of ranks match in posting order on every backe
 executor posts both ends in one agreed order (schedules/posting.py). Running tag-less on gloo too
 means the CPU tests check the order an NCCL run depends on. Shapes are fixed for a run (B, T, dim)
 and known to both sides, so nothing but the payload travels. Sends are not waited for until the end
-of the step; receives are posted as early as the plan allows (when, simulated, the data exists).
-Neighbouring chunks on the same rank (the V placement's turn) hand tensors over in memory.
+of the step (or of an evaluation's program); receives are posted as early as the plan allows (when,
+simulated, the data exists). Neighbouring chunks on the same rank (the V placement's turn) hand
+tensors over in memory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from pipezero.parallel.staging import Direct, Transport
 from pipezero.parallel.waits import PipelineTimeout, wait_or_raise
 from pipezero.runtime.flight import FlightRecord
+from pipezero.schedules.played import PlayEvent, Played
 from pipezero.telemetry.trace import Tracer
 
 __all__ = ["P2P", "Payload", "PipelineTimeout"]
@@ -54,6 +56,14 @@ class P2P:
     # how payloads travel (parallel/staging.py: through host buffers where ranks share a GPU); None:
     # straight to torch.distributed on `device`
     transport: Transport | None = None
+    # The rank's record of what it plays (zero/coordinator.py `played`, the same list): each transfer
+    # to or from another rank, posted (start) and waited for (a receive where its consumer needs it,
+    # the sends at the step's or a forward-only program's end), named as the program names it
+    # (`SEND(act 2:0 to 1)`); None: not recorded
+    record: list[Played] | None = None
+    # a peer's process rank -> its rank as the program numbers it (`pp_rank * dp + dp_rank`), where the
+    # placement numbers processes otherwise (pp-inner); the record names peers as the program does
+    program_rank: dict[int, int] = field(default_factory=dict)
     _recvs: dict[tuple[int, int, int], tuple[Any, torch.Tensor]] = field(default_factory=dict)
     _local: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
     _sends: list[tuple[Any, str, dict[str, Any]]] = field(default_factory=list)
@@ -78,6 +88,7 @@ class P2P:
         shape = (self.shape[0], self.lengths[mb], *self.shape[2:]) if self.lengths else self.shape
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._recvs[key] = (self.transport.irecv(buf, src), buf)  # type: ignore[union-attr]
+        self._note(PlayEvent.START, self._named(False, kind, chunk, mb, src), buf.numel() * buf.element_size())
 
     def recv(self, kind: Payload, chunk: int, mb: int) -> torch.Tensor:
         key = (int(kind), chunk, mb)
@@ -87,6 +98,7 @@ class P2P:
         work, buf = self._recvs.pop(key)
         self._wait(work, self.describe(kind, chunk, mb),
                    {"op": "RECV", "peer": self._source(kind, chunk), "transfer": [chunk, kind is Payload.GRAD, mb]})
+        self._note(PlayEvent.WAIT, self._named(False, kind, chunk, mb, self._source(kind, chunk)))
         return buf if buf.dtype == self.boundary else buf.to(self.boundary)
 
     def send(self, kind: Payload, consumer: int, mb: int, tensor: torch.Tensor) -> None:
@@ -100,6 +112,7 @@ class P2P:
         nbytes = payload.numel() * payload.element_size()
         self.bytes_sent += nbytes
         self.flight.posted(dst, nbytes)
+        self._note(PlayEvent.START, self._named(True, kind, consumer, mb, dst), nbytes)
         what = "gradient" if kind is Payload.GRAD else "activation"
         self._sends.append((work, f"rank {self.rank}, step {self.tracer.step}: sending {what} of micro-batch {mb} "
                                   f"for chunk {consumer} to rank {dst}",
@@ -109,10 +122,24 @@ class P2P:
         """Wait for every send of the step, so buffers can be reused and a dead peer is noticed."""
         for work, what, awaited in self._sends:
             self._wait(work, what, awaited)
+            consumer, grad, mb = awaited["transfer"]
+            self._note(PlayEvent.WAIT, self._named(True, Payload.GRAD if grad else Payload.ACT, consumer, mb,
+                                                   awaited["peer"]))
         self._sends.clear()
         if self._recvs or self._local:
             left = sorted(self._recvs) + sorted(self._local)
             raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: transfers never consumed: {left}")
+
+    def _named(self, send: bool, kind: Payload, chunk: int, mb: int, peer: int) -> str:
+        """A transfer as the program names it (schedules/program.py `PointToPoint`)."""
+        peer = self.program_rank.get(peer, peer)
+        return (f"{'SEND' if send else 'RECV'}({'grad' if kind is Payload.GRAD else 'act'} {chunk}:{mb} "
+                f"{'to' if send else 'from'} {peer})")
+
+    def _note(self, event: PlayEvent, name: str, nbytes: int = 0) -> None:
+        if self.record is not None:
+            self.record.append(Played(event, name, nbytes, "pp" if event is PlayEvent.START else "",
+                                      "p2p" if event is PlayEvent.START else "", self.tracer.step))
 
     def _wait(self, work: Any, what: str, awaited: dict[str, Any]) -> None:
         t0 = time.perf_counter()

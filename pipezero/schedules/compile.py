@@ -12,7 +12,7 @@ buffers from the plan's bucket layouts and plays its rank's program; `verify`, `
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -20,10 +20,10 @@ from pipezero.config import GradReduce, Offload, ParallelConfig, ScheduleKind, S
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, LayerUse, plan_buckets
 from pipezero.schedules.check import SimResult
-from pipezero.schedules.forward_only import EvalInstr, lower_evaluation
+from pipezero.schedules.forward_only import Forward, lower_evaluation, lower_sample
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import DataParallel, Program
-from pipezero.schedules.lowering import layer_collectives, lower
+from pipezero.schedules.program import Program
+from pipezero.schedules.lowering import lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
 from pipezero.schedules.zero_rules import RULES
 
@@ -36,9 +36,8 @@ class CompiledPlan:
     recompute: bool
     gather_width: float  # bytes an element of a layer-by-layer gather
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
-    # evaluation programs by micro-batch count, made once a plan as its step's program is
-    _evaluations: dict[int, tuple[tuple[EvalInstr, ...], ...]] = field(default_factory=dict, compare=False,
-                                                                        repr=False)
+    # forward-only programs by (kind, passes), made once a plan as its step's program is
+    _forward: dict[tuple[str, int], tuple[Forward, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def schedule(self) -> Schedule:
@@ -68,22 +67,22 @@ class CompiledPlan:
         return tuple((u, parts[u.index][u.part] if self.buckets.sublayer and parts[u.index] else ())
                      for u in self.buckets.layers(chunk))
 
-    def evaluation(self, microbatches: int) -> tuple[tuple[EvalInstr, ...], ...]:
+    def evaluation(self, microbatches: int) -> tuple[Forward, ...]:
         """Every rank's held-out evaluation program over `microbatches` micro-batches a replica
         (schedules/forward_only.py)."""
-        if microbatches not in self._evaluations:
-            self._evaluations[microbatches] = lower_evaluation(
-                self.schedule, self.program.dp, self.buckets, microbatches,
+        return self._forward_only(lower_evaluation, "evaluation", microbatches)
+
+    def sample(self, tokens: int) -> tuple[Forward, ...]:
+        """Every rank's text-sample program of `tokens` tokens (one pipeline rank: schedules/forward_only.py)."""
+        return self._forward_only(lower_sample, "sample", tokens)
+
+    def _forward_only(self, lower: Callable[..., tuple[Forward, ...]], what: str, passes: int) -> tuple[Forward, ...]:
+        if (what, passes) not in self._forward:
+            self._forward[(what, passes)] = lower(
+                self.schedule, self.program.dp, self.buckets, passes,
                 sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
                 gather_width=self.gather_width, depth=self.depth)
-        return self._evaluations[microbatches]
-
-    def forward_only(self, chunk: int) -> tuple[DataParallel, ...]:
-        """Layer by layer, a forward of `chunk` outside any program (the text sample): the gathers
-        and releases an F would fire."""
-        if not self.layerwise:
-            return ()
-        return layer_collectives(None, self.buckets, self.recompute, self.gather_width, chunk=chunk, depth=self.depth)
+        return self._forward[(what, passes)]
 
 
 def layerwise(p: ParallelConfig) -> bool:

@@ -1,69 +1,93 @@
-"""The held-out evaluation, compiled like a step: every rank's forward-only program.
+"""Forward-only programs, compiled like a step: the held-out evaluation's and the text sample's.
 
-An evaluation runs each of a replica's micro-batches through the model once, forward only, and sums
-the token loss over the world. Each rank's program, micro-batch by micro-batch through its chunks in
-model order:
+Both run a model's forward and nothing else, as a program of the step's instruction kinds that the
+executor plays (runtime/executor.py `evaluate`, `sample`) and the record is held to
+(schedules/played.py). A forward-only program lists, pass by pass (a micro-batch of the evaluation,
+a token of the sample) through the rank's chunks in model order:
 - RECV of a chunk's input right before its F, where the chunk before it sits on another rank (on
   the same rank, as at the V placement's turn, the output is handed over in memory);
-- F, with layer-by-layer ZeRO-3's gathers and releases inside it as a forward outside a step fires
-  them (lowering.layer_collectives: each layer gathered ahead and released after its forward);
-- SEND of its output where the next chunk sits on another rank, waited for at the end;
+- F, with layer-by-layer ZeRO-3's gathers and releases inside it as an F of the step places them
+  (lowering.layer_collectives: each layer gathered `depth` layers ahead, released after its forward);
+- SEND of its output where the next chunk sits on another rank, waited for at the program's end;
 - ZeRO-3 kept gathered: one blocking UNSHARD of each of the rank's chunks before its first F, and
-  one RESHARD of each after the last micro-batch;
-- LOSS_SUM: every send waited for, then the summed loss (one fp64 number, non-zero only where the
-  last chunk is) all-reduced over the world.
-Every rank posts its transfers in this one order, micro-batch-major, so sender and receiver agree
-without tags and no pair of ranks waits on each other: a chunk's input comes from a lower chunk, whose
-forward of the same micro-batch its rank has already run or runs before its own next receive.
-The runtime plays it (runtime/executor.py `evaluate`); the memory model's eval phase prices it.
+  one RESHARD of each after the last pass.
+Every rank posts its transfers in this one order, pass-major, so sender and receiver agree without
+tags and no pair of ranks waits on each other: a chunk's input comes from a lower chunk, whose
+forward of the same pass its rank has already run or runs before its own next receive.
+
+The evaluation (`lower_evaluation`) runs each of a replica's micro-batches once and ends in
+LOSS_SUM: every send waited for, then the summed loss (one fp64 number, non-zero only where the
+last chunk is) all-reduced over the world. The memory model's eval phase prices it.
+
+The text sample (`lower_sample`) needs the whole model in one process, so it runs with one pipeline
+rank only (a token drawn on the last chunk would have to travel back to the first): one F a token,
+on a window of the tokens so far (batch 1). Layer by layer every replica samples the same tokens
+(same weights, same seed), each F gathering and releasing its layers; otherwise replica 0 alone
+samples, and kept-gathered ZeRO-3's replicas all take part in the gather around it. Where a token's
+logits are not finite (a last update made the weights so), the sample's remaining F are not played,
+on every replica alike (same weights, same window); what follows them still is.
+
+`check_forward_only` proves such a program as check.py and program_check.py prove a step's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Collection, Sequence
 
+from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, PointToPoint
+from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.lowering import layer_collectives
-
-
-@dataclass(frozen=True)
-class LossSum:
-    """The evaluation's end: every send waited for, the summed loss all-reduced over the world."""
-
-    nbytes: int = 8  # one fp64 number
-
-    @property
-    def kind(self) -> str:
-        return "LOSS_SUM"
-
-    def __str__(self) -> str:
-        return "LOSS_SUM"
-
+from pipezero.schedules.program_check import check_dp_group
+from pipezero.schedules.program_sim import simulate_program
+from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, PointToPoint,
+                                        Program)
 
 EvalInstr = Instr | LossSum
+Forward = tuple[EvalInstr, ...]  # one rank's forward-only program
 
 
 def lower_evaluation(s: Schedule, dp: int, buckets: BucketPlan, microbatches: int, *, sharded_params: bool,
-                     layerwise: bool, gather_width: float, depth: int = 1) -> tuple[tuple[EvalInstr, ...], ...]:
+                     layerwise: bool, gather_width: float, depth: int = 1) -> tuple[Forward, ...]:
     """Every global rank's evaluation program (`ranks[pp_rank * dp + dp_rank]`, as Program numbers
     them) over `microbatches` micro-batches a replica. `sharded_params`: ZeRO-3, gathered a chunk at a
     time unless `layerwise`; `gather_width`: bytes an element of a gather; `depth`: layer by layer,
     how far ahead a layer's gather starts."""
+    ranks = _lower_forward(s, dp, buckets, microbatches, range(dp), sharded_params=sharded_params,
+                           layerwise=layerwise, gather_width=gather_width, depth=depth)
+    return tuple((*r, LossSum()) for r in ranks)
+
+
+def lower_sample(s: Schedule, dp: int, buckets: BucketPlan, tokens: int, *, sharded_params: bool, layerwise: bool,
+                 gather_width: float, depth: int = 1) -> tuple[Forward, ...]:
+    """Every global rank's text-sample program: one F of each chunk a token, `tokens` tokens, on one
+    pipeline rank (ValueError otherwise); every replica samples layer by layer, else replica 0."""
+    if s.pp != 1:
+        raise ValueError(f"the text sample runs the whole model in one process: one pipeline rank, not {s.pp}")
+    sampling = range(dp) if sharded_params and layerwise else range(1)
+    return _lower_forward(s, dp, buckets, tokens, sampling, sharded_params=sharded_params, layerwise=layerwise,
+                          gather_width=gather_width, depth=depth)
+
+
+def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, computing: Sequence[int], *,
+                   sharded_params: bool, layerwise: bool, gather_width: float, depth: int) -> tuple[Forward, ...]:
+    """Every rank's forward-only program over `passes` passes (module docstring), the F run by the
+    replicas in `computing` (the others only take part in kept-gathered ZeRO-3's gathers)."""
     owner, last = s.rank_of_chunk, s.n_chunks - 1
-    out: list[tuple[EvalInstr, ...]] = []
+    kept = sharded_params and not layerwise
+    out: list[Forward] = []
     for p in range(s.pp):
         mine = sorted(s.chunks(p))
+        inside = {c: layer_collectives(None, buckets, False, gather_width, chunk=c, depth=depth)
+                  if sharded_params and layerwise else () for c in mine}
         for d in range(dp):
             prog: list[EvalInstr] = []
-            kept = sharded_params and not layerwise
             if kept:
                 prog += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER,
                                       round(buckets.chunk_numel(c) * gather_width), True) for c in mine]
-            inside = {c: layer_collectives(None, buckets, False, gather_width, chunk=c, depth=depth)
-                      if sharded_params and layerwise else () for c in mine}
-            for mb in range(microbatches):
+            for mb in range(passes) if d in computing else ():
                 for c in mine:
                     if c > 0 and owner[c - 1] != p:
                         prog.append(PointToPoint(False, (c, False, mb), owner[c - 1] * dp + d))
@@ -72,6 +96,47 @@ def lower_evaluation(s: Schedule, dp: int, buckets: BucketPlan, microbatches: in
                         prog.append(PointToPoint(True, (c + 1, False, mb), owner[c + 1] * dp + d))
             if kept:
                 prog += [DataParallel(Kind.RESHARD, c, None, Collective.LOCAL, 0) for c in mine]
-            prog.append(LossSum())
             out.append(tuple(prog))
     return tuple(out)
+
+
+def check_forward_only(s: Schedule, dp: int, buckets: BucketPlan, ranks: Sequence[Forward], passes: int,
+                       computing: Collection[int] | None = None) -> None:
+    """Prove every rank's forward-only program `ranks` (`ranks[pp_rank * dp + dp_rank]`) over
+    `passes` passes, run by the replicas in `computing` (None: every one); raise ScheduleError
+    naming the first violated claim:
+    1. complete: a replica that computes runs F of every chunk on every pass exactly once, each on
+       the rank holding the chunk, and every other replica runs none;
+    2. transfers: between each pair of ranks, the sends of one are the receives of the other, in
+       the same order (no tags travel), and each stays in its replica;
+    3. the ranks of a dp group issue the same collectives in the same order (program_check);
+    4. the joint play of all ranks, each collective a rendezvous of its group and LOSS_SUM of the
+       world, finishes (program_sim: a cycle of waits raises)."""
+    if len(ranks) != s.pp * dp:
+        raise ScheduleError(f"{len(ranks)} forward-only programs for {s.pp * dp} ranks")
+    want = Counter((c, mb) for c in range(s.n_chunks) for mb in range(passes))
+    for d in range(dp):
+        forwards = [(r, i.action) for p in range(s.pp) for r in [p * dp + d] for i in ranks[r]
+                    if isinstance(i, Compute)]
+        if bad := next(((r, a) for r, a in forwards if a.op is not Op.F or s.rank_of_chunk[a.chunk] * dp + d != r),
+                       None):
+            raise ScheduleError(f"replica {d}: rank {bad[0]} runs {bad[1]}, not an F of a chunk it holds")
+        got = Counter((a.chunk, a.mb) for _, a in forwards)
+        if got != (want if computing is None or d in computing else Counter()):
+            missing, extra = sorted((want - got).elements()), sorted((got - want).elements())
+            raise ScheduleError(f"replica {d}: forwards differ from every chunk on every pass once: missing (chunk, "
+                                f"pass) {missing[:4]}, repeated or unknown {extra[:4]}")
+    for a in range(len(ranks)):
+        for b in range(len(ranks)):
+            sends = [i.transfer for i in ranks[a] if isinstance(i, PointToPoint) and i.send and i.peer == b]
+            recvs = [i.transfer for i in ranks[b] if isinstance(i, PointToPoint) and not i.send and i.peer == a]
+            if sends != recvs:
+                raise ScheduleError(f"rank {a} sends {[str(t) for t in sends][:4]} to rank {b}, which receives "
+                                    f"{[str(t) for t in recvs][:4]} from it")
+            if sends and a % dp != b % dp:
+                raise ScheduleError(f"rank {a} sends to rank {b} of another replica")
+    prog = Program(s, dp, 3 if any(isinstance(i, DataParallel) for r in ranks for i in r) else 0,
+                   GradReduce.STEP, buckets, tuple(ranks))  # type: ignore[arg-type]
+    for p in range(s.pp):
+        check_dp_group(prog, p)
+    simulate_program(prog)

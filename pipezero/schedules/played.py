@@ -1,8 +1,9 @@
-"""What a rank must play of its program's collectives, event by event, on every step.
+"""What a rank must play of its program's collectives and transfers, event by event, on every step.
 
 The runtime keeps a record of what it played (zero/coordinator.py `played`: each start of a
 bucket's collective with its bytes, wire type and group, each wait for a reduction or a gather,
-each release of gathered weights); the tests hold it against `expected` of the rank's program (a
+each release of gathered weights; and runtime/p2p.py's transfers to and from other ranks, each
+posted and waited for); the tests hold it against `expected` of the rank's program (a
 step's, or an evaluation's forward-only one) with `departure`, so a collective the runtime starts,
 skips, reorders, waits for or releases on its own is a failure, not a departure nobody sees. The
 rules below read only the program:
@@ -15,10 +16,15 @@ rules below read only the program:
   --overlap-gather: before the next step's forward reads them, so the wait may come in the next
   record); the blocking one among the gathers after the step waits for every one started;
 - RESHARD releases its bucket (a kept chunk: each of its buckets);
+- SEND and RECV are posted where the program lists them; a receive is waited for as the compute
+  action that reads it starts (F: an activation, B or BW: a gradient), the sends at OPTIM_STEP (or
+  a forward-only program's LOSS_SUM), before anything else there, in the order they were posted;
 - --offload optimizer: OFFLOAD_GRAD starts its bucket's copy to the host, after waiting for the
   bucket's last reduction where that is still in flight; HOST_STEP starts its bucket's update on the
   host (both "host", no other rank); --offload-activations: OFFLOAD_ACT and RELOAD_ACT start their
-  micro-batch's copies where the program places them.
+  micro-batch's copies where the program places them;
+- a forward-only program (schedules/forward_only.py: the held-out evaluation, the text sample) is
+  held the same way; its LOSS_SUM starts the all-reduce of the loss over the world.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ import enum
 from dataclasses import dataclass
 
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.program import ActivationCopy, DataParallel, Kind, OptimStep, flat
+from pipezero.schedules.actions import Op
+from pipezero.schedules.posting import Transfer
+from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, LossSum, OptimStep, PointToPoint,
+                                        flat)
 
 
 class PlayEvent(str, enum.Enum):
@@ -39,14 +48,14 @@ class PlayEvent(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Played:
-    """One event of a rank's collectives (and host copies): as the runtime played it
+    """One event of a rank's collectives, transfers and host copies: as the runtime played it
     (zero/coordinator.py `played`), or as the program says it must be played (`expected`)."""
 
     event: PlayEvent
     name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
     nbytes: int = 0  # a start: the bucket as it travels (played: codes and scales when quantized)
-    group: str = ""  # a start: dp, node, tie, host (program.py `Group`)
-    wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations)
+    group: str = ""  # a start: dp, node, tie, host, world (program.py `Group`); pp: a transfer
+    wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations; p2p)
     step: int = -1  # played: the step it belongs to
     floating: bool = False  # expected: a gather's start whose wait the program leaves to its layer's first use
 
@@ -58,6 +67,8 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
     out: list[Played] = []
     reducing: list[str] = []  # reductions in flight, oldest first
     updating: list[str] = []  # ZeRO-1/2: gathers of updated weights not yet waited for
+    receiving: dict[Transfer, str] = {}  # receives posted, not yet waited for, by what they carry
+    sending: list[str] = []  # sends posted, waited for at the program's end
 
     def wait(keep: int) -> None:
         while len(reducing) > keep:
@@ -65,12 +76,30 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
 
     stepped = False
     for i in flat(instrs):  # type: ignore[arg-type]
+        if isinstance(i, PointToPoint):
+            out.append(Played(PlayEvent.START, str(i), 0, "pp"))
+            if i.send:
+                sending.append(str(i))
+            else:
+                receiving[i.transfer] = str(i)
+            continue
+        if isinstance(i, Compute):
+            a = i.action
+            if a.op is not Op.W and (read := receiving.pop((a.chunk, a.op is not Op.F, a.mb), None)):
+                out.append(Played(PlayEvent.WAIT, read))  # its input: waited for as the action starts
+            continue
+        if isinstance(i, (OptimStep, LossSum)):
+            out += [Played(PlayEvent.WAIT, n) for n in sending]
+            sending.clear()
         if isinstance(i, OptimStep):
             wait(0)
             stepped = True
             continue
         if isinstance(i, ActivationCopy):
             out.append(Played(PlayEvent.START, str(i), 0, "host"))
+            continue
+        if isinstance(i, LossSum):
+            out.append(Played(PlayEvent.START, str(i), i.nbytes, i.group.value))
             continue
         if not isinstance(i, DataParallel):
             continue
@@ -130,8 +159,8 @@ def departure(record: Sequence[tuple[str, str]], want: Sequence[Played],
         elif event == "wait" and name in unwaited:
             unwaited.discard(name)
         else:
-            said = f"{want[j].event} {want[j].name}" if j < len(want) else "nothing more"
+            said = f"{want[j].event.value} {want[j].name}" if j < len(want) else "nothing more"
             return f"event {n}: played {event} {name} where the program says {said}", frozenset()
     if j < len(want):
-        return f"the program's {want[j].event} {want[j].name} was never played", frozenset()
+        return f"the program's {want[j].event.value} {want[j].name} was never played", frozenset()
     return "", frozenset(unwaited)

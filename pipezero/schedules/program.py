@@ -43,6 +43,7 @@ class Kind(str, enum.Enum):
     HOST_STEP = "HOST_STEP"  # --offload optimizer: one bucket's AdamW on the host, its weights copied back
     OFFLOAD_ACT = "OFFLOAD_ACT"  # --offload-activations: a micro-batch's saved activations to host memory
     RELOAD_ACT = "RELOAD_ACT"  # and back to the device ahead of its backward
+    LOSS_SUM = "LOSS_SUM"  # a forward-only program's end: sends waited for, its summed loss all-reduced over the world
 
 
 class Group(str, enum.Enum):
@@ -52,6 +53,7 @@ class Group(str, enum.Enum):
     NODE = "node"  # hpZ: the replicas in this rank's node, from their fp32 shares of the step's first gather
     TIE = "tie"  # the first and last pipeline rank of a replica (a tied embedding's copies)
     HOST = "host"  # no other rank: a copy between this rank's device and its host memory (--offload)
+    WORLD = "world"  # every rank of the job (OPTIM_STEP's norm and loss, an evaluation's LOSS_SUM)
 
 
 class Collective(str, enum.Enum):
@@ -164,6 +166,25 @@ class ActivationCopy:
 
     def __str__(self) -> str:
         return f"{self.kind.value}({self.chunk}:{self.mb})"
+
+
+@dataclass(frozen=True)
+class LossSum:
+    """A held-out evaluation's end: every send waited for, then the loss summed on the ranks holding
+    the last chunk (zero elsewhere) all-reduced over the world, one fp64 number."""
+
+    nbytes: int = 8
+    group: Group = Group.WORLD
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.LOSS_SUM
+
+    def signature(self) -> tuple:
+        return (Kind.LOSS_SUM, self.nbytes)
+
+    def __str__(self) -> str:
+        return "LOSS_SUM"
 
 
 Instr = Compute | PointToPoint | DataParallel | OptimStep | ActivationCopy

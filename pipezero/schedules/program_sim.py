@@ -17,7 +17,8 @@ program takes exactly the schedule's time: the collectives add only what they co
   instruction and it waits for all of them (the runtime waits only for the first layer's and
   overlaps the others with the layers before them: a conservative bound);
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
-  all-reduce, then computes for `CommCost.optim`;
+  all-reduce, then computes for `CommCost.optim`; a forward-only program's LOSS_SUM meets the world
+  alike (schedules/forward_only.py);
 - --offload optimizer: OFFLOAD_GRAD holds the rank until its bucket's last reduction has ended (the
   runtime waits there for it), then copies on the rank's host lane (`host_bandwidth`), beside
   compute; HOST_STEP holds the rank for its bucket's copy to have ended, the host's AdamW
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from pipezero.schedules.actions import Op
 # check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
 from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
-from pipezero.schedules.program import Collective, Compute, DataParallel, Instr, Kind, OptimStep, Program, hoisted
+from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, OptimStep, Program,
+                                        hoisted)
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class _Play:
                     # the program's in-flight bound: on until the reduction `bound` places back ends
                     self.waiting[r] = started[-1 - instr.bound]
                     return True
-        elif isinstance(instr, OptimStep):
+        elif isinstance(instr, (OptimStep, LossSum)):  # both meet every rank of the world
             drained = self.ends.get(self.last[r], None) if r in self.last else self.free[r]
             if drained is None:
                 return False

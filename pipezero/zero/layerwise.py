@@ -10,11 +10,10 @@ nothing: a moment the program placed nothing at passes without a collective. A w
 moments are its module's; a part's are its first sub-module's forward and its last one's output
 (the parts of a block run one after another, joined by residual sums that hold no weight).
 
-An evaluation's forwards are compute instructions of its own program (schedules/forward_only.py),
-armed like a step's. A forward outside any program (the end-of-run text sample) is one too: a hook
-on the chunk arms the gathers and releases an F would fire (the compiled plan's `forward_only`) when
-no action is under way. Released storage keeps its tensor objects (resized to zero bytes), so the
-views autograd saved in forward are valid again after the re-gather.
+The held-out evaluation's and the text sample's forwards are compute instructions of programs of
+their own (schedules/forward_only.py), armed like a step's; a forward outside any program finds its
+first layer ungathered, an error. Released storage keeps its tensor objects (resized to zero
+bytes), so the views autograd saved in forward are valid again after the re-gather.
 """
 
 from __future__ import annotations
@@ -38,13 +37,11 @@ class Moments(Protocol):
     buckets: dict[int, list[Bucket]]
 
     def moment(self, at: Trigger, uses: list[Bucket], what: str) -> None: ...
-    def begin_outside(self, chunk: int) -> None: ...
-    def end_outside(self, chunk: int) -> None: ...
 
 
 def install(zero: Moments, chunks: dict[int, nn.Module], units: dict[int, Units]) -> None:
     """Hook every unit of every chunk as the plan lists it (compiled plan `units`: its own bucket
-    and those it borrows, a head tied to the embedding in the same chunk), and every chunk."""
+    and those it borrows, a head tied to the embedding in the same chunk)."""
     for c, chunk in chunks.items():
         for u, modules in units[c]:
             layer = chunk.layers[str(u.index)]
@@ -52,8 +49,6 @@ def install(zero: Moments, chunks: dict[int, nn.Module], units: dict[int, Units]
             first, last = (layer.get_submodule(modules[0]), layer.get_submodule(modules[-1])) if modules \
                 else (layer, layer)
             _hook_unit(zero, first, last, u, uses)
-        chunk.register_forward_pre_hook(lambda _m, _a, c=c: zero.begin_outside(c))
-        chunk.register_forward_hook(lambda _m, _a, _o, c=c: zero.end_outside(c))
 
 
 def _hook_unit(zero: Moments, first: nn.Module, last: nn.Module, u: LayerUse, uses: list[Bucket]) -> None:

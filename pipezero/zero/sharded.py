@@ -38,7 +38,6 @@ builds them.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,9 +86,6 @@ class ZeroDP:
     grads: Wire | None = None  # --quantize-grads: gradient reductions travel quantized
     node: Hierarchy | None = None  # --secondary-shard node: ZeRO-3's gathers after a step's first stay in the node
     offload: bool = False  # --offload optimizer: AdamW's state and step on the host (zero/offload.py)
-    # layer by layer: the gathers and releases of a chunk's forward outside any program (the compiled
-    # plan's `forward_only`: the text sample)
-    forward_only: Callable[[int], tuple[DataParallel, ...]] = lambda chunk: ()
     buckets: dict[int, list[Bucket]] = field(init=False)
     index: dict[Bucket, int] = field(init=False)  # a bucket's place in its chunk (buckets hash by identity)
     rules: Rules = field(init=False)
@@ -98,8 +94,7 @@ class ZeroDP:
     sharded: ShardedParams | None = field(init=False)  # stage 3's parameters
     host: HostOptimizer | None = field(init=False)  # --offload optimizer
     armed: list[DataParallel] | None = field(init=False, default=None)  # layer by layer: the action's, still to fire
-    armed_for: str = field(init=False, default="")  # the action (or outside forward) they belong to
-    outside: int | None = field(init=False, default=None)  # the chunk of a forward outside the program
+    armed_for: str = field(init=False, default="a forward outside any program")  # the action they belong to
 
     @property
     def layerwise(self) -> bool:
@@ -194,6 +189,11 @@ class ZeroDP:
         """The executor moved a micro-batch's activations (OFFLOAD_ACT, RELOAD_ACT): in the step's record."""
         self.comm.note_start(name, nbytes, "act", Group.HOST.value)
 
+    def note_world(self, name: str, nbytes: int) -> None:
+        """The executor all-reduces over the world (a forward-only program's LOSS_SUM, one fp64
+        number): in the record."""
+        self.comm.note_start(name, nbytes, "fp64", Group.WORLD.value)
+
     def after_backward(self, chunk: int) -> None:
         if self.rules.sharded_grads:
             for b in self.buckets.get(chunk, []):
@@ -242,17 +242,6 @@ class ZeroDP:
     def end_compute(self, ins: Compute) -> None:
         self._disarm()
 
-    def begin_outside(self, chunk: int) -> None:
-        """A chunk's forward starts with no action under way (the text sample)."""
-        if self.armed is None and (self.sharded is None or not self.sharded.holding):
-            self.outside = chunk
-            self._arm(list(self.forward_only(chunk)), f"forward of chunk {chunk} outside the program")
-
-    def end_outside(self, chunk: int) -> None:
-        if self.outside == chunk:
-            self.outside = None
-            self._disarm()
-
     def moment(self, at: Trigger, uses: list[Bucket], what: str) -> None:
         """Moment `at` of the action under way: play what the program placed here, then wait for the
         gathers of the buckets the layer computes with (`uses`)."""
@@ -270,8 +259,9 @@ class ZeroDP:
     def _disarm(self) -> None:
         self.moment(END, [], "")
         left, self.armed = self.armed, None
+        what, self.armed_for = self.armed_for, "a forward outside any program"
         if left:
-            raise RuntimeError(f"rank {self.rank}: {self.armed_for}: the program placed {left[0]} at {left[0].at}, "
+            raise RuntimeError(f"rank {self.rank}: {what}: the program placed {left[0]} at {left[0].at}, "
                                f"a moment this action never reached in that order")
 
     def _sum_tied(self, chunk: int) -> None:
