@@ -52,12 +52,18 @@ def train(argv: list[str], out: Path, args: argparse.Namespace) -> tuple[dict, s
     cmd = [sys.executable, "-m", "pipezero.cli", "train", "--preset", args.preset, "--nproc", str(args.nproc),
            "--seq-len", str(args.seq_len), "--max-steps", str(args.steps), "--out", str(out), "--no-progress",
            "--sample-tokens", "0", "--no-save-final", "--data", args.data, "--tokenizer", "bytes", *argv]
+    return run_summary(cmd, out, args.timeout, " ".join(argv))
+
+
+def run_summary(cmd: list[str], out: Path, timeout: float, what: str) -> tuple[dict, str, float]:
+    """(summary.json in `out`, standard output, wall seconds) of a pipezero command; its failure ends
+    the bench with the end of its standard error."""
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          timeout=args.timeout)
+                          timeout=timeout)
     took = time.perf_counter() - t0
     if done.returncode:
-        raise SystemExit(f"bench: {' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        raise SystemExit(f"bench: {what} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads((out / "summary.json").read_text()), done.stdout, took
 
 

@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from layout_auto import measured, steps_of  # noqa: E402
+from layout_auto import measured, run_summary, steps_of  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "layout_auto_cluster"
 
@@ -129,13 +126,7 @@ def on_cluster(rate: str, argv: list[str], out: Path, args: argparse.Namespace) 
            str(args.per_node), "--link", rate, *(["--pin"] if args.pin else []), "train", "--config",
            str(args.toml), "--max-steps", str(args.steps), "--out", str(out), "--no-save-final",
            "--memory-profile", *argv]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          timeout=args.timeout)
-    took = time.perf_counter() - t0
-    if done.returncode:
-        raise SystemExit(f"bench: {rate} {' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text()), done.stdout, took
+    return run_summary(cmd, out, args.timeout, f"{rate} {' '.join(argv)}")
 
 
 def peak_gib(summary: dict) -> float | None:
@@ -274,7 +265,7 @@ def main() -> None:
         args.toml = Path(tmp) / "run.toml"
         args.toml.write_text(model_toml(args))
         if args.dry:
-            from pipezero.planner.auto import cluster_for, layout_flags
+            from pipezero.planner.auto import cluster_for
 
             cfg = base_config(args.toml)
             cluster = cluster_for(cfg, world, args.per_node, args.gpu_memory, False)
