@@ -207,7 +207,6 @@ def _main(argv: Sequence[str] | None) -> int:
             sys.stdout = stream
 
 
-
 def interrupted(e: KeyboardInterrupt) -> int:
     """The stop line and the shell's status for a signal's death: 128 + the signal."""
     term = isinstance(e, Terminated)
