@@ -48,11 +48,17 @@ def check_corpus(cfg: TrainConfig, corpus: Corpus, vocab_size: int) -> None:
     """Refuse a corpus the model (of `vocab_size` embedding rows) cannot embed, or too small for
     one global batch."""
     corpus.check_batch(cfg.global_batch)
-    if corpus.vocab_size > vocab_size:  # the other fix is the source's own: ids, a smaller BPE or tokenizer
-        what, other = ((f"the token file's ids reach {corpus.vocab_size - 1}", f"ids below {vocab_size}")
-                       if corpus.tokenizer is None else (f"the tokenizer has {corpus.vocab_size} tokens",
+    check_rows(cfg, corpus.vocab_size, corpus.tokenizer is None, vocab_size)
+
+
+def check_rows(cfg: TrainConfig, needed: int, token_file: bool, vocab_size: int) -> None:
+    """Refuse ids reaching `needed` - 1 (a token file's, or a tokenizer's) where the model has
+    `vocab_size` embedding rows."""
+    if needed > vocab_size:  # the other fix is the source's own: ids, a smaller BPE or tokenizer
+        what, other = ((f"the token file's ids reach {needed - 1}", f"ids below {vocab_size}")
+                       if token_file else (f"the tokenizer has {needed} tokens",
                        "a smaller data.bpe_vocab" if cfg.data.tokenizer == "bpe" else "a smaller tokenizer"))
-        raise ConfigError(f"{what} but the model only {vocab_size} rows: set model.vocab_size >= {corpus.vocab_size} "
+        raise ConfigError(f"{what} but the model only {vocab_size} rows: set model.vocab_size >= {needed} "
                           f"(with --model-spec: your spec's vocab_size) or use {other}")
 
 

@@ -150,6 +150,7 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
     for split_problem in (secondary_split_problem, hierarchical_split_problem):
         if problem := split_problem(cfg.parallel, cfg.parallel.ranks_per_node or per_node or nproc):
             raise ConfigError(problem)
+    check_tokenizer_rows(cfg)
     corpus = load_corpus(cfg.data)
     check_corpus(cfg, corpus, spec_of(cfg.model).vocab_size)  # a --model-spec's own vocabulary
     from pipezero.checkpoint.state import check_resume_data
@@ -160,6 +161,20 @@ def preflight(cfg: TrainConfig, nproc: int, per_node: int | None = None) -> Devi
     if warning:
         print(f"pipezero: warning: {warning}", file=sys.stderr, flush=True)
     return device
+
+
+def check_tokenizer_rows(cfg: TrainConfig) -> None:
+    """A tokenizer.json's ids against the model's embedding rows, as the file is loaded (a second):
+    check_corpus holds them only after the corpus is tokenized, minutes for the built-in one."""
+    if not cfg.data.tokenizer.endswith(".json"):  # bytes fits every model; a BPE is trained to bpe_vocab
+        return
+    from pipezero.data import load_tokenizer
+    from pipezero.data.tokenizer import id_bound
+    from pipezero.engine import check_rows
+    from pipezero.models import spec_of
+
+    check_rows(cfg, id_bound(load_tokenizer(cfg.data.tokenizer, [], cfg.data.bpe_vocab)), False,
+               spec_of(cfg.model).vocab_size)
 
 
 def exit_rank(code: int) -> None:

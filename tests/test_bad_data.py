@@ -820,3 +820,35 @@ def test_a_cache_folder_beside_the_data_or_holding_it_is_fine(tmp_path, monkeypa
     check_cache_out_of_reach([str(tmp_path / "docs"), str(tmp_path / "docs" / "0.txt")])
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path))  # the data inside the cache: the cache's files are not read
     check_cache_out_of_reach([str(tmp_path / "docs")])
+
+
+def test_a_tokenizer_wider_than_the_model_is_refused_before_any_text_is_tokenized(tokenizer_text, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The built-in corpus takes minutes to tokenize with a user's tokenizer: its size is held against
+    the model's rows as it is loaded, not after the whole corpus is read."""
+    import pipezero.data
+    import pipezero.engine
+
+    def never(*_: object) -> None:
+        raise AssertionError("the corpus was read before the tokenizer's size was checked")
+
+    monkeypatch.setattr(pipezero.data, "load_corpus", never)
+    monkeypatch.setattr(pipezero.engine, "load_corpus", never)
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(tokenizer_with(tokenizer_text, lambda t: t["model"]["vocab"].update(e=70000))))
+    argv = ["train", "--preset", "tiny", "--tokenizer", str(wide), "--max-steps", "1", "--out", str(tmp_path / "out")]
+    assert_one_line(*run_main(argv, capsys), "the tokenizer has 70001 tokens but the model only 4096 rows")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_with_an_empty_vocabulary_is_named(tokenizer_text, tmp_path):
+    """Every text would encode to nothing; the corpus would then be blamed for holding no tokens."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    def empty(t: dict) -> None:
+        t["model"]["vocab"], t["model"]["merges"], t["added_tokens"] = {}, [], []
+
+    path = tmp_path / "empty.json"
+    path.write_text(json.dumps(tokenizer_with(tokenizer_text, empty)))
+    with pytest.raises(ConfigError, match=r"empty.json' has no tokens in its vocabulary"):
+        BPETokenizer.from_file(path)

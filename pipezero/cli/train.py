@@ -72,8 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     local = local_ranks(launch.nproc, cfg.parallel.world_size)
     limit, cuda = rank_limit_gib(cfg, local)
     check_fit(cfg, limit, cuda, limit_name(cfg, local))  # before any rank starts: a layout that cannot fit is refused
-    from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_world_size, exit_rank, launch_local,
-                                 preflight, under_torchrun, with_device)
+    from pipezero.launch import (adopt_slurm, check_rendezvous_host, check_tokenizer_rows, check_world_size,
+                                 exit_rank, launch_local, preflight, under_torchrun, with_device)
 
     adopt_slurm(launch.nproc)  # srun with one task a rank: torchrun's variables from Slurm's
     check_world_size(os.environ, cfg.parallel.pp, cfg.parallel.dp)
@@ -98,6 +98,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     launching = launch.nproc is not None and launch.nproc > 1 and not under_torchrun()
     if launching:
         device = preflight(cfg, launch.nproc)  # the ranks' device is decided here, once
+    elif not under_torchrun():  # a lone process: before --out is claimed and the corpus tokenized
+        check_tokenizer_rows(cfg)
     def clashes() -> str | None:
         from pipezero.checkpoint.state import clashes as beside
 
