@@ -351,6 +351,31 @@ def test_export_of_a_run_names_a_newer_checkpoint_whose_manifest_cannot_be_read(
     assert "exporting step-00000001" in warning[0], err
 
 
+@pytest.mark.parametrize("link", ["folder", "shard"])
+def test_export_of_a_run_names_a_newer_checkpoint_that_is_a_link(trained, tmp_path, capsys, link):
+    """A newer step-N that is a link to another run's step folder was passed over without a word;
+    one whose shard is a link to a file elsewhere was called truncated."""
+    run = copy_run(trained, tmp_path / "run")
+    newer, older = run / "checkpoints" / "step-00000002", run / "checkpoints" / "step-00000001"
+    if link == "folder":
+        other = tmp_path / "other" / "step-00000002"
+        shutil.copytree(older, other)
+        edit_manifest(other, lambda m: m.update(step=2))
+        newer.symlink_to(other)
+    else:
+        shutil.copytree(older, newer)
+        edit_manifest(newer, lambda m: m.update(step=2))
+        shard = next(p for p in sorted(newer.iterdir()) if p.suffix == ".distcp")
+        shard.unlink()
+        (tmp_path / "passwd").write_text("root:x:0:0\n")
+        shard.symlink_to(tmp_path / "passwd")
+    code, err = run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys)
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("pipezero: warning")]
+    assert len(warning) == 1 and "step-00000002" in warning[0] and "is a link (to " in warning[0], err
+    assert "truncated" not in warning[0] and "exporting step-00000001" in warning[0], err
+
+
 def edit_manifest(step: Path, change) -> None:
     manifest = json.loads((step / "manifest.json").read_text())
     change(manifest)

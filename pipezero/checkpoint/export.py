@@ -121,8 +121,11 @@ def newest_of_run(run: Path) -> Path:
 def unreadable(path: Path) -> bool:
     """Whether checkpoint folder `path`'s manifest cannot be read: whose it is cannot be told, so it
     stays a candidate, and newest_good names it as it skips it (a newer step passed over without
-    a word would export older weights than the user believes)."""
-    if path.is_symlink() or not path.is_dir():
+    a word would export older weights than the user believes). A link's is not followed: it stays
+    a candidate too, named as a link."""
+    if path.is_symlink():
+        return True
+    if not path.is_dir():
         return False
     try:
         read_manifest(path)

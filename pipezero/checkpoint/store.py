@@ -385,13 +385,19 @@ def _manifest_problem(path: Path, m: dict[str, Any]) -> str | None:
 
 
 def local_problem(path: Path) -> str | None:
-    """What this rank alone can see wrong with checkpoint `path`: its manifest, missing files, sizes."""
+    """What this rank alone can see wrong with checkpoint `path`: its manifest, missing files, sizes.
+    A save writes a folder and plain files, so a link (planted, to files elsewhere) is not followed."""
+    if path.is_symlink():
+        return f"it is a link (to {os.readlink(path)}), not a folder a save writes"
     try:
         manifest = read_manifest(path)
     except CheckpointError as e:
         return str(e)
     expected: dict[str, dict[str, Any]] = manifest["files"]
     names = sorted(expected)
+    linked = [n for n in names if (path / n).is_symlink()]
+    if linked:
+        return f"{linked[0]} is a link (to {os.readlink(path / linked[0])}), not a file a save writes"
     missing = [n for n in names if not (path / n).is_file()]
     if missing:
         return f"missing files {missing}"
