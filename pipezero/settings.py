@@ -327,6 +327,13 @@ def unused_data_setting(d: Any, given: set[str]) -> tuple[str, str] | None:
     return None
 
 
+def ids_alone(d: Any) -> bool:
+    """Whether the data is a token file with no tokenizer.json to decode its ids (no text sample)."""
+    from pipezero.data.corpus import TOKEN_SUFFIXES
+
+    return any(Path(p).suffix in TOKEN_SUFFIXES for p in d.path or []) and not d.tokenizer.endswith(".json")
+
+
 def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
     """A setting the user set (`given`) that only another option reads, with that option unset
     (each was accepted and changed nothing, exit 0): (its key, "by <the option that reads it>...;
@@ -359,6 +366,9 @@ def unread_setting(cfg: TrainConfig, given: set[str]) -> tuple[str, str] | None:
         ("run.sample_tokens", p.pp == 1 or r.sample_tokens == 0,
          f"by a run with --pp 1 (the end-of-run text sample is made only without a pipeline); with --pp {p.pp} no "
          f"sample is made: drop it"),
+        ("run.sample_tokens", r.sample_tokens == 0 or not ids_alone(cfg.data),
+         f"with a tokenizer that decodes the text sample; --data {' '.join(cfg.data.path or [])} holds token ids "
+         f"and no --tokenizer FILE.json names what they mean: add one, or drop it"),
         ("model.window_layers", cfg.model.sliding_window is not None,
          "with model.sliding_window (the blocks its window applies to); set the window, or drop it"),
         ("run.gpu_memory_gib", cfg.model.spec is None,

@@ -666,6 +666,10 @@ def test_a_pipe_or_device_is_named_as_what_it_is(argv, needle, tmp_path, capsys)
                                                       "ids already"),
     (["--data", "{npy}", "--text-field", "body"], "", "--text-field body applies to documents"),
     (["--data", "{npy}", "--max-document-mb", "2"], "", "--max-document-mb 2 applies to documents"),
+    (["--data", "{npy}", "--sample-tokens", "10"], "", "--sample-tokens 10 is read only with a tokenizer that decodes "
+                                                       "the text sample; --data {npy} holds token ids"),
+    (["--data", "{npy}"], "[run]\nsample_tokens = 10\n", "run.sample_tokens (in {toml}) 10 is read only with a "
+                                                           "tokenizer"),
     (["--on-bad-record", "skip"], "", "--on-bad-record skip applies to --data documents; the built-in corpus"),
     (["--data", "{npy}"], "[data]\nbpe_vocab = 300\n", "data.bpe_vocab (in {toml}) 300 sizes the BPE"),
     (["--tokenizer", "bytes"], "[data]\nbpe_vocab = 300\n", "the tokenizer is bytes"),
