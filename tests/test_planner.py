@@ -474,3 +474,16 @@ def test_offload_rates_without_host_memory_are_refused_as_unread(flag, value, ca
     host link or the host's AdamW."""
     assert_one_line(*run_main(["plan", "--preset", "1b", "--gpus", "8", "--gpu-memory", "16", flag, value], capsys),
                     f"{flag} {float(value):g} prices --offload optimizer, which plan offers only with --host-memory")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--inter-bw", "0.001"], "--inter-bw 0.001 prices the link between nodes"),
+    (["--net-cpu", "1"], "--net-cpu 1 prices the host CPU work of bytes crossing between nodes"),
+    (["--device", "cpu", "--gpus", "2", "--gpus-per-node", "2", "--net-cpu", "100"], "--net-cpu 100 prices"),
+])
+def test_link_rates_between_nodes_on_one_node_are_refused_as_unread(flags, needle, capsys):
+    """On one node nothing crosses a node's link: the plan was the same with or without them."""
+    argv = ["plan", "--preset", "tiny", "--gpus", "8", "--gpu-memory", "80", *flags]
+    code, err = run_main(argv, capsys)
+    assert_one_line(code, err, needle)
+    assert "is one node of --gpus-per-node" in err, err

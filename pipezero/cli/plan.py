@@ -133,6 +133,12 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
                           f"{limits.GBPS.high:g}: intra,inter-node GB/s)")
     if args.intra_bw is not None and args.inter_bw is not None and args.bandwidth != BANDWIDTH:  # neither part read
         raise ConfigError(f"--bandwidth {args.bandwidth} is overridden by --intra-bw and --inter-bw: drop one of them")
+    between = (("--inter-bw", args.inter_bw, "the link between nodes"),
+               ("--net-cpu", args.net_cpu or None, "the host CPU work of bytes crossing between nodes"))
+    for flag, value, what in between:
+        if value is not None and gpus <= args.node_size:  # nothing crosses: every plan is the same without it
+            raise ConfigError(f"{flag} {value:g} prices {what}; --gpus {gpus} is one node of --gpus-per-node "
+                              f"{args.node_size}: drop it, or plan more nodes")
     intra = args.intra_bw if args.intra_bw is not None else intra
     inter = args.inter_bw / args.node_size if args.inter_bw is not None else inter
     wire = args.wire_bytes or (4 if args.device == "cpu" else 2)
