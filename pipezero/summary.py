@@ -246,4 +246,10 @@ def finish_run(cfg: TrainConfig, stage: "Stage", corpus: "Corpus", result: RunRe
             progress.console.print("GPU peak memory in training steps (allocated / reserved GiB, by rank): " + ", ".join(
                 f"{g['allocated'] / 2**30:.2f} / {g['reserved'] / 2**30:.2f}" for g in gpu))
         if result.sample_text:
-            progress.console.print("sample:\n" + result.sample_text)
+            progress.console.print("sample:\n" + printable(result.sample_text))
+
+
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab escaped as Python writes them
+    (\\x1b): a model's sample may draw any byte, and ESC or NUL would reach the terminal raw."""
+    return "".join(c if c in "\n\t" or c.isprintable() else repr(c)[1:-1] for c in text)

@@ -101,3 +101,22 @@ def test_ctrl_c_in_the_text_sample_still_writes_the_summary(tmp_path, monkeypatc
     assert code == 0, err
     assert "sampling 4096 tokens of text (Ctrl-C skips it" in err and "text sample skipped (Ctrl-C)" in err
     assert (tmp_path / "o" / "summary.json").is_file()
+
+
+def test_the_runs_lines_print_paths_and_text_as_written(capsys):
+    """A run's lines carry what a user wrote (--out, --data) and what the model drew: read as rich
+    markup, --out 'r[/x]' ended a finished run in a MarkupError traceback and 'r[red]x' was shown
+    as 'rx', a folder that does not exist."""
+    from pipezero.telemetry.metrics import StepProgress
+
+    for bar in (False, True):
+        StepProgress(1, 0, True, bar=bar).console.print("run in r[/x] and r[red]x :smile:")
+        out = capsys.readouterr()
+        assert "run in r[/x] and r[red]x :smile:" in (out.err if bar else out.out), out
+
+
+def test_the_sample_shows_control_characters_escaped():
+    """An untrained byte-level model draws any byte: ESC, NUL or a bell reached the terminal raw."""
+    from pipezero.summary import printable
+
+    assert printable("def f():\n\treturn 1\x1b[2J\x00\x07é") == "def f():\n\treturn 1\\x1b[2J\\x00\\x07é"

@@ -84,7 +84,9 @@ class StepProgress:
     plain line every step (`train --no-progress > run.log`), and stderr holds only what went wrong."""
 
     def __init__(self, total: int, start: int, enabled: bool, bar: bool = True) -> None:
-        self.console = Console(stderr=bar, highlight=bar, soft_wrap=not bar)  # a log line is never wrapped
+        # a log line is never wrapped; paths and the sample are printed as written, never read as
+        # rich markup ("[/x]" in an --out raised MarkupError) or emoji codes
+        self.console = Console(stderr=bar, highlight=bar, soft_wrap=not bar, markup=False, emoji=False)
         self.enabled = enabled
         self.total = total
         self._every = max(1, total // 10) if bar else 1
