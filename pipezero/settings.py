@@ -608,9 +608,12 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
         limit, fix = f"max_seq_len={max_len}", "lower --seq-len or raise model.max_seq_len"
     _check(max_len is None or d.seq_len <= max_len,
            f"--seq-len {d.seq_len} is longer than the model allows ({limit}); {fix}")
-    _check(d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json"),
-           f"--tokenizer (data.tokenizer) {d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path (nothing is "
-           f"downloaded)")
+    named = d.tokenizer in ("bpe", "bytes") or d.tokenizer.endswith(".json")
+    _check(named or not Path(d.tokenizer).is_file(),  # a tokenizer.json saved under another name
+           f"--tokenizer (data.tokenizer) {d.tokenizer!r} is a file, and pipezero reads a tokenizer file only by a name "
+           f"ending .json: rename it (or link it) to a .json name")
+    _check(named, f"--tokenizer (data.tokenizer) {d.tokenizer!r}: use 'bpe', 'bytes' or a tokenizer.json path "
+                  f"(nothing is downloaded)")
     chunks = p.pp * p.virtual_stages
     n_layers = m.n_layers if spec is None else spec.n_layers
     layers = n_layers + 2  # embedding + blocks + head

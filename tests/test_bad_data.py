@@ -856,3 +856,14 @@ def test_a_tokenizer_with_an_empty_vocabulary_is_named(tokenizer_text, tmp_path)
     path.write_text(json.dumps(tokenizer_with(tokenizer_text, empty)))
     with pytest.raises(ConfigError, match=r"empty.json' has no tokens in its vocabulary"):
         BPETokenizer.from_file(path)
+
+
+def test_a_tokenizer_file_named_without_json_is_told_to_be_renamed(tokenizer_text, tmp_path, capsys):
+    """A tokenizer.json saved under another name was told to use "a tokenizer.json path", which it is."""
+    path = tmp_path / "my-tokenizer"
+    path.write_text(tokenizer_text)
+    argv = [*TINY_FLAGS[:2], "--tokenizer", str(path), "--max-steps", "1", "--out", str(tmp_path / "out")]
+    assert_one_line(*run_main(["train", *argv], capsys),
+                    f"--tokenizer (data.tokenizer) {str(path)!r} is a file, and pipezero reads a tokenizer file only "
+                    f"by a name ending .json: rename it")
+    assert not (tmp_path / "out").exists()
