@@ -122,10 +122,12 @@ class BPETokenizer:
             reason = not_a_tokenizer(Path(path)) or (str(e).splitlines()[0] if str(e) else type(e).__name__)
             raise ConfigError(f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({reason}); "
                               f"pass a tokenizer saved by `tokenizers`, or --tokenizer bpe / bytes") from None
-        if hf.get_vocab_size(with_added_tokens=True) == 0:  # every text would encode to nothing, unsaid
-            raise ConfigError(f"tokenizer file {str(path)!r} has no tokens in its vocabulary; pass a tokenizer saved "
-                              f"by `tokenizers`, or --tokenizer bpe / bytes")
         check_unknown_token(hf, path)
+        if not hf.encode("a", add_special_tokens=False).ids:  # every text would encode to nothing, and the
+            # corpus be blamed for holding no tokens
+            raise ConfigError(f"tokenizer file {str(path)!r} encodes text to no tokens (its vocabulary holds "
+                              f"{hf.get_vocab_size(with_added_tokens=False)}); pass a tokenizer saved by `tokenizers`, "
+                              f"or --tokenizer bpe / bytes")
         tok = cls(hf, *model_ids(Path(path).parent, hf))
         tok.file = Path(path).absolute()  # what a checkpoint records, and an export copies
         return tok
