@@ -171,6 +171,27 @@ def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkey
     assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
 
 
+@pytest.mark.parametrize("command", ["verify", "export", "plan", "probe"])
+def test_ctrl_c_of_a_command_that_saves_no_checkpoint_offers_no_resume(command, monkeypatch, capsys):
+    """Only train saves checkpoints and takes --resume: verify (which refuses --resume), export, plan
+    and probe were told that --resume continues from the newest checkpoint."""
+    from pipezero.cli import command_line as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main([command, "--help"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["pipezero: interrupted"]
+
+    def terminated():
+        raise cli.Terminated
+
+    monkeypatch.setattr(cli, "build_parser", terminated)
+    assert cli.main([command]) == 143
+    assert capsys.readouterr().err.strip().splitlines() == ["pipezero: stopped by SIGTERM"]
+
+
 def test_the_loopback_store_leaves_no_python_socket_to_be_collected_unclosed():
     """The store owns the listening socket's descriptor: a Python socket object kept beside it would,
     when collected, warn ResourceWarning ('Exception ignored' tracebacks from torchrun's agent under

@@ -158,11 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = negative_values(sys.argv[1:] if argv is None else argv)
+    saves = next((a for a in argv if not a.startswith("-")), "train") == "train"  # the only one with --resume
     try:
         parser = build_parser()  # imports torch: a second or more, the likeliest place for an early Ctrl-C
     except KeyboardInterrupt as e:
-        return interrupted(e)
-    argv = negative_values(sys.argv[1:] if argv is None else argv)
+        return interrupted(e, saves)
     args = parser.parse_args(argv)
     args.argv = argv
     stream = sys.stdout
@@ -201,14 +202,16 @@ def _main(argv: Sequence[str] | None) -> int:
               f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM in a lone process (a --nproc launcher stops its job in job.py)
-        return interrupted(e)
+        return interrupted(e, saves)
     finally:
         if stream is not None:
             sys.stdout = stream
 
 
-def interrupted(e: KeyboardInterrupt) -> int:
-    """The stop line and the shell's status for a signal's death: 128 + the signal."""
+def interrupted(e: KeyboardInterrupt, saves: bool = True) -> int:
+    """The stop line and the shell's status for a signal's death: 128 + the signal. The resume
+    advice only where the command `saves` checkpoints (train)."""
     term = isinstance(e, Terminated)
-    print(TERMINATED if term else INTERRUPTED, file=sys.stderr)
+    line = TERMINATED if term else INTERRUPTED
+    print(line if saves else line.split(";")[0], file=sys.stderr)
     return 128 + (signal.SIGTERM if term else signal.SIGINT)
