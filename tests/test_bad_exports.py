@@ -504,3 +504,24 @@ def test_export_out_the_empty_working_folder_is_one_line(tmp_path, monkeypatch):
                                               r"new folder inside it, e\.g\. --out "):
             check_out(Path(out), tmp_path / "run")
     check_out(Path("sub"), tmp_path / "run")  # a new folder inside it: fine
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "own"])
+def test_hf_export_of_a_run_that_trained_another_tokenizer_holds_the_runs(trained, tmp_path, capsys, tokenizer):
+    """`train --model M --tokenizer bytes` (or a tokenizer.json of one's own) trains the model's rows
+    on other ids: its export carried M's tokenizer.json, which the weights were not trained with."""
+    from hf_models import tokenizer_json
+    from pipezero.data.tokenizer import BPETokenizer
+
+    run = copy_run(trained, tmp_path / "run")
+    own = tmp_path / "own.json"
+    tokenizer_json(own, vocab=280)
+    saved = ({"tokenizer": "bytes", "tokenizer_file": None} if tokenizer == "bytes" else
+             {"tokenizer": BPETokenizer.from_file(own).name, "tokenizer_file": str(own)})
+    edit_manifest(run / "checkpoints" / "step-00000001", lambda m: m["data"].update(saved))
+    code, err = run_main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "e")], capsys)
+    assert code == 0, err
+    if tokenizer == "bytes":
+        assert not (tmp_path / "e" / "tokenizer.json").exists()
+    else:
+        assert (tmp_path / "e" / "tokenizer.json").read_bytes() == own.read_bytes()

@@ -15,6 +15,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -25,7 +26,7 @@ from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
 from pipezero.data.identity import tokenizer_file_of
 from pipezero.errors import ConfigError
-from pipezero.models.hf import CONFIG, METADATA, llama_config, model_fields, to_hf
+from pipezero.models.hf import CONFIG, GENERATION, METADATA, llama_config, model_fields, to_hf
 from pipezero.util import atomic_write_json, atomic_write_with
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
@@ -152,14 +153,17 @@ def export_hf(source: Path, out: Path, shard_size: int) -> tuple[Path, str]:
     # The model folder's tokenizer (kept in RUN/hf), else the file the run read, as its checkpoint
     # recorded it (an absolute path, checked against the content it trained with): the settings'
     # path is as typed, relative to wherever the run was started.
-    has_own = kept is not None and (kept / "tokenizer.json").is_file()
-    theirs, said = (None, f"tokenizer.json: the model folder's, from {kept}") if has_own else \
-        tokenizer_file_of(manifest.get("data") or {})
+    # The folder's only where the run trained with it: `--model M --tokenizer bytes` (or a file of
+    # one's own) trained M's rows on other ids.
+    saved = manifest.get("data") or {}
+    has_own = kept is not None and (kept / "tokenizer.json").is_file() and trained_with(kept / "tokenizer.json", saved)
+    theirs, said = (None, f"tokenizer.json: the model folder's, from {kept}") if has_own else tokenizer_file_of(saved)
 
     def fill(folder: Path) -> None:
         write_weights(hf_tensors(read_model(ckpt), cfg), folder, shard_size)
         atomic_write_json(folder / CONFIG, config)
-        for name in METADATA[1:]:
+        # the folder's tokenizer files describe its tokenizer: only with it (generation settings always)
+        for name in (METADATA[1:] if has_own else [GENERATION]):
             if kept is not None and (kept / name).is_file():
                 shutil.copyfile(kept / name, folder / name)
         if theirs is not None:
@@ -167,3 +171,16 @@ def export_hf(source: Path, out: Path, shard_size: int) -> tuple[Path, str]:
 
     write_folder(out, fill)
     return ckpt, said
+
+
+def trained_with(path: Path, saved: dict[str, Any]) -> bool:
+    """Whether tokenizer file `path` is the one a checkpoint's run read, by the name (a digest of its
+    content) the checkpoint recorded; a checkpoint from before that record: taken as the run's."""
+    from pipezero.data.tokenizer import BPETokenizer
+
+    if "tokenizer" not in saved:
+        return True
+    try:
+        return BPETokenizer.from_file(path).name == saved["tokenizer"]
+    except ConfigError:  # not a tokenizer any more: never copied as the run's
+        return False
