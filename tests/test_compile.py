@@ -174,7 +174,8 @@ def test_layer_by_layer_lists_each_actions_gathers_where_its_layers_run():
     plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
     listed = {str(i.action): i.describe() for i in plan.program.ranks[0] if isinstance(i, Compute)}
     assert listed["0F0"] == ("0F0[UNSHARD(0.2, wait)@fwd 0 UNSHARD(0.1)@fwd 0 RESHARD(0.2)@fwd-end 0 "
-                             "UNSHARD(0.0)@fwd 1 RESHARD(0.1)@fwd-end 1 RESHARD(0.0)@fwd-end 2]")
+                             "WAIT(0.1)@fwd 1 UNSHARD(0.0)@fwd 1 RESHARD(0.1)@fwd-end 1 WAIT(0.0)@fwd 2 "
+                             "RESHARD(0.0)@fwd-end 2]")
     assert listed["0B0"] == "0B0"
     assert listed["0W1"].startswith("0W1[UNSHARD(0.0, wait)@bwd 2 UNSHARD(0.1)@bwd 2 RESHARD(0.0)@bwd 1")
     later = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
@@ -200,9 +201,9 @@ def test_with_recompute_a_blocks_backward_gathers_what_its_forward_run_again_use
 
     plain, again = computes(), computes(recompute=True)
     assert again["1B0"] == plain["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3 "
-                                            "RESHARD(1.1)@end]")
+                                            "WAIT(1.1)@bwd 3 RESHARD(1.1)@end]")
     assert plain["1W0"] == "1W0" and again["1W0"] == again["1B0"].replace("1B0", "1W0")
     parts = computes(recompute=True, zero3_unit=Zero3Unit.SUBLAYER)["1B0"]
     # buckets of chunk 1, last unit first: 0 the head, 1 block 3's MLP, 2 block 3's attention
-    assert parts == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3.1 UNSHARD(1.2)@bwd 3.1 "
-                     "RESHARD(1.1)@bwd 3 RESHARD(1.2)@end]")
+    assert parts == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3.1 WAIT(1.1)@bwd 3.1 "
+                     "UNSHARD(1.2)@bwd 3.1 WAIT(1.2)@fwd 3 RESHARD(1.1)@bwd 3 RESHARD(1.2)@end]")

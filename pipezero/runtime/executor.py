@@ -81,6 +81,10 @@ class DataParallelLayer(Protocol):
 
     def note_world(self, name: str, nbytes: int) -> None: ...  # an all-reduce over the world (LOSS_SUM), in the record
 
+    def enter(self, index: int | None) -> None: ...  # instruction `index` of the program is played (None: none)
+
+    def end_program(self, what: str) -> None: ...  # a gather the program never waited for is an error
+
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
 
@@ -176,7 +180,6 @@ class Executor:
         microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
         self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
         loss = torch.zeros((), device=self.device)
-        peak = 0
         split = {ins.action.chunk for ins in program if isinstance(ins, Compute) and ins.action.op is Op.B}
         if unsplit := {c: self._unsplit.pop(c) for c in sorted(split & self._unsplit.keys())}:
             warnings.warn(f"rank {self.p2p.rank}: split backward keeps the autograd graph from B to W for chunks "
@@ -186,10 +189,20 @@ class Executor:
         if not any(isinstance(ins, OptimStep) for ins in program):
             raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        stats: StepStats | None = None
         self.offloading = {(i.chunk, i.mb) for i in program if isinstance(i, ActivationCopy) and i.to_host}
+        try:
+            return self._play_step(program, live, microbatches, split, denom, loss, optimizer_step, t0, waited0)
+        finally:
+            self.hooks.enter(None)
+
+    def _play_step(self, program: Sequence[Instr], live: dict[tuple[int, int], _Live],
+                   microbatches: Sequence[MicroBatch], split: set[int], denom: float, loss: torch.Tensor,
+                   optimizer_step: OptimizerStep | None, t0: float, waited0: float) -> StepStats:
+        peak = 0
+        stats: StepStats | None = None
         for i, ins in enumerate(program):
             self.flight.begin(i, ins)
+            self.hooks.enter(i)
             if isinstance(ins, PointToPoint):
                 self._post(ins)
             elif isinstance(ins, ActivationCopy):
@@ -346,12 +359,21 @@ class Executor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = [tuple(t.to(self.device) for t in batch) for batch in batches]
         self.p2p.lengths = [batch[0].shape[1] for batch in batches]
-        for ins in program:
+        try:
+            return self._play_evaluation(program, batches, sum_loss, total)
+        finally:
+            self.hooks.enter(None)
+
+    def _play_evaluation(self, program: Sequence[EvalInstr], batches: Sequence[MicroBatch],
+                         sum_loss: Callable[[torch.Tensor], float], total: torch.Tensor) -> float:
+        for i, ins in enumerate(program):
+            self.hooks.enter(i)
             if isinstance(ins, PointToPoint):
                 self._post(ins, Payload.EVAL)
             elif isinstance(ins, DataParallel):
                 self.hooks.play(ins)
             elif isinstance(ins, LossSum):
+                self.hooks.end_program(f"the evaluation's {ins}")
                 self.p2p.finish()
                 self.hooks.note_world(str(ins), ins.nbytes)
                 return sum_loss(total)
@@ -381,7 +403,8 @@ class Executor:
         for chunk in self.chunks.values():
             chunk.eval()
         try:
-            for ins in program:
+            for i, ins in enumerate(program):
+                self.hooks.enter(i)
                 if isinstance(ins, DataParallel):
                     self.hooks.play(ins)
                 elif isinstance(ins, Compute) and ins.action.op is Op.F:
@@ -394,7 +417,9 @@ class Executor:
                         out = None  # the window's logits, not held through the next token's forward
                 else:
                     raise ValueError(f"rank {self.p2p.rank}: {ins} in a text-sample program (one pipeline rank)")
+            self.hooks.end_program("the text sample's end")
         finally:
+            self.hooks.enter(None)
             for chunk in self.chunks.values():
                 chunk.train()
 

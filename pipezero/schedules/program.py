@@ -34,6 +34,10 @@ class Kind(str, enum.Enum):
     SEND = "SEND"
     RECV = "RECV"
     UNSHARD = "UNSHARD"  # all-gather of parameter shards into full weights
+    # the rank waits for a gather an UNSHARD started without waiting (layer by layer a prefetched
+    # layer's, at the moment that layer computes; ZeRO-1/2 --overlap-gather an updated bucket's, at the
+    # next step's first forward through a layer reading it); local, no traffic
+    WAIT = "WAIT"
     RESHARD = "RESHARD"  # drop the full weights, keep the shard (local, no traffic)
     REDUCE_GRAD = "REDUCE_GRAD"  # one bucket's all-reduce or reduce-scatter
     TIED_SUM = "TIED_SUM"  # a tied embedding's copies' gradients summed (first and last pipeline rank)
@@ -108,7 +112,7 @@ class PointToPoint:
 class DataParallel:
     """A ZeRO operation on one chunk's buckets across the D ranks holding that chunk."""
 
-    kind: Kind  # UNSHARD, RESHARD or REDUCE_GRAD
+    kind: Kind  # UNSHARD, WAIT, RESHARD or REDUCE_GRAD
     chunk: int
     bucket: int | None  # None: every bucket of the chunk
     collective: Collective
@@ -129,6 +133,11 @@ class DataParallel:
         at = f"@{self.at}" if self.at is not None else ""
         node = ", node" if self.group is Group.NODE else ""
         return f"{self.kind.value}({where}{', wait' if self.blocking else ''}{node}){at}"
+
+    def gather_name(self, bucket: int) -> str:
+        """The name of the gather of bucket `bucket` of this instruction's chunk that a WAIT waits
+        for, as the record names it (schedules/played.py)."""
+        return f"{Kind.UNSHARD.value}({self.chunk}.{bucket})"
 
 
 @dataclass(frozen=True)
@@ -313,8 +322,8 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
 
 
 def defers_update_waits(instrs: Sequence[Instr]) -> bool:
-    """Whether the gathers of updated weights after the step (ZeRO-1/2) are left for the next step's
-    forwards to wait for, each layer its own (none of them blocks: --overlap-gather)."""
+    """Whether the gathers of updated weights after the step (ZeRO-1/2) are left for the next
+    program's WAITs (none of them blocks: --overlap-gather)."""
     after = list(instrs)[next((k for k, i in enumerate(instrs) if isinstance(i, OptimStep)), len(instrs)):]
     gathers = [i for i in after if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD]
     return bool(gathers) and not any(i.blocking for i in gathers)

@@ -14,8 +14,11 @@ program takes exactly the schedule's time: the collectives add only what they co
   everything before it on the lane) has finished, and compute on a ZeRO-3 chunk waits for its
   latest UNSHARD; a REDUCE_GRAD with a `bound` holds the rank until the reduction that many
   places back has finished (the program's in-flight bound); layer by layer, an action's own gathers are issued as it becomes the rank's next
-  instruction and it waits for all of them (the runtime waits only for the first layer's and
-  overlaps the others with the layers before them: a conservative bound);
+  instruction and it waits for all of them (the runtime waits only where the program's WAITs
+  inside the action say, each layer's as it computes: a conservative bound); a WAIT standing on
+  its own (a kept chunk gathered one action ahead) holds the rank until the chunk's latest UNSHARD
+  ends, and one for a gather this program has not started (ZeRO-1/2's updated weights, started by
+  the previous step) passes;
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
   all-reduce, then computes for `CommCost.optim`; a forward-only program's LOSS_SUM meets the world
   alike (schedules/forward_only.py);
@@ -171,6 +174,13 @@ class _Play:
                 self.done[(d, *k)] = end
         elif isinstance(instr, DataParallel) and instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             return self.host(r, instr)
+        elif isinstance(instr, DataParallel) and instr.kind is Kind.WAIT:
+            # a gather this program started without waiting: the rank holds here until it ends (one
+            # the previous step started, ZeRO-1/2's updated weights, is over by now)
+            key = self.gate.get((r, instr.chunk))
+            if key is not None:
+                self.waiting[r] = key
+                return True
         elif isinstance(instr, DataParallel) and instr.kind is not Kind.RESHARD:
             key = self.issue(r, "tie" if instr.kind is Kind.TIED_SUM else "dp", self.free[r], instr)
             if instr.kind is Kind.UNSHARD:
