@@ -2,7 +2,7 @@
 no policy of its own.
 
 A step's program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts
-(in the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD, TIED_SUM,
+(in the global posting order) and its ZeRO collectives (UNSHARD, WAIT, RESHARD, REDUCE_GRAD, TIED_SUM,
 OFFLOAD_GRAD, HOST_STEP); the executor runs compute itself, posts transfers through runtime/p2p.py
 and hands each collective to the data-parallel layer, which starts, waits for or releases exactly
 what the instruction names. Layer-by-layer ZeRO-3's collectives sit inside the compute instruction:
@@ -18,10 +18,13 @@ The held-out evaluation (`evaluate`) and the end-of-run text sample (`sample`) p
 programs of their own the same way: F with the gathers and releases inside it, SEND and RECV where
 listed, kept-gathered ZeRO-3's UNSHARD and RESHARD around the passes, and the evaluation's LOSS_SUM
 (every send waited for, then the summed loss all-reduced over the world by the function the caller
-binds to the world's group). What every rank plays, transfers included, is recorded
-(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py).
-Not decided here either, but not an instruction: where a gather that does not block is waited for
-(the layer that first needs it: zero/layerwise.py, zero/weight_waits.py).
+binds to the world's group). Every wait for a gather is an instruction too (WAIT: a prefetched
+layer's at the moment that layer computes, ZeRO-1/2's updated weights in the next program's first
+forward of each chunk); a layer reading a bucket before its WAIT, or a program ending with a gather
+in flight, is an error. The executor tells the data-parallel layer which instruction it plays
+(`enter`), so what every rank plays, transfers included, is recorded with each wait at its place
+(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py,
+tests/test_program_played.py), wait by wait and place by place.
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and

@@ -2,11 +2,13 @@
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
 The same program runs: schedules/compile.py compiles every rank's (the only place one is made),
-the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD,
-TIED_SUM, REDUCE_GRAD, OFFLOAD_GRAD and HOST_STEP to zero/sharded.py's `play`; `pipezero simulate
---zero` times it and the checker proves it. What happens inside an action sits inside its compute instruction (`during`),
-each with the moment that fires it (schedules/layer_plan.py): a fused backward's reductions and
-layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the moments.
+the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, WAIT,
+RESHARD, TIED_SUM, REDUCE_GRAD, OFFLOAD_GRAD and HOST_STEP to zero/sharded.py's `play`; `pipezero
+simulate --zero` times it and the checker proves it. What happens inside an action sits inside its
+compute instruction (`during`), each with the moment that fires it (schedules/layer_plan.py): a
+fused backward's reductions, layer-by-layer ZeRO-3's gathers, waits and releases, and ZeRO-1/2's
+waits for the updated weights the step before left in flight; the runtime's hooks report the
+moments. A gather that does not block is waited for by its WAIT and nowhere else.
 
 The lowering that makes a program, and where it places each instruction, is schedules/lowering.py.
 """
