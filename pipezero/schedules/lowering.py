@@ -96,8 +96,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     backward runs its forward again (layer by layer its parts' moments come again); `depth`: layer by layer, how many
     layers ahead of its use a layer's gather starts (schedules/layer_plan.py); `in_flight`: the
     reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
-    ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
-    wait for each, layer by layer); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
+    ZeRO-1/2's gathers of updated weights after the step do not block (each chunk's first F holds
+    a WAIT for each, at its first reading layer: `update_waits`); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
     after its first of the step come from the fp32 shares its node kept (`Group.NODE`); `offload`:
     --offload optimizer, the host copies and host steps placed (`_offloaded_grads`);
     `offload_activations`: on each rank, that many micro-batches' saved activations leave the device

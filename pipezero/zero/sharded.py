@@ -390,7 +390,7 @@ class ZeroDP:
         none blocks and the next program's WAITs wait for each (schedules/lowering.py `update_waits`)."""
         self.comm.start_updates([self.buckets[instr.chunk][instr.bucket]])  # type: ignore[index]
         if instr.blocking:
-            self.settle()
+            self.comm.settle()
 
     def settle(self) -> None:
         """Wait for every gather of updated parameters in flight (stages 1-2). Programs wait with
