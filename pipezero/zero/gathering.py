@@ -84,12 +84,14 @@ class ShardedParams:
             raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
                                f"which its program never gathered")
 
-    def release(self, b: Bucket) -> None:
+    def release(self, b: Bucket, what: str = "") -> None:
+        """Drop `b`'s full weights (RESHARD; `what`: the instruction, for an error)."""
         if self.holding:
             return
         if b.gathering is not None:  # it would still write into the storage
-            raise RuntimeError(f"rank {self.comm.rank}: RESHARD({b.label}) while its gather is in flight: the "
-                               f"program releases a bucket it never waited for (no WAIT({b.label}) before)")
+            raise RuntimeError(f"rank {self.comm.rank}: {what or f'RESHARD({b.label})'}: bucket {b.label} "
+                               f"({b.names[0]}, ...) released while its gather is in flight: the program never "
+                               f"waited for it (no WAIT({b.label}) before)")
         self.comm.note_release(b)
         b.release()
 

@@ -233,7 +233,7 @@ class ZeroDP:
         elif instr.bucket is not None:  # layer by layer: one layer's bucket, at its moment
             b = self.buckets[instr.chunk][instr.bucket]
             if instr.kind is Kind.RESHARD:
-                self.sharded.release(b)
+                self.sharded.release(b, f"{instr} in {self.armed_for}")
             elif instr.blocking:
                 self.sharded.gather(b, instr.group is Group.NODE)
             else:
