@@ -359,6 +359,24 @@ def test_a_uniform_hop_is_comm(kind, pp, m):
         simulate(s, CostModel(hop=(0.5,)))
 
 
+@pytest.mark.parametrize("kind, pp, v", [(K.GPIPE, 2, 1), (K.ONE_F_ONE_B, 4, 1), (K.ZB_V, 2, 2)])
+def test_a_whole_program_waits_for_its_hops_as_the_schedule_does(kind, pp, v):
+    """schedules/program_sim.py plays every replica's pipeline with check.simulate's links: with free
+    collectives a compiled program (ZeRO-1, D=2) takes the schedule's step, slow hops and queues included."""
+    from pipezero.cli.simulate_zero import preset_model
+    from pipezero.config import ParallelConfig
+    from pipezero.schedules.compile import compile_plan
+    from pipezero.schedules.program_sim import simulate_program
+
+    model, _ = preset_model("tiny", pp * v)
+    plan = compile_plan(ParallelConfig(pp=pp, dp=2, zero=1, schedule=kind, microbatches=4, virtual_stages=v), model)
+    s = plan.program.schedule
+    hop = tuple(2.0 if c == 0 else 0.3 for c in range(s.n_chunks - 1))  # the first boundary slow enough to queue
+    cost = CostModel(hop=hop)
+    assert simulate_program(plan.program, cost).step_time == pytest.approx(simulate(s, cost).step_time)
+    assert simulate(s, cost).step_time > simulate(s, CostModel(comm=0.3)).step_time
+
+
 def test_simulate_cli_json_compare_and_png(tmp_path, capsys):
     assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -263,7 +263,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                                                                "train's 4)")
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
     s.add_argument("--cost", default="1:1:1", help=f"relative F:B:W cost of one stage (each {limits.COST.describe()})")
-    s.add_argument("--comm", type=float, default=0.0, help=f"time of one hop between ranks, in F units ({limits.TIME.describe()})")
+    s.add_argument("--comm", type=float, default=0.0,
+                   help=f"time one transfer between ranks holds its link, in F units, every boundary alike; a link "
+                        f"carries one at a time each way ({limits.TIME.describe()})")
     s.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     s.add_argument("--png", help=f"draw the timeline to this .png file (at most {limits.DRAW_LIMIT} stage "
                                  f"micro-batches, P x M x V)")

@@ -15,7 +15,8 @@ nodes, `hop_seconds`), played by the simulator as the schedule waits on it and q
 through it), plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
 step is never shorter than the data-parallel link's busy time.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
-busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
+busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step (its compute played
+alone: a rank waiting for a hop counts as busy, which prices the step no shorter), less where a stage is
 lighter than the heaviest (the head's FLOPs are on the last stage only). Inside a node of such a
 host the CPU copies a collective's bytes (loopback): it slows alike; the bytes crossing its links
 cost those cores `net_cpu_s_per_gb` too.
@@ -58,7 +59,7 @@ class Estimate:
     model_states_gib: float
     activations_gib: float
     step_time_s: float
-    bubble: float
+    bubble: float  # idle share of the pipeline's played step: ranks blocked on peers, hops and fixed costs included
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
     crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
