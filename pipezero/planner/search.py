@@ -205,8 +205,6 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     acts = peak.peak_bytes - states
     if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
         states += 4 * psi / split[0]
-    # the bubble of compute alone (no fixed costs, free hops): how busy the ranks sharing cores are
-    _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
     # the heaviest rank sets the pace, its layers as the run cuts them (small models: a 4096 x 128
     # head is 2.3x a block's matmuls; ignoring it ranked P=2 far too high, and adding it to an
@@ -218,7 +216,9 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
     per_action = round(cluster.overhead_s / t_f, 3)
     if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
-        # a stage lighter than the heaviest idles for the difference (the first has no head)
+        # how busy: the bubble of compute alone (no fixed costs, free hops); a stage lighter than the
+        # heaviest idles for the difference (the first has no head)
+        _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
         lighter = sum(per_rank) / lay.pp / max(per_rank)
         share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
         t_f *= share
@@ -306,12 +306,13 @@ def sim_actions(lay: Layout) -> int:
     return lay.pp * lay.microbatches * lay.virtual * (3 if lay.schedule in SPLIT_BACKWARD else 2)
 
 
-def affordable(layouts: list[Layout], budget: int, fixed_cost: bool) -> tuple[list[Layout], int]:
+def affordable(layouts: list[Layout], budget: int, fixed_cost: bool, shared_cores: bool) -> tuple[list[Layout], int]:
     """The layouts whose simulations fit in `budget`, cheapest simulation first (layouts sharing one
     are estimated together), and the budget they spend; the rest all play more actions. Layouts of
-    one schedule shape share its play of compute alone and, where an action pays a fixed cost
-    (`fixed_cost`) or a pipeline hops between ranks, one more a placement (each puts the boundaries
-    on other links)."""
+    one schedule shape share its plays: where an action pays a fixed cost (`fixed_cost`) or a
+    pipeline hops between ranks, one a placement (each puts the boundaries on other links), and the
+    play of compute alone where there is no such play or ranks share cores (`shared_cores`: how busy
+    they are)."""
     by_sim: dict[tuple, list[Layout]] = {}
     for lay in layouts:
         by_sim.setdefault((sim_actions(lay), lay.schedule.value, lay.pp, lay.microbatches, lay.virtual,
@@ -319,7 +320,8 @@ def affordable(layouts: list[Layout], budget: int, fixed_cost: bool) -> tuple[li
     chosen, spent = [], 0
     for key in sorted(by_sim):
         priced = len({lay.placement for lay in by_sim[key]}) if fixed_cost or key[2] > 1 else 0
-        cost = key[0] * (1 + priced) + limits.LAYOUT_COST * len(by_sim[key])
+        plays = priced + (1 if shared_cores or not priced else 0)
+        cost = key[0] * plays + limits.LAYOUT_COST * len(by_sim[key])
         if spent + cost > budget:
             break
         chosen += by_sim[key]
@@ -377,7 +379,8 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
     layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
                for lay in candidate_layouts(model, cluster, global_batch)]
     # a fixed cost an action, or a pipeline's hops, make more simulations of each schedule (estimate)
-    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, cluster.overhead_s > 0)
+    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, cluster.overhead_s > 0,
+                               bool(cluster.cores))
     weighed = len(chosen)
     if propose:  # each twin shares its layout's simulations: the same layouts are weighed, each twice at most
         chosen += [c for lay in chosen if (c := compressed(lay, cluster, quant_block)) is not None]
