@@ -10,9 +10,10 @@ A transfer between ranks holds its link: each direction of a rank pair is a queu
 transfer at a time, in the order the sender produced them (`Links`). A link's bandwidth is shared by
 whatever crosses it at once, so M activations sent one after another over a slow link arrive one
 hop apart, not all one hop after they were sent (a delay that overlapped them would price the link at
-M times its bandwidth). The two directions are apart: links are full duplex (Ethernet, NVLink; tc
-shapes each end of a veth pair on its own). Where the link keeps up (a hop no longer than the time
-between two sends) the queue is empty and a hop is the plain delay it always was.
+M times its bandwidth). The two directions are apart: links are full duplex (Ethernet, NVLink; the
+emulated cluster shapes a node's uplink and downlink apart, pipezero/cluster.py). Where the link
+keeps up (a hop no longer than the time between two sends) the queue is empty and a hop is the plain
+delay it always was.
 How ranks post their transfers so that real transports cannot deadlock on them (NCCL runs a rank
 pair's transfers in posting order) is schedules/posting.py's business; it builds on this timeline.
 """
@@ -71,7 +72,8 @@ class Links:
     """The links between a pipeline's ranks as queues, one a direction of each pair of ranks (the
     module's docstring says why). Only the sending rank puts transfers on its own directions, and it
     produces them in its action order, so taking them first come first served as they are produced is
-    the order they cross in."""
+    the order they cross in. Two rank pairs whose hops share one wire (several replicas' pipelines
+    through one node's link) are queues apart here: the planner gives each its share of the wire."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
