@@ -129,6 +129,7 @@ class Boundary:
     senders: int  # ranks of the sending node that cross it at once, a replica each (1 inside a node)
 
 
+@lru_cache(maxsize=4096)
 def boundaries(node_size: int, lay: Layout) -> tuple[Boundary | None, ...]:
     """Each boundary between consecutive chunks a micro-batch crosses, in model order (None: two
     chunks of one rank, the V-shape's turn, no hop), its pipeline's ranks on nodes of `node_size`
