@@ -203,7 +203,7 @@ def check_instructions(args: argparse.Namespace, count: int) -> None:
 def check_png(text: str, drawn: int) -> None:
     """Refuse a --png that would fail only after the simulation, or be written under another name
     (matplotlib adds .png to a folder's name), or draw for minutes."""
-    from pipezero.util import unexpanded_home
+    from pipezero.files import unexpanded_home
 
     if home := unexpanded_home("--png", text):
         raise ConfigError(home)
