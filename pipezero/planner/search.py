@@ -291,7 +291,9 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
 
 
 @dataclass(frozen=True)
-class Plan:
+class Ranking:
+    """A search's answer: the layouts that fit, fastest first, and those it could not weigh or fit."""
+
     fits: list[Estimate]  # fastest first
     considered: int  # layouts estimated
     skipped: int  # layouts whose simulation did not fit in the budget (the most micro-batches)
@@ -371,7 +373,7 @@ def proposed(estimates: list[Estimate]) -> list[Estimate]:
 
 def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
                 grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
-                budget: int | None = None, propose: bool = False, offload: bool = False) -> Plan:
+                budget: int | None = None, propose: bool = False, offload: bool = False) -> Ranking:
     """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
     every layout with the given quantization of its traffic (bits 0: none) and secondary shard
     where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
@@ -401,7 +403,7 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
     if propose:
         fits = proposed(fits)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
-    return Plan(fits, weighed, len(layouts) - weighed, spent, short, nearest)
+    return Ranking(fits, weighed, len(layouts) - weighed, spent, short, nearest)
 
 
 def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int,
