@@ -36,7 +36,7 @@ from pipezero.telemetry.memory_profile import PeakMeter
 from pipezero.runtime.watch import Watch, start_watch
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
-from pipezero.util import atomic_write_json
+from pipezero.files import atomic_write_json
 from pipezero.stage import Stage, build_stage
 from pipezero.planner.auto_check import LayoutCheck
 from pipezero.summary import RunResult, finish_run, peak_rss_bytes

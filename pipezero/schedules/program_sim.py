@@ -2,8 +2,9 @@
 overlaps it, and the waits that tie them together.
 
 The compute lane follows check.simulate exactly (an action starts when the rank is free and its
-inputs have arrived, a hop later when they come from another rank), so with free communication a
-program takes exactly the schedule's time: the collectives add only what they cost. On top:
+inputs have arrived, through check.Links' queues when they come from another rank), so with free
+communication a program takes exactly the schedule's time: the collectives add only what they cost.
+On top:
 - a collective (UNSHARD, REDUCE_GRAD) is a rendezvous of its dp group (TIED_SUM: of the replica's
   ranks holding a tied embedding's copies): it starts when every member
   has issued it and each member's communication lane is free (one stream a group, in order), and
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Op
 # check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
-from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
+from pipezero.schedules.check import CostModel, Links, ScheduleError, _deps, _key, check_hops, crossing
 from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, OptimStep, Program,
                                         hoisted)
 
@@ -93,6 +94,7 @@ class _Play:
     ranks: list[list[Instr]]  # the program's, a fused backward's reductions after it (`hoisted`)
     cost: CostModel
     comm: CommCost
+    links: Links  # the pipelines' links (each replica's own), queued as check.simulate queues them
     pc: list[int]
     free: list[float]  # when each rank's CPU may go on
     comm_free: list[float]
@@ -110,6 +112,7 @@ class _Play:
     host_free: dict[int, float] = field(default_factory=dict)  # rank -> when its host lane is free
     copied: dict[tuple[int, int, int | None], float] = field(default_factory=dict)  # a bucket's copy to the host ends
     done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
+    arrived: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) sent on -> arrival
     timeline: list[Span] = field(default_factory=list)
 
     def members(self, key: GroupKey) -> list[int]:
@@ -169,7 +172,12 @@ class _Play:
             self.busy[r] += end - start
             self.free[r] = end
             self.timeline.append(Span(r, "compute", str(a), instr.kind, a.mb, start, end))
-            d = self.prog.coords(r)[1]
+            p, d = self.prog.coords(r)
+            s = self.prog.schedule
+            out = crossing(s, a)
+            if out is not None and s.rank_of_chunk[out[1]] != p:
+                receiver = self.prog.global_rank(s.rank_of_chunk[out[1]], d)
+                self.arrived[(d, *_key(a))] = self.links.send(out[0], r, receiver, end)
             for k in [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else []):
                 self.done[(d, *k)] = end
         elif isinstance(instr, DataParallel) and instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
@@ -233,7 +241,7 @@ class _Play:
             end = self.done.get((d, *dep))
             if end is None:
                 return None
-            t = max(t, end + (self.cost.comm if s.rank_of_chunk[dep[0]] != p else 0.0))
+            t = max(t, self.arrived[(d, *dep)] if s.rank_of_chunk[dep[0]] != p else end)
         gate = self.gate.get((r, a.chunk))
         if gate is not None:
             if gate not in self.ends:
@@ -246,7 +254,9 @@ def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCos
     """Play every rank's program; raise ScheduleError if transfers and collectives deadlock."""
     n = len(prog.ranks)
     ranks = [hoisted(r) for r in prog.ranks]
-    play = _Play(prog, ranks, cost or CostModel(), comm or CommCost(), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+    cost = cost or CostModel()
+    check_hops(prog.schedule, cost)
+    play = _Play(prog, ranks, cost, comm or CommCost(), Links(cost), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
                  [0.0] * n)
     moved = True
     while moved:
