@@ -153,7 +153,7 @@ def test_bad_data_is_one_line(flags, needle, bad_data, capsys, tmp_path):
 
 def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path, monkeypatch):
     from pipezero.data.tokenizer import BPETokenizer
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     for i, vocab in enumerate((270, 300)):  # two tokenizers, both called tokenizer.json
         (tmp_path / str(i)).mkdir()

@@ -123,7 +123,7 @@ def test_empty_inputs_short_documents_and_small_corpora(tmp_path, capsys):
 
 def test_interrupted_build_leaves_nothing_read(corpus_dir, monkeypatch):
     from pipezero.data import tokenizer
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     calls = []
 
