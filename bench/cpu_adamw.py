@@ -135,7 +135,7 @@ def main() -> None:
         c = r["bucket_copy"]
         print(f"  host->host copy of a {c['bytes'] / 2**20:.0f} MiB bucket: {c['gb_per_s']:.2f} GB/s ({c['s'] * 1e3:.1f} ms; "
               f"best {c['best_gb_per_s']:.2f} GB/s)")
-    from pipezero.util import atomic_write_with
+    from pipezero.files import atomic_write_with
 
     out = {"machine": {"cores": cores, "torch": torch.__version__}, "buckets": args.buckets,
            "bucket_mb": args.bucket_mb, "tensor_mib": args.tensor_mib, "repeats": args.repeats, "runs": rows}

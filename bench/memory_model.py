@@ -44,7 +44,7 @@ from pipezero.schedules.registry import SCHEDULES, check_layout, default_virtual
 from pipezero.settings import build_config  # noqa: E402
 from pipezero.memory.model import predict  # noqa: E402
 from pipezero.memory.runs import phase_peaks  # noqa: E402
-from pipezero.util import atomic_write_bytes  # noqa: E402
+from pipezero.files import atomic_write_bytes  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 
 MODELS = {

@@ -30,7 +30,7 @@ from pipezero.settings import build_config  # noqa: E402
 from pipezero.memory.model import predict  # noqa: E402
 from pipezero.memory.partition import resolve, search  # noqa: E402
 from pipezero.memory.runs import phase_peaks  # noqa: E402
-from pipezero.util import atomic_write_json  # noqa: E402
+from pipezero.files import atomic_write_json  # noqa: E402
 from rank_spawner import run_ranks  # noqa: E402
 
 MIB = 2**20

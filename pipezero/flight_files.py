@@ -6,7 +6,7 @@ system file would be read as a rank's), of at most `MAX_BYTES` (a sparse file of
 a MemoryError), JSON nested no deeper than pipezero writes, with the fields and types a rank writes,
 and named for the rank it says it is (a `rank` field of 0 in rank-00001.json replaced rank 0's real
 record). Anything else is refused with the file named and why: shown as "no record", it would send
-the user looking for a dead rank. The rename that writes each record (util.atomic_write_json) means
+the user looking for a dead rank. The rename that writes each record (files.atomic_write_json) means
 a reader never meets half of one, so no damage here is a race.
 
 The plan a run's records are compiled against (the layout and the model's shapes, tens of KB) is

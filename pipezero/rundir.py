@@ -33,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pipezero.errors import ConfigError
-from pipezero.util import atomic_write_bytes, make_folders, remove_made
+from pipezero.files import atomic_write_bytes, make_folders, remove_made
 
 LOCK = ".lock"
 RUN_ID = ".run-id"

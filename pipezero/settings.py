@@ -666,7 +666,7 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     check_secondary_shard(p)
     check_zero3_unit(cfg, spec)
     check_prefetch(cfg)
-    from pipezero.util import dangling_link, unexpanded_home, unfollowable
+    from pipezero.files import dangling_link, unexpanded_home, unfollowable
 
     # `out_name`: --out, or run.out (in FILE) when the TOML file set it
     # an empty --out is each command's to name (a run's folder, verify's runs); the file's key is named here

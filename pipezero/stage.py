@@ -212,8 +212,8 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     if zero.layerwise:
         layerwise.install(zero, chunks, {c: plan.units(c) for c in chunks})
     program = rank_program(plan, mesh, zero)
-    if defers_update_waits(program):
-        weight_waits.install(zero, chunks)  # each layer waits for its own updated weights
+    if defers_update_waits(program):  # the moments of the program's waits for updated weights
+        weight_waits.install(zero, chunks, {c: plan.buckets.reads(c) for c in chunks})
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
                  plan, program)

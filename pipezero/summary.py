@@ -22,7 +22,7 @@ from pipezero.parallel.waits import gather_objects
 from pipezero.telemetry.metrics import StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog
 from pipezero.telemetry.trace import write_trace
-from pipezero.util import atomic_write_json
+from pipezero.files import atomic_write_json
 from pipezero.zero.accounting import explain, held_bytes
 
 if TYPE_CHECKING:

@@ -39,7 +39,7 @@ import torch
 from pipezero.config import DType, Offload, ScheduleKind, SecondaryShard, ShareDevice, TrainConfig, Zero3Unit
 from pipezero.errors import ConfigError
 from pipezero.settings import validate
-from pipezero.util import atomic_write_bytes, atomic_write_json
+from pipezero.files import atomic_write_bytes, atomic_write_json
 
 if TYPE_CHECKING:
     from rich.console import Console

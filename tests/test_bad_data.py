@@ -291,7 +291,7 @@ def test_a_cache_folder_that_is_a_file_or_unwritable_is_one_line(launch, docs, t
 
 
 def test_the_default_cache_folder_names_where_it_comes_from(tmp_path, monkeypatch):
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     (tmp_path / "xdg").write_text("x")
     monkeypatch.delenv("PIPEZERO_CACHE")
@@ -369,7 +369,7 @@ def test_a_damaged_cache_entry_is_rebuilt(damage, tmp_path, capsys, monkeypatch)
     import numpy as np
 
     from pipezero.data import load_corpus
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
     cfg = _documents(tmp_path)
@@ -392,7 +392,7 @@ def test_damaged_stdlib_and_tokenizer_caches_are_rebuilt(tmp_path, capsys, monke
 
     from pipezero.config import DataConfig
     from pipezero.data import load_corpus
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
     stdlib = DataConfig(tokenizer="bytes", max_bytes=100_000, seq_len=32)
@@ -727,7 +727,7 @@ def test_a_cache_entry_edited_to_hold_an_id_past_the_vocabulary_is_rebuilt(tmp_p
     import numpy as np
 
     from pipezero.data import load_corpus
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
     cfg = _documents(tmp_path)
@@ -749,7 +749,7 @@ def test_a_cached_tokenizer_swapped_for_another_is_rebuilt(tmp_path, capsys, mon
     import numpy as np
 
     from pipezero.data import load_corpus
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
     cfg = _documents(tmp_path)

@@ -450,7 +450,7 @@ def test_a_writer_that_reports_an_os_error_in_its_own_words_names_the_file(tmp_p
     half-written file."""
     import errno
 
-    from pipezero.util import atomic_write_with, refused_write
+    from pipezero.files import atomic_write_with, refused_write
 
     def full(tmp: str) -> None:
         Path(tmp).write_bytes(b"half")

@@ -1,14 +1,13 @@
 """Every user mistake is one line on stderr naming the fix, exit status 2, and no traceback.
 
-Most cases run `pipezero.cli.main` in this process (fast: no interpreter or torch start-up a
-case); a few run the console command, where the launcher and torchrun are involved.
+Every case runs `pipezero.cli.main` in this process (fast: no interpreter or torch start-up a
+case); a `--nproc` case replaces the launcher with one that fails the test, so what it refuses is
+refused before torchrun or any rank would start.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -154,7 +153,7 @@ def test_bad_data_is_one_line(flags, needle, bad_data, capsys, tmp_path):
 
 def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path, monkeypatch):
     from pipezero.data.tokenizer import BPETokenizer
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     for i, vocab in enumerate((270, 300)):  # two tokenizers, both called tokenizer.json
         (tmp_path / str(i)).mkdir()
@@ -170,14 +169,15 @@ def test_token_cache_follows_tokenizer_content_and_is_private(bad_data, tmp_path
     (["--data", "text.txt", "--tokenizer", "broken.json"], "is not a Hugging Face tokenizer.json"),
     (["--zero", "5"], "--zero 5: expected an integer >= 0 and <= 3"),
 ])
-@pytest.mark.distributed
-def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_path):
+def test_launcher_says_it_once_before_ranks_start(flags, needle, bad_data, tmp_path, capsys, monkeypatch):
+    """`--nproc 2` refuses these in the launching process, before torchrun or any rank starts (each
+    rank would print the line again under torchrun's report): with no launcher at all, still one line."""
+    monkeypatch.setattr("pipezero.launch.launch_local", no_launch)
     flags = [str(bad_data / f) if f.endswith((".txt", ".npy", ".json")) else f for f in flags]
-    proc = subprocess.run([sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", *flags,
-                           "--seq-len", "16", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120)
-    assert_one_line(proc.returncode, proc.stderr, needle)
-    assert "torch.distributed" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
+    code, err = run_main(["train", "--nproc", "2", "--pp", "2", *flags, "--seq-len", "16",
+                          "--out", str(tmp_path / "run")], capsys)
+    assert_one_line(code, err, needle)
+    assert not (tmp_path / "run").exists()
 
 
 def test_run_folder_mistakes_are_one_line(tmp_path, capsys):

@@ -30,7 +30,7 @@ CASES = [
     (["simulate", "--zero", "2", "--pp", "8", "--dp", "64", "--microbatches", "64"],
      "x --dp 64 = 32768 stage micro-batches to play; the limit is 4096 with --zero"),
     (["simulate", "--zero", "3", "--zero3-layerwise", "--grad-reduce", "microbatch", "--preset", "70b", "--pp", "4",
-      "--dp", "16", "--microbatches", "64"], "the lowered program has 440384 instructions over its ranks; the limit is 80000"),
+      "--dp", "16", "--microbatches", "64"], "the lowered program has 600128 instructions over its ranks; the limit is 80000"),
     (["simulate", "--cost", "1e308:1e308:1"], "--cost 1e308:1e308:1: expected three numbers > 0 (from 1e-06 to 1e+06"),
     (["simulate", "--cost", "1:1e-320:1"], "--cost 1:1e-320:1: expected three numbers > 0 (from 1e-06 to 1e+06"),
     (["simulate", "--comm", "1e308"], "--comm = 1e+308: expected a number >= 0 and <= 1000000"),

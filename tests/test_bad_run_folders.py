@@ -12,7 +12,7 @@ import pytest
 
 from one_line import assert_one_line, assert_one_line_exit_1, run_main
 from pipezero.rundir import claim
-from pipezero.util import atomic_write_bytes
+from pipezero.files import atomic_write_bytes
 from tiny_runs import (TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_folder,
                        copy_trained_run, data_of, write_docs)
 from user_files import files, read_only, within, writable
@@ -150,7 +150,7 @@ def test_a_tilde_no_shell_expanded_is_refused_not_made_a_folder(how, tmp_path, m
 
 
 def test_a_real_folder_named_tilde_is_the_users_choice(tmp_path, monkeypatch):
-    from pipezero.util import unexpanded_home
+    from pipezero.files import unexpanded_home
 
     monkeypatch.chdir(tmp_path)
     assert unexpanded_home("--out", "~/x") is not None
@@ -194,7 +194,7 @@ def test_run_id_of_a_pipe_is_none_at_once(tmp_path):
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json"])
 def test_a_run_file_that_refuses_a_write_is_one_line(name, tmp_path, monkeypatch, capsys, trained_folder):
-    """An immutable OUT/metrics.jsonl or OUT/summary.json on --resume: util.atomic_write_bytes's
+    """An immutable OUT/metrics.jsonl or OUT/summary.json on --resume: files.atomic_write_bytes's
     OSError is one line naming the file and the fix, exit 1; the file as it was."""
     monkeypatch.chdir(tmp_path)
     write_docs(tmp_path)
@@ -283,7 +283,7 @@ def test_files_a_run_writes_take_the_umask_or_the_mode_they_replace(tmp_path):
     that were 0644."""
     import stat
 
-    from pipezero.util import atomic_write_bytes
+    from pipezero.files import atomic_write_bytes
 
     old = os.umask(0o022)
     try:

@@ -174,7 +174,8 @@ def test_layer_by_layer_lists_each_actions_gathers_where_its_layers_run():
     plan = compile_plan(p, decoder_shapes(tiny(), [(0, 3), (3, 5)]))
     listed = {str(i.action): i.describe() for i in plan.program.ranks[0] if isinstance(i, Compute)}
     assert listed["0F0"] == ("0F0[UNSHARD(0.2, wait)@fwd 0 UNSHARD(0.1)@fwd 0 RESHARD(0.2)@fwd-end 0 "
-                             "UNSHARD(0.0)@fwd 1 RESHARD(0.1)@fwd-end 1 RESHARD(0.0)@fwd-end 2]")
+                             "WAIT(0.1)@fwd 1 UNSHARD(0.0)@fwd 1 RESHARD(0.1)@fwd-end 1 WAIT(0.0)@fwd 2 "
+                             "RESHARD(0.0)@fwd-end 2]")
     assert listed["0B0"] == "0B0"
     assert listed["0W1"].startswith("0W1[UNSHARD(0.0, wait)@bwd 2 UNSHARD(0.1)@bwd 2 RESHARD(0.0)@bwd 1")
     later = {str(i.action): i.describe() for i in plan.program.ranks[2] if isinstance(i, Compute)}
@@ -200,9 +201,71 @@ def test_with_recompute_a_blocks_backward_gathers_what_its_forward_run_again_use
 
     plain, again = computes(), computes(recompute=True)
     assert again["1B0"] == plain["1B0"] == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3 "
-                                            "RESHARD(1.1)@end]")
+                                            "WAIT(1.1)@bwd 3 RESHARD(1.1)@end]")
     assert plain["1W0"] == "1W0" and again["1W0"] == again["1B0"].replace("1B0", "1W0")
     parts = computes(recompute=True, zero3_unit=Zero3Unit.SUBLAYER)["1B0"]
     # buckets of chunk 1, last unit first: 0 the head, 1 block 3's MLP, 2 block 3's attention
-    assert parts == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3.1 UNSHARD(1.2)@bwd 3.1 "
-                     "RESHARD(1.1)@bwd 3 RESHARD(1.2)@end]")
+    assert parts == ("1B0[UNSHARD(1.0, wait)@bwd 4 UNSHARD(1.1)@bwd 4 RESHARD(1.0)@bwd 3.1 WAIT(1.1)@bwd 3.1 "
+                     "UNSHARD(1.2)@bwd 3.1 WAIT(1.2)@fwd 3 RESHARD(1.1)@bwd 3 RESHARD(1.2)@end]")
+
+
+def test_a_layer_reading_a_gather_before_its_wait_is_an_error_naming_bucket_layer_and_instruction():
+    """The runtime waits for a gather only where the program's WAIT says. Layer by layer: an F whose
+    WAIT for a prefetched layer is taken out raises as that layer computes. ZeRO-1 with
+    --overlap-gather: with the step's gathers of updated weights in flight, a forward whose program
+    places no WAIT raises at its first layer, and a program that ends with one in flight raises at its
+    end; the F as compiled waits for each bucket at its first reading layer, recorded there."""
+    from pipezero.schedules.played import expected
+    from pipezero.zero import weight_waits
+    from pipezero.zero.buckets import shared_params
+    from pipezero.zero.sharded import ZeroDP
+
+    cfg = tiny()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    plan, chunk, zero = layer_by_layer(cfg)
+    f = next(i for i in plan.program.ranks[0] if isinstance(i, Compute) and i.kind is Kind.F)
+    w = next(d for d in f.during if d.kind is Kind.WAIT)
+    zero.enter(3)
+    zero.begin_compute(Compute(f.action, tuple(d for d in f.during if d is not w)))
+    with pytest.raises(RuntimeError, match=rf"0F0 \(#3\), layer {w.at.index} computes with bucket 0\.{w.bucket} "
+                                           rf"\(.*\) before its program waits for its gather \(no WAIT\(0\.{w.bucket}\)"):
+        chunk(tokens)
+
+    plan = compile_plan(ParallelConfig(pp=1, dp=1, zero=1, microbatches=1), decoder_shapes(cfg, [(0, 5)]))
+    chunks = {0: build_chunk(cfg, 0, 5, seed=0)}
+    zero = ZeroDP(named_by_chunk(chunks), shared_params(chunks), 1, 1, 0, None, OptimConfig(), {0: plan.layouts(0)})
+    weight_waits.install(zero, chunks, {0: plan.buckets.reads(0)})
+    program = plan.program.ranks[0]
+    step = next(k for k, i in enumerate(program) if i.kind is Kind.OPTIM_STEP)
+
+    def gathers_started() -> None:  # the UNSHARDs after the step, none of which blocks
+        for k in range(step + 1, len(program)):
+            zero.enter(k)
+            zero.play(program[k])
+        zero.comm.new_step()
+
+    f = program[0]
+    assert isinstance(f, Compute) and f.kind is Kind.F and all(d.kind is Kind.WAIT for d in f.during)
+    gathers_started()
+    zero.enter(0)
+    zero.begin_compute(Compute(f.action))  # its WAITs taken out
+    first = f.during[0]
+    with pytest.raises(RuntimeError, match=rf"0F0 \(#0\), layer {first.at.index} computes with bucket "
+                                           rf"0\.{first.bucket} \(.*\) before its program waits for its updated "
+                                           rf"weights \(no WAIT\(0\.{first.bucket}\) at or before fwd 0\)"):
+        chunks[0](tokens)
+    zero.armed = None
+    with pytest.raises(RuntimeError, match=rf"OPTIM_STEP: the gather of bucket 0\.{first.bucket} \(.*\) is still in "
+                                           rf"flight: its program never waits for it \(no WAIT\(0\.{first.bucket}\)\)"):
+        zero.end_program("OPTIM_STEP")
+    zero.comm.settle()
+    gathers_started()
+    zero.enter(0)
+    zero.begin_compute(f)
+    chunk_out = chunks[0](tokens)
+    zero.end_compute(f)
+    zero.end_program("OPTIM_STEP")  # every gather waited for
+    assert chunk_out.shape[:2] == tokens.shape
+    waits = [(p.name, p.place) for p in zero.comm.played if p.event.value == "wait"]
+    assert waits == [(e.name, e.place) for e in expected(program, plan.buckets) if e.event.value == "wait"][:len(waits)]
+    assert waits and [p for _, p in waits] == [f"#0@{d.at}" for d in f.during]

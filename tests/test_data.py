@@ -143,7 +143,7 @@ def test_a_damaged_builtin_corpus_cache_entry_is_rebuilt_not_read(tmp_path, monk
     """The built-in corpus's cache entry carries its files' sizes and checksums (as the document
     caches' do): a token file cut to half with a header that says so (numpy maps it without a word),
     or ids changed in place, is rebuilt instead of training on what is left."""
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     monkeypatch.setenv("PIPEZERO_CACHE", str(tmp_path / "cache"))
     cfg = DataConfig(tokenizer="bytes", max_bytes=100_000, seq_len=32)

@@ -123,7 +123,7 @@ def test_empty_inputs_short_documents_and_small_corpora(tmp_path, capsys):
 
 def test_interrupted_build_leaves_nothing_read(corpus_dir, monkeypatch):
     from pipezero.data import tokenizer
-    from pipezero.util import cache_dir
+    from pipezero.data.cache_folder import cache_dir
 
     calls = []
 
@@ -240,26 +240,23 @@ def test_whole_documents_cut_each_micro_batch_to_its_own_length_with_the_same_lo
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.distributed
-def test_cli_trains_on_a_folder_with_packing(corpus_dir, tmp_path):
-    import subprocess
-    import sys
+@pytest.mark.distributed  # full lane: seconds of one-process training
+def test_cli_trains_on_a_folder_with_packing(corpus_dir, tmp_path, capsys):
+    from one_line import run_main
 
     out = tmp_path / "run"
-    base = [sys.executable, "-m", "pipezero.cli", "train", "--data", str(corpus_dir / "a.jsonl"),
-            str(corpus_dir / "sub"), "--tokenizer", "bytes", "--seq-len", "32", "--micro-batch-size", "2",
-            "--microbatches", "2", "--max-steps", "3", "--no-progress", "--heldout-fraction", "0.1",
-            "--packing", "doc-masked", "--sample-tokens", "0", "--out", str(out)]
-    proc = subprocess.run(base, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    assert proc.returncode == 0, proc.stderr
+    base = ["train", "--data", str(corpus_dir / "a.jsonl"), str(corpus_dir / "sub"), "--tokenizer", "bytes",
+            "--seq-len", "32", "--micro-batch-size", "2", "--microbatches", "2", "--max-steps", "3", "--no-progress",
+            "--heldout-fraction", "0.1", "--packing", "doc-masked", "--sample-tokens", "0", "--out", str(out)]
+    code, err = run_main(base, capsys)
+    assert code == 0, err
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in lines)
     write_jsonl(tmp_path / "broken.jsonl", [doc(1)])
     with (tmp_path / "broken.jsonl").open("a") as f:
         f.write("{nope\n")
-    proc = subprocess.run([*base[:5], str(tmp_path / "broken.jsonl"), "--out", str(tmp_path / "r2")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "broken.jsonl:2: invalid JSON" in proc.stderr
+    code, err = run_main([*base[:2], str(tmp_path / "broken.jsonl"), "--out", str(tmp_path / "r2")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "broken.jsonl:2: invalid JSON" in err, err
 
 
 def test_an_eos_beyond_uint16_widens_the_token_cache(tmp_path):

@@ -182,6 +182,9 @@ def choose_and_train(rank: int, world: int, data: str, out: str) -> dict:
     # the block's own timing is not under test, and on a loaded machine a tiny block's is refused
     # (its fixed cost takes it all): the rest of the probe runs as it is
     probes.probe_block = lambda cfg, device, budget_s: ({"F": 0.01, "B": 0.01, "W": 0.01}, 1.0, 1e-4)
+    # nor is the cores' share: the real block timed with every rank at once, against that fixed one
+    # alone, read a loaded machine's few cores as a fraction of one and turned the choice
+    probes.block_together = lambda cfg, device, budget_s, timeout_s: 0.03
 
     def own_probe(cfg, device, budget_s=0.5, groups=None):
         found = measured(cfg, device, groups=groups, budget_s=0.02)

@@ -474,7 +474,80 @@ def test_the_text_sample_is_a_program_of_one_forward_a_token():
         kinds = [[i.kind for i in r if isinstance(i, DataParallel)] for r in progs]
         assert kinds == ([[Kind.UNSHARD, Kind.RESHARD]] * d if sharded and not layerwise else [[]] * d)
         inside = [x for i in progs[0] if isinstance(i, Compute) for x in i.during]
-        assert bool(inside) is layerwise and all(x.kind in (Kind.UNSHARD, Kind.RESHARD) for x in inside)
+        assert bool(inside) is layerwise and all(x.kind in (Kind.UNSHARD, Kind.WAIT, Kind.RESHARD) for x in inside)
     with pytest.raises(ValueError, match="one pipeline rank, not 2"):
         lower_sample(build_schedule(K.ONE_F_ONE_B, 2, 2, 1), 1, uniform_plan(2, BUCKETS, 1000, 1), 3,
                      sharded_params=False, layerwise=False, gather_width=4)
+
+
+def _without(prog: Program, rank: int, drop) -> Program:
+    """`prog` with the instructions `drop` picks removed from rank `rank` (inside compute too)."""
+    instrs = tuple(replace(i, during=tuple(d for d in i.during if not drop(d))) if isinstance(i, Compute) else i
+                   for i in prog.ranks[rank] if not drop(i))
+    return replace(prog, ranks=prog.ranks[:rank] + (instrs,) + prog.ranks[rank + 1:])
+
+
+@pytest.mark.parametrize("kind", [K.ONE_F_ONE_B, K.ZB_H1, K.INTERLEAVED_1F1B])
+def test_every_gather_that_does_not_block_is_waited_for_where_the_program_places_its_wait(kind):
+    """The waits are instructions. Layer by layer (2 layers ahead) each gather started without waiting
+    has one WAIT in the same action, at the moment its layer computes (its `fwd` or `bwd`), never
+    before it starts; ZeRO-1 with --overlap-gather waits for each updated bucket in the chunk's first
+    F, at the `fwd` of the first layer reading it (bucket plan `reads`), in the order the step started
+    them, and no other compute waits (without --overlap-gather none does: the last gather blocks). The
+    evaluation's first forward waits alike. A program without one of them, or with one after its
+    layer's use, is refused by the checker, naming the bucket."""
+    from pipezero.schedules.forward_only import check_forward_only, lower_evaluation
+    from pipezero.schedules.layer_plan import Moment, Trigger
+
+    s = schedule(kind, 2)
+    plan = uniform_plan(s.n_chunks, BUCKETS, 1000, 2)
+    layerwise = lower(s, 2, 3, GradReduce.STEP, plan, keep_gathered=False, depth=2)
+    check_program(layerwise)
+    for r in range(len(layerwise.ranks)):
+        for ins in (i for i in layerwise.ranks[r] if isinstance(i, Compute)):
+            started = [d.bucket for d in ins.during if d.kind is Kind.UNSHARD and not d.blocking]
+            waits = [d for d in ins.during if d.kind is Kind.WAIT]
+            assert sorted(d.bucket for d in waits) == sorted(started), ins.describe()
+            for w in waits:
+                use = {u.bucket: u for u in plan.layers(w.chunk)}[w.bucket]
+                assert (w.at.moment, w.at.index) in ((Moment.FORWARD, use.index), (Moment.BACKWARD, use.index)), \
+                    ins.describe()
+                assert ins.during.index(w) > next(k for k, d in enumerate(ins.during)
+                                                  if d.kind is Kind.UNSHARD and d.bucket == w.bucket)
+    first = next(i for i in layerwise.ranks[0] if isinstance(i, Compute) and any(d.kind is Kind.WAIT for d in i.during))
+    w = next(d for d in first.during if d.kind is Kind.WAIT)
+    with pytest.raises(ScheduleError, match=rf"computes with bucket {w.bucket}, whose gather no WAIT before it waits"):
+        check_program(_without(layerwise, 0, lambda d: d is w))
+
+    overlap = lower(s, 2, 1, GradReduce.STEP, plan, overlap_gather=True)
+    check_program(overlap)
+    for r in range(len(overlap.ranks)):
+        instrs = overlap.ranks[r]
+        firsts = {c: next(i for i in instrs if isinstance(i, Compute) and i.action.chunk == c)
+                  for c in s.chunks(overlap.coords(r)[0])}
+        for c, f in firsts.items():
+            assert f.action.op is Op.F
+            reads = plan.reads(c)
+            want = [DataParallel(Kind.WAIT, c, k, Collective.LOCAL, 0,
+                                 at=Trigger(Moment.FORWARD, next(i for i, ks in reads.items() if k in ks)))
+                    for k in reversed(range(BUCKETS))]
+            assert list(f.during) == want
+            gathers = [i.bucket for i in instrs[instrs.index(next(i for i in instrs if i.kind is Kind.OPTIM_STEP)):]
+                       if i.kind is Kind.UNSHARD and i.chunk == c]
+            assert [d.bucket for d in f.during] == gathers  # waited for in the order the step started them
+        assert sum(1 for i in flat(instrs) if i.kind is Kind.WAIT) == BUCKETS * len(firsts)
+    assert not any(i.kind is Kind.WAIT for r in lower(s, 2, 1, GradReduce.STEP, plan).ranks for i in flat(r))
+    f = next(i for i in overlap.ranks[0] if isinstance(i, Compute))
+    late, early = f.during[-1], f.during[0]
+    with pytest.raises(ScheduleError, match=rf"0F0 \(#0\): layer {late.at.index} computes with bucket "
+                                            rf"{late.chunk}\.{late.bucket} before any WAIT"):
+        check_program(_without(overlap, 0, lambda d: d is late))
+    moved = replace(early, at=late.at)  # after the layer that first reads it has run
+    swapped = tuple(replace(i, during=(*i.during[1:], moved)) if i is f else i for i in overlap.ranks[0])
+    with pytest.raises(ScheduleError, match=rf"layer {early.at.index} computes with bucket {early.chunk}\.{early.bucket} "
+                                            rf"before any WAIT"):
+        check_program(replace(overlap, ranks=(swapped,) + overlap.ranks[1:]))
+    evaluation = lower_evaluation(s, 2, plan, 2, sharded_params=False, layerwise=False, gather_width=4,
+                                  update_waits=True)
+    check_forward_only(s, 2, plan, evaluation, 2)
+    assert next(i for i in evaluation[0] if isinstance(i, Compute)).during == f.during

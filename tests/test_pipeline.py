@@ -166,17 +166,16 @@ def test_four_ranks_every_schedule_pp2_dp2_and_pp4(text_dir, tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_cli_nproc_launches_through_torchrun(text_dir, tmp_path):
-    import json
-    import subprocess
-    import sys
+def test_cli_nproc_launches_through_torchrun(text_dir, tmp_path, capfd):
+    """`train --nproc 2` from this process: the launcher (torchrun) and both ranks are processes of
+    their own, as under the console command."""
+    from pipezero.cli import main
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "2", "--pp", "2", "--dp", "1",
-           "--schedule", "zb-h1", "--microbatches", "4", "--data", str(text_dir), "--tokenizer", "bytes",
-           "--seq-len", "32", "--max-steps", "6", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = main(["train", "--nproc", "2", "--pp", "2", "--dp", "1", "--schedule", "zb-h1", "--microbatches", "4",
+                 "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "32", "--max-steps", "6",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0, capfd.readouterr().err[-3000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 7))
     summary = json.loads((out / "summary.json").read_text())

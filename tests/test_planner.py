@@ -206,6 +206,39 @@ def test_a_pipelines_hops_cross_the_slow_link_only_between_nodes():
     assert extra == pytest.approx(2 * hop / (2 * 1e-3 * 1e9), rel=0.02)
 
 
+def test_a_slow_boundary_makes_1f1b_dearer_than_the_schedules_that_stream_through_it():
+    """The emulated 2 nodes x 2 ranks at 100 Mbit, as bench/layout_auto_cluster.py's probe measured it
+    (58 GFLOP/s, 0.4 ms an action, 5.2 MB/s a rank across, 1.25 cores): P=4's middle boundary crosses
+    the nodes, and the planner plays each boundary at its own link. 1F1B waits a round trip across it
+    for a micro-batch's backward, where GPipe and ZB-H1 keep the link busy, so 1F1B is priced slower,
+    as measured (1.57 s against 0.53 and 0.52): one hop cost added after the play priced all three
+    alike (0.297 s) and chose 1F1B. Where the link between nodes is fast they tie again."""
+    from dataclasses import replace
+
+    from pipezero.config import ScheduleKind as K
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate, hop_seconds, plan_within
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.n_layers = 4
+    slow = Cluster(gpus=4, gpu_memory_gib=0.07, node_size=2, intra_gbps=1.327, inter_gbps=0.00517, tflops=0.0578,
+                   mfu=1.0, wire_bytes=4, overhead_s=4e-4, cpu=True, cores=1.25, bucket_mb=1.0)
+    fast = replace(slow, inter_gbps=100.0)
+    lay = {k: Layout(4, 1, 0, k, 1, 2, 8, False) for k in (K.ONE_F_ONE_B, K.GPIPE, K.ZB_H1)}
+    hop = 4 * 2 * 128 * model.dim  # fp32 activations of a micro-batch of two rows
+    # the middle boundary crosses the nodes, its one sender with the node's link (two ranks' shares) to itself
+    assert hop_seconds(slow, lay[K.GPIPE], hop) == pytest.approx(
+        (hop / 1.327e9, hop / (2 * 0.00517e9), hop / 1.327e9))
+    step = {k: estimate(model, 128, 16, slow, x).step_time_s for k, x in lay.items()}
+    assert step[K.ONE_F_ONE_B] > 1.1 * step[K.GPIPE] and step[K.ONE_F_ONE_B] > 1.02 * step[K.ZB_H1]
+    tie = {k: estimate(model, 128, 16, fast, x).step_time_s for k, x in lay.items()}
+    assert tie[K.ONE_F_ONE_B] == pytest.approx(tie[K.GPIPE], rel=0.01)
+    ranked = [e.layout for e in plan_within(model, slow, 128, 16).fits]
+    assert ranked[0].schedule is not K.ONE_F_ONE_B
+    assert ranked.index(lay[K.GPIPE]) < ranked.index(lay[K.ONE_F_ONE_B])
+    assert ranked.index(lay[K.ZB_H1]) < ranked.index(lay[K.ONE_F_ONE_B])
+
+
 def test_a_fixed_cost_per_action_is_paid_once_by_a_fused_backward():
     """`CostModel.per_action`: each rank of ZB-H1 (F, B, W apart) pays it M times more than 1F1B
     (F, fused BW), so on an oversubscribed host, where the bubble is not the limit, 1F1B wins."""
@@ -325,8 +358,10 @@ def test_plan_takes_the_compute_and_the_shared_host_as_flags(capsys):
 
     def steps(*extra: str) -> dict[tuple, float]:
         assert main([*base, *extra]) == 0
+        # the bubble is the played step's (fixed costs and hops wait too): a figure, not the layout
         return {tuple(v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "why", "zero3_prefetch",
-                                                                  "zero3_prefetch_why", "zero3_unit")): r["step_time_s"]
+                                                                  "zero3_prefetch_why", "zero3_unit", "bubble")):
+                r["step_time_s"]
                 for r in json.loads(capsys.readouterr().out)["layouts"]}
 
     fast, slow = steps("--tflops", "1e-3"), steps("--tflops", "5e-4")

@@ -187,3 +187,44 @@ def test_the_record_holds_transfers_and_the_loss_sum_where_the_program_places_th
     at = next(k for k, i in enumerate(events) if i == ("wait", "SEND(act 1:1 to 2)"))
     assert events[at - 1] == ("wait", "SEND(act 1:0 to 2)") and events[at + 1][1].startswith("REDUCE_GRAD")
     assert any(isinstance(i, OptimStep) for i in step)
+
+
+def test_the_record_holds_each_wait_at_the_place_the_program_gives_it():
+    """One process, the rules alone: every wait for a gather or a reduction is expected at the
+    instruction that waits (`#i`, inside compute instruction i `#i@moment`): a prefetched layer's at its
+    WAIT's moment, ZeRO-1's updated weights at the next program's WAITs in its first forward. A record
+    whose wait happened elsewhere (the runtime waiting on its own as a layer computes, outside the
+    WAIT: no moment) departs, naming both places; a program after the step that never waits for the
+    gathers the step left in flight departs, naming the gather."""
+    from pipezero.config import GradReduce
+    from pipezero.schedules.bucket_plan import uniform_plan
+    from pipezero.schedules.forward_only import lower_evaluation
+    from pipezero.schedules.lowering import lower
+    from pipezero.schedules.played import departure, expected
+    from pipezero.schedules.registry import build_schedule
+
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2, 1)
+    plan = uniform_plan(2, 3, 100, 2)
+    layerwise = lower(s, 2, 3, GradReduce.STEP, plan, keep_gathered=False, depth=2).ranks[0]
+    want = expected(layerwise, plan)
+    record = [(e.event.value, e.name, e.place) for e in want]
+    assert departure(record, want) == ("", frozenset())
+    assert ("wait", "UNSHARD(0.1)", "#0@fwd 1") in record and ("wait", "UNSHARD(0.2)", "#0@fwd 0") in record
+    at = record.index(("wait", "UNSHARD(0.1)", "#0@fwd 1"))
+    moved = record[:at] + [("wait", "UNSHARD(0.1)", "#0")] + record[at + 1:]
+    assert departure(moved, want)[0] == f"event {at}: wait UNSHARD(0.1) played at #0, where the program places it " \
+                                        f"at #0@fwd 1"
+
+    overlap = lower(s, 2, 1, GradReduce.STEP, plan, overlap_gather=True).ranks[0]
+    step = expected(overlap, plan)
+    problem, carried = departure([(e.event.value, e.name, e.place) for e in step], step)
+    assert problem == "" and carried == {"UNSHARD(0.0)", "UNSHARD(0.1)", "UNSHARD(0.2)"}
+    assert [(e.name, e.place) for e in step[:3]] == [("UNSHARD(0.2)", "#0@fwd 0"), ("UNSHARD(0.1)", "#0@fwd 1"),
+                                                     ("UNSHARD(0.0)", "#0@fwd 2")]
+    waiting = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gather_width=4,
+                               update_waits=True)[0]
+    blind = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gather_width=4)[0]
+    for program, problem in ((waiting, ""), (blind, "UNSHARD(0.0), left in flight by the program before, was never "
+                                                    "waited for")):
+        events = expected(program, plan)
+        assert departure([(e.event.value, e.name, e.place) for e in events], events, carried)[0] == problem

@@ -307,6 +307,76 @@ def test_comm_time_lengthens_step():
     assert simulate(build_schedule(K.ONE_F_ONE_B, 4, 8), CostModel(comm=0.5)).step_time >= 33 + 3
 
 
+def test_a_slow_boundary_costs_1f1b_a_round_trip_more_than_gpipe():
+    """P=2, M=4, F = B = W = 1, one boundary of hop h (a link across nodes), worked out on paper:
+    - GPipe's forwards stream through the link and its backwards stream back, so only the first
+      micro-batch waits for its activation and the last for its gradient: 3M + 3 + 2h, one round trip.
+    - 1F1B's rank 0 runs F0 F1 BW0 F2 BW1 F3 BW2 BW3: its BW0 waits for micro-batch 0's round trip
+      through rank 1 (F0 +h, rank 1's F0 and BW0, +h), the F2 after it sends micro-batch 2 on a round
+      trip of its own that BW2 waits for: two round trips in a row, 15 + 4h.
+    - ZB-H1 has 1F1B's shape (F, B, F, B ...) with W filling the gaps: 13 + 4h for 1/2 <= h <= 1.
+    So 1F1B is one round trip (2h) slower than GPipe: at h = 1, 19 against 17 and ZB-H1's 17."""
+    def step(kind, hop):
+        return simulate(build_schedule(kind, 2, 4), CostModel(hop=(hop,))).step_time
+
+    h = 1.0
+    assert step(K.GPIPE, h) == pytest.approx(15 + 2 * h)
+    assert step(K.ONE_F_ONE_B, h) == pytest.approx(15 + 4 * h)
+    assert step(K.ZB_H1, h) == pytest.approx(13 + 4 * h)
+    assert step(K.ONE_F_ONE_B, h) - step(K.GPIPE, h) == pytest.approx(2 * h)  # one round trip more
+    assert step(K.GPIPE, 0.0) == step(K.ONE_F_ONE_B, 0.0) == 15  # a free link: they tie
+
+
+def test_a_slow_link_carries_one_transfer_at_a_time_each_way():
+    """A hop longer than the compute between two sends queues: GPipe's four activations leave rank 0
+    at 1, 2, 3, 4 but arrive h apart (1 + h ... 1 + 4h), so rank 1's last forward ends at 2 + 4h,
+    its four BW (2 each) at 10 + 4h; the gradients (2 apart, h <= 2: no queue back) reach rank 0
+    from 4 + 5h, whose last BW ends at 12 + 5h (1 <= h <= 2). As a plain delay the four would have
+    crossed at once (15 + 2h). 1F1B sends one activation and one gradient at a time each way:
+    15 + 4h still (h <= 3), so at h = 3 it beats GPipe (27 against 30); both directions carry
+    at once (gradients back while activations go)."""
+    def step(kind, hop):
+        return simulate(build_schedule(kind, 2, 4), CostModel(hop=(hop,))).step_time
+
+    for h in (1.5, 2.0):
+        assert step(K.GPIPE, h) == pytest.approx(12 + 5 * h) and step(K.GPIPE, h) > 15 + 2 * h
+        assert step(K.ONE_F_ONE_B, h) == pytest.approx(15 + 4 * h)
+    assert step(K.GPIPE, 3.0) == pytest.approx(30) and step(K.ONE_F_ONE_B, 3.0) == pytest.approx(27)
+
+
+@pytest.mark.parametrize("kind, pp, m", [(K.GPIPE, 4, 8), (K.ONE_F_ONE_B, 4, 8), (K.ZB_H1, 3, 7),
+                                         (K.INTERLEAVED_1F1B, 2, 4), (K.ZB_V, 2, 4), (K.DUALPIPE_V, 4, 8)])
+def test_a_uniform_hop_is_comm(kind, pp, m):
+    """`comm` is the shorthand of the same hop at every boundary; a boundary inside one rank (the
+    V's turn) costs nothing whatever its entry; a list that misses boundaries is refused."""
+    s = build_schedule(kind, pp, m, V_OF.get(kind, 1))
+    turns = [c for c in range(s.n_chunks - 1) if s.rank_of_chunk[c] == s.rank_of_chunk[c + 1]]
+    hop = tuple(99.0 if c in turns else 0.5 for c in range(s.n_chunks - 1))
+    by_comm, by_hop = simulate(s, CostModel(comm=0.5)), simulate(s, CostModel(hop=hop))
+    assert by_hop.step_time == by_comm.step_time and by_hop.timeline == by_comm.timeline
+    assert by_comm.step_time > simulate(s).step_time
+    with pytest.raises(ValueError, match=f"CostModel.hop has 1 entries; .* has {s.n_chunks - 1} boundaries"):
+        simulate(s, CostModel(hop=(0.5,)))
+
+
+@pytest.mark.parametrize("kind, pp, v", [(K.GPIPE, 2, 1), (K.ONE_F_ONE_B, 4, 1), (K.ZB_V, 2, 2)])
+def test_a_whole_program_waits_for_its_hops_as_the_schedule_does(kind, pp, v):
+    """schedules/program_sim.py plays every replica's pipeline with check.simulate's links: with free
+    collectives a compiled program (ZeRO-1, D=2) takes the schedule's step, slow hops and queues included."""
+    from pipezero.cli.simulate_zero import preset_model
+    from pipezero.config import ParallelConfig
+    from pipezero.schedules.compile import compile_plan
+    from pipezero.schedules.program_sim import simulate_program
+
+    model, _ = preset_model("tiny", pp * v)
+    plan = compile_plan(ParallelConfig(pp=pp, dp=2, zero=1, schedule=kind, microbatches=4, virtual_stages=v), model)
+    s = plan.program.schedule
+    hop = tuple(2.0 if c == 0 else 0.3 for c in range(s.n_chunks - 1))  # the first boundary slow enough to queue
+    cost = CostModel(hop=hop)
+    assert simulate_program(plan.program, cost).step_time == pytest.approx(simulate(s, cost).step_time)
+    assert simulate(s, cost).step_time > simulate(s, CostModel(comm=0.3)).step_time
+
+
 def test_simulate_cli_json_compare_and_png(tmp_path, capsys):
     assert main(["simulate", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -2,7 +2,6 @@
 TensorBoard view of metrics.jsonl."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -14,17 +13,18 @@ from pipezero.config import ScheduleKind
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trace_of_4_rank_1f1b_calibrates(text_dir, tmp_path):
+def test_trace_of_4_rank_1f1b_calibrates(text_dir, tmp_path, capfd):
     """A real 4-rank run's trace: its rows, every rank's compute, and a calibration from it. How near
     the calibrated bubble comes to the measured one is a measured time, the machine's load in it
     (0.102 for 0.10 beside a loaded suite): bench/trace_calibration.py owns that figure, and
     test_calibration_of_a_trace_the_simulator_played_predicts_it_exactly holds the fitting itself."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipezero.cli", "train", "--nproc", "4", "--pp", "4", "--dp", "1",
-           "--schedule", "1f1b", "--microbatches", "8", "--data", str(text_dir), "--tokenizer", "bytes",
-           "--seq-len", "64", "--max-steps", "5", "--trace", "--out", str(out), "--no-progress"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    from pipezero.cli import main
+
+    out = tmp_path / "run"  # launched from this process: torchrun and the 4 ranks are processes of their own
+    code = main(["train", "--nproc", "4", "--pp", "4", "--dp", "1", "--schedule", "1f1b", "--microbatches", "8",
+                 "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "64", "--max-steps", "5", "--trace",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0, capfd.readouterr().err[-3000:]
     trace = json.loads((out / "trace.json").read_text())
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert names == {r: f"rank {r}" for r in range(4)}

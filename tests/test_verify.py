@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +20,13 @@ DRIFT = Path(__file__).resolve().parent / "drift"  # a sitecustomize that nudges
 SMALL = ["--tokenizer", "bytes", "--seq-len", "32", "--no-progress"]
 
 
-def verify(text_dir, out, *flags: str, env: dict | None = None) -> tuple[int, str, dict]:
-    cmd = [sys.executable, "-m", "pipezero.cli", "verify", "--data", str(text_dir), "--out", str(out), *SMALL, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    report = json.loads((out / "verify.json").read_text())
-    return proc.returncode, proc.stdout + proc.stderr, report
+def verify(capfd: pytest.CaptureFixture[str], text_dir, out, *flags: str) -> tuple[int, str, dict]:
+    """`pipezero verify` run from this process (its launcher and ranks are processes of their own, as
+    under the console command, without a second interpreter importing torch to start them): its exit
+    status, everything it and its ranks printed, and its report."""
+    code = main(["verify", "--data", str(text_dir), "--out", str(out), *SMALL, *flags])
+    printed = capfd.readouterr()
+    return code, printed.out + printed.err, json.loads((out / "verify.json").read_text())
 
 
 def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
@@ -44,12 +44,12 @@ def test_one_process_layout_verifies_in_process(text_dir, tmp_path, capsys):
 
 @pytest.mark.distributed
 @pytest.mark.slow(24)
-def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
+def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path, capfd):
     """ZB-V with M < 2P and tied embeddings (both ends on rank 0), AdamW and a micro-batch's activations
     in host memory: exit 0, every tensor compared with one process that offloads nothing."""
     toml = tmp_path / "tied.toml"
     toml.write_text("[model]\ntie_embeddings = true\n")
-    code, log, report = verify(text_dir, tmp_path / "v", "--config", str(toml), "--nproc", "2", "--pp", "2",
+    code, log, report = verify(capfd, text_dir, tmp_path / "v", "--config", str(toml), "--nproc", "2", "--pp", "2",
                                "--schedule", "zb-v", "--virtual-stages", "2", "--microbatches", "3",
                                "--offload", "optimizer", "--offload-activations", "1")
     assert code == 0, log[-3000:]
@@ -63,13 +63,13 @@ def test_pipeline_with_tied_ends_on_one_rank_verifies(text_dir, tmp_path):
 
 
 @pytest.mark.distributed
-def test_one_drifted_replica_fails_verify_and_is_named(text_dir, tmp_path):
+def test_one_drifted_replica_fails_verify_and_is_named(text_dir, tmp_path, capfd, monkeypatch):
     """ZeRO-3 over two replicas; tests/drift/sitecustomize.py nudges replica 1's copy of one weight
-    by 1e-3 before verify writes it (a hook kept out of the package)."""
-    hook = {"PIPEZERO_TEST_DRIFT": "1:layers.1.attn.wq.weight",
-            "PYTHONPATH": os.pathsep.join([str(DRIFT), os.environ.get("PYTHONPATH", "")])}
-    code, log, report = verify(text_dir, tmp_path / "v", "--nproc", "2", "--dp", "2", "--zero", "3",
-                               "--microbatches", "2", env=hook)
+    by 1e-3 before verify writes it (a hook kept out of the package, loaded by the ranks)."""
+    monkeypatch.setenv("PIPEZERO_TEST_DRIFT", "1:layers.1.attn.wq.weight")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(DRIFT), os.environ.get("PYTHONPATH", "")]))
+    code, log, report = verify(capfd, text_dir, tmp_path / "v", "--nproc", "2", "--dp", "2", "--zero", "3",
+                               "--microbatches", "2")
     assert code == 1, log[-3000:]
     assert report["failed"] == [report["failed"][0]] and "rank 1 (stage 0, replica 1) layers.1.attn.wq.weight" \
         in report["failed"][0]

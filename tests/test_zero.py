@@ -189,6 +189,11 @@ def test_zero_four_ranks_dp4_and_pp2_dp2(text_dir, tmp_path):
     cases += [{"pp": 2, "dp": 2, "kind": K.ZB_H1, "m": 4, "parallel.zero": z, "parallel.placement": "pp-inner"}
               for z in (1, 3)]
     cases += hierarchical_cases()
+    # --placement pp-inner puts replica d's first and last stage on ranks d x P and d x P + P - 1:
+    # the tied embedding's gradients are summed between those two, not between two replicas of one
+    # stage (which the dp-inner arithmetic would pair: ranks {0, 2} and {1, 3} at P=2, D=2)
+    cases += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 1, "model.tie_embeddings": True,
+               "parallel.placement": "pp-inner"}]
     results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=900)
     assert_same_training(results, str(text_dir), tmp_path)
     assert_played(cases, results[0])
@@ -214,17 +219,6 @@ def test_eight_ranks_pp4_dp2_every_schedule_and_pp2_dp4_every_zero_stage(text_di
     cases = pipeline + zero
     assert {c["kind"] for c in pipeline} == set(K) and {c["parallel.zero"] for c in zero} == {0, 1, 2, 3}
     results = run_ranks(train_cases, 8, str(text_dir), str(tmp_path), cases, timeout=900)
-    assert_same_training(results, str(text_dir), tmp_path)
-
-
-@pytest.mark.distributed
-def test_tied_embeddings_with_a_pipeline_on_neighbouring_ranks(text_dir, tmp_path):
-    """--placement pp-inner puts replica d's first and last stage on ranks d x P and d x P + P - 1:
-    the tied embedding's gradients are summed between those two, not between two replicas of one
-    stage (which the dp-inner arithmetic would pair: ranks {0, 2} and {1, 3} at P=2, D=2)."""
-    cases = [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 2, "parallel.zero": 1, "model.tie_embeddings": True,
-              "parallel.placement": "pp-inner"}]
-    results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), cases, timeout=600)
     assert_same_training(results, str(text_dir), tmp_path)
 
 

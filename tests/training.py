@@ -142,7 +142,8 @@ def record_departure(seen: dict) -> str:
     """Where the run `watch_program` saw last played other than its program says, on any step or
     held-out evaluation or text sample (their own forward-only programs), "" where nowhere: every start of a
     collective (name, bytes as the program prices them, group), every wait for a reduction or a
-    gather and every release, in order (schedules/played.py `expected` and `departure`). Bytes are
+    gather (at the instruction that waits) and every release, in order (schedules/played.py
+    `expected` and `departure`). Bytes are
     compared where the wire carries floats (quantized messages add their scales, which the program
     prices as a rate)."""
     from pipezero.schedules.played import departure, expected
@@ -156,7 +157,7 @@ def record_departure(seen: dict) -> str:
         counts[what] += 1
         where = f"{what} {counts[what]}"
         want = expected(program, stage.plan.buckets, applied)
-        problem, carried = departure([(p.event.value, p.name) for p in record], want, carried)
+        problem, carried = departure([(p.event.value, p.name, p.place) for p in record], want, carried)
         if problem:
             return f"{where}: {problem}; played {[(p.event.value, p.name) for p in record]}"
         if any(p.step != record[0].step for p in record):

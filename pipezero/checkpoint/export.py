@@ -25,7 +25,7 @@ from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
 from pipezero.models import ModelSpec, StageChunk, build_chunk, spec_of
 from pipezero.rundir import RUN_ID, run_id
-from pipezero.util import atomic_write_json, atomic_write_with
+from pipezero.files import atomic_write_json, atomic_write_with
 
 
 def whole_model(model: ModelConfig | ModelSpec, seed: int = 0) -> StageChunk:

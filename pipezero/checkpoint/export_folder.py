@@ -22,7 +22,7 @@ from pathlib import Path
 from pipezero.checkpoint.store import MANIFEST, CheckpointError
 from pipezero.errors import ConfigError
 from pipezero.rundir import RUN_ID
-from pipezero.util import FULL, make_folders, remove_made
+from pipezero.files import FULL, make_folders, remove_made
 
 
 def run_of_source(source: Path) -> Path | None:

@@ -27,7 +27,7 @@ from pipezero.config import ModelConfig
 from pipezero.data.identity import tokenizer_file_of
 from pipezero.errors import ConfigError
 from pipezero.models.hf import CONFIG, GENERATION, METADATA, llama_config, model_fields, to_hf
-from pipezero.util import atomic_write_json, atomic_write_with
+from pipezero.files import atomic_write_json, atomic_write_with
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
 

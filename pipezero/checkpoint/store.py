@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipezero.util import atomic_write_json
+from pipezero.files import atomic_write_json
 
 FORMAT = "pipezero-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -155,7 +155,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 # What a save writes into a checkpoint's folder: DCP's shards and metadata, our manifest and its
-# temporary file (util.atomic_write_with). Debris of a crash holds these only.
+# temporary file (files.atomic_write_with). Debris of a crash holds these only.
 _SAVE_FILES = re.compile(r"^(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|manifest\.json|\.manifest\.json\.[^/]*\.tmp)$")
 
 
@@ -258,7 +258,7 @@ def write(root: Path, step: int, state: dict[str, Any], info: dict[str, Any], ke
 
 def _refused(e: OSError, root: Path, run: str | None) -> str:
     """A filesystem's refusal of a checkpoint write as the fix; anything else is a bug: re-raised."""
-    from pipezero.util import refused_write
+    from pipezero.files import refused_write
 
     if isinstance(e, NotOurs):
         return f"{e}; {after_fixing(root, run, 'move it')}"

@@ -189,7 +189,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as e:
         import errno
 
-        from pipezero.util import refused_write
+        from pipezero.files import refused_write
 
         if (refused := refused_write(e)) is not None:  # a full disk, a read-only or immutable file or folder
             print(f"pipezero: error: {refused}", file=sys.stderr)

@@ -33,7 +33,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     source = Path(args.source)
     if not args.out.strip():
         raise ConfigError("--out is empty: name a new folder for the export")
-    from pipezero.util import unexpanded_home, unfollowable
+    from pipezero.files import unexpanded_home, unfollowable
 
     if problem := unexpanded_home("--out", args.out) or unfollowable("--out", args.out):
         raise ConfigError(problem)

@@ -35,7 +35,7 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
     from pipezero.parallel.device import device_kind, rank_device
     from pipezero.probe import ProbeError, probe
     from pipezero.settings import build_config
-    from pipezero.util import atomic_write_json
+    from pipezero.files import atomic_write_json
 
     if not BUDGET[0] <= args.budget <= BUDGET[1]:
         raise ConfigError(f"--budget {args.budget:g}: expected seconds from {BUDGET[0]:g} to {BUDGET[1]:g}")

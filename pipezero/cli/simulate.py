@@ -203,7 +203,7 @@ def check_instructions(args: argparse.Namespace, count: int) -> None:
 def check_png(text: str, drawn: int) -> None:
     """Refuse a --png that would fail only after the simulation, or be written under another name
     (matplotlib adds .png to a folder's name), or draw for minutes."""
-    from pipezero.util import unexpanded_home
+    from pipezero.files import unexpanded_home
 
     if home := unexpanded_home("--png", text):
         raise ConfigError(home)
@@ -263,7 +263,9 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                                                                "train's 4)")
     s.add_argument("--virtual-stages", type=int, default=None, help="default: 2 for schedules that need V>1")
     s.add_argument("--cost", default="1:1:1", help=f"relative F:B:W cost of one stage (each {limits.COST.describe()})")
-    s.add_argument("--comm", type=float, default=0.0, help=f"time of one hop between ranks, in F units ({limits.TIME.describe()})")
+    s.add_argument("--comm", type=float, default=0.0,
+                   help=f"time one transfer between ranks holds its link, in F units, every boundary alike; a link "
+                        f"carries one at a time each way ({limits.TIME.describe()})")
     s.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     s.add_argument("--png", help=f"draw the timeline to this .png file (at most {limits.DRAW_LIMIT} stage "
                                  f"micro-batches, P x M x V)")

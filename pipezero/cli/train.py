@@ -248,7 +248,7 @@ def failure_line(cfg: Any, e: Exception) -> tuple[int, str] | None:
     failed, the user's --model-spec code raising (exit 2: its own line, as a refusal's)."""
     from pipezero.launch import under_torchrun
     from pipezero.slurm import rendezvous_advice
-    from pipezero.util import refused_write
+    from pipezero.files import refused_write
 
     if isinstance(e, OSError) and (refused := refused_write(e)) is not None:  # metrics, summary, tensorboard
         from pipezero.checkpoint.store import after_fixing

@@ -31,7 +31,8 @@ import numpy as np
 from pipezero.errors import ConfigError
 from pipezero.data.sources import Reader
 from pipezero.data.tokenizer import Tokenizer, id_bound
-from pipezero.util import build_once, cache_dir, physical
+from pipezero.data.cache_folder import build_once, cache_dir
+from pipezero.files import physical
 
 BATCH_DOCS = 1024  # documents a tokenizer call: enough to keep every core busy
 BATCH_CHARS = 8 << 20  # ... or this much text, whichever comes first, so memory stays bounded

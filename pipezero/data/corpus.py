@@ -27,7 +27,7 @@ from pipezero.data.cache import SPLITS, build_arrays, discard, load_or_build, pr
 from pipezero.data.packing import PackedSamples, Rows, check_enough, fit_length
 from pipezero.data.sources import RECORD_SUFFIXES, TABLE_SUFFIXES, BadRecords, Reader, expand, fingerprint
 from pipezero.data.tokenizer import Tokenizer, cached_tokenizer, id_bound, load_tokenizer, texts_digest
-from pipezero.util import build_once, cache_dir
+from pipezero.data.cache_folder import build_once, cache_dir
 
 TOKEN_SUFFIXES = {".bin", ".npy"}
 CACHE_VERSION = 5  # bump when the token cache's layout or contents change (2: no EOS doubled by a post-processor,

@@ -116,7 +116,7 @@ def check_cache_out_of_reach(paths: list[str]) -> None:
     documents by the next run (with PIPEZERO_CACHE=docs/cache the first run trains, then every later
     one stops at 'docs/cache/bpe-....json:1: no field text'), and the corpus changes as the cache
     fills."""
-    from pipezero.util import cache_root
+    from pipezero.data.cache_folder import cache_root
 
     cache, source = cache_root()
     where = cache.resolve()

@@ -27,7 +27,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pipezero.errors import ConfigError
-from pipezero.util import atomic_write_bytes, build_once, cache_dir
+from pipezero.data.cache_folder import build_once, cache_dir
+from pipezero.files import atomic_write_bytes
 
 
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # what tokenizers commonly call end-of-document

@@ -668,9 +668,13 @@ def walk(plan: MemoryPlan, pp_rank: int, keep_timeline: bool = False, samples: b
 
     def update_gathers(ins: DataParallel) -> None:
         """ZeRO-1/2 with quantized weights: the step starts every bucket's gather of its updated
-        weights at once (zero/coordinator.start_updates), each holding its messages until a
-        forward waits for it, bucket by bucket, decoding it (the first UNSHARD after the step
-        stands for the start)."""
+        weights at once (zero/coordinator.start_updates), each holding its messages until it is
+        waited for, bucket by bucket, decoding it (the first UNSHARD after the step stands for the
+        start). Each is priced as waited for at its own UNSHARD: where the last one blocks that is
+        the program's wait; with --overlap-gather the program's WAITs sit in the next program's
+        first forward (schedules/lowering.py `update_waits`), which a one-step walk does not reach
+        (the first step's WAITs find nothing in flight), and the first step the memory profile
+        measures ends in `settle` (engine.py), which waits for them all within the step."""
         if not stepped[1]:
             stepped[1] = True
             for c in chunks:

@@ -347,7 +347,7 @@ def apply_pretrained(cfg: Any, given: set[str]) -> None:
 def keep_metadata(folder: Path, dest: Path) -> None:
     """Copy the folder's config and tokenizer files into the run (`dest`), so an export restores
     them even after the folder moved. Only reads `folder`."""
-    from pipezero.util import atomic_write_bytes
+    from pipezero.files import atomic_write_bytes
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in METADATA:

@@ -8,8 +8,9 @@ Two shapes occur (zero/sharded.py, zero/coordinator.py):
   ZeRO-2/3 the backward also waits whenever more than `in_flight` reductions are outstanding
   (bounding the full-gradient buckets alive at once), which stalls compute itself.
 - **Gathers before a forward.** After the optimizer step (ZeRO-1/2) every bucket's all-gather of
-  updated weights starts at once, in forward order, and each layer waits only for its own bucket:
-  the forward runs as far as the gathers have come.
+  updated weights starts at once, in forward order, and each layer waits only for its own bucket
+  (the program's WAIT at the `fwd` of the first layer reading it: schedules/lowering.py
+  `update_waits`): the forward runs as far as the gathers have come.
 
 With k even buckets, c = C/k on the link and dt = T/k of compute each, both come to the same
 exposed time, max(c, C - T(1 - 1/k)): the last bucket's transfer when the link keeps up, else the

@@ -8,8 +8,10 @@ issued. When the link is slower than compute everywhere, depth 1 already keeps i
 buys nothing; when small layers (the embedding, a vocabulary-256 head) sit beside blocks, or the
 reductions share the link in backward, the link idles and a deeper prefetch fills it. So the depth
 is measured, not guessed: `exposed` plays one forward and one reducing fused backward of a chunk
-moment by moment, with the program's own steps (schedules/layer_plan.py) at each depth (the
-forward keeping the backward's first depth - 1 layers gathered, as the program does), and
+moment by moment, with the program's own steps (schedules/layer_plan.py) at each depth, its
+waits where the program places them (a gather started and waited for at once, or a prefetch's
+WAIT at the moment its layer computes; the forward keeping the backward's first depth - 1 layers
+gathered, as the program does), and
 `choose` takes the smallest depth past which the exposed time stops improving (no deeper one
 hides more than `TOLERANCE` of it, or `FLOOR_S`), within a memory limit. Keeping layers across
 actions saves their gathers outright, so on a slow link the deepest that fits often wins.
@@ -82,12 +84,11 @@ def exposed(layers: Sequence[LayerCost], depth: int, backward_factor: float = 2.
         placed = steps(op, uses, through, depth=depth, held=kept if through else (), keep=() if through else kept)
         for m in moments(op, uses, through, grads):
             for st in [s for s in placed if s.at == m]:
-                if st.gather:
+                if st.gather and st.started:
                     ready[st.bucket] = on_link(t, layers[st.bucket].gather_s)
-                    if st.wait:
-                        t = max(t, ready[st.bucket])
+                if st.gather and st.wait:  # the program's waits: a gather started here, or a prefetch's WAIT
+                    t = max(t, ready[st.bucket])
             if m.moment in (Moment.FORWARD, Moment.BACKWARD):
-                t = max(t, ready.get(m.index, 0.0))
                 t += layers[m.index].forward_s * (backward_factor if through else 1.0)
             elif m.moment is Moment.GRADS:
                 reductions.append(on_link(t, layers[m.index].reduce_s))

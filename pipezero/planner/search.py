@@ -8,12 +8,15 @@ gathered weights) apart from the rest (activations, transfers, collective buffer
 Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation) in units of one
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, the unit the heaviest pipeline
-rank's (its layers cut as the run cuts them), a pipeline hop from activation bytes over its link
-(inside a node or between nodes) for each boundary between chunks the first micro-batch crosses on
-its way forward and back, plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
-step is never shorter than the link's busy time.
+rank's (its layers cut as the run cuts them), each boundary between chunks a hop of one
+micro-batch's activation bytes over the link the placement puts it on (inside a node or between
+nodes, `hop_seconds`), played by the simulator as the schedule waits on it and queues on it
+(schedules/check.py: a 1F1B rank waits a round trip across a slow boundary where GPipe streams
+through it), plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
+step is never shorter than the data-parallel link's busy time.
 Ranks that share a host's CPU cores (the emulated cluster: `cores`) slow each other's compute by
-busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step, less where a stage is
+busy ranks / cores, where a pipeline's ranks are busy 1 - bubble of the step (its compute played
+alone: a rank waiting for a hop counts as busy, which prices the step no shorter), less where a stage is
 lighter than the heaviest (the head's FLOPs are on the last stage only). Inside a node of such a
 host the CPU copies a collective's bytes (loopback): it slows alike; the bytes crossing its links
 cost those cores `net_cpu_s_per_gb` too.
@@ -56,7 +59,7 @@ class Estimate:
     model_states_gib: float
     activations_gib: float
     step_time_s: float
-    bubble: float
+    bubble: float  # idle share of the pipeline's played step: ranks blocked on peers, hops and fixed costs included
     dp_comm_s: float  # data-parallel collectives' time that compute does not hide
     tokens_per_s: float
     crossing_bytes: float = 0.0  # a step's data-parallel bytes crossing node links, the whole job
@@ -80,12 +83,14 @@ def model_from_params(n: float) -> ModelConfig:
 
 
 @lru_cache(maxsize=4096)
-def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool,
-         per_action: float) -> tuple[float, float, float]:
+def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool, per_action: float,
+         hop: tuple[float, ...] | None = None) -> tuple[float, float, float]:
     """(step time in stage-forward units, bubble, peak in-flight activation memory in stages), each
-    action costing `per_action` units more (rounded by the caller, so that layouts share the cache).
-    At F=B=W=1 with no fixed cost it is the play that proved the schedule, made once already."""
-    cost = CostModel(1.0, 2.0 if recompute else 1.0, 1.0, per_action=per_action)
+    action costing `per_action` units more and each boundary between chunks its `hop` (None: free;
+    both rounded by the caller, so that layouts share the cache). At F=B=W=1 with no fixed cost and
+    free hops it is the play that proved the schedule, made once already."""
+    hop = hop if hop is not None and any(hop) else None
+    cost = CostModel(1.0, 2.0 if recompute else 1.0, 1.0, per_action=per_action, hop=hop)
     res = proven_of(kind, pp, m, v).predicted if cost == CostModel() else simulate(build_schedule(kind, pp, m, v), cost)
     return res.step_time, res.bubble, max(res.peak_activation_memory)
 
@@ -116,24 +121,44 @@ def _chunk_ranks(kind: ScheduleKind, pp: int, virtual: int, m: int) -> tuple[int
     return tuple(placed[c] for c in range(pp * virtual))
 
 
-def boundaries(node_size: int, lay: Layout) -> tuple[int, int, int]:
-    """(boundaries between consecutive chunks inside a node, those between nodes, the most ranks of
-    a node that send across one at once: a replica each) a micro-batch crosses one way, its
-    pipeline's ranks on nodes of `node_size` as the mesh numbers them (placement)."""
+@dataclass(frozen=True)
+class Boundary:
+    """Where a pipeline's hop between two chunks on different ranks goes."""
+
+    across: bool  # between nodes (else inside one)
+    senders: int  # ranks of the sending node that cross it at once, a replica each (1 inside a node)
+
+
+@lru_cache(maxsize=4096)
+def boundaries(node_size: int, lay: Layout) -> tuple[Boundary | None, ...]:
+    """Each boundary between consecutive chunks a micro-batch crosses, in model order (None: two
+    chunks of one rank, the V-shape's turn, no hop), its pipeline's ranks on nodes of `node_size`
+    as the mesh numbers them (placement)."""
     mesh = Mesh(lay.pp, lay.dp, placement=lay.placement)
     placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
-    inside = across = senders = 0
+    out: list[Boundary | None] = []
     for a, b in zip(placed, placed[1:]):
-        if a == b:  # two chunks of one rank (the V-shape's turn): no hop
-            continue
         ends = [(mesh.global_rank(a, d) // node_size, mesh.global_rank(b, d) // node_size) for d in range(lay.dp)]
-        if ends[0][0] == ends[0][1]:
-            inside += 1
-            continue
-        across += 1
         node = ends[0][0]
-        senders = max(senders, sum(1 for here, there in ends if here == node and there != node))
-    return inside, across, max(senders, 1)
+        out.append(None if a == b else Boundary(False, 1) if node == ends[0][1] else
+                   Boundary(True, sum(1 for here, there in ends if here == node and there != node)))
+    return tuple(out)
+
+
+def hop_seconds(cluster: Cluster, lay: Layout, nbytes: float) -> tuple[float, ...]:
+    """Seconds one transfer of `nbytes` (a micro-batch's activation, or its gradient) holds the link of
+    each boundary between chunks: the node's rate inside a node; between nodes a GPU's own link, or
+    on CPU ranks, which share their node's one link (inter_gbps a rank), the node's link split among
+    the ranks that send across the boundary at once."""
+    out = []
+    for b in boundaries(cluster.node_size, lay):
+        if b is None:
+            out.append(0.0)
+            continue
+        gbps = (cluster.intra_gbps if not b.across else
+                cluster.inter_gbps * (cluster.node_size / b.senders if cluster.cpu else 1.0))
+        out.append(nbytes / (gbps * 1e9))
+    return tuple(out)
 
 
 def kept_shares(layers: list[int], lay: Layout) -> tuple[float, float]:
@@ -181,8 +206,6 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     acts = peak.peak_bytes - states
     if lay.secondary and split:  # hpZ: each rank keeps 1/g of its stage's parameters in fp32
         states += 4 * psi / split[0]
-    # the bubble without fixed costs (the same cached simulation as below when there are none)
-    _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
     tokens_mb = seq_len * lay.micro_batch
     # the heaviest rank sets the pace, its layers as the run cuts them (small models: a 4096 x 128
     # head is 2.3x a block's matmuls; ignoring it ranked P=2 far too high, and adding it to an
@@ -192,22 +215,23 @@ def estimate(model: ModelConfig, seq_len: int, global_batch: int, cluster: Clust
     flops_f = max(per_rank) * tokens_mb
     t_f = flops_f / (cluster.tflops * 1e12 * cluster.mfu)  # > 0: every stage has blocks or the head
     # the fixed cost is an action's: a fused BW pays it once, B and W apart twice, V chunks V times
-    step_units = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute,
-                      round(cluster.overhead_s / t_f, 3))[0]
+    per_action = round(cluster.overhead_s / t_f, 3)
     if cluster.cores:  # ranks on one host's cores: a rank computes slower while others are busy too
-        # a stage lighter than the heaviest idles for the difference (the first has no head)
+        # how busy: the bubble of compute alone (no fixed costs, free hops); a stage lighter than the
+        # heaviest idles for the difference (the first has no head)
+        _, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, 0.0)
         lighter = sum(per_rank) / lay.pp / max(per_rank)
         share = max(1.0, cluster.gpus * (1.0 - bubble) * lighter / cluster.cores)
         t_f *= share
         # inside a node bytes move by the CPU copying them (loopback), as slowly as compute
         cluster = replace(cluster, intra_gbps=cluster.intra_gbps / share)
     hop_bytes = cluster.wire_bytes * tokens_mb * model.dim  # one micro-batch's activations (or their gradient)
-    inside, across, senders = boundaries(cluster.node_size, lay)
-    # a node's CPU ranks share its link (inter_gbps a rank): a boundary's senders split it
-    across_gbps = cluster.inter_gbps * (cluster.node_size / senders if cluster.cpu else 1.0)
-    hop_s = inside * hop_bytes / (cluster.intra_gbps * 1e9) + across * hop_bytes / (across_gbps * 1e9)
-    # the first micro-batch crosses every boundary between chunks forward, and back
-    compute = step_units * t_f + 2 * hop_s
+    # the pipeline's step: its schedule played with each boundary's hop (in units of t_f, rounded as
+    # `per_action` is) where the run waits for it, and the bubble that leaves (blocked on peers)
+    hops = tuple(round(h / t_f, 3) for h in hop_seconds(cluster, lay, hop_bytes))
+    step_units, bubble, _ = _sim(lay.schedule, lay.pp, lay.microbatches, lay.virtual, lay.recompute, per_action, hops)
+    compute = step_units * t_f
+    across = sum(1 for b in boundaries(cluster.node_size, lay) if b is not None and b.across)
     units = unit_param_counts(model, lay.sublayer) if lay.sublayer else layers
     dp_comm, link_s, crossing = dp_traffic(cluster, lay, psi, t_f, kept_shares(units, lay))
     step = max(compute + dp_comm, link_s)  # the link carries every collective of the step, one at a time
@@ -267,7 +291,9 @@ def candidate_layouts(model: ModelConfig, cluster: Cluster, global_batch: int) -
 
 
 @dataclass(frozen=True)
-class Plan:
+class Ranking:
+    """A search's answer: the layouts that fit, fastest first, and those it could not weigh or fit."""
+
     fits: list[Estimate]  # fastest first
     considered: int  # layouts estimated
     skipped: int  # layouts whose simulation did not fit in the budget (the most micro-batches)
@@ -283,16 +309,22 @@ def sim_actions(lay: Layout) -> int:
     return lay.pp * lay.microbatches * lay.virtual * (3 if lay.schedule in SPLIT_BACKWARD else 2)
 
 
-def affordable(layouts: list[Layout], budget: int, sims_each: int) -> tuple[list[Layout], int]:
+def affordable(layouts: list[Layout], budget: int, fixed_cost: bool, shared_cores: bool) -> tuple[list[Layout], int]:
     """The layouts whose simulations fit in `budget`, cheapest simulation first (layouts sharing one
-    are estimated together), and the budget they spend; the rest all play more actions."""
+    are estimated together), and the budget they spend; the rest all play more actions. Layouts of
+    one schedule shape share its plays: where an action pays a fixed cost (`fixed_cost`) or a
+    pipeline hops between ranks, one a placement (each puts the boundaries on other links), and the
+    play of compute alone where there is no such play or ranks share cores (`shared_cores`: how busy
+    they are)."""
     by_sim: dict[tuple, list[Layout]] = {}
     for lay in layouts:
         by_sim.setdefault((sim_actions(lay), lay.schedule.value, lay.pp, lay.microbatches, lay.virtual,
                            lay.recompute), []).append(lay)
     chosen, spent = [], 0
     for key in sorted(by_sim):
-        cost = key[0] * sims_each + limits.LAYOUT_COST * len(by_sim[key])
+        priced = len({lay.placement for lay in by_sim[key]}) if fixed_cost or key[2] > 1 else 0
+        plays = priced + (1 if shared_cores or not priced else 0)
+        cost = key[0] * plays + limits.LAYOUT_COST * len(by_sim[key])
         if spent + cost > budget:
             break
         chosen += by_sim[key]
@@ -341,7 +373,7 @@ def proposed(estimates: list[Estimate]) -> list[Estimate]:
 
 def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
                 grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
-                budget: int | None = None, propose: bool = False, offload: bool = False) -> Plan:
+                budget: int | None = None, propose: bool = False, offload: bool = False) -> Ranking:
     """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
     every layout with the given quantization of its traffic (bits 0: none) and secondary shard
     where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
@@ -349,8 +381,9 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
     few fit, the layouts that do not also with the optimizer offloaded (`offloaded`)."""
     layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
                for lay in candidate_layouts(model, cluster, global_batch)]
-    # a fixed cost an action makes a second simulation of each schedule (estimate)
-    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, 2 if cluster.overhead_s else 1)
+    # a fixed cost an action, or a pipeline's hops, make more simulations of each schedule (estimate)
+    chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, cluster.overhead_s > 0,
+                               bool(cluster.cores))
     weighed = len(chosen)
     if propose:  # each twin shares its layout's simulations: the same layouts are weighed, each twice at most
         chosen += [c for lay in chosen if (c := compressed(lay, cluster, quant_block)) is not None]
@@ -370,7 +403,7 @@ def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch
     if propose:
         fits = proposed(fits)
     fits.sort(key=lambda e: (e.step_time_s, e.memory_gib))
-    return Plan(fits, weighed, len(layouts) - weighed, spent, short, nearest)
+    return Ranking(fits, weighed, len(layouts) - weighed, spent, short, nearest)
 
 
 def offloaded(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int,

@@ -2,7 +2,7 @@
 no policy of its own.
 
 A step's program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts
-(in the global posting order) and its ZeRO collectives (UNSHARD, RESHARD, REDUCE_GRAD, TIED_SUM,
+(in the global posting order) and its ZeRO collectives (UNSHARD, WAIT, RESHARD, REDUCE_GRAD, TIED_SUM,
 OFFLOAD_GRAD, HOST_STEP); the executor runs compute itself, posts transfers through runtime/p2p.py
 and hands each collective to the data-parallel layer, which starts, waits for or releases exactly
 what the instruction names. Layer-by-layer ZeRO-3's collectives sit inside the compute instruction:
@@ -18,10 +18,13 @@ The held-out evaluation (`evaluate`) and the end-of-run text sample (`sample`) p
 programs of their own the same way: F with the gathers and releases inside it, SEND and RECV where
 listed, kept-gathered ZeRO-3's UNSHARD and RESHARD around the passes, and the evaluation's LOSS_SUM
 (every send waited for, then the summed loss all-reduced over the world by the function the caller
-binds to the world's group). What every rank plays, transfers included, is recorded
-(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py).
-Not decided here either, but not an instruction: where a gather that does not block is waited for
-(the layer that first needs it: zero/layerwise.py, zero/weight_waits.py).
+binds to the world's group). Every wait for a gather is an instruction too (WAIT: a prefetched
+layer's at the moment that layer computes, ZeRO-1/2's updated weights in the next program's first
+forward of each chunk); a layer reading a bucket before its WAIT, or a program ending with a gather
+in flight, is an error. The executor tells the data-parallel layer which instruction it plays
+(`enter`), so what every rank plays, transfers included, is recorded with each wait at its place
+(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py,
+tests/test_program_played.py), wait by wait and place by place.
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
@@ -80,6 +83,10 @@ class DataParallelLayer(Protocol):
     def note_copy(self, name: str, nbytes: int) -> None: ...  # a host copy of activations, in the step's record
 
     def note_world(self, name: str, nbytes: int) -> None: ...  # an all-reduce over the world (LOSS_SUM), in the record
+
+    def enter(self, index: int | None) -> None: ...  # instruction `index` of the program is played (None: none)
+
+    def end_program(self, what: str) -> None: ...  # a gather the program never waited for is an error
 
 
 MicroBatch = tuple[torch.Tensor, ...]  # (tokens, targets) or (tokens, targets, document ids), each (B, T)
@@ -176,7 +183,6 @@ class Executor:
         microbatches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in microbatches]
         self.p2p.lengths = [mb[0].shape[1] for mb in microbatches]
         loss = torch.zeros((), device=self.device)
-        peak = 0
         split = {ins.action.chunk for ins in program if isinstance(ins, Compute) and ins.action.op is Op.B}
         if unsplit := {c: self._unsplit.pop(c) for c in sorted(split & self._unsplit.keys())}:
             warnings.warn(f"rank {self.p2p.rank}: split backward keeps the autograd graph from B to W for chunks "
@@ -186,10 +192,20 @@ class Executor:
         if not any(isinstance(ins, OptimStep) for ins in program):
             raise ValueError(f"rank {self.p2p.rank}: a program without OPTIM_STEP is not one step")
         t0, waited0 = time.perf_counter(), self.p2p.wait_s
-        stats: StepStats | None = None
         self.offloading = {(i.chunk, i.mb) for i in program if isinstance(i, ActivationCopy) and i.to_host}
+        try:
+            return self._play_step(program, live, microbatches, split, denom, loss, optimizer_step, t0, waited0)
+        finally:
+            self.hooks.enter(None)
+
+    def _play_step(self, program: Sequence[Instr], live: dict[tuple[int, int], _Live],
+                   microbatches: Sequence[MicroBatch], split: set[int], denom: float, loss: torch.Tensor,
+                   optimizer_step: OptimizerStep | None, t0: float, waited0: float) -> StepStats:
+        peak = 0
+        stats: StepStats | None = None
         for i, ins in enumerate(program):
             self.flight.begin(i, ins)
+            self.hooks.enter(i)
             if isinstance(ins, PointToPoint):
                 self._post(ins)
             elif isinstance(ins, ActivationCopy):
@@ -346,12 +362,21 @@ class Executor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         batches = [tuple(t.to(self.device) for t in batch) for batch in batches]
         self.p2p.lengths = [batch[0].shape[1] for batch in batches]
-        for ins in program:
+        try:
+            return self._play_evaluation(program, batches, sum_loss, total)
+        finally:
+            self.hooks.enter(None)
+
+    def _play_evaluation(self, program: Sequence[EvalInstr], batches: Sequence[MicroBatch],
+                         sum_loss: Callable[[torch.Tensor], float], total: torch.Tensor) -> float:
+        for i, ins in enumerate(program):
+            self.hooks.enter(i)
             if isinstance(ins, PointToPoint):
                 self._post(ins, Payload.EVAL)
             elif isinstance(ins, DataParallel):
                 self.hooks.play(ins)
             elif isinstance(ins, LossSum):
+                self.hooks.end_program(f"the evaluation's {ins}")
                 self.p2p.finish()
                 self.hooks.note_world(str(ins), ins.nbytes)
                 return sum_loss(total)
@@ -381,7 +406,8 @@ class Executor:
         for chunk in self.chunks.values():
             chunk.eval()
         try:
-            for ins in program:
+            for i, ins in enumerate(program):
+                self.hooks.enter(i)
                 if isinstance(ins, DataParallel):
                     self.hooks.play(ins)
                 elif isinstance(ins, Compute) and ins.action.op is Op.F:
@@ -394,7 +420,9 @@ class Executor:
                         out = None  # the window's logits, not held through the next token's forward
                 else:
                     raise ValueError(f"rank {self.p2p.rank}: {ins} in a text-sample program (one pipeline rank)")
+            self.hooks.end_program("the text sample's end")
         finally:
+            self.hooks.enter(None)
             for chunk in self.chunks.values():
                 chunk.train()
 

@@ -28,7 +28,7 @@ from typing import Any
 from pipezero.doctor import FOLDER, REQUEST, report
 from pipezero.flight_files import RecordError, load_records, plan_path, read_json, record_path
 from pipezero.runtime.flight import FlightRecord
-from pipezero.util import atomic_write_bytes, atomic_write_json
+from pipezero.files import atomic_write_bytes, atomic_write_json
 
 SETTLE_S = 1.5  # after a request, how long a gatherer waits for every rank's answer before printing
 

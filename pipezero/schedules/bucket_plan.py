@@ -102,6 +102,22 @@ class BucketPlan:
             raise ValueError("this bucket plan has no layers: plan it with layerwise=True")
         return self.uses[chunk]
 
+    def reads(self, chunk: int) -> dict[int, tuple[int, ...]]:
+        """Each layer of `chunk` (model order) with the buckets its tensors lie in (layer by layer,
+        those it owns and borrows), {} for a plan of sizes only: where a forward first reads a
+        bucket, so where the program waits for its gather (schedules/lowering.py)."""
+        out: dict[int, list[int]] = {}
+        if self.layouts:
+            for k, b in enumerate(self.layouts[chunk]):
+                for t in b.tensors:
+                    if k not in out.setdefault(t.layer, []):
+                        out[t.layer].append(k)
+        elif self.uses:
+            for u in self.uses[chunk]:
+                out.setdefault(u.index, []).extend(k for k in ((u.bucket,) if u.bucket is not None else ()) + u.borrows
+                                                   if k not in out.get(u.index, []))
+        return {i: tuple(sorted(out[i], reverse=True)) for i in sorted(out)}
+
     def hooked(self, chunk: int) -> list[int]:
         """Buckets of `chunk` whose reduction a fused backward starts as soon as autograd has
         accumulated all their gradients (neither a tied copy held for TIED_SUM nor shared)."""

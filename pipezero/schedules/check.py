@@ -5,6 +5,15 @@ each on the rank that holds the chunk), then plays the ranks' lists in order wit
 dependencies (F of chunk c after F of c-1 and the hop; B of c after B of c+1 and the hop, and after
 its own F; W after B), committing actions in start-time order. If no rank can move before all are
 done, the schedule deadlocks and the error names each stuck rank, its action, and what it waits for.
+
+A transfer between ranks holds its link: each direction of a rank pair is a queue that carries one
+transfer at a time, in the order the sender produced them (`Links`). A link's bandwidth is shared by
+whatever crosses it at once, so M activations sent one after another over a slow link arrive one
+hop apart, not all one hop after they were sent (a delay that overlapped them would price the link at
+M times its bandwidth). The two directions are apart: links are full duplex (Ethernet, NVLink; the
+emulated cluster shapes a node's uplink and downlink apart, pipezero/cluster.py). Where the link
+keeps up (a hop no longer than the time between two sends) the queue is empty and a hop is the plain
+delay it always was.
 How ranks post their transfers so that real transports cannot deadlock on them (NCCL runs a rank
 pair's transfers in posting order) is schedules/posting.py's business; it builds on this timeline.
 """
@@ -24,21 +33,31 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class CostModel:
-    """Relative compute costs of one full stage (the chunks of one rank together) and the hop time.
+    """Relative compute costs of one full stage (the chunks of one rank together) and the hop times.
 
     A chunk of a rank with V chunks costs 1/V of a stage unless `chunk_factors` says otherwise (a
     measured per-chunk multiplier), so schedules with different V compare on the same model.
+    A hop is the time one transfer (an activation forward, or its gradient back: the same bytes)
+    holds the link it crosses: `hop[c]` for the boundary between chunks c and c + 1, in model order
+    (P·V - 1 entries; a boundary inside one rank, the V's turn, has no hop whatever its entry), so a
+    pipeline whose ranks sit on several nodes prices each boundary at its own link; `comm` is the
+    uniform shorthand, every boundary alike.
     """
 
     f: float = 1.0
     b: float = 1.0
     w: float = 1.0
-    comm: float = 0.0  # per hop between ranks, the same for activations and gradients
+    comm: float = 0.0  # per hop between ranks where `hop` is None, the same for activations and gradients
+    hop: tuple[float, ...] | None = None  # per boundary between chunks c and c + 1
     chunk_factors: tuple[float, ...] | None = None  # per global chunk; None = 1/V each
     per_chunk: tuple[tuple[float, float, float], ...] | None = None  # measured (F, B, W) per chunk
     # a fixed cost every action pays whatever its size (kernel launches, Python): why a fused BW is
     # cheaper than its B and W apart, and V chunks cost more than one
     per_action: float = 0.0
+
+    def hop_time(self, boundary: int) -> float:
+        """What one transfer across the boundary between chunks `boundary` and `boundary` + 1 holds its link."""
+        return self.comm if self.hop is None else self.hop[boundary]
 
     def cost(self, action: Action, virtual: int) -> float:
         if self.per_chunk is not None:
@@ -47,6 +66,41 @@ class CostModel:
         base = {Op.F: self.f, Op.B: self.b, Op.W: self.w, Op.BW: self.b + self.w}[action.op]
         factor = self.chunk_factors[action.chunk] if self.chunk_factors else 1.0 / virtual
         return base * factor + self.per_action
+
+
+class Links:
+    """The links between a pipeline's ranks as queues, one a direction of each pair of ranks (the
+    module's docstring says why). Only the sending rank puts transfers on its own directions, and it
+    produces them in its action order, so taking them first come first served as they are produced is
+    the order they cross in. Two rank pairs whose hops share one wire (several replicas' pipelines
+    through one node's link) are queues apart here: the planner gives each its share of the wire."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self.free: dict[tuple[object, object], float] = {}  # (sender, receiver) -> when its link is idle
+
+    def send(self, boundary: int, sender: object, receiver: object, ready: float) -> float:
+        """When a transfer across `boundary`, produced at `ready`, has arrived."""
+        start = max(ready, self.free.get((sender, receiver), 0.0))
+        self.free[(sender, receiver)] = end = start + self.cost.hop_time(boundary)
+        return end
+
+
+def crossing(s: Schedule, a: Action) -> tuple[int, int] | None:
+    """(boundary, consumer chunk) of what `a` hands to a neighbouring chunk (F: its activation to
+    chunk c + 1, B or BW: the input gradient to chunk c - 1), or None where it hands nothing on."""
+    if a.op is Op.F and a.chunk < s.n_chunks - 1:
+        return a.chunk, a.chunk + 1
+    if a.op in (Op.B, Op.BW) and a.chunk > 0:
+        return a.chunk - 1, a.chunk - 1
+    return None
+
+
+def check_hops(s: Schedule, cost: CostModel) -> None:
+    """A per-boundary hop list must name every boundary of `s`."""
+    if cost.hop is not None and len(cost.hop) != s.n_chunks - 1:
+        raise ValueError(f"CostModel.hop has {len(cost.hop)} entries; {s.name} at P={s.pp} V={s.virtual} "
+                         f"has {s.n_chunks - 1} boundaries between chunks (one entry each)")
 
 
 @dataclass(frozen=True)
@@ -120,7 +174,10 @@ def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
     """Play `s` under `cost`; raise ScheduleError if it is incomplete or can deadlock."""
     cost = cost or CostModel()
     check_complete(s)
+    check_hops(s, cost)
     p = s.pp
+    links = Links(cost)
+    arrived: dict[tuple[int, Op, int], float] = {}  # a transfer to another rank (its producer's key) -> arrival
     pc = [0] * p  # next action index per rank
     free = [0.0] * p  # when each rank's previous action ends
     done: dict[tuple[int, Op, int], float] = {}  # finished action key -> end time
@@ -145,8 +202,7 @@ def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
             if dep not in done:
                 waiters.setdefault(dep, set()).add(r)
                 return None
-            hop = cost.comm if s.rank_of_chunk[dep[0]] != r else 0.0
-            t = max(t, done[dep] + hop)
+            t = max(t, arrived[dep] if s.rank_of_chunk[dep[0]] != r else done[dep])
         return t
 
     while True:
@@ -171,6 +227,9 @@ def simulate(s: Schedule, cost: CostModel | None = None) -> SimResult:
             live[r][(a.chunk, a.mb)] = cost.chunk_factors[a.chunk] if cost.chunk_factors else 1.0 / s.virtual
             peak[r] = max(peak[r], len(live[r]))
             peak_mem[r] = max(peak_mem[r], sum(live[r].values()))
+        out = crossing(s, a)
+        if out is not None and s.rank_of_chunk[out[1]] != r:
+            arrived[_key(a)] = links.send(out[0], r, s.rank_of_chunk[out[1]], end)
         keys = [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else [])
         for key in keys:
             done[key] = end

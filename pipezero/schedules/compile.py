@@ -22,7 +22,7 @@ from pipezero.schedules.bucket_plan import BucketLayout, BucketPlan, LayerUse, p
 from pipezero.schedules.check import SimResult
 from pipezero.schedules.forward_only import Forward, lower_evaluation, lower_sample
 from pipezero.schedules.model_shapes import ModelShapes
-from pipezero.schedules.program import Program
+from pipezero.schedules.program import Program, defers_update_waits
 from pipezero.schedules.lowering import lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
 from pipezero.schedules.zero_rules import RULES
@@ -81,7 +81,8 @@ class CompiledPlan:
             self._forward[(what, passes)] = lower(
                 self.schedule, self.program.dp, self.buckets, passes,
                 sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
-                gather_width=self.gather_width, depth=self.depth)
+                gather_width=self.gather_width, depth=self.depth,
+                update_waits=any(defers_update_waits(r) for r in self.program.ranks))
         return self._forward[(what, passes)]
 
 

@@ -8,6 +8,8 @@ a token of the sample) through the rank's chunks in model order:
   the same rank, as at the V placement's turn, the output is handed over in memory);
 - F, with layer-by-layer ZeRO-3's gathers and releases inside it as an F of the step places them
   (lowering.layer_collectives: each layer gathered `depth` layers ahead, released after its forward);
+  with ZeRO-1/2 --overlap-gather, a chunk's first F holds the WAITs for the gathers of updated weights
+  the step left in flight, as the step's first F does (lowering.update_waits);
 - SEND of its output where the next chunk sits on another rank, waited for at the program's end;
 - ZeRO-3 kept gathered: one blocking UNSHARD of each of the rank's chunks before its first F, and
   one RESHARD of each after the last pass.
@@ -39,42 +41,47 @@ from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.check import ScheduleError
-from pipezero.schedules.lowering import layer_collectives
-from pipezero.schedules.program_check import check_dp_group
+from pipezero.schedules.lowering import layer_collectives, update_waits as _update_waits
+from pipezero.schedules.program_check import check_dp_group, check_update_waits
 from pipezero.schedules.program_sim import simulate_program
 from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, PointToPoint,
-                                        Program)
+                                        Program, flat)
 
 EvalInstr = Instr | LossSum
 Forward = tuple[EvalInstr, ...]  # one rank's forward-only program
 
 
 def lower_evaluation(s: Schedule, dp: int, buckets: BucketPlan, microbatches: int, *, sharded_params: bool,
-                     layerwise: bool, gather_width: float, depth: int = 1) -> tuple[Forward, ...]:
+                     layerwise: bool, gather_width: float, depth: int = 1,
+                     update_waits: bool = False) -> tuple[Forward, ...]:
     """Every global rank's evaluation program (`ranks[pp_rank * dp + dp_rank]`, as Program numbers
     them) over `microbatches` micro-batches a replica. `sharded_params`: ZeRO-3, gathered a chunk at a
     time unless `layerwise`; `gather_width`: bytes an element of a gather; `depth`: layer by layer,
-    how far ahead a layer's gather starts."""
+    how far ahead a layer's gather starts; `update_waits`: ZeRO-1/2 --overlap-gather, the step's
+    gathers of updated weights may still be in flight: waited for in the first forward (or, on a
+    replica that computes nothing, at the program's start)."""
     ranks = _lower_forward(s, dp, buckets, microbatches, range(dp), sharded_params=sharded_params,
-                           layerwise=layerwise, gather_width=gather_width, depth=depth)
+                           layerwise=layerwise, gather_width=gather_width, depth=depth, update_waits=update_waits)
     return tuple((*r, LossSum()) for r in ranks)
 
 
 def lower_sample(s: Schedule, dp: int, buckets: BucketPlan, tokens: int, *, sharded_params: bool, layerwise: bool,
-                 gather_width: float, depth: int = 1) -> tuple[Forward, ...]:
+                 gather_width: float, depth: int = 1, update_waits: bool = False) -> tuple[Forward, ...]:
     """Every global rank's text-sample program: one F of each chunk a token, `tokens` tokens, on one
     pipeline rank (ValueError otherwise); every replica samples layer by layer, else replica 0."""
     if s.pp != 1:
         raise ValueError(f"the text sample runs the whole model in one process: one pipeline rank, not {s.pp}")
     sampling = range(dp) if sharded_params and layerwise else range(1)
     return _lower_forward(s, dp, buckets, tokens, sampling, sharded_params=sharded_params, layerwise=layerwise,
-                          gather_width=gather_width, depth=depth)
+                          gather_width=gather_width, depth=depth, update_waits=update_waits)
 
 
 def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, computing: Sequence[int], *,
-                   sharded_params: bool, layerwise: bool, gather_width: float, depth: int) -> tuple[Forward, ...]:
+                   sharded_params: bool, layerwise: bool, gather_width: float, depth: int,
+                   update_waits: bool = False) -> tuple[Forward, ...]:
     """Every rank's forward-only program over `passes` passes (module docstring), the F run by the
     replicas in `computing` (the others only take part in kept-gathered ZeRO-3's gathers)."""
+    waits = {c: _update_waits(buckets, c) if update_waits else () for c in range(s.n_chunks)}
     owner, last = s.rank_of_chunk, s.n_chunks - 1
     kept = sharded_params and not layerwise
     out: list[Forward] = []
@@ -84,6 +91,8 @@ def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, compu
                   if sharded_params and layerwise else () for c in mine}
         for d in range(dp):
             prog: list[EvalInstr] = []
+            if d not in computing or not passes:  # nothing computes here: the waits stand alone
+                prog += [DataParallel(w.kind, w.chunk, w.bucket, w.collective, 0) for c in mine for w in waits[c]]
             if kept:
                 prog += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER,
                                       round(buckets.chunk_numel(c) * gather_width), True) for c in mine]
@@ -91,13 +100,20 @@ def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, compu
                 for c in mine:
                     if c > 0 and owner[c - 1] != p:
                         prog.append(PointToPoint(False, (c, False, mb), owner[c - 1] * dp + d))
-                    prog.append(Compute(Action(c, Op.F, mb), inside[c]))
+                    prog.append(Compute(Action(c, Op.F, mb), inside[c] if mb else _first(waits[c], prog) + inside[c]))
                     if c < last and owner[c + 1] != p:
                         prog.append(PointToPoint(True, (c + 1, False, mb), owner[c + 1] * dp + d))
             if kept:
                 prog += [DataParallel(Kind.RESHARD, c, None, Collective.LOCAL, 0) for c in mine]
             out.append(tuple(prog))
     return tuple(out)
+
+
+def _first(waits: tuple[DataParallel, ...], prog: list[EvalInstr]) -> tuple[DataParallel, ...]:
+    """The waits of a chunk's first forward: those with a moment go inside it, the others (a plan of
+    sizes only) before it, in `prog`."""
+    prog += [w for w in waits if w.at is None]
+    return tuple(w for w in waits if w.at is not None)
 
 
 def check_forward_only(s: Schedule, dp: int, buckets: BucketPlan, ranks: Sequence[Forward], passes: int,
@@ -109,7 +125,8 @@ def check_forward_only(s: Schedule, dp: int, buckets: BucketPlan, ranks: Sequenc
        the rank holding the chunk, and every other replica runs none;
     2. transfers: between each pair of ranks, the sends of one are the receives of the other, in
        the same order (no tags travel), and each stays in its replica;
-    3. the ranks of a dp group issue the same collectives in the same order (program_check);
+    3. the ranks of a dp group issue the same collectives in the same order (program_check), and
+       ZeRO-1/2's waits for updated weights wait for each bucket once, before any layer reads it;
     4. the joint play of all ranks, each collective a rendezvous of its group and LOSS_SUM of the
        world, finishes (program_sim: a cycle of waits raises)."""
     if len(ranks) != s.pp * dp:
@@ -139,4 +156,8 @@ def check_forward_only(s: Schedule, dp: int, buckets: BucketPlan, ranks: Sequenc
                    GradReduce.STEP, buckets, tuple(ranks))  # type: ignore[arg-type]
     for p in range(s.pp):
         check_dp_group(prog, p)
+    for r, instrs in enumerate(ranks):  # ZeRO-1/2's waits for updated weights: each bucket once, before its use
+        if any(isinstance(i, DataParallel) and i.kind is Kind.WAIT for i in flat(instrs)) \
+                and not any(isinstance(i, DataParallel) and i.kind is Kind.UNSHARD for i in flat(instrs)):
+            check_update_waits(prog, r, instrs)
     simulate_program(prog)

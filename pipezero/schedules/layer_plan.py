@@ -27,16 +27,17 @@ from B's stash reads no weight and passes nothing (runtime/weight_grad.py).
 
 What happens at them (`steps`), `depth` layers ahead (--zero3-prefetch, 1 by default): at a
 layer's `fwd` its bucket (and any bucket it borrows, a head tied to the embedding in the same chunk)
-is gathered, waited for if its prefetch is still in flight, and the gathers of the next `depth`
-layers started (those not already gathered or in flight); at `fwd-end` the layer's (and the
+is gathered (a prefetch started earlier is waited for here: a WAIT at this moment, the only place
+the runtime waits for it), and the gathers of the next `depth` layers started (those not already gathered or in flight); at `fwd-end` the layer's (and the
 borrowed) buckets are released. At a layer's `bwd` the layer after it, done with, is released, its
 own bucket gathered and the `depth` layers before it prefetched. So a layer's gather starts `depth`
 layers before its use, and at most `depth` + 1 layers are gathered or in flight at a `fwd` (one more
 in backward, the layer just done, until its `bwd`'s successor releases it: memory/model.py). A deeper
 prefetch gives a gather more compute to hide behind where one layer's compute is shorter than the
 next one's gather and the link has idled (an embedding before a block, the link shared with a
-backward's reductions), for one more layer of gathered weights. Whatever is still gathered or in
-flight at `end` is released, but for what the next action keeps (below).
+backward's reductions), for one more layer of gathered weights. A prefetch still in flight at `end`
+(no layer of the action used it) is waited for there; then whatever is gathered is released, but
+for what the next action keeps (below), which is so always landed.
 
 Across actions: where the rank's next action reads the same chunk's weights right after this one
 (P = 1: F then BW, BW then the next F; a pipeline's F and B of one chunk), its first layers are
@@ -99,13 +100,15 @@ START, END = Trigger(Moment.START), Trigger(Moment.END)
 
 @dataclass(frozen=True)
 class Step:
-    """One collective of a layer-by-layer action: a gather (started, or started and waited for) or
-    a release of bucket `bucket` of the action's chunk, at `at`."""
+    """One collective of a layer-by-layer action: a gather (started, started and waited for, or
+    only waited for: a prefetch started earlier) or a release of bucket `bucket` of the action's
+    chunk, at `at`."""
 
     gather: bool
     bucket: int
     at: Trigger
-    wait: bool = False  # a gather the layer needs now: started and waited for at once
+    wait: bool = False  # the layer needs it now: waited for here
+    started: bool = True  # False: only a wait, for the gather a prefetch started (a WAIT instruction)
 
 
 def traverses(op: Op, chunk: int, stashed: bool) -> bool:
@@ -181,6 +184,7 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
 
     def gather(k: int, at: Trigger) -> None:
         if k in flying:  # prefetched: waited for where the layer needs it
+            out.append(Step(True, k, at, wait=True, started=False))
             flying.discard(k)
             present.add(k)
         elif k not in present:
@@ -221,6 +225,8 @@ def steps(op: Op | None, layers: Sequence[LayerUse], through: bool, recompute: b
             if j is not None:
                 for behind in reversed(owners[max(0, j - depth):j]):
                     prefetch(behind.bucket, t)  # type: ignore[arg-type]
+    for k in sorted(flying):  # a prefetch no layer of the action used: landed before it is released or kept
+        out.append(Step(True, k, END, wait=True, started=False))
     for k in sorted((present | flying) - set(keep)):
         out.append(Step(False, k, END))
     return out

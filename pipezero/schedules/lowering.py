@@ -22,10 +22,12 @@ Placement rules (D = data-parallel ranks):
   the chunk, blocking) right before its first F of the step, RESHARD right after its final
   backward, once its reductions are drained. `prefetch`
   is a what-if the runtime does not do yet: the UNSHARD moves one compute action earlier and does
-  not block; the chunk's compute waits for it instead (two chunks may then be gathered at once).
+  not block; a WAIT of the chunk right before its first compute waits for it (two chunks may then be
+  gathered at once).
 - ZeRO-3 layer by layer: one bucket a layer, each gathered (started `depth` layers ahead of its
-  use, --zero3-prefetch), waited for and released at moments inside the actions that use it (a
-  layer's forward about to run, its backward beginning, ...):
+  use, --zero3-prefetch), waited for (a WAIT where the gather was started earlier: the moment its
+  layer computes) and released at moments inside the actions that use it (a layer's forward about to
+  run, its backward beginning, ...):
   those DataParallel instructions sit in the Compute instruction they belong to (`during`), each
   with its `Trigger`, in the order they happen (schedules/layer_plan.py says which and where); the
   runtime's module hooks fire them at those moments (zero/layerwise.py). The simulator times them
@@ -34,8 +36,11 @@ Placement rules (D = data-parallel ranks):
   the sharded AdamW; at ZeRO 1 and 2 it is followed by one fp32 all-gather (UNSHARD) per bucket of
   every chunk of the rank, in forward order, played only where the step was applied (a step
   skipped for a non-finite gradient changed no weight). The last one blocks (the rank waits for
-  them all at the step's end), or with `overlap_gather` none does and the next step's first
-  forward through each layer waits for that layer's bucket (zero/weight_waits.py).
+  them all at the step's end), or with `overlap_gather` none does and the program's first F of
+  each chunk holds a WAIT for each of the chunk's buckets at the `fwd` moment of the first layer that
+  reads it (`update_waits`; zero/weight_waits.py's hooks report those moments), so the next step
+  (or the evaluation or sample between, whose forward-only programs begin alike) waits for them
+  there and nowhere else; on the first step, or after a skipped one, they find nothing in flight.
 - --offload optimizer: a bucket's OFFLOAD_GRAD (its reduced gradient, the part this rank updates,
   to host memory) right after the instruction at which the program has waited for the bucket's last
   reduction (a blocking REDUCE_GRAD, or a `bound` that leaves only newer ones in flight), else just
@@ -91,8 +96,8 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     backward runs its forward again (layer by layer its parts' moments come again); `depth`: layer by layer, how many
     layers ahead of its use a layer's gather starts (schedules/layer_plan.py); `in_flight`: the
     reductions a non-blocking REDUCE_GRAD leaves in flight (its `bound`, ZeRO 1-3); `overlap_gather`:
-    ZeRO-1/2's gathers of updated weights after the step do not block (the next step's forwards
-    wait for each, layer by layer); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
+    ZeRO-1/2's gathers of updated weights after the step do not block (each chunk's first F holds
+    a WAIT for each, at its first reading layer: `update_waits`); `node_shares`: hpZ (--secondary-shard node), where a layer's gathers
     after its first of the step come from the fp32 shares its node kept (`Group.NODE`); `offload`:
     --offload optimizer, the host copies and host steps placed (`_offloaded_grads`);
     `offload_activations`: on each rank, that many micro-batches' saved activations leave the device
@@ -143,6 +148,10 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking)
 
     gathered: set[int] = set()
+    prefetched: set[int] = set()  # kept gathered, prefetch: chunks gathered ahead, not yet waited for
+    # --overlap-gather: the gathers the previous step started after its update, waited for in this
+    # step's first forward of each chunk, each at its first reading layer (`update_waits`)
+    waits = rules.gathers_updates and overlap_gather
     gathered_once: set[tuple[int, int]] = set()  # hpZ: buckets whose first gather of the step is placed
     inside_of: dict[tuple, tuple[tuple[DataParallel, ...], list[DataParallel]]] = {}  # alike for alike actions
     held: frozenset[int] = frozenset()  # layer by layer: what the previous action left gathered
@@ -151,9 +160,13 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if kept and a.chunk not in gathered:
             gathered.add(a.chunk)
             out.append(whole(Kind.UNSHARD, a.chunk, Collective.ALL_GATHER, True))
+        if a.chunk in prefetched:  # its gather ran beside the action before: waited for now
+            prefetched.discard(a.chunk)
+            out.append(DataParallel(Kind.WAIT, a.chunk, None, Collective.LOCAL, 0))
         ahead = acts[i + 1].chunk if i + 1 < len(acts) else None
         if prefetch and kept and ahead not in gathered and first.get(ahead) == i + 1:
             gathered.add(ahead)  # the next action's chunk, gathered while this one computes
+            prefetched.add(ahead)
             out.append(whole(Kind.UNSHARD, ahead, Collective.ALL_GATHER, False))
         is_final = final.get(a.chunk) == i
         per_mb = rules.reduces_every_backward(mode)
@@ -171,6 +184,10 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         if node_shares and layerwise:
             inside = _from_node_shares(inside, gathered_once, bp)
         left = left_gathered(held, [_step_of(d) for d in inside if d.kind in (Kind.UNSHARD, Kind.RESHARD)])
+        if waits and first[a.chunk] == i:
+            timed = update_waits(bp, a.chunk)
+            out.extend(d for d in timed if d.at is None)  # a plan of sizes only: no moment to name
+            inside = tuple(d for d in timed if d.at is not None) + inside
         out.append(Compute(a, inside, held, left))
         held = left
         out.extend(after)
@@ -303,7 +320,22 @@ def handover(a: Action, nxt: Action | None, bp: BucketPlan, depth: int, recomput
 
 
 def _step_of(d: DataParallel) -> Step:
-    return Step(d.kind is Kind.UNSHARD, d.bucket, d.at)  # type: ignore[arg-type]
+    return Step(d.kind is Kind.UNSHARD, d.bucket, d.at, d.blocking, True)  # type: ignore[arg-type]
+
+
+def update_waits(bp: BucketPlan, chunk: int) -> tuple[DataParallel, ...]:
+    """ZeRO-1/2 with --overlap-gather: a WAIT for each bucket of `chunk` whose updated weights the
+    step's UNSHARDs left in flight, in the order they were started (forward order), each at the
+    `fwd` moment of the first layer that reads it (bucket plan `reads`), so a layer's weights are
+    waited for only as it is about to compute; without a layer to name (a plan of sizes only) each
+    stands on its own (`at` None), before the forward."""
+    first: dict[int, int] = {}
+    for layer, ks in bp.reads(chunk).items():
+        for k in ks:
+            first.setdefault(k, layer)
+    order = sorted(range(len(bp.buckets(chunk))), key=lambda k: (first.get(k, -1), -k))
+    return tuple(DataParallel(Kind.WAIT, chunk, k, Collective.LOCAL, 0,
+                              at=Trigger(Moment.FORWARD, first[k]) if k in first else None) for k in order)
 
 
 def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: float,
@@ -318,7 +350,8 @@ def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: 
     op = a.op if a is not None else None
     through = op is not None and traverses(op, c, bp.stashes_w(c) and not recompute)
     sizes = bp.buckets(c)
-    return tuple(DataParallel(Kind.UNSHARD, c, st.bucket, Collective.ALL_GATHER, round(sizes[st.bucket] * width),
+    return tuple(DataParallel(Kind.WAIT, c, st.bucket, Collective.LOCAL, 0, False, st.at) if not st.started else
+                 DataParallel(Kind.UNSHARD, c, st.bucket, Collective.ALL_GATHER, round(sizes[st.bucket] * width),
                               st.wait, st.at) if st.gather else
                  DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
                               st.at)

@@ -10,11 +10,14 @@ rules below read only the program:
 - a reduction is waited for where its REDUCE_GRAD says: `blocking`, every reduction in flight;
   `bound`, all but the newest `bound`; OPTIM_STEP waits for the rest before it updates;
 - a gather that blocks is waited for right after it starts (a kept chunk's UNSHARD: bucket by
-  bucket); one that does not is waited for where its layer first needs it, which the program
-  places by the moments of its action, not by an instruction: the record may wait for it anywhere
-  after its start and before its bucket's release (ZeRO-1/2's gathers of updated weights under
-  --overlap-gather: before the next step's forward reads them, so the wait may come in the next
-  record); the blocking one among the gathers after the step waits for every one started;
+  bucket); one that does not is waited for by its WAIT, there and nowhere else (layer by layer at
+  the moment its layer computes; ZeRO-1/2's gathers of updated weights under --overlap-gather by the
+  next program's WAITs, in its first forward of each chunk: a record leaves them in flight and the
+  next must wait for each); the blocking one among the gathers after the step waits for every one
+  started;
+- every wait of a reduction or a gather is held to its place, the instruction that waits (`#i`, or
+  `#i@moment` inside compute instruction i), so a wait the runtime chose, even one between the
+  same two events, departs from the program;
 - RESHARD releases its bucket (a kept chunk: each of its buckets);
 - SEND and RECV are posted where the program lists them; a receive is waited for as the compute
   action that reads it starts (F: an activation, B or BW: a gradient), the sends at OPTIM_STEP (or
@@ -36,8 +39,8 @@ from dataclasses import dataclass
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.actions import Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, LossSum, OptimStep, PointToPoint,
-                                        flat)
+from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, LossSum, OptimStep,
+                                        PointToPoint)
 
 
 class PlayEvent(str, enum.Enum):
@@ -57,12 +60,14 @@ class Played:
     group: str = ""  # a start: dp, node, tie, host, world (program.py `Group`); pp: a transfer
     wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations; p2p)
     step: int = -1  # played: the step it belongs to
-    floating: bool = False  # expected: a gather's start whose wait the program leaves to its layer's first use
+    # a wait for a reduction or a gather: the instruction that waits, `#i` (its index in the rank's
+    # program) or `#i@moment` (inside compute instruction i, at that moment); "" for every other event
+    place: str = ""
 
 
 def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Played]:
-    """The events of one run of a rank's program `instrs`, in order, but for the waits of gathers
-    that do not block (`floating` starts). `applied`: the optimizer step updated the weights (a
+    """The events of one run of a rank's program `instrs`, in order, each wait of a reduction or a
+    gather with its place (`Played.place`). `applied`: the optimizer step updated the weights (a
     non-finite step changes nothing, so the gathers of updated weights after it are not played)."""
     out: list[Played] = []
     reducing: list[str] = []  # reductions in flight, oldest first
@@ -70,12 +75,12 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
     receiving: dict[Transfer, str] = {}  # receives posted, not yet waited for, by what they carry
     sending: list[str] = []  # sends posted, waited for at the program's end
 
-    def wait(keep: int) -> None:
+    def wait(keep: int, place: str) -> None:
         while len(reducing) > keep:
-            out.append(Played(PlayEvent.WAIT, reducing.pop(0)))
+            out.append(Played(PlayEvent.WAIT, reducing.pop(0), place=place))
 
     stepped = False
-    for i in flat(instrs):  # type: ignore[arg-type]
+    for i, place in placed(instrs):
         if isinstance(i, PointToPoint):
             out.append(Played(PlayEvent.START, str(i), 0, "pp"))
             if i.send:
@@ -92,7 +97,7 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             out += [Played(PlayEvent.WAIT, n) for n in sending]
             sending.clear()
         if isinstance(i, OptimStep):
-            wait(0)
+            wait(0, place)
             stepped = True
             continue
         if isinstance(i, ActivationCopy):
@@ -111,56 +116,73 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
         if i.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             reduced = f"REDUCE_GRAD({i.chunk}.{i.bucket})"
             if reduced in reducing:  # its last reduction still in flight: waited for first
-                wait(reducing[::-1].index(reduced))
+                wait(reducing[::-1].index(reduced), place)
             out.append(Played(PlayEvent.START, f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value))
             continue
         sizes = bp.buckets(i.chunk)
         whole = sum(sizes)
         for k in range(len(sizes)) if i.bucket is None else [i.bucket]:
             name = f"{i.kind.value}({i.chunk}.{k})"
+            if i.kind is Kind.WAIT:  # a gather started earlier (or by the step before), waited for here
+                out.append(Played(PlayEvent.WAIT, i.gather_name(k), place=place))
+                continue
             if i.kind is Kind.RESHARD:
                 out.append(Played(PlayEvent.RELEASE, name))
                 continue
             nbytes = i.nbytes if i.bucket is not None else round(i.nbytes * sizes[k] / whole)
-            kept = i.kind is Kind.UNSHARD and i.bucket is None  # a chunk gathered bucket by bucket
-            floating = i.kind is Kind.UNSHARD and (stepped or not (i.blocking or kept))
-            out.append(Played(PlayEvent.START, name, nbytes, i.group.value, floating=floating))
+            out.append(Played(PlayEvent.START, name, nbytes, i.group.value))
             if i.kind is Kind.REDUCE_GRAD:
                 reducing.append(name)
             elif stepped:
                 updating.append(name)
-            elif not floating:
-                out.append(Played(PlayEvent.WAIT, name))
+            elif i.blocking:  # a kept chunk's, bucket by bucket
+                out.append(Played(PlayEvent.WAIT, name, place=place))
         if i.kind is Kind.REDUCE_GRAD and i.blocking:
-            wait(0)
+            wait(0, place)
         elif i.kind is Kind.REDUCE_GRAD and i.bound is not None:
-            wait(i.bound)
+            wait(i.bound, place)
         elif i.kind is Kind.UNSHARD and stepped and i.blocking:
-            out += [Played(PlayEvent.WAIT, n) for n in updating]
+            out += [Played(PlayEvent.WAIT, n, place=place) for n in updating]
             updating.clear()
     return out
 
 
-def departure(record: Sequence[tuple[str, str]], want: Sequence[Played],
+def placed(instrs: Sequence[object]) -> list[tuple[object, str]]:
+    """The instructions in the order they happen (program.py `flat`), each with its place as the
+    record names it: `#i`, a compute instruction's own at `#i@moment`."""
+    out: list[tuple[object, str]] = []
+    for n, i in enumerate(instrs):
+        out.append((i, f"#{n}"))
+        if isinstance(i, Compute):
+            out += [(d, f"#{n}@{d.at}") for d in i.during]
+    return out
+
+
+def departure(record: Sequence[tuple[str, ...]], want: Sequence[Played],
               carried: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
-    """Where `record` ((event, name) pairs, as played) departs from `want` (`expected`), "" where it
-    does not; and the gathers still unwaited at its end (ZeRO-1/2's updated weights under
-    --overlap-gather), to pass as `carried` to the next record. A floating gather's wait may come
-    anywhere after its start and before its bucket is released; every other event in order."""
-    unwaited = set(carried)
-    j = 0
-    for n, (event, name) in enumerate(record):
-        if j < len(want) and (event, name) == (want[j].event, want[j].name):
-            if want[j].floating:
-                unwaited.add(name)
-            elif event == "release" and f"UNSHARD{name[len('RESHARD'):]}" in unwaited:
-                return f"event {n}: {name} before its gather was waited for", frozenset()
-            j += 1
-        elif event == "wait" and name in unwaited:
-            unwaited.discard(name)
-        else:
-            said = f"{want[j].event.value} {want[j].name}" if j < len(want) else "nothing more"
-            return f"event {n}: played {event} {name} where the program says {said}", frozenset()
-    if j < len(want):
-        return f"the program's {want[j].event.value} {want[j].name} was never played", frozenset()
-    return "", frozenset(unwaited)
+    """Where `record` ((event, name) or (event, name, place) tuples, as played) departs from `want`
+    (`expected`), "" where it does not; and the gathers it leaves in flight (ZeRO-1/2's updated
+    weights under --overlap-gather), to pass as `carried` to the next record, which must wait for
+    each. Every event in order; a wait of a reduction or a gather at its place too (where the
+    record gives one): a wait the runtime adds, even between the same events, is a departure."""
+    flying: set[str] = set()
+    waited: set[str] = set()
+    for n, played in enumerate(record):
+        event, name = played[0], played[1]
+        if n >= len(want):
+            return f"event {n}: played {event} {name} where the program says nothing more", frozenset()
+        w = want[n]
+        if (event, name) != (w.event.value, w.name):
+            return f"event {n}: played {event} {name} where the program says {w.event.value} {w.name}", frozenset()
+        if len(played) > 2 and w.place and played[2] != w.place:
+            return (f"event {n}: {event} {name} played at {played[2] or 'no instruction'}, where the program "
+                    f"places it at {w.place}"), frozenset()
+        if name.startswith("UNSHARD"):
+            (flying.add if event == "start" else flying.discard)(name)
+            if event == "wait":
+                waited.add(name)
+    if len(record) < len(want):
+        return f"the program's {want[len(record)].event.value} {want[len(record)].name} was never played", frozenset()
+    if missed := sorted(carried - waited):
+        return f"{missed[0]}, left in flight by the program before, was never waited for", frozenset()
+    return "", frozenset(flying)

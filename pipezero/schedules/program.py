@@ -2,11 +2,13 @@
 collectives, lowered into a single ordered list that the checker proves and the simulator times.
 
 The same program runs: schedules/compile.py compiles every rank's (the only place one is made),
-the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, RESHARD,
-TIED_SUM, REDUCE_GRAD, OFFLOAD_GRAD and HOST_STEP to zero/sharded.py's `play`; `pipezero simulate
---zero` times it and the checker proves it. What happens inside an action sits inside its compute instruction (`during`),
-each with the moment that fires it (schedules/layer_plan.py): a fused backward's reductions and
-layer-by-layer ZeRO-3's gathers and releases; the runtime's hooks report the moments.
+the executor (runtime/executor.py) plays it instruction by instruction, handing UNSHARD, WAIT,
+RESHARD, TIED_SUM, REDUCE_GRAD, OFFLOAD_GRAD and HOST_STEP to zero/sharded.py's `play`; `pipezero
+simulate --zero` times it and the checker proves it. What happens inside an action sits inside its
+compute instruction (`during`), each with the moment that fires it (schedules/layer_plan.py): a
+fused backward's reductions, layer-by-layer ZeRO-3's gathers, waits and releases, and ZeRO-1/2's
+waits for the updated weights the step before left in flight; the runtime's hooks report the
+moments. A gather that does not block is waited for by its WAIT and nowhere else.
 
 The lowering that makes a program, and where it places each instruction, is schedules/lowering.py.
 """
@@ -34,6 +36,10 @@ class Kind(str, enum.Enum):
     SEND = "SEND"
     RECV = "RECV"
     UNSHARD = "UNSHARD"  # all-gather of parameter shards into full weights
+    # the rank waits for a gather an UNSHARD started without waiting (layer by layer a prefetched
+    # layer's, at the moment that layer computes; ZeRO-1/2 --overlap-gather an updated bucket's, at the
+    # next step's first forward through a layer reading it); local, no traffic
+    WAIT = "WAIT"
     RESHARD = "RESHARD"  # drop the full weights, keep the shard (local, no traffic)
     REDUCE_GRAD = "REDUCE_GRAD"  # one bucket's all-reduce or reduce-scatter
     TIED_SUM = "TIED_SUM"  # a tied embedding's copies' gradients summed (first and last pipeline rank)
@@ -108,7 +114,7 @@ class PointToPoint:
 class DataParallel:
     """A ZeRO operation on one chunk's buckets across the D ranks holding that chunk."""
 
-    kind: Kind  # UNSHARD, RESHARD or REDUCE_GRAD
+    kind: Kind  # UNSHARD, WAIT, RESHARD or REDUCE_GRAD
     chunk: int
     bucket: int | None  # None: every bucket of the chunk
     collective: Collective
@@ -129,6 +135,11 @@ class DataParallel:
         at = f"@{self.at}" if self.at is not None else ""
         node = ", node" if self.group is Group.NODE else ""
         return f"{self.kind.value}({where}{', wait' if self.blocking else ''}{node}){at}"
+
+    def gather_name(self, bucket: int) -> str:
+        """The name of the gather of bucket `bucket` of this instruction's chunk that a WAIT waits
+        for, as the record names it (schedules/played.py)."""
+        return f"{Kind.UNSHARD.value}({self.chunk}.{bucket})"
 
 
 @dataclass(frozen=True)
@@ -313,8 +324,8 @@ def walk_view(instrs: Sequence[Instr]) -> tuple[tuple[Instr, ...], frozenset[int
 
 
 def defers_update_waits(instrs: Sequence[Instr]) -> bool:
-    """Whether the gathers of updated weights after the step (ZeRO-1/2) are left for the next step's
-    forwards to wait for, each layer its own (none of them blocks: --overlap-gather)."""
+    """Whether the gathers of updated weights after the step (ZeRO-1/2) are left for the next
+    program's WAITs (none of them blocks: --overlap-gather)."""
     after = list(instrs)[next((k for k, i in enumerate(instrs) if isinstance(i, OptimStep)), len(instrs)):]
     gathers = [i for i in after if isinstance(i, DataParallel) and i.kind is Kind.UNSHARD]
     return bool(gathers) and not any(i.blocking for i in gathers)

@@ -11,10 +11,13 @@ Four claims, each with an error that names the ranks and the position:
 3. ZeRO's placement: each rank runs OPTIM_STEP (the world's norm all-reduce) exactly once, last but
    for the gathers after it; no gradient is produced after its bucket's last reduction; at ZeRO-3
    every compute runs on gathered weights: between an UNSHARD and a RESHARD of its chunk, or, layer
-   by layer, with every layer's buckets gathered (or their gathers in flight) by the moment it
-   computes, every collective at a moment the action passes, in order, and nothing left gathered
+   by layer, with every layer's buckets gathered and waited for (a prefetch's WAIT) by the moment it
+   computes, no release or end of the action with a gather in flight, every collective at a moment
+   the action passes, in order, and nothing left gathered
    after it but what it keeps for the rank's next action, which begins with exactly that (never
-   past the step's last action; schedules/layer_plan.py).
+   past the step's last action; schedules/layer_plan.py). ZeRO-1/2 with --overlap-gather: every
+   gather of updated weights the step leaves in flight is waited for once, by a WAIT before the
+   first layer that reads its bucket (`check_update_waits`).
 4. Transfers and collectives together: `program_sim.simulate_program` plays all P x D ranks with
    each collective a rendezvous of its group; it raises if they can wait on each other in a cycle.
    Programs are fixed sequences of waits on events that, once they happen, stay happened, so how
@@ -26,12 +29,15 @@ Four claims, each with an error that names the ranks and the position:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from pipezero.schedules.check import ScheduleError, simulate
 from pipezero.schedules.actions import Op
+from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.layer_plan import Moment, moments, needs, traverses
 from pipezero.schedules.posting import Post, plans, verify
-from pipezero.schedules.program import Collective, Compute, DataParallel, Kind, OptimStep, PointToPoint, Program, flat, hoisted
+from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, OptimStep, PointToPoint, Program,
+                                        defers_update_waits, flat, hoisted)
 from pipezero.schedules.program_sim import simulate_program
 
 
@@ -123,6 +129,8 @@ def check_placement(prog: Program, rank: int) -> None:
     if left:
         raise ScheduleError(f"rank {rank}: the step's last action keeps buckets {sorted(left)} gathered past the "
                             f"optimizer step")
+    if defers_update_waits(prog.ranks[rank]):
+        check_update_waits(prog, rank, prog.ranks[rank])
     instrs = hoisted(prog.ranks[rank])
     steps = [k for k, i in enumerate(instrs) if isinstance(i, OptimStep)]
     if len(steps) != 1:
@@ -160,13 +168,52 @@ def check_placement(prog: Program, rank: int) -> None:
                                     f"REDUCE_GRAD of bucket {stale[0]}: they would never be reduced")
 
 
+def check_update_waits(prog: Program, rank: int, instrs: Sequence[Instr]) -> None:
+    """ZeRO-1/2 with --overlap-gather: the gathers of updated weights a step leaves in flight are
+    each waited for once by program `instrs` (a step's, an evaluation's, a sample's) before any
+    layer computes with the bucket: a WAIT at a moment of the chunk's first forward up to that
+    layer's `fwd`, or one standing before it."""
+    p, _ = prog.coords(rank)
+    bp = prog.buckets
+    waited: dict[int, set[int]] = {c: set() for c in prog.schedule.chunks(p)}
+
+    def wait(d: DataParallel, where: str) -> None:
+        if d.bucket is None or d.bucket in waited.get(d.chunk, {d.bucket}):
+            raise ScheduleError(f"rank {rank}: {d} {where} waits again, or for a bucket the rank does not hold")
+        waited[d.chunk].add(d.bucket)
+
+    for k, i in enumerate(instrs):
+        if isinstance(i, DataParallel) and i.kind is Kind.WAIT:
+            wait(i, f"(#{k})")
+        if not isinstance(i, Compute) or i.action.op is not Op.F:
+            continue
+        c = i.action.chunk
+        reads = bp.reads(c)
+        todo = [d for d in i.during if d.kind is Kind.WAIT]
+        for t in moments(Op.F, tuple(LayerUse(j, None) for j in reads), False):
+            while todo and todo[0].at == t:
+                wait(todo.pop(0), f"in {i} (#{k})")
+            if t.moment is Moment.FORWARD and (early := [b for b in reads[t.index] if b not in waited[c]]):
+                raise ScheduleError(f"rank {rank}: {i} (#{k}): layer {t.index} computes with bucket {c}.{early[0]} "
+                                    f"before any WAIT for its updated weights")
+        if not reads and len(waited[c]) < len(bp.buckets(c)):
+            raise ScheduleError(f"rank {rank}: {i} (#{k}) computes before every WAIT of chunk {c}")
+    for c, ks in waited.items():
+        if len(ks) != len(bp.buckets(c)):
+            missing = sorted(set(range(len(bp.buckets(c)))) - ks)
+            raise ScheduleError(f"rank {rank}: the gather of updated weights of bucket {c}.{missing[0]} is never "
+                                f"waited for (no WAIT({c}.{missing[0]}))")
+
+
 def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
     """Play the moments action `ins` passes (schedules/layer_plan.py) against the collectives it
     lists: each at a moment the action reaches, in order; layer by layer, every layer's buckets
     gathered (or their gathers in flight) by the moment it computes and nothing gathered after it;
     a reduction only at its own bucket's `grads`, in a fused backward."""
     a, bp = ins.action, prog.buckets
-    layers = bp.layers(a.chunk) if prog.layerwise else ()
+    # ZeRO-1/2's waits for updated weights sit at the moments of the layers a forward reads
+    layers = bp.layers(a.chunk) if prog.layerwise else \
+        tuple(LayerUse(i, None) for i in bp.reads(a.chunk)) if a.op is Op.F else ()
     through = traverses(a.op, a.chunk, bp.stashes_w(a.chunk) and not prog.recompute)
     grads = bp.hooked(a.chunk) if a.op is Op.BW else []
     need = needs(layers)
@@ -185,24 +232,35 @@ def _check_moments(prog: Program, rank: int, k: int, ins: Compute) -> None:
             if d.kind is Kind.REDUCE_GRAD:
                 if t.moment is not Moment.GRADS or t.index != d.bucket:
                     raise fail(f"{d} starts before bucket {d.bucket}'s gradients are complete")
-            elif not prog.layerwise or d.kind not in (Kind.UNSHARD, Kind.RESHARD):
-                raise fail(f"{d} inside an action: only reductions, and layer by layer gathers and releases")
+            elif d.kind is Kind.WAIT and not prog.layerwise:
+                if not (prog.rules.gathers_updates and a.op is Op.F):
+                    raise fail(f"{d} inside an action: only a forward waits for updated weights (ZeRO-1/2)")
+            elif not prog.layerwise or d.kind not in (Kind.UNSHARD, Kind.RESHARD, Kind.WAIT):
+                raise fail(f"{d} inside an action: only reductions, and layer by layer gathers, waits and releases")
+            elif d.kind is Kind.WAIT:
+                if d.bucket not in flying:
+                    raise fail(f"{d} waits for bucket {d.bucket}, whose gather is not in flight")
+                flying.discard(d.bucket)
+                present.add(d.bucket)
             elif d.kind is Kind.UNSHARD:
                 if d.bucket in present | flying:
                     raise fail(f"{d} gathers bucket {d.bucket} again while it is gathered")
                 (present if d.blocking else flying).add(d.bucket)
             else:
-                if d.bucket not in present | flying:
+                if d.bucket in flying:
+                    raise fail(f"{d} releases bucket {d.bucket} while its gather is in flight (no WAIT before it)")
+                if d.bucket not in present:
                     raise fail(f"{d} releases bucket {d.bucket}, which is not gathered")
                 present.discard(d.bucket)
-                flying.discard(d.bucket)
         for b in need.get(t, ()):
-            if b not in present | flying:
+            if b in flying:
+                raise fail(f"at {t} the layer computes with bucket {b}, whose gather no WAIT before it waits for")
+            if b not in present:
                 raise fail(f"at {t} the layer computes with bucket {b}, which is not gathered")
-            flying.discard(b)
-            present.add(b)
     if todo:
         raise fail(f"{todo[0]} is placed at {todo[0].at}, a moment this action never reaches in that order")
-    if present | flying != ins.kept:
-        raise fail(f"buckets {sorted(present | flying)} stay gathered after it; it keeps {sorted(ins.kept)} for the "
+    if flying:
+        raise fail(f"the gathers of buckets {sorted(flying)} are still in flight after it: no WAIT")
+    if present != ins.kept:
+        raise fail(f"buckets {sorted(present)} stay gathered after it; it keeps {sorted(ins.kept)} for the "
                    f"next action")

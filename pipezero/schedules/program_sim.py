@@ -2,8 +2,9 @@
 overlaps it, and the waits that tie them together.
 
 The compute lane follows check.simulate exactly (an action starts when the rank is free and its
-inputs have arrived, a hop later when they come from another rank), so with free communication a
-program takes exactly the schedule's time: the collectives add only what they cost. On top:
+inputs have arrived, through check.Links' queues when they come from another rank), so with free
+communication a program takes exactly the schedule's time: the collectives add only what they cost.
+On top:
 - a collective (UNSHARD, REDUCE_GRAD) is a rendezvous of its dp group (TIED_SUM: of the replica's
   ranks holding a tied embedding's copies): it starts when every member
   has issued it and each member's communication lane is free (one stream a group, in order), and
@@ -14,8 +15,11 @@ program takes exactly the schedule's time: the collectives add only what they co
   everything before it on the lane) has finished, and compute on a ZeRO-3 chunk waits for its
   latest UNSHARD; a REDUCE_GRAD with a `bound` holds the rank until the reduction that many
   places back has finished (the program's in-flight bound); layer by layer, an action's own gathers are issued as it becomes the rank's next
-  instruction and it waits for all of them (the runtime waits only for the first layer's and
-  overlaps the others with the layers before them: a conservative bound);
+  instruction and it waits for all of them (the runtime waits only where the program's WAITs
+  inside the action say, each layer's as it computes: a conservative bound); a WAIT standing on
+  its own (a kept chunk gathered one action ahead) holds the rank until the chunk's latest UNSHARD
+  ends, and one for a gather this program has not started (ZeRO-1/2's updated weights, started by
+  the previous step) passes;
 - OPTIM_STEP waits for the rank's collectives to drain, meets every rank of the world in the norm
   all-reduce, then computes for `CommCost.optim`; a forward-only program's LOSS_SUM meets the world
   alike (schedules/forward_only.py);
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 from pipezero.schedules.actions import Op
 # check.py's own dependency rules, so compute is timed exactly as the schedule's simulation times it
-from pipezero.schedules.check import CostModel, ScheduleError, _deps, _key
+from pipezero.schedules.check import CostModel, Links, ScheduleError, _deps, _key, check_hops, crossing
 from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, OptimStep, Program,
                                         hoisted)
 
@@ -90,6 +94,7 @@ class _Play:
     ranks: list[list[Instr]]  # the program's, a fused backward's reductions after it (`hoisted`)
     cost: CostModel
     comm: CommCost
+    links: Links  # the pipelines' links (each replica's own), queued as check.simulate queues them
     pc: list[int]
     free: list[float]  # when each rank's CPU may go on
     comm_free: list[float]
@@ -107,6 +112,7 @@ class _Play:
     host_free: dict[int, float] = field(default_factory=dict)  # rank -> when its host lane is free
     copied: dict[tuple[int, int, int | None], float] = field(default_factory=dict)  # a bucket's copy to the host ends
     done: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) -> end
+    arrived: dict[tuple, float] = field(default_factory=dict)  # (dp_rank, chunk, op, mb) sent on -> arrival
     timeline: list[Span] = field(default_factory=list)
 
     def members(self, key: GroupKey) -> list[int]:
@@ -166,11 +172,23 @@ class _Play:
             self.busy[r] += end - start
             self.free[r] = end
             self.timeline.append(Span(r, "compute", str(a), instr.kind, a.mb, start, end))
-            d = self.prog.coords(r)[1]
+            p, d = self.prog.coords(r)
+            s = self.prog.schedule
+            out = crossing(s, a)
+            if out is not None and s.rank_of_chunk[out[1]] != p:
+                receiver = self.prog.global_rank(s.rank_of_chunk[out[1]], d)
+                self.arrived[(d, *_key(a))] = self.links.send(out[0], r, receiver, end)
             for k in [_key(a)] + ([(a.chunk, Op.W, a.mb)] if a.op is Op.BW else []):
                 self.done[(d, *k)] = end
         elif isinstance(instr, DataParallel) and instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             return self.host(r, instr)
+        elif isinstance(instr, DataParallel) and instr.kind is Kind.WAIT:
+            # a gather this program started without waiting: the rank holds here until it ends (one
+            # the previous step started, ZeRO-1/2's updated weights, is over by now)
+            key = self.gate.get((r, instr.chunk))
+            if key is not None:
+                self.waiting[r] = key
+                return True
         elif isinstance(instr, DataParallel) and instr.kind is not Kind.RESHARD:
             key = self.issue(r, "tie" if instr.kind is Kind.TIED_SUM else "dp", self.free[r], instr)
             if instr.kind is Kind.UNSHARD:
@@ -223,7 +241,7 @@ class _Play:
             end = self.done.get((d, *dep))
             if end is None:
                 return None
-            t = max(t, end + (self.cost.comm if s.rank_of_chunk[dep[0]] != p else 0.0))
+            t = max(t, self.arrived[(d, *dep)] if s.rank_of_chunk[dep[0]] != p else end)
         gate = self.gate.get((r, a.chunk))
         if gate is not None:
             if gate not in self.ends:
@@ -236,7 +254,9 @@ def simulate_program(prog: Program, cost: CostModel | None = None, comm: CommCos
     """Play every rank's program; raise ScheduleError if transfers and collectives deadlock."""
     n = len(prog.ranks)
     ranks = [hoisted(r) for r in prog.ranks]
-    play = _Play(prog, ranks, cost or CostModel(), comm or CommCost(), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+    cost = cost or CostModel()
+    check_hops(prog.schedule, cost)
+    play = _Play(prog, ranks, cost, comm or CommCost(), Links(cost), [0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
                  [0.0] * n)
     moved = True
     while moved:

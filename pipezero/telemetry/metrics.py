@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from pipezero.util import atomic_write_bytes
+from pipezero.files import atomic_write_bytes
 
 # Every field a metrics.jsonl record may hold, with what it means. The reference page of the run's
 # files is generated from this table, and `MetricsLog.write` refuses a field missing from it, so the

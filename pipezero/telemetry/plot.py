@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from pipezero.util import atomic_write_with  # noqa: E402
+from pipezero.files import atomic_write_with  # noqa: E402
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "BW": "#C44E52"}
 
@@ -38,7 +38,7 @@ def draw_timeline(bars: Iterable[tuple[int, str, int, float, float]], n_ranks: i
 
 
 def save(fig: plt.Figure, path: str | Path) -> None:
-    """Write `fig` to `path` whole or not at all (a temporary file renamed over it, util.atomic_write_with):
+    """Write `fig` to `path` whole or not at all (a temporary file renamed over it, files.atomic_write_with):
     a failed or interrupted drawing leaves whatever was at `path`. The format follows the suffix."""
     try:
         atomic_write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format=Path(path).suffix[1:] or "png"))

@@ -37,7 +37,7 @@ def probe_writable(folder: Path) -> None:
     import os
     import tempfile
 
-    from pipezero.util import physical
+    from pipezero.files import physical
 
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,7 @@ def chrome_trace(per_rank: list[list[tuple]], layout: dict | None = None) -> dic
 
 def write_trace(path: Path, per_rank: list[list[tuple]], layout: dict, png: Path | None = None,
                 step: int | None = None) -> None:
-    from pipezero.util import atomic_write_bytes
+    from pipezero.files import atomic_write_bytes
 
     atomic_write_bytes(path, json.dumps(chrome_trace(per_rank, layout)).encode())
     if png is None:

@@ -54,6 +54,9 @@ class Coordinator:
     # each wait (a reduction's, a gather's) and each release, one a bucket, named as the program names it. Cleared by `new_step`;
     # tests/training.py holds every step's against the program (schedules/played.py `expected`).
     played: list[Played] = field(default_factory=list)
+    # The instruction being played, as the record names a wait's place (played.py `Played.place`):
+    # `#i`, or `#i@moment` inside compute instruction i; "" outside every instruction of a program
+    place: str = ""
     # How tensors travel (parallel/staging.py): through host buffers where ranks share a GPU; None:
     # straight to torch.distributed
     transport: Transport | None = None
@@ -72,6 +75,10 @@ class Coordinator:
 
     def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
         self.played.append(Played(PlayEvent.START, name, nbytes, group, wire, self.tracer.step))
+
+    def note_wait(self, b: Bucket) -> None:
+        """A wait for bucket `b`'s gather, at the instruction under way (`place`)."""
+        self.played.append(Played(PlayEvent.WAIT, f"UNSHARD({b.label})", step=self.tracer.step, place=self.place))
 
     def note_release(self, b: Bucket) -> None:
         self.played.append(Played(PlayEvent.RELEASE, f"RESHARD({b.label})", step=self.tracer.step))
@@ -152,7 +159,8 @@ class Coordinator:
         for b in done:
             r, b.reduction = b.reduction, None
             assert r is not None
-            self.played.append(Played(PlayEvent.WAIT, f"REDUCE_GRAD({b.label})", step=self.tracer.step))
+            self.played.append(Played(PlayEvent.WAIT, f"REDUCE_GRAD({b.label})", step=self.tracer.step,
+                                      place=self.place))
             if r.work is not None:
                 self.wait(r.work, f"REDUCE_GRAD({b.label}): {self.rules.reduction}")
             if r.back is not None:
@@ -233,7 +241,7 @@ class Coordinator:
         g, b.gathering = b.gathering, None
         if g is None:
             return
-        self.played.append(Played(PlayEvent.WAIT, f"UNSHARD({b.label})", step=self.tracer.step))
+        self.note_wait(b)
         if g.work is not None:
             self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
         if g.wire is not None:
@@ -262,16 +270,21 @@ class Coordinator:
             if b.gathering is not None:
                 self.updating.append(b)
 
-    def settle(self, b: Bucket | None = None) -> None:
-        """Wait for the updated parameters of bucket `b` and those gathered before it, or of every
-        bucket: whatever reads full parameters between steps calls this first."""
-        if b is not None and b not in self.updating:
-            return
+    def wait_update(self, b: Bucket) -> None:
+        """A program's WAIT for bucket `b`'s updated parameters (stages 1-2): its gather, if one is
+        in flight (none on the first step, after a skipped one, or where something outside a program
+        settled it); the wait is in the record either way, where the program placed it."""
+        if b in self.updating:
+            self.updating.remove(b)
+            self.finish_gather(b)
+        else:
+            self.note_wait(b)
+
+    def settle(self) -> None:
+        """Wait for every gather of updated parameters in flight (stages 1-2): a program's blocking
+        UNSHARD, and what reads full parameters outside any program (a checkpoint, the end of the run)."""
         while self.updating:
-            first = self.updating.pop(0)
-            self.finish_gather(first)
-            if first is b:
-                return
+            self.finish_gather(self.updating.pop(0))
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -17,8 +17,9 @@ from pipezero.zero.coordinator import Coordinator
 
 
 class UngatheredUse(RuntimeError):
-    """A layer computed with a bucket its program never gathered: with a spec's own parts
-    (--zero3-unit sublayer), a forward that runs them in another order than listed."""
+    """A layer computed with a bucket its program never gathered, or gathered and not yet waited
+    for: with a spec's own parts (--zero3-unit sublayer), a forward that runs them in another order
+    than listed."""
 
 
 @dataclass
@@ -57,33 +58,40 @@ class ShardedParams:
 
     # --- one bucket, as the program's layer-by-layer instructions say ---------------------------
     def gather(self, b: Bucket, from_node: bool = False) -> None:
-        """Gather `b` and wait for it (a gather in flight is waited for); `from_node`: from the fp32
-        shares this rank's node kept of the step's first gather (hpZ, as the program says)."""
+        """Gather `b` and wait for it; `from_node`: from the fp32 shares this rank's node kept of the
+        step's first gather (hpZ, as the program says)."""
         if b.gathering is not None:
-            self.comm.finish_gather(b)
-        elif not b.present:
+            raise RuntimeError(f"rank {self.comm.rank}: UNSHARD({b.label}, wait) while its gather is in flight: "
+                               f"the program waits for a started gather with WAIT({b.label})")
+        if not b.present:
             self.comm.gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
 
     def start(self, b: Bucket, from_node: bool = False) -> None:
-        """Start gathering `b`; the layer that needs it waits for it (`need`)."""
+        """Start gathering `b`; the program's WAIT for it waits."""
         if b.gathering is None and not b.present:
             self.comm.start_gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
 
     def need(self, b: Bucket, what: str) -> None:
-        """A layer computes with `b` now: wait for its gather in flight; released is an error (the
-        program placed no gather before this use)."""
+        """A layer computes with `b` now: a gather still in flight (the program placed no WAIT before
+        this use) or a released bucket (no gather) is an error."""
         if b.gathering is not None:
-            self.comm.finish_gather(b)
-        elif not b.present and not self.holding:
+            raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...) "
+                                f"before its program waits for its gather (no WAIT({b.label}) at or before this "
+                                f"moment)")
+        if not b.present and not self.holding:
             raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
                                f"which its program never gathered")
 
-    def release(self, b: Bucket) -> None:
+    def release(self, b: Bucket, what: str = "") -> None:
+        """Drop `b`'s full weights (RESHARD; `what`: the instruction, for an error)."""
         if self.holding:
             return
-        self.comm.finish_gather(b)  # a gather still writes into the storage: let it land first
+        if b.gathering is not None:  # it would still write into the storage
+            raise RuntimeError(f"rank {self.comm.rank}: {what or f'RESHARD({b.label})'}: bucket {b.label} "
+                               f"({b.names[0]}, ...) released while its gather is in flight: the program never "
+                               f"waited for it (no WAIT({b.label}) before)")
         self.comm.note_release(b)
         b.release()
 

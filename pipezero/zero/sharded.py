@@ -23,6 +23,12 @@ zero/gathering.py, the update zero/update.py; the state lives on the buckets (ze
   copies its weights back. The executor's activation copies are noted in the same record (`note_copy`).
 - Every collective inside an action is armed by the executor (`begin_compute`) and fired at its
   moment (`moment`); one left over when the action ends is an error, never a collective skipped.
+- Waits for gathers are the program's WAIT instructions (`_wait`), at the moments it places them:
+  a layer that computes with a bucket whose gather is still in flight, a release of one, or a
+  program that ends with one in flight (`end_program`) is an error naming the bucket, the layer
+  and the instruction. ZeRO-1/2's gathers of updated weights under --overlap-gather are waited for
+  by the next program's WAITs, at the moments zero/weight_waits.py's hooks report; `settle` is left
+  only to what reads full weights outside any program.
 - Stage 3: parameters are gathered and released by zero/gathering.py, kept for a chunk's whole step
   (`keep_gathered`, default when P > 1) or layer by layer. Layer by layer, the program's gathers
   and releases sit inside each compute instruction with the moment that fires them: the executor
@@ -95,6 +101,7 @@ class ZeroDP:
     host: HostOptimizer | None = field(init=False)  # --offload optimizer
     armed: list[DataParallel] | None = field(init=False, default=None)  # layer by layer: the action's, still to fire
     armed_for: str = field(init=False, default="a forward outside any program")  # the action they belong to
+    playing: int | None = field(init=False, default=None)  # index of the program's instruction under way
 
     @property
     def layerwise(self) -> bool:
@@ -217,6 +224,8 @@ class ZeroDP:
                 self.comm.drain()
         elif instr.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             self._host(instr)
+        elif instr.kind is Kind.WAIT:
+            self._wait(instr)
         elif self.rules.gathers_updates and instr.kind is Kind.UNSHARD and instr.bucket is not None:
             self._gather_update(instr)
         elif self.sharded is None:
@@ -224,7 +233,7 @@ class ZeroDP:
         elif instr.bucket is not None:  # layer by layer: one layer's bucket, at its moment
             b = self.buckets[instr.chunk][instr.bucket]
             if instr.kind is Kind.RESHARD:
-                self.sharded.release(b)
+                self.sharded.release(b, f"{instr} in {self.armed_for}")
             elif instr.blocking:
                 self.sharded.gather(b, instr.group is Group.NODE)
             else:
@@ -233,6 +242,37 @@ class ZeroDP:
             self.sharded.before_use(instr.chunk)
         else:
             self.sharded.after_final_backward(instr.chunk)
+
+    def _wait(self, instr: DataParallel) -> None:
+        """WAIT: the gather of a bucket (or of each of a chunk's) that an UNSHARD started without
+        waiting. ZeRO-1/2's updated weights may have nothing in flight (the first step, a skipped
+        one, a checkpoint settled them); ZeRO-3's must: a WAIT for a gather never started is an error."""
+        ks = range(len(self.buckets[instr.chunk])) if instr.bucket is None else [instr.bucket]
+        for k in ks:
+            b = self.buckets[instr.chunk][k]
+            if self.rules.gathers_updates:
+                self.comm.wait_update(b)
+            elif b.gathering is None:
+                raise RuntimeError(f"rank {self.rank}, step {self.step_no}: {instr} in {self.armed_for}: no gather of "
+                                   f"bucket {b.label} ({b.names[0]}, ...) is in flight to wait for")
+            else:
+                self.comm.finish_gather(b)
+
+    def enter(self, index: int | None) -> None:
+        """The executor plays instruction `index` of its program (None: it left the program): the
+        place the record gives a wait (zero/coordinator.py `place`)."""
+        self.playing = index
+        self.comm.place = "" if index is None else f"#{index}"
+
+    def end_program(self, what: str) -> None:
+        """The program ended (its OPTIM_STEP, LOSS_SUM or last instruction): a gather it had to wait
+        for and did not is an error, named by bucket and layer, not a wait the runtime adds."""
+        left = self.comm.updating[:1] or [b for b in self.all_buckets() if b.gathering is not None][:1]
+        if left:
+            b = left[0]
+            raise RuntimeError(f"rank {self.rank}, step {self.step_no}: {what}: the gather of bucket {b.label} "
+                               f"({b.names[0]}, ...) is still in flight: its program never waits for it (no "
+                               f"WAIT({b.label}))")
 
     # --- layer by layer: the collectives inside an action, fired at its moments ----------------
     def begin_compute(self, ins: Compute) -> None:
@@ -243,17 +283,29 @@ class ZeroDP:
         self._disarm()
 
     def moment(self, at: Trigger, uses: list[Bucket], what: str) -> None:
-        """Moment `at` of the action under way: play what the program placed here, then wait for the
-        gathers of the buckets the layer computes with (`uses`)."""
+        """Moment `at` of the action under way: play what the program placed here (its waits
+        among them), then check that the buckets the layer computes with (`uses`) are gathered and
+        waited for: one the program has not waited for by now is an error naming the bucket, the
+        layer and the instruction."""
         todo = self.armed
-        while todo and todo[0].at == at:
-            self.play(todo.pop(0))
+        if todo and todo[0].at == at:
+            self.comm.place = f"#{self.playing}@{at}"
+            while todo and todo[0].at == at:
+                self.play(todo.pop(0))
+            self.comm.place = f"#{self.playing}"
+        where = f"{self.armed_for}, {what}"
         if self.sharded is not None:
             for b in uses:
-                self.sharded.need(b, f"{self.armed_for}, {what}")
+                self.sharded.need(b, where)
+        else:
+            for b in uses:
+                if b in self.comm.updating:
+                    raise RuntimeError(f"rank {self.rank}, step {self.step_no}: {where} computes with bucket {b.label} "
+                                       f"({b.names[0]}, ...) before its program waits for its updated weights (no "
+                                       f"WAIT({b.label}) at or before {at})")
 
     def _arm(self, todo: list[DataParallel], what: str) -> None:
-        self.armed, self.armed_for = todo, what
+        self.armed, self.armed_for = todo, what if self.playing is None else f"{what} (#{self.playing})"
         self.moment(START, [], "")
 
     def _disarm(self) -> None:
@@ -280,7 +332,7 @@ class ZeroDP:
 
     # --- whole model ------------------------------------------------------------------------
     def gather_all(self) -> None:
-        """Full weights of every chunk, e.g. for a snapshot; undo with release_all."""
+        """Full weights of every chunk, for a snapshot outside any program; undo with release_all."""
         self.settle()
         if self.sharded is not None:
             self.sharded.gather_all()
@@ -301,7 +353,9 @@ class ZeroDP:
     # --- the optimizer step ------------------------------------------------------------------
     def step(self, lr: float, max_norm: float, norm_group: Any, loss: torch.Tensor | float = 0.0) -> StepOutcome:
         """OPTIM_STEP: finish the reductions, clip and update this rank's shards (zero/update.py).
-        At stages 1-2 the program's UNSHARDs after it gather the updated weights (`_gather_update`)."""
+        At stages 1-2 the program's UNSHARDs after it gather the updated weights (`_gather_update`);
+        those the previous step started were waited for by this program's WAITs, or it is an error."""
+        self.end_program("OPTIM_STEP")
         self.comm.drain()
         self.comm.generation += 1  # the masters change here: secondary shares cut before are stale
         if self.host is not None:  # the update itself is the program's HOST_STEPs after this
@@ -333,12 +387,14 @@ class ZeroDP:
         """Stages 1-2, after an applied step: start gathering one bucket's updated shards, in place (the
         program lists them in forward order, so the first layers' weights come first). Its wait is
         the program's: a blocking one waits for every gather started so far; with --overlap-gather
-        none blocks and the first forward that reads a bucket waits for it (zero/weight_waits.py)."""
+        none blocks and the next program's WAITs wait for each (schedules/lowering.py `update_waits`)."""
         self.comm.start_updates([self.buckets[instr.chunk][instr.bucket]])  # type: ignore[index]
         if instr.blocking:
-            self.settle()
+            self.comm.settle()
 
-    def settle(self, b: Bucket | None = None) -> None:
-        """Wait for the updated parameters (stages 1-2) of bucket `b` and those gathered before it,
-        or of every bucket: whatever reads full parameters between steps calls this first."""
-        self.comm.settle(b)
+    def settle(self) -> None:
+        """Wait for every gather of updated parameters in flight (stages 1-2). Programs wait with
+        their WAITs; this is for what reads full parameters outside any program: a checkpoint's
+        shards (zero/shard_state.py), a snapshot (`gather_all`), the memory profile of the first
+        step and the end of the run (engine.py)."""
+        self.comm.settle()
