@@ -120,8 +120,9 @@ def negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
-INTERRUPTED = "pipezero: interrupted; checkpoints are committed atomically, so --resume continues from the newest complete one"
-TERMINATED = INTERRUPTED.replace("interrupted", "stopped by SIGTERM")
+RESUME = "; checkpoints are committed atomically, so --resume continues from the newest complete one"
+INTERRUPTED = "pipezero: interrupted" + RESUME
+TERMINATED = "pipezero: stopped by SIGTERM" + RESUME
 
 
 class Terminated(KeyboardInterrupt):
@@ -213,5 +214,5 @@ def interrupted(e: KeyboardInterrupt, saves: bool = True) -> int:
     advice only where the command `saves` checkpoints (train)."""
     term = isinstance(e, Terminated)
     line = TERMINATED if term else INTERRUPTED
-    print(line if saves else line.split(";")[0], file=sys.stderr)
+    print(line if saves else line.removesuffix(RESUME), file=sys.stderr)
     return 128 + (signal.SIGTERM if term else signal.SIGINT)
