@@ -30,6 +30,7 @@ from types import TracebackType
 from pipezero.errors import ConfigError
 from pipezero.launch import SAFE_PATH
 from pipezero.job import children
+from pipezero.lifeline import bind_child
 
 
 # a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
@@ -43,6 +44,9 @@ def rate_bits(link: str) -> float | None:
         return None
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
     return float(m[1]) * scale[m[2] or ""] * (8 if m[3] == "bps" else 1)
+
+
+UNWIND = (signal.SIGTERM, signal.SIGHUP)  # signals that end a cluster as Ctrl-C does, tearing it down
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -145,11 +149,13 @@ class EmulatedCluster:
 
     def __enter__(self) -> "EmulatedCluster":
         require_root()
-        # SIGTERM (`timeout`, `kill`, a scheduler) would end the interpreter without `finally`,
-        # leaving namespaces and ranks behind: it unwinds like Ctrl-C instead, while this is open
-        self._sigterm = None
+        # SIGTERM (`timeout`, `kill`, a scheduler) and SIGHUP (a closed terminal or ssh session) would
+        # end the interpreter without `finally`, leaving namespaces and ranks behind: they unwind like
+        # Ctrl-C instead, while this is open
+        self._before: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
-            self._sigterm = signal.signal(signal.SIGTERM, _interrupt)
+            self._before = {sig: signal.signal(sig, _interrupt) for sig in UNWIND
+                            if signal.getsignal(sig) is not signal.SIG_IGN}  # nohup's choice kept
         try:
             self._build()
         except BaseException:
@@ -158,13 +164,13 @@ class EmulatedCluster:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._sigterm is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
+        for sig in self._before:
+            signal.signal(sig, signal.SIG_IGN)  # a second one must not cut the teardown short
         try:
             self.close()
         finally:
-            if self._sigterm is not None:
-                signal.signal(signal.SIGTERM, self._sigterm)
+            for sig, handler in self._before.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
 
     def _build(self) -> None:
         bridge, s = f"{self.tag}b", self.spec
@@ -193,8 +199,12 @@ class EmulatedCluster:
         cores = node_cores(list(os.sched_getaffinity(0)), self.spec.nodes, node) if self.spec.pin else None
         # set in the child before exec: everything it starts inherits the mask
         pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        # `ip netns exec` execs argv in its own process: a torchrun agent (pipezero.loopback) started
+        # so dies with this one whatever ends it, SIGKILL included (lifeline.py), and its ranks with it
+        child_env = {**os.environ, **(env or {})}
+        bind_child(child_env)
         proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *argv], preexec_fn=pin,
-                                env={**os.environ, **(env or {})}, start_new_session=True, **popen)  # type: ignore[call-overload]
+                                env=child_env, start_new_session=True, **popen)  # type: ignore[call-overload]
         self.procs.append(proc)
         return proc
 

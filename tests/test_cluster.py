@@ -255,3 +255,71 @@ def test_the_emulated_cluster_starts_torchrun_through_the_wrapper_that_ends_quie
     cluster.start = lambda node, cmd, env, **kw: seen.append(cmd)
     cluster.torchrun(0, 1, 29500, ["-m", "pipezero.cli", "train"])
     assert seen[0][1:4] == ["-P", "-m", "pipezero.loopback"]  # no working folder on the ranks' import path
+
+
+CHILD_OF_NODE = ("import sys, time\nfrom pipezero.cluster import ClusterSpec, EmulatedCluster\n"
+                 "with EmulatedCluster(ClusterSpec(nodes=2)) as c:\n"
+                 "    p = c.start(1, [sys.executable, '-c', 'from pipezero.lifeline import die_with_parent; "
+                 "import time; die_with_parent(); time.sleep(3600)'])\n"
+                 "    print(c.tag, p.pid, flush=True)\n"
+                 "    time.sleep(3600)\n")
+
+
+def _gone(pid: int, within: float) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # a zombie: dead, not yet reaped by init
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.distributed
+def test_a_node_process_dies_with_a_cluster_killed_by_sigkill(cluster_ok):
+    """`kill -9` of `pipezero cluster` runs none of its code: the torchrun agents it started (and so
+    their ranks) must still end with it, not train on as orphans."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD_OF_NODE], stdout=subprocess.PIPE, text=True)
+    tag, pid = proc.stdout.readline().split()
+    proc.kill()
+    proc.wait()
+    try:
+        assert _gone(int(pid), 10), "the node's process outlived its killed cluster"
+    finally:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for cmd in ([f"{tag}b"], *([f"{tag}v{i}"] for i in range(2))):  # what SIGKILL could not remove
+            subprocess.run(["ip", "link", "del", *cmd], capture_output=True)
+        for i in range(2):
+            subprocess.run(["ip", "netns", "del", f"{tag}n{i}"], capture_output=True)
+
+
+@pytest.mark.distributed
+def test_a_cluster_hung_up_on_removes_everything_it_made(cluster_ok):
+    """SIGHUP (a closed terminal or ssh session) unwinds like SIGTERM: processes killed, namespaces
+    and links removed."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CHILD_OF_NODE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    tag, pid = proc.stdout.readline().split()
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err, err[-2000:]
+    assert leftovers(tag) == []
+    assert _gone(int(pid), 10)
