@@ -97,6 +97,30 @@ def test_a_spec_whose_layers_cannot_be_built_is_one_line_before_anything_is_made
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("tied, needle", [
+    ("('layers.0.tok.weight', 'layers.5.nope.weight')",
+     "S.tied_names() names layers.5.nope.weight, which is no parameter of layer 5 (Head: ln.weight, ln.bias, "
+     "lm.weight)"),
+    ("('layers.0.tok.weight', 'layers.1.q.weight')",
+     "S.tied_names() gives ('layers.0.tok.weight', 'layers.1.q.weight'); it must name a parameter of layer 0 "
+     "(the embedding), then one of layer 5 (the head)"),
+    ("('layers.0.pos.weight', 'layers.5.lm.weight')",
+     "S.tied_names() ties layers.0.pos.weight (128, 64) to layers.5.lm.weight (256, 64): a tied pair must have "
+     "one shape"),
+    ("'layers.0.tok.weight'", "S.tied_names() gives 'layers.0.tok.weight'; it must name a parameter of layer 0"),
+])
+def test_a_spec_whose_tied_names_name_no_tied_pair_is_one_line_before_anything_is_made(tied, needle, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """tied_names() is read by pipezero's own set-up (StageChunk.tie): a name of no parameter was an
+    AttributeError traceback there, and two shapes an error blamed on the user's forward."""
+    name = f"spec_tied_{abs(hash(tied)):x}"
+    (tmp_path / f"{name}.py").write_text(HEAD + f"    def tied_names(self):\n        return {tied}\n")
+    write_docs(tmp_path, 12, "some words to train on, {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(["train", "--model-spec", f"{name}:S", *SPEC_RUN], capsys), needle)
+    assert not (tmp_path / "o").exists()
+
+
 def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> tuple[str, Path]:
     """A module of a GPTSpec subclass S with `body` in a fresh working folder beside docs/: its
     name (unique: every test imports its own) and path."""

@@ -244,6 +244,38 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
     if not spec.deferred_init:  # a pretrained model's layers are filled by its loader, never initialised
         for i, layer in enumerate(layers):
             _probe_init(spec, ref, module, layer, i, counts[i])
+    _check_tied(spec, ref, module, layers)
+
+
+def _check_tied(spec: ModelSpec, ref: str, module: str, layers: list[Any]) -> None:
+    """tied_names() a pair (a parameter of the embedding, one of the head) of one shape, or None:
+    pipezero's own set-up ties them (StageChunk.tie), where a name of no parameter would be its
+    AttributeError traceback and two shapes an error blamed on the user's forward."""
+    cls, last = type(spec).__name__, spec.n_layers + 1
+    try:
+        names = spec.tied_names()
+    except Exception as e:  # noqa: BLE001 - the user's tied_names raised
+        raise _raised_in_users_code(ref, f"{cls}.tied_names()", module, e) from None
+    if names is None:
+        return
+    prefixes = ("layers.0.", f"layers.{last}.")
+    if (not isinstance(names, (tuple, list)) or len(names) != 2 or not all(isinstance(n, str) for n in names)
+            or not all(n.startswith(p) for n, p in zip(names, prefixes))):
+        raise ConfigError(f"--model-spec {ref!r}: {cls}.tied_names() gives {names!r}; it must name a parameter of "
+                          f"layer 0 (the embedding), then one of layer {last} (the head), e.g. "
+                          f"('layers.0.tok.weight', 'layers.{last}.lm.weight'), or None")
+    shapes = []
+    for name, index in zip(names, (0, last)):
+        params = dict(layers[index].named_parameters())
+        own = name.split(".", 2)[2]
+        if own not in params:
+            raise ConfigError(f"--model-spec {ref!r}: {cls}.tied_names() names {name}, which is no parameter of layer "
+                              f"{index} ({type(layers[index]).__name__}: {', '.join(params) or 'none'}); name two "
+                              f"parameters of one shape, or return None")
+        shapes.append(tuple(params[own].shape))
+    if shapes[0] != shapes[1]:
+        raise ConfigError(f"--model-spec {ref!r}: {cls}.tied_names() ties {names[0]} {shapes[0]} to {names[1]} "
+                          f"{shapes[1]}: a tied pair must have one shape")
 
 
 PROBE_REAL = 1 << 22  # parameters: a layer this small is built and initialised for real in ~10 ms
