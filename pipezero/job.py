@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 GRACE_S = 5.0  # how long stopped workers may take to exit before they are killed
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, kill/timeout/a scheduler, a closed terminal
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a command with its stop line: SIGHUP only where it is not ignored (a
+    job started under nohup keeps training when its terminal closes)."""
+    return tuple(s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN)
 
 
 def children(pid: int) -> list[int]:
@@ -77,7 +83,7 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, a
     from pipezero.runtime.watch import Desk, ask
 
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in stop_signals()}
     previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda *_: ask(out))
     desk = Desk(out, world)
     try:

@@ -209,11 +209,17 @@ def owning_section(key: str) -> str | None:
                  if key in {f.name for f in dataclasses.fields(getattr(tables, section))}), None)
 
 
+MAX_TOML_BYTES = 1 << 20  # settings are a few hundred bytes; parsing takes ~4x a file's size in memory
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of `[section]` tables into flat `section.field` overrides."""
     p = Path(path)
     if not p.is_file():  # a folder or a pipe is named as such: "does not exist" would send the user looking
         raise ConfigError(f"config file {str(p)!r} {kind_of(p)}; name a .toml file")
+    if (size := p.stat().st_size) > MAX_TOML_BYTES:  # read whole by the launcher and every rank: bounded
+        raise ConfigError(f"config file {str(p)!r} is {size / 2**20:.1f} MiB: a settings file is at most "
+                          f"{MAX_TOML_BYTES >> 20} MiB; name the TOML of [model] [parallel] [optim] [data] [run] tables")
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a byte-order mark (Windows editors) is no statement
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:

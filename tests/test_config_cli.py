@@ -50,6 +50,19 @@ def test_bad_toml_is_a_config_error(tmp_path):
         build_config(str(bad))
 
 
+def test_a_settings_file_past_its_bound_is_refused_unread(tmp_path, capsys):
+    """A settings file is a few hundred bytes: one of 100 MB was read whole by the launcher and every
+    rank (hundreds of MiB each to parse), with no bound a user could read."""
+    from one_line import assert_one_line, run_main
+
+    big = tmp_path / "big.toml"
+    with big.open("w") as f:  # sparse: 2 MiB of nothing after a valid table
+        f.write("[run]\nmax_steps = 1\n")
+        f.truncate(2 << 20)
+    assert_one_line(*run_main(["train", "--config", str(big)], capsys),
+                    f"config file {str(big)!r} is 2.0 MiB: a settings file is at most 1 MiB")
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["train", "--preset", "nope"], "unknown preset"),
     (["train", "--data", "/missing/file.txt"], "does not exist"),

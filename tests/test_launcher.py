@@ -337,3 +337,46 @@ def test_sigterm_to_a_lone_process_is_the_stop_line_not_a_silent_death(capsys):
         assert signal.getsignal(signal.SIGTERM) is not cli.terminate  # restored: the caller's own again
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_sighup_to_a_lone_process_is_the_stop_line_not_a_silent_death(capsys):
+    """A closed terminal or ssh session (SIGHUP) ended a one-process run with exit 129 and not a word."""
+    import signal
+
+    from pipezero.cli import command_line as cli
+
+    def parser_then_sighup():
+        signal.raise_signal(signal.SIGHUP)
+        raise AssertionError("SIGHUP did not stop the command")
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGHUP, lambda *_: seen.append(1))  # keeps pytest alive without the fix
+    try:
+        original, cli.build_parser = cli.build_parser, parser_then_sighup
+        try:
+            code = cli.main(["train"])
+        except AssertionError:
+            code = None
+        finally:
+            cli.build_parser = original
+        assert code == 128 + signal.SIGHUP and not seen, (code, seen)
+        assert capsys.readouterr().err.strip().splitlines() == [cli.TERMINATED.replace("SIGTERM", "SIGHUP")]
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_the_launcher_stops_its_job_on_sighup_unless_told_to_ignore_it():
+    """SIGHUP ended the `--nproc` launcher without a word (its ranks died with it, silently); nohup's
+    SIG_IGN is kept, so a job started under nohup trains on."""
+    import signal
+
+    from pipezero.job import stop_signals
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert set(stop_signals()) == {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        assert signal.SIGHUP not in stop_signals()
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -126,28 +126,36 @@ TERMINATED = "pipezero: stopped by SIGTERM" + RESUME
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, `timeout`, a scheduler) in a lone process: stopped as Ctrl-C stops it, with its
-    line, where the default action ended the run without a word (exit 143)."""
+    """SIGTERM (`kill`, `timeout`, a scheduler) or SIGHUP (a closed terminal or ssh session) in a lone
+    process: stopped as Ctrl-C stops it, with its line, where the default action ended the run
+    without a word (exit 143, 129)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def terminate(signum: int, frame: Any) -> None:
-    raise Terminated
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def sigterm_stops() -> Iterator[None]:
-    """SIGTERM raises Terminated while the command runs, in a lone process's main thread; a rank of a
+    """SIGTERM and SIGHUP (unless ignored: nohup) raise Terminated while the command runs, in a lone process's main thread; a rank of a
     job keeps the default (its launcher, torchrun or srun, stops it and says so)."""
     from pipezero.launch import under_torchrun
 
     if under_torchrun() or threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.signal(signal.SIGTERM, terminate)
+    from pipezero.job import stop_signals
+
+    before = {sig: signal.signal(sig, terminate) for sig in stop_signals() if sig != signal.SIGINT}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,7 +220,7 @@ def _main(argv: Sequence[str] | None) -> int:
 def interrupted(e: KeyboardInterrupt, saves: bool = True) -> int:
     """The stop line and the shell's status for a signal's death: 128 + the signal. The resume
     advice only where the command `saves` checkpoints (train)."""
-    term = isinstance(e, Terminated)
-    line = TERMINATED if term else INTERRUPTED
+    signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+    line = INTERRUPTED if signum == signal.SIGINT else TERMINATED.replace("SIGTERM", signal.Signals(signum).name)
     print(line if saves else line.removesuffix(RESUME), file=sys.stderr)
-    return 128 + (signal.SIGTERM if term else signal.SIGINT)
+    return 128 + signum

@@ -139,7 +139,7 @@ def add_train_flags(parser: argparse.ArgumentParser, keys: Collection[str] | Non
     `keys`: only the flags of these settings (a command that reads no others takes no others)."""
     from pipezero.settings import accepts, choices_of, setting_type
 
-    parser.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables")
+    parser.add_argument("--config", help="TOML file with [model] [parallel] [optim] [data] [run] tables (at most 1 MiB)")
     for flag, (key, text) in TRAIN_FLAGS.items():
         if keys is not None and key not in keys:
             continue
