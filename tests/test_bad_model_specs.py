@@ -121,6 +121,26 @@ def test_a_spec_whose_tied_names_name_no_tied_pair_is_one_line_before_anything_i
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("body, needle", [
+    ("    def __init__(self):\n        super().__init__()\n        self.dim = 32\n",
+     "S says dim = 32, but layer 0 (Embed) gives activations of shape (1, 8, 64): dim is the width of what "
+     "layers 0 to 4 give (what crosses between pipeline ranks); make them agree"),
+    ("    def build_layer(self, i):\n        import torch\n        return torch.nn.Linear(64, 128) if i == 2 "
+     "else super().build_layer(i)\n",
+     "S says dim = 64, but layer 2 (Linear) gives activations of shape (1, 8, 128)"),
+])
+def test_a_spec_whose_layers_give_another_width_than_its_dim_is_one_line_before_any_rank(body, needle, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """spec.dim sizes the buffers activations cross pipeline ranks in: a lie was a C++ abort of gloo
+    ('Received data size doesn't match expected size') on every rank, after they started."""
+    name = f"spec_dim_{abs(hash(body)):x}"
+    (tmp_path / f"{name}.py").write_text(HEAD + body)
+    write_docs(tmp_path, 12, "some words to train on, {i} ", 20)
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(["train", "--model-spec", f"{name}:S", *SPEC_RUN], capsys), needle)
+    assert not (tmp_path / "o").exists()
+
+
 def spec_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> tuple[str, Path]:
     """A module of a GPTSpec subclass S with `body` in a fresh working folder beside docs/: its
     name (unique: every test imports its own) and path."""
