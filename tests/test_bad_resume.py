@@ -236,6 +236,30 @@ def test_force_with_resume_is_refused(trained_run, tmp_path, capsys):
     assert files(run) == before
 
 
+def test_resume_onto_another_tokenizer_is_refused_before_any_text_is_read(trained_run, tmp_path, capsys,
+                                                                           monkeypatch):
+    """The tokenizer a checkpoint trained with is in its manifest, and a tokenizer.json's content
+    name is known as the file is read: on the built-in corpus the refusal came only after the whole
+    standard library was tokenized with the new one (past two minutes, not a word)."""
+    import pipezero.data
+    import pipezero.engine
+    from pipezero.data.tokenizer import BPETokenizer
+
+    def no_text(*_: object, **__: object) -> None:
+        raise AssertionError("the corpus was read before the tokenizer was compared")
+
+    run = copy_trained_run(trained_run, tmp_path / "run")
+    before = files(run)
+    BPETokenizer.train(["the quick brown fox"] * 4, 300).hf.save(str(tmp_path / "tok.json"))
+    for module in (pipezero.data, pipezero.engine):
+        monkeypatch.setattr(module, "load_corpus", no_text)
+    again = [*TRAIN_TINY_SMALLEST, *data_of(trained_run), "--max-steps", "2", "--out", str(run), "--resume",
+             "--tokenizer", str(tmp_path / "tok.json")]
+    assert_one_line(*run_main(again, capsys),
+                    f"the tokenizer changed (it trained with bytes; now {tmp_path / 'tok.json'}, content bpe-")
+    assert files(run) == before
+
+
 def test_resume_onto_changed_data_under_the_same_names_is_refused(trained_run, tmp_path, capsys):
     """The settings name the data by path, and a path keeps its name while its contents change: a
     resume onto edited documents, or onto another tokenizer, would go on training on other tokens

@@ -272,6 +272,19 @@ def resume_problem(cfg: TrainConfig, run: str | None) -> str | None:
                 f"(--preset, --model, [model]), or start a new --out")
     if usable and (thawed := thawed_problem(usable[0][1], cfg)):  # the checkpoint the ranks would load
         return f"{usable[0][0]} {thawed}"
+    if usable and (refused := early_data_refusal(cfg, usable[0][1].get("data") or {}, usable[0][0])):
+        return refused
+    return None
+
+
+def early_data_refusal(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> str | None:
+    """`data_refusal`'s tokenizer half, from the checkpoint's manifest and the tokenizer's file alone:
+    said before any text is tokenized with the new tokenizer (minutes for the built-in corpus)."""
+    from pipezero.data.identity import tokenizer_change
+
+    if problem := tokenizer_change(saved, cfg.data.tokenizer):
+        return (f"{path}: {problem}, so its steps would go on with other data: resume with the data "
+                f"and tokenizer it trained on, or start a new --out for the new data")
     return None
 
 

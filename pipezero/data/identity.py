@@ -60,6 +60,35 @@ def data_change(saved: dict[str, Any], now: dict[str, Any], data_flag: str) -> s
     return None
 
 
+def tokenizer_now(kind: str) -> dict[str, Any] | None:
+    """The record (as `data_record` writes it) of the tokenizer `kind` (data.tokenizer) names, when
+    it is known without reading any text: bytes, or a tokenizer.json (its content name, a second to
+    read); None for a BPE trained on the data (known only once trained) or a file that will not load
+    (the data's own checks name it)."""
+    if kind == "bytes":
+        return {"tokenizer": "bytes", "tokenizer_file": None}
+    if not kind.endswith(".json"):
+        return None
+    from pipezero.data.tokenizer import BPETokenizer
+
+    try:
+        tok = BPETokenizer.from_file(kind)
+    except Exception:  # noqa: BLE001 - unreadable: refused by the tokenizer's own check, with its reason
+        return None
+    return {"tokenizer": tok.name, "tokenizer_file": str(tok.file)}
+
+
+def tokenizer_change(saved: dict[str, Any], kind: str) -> str | None:
+    """`data_change`'s tokenizer half, said before any text is read (tokenizing the built-in corpus
+    with a new tokenizer takes minutes): None when the checkpoint's run (`saved`) used the same
+    tokenizer, read token ids, or predates the record, or when `kind`'s is known only once trained."""
+    if not isinstance(saved.get("tokenizer"), str) or (now := tokenizer_now(kind)) is None:
+        return None
+    if saved["tokenizer"] != now["tokenizer"]:
+        return f"the tokenizer changed (it trained with {_named(saved)}; now {_named(now)})"
+    return None
+
+
 def _named(record: dict[str, Any]) -> str:
     """A tokenizer as a refusal names it: its file and content, or its kind."""
     name = record["tokenizer"] or "token ids, no tokenizer"
