@@ -22,6 +22,7 @@ from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import StageChunk, place_hollow
+from pipezero.models.meta import shapes_only
 from pipezero.models.parts import checked_parts
 from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
@@ -115,7 +116,7 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     them (zero/buckets.py `named_by_chunk`: a weight tied inside a chunk once), the tensors each
     layer borrows from another, whether split backward's W can run from B's stash, and with
     `parts` (--zero3-unit sublayer) the parts the spec names (only then is its layer_parts read)."""
-    with torch.device("meta"):
+    with shapes_only():
         chunks = {c: StageChunk(spec, a, b, 0, init=False) for c, (a, b) in enumerate(bounds)}
     apply_freeze(chunks, spec, freeze)
     named = named_by_chunk(chunks)
