@@ -336,9 +336,32 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 if check and (said := check.observe(record, step == trainer.start, step + 1 == cfg.run.max_steps)):
                     print(f"pipezero: warning: {said}", file=sys.stderr, flush=True)
                 progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
-        return trainer.finish(progress if show else None, snapshot)
+        result = trainer.finish(progress if show else None, snapshot)
     finally:
         trainer.stop_watch(finished=False)  # a failed run's: its records stay as they were written
+    release(trainer.stage, cfg.parallel.timeout_s)
+    return result
+
+
+def release(stage: Stage, timeout_s: float) -> None:
+    """A finished run's process groups destroyed and its threads stopped, once every rank is past its
+    last collective (an all-reduce over the world, bounded as every wait is). Left alive, each gloo
+    group's transport thread wakes every 10 ms for the life of the process: a process that trains
+    again and again (a notebook, a sweep, the tests' ranks) paid ~1 ms of CPU a second for each
+    group of every run it had finished. A failed run keeps its groups: a peer may be gone, and the
+    process is ending."""
+    zero = stage.zero
+    levels = [h for h in (zero.hierarchy, zero.node) if h is not None]
+    for h in levels:
+        h.close()  # its thread: nothing more to run on it
+    made = [stage.groups.pp, stage.groups.dp, zero.tied.group if zero.tied else None]
+    made += [g for h in levels for g in (h.intra, h.inter)]
+    if stage.groups.world is None:  # one process: no group
+        return
+    all_sum([0.0], stage.groups.world, timeout_s,
+            f"rank {stage.mesh.rank}: end of run: every rank past its last collective before the run's groups close")
+    for g in {id(g): g for g in made if g is not None}.values():
+        dist.destroy_process_group(g)
 
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:

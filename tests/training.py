@@ -72,7 +72,8 @@ def tiny_overrides(data: str, out: str, pp: int, dp: int, kind: K, m: int, **ext
 def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -> list[dict]:
     """Train each case (keyword arguments of tiny_overrides) in this process group, in order. Every
     run is also held to its program: what each step played of ZeRO's collectives is what the
-    compiled program says (`record_departure`), so every layout test checks that too."""
+    compiled program says (`record_departure`), and leaves no process group or thread of its own
+    behind (`left_behind`), so every layout test checks that too."""
     from pipezero.engine import train
 
     seen = watch_program()
@@ -80,8 +81,9 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     for i, case in enumerate(cases):
         cfg = build_config(None, tiny_overrides(data, f"{out}/case{i}", **case))
         seen.clear()
+        before = run_resources()
         res = train(cfg, snapshot=True)
-        if problem := record_departure(seen):
+        if problem := record_departure(seen) or left_behind(before, run_resources()):
             raise AssertionError(f"rank {rank}, {case}: {problem}")
         started = seen.get("started", [])
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
@@ -92,6 +94,26 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
                                          for what, record, _, _ in seen.get("records", []) if what != "step"},
                         "bounds": seen["stage"].bounds})
     return results
+
+
+def run_resources() -> tuple[int, list[str]]:
+    """What a run may leave alive in this rank process: its process groups (torch's registry) and
+    the threads running now, by name."""
+    import threading
+
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map), sorted(t.name for t in threading.enumerate())
+
+
+def left_behind(before: tuple[int, list[str]], after: tuple[int, list[str]]) -> str:
+    """What a finished run left alive ("" where nothing): a gloo group's transport thread wakes
+    every 10 ms while the group lives (the whole suite's ranks paid for every run they had trained)."""
+    groups = after[0] - before[0]
+    threads = sorted(set(after[1]) - set(before[1]))
+    if groups or threads:
+        return f"the run left {groups} process groups and the threads {threads} behind"
+    return ""
 
 
 def watch_program() -> dict:
