@@ -358,6 +358,8 @@ def release(stage: Stage, timeout_s: float) -> None:
     made += [g for h in levels for g in (h.intra, h.inter)]
     if stage.groups.world is None:  # one process: no group
         return
+    if (sync := synchronizer(stage.zero.device)) is not None:
+        sync()  # NCCL's waits order the stream: its last collectives may still run on the device
     all_sum([0.0], stage.groups.world, timeout_s,
             f"rank {stage.mesh.rank}: end of run: every rank past its last collective before the run's groups close")
     for g in {id(g): g for g in made if g is not None}.values():
