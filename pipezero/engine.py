@@ -350,19 +350,16 @@ def release(stage: Stage, timeout_s: float) -> None:
     again and again (a notebook, a sweep, the tests' ranks) paid ~1 ms of CPU a second for each
     group of every run it had finished. A failed run keeps its groups: a peer may be gone, and the
     process is ending."""
-    zero = stage.zero
-    levels = [h for h in (zero.hierarchy, zero.node) if h is not None]
-    for h in levels:
-        h.close()  # its thread: nothing more to run on it
-    made = [stage.groups.pp, stage.groups.dp, zero.tied.group if zero.tied else None]
-    made += [g for h in levels for g in (h.intra, h.inter)]
+    for h in (stage.zero.hierarchy, stage.zero.node):
+        if h is not None:
+            h.close()  # its thread: nothing more to run on it
     if stage.groups.world is None:  # one process: no group
         return
     if (sync := synchronizer(stage.zero.device)) is not None:
         sync()  # NCCL's waits order the stream: its last collectives may still run on the device
     all_sum([0.0], stage.groups.world, timeout_s,
             f"rank {stage.mesh.rank}: end of run: every rank past its last collective before the run's groups close")
-    for g in {id(g): g for g in made if g is not None}.values():
+    for g in {id(g): g for g in stage.subgroups}.values():
         dist.destroy_process_group(g)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -71,6 +72,9 @@ class Stage:
     spec: ModelSpec  # the model the chunks are slices of
     plan: CompiledPlan  # every rank's program and the buckets, compiled once (schedules/compile.py)
     program: tuple[Instr, ...]  # this rank's program for one step (schedules/program.py)
+    # every process group this rank is in that the stage made (pp, dp, the tied pair, --hierarchical's
+    # and --secondary-shard's subgroups): destroyed when the run is over (engine.release)
+    subgroups: tuple[Any, ...] = ()
 
     def evaluation(self, microbatches: int) -> tuple[EvalInstr, ...]:
         """This rank's held-out evaluation program (schedules/forward_only.py)."""
@@ -82,16 +86,17 @@ class Stage:
 
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
-                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
+                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> tuple[TiedCopies | None, Any]:
     """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
-    holds and the group that sums their gradients (a collective call on every rank)."""
+    holds and the group that sums their gradients (a collective call on every rank), and that group
+    (made even where this rank's copies are frozen: None or this rank's pair)."""
     names = spec.tied_names()
     if names is None or schedule.n_chunks == 1:
-        return None
+        return None, None
     apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
     group = tie_group(mesh) if apart else None
     local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
-    return TiedCopies(local, head, group) if local else None
+    return (TiedCopies(local, head, group) if local else None), group
 
 
 def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list[int] | None:
@@ -196,10 +201,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
               dtype=wire, boundary=wire, device=device, tracer=tracer, flight=flight)  # bf16: a bf16 residual stream
     named = named_by_chunk(chunks)
+    tied, tie = tied_copies(spec, schedule, mesh, named)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   {c: plan.layouts(c) for c in chunks}, p.grad_reduce, p.timeout_s, rank,
                   keep_gathered=not plan.layerwise, tracer=tracer,
-                  tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
+                  tied=tied, comm_dtype=wire, device=device,
                   source=source, hierarchy=hierarchy,
                   node=node, offload=p.offload is Offload.OPTIMIZER, **wires(p))
     zero.comm.flight = flight
@@ -216,8 +222,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     if defers_update_waits(program):  # the moments of the program's waits for updated weights
         weight_waits.install(zero, chunks, {c: plan.buckets.reads(c) for c in chunks})
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
+    made = [groups.pp, groups.dp, tie] + [g for h in (hierarchy, node) if h is not None for g in (h.intra, h.inter)]
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
-                 plan, program)
+                 plan, program, tuple(g for g in made if g is not None))
 
 
 def rank_program(plan: CompiledPlan, mesh: Mesh, zero: ZeroDP) -> tuple[Instr, ...]:
