@@ -346,9 +346,9 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
 def release(stage: Stage, timeout_s: float) -> None:
     """A finished run's process groups destroyed and its threads stopped, once every rank is past its
     last collective (an all-reduce over the world, bounded as every wait is). Left alive, each gloo
-    group's transport thread wakes every 10 ms for the life of the process: a process that trains
-    again and again (a notebook, a sweep, the tests' ranks) paid ~1 ms of CPU a second for each
-    group of every run it had finished. A failed run keeps its groups: a peer may be gone, and the
+    group's transport thread wakes every 10 ms for the life of the process (~1 ms of CPU a second a
+    group): a process that trains again and again (a notebook, a sweep, the tests' ranks) would keep
+    every earlier run's groups polling. A failed run keeps its groups: a peer may be gone, and the
     process is ending."""
     for h in (stage.zero.hierarchy, stage.zero.node):
         if h is not None:

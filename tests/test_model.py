@@ -118,8 +118,8 @@ def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
 
 def test_a_model_built_for_its_shapes_runs_no_initialiser_and_keeps_every_tensor():
     """The plan's view of the model (stage.py `model_shapes`) and a pretrained model's frame are built
-    on the meta device, where torch.nn's initialisers fill nothing: their Python was about half of
-    building a tiny model there, once per run on every rank. Skipped, the chunk holds the same
+    on the meta device, where torch.nn's initialisers fill nothing: their Python is about half of
+    building a tiny model there, once a run on every rank. Skipped, the chunk holds the same
     tensors (names, shapes, the tied weight once); a tensor given a real device inside is still
     initialised."""
     import sys

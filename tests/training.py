@@ -108,7 +108,8 @@ def run_resources() -> tuple[int, list[str]]:
 
 def left_behind(before: tuple[int, list[str]], after: tuple[int, list[str]]) -> str:
     """What a finished run left alive ("" where nothing): a gloo group's transport thread wakes
-    every 10 ms while the group lives (the whole suite's ranks paid for every run they had trained)."""
+    every 10 ms while the group lives, so a rank that trains case after case would keep every
+    earlier case's groups polling."""
     groups = after[0] - before[0]
     threads = sorted(set(after[1]) - set(before[1]))
     if groups or threads:

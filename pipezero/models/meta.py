@@ -2,7 +2,7 @@
 
 A tensor on the meta device has a shape and no values, so the initialisers every nn.Linear and
 norm runs as it is built (kaiming_uniform_, ones_, ...) fill nothing there; their Python (fans,
-bounds, a decomposed uniform_) was still about half of building a model on meta. The plan's view
+bounds, a decomposed uniform_) is still about half of building a model on meta. The plan's view
 of the model (stage.py `model_shapes`, once a run on every rank) and a pretrained model's frame
 are built so. Not for checking a user's spec: there its init code is run on meta on purpose, to
 find what raises before a run starts (models/user_spec.py).
