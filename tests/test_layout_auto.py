@@ -329,3 +329,79 @@ def test_quantized_traffic_no_candidate_has_is_refused_as_unread(capsys, tmp_pat
     traffic the flag allows: it was accepted and read by nothing, where a given layout refuses it."""
     argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"), *flags]
     assert_one_line(*run_main(argv, capsys), needle)
+
+
+def ranked_of(*steps: float) -> list[dict]:
+    """A choice's ranked layouts as the model orders them, predicted `steps` seconds."""
+    return [{"flags": f"--pp {i + 1}", "predicted_step_s": s, "settings": {}} for i, s in enumerate(steps)]
+
+
+def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
+    from pipezero.planner.auto_trials import BAND, candidates
+
+    assert BAND == 0.15  # the model's stated error (auto_check.TOLERANCE)
+    ranked = ranked_of(1.0, 1.1, 1.15, 1.2)
+    assert candidates(ranked, 3) == [0, 1, 2]
+    assert candidates(ranked, 2) == [0, 1]
+    assert candidates(ranked, 4) == [0, 1, 2]  # 1.2 s is past 15% of 1.0 s
+    assert candidates(ranked, 0) == [] and candidates(ranked, 1) == []  # off, or only the chosen one
+    assert candidates(ranked_of(1.0, 1.5, 1.6), 3) == []  # no near-tie: nothing to settle
+
+
+def test_trials_stop_at_their_budget_but_always_try_the_chosen_layout():
+    from pipezero.planner.auto_trials import cut_line, room_for_another, trial_budget_s
+
+    budget = trial_budget_s(100, 0.5)
+    assert budget == pytest.approx(5.0)  # 10% of 100 steps of 0.5 s
+    assert room_for_another(0.0, [], budget)  # the first (the chosen one's) always
+    assert room_for_another(2.0, [2.0], budget) and not room_for_another(4.0, [2.0, 2.0], budget)
+    assert not room_for_another(1.0, [1.0, 4.5], budget)  # the dearest trial so far stands for the next
+    line = cut_line(2, 3, 4.0, budget, 100, 0.5)
+    assert "\n" not in line and "after 2 of 3" in line and "5.0 s" in line and "--max-steps 100" in line
+
+
+def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
+    from pipezero.planner.auto_trials import Trial, winner
+
+    def trials(*steps):
+        return [Trial(f"--pp {i}", 1.0, s, None if s is not None else "rank 1: out of memory")
+                for i, s in enumerate(steps)]
+
+    assert winner(trials(0.36, 0.27, 0.30)) == 1
+    assert winner(trials(0.300, 0.297)) == 0  # 1% faster: a tie, the model's choice stays
+    assert winner(trials(0.300, 0.290)) == 1
+    assert winner(trials(None, 0.5, 0.4)) == 2  # a failed trial is dropped
+    assert winner(trials(None, None)) is None
+
+
+def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
+    from pipezero.planner.auto import LayoutChoice
+    from pipezero.planner.auto_check import LayoutCheck
+    from pipezero.planner.auto_trials import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
+
+    ranked = [{**r, "predicted_peak_gib": 1.0, "bubble": 0.1, "exposed_comm_s": 0.0, "predicted_compute_s": 0.2,
+               "predicted_idle_s": 0.03} for r in ranked_of(0.238, 0.238, 0.239, 0.241)]
+    choice = LayoutChoice(ranked, 4, 9, 0, 0.1, {})
+    trials = [Trial("--pp 1", 0.238, 0.364), Trial("--pp 2", 0.238, None, "rank 1: out of memory"),
+              Trial("--pp 3", 0.239, 0.2745)]
+    picked = settled(choice, [0, 1, 2], trials, None)
+    assert [r["flags"] for r in picked.ranked] == ["--pp 3", "--pp 1", "--pp 2", "--pp 4"]
+    assert picked.picked_by == PICKED_BY_TRIALS and picked.chosen["predicted_step_s"] == 0.239
+    lines = trial_lines(picked, 3.2)
+    assert any(line.startswith("  --pp 3") and "trial 0.275" in line and "picked: measured fastest" in line
+               for line in lines), lines
+    assert any("dropped: rank 1: out of memory" in line for line in lines), lines
+    again = LayoutChoice.from_json(json.loads(json.dumps(picked.to_json())))
+    assert again == picked
+    check = LayoutCheck(picked.to_json())
+    check.observe({"step_time_s": 0.3, "bubble": 0.1}, True, False)
+    check.observe({"step_time_s": 0.28, "bubble": 0.1}, False, True)
+    entry, _ = check.summary(None)
+    assert entry["flags"] == "--pp 3" and entry["predicted_step_s"] == 0.239  # the model's, not the trial's
+    assert entry["picked_by"] == PICKED_BY_TRIALS and entry["trials_cut"] is None
+    assert entry["trials"][2] == {"flags": "--pp 3", "predicted_step_s": 0.239, "trial_step_s": 0.2745}
+    assert entry["trials"][1]["trial_step_s"] is None and "out of memory" in entry["trials"][1]["failed"]
+    # one candidate measured: nothing compared, the model's order stands
+    alone = settled(choice, [0, 1], [Trial("--pp 1", 0.238, 0.3), Trial("--pp 2", 0.238, None, "failed")], None)
+    assert alone.ranked == ranked and alone.picked_by == PICKED_BY_MODEL
+    assert any("fewer than two candidates were measured" in line for line in trial_lines(alone, 1.0))

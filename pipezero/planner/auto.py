@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipezero.config import GradReduce, Placement, TrainConfig
@@ -40,6 +40,7 @@ NOT_CHOSEN = ("parallel.stage_layers", "parallel.partition", "parallel.offload",
 PROBE_BUDGET_S = 0.15
 SEARCH_BUDGET = 100_000  # schedule actions the search simulates (schedules/limits.py PLAN_BUDGET's half)
 RUNNERS_UP = 3
+MODELS_CHOICE = "model's choice"  # why the first of a choice's ranked layouts is trained, without trials' word
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class LayoutChoice:
     skipped: int  # layouts left out by the search's budget
     seconds: float  # the search's time
     costs: dict[str, Any]  # the cluster the choice priced (rates, links, memory limit)
+    # the trial steps that settled near-ties (planner/auto_trials.py): each tried layout's flags, prediction and
+    # trial step; why the first of `ranked` is trained; the budget's line where it cut the trials short
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    picked_by: str = MODELS_CHOICE
+    trials_cut: str | None = None
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -59,11 +65,13 @@ class LayoutChoice:
 
     def to_json(self) -> dict[str, Any]:
         return {"ranked": self.ranked, "fitting": self.fitting, "weighed": self.weighed, "skipped": self.skipped,
-                "seconds": self.seconds, "costs": self.costs}
+                "seconds": self.seconds, "costs": self.costs, "trials": self.trials, "picked_by": self.picked_by,
+                "trials_cut": self.trials_cut}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayoutChoice:
-        return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"])
+        return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"],
+                   d.get("trials", []), d.get("picked_by", MODELS_CHOICE), d.get("trials_cut"))
 
 
 def layout_settings(lay: Layout) -> dict[str, Any]:
