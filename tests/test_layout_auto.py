@@ -4,6 +4,7 @@ this machine's costs; every rank trains the same choice; the run checks the pred
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -92,6 +93,9 @@ def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp
     assert_one_line(*run_main(["train", "--preset", "tiny", "--global-batch", "8"], capsys),
                     "--global-batch is read only with --layout auto")
     assert_one_line(*run_main([*base, "--global-batch", "0"], capsys), "--global-batch 0")
+    assert_one_line(*run_main(["train", "--preset", "tiny", "--layout-trials", "2"], capsys),
+                    "--layout-trials is read only with --layout auto")
+    assert_one_line(*run_main([*base, "--layout-trials", "-1"], capsys), "--layout-trials -1: expected")
     bad = tmp_path / "bad.json"
     bad.write_text('{"device": "cpu"}')
     assert_one_line(*run_main([*base, "--costs", str(bad)], capsys), "not a probe pipezero wrote")
@@ -405,3 +409,104 @@ def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
     alone = settled(choice, [0, 1], [Trial("--pp 1", 0.238, 0.3), Trial("--pp 2", 0.238, None, "failed")], None)
     assert alone.ranked == ranked and alone.picked_by == PICKED_BY_MODEL
     assert any("fewer than two candidates were measured" in line for line in trial_lines(alone, 1.0))
+
+
+def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose two top layouts are near-ties (predictions set 1% apart):
+    both are tried, and rank 1 reports the chosen one's trial slow, so
+    only the slowest rank's time (an all-reduce MAX) gives both ranks the runner-up. First the
+    runner-up trains without trials, as a reference for the losses."""
+    from dataclasses import replace as change
+
+    import pipezero.planner.auto_job as auto_job
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.cli.train import decided
+    from pipezero.engine import train
+
+    settings = {"model.preset": "tiny", "model.n_layers": "2", "model.dim": "64", "data.seq_len": "32",
+                "data.path": data, "data.tokenizer": "bytes", "run.max_steps": "3", "run.out": out,
+                "run.progress": False, "run.sample_tokens": "0", "run.save_final": False, "parallel.timeout_s": "60"}
+    req = request(None, settings, {}, None, 8, None, ranks=(world, world), trials=2)
+    req.costs = fake_probe(1.0, 1.0)  # no probe: the trials are under test
+    first = provisional(req)
+    # predicted 10 s a step: the trials' budget (10% of 3 such steps) holds both on a loaded machine
+    tied = [{**first.ranked[0], "predicted_step_s": 10.0}, {**first.ranked[1], "predicted_step_s": 10.1},
+            *first.ranked[2:]]
+    auto_job.decide = lambda req, first, cfg: (change(first, ranked=tied), None)
+    timed, calls = auto_trials.time_steps, []
+
+    def slow_on_rank_1(cfg):
+        calls.append(cfg.run.out)
+        step_s = timed(cfg)
+        return 100.0 if rank == 1 and len(calls) == 1 else step_s
+
+    auto_trials.time_steps = slow_on_rank_1
+    runner_up = tied[1]
+    alone = train(build_config(None, {**settings, **runner_up["settings"], "run.out": f"{out}-alone"}))
+    cfg = build_config(None, settings_of(req, first))
+    final, choice = decided(req, first, cfg, {})
+    result = train(final, choice=choice)
+    return {"chosen": choice["ranked"][0]["flags"], "runner_up": runner_up["flags"], "losses": result.losses,
+            "alone": alone.losses, "trials": choice["trials"], "calls": calls}
+
+
+@pytest.mark.distributed
+def test_trials_settle_a_near_tie_alike_on_every_rank_and_leave_the_run_as_it_would_be(text_dir, tmp_path):
+    from ranks import run_ranks
+
+    out = tmp_path / "run"
+    ranks = run_ranks(train_with_trials, 2, str(text_dir), str(out))
+    for r in ranks:
+        assert r["chosen"] == r["runner_up"], r  # rank 1's slow trial counted on rank 0 too
+        assert r["trials"] == ranks[0]["trials"]  # every rank measured the same times
+        assert len(r["calls"]) == 2 and all(c.startswith(str(out / ".layout-trials")) for c in r["calls"])
+        assert r["losses"] == r["alone"] and len(r["losses"]) == 3  # from step 0, as without trials
+    trials = ranks[0]["trials"]
+    assert trials[0]["trial_step_s"] == 100.0 and 0 < trials[1]["trial_step_s"] < 100.0, trials
+    assert not (out / ".layout-trials").exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+        sorted(p.name for p in (tmp_path / "run-alone").iterdir() if not p.name.startswith("."))
+    entry = json.loads((out / "summary.json").read_text())["layout_choice"]
+    assert entry["flags"] == ranks[0]["runner_up"] and entry["picked_by"] == "measured fastest in trials"
+    assert entry["predicted_step_s"] == trials[1]["predicted_step_s"]  # the model's prediction, not the trial's
+    assert [t["flags"] for t in entry["trials"]] == [t["flags"] for t in trials]
+
+
+def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(capsys, tmp_path, monkeypatch):
+    """One process, the trials' steps faked: a layout whose trial runs out of memory is dropped with
+    its line and the next measured one trains; a budget too small for a second trial stops them."""
+    import torch
+
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.planner.auto_trials import settle_by_trials
+
+    req = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "100"})
+    req.trials = 3
+    first = provisional(req)
+    tied = replace(first, ranked=[{**r, "predicted_step_s": 1.0 + i / 100} for i, r in enumerate(first.ranked)])
+    seen = []
+
+    def fake(cfg):
+        seen.append(cfg.run.out)
+        assert (tmp_path / "run" / ".layout-trials").is_dir()
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return {2: 0.5, 3: 0.4}[len(seen)]
+
+    monkeypatch.setattr(auto_trials, "time_steps", fake)
+    cfg = build_config(None, settings_of(req, first))
+    picked = settle_by_trials(req, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert picked.chosen == tied.ranked[2] and picked.picked_by == "measured fastest in trials"
+    assert f"{tied.ranked[0]['flags']}: predicted 1 s, dropped: rank 0: OutOfMemoryError: CUDA out of memory. " \
+           f"Tried to allocate 2.00 GiB\n" in out, out
+    assert not (tmp_path / "run" / ".layout-trials").exists()
+    # 10% of 100 steps at 0.01 s a step: 0.1 s, less than one trial; the chosen one's is tried all the same
+    seen.clear()
+    monkeypatch.setattr(auto_trials, "time_steps", lambda cfg: seen.append(cfg) or (time.sleep(0.2) or 0.3))
+    small = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] / 100} for r in tied.ranked])
+    kept = settle_by_trials(req, small, cfg, {})
+    out = capsys.readouterr().out
+    assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
+    assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
+    assert not (tmp_path / "run" / ".layout-trials").exists()

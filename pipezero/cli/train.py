@@ -37,6 +37,10 @@ def add_auto_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", metavar="FILE", default=None,
                         help="with --layout auto: choose from this probe (pipezero probe --json FILE) instead of "
                              "probing in the job")
+    parser.add_argument("--layout-trials", type=int, default=None, metavar="K",
+                        help="with --layout auto: train up to K layouts predicted within 15%% of the chosen one for "
+                             "a few steps in the job (at most 10%% of the run's predicted time) and train the fastest "
+                             "measured; 0: train the model's choice untried (default 3)")
 
 
 def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dict[str, str],
@@ -44,13 +48,14 @@ def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dic
     """With --layout auto: (the settings of the provisional choice, the request, that choice), the
     request refused in one line here, before any rank starts; else the settings as given."""
     if args.layout != "auto":
-        for flag, value in (("--global-batch", args.global_batch), ("--costs", args.costs)):
+        for flag, value in (("--global-batch", args.global_batch), ("--costs", args.costs),
+                            ("--layout-trials", args.layout_trials)):
             if value is not None:
                 raise ConfigError(f"{flag} is read only with --layout auto: add --layout auto, or drop it")
         return settings, None, None
     from pipezero.planner.auto_job import provisional, request, settings_of
 
-    req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks)
+    req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks, args.layout_trials)
     first = provisional(req)
     return settings_of(req, first), req, first
 
@@ -134,11 +139,13 @@ def decided(req: Any, first: Any, cfg: Any, names: dict[str, str]) -> tuple[Any,
     """The configuration of the layout chosen inside the job, and the choice (planner/auto_job.py)."""
     from pipezero.memory.fit import check_fit
     from pipezero.planner.auto_job import announce, decide, settings_of
+    from pipezero.planner.auto_trials import settle_by_trials
     from pipezero.settings import build_config
 
     choice, probe_s = decide(req, first, cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         announce(choice, probe_s)
+    choice = settle_by_trials(req, choice, cfg, names)  # near-ties measured here, the fastest first
     final = build_config(req.config, settings_of(req, choice), names)
     check_fit(final, req.limit_gib, req.cuda)  # as the provisional layout was, before any rank started
     return final, choice.to_json()

@@ -24,6 +24,7 @@ from pipezero.errors import ConfigError
 from pipezero.planner.auto_refusals import check_batch_tokens, check_measured_here, check_quantized_read
 from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose, cluster_for, decode,
                                   encode, summary_lines)
+from pipezero.planner.auto_trials import DEFAULT_TRIALS
 
 # the trivial layout the base configuration is built with (its model, data and run settings are what
 # the choice reads; its layout is replaced by the chosen one)
@@ -58,6 +59,7 @@ class Request:
     limit_gib: float
     cuda: bool
     costs: Any | None  # a Probe read from --costs FILE, or None: probe inside the job
+    trials: int = DEFAULT_TRIALS  # --layout-trials: near-tied layouts tried in the job (planner/auto_trials.py)
 
     def cluster(self, costs: Any | None) -> Any:
         return cluster_for(self.base, self.world, self.local, self.limit_gib, self.cuda, costs)
@@ -76,12 +78,17 @@ def world_of(nproc: int | None) -> tuple[int, int]:
 
 
 def request(config: str | None, settings: dict[str, Any], names: dict[str, str], nproc: int | None,
-            global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None) -> Request:
+            global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None,
+            trials: int | None = None) -> Request:
     """The choice's inputs from train's flags (ConfigError in one line for a request it cannot take);
-    `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`."""
+    `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`;
+    `trials`: --layout-trials (None: DEFAULT_TRIALS)."""
     from pipezero.settings import build_config, check_compiles, coerce_setting, load_toml
     from pipezero.memory.fit import rank_limit_gib
 
+    if trials is not None and trials < 0:
+        raise ConfigError(f"--layout-trials {trials}: expected how many near-tied layouts to try in the job, 0 (off) "
+                          f"or more")
     toml = load_toml(config) if config else {}
     refused = [names.get(k, k) for k in NOT_CHOSEN if k in settings] + [k for k in NOT_CHOSEN if k in toml]
     if refused:
@@ -116,7 +123,8 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     probe = read_probe(costs_file) if costs_file is not None else None
     if probe is not None:
         check_measured_here(costs_file, probe, base, cuda)  # type: ignore[arg-type]
-    return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+    return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda,  # type: ignore[arg-type]
+                   probe, DEFAULT_TRIALS if trials is None else trials)
 
 
 def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
@@ -214,20 +222,20 @@ def link_groups(world: int, local: int) -> list[tuple[str, Any]]:
     return out
 
 
-def broadcast_bytes(data: bytes, rank: int, timeout_s: float) -> bytes:
-    """Rank 0's `data` on every rank (a length, then the bytes; CPU tensors, which gloo carries on
-    every backend), each wait bounded by `timeout_s`."""
+def broadcast_bytes(data: bytes, rank: int, timeout_s: float, src: int = 0,
+                    what: str = "--layout auto choice (its probe and search)") -> bytes:
+    """Rank `src`'s `data` on every rank (a length, then the bytes; CPU tensors, which gloo carries on
+    every backend), each wait bounded by `timeout_s` and named by `what`."""
     import torch
     import torch.distributed as dist
 
     from pipezero.parallel.waits import wait_or_raise
 
     size = torch.tensor([len(data)], dtype=torch.int64)
-    wait_or_raise(dist.broadcast(size, 0, async_op=True), timeout_s,
-                  f"rank {rank}: waiting for rank 0's --layout auto choice (its probe and search)")
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size.item()),
-                                                                                             dtype=torch.uint8)
-    wait_or_raise(dist.broadcast(buf, 0, async_op=True), timeout_s, f"rank {rank}: receiving the --layout auto choice")
+    wait_or_raise(dist.broadcast(size, src, async_op=True), timeout_s, f"rank {rank}: waiting for rank {src}'s {what}")
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src else torch.empty(int(size.item()),
+                                                                                               dtype=torch.uint8)
+    wait_or_raise(dist.broadcast(buf, src, async_op=True), timeout_s, f"rank {rank}: receiving rank {src}'s {what}")
     return bytes(buf.numpy().tobytes())
 
 

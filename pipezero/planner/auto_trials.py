@@ -17,11 +17,8 @@ chosen one's trial always runs). The real run then starts from step 0 as it woul
 from __future__ import annotations
 
 import gc
-import math
-import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -114,18 +111,149 @@ def cut_line(done: int, planned: int, spent_s: float, budget_s: float, max_steps
 def trial_lines(choice: LayoutChoice, seconds: float) -> list[str]:
     """What rank 0 prints after the trials: each candidate's prediction and trial, which was picked."""
     trials = choice.trials
-    lines = [f"layout trials: {len(trials)} candidate{'s' * (len(trials) != 1)} predicted within {BAND:.0%} of the "
-             f"chosen, {TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median), "
-             f"{seconds:.1f} s"]
+    lines = [f"layout trials ({seconds:.1f} s): the layouts predicted within {BAND:.0%} of the chosen one, "
+             f"{TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median)"]
     picked = choice.chosen["flags"]
     for t in trials:
         if t["trial_step_s"] is None:
             lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, dropped: {t['failed']}")
             continue
-        tag = f"  <- picked: {choice.picked_by}" if t["flags"] == picked else ""
+        tag = f"  <- picked: {choice.picked_by}" if t["flags"] == picked and choice.picked_by != PICKED_BY_MODEL else ""
         lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, trial {t['trial_step_s']:.3g} s{tag}")
     if choice.picked_by == PICKED_BY_MODEL:
         lines.append(f"  training the model's choice, {picked}: fewer than two candidates were measured")
     if choice.trials_cut:
         lines.append(choice.trials_cut)
     return lines
+
+
+def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, str]) -> LayoutChoice:
+    """Inside the job, on every rank alike: try the near-ties of `choice` (`candidates`, at most
+    req.trials) and return the choice with the winner first; rank 0 prints what the trials measured.
+    `cfg`: the configuration the job started with (its process group's); `req`: auto_job.Request."""
+    tried = candidates(choice.ranked, req.trials)
+    if not tried:
+        return choice
+    from pipezero.parallel.process_group import init_distributed
+
+    rank, _ = init_distributed(cfg)  # with --costs no probe made the group: the trials' agreement needs it
+    scratch = Path(req.base.run.out) / SCRATCH
+    max_steps, predicted = req.base.run.max_steps, choice.chosen["predicted_step_s"]
+    budget = trial_budget_s(max_steps, predicted)
+    trials: list[Trial] = []
+    took: list[float] = []  # each trial's seconds, as every rank agreed them
+    spent, cut = 0.0, None
+    t0 = time.perf_counter()
+    try:
+        for n, i in enumerate(tried):
+            if trials and not room_for_another(spent, took, budget):
+                cut = cut_line(n, len(tried), spent, budget, max_steps, predicted)
+                break
+            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0)
+            trials.append(trial)
+            took.append(now - spent)
+            spent = now
+    finally:
+        remove_scratch(scratch)
+    out = settled(choice, tried[:len(trials)], trials, cut)
+    if rank == 0:
+        print("\n".join(trial_lines(out, spent)), flush=True)
+    return out
+
+
+def trial_settings(req: Any, ranked: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A trial's settings: the run's, the candidate's layout, and a run that writes nothing of its
+    own. Its --max-steps stays past the trial's steps, so its last step is no run's last (which
+    evaluates) and its learning rates are the run's own first."""
+    quiet = {"run.out": str(out), "run.max_steps": str(max(req.base.run.max_steps, TRIAL_STEPS + 1)),
+             "run.eval_every": "0", "run.checkpoint_every": "0", "run.save_final": False, "run.sample_tokens": "0",
+             "run.trace": False, "run.tensorboard": False, "run.memory_profile": False, "run.resume": False,
+             "run.progress": False, "run.quiet": True}
+    return {**req.settings, **ranked["settings"], **quiet}
+
+
+def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str], rank: int,
+              t0: float) -> tuple[Trial, float]:
+    """(the candidate's trial, the seconds since `t0` the trials have taken), both as every rank
+    agrees them: its step the slowest rank's median, a failure on any rank (out of memory, a peer
+    that failed and so timed this one out) drops it, named by the first rank that failed."""
+    from pipezero.settings import build_config
+
+    timeout = req.base.parallel.timeout_s
+    step_s, failed = 0.0, None
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # the trial's own run folder (its flight records, were it to stall)
+        step_s = time_steps(build_config(req.config, trial_settings(req, ranked, out), names))
+    except Exception as e:  # noqa: BLE001 - the candidate is dropped, the run goes on (below: every rank alike)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        failed = f"rank {rank}: {type(e).__name__}{': ' + first[:200] if first else ''}"
+    free_memory()
+    world = req.world
+    step_s, first_failed, spent = all_max([step_s, world - rank if failed else 0, time.perf_counter() - t0],
+                                          timeout, f"rank {rank}: --layout auto's trial of {ranked['flags']}: "
+                                                       f"all-reduce (MAX) of its step time over {world} ranks")
+    if first_failed:
+        src = world - int(first_failed)
+        failed = share_line(failed or "", src, rank, timeout)
+        return Trial(ranked["flags"], ranked["predicted_step_s"], None, failed), spent
+    return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
+
+
+def time_steps(cfg: Any) -> float:
+    """This rank's median step of a trial: TRIAL_STEPS steps from step 0, the first not timed."""
+    from pipezero.engine import Trainer
+
+    trainer = Trainer.set_up(cfg, trial=True)
+    try:
+        times = [trainer.step(s)["step_time_s"] for s in range(TRIAL_STEPS)]
+        trainer.stage.zero.settle()  # nothing in flight when the stage is dropped
+    finally:
+        trainer.stop_watch()
+    return statistics.median(times[1:])
+
+
+def free_memory() -> None:
+    """Give back a trial's memory before the next layout is built (its stage is garbage now)."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def all_max(values: list[float], timeout_s: float, what: str) -> list[float]:
+    """The most of `values` over every rank (a CPU tensor: gloo carries it on every backend), each
+    wait bounded by `timeout_s` and a stall named by `what`."""
+    import torch
+    import torch.distributed as dist
+
+    from pipezero.parallel.waits import wait_or_raise
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    wait_or_raise(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), timeout_s, what)
+    return t.tolist()
+
+
+def share_line(line: str, src: int, rank: int, timeout_s: float) -> str:
+    """Rank `src`'s `line` on every rank (one rank's failure, for rank 0 to print)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return line
+    from pipezero.planner.auto_job import broadcast_bytes
+
+    return broadcast_bytes(line.encode(), rank, timeout_s, src, "line on its failed --layout auto trial").decode()
+
+
+def remove_scratch(path: Path) -> None:
+    """Remove the trials' folder; ranks sharing a disk remove it side by side, so an entry another
+    rank removed first is no failure."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not path.exists():
+                return
