@@ -498,6 +498,7 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     picked = settle_by_trials(req, tied, cfg, {})
     out = capsys.readouterr().out
     assert picked.chosen == tied.ranked[2] and picked.picked_by == "measured fastest in trials"
+    assert picked.costs["trials_s"] > 0 and [t["trial_step_s"] for t in picked.trials] == [None, 0.5, 0.4]
     assert f"{tied.ranked[0]['flags']}: predicted 1 s, dropped: rank 0: OutOfMemoryError: CUDA out of memory. " \
            f"Tried to allocate 2.00 GiB\n" in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()

@@ -87,18 +87,22 @@ def winner(trials: list[Trial]) -> int | None:
     return best
 
 
-def settled(choice: LayoutChoice, tried: list[int], trials: list[Trial], cut: str | None) -> LayoutChoice:
+def settled(choice: LayoutChoice, tried: list[int], trials: list[Trial], cut: str | None,
+            seconds: float = 0.0) -> LayoutChoice:
     """`choice` with the trials' winner first (the rest in the model's order), the trials, why
-    the winner was picked and the budget's line where it cut them short. Every figure of a ranked
-    layout stays the model's: `predicted_step_s` is what the prediction check holds the run to."""
+    the winner was picked, the budget's line where it cut them short and their `seconds` (in the
+    costs, beside the probe's). Every figure of a ranked layout stays the model's:
+    `predicted_step_s` is what the prediction check holds the run to."""
     best = winner(trials)
     measured = [t for t in trials if t.trial_step_s is not None]
+    costs = {**choice.costs, "trials_s": seconds}
     if best is None or len(measured) < 2:  # nothing compared: the model's order stands
-        return replace(choice, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_MODEL, trials_cut=cut)
+        return replace(choice, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_MODEL, trials_cut=cut,
+                       costs=costs)
     first = tried[best]
     ranked = [choice.ranked[first]] + [r for i, r in enumerate(choice.ranked) if i != first]
     return replace(choice, ranked=ranked, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_TRIALS,
-                   trials_cut=cut)
+                   trials_cut=cut, costs=costs)
 
 
 def cut_line(done: int, planned: int, spent_s: float, budget_s: float, max_steps: int, predicted_s: float) -> str:
@@ -155,7 +159,7 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
             spent = now
     finally:
         remove_scratch(scratch)
-    out = settled(choice, tried[:len(trials)], trials, cut)
+    out = settled(choice, tried[:len(trials)], trials, cut, spent)
     if rank == 0:
         print("\n".join(trial_lines(out, spent)), flush=True)
     return out
