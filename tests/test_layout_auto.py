@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -429,8 +430,8 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
     req = request(None, settings, {}, None, 8, None, ranks=(world, world), trials=2)
     req.costs = fake_probe(1.0, 1.0)  # no probe: the trials are under test
     first = provisional(req)
-    # predicted 10 s a step: the trials' budget (10% of 3 such steps) holds both on a loaded machine
-    tied = [{**first.ranked[0], "predicted_step_s": 10.0}, {**first.ranked[1], "predicted_step_s": 10.1},
+    # predicted 100 s a step: the trials' budget (10% of 3 such steps) holds both on a loaded machine
+    tied = [{**first.ranked[0], "predicted_step_s": 100.0}, {**first.ranked[1], "predicted_step_s": 101.0},
             *first.ranked[2:]]
     auto_job.decide = lambda req, first, cfg: (change(first, ranked=tied), None)
     timed, calls = auto_trials.time_steps, []
@@ -446,16 +447,22 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
     cfg = build_config(None, settings_of(req, first))
     final, choice = decided(req, first, cfg, {})
     result = train(final, choice=choice)
+    auto_trials.time_steps = timed
     return {"chosen": choice["ranked"][0]["flags"], "runner_up": runner_up["flags"], "losses": result.losses,
-            "alone": alone.losses, "trials": choice["trials"], "calls": calls}
+            "alone": alone.losses, "trials": choice["trials"], "calls": calls,
+            # last: a trial failing mid-step leaves the process group unfit for anything after it
+            "failing": failing_trials(rank, world, data, f"{out}-failing")}
 
 
 @pytest.mark.distributed
 def test_trials_settle_a_near_tie_alike_on_every_rank_and_leave_the_run_as_it_would_be(text_dir, tmp_path):
+    """(In the same ranks, to share their start: a trial failing in set-up, then one failing mid-step;
+    `failing_trials`.)"""
     from ranks import run_ranks
 
     out = tmp_path / "run"
     ranks = run_ranks(train_with_trials, 2, str(text_dir), str(out))
+    check_failing_trials([r["failing"] for r in ranks])
     for r in ranks:
         assert r["chosen"] == r["runner_up"], r  # rank 1's slow trial counted on rank 0 too
         assert r["trials"] == ranks[0]["trials"]  # every rank measured the same times
@@ -511,3 +518,64 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
     assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()
+
+
+def failing_trials(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose trials fail: first the chosen layout's set-up runs out of
+    memory on every rank (nothing in flight: dropped, the next one tried), then a trial runs out of
+    memory mid-step on rank 1 alone while rank 0 waits for its messages (the run stops)."""
+    import torch
+
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.engine import Trainer
+    from pipezero.planner.auto_trials import TrialFailed, settle_by_trials
+
+    settings = {"model.preset": "tiny", "model.n_layers": "2", "model.dim": "64", "data.seq_len": "32",
+                "data.path": data, "data.tokenizer": "bytes", "run.max_steps": "100", "run.out": out,
+                "run.progress": False, "run.sample_tokens": "0", "run.save_final": False, "parallel.timeout_s": "3"}
+    req = request(None, settings, {}, None, 8, None, ranks=(world, world), trials=2)
+    req.costs = fake_probe(1.0, 1.0)
+    first = provisional(req)
+    tied = replace(first, ranked=[{**first.ranked[0], "predicted_step_s": 10.0},
+                                  {**first.ranked[1], "predicted_step_s": 10.1}, *first.ranked[2:]])
+    cfg = build_config(None, settings_of(req, first))
+    timed = auto_trials.time_steps
+    calls = []
+
+    def short_of_memory_first(cfg):
+        calls.append(cfg.run.out)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return timed(cfg)
+
+    auto_trials.time_steps = short_of_memory_first
+    dropped = settle_by_trials(req, tied, cfg, {})
+    auto_trials.time_steps = timed
+    step = Trainer.step
+
+    def short_of_memory_on_rank_1(self, s):
+        if rank == 1 and s == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(self, s)
+
+    Trainer.step = short_of_memory_on_rank_1
+    try:
+        settle_by_trials(req, tied, cfg, {})
+        stopped = None
+    except TrialFailed as e:
+        stopped = str(e)
+    return {"dropped": dropped.to_json(), "stopped": stopped, "scratch": (Path(out) / ".layout-trials").exists()}
+
+
+def check_failing_trials(ranks: list[dict]) -> None:
+    """`failing_trials`' results, rank by rank: the set-up failure dropped its layout on every rank
+    alike, the mid-step one stopped every rank with one line naming its cause, not the peer's wait."""
+    for r in ranks:
+        trials = r["dropped"]["trials"]
+        assert trials[0]["trial_step_s"] is None and trials[1]["trial_step_s"] > 0, trials
+        assert trials[0]["failed"] == "rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
+        assert r["dropped"]["picked_by"] == "model's choice"  # one layout measured: nothing to compare
+        assert r["stopped"] is not None and "failed (rank 1: OutOfMemoryError" in r["stopped"], r["stopped"]
+        assert "rerun with --layout-trials 0" in r["stopped"] and "\n" not in r["stopped"]
+        assert not r["scratch"]
+    assert ranks[0]["stopped"] == ranks[1]["stopped"]

@@ -115,8 +115,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launch_local(launch.nproc, with_device(args.argv, device.value), cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
                                 lock_fd=held.fd if isinstance(held, Claim) else None)
-        choice, code = None, None
+        choice, code, unfit = None, None, False
         if auto is not None:  # inside the job: probe, choose on rank 0, every rank trains its choice
+            from pipezero.planner.auto_trials import TrialFailed
             from pipezero.probe import ProbeError
 
             try:
@@ -125,12 +126,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(f"pipezero: error: --layout auto: the probe in the job measured nothing usable: {e}; or give "
                       f"--costs FILE", file=sys.stderr, flush=True)
                 code = 1
+            except TrialFailed as e:  # nothing trained; every rank stops with the line
+                print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+                code, unfit = 1, True
         unprobed = code is not None
         if code is None:
             code = train_here(cfg, choice)
         if (code == 2 or unprobed) and isinstance(held, Claim):  # the user's spec raised, or nothing was
             held.drop_opening()  # measured to choose from: nothing of the run stays
     if under_torchrun():
+        if unfit:  # the group has unmatched messages in flight: no teardown collective on it
+            os._exit(code)
         exit_rank(code)
     return code
 

@@ -223,19 +223,21 @@ def link_groups(world: int, local: int) -> list[tuple[str, Any]]:
 
 
 def broadcast_bytes(data: bytes, rank: int, timeout_s: float, src: int = 0,
-                    what: str = "--layout auto choice (its probe and search)") -> bytes:
-    """Rank `src`'s `data` on every rank (a length, then the bytes; CPU tensors, which gloo carries on
-    every backend), each wait bounded by `timeout_s` and named by `what`."""
+                    what: str = "--layout auto choice (its probe and search)", group: Any = None) -> bytes:
+    """Rank `src`'s `data` on every rank of `group` (default: all; a length, then the bytes; CPU
+    tensors, which gloo carries on every backend), each wait bounded by `timeout_s` and named by `what`."""
     import torch
     import torch.distributed as dist
 
     from pipezero.parallel.waits import wait_or_raise
 
     size = torch.tensor([len(data)], dtype=torch.int64)
-    wait_or_raise(dist.broadcast(size, src, async_op=True), timeout_s, f"rank {rank}: waiting for rank {src}'s {what}")
+    wait_or_raise(dist.broadcast(size, src, group=group, async_op=True), timeout_s,
+                  f"rank {rank}: waiting for rank {src}'s {what}")
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src else torch.empty(int(size.item()),
                                                                                                dtype=torch.uint8)
-    wait_or_raise(dist.broadcast(buf, src, async_op=True), timeout_s, f"rank {rank}: receiving rank {src}'s {what}")
+    wait_or_raise(dist.broadcast(buf, src, group=group, async_op=True), timeout_s,
+                  f"rank {rank}: receiving rank {src}'s {what}")
     return bytes(buf.numpy().tobytes())
 
 

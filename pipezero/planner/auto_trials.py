@@ -131,16 +131,33 @@ def trial_lines(choice: LayoutChoice, seconds: float) -> list[str]:
     return lines
 
 
+class TrialFailed(Exception):
+    """A trial failed where the job's process group cannot be trusted afterwards: the run stops."""
+
+
+# How a rank's trial ended, as the ranks compare it: a failure in set-up that no peer waited on (out
+# of memory, a refused setting) leaves nothing in flight; one mid-step, or a wait that timed out, can
+# leave a peer's send or receive unmatched, which a later layout's message with the same peer and tag
+# would meet: the group is no longer one the run may train in.
+DONE, FAILED_IN_SET_UP, FAILED_MID_STEP = 0, 1, 2
+
+
+class MidStep(Exception):
+    """A trial's failure after its first step began (its cause is the failure)."""
+
+
 def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, str]) -> LayoutChoice:
     """Inside the job, on every rank alike: try the near-ties of `choice` (`candidates`, at most
     req.trials) and return the choice with the winner first; rank 0 prints what the trials measured.
-    `cfg`: the configuration the job started with (its process group's); `req`: auto_job.Request."""
+    `cfg`: the configuration the job started with (its process group's); `req`: auto_job.Request.
+    TrialFailed where a trial failed mid-step on some rank (see FAILED_MID_STEP)."""
     tried = candidates(choice.ranked, req.trials)
     if not tried:
         return choice
     from pipezero.parallel.process_group import init_distributed
 
     rank, _ = init_distributed(cfg)  # with --costs no probe made the group: the trials' agreement needs it
+    agreeing = agreement_group(req.world)
     scratch = Path(req.base.run.out) / SCRATCH
     max_steps, predicted = req.base.run.max_steps, choice.chosen["predicted_step_s"]
     budget = trial_budget_s(max_steps, predicted)
@@ -153,7 +170,7 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
             if trials and not room_for_another(spent, took, budget):
                 cut = cut_line(n, len(tried), spent, budget, max_steps, predicted)
                 break
-            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0)
+            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0, agreeing)
             trials.append(trial)
             took.append(now - spent)
             spent = now
@@ -163,6 +180,14 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
     if rank == 0:
         print("\n".join(trial_lines(out, spent)), flush=True)
     return out
+
+
+def agreement_group(world: int) -> Any:
+    """A group of every rank that only the trials' agreement uses: a failed trial's collectives left
+    in flight on the job's own groups cannot meet it (None: one rank, nothing to agree)."""
+    import torch.distributed as dist
+
+    return dist.new_group(list(range(world))) if world > 1 and dist.is_initialized() else None
 
 
 def trial_settings(req: Any, ranked: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -176,41 +201,72 @@ def trial_settings(req: Any, ranked: dict[str, Any], out: Path) -> dict[str, Any
     return {**req.settings, **ranked["settings"], **quiet}
 
 
-def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str], rank: int,
-              t0: float) -> tuple[Trial, float]:
+def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str], rank: int, t0: float,
+              group: Any) -> tuple[Trial, float]:
     """(the candidate's trial, the seconds since `t0` the trials have taken), both as every rank
-    agrees them: its step the slowest rank's median, a failure on any rank (out of memory, a peer
-    that failed and so timed this one out) drops it, named by the first rank that failed."""
+    agrees them (over `group`): its step the slowest rank's median. A failure in set-up on every
+    rank drops the candidate, named by the first rank that failed; one mid-step on any rank raises
+    TrialFailed (see FAILED_MID_STEP) on every rank."""
     from pipezero.settings import build_config
 
     timeout = req.base.parallel.timeout_s
-    step_s, failed = 0.0, None
+    step_s, how, failed, cause = 0.0, DONE, None, None
     try:
         out.mkdir(parents=True, exist_ok=True)  # the trial's own run folder (its flight records, were it to stall)
         step_s = time_steps(build_config(req.config, trial_settings(req, ranked, out), names))
-    except Exception as e:  # noqa: BLE001 - the candidate is dropped, the run goes on (below: every rank alike)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        failed = f"rank {rank}: {type(e).__name__}{': ' + first[:200] if first else ''}"
+    except Exception as e:  # noqa: BLE001 - said in one line and compared across ranks (below)
+        cause = e.__cause__ if isinstance(e, MidStep) and e.__cause__ is not None else e
+        how = FAILED_IN_SET_UP if not isinstance(e, MidStep) and clean_failure(cause) else FAILED_MID_STEP
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        failed = f"rank {rank}: {type(cause).__name__}{': ' + first[:200] if first else ''}"
     free_memory()
     world = req.world
-    step_s, first_failed, spent = all_max([step_s, world - rank if failed else 0, time.perf_counter() - t0],
-                                          timeout, f"rank {rank}: --layout auto's trial of {ranked['flags']}: "
-                                                       f"all-reduce (MAX) of its step time over {world} ranks")
-    if first_failed:
-        src = world - int(first_failed)
-        failed = share_line(failed or "", src, rank, timeout)
-        return Trial(ranked["flags"], ranked["predicted_step_s"], None, failed), spent
-    return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
+    # a peer may come here only once a wait of its own has run out (`timeout`): twice it bounds this one
+    step_s, worst, least, blamed, spent = all_max(
+        [step_s, how, -how, blame(failed, cause if failed else None, rank, world), time.perf_counter() - t0],
+        2 * timeout, f"rank {rank}: --layout auto's trial of {ranked['flags']}: all-reduce (MAX) of its step time "
+                     f"over {world} ranks", group)
+    if not blamed:
+        return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
+    line = share_line(failed or "", world - int(blamed) % (world + 1), rank, 2 * timeout, group)
+    if world > 1 and (worst, -least) != (FAILED_IN_SET_UP, FAILED_IN_SET_UP):
+        raise TrialFailed(f"--layout auto: the trial of {ranked['flags']} failed ({line}) after ranks had begun "
+                          f"exchanging its messages, which leaves the job's process group unfit to train in; rerun "
+                          f"with --layout-trials 0, or give a layout yourself")
+    return Trial(ranked["flags"], ranked["predicted_step_s"], None, line), spent
+
+
+def blame(failed: str | None, cause: BaseException | None, rank: int, world: int) -> int:
+    """What the ranks' MAX picks the failure to name by: 0 where this rank did not fail; else its
+    own failure above a wait for a peer that failed (the peer's is the cause), the lowest rank first."""
+    from pipezero.parallel.waits import PipelineTimeout
+
+    if failed is None:
+        return 0
+    return (1 if isinstance(cause, PipelineTimeout) else 2) * (world + 1) + world - rank
+
+
+def clean_failure(e: BaseException) -> bool:
+    """Whether a failure in a trial's set-up left nothing in flight: out of memory, or a setting
+    refused; not a wait that failed or timed out (a peer stopped in the middle of a collective)."""
+    import torch
+
+    from pipezero.errors import ConfigError
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError, ConfigError))
 
 
 def time_steps(cfg: Any) -> float:
-    """This rank's median step of a trial: TRIAL_STEPS steps from step 0, the first not timed."""
+    """This rank's median step of a trial: TRIAL_STEPS steps from step 0, the first not timed; a
+    failure once the steps began raised as MidStep."""
     from pipezero.engine import Trainer
 
     trainer = Trainer.set_up(cfg, trial=True)
     try:
         times = [trainer.step(s)["step_time_s"] for s in range(TRIAL_STEPS)]
         trainer.stage.zero.settle()  # nothing in flight when the stage is dropped
+    except Exception as e:
+        raise MidStep(str(e)) from e
     finally:
         trainer.stop_watch()
     return statistics.median(times[1:])
@@ -225,9 +281,9 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def all_max(values: list[float], timeout_s: float, what: str) -> list[float]:
-    """The most of `values` over every rank (a CPU tensor: gloo carries it on every backend), each
-    wait bounded by `timeout_s` and a stall named by `what`."""
+def all_max(values: list[float], timeout_s: float, what: str, group: Any = None) -> list[float]:
+    """The most of `values` over `group`'s ranks (a CPU tensor: gloo carries it on every backend),
+    the wait bounded by `timeout_s` and a stall named by `what`."""
     import torch
     import torch.distributed as dist
 
@@ -236,19 +292,20 @@ def all_max(values: list[float], timeout_s: float, what: str) -> list[float]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    wait_or_raise(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True), timeout_s, what)
+    wait_or_raise(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, what)
     return t.tolist()
 
 
-def share_line(line: str, src: int, rank: int, timeout_s: float) -> str:
-    """Rank `src`'s `line` on every rank (one rank's failure, for rank 0 to print)."""
+def share_line(line: str, src: int, rank: int, timeout_s: float, group: Any = None) -> str:
+    """Rank `src`'s `line` on every rank of `group` (one rank's failure, for rank 0 to print)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return line
     from pipezero.planner.auto_job import broadcast_bytes
 
-    return broadcast_bytes(line.encode(), rank, timeout_s, src, "line on its failed --layout auto trial").decode()
+    return broadcast_bytes(line.encode(), rank, timeout_s, src, "line on its failed --layout auto trial",
+                           group).decode()
 
 
 def remove_scratch(path: Path) -> None:
