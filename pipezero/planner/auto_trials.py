@@ -209,23 +209,28 @@ def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str]
     TrialFailed (see FAILED_MID_STEP) on every rank."""
     from pipezero.settings import build_config
 
-    timeout = req.base.parallel.timeout_s
-    step_s, how, failed, cause = 0.0, DONE, None, None
+    from pipezero.parallel.waits import PipelineTimeout
+
+    timeout, world = req.base.parallel.timeout_s, req.world
+    step_s, how, failed, blame = 0.0, DONE, None, 0
     try:
         out.mkdir(parents=True, exist_ok=True)  # the trial's own run folder (its flight records, were it to stall)
         step_s = time_steps(build_config(req.config, trial_settings(req, ranked, out), names))
     except Exception as e:  # noqa: BLE001 - said in one line and compared across ranks (below)
+        # only facts of it are kept: its traceback holds the trial's stage, whose memory goes back below
         cause = e.__cause__ if isinstance(e, MidStep) and e.__cause__ is not None else e
         how = FAILED_IN_SET_UP if not isinstance(e, MidStep) and clean_failure(cause) else FAILED_MID_STEP
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         failed = f"rank {rank}: {type(cause).__name__}{': ' + first[:200] if first else ''}"
+        # the line the ranks print: a rank's own failure before a wait for a peer's, the lowest rank first
+        blame = (1 if isinstance(cause, PipelineTimeout) else 2) * (world + 1) + world - rank
+        del cause
     free_memory()
-    world = req.world
     # a peer may come here only once a wait of its own has run out (`timeout`): twice it bounds this one
     step_s, worst, least, blamed, spent = all_max(
-        [step_s, how, -how, blame(failed, cause if failed else None, rank, world), time.perf_counter() - t0],
-        2 * timeout, f"rank {rank}: --layout auto's trial of {ranked['flags']}: all-reduce (MAX) of its step time "
-                     f"over {world} ranks", group)
+        [step_s, how, -how, blame, time.perf_counter() - t0], 2 * timeout,
+        f"rank {rank}: --layout auto's trial of {ranked['flags']}: all-reduce (MAX) of its step time over {world} "
+        f"ranks", group)
     if not blamed:
         return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
     line = share_line(failed or "", world - int(blamed) % (world + 1), rank, 2 * timeout, group)
@@ -234,16 +239,6 @@ def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str]
                           f"exchanging its messages, which leaves the job's process group unfit to train in; rerun "
                           f"with --layout-trials 0, or give a layout yourself")
     return Trial(ranked["flags"], ranked["predicted_step_s"], None, line), spent
-
-
-def blame(failed: str | None, cause: BaseException | None, rank: int, world: int) -> int:
-    """What the ranks' MAX picks the failure to name by: 0 where this rank did not fail; else its
-    own failure above a wait for a peer that failed (the peer's is the cause), the lowest rank first."""
-    from pipezero.parallel.waits import PipelineTimeout
-
-    if failed is None:
-        return 0
-    return (1 if isinstance(cause, PipelineTimeout) else 2) * (world + 1) + world - rank
 
 
 def clean_failure(e: BaseException) -> bool:
