@@ -24,13 +24,13 @@ from pipezero.errors import ConfigError
 from pipezero.planner.auto_refusals import check_batch_tokens, check_measured_here, check_quantized_read
 from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose, cluster_for, decode,
                                   encode, summary_lines)
-from pipezero.planner.auto_trials import DEFAULT_TRIALS
 
 # the trivial layout the base configuration is built with (its model, data and run settings are what
 # the choice reads; its layout is replaced by the chosen one)
 BASE = {"parallel.pp": "1", "parallel.dp": "1", "parallel.zero": "0", "parallel.schedule": "1f1b",
         "parallel.virtual_stages": "1", "parallel.microbatches": "1", "parallel.micro_batch_size": "1"}
 QUANT = ("parallel.quantize_weights", "parallel.quantize_grads")
+DEFAULT_TRIALS = 3  # --layout-trials: near-tied layouts tried in the job, the chosen one included (auto_trials.py)
 # Settings read only at some ZeRO stage, replica count or pipeline depth (settings.py `unread_setting`),
 # each with the layout settings that decide whether it is read: beside --layout auto they need those
 # as constraints, or the choice (made inside the job, after the probe) could leave them unread.

@@ -5,13 +5,14 @@ its top layouts are often predicted within a percent or two of one another: amon
 model's order is a coin toss. Peers settle it by launching candidate jobs; here the job's process
 group already exists, and one process group trains layout after layout (tests/training.py does),
 so the near-ties are measured where they will run. Every candidate predicted within `BAND` of the
-chosen one (at most `--layout-trials K`, the chosen one first) trains `TRIAL_STEPS` steps of the
-run's own data and seed (the first warms up and is not timed) in a scratch folder inside --out
-(`SCRATCH`, removed afterwards, also on failure), saving, evaluating, sampling and logging nothing.
-A candidate's step is the slowest rank's median (an all-reduce MAX, so every rank picks alike);
-the fastest measured wins, a later one in the model's order only where it measured more than
-`TIE` faster. The trials together stay within `BUDGET_SHARE` of the run's predicted time (the
-chosen one's trial always runs). The real run then starts from step 0 as it would without trials.
+chosen one (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given, the chosen one
+first) trains `TRIAL_STEPS` steps of the run's own data and seed (the first warms up and is not
+timed) in a scratch folder inside --out (`SCRATCH`, removed afterwards, also on failure), saving,
+evaluating, sampling and logging nothing. A candidate's step is the slowest rank's median (an
+all-reduce MAX, so every rank picks alike); the fastest measured wins, a later one in the model's
+order only where it measured more than `TIE` faster. The trials together stay within
+`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs). The real run then
+starts from step 0 as it would without trials.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any
 from pipezero.planner.auto import MODELS_CHOICE, LayoutChoice
 from pipezero.planner.auto_check import TOLERANCE
 
-DEFAULT_TRIALS = 3  # candidates tried, the chosen one included (--layout-trials; 0: off)
 BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
 TRIAL_STEPS = 3  # a trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed
 BUDGET_SHARE = 0.10  # the trials' time at most this share of --max-steps x the chosen layout's predicted step
