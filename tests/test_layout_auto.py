@@ -354,7 +354,7 @@ def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
 
 
 def test_trials_stop_at_their_budget_but_always_try_the_chosen_layout():
-    from pipezero.planner.auto_trials import cut_line, room_for_another, trial_budget_s
+    from pipezero.planner.auto_trials import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
 
     budget = trial_budget_s(100, 0.5)
     assert budget == pytest.approx(5.0)  # 10% of 100 steps of 0.5 s
@@ -363,6 +363,9 @@ def test_trials_stop_at_their_budget_but_always_try_the_chosen_layout():
     assert not room_for_another(1.0, [1.0, 4.5], budget)  # the dearest trial so far stands for the next
     line = cut_line(2, 3, 4.0, budget, 100, 0.5)
     assert "\n" not in line and "after 2 of 3" in line and "5.0 s" in line and "--max-steps 100" in line
+    # two trials of 3 steps at the predicted step fit 10% of 60 steps, not of 59: a shorter run tries none
+    assert budget_holds_two(60) and not budget_holds_two(59)
+    assert "a run of 60 steps or more tries them" in skipped_line(8, 0.397)
 
 
 def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
@@ -442,6 +445,7 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
         return 100.0 if rank == 1 and len(calls) == 1 else step_s
 
     auto_trials.time_steps = slow_on_rank_1
+    auto_trials.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
     runner_up = tied[1]
     alone = train(build_config(None, {**settings, **runner_up["settings"], "run.out": f"{out}-alone"}))
     cfg = build_config(None, settings_of(req, first))
@@ -518,6 +522,13 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
     assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()
+    # a run too short for two trials tries none, and says so
+    seen.clear()
+    short = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "8"})
+    untried = settle_by_trials(short, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert not seen and untried.ranked == tied.ranked and untried.trials == [] and untried.picked_by == "model's choice"
+    assert out.startswith("layout trials skipped:") and untried.trials_cut in out, out
 
 
 def failing_trials(rank: int, world: int, data: str, out: str) -> dict:

@@ -11,13 +11,15 @@ timed) in a scratch folder inside --out (`SCRATCH`, removed afterwards, also on 
 evaluating, sampling and logging nothing. A candidate's step is the slowest rank's median (an
 all-reduce MAX, so every rank picks alike); the fastest measured wins, a later one in the model's
 order only where it measured more than `TIE` faster. The trials together stay within
-`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs). The real run then
-starts from step 0 as it would without trials.
+`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs; a run too short to
+hold two tries none). The real run then starts from step 0 as it would without trials.
 """
 
 from __future__ import annotations
 
 import gc
+import math
+import os
 import shutil
 import statistics
 import time
@@ -67,6 +69,21 @@ def candidates(ranked: list[dict[str, Any]], k: int, band: float = BAND) -> list
 def trial_budget_s(max_steps: int, predicted_step_s: float) -> float:
     """Seconds the trials may take: BUDGET_SHARE of the run the model predicts for the chosen layout."""
     return BUDGET_SHARE * max_steps * predicted_step_s
+
+
+def budget_holds_two(max_steps: int) -> bool:
+    """Whether the budget can hold two trials at all: each takes TRIAL_STEPS steps at least (and
+    its set-up), so a run of fewer than 2 x TRIAL_STEPS / BUDGET_SHARE steps (60) tries nothing. The
+    chosen layout's trial alone settles nothing, and in an 8-step run it took as long as the steps."""
+    return BUDGET_SHARE * max_steps >= 2 * TRIAL_STEPS
+
+
+def skipped_line(max_steps: int, predicted_s: float) -> str:
+    """The one line that says the budget is too small for trials."""
+    return (f"layout trials skipped: their budget, {BUDGET_SHARE:.0%} of --max-steps {max_steps} x the chosen "
+            f"layout's predicted {predicted_s:.3g} s a step, holds fewer than two trials of {TRIAL_STEPS} steps "
+            f"(a run of {math.ceil(2 * TRIAL_STEPS / BUDGET_SHARE)} steps or more tries them); training the model's "
+            f"choice")
 
 
 def room_for_another(spent_s: float, took_s: list[float], budget_s: float) -> bool:
@@ -154,12 +171,17 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
     tried = candidates(choice.ranked, req.trials)
     if not tried:
         return choice
+    max_steps, predicted = req.base.run.max_steps, choice.chosen["predicted_step_s"]
+    if not budget_holds_two(max_steps):
+        line = skipped_line(max_steps, predicted)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
+        return replace(choice, trials_cut=line)
     from pipezero.parallel.process_group import init_distributed
 
     rank, _ = init_distributed(cfg)  # with --costs no probe made the group: the trials' agreement needs it
     agreeing = agreement_group(req.world)
     scratch = Path(req.base.run.out) / SCRATCH
-    max_steps, predicted = req.base.run.max_steps, choice.chosen["predicted_step_s"]
     budget = trial_budget_s(max_steps, predicted)
     trials: list[Trial] = []
     took: list[float] = []  # each trial's seconds, as every rank agreed them
