@@ -590,3 +590,24 @@ def check_failing_trials(ranks: list[dict]) -> None:
         assert "rerun with --layout-trials 0" in r["stopped"] and "\n" not in r["stopped"]
         assert not r["scratch"]
     assert ranks[0]["stopped"] == ranks[1]["stopped"]
+
+
+def test_a_trial_that_leaves_the_group_unfit_ends_train_in_one_line(capsys, tmp_path, monkeypatch):
+    """train's own handling of a mid-step trial failure (raised here in a lone process, where the
+    trials themselves never raise it): exit 1, its one line, and nothing of the run left in --out."""
+    import pipezero.planner.auto_trials as auto_trials
+
+    def unfit(req, choice, cfg, names):
+        raise auto_trials.TrialFailed("--layout auto: the trial of --pp 1 failed (rank 1: OutOfMemoryError) after "
+                                      "ranks had begun exchanging its messages")
+
+    monkeypatch.setattr(auto_trials, "settle_by_trials", unfit)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(fake_probe(1.0, 1.0).to_json()))
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--costs", str(costs),
+            "--out", str(tmp_path / "run")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipezero: error: --layout auto: the trial of --pp 1"), err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
