@@ -353,7 +353,7 @@ def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
     assert candidates(ranked_of(1.0, 1.5, 1.6), 3) == []  # no near-tie: nothing to settle
 
 
-def test_trials_stop_at_their_budget_but_always_try_the_chosen_layout():
+def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
     from pipezero.planner.auto_trials import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
 
     budget = trial_budget_s(100, 0.5)
