@@ -105,8 +105,8 @@ def test_ctrl_c_in_the_text_sample_still_writes_the_summary(tmp_path, monkeypatc
 
 def test_the_runs_lines_print_paths_and_text_as_written(capsys):
     """A run's lines carry what a user wrote (--out, --data) and what the model drew: read as rich
-    markup, --out 'r[/x]' ended a finished run in a MarkupError traceback and 'r[red]x' was shown
-    as 'rx', a folder that does not exist."""
+    markup, --out 'r[/x]' would end a finished run in a MarkupError and 'r[red]x' would show as
+    'rx', a folder that does not exist."""
     from pipezero.telemetry.metrics import StepProgress
 
     for bar in (False, True):
