@@ -120,3 +120,19 @@ def test_the_sample_shows_control_characters_escaped():
     from pipezero.summary import printable
 
     assert printable("def f():\n\treturn 1\x1b[2J\x00\x07é") == "def f():\n\treturn 1\\x1b[2J\\x00\\x07é"
+
+
+def test_the_sample_draws_nothing_after_logits_that_are_not_finite():
+    """The text-sample program plays every forward as written (its gathers and releases inside them
+    are the program's); once a token's logits were not finite the sampler draws nothing more, whatever
+    the forwards after compute."""
+    import torch
+
+    from pipezero.generate import Sampler
+
+    s = Sampler([1, 2], max_seq_len=8, seed=0, vocab=4)
+    s.take(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert len(s.ids) == 3 and not s.done
+    s.take(torch.tensor([0.0, float("nan"), 2.0, 3.0]))
+    s.take(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert s.done and len(s.ids) == 3
