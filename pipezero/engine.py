@@ -205,7 +205,7 @@ class Trainer:
         outcome = stats.outcome
         assert outcome is not None  # every program ends its step with OPTIM_STEP (the executor checks)
         if self.meter is not None and "train" not in self.meter.phases:  # the first step's peak
-            stage.zero.settle()  # outside any program: the step's gathers landed within the phase measured
+            stage.zero.settle("memory profile")  # the step's gathers landed within the phase measured
             self.meter.pause("train")
             self.measured()
         stage.executor.flight.outside("after OPTIM_STEP")
@@ -283,7 +283,7 @@ class Trainer:
         summary.json; with `snapshot`, this rank's final parameters (a full copy: tests, not big runs)."""
         cfg, stage, result = self.cfg, self.stage, self.result
         stage.executor.flight.outside("end of run")
-        stage.zero.settle()  # outside any program: nothing in flight past the loop (summary, snapshot)
+        stage.zero.settle("end of run")  # nothing in flight past the loop (summary, snapshot)
         if self.metrics:
             self.metrics.close()
         if cfg.run.max_steps not in result.heldout:  # resumed from a checkpoint of the last step

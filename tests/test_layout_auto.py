@@ -244,7 +244,7 @@ def test_a_flag_only_some_layouts_read_needs_the_constraints_that_choose_them(ca
 
 def test_with_compile_the_choice_is_only_of_layouts_compile_runs():
     """--compile runs no split-backward schedule and no --recompute (settings.py): a choice of one
-    was refused on every rank after the probe, where every rank had built its model."""
+    would be refused on every rank after the probe, where every rank has built its model."""
     from pipezero.schedules.registry import SPLIT_BACKWARD
 
     plain = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001)))

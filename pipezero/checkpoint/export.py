@@ -52,8 +52,8 @@ def trusted_model(path: Path, fields: Any, model_spec: str | None) -> ModelConfi
 
 def manifest_model(path: Path, fields: Any) -> ModelConfig:
     """The manifest's [model], each field checked as a TOML value of it: the manifest is data, and
-    an edited one (an unknown key, a size as a string, a null) was a TypeError traceback while the
-    model was built."""
+    an edited one (an unknown key, a size as a string, a null) would raise a TypeError while the
+    model is built."""
     from pipezero.settings import coerce_setting
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -183,7 +183,8 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
     t0 = time.perf_counter()
     wbits, gbits = bits
     result = plan_within(cfg.model, cluster, cfg.data.seq_len, global_batch, wbits, gbits,
-                         cfg.parallel.quant_block, budget=budget, offload=False)
+                         cfg.parallel.quant_block, budget=budget, offload=False,
+                         in_flight=cfg.parallel.buckets_in_flight)
     fits = [e for e in result.fits if matches(e.layout, wanted) and not e.layout.offload
             and (not cfg.run.compile or compiles(e.layout))]
     took = time.perf_counter() - t0
@@ -240,7 +241,7 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
     wbits, gbits = bits
     unlimited = replace(cluster, gpu_memory_gib=1e6)
     every = plan_within(cfg.model, unlimited, cfg.data.seq_len, global_batch, wbits, gbits, cfg.parallel.quant_block,
-                        budget=budget).fits
+                        budget=budget, in_flight=cfg.parallel.buckets_in_flight).fits
     kept = [e for e in every if matches(e.layout, wanted)]
     if not kept:
         return (f"--layout auto: no layout of {ranks} has{asked[4:]} (global batch {global_batch}): drop "

@@ -130,7 +130,7 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
 def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The layout the base configuration is built with: BASE, less the constraints that decide a
     layout-read setting given (LAYOUT_READ), which the flags (or the TOML) then supply: checked
-    against BASE's ZeRO-0, `--zero 3 --dp 2 --zero3-unit sublayer` was refused as read by nothing."""
+    against BASE's ZeRO-0, `--zero 3 --dp 2 --zero3-unit sublayer` would be refused as read by nothing."""
     deciders = {d for key, ds in LAYOUT_READ.items() if key in given for d in ds}
     return {**{k: v for k, v in BASE.items() if k not in deciders},
             **{k: settings[k] for k in deciders if k in settings}}
@@ -138,8 +138,8 @@ def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, An
 
 def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict[str, str]) -> None:
     """Refuse a setting only some layouts read (LAYOUT_READ) without the constraints that decide it:
-    checked against the provisional layout, it was refused naming a --zero the user never gave, or
-    accepted there and refused on every rank after the probe chose another layout."""
+    checked against the provisional layout alone, it would be refused naming a --zero the user never
+    gave, or accepted there and refused on every rank after the probe chose another layout."""
     for key, deciders in LAYOUT_READ.items():
         if key not in given:
             continue
