@@ -281,7 +281,7 @@ def time_steps(cfg: Any) -> float:
     trainer = Trainer.set_up(cfg, trial=True)
     try:
         times = [trainer.step(s)["step_time_s"] for s in range(TRIAL_STEPS)]
-        trainer.stage.zero.settle()  # nothing in flight when the stage is dropped
+        trainer.stage.zero.settle("end of trial")  # nothing in flight when the stage is dropped
     except Exception as e:
         raise MidStep(str(e)) from e
     finally:

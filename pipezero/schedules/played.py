@@ -71,9 +71,10 @@ class Played:
 
 
 # Who may wait for ZeRO-1/2's gathers of updated weights outside every program, and why: each reads the
-# full weights between two programs (zero/sharded.py `settle`). Any other wait there is the runtime
+# full weights between two programs, or drops them (a --layout auto trial's stage: planner/auto_trials.py)
+# (zero/sharded.py `settle`). Any other wait there is the runtime
 # deciding what the program does not say.
-OUTSIDE_READERS = ("checkpoint", "memory profile", "end of run", "snapshot")
+OUTSIDE_READERS = ("checkpoint", "memory profile", "end of run", "snapshot", "end of trial")
 
 
 def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Played]:
