@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, run_main
-from pipezero.planner.auto import choose, cluster_for
+from pipezero.planner.auto import choose_layout, cluster_for
 from pipezero.planner.auto_check import LayoutCheck, compare
 from pipezero.planner.auto_job import Request, decide, provisional, request, settings_of
 from pipezero.probe import LinkCost, Probe
@@ -157,8 +157,8 @@ def test_cluster_from_a_probe_reads_its_rates_and_links():
     cluster = cluster_for(cfg, 4, 4, 2.0, False, fake_probe(0.5, 3.0, 2e-3))
     assert (cluster.tflops, cluster.mfu, cluster.overhead_s, cluster.intra_gbps) == (0.5, 1.0, 2e-3, 3.0)
     assert cluster.gpus == 4 and cluster.cpu and cluster.wire_bytes == 4
-    assert choose(cfg, cluster, 16, {}).ranked
-    assert choose(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
+    assert choose_layout(cfg, cluster, 16, {}).ranked
+    assert choose_layout(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
 
 
 def test_ranks_sharing_one_hosts_cores_are_priced_sharing_them():
@@ -171,7 +171,7 @@ def test_ranks_sharing_one_hosts_cores_are_priced_sharing_them():
     own = cluster_for(cfg, 4, 2, 2.0, False, replace(costs, cores=64))
     assert shared.cores == 2 and own.cores == 0
     lay = "--pp 1 --dp 4 --zero 1 --schedule 1f1b --microbatches 1 --micro-batch-size 4"
-    step = {c.cores: next(r["predicted_step_s"] for r in choose(cfg, c, 16, {"parallel.pp": 1, "parallel.zero": 1,
+    step = {c.cores: next(r["predicted_step_s"] for r in choose_layout(cfg, c, 16, {"parallel.pp": 1, "parallel.zero": 1,
                                                                              "parallel.microbatches": 1}).ranked
                           if r["flags"] == lay) for c in (shared, own)}
     assert step[2] > 1.5 * step[0], step

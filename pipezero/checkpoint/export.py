@@ -134,7 +134,7 @@ def unreadable(path: Path) -> bool:
     return False
 
 
-def resolve(source: Path) -> Path:
+def checkpoint_to_export(source: Path) -> Path:
     """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
     directory's newest good checkpoint of its current run."""
     if (source / "checkpoints").is_dir():
@@ -179,7 +179,7 @@ def export(source: Path, out: Path, model_spec: str | None = None) -> Path:
     the --model-spec the user names, needed for a run of one. `out` must be new or empty
     (export_folder.py). Returns the checkpoint used."""
     check_out(out, source)
-    source = resolve(source)
+    source = checkpoint_to_export(source)
     manifest = read_manifest(source)
 
     def fill(folder: Path) -> None:

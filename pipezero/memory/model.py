@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING
 from pipezero.config import (BUCKETS_IN_FLIGHT, DataConfig, Device, DType, GradReduce, ModelConfig, Offload, Packing,
                              ParallelConfig, RunConfig, ScheduleKind, TrainConfig)
 from pipezero.models.presets import decoder_shapes, ffn_dim, layer_costs, layer_param_counts
-from pipezero.parallel.partition import cut
+from pipezero.parallel.partition import cut_bounds
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
@@ -294,7 +294,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     says, `auto` counted as CPU); `pp_ranks`: lower only these pipeline ranks (None: all)."""
     p, m = cfg.parallel, cfg.model
     counts = layer_param_counts(m)
-    bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
+    bounds = cut_bounds(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
     # D alike: one replica

@@ -171,7 +171,7 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
 BITS = {"none": 0, "int8": 8, "int4": 4}
 
 
-def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any],
+def choose_layout(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any],
            bits: tuple[int, int] = (0, 0), budget: int = SEARCH_BUDGET) -> LayoutChoice:
     """The fastest layout of `cluster` that fits and keeps `wanted`, and the next RUNNERS_UP;
     ConfigError in one line where none does (what would fit, where something would). `bits`: the
@@ -189,7 +189,7 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
             and (not cfg.run.compile or compiles(e.layout))]
     took = time.perf_counter() - t0
     if not fits:
-        raise ConfigError(refusal(cfg, cluster, global_batch, wanted, bits, result.considered, budget))
+        raise ConfigError(no_layout_reason(cfg, cluster, global_batch, wanted, bits, result.considered, budget))
     costs = {"ranks": cluster.gpus, "ranks_per_node": cluster.node_size, "limit_gib": cluster.gpu_memory_gib,
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
@@ -223,7 +223,7 @@ def runners_up(fits: list[Any]) -> list[Any]:
     return out
 
 
-def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any], bits: tuple[int, int],
+def no_layout_reason(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any], bits: tuple[int, int],
             considered: int, budget: int) -> str:
     """Why no layout was chosen, and what would change that: the world size, the global batch,
     the constraints, or the memory (the least a rank would need, from the same search without a limit)."""
@@ -286,9 +286,9 @@ def global_batch_of(cfg: TrainConfig, given: int | None) -> int:
     return given if given is not None else cfg.global_batch
 
 
-def encode(choice: LayoutChoice) -> bytes:
+def encode_choice(choice: LayoutChoice) -> bytes:
     return json.dumps(choice.to_json(), sort_keys=True).encode()
 
 
-def decode(data: bytes) -> LayoutChoice:
+def decode_choice(data: bytes) -> LayoutChoice:
     return LayoutChoice.from_json(json.loads(data.decode()))

@@ -22,8 +22,8 @@ from typing import Any
 from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.planner.auto_refusals import check_batch_tokens, check_measured_here, check_quantized_read
-from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose, cluster_for, decode,
-                                  encode, summary_lines)
+from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose_layout, cluster_for, decode_choice,
+                                  encode_choice, summary_lines)
 
 # the trivial layout the base configuration is built with (its model, data and run settings are what
 # the choice reads; its layout is replaced by the chosen one)
@@ -154,7 +154,7 @@ def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict
 def provisional(req: Request) -> LayoutChoice:
     """The choice from the presets (or --costs): checked before any rank starts, and the layout the
     checks before training run on."""
-    return choose(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
+    return choose_layout(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
 
 
 def settings_of(req: Request, choice: LayoutChoice) -> dict[str, Any]:
@@ -191,15 +191,15 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
             found.links = links
             if cores is not None and together is not None:
                 found.cores = effective_cores(req.world, sum(found.block_s.values()), together, cores)
-            choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
+            choice = choose_layout(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
             choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
-            data = encode(choice)
+            data = encode_choice(choice)
     took = time.perf_counter() - t0
     if req.world > 1:
         data = broadcast_bytes(data, rank, cfg.parallel.timeout_s)
     if "probe_error" in (sent := json.loads(data.decode())):
         raise ProbeError(sent["probe_error"])
-    return decode(data), took
+    return decode_choice(data), took
 
 
 def link_groups(world: int, local: int) -> list[tuple[str, Any]]:

@@ -97,12 +97,12 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool, per_actio
 
 def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None) -> list[float]:
     """Each pipeline rank's forward FLOPs a token, its chunks of [embedding, blocks..., head] cut as
-    the run cuts them (parallel/partition.py `cut`, by `lay.partition`, or `counts` layers a chunk)
+    the run cuts them (parallel/partition.py `cut_bounds`, by `lay.partition`, or `counts` layers a chunk)
     and placed on ranks as its schedule places them."""
-    from pipezero.parallel.partition import cut
+    from pipezero.parallel.partition import cut_bounds
 
     costs = [c / 3 for c in layer_costs(model, seq_len)]  # forward: a third of forward and backward
-    bounds = cut(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
+    bounds = cut_bounds(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
     placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     out = [0.0] * lay.pp
     for chunk, (start, stop) in enumerate(bounds):
