@@ -121,7 +121,9 @@ class Trainer:
     watch: Watch | None = None
 
     @classmethod
-    def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None) -> Trainer:
+    def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None, trial: bool = False) -> Trainer:
+        """`trial`: steps timed and thrown away (--layout auto's trials, planner/auto_trials.py): no
+        config.json, metrics or TensorBoard log written."""
         p, r = cfg.parallel, cfg.run
         if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
             require_tensorboard()
@@ -141,7 +143,7 @@ class Trainer:
         # samples read before `start`: saved with the checkpoint, so a resume with another global batch
         # goes on where the data stopped (checkpoints from before this was saved: start x G)
         read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
-        lead, out = rank == 0, Path(r.out)
+        lead, out = rank == 0 and not trial, Path(r.out)
         if lead:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(out / "config.json", cfg.to_dict())
@@ -203,7 +205,7 @@ class Trainer:
         outcome = stats.outcome
         assert outcome is not None  # every program ends its step with OPTIM_STEP (the executor checks)
         if self.meter is not None and "train" not in self.meter.phases:  # the first step's peak
-            stage.zero.settle()  # outside any program: the step's gathers landed within the phase measured
+            stage.zero.settle("memory profile")  # the step's gathers landed within the phase measured
             self.meter.pause("train")
             self.measured()
         stage.executor.flight.outside("after OPTIM_STEP")
@@ -281,7 +283,7 @@ class Trainer:
         summary.json; with `snapshot`, this rank's final parameters (a full copy: tests, not big runs)."""
         cfg, stage, result = self.cfg, self.stage, self.result
         stage.executor.flight.outside("end of run")
-        stage.zero.settle()  # outside any program: nothing in flight past the loop (summary, snapshot)
+        stage.zero.settle("end of run")  # nothing in flight past the loop (summary, snapshot)
         if self.metrics:
             self.metrics.close()
         if cfg.run.max_steps not in result.heldout:  # resumed from a checkpoint of the last step

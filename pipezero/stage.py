@@ -276,7 +276,7 @@ def secondary_node(cfg: TrainConfig, mesh: Mesh) -> Hierarchy | None:
 def secondary_split_problem(p: ParallelConfig, per_node: int) -> str | None:
     """Why --secondary-shard node cannot split this layout's dp groups over nodes of `per_node`
     ranks, or None. Pure (no process group), so a launcher says it once before any rank starts:
-    found only by the ranks, `--nproc 2` on one node printed it twice under torchrun's report, exit 1."""
+    found only by the ranks, `--nproc 2` on one node would print it twice under torchrun's report."""
     if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
         return None
     groups = Mesh(p.pp, p.dp, 0, p.placement).dp_groups()

@@ -124,6 +124,7 @@ def watch_program() -> dict:
     executor has played its program."""
     import pipezero.engine as engine
     from pipezero.runtime.executor import Executor
+    from pipezero.zero.coordinator import outside_since
 
     if not hasattr(engine, "_watched"):
         build, run, seen = engine.build_stage, Executor.run, {}
@@ -143,7 +144,7 @@ def watch_program() -> dict:
         def forward_only(what: str, play):
             def keep_played(self, program, *args, **kwargs):
                 comm = seen["stage"].zero.comm
-                before = len(comm.played)
+                before = outside_since(comm.played)  # with the outside readers' waits just before it
                 out = play(self, program, *args, **kwargs)
                 seen.setdefault("records", []).append((what, list(comm.played[before:]), tuple(program), True))
                 return out
@@ -180,10 +181,11 @@ def record_departure(seen: dict) -> str:
         counts[what] += 1
         where = f"{what} {counts[what]}"
         want = expected(program, stage.plan.buckets, applied)
-        problem, carried = departure([(p.event.value, p.name, p.place) for p in record], want, carried)
+        problem, carried = departure([(p.event.value, p.name, p.place, p.idle) for p in record], want, carried)
         if problem:
             return f"{where}: {problem}; played {[(p.event.value, p.name) for p in record]}"
-        if any(p.step != record[0].step for p in record):
+        own = [p for p in record if not p.place.startswith("outside")]  # outside readers': the step before's
+        if own and any(p.step != own[0].step for p in own):
             return f"{where}: events recorded under other steps"
         starts = [e for e in want if e.event == "start"]
         for p, e in zip((p for p in record if p.event.value == "start"), starts):
@@ -231,7 +233,7 @@ def train_cases_watching_gathers(rank: int, world: int, data: str, out: str, cas
 
         def watched(self, chunk, *args, _clean=clean):
             _clean(self, chunk, *args)
-            if self.sharded is not None and not self.sharded.holding:
+            if self.sharded is not None:
                 most["bytes"] = max(most["bytes"], self.sharded.gathered_bytes())
         setattr(ZeroDP, name, watched)
     results = []
