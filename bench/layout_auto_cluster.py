@@ -1,15 +1,20 @@
 """Does `train --layout auto` pick the fastest layout on the emulated cluster, at several link rates?
 
     python bench/layout_auto_cluster.py [--rates 100mbit,1gbit,10gbit] [--nodes 2 --per-node 2]
-        [--preset tiny --layers 4] [--steps 6] [--rounds 2] [--gpu-memory 0.07] [--name layout_auto_cluster]
+        [--preset tiny --layers 4] [--steps 6] [--auto-max-steps 400] [--rounds 2] [--gpu-memory 0.07]
+        [--layout-trials 3 | --no-trials] [--name layout_auto_cluster]
     python bench/layout_auto_cluster.py --table bench/results/layout_auto_cluster/layout_auto_cluster.json
 
 (as root). For each rate, on a fresh `pipezero cluster` of --nodes x --per-node ranks whose node links
 run at that rate (tc tbf, pipezero/cluster.py; 10gbit is above what this host's veth pairs carry,
 so it stands for unshaped):
-  1. one `train --layout auto --global-batch G --gpu-memory L --memory-profile` run: its probe times
-     this cluster's links (the ranks of a node, one rank a node) and rank 0's compute, the planner
-     chooses within the limit L, and the run measures its steps and its ranks' peak memory;
+  1. one `train --layout auto --global-batch G --gpu-memory L --memory-profile --layout-trials K`
+     run of --auto-max-steps steps: its probe times this cluster's links (the ranks of a node, one
+     rank a node) and rank 0's compute, the planner chooses within the limit L, the near-ties are
+     tried for a few steps in the job (planner/auto_trials.py: their budget is 10% of the run's
+     predicted time, so the run's length sets how many fit: a trial on this cluster is some 2-4 s of
+     set-up and steps, so three need some 400 steps of 0.25 s; --no-trials: the model's choice, as
+     before trials), and the run measures its steps and its ranks' peak memory;
   2. the pick, its three runners-up and hand-picked layouts (data-parallel at each ZeRO stage,
      pipeline-only, both placements of P=2 x D=2), each trained with explicit flags and
      --memory-profile on the same global batch, `--rounds` times round after round, so that a
@@ -120,11 +125,13 @@ def layout_of(flags: str) -> Any:
                   bool(s.get("parallel.hierarchical", False)))
 
 
-def on_cluster(rate: str, argv: list[str], out: Path, args: argparse.Namespace) -> tuple[dict, str, float]:
-    """(summary.json, standard output, wall seconds) of `pipezero cluster ... train <argv>`."""
+def on_cluster(rate: str, argv: list[str], out: Path, args: argparse.Namespace,
+               steps: int | None = None) -> tuple[dict, str, float]:
+    """(summary.json, standard output, wall seconds) of `pipezero cluster ... train <argv>` of
+    `steps` steps (default --steps)."""
     cmd = [sys.executable, "-m", "pipezero.cli", "cluster", "--nodes", str(args.nodes), "--ranks-per-node",
            str(args.per_node), "--link", rate, *(["--pin"] if args.pin else []), "train", "--config",
-           str(args.toml), "--max-steps", str(args.steps), "--out", str(out), "--no-save-final",
+           str(args.toml), "--max-steps", str(steps or args.steps), "--out", str(out), "--no-save-final",
            "--memory-profile", *argv]
     return run_summary(cmd, out, args.timeout, f"{rate} {' '.join(argv)}")
 
@@ -140,10 +147,13 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
 
     cfg = base_config(args.toml)
     world = args.nodes * args.per_node
+    trials = 0 if args.no_trials else args.layout_trials
     summary, stdout, auto_wall = on_cluster(rate, ["--layout", "auto", "--global-batch", str(args.global_batch),
-                                                   "--gpu-memory", str(args.gpu_memory)], tmp / f"{rate}_auto", args)
+                                                   "--gpu-memory", str(args.gpu_memory), "--layout-trials",
+                                                   str(trials)], tmp / f"{rate}_auto", args, args.auto_max_steps)
     choice = summary["layout_choice"]
-    print("\n".join(line for line in stdout.splitlines() if line.startswith(("layout auto", "  "))), flush=True)
+    print("\n".join(line for line in stdout.splitlines() if line.startswith(("layout auto", "layout trials", "  "))),
+          flush=True)
     auto_steps = steps_of(tmp / f"{rate}_auto")
     cluster = cluster_of(cfg, choice["costs"], world, args.per_node)
     ranked = [choice, *choice["runners_up"]]
@@ -187,7 +197,15 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
               "pick_predicted_over_candidate_measured": choice["predicted_step_s"] / pick["step_s"],
               "pick_peak_over_limit": (choice["measured_peak_gib"] / args.gpu_memory
                                        if choice["measured_peak_gib"] is not None else None),
-              "probe_s": choice["costs"].get("probe_s")}
+              "probe_s": choice["costs"].get("probe_s"), "trials_s": choice["costs"].get("trials_s"),
+              # the near-ties tried in the auto run (flags, predicted_step_s, trial_step_s) and why the pick
+              "trials": choice.get("trials", []), "picked_by": choice.get("picked_by"),
+              "trials_cut": choice.get("trials_cut"),
+              # issue 44: the probe under 10% of a 100-step run (100 of the auto run's median step); the
+              # trials against the auto run's own steps (their budget: 10% of its predicted time)
+              "probe_over_100_steps": ((choice["costs"].get("probe_s") or 0.0)
+                                       / (100 * statistics.median(auto_steps)) if auto_steps else None),
+              "trials_over_run": ((choice["costs"].get("trials_s") or 0.0) / sum(auto_steps) if auto_steps else None)}
     print(table(result, args.gpu_memory), flush=True)
     return result
 
@@ -216,6 +234,12 @@ def table(result: dict, limit: float) -> str:
                      f"{r['step_s'] / fastest:.2f} | {num(r['predicted_peak_gib'], '.4f')} / "
                      f"{num(r['measured_peak_gib'], '.4f')}{over} |")
     ch = result["choice"]
+    tried = result.get("trials") or []
+    if tried:
+        lines += ["", f"trials ({num(result.get('trials_s'), '.1f')} s; pick: {result.get('picked_by')}): "
+                      + "; ".join(f"`{t['flags']}` " + (f"{t['trial_step_s']:.3f} s" if t["trial_step_s"] is not None
+                                                         else "failed") for t in tried)
+                      + (f" ({result['trials_cut']})" if result.get("trials_cut") else "")]
     lines += ["", f"pick / fastest measured: {result['pick_over_fastest']:.3f} (fastest: `{result['fastest']}`); "
                   f"pick predicted {ch['predicted_step_s']:.3f} s / measured in its own run "
                   f"{ch['measured_step_s']:.3f} s = {result['pick_predicted_over_measured']:.2f} "
@@ -248,6 +272,10 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--auto-max-steps", type=int, default=400,
+                    help="the --layout auto run's steps: its trials' budget is 10%% of them at the predicted step")
+    ap.add_argument("--layout-trials", type=int, default=3, help="the auto run's --layout-trials")
+    ap.add_argument("--no-trials", action="store_true", help="the auto run without trials (--layout-trials 0)")
     ap.add_argument("--gpu-memory", type=float, default=0.07, help="the limit --layout auto is given (GiB a rank)")
     ap.add_argument("--pin", action="store_true", help="each node on cores of its own (pipezero cluster --pin)")
     ap.add_argument("--table", metavar="JSON", help="print the tables of a result written before; run nothing")

@@ -144,10 +144,10 @@ def main() -> None:
 
 def _bounds(cfg):
     from pipezero.models.presets import layer_costs, layer_param_counts
-    from pipezero.parallel.partition import cut
+    from pipezero.parallel.partition import cut_bounds
 
     p = cfg.parallel
-    return cut(layer_param_counts(cfg.model), lambda: layer_costs(cfg.model, cfg.data.seq_len), p.pp * p.virtual_stages,
+    return cut_bounds(layer_param_counts(cfg.model), lambda: layer_costs(cfg.model, cfg.data.seq_len), p.pp * p.virtual_stages,
                p.partition, p.stage_layers)
 
 

@@ -164,6 +164,9 @@ class ModelConfig:
     the shape settings above are unused."""
 
 
+# --buckets-in-flight's default: the planner prices layouts with it where the user gives none
+BUCKETS_IN_FLIGHT = 1
+
 @dataclass
 class ParallelConfig:
     """Layout of ranks and of the work of one optimizer step."""
@@ -230,7 +233,7 @@ class ParallelConfig:
     stall_report_s: float | None = None
     """Seconds a wait may take before every rank writes its flight record for the hang doctor
     (runtime/watch.py); None = a quarter of `timeout_s`."""
-    buckets_in_flight: int = 1
+    buckets_in_flight: int = BUCKETS_IN_FLIGHT
     """ZeRO-2/3: gradient buckets whose reduce-scatter may still run while the backward goes on
     (each holds a full bucket of gradient until it lands)."""
     hierarchical: bool = False

@@ -121,7 +121,9 @@ class Trainer:
     watch: Watch | None = None
 
     @classmethod
-    def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None) -> Trainer:
+    def set_up(cls, cfg: TrainConfig, spec: ModelSpec | None = None, trial: bool = False) -> Trainer:
+        """`trial`: steps timed and thrown away (--layout auto's trials, planner/auto_trials.py): no
+        config.json, metrics or TensorBoard log written."""
         p, r = cfg.parallel, cfg.run
         if r.tensorboard:  # every rank, before any process group: all stop alike when it is missing
             require_tensorboard()
@@ -141,7 +143,7 @@ class Trainer:
         # samples read before `start`: saved with the checkpoint, so a resume with another global batch
         # goes on where the data stopped (checkpoints from before this was saved: start x G)
         read = found.manifest.get("data", {}).get("samples", start * g) if found else 0
-        lead, out = rank == 0, Path(r.out)
+        lead, out = rank == 0 and not trial, Path(r.out)
         if lead:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_json(out / "config.json", cfg.to_dict())
@@ -203,7 +205,7 @@ class Trainer:
         outcome = stats.outcome
         assert outcome is not None  # every program ends its step with OPTIM_STEP (the executor checks)
         if self.meter is not None and "train" not in self.meter.phases:  # the first step's peak
-            stage.zero.settle()  # outside any program: the step's gathers landed within the phase measured
+            stage.zero.settle("memory profile")  # the step's gathers landed within the phase measured
             self.meter.pause("train")
             self.measured()
         stage.executor.flight.outside("after OPTIM_STEP")
@@ -281,7 +283,7 @@ class Trainer:
         summary.json; with `snapshot`, this rank's final parameters (a full copy: tests, not big runs)."""
         cfg, stage, result = self.cfg, self.stage, self.result
         stage.executor.flight.outside("end of run")
-        stage.zero.settle()  # outside any program: nothing in flight past the loop (summary, snapshot)
+        stage.zero.settle("end of run")  # nothing in flight past the loop (summary, snapshot)
         if self.metrics:
             self.metrics.close()
         if cfg.run.max_steps not in result.heldout:  # resumed from a checkpoint of the last step
@@ -336,9 +338,31 @@ def train(cfg: TrainConfig, snapshot: bool = False, spec: ModelSpec | None = Non
                 if check and (said := check.observe(record, step == trainer.start, step + 1 == cfg.run.max_steps)):
                     print(f"pipezero: warning: {said}", file=sys.stderr, flush=True)
                 progress.update(step, trainer.result.losses[-1], record["tokens_per_s"])
-        return trainer.finish(progress if show else None, snapshot)
+        result = trainer.finish(progress if show else None, snapshot)
     finally:
         trainer.stop_watch(finished=False)  # a failed run's: its records stay as they were written
+    release(trainer.stage, cfg.parallel.timeout_s)
+    return result
+
+
+def release(stage: Stage, timeout_s: float) -> None:
+    """A finished run's process groups destroyed and its threads stopped, once every rank is past its
+    last collective (an all-reduce over the world, bounded as every wait is). Left alive, each gloo
+    group's transport thread wakes every 10 ms for the life of the process (~1 ms of CPU a second a
+    group): a process that trains again and again (a notebook, a sweep, the tests' ranks) would keep
+    every earlier run's groups polling. A failed run keeps its groups: a peer may be gone, and the
+    process is ending."""
+    for h in (stage.zero.hierarchy, stage.zero.node):
+        if h is not None:
+            h.close()  # its thread: nothing more to run on it
+    if stage.groups.world is None:  # one process: no group
+        return
+    if (sync := synchronizer(stage.zero.device)) is not None:
+        sync()  # NCCL's waits order the stream: its last collectives may still run on the device
+    all_sum([0.0], stage.groups.world, timeout_s,
+            f"rank {stage.mesh.rank}: end of run: every rank past its last collective before the run's groups close")
+    for g in {id(g): g for g in stage.subgroups}.values():
+        dist.destroy_process_group(g)
 
 
 def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:

@@ -31,7 +31,10 @@ class Sampler:
         return torch.tensor([self.ids[-self.max_seq_len:]], dtype=torch.long)
 
     def take(self, logits: torch.Tensor) -> None:
-        """Draw the next token from the last position's `logits` (vocabulary,)."""
+        """Draw the next token from the last position's `logits` (vocabulary,); once logits were not
+        finite, draw nothing more (a program of forwards goes on playing them as written)."""
+        if self.done:
+            return
         logits = logits.float().cpu() / max(self.temperature, 1e-5)
         if self.vocab is not None:
             logits = logits[:self.vocab]

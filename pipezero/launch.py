@@ -55,7 +55,7 @@ def check_rank_variables(env: Mapping[str, str]) -> None:
                           f"torchrun's variables: unset them, or set RANK below WORLD_SIZE")
     port = env.get("MASTER_PORT", "")
     if values["WORLD_SIZE"] > 1 and not (env.get("MASTER_ADDR") and _ascii_count(port) and 1 <= int(port) <= 65535):
-        # the env:// rendezvous read them: a ValueError traceback (unset) or a wait on no port
+        # the env:// rendezvous reads them: unset, it raises a ValueError; a bad port, it waits on no port
         raise ConfigError(f"RANK and WORLD_SIZE={values['WORLD_SIZE']} are set by hand, but MASTER_ADDR={env.get('MASTER_ADDR', '')[:80]!r} "
                           f"MASTER_PORT={port[:80]!r} name no rendezvous: set both (a host and a port), or unset "
                           f"RANK and WORLD_SIZE and pass --nproc")

@@ -9,7 +9,7 @@ torchrun unchanged. Multi-node runs (`pipezero cluster`) start it too: there the
 node's address, which it leaves alone, trusting the cluster network.
 
 A job that ends on a failed rank ends here in one line: the rank already said why in its own, and
-torchrun's ChildFailedError traceback (its agent's, some 50 lines a node) said nothing more.
+torchrun's ChildFailedError traceback (its agent's, some 50 lines a node) would say nothing more.
 """
 
 from __future__ import annotations

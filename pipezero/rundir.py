@@ -47,8 +47,8 @@ OPENING = {"config.json", "metrics.jsonl"}  # what a run writes before its first
 
 def wrong_kind(path: Path) -> str | None:
     """A name the run writes that holds the other kind (a folder where a file goes, a file or a
-    pipe where a folder goes) failed as a traceback only when written, after the training: said
-    here instead, or None."""
+    pipe where a folder goes) would fail only when written, after the training: said here
+    instead, or None."""
     for name in sorted(RUN_FILES | RUN_FOLDERS | {RUN_ID, LOCK}):
         entry = path / name
         if name in RUN_FOLDERS and entry.exists() and not entry.is_dir():

@@ -50,7 +50,7 @@ RANGES: dict[str, Range] = {
     "parallel.buckets_in_flight": POSITIVE_INT,
     "parallel.offload_activations": Range(0, 1 << 20),
     "parallel.zero3_prefetch": Range(1, 64), "parallel.link_gbps": POSITIVE, "parallel.tflops": POSITIVE,
-    # a bucket is padded to whole blocks: 10^12 had every rank allocate 4 TB (a traceback a rank)
+    # a bucket is padded to whole blocks: 10^12 would have every rank allocate 4 TB
     "parallel.quant_block": Range(1, 1 << 20),
     "optim.lr": POSITIVE, "optim.min_lr": NON_NEGATIVE, "optim.warmup_steps": NON_NEGATIVE,
     "optim.weight_decay": NON_NEGATIVE, "optim.beta1": Range(0, 1, open_high=True),
@@ -475,7 +475,7 @@ def check_quantization(p: ParallelConfig) -> None:
 
 
 def check_quant_block(p: ParallelConfig, set_as: str | None) -> None:
-    """A block size with nothing quantized was silently ignored. `set_as`: how the user set it (its
+    """A block size with nothing quantized would be read by nothing. `set_as`: how the user set it (its
     flag or TOML key); None: left at its default."""
     _check(set_as is None or p.quantize_weights is not WeightQuant.NONE or p.quantize_grads.value != "none",
            f"{set_as} {p.quant_block} applies with --quantize-weights or --quantize-grads: add one, or drop it")
@@ -682,7 +682,7 @@ def validate(cfg: TrainConfig, out_name: str = "--out") -> TrainConfig:
     _check((dangling := dangling_link(out_name, r.out)) is None, dangling or "")
     if d.path is not None:
         _check(bool(d.path), "data.path = []: name document files, folders, globs or a token file, or leave data.path "
-                             "out for the built-in corpus")  # an empty list was the built-in corpus, silently
+                             "out for the built-in corpus")  # an empty list would mean the built-in corpus, unasked
         from pipezero.data.sources import MAGIC, check_cache_out_of_reach, check_out_of_reach
 
         for arg in d.path:

@@ -144,7 +144,7 @@ def job_port(job_id: str) -> int:
 
 def _read(env: Mapping[str, str], name: str, parse: Callable[[str], T]) -> T:
     """`parse(env[name])`, a malformed value refused in one line naming the variable."""
-    if name not in env:  # srun sets them all: one missing was set by hand, and was a KeyError traceback
+    if name not in env:  # srun sets them all: one missing means they were set by hand
         raise ConfigError(f"{name} is not set, but SLURM_STEP_ID and SLURM_PROCID say this is a task of an srun "
                           f"step; run under srun, or unset the SLURM_ variables")
     try:

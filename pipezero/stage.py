@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
 from pipezero.models import ModelSpec, build_chunk, compile_blocks, spec_of
 from pipezero.models.chunk import StageChunk, place_hollow
+from pipezero.models.meta import shapes_only
 from pipezero.models.parts import checked_parts
 from pipezero.models.llama_spec import LlamaSpec
 from pipezero.parallel.device import PeakMemory, synchronizer
@@ -70,6 +72,9 @@ class Stage:
     spec: ModelSpec  # the model the chunks are slices of
     plan: CompiledPlan  # every rank's program and the buckets, compiled once (schedules/compile.py)
     program: tuple[Instr, ...]  # this rank's program for one step (schedules/program.py)
+    # every process group this rank is in that the stage made (pp, dp, the tied pair, --hierarchical's
+    # and --secondary-shard's subgroups): destroyed when the run is over (engine.release)
+    subgroups: tuple[Any, ...] = ()
 
     def evaluation(self, microbatches: int) -> tuple[EvalInstr, ...]:
         """This rank's held-out evaluation program (schedules/forward_only.py)."""
@@ -81,16 +86,17 @@ class Stage:
 
 
 def tied_copies(spec: ModelSpec, schedule: Schedule, mesh: Mesh,
-                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> TiedCopies | None:
+                named: dict[int, list[tuple[str, torch.nn.Parameter]]]) -> tuple[TiedCopies | None, Any]:
     """Tied embeddings whose two ends live in different chunks (pp > 1): which copies this rank
-    holds and the group that sums their gradients (a collective call on every rank)."""
+    holds and the group that sums their gradients (a collective call on every rank), and that group
+    (made even where this rank's copies are frozen: None or this rank's pair)."""
     names = spec.tied_names()
     if names is None or schedule.n_chunks == 1:
-        return None
+        return None, None
     apart = schedule.rank_of_chunk[0] != schedule.rank_of_chunk[schedule.n_chunks - 1]
     group = tie_group(mesh) if apart else None
     local, head = find_tied({n: q for ps in named.values() for n, q in ps}, names)
-    return TiedCopies(local, head, group) if local else None
+    return (TiedCopies(local, head, group) if local else None), group
 
 
 def memory_cuts(cfg: TrainConfig, spec: ModelSpec, device: torch.device) -> list[int] | None:
@@ -115,7 +121,7 @@ def model_shapes(spec: ModelSpec, bounds: list[tuple[int, int]], freeze: str | N
     them (zero/buckets.py `named_by_chunk`: a weight tied inside a chunk once), the tensors each
     layer borrows from another, whether split backward's W can run from B's stash, and with
     `parts` (--zero3-unit sublayer) the parts the spec names (only then is its layer_parts read)."""
-    with torch.device("meta"):
+    with shapes_only():
         chunks = {c: StageChunk(spec, a, b, 0, init=False) for c, (a, b) in enumerate(bounds)}
     apply_freeze(chunks, spec, freeze)
     named = named_by_chunk(chunks)
@@ -195,10 +201,11 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     p2p = P2P(rank, rank_of_chunk, (p.micro_batch_size, cfg.data.seq_len, spec.dim), p.timeout_s,
               dtype=wire, boundary=wire, device=device, tracer=tracer, flight=flight)  # bf16: a bf16 residual stream
     named = named_by_chunk(chunks)
+    tied, tie = tied_copies(spec, schedule, mesh, named)
     zero = ZeroDP(named, shared_params(chunks), p.zero, p.dp, mesh.dp_rank, groups.dp, cfg.optim,
                   {c: plan.layouts(c) for c in chunks}, p.grad_reduce, p.timeout_s, rank,
                   keep_gathered=not plan.layerwise, tracer=tracer,
-                  tied=tied_copies(spec, schedule, mesh, named), comm_dtype=wire, device=device,
+                  tied=tied, comm_dtype=wire, device=device,
                   source=source, hierarchy=hierarchy,
                   node=node, offload=p.offload is Offload.OPTIMIZER, **wires(p))
     zero.comm.flight = flight
@@ -215,8 +222,9 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
     if defers_update_waits(program):  # the moments of the program's waits for updated weights
         weight_waits.install(zero, chunks, {c: plan.buckets.reads(c) for c in chunks})
     executor = Executor(chunks, schedule.n_chunks, p2p, cfg.run.dtype, zero, p.recompute, tracer=tracer, flight=flight)
+    made = [groups.pp, groups.dp, tie] + [g for h in (hierarchy, node) if h is not None for g in (h.intra, h.inter)]
     return Stage(mesh, groups, schedule, predicted, bounds, chunks, executor, zero, tracer, PeakMemory(device), spec,
-                 plan, program)
+                 plan, program, tuple(g for g in made if g is not None))
 
 
 def rank_program(plan: CompiledPlan, mesh: Mesh, zero: ZeroDP) -> tuple[Instr, ...]:
@@ -268,7 +276,7 @@ def secondary_node(cfg: TrainConfig, mesh: Mesh) -> Hierarchy | None:
 def secondary_split_problem(p: ParallelConfig, per_node: int) -> str | None:
     """Why --secondary-shard node cannot split this layout's dp groups over nodes of `per_node`
     ranks, or None. Pure (no process group), so a launcher says it once before any rank starts:
-    found only by the ranks, `--nproc 2` on one node printed it twice under torchrun's report, exit 1."""
+    found only by the ranks, `--nproc 2` on one node would print it twice under torchrun's report."""
     if p.secondary_shard is SecondaryShard.NONE or p.dp == 1:
         return None
     groups = Mesh(p.pp, p.dp, 0, p.placement).dp_groups()

@@ -64,7 +64,9 @@ SUMMARY_FIELDS: dict[str, str] = {
                       "sublayer: a block's attention and MLP apart); null without layer-by-layer gathers",
     "layout_choice": "with --layout auto: the chosen layout's flags, predicted and measured step time "
                      "(median of the steps after the first) and peak GiB (measured: --memory-profile, or a GPU's "
-                     "allocator), the step's terms, the runners-up and the costs chosen with (else null)",
+                     "allocator), the step's terms, the runners-up and the costs chosen with; trials: the near-ties "
+                     "tried in the job (flags, predicted_step_s, trial_step_s), picked_by (measured fastest in "
+                     "trials, or model's choice) and trials_cut, the budget's line where it cut them short (else null)",
     "straggler": "the rank that made the others wait most a step (rank, stage, s_per_step; every rank's in "
                  "by_rank): how far its own work (compute less the waits inside it; every rank's in own_work_s, "
                  "seconds a step) ran past its stage's replicas' (compared_with; at D = 1, past the others' "

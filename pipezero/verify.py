@@ -177,7 +177,7 @@ def reference_config(layout: TrainConfig, out: Path) -> TrainConfig:
     p.microbatches, p.pp, p.dp, p.zero = p.microbatches * p.dp, 1, 1, 0
     p.schedule, p.virtual_stages, p.stage_layers, p.zero3_keep_gathered = ScheduleKind.ONE_F_ONE_B, 1, None, None
     # what only data-parallel traffic has: one process has none to split by node or reduce in two
-    # levels (both exact); kept, --secondary-shard was refused for --dp 1 after the layout had run
+    # levels (both exact); kept, --secondary-shard would be refused for --dp 1 after the layout had run
     p.secondary_shard, p.hierarchical = SecondaryShard.NONE, False
     p.zero3_unit = Zero3Unit.LAYER  # how ZeRO-3 cuts its gathers: one process gathers nothing
     # where bytes wait between uses: the reference keeps everything on its device

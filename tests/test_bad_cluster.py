@@ -77,7 +77,7 @@ def test_root_without_network_rights_is_one_line_before_anything_is_built(nothin
 
 
 def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
-    """`tc` refusing the link's rate mid-build was a ClusterError traceback (after the teardown)."""
+    """`tc` refusing the link's rate mid-build is one line after the teardown, not a ClusterError."""
     import pipezero.cluster as cluster
 
     made: list[str] = []

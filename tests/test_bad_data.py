@@ -550,7 +550,7 @@ def test_a_full_disk_during_the_cache_build_is_one_line_and_leaves_nothing(tmp_p
 @pytest.mark.parametrize("kind", ["jsonl", "json"])
 def test_json_the_reader_cannot_follow_is_a_bad_record(kind, tmp_path, capsys):
     """Nesting past Python's recursion limit, an integer of 5,001 digits and a lone surrogate
-    escape were tracebacks (RecursionError, ValueError, the tokenizer's UnicodeEncodeError); now each
+    escape (RecursionError, ValueError, the tokenizer's UnicodeEncodeError inside the reader): each
     is a bad record, named, or skipped with --on-bad-record skip."""
     from pipezero.config import DataConfig, OnBadRecord
     from pipezero.data import load_corpus

@@ -297,7 +297,7 @@ def test_export_of_a_run_that_saved_no_checkpoint_is_one_line(trained, tmp_path,
     (["--shard-size", "5GB"], "--shard-size 5GB applies with --format hf"),  # its --format hf default, given
 ])
 def test_an_export_flag_that_would_be_ignored_is_one_line(trained, tmp_path, capsys, flags, needle):
-    """These exported with exit 0 as if the flag had been applied."""
+    """Each flag would change nothing in an export: refused, so no export claims to have applied it."""
     assert_one_line(*run_main(["export", str(trained["run"]), "--out", str(tmp_path / "e"), *flags], capsys), needle)
     assert not (tmp_path / "e").exists()
 
@@ -390,7 +390,7 @@ def edit_manifest(step: Path, change) -> None:
     (lambda m: m["config"].update(model=[1]), "('(not a table)' is no model setting)"),
 ])
 def test_export_of_an_edited_manifest_model_is_one_line(trained, tmp_path, capsys, fmt, change, needle):
-    """A TypeError traceback while the model was built from the manifest's [model]."""
+    """The manifest's [model] is read before the model is built from it: one line, not a TypeError."""
     run = copy_run(trained, tmp_path / "run")
     edit_manifest(run / "checkpoints" / "step-00000001", change)
     assert_one_line(*run_main(["export", str(run), "--format", fmt, "--out", str(tmp_path / "e")], capsys),
@@ -404,8 +404,8 @@ def resume_argv(trained: dict[str, Path], run: Path) -> list[str]:
 
 
 def test_a_resume_that_would_not_continue_its_checkpoints_is_refused_before_any_rank(trained, tmp_path, capsys):
-    """A damaged .run-id made --resume take none of the run's checkpoints and train from step 0,
-    exit 0; a checkpoint of another model was said by the ranks as they loaded (exit 1)."""
+    """A damaged .run-id would make --resume take none of the run's checkpoints and train from
+    step 0; a checkpoint of another model would be found only by the ranks as they load it."""
     run = copy_run(trained, tmp_path / "run")
     theirs = (run / ".run-id").read_text().strip()
     (run / ".run-id").write_bytes(b"\xff\xfe\x00")

@@ -320,7 +320,7 @@ def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir
     metrics and summary were B's: it takes B's newest, and refuses (naming A's, and what is true of B)
     when B saved none."""
     from one_line import assert_one_line, run_main
-    from pipezero.checkpoint.export import resolve
+    from pipezero.checkpoint.export import checkpoint_to_export
     from pipezero.cli import main
 
     run = tmp_path / "run"
@@ -329,7 +329,7 @@ def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir
               "--no-progress", "--out", str(run)]
     assert main([*common, "--max-steps", "3"]) == 0  # A: step 3
     assert main([*common, "--max-steps", "2", "--force"]) == 0  # B, beside it: step 2
-    assert resolve(run).name == "step-00000002"
+    assert checkpoint_to_export(run).name == "step-00000002"
     assert main([*common, "--max-steps", "1", "--force", "--no-save-final"]) == 0  # C: no checkpoint
     capsys.readouterr()
     assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),

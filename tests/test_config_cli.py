@@ -145,8 +145,8 @@ def test_a_rank_takes_omp_num_threads_where_set_else_its_share_of_the_cores():
 
 @pytest.mark.parametrize("argv", [["train", "--max-steps", "1"], ["simulate", "--memory"], ["verify"]])
 def test_a_model_deeper_than_the_limit_is_refused_at_once(argv, tmp_path, capsys):
-    """n_layers = 200000: simulate --memory ran past 120 s and train was refused only after 66 s
-    (the memory model walks every layer). The bound is model.n_layers' range, on the configuration
+    """n_layers = 200000: the memory model walks every layer, past 120 s for simulate --memory and
+    66 s before train could refuse it. The bound is model.n_layers' range, on the configuration
     reference page, said before any work."""
     import time
 

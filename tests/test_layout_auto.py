@@ -4,12 +4,14 @@ this machine's costs; every rank trains the same choice; the run checks the pred
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from one_line import assert_one_line, run_main
-from pipezero.planner.auto import choose, cluster_for
+from pipezero.planner.auto import choose_layout, cluster_for
 from pipezero.planner.auto_check import LayoutCheck, compare
 from pipezero.planner.auto_job import Request, decide, provisional, request, settings_of
 from pipezero.probe import LinkCost, Probe
@@ -92,6 +94,9 @@ def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp
     assert_one_line(*run_main(["train", "--preset", "tiny", "--global-batch", "8"], capsys),
                     "--global-batch is read only with --layout auto")
     assert_one_line(*run_main([*base, "--global-batch", "0"], capsys), "--global-batch 0")
+    assert_one_line(*run_main(["train", "--preset", "tiny", "--layout-trials", "2"], capsys),
+                    "--layout-trials is read only with --layout auto")
+    assert_one_line(*run_main([*base, "--layout-trials", "-1"], capsys), "--layout-trials -1: expected")
     bad = tmp_path / "bad.json"
     bad.write_text('{"device": "cpu"}')
     assert_one_line(*run_main([*base, "--costs", str(bad)], capsys), "not a probe pipezero wrote")
@@ -152,8 +157,8 @@ def test_cluster_from_a_probe_reads_its_rates_and_links():
     cluster = cluster_for(cfg, 4, 4, 2.0, False, fake_probe(0.5, 3.0, 2e-3))
     assert (cluster.tflops, cluster.mfu, cluster.overhead_s, cluster.intra_gbps) == (0.5, 1.0, 2e-3, 3.0)
     assert cluster.gpus == 4 and cluster.cpu and cluster.wire_bytes == 4
-    assert choose(cfg, cluster, 16, {}).ranked
-    assert choose(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
+    assert choose_layout(cfg, cluster, 16, {}).ranked
+    assert choose_layout(cfg, cluster, 16, {"parallel.pp": 2}).chosen["flags"].startswith("--pp 2 --dp 2")
 
 
 def test_ranks_sharing_one_hosts_cores_are_priced_sharing_them():
@@ -166,7 +171,7 @@ def test_ranks_sharing_one_hosts_cores_are_priced_sharing_them():
     own = cluster_for(cfg, 4, 2, 2.0, False, replace(costs, cores=64))
     assert shared.cores == 2 and own.cores == 0
     lay = "--pp 1 --dp 4 --zero 1 --schedule 1f1b --microbatches 1 --micro-batch-size 4"
-    step = {c.cores: next(r["predicted_step_s"] for r in choose(cfg, c, 16, {"parallel.pp": 1, "parallel.zero": 1,
+    step = {c.cores: next(r["predicted_step_s"] for r in choose_layout(cfg, c, 16, {"parallel.pp": 1, "parallel.zero": 1,
                                                                              "parallel.microbatches": 1}).ranked
                           if r["flags"] == lay) for c in (shared, own)}
     assert step[2] > 1.5 * step[0], step
@@ -239,7 +244,7 @@ def test_a_flag_only_some_layouts_read_needs_the_constraints_that_choose_them(ca
 
 def test_with_compile_the_choice_is_only_of_layouts_compile_runs():
     """--compile runs no split-backward schedule and no --recompute (settings.py): a choice of one
-    was refused on every rank after the probe, where every rank had built its model."""
+    would be refused on every rank after the probe, where every rank has built its model."""
     from pipezero.schedules.registry import SPLIT_BACKWARD
 
     plain = provisional(tiny_request(2, costs=fake_probe(tflops=1.0, gbps=0.001)))
@@ -329,3 +334,280 @@ def test_quantized_traffic_no_candidate_has_is_refused_as_unread(capsys, tmp_pat
     traffic the flag allows: it was accepted and read by nothing, where a given layout refuses it."""
     argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"), *flags]
     assert_one_line(*run_main(argv, capsys), needle)
+
+
+def ranked_of(*steps: float) -> list[dict]:
+    """A choice's ranked layouts as the model orders them, predicted `steps` seconds."""
+    return [{"flags": f"--pp {i + 1}", "predicted_step_s": s, "settings": {}} for i, s in enumerate(steps)]
+
+
+def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
+    from pipezero.planner.auto_trials import BAND, candidates
+
+    assert BAND == 0.15  # the model's stated error (auto_check.TOLERANCE)
+    ranked = ranked_of(1.0, 1.1, 1.15, 1.2)
+    assert candidates(ranked, 3) == [0, 1, 2]
+    assert candidates(ranked, 2) == [0, 1]
+    assert candidates(ranked, 4) == [0, 1, 2]  # 1.2 s is past 15% of 1.0 s
+    assert candidates(ranked, 0) == [] and candidates(ranked, 1) == []  # off, or only the chosen one
+    assert candidates(ranked_of(1.0, 1.5, 1.6), 3) == []  # no near-tie: nothing to settle
+
+
+def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
+    from pipezero.planner.auto_trials import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
+
+    budget = trial_budget_s(100, 0.5)
+    assert budget == pytest.approx(5.0)  # 10% of 100 steps of 0.5 s
+    assert room_for_another(0.0, [], budget)  # the first (the chosen one's) always
+    assert room_for_another(2.0, [2.0], budget) and not room_for_another(4.0, [2.0, 2.0], budget)
+    assert not room_for_another(1.0, [1.0, 4.5], budget)  # the dearest trial so far stands for the next
+    line = cut_line(2, 3, 4.0, budget, 100, 0.5)
+    assert "\n" not in line and "after 2 of 3" in line and "5.0 s" in line and "--max-steps 100" in line
+    # two trials of 3 steps at the predicted step fit 10% of 60 steps, not of 59: a shorter run tries none
+    assert budget_holds_two(60) and not budget_holds_two(59)
+    assert "a run of 60 steps or more tries them" in skipped_line(8, 0.397)
+
+
+def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
+    from pipezero.planner.auto_trials import Trial, winner
+
+    def trials(*steps):
+        return [Trial(f"--pp {i}", 1.0, s, None if s is not None else "rank 1: out of memory")
+                for i, s in enumerate(steps)]
+
+    assert winner(trials(0.36, 0.27, 0.30)) == 1
+    assert winner(trials(0.300, 0.297)) == 0  # 1% faster: a tie, the model's choice stays
+    assert winner(trials(0.300, 0.290)) == 1
+    assert winner(trials(None, 0.5, 0.4)) == 2  # a failed trial is dropped
+    assert winner(trials(None, None)) is None
+
+
+def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
+    from pipezero.planner.auto import LayoutChoice
+    from pipezero.planner.auto_check import LayoutCheck
+    from pipezero.planner.auto_trials import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
+
+    ranked = [{**r, "predicted_peak_gib": 1.0, "bubble": 0.1, "exposed_comm_s": 0.0, "predicted_compute_s": 0.2,
+               "predicted_idle_s": 0.03} for r in ranked_of(0.238, 0.238, 0.239, 0.241)]
+    choice = LayoutChoice(ranked, 4, 9, 0, 0.1, {})
+    trials = [Trial("--pp 1", 0.238, 0.364), Trial("--pp 2", 0.238, None, "rank 1: out of memory"),
+              Trial("--pp 3", 0.239, 0.2745)]
+    picked = settled(choice, [0, 1, 2], trials, None)
+    assert [r["flags"] for r in picked.ranked] == ["--pp 3", "--pp 1", "--pp 2", "--pp 4"]
+    assert picked.picked_by == PICKED_BY_TRIALS and picked.chosen["predicted_step_s"] == 0.239
+    lines = trial_lines(picked, 3.2)
+    assert any(line.startswith("  --pp 3") and "trial 0.275" in line and "picked: measured fastest" in line
+               for line in lines), lines
+    assert any("dropped: rank 1: out of memory" in line for line in lines), lines
+    again = LayoutChoice.from_json(json.loads(json.dumps(picked.to_json())))
+    assert again == picked
+    check = LayoutCheck(picked.to_json())
+    check.observe({"step_time_s": 0.3, "bubble": 0.1}, True, False)
+    check.observe({"step_time_s": 0.28, "bubble": 0.1}, False, True)
+    entry, _ = check.summary(None)
+    assert entry["flags"] == "--pp 3" and entry["predicted_step_s"] == 0.239  # the model's, not the trial's
+    assert entry["picked_by"] == PICKED_BY_TRIALS and entry["trials_cut"] is None
+    assert entry["trials"][2] == {"flags": "--pp 3", "predicted_step_s": 0.239, "trial_step_s": 0.2745}
+    assert entry["trials"][1]["trial_step_s"] is None and "out of memory" in entry["trials"][1]["failed"]
+    # one candidate measured: nothing compared, the model's order stands
+    alone = settled(choice, [0, 1], [Trial("--pp 1", 0.238, 0.3), Trial("--pp 2", 0.238, None, "failed")], None)
+    assert alone.ranked == ranked and alone.picked_by == PICKED_BY_MODEL
+    assert any("fewer than two candidates were measured" in line for line in trial_lines(alone, 1.0))
+
+
+def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose two top layouts are near-ties (predictions set 1% apart):
+    both are tried, and rank 1 reports the chosen one's trial slow, so
+    only the slowest rank's time (an all-reduce MAX) gives both ranks the runner-up. First the
+    runner-up trains without trials, as a reference for the losses."""
+    from dataclasses import replace as change
+
+    import pipezero.planner.auto_job as auto_job
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.cli.train import decided
+    from pipezero.engine import train
+
+    settings = {"model.preset": "tiny", "model.n_layers": "2", "model.dim": "64", "data.seq_len": "32",
+                "data.path": data, "data.tokenizer": "bytes", "run.max_steps": "3", "run.out": out,
+                "run.progress": False, "run.sample_tokens": "0", "run.save_final": False, "parallel.timeout_s": "60"}
+    req = request(None, settings, {}, None, 8, None, ranks=(world, world), trials=2)
+    req.costs = fake_probe(1.0, 1.0)  # no probe: the trials are under test
+    first = provisional(req)
+    # predicted 100 s a step: the trials' budget (10% of 3 such steps) holds both on a loaded machine
+    tied = [{**first.ranked[0], "predicted_step_s": 100.0}, {**first.ranked[1], "predicted_step_s": 101.0},
+            *first.ranked[2:]]
+    auto_job.decide = lambda req, first, cfg: (change(first, ranked=tied), None)
+    timed, calls = auto_trials.time_steps, []
+
+    def slow_on_rank_1(cfg):
+        calls.append(cfg.run.out)
+        step_s = timed(cfg)
+        return 100.0 if rank == 1 and len(calls) == 1 else step_s
+
+    auto_trials.time_steps = slow_on_rank_1
+    auto_trials.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
+    runner_up = tied[1]
+    alone = train(build_config(None, {**settings, **runner_up["settings"], "run.out": f"{out}-alone"}))
+    cfg = build_config(None, settings_of(req, first))
+    final, choice = decided(req, first, cfg, {})
+    result = train(final, choice=choice)
+    auto_trials.time_steps = timed
+    return {"chosen": choice["ranked"][0]["flags"], "runner_up": runner_up["flags"], "losses": result.losses,
+            "alone": alone.losses, "trials": choice["trials"], "calls": calls,
+            # last: a trial failing mid-step leaves the process group unfit for anything after it
+            "failing": failing_trials(rank, world, data, f"{out}-failing")}
+
+
+@pytest.mark.distributed
+def test_trials_settle_a_near_tie_alike_on_every_rank_and_leave_the_run_as_it_would_be(text_dir, tmp_path):
+    """(In the same ranks, to share their start: a trial failing in set-up, then one failing mid-step;
+    `failing_trials`.)"""
+    from ranks import run_ranks
+
+    out = tmp_path / "run"
+    ranks = run_ranks(train_with_trials, 2, str(text_dir), str(out))
+    check_failing_trials([r["failing"] for r in ranks])
+    for r in ranks:
+        assert r["chosen"] == r["runner_up"], r  # rank 1's slow trial counted on rank 0 too
+        assert r["trials"] == ranks[0]["trials"]  # every rank measured the same times
+        assert len(r["calls"]) == 2 and all(c.startswith(str(out / ".layout-trials")) for c in r["calls"])
+        assert r["losses"] == r["alone"] and len(r["losses"]) == 3  # from step 0, as without trials
+    trials = ranks[0]["trials"]
+    assert trials[0]["trial_step_s"] == 100.0 and 0 < trials[1]["trial_step_s"] < 100.0, trials
+    assert not (out / ".layout-trials").exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+        sorted(p.name for p in (tmp_path / "run-alone").iterdir() if not p.name.startswith("."))
+    entry = json.loads((out / "summary.json").read_text())["layout_choice"]
+    assert entry["flags"] == ranks[0]["runner_up"] and entry["picked_by"] == "measured fastest in trials"
+    assert entry["predicted_step_s"] == trials[1]["predicted_step_s"]  # the model's prediction, not the trial's
+    assert [t["flags"] for t in entry["trials"]] == [t["flags"] for t in trials]
+
+
+def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(capsys, tmp_path, monkeypatch):
+    """One process, the trials' steps faked: a layout whose trial runs out of memory is dropped with
+    its line and the next measured one trains; a budget too small for a second trial stops them."""
+    import torch
+
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.planner.auto_trials import settle_by_trials
+
+    req = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "100"})
+    req.trials = 3
+    first = provisional(req)
+    tied = replace(first, ranked=[{**r, "predicted_step_s": 1.0 + i / 100} for i, r in enumerate(first.ranked)])
+    seen = []
+
+    def fake(cfg):
+        seen.append(cfg.run.out)
+        assert (tmp_path / "run" / ".layout-trials").is_dir()
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return {2: 0.5, 3: 0.4}[len(seen)]
+
+    monkeypatch.setattr(auto_trials, "time_steps", fake)
+    cfg = build_config(None, settings_of(req, first))
+    picked = settle_by_trials(req, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert picked.chosen == tied.ranked[2] and picked.picked_by == "measured fastest in trials"
+    assert picked.costs["trials_s"] > 0 and [t["trial_step_s"] for t in picked.trials] == [None, 0.5, 0.4]
+    assert f"{tied.ranked[0]['flags']}: predicted 1 s, dropped: rank 0: OutOfMemoryError: CUDA out of memory. " \
+           f"Tried to allocate 2.00 GiB\n" in out, out
+    assert not (tmp_path / "run" / ".layout-trials").exists()
+    # 10% of 100 steps at 0.01 s a step: 0.1 s, less than one trial; the chosen one's is tried all the same
+    seen.clear()
+    monkeypatch.setattr(auto_trials, "time_steps", lambda cfg: seen.append(cfg) or (time.sleep(0.2) or 0.3))
+    small = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] / 100} for r in tied.ranked])
+    kept = settle_by_trials(req, small, cfg, {})
+    out = capsys.readouterr().out
+    assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
+    assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
+    assert not (tmp_path / "run" / ".layout-trials").exists()
+    # a run too short for two trials tries none, and says so
+    seen.clear()
+    short = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "8"})
+    untried = settle_by_trials(short, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert not seen and untried.ranked == tied.ranked and untried.trials == [] and untried.picked_by == "model's choice"
+    assert out.startswith("layout trials skipped:") and untried.trials_cut in out, out
+
+
+def failing_trials(rank: int, world: int, data: str, out: str) -> dict:
+    """A rank of a --layout auto job whose trials fail: first the chosen layout's set-up runs out of
+    memory on every rank (nothing in flight: dropped, the next one tried), then a trial runs out of
+    memory mid-step on rank 1 alone while rank 0 waits for its messages (the run stops)."""
+    import torch
+
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.engine import Trainer
+    from pipezero.planner.auto_trials import TrialFailed, settle_by_trials
+
+    settings = {"model.preset": "tiny", "model.n_layers": "2", "model.dim": "64", "data.seq_len": "32",
+                "data.path": data, "data.tokenizer": "bytes", "run.max_steps": "100", "run.out": out,
+                "run.progress": False, "run.sample_tokens": "0", "run.save_final": False, "parallel.timeout_s": "3"}
+    req = request(None, settings, {}, None, 8, None, ranks=(world, world), trials=2)
+    req.costs = fake_probe(1.0, 1.0)
+    first = provisional(req)
+    tied = replace(first, ranked=[{**first.ranked[0], "predicted_step_s": 10.0},
+                                  {**first.ranked[1], "predicted_step_s": 10.1}, *first.ranked[2:]])
+    cfg = build_config(None, settings_of(req, first))
+    timed = auto_trials.time_steps
+    calls = []
+
+    def short_of_memory_first(cfg):
+        calls.append(cfg.run.out)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return timed(cfg)
+
+    auto_trials.time_steps = short_of_memory_first
+    dropped = settle_by_trials(req, tied, cfg, {})
+    auto_trials.time_steps = timed
+    step = Trainer.step
+
+    def short_of_memory_on_rank_1(self, s):
+        if rank == 1 and s == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(self, s)
+
+    Trainer.step = short_of_memory_on_rank_1
+    try:
+        settle_by_trials(req, tied, cfg, {})
+        stopped = None
+    except TrialFailed as e:
+        stopped = str(e)
+    return {"dropped": dropped.to_json(), "stopped": stopped, "scratch": (Path(out) / ".layout-trials").exists()}
+
+
+def check_failing_trials(ranks: list[dict]) -> None:
+    """`failing_trials`' results, rank by rank: the set-up failure dropped its layout on every rank
+    alike, the mid-step one stopped every rank with one line naming its cause, not the peer's wait."""
+    for r in ranks:
+        trials = r["dropped"]["trials"]
+        assert trials[0]["trial_step_s"] is None and trials[1]["trial_step_s"] > 0, trials
+        assert trials[0]["failed"] == "rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 8.00 GiB"
+        assert r["dropped"]["picked_by"] == "model's choice"  # one layout measured: nothing to compare
+        assert r["stopped"] is not None and "failed (rank 1: OutOfMemoryError" in r["stopped"], r["stopped"]
+        assert "rerun with --layout-trials 0" in r["stopped"] and "\n" not in r["stopped"]
+        assert not r["scratch"]
+    assert ranks[0]["stopped"] == ranks[1]["stopped"]
+
+
+def test_a_trial_that_leaves_the_group_unfit_ends_train_in_one_line(capsys, tmp_path, monkeypatch):
+    """train's own handling of a mid-step trial failure (raised here in a lone process, where the
+    trials themselves never raise it): exit 1, its one line, and nothing of the run left in --out."""
+    import pipezero.planner.auto_trials as auto_trials
+
+    def unfit(req, choice, cfg, names):
+        raise auto_trials.TrialFailed("--layout auto: the trial of --pp 1 failed (rank 1: OutOfMemoryError) after "
+                                      "ranks had begun exchanging its messages")
+
+    monkeypatch.setattr(auto_trials, "settle_by_trials", unfit)
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(fake_probe(1.0, 1.0).to_json()))
+    argv = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--costs", str(costs),
+            "--out", str(tmp_path / "run")]
+    code, err = run_main(argv, capsys)
+    assert code == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipezero: error: --layout auto: the trial of --pp 1"), err
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -16,7 +16,7 @@ import torch
 
 from pipezero.config import Partition, ScheduleKind as K, TrainConfig
 from pipezero.errors import ConfigError
-from pipezero.parallel.partition import cut
+from pipezero.parallel.partition import cut_bounds
 from pipezero.settings import build_config
 from pipezero.memory.fit import check_fit
 from pipezero.memory.model import predict
@@ -95,7 +95,7 @@ def test_resolve_writes_the_cuts_and_leaves_other_policies_alone():
     with pytest.raises(ValueError, match="memory partition is chosen from the whole run"):
         predict(cfg)  # unresolved: the memory model cannot cut it by per-layer counts alone
     with pytest.raises(ValueError, match="resolve"):
-        cut([1] * 10, lambda: [1.0] * 10, 4, Partition.MEMORY)
+        cut_bounds([1] * 10, lambda: [1.0] * 10, 4, Partition.MEMORY)
 
 
 def test_the_runtime_cuts_as_the_policy_says():
@@ -167,7 +167,7 @@ def test_plan_tries_memory_cuts_only_where_few_layouts_fit():
 def test_one_stage_has_nothing_to_cut_whatever_the_policy():
     """At --pp 1 the memory policy has no cut to choose: the whole model is the one stage, for the
     memory model, the runtime and verify's one-process reference alike."""
-    assert cut([1] * 8, lambda: [1.0] * 8, 1, Partition.MEMORY) == [(0, 8)]
+    assert cut_bounds([1] * 8, lambda: [1.0] * 8, 1, Partition.MEMORY) == [(0, 8)]
     one = tiny(1, K.ONE_F_ONE_B, **{"parallel.partition": "memory"})
     assert [r.peak_bytes for r in predict(one)] == peaks(one, Partition.UNIFORM)
     assert [r.peak_bytes for r in predict(resolve(one))] == peaks(one, Partition.UNIFORM)

@@ -105,8 +105,8 @@ def test_ctrl_c_in_the_text_sample_still_writes_the_summary(tmp_path, monkeypatc
 
 def test_the_runs_lines_print_paths_and_text_as_written(capsys):
     """A run's lines carry what a user wrote (--out, --data) and what the model drew: read as rich
-    markup, --out 'r[/x]' ended a finished run in a MarkupError traceback and 'r[red]x' was shown
-    as 'rx', a folder that does not exist."""
+    markup, --out 'r[/x]' would end a finished run in a MarkupError and 'r[red]x' would show as
+    'rx', a folder that does not exist."""
     from pipezero.telemetry.metrics import StepProgress
 
     for bar in (False, True):
@@ -120,3 +120,19 @@ def test_the_sample_shows_control_characters_escaped():
     from pipezero.summary import printable
 
     assert printable("def f():\n\treturn 1\x1b[2J\x00\x07é") == "def f():\n\treturn 1\\x1b[2J\\x00\\x07é"
+
+
+def test_the_sample_draws_nothing_after_logits_that_are_not_finite():
+    """The text-sample program plays every forward as written (its gathers and releases inside them
+    are the program's); once a token's logits were not finite the sampler draws nothing more, whatever
+    the forwards after compute."""
+    import torch
+
+    from pipezero.generate import Sampler
+
+    s = Sampler([1, 2], max_seq_len=8, seed=0, vocab=4)
+    s.take(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert len(s.ids) == 3 and not s.done
+    s.take(torch.tensor([0.0, float("nan"), 2.0, 3.0]))
+    s.take(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    assert s.done and len(s.ids) == 3

@@ -114,3 +114,44 @@ def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
             return self.w.expand(*ids.shape, 8)
 
     assert sample(Broken(), [1, 2], 5, 16, 0) == [1, 2]
+
+
+def test_a_model_built_for_its_shapes_runs_no_initialiser_and_keeps_every_tensor():
+    """The plan's view of the model (stage.py `model_shapes`) and a pretrained model's frame are built
+    on the meta device, where torch.nn's initialisers fill nothing: their Python is about half of
+    building a tiny model there, once a run on every rank. Skipped, the chunk holds the same
+    tensors (names, shapes, the tied weight once); a tensor given a real device inside is still
+    initialised."""
+    import sys
+
+    from pipezero.models import StageChunk
+    from pipezero.models.meta import shapes_only
+
+    cfg = tiny(tie_embeddings=True)
+
+    def build(context) -> tuple[StageChunk, int]:
+        fans = 0
+
+        def count(frame, event, arg):
+            nonlocal fans
+            if event == "call" and frame.f_code.co_name == "_calculate_correct_fan":  # kaiming's first step
+                fans += 1
+        sys.setprofile(count)
+        try:
+            with context():
+                chunk = StageChunk(cfg, 0, cfg.n_layers + 2, seed=0, init=False)
+        finally:
+            sys.setprofile(None)
+        return chunk, fans
+
+    plain, plain_fans = build(lambda: torch.device("meta"))
+    quick, quick_fans = build(shapes_only)
+    assert plain_fans > 0 and quick_fans == 0
+    assert [(n, q.shape, q.is_meta) for n, q in quick.named_parameters()] == \
+        [(n, q.shape, True) for n, q in plain.named_parameters()]
+    assert len(list(quick.parameters())) == len(list(plain.parameters()))  # tied: one tensor for both names
+    with shapes_only():
+        real = nn.Linear(4, 4, device="cpu")
+    assert real.weight.abs().sum() > 0
+    with shapes_only():
+        assert torch.empty(2).is_meta  # the meta device's context is still on

@@ -23,6 +23,7 @@ def silent_peer(rank: int, world: int, done: str) -> str:
         return "stalled"
     t0 = time.monotonic()
     try:
+        p2p.post_recv(Payload.ACT, 1, 5)  # as a program's RECV posts it, before the action reading it
         p2p.recv(Payload.ACT, 1, 5)
     except PipelineTimeout as e:
         return f"{time.monotonic() - t0:.1f}s|{e}"

@@ -522,3 +522,23 @@ def test_link_rates_between_nodes_on_one_node_are_refused_as_unread(flags, needl
     code, err = run_main(argv, capsys)
     assert_one_line(code, err, needle)
     assert "is one node of --gpus-per-node" in err, err
+
+
+def test_the_planner_prices_the_runs_buckets_in_flight():
+    """--buckets-in-flight is the run's, not a constant of the planner's: with more reductions left
+    in flight a ZeRO-2 backward holds no fewer full gradient buckets (the memory walk of the program)
+    and stalls less behind a slow link (reduced every micro-batch here); `--layout auto` weighs every
+    layout with the run's value."""
+    from dataclasses import replace
+
+    from pipezero.config import GradReduce, ScheduleKind
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import estimate, plan_within
+
+    model = apply_preset(ModelConfig(), "tiny")
+    slow = Cluster(gpus=4, gpu_memory_gib=80, node_size=4, intra_gbps=0.1, tflops=1.0, bucket_mb=0.05)
+    lay = Layout(1, 4, 2, ScheduleKind.ONE_F_ONE_B, 1, 1, 4, False, GradReduce.MICROBATCH)
+    one, eight = (estimate(model, 128, 16, slow, replace(lay, in_flight=k)) for k in (1, 8))
+    assert eight.memory_gib >= one.memory_gib and eight.dp_comm_s < 0.97 * one.dp_comm_s
+    ranked = plan_within(model, slow, 128, 16, in_flight=8).fits
+    assert ranked and {e.layout.in_flight for e in ranked} == {8}

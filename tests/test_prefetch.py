@@ -21,7 +21,7 @@ from pipezero.schedules.registry import build_schedule
 from pipezero.settings import build_config
 from pipezero.planner.layouts import Cluster, Layout
 from pipezero.memory.model import _layerwise_gathered, build_plan, prefetch_choice
-from pipezero.planner.prefetch import LayerCost, choose, exposed, plan_choice
+from pipezero.planner.prefetch import LayerCost, choose_depth, exposed, plan_choice
 
 LAYERS = 6
 
@@ -108,11 +108,11 @@ def test_deeper_prefetch_hides_more_on_a_slow_link_within_memory():
     slow = bench_like(0.063)  # a block's gather a little slower than its forward, reductions queued on the link
     times = [exposed(slow, d) for d in range(1, 6)]
     assert all(b < a for a, b in zip(times, times[1:]))  # each layer deeper hides more (and keeps one more)
-    assert choose(slow).depth == 5 and choose(slow).exposed_s == pytest.approx(times)
-    capped = choose(slow, fits=lambda d: d <= 2)
+    assert choose_depth(slow).depth == 5 and choose_depth(slow).exposed_s == pytest.approx(times)
+    capped = choose_depth(slow, fits=lambda d: d <= 2)
     assert capped.depth == 2 and "memory" in capped.why
     fast = bench_like(0.0005)  # the link keeps up: nothing left to hide
-    assert choose(fast).depth == 1 and "deeper hides no more" in choose(fast).why
+    assert choose_depth(fast).depth == 1 and "deeper hides no more" in choose_depth(fast).why
 
 
 def test_the_planner_prefetches_deeper_on_the_slower_link():

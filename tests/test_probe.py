@@ -261,3 +261,24 @@ def test_probe_json_dash_prints_the_json_and_writes_no_file_named_dash(tmp_path,
     assert main(["probe", "--preset", "tiny", "--json", "-"]) == 0
     out = capsys.readouterr().out
     assert Probe.from_json(json.loads(out)) == measured and not os.path.lexists(tmp_path / "-")
+
+
+def test_a_collective_slower_than_the_budget_is_timed_once_per_least_call_after_its_warm_up(monkeypatch):
+    """Each call of a 4 MB all-reduce over 100 Mbit takes 0.6 s: where no rank's budget allows more
+    than the `least` calls that estimate its time, those calls are the figure, not timed again."""
+    import torch.distributed as dist
+
+    from pipezero import probe
+
+    monkeypatch.setattr(dist, "all_reduce", lambda *args, **kwargs: None)  # one rank: its count is the group's
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02)
+
+    t = probe.timed_together(slow, 0.01, None, torch.device("cpu"))
+    assert len(calls) == 1 + 3 and 0.02 <= t < 1, (len(calls), t)
+    calls.clear()
+    probe.timed_together(lambda: calls.append(1), 0.01, None, torch.device("cpu"))
+    assert len(calls) > 1 + 3 + 3  # a fast call: the budget's count, after the three that estimated it

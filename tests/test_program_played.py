@@ -63,6 +63,10 @@ def cases() -> list[dict]:
             for z in (1, 3)]
     out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": o}
             for o in (True, False)]
+    # a checkpoint between steps waits for the gathers the step left in flight, a reader outside the
+    # programs the record names: the next step's WAITs find them landed
+    out += [{"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1, "parallel.overlap_gather": True,
+             "run.checkpoint_every": 1, "run.max_steps": 3}]
     # the in-flight bound is the program's: two reductions left in flight, split and fused backward
     out += [{"pp": 2, "dp": 2, "kind": kind, "m": 4, "parallel.zero": 2, "parallel.buckets_in_flight": 2,
              "parallel.bucket_mb": 0.02} for kind in (K.ZB_H1, K.ONE_F_ONE_B)]
@@ -121,7 +125,7 @@ def test_the_runtime_starts_the_programs_collectives_in_its_order(text_dir, tmp_
     todo = cases()
     assert {c["kind"] for c in todo} == set(K)
     one_step = {"run.max_steps": 1}
-    results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**c, **one_step} for c in todo],
+    results = run_ranks(train_cases, 4, str(text_dir), str(tmp_path), [{**one_step, **c} for c in todo],
                         timeout=600)  # train_cases raises where a rank started other than its program lists
     assert_played(todo, results[0])
     # and every layout, offloaded or not, trains what one process trains (each schedule x ZeRO stage
@@ -228,3 +232,62 @@ def test_the_record_holds_each_wait_at_the_place_the_program_gives_it():
                                                     "waited for")):
         events = expected(program, plan)
         assert departure([(e.event.value, e.name, e.place) for e in events], events, carried)[0] == problem
+
+
+def test_the_record_holds_the_steps_world_all_reduce_at_optim_step():
+    """One process, the rules alone: OPTIM_STEP's all-reduce of (norm^2, loss) starts after the
+    step's sends and reductions are waited for, in the world group, 16 bytes, at OPTIM_STEP's own
+    place: an optimizer step the caller plays after the program (no instruction under way) departs,
+    naming both places, even where every event comes in the same order."""
+    from pipezero.config import GradReduce
+    from pipezero.schedules.bucket_plan import uniform_plan
+    from pipezero.schedules.lowering import lower
+    from pipezero.schedules.played import departure, expected
+    from pipezero.schedules.program import OptimStep
+    from pipezero.schedules.registry import build_schedule
+
+    s = build_schedule(K.ONE_F_ONE_B, 1, 2, 1)
+    plan = uniform_plan(1, 2, 100, 1)
+    program = lower(s, 1, 3, GradReduce.STEP, plan, keep_gathered=False).ranks[0]
+    at = next(k for k, i in enumerate(program) if isinstance(i, OptimStep))
+    want = expected(program, plan)
+    starts = [e for e in want if e.event.value == "start" and e.name == "OPTIM_STEP"]
+    assert [(e.nbytes, e.group, e.place) for e in starts] == [(16, "world", f"#{at}")]
+    assert want[-1] == starts[0]  # nothing after it at ZeRO-3 one replica: only its place tells it apart
+    record = [(e.event.value, e.name, e.place) for e in want]
+    assert departure(record, want) == ("", frozenset())
+    outside = record[:-1] + [("start", "OPTIM_STEP", "")]
+    assert departure(outside, want)[0] == \
+        f"event {len(record) - 1}: start OPTIM_STEP played at no instruction, where the program places it at #{at}"
+
+
+def test_only_named_readers_wait_outside_the_programs_for_the_gathers_a_program_left():
+    """One process, the rules alone: ZeRO-1's updated weights gathered in flight past the step
+    (--overlap-gather) are waited for by the next program's WAITs; a checkpoint between them may wait
+    first (its waits head the next record, named), and the WAITs then find them landed. A WAIT that
+    finds a carried gather landed with no named reader before it, or a wait outside the programs by
+    anyone else, departs."""
+    from pipezero.config import GradReduce
+    from pipezero.schedules.bucket_plan import uniform_plan
+    from pipezero.schedules.lowering import lower
+    from pipezero.schedules.played import departure, expected
+    from pipezero.schedules.registry import build_schedule
+
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2, 1)
+    plan = uniform_plan(2, 3, 100, 2)
+    program = lower(s, 2, 1, GradReduce.STEP, plan, overlap_gather=True).ranks[0]
+    want = expected(program, plan)
+    _, carried = departure([(e.event.value, e.name, e.place) for e in want], want)
+    assert carried == {"UNSHARD(0.0)", "UNSHARD(0.1)", "UNSHARD(0.2)"}
+    played = [(e.event.value, e.name, e.place, e.event.value == "wait" and e.name in carried) for e in want]
+    read = [("wait", n, "outside: checkpoint") for n in sorted(carried)]
+    assert departure(read + played, want, carried)[0] == ""
+    first = next(k for k, p in enumerate(played) if p[3])
+    assert departure(played, want, carried)[0] == \
+        f"event {first}: wait {played[first][1]} found its gather landed, where the program before left it in " \
+        f"flight: something outside the programs waited for it"
+    stranger = [("wait", "UNSHARD(0.0)", "outside: summary")]
+    assert departure(stranger + played, want, carried)[0].startswith(
+        "before the program: wait UNSHARD(0.0) by summary outside every program")
+    assert departure(read + played, want, frozenset())[0].startswith("before the program: wait UNSHARD(0.0) by "
+                                                                    "checkpoint")

@@ -52,8 +52,8 @@ def trusted_model(path: Path, fields: Any, model_spec: str | None) -> ModelConfi
 
 def manifest_model(path: Path, fields: Any) -> ModelConfig:
     """The manifest's [model], each field checked as a TOML value of it: the manifest is data, and
-    an edited one (an unknown key, a size as a string, a null) was a TypeError traceback while the
-    model was built."""
+    an edited one (an unknown key, a size as a string, a null) would raise a TypeError while the
+    model is built."""
     from pipezero.settings import coerce_setting
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -134,7 +134,7 @@ def unreadable(path: Path) -> bool:
     return False
 
 
-def resolve(source: Path) -> Path:
+def checkpoint_to_export(source: Path) -> Path:
     """The checkpoint to export: `source` itself (checked like one `latest` finds), or a run
     directory's newest good checkpoint of its current run."""
     if (source / "checkpoints").is_dir():
@@ -179,7 +179,7 @@ def export(source: Path, out: Path, model_spec: str | None = None) -> Path:
     the --model-spec the user names, needed for a run of one. `out` must be new or empty
     (export_folder.py). Returns the checkpoint used."""
     check_out(out, source)
-    source = resolve(source)
+    source = checkpoint_to_export(source)
     manifest = read_manifest(source)
 
     def fill(folder: Path) -> None:

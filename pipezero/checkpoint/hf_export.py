@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pipezero.checkpoint.export import manifest_model, read_model, resolve
+from pipezero.checkpoint.export import manifest_model, read_model, checkpoint_to_export
 from pipezero.checkpoint.export_folder import check_out, write_folder
 from pipezero.checkpoint.store import read_manifest
 from pipezero.config import ModelConfig
@@ -52,7 +52,7 @@ def hf_tensors(model: torch.nn.Module, cfg: ModelConfig) -> dict[str, torch.Tens
     return out
 
 
-def shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+def size_groups(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
     """Tensors in model order, cut into groups of at most `limit` bytes (a bigger tensor alone)."""
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -68,7 +68,7 @@ def shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch
 
 def write_weights(tensors: dict[str, torch.Tensor], out: Path, limit: int) -> list[str]:
     """model.safetensors, or model-0000i-of-0000n.safetensors and their index; the file names."""
-    groups = shards(tensors, limit)
+    groups = size_groups(tensors, limit)
     meta = {"format": "pt"}
     if len(groups) == 1:
         atomic_write_with(out / "model.safetensors", lambda tmp: save_file(groups[0], tmp, metadata=meta))
@@ -133,7 +133,7 @@ def export_hf(source: Path, out: Path, shard_size: int) -> tuple[Path, str]:
     tokenizer the folder holds, or why none. `out` must be new or empty, and is written whole
     beside it (export_folder.py)."""
     check_out(out, source)
-    ckpt = resolve(source)
+    ckpt = checkpoint_to_export(source)
     manifest = read_manifest(ckpt)
     run_config = manifest["config"]
     fields = run_config.get("model")

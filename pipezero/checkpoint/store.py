@@ -441,8 +441,8 @@ def problems(path: Path, team: Team) -> str | None:
 
 def metadata_problem(path: Path) -> str | None:
     """Whether checkpoint `path`'s metadata loads (and only metadata), and places every tensor
-    inside a file its manifest lists: a shard cut short whose manifest was edited to match passed
-    the checksums, and the read ended in an EOFError in every rank. Reads `.metadata` and sizes
+    inside a file its manifest lists: a shard cut short whose manifest was edited to match passes
+    the checksums, and its read would end in an EOFError on every rank. Reads `.metadata` and sizes
     only (no tensor data): cheap enough for a preflight."""
     from torch.distributed.checkpoint.api import CheckpointException
 

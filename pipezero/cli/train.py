@@ -37,6 +37,10 @@ def add_auto_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", metavar="FILE", default=None,
                         help="with --layout auto: choose from this probe (pipezero probe --json FILE) instead of "
                              "probing in the job")
+    parser.add_argument("--layout-trials", type=int, default=None, metavar="K",
+                        help="with --layout auto: train up to K layouts predicted within 15%% of the chosen one for "
+                             "3 steps each in the job (at most 10%% of the run's predicted time; a run under 60 steps "
+                             "tries none) and train the fastest measured; 0: the model's choice untried (default 3)")
 
 
 def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dict[str, str],
@@ -44,13 +48,14 @@ def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dic
     """With --layout auto: (the settings of the provisional choice, the request, that choice), the
     request refused in one line here, before any rank starts; else the settings as given."""
     if args.layout != "auto":
-        for flag, value in (("--global-batch", args.global_batch), ("--costs", args.costs)):
+        for flag, value in (("--global-batch", args.global_batch), ("--costs", args.costs),
+                            ("--layout-trials", args.layout_trials)):
             if value is not None:
                 raise ConfigError(f"{flag} is read only with --layout auto: add --layout auto, or drop it")
         return settings, None, None
     from pipezero.planner.auto_job import provisional, request, settings_of
 
-    req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks)
+    req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks, args.layout_trials)
     first = provisional(req)
     return settings_of(req, first), req, first
 
@@ -110,8 +115,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             return launch_local(launch.nproc, with_device(args.argv, device.value), cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
                                 lock_fd=held.fd if isinstance(held, Claim) else None)
-        choice, code = None, None
+        choice, code, unfit = None, None, False
         if auto is not None:  # inside the job: probe, choose on rank 0, every rank trains its choice
+            from pipezero.planner.auto_trials import TrialFailed
             from pipezero.probe import ProbeError
 
             try:
@@ -120,12 +126,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(f"pipezero: error: --layout auto: the probe in the job measured nothing usable: {e}; or give "
                       f"--costs FILE", file=sys.stderr, flush=True)
                 code = 1
+            except TrialFailed as e:  # nothing trained; every rank stops with the line
+                print(f"pipezero: error: {e}", file=sys.stderr, flush=True)
+                code, unfit = 1, True
         unprobed = code is not None
         if code is None:
             code = train_here(cfg, choice)
         if (code == 2 or unprobed) and isinstance(held, Claim):  # the user's spec raised, or nothing was
             held.drop_opening()  # measured to choose from: nothing of the run stays
     if under_torchrun():
+        if unfit:  # the group has unmatched messages in flight: no teardown collective on it
+            os._exit(code)
         exit_rank(code)
     return code
 
@@ -134,11 +145,13 @@ def decided(req: Any, first: Any, cfg: Any, names: dict[str, str]) -> tuple[Any,
     """The configuration of the layout chosen inside the job, and the choice (planner/auto_job.py)."""
     from pipezero.memory.fit import check_fit
     from pipezero.planner.auto_job import announce, decide, settings_of
+    from pipezero.planner.auto_trials import settle_by_trials
     from pipezero.settings import build_config
 
     choice, probe_s = decide(req, first, cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         announce(choice, probe_s)
+    choice = settle_by_trials(req, choice, cfg, names)  # near-ties measured here, the fastest first
     final = build_config(req.config, settings_of(req, choice), names)
     check_fit(final, req.limit_gib, req.cuda)  # as the provisional layout was, before any rank started
     return final, choice.to_json()

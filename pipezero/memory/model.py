@@ -71,10 +71,10 @@ from functools import lru_cache
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from pipezero.config import (DataConfig, Device, DType, GradReduce, ModelConfig, Offload, Packing, ParallelConfig,
-                             RunConfig, ScheduleKind, TrainConfig)
+from pipezero.config import (BUCKETS_IN_FLIGHT, DataConfig, Device, DType, GradReduce, ModelConfig, Offload, Packing,
+                             ParallelConfig, RunConfig, ScheduleKind, TrainConfig)
 from pipezero.models.presets import decoder_shapes, ffn_dim, layer_costs, layer_param_counts
-from pipezero.parallel.partition import cut
+from pipezero.parallel.partition import cut_bounds
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.compile import compile_plan
@@ -294,7 +294,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     says, `auto` counted as CPU); `pp_ranks`: lower only these pipeline ranks (None: all)."""
     p, m = cfg.parallel, cfg.model
     counts = layer_param_counts(m)
-    bounds = cut(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
+    bounds = cut_bounds(counts, lambda: layer_costs(m, cfg.data.seq_len), p.pp * p.virtual_stages, p.partition,
                  p.stage_layers)
     per_chunk = tuple(tuple(counts[a:b]) for a, b in bounds)
     # D alike: one replica
@@ -1042,7 +1042,7 @@ def layout_memory(model: ModelConfig, seq_len: int, lay: "Layout", bf16: bool, c
     which the candidate cannot fit; the walks stop there (a peak above it is a lower bound)."""
     return _layout_memory(_Shape(model), seq_len, lay.pp, lay.dp, lay.zero, lay.schedule, lay.virtual,
                           lay.micro_batch, lay.microbatches, lay.recompute, lay.grad_reduce, bf16, cuda, bucket_mb,
-                          stop_above, lay.offload)
+                          stop_above, lay.offload, lay.in_flight)
 
 
 @dataclass(frozen=True, eq=False)
@@ -1068,10 +1068,12 @@ def _decoder_shapes(shape: _Shape, bounds: tuple[tuple[int, int], ...]) -> Model
 @lru_cache(maxsize=4096)
 def _layout_memory(shape: _Shape, seq_len: int, pp: int, dp: int, zero: int, kind: ScheduleKind, virtual: int,
                    micro_batch: int, microbatches: int, recompute: bool, mode: GradReduce, bf16: bool, cuda: bool,
-                   bucket_mb: float, stop_above: float | None, offload: bool = False) -> RankMemory:
+                   bucket_mb: float, stop_above: float | None, offload: bool = False,
+                   in_flight: int = BUCKETS_IN_FLIGHT) -> RankMemory:
     par = ParallelConfig(pp=pp, dp=dp, zero=zero, schedule=kind, microbatches=microbatches,
                          micro_batch_size=micro_batch, virtual_stages=virtual, recompute=recompute,
-                         grad_reduce=mode, bucket_mb=bucket_mb, offload=Offload.OPTIMIZER if offload else Offload.NONE)
+                         grad_reduce=mode, bucket_mb=bucket_mb, offload=Offload.OPTIMIZER if offload else Offload.NONE,
+                         buckets_in_flight=in_flight)
     cfg = TrainConfig(model=shape.model, parallel=par, data=DataConfig(seq_len=seq_len, packing=Packing.CONCAT),
                       run=RunConfig(dtype=DType.BF16 if bf16 else DType.FP32))
     heaviest, host = None, {}

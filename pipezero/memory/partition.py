@@ -18,7 +18,7 @@ Every chunk keeps at least one layer. A rank's peak is cached by its own chunks'
 other ranks do not change it), so the search walks each distinct (rank, layers) once. Torch-free:
 the runtime (stage.py), the fit check (memory/fit.py), summary.json's prediction and `simulate
 --memory` all cut through `resolve`, so a run is cut as its prediction says. (memory/model.py itself
-refuses an unresolved `memory` policy, through parallel/partition.cut: it cannot import this
+refuses an unresolved `memory` policy, through parallel/partition.cut_bounds: it cannot import this
 module, which walks it.)
 """
 
@@ -33,7 +33,7 @@ from pipezero.config import (DataConfig, DType, ModelConfig, Offload, Packing, P
                              TrainConfig)
 from pipezero.errors import ConfigError
 from pipezero.models.presets import layer_costs, layer_param_counts
-from pipezero.parallel.partition import cut
+from pipezero.parallel.partition import cut_bounds
 from pipezero.schedules.compile import proven_of
 from pipezero.memory.model import RankMemory, build_plan, walk
 
@@ -105,7 +105,7 @@ def search(cfg: TrainConfig, cuda: bool | None = None) -> Balanced:
     peaks = _Peaks(cfg, cuda, [schedule.chunks(r) for r in range(p.pp)])
     starts = {}
     for policy in (Partition.UNIFORM, Partition.PARAMS, Partition.COST):
-        bounds = cut(params, lambda: layer_costs(cfg.model, cfg.data.seq_len), n_chunks, policy)
+        bounds = cut_bounds(params, lambda: layer_costs(cfg.model, cfg.data.seq_len), n_chunks, policy)
         starts.setdefault(tuple(b - a for a, b in bounds), policy.value)
     start_counts = min(starts, key=lambda c: _order(peaks.all(c)))
     best = start_counts

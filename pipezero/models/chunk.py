@@ -15,6 +15,7 @@ from torch import nn
 
 from pipezero.config import ModelConfig
 from pipezero.models.llama_spec import spec_of
+from pipezero.models.meta import shapes_only
 from pipezero.models.spec import ModelSpec
 
 
@@ -83,7 +84,7 @@ def build_chunk(model: ModelConfig | ModelSpec, start: int, stop: int, seed: int
     spec = spec_of(model)
     if not spec.deferred_init:
         return StageChunk(spec, start, stop, seed).to(device)
-    with torch.device("meta"):
+    with shapes_only():
         chunk = StageChunk(spec, start, stop, seed, init=False)
     chunk = chunk.to_empty(device=device)
     chunk.tie()  # to_empty gives the two ends of a tied embedding a tensor each

@@ -57,8 +57,9 @@ def weight_files(folder: Path) -> dict[str, Path]:
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of the whole model and its shape, built on the meta device (no memory)."""
     from pipezero.models.chunk import StageChunk
+    from pipezero.models.meta import shapes_only
 
-    with torch.device("meta"):
+    with shapes_only():
         model = StageChunk(cfg, 0, cfg.n_layers + 2, seed=0, init=False)
     return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 

@@ -11,6 +11,7 @@ from pipezero.models.presets import BLOCK_PARTS, flops_per_token, layer_costs, l
 from pipezero.models.llama import DocMask
 from pipezero.models.llama import build_layer as llama_layer
 from pipezero.models.llama import init_layer as llama_init
+from pipezero.models.meta import shapes_only
 from pipezero.models.spec import ModelSpec
 
 
@@ -48,7 +49,7 @@ class LlamaSpec(ModelSpec):
     def param_names(self) -> list[str]:
         """One block built for all (blocks share their names but the index), so a 70B shape costs
         nothing."""
-        with torch.device("meta"):
+        with shapes_only():
             emb, block, head = self.build_layer(0), self.build_layer(1), self.build_layer(self.n_layers + 1)
         names = [f"layers.0.{n}" for n, _ in emb.named_parameters()]
         for i in range(1, self.n_layers + 1):

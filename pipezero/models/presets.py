@@ -11,7 +11,7 @@ from typing import Any
 
 from pipezero.config import ModelConfig
 from pipezero.errors import ConfigError
-from pipezero.schedules.model_shapes import LayerTensors, ModelShapes, TensorShape, cut
+from pipezero.schedules.model_shapes import LayerTensors, ModelShapes, TensorShape, cut_shapes
 
 # Trainable presets use the 4096-token BPE vocabulary of the built-in corpus; the large shapes use
 # Llama's 32000 (70B: 128256, as Llama 3) and exist for planning and simulation.
@@ -85,7 +85,7 @@ BLOCK_PARTS = (("attn_norm", "attn"), ("mlp_norm", "mlp"))
 
 def layer_tensors(cfg: ModelConfig) -> list[LayerTensors]:
     """Every layer's tensors by name and shape, as models/llama.py builds them (a tied head still
-    lists its projection: schedules/model_shapes.cut lists a weight tied inside one chunk once), so
+    lists its projection: schedules/model_shapes.cut_shapes lists a weight tied inside one chunk once), so
     the plan groups the built-in decoder's buckets tensor by tensor without building it;
     tests/test_model.py holds it against the built model."""
     hd = cfg.head_dim or cfg.dim // cfg.n_heads
@@ -123,7 +123,7 @@ def tied_pair(cfg: ModelConfig) -> tuple[str, str] | None:
 
 def decoder_shapes(cfg: ModelConfig, bounds: list[tuple[int, int]]) -> ModelShapes:
     """The built-in decoder cut into chunks [start, stop), as the plan sees it (every tensor trains)."""
-    return cut(layer_tensors(cfg), bounds, tied_pair(cfg))
+    return cut_shapes(layer_tensors(cfg), bounds, tied_pair(cfg))
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int) -> list[float]:

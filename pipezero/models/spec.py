@@ -101,8 +101,10 @@ class ModelSpec:
     def param_names(self) -> list[str]:
         """Every parameter name of the whole model in model order, both names of a tied weight
         included; built on the meta device, so it allocates nothing."""
+        from pipezero.models.meta import shapes_only
+
         names = []
-        with torch.device("meta"):
+        with shapes_only():
             for i in range(self.n_layers + 2):
                 names += [f"layers.{i}.{n}" for n, _ in self.build_layer(i).named_parameters(remove_duplicate=False)]
         return names

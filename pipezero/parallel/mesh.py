@@ -69,16 +69,17 @@ class Groups:
 
 
 def build_groups(mesh: Mesh) -> Groups:
-    """Create every pp and dp group (a collective call: all ranks must call it with the same mesh)."""
+    """Create every pp and dp group of two or more ranks (a collective call: all ranks must call it
+    with the same mesh); a group of one rank is not made, as nothing would cross it."""
     if mesh.world_size == 1:
         return Groups(None, None, None)
     pp_group = dp_group = None
-    for d in range(mesh.dp):
+    for d in range(mesh.dp if mesh.pp > 1 else 0):
         g = dist.new_group([mesh.global_rank(p, d) for p in range(mesh.pp)])
         if d == mesh.dp_rank:
             pp_group = g
-    for p in range(mesh.pp):
+    for p in range(mesh.pp if mesh.dp > 1 else 0):
         g = dist.new_group([mesh.global_rank(p, d) for d in range(mesh.dp)])
         if p == mesh.pp_rank:
             dp_group = g
-    return Groups(pp_group if mesh.pp > 1 else None, dp_group if mesh.dp > 1 else None, dist.group.WORLD)
+    return Groups(pp_group, dp_group, dist.group.WORLD)

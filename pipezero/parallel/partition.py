@@ -54,13 +54,13 @@ def partition(model: ModelConfig | ModelSpec, n_chunks: int, policy: Partition, 
               explicit: list[int] | None = None) -> list[tuple[int, int]]:
     """[start, stop) layer slices of the `n_chunks` chunks in model order, from the spec's
     per-layer counts."""
-    from pipezero.models.llama_spec import spec_of  # torch: only for a spec; plans call `cut`
+    from pipezero.models.llama_spec import spec_of  # torch: only for a spec; plans call `cut_bounds`
 
     spec = spec_of(model)
-    return cut(spec.layer_param_counts(), lambda: spec.layer_costs(seq_len), n_chunks, policy, explicit)
+    return cut_bounds(spec.layer_param_counts(), lambda: spec.layer_costs(seq_len), n_chunks, policy, explicit)
 
 
-def cut(params: list[int], costs: Callable[[], list[float]], n_chunks: int, policy: Partition,
+def cut_bounds(params: list[int], costs: Callable[[], list[float]], n_chunks: int, policy: Partition,
         explicit: list[int] | None = None) -> list[tuple[int, int]]:
     """`partition` over plain per-layer counts (`params`, and `costs` asked only by the cost
     policy), so torch-free plans (memory/model.py) cut a model as the run will."""

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipezero.config import GradReduce, Placement, TrainConfig
@@ -40,6 +40,7 @@ NOT_CHOSEN = ("parallel.stage_layers", "parallel.partition", "parallel.offload",
 PROBE_BUDGET_S = 0.15
 SEARCH_BUDGET = 100_000  # schedule actions the search simulates (schedules/limits.py PLAN_BUDGET's half)
 RUNNERS_UP = 3
+MODELS_CHOICE = "model's choice"  # why the first of a choice's ranked layouts is trained, without trials' word
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class LayoutChoice:
     skipped: int  # layouts left out by the search's budget
     seconds: float  # the search's time
     costs: dict[str, Any]  # the cluster the choice priced (rates, links, memory limit)
+    # the trial steps that settled near-ties (planner/auto_trials.py): each tried layout's flags, prediction and
+    # trial step; why the first of `ranked` is trained; the budget's line where it cut the trials short
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    picked_by: str = MODELS_CHOICE
+    trials_cut: str | None = None
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -59,11 +65,13 @@ class LayoutChoice:
 
     def to_json(self) -> dict[str, Any]:
         return {"ranked": self.ranked, "fitting": self.fitting, "weighed": self.weighed, "skipped": self.skipped,
-                "seconds": self.seconds, "costs": self.costs}
+                "seconds": self.seconds, "costs": self.costs, "trials": self.trials, "picked_by": self.picked_by,
+                "trials_cut": self.trials_cut}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LayoutChoice:
-        return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"])
+        return cls(d["ranked"], d["fitting"], d["weighed"], d["skipped"], d["seconds"], d["costs"],
+                   d.get("trials", []), d.get("picked_by", MODELS_CHOICE), d.get("trials_cut"))
 
 
 def layout_settings(lay: Layout) -> dict[str, Any]:
@@ -163,7 +171,7 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
 BITS = {"none": 0, "int8": 8, "int4": 4}
 
 
-def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any],
+def choose_layout(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any],
            bits: tuple[int, int] = (0, 0), budget: int = SEARCH_BUDGET) -> LayoutChoice:
     """The fastest layout of `cluster` that fits and keeps `wanted`, and the next RUNNERS_UP;
     ConfigError in one line where none does (what would fit, where something would). `bits`: the
@@ -175,12 +183,13 @@ def choose(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[s
     t0 = time.perf_counter()
     wbits, gbits = bits
     result = plan_within(cfg.model, cluster, cfg.data.seq_len, global_batch, wbits, gbits,
-                         cfg.parallel.quant_block, budget=budget, offload=False)
+                         cfg.parallel.quant_block, budget=budget, offload=False,
+                         in_flight=cfg.parallel.buckets_in_flight)
     fits = [e for e in result.fits if matches(e.layout, wanted) and not e.layout.offload
             and (not cfg.run.compile or compiles(e.layout))]
     took = time.perf_counter() - t0
     if not fits:
-        raise ConfigError(refusal(cfg, cluster, global_batch, wanted, bits, result.considered, budget))
+        raise ConfigError(no_layout_reason(cfg, cluster, global_batch, wanted, bits, result.considered, budget))
     costs = {"ranks": cluster.gpus, "ranks_per_node": cluster.node_size, "limit_gib": cluster.gpu_memory_gib,
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
@@ -214,7 +223,7 @@ def runners_up(fits: list[Any]) -> list[Any]:
     return out
 
 
-def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any], bits: tuple[int, int],
+def no_layout_reason(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[str, Any], bits: tuple[int, int],
             considered: int, budget: int) -> str:
     """Why no layout was chosen, and what would change that: the world size, the global batch,
     the constraints, or the memory (the least a rank would need, from the same search without a limit)."""
@@ -232,7 +241,7 @@ def refusal(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted: dict[
     wbits, gbits = bits
     unlimited = replace(cluster, gpu_memory_gib=1e6)
     every = plan_within(cfg.model, unlimited, cfg.data.seq_len, global_batch, wbits, gbits, cfg.parallel.quant_block,
-                        budget=budget).fits
+                        budget=budget, in_flight=cfg.parallel.buckets_in_flight).fits
     kept = [e for e in every if matches(e.layout, wanted)]
     if not kept:
         return (f"--layout auto: no layout of {ranks} has{asked[4:]} (global batch {global_batch}): drop "
@@ -277,9 +286,9 @@ def global_batch_of(cfg: TrainConfig, given: int | None) -> int:
     return given if given is not None else cfg.global_batch
 
 
-def encode(choice: LayoutChoice) -> bytes:
+def encode_choice(choice: LayoutChoice) -> bytes:
     return json.dumps(choice.to_json(), sort_keys=True).encode()
 
 
-def decode(data: bytes) -> LayoutChoice:
+def decode_choice(data: bytes) -> LayoutChoice:
     return LayoutChoice.from_json(json.loads(data.decode()))

@@ -17,6 +17,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipezero.planner.auto import MODELS_CHOICE
+
 TOLERANCE = 0.15  # the step-time model's accuracy on the emulated cluster (docs/explanation/network.md)
 CHECK_STEPS = 5  # steps after the first the comparison waits for (fewer where the run is shorter)
 
@@ -92,7 +94,10 @@ class LayoutCheck:
                "runners_up": [{k: r[k] for k in ("flags", "predicted_step_s", "predicted_peak_gib", "bubble",
                                                  "exposed_comm_s")} for r in self.choice["ranked"][1:]],
                "search": {k: self.choice[k] for k in ("fitting", "weighed", "skipped", "seconds")},
-               "costs": self.choice["costs"], "warning": warning}
+               "costs": self.choice["costs"], "warning": warning,
+               # the trial steps that settled near-ties (planner/auto_trials.py), and why `flags` was trained
+               "trials": self.choice.get("trials", []), "picked_by": self.choice.get("picked_by", MODELS_CHOICE),
+               "trials_cut": self.choice.get("trials_cut")}
         return out, memory_warning
 
 

@@ -22,14 +22,15 @@ from typing import Any
 from pipezero.config import TrainConfig
 from pipezero.errors import ConfigError
 from pipezero.planner.auto_refusals import check_batch_tokens, check_measured_here, check_quantized_read
-from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose, cluster_for, decode,
-                                  encode, summary_lines)
+from pipezero.planner.auto import (BITS, CHOSEN, NOT_CHOSEN, PROBE_BUDGET_S, LayoutChoice, choose_layout, cluster_for, decode_choice,
+                                  encode_choice, summary_lines)
 
 # the trivial layout the base configuration is built with (its model, data and run settings are what
 # the choice reads; its layout is replaced by the chosen one)
 BASE = {"parallel.pp": "1", "parallel.dp": "1", "parallel.zero": "0", "parallel.schedule": "1f1b",
         "parallel.virtual_stages": "1", "parallel.microbatches": "1", "parallel.micro_batch_size": "1"}
 QUANT = ("parallel.quantize_weights", "parallel.quantize_grads")
+DEFAULT_TRIALS = 3  # --layout-trials: near-tied layouts tried in the job, the chosen one included (auto_trials.py)
 # Settings read only at some ZeRO stage, replica count or pipeline depth (settings.py `unread_setting`),
 # each with the layout settings that decide whether it is read: beside --layout auto they need those
 # as constraints, or the choice (made inside the job, after the probe) could leave them unread.
@@ -58,6 +59,7 @@ class Request:
     limit_gib: float
     cuda: bool
     costs: Any | None  # a Probe read from --costs FILE, or None: probe inside the job
+    trials: int = DEFAULT_TRIALS  # --layout-trials: near-tied layouts tried in the job (planner/auto_trials.py)
 
     def cluster(self, costs: Any | None) -> Any:
         return cluster_for(self.base, self.world, self.local, self.limit_gib, self.cuda, costs)
@@ -76,12 +78,17 @@ def world_of(nproc: int | None) -> tuple[int, int]:
 
 
 def request(config: str | None, settings: dict[str, Any], names: dict[str, str], nproc: int | None,
-            global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None) -> Request:
+            global_batch: int | None, costs_file: str | None, ranks: tuple[int, int] | None = None,
+            trials: int | None = None) -> Request:
     """The choice's inputs from train's flags (ConfigError in one line for a request it cannot take);
-    `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`."""
+    `ranks`: (world, a node's) where the caller knows them (`pipezero cluster`), else `world_of`;
+    `trials`: --layout-trials (None: DEFAULT_TRIALS)."""
     from pipezero.settings import build_config, check_compiles, coerce_setting, load_toml
     from pipezero.memory.fit import rank_limit_gib
 
+    if trials is not None and trials < 0:
+        raise ConfigError(f"--layout-trials {trials}: expected how many near-tied layouts to try in the job, 0 (off) "
+                          f"or more")
     toml = load_toml(config) if config else {}
     refused = [names.get(k, k) for k in NOT_CHOSEN if k in settings] + [k for k in NOT_CHOSEN if k in toml]
     if refused:
@@ -116,13 +123,14 @@ def request(config: str | None, settings: dict[str, Any], names: dict[str, str],
     probe = read_probe(costs_file) if costs_file is not None else None
     if probe is not None:
         check_measured_here(costs_file, probe, base, cuda)  # type: ignore[arg-type]
-    return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda, probe)  # type: ignore[arg-type]
+    return Request(config, base, rest, wanted, bits, global_batch, world, local, limit, cuda,  # type: ignore[arg-type]
+                   probe, DEFAULT_TRIALS if trials is None else trials)
 
 
 def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """The layout the base configuration is built with: BASE, less the constraints that decide a
     layout-read setting given (LAYOUT_READ), which the flags (or the TOML) then supply: checked
-    against BASE's ZeRO-0, `--zero 3 --dp 2 --zero3-unit sublayer` was refused as read by nothing."""
+    against BASE's ZeRO-0, `--zero 3 --dp 2 --zero3-unit sublayer` would be refused as read by nothing."""
     deciders = {d for key, ds in LAYOUT_READ.items() if key in given for d in ds}
     return {**{k: v for k, v in BASE.items() if k not in deciders},
             **{k: settings[k] for k in deciders if k in settings}}
@@ -130,8 +138,8 @@ def base_layout(given: dict[str, Any], settings: dict[str, Any]) -> dict[str, An
 
 def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict[str, str]) -> None:
     """Refuse a setting only some layouts read (LAYOUT_READ) without the constraints that decide it:
-    checked against the provisional layout, it was refused naming a --zero the user never gave, or
-    accepted there and refused on every rank after the probe chose another layout."""
+    checked against the provisional layout alone, it would be refused naming a --zero the user never
+    gave, or accepted there and refused on every rank after the probe chose another layout."""
     for key, deciders in LAYOUT_READ.items():
         if key not in given:
             continue
@@ -146,7 +154,7 @@ def check_layout_read(given: dict[str, Any], wanted: dict[str, Any], names: dict
 def provisional(req: Request) -> LayoutChoice:
     """The choice from the presets (or --costs): checked before any rank starts, and the layout the
     checks before training run on."""
-    return choose(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
+    return choose_layout(req.base, req.cluster(req.costs), req.global_batch, req.wanted, req.bits)
 
 
 def settings_of(req: Request, choice: LayoutChoice) -> dict[str, Any]:
@@ -183,15 +191,15 @@ def decide(req: Request, first: LayoutChoice, cfg: TrainConfig) -> tuple[LayoutC
             found.links = links
             if cores is not None and together is not None:
                 found.cores = effective_cores(req.world, sum(found.block_s.values()), together, cores)
-            choice = choose(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
+            choice = choose_layout(req.base, req.cluster(found), req.global_batch, req.wanted, req.bits)
             choice.costs["probe_s"] = time.perf_counter() - t0 - choice.seconds  # the links' and rank 0's figures
-            data = encode(choice)
+            data = encode_choice(choice)
     took = time.perf_counter() - t0
     if req.world > 1:
         data = broadcast_bytes(data, rank, cfg.parallel.timeout_s)
     if "probe_error" in (sent := json.loads(data.decode())):
         raise ProbeError(sent["probe_error"])
-    return decode(data), took
+    return decode_choice(data), took
 
 
 def link_groups(world: int, local: int) -> list[tuple[str, Any]]:
@@ -214,20 +222,22 @@ def link_groups(world: int, local: int) -> list[tuple[str, Any]]:
     return out
 
 
-def broadcast_bytes(data: bytes, rank: int, timeout_s: float) -> bytes:
-    """Rank 0's `data` on every rank (a length, then the bytes; CPU tensors, which gloo carries on
-    every backend), each wait bounded by `timeout_s`."""
+def broadcast_bytes(data: bytes, rank: int, timeout_s: float, src: int = 0,
+                    what: str = "--layout auto choice (its probe and search)", group: Any = None) -> bytes:
+    """Rank `src`'s `data` on every rank of `group` (default: all; a length, then the bytes; CPU
+    tensors, which gloo carries on every backend), each wait bounded by `timeout_s` and named by `what`."""
     import torch
     import torch.distributed as dist
 
     from pipezero.parallel.waits import wait_or_raise
 
     size = torch.tensor([len(data)], dtype=torch.int64)
-    wait_or_raise(dist.broadcast(size, 0, async_op=True), timeout_s,
-                  f"rank {rank}: waiting for rank 0's --layout auto choice (its probe and search)")
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size.item()),
-                                                                                             dtype=torch.uint8)
-    wait_or_raise(dist.broadcast(buf, 0, async_op=True), timeout_s, f"rank {rank}: receiving the --layout auto choice")
+    wait_or_raise(dist.broadcast(size, src, group=group, async_op=True), timeout_s,
+                  f"rank {rank}: waiting for rank {src}'s {what}")
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src else torch.empty(int(size.item()),
+                                                                                               dtype=torch.uint8)
+    wait_or_raise(dist.broadcast(buf, src, group=group, async_op=True), timeout_s,
+                  f"rank {rank}: receiving rank {src}'s {what}")
     return bytes(buf.numpy().tobytes())
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipezero.config import GradReduce, Partition, Placement, ScheduleKind
+from pipezero.config import BUCKETS_IN_FLIGHT, GradReduce, Partition, Placement, ScheduleKind
 from pipezero.memory.offload import CPU_ADAMW_PARAMS_S, PCIE_GBPS
 
 
@@ -69,3 +69,4 @@ class Layout:
     prefetch: int = 1
     sublayer: bool = False  # --zero3-unit sublayer: the prefetch depth counts a block's attention and MLP apart
     offload: bool = False  # --offload optimizer: masters and AdamW in host memory, the step on the CPU
+    in_flight: int = BUCKETS_IN_FLIGHT  # --buckets-in-flight: ZeRO 1-3's reductions the backward runs beside

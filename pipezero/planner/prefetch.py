@@ -12,7 +12,7 @@ moment by moment, with the program's own steps (schedules/layer_plan.py) at each
 waits where the program places them (a gather started and waited for at once, or a prefetch's
 WAIT at the moment its layer computes; the forward keeping the backward's first depth - 1 layers
 gathered, as the program does), and
-`choose` takes the smallest depth past which the exposed time stops improving (no deeper one
+`choose_depth` takes the smallest depth past which the exposed time stops improving (no deeper one
 hides more than `TOLERANCE` of it, or `FLOOR_S`), within a memory limit. Keeping layers across
 actions saves their gathers outright, so on a slow link the deepest that fits often wins.
 
@@ -100,7 +100,7 @@ def exposed(layers: Sequence[LayerCost], depth: int, backward_factor: float = 2.
     return max(0.0, t - compute)
 
 
-def choose(layers: Sequence[LayerCost], fits: Callable[[int], bool] = lambda d: True,
+def choose_depth(layers: Sequence[LayerCost], fits: Callable[[int], bool] = lambda d: True,
            backward_factor: float = 2.0, in_flight: int = 1) -> Choice:
     """The smallest depth past which no deeper one hides more than `TOLERANCE` of the exposed time
     at depth 1, among those memory allows (`fits(depth)`: tried from shallow to deep, up to the
@@ -165,7 +165,7 @@ def run_choice(cfg: TrainConfig, fits: Callable[[int], bool] = lambda d: True) -
     layers = layer_seconds(m, p.micro_batch_size, cfg.data.seq_len, tflops,
                          lambda n, kind: n * (width if kind == "all_gather" else grads) * share,
                          p.zero3_unit is Zero3Unit.SUBLAYER)
-    return choose(layers, fits, 3.0 if p.recompute else 2.0, p.buckets_in_flight)
+    return choose_depth(layers, fits, 3.0 if p.recompute else 2.0, p.buckets_in_flight)
 
 
 def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout, spare_bytes: float) -> Choice | None:
@@ -188,7 +188,7 @@ def plan_choice(model: ModelConfig, seq_len: int, cluster: Cluster, lay: Layout,
                              lambda n, kind: collective_s(cluster, lay, n * (width if kind == "all_gather" else grads))[kind],
                              split)
         largest = sorted(unit_param_counts(model, split), reverse=True)
-        c = choose(layers, lambda d: 4 * sum(largest[:d - 1]) <= spare_bytes, 3.0 if lay.recompute else 2.0)
+        c = choose_depth(layers, lambda d: 4 * sum(largest[:d - 1]) <= spare_bytes, 3.0 if lay.recompute else 2.0)
         choices.append(replace(c, unit=unit))
     whole, parts = choices
     if min(parts.exposed_s) <= min(whole.exposed_s) * (1 - UNIT_GAIN) - FLOOR_S:

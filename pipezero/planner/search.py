@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from pipezero.config import GradReduce, ModelConfig, Partition, Placement, ScheduleKind
+from pipezero.config import BUCKETS_IN_FLIGHT, GradReduce, ModelConfig, Partition, Placement, ScheduleKind
 from pipezero.models.presets import block_params, layer_costs, layer_param_counts, unit_param_counts
 from pipezero.schedules.check import CostModel, simulate
 from pipezero.schedules.compile import proven_of
@@ -97,12 +97,12 @@ def _sim(kind: ScheduleKind, pp: int, m: int, v: int, recompute: bool, per_actio
 
 def rank_flops(model: ModelConfig, seq_len: int, lay: Layout, counts: list[int] | None = None) -> list[float]:
     """Each pipeline rank's forward FLOPs a token, its chunks of [embedding, blocks..., head] cut as
-    the run cuts them (parallel/partition.py `cut`, by `lay.partition`, or `counts` layers a chunk)
+    the run cuts them (parallel/partition.py `cut_bounds`, by `lay.partition`, or `counts` layers a chunk)
     and placed on ranks as its schedule places them."""
-    from pipezero.parallel.partition import cut
+    from pipezero.parallel.partition import cut_bounds
 
     costs = [c / 3 for c in layer_costs(model, seq_len)]  # forward: a third of forward and backward
-    bounds = cut(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
+    bounds = cut_bounds(layer_param_counts(model), lambda: costs, lay.pp * lay.virtual, lay.partition, counts)
     placed = chunk_ranks(lay.schedule, lay.pp, lay.microbatches, lay.virtual)
     out = [0.0] * lay.pp
     for chunk, (start, stop) in enumerate(bounds):
@@ -333,15 +333,16 @@ def affordable(layouts: list[Layout], budget: int, fixed_cost: bool, shared_core
 
 
 def with_options(lay: Layout, cluster: Cluster, weight_bits: int, grad_bits: int, block: int,
-                 secondary: bool) -> Layout:
+                 secondary: bool, in_flight: int = BUCKETS_IN_FLIGHT) -> Layout:
     """`lay` with the run's --quantize-weights / --quantize-grads / --secondary-shard where it has
     what they change (train refuses them where it has none: D = 1, weights at ZeRO-0, a secondary
-    shard but for ZeRO-3 layer by layer over 2 or more nodes of 2 or more ranks)."""
+    shard but for ZeRO-3 layer by layer over 2 or more nodes of 2 or more ranks), and the run's
+    --buckets-in-flight."""
     rules = RULES[lay.zero]
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
     hpz = secondary and rules.sharded_params and lay.pp == 1 and split is not None and min(split) > 1
     return replace(lay, weight_bits=weight_bits if lay.dp > 1 and rules.gathers_weights else 0,
-                   grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz)
+                   grad_bits=grad_bits if lay.dp > 1 else 0, quant_block=block, secondary=hpz, in_flight=in_flight)
 
 
 # `plan --compress auto` proposes int8 traffic only where it saves at least this share of a step: the
@@ -373,13 +374,15 @@ def proposed(estimates: list[Estimate]) -> list[Estimate]:
 
 def plan_within(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, weight_bits: int = 0,
                 grad_bits: int = 0, quant_block: int = 256, secondary: bool = False,
-                budget: int | None = None, propose: bool = False, offload: bool = False) -> Ranking:
+                budget: int | None = None, propose: bool = False, offload: bool = False,
+                in_flight: int = BUCKETS_IN_FLIGHT) -> Ranking:
     """Layouts that fit, fastest first, estimating only what `budget` (limits.PLAN_BUDGET) allows;
     every layout with the given quantization of its traffic (bits 0: none) and secondary shard
     where it has them. `propose`: each layout also with int8 traffic and hpZ where they apply
     (`compressed`), kept where that twin is `COMPRESS_GAIN` faster (`proposed`). `offload`: where
-    few fit, the layouts that do not also with the optimizer offloaded (`offloaded`)."""
-    layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary)
+    few fit, the layouts that do not also with the optimizer offloaded (`offloaded`). `in_flight`: the
+    run's --buckets-in-flight, every layout's."""
+    layouts = [with_options(lay, cluster, weight_bits, grad_bits, quant_block, secondary, in_flight)
                for lay in candidate_layouts(model, cluster, global_batch)]
     # a fixed cost an action, or a pipeline's hops, make more simulations of each schedule (estimate)
     chosen, spent = affordable(layouts, limits.PLAN_BUDGET if budget is None else budget, cluster.overhead_s > 0,

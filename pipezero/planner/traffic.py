@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from pipezero.config import GradReduce, Placement
+from pipezero.config import Placement
 from pipezero.parallel.hierarchical import split_by_node
 from pipezero.parallel.mesh import Mesh
 from pipezero.schedules.zero_rules import RULES
@@ -128,7 +128,7 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
         last = reduce_during(took["all_reduce"], backward, k)
         exposed = last.exposed_s + (gather_before(took["all_gather"], forward, k) if rules.gathers_updates else 0.0)
     else:
-        bound = 1  # train's default --buckets-in-flight
+        bound = lay.in_flight
         early = (m - 1) * reduce_during(took["reduce_scatter"], backward, k, bound).stall_s if every else 0.0
         if not rules.sharded_params:
             counts = {"reduce_scatter": reductions, "all_gather": 1}

@@ -1,5 +1,6 @@
-"""Play one rank's lowered programs (schedules/program.py, schedules/forward_only.py): the runtime adds
-no policy of its own.
+"""Play one rank's lowered programs (schedules/program.py, schedules/forward_only.py): within a program
+the runtime adds no policy of its own (between programs a run has bookkeeping collectives the record
+does not hold: docs/ARCHITECTURE.md lists them).
 
 A step's program lists, in order, the rank's compute (F, B, W, BW), the sends and receives it posts
 (in the global posting order) and its ZeRO collectives (UNSHARD, WAIT, RESHARD, REDUCE_GRAD, TIED_SUM,
@@ -23,8 +24,10 @@ layer's at the moment that layer computes, ZeRO-1/2's updated weights in the nex
 forward of each chunk); a layer reading a bucket before its WAIT, or a program ending with a gather
 in flight, is an error. The executor tells the data-parallel layer which instruction it plays
 (`enter`), so what every rank plays, transfers included, is recorded with each wait at its place
-(zero/coordinator.py `played`) and held against the programs by the tests (schedules/played.py,
-tests/test_program_played.py), wait by wait and place by place.
+(zero/coordinator.py `played`), OPTIM_STEP's all-reduce at its own place, and held against the
+programs by the tests (schedules/played.py, tests/test_program_played.py), wait by wait and place by
+place; gathers the program left in flight may be waited for between programs only by the readers
+schedules/played.py `OUTSIDE_READERS` names, whose waits the next record holds.
 
 F runs a chunk on tokens (first chunk) or a received activation and sends the result on (or, on the
 last chunk, turns logits into this micro-batch's share of the global loss). BW back-propagates and
@@ -399,9 +402,10 @@ class Executor:
         """Play this rank's text-sample program (schedules/forward_only.py): each F of the first chunk
         reads the window of the tokens so far (`sampler.window`), the chunks hand their outputs over
         in memory (one pipeline rank), and each F of the last chunk draws the next token
-        (`sampler.take`). Once a token's logits are not finite the remaining F are not played (every
-        replica alike: same weights, same window); the gathers and releases between them are. The
-        forward runs without autocast, in the weights' own dtype."""
+        (`sampler.take`). Every instruction is played as written, also once a token's logits were
+        not finite (the sampler then draws nothing more: the forwards left compute on the window as it
+        stands, and the gathers and releases inside them are the program's). The forward runs without
+        autocast, in the weights' own dtype."""
         out: torch.Tensor | None = None
         for chunk in self.chunks.values():
             chunk.eval()
@@ -411,8 +415,6 @@ class Executor:
                 if isinstance(ins, DataParallel):
                     self.hooks.play(ins)
                 elif isinstance(ins, Compute) and ins.action.op is Op.F:
-                    if sampler.done:
-                        continue
                     a = ins.action
                     out = self._forward_only(ins, sampler.window().to(self.device) if a.chunk == 0 else out)
                     if a.chunk == self.last:

@@ -83,7 +83,10 @@ class P2P:
     def post_recv(self, kind: Payload, chunk: int, mb: int) -> None:
         key = (int(kind), chunk, mb)
         src = self._source(kind, chunk)
-        if key in self._recvs or key in self._local or src == self.rank:
+        if key in self._recvs:
+            raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: RECV of {Payload(key[0]).name.lower()} "
+                               f"{chunk}:{mb} from rank {src} posted twice: its program posts a receive once")
+        if key in self._local or src == self.rank:
             return
         shape = (self.shape[0], self.lengths[mb], *self.shape[2:]) if self.lengths else self.shape
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -94,7 +97,9 @@ class P2P:
         key = (int(kind), chunk, mb)
         if key in self._local:
             return self._local.pop(key)
-        self.post_recv(kind, chunk, mb)
+        if key not in self._recvs:  # the program posts every receive before the action reading it
+            raise RuntimeError(f"{self.describe(kind, chunk, mb)}: a receive its program never posted (no RECV before "
+                               f"the action that reads it)")
         work, buf = self._recvs.pop(key)
         self._wait(work, self.describe(kind, chunk, mb),
                    {"op": "RECV", "peer": self._source(kind, chunk), "transfer": [chunk, kind is Payload.GRAD, mb]})

@@ -57,7 +57,7 @@ VERIFY_STEPS = Range(1, 1000)
 # stage micro-batch on a busy core (P x M x V = 10^5: 12 s; --microbatches 10^9 never started)
 TRAIN_PLAY_LIMIT = 65536
 # and holds a step's global batch (M x B x D sequences of T + 1 token ids) in memory on every rank:
-# --micro-batch-size 10^9 was a 119 GiB allocation's traceback
+# --micro-batch-size 10^9 would ask 119 GiB of one allocation
 BATCH_TOKENS = 1 << 28
 
 # The fit check's share of a rank's limit its predicted peak may not pass (memory/fit.py): the memory

@@ -65,7 +65,7 @@ from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.layer_plan import (Moment, Step, Trigger, first_needed, left_gathered, moments, steps,
                                           traverses)
-from pipezero.schedules.posting import Post, plans
+from pipezero.schedules.posting import Post, plans_of
 from pipezero.schedules.program import (ActivationCopy, Collective, Compute, DataParallel, Group, Instr, Kind, OptimStep,
                                        PointToPoint, Program)
 from pipezero.schedules.zero_rules import RULES, Rules
@@ -111,7 +111,7 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
         raise ValueError(f"bucket plan for dp={buckets.dp} and {len(buckets.numels)} chunks; "
                          f"the layout has dp={dp} and {s.n_chunks}")
     layerwise = RULES[zero].sharded_params and not keep_gathered
-    posts = plans(s) if posts is None else posts
+    posts = plans_of(s) if posts is None else posts
     if in_flight < 1:
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
     wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)

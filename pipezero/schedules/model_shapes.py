@@ -141,7 +141,7 @@ class ModelShapes:
         return cls(tuple(chunks), pair)
 
 
-def cut(layers: Sequence[LayerTensors], bounds: Sequence[tuple[int, int]], tied: tuple[str, str] | None = None,
+def cut_shapes(layers: Sequence[LayerTensors], bounds: Sequence[tuple[int, int]], tied: tuple[str, str] | None = None,
         frozen: frozenset[str] = frozenset(), splits: Sequence[bool] | None = None) -> ModelShapes:
     """The whole model's layers (`layers[i]`: layer i, its tied second name still listed) cut into
     chunks [start, stop): a weight tied across two layers of one chunk is listed once and borrowed,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.actions import Op
 from pipezero.schedules.posting import Transfer
-from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, LossSum, OptimStep,
+from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Group, Kind, LossSum, OptimStep,
                                         PointToPoint)
 
 
@@ -61,8 +61,20 @@ class Played:
     wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations; p2p)
     step: int = -1  # played: the step it belongs to
     # a wait for a reduction or a gather: the instruction that waits, `#i` (its index in the rank's
-    # program) or `#i@moment` (inside compute instruction i, at that moment); "" for every other event
+    # program) or `#i@moment` (inside compute instruction i, at that moment), or `outside: READER` for a
+    # gather of updated weights a reader outside every program waited for (OUTSIDE_READERS); "" for
+    # every other event
     place: str = ""
+    # played, a wait for a gather: it found nothing in flight (the first step's WAITs, those after a
+    # skipped step, or after a reader outside the programs waited first)
+    idle: bool = False
+
+
+# Who may wait for ZeRO-1/2's gathers of updated weights outside every program, and why: each reads the
+# full weights between two programs, or drops them (a --layout auto trial's stage: planner/auto_trials.py)
+# (zero/sharded.py `settle`). Any other wait there is the runtime
+# deciding what the program does not say.
+OUTSIDE_READERS = ("checkpoint", "memory profile", "end of run", "snapshot", "end of trial")
 
 
 def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> list[Played]:
@@ -98,6 +110,7 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             sending.clear()
         if isinstance(i, OptimStep):
             wait(0, place)
+            out.append(Played(PlayEvent.START, str(i), i.nbytes, Group.WORLD.value, place=place))
             stepped = True
             continue
         if isinstance(i, ActivationCopy):
@@ -158,15 +171,27 @@ def placed(instrs: Sequence[object]) -> list[tuple[object, str]]:
     return out
 
 
-def departure(record: Sequence[tuple[str, ...]], want: Sequence[Played],
+def departure(record: Sequence[tuple], want: Sequence[Played],
               carried: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
-    """Where `record` ((event, name) or (event, name, place) tuples, as played) departs from `want`
-    (`expected`), "" where it does not; and the gathers it leaves in flight (ZeRO-1/2's updated
-    weights under --overlap-gather), to pass as `carried` to the next record, which must wait for
-    each. Every event in order; a wait of a reduction or a gather at its place too (where the
-    record gives one): a wait the runtime adds, even between the same events, is a departure."""
+    """Where `record` ((event, name), (event, name, place) or (event, name, place, idle) tuples, as
+    played) departs from `want` (`expected`), "" where it does not; and the gathers it leaves in
+    flight (ZeRO-1/2's updated weights under --overlap-gather), to pass as `carried` to the next
+    record, which must wait for each. Every event in order; a wait of a reduction or a gather at its
+    place too (where the record gives one): a wait the runtime adds, even between the same events, is
+    a departure. The record may begin with waits for carried gathers by a reader outside the programs
+    (OUTSIDE_READERS: a checkpoint, say); a carried gather the program's WAIT found landed without
+    one (idle) was waited for by something the program does not say."""
     flying: set[str] = set()
     waited: set[str] = set()
+    outside: set[str] = set()
+    while record and len(record[0]) > 2 and str(record[0][2]).startswith("outside"):
+        event, name, place = record[0][:3]
+        reader = place.partition(":")[2].strip()
+        if event != "wait" or reader not in OUTSIDE_READERS or name not in carried:
+            return (f"before the program: {event} {name} by {reader or 'no named reader'} outside every program "
+                    f"(only {', '.join(OUTSIDE_READERS)} wait there, for gathers a program left in flight)"), frozenset()
+        outside.add(name)
+        record = record[1:]
     for n, played in enumerate(record):
         event, name = played[0], played[1]
         if n >= len(want):
@@ -180,9 +205,12 @@ def departure(record: Sequence[tuple[str, ...]], want: Sequence[Played],
         if name.startswith("UNSHARD"):
             (flying.add if event == "start" else flying.discard)(name)
             if event == "wait":
+                if len(played) > 3 and played[3] and name in carried and name not in outside and name not in waited:
+                    return (f"event {n}: wait {name} found its gather landed, where the program before left it "
+                            f"in flight: something outside the programs waited for it"), frozenset()
                 waited.add(name)
     if len(record) < len(want):
         return f"the program's {want[len(record)].event.value} {want[len(record)].name} was never played", frozenset()
-    if missed := sorted(carried - waited):
+    if missed := sorted(carried - waited - outside):
         return f"{missed[0]}, left in flight by the program before, was never waited for", frozenset()
     return "", frozenset(flying)

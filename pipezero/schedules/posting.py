@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.check import ScheduleError, SimResult, simulate
@@ -80,6 +81,14 @@ def plans(s: Schedule, sim: SimResult | None = None) -> list[list[list[Post]]]:
     for e in timeline:
         starts[e.rank].append(e.start)
     return [_plan(s, r, produced, starts[r]) for r in range(s.pp)]
+
+
+@lru_cache(maxsize=256)
+def plans_of(s: Schedule) -> list[list[list[Post]]]:
+    """`plans(s)`, made once a process for each schedule (equal schedules share it; callers only
+    read it): the lowering of every ZeRO stage, D and reduction mode of one schedule, and the checker
+    of each of those programs, post by the same plan."""
+    return plans(s)
 
 
 def _plan(s: Schedule, rank: int, produced: Mapping[Transfer, float], starts: Sequence[float]) -> list[list[Post]]:

@@ -119,7 +119,10 @@ class DataParallel:
     bucket: int | None  # None: every bucket of the chunk
     collective: Collective
     nbytes: int  # the full bucket(s) as they travel (ring traffic is a multiple of this)
-    blocking: bool = False  # the rank waits for this and every earlier collective before going on
+    # the rank waits before going on: a REDUCE_GRAD for every reduction in flight (its own included),
+    # a post-step UNSHARD for every gather of updated weights in flight, any other UNSHARD for its own
+    # gather (zero/sharded.py plays each so; schedules/played.py records it so)
+    blocking: bool = False
     at: Trigger | None = None  # inside a Compute's `during`: the moment of the action that fires it
     # REDUCE_GRAD that does not block: once started, the rank waits for the oldest reductions in flight
     # until at most `bound` are left (ZeRO-1-3's bound on full gradient buckets alive; None: no wait)

@@ -31,11 +31,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from pipezero.schedules.check import ScheduleError, simulate
+from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import LayerUse
 from pipezero.schedules.layer_plan import Moment, moments, needs, traverses
-from pipezero.schedules.posting import Post, plans, verify
+from pipezero.schedules.posting import Post, plans_of, verify
 from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, OptimStep, PointToPoint, Program,
                                         defers_update_waits, flat, hoisted)
 from pipezero.schedules.program_sim import simulate_program
@@ -44,8 +44,7 @@ from pipezero.schedules.program_sim import simulate_program
 def check_program(prog: Program) -> None:
     """Raise ScheduleError naming the first violated claim (see the module docstring)."""
     s = prog.schedule
-    sim = simulate(s)
-    expected = plans(s, sim)
+    expected = plans_of(s)
     for d in range(prog.dp):
         boundaries = [_boundaries(prog, prog.global_rank(p, d)) for p in range(s.pp)]
         for p in range(s.pp):

@@ -34,10 +34,10 @@ def draw_timeline(bars: Iterable[tuple[int, str, int, float, float]], n_ranks: i
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", ncol=4, fontsize=8)
     fig.tight_layout()
-    save(fig, path)
+    save_figure(fig, path)
 
 
-def save(fig: plt.Figure, path: str | Path) -> None:
+def save_figure(fig: plt.Figure, path: str | Path) -> None:
     """Write `fig` to `path` whole or not at all (a temporary file renamed over it, files.atomic_write_with):
     a failed or interrupted drawing leaves whatever was at `path`. The format follows the suffix."""
     try:
@@ -78,4 +78,4 @@ def draw_program_timeline(compute: Iterable[tuple[int, str, int, float, float]],
                 for k, c in COMM_COLOURS.items()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=7, fontsize=8)
     fig.tight_layout()
-    save(fig, path)
+    save_figure(fig, path)

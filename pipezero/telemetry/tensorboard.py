@@ -33,7 +33,7 @@ def require_tensorboard() -> None:
 
 def probe_writable(folder: Path) -> None:
     """Raise the OSError (naming `folder`) of a folder that refuses files: torch's writer opens its
-    event file in a thread of its own, whose failure printed a traceback beside our one line."""
+    event file in a thread of its own, whose failure would print a traceback beside our one line."""
     import os
     import tempfile
 

@@ -66,19 +66,26 @@ class Coordinator:
             self.transport = Direct(torch.device("cuda" if self.on_gpu else "cpu"))
 
     def new_step(self) -> None:
-        self.played.clear()
+        """A step's record begins: with the waits readers outside the programs made since the last
+        program (a checkpoint's, say), which the record holds to the gathers that program left."""
+        self.played[:] = self.played[outside_since(self.played):]
 
     @property
     def issued(self) -> list[str]:
         """The collectives started since the step began, by name, in order."""
         return [p.name for p in self.played if p.event is PlayEvent.START]
 
-    def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp") -> None:
-        self.played.append(Played(PlayEvent.START, name, nbytes, group, wire, self.tracer.step))
+    def note_start(self, name: str, nbytes: int, wire: str, group: str = "dp", placed: bool = False) -> None:
+        """A collective started; `placed`: with the instruction under way (`place`), for a start
+        only one instruction may make (OPTIM_STEP's all-reduce: the step's own, never the engine's)."""
+        self.played.append(Played(PlayEvent.START, name, nbytes, group, wire, self.tracer.step,
+                                  self.place if placed else ""))
 
-    def note_wait(self, b: Bucket) -> None:
-        """A wait for bucket `b`'s gather, at the instruction under way (`place`)."""
-        self.played.append(Played(PlayEvent.WAIT, f"UNSHARD({b.label})", step=self.tracer.step, place=self.place))
+    def note_wait(self, b: Bucket, idle: bool = False) -> None:
+        """A wait for bucket `b`'s gather, at the instruction under way (`place`); `idle`: it found
+        nothing in flight."""
+        self.played.append(Played(PlayEvent.WAIT, f"UNSHARD({b.label})", step=self.tracer.step, place=self.place,
+                                  idle=idle))
 
     def note_release(self, b: Bucket) -> None:
         self.played.append(Played(PlayEvent.RELEASE, f"RESHARD({b.label})", step=self.tracer.step))
@@ -239,8 +246,9 @@ class Coordinator:
 
     def finish_gather(self, b: Bucket) -> None:
         g, b.gathering = b.gathering, None
-        if g is None:
-            return
+        if g is None:  # every caller waits only for a gather it started (sharded.py `_wait` names the instruction)
+            raise RuntimeError(f"rank {self.rank}, step {self.tracer.step}: a wait for bucket {b.label}'s gather, none "
+                               f"of which is in flight")
         self.note_wait(b)
         if g.work is not None:
             self.wait(g.work, f"UNSHARD({b.label}): all-gather of parameters")
@@ -278,13 +286,28 @@ class Coordinator:
             self.updating.remove(b)
             self.finish_gather(b)
         else:
-            self.note_wait(b)
+            self.note_wait(b, idle=True)
 
-    def settle(self) -> None:
+    def settle(self, reader: str = "") -> None:
         """Wait for every gather of updated parameters in flight (stages 1-2): a program's blocking
-        UNSHARD, and what reads full parameters outside any program (a checkpoint, the end of the run)."""
-        while self.updating:
-            self.finish_gather(self.updating.pop(0))
+        UNSHARD, or `reader` outside every program (played.py OUTSIDE_READERS: a checkpoint, the end
+        of the run), its waits recorded as that reader's."""
+        place = self.place
+        if reader:
+            self.place = f"outside: {reader}"
+        try:
+            while self.updating:
+                self.finish_gather(self.updating.pop(0))
+        finally:
+            self.place = place
+
+
+def outside_since(played: list[Played]) -> int:
+    """Where the waits of readers outside every program begin at the end of `played` (its length: none)."""
+    k = len(played)
+    while k and played[k - 1].place.startswith("outside"):
+        k -= 1
+    return k
 
 
 def _name(dtype: torch.dtype) -> str:

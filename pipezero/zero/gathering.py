@@ -29,7 +29,6 @@ class ShardedParams:
     layerwise: bool
     peak: int = 0  # most parameter bytes gathered at once (see gathered_bytes)
     gathered: set[int] = field(default_factory=set)  # kept gathered: chunks whose parameters are present
-    holding: bool = False  # between gather_all and release_all: the whole model is present
 
     def __post_init__(self) -> None:
         for bs in self.buckets.values():
@@ -39,7 +38,13 @@ class ShardedParams:
                 b.release()
 
     def before_use(self, chunk: int) -> None:
-        """A chunk is about to compute: kept gathered, its buckets are gathered (once a step)."""
+        """UNSHARD of a kept chunk (once a step, before its first forward): its buckets gathered. A
+        second one while they are present is a program the lowering did not write: an error, not
+        skipped."""
+        if chunk in self.gathered:
+            raise RuntimeError(f"rank {self.comm.rank}: UNSHARD({chunk}) while chunk {chunk} is gathered: its program "
+                               f"gathers a kept chunk once, before its first forward, and releases it after its last "
+                               f"backward")
         if not self.layerwise:
             self._gather_chunk(chunk)
 
@@ -63,15 +68,26 @@ class ShardedParams:
         if b.gathering is not None:
             raise RuntimeError(f"rank {self.comm.rank}: UNSHARD({b.label}, wait) while its gather is in flight: "
                                f"the program waits for a started gather with WAIT({b.label})")
-        if not b.present:
-            self.comm.gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
+        self._check_released(b)
+        self.comm.gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
 
     def start(self, b: Bucket, from_node: bool = False) -> None:
         """Start gathering `b`; the program's WAIT for it waits."""
-        if b.gathering is None and not b.present:
-            self.comm.start_gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
+        if b.gathering is not None:
+            raise RuntimeError(f"rank {self.comm.rank}: UNSHARD({b.label}) while its gather is in flight: the program "
+                               f"starts a bucket's gather once until its RESHARD")
+        self._check_released(b)
+        self.comm.start_gather(b, b.master, low_precision=True, from_node=from_node)  # type: ignore[arg-type]
         self._note()
+
+    def _check_released(self, b: Bucket) -> None:
+        """A gather finds its bucket released: a present one means an UNSHARD the program did not
+        pair with a RESHARD, never a gather to skip."""
+        if b.present:
+            raise RuntimeError(f"rank {self.comm.rank}: UNSHARD({b.label}) of bucket {b.label} ({b.names[0]}, ...), "
+                               f"whose full weights are present: its program gathers a bucket again only after its "
+                               f"RESHARD")
 
     def need(self, b: Bucket, what: str) -> None:
         """A layer computes with `b` now: a gather still in flight (the program placed no WAIT before
@@ -80,14 +96,12 @@ class ShardedParams:
             raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...) "
                                 f"before its program waits for its gather (no WAIT({b.label}) at or before this "
                                 f"moment)")
-        if not b.present and not self.holding:
+        if not b.present:
             raise UngatheredUse(f"rank {self.comm.rank}: {what} computes with bucket {b.label} ({b.names[0]}, ...), "
                                f"which its program never gathered")
 
     def release(self, b: Bucket, what: str = "") -> None:
         """Drop `b`'s full weights (RESHARD; `what`: the instruction, for an error)."""
-        if self.holding:
-            return
         if b.gathering is not None:  # it would still write into the storage
             raise RuntimeError(f"rank {self.comm.rank}: {what or f'RESHARD({b.label})'}: bucket {b.label} "
                                f"({b.names[0]}, ...) released while its gather is in flight: the program never "
@@ -103,10 +117,8 @@ class ShardedParams:
         """Full weights of every chunk, e.g. for a snapshot; undo with release_all."""
         for c in self.buckets:
             self._gather_chunk(c)
-        self.holding = True  # rank 0 may now run forwards alone (the text sample)
 
     def release_all(self) -> None:
-        self.holding = False
         for c in list(self.gathered):
             for b in self.buckets[c]:
                 b.release()

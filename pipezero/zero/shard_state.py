@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def shard_state(zero: "ZeroDP") -> list[tuple[Bucket, dict[str, torch.Tensor]]]:
     """Per bucket, this rank's slice of what a checkpoint holds, each (shard_size,). They are views,
     so loading into them restores the state in place."""
-    zero.settle()  # a step's gathers write the full buffers these slices live in
+    zero.settle("checkpoint")  # a step's gathers write the full buffers these slices live in
     out = []
     for b, st in zip(zero.all_buckets(), zero.opt.states):
         param = b.master if b.master is not None else b.flat[b.shard]

@@ -166,8 +166,7 @@ class ZeroDP:
         """A W or BW of `chunk` starts. Kept gathered at stage 3, the program's UNSHARD before the
         chunk's first forward gathered it for the step: a chunk not gathered here is an error, never
         a gather the program does not list."""
-        if self.sharded is not None and not self.layerwise and chunk not in self.sharded.gathered \
-                and not self.sharded.holding:
+        if self.sharded is not None and not self.layerwise and chunk not in self.sharded.gathered:
             raise RuntimeError(f"rank {self.rank}, step {self.step_no}: a backward of chunk {chunk} computes with "
                                f"parameters its program never gathered (no UNSHARD({chunk}) before it)")
         for b in self.buckets.get(chunk, []):
@@ -333,7 +332,7 @@ class ZeroDP:
     # --- whole model ------------------------------------------------------------------------
     def gather_all(self) -> None:
         """Full weights of every chunk, for a snapshot outside any program; undo with release_all."""
-        self.settle()
+        self.settle("snapshot")
         if self.sharded is not None:
             self.sharded.gather_all()
 
@@ -392,9 +391,15 @@ class ZeroDP:
         if instr.blocking:
             self.comm.settle()
 
-    def settle(self) -> None:
+    def settle(self, reader: str) -> None:
         """Wait for every gather of updated parameters in flight (stages 1-2). Programs wait with
-        their WAITs; this is for what reads full parameters outside any program: a checkpoint's
-        shards (zero/shard_state.py), a snapshot (`gather_all`), the memory profile of the first
-        step and the end of the run (engine.py)."""
-        self.comm.settle()
+        their WAITs; this is for `reader`, which reads full parameters outside any program, one of
+        schedules/played.py OUTSIDE_READERS: a checkpoint's shards (zero/shard_state.py), a snapshot
+        (`gather_all`), the memory profile of the first step and the end of the run (engine.py). The
+        record names it as the waits' place, and holds it to what the program before left in flight."""
+        from pipezero.schedules.played import OUTSIDE_READERS
+
+        if reader not in OUTSIDE_READERS:
+            raise ValueError(f"rank {self.rank}: a wait for the step's gathers outside every program by {reader!r}: "
+                             f"only {', '.join(OUTSIDE_READERS)} read the weights there")
+        self.comm.settle(reader)

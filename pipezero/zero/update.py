@@ -19,6 +19,7 @@ from pipezero.nonfinite import StepOutcome
 from pipezero.zero.adamw import ShardedAdamW
 from pipezero.zero.buckets import Bucket
 from pipezero.zero.coordinator import Coordinator
+from pipezero.schedules.program import Group
 from pipezero.schedules.zero_rules import Rules
 
 
@@ -96,6 +97,9 @@ def global_norm(buckets: list[Bucket], rules: Rules, coord: Coordinator, max_nor
     local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in counted]).pow(2).sum() if counted \
         else torch.zeros((), dtype=torch.float64, device=device)
     total = torch.stack([local, torch.as_tensor(loss, dtype=torch.float64, device=device)])
+    # in the record at OPTIM_STEP's place whatever the world's size, as LOSS_SUM is: played anywhere
+    # else (by the caller after its program, say) the record departs from the program
+    coord.note_start("OPTIM_STEP", total.numel() * total.element_size(), "fp64", Group.WORLD.value, placed=True)
     if norm_group is not None:
         work = coord.transport.all_reduce(total, norm_group)  # type: ignore[union-attr]  # parallel/staging.py
         # the world group: every stage's norm and loss, not only this stage's replicas

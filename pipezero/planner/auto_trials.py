@@ -1,0 +1,337 @@
+"""`train --layout auto` settles near-ties by trial steps inside the job that trains.
+
+The planner's step-time model is within its stated error (auto_check.TOLERANCE) of measured, and
+its top layouts are often predicted within a percent or two of one another: among those, the
+model's order is a coin toss. Peers settle it by launching candidate jobs; here the job's process
+group already exists, and one process group trains layout after layout (tests/training.py does),
+so the near-ties are measured where they will run. Every candidate predicted within `BAND` of the
+chosen one (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given, the chosen one
+first) trains `TRIAL_STEPS` steps of the run's own data and seed (the first warms up and is not
+timed) in a scratch folder inside --out (`SCRATCH`, removed afterwards, also on failure), saving,
+evaluating, sampling and logging nothing. A candidate's step is the slowest rank's median (an
+all-reduce MAX, so every rank picks alike); the fastest measured wins, a later one in the model's
+order only where it measured more than `TIE` faster. The trials together stay within
+`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs; a run too short to
+hold two tries none). The real run then starts from step 0 as it would without trials.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pipezero.planner.auto import MODELS_CHOICE, LayoutChoice
+from pipezero.planner.auto_check import TOLERANCE
+
+BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
+TRIAL_STEPS = 3  # a trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed
+BUDGET_SHARE = 0.10  # the trials' time at most this share of --max-steps x the chosen layout's predicted step
+TIE = 0.02  # a candidate later in the model's order wins only where it measured this much faster
+SCRATCH = ".layout-trials"  # inside --out: on the run's own disk, removed afterwards
+PICKED_BY_TRIALS = "measured fastest in trials"
+PICKED_BY_MODEL = MODELS_CHOICE
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate's trial: its flags and prediction, and the slowest rank's median step (None:
+    it failed on some rank, `failed` says where and how)."""
+
+    flags: str
+    predicted_step_s: float
+    trial_step_s: float | None
+    failed: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"flags": self.flags, "predicted_step_s": self.predicted_step_s, "trial_step_s": self.trial_step_s}
+        if self.failed:
+            out["failed"] = self.failed
+        return out
+
+
+def candidates(ranked: list[dict[str, Any]], k: int, band: float = BAND) -> list[int]:
+    """Which of `ranked` (the model's order, the chosen one first) to try: those predicted within
+    `band` of the chosen one, at most `k`; none where fewer than two are (nothing to settle)."""
+    if k < 2 or not ranked:
+        return []
+    best = ranked[0]["predicted_step_s"]
+    near = [i for i, r in enumerate(ranked) if r["predicted_step_s"] <= best * (1 + band)][:k]
+    return near if len(near) > 1 else []
+
+
+def trial_budget_s(max_steps: int, predicted_step_s: float) -> float:
+    """Seconds the trials may take: BUDGET_SHARE of the run the model predicts for the chosen layout."""
+    return BUDGET_SHARE * max_steps * predicted_step_s
+
+
+def budget_holds_two(max_steps: int) -> bool:
+    """Whether the budget can hold two trials at all: each takes TRIAL_STEPS steps at least (and
+    its set-up), so a run of fewer than 2 x TRIAL_STEPS / BUDGET_SHARE steps (60) tries nothing. The
+    chosen layout's trial alone settles nothing, and in an 8-step run it took as long as the steps."""
+    return BUDGET_SHARE * max_steps >= 2 * TRIAL_STEPS
+
+
+def skipped_line(max_steps: int, predicted_s: float) -> str:
+    """The one line that says the budget is too small for trials."""
+    return (f"layout trials skipped: their budget, {BUDGET_SHARE:.0%} of --max-steps {max_steps} x the chosen "
+            f"layout's predicted {predicted_s:.3g} s a step, holds fewer than two trials of {TRIAL_STEPS} steps "
+            f"(a run of {math.ceil(2 * TRIAL_STEPS / BUDGET_SHARE)} steps or more tries them); training the model's "
+            f"choice")
+
+
+def room_for_another(spent_s: float, took_s: list[float], budget_s: float) -> bool:
+    """Whether another trial fits the budget, each trial taken to cost the most one has so far (a
+    trial is mostly its set-up and steps of about the same length: the candidates are near-ties)."""
+    return spent_s + max(took_s, default=0.0) <= budget_s
+
+
+def winner(trials: list[Trial]) -> int | None:
+    """Index of the trial to train: the fastest measured, a later one only where it measured more
+    than TIE faster than the best before it (ties keep the model's order); None where none ran."""
+    best = None
+    for i, t in enumerate(trials):
+        if t.trial_step_s is None:
+            continue
+        if best is None or t.trial_step_s < trials[best].trial_step_s * (1 - TIE):  # type: ignore[operator]
+            best = i
+    return best
+
+
+def settled(choice: LayoutChoice, tried: list[int], trials: list[Trial], cut: str | None,
+            seconds: float = 0.0) -> LayoutChoice:
+    """`choice` with the trials' winner first (the rest in the model's order), the trials, why
+    the winner was picked, the budget's line where it cut them short and their `seconds` (in the
+    costs, beside the probe's). Every figure of a ranked layout stays the model's:
+    `predicted_step_s` is what the prediction check holds the run to."""
+    best = winner(trials)
+    measured = [t for t in trials if t.trial_step_s is not None]
+    costs = {**choice.costs, "trials_s": seconds}
+    if best is None or len(measured) < 2:  # nothing compared: the model's order stands
+        return replace(choice, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_MODEL, trials_cut=cut,
+                       costs=costs)
+    first = tried[best]
+    ranked = [choice.ranked[first]] + [r for i, r in enumerate(choice.ranked) if i != first]
+    return replace(choice, ranked=ranked, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_TRIALS,
+                   trials_cut=cut, costs=costs)
+
+
+def cut_line(done: int, planned: int, spent_s: float, budget_s: float, max_steps: int, predicted_s: float) -> str:
+    """The one line that says the budget stopped the trials."""
+    return (f"layout trials cut short after {done} of {planned} candidates: {spent_s:.1f} s spent, another would "
+            f"pass the budget of {budget_s:.1f} s ({BUDGET_SHARE:.0%} of --max-steps {max_steps} x the chosen "
+            f"layout's predicted {predicted_s:.3g} s a step)")
+
+
+def trial_lines(choice: LayoutChoice, seconds: float) -> list[str]:
+    """What rank 0 prints after the trials: each candidate's prediction and trial, which was picked."""
+    trials = choice.trials
+    lines = [f"layout trials ({seconds:.1f} s): the layouts predicted within {BAND:.0%} of the chosen one, "
+             f"{TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median)"]
+    picked = choice.chosen["flags"]
+    for t in trials:
+        if t["trial_step_s"] is None:
+            lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, dropped: {t['failed']}")
+            continue
+        tag = f"  <- picked: {choice.picked_by}" if t["flags"] == picked and choice.picked_by != PICKED_BY_MODEL else ""
+        lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, trial {t['trial_step_s']:.3g} s{tag}")
+    if choice.picked_by == PICKED_BY_MODEL:
+        lines.append(f"  training the model's choice, {picked}: fewer than two candidates were measured")
+    if choice.trials_cut:
+        lines.append(choice.trials_cut)
+    return lines
+
+
+class TrialFailed(Exception):
+    """A trial failed where the job's process group cannot be trusted afterwards: the run stops."""
+
+
+# How a rank's trial ended, as the ranks compare it: a failure in set-up that no peer waited on (out
+# of memory, a refused setting) leaves nothing in flight; one mid-step, or a wait that timed out, can
+# leave a peer's send or receive unmatched, which a later layout's message with the same peer and tag
+# would meet: the group is no longer one the run may train in.
+DONE, FAILED_IN_SET_UP, FAILED_MID_STEP = 0, 1, 2
+
+
+class MidStep(Exception):
+    """A trial's failure after its first step began (its cause is the failure)."""
+
+
+def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, str]) -> LayoutChoice:
+    """Inside the job, on every rank alike: try the near-ties of `choice` (`candidates`, at most
+    req.trials) and return the choice with the winner first; rank 0 prints what the trials measured.
+    `cfg`: the configuration the job started with (its process group's); `req`: auto_job.Request.
+    TrialFailed where a trial failed mid-step on some rank (see FAILED_MID_STEP)."""
+    tried = candidates(choice.ranked, req.trials)
+    if not tried:
+        return choice
+    max_steps, predicted = req.base.run.max_steps, choice.chosen["predicted_step_s"]
+    if not budget_holds_two(max_steps):
+        line = skipped_line(max_steps, predicted)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
+        return replace(choice, trials_cut=line)
+    from pipezero.parallel.process_group import init_distributed
+
+    rank, _ = init_distributed(cfg)  # with --costs no probe made the group: the trials' agreement needs it
+    agreeing = agreement_group(req.world)
+    scratch = Path(req.base.run.out) / SCRATCH
+    budget = trial_budget_s(max_steps, predicted)
+    trials: list[Trial] = []
+    took: list[float] = []  # each trial's seconds, as every rank agreed them
+    spent, cut = 0.0, None
+    t0 = time.perf_counter()
+    try:
+        for n, i in enumerate(tried):
+            if trials and not room_for_another(spent, took, budget):
+                cut = cut_line(n, len(tried), spent, budget, max_steps, predicted)
+                break
+            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0, agreeing)
+            trials.append(trial)
+            took.append(now - spent)
+            spent = now
+    finally:
+        remove_scratch(scratch)
+    out = settled(choice, tried[:len(trials)], trials, cut, spent)
+    if rank == 0:
+        print("\n".join(trial_lines(out, spent)), flush=True)
+    return out
+
+
+def agreement_group(world: int) -> Any:
+    """A group of every rank that only the trials' agreement uses: a failed trial's collectives left
+    in flight on the job's own groups cannot meet it (None: one rank, nothing to agree)."""
+    import torch.distributed as dist
+
+    return dist.new_group(list(range(world))) if world > 1 and dist.is_initialized() else None
+
+
+def trial_settings(req: Any, ranked: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A trial's settings: the run's, the candidate's layout, and a run that writes nothing of its
+    own. Its --max-steps stays past the trial's steps, so its last step is no run's last (which
+    evaluates) and its learning rates are the run's own first."""
+    quiet = {"run.out": str(out), "run.max_steps": str(max(req.base.run.max_steps, TRIAL_STEPS + 1)),
+             "run.eval_every": "0", "run.checkpoint_every": "0", "run.save_final": False, "run.sample_tokens": "0",
+             "run.trace": False, "run.tensorboard": False, "run.memory_profile": False, "run.resume": False,
+             "run.progress": False, "run.quiet": True}
+    return {**req.settings, **ranked["settings"], **quiet}
+
+
+def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str], rank: int, t0: float,
+              group: Any) -> tuple[Trial, float]:
+    """(the candidate's trial, the seconds since `t0` the trials have taken), both as every rank
+    agrees them (over `group`): its step the slowest rank's median. A failure in set-up on every
+    rank drops the candidate, named by the first rank that failed; one mid-step on any rank raises
+    TrialFailed (see FAILED_MID_STEP) on every rank."""
+    from pipezero.settings import build_config
+
+    from pipezero.parallel.waits import PipelineTimeout
+
+    timeout, world = req.base.parallel.timeout_s, req.world
+    step_s, how, failed, blame = 0.0, DONE, None, 0
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # the trial's own run folder (its flight records, were it to stall)
+        step_s = time_steps(build_config(req.config, trial_settings(req, ranked, out), names))
+    except Exception as e:  # noqa: BLE001 - said in one line and compared across ranks (below)
+        # only facts of it are kept: its traceback holds the trial's stage, whose memory goes back below
+        cause = e.__cause__ if isinstance(e, MidStep) and e.__cause__ is not None else e
+        how = FAILED_IN_SET_UP if not isinstance(e, MidStep) and clean_failure(cause) else FAILED_MID_STEP
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        failed = f"rank {rank}: {type(cause).__name__}{': ' + first[:200] if first else ''}"
+        # the line the ranks print: a rank's own failure before a wait for a peer's, the lowest rank first
+        blame = (1 if isinstance(cause, PipelineTimeout) else 2) * (world + 1) + world - rank
+        del cause
+    free_memory()
+    # a peer may come here only once a wait of its own has run out (`timeout`): twice it bounds this one
+    step_s, worst, least, blamed, spent = all_max(
+        [step_s, how, -how, blame, time.perf_counter() - t0], 2 * timeout,
+        f"rank {rank}: --layout auto's trial of {ranked['flags']}: all-reduce (MAX) of its step time over {world} "
+        f"ranks", group)
+    if not blamed:
+        return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
+    line = share_line(failed or "", world - int(blamed) % (world + 1), rank, 2 * timeout, group)
+    if world > 1 and (worst, -least) != (FAILED_IN_SET_UP, FAILED_IN_SET_UP):
+        raise TrialFailed(f"--layout auto: the trial of {ranked['flags']} failed ({line}) after ranks had begun "
+                          f"exchanging its messages, which leaves the job's process group unfit to train in; rerun "
+                          f"with --layout-trials 0, or give a layout yourself")
+    return Trial(ranked["flags"], ranked["predicted_step_s"], None, line), spent
+
+
+def clean_failure(e: BaseException) -> bool:
+    """Whether a failure in a trial's set-up left nothing in flight: out of memory, or a setting
+    refused; not a wait that failed or timed out (a peer stopped in the middle of a collective)."""
+    import torch
+
+    from pipezero.errors import ConfigError
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError, ConfigError))
+
+
+def time_steps(cfg: Any) -> float:
+    """This rank's median step of a trial: TRIAL_STEPS steps from step 0, the first not timed; a
+    failure once the steps began raised as MidStep."""
+    from pipezero.engine import Trainer
+
+    trainer = Trainer.set_up(cfg, trial=True)
+    try:
+        times = [trainer.step(s)["step_time_s"] for s in range(TRIAL_STEPS)]
+        trainer.stage.zero.settle("end of trial")  # nothing in flight when the stage is dropped
+    except Exception as e:
+        raise MidStep(str(e)) from e
+    finally:
+        trainer.stop_watch()
+    return statistics.median(times[1:])
+
+
+def free_memory() -> None:
+    """Give back a trial's memory before the next layout is built (its stage is garbage now)."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def all_max(values: list[float], timeout_s: float, what: str, group: Any = None) -> list[float]:
+    """The most of `values` over `group`'s ranks (a CPU tensor: gloo carries it on every backend),
+    the wait bounded by `timeout_s` and a stall named by `what`."""
+    import torch
+    import torch.distributed as dist
+
+    from pipezero.parallel.waits import wait_or_raise
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    wait_or_raise(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, what)
+    return t.tolist()
+
+
+def share_line(line: str, src: int, rank: int, timeout_s: float, group: Any = None) -> str:
+    """Rank `src`'s `line` on every rank of `group` (one rank's failure, for rank 0 to print)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return line
+    from pipezero.planner.auto_job import broadcast_bytes
+
+    return broadcast_bytes(line.encode(), rank, timeout_s, src, "line on its failed --layout auto trial",
+                           group).decode()
+
+
+def remove_scratch(path: Path) -> None:
+    """Remove the trials' folder; ranks sharing a disk remove it side by side, so an entry another
+    rank removed first is no failure."""
+    for _ in range(3):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not path.exists():
+                return
