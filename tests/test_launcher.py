@@ -311,58 +311,36 @@ def test_ranks_start_without_the_working_folder_on_their_import_path(monkeypatch
     assert seen["cmd"][1:3] == ["-P", "-m"] and seen["env"]["PYTHONSAFEPATH"] == "1"
 
 
-def test_sigterm_to_a_lone_process_is_the_stop_line_not_a_silent_death(capsys):
-    """`kill`, `timeout` or a scheduler's SIGTERM ended a one-process run with exit 143 and not a
-    word, where Ctrl-C says what the run leaves; the handler is the command's only (restored after)."""
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_to_a_lone_process_is_the_stop_line_not_a_silent_death(name, capsys):
+    """`kill`, `timeout` or a scheduler's SIGTERM, or a closed terminal's SIGHUP, ends a one-process
+    run with the stop line, as Ctrl-C says what the run leaves, not an exit 143 or 129 without a word;
+    the handler is the command's only (restored after)."""
     import signal
 
     from pipezero.cli import command_line as cli
 
-    def parser_then_sigterm():
-        signal.raise_signal(signal.SIGTERM)
-        raise AssertionError("SIGTERM did not stop the command")
+    signum = getattr(signal, name)
+
+    def parser_then_signal():
+        signal.raise_signal(signum)
+        raise AssertionError(f"{name} did not stop the command")
 
     seen: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda *_: seen.append(1))  # keeps pytest alive without the fix
+    before = signal.signal(signum, lambda *_: seen.append(1))  # keeps pytest alive without the fix
     try:
-        original, cli.build_parser = cli.build_parser, parser_then_sigterm
+        original, cli.build_parser = cli.build_parser, parser_then_signal
         try:
             code = cli.main(["train"])
         except AssertionError:
             code = None
         finally:
             cli.build_parser = original
-        assert code == 128 + signal.SIGTERM and not seen, (code, seen)
-        assert capsys.readouterr().err.strip().splitlines() == [cli.TERMINATED]
-        assert signal.getsignal(signal.SIGTERM) is not cli.terminate  # restored: the caller's own again
+        assert code == 128 + signum and not seen, (code, seen)
+        assert capsys.readouterr().err.strip().splitlines() == [cli.TERMINATED.replace("SIGTERM", name)]
+        assert signal.getsignal(signum) is not cli.terminate  # restored: the caller's own again
     finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def test_sighup_to_a_lone_process_is_the_stop_line_not_a_silent_death(capsys):
-    """A closed terminal or ssh session (SIGHUP) ended a one-process run with exit 129 and not a word."""
-    import signal
-
-    from pipezero.cli import command_line as cli
-
-    def parser_then_sighup():
-        signal.raise_signal(signal.SIGHUP)
-        raise AssertionError("SIGHUP did not stop the command")
-
-    seen: list[int] = []
-    before = signal.signal(signal.SIGHUP, lambda *_: seen.append(1))  # keeps pytest alive without the fix
-    try:
-        original, cli.build_parser = cli.build_parser, parser_then_sighup
-        try:
-            code = cli.main(["train"])
-        except AssertionError:
-            code = None
-        finally:
-            cli.build_parser = original
-        assert code == 128 + signal.SIGHUP and not seen, (code, seen)
-        assert capsys.readouterr().err.strip().splitlines() == [cli.TERMINATED.replace("SIGTERM", "SIGHUP")]
-    finally:
-        signal.signal(signal.SIGHUP, before)
+        signal.signal(signum, before)
 
 
 def test_the_launcher_stops_its_job_on_sighup_unless_told_to_ignore_it():
