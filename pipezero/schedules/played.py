@@ -70,10 +70,10 @@ class Played:
     idle: bool = False
 
 
-# Who may wait for ZeRO-1/2's gathers of updated weights outside every program, and why: each reads the
-# full weights between two programs, or drops them (a --layout auto trial's stage: planner/auto_trials.py)
-# (zero/sharded.py `settle`). Any other wait there is the runtime
-# deciding what the program does not say.
+# Who may wait for ZeRO-1/2's gathers of updated weights outside every program (zero/sharded.py
+# `settle`), and why: each reads the full weights between two programs, or drops them (a --layout auto
+# trial's stage, planner/auto_trials.py). Any other wait there is the runtime deciding what the
+# program does not say.
 OUTSIDE_READERS = ("checkpoint", "memory profile", "end of run", "snapshot", "end of trial")
 
 

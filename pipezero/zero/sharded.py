@@ -56,6 +56,7 @@ from pipezero.parallel.hierarchical import Hierarchy
 from pipezero.schedules.bucket_plan import BucketLayout
 from pipezero.schedules.layer_plan import END, START, Moment, Trigger
 from pipezero.schedules.program import Compute, DataParallel, Group, Kind
+from pipezero.schedules.played import OUTSIDE_READERS
 from pipezero.schedules.zero_rules import RULES, Rules
 from pipezero.telemetry.trace import Tracer
 from pipezero.zero.adamw import ShardedAdamW
@@ -397,8 +398,6 @@ class ZeroDP:
         schedules/played.py OUTSIDE_READERS: a checkpoint's shards (zero/shard_state.py), a snapshot
         (`gather_all`), the memory profile of the first step and the end of the run (engine.py). The
         record names it as the waits' place, and holds it to what the program before left in flight."""
-        from pipezero.schedules.played import OUTSIDE_READERS
-
         if reader not in OUTSIDE_READERS:
             raise ValueError(f"rank {self.rank}: a wait for the step's gathers outside every program by {reader!r}: "
                              f"only {', '.join(OUTSIDE_READERS)} read the weights there")
