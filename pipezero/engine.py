@@ -31,7 +31,7 @@ from pipezero.optim import lr_at, short_of_peak
 from pipezero.nonfinite import finite_or_none, report_nonfinite
 from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
-from pipezero.parallel.waits import wait_or_raise
+from pipezero.parallel.waits import all_reduced
 from pipezero.telemetry.memory_profile import PeakMeter
 from pipezero.runtime.watch import Watch, start_watch
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
@@ -76,15 +76,6 @@ def default_threads(local_world: int, env: dict[str, str] | None = None) -> int:
     if text.isdigit() and 0 < int(text) <= MAX_THREADS:  # another value: OpenMP's own to refuse or clamp
         return int(text)
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
-
-
-def all_sum(values: list[float], group: object | None, timeout_s: float, what: str) -> list[float]:
-    """Sum `values` over `group`, waiting at most `timeout_s` (a CPU tensor: gloo carries it on every
-    backend); a peer that stalls or died fails this rank with `what`, as every other wait does."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if group is not None:
-        wait_or_raise(dist.all_reduce(t, group=group, async_op=True), timeout_s, what)
-    return t.tolist()
 
 
 @dataclass
@@ -359,7 +350,7 @@ def release(stage: Stage, timeout_s: float) -> None:
         return
     if (sync := synchronizer(stage.zero.device)) is not None:
         sync()  # NCCL's waits order the stream: its last collectives may still run on the device
-    all_sum([0.0], stage.groups.world, timeout_s,
+    all_reduced([0.0], stage.groups.world, timeout_s,
             f"rank {stage.mesh.rank}: end of run: every rank past its last collective before the run's groups close")
     for g in {id(g): g for g in stage.subgroups}.values():
         dist.destroy_process_group(g)
@@ -372,7 +363,7 @@ def evaluate(stage: Stage, eval_set: list, eval_tokens: int) -> float:
     what = (f"rank {p2p.rank}, step {stage.tracer.step}: held-out evaluation: all-reduce of the loss across "
             f"{stage.mesh.world_size} ranks")
     total = stage.executor.evaluate(stage.evaluation(len(eval_set)), eval_set,
-                                    lambda local: all_sum([float(local)], stage.groups.world, p2p.timeout_s, what)[0])
+                                    lambda local: all_reduced([float(local)], stage.groups.world, p2p.timeout_s, what)[0])
     return total / eval_tokens
 
 

@@ -34,6 +34,20 @@ def wait_or_raise(work: Any, timeout_s: float, what: str, stream_ordered: bool =
         raise PipelineTimeout(f"{what}: timed out after {timeout_s:g}s")
 
 
+def all_reduced(values: list[float], group: Any, timeout_s: float, what: str, largest: bool = False) -> list[float]:
+    """`values` summed (`largest`: their most) over `group`, waiting at most `timeout_s` (a CPU
+    tensor: gloo carries it on every backend); a peer that stalls or died fails this rank with
+    `what`, as every other wait does. None: no group, the values as they are."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if group is not None:
+        op = dist.ReduceOp.MAX if largest else dist.ReduceOp.SUM
+        wait_or_raise(dist.all_reduce(t, op=op, group=group, async_op=True), timeout_s, what)
+    return t.tolist()
+
+
 def gather_objects(obj: Any, what: str) -> list[Any]:
     """Every rank's `obj`, in rank order (`[obj]` without a process group). An object gather has no
     asynchronous form, so the group's own timeout (`--timeout`, set when it was made) bounds it;

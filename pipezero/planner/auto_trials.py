@@ -231,7 +231,7 @@ def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str]
     TrialFailed (see FAILED_MID_STEP) on every rank."""
     from pipezero.settings import build_config
 
-    from pipezero.parallel.waits import PipelineTimeout
+    from pipezero.parallel.waits import PipelineTimeout, all_reduced
 
     timeout, world = req.base.parallel.timeout_s, req.world
     step_s, how, failed, blame = 0.0, DONE, None, 0
@@ -249,10 +249,10 @@ def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str]
         del cause
     free_memory()
     # a peer may come here only once a wait of its own has run out (`timeout`): twice it bounds this one
-    step_s, worst, least, blamed, spent = all_max(
-        [step_s, how, -how, blame, time.perf_counter() - t0], 2 * timeout,
+    step_s, worst, least, blamed, spent = all_reduced(
+        [step_s, how, -how, blame, time.perf_counter() - t0], group, 2 * timeout,
         f"rank {rank}: --layout auto's trial of {ranked['flags']}: all-reduce (MAX) of its step time over {world} "
-        f"ranks", group)
+        f"ranks", largest=True)
     if not blamed:
         return Trial(ranked["flags"], ranked["predicted_step_s"], step_s), spent
     line = share_line(failed or "", world - int(blamed) % (world + 1), rank, 2 * timeout, group)
@@ -296,21 +296,6 @@ def free_memory() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def all_max(values: list[float], timeout_s: float, what: str, group: Any = None) -> list[float]:
-    """The most of `values` over `group`'s ranks (a CPU tensor: gloo carries it on every backend),
-    the wait bounded by `timeout_s` and a stall named by `what`."""
-    import torch
-    import torch.distributed as dist
-
-    from pipezero.parallel.waits import wait_or_raise
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    wait_or_raise(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s, what)
-    return t.tolist()
 
 
 def share_line(line: str, src: int, rank: int, timeout_s: float, group: Any = None) -> str:
