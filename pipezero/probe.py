@@ -91,7 +91,12 @@ def read_probe(path: str) -> Probe:
     from pipezero.schedules import limits
 
     try:
-        found = Probe.from_json(read_json(Path(path).resolve(), 1 << 20))
+        target = Path(path).resolve()
+    except (RuntimeError, OSError):  # Python 3.11 says a link loop as RuntimeError, later ones as OSError
+        raise ConfigError(f"--costs {path}: a link that leads back to itself: name the probe's file "
+                          f"(pipezero probe --json FILE)") from None
+    try:
+        found = Probe.from_json(read_json(target, 1 << 20))
     except RecordError as e:  # said of the file read: the path given, and where a link to it leads
         link = f" (a link to {Path(path).resolve()})" if Path(path).is_symlink() else ""
         raise ConfigError(f"--costs {path}{link}: {e}") from None

@@ -248,6 +248,14 @@ def test_costs_that_cannot_be_read_name_the_path_given_and_where_its_link_leads(
                     f"--costs {tmp_path}: {tmp_path.name} is not a plain file")
 
 
+def test_costs_through_a_link_loop_is_one_line_naming_the_loop(tmp_path, capsys):
+    """A link that leads back to itself raised pathlib's RuntimeError while its target was looked up."""
+    loop = tmp_path / "probe.json"
+    loop.symlink_to(loop)
+    assert_one_line(*run_main([*PLAN, "--device", "cpu", "--costs", str(loop)], capsys),
+                    f"--costs {loop}: a link that leads back to itself")
+
+
 def test_probe_json_dash_prints_the_json_and_writes_no_file_named_dash(tmp_path, capsys, monkeypatch):
     """`--json -` wrote a file named "-" (and said "wrote -"), where a dash means standard output."""
     import os
