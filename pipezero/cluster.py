@@ -10,7 +10,8 @@ starts its ranks with torchrun exactly as on real machines (static rendezvous at
 `--node-rank i`), so nothing in the engine knows the cluster is emulated.
 
 Needs root and iproute2 (`ip`, `tc`). Everything it creates is named with a tag of this process
-(`pz<pid>`), so two clusters never collide, and removed on exit, on failure and on Ctrl-C.
+(`pz<pid>`), so two clusters never collide, and removed on exit, on failure and on Ctrl-C; what a
+cluster killed with SIGKILL left behind, the next one removes (`remove_stale`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,9 @@ class EmulatedCluster:
 
     def __enter__(self) -> "EmulatedCluster":
         require_root()
+        if removed := remove_stale():
+            print(f"pipezero: removed what a cluster stopped without its teardown (kill -9) left behind: "
+                  f"{', '.join(removed)}", file=sys.stderr, flush=True)
         # SIGTERM (`timeout`, `kill`, a scheduler) and SIGHUP (a closed terminal or ssh session) would
         # end the interpreter without `finally`, leaving namespaces and ranks behind: they unwind like
         # Ctrl-C instead, while this is open
@@ -273,6 +277,45 @@ def leftovers(tag: str) -> list[str]:
     found += [line.split()[0] for line in spaces.splitlines() if line.strip()]
     mine = re.compile(re.escape(tag) + r"[bnv]\d*")
     return [n for n in found if mine.fullmatch(n)]
+
+
+TAGGED = re.compile(r"pz(\d+)[bnv]\d*")  # a cluster's bridge, namespaces and host-side veth ends
+
+
+def _owner_lives(tag_number: int) -> bool:
+    """Whether a process that could have built the cluster tagged pz<tag_number> still runs: any
+    process but this one whose pid ends so (the tag keeps a pid's last five digits), so that another
+    live cluster's namespaces are never taken for stale ones."""
+    mine = os.getpid()
+    return any(int(p) % 100000 == tag_number and int(p) != mine for p in os.listdir("/proc") if p.isdigit())
+
+
+def _holds_processes(namespace: str) -> bool:
+    done = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    return bool(done.stdout.strip())
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces and links of clusters whose builder is gone without its teardown (a
+    `kill -9` runs no `finally`), and return their names: left there, they pile up, and a later
+    cluster whose pid ends alike fails to build on a name taken. A cluster whose builder may still
+    run, or whose namespaces still hold a process, is left alone."""
+    names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = [line.split(":")[1].strip().split("@")[0] for line in names.splitlines() if line.count(":") >= 2]
+    namespaces = [line.split()[0] for line in spaces.splitlines() if line.strip()]
+    found = [(n, True) for n in links if TAGGED.fullmatch(n)] + [(n, False) for n in namespaces if TAGGED.fullmatch(n)]
+    tags = {int(TAGGED.fullmatch(n)[1]) for n, _ in found}  # type: ignore[index]
+    busy = {int(TAGGED.fullmatch(n)[1]) for n, link in found if not link and _holds_processes(n)}  # type: ignore[index]
+    stale = {t for t in tags - busy if not _owner_lives(t)}
+    removed = []
+    for name, link in sorted(found, key=lambda f: not f[1]):  # links first: a veth pair goes with its host end
+        if int(TAGGED.fullmatch(name)[1]) in stale:  # type: ignore[index]
+            done = subprocess.run(["ip", "link", "del", name] if link else ["ip", "netns", "del", name],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                removed.append(name)
+    return removed
 
 
 def launcher_restarts(argv: Sequence[str]) -> tuple[int, list[str]]:

@@ -323,3 +323,34 @@ def test_a_cluster_hung_up_on_removes_everything_it_made(cluster_ok):
     assert "KeyboardInterrupt" in err, err[-2000:]
     assert leftovers(tag) == []
     assert _gone(int(pid), 10)
+
+
+@pytest.mark.distributed
+def test_the_next_cluster_removes_what_a_killed_one_left_and_keeps_a_live_ones(cluster_ok, capsys):
+    """`kill -9` of `pipezero cluster` runs no teardown: its namespaces and links stayed for good,
+    one set a kill. The next cluster removes them and says so, and leaves a running cluster's alone."""
+    import subprocess
+    import sys
+
+    killed = subprocess.Popen([sys.executable, "-c", CHILD_OF_NODE], stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen([sys.executable, "-c", CHILD_OF_NODE], stdout=subprocess.PIPE, text=True)
+    try:
+        dead_tag, pid = killed.stdout.readline().split()
+        live_tag, _ = live.stdout.readline().split()
+        killed.kill()
+        killed.wait()
+        assert _gone(int(pid), 10)
+        assert len(leftovers(dead_tag)) == 5, leftovers(dead_tag)
+        with EmulatedCluster(ClusterSpec(nodes=1)):
+            assert leftovers(dead_tag) == []
+            assert len(leftovers(live_tag)) == 5, leftovers(live_tag)
+        said = capsys.readouterr().err
+        assert f"removed what a cluster stopped without its teardown (kill -9) left behind: {dead_tag}" in said, said
+        assert live_tag not in said, said
+    finally:
+        live.terminate()
+        live.wait(timeout=60)
+        for tag in (dead_tag, live_tag):
+            for name in leftovers(tag):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
