@@ -867,3 +867,42 @@ def test_a_tokenizer_file_named_without_json_is_told_to_be_renamed(tokenizer_tex
                     f"--tokenizer (data.tokenizer) {str(path)!r} is a file, and pipezero reads a tokenizer file only "
                     f"by a name ending .json: rename it")
     assert not (tmp_path / "out").exists()
+
+
+def _without_root_rights(argv: list[str]) -> "subprocess.CompletedProcess[str]":
+    """`pipezero <argv>` as a user whom file modes bind: root lets itself read anything, so as root
+    it runs without the rights that override modes (setpriv drops them from its bounding set)."""
+    import subprocess
+    import sys
+
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root here, and no setpriv to drop root's rights over file modes")
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    return subprocess.run([*drop, sys.executable, "-m", "pipezero.cli", *argv], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.distributed  # as a user file modes bind: a process of its own
+def test_data_this_user_cannot_read_is_one_line_before_anything_runs(docs, tmp_path):
+    """A document without read rights was tokenized and then said as a write refused ("cannot be
+    written ... free space"), exit 1; a folder that cannot be listed (or one under it) was passed by in
+    silence: "holds no document files", or a corpus without its files."""
+    shut = tmp_path / "docs"
+    shutil.copytree(docs, shut)
+    one, inner = shut / "00.txt", shut / "inner"
+    inner.mkdir()
+    (inner / "more.txt").write_text("text the search passed by\n" * 50)
+    try:
+        one.chmod(0)
+        done = _without_root_rights(train_argv(None, one, tmp_path / "out", "--tokenizer", "bytes"))
+        assert_one_line(done.returncode, done.stderr,
+                        f"--data file '{one}' cannot be read (Permission denied): make it readable")
+        one.chmod(0o644)
+        inner.chmod(0)
+        done = _without_root_rights(train_argv(None, shut, tmp_path / "out", "--tokenizer", "bytes"))
+        assert_one_line(done.returncode, done.stderr,
+                        f"--data '{shut}': the folder '{inner}' cannot be read (Permission denied)")
+    finally:
+        one.chmod(0o644)
+        inner.chmod(0o755)
+    assert not (tmp_path / "out").exists()

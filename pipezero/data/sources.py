@@ -48,6 +48,9 @@ def expand(paths: list[str]) -> list[Path]:
     for arg in paths:
         p = Path(arg)
         if p.is_dir():
+            if (closed := _unlisted(p)) is not None:  # the search passes it by: the corpus would lack its files
+                raise ConfigError(f"--data {arg!r}: the folder {closed.filename!r} cannot be read "
+                                  f"({closed.strerror}): make it readable (chmod a+rx), or name other folders")
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DOCUMENT_SUFFIXES)
             what = f"folder {arg!r} holds no document files"
         elif p.is_file():
@@ -65,10 +68,25 @@ def expand(paths: list[str]) -> list[Path]:
                 raise ConfigError(f"--data file {str(f)!r}: unknown kind {f.suffix or '(no suffix)'!r}; use "
                                   f".jsonl/.json/.parquet records, .txt/.md text, or .npy/.bin tokens")
         for f in found:
+            try:
+                os.close(os.open(f, os.O_RDONLY | os.O_NONBLOCK))
+            except OSError as e:  # else met by the tokenizer on every rank, and said as a write refused
+                raise ConfigError(f"--data file {str(f)!r} cannot be read ({e.strerror}): make it readable "
+                                  f"(chmod a+r), or leave it out of --data") from None
             if (real := f.resolve()) not in seen:
                 seen.add(real)
                 files.append(f)
     return files
+
+
+def _unlisted(folder: Path) -> OSError | None:
+    """The first folder under `folder` (itself included) this user cannot list, as the OSError
+    listing it raised; None where every one can be. pathlib's search skips such a folder in silence."""
+    refused: list[OSError] = []
+    for _ in os.walk(folder, onerror=refused.append):
+        if refused:
+            break
+    return refused[0] if refused else None
 
 
 MAGIC = re.compile(r"[*?[]")
