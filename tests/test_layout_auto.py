@@ -87,7 +87,12 @@ def test_train_refuses_bad_auto_requests_in_one_line_before_any_rank(capsys, tmp
     base = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run")]
     assert_one_line(*run_main([*base, "--gpu-memory", "0.001"], capsys), "--gpu-memory")
     assert_one_line(*run_main([*base, "--stage-layers", "2,2"], capsys), "--stage-layers")
-    assert_one_line(*run_main([*base, "--nproc", "2", "--pp", "3"], capsys), "no layout of 2 ranks has pp = 3")
+    assert_one_line(*run_main([*base, "--nproc", "2", "--pp", "3"], capsys),
+                    "no layout of 2 ranks has pp = 3 (global batch 16): it weighs --pp 1, 2 here; drop --pp")
+    # a value the search never tries is said as such: "no layout has" alone read as if none could
+    assert_one_line(*run_main([*base, "--nproc", "2", "--micro-batch-size", "16"], capsys),
+                    "no layout of 2 ranks has micro_batch_size = 16 (global batch 64): it weighs --micro-batch-size "
+                    "1, 2, 4, 8 here; drop --micro-batch-size, or give the layout yourself (without --layout auto)")
     # pipezero cluster's nodes x ranks a node are the world the choice weighs, checked before any node starts
     assert_one_line(*run_main(["cluster", "--nodes", "2", "--ranks-per-node", "2", "train", "--preset", "tiny",
                                "--layout", "auto", "--pp", "3"], capsys), "no layout of 4 ranks has pp = 3")

@@ -119,14 +119,34 @@ def describe_estimate(e: Any) -> dict[str, Any]:
             "predicted_idle_s": busy * e.bubble + e.dp_comm_s}
 
 
-def matches(lay: Layout, wanted: dict[str, Any]) -> bool:
-    """Whether `lay` keeps every constraint (`parallel.x` -> the typed value given)."""
-    have = {"parallel.pp": lay.pp, "parallel.dp": lay.dp, "parallel.zero": lay.zero,
+def constrained(lay: Layout) -> dict[str, Any]:
+    """`lay`'s value of every setting a constraint may name (`parallel.x` -> its typed value)."""
+    return {"parallel.pp": lay.pp, "parallel.dp": lay.dp, "parallel.zero": lay.zero,
             "parallel.schedule": lay.schedule, "parallel.virtual_stages": lay.virtual,
             "parallel.micro_batch_size": lay.micro_batch, "parallel.microbatches": lay.microbatches,
             "parallel.recompute": lay.recompute, "parallel.grad_reduce": lay.grad_reduce,
             "parallel.placement": lay.placement, "parallel.hierarchical": lay.hierarchical}
+
+
+def matches(lay: Layout, wanted: dict[str, Any]) -> bool:
+    """Whether `lay` keeps every constraint (`parallel.x` -> the typed value given)."""
+    have = constrained(lay)
     return all(have[k] == v for k, v in wanted.items())
+
+
+def never_weighed(every: list[Any], wanted: dict[str, Any]) -> str:
+    """For a constraint whose value no layout weighed has (the search tries micro-batches of 1 to 8
+    sequences only, say), the values it has: ": it weighs --x 1, 2 here; drop --x ..."; else ""
+    (each value exists, just not together). "No layout has micro_batch_size = 16" alone read as if
+    none could, where the search never tried one."""
+    for key, value in wanted.items():
+        seen = {constrained(e.layout)[key] for e in every}
+        if value not in seen:
+            flag = "--" + key.split(".")[1].replace("_", "-")
+            shown = ", ".join(str(getattr(v, "value", v)) for v in sorted(seen, key=lambda v: str(getattr(v, "value", v)).zfill(8)))
+            yourself = "" if key in ("parallel.pp", "parallel.dp") else ", or give the layout yourself (without --layout auto)"
+            return f": it weighs {flag} {shown} here; drop {flag}{yourself}"  # a pp x dp not the world's runs nowhere
+    return ""
 
 
 def constraints(cfg: TrainConfig, given: set[str]) -> dict[str, Any]:
@@ -244,8 +264,8 @@ def no_layout_reason(cfg: TrainConfig, cluster: Cluster, global_batch: int, want
                         budget=budget, in_flight=cfg.parallel.buckets_in_flight).fits
     kept = [e for e in every if matches(e.layout, wanted)]
     if not kept:
-        return (f"--layout auto: no layout of {ranks} has{asked[4:]} (global batch {global_batch}): drop "
-                f"one of those flags")
+        return (f"--layout auto: no layout of {ranks} has{asked[4:]} (global batch {global_batch})"
+                f"{never_weighed(every, wanted) or ': drop one of those flags'}")
     least = min(kept, key=lambda e: e.memory_gib)
     need = least.memory_gib / cluster.headroom
     return (f"--layout auto: no layout of {ranks}{' with' + asked[4:] if asked else ''} fits "
