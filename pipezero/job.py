@@ -80,6 +80,7 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, a
     leaves neither orphans nor a folder open to a second run. SIGUSR1 asks every rank for its flight record; the hang doctor's
     report (doctor.py) is printed whenever the ranks wrote theirs (a request, a stalled or failed wait)."""
     from pipezero.lifeline import bind_child
+    from pipezero.rundir import remove_trials
     from pipezero.runtime.watch import Desk, ask
 
     received: list[int] = []
@@ -94,10 +95,12 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, a
             if text := desk.poll():
                 print(text, file=sys.stderr, flush=True)
         if not received:  # a negative status is torchrun's own death by that signal: say it as a shell does
+            remove_trials(out)  # a rank that failed mid-trial left it
             if proc.returncode != 0 and (text := desk.final()):
                 print(text, file=sys.stderr, flush=True)
             return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         stop(proc)
+        remove_trials(out)  # stopped ranks run no `finally`: --out as the job found it
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -294,6 +294,18 @@ def _holds_a_run(out: str, names: list[str]) -> str:
             f"replaced), or choose another --out")
 
 
+def remove_trials(out: str | Path) -> None:
+    """Remove `--layout auto`'s trials folder (planner/auto_trials.py SCRATCH) where no rank can be
+    using it: the job is over, or its folder's lock is held before any rank starts. A rank stopped by
+    a signal, or killed, runs no `finally`, and the folder stayed, where the next run read it as a run
+    already there. Never followed where it is a link."""
+    import shutil
+
+    from pipezero.planner.auto_trials import SCRATCH
+
+    shutil.rmtree(Path(out) / SCRATCH, ignore_errors=True)
+
+
 def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
     """Take run folder `out` for a run, or raise a ConfigError saying why it cannot be. `clashes`:
     with `--force`, what of the run already there this run would write over (its checkpoints of the
@@ -312,6 +324,8 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     except BaseException:
         remove_made(made)
         raise
+    if "RANK" not in os.environ:  # a launcher or a lone process: no rank of this run has started
+        remove_trials(path)
     previous = _read(path / RUN_ID)
     held = Claim(path, fd, "", AsFound(made, had_lock, previous, _entries(path)))
     try:

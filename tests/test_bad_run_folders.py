@@ -318,3 +318,19 @@ def test_a_folder_of_notes_offers_force_and_force_trains_beside_them(tmp_path, c
     code, err = run_main([*TRAIN_TINY_SMALLEST, "--out", str(theirs)], capsys)
     assert_one_line(code, err, "holds metrics.jsonl but no run pipezero started")
     assert "--force" not in err
+
+
+def test_trials_a_stopped_run_left_are_removed_by_the_next_claim_never_through_a_link(tmp_path, monkeypatch):
+    """Ranks stopped by a signal (or killed) mid `--layout auto` trial run no `finally`: their
+    `.layout-trials` stayed, and the next run into the folder was refused as "already holds a run"."""
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "run"
+    (out / ".layout-trials" / "0").mkdir(parents=True)
+    (out / ".run-id").write_text("0123456789abcdef\n")
+    claim(str(out), resume=False, force=False).release()
+    assert not (out / ".layout-trials").exists()
+    kept = tmp_path / "kept"
+    (kept / "0").mkdir(parents=True)
+    (out / ".layout-trials").symlink_to(kept)
+    claim(str(out), resume=True, force=False).release()
+    assert (kept / "0").is_dir()

@@ -229,6 +229,21 @@ def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
     assert "continue with --resume" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
+def test_a_job_stopped_mid_trial_leaves_no_trials_folder(tmp_path, capsys):
+    """A rank stopped by a signal runs no `finally`: the `--layout auto` trials' folder stayed in --out."""
+    import signal
+    import sys
+
+    from pipezero.job import run_job
+
+    trial = tmp_path / ".layout-trials" / "0"
+    cmd = [sys.executable, "-c", f"import os, signal, time; os.makedirs({str(trial)!r}); "
+                                 f"os.kill(os.getppid(), signal.SIGTERM); time.sleep(30)"]
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGTERM
+    assert not (tmp_path / ".layout-trials").exists()
+
+
 def holds_file(pid: int, path: Path) -> bool:
     """Whether process `pid` has `path` open (Linux /proc)."""
     for fd in Path(f"/proc/{pid}/fd").glob("*"):
