@@ -71,6 +71,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def stop_advice(out: str) -> str:
+    """What a stopped training job leaves: its checkpoints and --resume, or, where it saved none (stopped
+    in its probe or trials, say), nothing to resume from."""
+    from pipezero.rundir import holds_steps
+
+    if holds_steps(Path(out) / "checkpoints"):
+        return f"the newest complete checkpoint under {out} is intact: continue with --resume"
+    return f"no checkpoint was saved under {out}: run the same command again"
+
+
 def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, after_stop: str | None = None,
             lock_fd: int | None = None) -> int:
     """Run torchrun command `cmd` of `world` ranks; its exit status, or 128 + the signal that
@@ -105,6 +115,6 @@ def run_job(cmd: Sequence[str], env: dict[str, str], out: str, world: int = 1, a
         for s, handler in previous.items():
             signal.signal(s, handler)
     name = signal.Signals(received[0]).name
-    after_stop = after_stop or f"the newest complete checkpoint under {out} is intact: continue with --resume"
+    after_stop = after_stop or stop_advice(out)
     print(f"pipezero: stopped by {name}; every rank ended, {after_stop}", file=sys.stderr, flush=True)
     return 128 + received[0]

@@ -155,7 +155,7 @@ class Claim:
         self.release()
 
 
-def _holds_steps(folder: Path) -> bool:
+def holds_steps(folder: Path) -> bool:
     """Whether `folder` holds a checkpoint's folder (`step-N`, or one being saved): the mark of a run
     that lost its .run-id. A `checkpoints` folder of nothing else is no run: any folder may be named so."""
     try:
@@ -173,7 +173,7 @@ def checkpoints_above(path: Path) -> Path | None:
     except (OSError, RuntimeError):  # a symlink loop: the claim's own checks name it
         return None
     for folder in (here, *here.parents):
-        if folder.name == "checkpoints" and ((folder.parent / RUN_ID).is_file() or _holds_steps(folder)):
+        if folder.name == "checkpoints" and ((folder.parent / RUN_ID).is_file() or holds_steps(folder)):
             return folder
     return None
 
@@ -283,7 +283,7 @@ def _holds_a_run(out: str, names: list[str]) -> str:
     and beside files that are none of a run's."""
     path = Path(out)
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-    if (path / RUN_ID).is_file() or _holds_steps(path / "checkpoints"):
+    if (path / RUN_ID).is_file() or holds_steps(path / "checkpoints"):
         return (f"--out {out!r} already holds a run ({shown}): pass --resume to continue it, --force to train there "
                 f"anyway, or choose another --out")
     if foreign := sorted(set(names) & RUN_FILES):
@@ -332,7 +332,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
         if held.found.entries and not (resume or force):
             raise ConfigError(_holds_a_run(out, sorted(held.found.entries)))
         foreign = sorted(set(held.found.entries) & RUN_FILES)
-        if (resume or force) and previous is None and foreign and not _holds_steps(path / "checkpoints"):
+        if (resume or force) and previous is None and foreign and not holds_steps(path / "checkpoints"):
             flag = "--resume" if resume and not force else "--force"
             raise ConfigError(f"--out {out!r} holds {', '.join(foreign)} but no run pipezero started (no {RUN_ID}, "
                               f"no checkpoints), and {flag} would write over them: they are not pipezero's to "

@@ -225,6 +225,10 @@ def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
     cmd = [sys.executable, "-c", "import os, signal, time; os.kill(os.getppid(), signal.SIGINT); time.sleep(30)"]
     assert run_job(cmd, {}, str(tmp_path), after_stop="verify stopped: run it again") == 128 + signal.SIGINT
     assert capsys.readouterr().err.strip().endswith("every rank ended, verify stopped: run it again")
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT  # stopped before its first save
+    assert capsys.readouterr().err.strip().endswith(f"no checkpoint was saved under {tmp_path}: run the same "
+                                                    f"command again")
+    (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)
     assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
     assert "continue with --resume" in capsys.readouterr().err
 
