@@ -36,6 +36,7 @@ from pipezero.lifeline import bind_child
 
 # a tc rate in bits a second (tc reads `bps` as bytes a second: accepted, as tc does)
 RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kmgt]i?)?(bit|bps)")  # ASCII digits: tc reads no others
+MIN_RATE = 8  # bits a second: tc keeps a rate in whole bytes a second, and reads less than one as none
 MAX_RATE = 10e12  # bits a second: 10tbit, past any link there is to emulate; tc failed mid-build on 2**70gbit
 
 
@@ -78,9 +79,9 @@ class ClusterSpec:
         if not 1 <= self.nodes <= 200:
             raise ConfigError(f"--nodes {self.nodes}: choose 1 to 200")
         bits = rate_bits(self.link)
-        if bits is None or not 0 < bits <= MAX_RATE:  # tc would fail mid-build, after the namespaces were made
-            raise ConfigError(f"--link {self.link!r}: a tc rate such as 200mbit (a number > 0, then kbit, mbit, gbit "
-                              f"or bit; tc's bps units are bytes a second), at most 10tbit")
+        if bits is None or not MIN_RATE <= bits <= MAX_RATE:  # tc would fail mid-build, after the namespaces were made
+            raise ConfigError(f"--link {self.link!r}: a tc rate such as 200mbit (a number, then kbit, mbit, gbit "
+                              f"or bit; tc's bps units are bytes a second), at least 8bit and at most 10tbit")
         if self.pin and self.nodes > len(os.sched_getaffinity(0)):
             raise ConfigError(f"--pin: {self.nodes} nodes need a core each and this host lends "
                               f"{len(os.sched_getaffinity(0))}; leave out --pin or use fewer nodes")

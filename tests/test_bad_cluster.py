@@ -89,6 +89,7 @@ def test_a_step_ip_or_tc_refuses_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cluster, "require_root", lambda: None)
     monkeypatch.setattr("pipezero.launch.preflight", lambda cfg, world, per_node=None: None)  # the data is not the case here
     monkeypatch.setattr(cluster.EmulatedCluster, "_build", refused)
+    monkeypatch.setattr(cluster, "remove_stale", list)  # what killed clusters left: test_cluster.py, with root
     code, err = run_main(["cluster", "--nodes", "2", "train", "--dp", "2"], capsys)
     assert made and code == 1 and "Traceback" not in err
     assert err.strip().splitlines() == ["pipezero: error: the emulated cluster failed: `tc qdisc add dev eth0 root "
@@ -127,6 +128,15 @@ def test_a_cluster_link_past_any_real_one_is_refused_before_building(link, nothi
     """A rate past any real link (--link 1180591620717411303424gbit) would fail in tc, mid-build."""
     code, err = run_main(["cluster", "--nodes", "2", "--link", link, *TRAIN_TINY_SMALLEST, "--dp", "2"], capsys)
     assert_one_line(code, err, f"--link {link!r}: a tc rate such as 200mbit")
+
+
+@pytest.mark.parametrize("link", ["1bit", "7.9bit", "0.0001kbit"])
+def test_a_cluster_link_under_a_byte_a_second_is_refused_before_building(link, nothing_built, host_ok, capsys):
+    """tc keeps a rate in whole bytes a second: under 8bit it reads none, and failed mid-build with
+    its usage text ('tbf: the "rate" parameter is mandatory')."""
+    code, err = run_main(["cluster", "--nodes", "2", "--link", link, *TRAIN_TINY_SMALLEST, "--dp", "2"], capsys)
+    assert_one_line(code, err, f"--link {link!r}: a tc rate such as 200mbit")
+    assert "at least 8bit" in err
 
 
 def test_cluster_rates_read_as_tc_reads_them():
