@@ -128,6 +128,12 @@ def test_a_spec_whose_tied_names_name_no_tied_pair_is_one_line_before_anything_i
     ("    def build_layer(self, i):\n        import torch\n        return torch.nn.Linear(64, 128) if i == 2 "
      "else super().build_layer(i)\n",
      "S says dim = 64, but layer 2 (Linear) gives activations of shape (1, 8, 128)"),
+    # a forward that cannot run on meta (`.item()`): the width was left unchecked, and the run aborted in gloo
+    ("    def build_layer(self, i):\n        import torch\n        if i != 2:\n            return super().build_layer(i)\n"
+     "        class Wide(torch.nn.Linear):\n            def forward(self, x):\n"
+     "                return super().forward(x) * (1.0 + 0.0 * x.sum().item())\n"
+     "        return Wide(64, 128)\n",
+     "S says dim = 64, but layer 2 (Wide) gives activations of shape (1, 8, 128)"),
 ])
 def test_a_spec_whose_layers_give_another_width_than_its_dim_is_one_line_before_any_rank(body, needle, tmp_path,
                                                                                           monkeypatch, capsys):

@@ -245,31 +245,47 @@ def _probe_layers(spec: ModelSpec, ref: str, module: str) -> None:
         for i, layer in enumerate(layers):
             _probe_init(spec, ref, module, layer, i, counts[i])
     _check_tied(spec, ref, module, layers)
-    _check_widths(spec, ref, layers)
+    _check_widths(spec, ref, layers, sum(p.numel() for layer in layers for p in layer.parameters()))
 
 
-def _check_widths(spec: ModelSpec, ref: str, layers: list[Any]) -> None:
+def _check_widths(spec: ModelSpec, ref: str, layers: list[Any], params: int) -> None:
     """Every layer but the head gives (B, T, dim) on a few tokens, run on the meta device (no memory,
     no arithmetic): `dim` sizes the buffers activations cross pipeline ranks in, where a lie was a C++
-    abort of gloo's on every rank. A forward that cannot run on meta (`.item()`, a mask it needs)
-    proves nothing here and is left to the run."""
+    abort of gloo's on every rank. A forward that cannot run on meta (`.item()`, a mask it needs) is
+    run once more on the model built for real where it is small (`params` at most PROBE_REAL); a
+    larger one, or one that fails for real too, is left to the run."""
+    import torch
+
+    if _widths_agree(spec, ref, layers, "meta") or params > PROBE_REAL:
+        return
+    try:
+        with torch.device("cpu"):
+            real = [spec.build_layer(i) for i in range(len(layers))]
+    except Exception:  # noqa: BLE001 - built on meta above: the run meets whatever this is
+        return
+    _widths_agree(spec, ref, real, "cpu")
+
+
+def _widths_agree(spec: ModelSpec, ref: str, layers: list[Any], device: str) -> bool:
+    """Whether every layer's forward ran on `device` (then each gave (1, T, dim), else ConfigError)."""
     import torch
 
     cls, tokens = type(spec).__name__, min(8, spec.max_seq_len or 8)
-    with torch.device("meta"):
+    with torch.device(device):
         x: Any = torch.zeros(1, tokens, dtype=torch.long)
         for i, layer in enumerate(layers[:-1]):
             try:
                 with torch.no_grad():
                     x = layer(x)
-            except Exception:  # noqa: BLE001 - not the spec's fault on meta: the run tries it for real
-                return
+            except Exception:  # noqa: BLE001 - on meta maybe no fault of the spec's; for real, the run says it
+                return False
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != (1, tokens, spec.dim):
                 got = f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
                 raise ConfigError(f"--model-spec {ref!r}: {cls} says dim = {spec.dim}, but layer {i} "
                                   f"({type(layer).__name__}) gives activations of {got}: dim is the width of what "
                                   f"layers 0 to {spec.n_layers} give (what crosses between pipeline ranks); make "
                                   f"them agree")
+    return True
 
 
 def _check_tied(spec: ModelSpec, ref: str, module: str, layers: list[Any]) -> None:
