@@ -74,10 +74,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def stop_advice(out: str) -> str:
     """What a stopped training job leaves: its checkpoints and --resume, or, where it saved none (stopped
     in its probe or trials, say), nothing to resume from."""
-    from pipezero.rundir import holds_steps
+    from pipezero.rundir import LOCK, RUN_ID, holds_steps
 
     if holds_steps(Path(out) / "checkpoints"):
         return f"the newest complete checkpoint under {out} is intact: continue with --resume"
+    try:
+        wrote = [p.name for p in Path(out).iterdir() if p.name not in (LOCK, RUN_ID)]
+    except OSError:
+        wrote = []
+    if wrote:  # its first steps' files: the same command is refused as "already holds a run"
+        return (f"no checkpoint was saved under {out}, so nothing resumes: train again from step 0 with --force "
+                f"there, or into another --out")
     return f"no checkpoint was saved under {out}: run the same command again"
 
 

@@ -228,6 +228,10 @@ def test_a_stopped_job_says_what_its_command_leaves(tmp_path, capsys):
     assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT  # stopped before its first save
     assert capsys.readouterr().err.strip().endswith(f"no checkpoint was saved under {tmp_path}: run the same "
                                                     f"command again")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # its first steps ran, none was saved
+    assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().endswith(f"no checkpoint was saved under {tmp_path}, so nothing resumes: "
+                                                    f"train again from step 0 with --force there, or into another --out")
     (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)
     assert run_job(cmd, {}, str(tmp_path)) == 128 + signal.SIGINT
     assert "continue with --resume" in capsys.readouterr().err
