@@ -303,7 +303,19 @@ def remove_trials(out: str | Path) -> None:
 
     from pipezero.planner.auto_trials import SCRATCH
 
-    shutil.rmtree(Path(out) / SCRATCH, ignore_errors=True)
+    shutil.rmtree(Path(out) / SCRATCH, ignore_errors=True)  # a link is refused, not removed: rmtree raises on it
+
+
+def refuse_trials_name(out: str | Path) -> None:
+    """A file or link under the trials folder's name is the user's, not a scratch folder: the trials
+    wrote through a link (into the folder it names) and failed on both with every rank's traceback."""
+    from pipezero.planner.auto_trials import SCRATCH
+
+    path = Path(out) / SCRATCH
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        what = "a link" if path.is_symlink() else "a file"
+        raise ConfigError(f"--out {str(out)!r} holds {SCRATCH}, {what}, under the name --layout auto's trials take "
+                          f"for their scratch folder: move it away (pipezero neither writes through nor removes it)")
 
 
 def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None] | None = None) -> Claim:
@@ -313,6 +325,7 @@ def claim(out: str, resume: bool, force: bool, clashes: Callable[[], str | None]
     A refusal leaves the folder as it was."""
     path = Path(out)
     refuse_folder(out)
+    refuse_trials_name(path)
     made: list[Path] = []
     try:
         made = make_folders(path)

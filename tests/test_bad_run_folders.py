@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from one_line import assert_one_line, assert_one_line_exit_1, run_main
+from pipezero.errors import ConfigError
 from pipezero.rundir import claim
 from pipezero.files import atomic_write_bytes
 from tiny_runs import (TRAIN_TINY, TRAIN_TINY_BYTES, TRAIN_TINY_SMALLEST, VERIFY_TINY, copy_trained_folder,
@@ -320,7 +321,7 @@ def test_a_folder_of_notes_offers_force_and_force_trains_beside_them(tmp_path, c
     assert "--force" not in err
 
 
-def test_trials_a_stopped_run_left_are_removed_by_the_next_claim_never_through_a_link(tmp_path, monkeypatch):
+def test_trials_a_stopped_run_left_are_removed_by_the_next_claim_and_a_link_or_file_there_refused(tmp_path, monkeypatch):
     """Ranks stopped by a signal (or killed) mid `--layout auto` trial run no `finally`: their
     `.layout-trials` stayed, and the next run into the folder was refused as "already holds a run"."""
     monkeypatch.delenv("RANK", raising=False)
@@ -331,6 +332,14 @@ def test_trials_a_stopped_run_left_are_removed_by_the_next_claim_never_through_a
     assert not (out / ".layout-trials").exists()
     kept = tmp_path / "kept"
     (kept / "0").mkdir(parents=True)
-    (out / ".layout-trials").symlink_to(kept)
-    claim(str(out), resume=True, force=False).release()
-    assert (kept / "0").is_dir()
+    (out / ".layout-trials").symlink_to(kept)  # the trials wrote through it, and every rank failed on it
+    with pytest.raises(ConfigError, match=r"holds .layout-trials, a link, under the name --layout auto's trials take"):
+        claim(str(out), resume=True, force=False)
+    assert (kept / "0").is_dir() and (out / ".layout-trials").is_symlink()
+    (out / ".layout-trials").unlink()
+    (out / ".layout-trials").write_text("a user's file")
+    with pytest.raises(ConfigError, match=r"holds .layout-trials, a file, .* move it away"):
+        claim(str(out), resume=True, force=False)
+    assert (out / ".layout-trials").read_text() == "a user's file"
+    (out / ".layout-trials").unlink()
+    claim(str(out), resume=True, force=False).release()  # the refusals held no lock
