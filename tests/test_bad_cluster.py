@@ -123,6 +123,18 @@ def test_a_cluster_run_folder_is_checked_before_the_cluster_is_built(out, needle
     assert_one_line(code, err, needle)
 
 
+def test_a_cluster_run_holding_a_file_as_its_trials_folder_is_refused_before_building(nothing_built, host_ok,
+                                                                                        tmp_path, monkeypatch, capsys):
+    """Node 0's rank 0 met it after the cluster was built: its trials wrote through a link, failed on a file."""
+    monkeypatch.chdir(tmp_path)
+    write_docs(tmp_path)
+    fake_run(tmp_path / "run")
+    (tmp_path / "run" / ".layout-trials").write_text("a user's file")
+    code, err = run_main(["cluster", "--nodes", "2", *TRAIN_TINY_SMALLEST, "--dp", "2", "--data", "docs", "--out", "run",
+                          "--resume"], capsys)
+    assert_one_line(code, err, "--out 'run' holds .layout-trials, a file, under the name --layout auto's trials take")
+
+
 @pytest.mark.parametrize("link", [f"{2**70}gbit", "20tbit", "1e3gbit"])
 def test_a_cluster_link_past_any_real_one_is_refused_before_building(link, nothing_built, host_ok, capsys):
     """A rate past any real link (--link 1180591620717411303424gbit) would fail in tc, mid-build."""

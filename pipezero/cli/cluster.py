@@ -41,9 +41,10 @@ def cmd_cluster(args: argparse.Namespace, root: argparse.ArgumentParser) -> int:
     cfg, force = cluster_job(args.command, args.nodes * args.ranks_per_node, root,
                              f"--nodes {args.nodes} x --ranks-per-node {args.ranks_per_node}", args.ranks_per_node)
     require_root()
-    from pipezero.rundir import refuse_folder
+    from pipezero.rundir import refuse_folder, refuse_trials_name
 
     refuse_folder(cfg.run.out, cfg.run.resume, force)  # as node 0's rank 0 would: one line, not every node's report
+    refuse_trials_name(cfg.run.out)
     check_out(cfg)
     # data, tokenizer, vocabulary, the split over nodes: once, not on every rank
     preflight(cfg, args.nodes * args.ranks_per_node, args.ranks_per_node)
