@@ -131,7 +131,7 @@ def test_a_cluster_run_holding_a_file_as_its_trials_folder_is_refused_before_bui
     fake_run(tmp_path / "run")
     (tmp_path / "run" / ".layout-trials").write_text("a user's file")
     code, err = run_main(["cluster", "--nodes", "2", *TRAIN_TINY_SMALLEST, "--dp", "2", "--data", "docs", "--out", "run",
-                          "--resume"], capsys)
+                          "--force"], capsys)
     assert_one_line(code, err, "--out 'run' holds .layout-trials, a file, under the name --layout auto's trials take")
 
 
