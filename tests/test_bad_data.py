@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -869,10 +870,9 @@ def test_a_tokenizer_file_named_without_json_is_told_to_be_renamed(tokenizer_tex
     assert not (tmp_path / "out").exists()
 
 
-def _without_root_rights(argv: list[str]) -> "subprocess.CompletedProcess[str]":
+def _without_root_rights(argv: list[str]) -> subprocess.CompletedProcess[str]:
     """`pipezero <argv>` as a user whom file modes bind: root lets itself read anything, so as root
     it runs without the rights that override modes (setpriv drops them from its bounding set)."""
-    import subprocess
     import sys
 
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
