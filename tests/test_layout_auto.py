@@ -505,9 +505,13 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
         return {2: 0.5, 3: 0.4}[len(seen)]
 
     monkeypatch.setattr(auto_trials, "time_steps", fake)
+    # a collection of the whole session's heap a trial (a third of a second each): counted, not run
+    freed = []
+    monkeypatch.setattr(auto_trials, "free_memory", lambda: freed.append(len(seen)))
     cfg = build_config(None, settings_of(req, first))
     picked = settle_by_trials(req, tied, cfg, {})
     out = capsys.readouterr().out
+    assert freed == [1, 2, 3]  # after every trial, the failed one's too, before the next is built
     assert picked.chosen == tied.ranked[2] and picked.picked_by == "measured fastest in trials"
     assert picked.costs["trials_s"] > 0 and [t["trial_step_s"] for t in picked.trials] == [None, 0.5, 0.4]
     assert f"{tied.ranked[0]['flags']}: predicted 1 s, dropped: rank 0: OutOfMemoryError: CUDA out of memory. " \
@@ -520,6 +524,7 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     kept = settle_by_trials(req, small, cfg, {})
     out = capsys.readouterr().out
     assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
+    assert freed == [1, 2, 3, 1]
     assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()
     # a run too short for two trials tries none, and says so
@@ -529,6 +534,7 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     out = capsys.readouterr().out
     assert not seen and untried.ranked == tied.ranked and untried.trials == [] and untried.picked_by == "model's choice"
     assert out.startswith("layout trials skipped:") and untried.trials_cut in out, out
+    assert freed == [1, 2, 3, 1]
 
 
 def failing_trials(rank: int, world: int, data: str, out: str) -> dict:
