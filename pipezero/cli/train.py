@@ -21,7 +21,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                         "replacing its metrics.jsonl, summary.json and trace; in a folder of files pipezero did not "
                         "write (no .run-id, no checkpoints) a run's names are refused, never replaced, and other "
                         "files are left beside the run")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=lambda args: cmd_train(args))  # looked up when run: the parser is built once
 
 
 def add_auto_flags(parser: argparse.ArgumentParser) -> None:
