@@ -10,17 +10,21 @@ run will train, at the run's shapes and dtype, in seconds:
   `layer_costs`) over that time, and the fixed cost an action pays is the same block's forward at
   one row of eight tokens, where FLOPs are nothing;
 - links: an all-reduce at two sizes inside a node and across nodes, on the ranks this job has (a
-  latency and a bandwidth from the two), bus bandwidth as a ring sees it;
+  latency and a bandwidth from the two), bus bandwidth as a ring sees it. The small size is fixed;
+  the large one is as large as a call of `LARGE_S` allows at the small one's rate (a 4 MB all-reduce
+  over 100 Mbit took 0.6 s a call, and a figure takes four calls at least), and never under four
+  times the small, so that its time is mostly bandwidth;
 - cores (CPU ranks): the cores the job's ranks get. Its hosts have so many (every host's once: ranks
   whose kernel is the same, as the emulated cluster's nodes, namespaces of one host, share its
   cores, however many torchrun nodes they were started as); of those the job gets what its block
   says when every rank computes it at once against rank 0's alone (other jobs on the host, and the
   host's own work, take the rest);
-- host: a bucket-sized copy from the device to host memory and back, and AdamW's step on the host
-  (zero/adamw.py, the kernel --offload optimizer runs there), in parameters a second.
+- host (`pipezero probe`; `host=True`): a bucket-sized copy from the device to host memory and back,
+  and AdamW's step on the host (zero/adamw.py, the kernel --offload optimizer runs there), in
+  parameters a second. `train --layout auto` never offloads, so its probe leaves them out.
 
-Every figure is a median over repetitions bounded in time (`budget_s` each): the probe answers in
-seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan --costs` reads.
+Every figure is a median over repetitions bounded in time (`budget_s` each) and in count (`MOST`):
+the probe answers in seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan --costs` reads.
 """
 
 from __future__ import annotations
@@ -37,12 +41,14 @@ import torch
 from pipezero.config import OptimConfig, TrainConfig
 
 LINK_KINDS = ("node", "across")  # the link classes a probe times (planner/auto.py `cluster_for` reads them)
-SIZES = (1 << 16, 1 << 22)  # bytes of the two all-reduces each link class is timed at: latency, bandwidth
+SMALL = 1 << 16  # bytes of the all-reduce whose time is mostly a link's latency
+LARGEST = 1 << 22  # bytes of the largest all-reduce a link's bandwidth is timed with
+LARGE_S = 0.03  # seconds one call of the bandwidth's all-reduce may take, at the small one's rate
 
 
 @dataclass
 class LinkCost:
-    latency_s: float
+    latency_s: float  # a collective's fixed seconds: the small all-reduce less its bytes at `gbps`
     gbps: float  # GB/s of bus bandwidth: what a ring all-reduce moves through each rank's link
 
 
@@ -125,7 +131,9 @@ def read_probe(path: str) -> Probe:
     return found
 
 
-MOST = 200  # repetitions of one figure at the most
+# repetitions of one figure at the most: a median of 15 moves less than the host's own noise, and a
+# budget of 0.5 s ran a 2 ms block's forward 200 times
+MOST = 15
 MOST_S = 120.0  # seconds a probe may take: past it (a 7b block on CPU), refused after one forward
 CALLS = 20  # forwards' worth of a probe: F, B and W (~1, ~1.5 and ~2.5 forwards) a warm-up and 3 calls each
 
@@ -176,11 +184,9 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     each = sum(first) / least
     count = torch.tensor([min(MOST, max(least, int(budget_s / max(each, 1e-9))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if int(count.item()) == least:
-        # no rank's budget allows more than the calls just timed: they are the figure, every rank
-        # alike (a 4 MB all-reduce over 100 Mbit takes 0.6 s; timing it again cost seconds a probe)
-        return statistics.median(first)
-    return statistics.median(once(fn, sync) for _ in range(int(count.item())))
+    # the calls that estimated the count are the figure's first (a 4 MB all-reduce over 100 Mbit
+    # takes 0.6 s: timing it again cost seconds a probe); every rank runs the same number more
+    return statistics.median(first + [once(fn, sync) for _ in range(int(count.item()) - least)])
 
 
 def block_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
@@ -271,22 +277,46 @@ def achieved_tflops(flops: float, block_s: dict[str, float], overhead_s: float) 
     return flops / (total - 3 * overhead_s) / 1e12
 
 
+def large_size(small_s: float) -> int:
+    """Bytes of the all-reduce a link's bandwidth is timed with, where the small one took `small_s`:
+    SMALL x 4^k, the largest whose call at the small one's rate takes no more than LARGE_S, at least
+    4 x SMALL and at most LARGEST."""
+    size = 4 * SMALL
+    while size * 4 <= LARGEST and small_s * size * 4 / SMALL <= LARGE_S:
+        size *= 4
+    return size
+
+
+def agreed_most(value: float, group: Any, device: torch.device) -> float:
+    """The largest of every rank's `value` in `group`: what every rank then sizes alike."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
-    """An all-reduce over `group` at two sizes: latency from the small, bandwidth from the difference."""
+    """An all-reduce over `group` at two sizes: bandwidth from the difference, latency the small
+    one's time less its bytes at that bandwidth. The large size follows the small one's time (the
+    slowest rank's, so every rank times the same size): a slow link is timed with fewer bytes."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
+    small = torch.zeros(SMALL // 4, device=device)
     t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
+    size = large_size(agreed_most(t_small, group, device))
+    large = torch.zeros(size // 4, device=device)
     t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
     ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
     if t_large > 1.05 * t_small:
-        return LinkCost(t_small, ring * (SIZES[1] - SIZES[0]) / (t_large - t_small) / 1e9)
+        gbps = ring * (size - SMALL) / (t_large - t_small) / 1e9
+        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)), gbps)
     # the large no slower than the small (a loaded host's noise): the difference says nothing, and
     # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
     # bandwidth the link at least has
-    return LinkCost(min(t_small, t_large), ring * SIZES[1] / t_large / 1e9)
+    return LinkCost(min(t_small, t_large), ring * size / t_large / 1e9)
 
 
 CPUS = 1024  # CPU numbers a rank's affinity is sent as (job_cores): more than any host has
@@ -351,9 +381,10 @@ def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 
 
 
 def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None = None,
-          budget_s: float = 0.5) -> Probe:
+          budget_s: float = 0.5, host: bool = False) -> Probe:
     """Every figure this rank can measure; `groups`: "node" and "across" process groups to time
-    (collective calls: every rank of each group must call this alike)."""
+    (collective calls: every rank of each group must call this alike); `host`: the host's copy rate
+    and AdamW too (`pipezero probe`, for `plan`'s offload; `train --layout auto` never offloads)."""
     t0 = time.perf_counter()
     block, tflops, overhead = probe_block(cfg, device, budget_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -361,6 +392,7 @@ def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None 
     for kind, group in (groups or {}).items():
         if group is not None:
             out.links[kind] = probe_link(group, device, budget_s / 2)
-    out.host_copy_gbps, out.host_adamw_params_s = probe_host(device, budget_s=budget_s / 2)
+    if host:
+        out.host_copy_gbps, out.host_adamw_params_s = probe_host(device, budget_s=budget_s / 2)
     out.seconds = time.perf_counter() - t0
     return out
