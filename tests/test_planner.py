@@ -206,6 +206,32 @@ def test_a_pipelines_hops_cross_the_slow_link_only_between_nodes():
     assert extra == pytest.approx(2 * hop / (2 * 1e-3 * 1e9), rel=0.02)
 
 
+def test_a_links_latency_is_paid_by_each_hop_and_each_buckets_collective():
+    """A probe times each link's latency beside its bandwidth; the planner threw it away. A pipeline
+    hop pays its link's (between nodes, the nodes'), and each bucket's collective its group's link's:
+    at ZeRO-1 a step's reduce-scatter and all-gather over k buckets pay 2k latencies on the link."""
+    from pipezero.config import ScheduleKind
+    from pipezero.models import param_count
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import hop_seconds
+    from pipezero.planner.traffic import dp_traffic
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.n_layers = 4
+    base = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=1.0, inter_gbps=0.1, tflops=1e-3, cpu=True,
+                   wire_bytes=4, bucket_mb=1.0)
+    slow = Cluster(**{**base.__dict__, "intra_latency_s": 1e-4, "inter_latency_s": 2e-3})
+    pp4 = Layout(4, 1, 0, ScheduleKind.GPIPE, 1, 2, 8, False)
+    plain, late = hop_seconds(base, pp4, 1e5), hop_seconds(slow, pp4, 1e5)
+    # [embedding + block, 2 blocks] | [block, head]: inside, across, inside
+    assert [b - a for a, b in zip(plain, late)] == pytest.approx([1e-4, 2e-3, 1e-4])
+    dp4 = Layout(1, 4, 1, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False)
+    psi = param_count(model)
+    k = math.ceil(psi * 4 / 2**20)
+    (_, link_plain, _), (_, link_late, _) = (dp_traffic(c, dp4, psi, 0.01) for c in (base, slow))
+    assert link_late - link_plain == pytest.approx(2 * k * 2e-3)
+
+
 def test_a_slow_boundary_makes_1f1b_dearer_than_the_schedules_that_stream_through_it():
     """The emulated 2 nodes x 2 ranks at 100 Mbit, as bench/layout_auto_cluster.py's probe measured it
     (58 GFLOP/s, 0.4 ms an action, 5.2 MB/s a rank across, 1.25 cores): P=4's middle boundary crosses

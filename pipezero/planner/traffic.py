@@ -16,6 +16,9 @@ of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for 
 on each of n nodes. On a host whose cores every rank shares, a collective inside a node is the CPU
 copying bytes (loopback) and hides behind nothing.
 
+Each bucket's collective also pays its link's latency (the probe's all-reduce latency: the nodes'
+where a group spans them), which a step of many small buckets feels.
+
 Quantized traffic (zero/compressed.py) is priced by the bytes it sends: `--quantize-weights` gathers
 bits / 8 + 4 / block bytes an element, `--quantize-grads` reduces at that width, its reduce-scatter an
 exchange and its all-reduce that exchange and a gather.
@@ -112,10 +115,15 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
         return 0.0, 0.0, 0.0
     m = lay.microbatches
     payload = payload_bytes(cluster, lay, psi)
-    took = {c: collective_s(cluster, lay, n)[c] for c, n in payload.items()}
     k = max(1, math.ceil(psi * 4 / (cluster.bucket_mb * 2**20)))  # buckets are cut in fp32 (zero/buckets.py)
-    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
+    # each bucket's collective pays its link's latency: the nodes' where the group spans them (the
+    # two-level reduction: both links')
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    across = split is None or split[1] > 1
+    latency = (cluster.inter_latency_s if across else cluster.intra_latency_s) + (
+        cluster.intra_latency_s if lay.hierarchical and across else 0.0)
+    took = {c: collective_s(cluster, lay, n)[c] + k * latency for c, n in payload.items()}
+    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
     if cluster.cores and split and split[1] == 1:
         # inside a node of a host whose cores all compute, a collective is the CPU copying bytes
         # (loopback): it takes the cores from compute for as long as it runs, so none of it hides
@@ -145,7 +153,8 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
             later = ag
             if lay.secondary and split:  # hpZ: after the first, from the node's fp32 shares (zero/coordinator.py)
                 g = split[0]
-                later = took["node_gather"] = (g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                later = took["node_gather"] = ((g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                                               + k * cluster.intra_latency_s)
                 counts.update(all_gather=1, node_gather=2 * m - 1 - m * tail - (m - 1) * front)
             fwd, bwd = later * (1 - front), later * (1 - tail)  # a later forward's, a backward's gathers
             if lay.secondary and split and cluster.cores:
