@@ -50,6 +50,9 @@ LARGE_S = 0.03  # seconds one call of the bandwidth's all-reduce may take, at th
 class LinkCost:
     latency_s: float  # a collective's fixed seconds: the small all-reduce less its bytes at `gbps`
     gbps: float  # GB/s of bus bandwidth: what a ring all-reduce moves through each rank's link
+    # CPU-seconds a rank's process (gloo's threads and the kernel's network path in its context)
+    # spends a GB it sends and receives: on CPU ranks sharing cores, taken from compute
+    cpu_s_per_gb: float = 0.0
 
 
 @dataclass
@@ -114,6 +117,8 @@ def read_probe(path: str) -> Probe:
     figures += [(f"links.{kind}.gbps", "a link's GB/s", c.gbps, 1, limits.GBPS) for kind, c in found.links.items()]
     figures += [(f"links.{kind}.latency_s", "a link's latency (s)", c.latency_s, 1, limits.TIME)
                 for kind, c in found.links.items()]
+    figures += [(f"links.{kind}.cpu_s_per_gb", "--net-cpu", c.cpu_s_per_gb, 1, limits.NET_CPU)
+                for kind, c in found.links.items()]
     if found.cores is not None and (not isinstance(found.cores, (int, float)) or isinstance(found.cores, bool)
                                     or not 0 < found.cores < math.inf):
         raise ConfigError(f"--costs {path}: cores {json.dumps(found.cores)} is not a count of cores (more than 0): "
@@ -171,8 +176,9 @@ def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | Non
 
 
 def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: torch.device,
-                   sync: Callable[[], None] | None = None, least: int = 3) -> float:
-    """`timed` for a collective: every rank of `group` runs it the same number of times.
+                   sync: Callable[[], None] | None = None, least: int = 3, cpu: list[float] | None = None) -> float:
+    """`timed` for a collective: every rank of `group` runs it the same number of times; `cpu`,
+    where given, gets this process's CPU-seconds a call (every thread's: gloo's too) over them.
 
     A loop bounded by each rank's own clock ends after a different count on each rank, and the
     ranks that go on wait for a partner (or read a message of another size): the count is agreed
@@ -180,13 +186,21 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     import torch.distributed as dist
 
     fn()
+    used = time.process_time()
     first = [once(fn, sync) for _ in range(least)]
+    used = time.process_time() - used
     each = sum(first) / least
     count = torch.tensor([min(MOST, max(least, int(budget_s / max(each, 1e-9))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     # the calls that estimated the count are the figure's first (a 4 MB all-reduce over 100 Mbit
     # takes 0.6 s: timing it again cost seconds a probe); every rank runs the same number more
-    return statistics.median(first + [once(fn, sync) for _ in range(int(count.item()) - least)])
+    more = int(count.item()) - least
+    used -= time.process_time()
+    times = first + [once(fn, sync) for _ in range(more)]
+    used += time.process_time()
+    if cpu is not None:
+        cpu.append(used / (least + more))
+    return statistics.median(times)
 
 
 def block_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
@@ -298,25 +312,31 @@ def agreed_most(value: float, group: Any, device: torch.device) -> float:
 
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
     """An all-reduce over `group` at two sizes: bandwidth from the difference, latency the small
-    one's time less its bytes at that bandwidth. The large size follows the small one's time (the
-    slowest rank's, so every rank times the same size): a slow link is timed with fewer bytes."""
+    one's time less its bytes at that bandwidth, and the CPU a GB from the difference of the two
+    sizes' CPU-seconds. The large size follows the small one's time (the slowest rank's, so every
+    rank times the same size): a slow link is timed with fewer bytes."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
+    cpu: list[float] = []
     small = torch.zeros(SMALL // 4, device=device)
-    t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
+    t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync, cpu=cpu)
     size = large_size(agreed_most(t_small, group, device))
     large = torch.zeros(size // 4, device=device)
-    t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
+    t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync, cpu=cpu)
     ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
+    # a GPU's collectives leave the CPU idle (its waits spin: no figure); a CPU rank's copy and sum
+    per_gb = 0.0
+    if len(cpu) == 2 and device.type == "cpu":
+        per_gb = max(0.0, cpu[1] - cpu[0]) / (ring * (size - SMALL) / 1e9)
     if t_large > 1.05 * t_small:
         gbps = ring * (size - SMALL) / (t_large - t_small) / 1e9
-        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)), gbps)
+        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)), gbps, per_gb)
     # the large no slower than the small (a loaded host's noise): the difference says nothing, and
     # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
     # bandwidth the link at least has
-    return LinkCost(min(t_small, t_large), ring * size / t_large / 1e9)
+    return LinkCost(min(t_small, t_large), ring * size / t_large / 1e9, per_gb)
 
 
 CPUS = 1024  # CPU numbers a rank's affinity is sent as (job_cores): more than any host has

@@ -568,3 +568,21 @@ def test_the_planner_prices_the_runs_buckets_in_flight():
     assert eight.memory_gib >= one.memory_gib and eight.dp_comm_s < 0.97 * one.dp_comm_s
     ranked = plan_within(model, slow, 128, 16, in_flight=8).fits
     assert ranked and {e.layout.in_flight for e in ranked} == {8}
+
+
+def test_layout_autos_cluster_takes_each_links_latency_and_the_cpu_its_crossing_bytes_cost():
+    """The probe's latencies and the CPU a GB across nodes reach the cluster the choice prices (a
+    GPU's collectives leave its host's CPU out of it)."""
+    from pipezero.planner.auto import cluster_for
+    from pipezero.probe import LinkCost, Probe
+    from pipezero.settings import build_config
+
+    cfg = build_config(None, {"model.preset": "tiny"})
+    found = Probe("cpu", "fp32", 4, 128, {"F": 0.01, "B": 0.01, "W": 0.01}, 0.05, 1e-4,
+                  {"node": LinkCost(1e-4, 1.0, 0.5), "across": LinkCost(2e-3, 0.05, 3.0)})
+    cpu = cluster_for(cfg, 4, 2, 1.0, False, found)
+    assert (cpu.intra_latency_s, cpu.inter_latency_s, cpu.net_cpu_s_per_gb) == (1e-4, 2e-3, 3.0)
+    assert cluster_for(cfg, 4, 2, 1.0, True, found).net_cpu_s_per_gb == 0.0
+    one_node = Probe(**{**found.__dict__, "links": {"node": LinkCost(1e-4, 1.0, 0.5)}})
+    assert (cluster_for(cfg, 4, 4, 1.0, False, one_node).inter_latency_s,
+            cluster_for(cfg, 4, 4, 1.0, False, one_node).net_cpu_s_per_gb) == (1e-4, 0.0)

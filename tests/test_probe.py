@@ -79,7 +79,7 @@ def probe_links(rank: int, world: int) -> dict:
     cfg = build_config(None, {"model.preset": "tiny", "data.seq_len": "16", "parallel.micro_batch_size": "1"})
     together = block_together(cfg, torch.device("cpu"), budget_s=0.0 if rank == 0 else 0.05, timeout_s=60.0)
     return {"latency_s": found.latency_s, "gbps": found.gbps, "after": after.item(), "cores": job_cores(60.0),
-            "together": together}
+            "together": together, "cpu_s_per_gb": found.cpu_s_per_gb}
 
 
 @pytest.mark.distributed
@@ -90,7 +90,10 @@ def test_a_link_probe_times_an_all_reduce_at_two_sizes_on_every_rank_alike():
 
     results = run_ranks(probe_links, 2)
     for r in results:
-        assert 0 < r["latency_s"] < 1 and r["gbps"] > 0 and r["after"] == 1.0, r
+        assert 0 <= r["latency_s"] < 1 and r["gbps"] > 0 and r["after"] == 1.0, r
+        # gloo's copies and sums cost CPU a byte (a loaded host's noise can hide it in two sizes'
+        # difference: then none), far under a thousand CPU-seconds a GB
+        assert 0 <= r["cpu_s_per_gb"] < 1000, r
     # both ranks on this host: its cores once, not once a rank
     assert [r["cores"] for r in results] == [len(os.sched_getaffinity(0))] * 2, results
     # the block timed on both ranks at once, as many times each: one mean, the same on both
@@ -220,6 +223,29 @@ def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least
         monkeypatch.setattr(probe, "timed_together", lambda *args, **kwargs: next(times))
         found = probe.probe_link(None, torch.device("cpu"))
         assert found.gbps == pytest.approx(gbps) and found.latency_s == pytest.approx(latency)
+
+
+def test_a_links_cpu_a_gb_is_the_two_sizes_cpu_difference_over_their_bytes(monkeypatch):
+    """On CPU ranks the bytes a collective moves cost the CPU (gloo's copies and sums, the kernel's
+    network path): CPU-seconds a call of each size, their difference over the difference of the
+    bytes a rank's link carries, is what a GB costs; a GPU's collective is priced at none."""
+    import torch.distributed as dist
+
+    import pipezero.probe as probe
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(probe, "agreed_most", lambda value, group, device: value)
+    calls = iter(((0.001, 0.0005), (0.011, 0.0105)))
+
+    def timed(*args, cpu=None, **kwargs):
+        wall, used = next(calls)
+        cpu.append(used)
+        return wall
+
+    monkeypatch.setattr(probe, "timed_together", timed)
+    found = probe.probe_link(None, torch.device("cpu"))
+    moved = 2 * 3 / 4 * (probe.large_size(0.001) - probe.SMALL)  # a ring's bytes through a rank's link
+    assert found.cpu_s_per_gb == pytest.approx(0.010 / (moved / 1e9))
 
 
 def test_a_slow_links_bandwidth_is_timed_with_fewer_bytes():
