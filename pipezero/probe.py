@@ -48,7 +48,9 @@ LARGE_S = 0.03  # seconds one call of the bandwidth's all-reduce may take, at th
 
 @dataclass
 class LinkCost:
-    latency_s: float  # a collective's fixed seconds: the small all-reduce less its bytes at `gbps`
+    # one message's fixed seconds: the small all-reduce's time less its bytes at `gbps`, over the
+    # 2(n - 1) messages one after another of a ring of n
+    latency_s: float
     gbps: float  # GB/s of bus bandwidth: what a ring all-reduce moves through each rank's link
     # CPU-seconds a rank's process (gloo's threads and the kernel's network path in its context)
     # spends a GB it sends and receives: on CPU ranks sharing cores, taken from compute
@@ -311,8 +313,9 @@ def agreed_most(value: float, group: Any, device: torch.device) -> float:
 
 
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
-    """An all-reduce over `group` at two sizes: bandwidth from the difference, latency the small
-    one's time less its bytes at that bandwidth, and the CPU a GB from the difference of the two
+    """An all-reduce over `group` at two sizes: bandwidth from the difference, a message's latency
+    the small one's time less its bytes at that bandwidth, over the ring's 2(n - 1) steps one after
+    another, and the CPU a GB from the difference of the two
     sizes' CPU-seconds. The large size follows the small one's time (the slowest rank's, so every
     rank times the same size): a slow link is timed with fewer bytes."""
     import torch.distributed as dist
@@ -326,17 +329,18 @@ def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkC
     large = torch.zeros(size // 4, device=device)
     t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync, cpu=cpu)
     ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
+    steps = max(1, 2 * (n - 1))  # its messages one after another
     # a GPU's collectives leave the CPU idle (its waits spin: no figure); a CPU rank's copy and sum
     per_gb = 0.0
     if len(cpu) == 2 and device.type == "cpu":
         per_gb = max(0.0, cpu[1] - cpu[0]) / (ring * (size - SMALL) / 1e9)
     if t_large > 1.05 * t_small:
         gbps = ring * (size - SMALL) / (t_large - t_small) / 1e9
-        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)), gbps, per_gb)
+        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)) / steps, gbps, per_gb)
     # the large no slower than the small (a loaded host's noise): the difference says nothing, and
     # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
     # bandwidth the link at least has
-    return LinkCost(min(t_small, t_large), ring * size / t_large / 1e9, per_gb)
+    return LinkCost(min(t_small, t_large) / steps, ring * size / t_large / 1e9, per_gb)
 
 
 CPUS = 1024  # CPU numbers a rank's affinity is sent as (job_cores): more than any host has

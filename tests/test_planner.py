@@ -208,13 +208,16 @@ def test_a_pipelines_hops_cross_the_slow_link_only_between_nodes():
 
 def test_a_links_latency_is_paid_by_each_hop_and_each_buckets_collective():
     """A probe times each link's latency beside its bandwidth; the planner threw it away. A pipeline
-    hop pays its link's (between nodes, the nodes'), and each bucket's collective its group's link's:
-    at ZeRO-1 a step's reduce-scatter and all-gather over k buckets pay 2k latencies on the link."""
+    hop pays its link's (between nodes, the nodes'), and each bucket's collective its group's link's
+    once for each of its ring's steps: at ZeRO-1 over D = 4, a step's reduce-scatter and all-gather
+    over k buckets pay 3 + 3 latencies each bucket; the two-level reduction 1 inside and 1 across."""
     from pipezero.config import ScheduleKind
     from pipezero.models import param_count
     from pipezero.planner.layouts import Layout
     from pipezero.planner.search import hop_seconds
-    from pipezero.planner.traffic import dp_traffic
+    from dataclasses import replace
+
+    from pipezero.planner.traffic import dp_traffic, latency_s
 
     model = apply_preset(ModelConfig(), "tiny")
     model.n_layers = 4
@@ -229,7 +232,8 @@ def test_a_links_latency_is_paid_by_each_hop_and_each_buckets_collective():
     psi = param_count(model)
     k = math.ceil(psi * 4 / 2**20)
     (_, link_plain, _), (_, link_late, _) = (dp_traffic(c, dp4, psi, 0.01) for c in (base, slow))
-    assert link_late - link_plain == pytest.approx(2 * k * 2e-3)
+    assert link_late - link_plain == pytest.approx(k * 6 * 2e-3)
+    assert latency_s(slow, replace(dp4, hierarchical=True))["reduce_scatter"] == pytest.approx(1e-4 + 2e-3)
 
 
 def test_a_slow_boundary_makes_1f1b_dearer_than_the_schedules_that_stream_through_it():

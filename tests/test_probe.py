@@ -207,8 +207,8 @@ def test_a_rate_the_fixed_cost_hides_is_not_written():
 def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least_has(monkeypatch):
     """Two sizes' times whose difference is noise (the large no slower than the small) would claim
     any bandwidth at all; the large all-reduce's own rate stands instead, and a real difference is
-    read as before: its bandwidth from the difference, its latency the small one's time less its
-    bytes at that bandwidth."""
+    read as before: its bandwidth from the difference, a message's latency the small one's time less
+    its bytes at that bandwidth, over the ring's steps."""
     import torch.distributed as dist
 
     import pipezero.probe as probe
@@ -216,9 +216,10 @@ def test_a_link_whose_large_all_reduce_is_no_slower_gets_a_bandwidth_it_at_least
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(probe, "agreed_most", lambda value, group, device: value)
     large = probe.large_size(0.001)
-    for small, big, gbps, latency in ((0.010, 0.009, probe.large_size(0.010) / 0.009 / 1e9, 0.009),
+    # two ranks: a ring all-reduce is two messages one after the other, each paying the latency
+    for small, big, gbps, latency in ((0.010, 0.009, probe.large_size(0.010) / 0.009 / 1e9, 0.009 / 2),
                                       (0.001, 0.011, (large - probe.SMALL) / 0.010 / 1e9,
-                                       0.001 - probe.SMALL * 0.010 / (large - probe.SMALL))):
+                                       (0.001 - probe.SMALL * 0.010 / (large - probe.SMALL)) / 2)):
         times = iter((small, big))
         monkeypatch.setattr(probe, "timed_together", lambda *args, **kwargs: next(times))
         found = probe.probe_link(None, torch.device("cpu"))
