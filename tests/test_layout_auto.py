@@ -382,6 +382,98 @@ def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
     assert winner(trials(None, None)) is None
 
 
+def shaped(*rows: tuple[str, float]) -> list[dict]:
+    """Ranked layouts "PP/DP/SCHEDULE/M", predicted the seconds given."""
+    out = []
+    for text, step in rows:
+        pp, dp, kind, m = text.split("/")
+        out.append({"flags": text, "predicted_step_s": step,
+                    "settings": {"parallel.pp": pp, "parallel.dp": dp, "parallel.schedule": kind,
+                                 "parallel.virtual_stages": "1", "parallel.microbatches": m}})
+    return out
+
+
+def test_trials_try_another_shape_before_a_sibling_that_differs_only_in_micro_batching():
+    from pipezero.planner.auto_trials import candidates
+
+    ranked = shaped(("4/1/gpipe/4", 0.175), ("4/1/gpipe/8", 0.178), ("4/1/zb-h2/4", 0.1785), ("2/2/1f1b/4", 0.186))
+    assert candidates(ranked, 3) == [0, 2, 3]  # the gpipe sibling waits for a free place
+    assert candidates(ranked, 4) == [0, 1, 2, 3]
+    assert candidates(ranked, 2) == [0, 2]
+    siblings = shaped(("4/1/gpipe/4", 1.0), ("4/1/gpipe/8", 1.01), ("4/1/gpipe/16", 1.02), ("2/2/1f1b/4", 1.3))
+    assert candidates(siblings, 3) == [0, 1, 2]  # no other shape near: the siblings are the near-ties
+
+
+def test_a_runoff_round_takes_those_near_the_rounds_fastest_in_reverse_order():
+    from pipezero.planner.auto_trials import RUNOFF, runoff
+
+    assert RUNOFF == 0.15
+    assert runoff({0: [0.30], 1: [0.27], 2: [0.40]}, [0, 1, 2]) == [1, 0]  # 0.40 is past 15% of 0.27
+    assert runoff({0: [0.30, 0.25], 1: [0.27, 0.33]}, [1, 0]) == []  # the last round: 0.33 past 0.25 x 1.15
+    assert runoff({0: [0.30, 0.26], 1: [0.27, 0.28]}, [1, 0]) == [0, 1]
+    assert runoff({1: [0.3], 2: [0.31]}, [0, 1, 2]) == [2, 1]  # 0 failed: not measured, not tried again
+    assert runoff({0: [0.30]}, [0, 1]) == []
+
+
+def test_the_winner_is_among_the_last_rounds_finalists_by_the_median_of_their_rounds():
+    from pipezero.planner.auto_trials import Trial, combined, room_for_round, winner
+
+    a = combined([Trial("a", 1.0, 0.30), Trial("a", 1.0, 0.26), Trial("a", 1.0, 0.31)])
+    assert a.trial_step_s == 0.30 and a.rounds_s == (0.30, 0.26, 0.31)
+    b = combined([Trial("b", 1.0, 0.27), Trial("b", 1.0, 0.28), Trial("b", 1.0, 0.27)])
+    out = combined([Trial("c", 1.0, 0.25)])  # fast once, left out of the runoff by a slower minute
+    assert winner([a, b, out]) == 1
+    failed = combined([Trial("d", 1.0, 0.2), Trial("d", 1.0, None, "rank 0: OutOfMemoryError")])
+    assert failed.trial_step_s is None and failed.failed == "rank 0: OutOfMemoryError" and failed.rounds_s == (0.2,)
+    assert winner([a, failed]) == 0
+    assert room_for_round(2.0, [1.0, 1.5], 5.0, 2) and not room_for_round(2.5, [1.0, 1.5], 5.0, 2)
+
+
+def test_trials_run_in_rounds_while_the_budget_holds_whole_ones(capsys, tmp_path, monkeypatch):
+    """One process, the trials' steps faked: every candidate once, then the two within 15% of the
+    fastest in reverse order, then no third round (one left near); with a budget for the first
+    round only, it alone decides, with no line of a cut."""
+    import pipezero.planner.auto_trials as auto_trials
+    from pipezero.planner.auto_trials import settle_by_trials
+
+    req = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "100"})
+    first = provisional(req)
+    tied = replace(first, ranked=[{**r, "predicted_step_s": 1.0 + i / 100} for i, r in enumerate(first.ranked)])
+    req.trials = 3
+    monkeypatch.setattr(auto_trials, "shape_of", lambda ranked: ranked["flags"])  # each a shape of its own
+    steps = {("0", "0"): 0.30, ("0", "1"): 0.27, ("0", "2"): 0.40, ("1", "1"): 0.33, ("1", "0"): 0.26}
+    seen = []
+
+    def fake(cfg):
+        r, n = Path(cfg.run.out).name.split("-")
+        seen.append((r, n))
+        return steps[(r, n)]
+
+    monkeypatch.setattr(auto_trials, "time_steps", fake)
+    cfg = build_config(None, settings_of(req, first))
+    picked = settle_by_trials(req, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert seen == [("0", "0"), ("0", "1"), ("0", "2"), ("1", "1"), ("1", "0")], seen
+    # the chosen one: rounds 0.30, 0.26 (median 0.28) against 0.27, 0.33 (0.30); the third, 0.40, out after one
+    assert picked.chosen == tied.ranked[0] and picked.picked_by == "measured fastest in trials"
+    assert [t["rounds_s"] for t in picked.trials] == [[0.30, 0.26], [0.27, 0.33], [0.40]]
+    assert picked.trials[0]["trial_step_s"] == pytest.approx(0.28) and picked.trials_cut is None
+    assert "trial 0.28 s (rounds 0.3, 0.26)" in out and "in rounds" in out, out
+    # 10% of 100 steps at 0.5 s a step: 5 s; each faked trial takes 1 s and its set-up: the first round
+    # fits (three of 1-1.6 s), a second of two more does not
+    seen.clear()
+
+    def slow(cfg):
+        time.sleep(1.0)
+        return fake(cfg)
+
+    monkeypatch.setattr(auto_trials, "time_steps", slow)
+    short = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] * 0.5} for r in tied.ranked])
+    once = settle_by_trials(req, short, cfg, {})
+    assert seen == [("0", "0"), ("0", "1"), ("0", "2")], seen
+    assert once.chosen == short.ranked[1] and once.trials_cut is None  # 0.27 s against 0.30 s, one round
+
+
 def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
     from pipezero.planner.auto import LayoutChoice
     from pipezero.planner.auto_check import LayoutCheck

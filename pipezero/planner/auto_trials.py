@@ -4,15 +4,24 @@ The planner's step-time model is within its stated error (auto_check.TOLERANCE) 
 its top layouts are often predicted within a percent or two of one another: among those, the
 model's order is a coin toss. Peers settle it by launching candidate jobs; here the job's process
 group already exists, and one process group trains layout after layout (tests/training.py does),
-so the near-ties are measured where they will run. Every candidate predicted within `BAND` of the
-chosen one (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given, the chosen one
-first) trains `TRIAL_STEPS` steps of the run's own data and seed (the first warms up and is not
-timed) in a scratch folder inside --out (`SCRATCH`, removed afterwards, also on failure), saving,
-evaluating, sampling and logging nothing. A candidate's step is the slowest rank's median (an
-all-reduce MAX, so every rank picks alike); the fastest measured wins, a later one in the model's
-order only where it measured more than `TIE` faster. The trials together stay within
-`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs; a run too short to
-hold two tries none). The real run then starts from step 0 as it would without trials.
+so the near-ties are measured where they will run. The candidates are the layouts predicted within
+`BAND` of the chosen one, another shape (P, D, schedule, V) before a sibling that differs only in
+its micro-batching (`candidates`: at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given,
+the chosen one first). A trial trains `TRIAL_STEPS` steps of the run's own data and seed (the first
+pays the layout's one-off costs and is not timed) in a scratch folder inside --out (`SCRATCH`,
+removed afterwards, also on failure), saving, evaluating, sampling and logging nothing; its figure
+is the slowest rank's median (an all-reduce MAX, so every rank picks alike).
+
+Two timed steps of one trial are not a layout's steady step: on a shared host a step moves by
+20-30% from one to the next and the host's load by more over the seconds the trials take
+(bench/trial_drift.py), so trials run one after another compare different minutes. So the trials
+go in rounds: every candidate once, then, while the budget allows, those measured within `RUNOFF`
+of the fastest again, each round in the reverse order of the one before (`runoff`; at most
+`MAX_ROUNDS`), so that drift falls on the finalists alike. A candidate's figure is the median of
+its rounds; the fastest of the last round's wins, a later one in the model's order only where it
+measured more than `TIE` faster. The trials together stay within `BUDGET_SHARE` of the run's
+predicted time (the chosen one's trial always runs; a run too short to hold two tries none). The
+real run then starts from step 0 as it would without trials.
 """
 
 from __future__ import annotations
@@ -32,6 +41,10 @@ from pipezero.planner.auto_check import TOLERANCE
 
 BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
 TRIAL_STEPS = 3  # a trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed
+# Tried again in the next round: measured within this of the fastest of the round. Two timed steps
+# on a shared host differ by 20-30% from the layout's steady step (bench/trial_drift.py).
+RUNOFF = 0.15
+MAX_ROUNDS = 3  # rounds at most: the first of every candidate, then two of the finalists
 BUDGET_SHARE = 0.10  # the trials' time at most this share of --max-steps x the chosen layout's predicted step
 TIE = 0.02  # a candidate later in the model's order wins only where it measured this much faster
 SCRATCH = ".layout-trials"  # inside --out: on the run's own disk, removed afterwards
@@ -41,28 +54,63 @@ PICKED_BY_MODEL = MODELS_CHOICE
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate's trial: its flags and prediction, and the slowest rank's median step (None:
-    it failed on some rank, `failed` says where and how)."""
+    """One candidate's trials: its flags and prediction, the median of its rounds (None: it failed
+    on some rank, `failed` says where and how) and each round's figure (the slowest rank's median
+    step)."""
 
     flags: str
     predicted_step_s: float
     trial_step_s: float | None
     failed: str | None = None
+    rounds_s: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        out = {"flags": self.flags, "predicted_step_s": self.predicted_step_s, "trial_step_s": self.trial_step_s}
+        out: dict[str, Any] = {"flags": self.flags, "predicted_step_s": self.predicted_step_s,
+                               "trial_step_s": self.trial_step_s}
+        if self.rounds_s:
+            out["rounds_s"] = list(self.rounds_s)
         if self.failed:
             out["failed"] = self.failed
         return out
 
 
+def shape_of(ranked: dict[str, Any]) -> tuple[Any, ...]:
+    """A layout's shape less its micro-batching: P, D, schedule and V (its settings)."""
+    s = ranked.get("settings", {})
+    return tuple(s.get(f"parallel.{k}") for k in ("pp", "dp", "schedule", "virtual_stages"))
+
+
 def candidates(ranked: list[dict[str, Any]], k: int, band: float = BAND) -> list[int]:
-    """Which of `ranked` (the model's order, the chosen one first) to try: those predicted within
-    `band` of the chosen one, at most `k`; none where fewer than two are (nothing to settle)."""
+    """Which of `ranked` (the model's order, the chosen one first) to try, in the model's order:
+    those predicted within `band` of the chosen one, at most `k`, a shape not yet taken before a
+    sibling of one taken (measured on the emulated cluster, siblings that differ only in M and B
+    were within 2-9% of one another, shapes 25-40% apart: the model's error is mostly a shape's);
+    none where fewer than two are near (nothing to settle)."""
     if k < 2 or not ranked:
         return []
     best = ranked[0]["predicted_step_s"]
-    near = [i for i, r in enumerate(ranked) if r["predicted_step_s"] <= best * (1 + band)][:k]
+    near = [i for i, r in enumerate(ranked) if r["predicted_step_s"] <= best * (1 + band)]
+    if len(near) < 2:
+        return []
+    seen: set[tuple[Any, ...]] = set()
+    new = []
+    for i in near:
+        if shape_of(ranked[i]) not in seen:
+            seen.add(shape_of(ranked[i]))
+            new.append(i)
+    picked = set((new + [i for i in near if i not in new])[:k])
+    return [i for i in near if i in picked]
+
+
+def runoff(figures: dict[int, list[float]], order: list[int]) -> list[int]:
+    """The next round's order: those of `order` (the last round's) still measured (`figures`: each
+    one's rounds so far) whose last round is within RUNOFF of that round's fastest, in reverse;
+    none where fewer than two are (nothing left to settle)."""
+    ran = [n for n in order if n in figures]
+    if not ran:
+        return []
+    best = min(figures[n][-1] for n in ran)
+    near = [n for n in reversed(ran) if figures[n][-1] <= best * (1 + RUNOFF)]
     return near if len(near) > 1 else []
 
 
@@ -93,11 +141,13 @@ def room_for_another(spent_s: float, took_s: list[float], budget_s: float) -> bo
 
 
 def winner(trials: list[Trial]) -> int | None:
-    """Index of the trial to train: the fastest measured, a later one only where it measured more
-    than TIE faster than the best before it (ties keep the model's order); None where none ran."""
+    """Index of the trial to train: among those measured in the most rounds (the last round's
+    finalists), the fastest, a later one only where it measured more than TIE faster than the best
+    before it (ties keep the model's order); None where none ran."""
+    most = max((len(t.rounds_s) for t in trials if t.trial_step_s is not None), default=0)
     best = None
     for i, t in enumerate(trials):
-        if t.trial_step_s is None:
+        if t.trial_step_s is None or len(t.rounds_s) < most:
             continue
         if best is None or t.trial_step_s < trials[best].trial_step_s * (1 - TIE):  # type: ignore[operator]
             best = i
@@ -133,14 +183,18 @@ def trial_lines(choice: LayoutChoice, seconds: float) -> list[str]:
     """What rank 0 prints after the trials: each candidate's prediction and trial, which was picked."""
     trials = choice.trials
     lines = [f"layout trials ({seconds:.1f} s): the layouts predicted within {BAND:.0%} of the chosen one, "
-             f"{TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median)"]
+             f"{TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median), in rounds: those "
+             f"within {RUNOFF:.0%} of the fastest again while the budget allows (a trial: the median of its rounds)"]
     picked = choice.chosen["flags"]
     for t in trials:
         if t["trial_step_s"] is None:
             lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, dropped: {t['failed']}")
             continue
         tag = f"  <- picked: {choice.picked_by}" if t["flags"] == picked and choice.picked_by != PICKED_BY_MODEL else ""
-        lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, trial {t['trial_step_s']:.3g} s{tag}")
+        each = t.get("rounds_s", [])
+        rounds = f" (rounds {', '.join(f'{x:.3g}' for x in each)})" if len(each) > 1 else ""
+        lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, trial {t['trial_step_s']:.3g} s"
+                     f"{rounds}{tag}")
     if choice.picked_by == PICKED_BY_MODEL:
         lines.append(f"  training the model's choice, {picked}: fewer than two candidates were measured")
     if choice.trials_cut:
@@ -183,25 +237,58 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
     agreeing = agreement_group(req.world)
     scratch = Path(req.base.run.out) / SCRATCH
     budget = trial_budget_s(max_steps, predicted)
-    trials: list[Trial] = []
+    rounds: dict[int, list[Trial]] = {}  # position in `tried` -> its trial of each round it ran
     took: list[float] = []  # each trial's seconds, as every rank agreed them
-    spent, cut = 0.0, None
+    order, spent, cut = list(range(len(tried))), 0.0, None
     t0 = time.perf_counter()
     try:
-        for n, i in enumerate(tried):
-            if trials and not room_for_another(spent, took, budget):
-                cut = cut_line(n, len(tried), spent, budget, max_steps, predicted)
+        for r in range(MAX_ROUNDS):
+            if r and not room_for_round(spent, took, budget, len(order)):
+                break  # a round is whole or not run: its finalists compare the same minutes
+            for pos, n in enumerate(order):
+                if took and not room_for_another(spent, took, budget):  # the first round only (above)
+                    cut = cut_line(pos, len(tried), spent, budget, max_steps, predicted)
+                    break
+                trial, now = one_trial(req, choice.ranked[tried[n]], scratch / f"{r}-{n}", names, rank, t0, agreeing)
+                rounds.setdefault(n, []).append(trial)
+                took.append(now - spent)
+                spent = now
+            order = runoff(figures(rounds), order)
+            if cut or not order:
                 break
-            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0, agreeing)
-            trials.append(trial)
-            took.append(now - spent)
-            spent = now
     finally:
         remove_scratch(scratch)
-    out = settled(choice, tried[:len(trials)], trials, cut, spent)
+    done = sorted(rounds)
+    out = settled(choice, [tried[n] for n in done], [combined(rounds[n]) for n in done], cut, spent)
     if rank == 0:
         print("\n".join(trial_lines(out, spent)), flush=True)
     return out
+
+
+def figures(rounds: dict[int, list[Trial]]) -> dict[int, list[float]]:
+    """Each candidate's figure of every round, for those measured in every round they ran."""
+    out: dict[int, list[float]] = {}
+    for n, ts in rounds.items():
+        got = [t.trial_step_s for t in ts if t.trial_step_s is not None]
+        if len(got) == len(ts):
+            out[n] = got
+    return out
+
+
+def room_for_round(spent_s: float, took_s: list[float], budget_s: float, trials: int) -> bool:
+    """Whether a whole round of `trials` more fits the budget, each costing the most one has so far."""
+    return spent_s + trials * max(took_s, default=0.0) <= budget_s
+
+
+def combined(rounds: list[Trial]) -> Trial:
+    """A candidate's trials of every round it ran as one: the median of its rounds, or its first
+    failure (a layout that failed once is dropped)."""
+    figures = tuple(t.trial_step_s for t in rounds if t.trial_step_s is not None)
+    failed = next((t.failed for t in rounds if t.trial_step_s is None), None)
+    first = rounds[0]
+    if failed is not None or not figures:
+        return Trial(first.flags, first.predicted_step_s, None, failed or "not measured", figures)
+    return Trial(first.flags, first.predicted_step_s, statistics.median(figures), None, figures)
 
 
 def agreement_group(world: int) -> Any:
