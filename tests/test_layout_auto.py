@@ -7,6 +7,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -459,16 +460,18 @@ def test_trials_run_in_rounds_while_the_budget_holds_whole_ones(capsys, tmp_path
     assert [t["rounds_s"] for t in picked.trials] == [[0.30, 0.26], [0.27, 0.33], [0.40]]
     assert picked.trials[0]["trial_step_s"] == pytest.approx(0.28) and picked.trials_cut is None
     assert "trial 0.28 s (rounds 0.3, 0.26)" in out and "in rounds" in out, out
-    # 10% of 100 steps at 0.5 s a step: 5 s; each faked trial takes 1 s and its set-up: the first round
-    # fits (three of 1-1.6 s), a second of two more does not
+    # 10% of 100 steps at 0.035 s a step: 0.35 s; each faked trial takes 0.1 s of the trials' clock: the
+    # first round fits (three), a second of two more does not
     seen.clear()
+    clock = [0.0]
 
     def slow(cfg):
-        time.sleep(1.0)
+        clock[0] += 0.1
         return fake(cfg)
 
+    monkeypatch.setattr(auto_trials, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(auto_trials, "time_steps", slow)
-    short = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] * 0.5} for r in tied.ranked])
+    short = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] * 0.035} for r in tied.ranked])
     once = settle_by_trials(req, short, cfg, {})
     assert seen == [("0", "0"), ("0", "1"), ("0", "2")], seen
     assert once.chosen == short.ranked[1] and once.trials_cut is None  # 0.27 s against 0.30 s, one round

@@ -246,7 +246,7 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
             if r and not room_for_round(spent, took, budget, len(order)):
                 break  # a round is whole or not run: its finalists compare the same minutes
             for pos, n in enumerate(order):
-                if took and not room_for_another(spent, took, budget):  # the first round only (above)
+                if r == 0 and took and not room_for_another(spent, took, budget):  # a later round: admitted whole
                     cut = cut_line(pos, len(tried), spent, budget, max_steps, predicted)
                     break
                 trial, now = one_trial(req, choice.ranked[tried[n]], scratch / f"{r}-{n}", names, rank, t0, agreeing)
@@ -283,12 +283,12 @@ def room_for_round(spent_s: float, took_s: list[float], budget_s: float, trials:
 def combined(rounds: list[Trial]) -> Trial:
     """A candidate's trials of every round it ran as one: the median of its rounds, or its first
     failure (a layout that failed once is dropped)."""
-    figures = tuple(t.trial_step_s for t in rounds if t.trial_step_s is not None)
+    got = tuple(t.trial_step_s for t in rounds if t.trial_step_s is not None)
     failed = next((t.failed for t in rounds if t.trial_step_s is None), None)
     first = rounds[0]
-    if failed is not None or not figures:
-        return Trial(first.flags, first.predicted_step_s, None, failed or "not measured", figures)
-    return Trial(first.flags, first.predicted_step_s, statistics.median(figures), None, figures)
+    if failed is not None or not got:
+        return Trial(first.flags, first.predicted_step_s, None, failed or "not measured", got)
+    return Trial(first.flags, first.predicted_step_s, statistics.median(got), None, got)
 
 
 def agreement_group(world: int) -> Any:
