@@ -18,8 +18,9 @@ so it stands for unshaped):
      trials), and the run measures its steps and its ranks' peak memory;
   2. the pick, its three runners-up and hand-picked layouts (data-parallel at each ZeRO stage,
      pipeline-only, both placements of P=2 x D=2), each trained with explicit flags and
-     --memory-profile on the same global batch, `--rounds` times round after round, so that a
-     slow minute of the shared host falls on every layout alike.
+     --memory-profile on the same global batch, `--rounds` times round after round, every other
+     round in reverse order, so that a slow minute of the shared host falls on every layout alike
+     (pick / fastest is also given within each round: the host's drift between rounds cancels there).
 Each candidate's predicted step and peak are the planner's with the auto run's measured costs
 (summary.json layout_choice.costs), so the pick's prediction is the one the run made. A layout's
 step is the median over its rounds of each run's median step after the first; the fastest is
@@ -169,7 +170,8 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
     names = list(layouts)
     runs: dict[str, list[dict]] = {flags: [] for flags in names}
     for r in range(args.rounds):
-        for i, flags in enumerate(names):
+        # every other round in reverse: the pick (named first) is not always measured at a round's start
+        for i, flags in (list(enumerate(names)) if r % 2 == 0 else list(enumerate(names))[::-1]):
             out = tmp / f"{rate}_c{i}r{r}"
             got, _, wall = on_cluster(rate, flags.split(), out, args)
             runs[flags].append({"step_s": measured(out), "steps_s": steps_of(out), "wall_s": wall,
@@ -194,6 +196,8 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
     result = {"rate": rate, "choice": choice, "rows": rows, "auto_steps_s": auto_steps, "auto_wall_s": auto_wall,
               "fastest": fastest["flags"],
               "pick_over_fastest": pick["step_s"] / fastest["step_s"],
+              # each round's own: the host's drift between rounds cancels within one
+              "pick_over_fastest_by_round": by_round(rows, pick),
               "pick_predicted_over_measured": choice["predicted_step_s"] / choice["measured_step_s"],
               "pick_predicted_over_candidate_measured": choice["predicted_step_s"] / pick["step_s"],
               "pick_peak_over_limit": (choice["measured_peak_gib"] / args.gpu_memory
@@ -209,6 +213,13 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
               "trials_over_run": ((choice["costs"].get("trials_s") or 0.0) / sum(auto_steps) if auto_steps else None)}
     print(table(result, args.gpu_memory), flush=True)
     return result
+
+
+def by_round(rows: list[dict], pick: dict) -> list[float]:
+    """pick / fastest of the fitting candidates within each round (the same minutes of the host)."""
+    fitting = [r for r in rows if r["fits"]]
+    return [pick["rounds"][k]["step_s"] / min(r["rounds"][k]["step_s"] for r in fitting)
+            for k in range(len(pick["rounds"]))]
 
 
 def table(result: dict, limit: float) -> str:
@@ -241,7 +252,9 @@ def table(result: dict, limit: float) -> str:
                       + "; ".join(f"`{t['flags']}` " + (f"{t['trial_step_s']:.3f} s" if t["trial_step_s"] is not None
                                                          else "failed") + rounds_of(t) for t in tried)
                       + (f" ({result['trials_cut']})" if result.get("trials_cut") else "")]
-    lines += ["", f"pick / fastest measured: {result['pick_over_fastest']:.3f} (fastest: `{result['fastest']}`); "
+    rounds = ", ".join(f"{x:.2f}" for x in result.get("pick_over_fastest_by_round", []))
+    lines += ["", f"pick / fastest measured: {result['pick_over_fastest']:.3f} (fastest: `{result['fastest']}`; "
+                  f"within each round: {rounds or '-'}); "
                   f"pick predicted {ch['predicted_step_s']:.3f} s / measured in its own run "
                   f"{ch['measured_step_s']:.3f} s = {result['pick_predicted_over_measured']:.2f} "
                   f"(/ as a candidate: {result['pick_predicted_over_candidate_measured']:.2f}); its peak "
