@@ -343,7 +343,7 @@ def ranked_of(*steps: float) -> list[dict]:
 
 
 def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
-    from pipezero.planner.auto_trials import BAND, candidates
+    from pipezero.planner.trial_rounds import BAND, candidates
 
     assert BAND == 0.15  # the model's stated error (auto_check.TOLERANCE)
     ranked = ranked_of(1.0, 1.1, 1.15, 1.2)
@@ -355,7 +355,7 @@ def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
 
 
 def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
-    from pipezero.planner.auto_trials import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
+    from pipezero.planner.trial_rounds import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
 
     budget = trial_budget_s(100, 0.5)
     assert budget == pytest.approx(5.0)  # 10% of 100 steps of 0.5 s
@@ -370,7 +370,7 @@ def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
 
 
 def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
-    from pipezero.planner.auto_trials import Trial, winner
+    from pipezero.planner.trial_rounds import Trial, winner
 
     def trials(*steps):
         return [Trial(f"--pp {i}", 1.0, s, None if s is not None else "rank 1: out of memory")
@@ -395,7 +395,7 @@ def shaped(*rows: tuple[str, float]) -> list[dict]:
 
 
 def test_trials_try_another_shape_before_a_sibling_that_differs_only_in_micro_batching():
-    from pipezero.planner.auto_trials import candidates
+    from pipezero.planner.trial_rounds import candidates
 
     ranked = shaped(("4/1/gpipe/4", 0.175), ("4/1/gpipe/8", 0.178), ("4/1/zb-h2/4", 0.1785), ("2/2/1f1b/4", 0.186))
     assert candidates(ranked, 3) == [0, 2, 3]  # the gpipe sibling waits for a free place
@@ -406,7 +406,7 @@ def test_trials_try_another_shape_before_a_sibling_that_differs_only_in_micro_ba
 
 
 def test_a_runoff_round_takes_those_near_the_rounds_fastest_in_reverse_order():
-    from pipezero.planner.auto_trials import RUNOFF, runoff
+    from pipezero.planner.trial_rounds import RUNOFF, runoff
 
     assert RUNOFF == 0.15
     assert runoff({0: [0.30], 1: [0.27], 2: [0.40]}, [0, 1, 2]) == [1, 0]  # 0.40 is past 15% of 0.27
@@ -417,7 +417,7 @@ def test_a_runoff_round_takes_those_near_the_rounds_fastest_in_reverse_order():
 
 
 def test_the_winner_is_among_the_last_rounds_finalists_by_the_median_of_their_rounds():
-    from pipezero.planner.auto_trials import Trial, combined, room_for_round, winner
+    from pipezero.planner.trial_rounds import Trial, combined, room_for_round, winner
 
     a = combined([Trial("a", 1.0, 0.30), Trial("a", 1.0, 0.26), Trial("a", 1.0, 0.31)])
     assert a.trial_step_s == 0.30 and a.rounds_s == (0.30, 0.26, 0.31)
@@ -435,13 +435,14 @@ def test_trials_run_in_rounds_while_the_budget_holds_whole_ones(capsys, tmp_path
     fastest in reverse order, then no third round (one left near); with a budget for the first
     round only, it alone decides, with no line of a cut."""
     import pipezero.planner.auto_trials as auto_trials
+    import pipezero.planner.trial_rounds as trial_rounds
     from pipezero.planner.auto_trials import settle_by_trials
 
     req = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "100"})
     first = provisional(req)
     tied = replace(first, ranked=[{**r, "predicted_step_s": 1.0 + i / 100} for i, r in enumerate(first.ranked)])
     req.trials = 3
-    monkeypatch.setattr(auto_trials, "shape_of", lambda ranked: ranked["flags"])  # each a shape of its own
+    monkeypatch.setattr(trial_rounds, "shape_of", lambda ranked: ranked["flags"])  # each a shape of its own
     steps = {("0", "0"): 0.30, ("0", "1"): 0.27, ("0", "2"): 0.40, ("1", "1"): 0.33, ("1", "0"): 0.26}
     seen = []
 
@@ -480,7 +481,7 @@ def test_trials_run_in_rounds_while_the_budget_holds_whole_ones(capsys, tmp_path
 def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
     from pipezero.planner.auto import LayoutChoice
     from pipezero.planner.auto_check import LayoutCheck
-    from pipezero.planner.auto_trials import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
+    from pipezero.planner.trial_rounds import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
 
     ranked = [{**r, "predicted_peak_gib": 1.0, "bubble": 0.1, "exposed_comm_s": 0.0, "predicted_compute_s": 0.2,
                "predicted_idle_s": 0.03} for r in ranked_of(0.238, 0.238, 0.239, 0.241)]
@@ -519,6 +520,7 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
 
     import pipezero.planner.auto_job as auto_job
     import pipezero.planner.auto_trials as auto_trials
+    import pipezero.planner.trial_rounds as trial_rounds
     from pipezero.cli.train import decided
     from pipezero.engine import train
 
@@ -540,7 +542,7 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
         return 100.0 if rank == 1 and len(calls) == 1 else step_s
 
     auto_trials.time_steps = slow_on_rank_1
-    auto_trials.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
+    trial_rounds.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
     runner_up = tied[1]
     alone = train(build_config(None, {**settings, **runner_up["settings"], "run.out": f"{out}-alone"}))
     cfg = build_config(None, settings_of(req, first))
