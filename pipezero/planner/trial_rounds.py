@@ -26,7 +26,12 @@ from pipezero.planner.auto import MODELS_CHOICE, LayoutChoice
 from pipezero.planner.auto_check import TOLERANCE
 
 BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
-TRIAL_STEPS = 3  # a trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed
+# A trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed. Over 103 runs
+# of 6 steps on the emulated cluster (bench/results/layout_auto_cluster), the median of steps 2-3
+# over the run's steady step was 0.82-1.26 (10th-90th percentile), of steps 2-4 0.84-1.23, the
+# least of 3-4 0.75-1.13: the noise is each step's, so a longer window buys little and another
+# round, in other minutes, more.
+TRIAL_STEPS = 3
 # Tried again in the next round: measured within this of the fastest of the round. Two timed steps
 # on a shared host differ by 20-30% from the layout's steady step (bench/trial_drift.py).
 RUNOFF = 0.15
