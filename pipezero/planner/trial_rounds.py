@@ -76,7 +76,7 @@ def candidates(ranked: list[dict[str, Any]], k: int, band: float = BAND) -> list
     those predicted within `band` of the chosen one, at most `k`, a shape not yet taken before a
     sibling of one taken (on the emulated cluster at 100 Mbit and 1 Gbit, gpipe siblings that differ
     only in M and B measured 2% and 9% apart, zb-h2 and gpipe of the same P 39% and 70%, where the
-    model had them within 2%: its error is mostly a shape's);
+    model had them within 6%: its error is mostly a shape's);
     none where fewer than two are near (nothing to settle)."""
     if k < 2 or not ranked:
         return []
