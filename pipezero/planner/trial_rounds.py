@@ -26,14 +26,14 @@ from pipezero.planner.auto import MODELS_CHOICE, LayoutChoice
 from pipezero.planner.auto_check import TOLERANCE
 
 BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
-# A trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed. Over 103 runs
-# of 6 steps on the emulated cluster (bench/results/layout_auto_cluster), the median of steps 2-3
-# over the run's steady step was 0.82-1.26 (10th-90th percentile), of steps 2-4 0.84-1.23, the
-# least of 3-4 0.75-1.13: the noise is each step's, so a longer window buys little and another
-# round, in other minutes, more.
+# A trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed. Over 35 runs
+# of 6 steps on the emulated cluster on a quiet host (bench/results/layout_auto_cluster/
+# layout_auto_cluster_trials.json), the median of steps 2-3 over the run's steady step (steps 5-6)
+# was 0.80-1.23 (10th-90th percentile), of steps 2-4 0.84-1.17, the least of 3-4 0.76-1.05: the
+# noise is each step's, so a longer window buys little and another round, in other minutes, more.
 TRIAL_STEPS = 3
 # Tried again in the next round: measured within this of the round's fastest. One trial's figure is
-# within 0.82-1.26 of its layout's steady step (TRIAL_STEPS, below): two layouts that tie at steady
+# within 0.80-1.23 of its layout's steady step (TRIAL_STEPS, above): two layouts that tie at steady
 # state may stand 25% apart in a round, and the next round, in other minutes, may reverse them.
 RUNOFF = 0.25
 MAX_ROUNDS = 3  # rounds at most: the first of every candidate, then two of the finalists
