@@ -38,7 +38,7 @@ from pipezero.runtime.p2p import P2P
 from pipezero.runtime.weight_grad import splittable
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult
-from pipezero.schedules.compile import CompiledPlan, compile_plan
+from pipezero.schedules.compile import CompiledPlan, compile_plan, wires_of
 from pipezero.schedules.forward_only import EvalInstr
 from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape, layer_of
 from pipezero.schedules.program import Instr, defers_update_waits
@@ -162,7 +162,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.devi
     p = replace(p, zero3_prefetch=prefetch_choice(cfg, device.type == "cuda").depth)  # `auto`: the same on every rank
     split = p.zero3_unit is Zero3Unit.SUBLAYER  # validated: only where ZeRO-3 gathers layer by layer
     return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze, split),
-                        wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
+                        wires=wires_of(p, cfg.run.dtype is DType.BF16), **mine), bounds
 
 
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,

@@ -181,10 +181,20 @@ LAYOUT_A = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1}
 
 
 def run(data: str, out: str, **case) -> dict:
+    """Train `case`, held to its program on every step (tests/training.py `record_departure`): a
+    resumed run's first step, a skipped non-finite step (its gathers of updated weights not played)
+    and the checkpoints' waits outside the programs included."""
     from pipezero.engine import train
+    from training import record_departure, watch_program
 
     case = {"run.max_steps": STEPS, **case}
+    seen = watch_program()
+    seen.clear()
     res = train(build_config(None, tiny_overrides(data, out, **case)), snapshot=True)
+    if problem := record_departure(seen):
+        raise AssertionError(f"{out}: {problem}")
+    if res.skipped_steps and not any(not applied for *_, applied in seen["records"]):
+        raise AssertionError(f"{out}: a step was skipped, yet every record says its step was applied")
     return {"losses": res.losses, "params": res.params, "resumed_from": res.resumed_from,
             "skipped": res.skipped_steps}
 

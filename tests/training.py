@@ -165,11 +165,9 @@ def last_step(seen: dict) -> list:
 def record_departure(seen: dict) -> str:
     """Where the run `watch_program` saw last played other than its program says, on any step or
     held-out evaluation or text sample (their own forward-only programs), "" where nowhere: every start of a
-    collective (name, bytes as the program prices them, group), every wait for a reduction or a
-    gather (at the instruction that waits) and every release, in order (schedules/played.py
-    `expected` and `departure`). Bytes are
-    compared where the wire carries floats (quantized messages add their scales, which the program
-    prices as a rate)."""
+    collective (name, its format on the wire and the bytes the program prices, group), every wait for
+    a reduction or a gather (at the instruction that waits) and every release, in order
+    (schedules/played.py `expected` and `departure`)."""
     from pipezero.schedules.played import departure, expected
 
     stage = seen.get("stage")
@@ -189,8 +187,8 @@ def record_departure(seen: dict) -> str:
             return f"{where}: events recorded under other steps"
         starts = [e for e in want if e.event == "start"]
         for p, e in zip((p for p in record if p.event.value == "start"), starts):
-            if p.wire in ("fp32", "bf16", "fp64") and p.nbytes != e.nbytes:
-                return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
+            if e.wire and (p.wire, p.nbytes) != (e.wire, e.nbytes):
+                return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program {e.nbytes} of {e.wire}"
             if p.group != e.group:
                 return f"{where}: {p.name} in group {p.group}, the program's is {e.group}"
     return ""
