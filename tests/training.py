@@ -96,6 +96,28 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     return results
 
 
+def hold_every_run() -> None:
+    """From now on in this rank process, every `pipezero.engine.train` that returns is held to its
+    program (`record_departure`) and fails with the first departure: a test that trains through
+    `train` or the command line (both call it) is checked as `train_cases` checks its runs."""
+    import pipezero.engine as engine
+
+    if getattr(engine.train, "held", False):
+        return
+    train = engine.train
+
+    def held(*args, **kwargs):
+        seen = watch_program()
+        seen.clear()
+        res = train(*args, **kwargs)
+        if problem := record_departure(seen):
+            raise AssertionError(f"a run departed from its program: {problem}")
+        return res
+
+    held.held = True  # type: ignore[attr-defined]
+    engine.train = held
+
+
 def run_resources() -> tuple[int, list[str]]:
     """What a run may leave alive in this rank process: its process groups (torch's registry) and
     the threads running now, by name."""

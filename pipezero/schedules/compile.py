@@ -25,7 +25,7 @@ from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Program, defers_update_waits
 from pipezero.schedules.lowering import lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
-from pipezero.schedules.wire import WireFormat, Wires
+from pipezero.schedules.wire import Wires
 from pipezero.schedules.zero_rules import RULES
 
 
@@ -35,7 +35,7 @@ class CompiledPlan:
     program: Program  # every global rank's instructions (`ranks[pp_rank * dp + dp_rank]`), its buckets
     model: ModelShapes
     recompute: bool
-    gathers: WireFormat  # ZeRO-3's gathers of weights: their format on the wire (also in forward-only programs)
+    wires: Wires  # each kind of collective's format on the wire: the program prices it, the runtime sends it
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
     # forward-only programs by (kind, passes), made once a plan as its step's program is
     _forward: dict[tuple[str, int], tuple[Forward, ...]] = field(default_factory=dict, compare=False, repr=False)
@@ -82,7 +82,7 @@ class CompiledPlan:
             self._forward[(what, passes)] = lower(
                 self.schedule, self.program.dp, self.buckets, passes,
                 sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
-                gathers=self.gathers, depth=self.depth,
+                gathers=self.wires.gathers, depth=self.depth,
                 update_waits=any(defers_update_waits(r) for r in self.program.ranks))
         return self._forward[(what, passes)]
 
@@ -127,7 +127,7 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wires: Wires = Wires(
            tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
-    return CompiledPlan(proven, program, model, p.recompute, wires.gathers, depth)
+    return CompiledPlan(proven, program, model, p.recompute, wires, depth)
 
 
 @lru_cache(maxsize=1024)

@@ -39,9 +39,12 @@ class WireFormat:
         """Bytes of `numel` elements as one message on the wire."""
         if not self.quantized:
             return numel * FLOAT_BYTES[self.name]
-        blocks = -(-numel // self.block)
-        codes = blocks * self.block if CODE_BITS[self.name] == 8 else -(-blocks * self.block // 2)
-        return codes + SCALE_BYTES * blocks
+        return self.code_bytes(numel) + SCALE_BYTES * -(-numel // self.block)
+
+    def code_bytes(self, numel: int) -> int:
+        """A quantized message's codes: `numel` padded to whole blocks (int4: two a byte, rounded up)."""
+        padded = -(-numel // self.block) * self.block
+        return padded if CODE_BITS[self.name] == 8 else -(-padded // 2)
 
 
 FP32 = WireFormat("fp32")
