@@ -26,8 +26,9 @@ rank only (a token drawn on the last chunk would have to travel back to the firs
 on a window of the tokens so far (batch 1). Layer by layer every replica samples the same tokens
 (same weights, same seed), each F gathering and releasing its layers; otherwise replica 0 alone
 samples, and kept-gathered ZeRO-3's replicas all take part in the gather around it. Where a token's
-logits are not finite (a last update made the weights so), the sample's remaining F are not played,
-on every replica alike (same weights, same window); what follows them still is.
+logits are not finite (a last update made the weights so), the sampler draws nothing more, and the
+program is still played as written, every F and the gathers and releases inside them, on every
+replica alike.
 
 `check_forward_only` proves such a program as check.py and program_check.py prove a step's.
 """
