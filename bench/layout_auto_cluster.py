@@ -90,10 +90,10 @@ def cluster_of(cfg: Any, costs: dict[str, Any], world: int, local: int) -> Any:
     from pipezero.probe import LinkCost, Probe
 
     probe = Probe("cpu", cfg.run.dtype.value, cfg.parallel.micro_batch_size, cfg.data.seq_len, {}, costs["tflops"],
-                  costs["overhead_s"], {"node": LinkCost(0.0, costs["intra_gbps"]),
-                                        "across": LinkCost(0.0, costs["inter_gbps"])})
-    cluster = cluster_for(cfg, world, local, costs["limit_gib"], False, probe)
-    return replace(cluster, cores=costs["cores"], net_cpu_s_per_gb=costs.get("net_cpu_s_per_gb", 0.0))
+                  costs["overhead_s"], {"node": LinkCost(costs.get("intra_latency_s", 0.0), costs["intra_gbps"]),
+                                        "across": LinkCost(costs.get("inter_latency_s", 0.0), costs["inter_gbps"],
+                                                           costs.get("net_cpu_s_per_gb", 0.0))})
+    return replace(cluster_for(cfg, world, local, costs["limit_gib"], False, probe), cores=costs["cores"])
 
 
 def predictions(cfg: Any, cluster: Any, global_batch: int, layouts: list[Any]) -> dict[str, dict[str, float]]:
