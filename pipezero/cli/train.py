@@ -39,8 +39,9 @@ def add_auto_flags(parser: argparse.ArgumentParser) -> None:
                              "probing in the job")
     parser.add_argument("--layout-trials", type=int, default=None, metavar="K",
                         help="with --layout auto: train up to K layouts predicted within 15%% of the chosen one for "
-                             "3 steps each in the job (at most 10%% of the run's predicted time; a run under 60 steps "
-                             "tries none) and train the fastest measured; 0: the model's choice untried (default 3)")
+                             "3 steps each in the job, in rounds (those within 25%% of a round's fastest again, while "
+                             "a whole round fits 10%% of the run's predicted time; a run under 60 steps tries none) "
+                             "and train the fastest measured; 0: the model's choice untried (default 3)")
 
 
 def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dict[str, str],
