@@ -1,7 +1,7 @@
 """Does `train --layout auto` pick the fastest layout on the emulated cluster, at several link rates?
 
     python bench/layout_auto_cluster.py [--rates 100mbit,1gbit,10gbit] [--nodes 2 --per-node 2]
-        [--preset tiny --layers 4] [--steps 6] [--auto-max-steps 400] [--rounds 2] [--gpu-memory 0.07]
+        [--preset tiny --layers 4] [--steps 10] [--auto-max-steps 600] [--rounds 2] [--gpu-memory 0.07]
         [--layout-trials 3 | --no-trials] [--name layout_auto_cluster]
     python bench/layout_auto_cluster.py --table bench/results/layout_auto_cluster/layout_auto_cluster.json
 
@@ -11,14 +11,16 @@ so it stands for unshaped):
   1. one `train --layout auto --global-batch G --gpu-memory L --memory-profile --layout-trials K`
      run of --auto-max-steps steps: its probe times this cluster's links (the ranks of a node, one
      rank a node) and rank 0's compute, the planner chooses within the limit L, the near-ties are
-     tried for a few steps in the job (planner/auto_trials.py: their budget is 10% of the run's
-     predicted time, so the run's length sets how many fit: a trial on this cluster is some 2-4 s of
-     set-up and steps, so three need some 400 steps of 0.25 s; --no-trials: the model's choice, as
-     before trials), and the run measures its steps and its ranks' peak memory;
+     tried for a few steps in the job (planner/auto_trials.py: every candidate once, then the
+     closest again in rounds; their budget is 10% of the run's predicted time, so the run's length
+     sets how many fit: a trial on this cluster is some 1-2 s of set-up and steps, so a round of
+     three and one of two need some 600 steps of 0.2 s; --no-trials: the model's choice, as before
+     trials), and the run measures its steps and its ranks' peak memory;
   2. the pick, its three runners-up and hand-picked layouts (data-parallel at each ZeRO stage,
      pipeline-only, both placements of P=2 x D=2), each trained with explicit flags and
-     --memory-profile on the same global batch, `--rounds` times round after round, so that a
-     slow minute of the shared host falls on every layout alike.
+     --memory-profile on the same global batch, `--rounds` times round after round, every other
+     round in reverse order, so that a slow minute of the shared host falls on every layout alike
+     (pick / fastest is also given within each round: the host's drift between rounds cancels there).
 Each candidate's predicted step and peak are the planner's with the auto run's measured costs
 (summary.json layout_choice.costs), so the pick's prediction is the one the run made. A layout's
 step is the median over its rounds of each run's median step after the first; the fastest is
@@ -88,10 +90,10 @@ def cluster_of(cfg: Any, costs: dict[str, Any], world: int, local: int) -> Any:
     from pipezero.probe import LinkCost, Probe
 
     probe = Probe("cpu", cfg.run.dtype.value, cfg.parallel.micro_batch_size, cfg.data.seq_len, {}, costs["tflops"],
-                  costs["overhead_s"], {"node": LinkCost(0.0, costs["intra_gbps"]),
-                                        "across": LinkCost(0.0, costs["inter_gbps"])})
-    cluster = cluster_for(cfg, world, local, costs["limit_gib"], False, probe)
-    return replace(cluster, cores=costs["cores"], net_cpu_s_per_gb=costs.get("net_cpu_s_per_gb", 0.0))
+                  costs["overhead_s"], {"node": LinkCost(costs.get("intra_latency_s", 0.0), costs["intra_gbps"]),
+                                        "across": LinkCost(costs.get("inter_latency_s", 0.0), costs["inter_gbps"],
+                                                           costs.get("net_cpu_s_per_gb", 0.0))})
+    return replace(cluster_for(cfg, world, local, costs["limit_gib"], False, probe), cores=costs["cores"])
 
 
 def predictions(cfg: Any, cluster: Any, global_batch: int, layouts: list[Any]) -> dict[str, dict[str, float]]:
@@ -168,7 +170,8 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
     names = list(layouts)
     runs: dict[str, list[dict]] = {flags: [] for flags in names}
     for r in range(args.rounds):
-        for i, flags in enumerate(names):
+        # every other round in reverse: the pick (named first) is not always measured at a round's start
+        for i, flags in (list(enumerate(names)) if r % 2 == 0 else list(enumerate(names))[::-1]):
             out = tmp / f"{rate}_c{i}r{r}"
             got, _, wall = on_cluster(rate, flags.split(), out, args)
             runs[flags].append({"step_s": measured(out), "steps_s": steps_of(out), "wall_s": wall,
@@ -193,6 +196,8 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
     result = {"rate": rate, "choice": choice, "rows": rows, "auto_steps_s": auto_steps, "auto_wall_s": auto_wall,
               "fastest": fastest["flags"],
               "pick_over_fastest": pick["step_s"] / fastest["step_s"],
+              # each round's own: the host's drift between rounds cancels within one
+              "pick_over_fastest_by_round": by_round(rows, pick),
               "pick_predicted_over_measured": choice["predicted_step_s"] / choice["measured_step_s"],
               "pick_predicted_over_candidate_measured": choice["predicted_step_s"] / pick["step_s"],
               "pick_peak_over_limit": (choice["measured_peak_gib"] / args.gpu_memory
@@ -208,6 +213,13 @@ def one_rate(rate: str, args: argparse.Namespace, tmp: Path) -> dict:
               "trials_over_run": ((choice["costs"].get("trials_s") or 0.0) / sum(auto_steps) if auto_steps else None)}
     print(table(result, args.gpu_memory), flush=True)
     return result
+
+
+def by_round(rows: list[dict], pick: dict) -> list[float]:
+    """pick / fastest of the fitting candidates within each round (the same minutes of the host)."""
+    fitting = [r for r in rows if r["fits"]]
+    return [pick["rounds"][k]["step_s"] / min(r["rounds"][k]["step_s"] for r in fitting)
+            for k in range(len(pick["rounds"]))]
 
 
 def table(result: dict, limit: float) -> str:
@@ -238,15 +250,23 @@ def table(result: dict, limit: float) -> str:
     if tried:
         lines += ["", f"trials ({num(result.get('trials_s'), '.1f')} s; pick: {result.get('picked_by')}): "
                       + "; ".join(f"`{t['flags']}` " + (f"{t['trial_step_s']:.3f} s" if t["trial_step_s"] is not None
-                                                         else "failed") for t in tried)
+                                                         else "failed") + rounds_of(t) for t in tried)
                       + (f" ({result['trials_cut']})" if result.get("trials_cut") else "")]
-    lines += ["", f"pick / fastest measured: {result['pick_over_fastest']:.3f} (fastest: `{result['fastest']}`); "
+    rounds = ", ".join(f"{x:.2f}" for x in result.get("pick_over_fastest_by_round", []))
+    lines += ["", f"pick / fastest measured: {result['pick_over_fastest']:.3f} (fastest: `{result['fastest']}`; "
+                  f"within each round: {rounds or '-'}); "
                   f"pick predicted {ch['predicted_step_s']:.3f} s / measured in its own run "
                   f"{ch['measured_step_s']:.3f} s = {result['pick_predicted_over_measured']:.2f} "
                   f"(/ as a candidate: {result['pick_predicted_over_candidate_measured']:.2f}); its peak "
                   f"{num(ch['measured_peak_gib'], '.4f')} GiB measured of the {limit:g} GiB limit "
                   f"({num(result['pick_peak_over_limit'], '.2f')})"]
     return "\n".join(lines)
+
+
+def rounds_of(trial: dict) -> str:
+    """A trial's rounds where it ran more than one (planner/auto_trials.py `runoff`)."""
+    each = trial.get("rounds_s", [])
+    return f" (rounds {', '.join(f'{x:.3f}' for x in each)})" if len(each) > 1 else ""
 
 
 def write(args: argparse.Namespace, results: list[dict]) -> Path:
@@ -270,9 +290,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=6)
+    # a candidate's figure is the median of its steps after the first: its second and third were
+    # still 10-60% above its steady step in the runs of results/layout_auto_cluster_trials.json
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--auto-max-steps", type=int, default=400,
+    ap.add_argument("--auto-max-steps", type=int, default=600,
                     help="the --layout auto run's steps: its trials' budget is 10%% of them at the predicted step")
     ap.add_argument("--layout-trials", type=int, default=3, help="the auto run's --layout-trials")
     ap.add_argument("--no-trials", action="store_true", help="the auto run without trials (--layout-trials 0)")

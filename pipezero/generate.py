@@ -2,14 +2,12 @@
 
 The forwards that feed it are a program of their own (schedules/forward_only.py `lower_sample`,
 played by runtime/executor.py `sample`): a `Sampler` says what each forward reads (the window of
-the tokens so far) and takes what the last chunk returns (the next token's logits). `sample` drives
-one from a whole model held in this process.
+the tokens so far) and takes what the last chunk returns (the next token's logits).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 class Sampler:
@@ -45,18 +43,3 @@ class Sampler:
             kth = torch.topk(logits, min(self.top_k, logits.numel())).values[-1]
             logits[logits < kth] = -float("inf")
         self.ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=self.gen)))
-
-
-@torch.no_grad()
-def sample(model: nn.Module, prompt: list[int], n_tokens: int, max_seq_len: int, seed: int,
-           temperature: float = 0.8, top_k: int = 40, vocab: int | None = None) -> list[int]:
-    """`n_tokens` tokens after `prompt` from `model` (a whole model in this process), as `Sampler` draws them."""
-    sampler = Sampler(prompt, max_seq_len, seed, temperature, top_k, vocab)
-    device = next(model.parameters()).device
-    model.eval()
-    for _ in range(n_tokens):
-        if sampler.done:
-            break
-        sampler.take(model(sampler.window().to(device))[0, -1])
-    model.train()
-    return sampler.ids

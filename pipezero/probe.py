@@ -10,17 +10,21 @@ run will train, at the run's shapes and dtype, in seconds:
   `layer_costs`) over that time, and the fixed cost an action pays is the same block's forward at
   one row of eight tokens, where FLOPs are nothing;
 - links: an all-reduce at two sizes inside a node and across nodes, on the ranks this job has (a
-  latency and a bandwidth from the two), bus bandwidth as a ring sees it;
+  latency and a bandwidth from the two), bus bandwidth as a ring sees it. The small size is fixed;
+  the large one is as large as a call of `LARGE_S` allows at the small one's rate (a 4 MB all-reduce
+  over 100 Mbit took 0.6 s a call, and a figure takes four calls at least), and never under four
+  times the small, so that its time is mostly bandwidth;
 - cores (CPU ranks): the cores the job's ranks get. Its hosts have so many (every host's once: ranks
   whose kernel is the same, as the emulated cluster's nodes, namespaces of one host, share its
   cores, however many torchrun nodes they were started as); of those the job gets what its block
   says when every rank computes it at once against rank 0's alone (other jobs on the host, and the
   host's own work, take the rest);
-- host: a bucket-sized copy from the device to host memory and back, and AdamW's step on the host
-  (zero/adamw.py, the kernel --offload optimizer runs there), in parameters a second.
+- host (`pipezero probe`; `host=True`): a bucket-sized copy from the device to host memory and back,
+  and AdamW's step on the host (zero/adamw.py, the kernel --offload optimizer runs there), in
+  parameters a second. `train --layout auto` never offloads, so its probe leaves them out.
 
-Every figure is a median over repetitions bounded in time (`budget_s` each): the probe answers in
-seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan --costs` reads.
+Every figure is a median over repetitions bounded in time (`budget_s` each) and in count (`MOST`):
+the probe answers in seconds, not minutes. `Probe.to_json` is what `pipezero probe` writes and `plan --costs` reads.
 """
 
 from __future__ import annotations
@@ -37,13 +41,20 @@ import torch
 from pipezero.config import OptimConfig, TrainConfig
 
 LINK_KINDS = ("node", "across")  # the link classes a probe times (planner/auto.py `cluster_for` reads them)
-SIZES = (1 << 16, 1 << 22)  # bytes of the two all-reduces each link class is timed at: latency, bandwidth
+SMALL = 1 << 16  # bytes of the all-reduce whose time is mostly a link's latency
+LARGEST = 1 << 22  # bytes of the largest all-reduce a link's bandwidth is timed with
+LARGE_S = 0.03  # seconds one call of the bandwidth's all-reduce may take, at the small one's rate
 
 
 @dataclass
 class LinkCost:
+    # one message's fixed seconds: the small all-reduce's time less its bytes at `gbps`, over the
+    # 2(n - 1) messages one after another of a ring of n
     latency_s: float
     gbps: float  # GB/s of bus bandwidth: what a ring all-reduce moves through each rank's link
+    # CPU-seconds a rank's process (gloo's threads and the kernel's network path in its context)
+    # spends a GB it sends and receives: on CPU ranks sharing cores, taken from compute
+    cpu_s_per_gb: float = 0.0
 
 
 @dataclass
@@ -113,6 +124,8 @@ def read_probe(path: str) -> Probe:
     figures += [(f"links.{kind}.gbps", "a link's GB/s", c.gbps, 1, limits.GBPS) for kind, c in found.links.items()]
     figures += [(f"links.{kind}.latency_s", "a link's latency (s)", c.latency_s, 1, limits.TIME)
                 for kind, c in found.links.items()]
+    figures += [(f"links.{kind}.cpu_s_per_gb", "--net-cpu", c.cpu_s_per_gb, 1, limits.NET_CPU)
+                for kind, c in found.links.items()]
     if found.cores is not None and (not isinstance(found.cores, (int, float)) or isinstance(found.cores, bool)
                                     or not 0 < found.cores < math.inf):
         raise ConfigError(f"--costs {path}: cores {json.dumps(found.cores)} is not a count of cores (more than 0): "
@@ -130,7 +143,9 @@ def read_probe(path: str) -> Probe:
     return found
 
 
-MOST = 200  # repetitions of one figure at the most
+# repetitions of one figure at the most: a median of 15 moves less than the host's own noise, and a
+# budget of 0.5 s ran a 2 ms block's forward 200 times
+MOST = 15
 MOST_S = 120.0  # seconds a probe may take: past it (a 7b block on CPU), refused after one forward
 CALLS = 20  # forwards' worth of a probe: F, B and W (~1, ~1.5 and ~2.5 forwards) a warm-up and 3 calls each
 
@@ -168,8 +183,9 @@ def timed(fn: Callable[[], Any], budget_s: float, sync: Callable[[], None] | Non
 
 
 def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: torch.device,
-                   sync: Callable[[], None] | None = None, least: int = 3) -> float:
-    """`timed` for a collective: every rank of `group` runs it the same number of times.
+                   sync: Callable[[], None] | None = None, least: int = 3, cpu: list[float] | None = None) -> float:
+    """`timed` for a collective: every rank of `group` runs it the same number of times; `cpu`,
+    where given, gets this process's CPU-seconds a call (every thread's: gloo's too) over them.
 
     A loop bounded by each rank's own clock ends after a different count on each rank, and the
     ranks that go on wait for a partner (or read a message of another size): the count is agreed
@@ -177,15 +193,21 @@ def timed_together(fn: Callable[[], Any], budget_s: float, group: Any, device: t
     import torch.distributed as dist
 
     fn()
+    used = time.process_time()
     first = [once(fn, sync) for _ in range(least)]
+    used = time.process_time() - used
     each = sum(first) / least
     count = torch.tensor([min(MOST, max(least, int(budget_s / max(each, 1e-9))))], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if int(count.item()) == least:
-        # no rank's budget allows more than the calls just timed: they are the figure, every rank
-        # alike (a 4 MB all-reduce over 100 Mbit takes 0.6 s; timing it again cost seconds a probe)
-        return statistics.median(first)
-    return statistics.median(once(fn, sync) for _ in range(int(count.item())))
+    # the calls that estimated the count are the figure's first (a 4 MB all-reduce over 100 Mbit
+    # takes 0.6 s: timing it again cost seconds a probe); every rank runs the same number more
+    more = int(count.item()) - least
+    used -= time.process_time()
+    times = first + [once(fn, sync) for _ in range(more)]
+    used += time.process_time()
+    if cpu is not None:
+        cpu.append(used / (least + more))
+    return statistics.median(times)
 
 
 def block_pass(cfg: TrainConfig, device: torch.device) -> Callable[[], Any]:
@@ -276,22 +298,54 @@ def achieved_tflops(flops: float, block_s: dict[str, float], overhead_s: float) 
     return flops / (total - 3 * overhead_s) / 1e12
 
 
+def large_size(small_s: float) -> int:
+    """Bytes of the all-reduce a link's bandwidth is timed with, where the small one took `small_s`:
+    SMALL x 4^k, the largest whose call at the small one's rate takes no more than LARGE_S, at least
+    4 x SMALL and at most LARGEST."""
+    size = 4 * SMALL
+    while size * 4 <= LARGEST and small_s * size * 4 / SMALL <= LARGE_S:
+        size *= 4
+    return size
+
+
+def agreed_most(value: float, group: Any, device: torch.device) -> float:
+    """The largest of every rank's `value` in `group`: what every rank then sizes alike."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def probe_link(group: Any, device: torch.device, budget_s: float = 0.3) -> LinkCost:
-    """An all-reduce over `group` at two sizes: latency from the small, bandwidth from the difference."""
+    """An all-reduce over `group` at two sizes: bandwidth from the difference, a message's latency
+    the small one's time less its bytes at that bandwidth, over the ring's 2(n - 1) steps one after
+    another, and the CPU a GB from the difference of the two
+    sizes' CPU-seconds. The large size follows the small one's time (the slowest rank's, so every
+    rank times the same size): a slow link is timed with fewer bytes."""
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    small, large = (torch.zeros(s // 4, device=device) for s in SIZES)
-    t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync)
-    t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync)
+    cpu: list[float] = []
+    small = torch.zeros(SMALL // 4, device=device)
+    t_small = timed_together(lambda: dist.all_reduce(small, group=group), budget_s, group, device, sync, cpu=cpu)
+    size = large_size(agreed_most(t_small, group, device))
+    large = torch.zeros(size // 4, device=device)
+    t_large = timed_together(lambda: dist.all_reduce(large, group=group), budget_s, group, device, sync, cpu=cpu)
     ring = 2 * (n - 1) / n  # a ring all-reduce's bytes through each link, a byte of the buffer
+    steps = max(1, 2 * (n - 1))  # its messages one after another
+    # a GPU's collectives leave the CPU idle (its waits spin: no figure); a CPU rank's copy and sum
+    per_gb = 0.0
+    if len(cpu) == 2 and device.type == "cpu":
+        per_gb = max(0.0, cpu[1] - cpu[0]) / (ring * (size - SMALL) / 1e9)
     if t_large > 1.05 * t_small:
-        return LinkCost(t_small, ring * (SIZES[1] - SIZES[0]) / (t_large - t_small) / 1e9)
+        gbps = ring * (size - SMALL) / (t_large - t_small) / 1e9
+        return LinkCost(max(0.0, t_small - ring * SMALL / (gbps * 1e9)) / steps, gbps, per_gb)
     # the large no slower than the small (a loaded host's noise): the difference says nothing, and
     # dividing by it would claim any rate at all; the large one's own rate, latency included, is a
     # bandwidth the link at least has
-    return LinkCost(min(t_small, t_large), ring * SIZES[1] / t_large / 1e9)
+    return LinkCost(min(t_small, t_large) / steps, ring * size / t_large / 1e9, per_gb)
 
 
 CPUS = 1024  # CPU numbers a rank's affinity is sent as (job_cores): more than any host has
@@ -356,9 +410,10 @@ def probe_host(device: torch.device, elements: int = 1 << 22, budget_s: float = 
 
 
 def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None = None,
-          budget_s: float = 0.5) -> Probe:
+          budget_s: float = 0.5, host: bool = False) -> Probe:
     """Every figure this rank can measure; `groups`: "node" and "across" process groups to time
-    (collective calls: every rank of each group must call this alike)."""
+    (collective calls: every rank of each group must call this alike); `host`: the host's copy rate
+    and AdamW too (`pipezero probe`, for `plan`'s offload; `train --layout auto` never offloads)."""
     t0 = time.perf_counter()
     block, tflops, overhead = probe_block(cfg, device, budget_s)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -366,6 +421,7 @@ def probe(cfg: TrainConfig, device: torch.device, groups: dict[str, Any] | None 
     for kind, group in (groups or {}).items():
         if group is not None:
             out.links[kind] = probe_link(group, device, budget_s / 2)
-    out.host_copy_gbps, out.host_adamw_params_s = probe_host(device, budget_s=budget_s / 2)
+    if host:
+        out.host_copy_gbps, out.host_adamw_params_s = probe_host(device, budget_s=budget_s / 2)
     out.seconds = time.perf_counter() - t0
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipezero.config import (DType, GradQuant, Offload, ParallelConfig, Partition, SecondaryShard, TrainConfig, WeightQuant,
+from pipezero.config import (DType, Offload, ParallelConfig, Partition, SecondaryShard, TrainConfig,
                              Zero3Unit)
 from pipezero.errors import ConfigError
 from pipezero.freeze import apply_freeze
@@ -38,11 +38,12 @@ from pipezero.runtime.p2p import P2P
 from pipezero.runtime.weight_grad import splittable
 from pipezero.schedules.actions import Schedule
 from pipezero.schedules.check import SimResult
-from pipezero.schedules.compile import CompiledPlan, compile_plan
+from pipezero.schedules.compile import CompiledPlan, compile_plan, wires_of
 from pipezero.schedules.forward_only import EvalInstr
 from pipezero.schedules.model_shapes import ChunkShapes, LayerTensors, ModelShapes, TensorShape, layer_of
 from pipezero.schedules.program import Instr, defers_update_waits
 from pipezero.schedules.program_check import check_placement
+from pipezero.schedules.wire import CODE_BITS, WireFormat, Wires
 from pipezero.schedules.zero_rules import RULES
 from pipezero.settings import check_end_chunks, check_hierarchical
 from pipezero.memory.model import prefetch_choice
@@ -162,7 +163,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, device: torch.device = torch.devi
     p = replace(p, zero3_prefetch=prefetch_choice(cfg, device.type == "cuda").depth)  # `auto`: the same on every rank
     split = p.zero3_unit is Zero3Unit.SUBLAYER  # validated: only where ZeRO-3 gathers layer by layer
     return compile_plan(p, model_shapes(spec, bounds, cfg.optim.freeze, split),
-                        wire_bytes=2 if cfg.run.dtype is DType.BF16 else 4, **mine), bounds
+                        wires=wires_of(p, cfg.run.dtype is DType.BF16), **mine), bounds
 
 
 def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
@@ -207,7 +208,7 @@ def build_stage(cfg: TrainConfig, rank: int, tracer: Tracer | None = None,
                   keep_gathered=not plan.layerwise, tracer=tracer,
                   tied=tied, comm_dtype=wire, device=device,
                   source=source, hierarchy=hierarchy,
-                  node=node, offload=p.offload is Offload.OPTIMIZER, **wires(p))
+                  node=node, offload=p.offload is Offload.OPTIMIZER, **sent_as(plan.wires))
     zero.comm.flight = flight
     p2p.record = zero.comm.played  # one record of what the rank plays: transfers and collectives in their order
     p2p.program_rank = {mesh.global_rank(r, mesh.dp_rank): plan.program.global_rank(r, mesh.dp_rank)
@@ -247,13 +248,12 @@ def rank_program(plan: CompiledPlan, mesh: Mesh, zero: ZeroDP) -> tuple[Instr, .
     return plan.program.ranks[mine]
 
 
-def wires(p: ParallelConfig) -> dict[str, Wire | None]:
-    """ZeroDP's `weights` and `grads`: how --quantize-weights and --quantize-grads send each."""
-    bits = {"int8": Bits.INT8, "int4": Bits.INT4}
-
-    def wire(q: WeightQuant | GradQuant) -> Wire | None:
-        return Wire(bits[q.value], p.quant_block) if q.value in bits else None
-    return {"weights": wire(p.quantize_weights), "grads": wire(p.quantize_grads)}
+def sent_as(w: Wires) -> dict[str, Wire | None]:
+    """ZeroDP's `weights` and `grads`: the plan's quantized formats (schedules/compile.py `wires_of`,
+    the one place the flags are read), as zero/compressed.py sends them; None: the run's float type."""
+    def wire(f: WireFormat) -> Wire | None:
+        return Wire(Bits(CODE_BITS[f.name]), f.block) if f.quantized else None
+    return {"weights": wire(w.gathers), "grads": wire(w.grads)}
 
 
 def ranks_per_node(p: ParallelConfig) -> int:

@@ -5,6 +5,14 @@ renamed into place), never through a symlink, never into a run's own checkpoints
 save never removes a folder it did not write; a refused run leaves its --out as it found it; and
 each refusal is one line naming the input and the fix, exit 2. One run is trained in this process
 for the whole module (a 2-block random Llama, one step); each test works on copies of it.
+
+Every refusal of `pipezero export` is here but for rules held across every command, each tested
+where the rule is, with export among its cases: an empty value (test_bad_inputs.py
+`test_bad_simulate_and_plan_input_is_one_line`, `test_an_empty_value_is_refused_not_read_as_absent`),
+a name too long for the filesystem (test_bad_inputs.py), `~` a shell did not expand and an --out
+through a symlink loop (test_bad_run_folders.py), a shard cut short (test_bad_resume.py, beside
+--resume), Ctrl-C while torch is imported (test_launcher.py), a Hugging Face folder moved after the
+run (test_hf.py) and a --model-spec of one's own (test_own_model.py).
 """
 
 from __future__ import annotations
@@ -525,3 +533,48 @@ def test_hf_export_of_a_run_that_trained_another_tokenizer_holds_the_runs(traine
         assert not (tmp_path / "e" / "tokenizer.json").exists()
     else:
         assert (tmp_path / "e" / "tokenizer.json").read_bytes() == own.read_bytes()
+
+
+def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir, tmp_path, capsys):
+    """After a `--force` run B beside run A, `export RUN` exported A's highest step while `.run-id`,
+    metrics and summary were B's: it takes B's newest, and refuses (naming A's, and what is true of B)
+    when B saved none."""
+    from pipezero.checkpoint.export import checkpoint_to_export
+
+    run = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "16",
+              "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens", "0", "--eval-every", "0",
+              "--no-progress", "--out", str(run)]
+    assert main([*common, "--max-steps", "3"]) == 0  # A: step 3
+    assert main([*common, "--max-steps", "2", "--force"]) == 0  # B, beside it: step 2
+    assert checkpoint_to_export(run).name == "step-00000002"
+    assert main([*common, "--max-steps", "1", "--force", "--no-save-final"]) == 0  # C: no checkpoint
+    capsys.readouterr()
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "the run there now saved no checkpoint: it trained with --no-save-final and no "
+                    "--checkpoint-every")
+    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
+                    "step-00000003 and step-00000002 are of earlier runs")
+    assert not (tmp_path / "e").exists()
+    assert main(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(tmp_path / "e")]) == 0
+
+
+def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
+    """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
+    when the user names that spec too, or `pipezero export` would import and call whatever code a
+    downloaded checkpoint chose."""
+    from pipezero.checkpoint.store import Team, write
+    from pipezero.settings import build_config
+
+    (tmp_path / "payload.py").write_text("from pathlib import Path\n"
+                                         "def boom():\n    Path(__file__).with_name('ran').touch()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = build_config(None, {}).to_dict()
+    config["model"]["spec"] = "payload:boom"
+    path = write(tmp_path / "run" / "checkpoints", 1, {"model.x": torch.zeros(3)}, {"config": config}, 3, Team(step=1))
+    for source in (path, tmp_path / "run"):
+        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 2  # a flag missing: bad input
+        assert "--model-spec payload:boom, if you trust it" in capsys.readouterr().err
+        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 2
+        assert "you named 'other:spec'" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()

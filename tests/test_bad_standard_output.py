@@ -65,7 +65,7 @@ def test_a_full_disk_under_a_commands_own_files_is_not_taken_for_standard_output
 def test_a_closed_stdout_is_no_traceback_after_a_command_that_prints_nothing_it_needs(monkeypatch, capsys):
     """`pipezero train ... >&-`: sys.stdout is None, and main's flush of it must not turn a finished
     run into an error."""
-    monkeypatch.setattr(train, "cmd_train", lambda args: 0)  # the parser binds it when main builds it
+    monkeypatch.setattr(train, "cmd_train", lambda args: 0)  # looked up when the command runs
     monkeypatch.setattr(sys, "stdout", None)
     assert command_line.main(["train"]) == 0
     assert sys.stdout is None  # put back as it was

@@ -181,10 +181,20 @@ LAYOUT_A = {"pp": 2, "dp": 2, "kind": K.ONE_F_ONE_B, "m": 4, "parallel.zero": 1}
 
 
 def run(data: str, out: str, **case) -> dict:
+    """Train `case`, held to its program on every step (tests/training.py `record_departure`): a
+    resumed run's first step, a skipped non-finite step (its gathers of updated weights not played)
+    and the checkpoints' waits outside the programs included."""
     from pipezero.engine import train
+    from training import record_departure, watch_program
 
     case = {"run.max_steps": STEPS, **case}
+    seen = watch_program()
+    seen.clear()
     res = train(build_config(None, tiny_overrides(data, out, **case)), snapshot=True)
+    if problem := record_departure(seen):
+        raise AssertionError(f"{out}: {problem}")
+    if res.skipped_steps and not any(not applied for *_, applied in seen["records"]):
+        raise AssertionError(f"{out}: a step was skipped, yet every record says its step was applied")
     return {"losses": res.losses, "params": res.params, "resumed_from": res.resumed_from,
             "skipped": res.skipped_steps}
 
@@ -313,51 +323,6 @@ def test_export_writes_safetensors_that_reproduce_the_run(text_dir, tmp_path):
     assert loss == pytest.approx(res.heldout[3], rel=1e-6)
     assert main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
 
-
-
-def test_export_of_a_run_folder_takes_only_the_current_runs_checkpoints(text_dir, tmp_path, capsys):
-    """After a `--force` run B beside run A, `export RUN` exported A's highest step while `.run-id`,
-    metrics and summary were B's: it takes B's newest, and refuses (naming A's, and what is true of B)
-    when B saved none."""
-    from one_line import assert_one_line, run_main
-    from pipezero.checkpoint.export import checkpoint_to_export
-    from pipezero.cli import main
-
-    run = tmp_path / "run"
-    common = ["train", "--preset", "tiny", "--data", str(text_dir), "--tokenizer", "bytes", "--seq-len", "16",
-              "--microbatches", "1", "--micro-batch-size", "1", "--sample-tokens", "0", "--eval-every", "0",
-              "--no-progress", "--out", str(run)]
-    assert main([*common, "--max-steps", "3"]) == 0  # A: step 3
-    assert main([*common, "--max-steps", "2", "--force"]) == 0  # B, beside it: step 2
-    assert checkpoint_to_export(run).name == "step-00000002"
-    assert main([*common, "--max-steps", "1", "--force", "--no-save-final"]) == 0  # C: no checkpoint
-    capsys.readouterr()
-    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
-                    "the run there now saved no checkpoint: it trained with --no-save-final and no "
-                    "--checkpoint-every")
-    assert_one_line(*run_main(["export", str(run), "--out", str(tmp_path / "e")], capsys),
-                    "step-00000003 and step-00000002 are of earlier runs")
-    assert not (tmp_path / "e").exists()
-    assert main(["export", str(run / "checkpoints" / "step-00000003"), "--out", str(tmp_path / "e")]) == 0
-
-def test_export_never_imports_a_model_spec_the_checkpoint_names(tmp_path, monkeypatch, capsys):
-    """A checkpoint is data: one whose manifest names `--model-spec MODULE:NAME` is exported only
-    when the user names that spec too, or `pipezero export` would import and call whatever code a
-    downloaded checkpoint chose."""
-    from pipezero.cli import main
-
-    (tmp_path / "payload.py").write_text("from pathlib import Path\n"
-                                         "def boom():\n    Path(__file__).with_name('ran').touch()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    config = build_config(None, {}).to_dict()
-    config["model"]["spec"] = "payload:boom"
-    path = write(tmp_path / "run" / "checkpoints", 1, {"model.x": torch.zeros(3)}, {"config": config}, 3, Team(step=1))
-    for source in (path, tmp_path / "run"):
-        assert main(["export", str(source), "--out", str(tmp_path / "export")]) == 2  # a flag missing: bad input
-        assert "--model-spec payload:boom, if you trust it" in capsys.readouterr().err
-        assert main(["export", str(source), "--out", str(tmp_path / "export"), "--model-spec", "other:spec"]) == 2
-        assert "you named 'other:spec'" in capsys.readouterr().err
-    assert not (tmp_path / "ran").exists()
 
 
 def test_resume_warns_when_the_run_would_differ(capsys):

@@ -5,6 +5,7 @@ a lazy import inside a function counts as much as one at the top."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "pipezero"
 
 
-def imports_of(module: Path) -> set[str]:
-    """Every pipezero module `module` imports anywhere in its source."""
+@functools.lru_cache(maxsize=None)
+def imported(module: Path) -> frozenset[str]:
+    """Every module `module` imports anywhere in its source (`import x.y`: x.y; `from x.y import z`:
+    x.y), read once a process: the tests below read the same modules again (parsing pipezero's
+    sources is most of their time)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(module.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pipezero"):
+        if isinstance(node, ast.ImportFrom) and node.module:
             out.add(node.module)
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("pipezero"))
-    return out
+            out.update(a.name for a in node.names)
+    return frozenset(out)
+
+
+def imports_of(module: Path) -> set[str]:
+    """Every pipezero module `module` imports anywhere in its source."""
+    return {m for m in imported(module) if m.startswith("pipezero")}
 
 
 def test_config_imports_nothing_of_pipezero():
@@ -51,11 +60,8 @@ def test_the_plan_layer_imports_no_torch():
     """schedules/ compiles every rank's program from data (simulate, plan and the doctor run it in
     processes that never load torch)."""
     for module in sorted((ROOT / "schedules").rglob("*.py")):
-        for node in ast.walk(ast.parse(module.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad = [n for n in names if n == "torch" or n.startswith("torch.")]
-            assert not bad, f"{module.relative_to(ROOT)} imports {bad}"
+        bad = sorted(n for n in imported(module) if n == "torch" or n.startswith("torch."))
+        assert not bad, f"{module.relative_to(ROOT)} imports {bad}"
 
 
 def module_name(path: Path) -> str:

@@ -7,6 +7,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -347,7 +348,7 @@ def ranked_of(*steps: float) -> list[dict]:
 
 
 def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
-    from pipezero.planner.auto_trials import BAND, candidates
+    from pipezero.planner.trial_rounds import BAND, candidates
 
     assert BAND == 0.15  # the model's stated error (auto_check.TOLERANCE)
     ranked = ranked_of(1.0, 1.1, 1.15, 1.2)
@@ -359,7 +360,7 @@ def test_trials_take_the_candidates_predicted_within_the_band_at_most_k():
 
 
 def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
-    from pipezero.planner.auto_trials import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
+    from pipezero.planner.trial_rounds import budget_holds_two, cut_line, room_for_another, skipped_line, trial_budget_s
 
     budget = trial_budget_s(100, 0.5)
     assert budget == pytest.approx(5.0)  # 10% of 100 steps of 0.5 s
@@ -374,7 +375,7 @@ def test_trials_stop_at_their_budget_and_a_run_too_short_for_two_tries_none():
 
 
 def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
-    from pipezero.planner.auto_trials import Trial, winner
+    from pipezero.planner.trial_rounds import Trial, winner
 
     def trials(*steps):
         return [Trial(f"--pp {i}", 1.0, s, None if s is not None else "rank 1: out of memory")
@@ -387,10 +388,105 @@ def test_the_fastest_trial_wins_and_ties_keep_the_models_order():
     assert winner(trials(None, None)) is None
 
 
+def shaped(*rows: tuple[str, float]) -> list[dict]:
+    """Ranked layouts "PP/DP/SCHEDULE/M", predicted the seconds given."""
+    out = []
+    for text, step in rows:
+        pp, dp, kind, m = text.split("/")
+        out.append({"flags": text, "predicted_step_s": step,
+                    "settings": {"parallel.pp": pp, "parallel.dp": dp, "parallel.schedule": kind,
+                                 "parallel.virtual_stages": "1", "parallel.microbatches": m}})
+    return out
+
+
+def test_trials_try_another_shape_before_a_sibling_that_differs_only_in_micro_batching():
+    from pipezero.planner.trial_rounds import candidates
+
+    ranked = shaped(("4/1/gpipe/4", 0.175), ("4/1/gpipe/8", 0.178), ("4/1/zb-h2/4", 0.1785), ("2/2/1f1b/4", 0.186))
+    assert candidates(ranked, 3) == [0, 2, 3]  # the gpipe sibling waits for a free place
+    assert candidates(ranked, 4) == [0, 1, 2, 3]
+    assert candidates(ranked, 2) == [0, 2]
+    siblings = shaped(("4/1/gpipe/4", 1.0), ("4/1/gpipe/8", 1.01), ("4/1/gpipe/16", 1.02), ("2/2/1f1b/4", 1.3))
+    assert candidates(siblings, 3) == [0, 1, 2]  # no other shape near: the siblings are the near-ties
+
+
+def test_a_runoff_round_takes_those_near_the_rounds_fastest_in_reverse_order():
+    from pipezero.planner.trial_rounds import RUNOFF, runoff
+
+    assert RUNOFF == 0.25
+    assert runoff({0: [0.30], 1: [0.27], 2: [0.40]}, [0, 1, 2]) == [1, 0]  # 0.40 is past 25% of 0.27
+    assert runoff({0: [0.30, 0.25], 1: [0.27, 0.33]}, [1, 0]) == []  # the last round: 0.33 past 0.25 x 1.25
+    assert runoff({0: [0.30, 0.26], 1: [0.27, 0.28]}, [1, 0]) == [0, 1]
+    assert runoff({1: [0.3], 2: [0.31]}, [0, 1, 2]) == [2, 1]  # 0 failed: not measured, not tried again
+    assert runoff({0: [0.30]}, [0, 1]) == []
+
+
+def test_the_winner_is_among_the_last_rounds_finalists_by_the_median_of_their_rounds():
+    from pipezero.planner.trial_rounds import Trial, combined, room_for_round, winner
+
+    a = combined([Trial("a", 1.0, 0.30), Trial("a", 1.0, 0.26), Trial("a", 1.0, 0.31)])
+    assert a.trial_step_s == 0.30 and a.rounds_s == (0.30, 0.26, 0.31)
+    b = combined([Trial("b", 1.0, 0.27), Trial("b", 1.0, 0.28), Trial("b", 1.0, 0.27)])
+    out = combined([Trial("c", 1.0, 0.25)])  # fast once, left out of the runoff by a slower minute
+    assert winner([a, b, out]) == 1
+    failed = combined([Trial("d", 1.0, 0.2), Trial("d", 1.0, None, "rank 0: OutOfMemoryError")])
+    assert failed.trial_step_s is None and failed.failed == "rank 0: OutOfMemoryError" and failed.rounds_s == (0.2,)
+    assert winner([a, failed]) == 0
+    assert room_for_round(2.0, [1.0, 1.5], 5.0, 2) and not room_for_round(2.5, [1.0, 1.5], 5.0, 2)
+
+
+def test_trials_run_in_rounds_while_the_budget_holds_whole_ones(capsys, tmp_path, monkeypatch):
+    """One process, the trials' steps faked: every candidate once, then the two within 25% of the
+    fastest in reverse order, then no third round (one left near); with a budget for the first
+    round only, it alone decides, with no line of a cut."""
+    import pipezero.planner.auto_trials as auto_trials
+    import pipezero.planner.trial_rounds as trial_rounds
+    from pipezero.planner.auto_trials import settle_by_trials
+
+    req = tiny_request(1, **{"run.out": str(tmp_path / "run"), "run.max_steps": "100"})
+    first = provisional(req)
+    tied = replace(first, ranked=[{**r, "predicted_step_s": 1.0 + i / 100} for i, r in enumerate(first.ranked)])
+    req.trials = 3
+    monkeypatch.setattr(trial_rounds, "shape_of", lambda ranked: ranked["flags"])  # each a shape of its own
+    steps = {("0", "0"): 0.30, ("0", "1"): 0.27, ("0", "2"): 0.40, ("1", "1"): 0.33, ("1", "0"): 0.26}
+    seen = []
+
+    def fake(cfg):
+        r, n = Path(cfg.run.out).name.split("-")
+        seen.append((r, n))
+        return steps[(r, n)]
+
+    monkeypatch.setattr(auto_trials, "time_steps", fake)
+    cfg = build_config(None, settings_of(req, first))
+    picked = settle_by_trials(req, tied, cfg, {})
+    out = capsys.readouterr().out
+    assert seen == [("0", "0"), ("0", "1"), ("0", "2"), ("1", "1"), ("1", "0")], seen
+    # the chosen one: rounds 0.30, 0.26 (median 0.28) against 0.27, 0.33 (0.30); the third, 0.40, out after one
+    assert picked.chosen == tied.ranked[0] and picked.picked_by == "measured fastest in trials"
+    assert [t["rounds_s"] for t in picked.trials] == [[0.30, 0.26], [0.27, 0.33], [0.40]]
+    assert picked.trials[0]["trial_step_s"] == pytest.approx(0.28) and picked.trials_cut is None
+    assert "trial 0.28 s (rounds 0.3, 0.26)" in out and "in rounds" in out, out
+    # 10% of 100 steps at 0.035 s a step: 0.35 s; each faked trial takes 0.1 s of the trials' clock: the
+    # first round fits (three), a second of two more does not
+    seen.clear()
+    clock = [0.0]
+
+    def slow(cfg):
+        clock[0] += 0.1
+        return fake(cfg)
+
+    monkeypatch.setattr(auto_trials, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(auto_trials, "time_steps", slow)
+    short = replace(tied, ranked=[{**r, "predicted_step_s": r["predicted_step_s"] * 0.035} for r in tied.ranked])
+    once = settle_by_trials(req, short, cfg, {})
+    assert seen == [("0", "0"), ("0", "1"), ("0", "2")], seen
+    assert once.chosen == short.ranked[1] and once.trials_cut is None  # 0.27 s against 0.30 s, one round
+
+
 def test_the_trials_winner_is_trained_and_the_prediction_stays_the_models():
     from pipezero.planner.auto import LayoutChoice
     from pipezero.planner.auto_check import LayoutCheck
-    from pipezero.planner.auto_trials import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
+    from pipezero.planner.trial_rounds import PICKED_BY_MODEL, PICKED_BY_TRIALS, Trial, settled, trial_lines
 
     ranked = [{**r, "predicted_peak_gib": 1.0, "bubble": 0.1, "exposed_comm_s": 0.0, "predicted_compute_s": 0.2,
                "predicted_idle_s": 0.03} for r in ranked_of(0.238, 0.238, 0.239, 0.241)]
@@ -429,6 +525,7 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
 
     import pipezero.planner.auto_job as auto_job
     import pipezero.planner.auto_trials as auto_trials
+    import pipezero.planner.trial_rounds as trial_rounds
     from pipezero.cli.train import decided
     from pipezero.engine import train
 
@@ -450,7 +547,7 @@ def train_with_trials(rank: int, world: int, data: str, out: str) -> dict:
         return 100.0 if rank == 1 and len(calls) == 1 else step_s
 
     auto_trials.time_steps = slow_on_rank_1
-    auto_trials.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
+    trial_rounds.BUDGET_SHARE = 10.0  # a 3-step run's budget made to hold the trials (60 steps' would)
     runner_up = tied[1]
     alone = train(build_config(None, {**settings, **runner_up["settings"], "run.out": f"{out}-alone"}))
     cfg = build_config(None, settings_of(req, first))
@@ -507,14 +604,18 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
         assert (tmp_path / "run" / ".layout-trials").is_dir()
         if len(seen) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
-        return {2: 0.5, 3: 0.4}[len(seen)]
+        return {2: 0.6, 3: 0.4}[len(seen)]  # 0.6: past 25% of 0.4, no second round
 
     monkeypatch.setattr(auto_trials, "time_steps", fake)
+    # a collection of the whole session's heap a trial (a third of a second each): counted, not run
+    freed = []
+    monkeypatch.setattr(auto_trials, "free_memory", lambda: freed.append(len(seen)))
     cfg = build_config(None, settings_of(req, first))
     picked = settle_by_trials(req, tied, cfg, {})
     out = capsys.readouterr().out
+    assert freed == [1, 2, 3]  # after every trial, the failed one's too, before the next is built
     assert picked.chosen == tied.ranked[2] and picked.picked_by == "measured fastest in trials"
-    assert picked.costs["trials_s"] > 0 and [t["trial_step_s"] for t in picked.trials] == [None, 0.5, 0.4]
+    assert picked.costs["trials_s"] > 0 and [t["trial_step_s"] for t in picked.trials] == [None, 0.6, 0.4]
     assert f"{tied.ranked[0]['flags']}: predicted 1 s, dropped: rank 0: OutOfMemoryError: CUDA out of memory. " \
            f"Tried to allocate 2.00 GiB\n" in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()
@@ -525,6 +626,7 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     kept = settle_by_trials(req, small, cfg, {})
     out = capsys.readouterr().out
     assert len(seen) == 1 and kept.chosen == small.chosen and kept.picked_by == "model's choice"
+    assert freed == [1, 2, 3, 1]
     assert "layout trials cut short after 1 of 3 candidates" in out and kept.trials_cut in out, out
     assert not (tmp_path / "run" / ".layout-trials").exists()
     # a run too short for two trials tries none, and says so
@@ -534,6 +636,7 @@ def test_a_failed_trial_drops_its_layout_and_the_budget_cuts_the_trials_short(ca
     out = capsys.readouterr().out
     assert not seen and untried.ranked == tied.ranked and untried.trials == [] and untried.picked_by == "model's choice"
     assert out.startswith("layout trials skipped:") and untried.trials_cut in out, out
+    assert freed == [1, 2, 3, 1]
 
 
 def failing_trials(rank: int, world: int, data: str, out: str) -> dict:

@@ -298,12 +298,12 @@ STATES = {"model.preset": "tiny", "model.n_layers": 8, "model.dim": 128, "model.
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_message_is_sized_as_the_wire_sends_it(bits):
-    """The torch-free sizes the model counts (memory/quantized.py) are zero/quantize.py's."""
-    from pipezero.memory.quantized import QuantWire
+    """The torch-free sizes the program and the memory model count (schedules/wire.py) are zero/quantize.py's."""
+    from pipezero.schedules.wire import WireFormat
     from pipezero.zero.quantize import Bits, encode
 
     for numel, block in ((1, 256), (255, 256), (257, 256), (65601, 32), (131200, 256)):
-        assert QuantWire(bits, block).message(numel) == encode(torch.randn(numel), Bits(bits), block).numel()
+        assert WireFormat(f"int{bits}", block).bytes(numel) == encode(torch.randn(numel), Bits(bits), block).numel()
 
 
 def test_quantized_gradients_at_zero0_hold_every_reductions_messages_to_the_step():
@@ -312,13 +312,14 @@ def test_quantized_gradients_at_zero0_hold_every_reductions_messages_to_the_step
     at the wait: every bucket's at once. Counted as the plain all-reduce's nothing, the prediction
     was 0.82 of the measured peak and the fit check admitted a layout 17% over its limit."""
     from pipezero.memory.model import build_plan
-    from pipezero.memory.quantized import QuantWire, reduction_flight
+    from pipezero.memory.quantized import reduction_flight
+    from pipezero.schedules.wire import WireFormat
 
     plain = build_config(None, STATES)
     quant = build_config(None, {**STATES, "parallel.quantize_grads": "int8"})
     before, after = predict(plain, cuda=False)[0], predict(quant, cuda=False)[0]
     sizes = [n for c in range(1) for n in build_plan(quant, False).buckets.buckets(c)]
-    flying = sum(reduction_flight(QuantWire(8, 256), n, 2) for n in sizes)
+    flying = sum(reduction_flight(WireFormat("int8", 256), n, 2) for n in sizes)
     assert after.at == "OPTIM_STEP" and after.categories["collectives"] >= flying
     state = sum(after.categories[c] for c in ("params", "grads", "optimizer"))
     assert state == sum(before.categories[c] for c in ("params", "grads", "optimizer"))

@@ -100,22 +100,6 @@ def test_split_backward_knows_linear_and_norm_and_names_what_it_cannot_split():
     torch.testing.assert_close(weight_grad(norm, x, dy), norm.weight.grad)  # the model's norm: nn.RMSNorm's rule
 
 
-def test_the_end_sample_of_non_finite_weights_stops_instead_of_failing():
-    """--lr 1e308 leaves every weight NaN after one step: torch.multinomial refuses such
-    probabilities, so the end sample stops with the prompt instead."""
-    from pipezero.generate import sample
-
-    class Broken(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.full((8,), float("nan")))
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.w.expand(*ids.shape, 8)
-
-    assert sample(Broken(), [1, 2], 5, 16, 0) == [1, 2]
-
-
 def test_a_model_built_for_its_shapes_runs_no_initialiser_and_keeps_every_tensor():
     """The plan's view of the model (stage.py `model_shapes`) and a pretrained model's frame are built
     on the meta device, where torch.nn's initialisers fill nothing: their Python is about half of

@@ -206,6 +206,36 @@ def test_a_pipelines_hops_cross_the_slow_link_only_between_nodes():
     assert extra == pytest.approx(2 * hop / (2 * 1e-3 * 1e9), rel=0.02)
 
 
+def test_a_links_latency_is_paid_by_each_hop_and_each_buckets_collective():
+    """A probe times each link's latency beside its bandwidth; the planner threw it away. A pipeline
+    hop pays its link's (between nodes, the nodes'), and each bucket's collective its group's link's
+    once for each of its ring's steps: at ZeRO-1 over D = 4, a step's reduce-scatter and all-gather
+    over k buckets pay 3 + 3 latencies each bucket; the two-level reduction 1 inside and 1 across."""
+    from pipezero.config import ScheduleKind
+    from pipezero.models import param_count
+    from pipezero.planner.layouts import Layout
+    from pipezero.planner.search import hop_seconds
+    from dataclasses import replace
+
+    from pipezero.planner.traffic import dp_traffic, latency_s
+
+    model = apply_preset(ModelConfig(), "tiny")
+    model.n_layers = 4
+    base = Cluster(gpus=4, gpu_memory_gib=80, node_size=2, intra_gbps=1.0, inter_gbps=0.1, tflops=1e-3, cpu=True,
+                   wire_bytes=4, bucket_mb=1.0)
+    slow = Cluster(**{**base.__dict__, "intra_latency_s": 1e-4, "inter_latency_s": 2e-3})
+    pp4 = Layout(4, 1, 0, ScheduleKind.GPIPE, 1, 2, 8, False)
+    plain, late = hop_seconds(base, pp4, 1e5), hop_seconds(slow, pp4, 1e5)
+    # [embedding + block, 2 blocks] | [block, head]: inside, across, inside
+    assert [b - a for a, b in zip(plain, late)] == pytest.approx([1e-4, 2e-3, 1e-4])
+    dp4 = Layout(1, 4, 1, ScheduleKind.ONE_F_ONE_B, 1, 4, 1, False)
+    psi = param_count(model)
+    k = math.ceil(psi * 4 / 2**20)
+    (_, link_plain, _), (_, link_late, _) = (dp_traffic(c, dp4, psi, 0.01) for c in (base, slow))
+    assert link_late - link_plain == pytest.approx(k * 6 * 2e-3)
+    assert latency_s(slow, replace(dp4, hierarchical=True))["reduce_scatter"] == pytest.approx(1e-4 + 2e-3)
+
+
 def test_a_slow_boundary_makes_1f1b_dearer_than_the_schedules_that_stream_through_it():
     """The emulated 2 nodes x 2 ranks at 100 Mbit, as bench/layout_auto_cluster.py's probe measured it
     (58 GFLOP/s, 0.4 ms an action, 5.2 MB/s a rank across, 1.25 cores): P=4's middle boundary crosses
@@ -542,3 +572,21 @@ def test_the_planner_prices_the_runs_buckets_in_flight():
     assert eight.memory_gib >= one.memory_gib and eight.dp_comm_s < 0.97 * one.dp_comm_s
     ranked = plan_within(model, slow, 128, 16, in_flight=8).fits
     assert ranked and {e.layout.in_flight for e in ranked} == {8}
+
+
+def test_layout_autos_cluster_takes_each_links_latency_and_the_cpu_its_crossing_bytes_cost():
+    """The probe's latencies and the CPU a GB across nodes reach the cluster the choice prices (a
+    GPU's collectives leave its host's CPU out of it)."""
+    from pipezero.planner.auto import cluster_for
+    from pipezero.probe import LinkCost, Probe
+    from pipezero.settings import build_config
+
+    cfg = build_config(None, {"model.preset": "tiny"})
+    found = Probe("cpu", "fp32", 4, 128, {"F": 0.01, "B": 0.01, "W": 0.01}, 0.05, 1e-4,
+                  {"node": LinkCost(1e-4, 1.0, 0.5), "across": LinkCost(2e-3, 0.05, 3.0)})
+    cpu = cluster_for(cfg, 4, 2, 1.0, False, found)
+    assert (cpu.intra_latency_s, cpu.inter_latency_s, cpu.net_cpu_s_per_gb) == (1e-4, 2e-3, 3.0)
+    assert cluster_for(cfg, 4, 2, 1.0, True, found).net_cpu_s_per_gb == 0.0
+    one_node = Probe(**{**found.__dict__, "links": {"node": LinkCost(1e-4, 1.0, 0.5)}})
+    assert (cluster_for(cfg, 4, 4, 1.0, False, one_node).inter_latency_s,
+            cluster_for(cfg, 4, 4, 1.0, False, one_node).net_cpu_s_per_gb) == (1e-4, 0.0)

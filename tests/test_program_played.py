@@ -31,6 +31,7 @@ from __future__ import annotations
 import pytest
 
 from pipezero.config import ScheduleKind as K
+from pipezero.schedules.wire import FP32
 from ranks import run_ranks
 from training import assert_played, assert_same_training, layouts, train_cases
 
@@ -172,7 +173,7 @@ def test_the_record_holds_transfers_and_the_loss_sum_where_the_program_places_th
 
     s = build_schedule(K.ONE_F_ONE_B, 2, 2, 1)
     plan = uniform_plan(2, 2, 100, 1)
-    last, first = (lower_evaluation(s, 1, plan, 2, sharded_params=False, layerwise=False, gather_width=4)[r]
+    last, first = (lower_evaluation(s, 1, plan, 2, sharded_params=False, layerwise=False, gathers=FP32)[r]
                    for r in (1, 0))
     pairs = [(e.event.value, e.name) for e in expected(last, plan)]
     assert pairs == [("start", "RECV(act 1:0 from 0)"), ("wait", "RECV(act 1:0 from 0)"),
@@ -191,6 +192,38 @@ def test_the_record_holds_transfers_and_the_loss_sum_where_the_program_places_th
     at = next(k for k, i in enumerate(events) if i == ("wait", "SEND(act 1:1 to 2)"))
     assert events[at - 1] == ("wait", "SEND(act 1:0 to 2)") and events[at + 1][1].startswith("REDUCE_GRAD")
     assert any(isinstance(i, OptimStep) for i in step)
+
+def test_each_start_is_expected_in_its_format_and_the_bytes_that_format_sends():
+    """One process: a run's formats come from its flags (int8 weights, int4 gradients, bf16 elsewhere,
+    the masters gathered after a ZeRO-1/2 step in fp32 unless quantized), and the program prices each
+    start in its format's bytes, codes and one fp32 scale a block for a quantized message; a kept
+    gathered chunk's UNSHARD is expected bucket by bucket, each its own message."""
+    from pipezero.config import GradQuant, GradReduce, ParallelConfig, WeightQuant
+    from pipezero.schedules.bucket_plan import uniform_plan
+    from pipezero.schedules.compile import wires_of
+    from pipezero.schedules.lowering import lower
+    from pipezero.schedules.played import expected
+    from pipezero.schedules.registry import build_schedule
+    from pipezero.schedules.wire import BF16, WireFormat
+
+    p = ParallelConfig(quantize_weights=WeightQuant.INT8, quantize_grads=GradQuant.INT4, quant_block=64)
+    wires = wires_of(p, bf16=True)
+    int8, int4 = WireFormat("int8", 64), WireFormat("int4", 64)
+    assert (wires.gathers, wires.grads, wires.updates) == (int8, int4, int8)
+    assert (wires_of(ParallelConfig(), bf16=True).updates, wires_of(ParallelConfig(), bf16=True).grads) == (FP32, BF16)
+    assert (int8.bytes(100), int4.bytes(100)) == (128 + 2 * 4, 64 + 2 * 4)  # two blocks of 64, padded
+
+    s = build_schedule(K.ONE_F_ONE_B, 2, 2, 1)
+    plan = uniform_plan(2, 3, 1000, 2)
+    starts = [e for e in expected(lower(s, 2, 3, GradReduce.STEP, plan, wires=wires).ranks[0], plan)
+              if e.event.value == "start" and not e.name.startswith(("SEND", "RECV"))]
+    sizes = plan.buckets(0)
+    assert [(e.name, e.wire, e.nbytes) for e in starts if e.name.startswith("UNSHARD")] == \
+        [(f"UNSHARD(0.{k})", "int8", int8.bytes(n)) for k, n in enumerate(sizes)]
+    assert sorted((e.name, e.wire, e.nbytes) for e in starts if e.name.startswith("REDUCE_GRAD")) == \
+        sorted((f"REDUCE_GRAD(0.{k})", "int4", int4.bytes(n)) for k, n in enumerate(sizes))
+    assert (starts[-1].name, starts[-1].wire, starts[-1].nbytes) == ("OPTIM_STEP", "fp64", 16)
+
 
 
 def test_the_record_holds_each_wait_at_the_place_the_program_gives_it():
@@ -225,9 +258,9 @@ def test_the_record_holds_each_wait_at_the_place_the_program_gives_it():
     assert problem == "" and carried == {"UNSHARD(0.0)", "UNSHARD(0.1)", "UNSHARD(0.2)"}
     assert [(e.name, e.place) for e in step[:3]] == [("UNSHARD(0.2)", "#0@fwd 0"), ("UNSHARD(0.1)", "#0@fwd 1"),
                                                      ("UNSHARD(0.0)", "#0@fwd 2")]
-    waiting = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gather_width=4,
+    waiting = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gathers=FP32,
                                update_waits=True)[0]
-    blind = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gather_width=4)[0]
+    blind = lower_evaluation(s, 2, plan, 1, sharded_params=False, layerwise=False, gathers=FP32)[0]
     for program, problem in ((waiting, ""), (blind, "UNSHARD(0.0), left in flight by the program before, was never "
                                                     "waited for")):
         events = expected(program, plan)

@@ -1,6 +1,7 @@
 """Schedules are pure data: every generator is checked by the simulator without processes or torch."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -8,10 +9,26 @@ import pytest
 from pipezero.cli import main
 from pipezero.config import ScheduleKind as K
 from pipezero.schedules.actions import Action, Op
-from pipezero.schedules.check import CostModel, ScheduleError, simulate
+from pipezero.schedules.check import CostModel, ScheduleError, SimResult, simulate
 from pipezero.schedules.registry import build_schedule, default_virtual
 
 V_OF = {kind: default_virtual(kind) for kind in K}
+
+
+built = functools.lru_cache(maxsize=None)(build_schedule)  # schedules are frozen: one a layout is shared
+
+
+@functools.lru_cache(maxsize=None)
+def _played(kind: K, p: int, m: int, v: int, cost: CostModel) -> SimResult:
+    return simulate(built(kind, p, m, v), cost)
+
+
+def played(kind: K, p: int, m: int, v: int = 1, cost: CostModel | None = None) -> SimResult:
+    """The simulation of `kind` at (P, M, V) under `cost`, once a process: the proof of every
+    generator and the tests of the bubble and memory formulas below read the same plays (about
+    half the module's time was simulating them again). Read only: never change what it returns.
+    A layout the schedule refuses raises ValueError each time."""
+    return _played(kind, p, m, v, cost or CostModel())
 
 
 def m_values(p):
@@ -20,14 +37,16 @@ def m_values(p):
 
 
 def layouts(pps=range(2, 17)):
+    """(kind, P, M, V) of every layout a generator accepts, M from `m_values`, V the kind's default."""
     for kind in K:
         for p in pps:
             for m in m_values(p):
                 v = V_OF.get(kind, 1)
                 try:
-                    yield kind, p, m, v, build_schedule(kind, p, m, v)
+                    built(kind, p, m, v)
                 except ValueError:
                     continue
+                yield kind, p, m, v
 
 
 @pytest.mark.parametrize("pps, least", [
@@ -36,8 +55,8 @@ def layouts(pps=range(2, 17)):
 ])
 def test_every_generator_passes_the_checker(pps, least):
     count = 0
-    for kind, p, m, v, s in layouts(pps):
-        simulate(s)  # raises on an incomplete, misplaced or deadlocking schedule
+    for kind, p, m, v in layouts(pps):
+        played(kind, p, m, v)  # raises on an incomplete, misplaced or deadlocking schedule
         count += 1
     assert count > least
 
@@ -51,7 +70,7 @@ FAST_AND_FULL = [range(2, 9), pytest.param(range(9, 17), marks=pytest.mark.distr
 def test_gpipe_and_1f1b_bubble_formula(kind, pps):
     for p in pps:
         for m in m_values(p):
-            r = simulate(build_schedule(kind, p, m))
+            r = played(kind, p, m)
             assert r.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-12), (p, m)
 
 
@@ -59,15 +78,15 @@ def test_gpipe_and_1f1b_bubble_formula(kind, pps):
 def test_peak_activations_gpipe_m_and_1f1b_p_minus_rank(pps):
     for p in pps:
         for m in [x for x in m_values(p) if x >= p]:
-            assert simulate(build_schedule(K.GPIPE, p, m)).peak_activations == [m] * p
-            assert simulate(build_schedule(K.ONE_F_ONE_B, p, m)).peak_activations == [p - r for r in range(p)]
+            assert played(K.GPIPE, p, m).peak_activations == [m] * p
+            assert played(K.ONE_F_ONE_B, p, m).peak_activations == [p - r for r in range(p)]
 
 
 def test_interleaved_bubble_formula():
     for p in range(2, 9):
         for v in (2, 3, 4):
             for m in range(p, 4 * p + 1, p):
-                r = simulate(build_schedule(K.INTERLEAVED_1F1B, p, m, v))
+                r = played(K.INTERLEAVED_1F1B, p, m, v)
                 assert r.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12), (p, m, v)
 
 
@@ -77,11 +96,11 @@ def test_zb_h1_idle_and_memory(cost):
     f, b, w = cost
     for p in range(2, 13):
         for m in [x for x in m_values(p) if x >= p]:
-            r = simulate(build_schedule(K.ZB_H1, p, m), CostModel(f, b, w))
+            r = played(K.ZB_H1, p, m, cost=CostModel(f, b, w))
             assert r.idle == pytest.approx([(p - 1) * (f + b - w)] * p), (p, m)
             assert r.peak_activations[0] == p and max(r.peak_activations) == p
-    one = simulate(build_schedule(K.ONE_F_ONE_B, 4, 8)).idle[0]
-    assert simulate(build_schedule(K.ZB_H1, 4, 8)).idle[0] == pytest.approx(one / 3)
+    one = played(K.ONE_F_ONE_B, 4, 8).idle[0]
+    assert played(K.ZB_H1, 4, 8).idle[0] == pytest.approx(one / 3)
 
 
 def steady_idle(s, cost=None):
@@ -99,8 +118,8 @@ def test_zb_h2_memory_and_bubble():
     at equal costs with post-validation. Under our synchronous step the forward ramp (p-1)T_F stays."""
     for p in range(2, 9):
         for m in [x for x in m_values(p) if x >= 2 * p]:
-            s = build_schedule(K.ZB_H2, p, m)
-            r = simulate(s)
+            s = built(K.ZB_H2, p, m)
+            r = played(K.ZB_H2, p, m)
             assert r.peak_activations[0] == 2 * p - 1 and max(r.peak_activations) == 2 * p - 1
             assert r.idle == pytest.approx([(p - 1) * 1.0] * p)
             assert steady_idle(s) == pytest.approx(0.0)
@@ -118,11 +137,11 @@ def test_zb_v_and_dualpipe_v_published_figures():
     less than that bound, because nothing here forces the F&B pairs to run as one unit."""
     for p in range(2, 13):
         for m in [x for x in m_values(p) if x >= 2 * p]:
-            zbv = simulate(build_schedule(K.ZB_V, p, m, 2))
+            zbv = played(K.ZB_V, p, m, 2)
             assert zbv.peak_activations == [2 * p] * p
             assert zbv.peak_activation_memory == pytest.approx([p] * p)  # = 1F1B's rank-0 peak
             assert zbv.idle == pytest.approx([(p - 1) * 0.5] * p)
-            dpv = simulate(build_schedule(K.DUALPIPE_V, p, m, 2))
+            dpv = played(K.DUALPIPE_V, p, m, 2)
             assert dpv.peak_activations == [2 * p + 1] * p
             assert dpv.idle == pytest.approx([(p - 1) * 0.5] * p)
 
@@ -145,8 +164,8 @@ def test_v_half_memory_is_half_of_1f1b_and_its_bubble_below():
     M), the idle is `v_half_idle` on every rank for M > P // 2, below 1F1B's wherever M >= 2."""
     for p in range(2, 9):
         for m in m_values(p):
-            r = simulate(build_schedule(K.V_HALF, p, m, 2))
-            one = simulate(build_schedule(K.ONE_F_ONE_B, p, m))
+            r = played(K.V_HALF, p, m, 2)
+            one = played(K.ONE_F_ONE_B, p, m)
             assert max(r.peak_activation_memory) <= (p + 2) // 2 <= p / 2 + 1, (p, m)
             if m > p:
                 assert r.peak_activation_memory == [(p + 2) // 2] * p, (p, m)
@@ -240,12 +259,13 @@ def test_posting_plans_agree_between_ranks_and_cannot_deadlock_on_ordered_stream
         for p in (2, 3, 4, 8):
             for m in sorted({1, p, p + 1, 2 * p, 3 * p + 1}):
                 try:
-                    s = build_schedule(kind, p, m, V_OF.get(kind, 1))
+                    s = built(kind, p, m, V_OF.get(kind, 1))
                 except ValueError:
                     continue
-                by_rank = plans(s)
+                sim = played(kind, p, m, V_OF.get(kind, 1))
+                by_rank = plans(s, sim)
                 verify(s, by_rank)
-                peak = simulate(s).peak_activations
+                peak = sim.peak_activations
                 sent: dict = {}
                 got: dict = {}
                 for r in range(p):
@@ -458,8 +478,8 @@ def test_zb_v_below_2p_microbatches_is_sound_and_posts_safely(pps):
 
     for p in pps:
         for m in range(1, 2 * p):
-            s = build_schedule(K.ZB_V, p, m, 2)
-            r = simulate(s)
+            s = built(K.ZB_V, p, m, 2)
+            r = played(K.ZB_V, p, m, 2)
             verify(s, plans(s, r))
             assert max(r.peak_activations) <= 2 * p
     for p, m in ((2, 2), (4, 3), (4, 4), (8, 8)):

@@ -42,7 +42,10 @@ def dotted(node: ast.AST) -> str | None:
 def test_every_distributed_name_exists_in_the_minimum_torch():
     used: dict[str, list[str]] = {}
     for f in sorted(ROOT.rglob("*.py")):
-        for name in distributed_names(ast.parse(f.read_text())):
+        text = f.read_text()
+        if "distributed" not in text:  # every name the scan reads is spelt after the word: parse only those
+            continue
+        for name in distributed_names(ast.parse(text)):
             used.setdefault(name, []).append(str(f.relative_to(ROOT)))
     missing = {n: fs for n, fs in used.items() if n not in MINIMUM_API}
     assert not missing, f"torch.distributed names outside torch {MINIMUM_TORCH}'s API: {missing}"

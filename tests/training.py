@@ -96,6 +96,28 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     return results
 
 
+def hold_every_run() -> None:
+    """From now on in this rank process, every `pipezero.engine.train` that returns is held to its
+    program (`record_departure`) and fails with the first departure: a test that trains through
+    `train` or the command line (both call it) is checked as `train_cases` checks its runs."""
+    import pipezero.engine as engine
+
+    if getattr(engine.train, "held", False):
+        return
+    train = engine.train
+
+    def held(*args, **kwargs):
+        seen = watch_program()
+        seen.clear()
+        res = train(*args, **kwargs)
+        if problem := record_departure(seen):
+            raise AssertionError(f"a run departed from its program: {problem}")
+        return res
+
+    held.held = True  # type: ignore[attr-defined]
+    engine.train = held
+
+
 def run_resources() -> tuple[int, list[str]]:
     """What a run may leave alive in this rank process: its process groups (torch's registry) and
     the threads running now, by name."""
@@ -165,11 +187,9 @@ def last_step(seen: dict) -> list:
 def record_departure(seen: dict) -> str:
     """Where the run `watch_program` saw last played other than its program says, on any step or
     held-out evaluation or text sample (their own forward-only programs), "" where nowhere: every start of a
-    collective (name, bytes as the program prices them, group), every wait for a reduction or a
-    gather (at the instruction that waits) and every release, in order (schedules/played.py
-    `expected` and `departure`). Bytes are
-    compared where the wire carries floats (quantized messages add their scales, which the program
-    prices as a rate)."""
+    collective (name, its format on the wire and the bytes the program prices, group), every wait for
+    a reduction or a gather (at the instruction that waits) and every release, in order
+    (schedules/played.py `expected` and `departure`)."""
     from pipezero.schedules.played import departure, expected
 
     stage = seen.get("stage")
@@ -189,8 +209,8 @@ def record_departure(seen: dict) -> str:
             return f"{where}: events recorded under other steps"
         starts = [e for e in want if e.event == "start"]
         for p, e in zip((p for p in record if p.event.value == "start"), starts):
-            if p.wire in ("fp32", "bf16", "fp64") and p.nbytes != e.nbytes:
-                return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program prices {e.nbytes}"
+            if e.wire and (p.wire, p.nbytes) != (e.wire, e.nbytes):
+                return f"{where}: {p.name} moved {p.nbytes} bytes of {p.wire}, the program {e.nbytes} of {e.wire}"
             if p.group != e.group:
                 return f"{where}: {p.name} in group {p.group}, the program's is {e.group}"
     return ""

@@ -20,7 +20,7 @@ def add_doctor_parser(sub: Any) -> None:
                                    "programs of layouts train runs (P x D up to 65536 ranks, P x M x V up to 65536 "
                                    "stage micro-batches). See docs/how-to/hang-doctor.md.")
     d.add_argument("run", help="the run folder (--out of the run)")
-    d.set_defaults(func=cmd_doctor)
+    d.set_defaults(func=lambda args: cmd_doctor(args))  # looked up when run: the parser is built once
 
 
 def _summary(out: Path) -> dict[str, Any] | None:

@@ -23,7 +23,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--shard-size", default=None, help=f"with --format hf: most bytes a shard (default {SHARD_SIZE})")
     e.add_argument("--model-spec", metavar="MODULE:NAME",
                    help="a run of --model-spec: name the same spec (it imports and runs that code)")
-    e.set_defaults(func=cmd_export)
+    e.set_defaults(func=lambda args: cmd_export(args))  # looked up when run: the parser is built once
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -102,7 +102,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens a sequence (default: the model's longest, at most 4096)")
     s.add_argument("--top", type=int, default=10, help="layouts to show, fastest first")
     s.add_argument("--json", action="store_true", help="print the layouts as JSON instead of a table")
-    s.set_defaults(func=cmd_plan)
+    s.set_defaults(func=lambda args: cmd_plan(args))  # looked up when run: the parser is built once
 
 
 def cluster_from_args(args: argparse.Namespace) -> Cluster:

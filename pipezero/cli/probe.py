@@ -54,7 +54,7 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
     device = rank_device(device_kind(cfg.run.device))
     check_block_fits(cfg, device)
     try:
-        found = probe(cfg, device, budget_s=args.budget)
+        found = probe(cfg, device, budget_s=args.budget, host=True)
     except ProbeError as e:
         print(f"pipezero: error: {e}", file=sys.stderr)
         return 1

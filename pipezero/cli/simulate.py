@@ -298,7 +298,7 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--optim-cost", type=float, default=0.0, help=f"time of the optimizer update, in F units ({limits.TIME.describe()})")
     z.add_argument("--listing", action="store_true", help="print every rank's lowered program")
     add_memory_flags(s)
-    s.set_defaults(func=cmd_simulate)
+    s.set_defaults(func=lambda args: cmd_simulate(args))  # looked up when run: the parser is built once
 
 
 def cmd_from_trace(args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Collective, DataParallel, Kind, OptimStep, Program, flat
 from pipezero.schedules.program_check import check_program
 from pipezero.schedules.program_sim import CommCost, ProgramResult, simulate_program
+from pipezero.schedules.wire import Wires
 from pipezero.schedules.zero_rules import RULES
 
 
@@ -38,8 +39,7 @@ class ZeroOptions:
     prefetch: bool  # ZeRO-3 kept gathered: gather one action ahead (a what-if; the runtime does not)
     wire_bytes: int  # 2 with bf16 communication, else 4
     optim: float  # the optimizer update's compute time
-    grad_bytes: float | None = None  # --quantize-grads: an element of every gradient reduction
-    gather_bytes: float | None = None  # --quantize-weights: an element of every parameter gather
+    wires: Wires = Wires()  # the collectives' formats: the wire type, or --quantize-grads / --quantize-weights
     depth: int = 1  # ZeRO-3 layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
     unit: Zero3Unit = Zero3Unit.LAYER  # ZeRO-3 layer by layer: a layer, or a block's part (--zero3-unit)
     offload: Offload = Offload.NONE  # --offload optimizer: the program's host copies and host steps
@@ -56,16 +56,12 @@ class ZeroOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ZeroOptions:
-        """`simulate`'s flags; quantized traffic as an element's share of its message (zero/quantize.py)."""
-        from pipezero.planner.traffic import element_bytes
-
-        bits = {"int8": 8, "int4": 4}
-        grad = element_bytes(bits[args.quantize_grads], args.quant_block) if args.quantize_grads in bits else None
+        """`simulate`'s flags."""
         depth = args.zero3_prefetch if args.zero3_prefetch is not None else 1
-        gather = element_bytes(8, args.quant_block) if args.quantize_weights == "int8" else None
+        wires = Wires.of(args.dtype == "bf16", args.quantize_grads, args.quantize_weights, args.quant_block)
         return cls(args.zero, args.dp, GradReduce(args.grad_reduce), args.preset, args.bucket_mb, args.dp_comm,
                    args.zero3_layerwise, args.zero3_prefetch_chunk, 2 if args.dtype == "bf16" else 4,
-                   args.optim_cost, grad, gather, depth, Zero3Unit(getattr(args, "zero3_unit", None) or "layer"),
+                   args.optim_cost, wires, depth, Zero3Unit(getattr(args, "zero3_unit", None) or "layer"),
                    Offload(getattr(args, "offload", None) or "none"), getattr(args, "offload_activations", None) or 0)
 
 
@@ -111,8 +107,7 @@ def lower_zero(s: Schedule, opt: ZeroOptions, replicas: tuple[int, ...] | None =
                        virtual_stages=s.virtual, grad_reduce=opt.grad_reduce, bucket_mb=opt.bucket_mb,
                        zero3_keep_gathered=not opt.layerwise, zero3_prefetch=opt.depth, zero3_unit=opt.unit,
                        offload=opt.offload, offload_activations=opt.activations)
-    plan = compile_plan(p, model, wire_bytes=opt.wire_bytes, grad_bytes=opt.grad_bytes, gather_bytes=opt.gather_bytes,
-                        prefetch=opt.prefetch, replicas=replicas, schedule=s)
+    plan = compile_plan(p, model, wires=opt.wires, prefetch=opt.prefetch, replicas=replicas, schedule=s)
     return Lowered(plan.program, plan.buckets, params / s.pp * opt.wire_bytes)
 
 

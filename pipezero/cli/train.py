@@ -21,7 +21,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
                         "replacing its metrics.jsonl, summary.json and trace; in a folder of files pipezero did not "
                         "write (no .run-id, no checkpoints) a run's names are refused, never replaced, and other "
                         "files are left beside the run")
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=lambda args: cmd_train(args))  # looked up when run: the parser is built once
 
 
 def add_auto_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +39,9 @@ def add_auto_flags(parser: argparse.ArgumentParser) -> None:
                              "probing in the job")
     parser.add_argument("--layout-trials", type=int, default=None, metavar="K",
                         help="with --layout auto: train up to K layouts predicted within 15%% of the chosen one for "
-                             "3 steps each in the job (at most 10%% of the run's predicted time; a run under 60 steps "
-                             "tries none) and train the fastest measured; 0: the model's choice untried (default 3)")
+                             "3 steps each in the job, in rounds (those within 25%% of a round's fastest again, while "
+                             "a whole round fits 10%% of the run's predicted time; a run under 60 steps tries none) "
+                             "and train the fastest measured; 0: the model's choice untried (default 3)")
 
 
 def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dict[str, str],

@@ -20,7 +20,7 @@ def add_verify_parser(sub: argparse._SubParsersAction) -> None:
                                    "with its batch cut another way (the rounding at this learning rate); exit 0 "
                                    "within tolerance, else 1. See docs/how-to/verify.md.")
     v.add_argument("--steps", type=int, default=3, help="optimizer steps to compare (default 3, at most 1000)")
-    v.set_defaults(func=cmd_verify)
+    v.set_defaults(func=lambda args: cmd_verify(args))  # looked up when run: the parser is built once
 
 
 # train's settings verify decides itself (verify.layout_config) or has no use for: given, they would

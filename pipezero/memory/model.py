@@ -84,9 +84,10 @@ from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, K
                                        in_flight_of)
 from pipezero.schedules.zero_rules import RULES
 from pipezero.schedules.limits import FIT_MARGIN
+from pipezero.schedules.wire import CODE_BITS, FP32, WireFormat
 from pipezero.memory.offload import host_bytes
 from pipezero.planner.prefetch import Choice, run_choice
-from pipezero.memory.quantized import QuantWire, decoded, gather_flight, reduction_flight, reduction_wait
+from pipezero.memory.quantized import decoded, gather_flight, reduction_flight, reduction_wait
 
 if TYPE_CHECKING:
     from pipezero.planner.layouts import Layout
@@ -255,8 +256,8 @@ class MemoryPlan:
     sample_len: int = 0  # the text sample's longest window (0: no sample)
     seq_len: int = 0  # a training sequence's tokens (the rotary tables' length before the sample)
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
-    grad_quant: QuantWire | None = None  # --quantize-grads: reductions travel as messages (D > 1)
-    weight_quant: QuantWire | None = None  # --quantize-weights: gathers travel as messages (D > 1)
+    grad_quant: WireFormat | None = None  # --quantize-grads: reductions travel as messages (D > 1)
+    weight_quant: WireFormat | None = None  # --quantize-weights: gathers travel as messages (D > 1)
     # --secondary-shard node: ranks a node whose share of each bucket a rank keeps (0: none); where
     # the node's size is not set (torchrun's, known only to the ranks) 2, the least it can be
     secondary: int = 0
@@ -312,8 +313,7 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     # the prompt ("def ", four tokens or fewer) and every sampled token but the last, cut to the window
     sample = min(len(SAMPLE_PROMPT) + r.sample_tokens - 1, m.max_seq_len or cfg.data.seq_len) \
         if r.sample_tokens and p.pp == 1 else 0
-    bits = {"int8": 8, "int4": 4}
-    grad_q, weight_q = (QuantWire(bits[q.value], p.quant_block) if q.value in bits and p.dp > 1 else None
+    grad_q, weight_q = (WireFormat(q.value, p.quant_block) if q.value in CODE_BITS and p.dp > 1 else None
                         for q in (p.quantize_grads, p.quantize_weights))
     secondary = (p.ranks_per_node or 2) if p.secondary_shard.value != "none" and p.dp > 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
@@ -872,7 +872,7 @@ def eval_phase(plan: MemoryPlan, pp_rank: int, after: dict[str, int],
     sharded = RULES[plan.program.zero].sharded_params
     # one micro-batch of the rank's evaluation program: every micro-batch runs alike
     program = lower_evaluation(sched, 1, plan.buckets, 1, sharded_params=sharded, layerwise=plan.layerwise,
-                               gather_width=F32)[pp_rank]
+                               gathers=FP32)[pp_rank]
     chunks = [i.action.chunk for i in program if isinstance(i, Compute)]
     sends = [i.transfer[0] - 1 for i in program if isinstance(i, PointToPoint) and i.send]
     kept = sum(plan.buckets.chunk_numel(i.chunk) for i in program

@@ -1,8 +1,8 @@
 """The bytes quantized traffic (--quantize-grads, --quantize-weights: zero/compressed.py) holds on a
 rank, beside the buckets themselves, for the memory model (memory/model.py). Torch-free: sizes only.
 
-Every quantized collective sends uint8 messages (zero/quantize.py `message_bytes`: codes, then one
-fp32 scale a block) and decodes what it receives in fp32 when waited for:
+Every quantized collective sends uint8 messages (schedules/wire.py `WireFormat.bytes`: codes, then
+one fp32 scale a block) and decodes what it receives in fp32 when waited for:
 
 - a gradient reduction (qgZ) of an `n`-element bucket over D ranks encodes the D slices into one
   buffer of messages and receives as many, both alive until it is waited for, beside its fp32 output
@@ -18,23 +18,9 @@ before a collective starts, inside the ones counted here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pipezero.schedules.wire import WireFormat
 
 F32 = 4
-
-
-@dataclass(frozen=True)
-class QuantWire:
-    """One kind of quantized traffic: `bits` a code (8 or 4), one fp32 scale a `block` elements."""
-
-    bits: int
-    block: int
-
-    def message(self, numel: int) -> int:
-        """Bytes of one message of `numel` elements (zero/quantize.message_bytes)."""
-        blocks = -(-numel // self.block)
-        codes = blocks * self.block if self.bits == 8 else -(-blocks * self.block // 2)
-        return codes + F32 * blocks
 
 
 def decoded(n: int) -> int:
@@ -42,19 +28,19 @@ def decoded(n: int) -> int:
     return 2 * n * F32
 
 
-def reduction_flight(w: QuantWire, n: int, dp: int) -> int:
+def reduction_flight(w: WireFormat, n: int, dp: int) -> int:
     """A quantized reduction of `n` elements in flight: the D messages sent and the D received, and
     its fp32 output (the shard, or ZeRO-0's piece), n / D elements either way."""
-    return 2 * dp * w.message(n // dp) + n // dp * F32
+    return 2 * dp * w.bytes(n // dp) + n // dp * F32
 
 
-def reduction_wait(w: QuantWire, n: int, dp: int, to_shard: bool) -> int:
+def reduction_wait(w: WireFormat, n: int, dp: int, to_shard: bool) -> int:
     """Beyond `reduction_flight`, the most a quantized reduction's wait holds at once: the decode;
     for an all-reduce (ZeRO-0) the decode of its second half, whose own message and the D it
     gathered are alive beside it."""
-    return decoded(n) + (0 if to_shard else (dp + 1) * w.message(n // dp))
+    return decoded(n) + (0 if to_shard else (dp + 1) * w.bytes(n // dp))
 
 
-def gather_flight(w: QuantWire, n: int, dp: int) -> int:
+def gather_flight(w: WireFormat, n: int, dp: int) -> int:
     """A quantized gather of an `n`-element bucket in flight: this rank's message and the D received."""
-    return (dp + 1) * w.message(n // dp)
+    return (dp + 1) * w.bytes(n // dp)

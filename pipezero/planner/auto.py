@@ -184,8 +184,11 @@ def cluster_for(cfg: TrainConfig, world: int, local: int, limit_gib: float, cuda
         return cluster
     node, across = costs.links.get("node"), costs.links.get("across")
     intra = node.gbps if node else cluster.intra_gbps
+    intra_latency = node.latency_s if node else 0.0
     return replace(cluster, tflops=costs.tflops, mfu=1.0, overhead_s=costs.overhead_s, intra_gbps=intra,
-                   inter_gbps=across.gbps if across else intra,
+                   inter_gbps=across.gbps if across else intra, intra_latency_s=intra_latency,
+                   inter_latency_s=across.latency_s if across else intra_latency,
+                   net_cpu_s_per_gb=across.cpu_s_per_gb if across and not cuda else 0.0,
                    pcie_gbps=costs.host_copy_gbps or cluster.pcie_gbps,
                    adamw_params_s=costs.host_adamw_params_s or cluster.adamw_params_s)
 
@@ -215,6 +218,8 @@ def choose_layout(cfg: TrainConfig, cluster: Cluster, global_batch: int, wanted:
     costs = {"ranks": cluster.gpus, "ranks_per_node": cluster.node_size, "limit_gib": cluster.gpu_memory_gib,
              "admitted_gib": cluster.gpu_memory_gib * cluster.headroom, "tflops": cluster.tflops,
              "overhead_s": cluster.overhead_s, "intra_gbps": cluster.intra_gbps, "inter_gbps": cluster.inter_gbps,
+             "intra_latency_s": cluster.intra_latency_s, "inter_latency_s": cluster.inter_latency_s,
+             "net_cpu_s_per_gb": cluster.net_cpu_s_per_gb,
              "cores": cluster.cores, "device": "cpu" if cluster.cpu else "cuda", "global_batch": global_batch}
     return LayoutChoice([describe_estimate(e) for e in runners_up(fits)], len(fits), result.considered,
                   result.skipped, took, costs)

@@ -4,148 +4,31 @@ The planner's step-time model is within its stated error (auto_check.TOLERANCE) 
 its top layouts are often predicted within a percent or two of one another: among those, the
 model's order is a coin toss. Peers settle it by launching candidate jobs; here the job's process
 group already exists, and one process group trains layout after layout (tests/training.py does),
-so the near-ties are measured where they will run. Every candidate predicted within `BAND` of the
-chosen one (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given, the chosen one
-first) trains `TRIAL_STEPS` steps of the run's own data and seed (the first warms up and is not
-timed) in a scratch folder inside --out (`SCRATCH`, removed afterwards, also on failure), saving,
-evaluating, sampling and logging nothing. A candidate's step is the slowest rank's median (an
-all-reduce MAX, so every rank picks alike); the fastest measured wins, a later one in the model's
-order only where it measured more than `TIE` faster. The trials together stay within
-`BUDGET_SHARE` of the run's predicted time (the chosen one's trial always runs; a run too short to
-hold two tries none). The real run then starts from step 0 as it would without trials.
+so the near-ties are measured where they will run. Which layouts, in what rounds, and which wins:
+planner/trial_rounds.py (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given). A trial
+trains the run's own data and seed in a scratch folder inside --out (`SCRATCH`, removed
+afterwards, also on failure), saving, evaluating, sampling and logging nothing; every figure the
+ranks decide by is agreed by an all-reduce, so every rank picks alike. The real run then starts
+from step 0 as it would without trials.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipezero.planner.auto import MODELS_CHOICE, LayoutChoice
-from pipezero.planner.auto_check import TOLERANCE
+from pipezero.planner.auto import LayoutChoice
+from pipezero.planner.trial_rounds import (MAX_ROUNDS, TRIAL_STEPS, Trial, budget_holds_two, candidates, combined,
+                                           cut_line, figures, room_for_another, room_for_round, runoff, settled,
+                                           skipped_line, trial_budget_s, trial_lines)
 
-BAND = TOLERANCE  # tried: predicted within the model's stated error of the chosen layout
-TRIAL_STEPS = 3  # a trial's steps; the first pays one-off costs (allocation, warm-up) and is not timed
-BUDGET_SHARE = 0.10  # the trials' time at most this share of --max-steps x the chosen layout's predicted step
-TIE = 0.02  # a candidate later in the model's order wins only where it measured this much faster
 SCRATCH = ".layout-trials"  # inside --out: on the run's own disk, removed afterwards
-PICKED_BY_TRIALS = "measured fastest in trials"
-PICKED_BY_MODEL = MODELS_CHOICE
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One candidate's trial: its flags and prediction, and the slowest rank's median step (None:
-    it failed on some rank, `failed` says where and how)."""
-
-    flags: str
-    predicted_step_s: float
-    trial_step_s: float | None
-    failed: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"flags": self.flags, "predicted_step_s": self.predicted_step_s, "trial_step_s": self.trial_step_s}
-        if self.failed:
-            out["failed"] = self.failed
-        return out
-
-
-def candidates(ranked: list[dict[str, Any]], k: int, band: float = BAND) -> list[int]:
-    """Which of `ranked` (the model's order, the chosen one first) to try: those predicted within
-    `band` of the chosen one, at most `k`; none where fewer than two are (nothing to settle)."""
-    if k < 2 or not ranked:
-        return []
-    best = ranked[0]["predicted_step_s"]
-    near = [i for i, r in enumerate(ranked) if r["predicted_step_s"] <= best * (1 + band)][:k]
-    return near if len(near) > 1 else []
-
-
-def trial_budget_s(max_steps: int, predicted_step_s: float) -> float:
-    """Seconds the trials may take: BUDGET_SHARE of the run the model predicts for the chosen layout."""
-    return BUDGET_SHARE * max_steps * predicted_step_s
-
-
-def budget_holds_two(max_steps: int) -> bool:
-    """Whether the budget can hold two trials at all: each takes TRIAL_STEPS steps at least (and
-    its set-up), so a run of fewer than 2 x TRIAL_STEPS / BUDGET_SHARE steps (60) tries nothing. The
-    chosen layout's trial alone settles nothing, and in an 8-step run it took as long as the steps."""
-    return BUDGET_SHARE * max_steps >= 2 * TRIAL_STEPS
-
-
-def skipped_line(max_steps: int, predicted_s: float) -> str:
-    """The one line that says the budget is too small for trials."""
-    return (f"layout trials skipped: their budget, {BUDGET_SHARE:.0%} of --max-steps {max_steps} x the chosen "
-            f"layout's predicted {predicted_s:.3g} s a step, holds fewer than two trials of {TRIAL_STEPS} steps "
-            f"(a run of {math.ceil(2 * TRIAL_STEPS / BUDGET_SHARE)} steps or more tries them); training the model's "
-            f"choice")
-
-
-def room_for_another(spent_s: float, took_s: list[float], budget_s: float) -> bool:
-    """Whether another trial fits the budget, each trial taken to cost the most one has so far (a
-    trial is mostly its set-up and steps of about the same length: the candidates are near-ties)."""
-    return spent_s + max(took_s, default=0.0) <= budget_s
-
-
-def winner(trials: list[Trial]) -> int | None:
-    """Index of the trial to train: the fastest measured, a later one only where it measured more
-    than TIE faster than the best before it (ties keep the model's order); None where none ran."""
-    best = None
-    for i, t in enumerate(trials):
-        if t.trial_step_s is None:
-            continue
-        if best is None or t.trial_step_s < trials[best].trial_step_s * (1 - TIE):  # type: ignore[operator]
-            best = i
-    return best
-
-
-def settled(choice: LayoutChoice, tried: list[int], trials: list[Trial], cut: str | None,
-            seconds: float = 0.0) -> LayoutChoice:
-    """`choice` with the trials' winner first (the rest in the model's order), the trials, why
-    the winner was picked, the budget's line where it cut them short and their `seconds` (in the
-    costs, beside the probe's). Every figure of a ranked layout stays the model's:
-    `predicted_step_s` is what the prediction check holds the run to."""
-    best = winner(trials)
-    measured = [t for t in trials if t.trial_step_s is not None]
-    costs = {**choice.costs, "trials_s": seconds}
-    if best is None or len(measured) < 2:  # nothing compared: the model's order stands
-        return replace(choice, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_MODEL, trials_cut=cut,
-                       costs=costs)
-    first = tried[best]
-    ranked = [choice.ranked[first]] + [r for i, r in enumerate(choice.ranked) if i != first]
-    return replace(choice, ranked=ranked, trials=[t.to_json() for t in trials], picked_by=PICKED_BY_TRIALS,
-                   trials_cut=cut, costs=costs)
-
-
-def cut_line(done: int, planned: int, spent_s: float, budget_s: float, max_steps: int, predicted_s: float) -> str:
-    """The one line that says the budget stopped the trials."""
-    return (f"layout trials cut short after {done} of {planned} candidates: {spent_s:.1f} s spent, another would "
-            f"pass the budget of {budget_s:.1f} s ({BUDGET_SHARE:.0%} of --max-steps {max_steps} x the chosen "
-            f"layout's predicted {predicted_s:.3g} s a step)")
-
-
-def trial_lines(choice: LayoutChoice, seconds: float) -> list[str]:
-    """What rank 0 prints after the trials: each candidate's prediction and trial, which was picked."""
-    trials = choice.trials
-    lines = [f"layout trials ({seconds:.1f} s): the layouts predicted within {BAND:.0%} of the chosen one, "
-             f"{TRIAL_STEPS} steps each (the first untimed; a step is the slowest rank's median)"]
-    picked = choice.chosen["flags"]
-    for t in trials:
-        if t["trial_step_s"] is None:
-            lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, dropped: {t['failed']}")
-            continue
-        tag = f"  <- picked: {choice.picked_by}" if t["flags"] == picked and choice.picked_by != PICKED_BY_MODEL else ""
-        lines.append(f"  {t['flags']}: predicted {t['predicted_step_s']:.3g} s, trial {t['trial_step_s']:.3g} s{tag}")
-    if choice.picked_by == PICKED_BY_MODEL:
-        lines.append(f"  training the model's choice, {picked}: fewer than two candidates were measured")
-    if choice.trials_cut:
-        lines.append(choice.trials_cut)
-    return lines
 
 
 class TrialFailed(Exception):
@@ -183,22 +66,29 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
     agreeing = agreement_group(req.world)
     scratch = Path(req.base.run.out) / SCRATCH
     budget = trial_budget_s(max_steps, predicted)
-    trials: list[Trial] = []
+    rounds: dict[int, list[Trial]] = {}  # position in `tried` -> its trial of each round it ran
     took: list[float] = []  # each trial's seconds, as every rank agreed them
-    spent, cut = 0.0, None
+    order, spent, cut = list(range(len(tried))), 0.0, None
     t0 = time.perf_counter()
     try:
-        for n, i in enumerate(tried):
-            if trials and not room_for_another(spent, took, budget):
-                cut = cut_line(n, len(tried), spent, budget, max_steps, predicted)
+        for r in range(MAX_ROUNDS):
+            if r and not room_for_round(spent, took, budget, len(order)):
+                break  # a round is whole or not run: its finalists compare the same minutes
+            for pos, n in enumerate(order):
+                if r == 0 and took and not room_for_another(spent, took, budget):  # a later round: admitted whole
+                    cut = cut_line(pos, len(tried), spent, budget, max_steps, predicted)
+                    break
+                trial, now = one_trial(req, choice.ranked[tried[n]], scratch / f"{r}-{n}", names, rank, t0, agreeing)
+                rounds.setdefault(n, []).append(trial)
+                took.append(now - spent)
+                spent = now
+            order = runoff(figures(rounds), order)
+            if cut or not order:
                 break
-            trial, now = one_trial(req, choice.ranked[i], scratch / str(n), names, rank, t0, agreeing)
-            trials.append(trial)
-            took.append(now - spent)
-            spent = now
     finally:
         remove_scratch(scratch)
-    out = settled(choice, tried[:len(trials)], trials, cut, spent)
+    done = sorted(rounds)
+    out = settled(choice, [tried[n] for n in done], [combined(rounds[n]) for n in done], cut, spent)
     if rank == 0:
         print("\n".join(trial_lines(out, spent)), flush=True)
     return out

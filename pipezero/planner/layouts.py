@@ -18,6 +18,10 @@ class Cluster:
     node_size: int = 8
     intra_gbps: float = 300.0  # GB/s within a node
     inter_gbps: float = 25.0  # GB/s between nodes, per GPU
+    # fixed seconds of one transfer or collective within a node and between nodes, beside its bytes
+    # (a probe's all-reduce latency): each pipeline hop pays it, and each bucket's collective
+    intra_latency_s: float = 0.0
+    inter_latency_s: float = 0.0
     tflops: float = 989.0  # dense bf16 peak per GPU
     mfu: float = 0.45  # achieved share of peak in the compute of one stage
     headroom: float = 0.9  # usable share of memory (allocator, buffers, fragmentation)

@@ -9,8 +9,8 @@ Step time: the simulator's step time at F:B:W = 1:1:1 (1:2:1 with recomputation)
 stage forward of one micro-batch, that unit from FLOPs at an assumed model-FLOPs utilisation, every
 action (F, B, W, or a fused BW) also paying a fixed `overhead_s`, the unit the heaviest pipeline
 rank's (its layers cut as the run cuts them), each boundary between chunks a hop of one
-micro-batch's activation bytes over the link the placement puts it on (inside a node or between
-nodes, `hop_seconds`), played by the simulator as the schedule waits on it and queues on it
+micro-batch's activation bytes over the link the placement puts it on, and that link's latency
+(inside a node or between nodes, `hop_seconds`), played by the simulator as the schedule waits on it and queues on it
 (schedules/check.py: a 1F1B rank waits a round trip across a slow boundary where GPipe streams
 through it), plus the data-parallel traffic that compute does not hide (planner/traffic.py); the
 step is never shorter than the data-parallel link's busy time.
@@ -149,7 +149,7 @@ def hop_seconds(cluster: Cluster, lay: Layout, nbytes: float) -> tuple[float, ..
     """Seconds one transfer of `nbytes` (a micro-batch's activation, or its gradient) holds the link of
     each boundary between chunks: the node's rate inside a node; between nodes a GPU's own link, or
     on CPU ranks, which share their node's one link (inter_gbps a rank), the node's link split among
-    the ranks that send across the boundary at once."""
+    the ranks that send across the boundary at once; each transfer also pays its link's latency."""
     out = []
     for b in boundaries(cluster.node_size, lay):
         if b is None:
@@ -157,7 +157,7 @@ def hop_seconds(cluster: Cluster, lay: Layout, nbytes: float) -> tuple[float, ..
             continue
         gbps = (cluster.intra_gbps if not b.across else
                 cluster.inter_gbps * (cluster.node_size / b.senders if cluster.cpu else 1.0))
-        out.append(nbytes / (gbps * 1e9))
+        out.append((cluster.inter_latency_s if b.across else cluster.intra_latency_s) + nbytes / (gbps * 1e9))
     return tuple(out)
 
 

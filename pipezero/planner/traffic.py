@@ -16,6 +16,10 @@ of the bytes on the node's fast path and (n-1)/n of a 1/g piece on the link for 
 on each of n nodes. On a host whose cores every rank shares, a collective inside a node is the CPU
 copying bytes (loopback) and hides behind nothing.
 
+Each bucket's collective also pays a message's latency (the probe's: the nodes' where a group spans
+them) for each of its ring's steps one after another (`latency_s`), which a step of many small
+buckets feels.
+
 Quantized traffic (zero/compressed.py) is priced by the bytes it sends: `--quantize-weights` gathers
 bits / 8 + 4 / block bytes an element, `--quantize-grads` reduces at that width, its reduce-scatter an
 exchange and its all-reduce that exchange and a gather.
@@ -97,6 +101,20 @@ def collective_s(cluster: Cluster, lay: Layout, nbytes: float) -> dict[str, floa
     return took
 
 
+def latency_s(cluster: Cluster, lay: Layout) -> dict[str, float]:
+    """Fixed seconds of one bucket's collective of each kind: a message's latency (the nodes' where
+    the group spans them) for each of a ring's steps one after another, 2(D-1) for an all-reduce and
+    D-1 for a gather or reduce-scatter; the two-level reduction's g-1 inside the node, then n-1 across."""
+    d, split = lay.dp, dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    lat = cluster.inter_latency_s if split is None or split[1] > 1 else cluster.intra_latency_s
+    out = {"all_reduce": 2 * (d - 1) * lat, "all_gather": (d - 1) * lat, "reduce_scatter": (d - 1) * lat}
+    if lay.hierarchical and split:
+        g, n = split
+        out["reduce_scatter"] = (g - 1) * cluster.intra_latency_s + (n - 1) * cluster.inter_latency_s
+        out["all_reduce"] = 2 * out["reduce_scatter"]
+    return out
+
+
 def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
                kept: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, float]:
     """(exposed seconds, seconds on the link, bytes crossing node links, the whole job) of a step's
@@ -112,10 +130,11 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
         return 0.0, 0.0, 0.0
     m = lay.microbatches
     payload = payload_bytes(cluster, lay, psi)
-    took = {c: collective_s(cluster, lay, n)[c] for c, n in payload.items()}
     k = max(1, math.ceil(psi * 4 / (cluster.bucket_mb * 2**20)))  # buckets are cut in fp32 (zero/buckets.py)
-    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
     split = dp_split(cluster.node_size, lay.pp, lay.dp, lay.placement)
+    fixed = latency_s(cluster, lay)
+    took = {c: collective_s(cluster, lay, n)[c] + k * fixed[c] for c, n in payload.items()}
+    forward, backward = t_f, (3.0 if lay.recompute else 2.0) * t_f  # B (with its forward again) and W
     if cluster.cores and split and split[1] == 1:
         # inside a node of a host whose cores all compute, a collective is the CPU copying bytes
         # (loopback): it takes the cores from compute for as long as it runs, so none of it hides
@@ -145,7 +164,8 @@ def dp_traffic(cluster: Cluster, lay: Layout, psi: float, t_f: float,
             later = ag
             if lay.secondary and split:  # hpZ: after the first, from the node's fp32 shares (zero/coordinator.py)
                 g = split[0]
-                later = took["node_gather"] = (g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                later = took["node_gather"] = ((g - 1) / g * 4 * psi / (cluster.intra_gbps * 1e9)
+                                               + k * (g - 1) * cluster.intra_latency_s)
                 counts.update(all_gather=1, node_gather=2 * m - 1 - m * tail - (m - 1) * front)
             fwd, bwd = later * (1 - front), later * (1 - tail)  # a later forward's, a backward's gathers
             if lay.secondary and split and cluster.cores:

@@ -25,6 +25,7 @@ from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import Program, defers_update_waits
 from pipezero.schedules.lowering import lower
 from pipezero.schedules.proven import ProvenSchedule, prove, proven_layout
+from pipezero.schedules.wire import Wires
 from pipezero.schedules.zero_rules import RULES
 
 
@@ -34,7 +35,7 @@ class CompiledPlan:
     program: Program  # every global rank's instructions (`ranks[pp_rank * dp + dp_rank]`), its buckets
     model: ModelShapes
     recompute: bool
-    gather_width: float  # bytes an element of a layer-by-layer gather
+    wires: Wires  # each kind of collective's format on the wire: the program prices it, the runtime sends it
     depth: int = 1  # layer by layer: layers a gather starts ahead of its use (--zero3-prefetch)
     # forward-only programs by (kind, passes), made once a plan as its step's program is
     _forward: dict[tuple[str, int], tuple[Forward, ...]] = field(default_factory=dict, compare=False, repr=False)
@@ -81,9 +82,15 @@ class CompiledPlan:
             self._forward[(what, passes)] = lower(
                 self.schedule, self.program.dp, self.buckets, passes,
                 sharded_params=RULES[self.program.zero].sharded_params, layerwise=self.layerwise,
-                gather_width=self.gather_width, depth=self.depth,
+                gathers=self.wires.gathers, depth=self.depth,
                 update_waits=any(defers_update_waits(r) for r in self.program.ranks))
         return self._forward[(what, passes)]
+
+
+def wires_of(p: ParallelConfig, bf16: bool) -> Wires:
+    """A run's formats on the wire: its communication type (`bf16`: the run's dtype), quantized where
+    --quantize-grads or --quantize-weights say (zero/compressed.py sends exactly these)."""
+    return Wires.of(bf16, p.quantize_grads.value, p.quantize_weights.value, p.quant_block)
 
 
 def layerwise(p: ParallelConfig) -> bool:
@@ -93,12 +100,11 @@ def layerwise(p: ParallelConfig) -> bool:
     return RULES[p.zero].sharded_params and not keep
 
 
-def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4, grad_bytes: float | None = None,
-                 gather_bytes: float | None = None, prefetch: bool = False, pp_ranks: Collection[int] | None = None,
-                 replicas: Collection[int] | None = None, schedule: Schedule | None = None) -> CompiledPlan:
+def compile_plan(p: ParallelConfig, model: ModelShapes, *, wires: Wires = Wires(), prefetch: bool = False,
+                 pp_ranks: Collection[int] | None = None, replicas: Collection[int] | None = None,
+                 schedule: Schedule | None = None) -> CompiledPlan:
     """Every rank's program for layout `p` over `model`'s tensors (one ChunkShapes a chunk of the
-    layout). `wire_bytes`, `grad_bytes`, `gather_bytes`: bytes an element of collectives as they
-    travel (lowering.lower); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
+    layout). `wires`: the collectives' formats on the wire (`wires_of` the run's); `prefetch`: ZeRO-3 kept gathered, a what-if one action ahead (layer by
     layer, `p.zero3_prefetch` is the depth, resolved from `auto` before: planner/prefetch.py);
     `pp_ranks`, `replicas`: only these pipeline and data-parallel ranks' programs (the memory
     model walks a few; simulate counts one replica's instructions before it compiles them all);
@@ -117,12 +123,11 @@ def compile_plan(p: ParallelConfig, model: ModelShapes, *, wire_bytes: float = 4
     # recomputation changes only layer-by-layer programs: the planner's candidates with and without share the rest
     node_shares = p.secondary_shard is SecondaryShard.NODE and p.dp > 1 and RULES[p.zero].sharded_params
     how = (p.dp, p.zero, p.grad_reduce, buckets, not lw, prefetch, p.recompute and lw, depth, p.buckets_in_flight,
-           p.overlap_gather, node_shares, p.offload is Offload.OPTIMIZER, p.offload_activations, wire_bytes, grad_bytes,
-           gather_bytes, tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
+           p.overlap_gather, node_shares, p.offload is Offload.OPTIMIZER, p.offload_activations, wires,
+           tuple(sorted(pp_ranks)) if pp_ranks is not None else None,
            tuple(sorted(replicas)) if replicas is not None else None)
     program = _lower(proven, *how) if schedule is not None else _lowered(key, *how)
-    width = gather_bytes if gather_bytes is not None else wire_bytes
-    return CompiledPlan(proven, program, model, p.recompute, width, depth)
+    return CompiledPlan(proven, program, model, p.recompute, wires, depth)
 
 
 @lru_cache(maxsize=1024)
@@ -140,12 +145,8 @@ def _lowered(key: tuple[ScheduleKind, int, int, int], *how: object) -> Program:
 
 def _lower(proven: ProvenSchedule, dp: int, zero: int, mode: GradReduce, buckets: BucketPlan, keep: bool,
            prefetch: bool, recompute: bool, depth: int, in_flight: int, overlap_gather: bool, node_shares: bool,
-           offload: bool, offload_activations: int, wire: float,
-           grad: float | None,
-           gather: float | None,
-           pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
+           offload: bool, offload_activations: int, wires: Wires, pp_ranks: tuple[int, ...] | None, replicas: tuple[int, ...] | None) -> Program:
     return lower(proven.schedule, dp, zero, mode, buckets, keep_gathered=keep, prefetch=prefetch, recompute=recompute,
                  depth=depth, in_flight=in_flight, overlap_gather=overlap_gather, node_shares=node_shares,
-                 offload=offload, offload_activations=offload_activations, wire_bytes=wire,
-                 grad_bytes=grad, gather_bytes=gather, posts=proven.posts, pp_ranks=pp_ranks,
+                 offload=offload, offload_activations=offload_activations, wires=wires, posts=proven.posts, pp_ranks=pp_ranks,
                  replicas=replicas)

@@ -26,8 +26,9 @@ rank only (a token drawn on the last chunk would have to travel back to the firs
 on a window of the tokens so far (batch 1). Layer by layer every replica samples the same tokens
 (same weights, same seed), each F gathering and releasing its layers; otherwise replica 0 alone
 samples, and kept-gathered ZeRO-3's replicas all take part in the gather around it. Where a token's
-logits are not finite (a last update made the weights so), the sample's remaining F are not played,
-on every replica alike (same weights, same window); what follows them still is.
+logits are not finite (a last update made the weights so), the sampler draws nothing more, and the
+program is still played as written, every F and the gathers and releases inside them, on every
+replica alike.
 
 `check_forward_only` proves such a program as check.py and program_check.py prove a step's.
 """
@@ -44,6 +45,7 @@ from pipezero.schedules.check import ScheduleError
 from pipezero.schedules.lowering import layer_collectives, update_waits as _update_waits
 from pipezero.schedules.program_check import check_dp_group, check_update_waits
 from pipezero.schedules.program_sim import simulate_program
+from pipezero.schedules.wire import WireFormat
 from pipezero.schedules.program import (Collective, Compute, DataParallel, Instr, Kind, LossSum, PointToPoint,
                                         Program, flat)
 
@@ -52,32 +54,32 @@ Forward = tuple[EvalInstr, ...]  # one rank's forward-only program
 
 
 def lower_evaluation(s: Schedule, dp: int, buckets: BucketPlan, microbatches: int, *, sharded_params: bool,
-                     layerwise: bool, gather_width: float, depth: int = 1,
+                     layerwise: bool, gathers: WireFormat, depth: int = 1,
                      update_waits: bool = False) -> tuple[Forward, ...]:
     """Every global rank's evaluation program (`ranks[pp_rank * dp + dp_rank]`, as Program numbers
     them) over `microbatches` micro-batches a replica. `sharded_params`: ZeRO-3, gathered a chunk at a
-    time unless `layerwise`; `gather_width`: bytes an element of a gather; `depth`: layer by layer,
+    time unless `layerwise`; `gathers`: the gathers' format on the wire; `depth`: layer by layer,
     how far ahead a layer's gather starts; `update_waits`: ZeRO-1/2 --overlap-gather, the step's
     gathers of updated weights may still be in flight: waited for in the first forward (or, on a
     replica that computes nothing, at the program's start)."""
     ranks = _lower_forward(s, dp, buckets, microbatches, range(dp), sharded_params=sharded_params,
-                           layerwise=layerwise, gather_width=gather_width, depth=depth, update_waits=update_waits)
+                           layerwise=layerwise, gathers=gathers, depth=depth, update_waits=update_waits)
     return tuple((*r, LossSum()) for r in ranks)
 
 
 def lower_sample(s: Schedule, dp: int, buckets: BucketPlan, tokens: int, *, sharded_params: bool, layerwise: bool,
-                 gather_width: float, depth: int = 1, update_waits: bool = False) -> tuple[Forward, ...]:
+                 gathers: WireFormat, depth: int = 1, update_waits: bool = False) -> tuple[Forward, ...]:
     """Every global rank's text-sample program: one F of each chunk a token, `tokens` tokens, on one
     pipeline rank (ValueError otherwise); every replica samples layer by layer, else replica 0."""
     if s.pp != 1:
         raise ValueError(f"the text sample runs the whole model in one process: one pipeline rank, not {s.pp}")
     sampling = range(dp) if sharded_params and layerwise else range(1)
     return _lower_forward(s, dp, buckets, tokens, sampling, sharded_params=sharded_params, layerwise=layerwise,
-                          gather_width=gather_width, depth=depth, update_waits=update_waits)
+                          gathers=gathers, depth=depth, update_waits=update_waits)
 
 
 def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, computing: Sequence[int], *,
-                   sharded_params: bool, layerwise: bool, gather_width: float, depth: int,
+                   sharded_params: bool, layerwise: bool, gathers: WireFormat, depth: int,
                    update_waits: bool = False) -> tuple[Forward, ...]:
     """Every rank's forward-only program over `passes` passes (module docstring), the F run by the
     replicas in `computing` (the others only take part in kept-gathered ZeRO-3's gathers)."""
@@ -87,7 +89,7 @@ def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, compu
     out: list[Forward] = []
     for p in range(s.pp):
         mine = sorted(s.chunks(p))
-        inside = {c: layer_collectives(None, buckets, False, gather_width, chunk=c, depth=depth)
+        inside = {c: layer_collectives(None, buckets, False, gathers, chunk=c, depth=depth)
                   if sharded_params and layerwise else () for c in mine}
         for d in range(dp):
             prog: list[EvalInstr] = []
@@ -95,7 +97,8 @@ def _lower_forward(s: Schedule, dp: int, buckets: BucketPlan, passes: int, compu
                 prog += [DataParallel(w.kind, w.chunk, w.bucket, w.collective, 0) for c in mine for w in waits[c]]
             if kept:
                 prog += [DataParallel(Kind.UNSHARD, c, None, Collective.ALL_GATHER,
-                                      round(buckets.chunk_numel(c) * gather_width), True) for c in mine]
+                                      sum(gathers.bytes(n) for n in buckets.buckets(c)), True, wire=gathers)
+                         for c in mine]
             for mb in range(passes) if d in computing else ():
                 for c in mine:
                     if c > 0 and owner[c - 1] != p:

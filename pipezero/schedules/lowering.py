@@ -58,7 +58,7 @@ so in the same order, so the dp groups still agree.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 from pipezero.config import GradReduce
 from pipezero.schedules.actions import Action, Op, Schedule
@@ -68,6 +68,7 @@ from pipezero.schedules.layer_plan import (Moment, Step, Trigger, first_needed, 
 from pipezero.schedules.posting import Post, plans_of
 from pipezero.schedules.program import (ActivationCopy, Collective, Compute, DataParallel, Group, Instr, Kind, OptimStep,
                                        PointToPoint, Program)
+from pipezero.schedules.wire import FP32, WireFormat, Wires
 from pipezero.schedules.zero_rules import RULES, Rules
 
 
@@ -80,16 +81,14 @@ def last_weight_grad(actions: tuple[Action, ...]) -> dict[int, int]:
 def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: BucketPlan, *,
           keep_gathered: bool = True, prefetch: bool = False, recompute: bool = False, depth: int = 1,
           in_flight: int = 1, overlap_gather: bool = False, node_shares: bool = False, offload: bool = False,
-          offload_activations: int = 0, wire_bytes: float = 4,
-          grad_bytes: float | None = None, gather_bytes: float | None = None,
+          offload_activations: int = 0, wires: Wires = Wires(),
           posts: list[list[list[Post]]] | None = None, pp_ranks: Collection[int] | None = None,
           replicas: Collection[int] | None = None) -> Program:
     """Lower schedule `s` on D = `dp` replicas with ZeRO stage `zero` into every rank's program
     (schedules/compile.py `compile_plan` is the way in: it plans the buckets and proves the schedule).
 
-    `wire_bytes`: bytes an element of gradient reductions and ZeRO-3 gathers (2 with bf16); ZeRO-1/2
-    gather their fp32 masters (4). Quantized traffic instead: `grad_bytes` an element of every
-    reduction, `gather_bytes` of every parameter gather (int8 with a scale a 256: 1.02; int4: 0.52).
+    `wires`: the format of gradient reductions, of ZeRO-3's gathers and of ZeRO-1/2's gathers of
+    updated masters (schedules/wire.py), each collective priced in its bytes.
     `posts`: the proven posting order (schedules/proven.py; derived here when not given).
     `keep_gathered`: ZeRO-3 gathers a chunk for its whole step (else layer by layer over
     `buckets.uses`); `prefetch`: kept gathered, a chunk one action ahead; `recompute`: each block's
@@ -114,24 +113,15 @@ def lower(s: Schedule, dp: int, zero: int, grad_reduce: GradReduce, buckets: Buc
     posts = plans_of(s) if posts is None else posts
     if in_flight < 1:
         raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-    wires = _Wires(wire_bytes, wire_bytes if grad_bytes is None else grad_bytes, gather_bytes, in_flight)
     ranks = [_rank_program(s, p, d, dp, RULES[zero], grad_reduce, buckets, layerwise, prefetch, recompute, wires,
-                           posts[p], depth, overlap_gather, node_shares, offload, offload_activations)
+                           in_flight, posts[p], depth, overlap_gather, node_shares, offload, offload_activations)
              if (pp_ranks is None or p in pp_ranks) and (replicas is None or d in replicas) else ()
              for p in range(s.pp) for d in range(dp)]
     return Program(s, dp, zero, grad_reduce, buckets, tuple(ranks), layerwise, recompute, depth if layerwise else 1)
 
 
-@dataclass(frozen=True)
-class _Wires:
-    wire: float  # bytes an element of reductions and ZeRO-3 gathers
-    grad: float  # of gradient reductions
-    gather: float | None  # of parameter gathers, when quantized
-    in_flight: int = 1  # reductions a non-blocking REDUCE_GRAD leaves in flight (ZeRO 1-3)
-
-
 def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: GradReduce, bp: BucketPlan,
-                  layerwise: bool, prefetch: bool, recompute: bool, w: _Wires, posts: list,
+                  layerwise: bool, prefetch: bool, recompute: bool, w: Wires, in_flight: int, posts: list,
                   depth: int = 1, overlap_gather: bool = False, node_shares: bool = False,
                   offload: bool = False, offload_activations: int = 0) -> tuple[Instr, ...]:
     acts = s.actions[p]
@@ -144,8 +134,8 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
         out.extend(PointToPoint(q.send, q.transfer, q.peer * dp + d) for q in boundary)
 
     def whole(kind: Kind, chunk: int, coll: Collective, blocking: bool) -> DataParallel:
-        width = w.gather if w.gather is not None and coll is Collective.ALL_GATHER else w.wire
-        return DataParallel(kind, chunk, None, coll, round(bp.chunk_numel(chunk) * width), blocking)
+        return DataParallel(kind, chunk, None, coll, sum(w.gathers.bytes(n) for n in bp.buckets(chunk)), blocking,
+                            wire=w.gathers if kind is Kind.UNSHARD else None)
 
     gathered: set[int] = set()
     prefetched: set[int] = set()  # kept gathered, prefetch: chunks gathered ahead, not yet waited for
@@ -176,9 +166,9 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
             else frozenset()
         key = (a.op, a.chunk, reduces, drain, held, keep)
         if key not in inside_of:
-            inside = layer_collectives(a, bp, recompute, w.gather if w.gather is not None else w.wire,
-                                       depth=depth, held=held, keep=keep) if layerwise else ()
-            inside_of[key] = _with_reductions(a, inside, bp, rules, w, layerwise, recompute, drain) \
+            inside = layer_collectives(a, bp, recompute, w.gathers, depth=depth, held=held, keep=keep) \
+                if layerwise else ()
+            inside_of[key] = _with_reductions(a, inside, bp, rules, w, in_flight, layerwise, recompute, drain) \
                 if reduces else (inside, [])
         inside, after = inside_of[key]
         if node_shares and layerwise:
@@ -196,7 +186,7 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
     p2p(posts[-1])
     if offload_activations:
         out = _offloaded_activations(out, offload_activations)
-    out.extend(_tied(sorted(s.chunks(p)), bp, rules, w))
+    out.extend(_tied(sorted(s.chunks(p)), bp, rules, w, in_flight))
     if offload:
         out = _offloaded_grads(out, bp, rules, dp)
     out.append(OptimStep())
@@ -204,11 +194,11 @@ def _rank_program(s: Schedule, p: int, d: int, dp: int, rules: Rules, mode: Grad
     order = [(c, k, n) for c in sorted(s.chunks(p)) for k, n in reversed(list(enumerate(bp.buckets(c))))]
     for j, (c, k, n) in enumerate(order):
         if offload:
-            out.append(DataParallel(Kind.HOST_STEP, c, k, Collective.HOST, _updated(n, rules, dp) * 4,
-                                    group=Group.HOST))
+            out.append(DataParallel(Kind.HOST_STEP, c, k, Collective.HOST, FP32.bytes(_updated(n, rules, dp)),
+                                    group=Group.HOST, wire=FP32))
         if rules.gathers_updates:
-            out.append(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, round(n * (w.gather or 4)),
-                                    not overlap_gather and j == len(order) - 1))
+            out.append(DataParallel(Kind.UNSHARD, c, k, Collective.ALL_GATHER, w.updates.bytes(n),
+                                    not overlap_gather and j == len(order) - 1, wire=w.updates))
     return tuple(out)
 
 
@@ -262,8 +252,8 @@ def _offloaded_grads(out: list[Instr], bp: BucketPlan, rules: Rules, dp: int) ->
         left[(d.chunk, d.bucket)] += 1
 
     def offload(c: int, k: int) -> DataParallel:
-        return DataParallel(Kind.OFFLOAD_GRAD, c, k, Collective.HOST, _updated(bp.buckets(c)[k], rules, dp) * 4,
-                            group=Group.HOST)
+        return DataParallel(Kind.OFFLOAD_GRAD, c, k, Collective.HOST, FP32.bytes(_updated(bp.buckets(c)[k], rules, dp)),
+                            group=Group.HOST, wire=FP32)
 
     flying: list[tuple[int, int]] = []  # reductions in flight, oldest first
     placed: list[Instr] = []
@@ -297,8 +287,7 @@ def _from_node_shares(inside: tuple[DataParallel, ...], seen: set[tuple[int, int
     for d in inside:
         if d.kind is Kind.UNSHARD and d.bucket is not None:
             if (d.chunk, d.bucket) in seen:
-                d = DataParallel(d.kind, d.chunk, d.bucket, d.collective, bp.buckets(d.chunk)[d.bucket] * 4, d.blocking,
-                                 d.at, d.bound, Group.NODE)
+                d = replace(d, nbytes=FP32.bytes(bp.buckets(d.chunk)[d.bucket]), group=Group.NODE, wire=FP32)
             seen.add((d.chunk, d.bucket))
         out.append(d)
     return tuple(out)
@@ -338,28 +327,28 @@ def update_waits(bp: BucketPlan, chunk: int) -> tuple[DataParallel, ...]:
                               at=Trigger(Moment.FORWARD, first[k]) if k in first else None) for k in order)
 
 
-def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, width: float,
+def layer_collectives(a: Action | None, bp: BucketPlan, recompute: bool, wire: WireFormat,
                       chunk: int | None = None, depth: int = 1, held: frozenset[int] = frozenset(),
                       keep: frozenset[int] = frozenset()) -> tuple[DataParallel, ...]:
     """Layer-by-layer ZeRO-3: the gathers and releases inside action `a` (None: a forward of
     `chunk` outside any program, an evaluation or the text sample), each at its trigger
-    (schedules/layer_plan.py), each layer's gather `depth` layers ahead; `width`: bytes an element of a
-    gather; `held` / `keep`: buckets the previous action left gathered, and those left for the next."""
+    (schedules/layer_plan.py), each layer's gather `depth` layers ahead; `wire`: the gathers' format
+    (a release's bytes are what its gather brought); `held` / `keep`: buckets the previous action left gathered, and those left for the next."""
     c = a.chunk if a is not None else chunk
     assert c is not None
     op = a.op if a is not None else None
     through = op is not None and traverses(op, c, bp.stashes_w(c) and not recompute)
     sizes = bp.buckets(c)
     return tuple(DataParallel(Kind.WAIT, c, st.bucket, Collective.LOCAL, 0, False, st.at) if not st.started else
-                 DataParallel(Kind.UNSHARD, c, st.bucket, Collective.ALL_GATHER, round(sizes[st.bucket] * width),
-                              st.wait, st.at) if st.gather else
-                 DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, round(sizes[st.bucket] * width), False,
+                 DataParallel(Kind.UNSHARD, c, st.bucket, Collective.ALL_GATHER, wire.bytes(sizes[st.bucket]),
+                              st.wait, st.at, wire=wire) if st.gather else
+                 DataParallel(Kind.RESHARD, c, st.bucket, Collective.LOCAL, wire.bytes(sizes[st.bucket]), False,
                               st.at)
                  for st in steps(op, bp.layers(c), through, recompute, depth, held, keep))
 
 
-def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, w: _Wires,
-                     layerwise: bool, recompute: bool,
+def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan, rules: Rules, w: Wires,
+                     in_flight: int, layerwise: bool, recompute: bool,
                      drain: bool) -> tuple[tuple[DataParallel, ...], list[DataParallel]]:
     """One REDUCE_GRAD a bucket of `a`'s chunk, in bucket order, but for a tied embedding's copies
     (reduced in the step: `_tied`). In a fused backward, each bucket's autograd can report complete
@@ -375,7 +364,7 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
     last = (late or early or [None])[-1]
 
     def reduce(k: int, at: Trigger | None) -> DataParallel:
-        return _reduction(c, k, bp, rules, w, drain and k == last, at)
+        return _reduction(c, k, bp, rules, w, in_flight, drain and k == last, at)
 
     if not early:
         return inside, [reduce(k, None) for k in late]
@@ -385,17 +374,18 @@ def _with_reductions(a: Action, inside: tuple[DataParallel, ...], bp: BucketPlan
     return tuple(merged), [reduce(k, None) for k in late]
 
 
-def _reduction(c: int, k: int, bp: BucketPlan, rules: Rules, w: _Wires, blocking: bool,
+def _reduction(c: int, k: int, bp: BucketPlan, rules: Rules, w: Wires, in_flight: int, blocking: bool,
                at: Trigger | None = None) -> DataParallel:
     """Bucket `k` of chunk `c`'s REDUCE_GRAD: a reduce-scatter where the sum lands in a shard, else an
-    all-reduce; one that does not block waits, once started, until at most `w.in_flight` reductions
+    all-reduce; one that does not block waits, once started, until at most `in_flight` reductions
     are left in flight where the sum lands in a shard (ZeRO 1-3: the full buckets it frees)."""
     coll = Collective.REDUCE_SCATTER if rules.reduces_to_shard else Collective.ALL_REDUCE
-    bound = w.in_flight if rules.reduces_to_shard and not blocking else None
-    return DataParallel(Kind.REDUCE_GRAD, c, k, coll, round(bp.buckets(c)[k] * w.grad), blocking, at, bound)
+    bound = in_flight if rules.reduces_to_shard and not blocking else None
+    return DataParallel(Kind.REDUCE_GRAD, c, k, coll, w.grads.bytes(bp.buckets(c)[k]), blocking, at, bound,
+                        wire=w.grads)
 
 
-def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, w: _Wires) -> list[DataParallel]:
+def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, w: Wires, in_flight: int) -> list[DataParallel]:
     """Before the step, on a rank holding a copy of a tied embedding: the copies' gradients summed
     (an all-reduce between the first and last pipeline rank of the replica, or a local sum when one
     rank holds both; the fp32 gradients, 4 bytes an element), then the buckets holding them reduced
@@ -403,6 +393,7 @@ def _tied(chunks: list[int], bp: BucketPlan, rules: Rules, w: _Wires) -> list[Da
     held = [(c, k) for c in chunks for k in range(len(bp.buckets(c))) if (c, k) in bp.held]
     if not held:
         return []
-    return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, bp.tied_numel * 4, True, group=Group.TIE),
-            *(_reduction(c, k, bp, rules, w, False) for c, k in held)]
+    return [DataParallel(Kind.TIED_SUM, held[0][0], None, Collective.ALL_REDUCE, FP32.bytes(bp.tied_numel), True,
+                         group=Group.TIE, wire=FP32),
+            *(_reduction(c, k, bp, rules, w, in_flight, False) for c, k in held)]
 

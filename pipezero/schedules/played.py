@@ -58,7 +58,9 @@ class Played:
     name: str  # as the program names it: REDUCE_GRAD(1.0), UNSHARD(0.2), TIED_SUM(0), RESHARD(0.2)
     nbytes: int = 0  # a start: the bucket as it travels (played: codes and scales when quantized)
     group: str = ""  # a start: dp, node, tie, host, world (program.py `Group`); pp: a transfer
-    wire: str = ""  # played, a start: the elements on the wire (fp32, bf16, int8, int4; act: activations; p2p)
+    # a start: the elements' format on the wire (fp32, bf16, int8, int4, fp64; played only: act for
+    # activations copied to the host, p2p for transfers)
+    wire: str = ""
     step: int = -1  # played: the step it belongs to
     # a wait for a reduction or a gather: the instruction that waits, `#i` (its index in the rank's
     # program) or `#i@moment` (inside compute instruction i, at that moment), or `outside: READER` for a
@@ -110,30 +112,30 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             sending.clear()
         if isinstance(i, OptimStep):
             wait(0, place)
-            out.append(Played(PlayEvent.START, str(i), i.nbytes, Group.WORLD.value, place=place))
+            out.append(Played(PlayEvent.START, str(i), i.nbytes, Group.WORLD.value, i.wire.name, place=place))
             stepped = True
             continue
         if isinstance(i, ActivationCopy):
             out.append(Played(PlayEvent.START, str(i), 0, "host"))
             continue
         if isinstance(i, LossSum):
-            out.append(Played(PlayEvent.START, str(i), i.nbytes, i.group.value))
+            out.append(Played(PlayEvent.START, str(i), i.nbytes, i.group.value, i.wire.name))
             continue
         if not isinstance(i, DataParallel):
             continue
         if stepped and not applied:
             break
         if i.kind is Kind.TIED_SUM:
-            out.append(Played(PlayEvent.START, f"TIED_SUM({i.chunk})", i.nbytes, i.group.value))
+            out.append(Played(PlayEvent.START, f"TIED_SUM({i.chunk})", i.nbytes, i.group.value, _wire(i)))
             continue
         if i.kind in (Kind.OFFLOAD_GRAD, Kind.HOST_STEP):
             reduced = f"REDUCE_GRAD({i.chunk}.{i.bucket})"
             if reduced in reducing:  # its last reduction still in flight: waited for first
                 wait(reducing[::-1].index(reduced), place)
-            out.append(Played(PlayEvent.START, f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value))
+            out.append(Played(PlayEvent.START, f"{i.kind.value}({i.chunk}.{i.bucket})", i.nbytes, i.group.value,
+                              _wire(i)))
             continue
         sizes = bp.buckets(i.chunk)
-        whole = sum(sizes)
         for k in range(len(sizes)) if i.bucket is None else [i.bucket]:
             name = f"{i.kind.value}({i.chunk}.{k})"
             if i.kind is Kind.WAIT:  # a gather started earlier (or by the step before), waited for here
@@ -142,8 +144,9 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             if i.kind is Kind.RESHARD:
                 out.append(Played(PlayEvent.RELEASE, name))
                 continue
-            nbytes = i.nbytes if i.bucket is not None else round(i.nbytes * sizes[k] / whole)
-            out.append(Played(PlayEvent.START, name, nbytes, i.group.value))
+            # a whole chunk's instruction: each bucket's own message
+            nbytes = i.nbytes if i.bucket is not None or i.wire is None else i.wire.bytes(sizes[k])
+            out.append(Played(PlayEvent.START, name, nbytes, i.group.value, _wire(i)))
             if i.kind is Kind.REDUCE_GRAD:
                 reducing.append(name)
             elif stepped:
@@ -158,6 +161,10 @@ def expected(instrs: Sequence[object], bp: BucketPlan, applied: bool = True) -> 
             out += [Played(PlayEvent.WAIT, n, place=place) for n in updating]
             updating.clear()
     return out
+
+
+def _wire(i: DataParallel) -> str:
+    return i.wire.name if i.wire is not None else ""
 
 
 def placed(instrs: Sequence[object]) -> list[tuple[object, str]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from pipezero.config import GradReduce
@@ -25,6 +25,7 @@ from pipezero.schedules.actions import Action, Op, Schedule
 from pipezero.schedules.bucket_plan import BucketPlan
 from pipezero.schedules.layer_plan import Trigger
 from pipezero.schedules.posting import Transfer
+from pipezero.schedules.wire import FP64, WireFormat
 from pipezero.schedules.zero_rules import RULES, Rules
 
 
@@ -128,10 +129,13 @@ class DataParallel:
     # until at most `bound` are left (ZeRO-1-3's bound on full gradient buckets alive; None: no wait)
     bound: int | None = None
     group: Group = Group.DP
+    # a start: the elements' format on the wire (schedules/wire.py), which `nbytes` prices; None where
+    # nothing travels (WAIT, RESHARD)
+    wire: WireFormat | None = None
 
     def signature(self) -> tuple:
         """What every rank of a dp group must agree on, position by position."""
-        return (self.kind, self.chunk, self.bucket, self.collective, self.nbytes)
+        return (self.kind, self.chunk, self.bucket, self.collective, self.nbytes, self.wire)
 
     def __str__(self) -> str:
         where = f"{self.chunk}" if self.bucket is None else f"{self.chunk}.{self.bucket}"
@@ -152,6 +156,7 @@ class OptimStep:
     (ZeRO-1/2's gathers of updated weights) is played only where the update was applied."""
 
     nbytes: int = 16  # the (norm^2, loss) pair in fp64, all-reduced over the world
+    wire = FP64
 
     @property
     def kind(self) -> Kind:
@@ -189,6 +194,7 @@ class LossSum:
 
     nbytes: int = 8
     group: Group = Group.WORLD
+    wire = FP64
 
     @property
     def kind(self) -> Kind:
@@ -342,8 +348,7 @@ def hoisted(instrs: Sequence[Instr]) -> list[Instr]:
     for i in instrs:
         if isinstance(i, Compute) and any(d.kind is Kind.REDUCE_GRAD for d in i.during):
             out.append(Compute(i.action, tuple(d for d in i.during if d.kind is not Kind.REDUCE_GRAD), i.held, i.kept))
-            out.extend(DataParallel(d.kind, d.chunk, d.bucket, d.collective, d.nbytes, d.blocking, None, d.bound)
-                       for d in i.during if d.kind is Kind.REDUCE_GRAD)
+            out.extend(replace(d, at=None) for d in i.during if d.kind is Kind.REDUCE_GRAD)
         else:
             out.append(i)
     return out

@@ -32,6 +32,8 @@ import enum
 
 import torch
 
+from pipezero.schedules.wire import WireFormat
+
 TINY = 2.0 ** -100  # blocks with a smaller absmax are sent as zeros (their scale would be subnormal)
 
 
@@ -51,13 +53,13 @@ def blocks_of(numel: int, block: int) -> int:
 
 def code_bytes(numel: int, bits: Bits, block: int) -> int:
     """Bytes of the codes of `numel` elements padded to whole blocks (int4: two a byte, rounded up)."""
-    padded = blocks_of(numel, block) * block
-    return padded if bits is Bits.INT8 else -(-padded // 2)
+    return WireFormat(f"int{int(bits)}", block).code_bytes(numel)
 
 
 def message_bytes(numel: int, bits: Bits, block: int) -> int:
-    """Bytes on the wire for `numel` elements: codes plus one fp32 scale a block."""
-    return code_bytes(numel, bits, block) + 4 * blocks_of(numel, block)
+    """Bytes on the wire for `numel` elements: codes plus one fp32 scale a block (the program prices
+    the same: schedules/wire.py)."""
+    return WireFormat(f"int{int(bits)}", block).bytes(numel)
 
 
 def quantize(x: torch.Tensor, bits: Bits, block: int, what: str = "tensor",
