@@ -294,27 +294,28 @@ def _holds_a_run(out: str, names: list[str]) -> str:
             f"replaced), or choose another --out")
 
 
+# --layout auto's trials train in this folder inside --out (planner/auto_trials.py): on the run's own
+# disk, removed afterwards
+TRIALS = ".layout-trials"
+
+
 def remove_trials(out: str | Path) -> None:
-    """Remove `--layout auto`'s trials folder (planner/auto_trials.py SCRATCH) where no rank can be
+    """Remove `--layout auto`'s trials folder (`TRIALS`) where no rank can be
     using it: the job is over, or its folder's lock is held before any rank starts. A rank stopped by
     a signal, or killed, runs no `finally`, and the folder stayed, where the next run read it as a run
     already there. Never followed where it is a link."""
     import shutil
 
-    from pipezero.planner.auto_trials import SCRATCH
-
-    shutil.rmtree(Path(out) / SCRATCH, ignore_errors=True)  # a link is refused, not removed: rmtree raises on it
+    shutil.rmtree(Path(out) / TRIALS, ignore_errors=True)  # a link is refused, not removed: rmtree raises on it
 
 
 def refuse_trials_name(out: str | Path) -> None:
     """A file or link under the trials folder's name is the user's, not a scratch folder: the trials
     wrote through a link (into the folder it names) and failed on both with every rank's traceback."""
-    from pipezero.planner.auto_trials import SCRATCH
-
-    path = Path(out) / SCRATCH
+    path = Path(out) / TRIALS
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         what = "a link" if path.is_symlink() else "a file"
-        raise ConfigError(f"--out {str(out)!r} holds {SCRATCH}, {what}, under the name --layout auto's trials take "
+        raise ConfigError(f"--out {str(out)!r} holds {TRIALS}, {what}, under the name --layout auto's trials take "
                           f"for their scratch folder: move it away (pipezero neither writes through nor removes it)")
 
 

@@ -6,7 +6,7 @@ model's order is a coin toss. Peers settle it by launching candidate jobs; here 
 group already exists, and one process group trains layout after layout (tests/training.py does),
 so the near-ties are measured where they will run. Which layouts, in what rounds, and which wins:
 planner/trial_rounds.py (at most `--layout-trials K`, auto_job.DEFAULT_TRIALS unless given). A trial
-trains the run's own data and seed in a scratch folder inside --out (`SCRATCH`, removed
+trains the run's own data and seed in a scratch folder inside --out (rundir.py `TRIALS`, removed
 afterwards, also on failure), saving, evaluating, sampling and logging nothing; every figure the
 ranks decide by is agreed by an all-reduce, so every rank picks alike. The real run then starts
 from step 0 as it would without trials.
@@ -27,8 +27,8 @@ from pipezero.planner.auto import LayoutChoice
 from pipezero.planner.trial_rounds import (MAX_ROUNDS, TRIAL_STEPS, Trial, budget_holds_two, candidates, combined,
                                            cut_line, figures, room_for_another, room_for_round, runoff, settled,
                                            skipped_line, trial_budget_s, trial_lines)
+from pipezero.rundir import TRIALS
 
-SCRATCH = ".layout-trials"  # inside --out: on the run's own disk, removed afterwards
 
 
 class TrialFailed(Exception):
@@ -64,7 +64,7 @@ def settle_by_trials(req: Any, choice: LayoutChoice, cfg: Any, names: dict[str, 
 
     rank, _ = init_distributed(cfg)  # with --costs no probe made the group: the trials' agreement needs it
     agreeing = agreement_group(req.world)
-    scratch = Path(req.base.run.out) / SCRATCH
+    scratch = Path(req.base.run.out) / TRIALS
     budget = trial_budget_s(max_steps, predicted)
     rounds: dict[int, list[Trial]] = {}  # position in `tried` -> its trial of each round it ran
     took: list[float] = []  # each trial's seconds, as every rank agreed them
