@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipezero.files import atomic_write_json  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "layout_auto"
 
 
@@ -89,7 +93,6 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--name", default="layout_auto")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from pipezero.config import ModelConfig
     from pipezero.models import apply_preset
 
@@ -145,9 +148,7 @@ def main() -> None:
           f" GiB, limit {choice['costs']['limit_gib']:.3g} GiB")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{args.name}.json"
-    part = path.with_suffix(".json.tmp")
-    part.write_text(json.dumps(result, indent=2))
-    part.replace(path)
+    atomic_write_json(path, result)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

@@ -15,7 +15,6 @@ Written: bench/results/probe_share/<name>.json (a temporary file renamed into pl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from cluster_overlap import run_toml  # noqa: E402
 from layout_auto import run_summary  # noqa: E402
+from pipezero.files import atomic_write_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "probe_share"
 
@@ -78,9 +78,7 @@ def main() -> None:
     print("median share of a 100-step run: " + ", ".join(f"{p} {s:.1%}" for p, s in summary.items()))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name}.json"
-    part = path.with_suffix(".json.tmp")
-    part.write_text(json.dumps({"args": vars(args), "runs": rows, "median_share": summary}, indent=2))
-    part.replace(path)
+    atomic_write_json(path, {"args": vars(args), "runs": rows, "median_share": summary})
     print(f"wrote {path.relative_to(ROOT)}")
 
 

@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from pipezero.files import atomic_write_json  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "trial_drift"
 # the 1 Gbit near-ties of bench/results/layout_auto_cluster/layout_auto_cluster_trials.json, whose
 # trials ranked them opposite to their own runs
@@ -127,9 +129,7 @@ def main() -> None:
     print(table(done, flags))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{args.name}.json"
-    part = path.with_suffix(".json.tmp")
-    part.write_text(json.dumps({"args": vars(args), "load": load, "runs": done}, indent=2))
-    part.replace(path)
+    atomic_write_json(path, {"args": vars(args), "load": load, "runs": done})
     print(f"wrote {path.relative_to(ROOT)}")
 
 
