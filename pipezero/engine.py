@@ -33,6 +33,7 @@ from pipezero.parallel.device import synchronizer, use_tf32
 from pipezero.parallel.process_group import init_distributed
 from pipezero.parallel.waits import all_reduced
 from pipezero.telemetry.memory_profile import PeakMeter
+from pipezero.rundir import run_of_trial
 from pipezero.runtime.watch import Watch, start_watch
 from pipezero.telemetry.metrics import MetricsLog, StepProgress
 from pipezero.telemetry.tensorboard import TensorBoardLog, require_tensorboard
@@ -155,7 +156,7 @@ class Trainer:
         return cls(cfg, stage, corpus, spec, frozen, result, start, read, trained, bad_in_a_row, eval_set,
                    int((held[1] != IGNORE).sum()), metrics, TensorBoardLog(out) if lead and r.tensorboard else None,
                    synchronizer(device) or (lambda: None), meter=meter,
-                   watch=start_watch(cfg, stage))
+                   watch=start_watch(cfg, stage, run_of_trial(out) if trial else None))
 
     @property
     def shows_progress(self) -> bool:

@@ -299,6 +299,14 @@ def _holds_a_run(out: str, names: list[str]) -> str:
 TRIALS = ".layout-trials"
 
 
+def run_of_trial(trial: Path) -> Path:
+    """The run folder a layout trial's folder (`OUT/TRIALS/<trial>`) belongs to: its ranks answer the
+    hang doctor there, where the launcher asks and `pipezero doctor OUT` reads."""
+    if trial.parent.name != TRIALS:
+        raise ValueError(f"{trial} is not a layout trial's folder (OUT/{TRIALS}/...)")
+    return trial.parent.parent
+
+
 def remove_trials(out: str | Path) -> None:
     """Remove `--layout auto`'s trials folder (`TRIALS`) where no rank can be
     using it: the job is over, or its folder's lock is held before any rank starts. A rank stopped by

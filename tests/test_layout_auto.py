@@ -719,3 +719,24 @@ def test_a_trial_that_leaves_the_group_unfit_ends_train_in_one_line(capsys, tmp_
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pipezero: error: --layout auto: the trial of --pp 1"), err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_trials_ranks_answer_the_hang_doctor_in_the_run_folder(text_dir, tmp_path, monkeypatch):
+    """SIGUSR1 to the launcher during the trials asks in RUN/doctor, and `pipezero doctor RUN` reads
+    there: a trial's ranks watch the run folder, not their scratch folder (where no one asked, so no
+    rank answered and the doctor found no record)."""
+    import pipezero.engine as engine
+    from pipezero.config import ScheduleKind as K
+    from pipezero.planner.auto_trials import time_steps
+    from pipezero.rundir import TRIALS, run_of_trial
+    from training import tiny_overrides
+
+    run = tmp_path / "run"
+    trial = run / TRIALS / "0-1"
+    trial.mkdir(parents=True)
+    watched, start = [], engine.start_watch
+    monkeypatch.setattr(engine, "start_watch", lambda cfg, stage, out=None: watched.append(out) or start(cfg, stage, out))
+    assert time_steps(build_config(None, tiny_overrides(str(text_dir), str(trial), 1, 1, K.ONE_F_ONE_B, 2))) > 0
+    assert watched == [run]
+    with pytest.raises(ValueError, match="not a layout trial's folder"):
+        run_of_trial(tmp_path / "elsewhere")

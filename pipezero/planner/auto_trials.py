@@ -126,7 +126,7 @@ def one_trial(req: Any, ranked: dict[str, Any], out: Path, names: dict[str, str]
     timeout, world = req.base.parallel.timeout_s, req.world
     step_s, how, failed, blame = 0.0, DONE, None, 0
     try:
-        out.mkdir(parents=True, exist_ok=True)  # the trial's own run folder (its flight records, were it to stall)
+        out.mkdir(parents=True, exist_ok=True)  # the trial's own folder (its ranks answer the doctor in the run's)
         step_s = time_steps(build_config(req.config, trial_settings(req, ranked, out), names))
     except Exception as e:  # noqa: BLE001 - said in one line and compared across ranks (below)
         # only facts of it are kept: its traceback holds the trial's stage, whose memory goes back below

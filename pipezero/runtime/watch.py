@@ -278,11 +278,13 @@ def plan_facts(cfg: Any, stage: Any) -> dict[str, Any]:
             "placement": p.placement.value, "model": stage.plan.model.to_json()}
 
 
-def start_watch(cfg: Any, stage: Any) -> Watch:
-    """The rank's watchdog, started; rank 0 also prints reports unless pipezero's launcher does."""
+def start_watch(cfg: Any, stage: Any, out: str | Path | None = None) -> Watch:
+    """The rank's watchdog, started; rank 0 also prints reports unless pipezero's launcher does.
+    `out`: the run folder whose doctor/ it answers (None: the run's --out; a layout trial's: the run's
+    it belongs to, where the launcher's SIGUSR1 asks and `pipezero doctor RUN` reads)."""
     from pipezero.rundir import HELD_BY_LAUNCHER, run_id
 
-    p, out = cfg.parallel, cfg.run.out
+    p, out = cfg.parallel, cfg.run.out if out is None else out
     stall = p.stall_report_s if p.stall_report_s is not None else p.timeout_s / 4
     lead = stage.mesh.rank == 0 and not os.environ.get(HELD_BY_LAUNCHER)
     return Watch(stage.executor.flight, out, stall, plan_facts(cfg, stage), run_id(out),
