@@ -171,6 +171,25 @@ def test_ctrl_c_while_torch_is_still_being_imported_is_the_interrupt_line(monkey
     assert capsys.readouterr().err.strip().splitlines() == [cli.INTERRUPTED]
 
 
+def test_a_lone_process_stopped_before_its_first_save_offers_no_resume(tmp_path, capsys):
+    """A lone `pipezero train` stopped by Ctrl-C or SIGTERM said --resume continues "from the newest
+    complete one" where it had saved none: what its claimed folder holds says which it is."""
+    from pipezero.cli import command_line as cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert cli.interrupted(KeyboardInterrupt(), True, str(run)) == 130
+    assert capsys.readouterr().err.strip() == f"pipezero: interrupted; no checkpoint was saved under {run}: run the " \
+                                              f"same command again"
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert cli.interrupted(cli.Terminated(), True, str(run)) == 143
+    assert "nothing resumes: train again from step 0 with --force" in capsys.readouterr().err
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    cli.interrupted(KeyboardInterrupt(), True, str(run))
+    assert capsys.readouterr().err.strip() == f"pipezero: interrupted; the newest complete checkpoint under {run} is " \
+                                              f"intact: continue with --resume"
+
+
 @pytest.mark.parametrize("command", ["verify", "export", "plan", "probe"])
 def test_ctrl_c_of_a_command_that_saves_no_checkpoint_offers_no_resume(command, monkeypatch, capsys):
     """Only train saves checkpoints and takes --resume: verify (which refuses --resume), export, plan

@@ -216,16 +216,21 @@ def _main(argv: Sequence[str] | None) -> int:
               f"holds at most {os.pathconf('/', 'PC_NAME_MAX')} bytes; give a shorter one", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM in a lone process (a --nproc launcher stops its job in job.py)
-        return interrupted(e, saves)
+        return interrupted(e, saves, getattr(args, "claimed", None))
     finally:
         if stream is not None:
             sys.stdout = stream
 
 
-def interrupted(e: KeyboardInterrupt, saves: bool = True) -> int:
+def interrupted(e: KeyboardInterrupt, saves: bool = True, out: str | None = None) -> int:
     """The stop line and the shell's status for a signal's death: 128 + the signal. The resume
-    advice only where the command `saves` checkpoints (train)."""
+    advice only where the command `saves` checkpoints (train); where the run's folder `out` is known
+    (claimed), what it holds says whether --resume has anything to continue from (job.py `stop_advice`)."""
     signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
     line = INTERRUPTED if signum == signal.SIGINT else TERMINATED.replace("SIGTERM", signal.Signals(signum).name)
+    if saves and out is not None:
+        from pipezero.job import stop_advice
+
+        line = f"{line.removesuffix(RESUME)}; {stop_advice(out)}"
     print(line if saves else line.removesuffix(RESUME), file=sys.stderr)
     return 128 + signum

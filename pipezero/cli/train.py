@@ -112,6 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return beside(cfg)
 
     with claim_here(cfg.run.out, cfg.run.resume, args.force, clashes) as held:
+        args.claimed = cfg.run.out  # a lone process stopped by a signal says what this folder then holds
         if launching:
             return launch_local(launch.nproc, with_device(args.argv, device.value), cfg.run.out,
                                 launch.max_restarts, {HELD_BY_LAUNCHER: "1"},
