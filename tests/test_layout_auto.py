@@ -295,6 +295,20 @@ def test_costs_measured_where_the_run_does_not_train_are_refused(capsys, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_costs_timed_at_another_sequence_length_are_said_once(capsys, tmp_path):
+    """A probe of 64-token blocks prices a 128-token run's compute at a rate measured at another
+    shape: said in one warning line before the choice (not refused: its figures still rank layouts)."""
+    probe = tmp_path / "costs.json"
+    probe.write_text(json.dumps(fake_probe(1.0, 1.0).to_json()))  # 64 tokens
+    base = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--costs", str(probe),
+            "--host-memory", "0.001", "--out", str(tmp_path / "run")]  # refused after the choice: nothing trains
+    code, err = run_main([*base, "--seq-len", "128"], capsys)
+    warned = [line for line in err.splitlines() if "timed blocks of 64 tokens" in line]
+    assert code == 2 and len(warned) == 1 and "probe with --seq-len 128" in warned[0], err
+    code, err = run_main([*base, "--seq-len", "64"], capsys)
+    assert code == 2 and "timed blocks" not in err, err
+
+
 def test_a_global_batch_past_trains_token_limit_is_named_not_blamed_on_the_world_size(capsys, tmp_path):
     argv = ["train", "--preset", "tiny", "--layout", "auto", "--out", str(tmp_path / "run"),
             "--global-batch", "100000000000"]
@@ -713,7 +727,7 @@ def test_a_trial_that_leaves_the_group_unfit_ends_train_in_one_line(capsys, tmp_
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(fake_probe(1.0, 1.0).to_json()))
     argv = ["train", "--preset", "tiny", "--layout", "auto", "--device", "cpu", "--costs", str(costs),
-            "--out", str(tmp_path / "run")]
+            "--seq-len", "64", "--out", str(tmp_path / "run")]  # the probe's length: no warning beside the line
     code, err = run_main(argv, capsys)
     assert code == 1 and "Traceback" not in err, err
     lines = err.strip().splitlines()

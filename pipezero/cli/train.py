@@ -57,6 +57,13 @@ def auto_settings(args: argparse.Namespace, settings: dict[str, Any], names: dic
     from pipezero.planner.auto_job import provisional, request, settings_of
 
     req = request(args.config, settings, names, nproc, args.global_batch, args.costs, ranks, args.layout_trials)
+    if req.costs is not None:
+        from pipezero.planner.auto_refusals import shape_note
+        from pipezero.rundir import HELD_BY_LAUNCHER
+
+        once = os.environ.get("RANK", "0") == "0" and not os.environ.get(HELD_BY_LAUNCHER)  # the launcher, or rank 0
+        if once and (note := shape_note(args.costs, req.costs, req.base)):
+            print(f"pipezero: warning: {note}", file=sys.stderr, flush=True)
     first = provisional(req)
     return settings_of(req, first), req, first
 

@@ -51,3 +51,13 @@ def check_measured_here(path: str, probe: Any, base: TrainConfig, cuda: bool) ->
         raise ConfigError(f"--costs {path} was measured in {probe.dtype}, and the run trains in "
                           f"{base.run.dtype.value}: probe with --dtype {base.run.dtype.value}, or train with --dtype "
                           f"{probe.dtype}")
+
+
+def shape_note(path: str, probe: Any, base: TrainConfig) -> str | None:
+    """A probe timed at another sequence length than the run's: its compute rate (a block's FLOPs
+    over its time) moves with the shape (attention grows with the square of the length), so the
+    choice may price compute the run never sees; said, not refused (the figures still rank layouts)."""
+    if probe.seq_len == base.data.seq_len:
+        return None
+    return (f"--costs {path} timed blocks of {probe.seq_len} tokens, and this run's are {base.data.seq_len}: its "
+            f"compute rate may not hold at this length; probe with --seq-len {base.data.seq_len} for figures of this run")
