@@ -299,7 +299,7 @@ def test_only_named_readers_wait_outside_the_programs_for_the_gathers_a_program_
     (--overlap-gather) are waited for by the next program's WAITs; a checkpoint between them may wait
     first (its waits head the next record, named), and the WAITs then find them landed. A WAIT that
     finds a carried gather landed with no named reader before it, or a wait outside the programs by
-    anyone else, departs."""
+    anyone else, or by a reader that cannot stand at that boundary, departs."""
     from pipezero.config import GradReduce
     from pipezero.schedules.bucket_plan import uniform_plan
     from pipezero.schedules.lowering import lower
@@ -324,3 +324,10 @@ def test_only_named_readers_wait_outside_the_programs_for_the_gathers_a_program_
         "before the program: wait UNSHARD(0.0) by summary outside every program")
     assert departure(read + played, want, frozenset())[0].startswith("before the program: wait UNSHARD(0.0) by "
                                                                     "checkpoint")
+    # a named reader only where it may stand: a snapshot's gathers (gather_all) come after every
+    # program, so a program headed by them (a gather_all back before the evaluation) departs
+    snapshot = [("wait", n, "outside: snapshot") for n in sorted(carried)]
+    assert departure(snapshot + played, want, carried)[0] == ""  # any named reader, with no boundary given
+    assert departure(snapshot + played, want, carried, ("checkpoint", "memory profile"))[0] == \
+        "before the program: wait UNSHARD(0.0) by snapshot outside every program (only checkpoint, memory profile " \
+        "wait there, for gathers a program left in flight)"

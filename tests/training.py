@@ -197,11 +197,18 @@ def record_departure(seen: dict) -> str:
         return ""
     carried: frozenset[str] = frozenset()
     counts = {"step": 0, "evaluation": 0, "sample": 0}
-    for what, record, program, applied in seen.get("records", []):
+    records = seen.get("records", [])
+    last_step = max((n for n, r in enumerate(records) if r[0] == "step"), default=-1)
+    for n, (what, record, program, applied) in enumerate(records):
         counts[what] += 1
         where = f"{what} {counts[what]}"
         want = expected(program, stage.plan.buckets, applied)
-        problem, carried = departure([(p.event.value, p.name, p.place, p.idle) for p in record], want, carried)
+        # who may wait outside the programs just before this one: a checkpoint or the memory profile
+        # after a step, the end of the run only once the steps are over (a snapshot's gathers and a
+        # trial's end come after every record)
+        readers = ("checkpoint", "memory profile", *(("end of run",) if n > last_step else ()))
+        problem, carried = departure([(p.event.value, p.name, p.place, p.idle) for p in record], want, carried,
+                                     readers)
         if problem:
             return f"{where}: {problem}; played {[(p.event.value, p.name) for p in record]}"
         own = [p for p in record if not p.place.startswith("outside")]  # outside readers': the step before's

@@ -178,25 +178,26 @@ def placed(instrs: Sequence[object]) -> list[tuple[object, str]]:
     return out
 
 
-def departure(record: Sequence[tuple], want: Sequence[Played],
-              carried: frozenset[str] = frozenset()) -> tuple[str, frozenset[str]]:
+def departure(record: Sequence[tuple], want: Sequence[Played], carried: frozenset[str] = frozenset(),
+              readers: Sequence[str] = OUTSIDE_READERS) -> tuple[str, frozenset[str]]:
     """Where `record` ((event, name), (event, name, place) or (event, name, place, idle) tuples, as
     played) departs from `want` (`expected`), "" where it does not; and the gathers it leaves in
     flight (ZeRO-1/2's updated weights under --overlap-gather), to pass as `carried` to the next
     record, which must wait for each. Every event in order; a wait of a reduction or a gather at its
     place too (where the record gives one): a wait the runtime adds, even between the same events, is
     a departure. The record may begin with waits for carried gathers by a reader outside the programs
-    (OUTSIDE_READERS: a checkpoint, say); a carried gather the program's WAIT found landed without
-    one (idle) was waited for by something the program does not say."""
+    (OUTSIDE_READERS: a checkpoint, say; `readers`: those that may stand at this record's boundary);
+    a carried gather the program's WAIT found landed without one (idle) was waited for by something
+    the program does not say."""
     flying: set[str] = set()
     waited: set[str] = set()
     outside: set[str] = set()
     while record and len(record[0]) > 2 and str(record[0][2]).startswith("outside"):
         event, name, place = record[0][:3]
         reader = place.partition(":")[2].strip()
-        if event != "wait" or reader not in OUTSIDE_READERS or name not in carried:
+        if event != "wait" or reader not in readers or name not in carried:
             return (f"before the program: {event} {name} by {reader or 'no named reader'} outside every program "
-                    f"(only {', '.join(OUTSIDE_READERS)} wait there, for gathers a program left in flight)"), frozenset()
+                    f"(only {', '.join(readers)} wait there, for gathers a program left in flight)"), frozenset()
         outside.add(name)
         record = record[1:]
     for n, played in enumerate(record):
