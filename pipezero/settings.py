@@ -414,10 +414,19 @@ def check_step_size(cfg: TrainConfig) -> None:
            f"micro-batches a step; the limit is {limits.TRAIN_PLAY_LIMIT} (every rank builds and proves the step's "
            f"schedule as it starts, minutes past that): fewer --microbatches, each of a larger --micro-batch-size")
     tokens = cfg.global_batch * seq
-    _check(tokens <= limits.BATCH_TOKENS,
-           f"--microbatches {p.microbatches} x --micro-batch-size {p.micro_batch_size} x --dp {p.dp} = "
-           f"{cfg.global_batch} sequences of --seq-len {seq} = {tokens} tokens a step; the limit is "
-           f"{limits.BATCH_TOKENS} (every rank holds the step's batch in memory): a smaller global batch")
+    if tokens > limits.BATCH_TOKENS:
+        raise BatchTooLarge(p.micro_batch_size * seq, f"--microbatches {p.microbatches} x --micro-batch-size {p.micro_batch_size} x --dp {p.dp} = "
+                            f"{cfg.global_batch} sequences of --seq-len {seq} = {tokens} tokens a step; the limit is "
+                            f"{limits.BATCH_TOKENS} (every rank holds the step's batch in memory): a smaller global batch")
+
+
+class BatchTooLarge(ConfigError):
+    """A step's batch past what a rank holds: said in train's flags; a command that reads one
+    micro-batch (probe) says it in its own, from `micro_batch_tokens`."""
+
+    def __init__(self, micro_batch_tokens: int, message: str) -> None:
+        super().__init__(message)
+        self.micro_batch_tokens = micro_batch_tokens
 
 
 def check_model_files(folder: Path) -> None:

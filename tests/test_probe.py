@@ -194,6 +194,18 @@ def test_a_probe_too_big_for_this_machine_is_refused_before_it_allocates(tmp_pat
                     "more than this machine's")
 
 
+@pytest.mark.parametrize("size, needle", [
+    ("100000000", "--micro-batch-size x --seq-len = 12800000000 tokens in the one micro-batch the probe times"),
+    ("1000000", "more than this machine's"),  # one micro-batch within the limit, four past it: M is not probe's
+])
+def test_a_probe_past_the_batch_limit_names_its_own_flags(size, needle, capsys):
+    """The probe times one micro-batch: train's step limit blamed --microbatches and --dp, which
+    probe does not have (and the default four micro-batches refused one micro-batch within it)."""
+    code, err = run_main(["probe", "--preset", "tiny", "--seq-len", "128", "--micro-batch-size", size], capsys)
+    assert_one_line(code, err, needle)
+    assert "--microbatches" not in err and "--dp" not in err
+
+
 def test_a_rate_the_fixed_cost_hides_is_not_written():
     """Where the block at the run's micro-batch takes no longer than three actions' fixed cost, the
     FLOP rate cannot be told apart from it (it came out as FLOPs over 1e-9 s)."""

@@ -34,7 +34,7 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
 
     from pipezero.parallel.device import device_kind, rank_device
     from pipezero.probe import ProbeError, probe
-    from pipezero.settings import build_config
+    from pipezero.settings import BatchTooLarge, build_config
     from pipezero.files import atomic_write_json
 
     if not BUDGET[0] <= args.budget <= BUDGET[1]:
@@ -49,7 +49,17 @@ def cmd_probe(args: argparse.Namespace, values: dict[str, Any], names: dict[str,
         raise ConfigError(f"--json {args.json_out!r}: {folder} is not a folder; name a file in one")
     if args.json_out is not None and (folder := existing_parent(Path(args.json_out))) is not None:
         check_writable(args.json_out, folder)
-    cfg = build_config(args.config, values, names)
+    try:
+        cfg = build_config(args.config, values, names)
+    except BatchTooLarge as e:
+        from pipezero.schedules.limits import BATCH_TOKENS
+
+        if e.micro_batch_tokens <= BATCH_TOKENS:  # the layout's M micro-batches, which the probe does not read
+            cfg = build_config(args.config, {**values, "parallel.microbatches": 1}, names)
+        else:
+            raise ConfigError(f"--micro-batch-size x --seq-len = {e.micro_batch_tokens} tokens in the one micro-batch "
+                              f"the probe times, past the {BATCH_TOKENS} a rank holds: probe at a smaller "
+                              f"--micro-batch-size or --seq-len") from None
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
     device = rank_device(device_kind(cfg.run.device))
     check_block_fits(cfg, device)
