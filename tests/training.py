@@ -74,6 +74,7 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
     run is also held to its program: what each step played of ZeRO's collectives is what the
     compiled program says (`record_departure`), and leaves no process group or thread of its own
     behind (`left_behind`), so every layout test checks that too."""
+    hold_every_run()  # a run that departs from its program raises from `train`, naming its case's folder
     from pipezero.engine import train
 
     seen = watch_program()
@@ -83,7 +84,7 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
         seen.clear()
         before = run_resources()
         res = train(cfg, snapshot=True)
-        if problem := record_departure(seen) or left_behind(before, run_resources()):
+        if problem := left_behind(before, run_resources()):
             raise AssertionError(f"rank {rank}, {case}: {problem}")
         started = seen.get("started", [])
         results.append({"case": case, "losses": res.losses, "grad_norms": res.grad_norms, "params": res.params,
@@ -99,19 +100,19 @@ def train_cases(rank: int, world: int, data: str, out: str, cases: list[dict]) -
 def hold_every_run() -> None:
     """From now on in this rank process, every `pipezero.engine.train` that returns is held to its
     program (`record_departure`) and fails with the first departure: a test that trains through
-    `train` or the command line (both call it) is checked as `train_cases` checks its runs."""
+    `train` or the command line (both call it), `train_cases` among them, is checked once a run."""
     import pipezero.engine as engine
 
     if getattr(engine.train, "held", False):
         return
     train = engine.train
 
-    def held(*args, **kwargs):
+    def held(cfg, *args, **kwargs):
         seen = watch_program()
         seen.clear()
-        res = train(*args, **kwargs)
+        res = train(cfg, *args, **kwargs)
         if problem := record_departure(seen):
-            raise AssertionError(f"a run departed from its program: {problem}")
+            raise AssertionError(f"the run in {cfg.run.out} departed from its program: {problem}")
         return res
 
     held.held = True  # type: ignore[attr-defined]
