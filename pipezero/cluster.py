@@ -301,17 +301,17 @@ def remove_stale() -> list[str]:
     `kill -9` runs no `finally`), and return their names: left there, they pile up, and a later
     cluster whose pid ends alike fails to build on a name taken. A cluster whose builder may still
     run, or whose namespaces still hold a process, is left alone."""
-    names = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    shown = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = [line.split(":")[1].strip().split("@")[0] for line in names.splitlines() if line.count(":") >= 2]
+    links = [line.split(":")[1].strip().split("@")[0] for line in shown.splitlines() if line.count(":") >= 2]
     namespaces = [line.split()[0] for line in spaces.splitlines() if line.strip()]
-    found = [(n, True) for n in links if TAGGED.fullmatch(n)] + [(n, False) for n in namespaces if TAGGED.fullmatch(n)]
-    tags = {int(TAGGED.fullmatch(n)[1]) for n, _ in found}  # type: ignore[index]
-    busy = {int(TAGGED.fullmatch(n)[1]) for n, link in found if not link and _holds_processes(n)}  # type: ignore[index]
-    stale = {t for t in tags - busy if not _owner_lives(t)}
+    found = [(m[0], link, int(m[1])) for names, link in ((links, True), (namespaces, False)) for n in names
+             if (m := TAGGED.fullmatch(n))]  # (name, a link or a namespace, its cluster's tag)
+    busy = {tag for name, link, tag in found if not link and _holds_processes(name)}
+    stale = {tag for tag in {t for _, _, t in found} - busy if not _owner_lives(tag)}
     removed = []
-    for name, link in sorted(found, key=lambda f: not f[1]):  # links first: a veth pair goes with its host end
-        if int(TAGGED.fullmatch(name)[1]) in stale:  # type: ignore[index]
+    for name, link, tag in sorted(found, key=lambda f: not f[1]):  # links first: a veth pair goes with its host end
+        if tag in stale:
             done = subprocess.run(["ip", "link", "del", name] if link else ["ip", "netns", "del", name],
                                   capture_output=True, text=True)
             if done.returncode == 0:

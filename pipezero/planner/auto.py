@@ -143,7 +143,7 @@ def never_weighed(every: list[Any], wanted: dict[str, Any]) -> str:
         seen = {constrained(e.layout)[key] for e in every}
         if value not in seen:
             flag = "--" + key.split(".")[1].replace("_", "-")
-            words = sorted(str(getattr(v, "value", v)) for v in seen)
+            words = (str(getattr(v, "value", v)) for v in seen)
             shown = ", ".join(sorted(words, key=lambda w: w.zfill(8)))  # numbers in their order, names alphabetically
             yourself = ("" if key in ("parallel.pp", "parallel.dp")  # a pp x dp not the world's runs nowhere
                         else ", or give the layout yourself (without --layout auto)")
