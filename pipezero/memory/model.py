@@ -77,14 +77,14 @@ from pipezero.models.presets import decoder_shapes, ffn_dim, layer_costs, layer_
 from pipezero.parallel.partition import cut_bounds
 from pipezero.schedules.actions import Op
 from pipezero.schedules.bucket_plan import BucketPlan
-from pipezero.schedules.compile import compile_plan
+from pipezero.schedules.compile import compile_plan, wires_of
 from pipezero.schedules.forward_only import lower_evaluation
 from pipezero.schedules.model_shapes import ModelShapes
 from pipezero.schedules.program import (ActivationCopy, Compute, DataParallel, Kind, OptimStep, PointToPoint, Program,
                                        in_flight_of)
 from pipezero.schedules.zero_rules import RULES
 from pipezero.schedules.limits import FIT_MARGIN
-from pipezero.schedules.wire import CODE_BITS, FP32, WireFormat
+from pipezero.schedules.wire import FP32, WireFormat
 from pipezero.memory.offload import host_bytes
 from pipezero.planner.prefetch import Choice, run_choice
 from pipezero.memory.quantized import decoded, gather_flight, reduction_flight, reduction_wait
@@ -313,8 +313,8 @@ def build_plan(cfg: TrainConfig, cuda: bool | None = None, pp_ranks: tuple[int, 
     # the prompt ("def ", four tokens or fewer) and every sampled token but the last, cut to the window
     sample = min(len(SAMPLE_PROMPT) + r.sample_tokens - 1, m.max_seq_len or cfg.data.seq_len) \
         if r.sample_tokens and p.pp == 1 else 0
-    grad_q, weight_q = (WireFormat(q.value, p.quant_block) if q.value in CODE_BITS and p.dp > 1 else None
-                        for q in (p.quantize_grads, p.quantize_weights))
+    sent = wires_of(p, cfg.run.dtype is DType.BF16)  # messages only between replicas (D > 1)
+    grad_q, weight_q = (w if w.quantized and p.dp > 1 else None for w in (sent.grads, sent.gathers))
     secondary = (p.ranks_per_node or 2) if p.secondary_shard.value != "none" and p.dp > 1 else 0
     return MemoryPlan(program, p.dp, buckets, per_chunk, tuple(bounds), shapes, p.recompute, layerwise,
                       in_flight_of(program), cfg.global_batch * row, wire, not cuda, r.eval_batches * p.microbatches,
